@@ -1,0 +1,364 @@
+//! Encodings of [`TopkResponse`] and [`TopkRequest`].
+//!
+//! - JSON (`application/json`): nested arrays, `topk_ids` as `[[u32; k]; rows]`.
+//! - MessagePack (`application/msgpack`): every numeric array is a little-endian binary blob
+//!   (`bin`), with its shape alongside. At k = 64 this costs ≈ 8.1 bytes per (position, k) entry.
+
+use crate::protocol::{SequenceScores, TopkRequest, TopkResponse, ValuesKind};
+use serde::{Deserialize, Serialize};
+
+pub const JSON: &str = "application/json";
+pub const MSGPACK: &str = "application/msgpack";
+
+#[derive(Debug, thiserror::Error)]
+pub enum CodecError {
+    #[error("invalid JSON: {0}")]
+    Json(#[from] serde_json::Error),
+    #[error("invalid MessagePack: {0}")]
+    MsgpackDecode(#[from] rmp_serde::decode::Error),
+    #[error("MessagePack encoding failed: {0}")]
+    MsgpackEncode(#[from] rmp_serde::encode::Error),
+    #[error("malformed response: {0}")]
+    Shape(String),
+}
+
+/// Wire format chosen by content negotiation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    Json,
+    Msgpack,
+}
+
+impl Format {
+    pub fn content_type(self) -> &'static str {
+        match self {
+            Format::Json => JSON,
+            Format::Msgpack => MSGPACK,
+        }
+    }
+    /// Format of a body from its `Content-Type` (JSON when absent or unknown).
+    pub fn from_content_type(ct: Option<&str>) -> Format {
+        match ct {
+            Some(ct) if is_msgpack(ct) => Format::Msgpack,
+            _ => Format::Json,
+        }
+    }
+    /// Preferred response format from an `Accept` header: msgpack only when asked for.
+    pub fn from_accept(accept: Option<&str>) -> Format {
+        match accept {
+            Some(a) if a.split(',').any(is_msgpack) => Format::Msgpack,
+            _ => Format::Json,
+        }
+    }
+}
+
+fn is_msgpack(mime: &str) -> bool {
+    let m = mime.split(';').next().unwrap_or("").trim();
+    m.eq_ignore_ascii_case(MSGPACK) || m.eq_ignore_ascii_case("application/x-msgpack")
+}
+
+// ---- requests -------------------------------------------------------------------------------
+
+pub fn decode_request(format: Format, body: &[u8]) -> Result<TopkRequest, CodecError> {
+    Ok(match format {
+        Format::Json => serde_json::from_slice(body)?,
+        Format::Msgpack => rmp_serde::from_slice(body)?,
+    })
+}
+
+pub fn encode_request(format: Format, req: &TopkRequest) -> Result<Vec<u8>, CodecError> {
+    Ok(match format {
+        Format::Json => serde_json::to_vec(req)?,
+        Format::Msgpack => rmp_serde::to_vec_named(req)?,
+    })
+}
+
+// ---- responses: JSON ------------------------------------------------------------------------
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct JsonResponse {
+    k: usize,
+    values: ValuesKind,
+    temperature: f32,
+    model: String,
+    results: Vec<JsonSequence>,
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct JsonSequence {
+    topk_ids: Vec<Vec<u32>>,
+    topk_values: Vec<Vec<f32>>,
+    target_logprobs: Vec<f32>,
+    logsumexp: Vec<f32>,
+}
+
+fn rows_of<T: Copy>(flat: &[T], k: usize) -> Vec<Vec<T>> {
+    if k == 0 {
+        return Vec::new();
+    }
+    flat.chunks(k).map(|c| c.to_vec()).collect()
+}
+
+fn flatten<T: Copy>(rows: Vec<Vec<T>>, k: usize) -> Result<Vec<T>, CodecError> {
+    let mut out = Vec::with_capacity(rows.len() * k);
+    for r in rows {
+        if r.len() != k {
+            return Err(CodecError::Shape(format!(
+                "row of length {} where k = {k}",
+                r.len()
+            )));
+        }
+        out.extend_from_slice(&r);
+    }
+    Ok(out)
+}
+
+// ---- responses: MessagePack -----------------------------------------------------------------
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PackResponse {
+    k: usize,
+    values: ValuesKind,
+    temperature: f32,
+    model: String,
+    results: Vec<PackSequence>,
+}
+
+/// One sequence with its arrays as little-endian blobs; `shape` is `[rows, k]`.
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PackSequence {
+    shape: [usize; 2],
+    #[serde(with = "serde_bytes")]
+    topk_ids: Vec<u8>,
+    #[serde(with = "serde_bytes")]
+    topk_values: Vec<u8>,
+    #[serde(with = "serde_bytes")]
+    target_logprobs: Vec<u8>,
+    #[serde(with = "serde_bytes")]
+    logsumexp: Vec<u8>,
+}
+
+fn le_u32(v: &[u32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+fn le_f32(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+fn from_le<T>(b: &[u8], n: usize, name: &str, f: fn([u8; 4]) -> T) -> Result<Vec<T>, CodecError> {
+    if b.len() != 4 * n {
+        return Err(CodecError::Shape(format!(
+            "{name}: {} bytes where {n} 4-byte values were expected",
+            b.len()
+        )));
+    }
+    Ok(b.chunks_exact(4)
+        .map(|c| f([c[0], c[1], c[2], c[3]]))
+        .collect())
+}
+
+pub fn encode_response(format: Format, resp: &TopkResponse) -> Result<Vec<u8>, CodecError> {
+    match format {
+        Format::Json => {
+            let r = JsonResponse {
+                k: resp.k,
+                values: resp.values,
+                temperature: resp.temperature,
+                model: resp.model.clone(),
+                results: resp
+                    .results
+                    .iter()
+                    .map(|s| JsonSequence {
+                        topk_ids: rows_of(&s.topk_ids, s.k),
+                        topk_values: rows_of(&s.topk_values, s.k),
+                        target_logprobs: s.target_logprobs.clone(),
+                        logsumexp: s.logsumexp.clone(),
+                    })
+                    .collect(),
+            };
+            Ok(serde_json::to_vec(&r)?)
+        }
+        Format::Msgpack => {
+            let r = PackResponse {
+                k: resp.k,
+                values: resp.values,
+                temperature: resp.temperature,
+                model: resp.model.clone(),
+                results: resp
+                    .results
+                    .iter()
+                    .map(|s| PackSequence {
+                        shape: [s.rows, s.k],
+                        topk_ids: le_u32(&s.topk_ids),
+                        topk_values: le_f32(&s.topk_values),
+                        target_logprobs: le_f32(&s.target_logprobs),
+                        logsumexp: le_f32(&s.logsumexp),
+                    })
+                    .collect(),
+            };
+            Ok(rmp_serde::to_vec_named(&r)?)
+        }
+    }
+}
+
+pub fn decode_response(format: Format, body: &[u8]) -> Result<TopkResponse, CodecError> {
+    match format {
+        Format::Json => {
+            let r: JsonResponse = serde_json::from_slice(body)?;
+            let k = r.k;
+            let results = r
+                .results
+                .into_iter()
+                .map(|s| {
+                    let rows = s.topk_ids.len();
+                    // serde_json writes non-finite floats as null; they cannot occur in top-k
+                    // values of a finite model, so a null is a malformed answer.
+                    let seq = SequenceScores {
+                        rows,
+                        k,
+                        topk_ids: flatten(s.topk_ids, k)?,
+                        topk_values: flatten(s.topk_values, k)?,
+                        target_logprobs: s.target_logprobs,
+                        logsumexp: s.logsumexp,
+                    };
+                    seq.check_shapes().map_err(CodecError::Shape)?;
+                    Ok(seq)
+                })
+                .collect::<Result<Vec<_>, CodecError>>()?;
+            Ok(TopkResponse {
+                k,
+                values: r.values,
+                temperature: r.temperature,
+                model: r.model,
+                results,
+            })
+        }
+        Format::Msgpack => {
+            let r: PackResponse = rmp_serde::from_slice(body)?;
+            let results = r
+                .results
+                .into_iter()
+                .map(|s| {
+                    let [rows, k] = s.shape;
+                    let seq = SequenceScores {
+                        rows,
+                        k,
+                        topk_ids: from_le(&s.topk_ids, rows * k, "topk_ids", u32::from_le_bytes)?,
+                        topk_values: from_le(
+                            &s.topk_values,
+                            rows * k,
+                            "topk_values",
+                            f32::from_le_bytes,
+                        )?,
+                        target_logprobs: from_le(
+                            &s.target_logprobs,
+                            rows,
+                            "target_logprobs",
+                            f32::from_le_bytes,
+                        )?,
+                        logsumexp: from_le(&s.logsumexp, rows, "logsumexp", f32::from_le_bytes)?,
+                    };
+                    Ok(seq)
+                })
+                .collect::<Result<Vec<_>, CodecError>>()?;
+            Ok(TopkResponse {
+                k: r.k,
+                values: r.values,
+                temperature: r.temperature,
+                model: r.model,
+                results,
+            })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> TopkResponse {
+        TopkResponse {
+            k: 2,
+            values: ValuesKind::Logprobs,
+            temperature: 0.7,
+            model: "abc".into(),
+            results: vec![
+                SequenceScores {
+                    rows: 2,
+                    k: 2,
+                    topk_ids: vec![5, 1, 7, 3],
+                    topk_values: vec![-0.1, -2.5, -0.3, -1.25],
+                    target_logprobs: vec![-2.5, -9.0],
+                    logsumexp: vec![3.5, 1.0],
+                },
+                SequenceScores {
+                    rows: 0,
+                    k: 2,
+                    ..Default::default()
+                },
+            ],
+        }
+    }
+
+    #[test]
+    fn both_formats_round_trip() {
+        for f in [Format::Json, Format::Msgpack] {
+            let bytes = encode_response(f, &sample()).unwrap();
+            assert_eq!(decode_response(f, &bytes).unwrap(), sample(), "{f:?}");
+        }
+    }
+
+    #[test]
+    fn msgpack_blobs_are_little_endian() {
+        let bytes = encode_response(Format::Msgpack, &sample()).unwrap();
+        let needle: Vec<u8> = [5u32, 1, 7, 3]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        assert!(bytes.windows(needle.len()).any(|w| w == needle.as_slice()));
+    }
+
+    #[test]
+    fn truncated_blob_is_an_error() {
+        let mut resp = sample();
+        resp.results[0].topk_ids.pop();
+        resp.results[0].rows = 2;
+        let bytes = encode_response(Format::Msgpack, &resp).unwrap();
+        assert!(matches!(
+            decode_response(Format::Msgpack, &bytes),
+            Err(CodecError::Shape(_))
+        ));
+    }
+
+    #[test]
+    fn request_rejects_unknown_fields() {
+        let err = decode_request(Format::Json, br#"{"sequences":[[1,2]],"k":2,"bogus":1}"#);
+        assert!(err.is_err());
+        let ok = decode_request(Format::Json, br#"{"sequences":[[1,2]],"k":2}"#).unwrap();
+        assert_eq!(ok.temperature, 1.0);
+        assert_eq!(ok.values, ValuesKind::Logprobs);
+        let packed = encode_request(Format::Msgpack, &ok).unwrap();
+        assert_eq!(decode_request(Format::Msgpack, &packed).unwrap(), ok);
+    }
+
+    #[test]
+    fn negotiation() {
+        assert_eq!(
+            Format::from_accept(Some("application/msgpack")),
+            Format::Msgpack
+        );
+        assert_eq!(
+            Format::from_accept(Some("text/html, application/msgpack;q=0.9")),
+            Format::Msgpack
+        );
+        assert_eq!(Format::from_accept(Some("*/*")), Format::Json);
+        assert_eq!(Format::from_accept(None), Format::Json);
+        assert_eq!(
+            Format::from_content_type(Some("application/msgpack")),
+            Format::Msgpack
+        );
+    }
+}

@@ -1,0 +1,445 @@
+//! Hugging Face model directories: `config.json`, safetensors (single or sharded) and
+//! `tokenizer.json`, for the Llama family (Llama, Qwen2, Qwen3).
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::collections::BTreeSet;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, thiserror::Error)]
+pub enum HfError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}: invalid JSON: {source}")]
+    Json {
+        path: PathBuf,
+        source: serde_json::Error,
+    },
+    #[error("{0}: no model.safetensors or model.safetensors.index.json")]
+    NoWeights(PathBuf),
+    #[error("{0}: no tokenizer.json")]
+    NoTokenizer(PathBuf),
+    #[error("unsupported model_type {0:?} (supported: qwen3, qwen2, llama)")]
+    UnsupportedArch(String),
+    #[error("invalid config: {0}")]
+    InvalidConfig(String),
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> HfError + '_ {
+    move |source| HfError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// The decoder families we implement; they differ only in attention biases and q/k norms.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Arch {
+    Qwen3,
+    Qwen2,
+    Llama,
+}
+
+impl Arch {
+    pub fn parse(s: &str) -> Result<Arch, HfError> {
+        match s {
+            "qwen3" => Ok(Arch::Qwen3),
+            "qwen2" => Ok(Arch::Qwen2),
+            "llama" => Ok(Arch::Llama),
+            other => Err(HfError::UnsupportedArch(other.to_string())),
+        }
+    }
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Arch::Qwen3 => "qwen3",
+            Arch::Qwen2 => "qwen2",
+            Arch::Llama => "llama",
+        }
+    }
+    /// The `architectures[0]` transformers expects.
+    pub fn hf_class(self) -> &'static str {
+        match self {
+            Arch::Qwen3 => "Qwen3ForCausalLM",
+            Arch::Qwen2 => "Qwen2ForCausalLM",
+            Arch::Llama => "LlamaForCausalLM",
+        }
+    }
+}
+
+/// Llama 3 style RoPE frequency scaling (`rope_scaling.rope_type == "llama3"`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RopeScaling {
+    #[serde(alias = "type")]
+    pub rope_type: String,
+    #[serde(default)]
+    pub factor: f64,
+    #[serde(default)]
+    pub low_freq_factor: f64,
+    #[serde(default)]
+    pub high_freq_factor: f64,
+    #[serde(default)]
+    pub original_max_position_embeddings: usize,
+}
+
+/// The fields of `config.json` the decoder needs; unknown fields are ignored.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelConfig {
+    pub model_type: String,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    #[serde(default)]
+    pub num_key_value_heads: Option<usize>,
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    #[serde(default = "default_max_pos")]
+    pub max_position_embeddings: usize,
+    #[serde(default = "default_eps")]
+    pub rms_norm_eps: f64,
+    #[serde(default = "default_theta")]
+    pub rope_theta: f64,
+    #[serde(default)]
+    pub rope_scaling: Option<RopeScaling>,
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    /// Llama: bias on q/k/v/o. Qwen2 always has q/k/v bias (and no o bias).
+    #[serde(default)]
+    pub attention_bias: bool,
+    #[serde(default)]
+    pub hidden_act: Option<String>,
+    #[serde(default)]
+    pub bos_token_id: Option<serde_json::Value>,
+    #[serde(default)]
+    pub eos_token_id: Option<serde_json::Value>,
+}
+
+fn default_max_pos() -> usize {
+    4096
+}
+fn default_eps() -> f64 {
+    1e-6
+}
+fn default_theta() -> f64 {
+    10_000.0
+}
+
+impl ModelConfig {
+    pub fn arch(&self) -> Result<Arch, HfError> {
+        Arch::parse(&self.model_type)
+    }
+    pub fn kv_heads(&self) -> usize {
+        self.num_key_value_heads.unwrap_or(self.num_attention_heads)
+    }
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
+    }
+    /// EOS ids (`eos_token_id` may be a number or a list).
+    pub fn eos_ids(&self) -> Vec<u32> {
+        ids_of(self.eos_token_id.as_ref())
+    }
+    pub fn bos_id(&self) -> Option<u32> {
+        ids_of(self.bos_token_id.as_ref()).first().copied()
+    }
+    /// Checks the invariants the decoder relies on.
+    pub fn validate(&self) -> Result<(), HfError> {
+        self.arch()?;
+        let bad = |m: String| Err(HfError::InvalidConfig(m));
+        if self.vocab_size == 0 || self.hidden_size == 0 || self.num_hidden_layers == 0 {
+            return bad("vocab_size, hidden_size and num_hidden_layers must be positive".into());
+        }
+        if self.num_attention_heads == 0 || self.kv_heads() == 0 {
+            return bad("attention heads must be positive".into());
+        }
+        if self.num_attention_heads % self.kv_heads() != 0 {
+            return bad(format!(
+                "num_attention_heads ({}) must be a multiple of num_key_value_heads ({})",
+                self.num_attention_heads,
+                self.kv_heads()
+            ));
+        }
+        if self.head_dim() % 2 != 0 {
+            return bad(format!(
+                "head_dim ({}) must be even for RoPE",
+                self.head_dim()
+            ));
+        }
+        if let Some(act) = &self.hidden_act {
+            if act != "silu" {
+                return bad(format!("hidden_act {act:?} is not supported (only silu)"));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn ids_of(v: Option<&serde_json::Value>) -> Vec<u32> {
+    match v {
+        Some(serde_json::Value::Number(n)) => {
+            n.as_u64().map(|x| vec![x as u32]).unwrap_or_default()
+        }
+        Some(serde_json::Value::Array(a)) => a
+            .iter()
+            .filter_map(|x| x.as_u64())
+            .map(|x| x as u32)
+            .collect(),
+        _ => vec![],
+    }
+}
+
+/// A model directory on disk.
+#[derive(Debug, Clone)]
+pub struct ModelDir {
+    pub path: PathBuf,
+    pub config: ModelConfig,
+    /// Safetensors files, in a stable order.
+    pub weights: Vec<PathBuf>,
+    pub tokenizer: PathBuf,
+}
+
+impl ModelDir {
+    /// Opens `dir`, parsing `config.json` and locating weights and tokenizer.
+    pub fn open(dir: impl AsRef<Path>) -> Result<ModelDir, HfError> {
+        let path = dir.as_ref().to_path_buf();
+        let cfg_path = path.join("config.json");
+        let text = std::fs::read(&cfg_path).map_err(io_err(&cfg_path))?;
+        let config: ModelConfig =
+            serde_json::from_slice(&text).map_err(|source| HfError::Json {
+                path: cfg_path.clone(),
+                source,
+            })?;
+        config.validate()?;
+        let weights = weight_files(&path)?;
+        let tokenizer = path.join("tokenizer.json");
+        if !tokenizer.is_file() {
+            return Err(HfError::NoTokenizer(path));
+        }
+        Ok(ModelDir {
+            path,
+            config,
+            weights,
+            tokenizer,
+        })
+    }
+
+    /// sha256 of `tokenizer.json`, hex.
+    pub fn tokenizer_sha256(&self) -> Result<String, HfError> {
+        file_sha256(&self.tokenizer)
+    }
+
+    /// Loads the tokenizer.
+    pub fn load_tokenizer(&self) -> Result<tokenizers::Tokenizer, HfError> {
+        load_tokenizer(&self.tokenizer)
+    }
+
+    /// A stable fingerprint of the weights and config: sha256 over `config.json`, every
+    /// safetensors header (names, dtypes, shapes, offsets) and the first 1 MiB of tensor data of
+    /// each file. Cheap for 100 GB checkpoints, and changes whenever training changed the weights.
+    pub fn fingerprint(&self) -> Result<String, HfError> {
+        let mut h = Sha256::new();
+        let cfg = self.path.join("config.json");
+        h.update(std::fs::read(&cfg).map_err(io_err(&cfg))?);
+        for w in &self.weights {
+            let mut f = std::fs::File::open(w).map_err(io_err(w))?;
+            let mut len = [0u8; 8];
+            f.read_exact(&mut len).map_err(io_err(w))?;
+            let n = u64::from_le_bytes(len).min(100 << 20);
+            let mut head = vec![0u8; n as usize + (1 << 20)];
+            let mut got = 0;
+            loop {
+                let r = f.read(&mut head[got..]).map_err(io_err(w))?;
+                if r == 0 || got + r == head.len() {
+                    got += r;
+                    break;
+                }
+                got += r;
+            }
+            h.update(len);
+            h.update(&head[..got]);
+        }
+        Ok(hex::encode(&h.finalize()[..16]))
+    }
+}
+
+/// Safetensors files of `dir`: `model.safetensors`, or the shards named by the index.
+pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, HfError> {
+    let single = dir.join("model.safetensors");
+    if single.is_file() {
+        return Ok(vec![single]);
+    }
+    let index = dir.join("model.safetensors.index.json");
+    if !index.is_file() {
+        return Err(HfError::NoWeights(dir.to_path_buf()));
+    }
+    #[derive(Deserialize)]
+    struct Index {
+        weight_map: std::collections::BTreeMap<String, String>,
+    }
+    let text = std::fs::read(&index).map_err(io_err(&index))?;
+    let idx: Index = serde_json::from_slice(&text).map_err(|source| HfError::Json {
+        path: index.clone(),
+        source,
+    })?;
+    let files: BTreeSet<&String> = idx.weight_map.values().collect();
+    let out: Vec<PathBuf> = files.into_iter().map(|f| dir.join(f)).collect();
+    if let Some(missing) = out.iter().find(|p| !p.is_file()) {
+        return Err(HfError::Io {
+            path: missing.clone(),
+            source: std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                "shard named in the index is missing",
+            ),
+        });
+    }
+    Ok(out)
+}
+
+pub fn file_sha256(path: &Path) -> Result<String, HfError> {
+    let bytes = std::fs::read(path).map_err(io_err(path))?;
+    Ok(hex::encode(Sha256::digest(&bytes)))
+}
+
+pub fn load_tokenizer(path: &Path) -> Result<tokenizers::Tokenizer, HfError> {
+    tokenizers::Tokenizer::from_file(path)
+        .map_err(|e| HfError::Tokenizer(format!("{}: {e}", path.display())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_qwen3_and_llama_configs() {
+        let q: ModelConfig = serde_json::from_str(
+            r#"{"model_type":"qwen3","vocab_size":10,"hidden_size":8,"intermediate_size":16,
+                "num_hidden_layers":1,"num_attention_heads":2,"num_key_value_heads":1,"head_dim":4,
+                "eos_token_id":[3,4],"some_unknown_field":true}"#,
+        )
+        .unwrap();
+        q.validate().unwrap();
+        assert_eq!(q.eos_ids(), vec![3, 4]);
+        assert_eq!(q.kv_heads(), 1);
+        let l: ModelConfig = serde_json::from_str(
+            r#"{"model_type":"llama","vocab_size":10,"hidden_size":8,"intermediate_size":16,
+                "num_hidden_layers":1,"num_attention_heads":2,"eos_token_id":2}"#,
+        )
+        .unwrap();
+        assert_eq!(l.head_dim(), 4);
+        assert_eq!(l.eos_ids(), vec![2]);
+        let mut bad = l.clone();
+        bad.model_type = "gpt2".into();
+        assert!(matches!(bad.validate(), Err(HfError::UnsupportedArch(_))));
+        bad = l.clone();
+        bad.num_key_value_heads = Some(3);
+        assert!(bad.validate().is_err());
+    }
+}
+
+/// Writes a model directory the teacher and transformers both load: `config.json` (with
+/// `architectures` and `torch_dtype`), `model.safetensors` and `tokenizer.json`.
+///
+/// The directory is written under a temporary name beside `dir` and renamed into place, so a
+/// crash never leaves a half-written model where a reader may find it.
+pub fn write_model_dir(
+    dir: &Path,
+    config: &ModelConfig,
+    tensors: &std::collections::HashMap<String, candle_core::Tensor>,
+    tokenizer_json: &Path,
+) -> Result<(), HfError> {
+    let arch = config.arch()?;
+    let parent = dir
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).map_err(io_err(parent))?;
+    let name = dir
+        .file_name()
+        .map(|n| n.to_string_lossy().to_string())
+        .unwrap_or_else(|| "model".into());
+    let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(io_err(&tmp))?;
+    }
+    std::fs::create_dir_all(&tmp).map_err(io_err(&tmp))?;
+
+    let mut cfg =
+        serde_json::to_value(config).map_err(|e| HfError::InvalidConfig(e.to_string()))?;
+    let dtype = tensors
+        .values()
+        .next()
+        .map(|t| match t.dtype() {
+            candle_core::DType::BF16 => "bfloat16",
+            candle_core::DType::F16 => "float16",
+            _ => "float32",
+        })
+        .unwrap_or("float32");
+    if let Some(obj) = cfg.as_object_mut() {
+        obj.insert("architectures".into(), serde_json::json!([arch.hf_class()]));
+        obj.insert("torch_dtype".into(), serde_json::json!(dtype));
+        obj.insert("hidden_act".into(), serde_json::json!("silu"));
+        obj.insert("attention_dropout".into(), serde_json::json!(0.0));
+        obj.insert("use_cache".into(), serde_json::json!(true));
+        if arch == Arch::Qwen2 || arch == Arch::Qwen3 {
+            obj.insert("use_sliding_window".into(), serde_json::json!(false));
+            obj.insert(
+                "max_window_layers".into(),
+                serde_json::json!(config.num_hidden_layers),
+            );
+        }
+        if arch == Arch::Llama {
+            obj.insert("mlp_bias".into(), serde_json::json!(false));
+        }
+        obj.retain(|_, v| !v.is_null());
+    }
+    let cfg_path = tmp.join("config.json");
+    let text =
+        serde_json::to_vec_pretty(&cfg).map_err(|e| HfError::InvalidConfig(e.to_string()))?;
+    std::fs::write(&cfg_path, text).map_err(io_err(&cfg_path))?;
+
+    let st = tmp.join("model.safetensors");
+    let mut meta = std::collections::HashMap::new();
+    meta.insert("format".to_string(), "pt".to_string());
+    let owned: Vec<(String, candle_core::Tensor)> = tensors
+        .iter()
+        .map(|(k, v)| (k.clone(), v.contiguous().unwrap_or_else(|_| v.clone())))
+        .collect();
+    safetensors::serialize_to_file(owned.iter().map(|(k, v)| (k.as_str(), v)), Some(meta), &st)
+        .map_err(|e| HfError::Io {
+            path: st.clone(),
+            source: std::io::Error::other(e.to_string()),
+        })?;
+
+    let tok = tmp.join("tokenizer.json");
+    std::fs::copy(tokenizer_json, &tok).map_err(io_err(tokenizer_json))?;
+    let tok_cfg = tokenizer_json.with_file_name("tokenizer_config.json");
+    if tok_cfg.is_file() {
+        let dst = tmp.join("tokenizer_config.json");
+        std::fs::copy(&tok_cfg, &dst).map_err(io_err(&tok_cfg))?;
+    }
+    // Copies inherit read-only modes from a read-only source; a model directory is ours to edit.
+    for entry in std::fs::read_dir(&tmp).map_err(io_err(&tmp))?.flatten() {
+        let mut perm = entry
+            .metadata()
+            .map_err(io_err(&entry.path()))?
+            .permissions();
+        #[cfg(unix)]
+        std::os::unix::fs::PermissionsExt::set_mode(&mut perm, 0o644);
+        #[cfg(not(unix))]
+        perm.set_readonly(false);
+        std::fs::set_permissions(entry.path(), perm).map_err(io_err(&entry.path()))?;
+    }
+    if dir.exists() {
+        std::fs::remove_dir_all(dir).map_err(io_err(dir))?;
+    }
+    std::fs::rename(&tmp, dir).map_err(io_err(dir))?;
+    Ok(())
+}

@@ -1,0 +1,15 @@
+//! Code shared by the xdistill teacher server and student trainer.
+//!
+//! - [`protocol`]: the `/topk_logits` request/response types and error bodies.
+//! - [`codec`]: JSON and MessagePack encodings of those types (content negotiation helpers).
+//! - [`hf`]: Hugging Face model directories: `config.json`, safetensors, `tokenizer.json`.
+//! - [`model`]: the Llama-family decoder (Llama, Qwen2, Qwen3) used by both sides.
+
+pub mod codec;
+pub mod device;
+pub mod hf;
+pub mod model;
+pub mod paths;
+pub mod protocol;
+
+pub use hf::{HfError, ModelConfig, ModelDir};

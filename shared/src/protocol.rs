@@ -1,0 +1,179 @@
+//! Wire types of the teacher API (see `docs/protocol.md` for the full description).
+//!
+//! For a sequence of length `S` and a request `start`, the teacher returns `S - 1 - start` rows:
+//! row `r` is the distribution at position `p = start + r`, i.e. the one that *predicts token
+//! `p + 1`*. So `target_logprobs[r]` is the log-prob of `sequence[start + r + 1]`.
+
+use serde::{Deserialize, Serialize};
+
+/// Path of the scoring route.
+pub const TOPK_PATH: &str = "/topk_logits";
+/// Protocol version, reported by `/v1/info`; bumped on incompatible changes.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// What `topk_values` holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum ValuesKind {
+    /// `log_softmax(logits / temperature)` over the full (unpadded) vocabulary.
+    #[default]
+    Logprobs,
+    /// `logits / temperature`.
+    Logits,
+}
+
+impl ValuesKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ValuesKind::Logprobs => "logprobs",
+            ValuesKind::Logits => "logits",
+        }
+    }
+}
+
+fn default_temperature() -> f32 {
+    1.0
+}
+
+/// Body of `POST /topk_logits` (JSON or MessagePack, same field names).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TopkRequest {
+    /// Token ids in the teacher's vocabulary, one list per sequence (lengths may differ).
+    pub sequences: Vec<Vec<u32>>,
+    /// Number of top entries per position.
+    pub k: usize,
+    /// Logits are divided by this before the softmax (and in `logsumexp`).
+    #[serde(default = "default_temperature")]
+    pub temperature: f32,
+    /// First position returned, the same for every sequence (ignored when `starts` is given).
+    #[serde(default)]
+    pub start: usize,
+    /// Optional per-sequence first positions (on-policy scoring: the completion starts differ).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub starts: Option<Vec<usize>>,
+    #[serde(default)]
+    pub values: ValuesKind,
+}
+
+impl TopkRequest {
+    /// The start position of sequence `i` (per-sequence `starts` win over `start`).
+    pub fn start_of(&self, i: usize) -> usize {
+        match &self.starts {
+            Some(s) => s.get(i).copied().unwrap_or(self.start),
+            None => self.start,
+        }
+    }
+}
+
+/// Scores of one sequence, row-major flat buffers.
+///
+/// Shapes: `topk_ids` and `topk_values` are `[rows, k]`; `target_logprobs` and `logsumexp`
+/// are `[rows]`. Within a row, entries are sorted by descending value.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct SequenceScores {
+    pub rows: usize,
+    pub k: usize,
+    pub topk_ids: Vec<u32>,
+    pub topk_values: Vec<f32>,
+    pub target_logprobs: Vec<f32>,
+    pub logsumexp: Vec<f32>,
+}
+
+impl SequenceScores {
+    /// Row `r` of the top-k ids, `[k]`.
+    pub fn ids_row(&self, r: usize) -> &[u32] {
+        &self.topk_ids[r * self.k..(r + 1) * self.k]
+    }
+    /// Row `r` of the top-k values, `[k]`.
+    pub fn values_row(&self, r: usize) -> &[f32] {
+        &self.topk_values[r * self.k..(r + 1) * self.k]
+    }
+    /// Approximate heap size, used to weigh cache entries.
+    pub fn heap_bytes(&self) -> usize {
+        4 * (self.topk_ids.len()
+            + self.topk_values.len()
+            + self.target_logprobs.len()
+            + self.logsumexp.len())
+    }
+    /// Checks that the buffer lengths agree with `rows` and `k`.
+    pub fn check_shapes(&self) -> Result<(), String> {
+        let rk = self.rows * self.k;
+        if self.topk_ids.len() != rk
+            || self.topk_values.len() != rk
+            || self.target_logprobs.len() != self.rows
+            || self.logsumexp.len() != self.rows
+        {
+            return Err(format!(
+                "inconsistent shapes: rows={} k={} ids={} values={} target={} lse={}",
+                self.rows,
+                self.k,
+                self.topk_ids.len(),
+                self.topk_values.len(),
+                self.target_logprobs.len(),
+                self.logsumexp.len()
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Response of `POST /topk_logits`: one entry per request sequence, in request order.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct TopkResponse {
+    pub k: usize,
+    pub values: ValuesKind,
+    pub temperature: f32,
+    /// Fingerprint of the model that produced the scores (same as `/v1/info`).
+    pub model: String,
+    pub results: Vec<SequenceScores>,
+}
+
+/// Error body of every non-2xx answer: `{"error": {"type": ..., "message": ..., "field": ...}}`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ErrorDetail {
+    /// Machine-readable class, e.g. `invalid_request`, `queue_full`, `unauthorized`.
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub message: String,
+    /// The offending request field, when there is one (e.g. `sequences[3][17]`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub field: Option<String>,
+}
+
+/// Limits the server enforces, reported in `/v1/info`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Limits {
+    pub max_k: usize,
+    pub max_seq_len: usize,
+    pub max_batch_tokens: usize,
+    pub max_queue_tokens: usize,
+    pub max_body_bytes: usize,
+    pub max_wait_ms: u64,
+}
+
+/// Body of `GET /v1/info`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct InfoResponse {
+    pub protocol_version: u32,
+    pub server_version: String,
+    /// e.g. `Qwen3ForCausalLM`.
+    pub architecture: String,
+    /// `qwen3`, `qwen2` or `llama`.
+    pub model_type: String,
+    /// Number of valid token ids (the tokenizer's vocabulary incl. added tokens); ids must be below.
+    pub vocab_size: usize,
+    /// Rows of the LM head (≥ `vocab_size`; extra rows are padding and never returned).
+    pub logits_size: usize,
+    pub max_seq_len: usize,
+    pub dtype: String,
+    pub device: String,
+    pub tokenizer_sha256: String,
+    pub model_fingerprint: String,
+    pub limits: Limits,
+}

@@ -1,0 +1,35 @@
+//! `trainer`: the xdistill student side.
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+
+mod init_model;
+
+#[derive(Parser)]
+#[command(
+    name = "trainer",
+    version,
+    about = "xdistill student trainer: distill a student from a teacher server"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Write a randomly initialised model as a Hugging Face directory.
+    InitModel(init_model::Args),
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match Cli::parse().command {
+        Command::InitModel(a) => init_model::run(a),
+    }
+}
