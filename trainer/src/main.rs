@@ -3,7 +3,7 @@
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 
-mod init_model;
+use xdistill_trainer::init_model;
 
 #[derive(Parser)]
 #[command(

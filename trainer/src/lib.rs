@@ -1,0 +1,3 @@
+//! xdistill trainer library: everything the `trainer` binary does, importable by tests and benches.
+
+pub mod init_model;
