@@ -22,13 +22,22 @@ fn rms_norm(x: &Tensor, w: &Tensor, eps: f64, ops: Ops) -> Result<Tensor> {
     match ops {
         Ops::Fused => candle_nn::ops::rms_norm(&x.contiguous()?, w, eps as f32),
         Ops::Differentiable => {
-            // Normalise in f32 as transformers does, then scale in the compute dtype.
+            // Normalise in f32 (or f64) as transformers does, then scale in the compute dtype.
             let dt = x.dtype();
-            let xf = x.to_dtype(DType::F32)?;
+            let xf = x.to_dtype(accum_dtype(dt))?;
             let ms = xf.sqr()?.mean_keepdim(D::Minus1)?;
             let normed = xf.broadcast_mul(&(ms + eps)?.sqrt()?.recip()?)?;
             normed.to_dtype(dt)?.broadcast_mul(w)
         }
+    }
+}
+
+/// Dtype for reductions: f32, or f64 when computing in f64 (gradient checks).
+fn accum_dtype(dt: DType) -> DType {
+    if dt == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
     }
 }
 
@@ -426,9 +435,10 @@ impl Decoder {
         };
         // 5. Scores [B, Hq, T, S] in f32, masked softmax, weighted sum -> [B, Hq, T, D].
         let scale = 1.0 / (d as f64).sqrt();
-        let mut att = (q.matmul(&k.t()?)? * scale)?.to_dtype(DType::F32)?;
+        let acc = accum_dtype(q.dtype());
+        let mut att = (q.matmul(&k.t()?)? * scale)?.to_dtype(acc)?;
         if let Some(m) = mask {
-            att = att.broadcast_add(m)?;
+            att = att.broadcast_add(&m.to_dtype(acc)?)?;
         }
         let att = softmax_last(&att, self.ops)?.to_dtype(v.dtype())?;
         let out = att.matmul(&v)?;

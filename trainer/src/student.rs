@@ -1,0 +1,160 @@
+//! The trainable student: a [`Decoder`] whose parameters are `Var`s in a `VarMap`.
+//!
+//! Master weights are f32 `Var`s. Computing in f32 the decoder reads the vars directly (optimizer
+//! updates are seen in place); computing in bf16/f16 (GPU) the decoder holds converted copies, so
+//! [`Student::model`] rebuilds it after each optimizer step (`refresh`).
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::{VarBuilder, VarMap};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use xdistill_shared::hf::{ModelConfig, ModelDir};
+use xdistill_shared::model::{param_specs, Decoder, Ops};
+
+pub struct Student {
+    pub config: ModelConfig,
+    /// Master weights, f32 (or f64 in gradient checks), named as in transformers.
+    pub varmap: VarMap,
+    /// Dtype the forward pass runs in.
+    pub compute_dtype: DType,
+    pub device: Device,
+    /// tokenizer.json of the model directory it was loaded from (copied on save).
+    pub tokenizer_json: PathBuf,
+    model: Decoder,
+}
+
+impl Student {
+    /// Loads a Hugging Face directory as trainable f32 master weights.
+    pub fn load(dir: &Path, device: &Device, compute_dtype: DType) -> Result<Student> {
+        let md =
+            ModelDir::open(dir).with_context(|| format!("opening student {}", dir.display()))?;
+        let mut tensors = HashMap::new();
+        for f in &md.weights {
+            let loaded = candle_core::safetensors::load(f, device)
+                .with_context(|| format!("reading {}", f.display()))?;
+            tensors.extend(loaded);
+        }
+        Self::from_tensors(
+            md.config.clone(),
+            tensors,
+            md.tokenizer.clone(),
+            device,
+            DType::F32,
+            compute_dtype,
+        )
+    }
+
+    /// Builds a student from named tensors (every parameter of `config` must be present).
+    pub fn from_tensors(
+        config: ModelConfig,
+        mut tensors: HashMap<String, Tensor>,
+        tokenizer_json: PathBuf,
+        device: &Device,
+        master_dtype: DType,
+        compute_dtype: DType,
+    ) -> Result<Student> {
+        let varmap = VarMap::new();
+        {
+            let mut data = varmap
+                .data()
+                .lock()
+                .map_err(|_| anyhow::anyhow!("varmap lock poisoned"))?;
+            for spec in param_specs(&config, 0.0) {
+                let t = tensors
+                    .remove(&spec.name)
+                    .with_context(|| format!("checkpoint is missing tensor {:?}", spec.name))?;
+                if t.dims() != spec.shape.as_slice() {
+                    bail!(
+                        "tensor {:?} has shape {:?}, config needs {:?}",
+                        spec.name,
+                        t.dims(),
+                        spec.shape
+                    );
+                }
+                let t = t.to_dtype(master_dtype)?.to_device(device)?;
+                data.insert(spec.name, Var::from_tensor(&t)?);
+            }
+        }
+        // Leftovers (e.g. lm_head.weight of a tied checkpoint) are ignored, but said.
+        for name in tensors.keys() {
+            tracing::debug!(
+                "ignoring tensor {name:?} not used by the {} architecture",
+                config.model_type
+            );
+        }
+        let model = build(&config, &varmap, compute_dtype, device)?;
+        Ok(Student {
+            config,
+            varmap,
+            compute_dtype,
+            device: device.clone(),
+            tokenizer_json,
+            model,
+        })
+    }
+
+    /// The decoder for the next forward pass.
+    pub fn model(&self) -> &Decoder {
+        &self.model
+    }
+
+    /// Re-derives the compute-dtype copy after an optimizer step (no-op in f32).
+    pub fn refresh(&mut self) -> Result<()> {
+        if self.compute_dtype != self.master_dtype() {
+            self.model = build(&self.config, &self.varmap, self.compute_dtype, &self.device)?;
+        }
+        Ok(())
+    }
+
+    pub fn master_dtype(&self) -> DType {
+        self.varmap
+            .all_vars()
+            .first()
+            .map(|v| v.dtype())
+            .unwrap_or(DType::F32)
+    }
+
+    /// Named master weights (sorted by name for determinism).
+    pub fn named_vars(&self) -> Vec<(String, Var)> {
+        let data = self.varmap.data().lock().expect("varmap lock poisoned");
+        let mut v: Vec<(String, Var)> = data.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    }
+
+    /// Current weights as f32 CPU tensors, named as in transformers.
+    pub fn tensors(&self) -> Result<HashMap<String, Tensor>> {
+        self.named_vars()
+            .into_iter()
+            .map(|(k, v)| {
+                Ok((
+                    k,
+                    v.as_tensor()
+                        .to_dtype(DType::F32)?
+                        .to_device(&Device::Cpu)?,
+                ))
+            })
+            .collect()
+    }
+
+    /// Writes the student as a Hugging Face directory (loadable by `teacher` and transformers).
+    pub fn save(&self, dir: &Path) -> Result<()> {
+        xdistill_shared::hf::write_model_dir(
+            dir,
+            &self.config,
+            &self.tensors()?,
+            &self.tokenizer_json,
+        )?;
+        Ok(())
+    }
+
+    pub fn num_parameters(&self) -> usize {
+        self.varmap.all_vars().iter().map(|v| v.elem_count()).sum()
+    }
+}
+
+fn build(config: &ModelConfig, varmap: &VarMap, dtype: DType, device: &Device) -> Result<Decoder> {
+    let vb = VarBuilder::from_varmap(varmap, dtype, device);
+    Ok(Decoder::new(config, vb, Ops::Differentiable)?)
+}
