@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The whole test suite: what CI runs (.ci/run) and what README.md tells a fresh machine to run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+XDISTILL_TOKENIZERS="$(scripts/get-tokenizers.sh)"
+export XDISTILL_TOKENIZERS
+cargo test --workspace --locked "$@"
