@@ -11,5 +11,6 @@ pub mod hf;
 pub mod model;
 pub mod paths;
 pub mod protocol;
+pub mod topk;
 
 pub use hf::{HfError, ModelConfig, ModelDir};

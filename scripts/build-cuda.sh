@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Builds the CUDA variants of `teacher` and `trainer` on a machine without a GPU.
+#
+# The CUDA 13.0 toolkit comes from PyPI wheels (nvcc, cudart, cublas, curand, nvrtc) unpacked into
+# .cuda/toolkit; linking uses the driver stub. Targets sm_90 (H100/H200) unless CUDA_COMPUTE_CAP
+# says otherwise. Output: target/cuda/release/{teacher,trainer}. At run time the GPU machine needs
+# the NVIDIA driver and the CUDA 13 runtime libraries (libcudart.so.13, libcublas.so.13,
+# libcurand.so.10) on LD_LIBRARY_PATH, e.g. from the same wheels or PyTorch's pip packages.
+#
+#   scripts/build-cuda.sh            # download (once), unpack (once), build
+#   scripts/build-cuda.sh --toolkit  # only prepare the toolkit, print the env to use it
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cuda="$root/.cuda"
+wheels="$cuda/wheels"
+tk="$cuda/toolkit"
+pkgs=(nvidia-cuda-nvcc==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-crt==13.0.88
+      nvidia-cuda-runtime==13.0.96 nvidia-cuda-nvrtc==13.0.88 nvidia-curand==10.4.5.25
+      nvidia-cuda-cccl==13.0.85 nvidia-cublas==13.0.2.14)
+
+if [ ! -x "$tk/nvidia/cu13/bin/nvcc" ]; then
+  mkdir -p "$wheels"
+  echo "fetching the CUDA 13.0 toolkit wheels from PyPI (~650 MB, once)" >&2
+  python3 -m pip download -q --no-deps -d "$wheels" "${pkgs[@]}"
+  python3 -m pip install -q --no-deps --no-compile --target "$tk" "$wheels"/*.whl
+fi
+home="$tk/nvidia/cu13"
+[ -x "$home/bin/nvcc" ] || { echo "nvcc missing under $home/bin" >&2; exit 1; }
+# Unversioned names for the linker, and the driver stub as libcuda.so.1.
+(cd "$home/lib" && for f in lib*.so.[0-9]*; do base=${f%%.so.*}.so; [ -e "$base" ] || ln -s "$f" "$base"; done
+ [ -e libcuda.so.1 ] || ln -s stubs/libcuda.so libcuda.so.1
+ [ -e libcuda.so ] || ln -s stubs/libcuda.so libcuda.so)
+
+export CUDA_HOME="$home" CUDA_PATH="$home"
+export PATH="$home/bin:$PATH"
+export LIBRARY_PATH="$home/lib:$home/lib/stubs:${LIBRARY_PATH:-}"
+export LD_LIBRARY_PATH="$home/lib:${LD_LIBRARY_PATH:-}"
+export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-90}"
+export CUDARC_CUDA_VERSION="${CUDARC_CUDA_VERSION:-13000}"
+if [ "${1:-}" = "--toolkit" ]; then
+  nvcc --version | tail -n 2
+  echo "export CUDA_HOME=$home PATH=$home/bin:\$PATH LIBRARY_PATH=$home/lib:$home/lib/stubs CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP CUDARC_CUDA_VERSION=$CUDARC_CUDA_VERSION"
+  exit 0
+fi
+cd "$root"
+CARGO_TARGET_DIR="$root/target/cuda" cargo build --release --locked --features cuda \
+  -p xdistill-server -p xdistill-trainer
+ls -la target/cuda/release/teacher target/cuda/release/trainer
