@@ -9,6 +9,7 @@ pub mod codec;
 pub mod device;
 pub mod hf;
 pub mod model;
+pub mod ops;
 pub mod paths;
 pub mod protocol;
 pub mod topk;
