@@ -1,0 +1,220 @@
+//! Collation: texts → token ids for one side, padded batches, and teacher rows laid out against
+//! student positions.
+//!
+//! Convention everywhere: position `t` of a `[B, T]` batch holds token `ids[t]`, and its logits
+//! predict `ids[t + 1]`; `mask[t] = 1` when `ids[t + 1]` is a trained token. The teacher answers
+//! the same convention (row `r` of a `start = 0` request predicts token `r + 1`).
+
+use candle_core::{Device, Tensor};
+use tokenizers::Tokenizer;
+use xdistill_shared::protocol::TopkResponse;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CollateError {
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("text tokenizes to {0} token(s); at least 2 are needed for one prediction")]
+    TooShort(usize),
+    #[error("teacher answered {got} rows for a sequence of {len} tokens (expected {expected})")]
+    TeacherRows {
+        got: usize,
+        len: usize,
+        expected: usize,
+    },
+    #[error("teacher answered {got} sequences for {expected}")]
+    TeacherCount { got: usize, expected: usize },
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+/// One text tokenized for one side.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Encoded {
+    pub ids: Vec<u32>,
+    /// First token index that is a training target (tokens before it are context only).
+    pub loss_from: usize,
+}
+
+/// Tokenizes `text` (with the tokenizer's special tokens, e.g. BOS) in one pass — so prompt and
+/// completion join without spurious spaces — and finds the first token that ends after
+/// `loss_start_byte` (a token straddling the prompt/completion boundary is trained on).
+/// Truncates to `max_len` tokens.
+pub fn encode(
+    tok: &Tokenizer,
+    text: &str,
+    loss_start_byte: usize,
+    max_len: usize,
+) -> Result<Encoded, CollateError> {
+    let enc = tok
+        .encode(text, true)
+        .map_err(|e| CollateError::Tokenizer(e.to_string()))?;
+    let mut ids = enc.get_ids().to_vec();
+    let special = enc.get_special_tokens_mask();
+    let offsets = enc.get_offsets();
+    let mut loss_from = ids.len();
+    for (i, &(_, end)) in offsets.iter().enumerate() {
+        if special.get(i).copied().unwrap_or(0) == 0 && end > loss_start_byte {
+            loss_from = i;
+            break;
+        }
+    }
+    // Special tokens after the text (e.g. an EOS post-processor) are targets too.
+    if loss_from == ids.len() {
+        loss_from = ids.len().saturating_sub(1);
+    }
+    ids.truncate(max_len);
+    if ids.len() < 2 {
+        return Err(CollateError::TooShort(ids.len()));
+    }
+    Ok(Encoded {
+        loss_from: loss_from.max(1).min(ids.len()),
+        ids,
+    })
+}
+
+/// A right-padded batch. Shapes: `ids`, `targets` `[B, T]` u32; `mask` `[B, T]` f32.
+pub struct TokenBatch {
+    pub ids: Tensor,
+    pub targets: Tensor,
+    pub mask: Tensor,
+    /// Real length of each row.
+    pub lens: Vec<usize>,
+    /// Number of trained positions (sum of `mask`).
+    pub n_targets: usize,
+}
+
+/// Pads `examples` to the longest (pad id `pad`; pads are never attended to by real tokens under
+/// the causal mask and never trained on).
+pub fn pad_batch(
+    examples: &[Encoded],
+    pad: u32,
+    device: &Device,
+) -> Result<TokenBatch, CollateError> {
+    let b = examples.len();
+    let t = examples.iter().map(|e| e.ids.len()).max().unwrap_or(1);
+    let mut ids = vec![pad; b * t];
+    let mut targets = vec![pad; b * t];
+    let mut mask = vec![0f32; b * t];
+    let mut n_targets = 0;
+    for (r, e) in examples.iter().enumerate() {
+        ids[r * t..r * t + e.ids.len()].copy_from_slice(&e.ids);
+        for p in 0..e.ids.len().saturating_sub(1) {
+            targets[r * t + p] = e.ids[p + 1];
+            if p + 1 >= e.loss_from {
+                mask[r * t + p] = 1.0;
+                n_targets += 1;
+            }
+        }
+    }
+    Ok(TokenBatch {
+        ids: Tensor::from_vec(ids, (b, t), device)?,
+        targets: Tensor::from_vec(targets, (b, t), device)?,
+        mask: Tensor::from_vec(mask, (b, t), device)?,
+        lens: examples.iter().map(|e| e.ids.len()).collect(),
+        n_targets,
+    })
+}
+
+/// Teacher results laid out against a `[B, T]` student batch (same tokenizer, `start = 0`).
+/// Shapes: `ids` `[B, T, k]` u32, `logprobs` `[B, T, k]` f32, `target_logprobs` `[B, T]` f32.
+/// Rows past a sequence's end are zero and must be masked by the caller.
+pub struct TeacherRows {
+    pub ids: Tensor,
+    pub logprobs: Tensor,
+    pub target_logprobs: Tensor,
+}
+
+pub fn teacher_rows(
+    resp: &TopkResponse,
+    lens: &[usize],
+    t: usize,
+    device: &Device,
+) -> Result<TeacherRows, CollateError> {
+    if resp.results.len() != lens.len() {
+        return Err(CollateError::TeacherCount {
+            got: resp.results.len(),
+            expected: lens.len(),
+        });
+    }
+    let (b, k) = (lens.len(), resp.k);
+    let mut ids = vec![0u32; b * t * k];
+    let mut lps = vec![0f32; b * t * k];
+    let mut tlp = vec![0f32; b * t];
+    for (r, (seq, &len)) in resp.results.iter().zip(lens).enumerate() {
+        let expected = len.saturating_sub(1);
+        if seq.rows != expected || seq.k != k {
+            return Err(CollateError::TeacherRows {
+                got: seq.rows,
+                len,
+                expected,
+            });
+        }
+        for p in 0..seq.rows.min(t) {
+            let dst = (r * t + p) * k;
+            ids[dst..dst + k].copy_from_slice(seq.ids_row(p));
+            lps[dst..dst + k].copy_from_slice(seq.values_row(p));
+            tlp[r * t + p] = seq.target_logprobs[p];
+        }
+    }
+    Ok(TeacherRows {
+        ids: Tensor::from_vec(ids, (b, t, k), device)?,
+        logprobs: Tensor::from_vec(lps, (b, t, k), device)?,
+        target_logprobs: Tensor::from_vec(tlp, (b, t), device)?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tok(name: &str) -> Tokenizer {
+        Tokenizer::from_file(xdistill_shared::paths::tokenizer_json(name)).unwrap()
+    }
+
+    #[test]
+    fn completion_boundary_found_in_one_joint_encoding() {
+        for name in ["llama2", "qwen3", "llama3"] {
+            let t = tok(name);
+            let prompt = "Q: 47+38=?\nA:";
+            let text = format!("{prompt} 85");
+            let e = encode(&t, &text, prompt.len(), 100).unwrap();
+            // Tokens from loss_from on decode to exactly the completion (plus nothing of the prompt).
+            let tail = t.decode(&e.ids[e.loss_from..], true).unwrap();
+            assert_eq!(tail.trim(), "85", "{name}: {tail:?}");
+            let head = t.decode(&e.ids[..e.loss_from], true).unwrap();
+            assert!(head.trim_end().ends_with("A:"), "{name}: {head:?}");
+        }
+    }
+
+    #[test]
+    fn mask_marks_exactly_the_completion_targets() {
+        let examples = vec![
+            Encoded {
+                ids: vec![5, 6, 7, 8],
+                loss_from: 2,
+            },
+            Encoded {
+                ids: vec![9, 10],
+                loss_from: 1,
+            },
+        ];
+        let b = pad_batch(&examples, 0, &Device::Cpu).unwrap();
+        let mask: Vec<Vec<f32>> = b.mask.to_vec2().unwrap();
+        assert_eq!(
+            mask,
+            vec![vec![0.0, 1.0, 1.0, 0.0], vec![1.0, 0.0, 0.0, 0.0]]
+        );
+        let tg: Vec<Vec<u32>> = b.targets.to_vec2().unwrap();
+        assert_eq!(tg[0][..3], [6, 7, 8]);
+        assert_eq!(b.n_targets, 3);
+    }
+
+    #[test]
+    fn too_short_is_an_error() {
+        let t = tok("qwen3");
+        assert!(matches!(
+            encode(&t, "", 0, 10),
+            Err(CollateError::TooShort(_))
+        ));
+    }
+}
