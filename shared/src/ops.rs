@@ -387,41 +387,51 @@ mod tests {
                 p[i] = p[i] - lr * wd * p[i] - lr * mh / (vh.sqrt() + eps);
             }
         }
-        let f32t = |v: &[f64]| {
-            Tensor::from_vec(
-                v.iter().map(|&x| x as f32).collect::<Vec<_>>(),
-                37,
-                &Device::Cpu,
-            )
-            .unwrap()
-        };
-        let param = Var::from_tensor(&f32t(&p0)).unwrap();
-        let (mt, vt) = (
-            Var::from_tensor(&f32t(&[0.0; 37])).unwrap(),
-            Var::from_tensor(&f32t(&[0.0; 37])).unwrap(),
-        );
-        for (s, g) in grads.iter().enumerate() {
-            let h = AdamWStep {
-                lr,
-                beta1: b1,
-                beta2: b2,
-                eps,
-                weight_decay: wd,
-                step: s as u64 + 1,
+        // f32 runs the fused in-place kernels; f64 runs the tensor-op path other devices use.
+        for dtype in [DType::F32, DType::F64] {
+            let mk = |v: &[f64]| {
+                Var::from_tensor(
+                    &Tensor::from_vec(v.to_vec(), 37, &Device::Cpu)
+                        .unwrap()
+                        .to_dtype(dtype)
+                        .unwrap(),
+                )
+                .unwrap()
             };
-            adamw_update(&param, &f32t(g), &mt, &vt, h).unwrap();
+            let (param, mt, vt) = (mk(&p0), mk(&[0.0; 37]), mk(&[0.0; 37]));
+            for (s, g) in grads.iter().enumerate() {
+                let h = AdamWStep {
+                    lr,
+                    beta1: b1,
+                    beta2: b2,
+                    eps,
+                    weight_decay: wd,
+                    step: s as u64 + 1,
+                };
+                adamw_update(&param, mk(g).as_tensor(), &mt, &vt, h).unwrap();
+            }
+            let got: Vec<f64> = param
+                .as_tensor()
+                .to_dtype(DType::F64)
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            for i in 0..37 {
+                assert!(
+                    (got[i] - p[i]).abs() < 1e-5,
+                    "{dtype:?} {i}: {} vs {}",
+                    got[i],
+                    p[i]
+                );
+            }
+            let vm: Vec<f64> = vt
+                .as_tensor()
+                .to_dtype(DType::F64)
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            assert!((vm[5] - v[5]).abs() < 1e-7, "{dtype:?}");
         }
-        let got: Vec<f32> = param.as_tensor().to_vec1().unwrap();
-        for i in 0..37 {
-            assert!(
-                (got[i] as f64 - p[i]).abs() < 1e-5,
-                "{i}: {} vs {}",
-                got[i],
-                p[i]
-            );
-        }
-        let vm: Vec<f32> = vt.as_tensor().to_vec1().unwrap();
-        assert!((vm[5] as f64 - v[5]).abs() < 1e-7);
     }
 
     #[test]
