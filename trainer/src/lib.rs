@@ -4,3 +4,4 @@ pub mod init_model;
 pub mod answer;
 pub mod task;
 pub mod generate;
+pub mod eval;
