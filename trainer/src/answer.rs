@@ -259,7 +259,10 @@ mod tests {
         assert!(answers_match(" Yes", "yes"));
         assert!(!answers_match("yes", "5"));
         // Long integers compare exactly (no f64 rounding).
-        assert!(!answers_match("12345678901234567891", "12345678901234567890"));
+        assert!(!answers_match(
+            "12345678901234567891",
+            "12345678901234567890"
+        ));
         assert_eq!(normalize_number("5 apples"), None);
     }
 

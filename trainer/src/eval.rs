@@ -216,7 +216,9 @@ fn score(g: &Generation, gold: &str) -> Scored {
     let correct = ex.as_ref().is_some_and(|e| answers_match(&e.value, gold));
     Scored {
         completion: g.completion_text.clone(),
-        marker: ex.as_ref().is_some_and(|e| e.source == AnswerSource::Marker),
+        marker: ex
+            .as_ref()
+            .is_some_and(|e| e.source == AnswerSource::Marker),
         predicted: ex.map(|e| e.value),
         correct,
         tokens: g.completion_ids.len(),
@@ -484,7 +486,11 @@ mod tests {
         assert_eq!(r[2].answer, "7");
         assert_eq!(load_records(&p, Some(2)).unwrap().len(), 2);
 
-        std::fs::write(&p, "{\"prompt\": \"a\", \"answer\": \"1\"}\n{\"prompt\": \"b\"}\n").unwrap();
+        std::fs::write(
+            &p,
+            "{\"prompt\": \"a\", \"answer\": \"1\"}\n{\"prompt\": \"b\"}\n",
+        )
+        .unwrap();
         let e = load_records(&p, None).unwrap_err().to_string();
         assert!(e.contains(":2:") && e.contains("answer"), "{e}");
         std::fs::write(&p, "not json\n").unwrap();

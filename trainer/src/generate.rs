@@ -37,7 +37,11 @@ pub enum GenerateError {
         "prompt {index} has {len} tokens, which leaves no room to generate within \
          max_position_embeddings {max}"
     )]
-    PromptTooLong { index: usize, len: usize, max: usize },
+    PromptTooLong {
+        index: usize,
+        len: usize,
+        max: usize,
+    },
     #[error("sampling: {0}")]
     Sample(#[from] SampleError),
     #[error("model: {0}")]
@@ -117,10 +121,14 @@ impl GenerationConfig {
             .validate()
             .map_err(|e| GenerateError::Config(e.to_string()))?;
         if self.num_generations == 0 {
-            return Err(GenerateError::Config("num_generations must be at least 1".into()));
+            return Err(GenerateError::Config(
+                "num_generations must be at least 1".into(),
+            ));
         }
         if self.stop_strings.iter().any(|s| s.is_empty()) {
-            return Err(GenerateError::Config("stop strings must not be empty".into()));
+            return Err(GenerateError::Config(
+                "stop strings must not be empty".into(),
+            ));
         }
         Ok(())
     }
@@ -204,11 +212,7 @@ impl Row {
             self.done = Some(StopReason::Eos);
         } else if !ctx.stops.is_empty() {
             let text = decode(ctx.tokenizer, &self.ids)?;
-            let first = ctx
-                .stops
-                .iter()
-                .filter_map(|s| text.find(s.as_str()))
-                .min();
+            let first = ctx.stops.iter().filter_map(|s| text.find(s.as_str())).min();
             if let Some(pos) = first {
                 self.text = Some(text[..pos].to_string());
                 self.done = Some(StopReason::StopString);
@@ -304,7 +308,9 @@ fn make_ctx<'a>(
     let vocab = model.config().vocab_size;
     let support = tokenizer.get_vocab_size(true).min(vocab);
     if support == 0 {
-        return Err(GenerateError::Tokenizer("tokenizer has an empty vocabulary".into()));
+        return Err(GenerateError::Tokenizer(
+            "tokenizer has an empty vocabulary".into(),
+        ));
     }
     Ok(Ctx {
         tokenizer,

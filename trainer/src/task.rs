@@ -52,7 +52,17 @@ pub enum TaskError {
 
 /// An operation of the task.
 #[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, clap::ValueEnum,
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    Hash,
+    PartialOrd,
+    Ord,
+    Serialize,
+    Deserialize,
+    clap::ValueEnum,
 )]
 #[serde(rename_all = "lowercase")]
 pub enum Op {
@@ -367,12 +377,12 @@ pub fn write_splits(dir: &Path, cfg: &TaskConfig, splits: &Splits) -> Result<(),
     write_jsonl(&dir.join("train.jsonl"), &splits.train)?;
     write_jsonl(&dir.join("test.jsonl"), &splits.test)?;
     let meta = dir.join("task.json");
-    std::fs::write(&meta, serde_json::to_string_pretty(cfg).unwrap_or_default()).map_err(
-        |source| TaskError::Io {
+    std::fs::write(&meta, serde_json::to_string_pretty(cfg).unwrap_or_default()).map_err(|source| {
+        TaskError::Io {
             path: meta.clone(),
             source,
-        },
-    )
+        }
+    })
 }
 
 /// `trainer make-task`: write a synthetic arithmetic task with disjoint train/test splits.

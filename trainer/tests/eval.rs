@@ -127,7 +127,10 @@ fn cli_make_task_then_eval() {
     assert!(st.success());
     let test = load_records(&task.join("test.jsonl"), None).unwrap();
     assert_eq!(test.len(), 6);
-    assert_eq!(load_records(&task.join("train.jsonl"), None).unwrap().len(), 30);
+    assert_eq!(
+        load_records(&task.join("train.jsonl"), None).unwrap().len(),
+        30
+    );
 
     let out = dir.path().join("examples.jsonl");
     let report = dir.path().join("report.json");
@@ -137,7 +140,15 @@ fn cli_make_task_then_eval() {
         .arg(dir.path().join("model"))
         .arg("--prompts")
         .arg(task.join("test.jsonl"))
-        .args(["--limit", "4", "--max-new-tokens", "6", "--samples", "2", "--quiet"])
+        .args([
+            "--limit",
+            "4",
+            "--max-new-tokens",
+            "6",
+            "--samples",
+            "2",
+            "--quiet",
+        ])
         .args(["--stop", r"\n"])
         .arg("--output")
         .arg(&out)

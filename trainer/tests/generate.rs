@@ -62,16 +62,16 @@ fn kv_cache_matches_no_cache_greedy_with_left_padding() {
     ] {
         let tok = load(&tok_path);
         let model = tiny(arch, &tok_path, 256, tie);
-        let ps = prompts(&tok);
+        let ps = prompts(tok);
         assert!(ps.iter().map(Vec::len).min() < ps.iter().map(Vec::len).max());
         let c = cfg(0.0, 10);
-        let reference = generate_no_cache(&model, &tok, &ps, &c, &mut c.rng()).unwrap();
+        let reference = generate_no_cache(&model, tok, &ps, &c, &mut c.rng()).unwrap();
         for bs in [0, 1, 3] {
             let c = GenerationConfig {
                 batch_size: bs,
                 ..c.clone()
             };
-            let got = generate_seeded(&model, &tok, &ps, &c).unwrap();
+            let got = generate_seeded(&model, tok, &ps, &c).unwrap();
             assert_eq!(ids(&got), ids(&reference), "{arch}, batch_size {bs}");
             assert_logprobs_close(&got, &reference);
             for (g, r) in got.iter().zip(&reference) {
@@ -93,7 +93,7 @@ fn kv_cache_matches_no_cache_greedy_with_left_padding() {
 #[test]
 fn sampling_is_seeded_and_independent_of_batching_and_cache() {
     let (model, tok) = byte_model(256);
-    let ps = prompts(&tok);
+    let ps = prompts(tok);
     let c = GenerationConfig {
         num_generations: 3,
         top_k: 50,
@@ -102,22 +102,25 @@ fn sampling_is_seeded_and_independent_of_batching_and_cache() {
         seed: 42,
         ..cfg(1.0, 8)
     };
-    let a = generate_seeded(&model, &tok, &ps, &c).unwrap();
-    let b = generate_seeded(&model, &tok, &ps, &c).unwrap();
+    let a = generate_seeded(&model, tok, &ps, &c).unwrap();
+    let b = generate_seeded(&model, tok, &ps, &c).unwrap();
     assert_eq!(a, b);
     let small = GenerationConfig {
         batch_size: 2,
         ..c.clone()
     };
     assert_eq!(
-        ids(&generate_seeded(&model, &tok, &ps, &small).unwrap()),
+        ids(&generate_seeded(&model, tok, &ps, &small).unwrap()),
         ids(&a)
     );
-    let nc = generate_no_cache(&model, &tok, &ps, &c, &mut c.rng()).unwrap();
+    let nc = generate_no_cache(&model, tok, &ps, &c, &mut c.rng()).unwrap();
     assert_eq!(ids(&nc), ids(&a));
     assert_logprobs_close(&nc, &a);
     let other = GenerationConfig { seed: 43, ..c };
-    assert_ne!(ids(&generate_seeded(&model, &tok, &ps, &other).unwrap()), ids(&a));
+    assert_ne!(
+        ids(&generate_seeded(&model, tok, &ps, &other).unwrap()),
+        ids(&a)
+    );
     // The generations of one prompt differ from each other too.
     assert_ne!(a[0].completion_ids, a[1].completion_ids);
 }
@@ -125,44 +128,53 @@ fn sampling_is_seeded_and_independent_of_batching_and_cache() {
 #[test]
 fn num_generations_yields_that_many_in_order() {
     let (model, tok) = byte_model(256);
-    let ps = prompts(&tok);
+    let ps = prompts(tok);
     let c = GenerationConfig {
         num_generations: 4,
         ..cfg(1.0, 3)
     };
-    let g = generate_seeded(&model, &tok, &ps, &c).unwrap();
+    let g = generate_seeded(&model, tok, &ps, &c).unwrap();
     assert_eq!(g.len(), ps.len() * 4);
     for (i, g) in g.iter().enumerate() {
         assert_eq!((g.prompt_index, g.sample_index), (i / 4, i % 4));
         assert_eq!(g.prompt_ids, ps[i / 4]);
         assert_eq!(g.completion_ids.len(), 3);
         assert_eq!(g.sampled_logprobs.len(), 3);
-        assert!(g.sampled_logprobs.iter().all(|l| *l <= 0.0 && l.is_finite()));
+        assert!(g
+            .sampled_logprobs
+            .iter()
+            .all(|l| *l <= 0.0 && l.is_finite()));
     }
 }
 
 #[test]
 fn top_k_one_and_tiny_top_p_equal_greedy() {
     let (model, tok) = byte_model(256);
-    let ps = prompts(&tok);
-    let greedy = ids(&generate_seeded(&model, &tok, &ps, &cfg(0.0, 6)).unwrap());
+    let ps = prompts(tok);
+    let greedy = ids(&generate_seeded(&model, tok, &ps, &cfg(0.0, 6)).unwrap());
     let k1 = GenerationConfig {
         top_k: 1,
         ..cfg(1.3, 6)
     };
-    assert_eq!(ids(&generate_seeded(&model, &tok, &ps, &k1).unwrap()), greedy);
+    assert_eq!(
+        ids(&generate_seeded(&model, tok, &ps, &k1).unwrap()),
+        greedy
+    );
     let p0 = GenerationConfig {
         top_p: 1e-6,
         ..cfg(1.3, 6)
     };
-    assert_eq!(ids(&generate_seeded(&model, &tok, &ps, &p0).unwrap()), greedy);
+    assert_eq!(
+        ids(&generate_seeded(&model, tok, &ps, &p0).unwrap()),
+        greedy
+    );
 }
 
 #[test]
 fn stops_at_eos_and_at_stop_strings() {
     let (model, tok) = byte_model(256);
-    let ps = prompts(&tok)[..1].to_vec();
-    let free = generate_seeded(&model, &tok, &ps, &cfg(0.0, 16)).unwrap();
+    let ps = prompts(tok)[..1].to_vec();
+    let free = generate_seeded(&model, tok, &ps, &cfg(0.0, 16)).unwrap();
     let g = &free[0].completion_ids;
 
     // EOS: declare the first token not seen before position 2 an EOS id.
@@ -172,8 +184,8 @@ fn stops_at_eos_and_at_stop_strings() {
         ..cfg(0.0, 16)
     };
     for out in [
-        generate_seeded(&model, &tok, &ps, &c).unwrap(),
-        generate_no_cache(&model, &tok, &ps, &c, &mut c.rng()).unwrap(),
+        generate_seeded(&model, tok, &ps, &c).unwrap(),
+        generate_no_cache(&model, tok, &ps, &c, &mut c.rng()).unwrap(),
     ] {
         assert_eq!(out[0].completion_ids, g[..=k].to_vec());
         assert!(out[0].hit_eos);
@@ -200,7 +212,7 @@ fn stops_at_eos_and_at_stop_strings() {
         stop_strings: vec!["never appears \u{1F600}".into(), stop.clone()],
         ..cfg(0.0, 16)
     };
-    let out = generate_seeded(&model, &tok, &ps, &c).unwrap();
+    let out = generate_seeded(&model, tok, &ps, &c).unwrap();
     assert_eq!(out[0].stop, StopReason::StopString);
     assert!(!out[0].hit_eos);
     assert_eq!(out[0].completion_ids, g[..=first].to_vec());
@@ -213,12 +225,16 @@ fn stops_at_eos_and_at_stop_strings() {
 fn max_new_tokens_and_context_limit() {
     // max_position_embeddings 16: a 12-token prompt may grow by 4 tokens at most.
     let (model, tok) = byte_model(16);
-    let long: Vec<u32> = tok.encode("abcdefghijkl", false).unwrap().get_ids().to_vec();
+    let long: Vec<u32> = tok
+        .encode("abcdefghijkl", false)
+        .unwrap()
+        .get_ids()
+        .to_vec();
     assert_eq!(long.len(), 12);
     let short = long[..3].to_vec();
     let ps = vec![long.clone(), short.clone()];
     let c = cfg(0.0, 10);
-    let reference = generate_no_cache(&model, &tok, &ps, &c, &mut c.rng()).unwrap();
+    let reference = generate_no_cache(&model, tok, &ps, &c, &mut c.rng()).unwrap();
     assert_eq!(reference[0].completion_ids.len(), 4);
     assert_eq!(reference[0].stop, StopReason::ContextFull);
     assert_eq!(reference[1].completion_ids.len(), 10);
@@ -229,12 +245,12 @@ fn max_new_tokens_and_context_limit() {
         ..c.clone()
     };
     assert_eq!(
-        ids(&generate_seeded(&model, &tok, &ps, &one).unwrap()),
+        ids(&generate_seeded(&model, tok, &ps, &one).unwrap()),
         ids(&reference)
     );
     // Batched together, the padded cache (12 + steps keys) may stop the short row early, but
     // what it generated is a prefix of the reference.
-    let both = generate_seeded(&model, &tok, &ps, &c).unwrap();
+    let both = generate_seeded(&model, tok, &ps, &c).unwrap();
     assert_eq!(both[0].completion_ids, reference[0].completion_ids);
     assert!(reference[1]
         .completion_ids
@@ -243,7 +259,7 @@ fn max_new_tokens_and_context_limit() {
     assert_eq!(both[1].stop, StopReason::ContextFull);
 
     // max_new_tokens = 0: empty completions.
-    let zero = generate_seeded(&model, &tok, &ps, &cfg(0.0, 0)).unwrap();
+    let zero = generate_seeded(&model, tok, &ps, &cfg(0.0, 0)).unwrap();
     assert!(zero.iter().all(|g| g.completion_ids.is_empty()));
 }
 
@@ -251,7 +267,7 @@ fn max_new_tokens_and_context_limit() {
 fn bad_inputs_are_errors() {
     let (model, tok) = byte_model(16);
     let c = cfg(1.0, 4);
-    let run = |ps: Vec<Vec<u32>>, c: &GenerationConfig| generate_seeded(&model, &tok, &ps, c);
+    let run = |ps: Vec<Vec<u32>>, c: &GenerationConfig| generate_seeded(&model, tok, &ps, c);
     assert!(matches!(
         run(vec![vec![1], vec![]], &c),
         Err(GenerateError::EmptyPrompt(1))
@@ -282,7 +298,10 @@ fn bad_inputs_are_errors() {
             ..c.clone()
         },
     ] {
-        assert!(matches!(run(vec![vec![1]], &bad), Err(GenerateError::Config(_))));
+        assert!(matches!(
+            run(vec![vec![1]], &bad),
+            Err(GenerateError::Config(_))
+        ));
     }
     // No prompts: no generations.
     assert!(run(vec![], &c).unwrap().is_empty());
@@ -290,7 +309,10 @@ fn bad_inputs_are_errors() {
     assert!(serde_json::from_str::<GenerationConfig>(r#"{"temprature": 1}"#).is_err());
     let parsed: GenerationConfig = serde_json::from_str(r#"{"top_k": 5}"#).unwrap();
     assert_eq!(parsed.top_k, 5);
-    assert_eq!(parsed.max_new_tokens, GenerationConfig::default().max_new_tokens);
+    assert_eq!(
+        parsed.max_new_tokens,
+        GenerationConfig::default().max_new_tokens
+    );
 }
 
 #[test]
@@ -298,13 +320,13 @@ fn generate_takes_the_callers_rng() {
     // One RNG for a whole training run: consecutive calls give fresh samples, and the run is
     // reproducible from the seed.
     let (model, tok) = byte_model(256);
-    let ps = prompts(&tok);
+    let ps = prompts(tok);
     let c = cfg(1.0, 5);
     let mut r1 = c.rng();
-    let a1 = ids(&generate(&model, &tok, &ps, &c, &mut r1).unwrap());
-    let a2 = ids(&generate(&model, &tok, &ps, &c, &mut r1).unwrap());
+    let a1 = ids(&generate(&model, tok, &ps, &c, &mut r1).unwrap());
+    let a2 = ids(&generate(&model, tok, &ps, &c, &mut r1).unwrap());
     assert_ne!(a1, a2);
     let mut r2 = c.rng();
-    assert_eq!(ids(&generate(&model, &tok, &ps, &c, &mut r2).unwrap()), a1);
-    assert_eq!(ids(&generate(&model, &tok, &ps, &c, &mut r2).unwrap()), a2);
+    assert_eq!(ids(&generate(&model, tok, &ps, &c, &mut r2).unwrap()), a1);
+    assert_eq!(ids(&generate(&model, tok, &ps, &c, &mut r2).unwrap()), a2);
 }

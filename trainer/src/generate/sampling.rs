@@ -150,7 +150,10 @@ pub fn sample_token(
     }
     let kept_total: f64 = w[..kept].iter().sum();
     let u = rng.random::<f64>() * kept_total;
-    let id = draw(u, idx[..kept].iter().copied().zip(w[..kept].iter().copied()));
+    let id = draw(
+        u,
+        idx[..kept].iter().copied().zip(w[..kept].iter().copied()),
+    );
     Ok(Sampled {
         id: id as u32,
         logprob: logprob(id),
@@ -192,7 +195,9 @@ mod tests {
         let mut x: u64 = 12345;
         (0..n)
             .map(|_| {
-                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 ((x >> 33) as f64 / (1u64 << 31) as f64 * 6.0 - 3.0) as f32
             })
             .collect()
@@ -271,7 +276,11 @@ mod tests {
     fn logprob_is_untruncated_log_softmax_over_temperature() {
         let r = row(50);
         let mut rng = ChaCha8Rng::seed_from_u64(0);
-        for p in [params(0.7, 0, 1.0), params(0.7, 3, 1.0), params(1.3, 0, 0.5)] {
+        for p in [
+            params(0.7, 0, 1.0),
+            params(0.7, 3, 1.0),
+            params(1.3, 0, 0.5),
+        ] {
             let lp = log_softmax(&r, p.temperature);
             for _ in 0..20 {
                 let s = sample_token(&r, &p, &mut rng).unwrap();
@@ -289,16 +298,37 @@ mod tests {
         for n in [5, 64, 1000] {
             let r = row(n);
             let argmax = (0..n).max_by(|&a, &b| r[a].total_cmp(&r[b])).unwrap() as u32;
-            assert_eq!(sample_token(&r, &params(0.0, 0, 1.0), &mut rng).unwrap().id, argmax);
+            assert_eq!(
+                sample_token(&r, &params(0.0, 0, 1.0), &mut rng).unwrap().id,
+                argmax
+            );
             for _ in 0..10 {
-                assert_eq!(sample_token(&r, &params(1.5, 1, 1.0), &mut rng).unwrap().id, argmax);
-                assert_eq!(sample_token(&r, &params(1.5, 0, 1e-9), &mut rng).unwrap().id, argmax);
+                assert_eq!(
+                    sample_token(&r, &params(1.5, 1, 1.0), &mut rng).unwrap().id,
+                    argmax
+                );
+                assert_eq!(
+                    sample_token(&r, &params(1.5, 0, 1e-9), &mut rng)
+                        .unwrap()
+                        .id,
+                    argmax
+                );
             }
         }
         // Ties: the lowest id, for greedy and top-k=1 alike.
         let tie = [0.0, 2.0, 1.0, 2.0];
-        assert_eq!(sample_token(&tie, &params(0.0, 0, 1.0), &mut rng).unwrap().id, 1);
-        assert_eq!(sample_token(&tie, &params(1.0, 1, 1.0), &mut rng).unwrap().id, 1);
+        assert_eq!(
+            sample_token(&tie, &params(0.0, 0, 1.0), &mut rng)
+                .unwrap()
+                .id,
+            1
+        );
+        assert_eq!(
+            sample_token(&tie, &params(1.0, 1, 1.0), &mut rng)
+                .unwrap()
+                .id,
+            1
+        );
     }
 
     #[test]
