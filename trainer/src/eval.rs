@@ -207,6 +207,9 @@ pub struct EvalReport {
     pub greedy_marker_rate: f64,
     /// Greedy completions that ended with EOS.
     pub greedy_eos_rate: f64,
+    /// Tokens generated (greedy and sampled) and the wall time of generation and scoring.
+    pub generated_tokens: usize,
+    pub seconds: f64,
     #[serde(skip_serializing_if = "Vec::is_empty", default)]
     pub examples: Vec<EvalExample>,
 }
@@ -250,6 +253,7 @@ pub fn evaluate(
         }
         prompts.push(ids);
     }
+    let start = std::time::Instant::now();
     let mut rng = ChaCha8Rng::seed_from_u64(cfg.seed);
     let greedy = generate(model, tokenizer, &prompts, &cfg.generation(true), &mut rng)?;
     let sampled = if cfg.samples > 0 {
@@ -298,6 +302,12 @@ pub fn evaluate(
         mean_completion_tokens: mean(examples.iter().map(|e| e.greedy.tokens as f64)),
         greedy_marker_rate: mean(examples.iter().map(|e| b(e.greedy.marker))),
         greedy_eos_rate: mean(examples.iter().map(|e| b(e.greedy.stop == StopReason::Eos))),
+        generated_tokens: greedy
+            .iter()
+            .chain(&sampled)
+            .map(|g| g.completion_ids.len())
+            .sum(),
+        seconds: start.elapsed().as_secs_f64(),
         examples,
     })
 }
@@ -424,8 +434,14 @@ pub fn summary(r: &EvalReport) -> String {
         ));
     }
     s.push_str(&format!(
-        "mean completion tokens {:.1}\ngreedy #### rate {:.4}\ngreedy EOS rate {:.4}",
-        r.mean_completion_tokens, r.greedy_marker_rate, r.greedy_eos_rate
+        "mean completion tokens {:.1}\ngreedy #### rate {:.4}\ngreedy EOS rate {:.4}\n\
+         generated {} tokens in {:.2} s ({:.1} tokens/s)",
+        r.mean_completion_tokens,
+        r.greedy_marker_rate,
+        r.greedy_eos_rate,
+        r.generated_tokens,
+        r.seconds,
+        r.generated_tokens as f64 / r.seconds.max(1e-9)
     ));
     s
 }

@@ -90,6 +90,12 @@ fn accuracy_counts_the_right_examples() {
     assert_eq!(r.pass_at_samples, Some(pass));
     let mean_tokens = greedy.iter().map(|g| g.completion_ids.len()).sum::<usize>() as f64 / 8.0;
     assert_eq!(r.mean_completion_tokens, mean_tokens);
+    let all_tokens: usize = r
+        .examples
+        .iter()
+        .map(|e| e.greedy.tokens + e.sampled.iter().map(|s| s.tokens).sum::<usize>())
+        .sum();
+    assert_eq!(r.generated_tokens, all_tokens);
 
     // Greedy only.
     let g_only = evaluate(
