@@ -330,3 +330,41 @@ fn generate_takes_the_callers_rng() {
     assert_eq!(ids(&generate(&model, tok, &ps, &c, &mut r2).unwrap()), a1);
     assert_eq!(ids(&generate(&model, tok, &ps, &c, &mut r2).unwrap()), a2);
 }
+
+#[test]
+fn sampled_logprobs_are_untruncated_tempered_log_softmax() {
+    // Reference: one full forward over prompt + completion, log_softmax(z / τ) in f64 over the
+    // tokenizer's vocabulary, read at each sampled id (top-k truncation not applied).
+    let (model, tok) = byte_model(256);
+    let ps = prompts(tok);
+    let tau = 0.7;
+    let c = GenerationConfig {
+        top_k: 20,
+        num_generations: 2,
+        ..cfg(tau, 6)
+    };
+    let support = tok.get_vocab_size(true);
+    for g in generate_seeded(&model, tok, &ps, &c).unwrap() {
+        let all: Vec<u32> = g
+            .prompt_ids
+            .iter()
+            .chain(&g.completion_ids)
+            .copied()
+            .collect();
+        let n = all.len();
+        let ids = candle_core::Tensor::from_vec(all, (1, n), model.device()).unwrap();
+        let logits = model.forward(&ids).unwrap().squeeze(0).unwrap();
+        let rows: Vec<Vec<f32>> = logits.to_vec2().unwrap();
+        let l = g.prompt_ids.len();
+        for (t, (&x, &lp)) in g.completion_ids.iter().zip(&g.sampled_logprobs).enumerate() {
+            let row: Vec<f64> = rows[l - 1 + t][..support]
+                .iter()
+                .map(|&z| z as f64 / tau)
+                .collect();
+            let m = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let lse = m + row.iter().map(|z| (z - m).exp()).sum::<f64>().ln();
+            let want = row[x as usize] - lse;
+            assert!((lp as f64 - want).abs() < 1e-3, "t {t}: {lp} vs {want}");
+        }
+    }
+}
