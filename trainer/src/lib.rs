@@ -1,5 +1,9 @@
 //! xdistill trainer library: everything the `trainer` binary does, importable by tests and benches.
 
+pub mod answer;
 pub mod collate;
+pub mod eval;
+pub mod generate;
 pub mod init_model;
 pub mod student;
+pub mod task;

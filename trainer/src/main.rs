@@ -3,7 +3,7 @@
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 
-use xdistill_trainer::init_model;
+use xdistill_trainer::{eval, init_model, task};
 
 #[derive(Parser)]
 #[command(
@@ -20,6 +20,10 @@ struct Cli {
 enum Command {
     /// Write a randomly initialised model as a Hugging Face directory.
     InitModel(init_model::Args),
+    /// Accuracy of a model on a prompts file (greedy and sampled).
+    Eval(eval::Args),
+    /// Write a synthetic arithmetic task (train.jsonl, test.jsonl).
+    MakeTask(task::Args),
 }
 
 fn main() -> Result<()> {
@@ -31,5 +35,7 @@ fn main() -> Result<()> {
         .init();
     match Cli::parse().command {
         Command::InitModel(a) => init_model::run(a),
+        Command::Eval(a) => eval::run(a).map(|_| ()),
+        Command::MakeTask(a) => Ok(task::run(a)?),
     }
 }

@@ -347,9 +347,20 @@ impl Decoder {
         rms_norm(&x, &self.norm, self.cfg.rms_norm_eps, self.ops)
     }
 
-    /// Logits of the hidden states: [B, T, H] → [B, T, V] (in the model dtype).
+    /// Logits of the hidden states: [..., H] → [..., V] (in the model dtype).
+    ///
+    /// Computed as one rank-2 matmul against the transposed *view* of the head, which the
+    /// matmul reads in place (a rank-3 broadcast would copy the whole [H, V] head each call).
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
-        hidden.broadcast_matmul(&self.lm_head.t()?)
+        let dims = hidden.dims().to_vec();
+        let h = *dims.last().unwrap_or(&0);
+        let rows = hidden.elem_count() / h.max(1);
+        let out = hidden.reshape((rows, h))?.matmul(&self.lm_head.t()?)?;
+        let mut shape = dims;
+        if let Some(last) = shape.last_mut() {
+            *last = self.lm_head.dim(0)?;
+        }
+        out.reshape(shape)
     }
 
     /// Convenience: logits for all positions, [B, T] → [B, T, V].

@@ -1,0 +1,58 @@
+"""PyTorch eager reference for the student training step (outside CI).
+
+Runs the same step as `cargo run --release -p xdistill-trainer --example step_bench`: the same
+model directory, the same batch (read from the safetensors file the Rust bench writes), the same
+loss (forward KL over the teacher's top-k with a tail bucket, temperature 1, plus 0.1 x CE on the
+targets), AdamW (lr 1e-4, wd 0.01), and prints the median step time.
+
+    python bench/torch_step.py MODEL_DIR BATCH.safetensors STEPS THREADS
+"""
+import json, statistics, sys, time
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+model_dir, batch_path = sys.argv[1], sys.argv[2]
+steps = int(sys.argv[3]) if len(sys.argv) > 3 else 10
+threads = int(sys.argv[4]) if len(sys.argv) > 4 else torch.get_num_threads()
+torch.set_num_threads(threads)
+b = load_file(batch_path)
+ids, targets, mask = b["ids"].long(), b["targets"].long(), b["mask"].float()
+t_ids, t_lp = b["teacher_ids"].long(), b["teacher_logprobs"].float()
+model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+model.train()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, betas=(0.9, 0.999), eps=1e-8)
+
+
+def log1mexp(x):
+    # log(1 - exp(x)) for x < 0, stable
+    return torch.where(x > -0.693, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def step():
+    logits = model(ids).logits  # [B, T, V]
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    s_k = lp.gather(-1, t_ids)  # [B, T, k]
+    s_tail = log1mexp(torch.logsumexp(s_k, -1).clamp(max=-1e-7))
+    t_tail = log1mexp(torch.logsumexp(t_lp, -1).clamp(max=-1e-7))
+    kl = (t_lp.exp() * (t_lp - s_k)).sum(-1) + t_tail.exp() * (t_tail - s_tail)
+    ce = -lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    n = mask.sum()
+    loss = ((kl + 0.1 * ce) * mask).sum() / n
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss.item()
+
+
+step()  # warm-up
+times = []
+for _ in range(steps):
+    t0 = time.perf_counter()
+    loss = step()
+    times.append(time.perf_counter() - t0)
+tokens = int(mask.sum().item())
+med = statistics.median(times)
+print(json.dumps({"impl": "pytorch-eager", "threads": threads, "median_step_s": med,
+                  "tokens_per_s": ids.numel() / med, "trained_tokens": tokens, "last_loss": loss}))

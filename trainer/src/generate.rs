@@ -1,0 +1,499 @@
+//! Student generation: batched sampling with a KV cache, for on-policy rollouts and evaluation.
+//!
+//! - Prompts are grouped into batches of `batch_size` rows (sorted by length to limit padding),
+//!   **left-padded**, and prefilled once with per-row RoPE `positions` and a `key_valid` mask,
+//!   so every row computes exactly what it would alone. Then one token per step is fed for all
+//!   rows, reusing the cache.
+//! - Finished rows stay in the batch (the cache cannot drop rows): they are fed a pad token whose
+//!   key is masked, and their outputs are ignored. The batch stops when every row is done.
+//! - Each row (prompt × generation) gets its own ChaCha8 stream, seeded from the caller's RNG in
+//!   (prompt, generation) order before any work, so samples do not depend on `batch_size`, on
+//!   the length sort, or on the cache: [`generate_no_cache`] draws the same tokens.
+//! - `sampled_logprobs[t]` = `log_softmax(z_t / τ)[x_t]` over the whole vocabulary the tokenizer
+//!   knows, **before** top-k/top-p truncation (τ = 1 when greedy): the `lp_S_old` of on-policy
+//!   distillation. See [`sampling`].
+
+pub mod sampling;
+
+use candle_core::{DType, Tensor};
+use indicatif::{ProgressBar, ProgressStyle};
+use rand::{RngCore, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+use tokenizers::Tokenizer;
+use xdistill_shared::model::{Decoder, KvCache};
+
+pub use sampling::{sample_token, SampleError, Sampled, SamplingParams};
+
+#[derive(Debug, thiserror::Error)]
+pub enum GenerateError {
+    #[error("invalid generation config: {0}")]
+    Config(String),
+    #[error("prompt {0} is empty")]
+    EmptyPrompt(usize),
+    #[error("prompt {index} has token id {id}, outside the model vocabulary of {vocab}")]
+    TokenOutOfRange { index: usize, id: u32, vocab: usize },
+    #[error(
+        "prompt {index} has {len} tokens, which leaves no room to generate within \
+         max_position_embeddings {max}"
+    )]
+    PromptTooLong {
+        index: usize,
+        len: usize,
+        max: usize,
+    },
+    #[error("sampling: {0}")]
+    Sample(#[from] SampleError),
+    #[error("model: {0}")]
+    Model(#[from] candle_core::Error),
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+}
+
+/// Generation settings. Every field has a default, so a config file may name only some.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GenerationConfig {
+    /// Upper bound on generated tokens per row (the EOS token counts).
+    pub max_new_tokens: usize,
+    /// 0 = greedy.
+    pub temperature: f64,
+    /// 1 = off.
+    pub top_p: f64,
+    /// 0 = off.
+    pub top_k: usize,
+    /// Completions per prompt.
+    pub num_generations: usize,
+    /// Seed of [`GenerationConfig::rng`]; training loops make one RNG from it for the whole run.
+    pub seed: u64,
+    /// Stop once the completion text contains one of these (the text is cut before it).
+    pub stop_strings: Vec<String>,
+    /// End-of-sequence ids; `None` = the model config's `eos_token_id`, `Some([])` = never.
+    pub eos_ids: Option<Vec<u32>>,
+    /// Rows (prompt × generation) per forward pass; 0 = all at once.
+    pub batch_size: usize,
+    /// Show a progress bar (rows finished).
+    pub progress: bool,
+}
+
+impl Default for GenerationConfig {
+    fn default() -> Self {
+        GenerationConfig {
+            max_new_tokens: 256,
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            num_generations: 1,
+            seed: 0,
+            stop_strings: Vec::new(),
+            eos_ids: None,
+            batch_size: 32,
+            progress: false,
+        }
+    }
+}
+
+impl GenerationConfig {
+    /// Greedy decoding, one generation per prompt.
+    pub fn greedy(max_new_tokens: usize) -> Self {
+        GenerationConfig {
+            max_new_tokens,
+            temperature: 0.0,
+            ..Default::default()
+        }
+    }
+
+    pub fn sampling(&self) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+        }
+    }
+
+    /// A fresh RNG from `seed`.
+    pub fn rng(&self) -> ChaCha8Rng {
+        ChaCha8Rng::seed_from_u64(self.seed)
+    }
+
+    pub fn validate(&self) -> Result<(), GenerateError> {
+        self.sampling()
+            .validate()
+            .map_err(|e| GenerateError::Config(e.to_string()))?;
+        if self.num_generations == 0 {
+            return Err(GenerateError::Config(
+                "num_generations must be at least 1".into(),
+            ));
+        }
+        if self.stop_strings.iter().any(|s| s.is_empty()) {
+            return Err(GenerateError::Config(
+                "stop strings must not be empty".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Why a row stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StopReason {
+    /// Sampled an EOS id (it is the last completion id).
+    Eos,
+    /// The completion text contains a stop string.
+    StopString,
+    /// Reached `max_new_tokens`.
+    MaxNewTokens,
+    /// Reached the model's `max_position_embeddings` (see the module docs on padding).
+    ContextFull,
+}
+
+/// One completion.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Generation {
+    /// Index into the `prompts` argument.
+    pub prompt_index: usize,
+    /// 0..num_generations.
+    pub sample_index: usize,
+    pub prompt_ids: Vec<u32>,
+    /// Generated ids: with the EOS id when `hit_eos`, and up to and including the token that
+    /// completed a stop string.
+    pub completion_ids: Vec<u32>,
+    /// `decode(completion_ids)` without the EOS, special tokens skipped, cut before the first
+    /// stop string.
+    pub completion_text: String,
+    pub hit_eos: bool,
+    pub stop: StopReason,
+    /// Per completion id: `log_softmax(z / τ)[x_t]`, untruncated by top-k/top-p (τ = 1 greedy).
+    pub sampled_logprobs: Vec<f32>,
+}
+
+/// One row being generated: its RNG, tokens so far and stop state.
+struct Row {
+    prompt_index: usize,
+    sample_index: usize,
+    prompt: Vec<u32>,
+    rng: ChaCha8Rng,
+    ids: Vec<u32>,
+    logprobs: Vec<f32>,
+    /// Most tokens this row may generate (max_new_tokens and the context limit).
+    limit: usize,
+    limited_by_context: bool,
+    done: Option<StopReason>,
+    text: Option<String>,
+}
+
+/// Settings shared by every row of one call.
+struct Ctx<'a> {
+    tokenizer: &'a Tokenizer,
+    params: SamplingParams,
+    eos: Vec<u32>,
+    stops: &'a [String],
+    /// Ids the tokenizer can decode; logits beyond are never sampled.
+    support: usize,
+}
+
+fn decode(tok: &Tokenizer, ids: &[u32]) -> Result<String, GenerateError> {
+    tok.decode(ids, true)
+        .map_err(|e| GenerateError::Tokenizer(e.to_string()))
+}
+
+impl Row {
+    fn finished(&self) -> bool {
+        self.done.is_some()
+    }
+
+    /// Samples from this row's logits `[V]`, appends the token and updates the stop state.
+    fn step(&mut self, logits: &[f32], ctx: &Ctx) -> Result<u32, GenerateError> {
+        let s = sample_token(&logits[..ctx.support], &ctx.params, &mut self.rng)?;
+        self.ids.push(s.id);
+        self.logprobs.push(s.logprob);
+        if ctx.eos.contains(&s.id) {
+            self.done = Some(StopReason::Eos);
+        } else if !ctx.stops.is_empty() {
+            let text = decode(ctx.tokenizer, &self.ids)?;
+            let first = ctx.stops.iter().filter_map(|s| text.find(s.as_str())).min();
+            if let Some(pos) = first {
+                self.text = Some(text[..pos].to_string());
+                self.done = Some(StopReason::StopString);
+            }
+        }
+        if self.done.is_none() && self.ids.len() >= self.limit {
+            self.done = Some(if self.limited_by_context {
+                StopReason::ContextFull
+            } else {
+                StopReason::MaxNewTokens
+            });
+        }
+        Ok(s.id)
+    }
+
+    fn finish(self, tok: &Tokenizer) -> Result<Generation, GenerateError> {
+        let stop = self.done.unwrap_or(StopReason::MaxNewTokens);
+        let hit_eos = stop == StopReason::Eos;
+        let completion_text = match self.text {
+            Some(t) => t,
+            None => {
+                let n = self.ids.len() - usize::from(hit_eos);
+                decode(tok, &self.ids[..n])?
+            }
+        };
+        Ok(Generation {
+            prompt_index: self.prompt_index,
+            sample_index: self.sample_index,
+            prompt_ids: self.prompt,
+            completion_ids: self.ids,
+            completion_text,
+            hit_eos,
+            stop,
+            sampled_logprobs: self.logprobs,
+        })
+    }
+}
+
+/// Checks the prompts and makes one row per (prompt, generation), each with its own RNG drawn
+/// from `rng` in that order.
+fn make_rows(
+    model: &Decoder,
+    prompts: &[Vec<u32>],
+    cfg: &GenerationConfig,
+    rng: &mut ChaCha8Rng,
+) -> Result<Vec<Row>, GenerateError> {
+    cfg.validate()?;
+    let mc = model.config();
+    let max_pos = mc.max_position_embeddings;
+    let mut rows = Vec::with_capacity(prompts.len() * cfg.num_generations);
+    for (i, p) in prompts.iter().enumerate() {
+        if p.is_empty() {
+            return Err(GenerateError::EmptyPrompt(i));
+        }
+        if let Some(&id) = p.iter().find(|&&id| id as usize >= mc.vocab_size) {
+            return Err(GenerateError::TokenOutOfRange {
+                index: i,
+                id,
+                vocab: mc.vocab_size,
+            });
+        }
+        if p.len() >= max_pos && cfg.max_new_tokens > 0 {
+            return Err(GenerateError::PromptTooLong {
+                index: i,
+                len: p.len(),
+                max: max_pos,
+            });
+        }
+        let room = max_pos.saturating_sub(p.len());
+        for s in 0..cfg.num_generations {
+            rows.push(Row {
+                prompt_index: i,
+                sample_index: s,
+                prompt: p.clone(),
+                rng: ChaCha8Rng::seed_from_u64(rng.next_u64()),
+                ids: Vec::new(),
+                logprobs: Vec::new(),
+                limit: cfg.max_new_tokens.min(room),
+                limited_by_context: room < cfg.max_new_tokens,
+                done: (cfg.max_new_tokens == 0).then_some(StopReason::MaxNewTokens),
+                text: None,
+            });
+        }
+    }
+    Ok(rows)
+}
+
+fn make_ctx<'a>(
+    model: &Decoder,
+    tokenizer: &'a Tokenizer,
+    cfg: &'a GenerationConfig,
+) -> Result<Ctx<'a>, GenerateError> {
+    let vocab = model.config().vocab_size;
+    let support = tokenizer.get_vocab_size(true).min(vocab);
+    if support == 0 {
+        return Err(GenerateError::Tokenizer(
+            "tokenizer has an empty vocabulary".into(),
+        ));
+    }
+    Ok(Ctx {
+        tokenizer,
+        params: cfg.sampling(),
+        eos: cfg
+            .eos_ids
+            .clone()
+            .unwrap_or_else(|| model.config().eos_ids()),
+        stops: &cfg.stop_strings,
+        support,
+    })
+}
+
+fn progress_bar(show: bool, n: usize) -> ProgressBar {
+    if !show {
+        return ProgressBar::hidden();
+    }
+    let pb = ProgressBar::new(n as u64);
+    if let Ok(style) =
+        ProgressStyle::with_template("generate {bar:30} {pos}/{len} rows {elapsed} eta {eta}")
+    {
+        pb.set_style(style);
+    }
+    pb
+}
+
+/// Generates completions for `prompts` (token ids, at least one each) with a KV cache.
+///
+/// Returns `prompts.len() * num_generations` generations ordered by (prompt, generation).
+/// Reproducible: the same `rng` state, prompts and config give the same tokens.
+pub fn generate(
+    model: &Decoder,
+    tokenizer: &Tokenizer,
+    prompts: &[Vec<u32>],
+    cfg: &GenerationConfig,
+    rng: &mut ChaCha8Rng,
+) -> Result<Vec<Generation>, GenerateError> {
+    let ctx = make_ctx(model, tokenizer, cfg)?;
+    let rows = make_rows(model, prompts, cfg, rng)?;
+    let pb = progress_bar(cfg.progress, rows.len());
+    // Longest prompts first, so each batch pads little; results go back to their slots.
+    let mut order: Vec<usize> = (0..rows.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(rows[i].prompt.len()));
+    let mut slots: Vec<Option<Row>> = rows.into_iter().map(Some).collect();
+    let bs = if cfg.batch_size == 0 {
+        order.len().max(1)
+    } else {
+        cfg.batch_size
+    };
+    let mut done: Vec<Option<Generation>> = vec![None; slots.len()];
+    for chunk in order.chunks(bs) {
+        let mut batch: Vec<Row> = chunk.iter().filter_map(|&i| slots[i].take()).collect();
+        generate_batch(model, &ctx, &mut batch, &pb)?;
+        for (&i, row) in chunk.iter().zip(batch) {
+            done[i] = Some(row.finish(tokenizer)?);
+        }
+    }
+    pb.finish_and_clear();
+    Ok(done.into_iter().flatten().collect())
+}
+
+/// [`generate`] seeded from `cfg.seed`.
+pub fn generate_seeded(
+    model: &Decoder,
+    tokenizer: &Tokenizer,
+    prompts: &[Vec<u32>],
+    cfg: &GenerationConfig,
+) -> Result<Vec<Generation>, GenerateError> {
+    generate(model, tokenizer, prompts, cfg, &mut cfg.rng())
+}
+
+/// Logits of the last position as CPU rows: `hidden` [B, T, H] → `B` rows of `V` f32.
+fn last_logits(model: &Decoder, hidden: &Tensor) -> Result<Vec<Vec<f32>>, GenerateError> {
+    let t = hidden.dim(1)?;
+    // [B, 1, H] -> [B, H]: a rank-2 product multiplies by the transposed LM head in place,
+    // where the rank-3 broadcast would copy the whole [H, V] head every step.
+    let last = hidden.narrow(1, t - 1, 1)?.squeeze(1)?.contiguous()?;
+    let logits = model.logits(&last)?; // [B, V]
+    Ok(logits.to_dtype(DType::F32)?.to_vec2::<f32>()?)
+}
+
+/// Runs one left-padded batch to completion.
+fn generate_batch(
+    model: &Decoder,
+    ctx: &Ctx,
+    rows: &mut [Row],
+    pb: &ProgressBar,
+) -> Result<(), GenerateError> {
+    let b = rows.len();
+    let dev = model.device();
+    let max_pos = model.config().max_position_embeddings;
+    let p = rows.iter().map(|r| r.prompt.len()).max().unwrap_or(0);
+    if b == 0 || p == 0 || rows.iter().all(Row::finished) {
+        return Ok(());
+    }
+    // 1. Left-pad to [B, P]: pads get id 0, position 0 and an invalid key.
+    let mut ids = vec![0u32; b * p];
+    let mut pos = vec![0u32; b * p];
+    let mut valid = vec![0f32; b * p];
+    for (r, row) in rows.iter().enumerate() {
+        let off = p - row.prompt.len();
+        for (j, &id) in row.prompt.iter().enumerate() {
+            ids[r * p + off + j] = id;
+            pos[r * p + off + j] = j as u32;
+            valid[r * p + off + j] = 1.0;
+        }
+    }
+    // `valid_cols[r]` grows by one key per step.
+    let mut valid_rows: Vec<Vec<f32>> = valid.chunks(p).map(|c| c.to_vec()).collect();
+    let mut cache = KvCache::new(model.config().num_hidden_layers);
+    let hidden = model.forward_hidden(
+        &Tensor::from_vec(ids, (b, p), dev)?,
+        Some(&mut cache),
+        Some(&Tensor::from_vec(pos, (b, p), dev)?),
+        Some(&Tensor::from_vec(valid, (b, p), dev)?),
+    )?;
+    let mut logits = last_logits(model, &hidden)?;
+    pb.inc(rows.iter().filter(|r| r.finished()).count() as u64);
+
+    // 2. Decode: sample for every live row, then feed all rows one token.
+    loop {
+        let mut next = vec![0u32; b];
+        let mut next_pos = vec![0u32; b];
+        for (r, row) in rows.iter_mut().enumerate() {
+            if row.finished() {
+                continue;
+            }
+            next[r] = row.step(&logits[r], ctx)?;
+            next_pos[r] = (row.prompt.len() + row.ids.len() - 1) as u32;
+            if row.finished() {
+                pb.inc(1);
+            }
+        }
+        if rows.iter().all(Row::finished) {
+            return Ok(());
+        }
+        // The padded cache holds P + steps keys; rows shorter than P can hit that first.
+        if cache.seq_len() + 1 > max_pos {
+            for row in rows.iter_mut().filter(|r| !r.finished()) {
+                row.done = Some(StopReason::ContextFull);
+                pb.inc(1);
+            }
+            return Ok(());
+        }
+        for (r, row) in rows.iter().enumerate() {
+            // A finished row's new key is masked, so it never disturbs anything (it only
+            // attends to itself).
+            valid_rows[r].push(if row.finished() { 0.0 } else { 1.0 });
+        }
+        let s = valid_rows[0].len();
+        let flat: Vec<f32> = valid_rows.iter().flatten().copied().collect();
+        let hidden = model.forward_hidden(
+            &Tensor::from_vec(next, (b, 1), dev)?,
+            Some(&mut cache),
+            Some(&Tensor::from_vec(next_pos, (b, 1), dev)?),
+            Some(&Tensor::from_vec(flat, (b, s), dev)?),
+        )?;
+        logits = last_logits(model, &hidden)?;
+    }
+}
+
+/// Reference path: every row alone, unpadded, re-running the whole sequence each step (no
+/// cache). Same rows, RNG streams and stop rules as [`generate`]; used by the tests.
+pub fn generate_no_cache(
+    model: &Decoder,
+    tokenizer: &Tokenizer,
+    prompts: &[Vec<u32>],
+    cfg: &GenerationConfig,
+    rng: &mut ChaCha8Rng,
+) -> Result<Vec<Generation>, GenerateError> {
+    let ctx = make_ctx(model, tokenizer, cfg)?;
+    let rows = make_rows(model, prompts, cfg, rng)?;
+    let mut out = Vec::with_capacity(rows.len());
+    for mut row in rows {
+        while !row.finished() {
+            let seq: Vec<u32> = row.prompt.iter().chain(&row.ids).copied().collect();
+            let n = seq.len();
+            let ids = Tensor::from_vec(seq, (1, n), model.device())?;
+            let hidden = model.forward_hidden(&ids, None, None, None)?;
+            let logits = last_logits(model, &hidden)?;
+            row.step(&logits[0], &ctx)?;
+        }
+        out.push(row.finish(tokenizer)?);
+    }
+    Ok(out)
+}
