@@ -2,3 +2,4 @@
 
 pub mod init_model;
 pub mod loss;
+pub mod optim;
