@@ -17,8 +17,10 @@ pub mod xtoken;
 use candle_core::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 
+pub use alm::alm_loss;
 pub use ce::{combine, cross_entropy, Combined};
 pub use kl::{topk_divergence, Divergence, TopkTargets};
+pub use xtoken::{gold_loss, pkl_loss, Projection, XTokenBatch};
 
 /// Errors of the loss functions: bad shapes or values in the inputs, a bad config, or candle.
 #[derive(Debug, thiserror::Error)]
