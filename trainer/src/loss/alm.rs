@@ -30,7 +30,10 @@ pub fn alm_loss(
 ) -> Result<(Tensor, KdMetrics)> {
     check_normalizer(normalizer)?;
     if !(tau.is_finite() && tau > 0.0) {
-        return Err(LossError::config("kd.tau", format!("must be > 0, got {tau}")));
+        return Err(LossError::config(
+            "kd.tau",
+            format!("must be > 0, got {tau}"),
+        ));
     }
     let (b, ts, v) = student_logits.dims3()?;
     if b != batch.batch || ts != batch.student_len {
@@ -46,7 +49,10 @@ pub fn alm_loss(
     }
     let tt = batch.teacher_len;
     if batch.student_targets.len() != b * ts {
-        return Err(LossError::input("student_targets", format!("expected {} entries", b * ts)));
+        return Err(LossError::input(
+            "student_targets",
+            format!("expected {} entries", b * ts),
+        ));
     }
     if batch.teacher_target_logprobs.len() != b * tt {
         return Err(LossError::input(
@@ -55,7 +61,10 @@ pub fn alm_loss(
         ));
     }
     if let Some(y) = batch.student_targets.iter().find(|&&y| y as usize >= v) {
-        return Err(LossError::input("student_targets", format!("id {y} >= vocab {v}")));
+        return Err(LossError::input(
+            "student_targets",
+            format!("id {y} >= vocab {v}"),
+        ));
     }
     let dt = compute_dtype(student_logits);
     let dev = student_logits.device().clone();
@@ -87,7 +96,9 @@ pub fn alm_loss(
     let n_c = chunks.len();
 
     // 2. Device: student target log-probs z[y] − logsumexp(z), summed per chunk, [C].
-    let z = student_logits.to_dtype(dt)?.affine(1.0 / temperature, 0.0)?;
+    let z = student_logits
+        .to_dtype(dt)?
+        .affine(1.0 / temperature, 0.0)?;
     let y = Tensor::from_vec(batch.student_targets.clone(), (b, ts, 1), &dev)?;
     let lp = (z.gather(&y, 2)?.squeeze(2)? - logsumexp_last(&z)?)?.flatten_all()?;
     let picked = lp.index_select(&index_tensor(pos, lp.elem_count(), &dev)?, 0)?;

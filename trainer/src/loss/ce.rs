@@ -37,7 +37,9 @@ pub fn cross_entropy(
     let dt = compute_dtype(logits);
     let z = logits.to_dtype(dt)?;
     // −log p(y) = logsumexp(z) − z[y]; [B, T].
-    let zy = z.gather(&targets.contiguous()?.unsqueeze(2)?, 2)?.squeeze(2)?;
+    let zy = z
+        .gather(&targets.contiguous()?.unsqueeze(2)?, 2)?
+        .squeeze(2)?;
     let nll = (logsumexp_last(&z)? - zy)?;
     masked_mean(&nll, &mask.to_dtype(dt)?, normalizer)
 }
@@ -56,9 +58,8 @@ pub struct Combined {
 /// `kd_weight·sg(|CE|/|KD|)·KD + CE`. The dynamic factor is computed from this call's values
 /// (per micro-batch under gradient accumulation).
 pub fn combine(kd: &Tensor, ce: Option<&Tensor>, config: &LossConfig) -> Result<Combined> {
-    let need_ce = || {
-        ce.ok_or_else(|| LossError::input("ce", "the config's `ce` term needs the CE loss"))
-    };
+    let need_ce =
+        || ce.ok_or_else(|| LossError::input("ce", "the config's `ce` term needs the CE loss"));
     let w = config.kd_weight;
     let (total, kd_scale) = match config.ce {
         CeConfig::None {} => (kd.affine(w, 0.0)?, w),
@@ -104,8 +105,7 @@ mod tests {
         let yt = Tensor::from_vec(y.clone(), (b, t), &Device::Cpu).unwrap();
         let mt = tensor(&mask, &[b, t], DType::F32);
         let want = reference(&z, &y, &mask, v);
-        let (l32, n) =
-            cross_entropy(&tensor(&z, &[b, t, v], DType::F32), &yt, &mt, None).unwrap();
+        let (l32, n) = cross_entropy(&tensor(&z, &[b, t, v], DType::F32), &yt, &mt, None).unwrap();
         assert_eq!(n, 5.0);
         assert!((scalar(&l32) - want).abs() < 1e-5 * want);
         let x = var(&z, &[b, t, v]);
@@ -142,8 +142,12 @@ mod tests {
 
         // Dynamic: value = |CE|/|KD|·KD + CE = 2·CE; d/dKD = |CE|/|KD| = 4 (stop-gradient on the
         // factor), d/dCE = 1.
-        let c = combine(kd.as_tensor(), Some(ce.as_tensor()), &cfg(CeConfig::Dynamic {}, 1.0))
-            .unwrap();
+        let c = combine(
+            kd.as_tensor(),
+            Some(ce.as_tensor()),
+            &cfg(CeConfig::Dynamic {}, 1.0),
+        )
+        .unwrap();
         assert!((scalar(&c.total) - 4.0).abs() < 1e-12);
         assert_eq!(c.kd_scale, 4.0);
         let g = c.total.backward().unwrap();

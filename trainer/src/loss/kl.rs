@@ -96,10 +96,7 @@ impl TopkTargets {
                 }
                 let v = lps[i];
                 if v.is_nan() {
-                    return Err(LossError::input(
-                        "logprobs",
-                        format!("position {p}: NaN"),
-                    ));
+                    return Err(LossError::input("logprobs", format!("position {p}: NaN")));
                 }
                 lps[i] = v.clamp(LOG_FLOOR as f32, 0.0);
             }
@@ -114,9 +111,8 @@ impl TopkTargets {
 
 /// Per-position divergence `[.., n] × [.., n] -> [..]`, summed over the last dim.
 pub fn divergence(lp_t: &Tensor, lp_s: &Tensor, div: Divergence) -> Result<Tensor> {
-    let fwd = |a: &Tensor, b: &Tensor| -> Result<Tensor> {
-        Ok((a.exp()? * (a - b)?)?.sum(D::Minus1)?)
-    };
+    let fwd =
+        |a: &Tensor, b: &Tensor| -> Result<Tensor> { Ok((a.exp()? * (a - b)?)?.sum(D::Minus1)?) };
     match div {
         Divergence::Forward => fwd(lp_t, lp_s),
         Divergence::Reverse => fwd(lp_s, lp_t),
@@ -152,8 +148,7 @@ pub fn topk_divergence(
 ) -> Result<(Tensor, KdMetrics)> {
     let (b, t, _v) = student_logits.dims3()?;
     let (tb, tt, k) = targets.ids.dims3()?;
-    if (tb, tt) != (b, t) || targets.logprobs.dims() != [b, t, k] || targets.mask.dims() != [b, t]
-    {
+    if (tb, tt) != (b, t) || targets.logprobs.dims() != [b, t, k] || targets.mask.dims() != [b, t] {
         return Err(LossError::input(
             "targets",
             format!(
@@ -177,18 +172,17 @@ pub fn topk_divergence(
     let ids = targets.ids.contiguous()?;
 
     // 1. Teacher log-probs at K (no gradient), [B, T, k]; their log-mass in K, [B, T].
-    let lp_t = targets
-        .logprobs
-        .detach()
-        .to_dtype(dt)?
-        .maximum(LOG_FLOOR)?;
+    let lp_t = targets.logprobs.detach().to_dtype(dt)?.maximum(LOG_FLOOR)?;
     let lse_t = logsumexp_last(&lp_t)?;
 
     // 2. Both sides as n-way log-distributions (n = k or k + 1), [B, T, n].
     let (lp_t_n, lp_s_n, lse_s_k) = match tail {
         TailMode::Renormalize => {
             // The full-vocab normaliser cancels: only the gathered logits enter the graph.
-            let zk = student_logits.gather(&ids, 2)?.to_dtype(dt)?.affine(inv_t, 0.0)?;
+            let zk = student_logits
+                .gather(&ids, 2)?
+                .to_dtype(dt)?
+                .affine(inv_t, 0.0)?;
             let lse_zk = logsumexp_last(&zk)?;
             let lp_s = zk.broadcast_sub(&lse_zk.unsqueeze(2)?)?;
             let lp_tn = lp_t.broadcast_sub(&lse_t.unsqueeze(2)?)?;

@@ -147,7 +147,11 @@ fn metrics_report_top_k_masses() {
     let (mut mt, mut ms) = (0.0, 0.0);
     for p in (0..B * T).filter(|&p| c.mask[p] == 1.0) {
         let ls = log_softmax(&c.zs[p * V..(p + 1) * V]);
-        mt += c.lpt[p * K..(p + 1) * K].iter().map(|x| x.exp()).sum::<f64>() / 5.0;
+        mt += c.lpt[p * K..(p + 1) * K]
+            .iter()
+            .map(|x| x.exp())
+            .sum::<f64>()
+            / 5.0;
         ms += c.ids[p * K..(p + 1) * K]
             .iter()
             .map(|&i| ls[i as usize].exp())
@@ -165,9 +169,15 @@ fn gradients_match_finite_differences_of_the_reference() {
     for div in DIVS {
         for tail in TAILS {
             let x = var(&c.zs, &[B, T, V]);
-            let (loss, _) =
-                topk_divergence(x.as_tensor(), &targets(&c, DType::F64), div, tail, tau, None)
-                    .unwrap();
+            let (loss, _) = topk_divergence(
+                x.as_tensor(),
+                &targets(&c, DType::F64),
+                div,
+                tail,
+                tau,
+                None,
+            )
+            .unwrap();
             let g = flat(loss.backward().unwrap().get(x.as_tensor()).unwrap());
             let want = numeric_grad(&c.zs, 1e-5, |z| reference(&c, z, div, tail, tau, None));
             assert_close(&g, &want, 1e-7, &format!("grad {div:?} {tail:?}"));
@@ -210,7 +220,11 @@ fn jsd_limits_follow_the_trl_convention() {
     let logits = tensor(&c.zs, &[B, T, V], DType::F64);
     let tg = targets(&c, DType::F64);
     let run = |div| {
-        scalar(&topk_divergence(&logits, &tg, div, TailMode::Bucket, 1.0, None).unwrap().0)
+        scalar(
+            &topk_divergence(&logits, &tg, div, TailMode::Bucket, 1.0, None)
+                .unwrap()
+                .0,
+        )
     };
     let fwd = run(Divergence::Forward);
     let rev = run(Divergence::Reverse);
@@ -264,14 +278,28 @@ fn temperature_scales_by_tau_squared() {
     )
     .unwrap();
     let scaled: Vec<f64> = c.zs.iter().map(|z| z / 3.0).collect();
-    let unscaled = reference(&c, &scaled, Divergence::Forward, TailMode::Bucket, 1.0, None);
+    let unscaled = reference(
+        &c,
+        &scaled,
+        Divergence::Forward,
+        TailMode::Bucket,
+        1.0,
+        None,
+    );
     assert!((scalar(&loss) - 9.0 * unscaled).abs() < 1e-10);
 }
 
 #[test]
 fn micro_batches_with_global_normalizer_sum_to_the_full_batch() {
     let c = case(10, 1.0);
-    let full = reference(&c, &c.zs, Divergence::Jsd { beta: 0.5 }, TailMode::Bucket, 1.0, None);
+    let full = reference(
+        &c,
+        &c.zs,
+        Divergence::Jsd { beta: 0.5 },
+        TailMode::Bucket,
+        1.0,
+        None,
+    );
     let tg = targets(&c, DType::F64);
     let logits = tensor(&c.zs, &[B, T, V], DType::F64);
     let mut sum = 0.0;

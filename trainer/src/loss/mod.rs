@@ -8,6 +8,7 @@
 pub mod alm;
 pub mod ce;
 pub mod kl;
+pub mod sampled;
 pub mod stable;
 #[cfg(test)]
 pub(crate) mod testutil;
@@ -20,15 +21,22 @@ use serde::{Deserialize, Serialize};
 pub use alm::alm_loss;
 pub use ce::{combine, cross_entropy, Combined};
 pub use kl::{topk_divergence, Divergence, TopkTargets};
+pub use sampled::{sampled_token_loss, SampledTargets};
 pub use xtoken::{gold_loss, pkl_loss, Projection, XTokenBatch};
 
 /// Errors of the loss functions: bad shapes or values in the inputs, a bad config, or candle.
 #[derive(Debug, thiserror::Error)]
 pub enum LossError {
     #[error("invalid loss input `{field}`: {message}")]
-    Input { field: &'static str, message: String },
+    Input {
+        field: &'static str,
+        message: String,
+    },
     #[error("invalid loss config `{field}`: {message}")]
-    Config { field: &'static str, message: String },
+    Config {
+        field: &'static str,
+        message: String,
+    },
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
 }
@@ -54,7 +62,7 @@ pub type Result<T> = std::result::Result<T, LossError>;
 ///
 /// ```toml
 /// [loss]
-/// kd = { type = "jsd", beta = 0.5 }   # forward_kl | reverse_kl | jsd | pkl | gold | alm
+/// kd = { type = "jsd", beta = 0.5 }   # forward_kl | reverse_kl | jsd | sampled_kl | pkl | gold | alm
 /// tail = "bucket"                     # renormalize | bucket | ignore (same tokenizer only)
 /// temperature = 1.0                   # τ: both sides' logits / τ, loss · τ²
 /// kd_weight = 1.0
@@ -97,6 +105,9 @@ pub enum KdConfig {
     ReverseKl {},
     /// Generalized JSD(β), TRL convention: β = 0 is forward KL, β = 1 reverse KL.
     Jsd { beta: f64 },
+    /// On-policy sampled-token reverse KL (REINFORCE form; needs only the teacher's log-prob
+    /// of each sampled token).
+    SampledKl {},
     /// Cross-tokenizer chunk-level projected KL (NeMo's P-KL).
     Pkl {
         #[serde(default)]
@@ -124,6 +135,11 @@ impl KdConfig {
             self,
             KdConfig::Pkl { .. } | KdConfig::Gold { .. } | KdConfig::Alm { .. }
         )
+    }
+
+    /// Whether this loss needs the sampled-token inputs ([`SampledTargets`]).
+    pub fn is_sampled(&self) -> bool {
+        matches!(self, KdConfig::SampledKl {})
     }
 }
 
@@ -224,6 +240,71 @@ impl LossConfig {
     }
 }
 
+/// What a distillation loss is computed from (see [`kd_loss`]).
+#[derive(Debug, Clone, Copy)]
+pub enum KdInputs<'a> {
+    /// Same tokenizer: the teacher's top-k at the student's positions.
+    Topk(&'a TopkTargets),
+    /// On-policy: the teacher's log-probs of the student's sampled tokens.
+    Sampled(&'a SampledTargets),
+    /// Cross tokenizer: aligned chunks and the projection (ALM does not read the projection).
+    XToken {
+        batch: &'a XTokenBatch,
+        projection: &'a Projection,
+    },
+}
+
+/// The distillation loss `config.kd` on `student_logits` `[B, T, V]` (before `kd_weight`; see
+/// [`combine`]). `normalizer`: the global count of valid units (tokens, or chunks for the
+/// cross-tokenizer losses) of an accumulated batch, else the local count is used.
+pub fn kd_loss(
+    config: &LossConfig,
+    student_logits: &Tensor,
+    inputs: KdInputs<'_>,
+    normalizer: Option<f64>,
+) -> Result<(Tensor, KdMetrics)> {
+    let tau = config.temperature;
+    match (&config.kd, inputs) {
+        (
+            KdConfig::ForwardKl {} | KdConfig::ReverseKl {} | KdConfig::Jsd { .. },
+            KdInputs::Topk(t),
+        ) => {
+            let div = config
+                .divergence()
+                .ok_or_else(|| LossError::config("kd", "not a top-k loss"))?;
+            topk_divergence(student_logits, t, div, config.tail, tau, normalizer)
+        }
+        (KdConfig::SampledKl {}, KdInputs::Sampled(s)) => {
+            sampled_token_loss(student_logits, s, tau, normalizer)
+        }
+        (KdConfig::Pkl { anchor }, KdInputs::XToken { batch, projection }) => {
+            pkl_loss(student_logits, batch, projection, *anchor, tau, normalizer)
+        }
+        (
+            KdConfig::Gold {
+                matched_weight,
+                unmatched_weight,
+            },
+            KdInputs::XToken { batch, projection },
+        ) => gold_loss(
+            student_logits,
+            batch,
+            projection,
+            *matched_weight,
+            *unmatched_weight,
+            tau,
+            normalizer,
+        ),
+        (KdConfig::Alm { tau: alm_tau }, KdInputs::XToken { batch, .. }) => {
+            alm_loss(student_logits, batch, *alm_tau, tau, normalizer)
+        }
+        (kd, _) => Err(LossError::config(
+            "kd",
+            format!("{kd:?} cannot be computed from these inputs"),
+        )),
+    }
+}
+
 /// Detached numbers describing one loss evaluation (for logs and metrics).
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct KdMetrics {
@@ -273,8 +354,8 @@ mod tests {
         assert_eq!(c.ce, CeConfig::Weight { weight: 0.1 });
         c.validate().unwrap();
 
-        let c = parse("[loss]\nkd = { type = \"forward_kl\" }\nce = { type = \"dynamic\" }\n")
-            .unwrap();
+        let c =
+            parse("[loss]\nkd = { type = \"forward_kl\" }\nce = { type = \"dynamic\" }\n").unwrap();
         assert_eq!(c.kd, KdConfig::ForwardKl {});
         assert_eq!(c.tail, TailMode::Bucket);
         assert_eq!(c.ce, CeConfig::Dynamic {});
@@ -298,7 +379,9 @@ mod tests {
         assert!(parse("[loss]\nkd = { type = \"kl\" }\n").is_err());
         assert!(parse("[loss]\nkd = { type = \"forward_kl\", beta = 1 }\n").is_err());
         assert!(parse("[loss]\nkd = { type = \"jsd\", beta = 0.5, bta = 1 }\n").is_err());
-        assert!(parse("[loss]\nkd = { type = \"alm\" }\nce = { type = \"dynamic\", w = 1 }\n").is_err());
+        assert!(
+            parse("[loss]\nkd = { type = \"alm\" }\nce = { type = \"dynamic\", w = 1 }\n").is_err()
+        );
         assert!(parse("[loss]\nkd = { type = \"forward_kl\" }\ntemprature = 2.0\n").is_err());
         let c = parse("[loss]\nkd = { type = \"jsd\", beta = 1.5 }\n").unwrap();
         assert!(c.validate().is_err());

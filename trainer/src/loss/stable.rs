@@ -66,7 +66,10 @@ pub fn masked_mean(
     mask: &Tensor,
     normalizer: Option<f64>,
 ) -> Result<(Tensor, f64)> {
-    let count = mask.to_dtype(candle_core::DType::F64)?.sum_all()?.to_scalar::<f64>()?;
+    let count = mask
+        .to_dtype(candle_core::DType::F64)?
+        .sum_all()?
+        .to_scalar::<f64>()?;
     let n = normalizer.unwrap_or(count);
     let total = (per_unit * mask.to_dtype(per_unit.dtype())?)?.sum_all()?;
     let scale = if n > 0.0 { 1.0 / n } else { 0.0 };

@@ -36,7 +36,10 @@ pub fn topk_indices(x: &Tensor, k: usize) -> Result<Tensor> {
     };
     let x3 = x.reshape((rows, nb, BLOCK))?;
     // 2. Best k per block, as global column indices: [R, nb·k].
-    let local = x3.arg_sort_last_dim(false)?.narrow(D::Minus1, 0, k)?.contiguous()?;
+    let local = x3
+        .arg_sort_last_dim(false)?
+        .narrow(D::Minus1, 0, k)?
+        .contiguous()?;
     let vals = x3.gather(&local, D::Minus1)?.reshape((rows, nb * k))?;
     let offsets: Vec<u32> = (0..nb).map(|b| (b * BLOCK) as u32).collect();
     let offsets = Tensor::from_vec(offsets, (1, nb, 1), x.device())?;
@@ -55,7 +58,12 @@ mod tests {
     #[test]
     fn matches_a_host_sort_on_wide_and_narrow_rows() {
         let mut r = rng(71);
-        for (rows, v, k) in [(3, 10_000, 7), (2, 8_193, 64), (4, 50, 5), (1, 3 * BLOCK, 3)] {
+        for (rows, v, k) in [
+            (3, 10_000, 7),
+            (2, 8_193, 64),
+            (4, 50, 5),
+            (1, 3 * BLOCK, 3),
+        ] {
             let data = uniform(&mut r, rows * v, 10.0);
             let x = Tensor::from_vec(data.clone(), (rows, v), &Device::Cpu)
                 .unwrap()

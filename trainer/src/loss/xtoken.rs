@@ -286,11 +286,7 @@ impl XTokenBatch {
 
 /// Checks `[B, Ts, V]` against the batch and narrows the vocabulary to the projection's
 /// (padded LM-head columns are not tokens); returns the logits in the compute dtype.
-pub(crate) fn student_view(
-    logits: &Tensor,
-    batch: &XTokenBatch,
-    vocab: usize,
-) -> Result<Tensor> {
+pub(crate) fn student_view(logits: &Tensor, batch: &XTokenBatch, vocab: usize) -> Result<Tensor> {
     let (b, t, v) = logits.dims3()?;
     if b != batch.batch || t != batch.student_len || v < vocab {
         return Err(LossError::input(
@@ -315,9 +311,17 @@ pub(crate) fn student_view(
 pub(crate) fn index_tensor(idx: Vec<u64>, limit: usize, device: &Device) -> Result<Tensor> {
     let n = idx.len();
     Ok(if limit <= u32::MAX as usize {
-        Tensor::from_vec(idx.into_iter().map(|i| i as u32).collect::<Vec<_>>(), n, device)?
+        Tensor::from_vec(
+            idx.into_iter().map(|i| i as u32).collect::<Vec<_>>(),
+            n,
+            device,
+        )?
     } else {
-        Tensor::from_vec(idx.into_iter().map(|i| i as i64).collect::<Vec<_>>(), n, device)?
+        Tensor::from_vec(
+            idx.into_iter().map(|i| i as i64).collect::<Vec<_>>(),
+            n,
+            device,
+        )?
     })
 }
 
@@ -399,9 +403,8 @@ pub fn pkl_loss(
     let loss = per_chunk
         .sum_all()?
         .affine(temperature * temperature / n, 0.0)?;
-    let mean = |t: &Tensor| -> Result<f64> {
-        Ok(t.to_dtype(DType::F64)?.mean_all()?.to_scalar::<f64>()?)
-    };
+    let mean =
+        |t: &Tensor| -> Result<f64> { Ok(t.to_dtype(DType::F64)?.mean_all()?.to_scalar::<f64>()?) };
     let metrics = KdMetrics {
         loss: loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
         count: n_units as f64,
@@ -439,7 +442,10 @@ pub fn gold_loss(
     batch.check_len("teacher_targets", &batch.teacher_targets, b * tt)?;
     let vs = proj.student_vocab();
     if k > vs {
-        return Err(LossError::input("k", format!("k = {k} > student vocab {vs}")));
+        return Err(LossError::input(
+            "k",
+            format!("k = {k} > student vocab {vs}"),
+        ));
     }
     let chunks = batch.chunks()?;
     if chunks.is_empty() {
@@ -458,7 +464,10 @@ pub fn gold_loss(
         let s_tok = batch.student_targets[c.b * ts + t] as usize;
         let u_tok = batch.teacher_targets[c.b * tt + a];
         let one_to_one = c.student.len() == 1 && c.teacher.len() == 1;
-        let mapped: Vec<Option<u32>> = ids.iter().map(|&u| proj.exact_student(u as usize)).collect();
+        let mapped: Vec<Option<u32>> = ids
+            .iter()
+            .map(|&u| proj.exact_student(u as usize))
+            .collect();
         if one_to_one
             && s_tok < vs
             && proj.exact_teacher(s_tok) == Some(u_tok)
@@ -535,7 +544,9 @@ pub fn gold_split(batch: &XTokenBatch, proj: &Projection) -> Result<(usize, usiz
         if c.student.len() == 1
             && c.teacher.len() == 1
             && proj.exact_teacher(s_tok) == Some(u_tok)
-            && ids.iter().any(|&u| proj.exact_student(u as usize).is_some())
+            && ids
+                .iter()
+                .any(|&u| proj.exact_student(u as usize).is_some())
         {
             matched += 1;
         }

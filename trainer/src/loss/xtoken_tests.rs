@@ -22,9 +22,15 @@ pub(crate) fn projection() -> Projection {
         let ids: Vec<u32> = match s {
             0..=2 => vec![s as u32],
             3..=6 => vec![s as u32, ((s + 2) % VT) as u32],
-            _ => vec![(s % VT) as u32, ((s + 1) % VT) as u32, ((s + 3) % VT) as u32],
+            _ => vec![
+                (s % VT) as u32,
+                ((s + 1) % VT) as u32,
+                ((s + 3) % VT) as u32,
+            ],
         };
-        let raw: Vec<f32> = (0..ids.len()).map(|i| 0.9 * 0.1f32.powi(i as i32)).collect();
+        let raw: Vec<f32> = (0..ids.len())
+            .map(|i| 0.9 * 0.1f32.powi(i as i32))
+            .collect();
         let sum: f32 = raw.iter().sum();
         indices.extend(&ids);
         weights.extend(raw.iter().map(|w| w / sum));
@@ -118,8 +124,14 @@ fn student_probs(zs: &[f64], b: usize, t: usize, tau: f64) -> Vec<f64> {
 fn teacher_row(x: &XTokenBatch, b: usize, t: usize) -> (Vec<usize>, Vec<f64>) {
     let o = (b * TT + t) * K;
     (
-        x.teacher_topk_ids[o..o + K].iter().map(|&u| u as usize).collect(),
-        x.teacher_topk_logprobs[o..o + K].iter().map(|&l| l as f64).collect(),
+        x.teacher_topk_ids[o..o + K]
+            .iter()
+            .map(|&u| u as usize)
+            .collect(),
+        x.teacher_topk_logprobs[o..o + K]
+            .iter()
+            .map(|&l| l as f64)
+            .collect(),
     )
 }
 
@@ -128,7 +140,11 @@ fn ref_pkl(x: &XTokenBatch, zs: &[f64], anchor: Anchor, tau: f64) -> f64 {
     let chunks = ref_chunks(x);
     let mut total = 0.0;
     for (b, s, t) in &chunks {
-        let a = if anchor == Anchor::First { t[0] } else { *t.last().unwrap() };
+        let a = if anchor == Anchor::First {
+            t[0]
+        } else {
+            *t.last().unwrap()
+        };
         let (ids, l) = teacher_row(x, *b, a);
         // Q[j] = mean over student positions of Σ_s W[s, K_j]·p(s), then renormalised.
         let mut q = vec![0.0; K];
@@ -139,7 +155,9 @@ fn ref_pkl(x: &XTokenBatch, zs: &[f64], anchor: Anchor, tau: f64) -> f64 {
             }
         }
         let qs: f64 = q.iter().sum();
-        total += (0..K).map(|j| l[j].exp() * (l[j] - (q[j] / qs).ln())).sum::<f64>();
+        total += (0..K)
+            .map(|j| l[j].exp() * (l[j] - (q[j] / qs).ln()))
+            .sum::<f64>();
     }
     tau * tau * total / chunks.len() as f64
 }
@@ -232,8 +250,8 @@ fn pkl_matches_reference_and_finite_differences() {
         let want = ref_pkl(&x, &zs, anchor, tau);
         let p = projection();
         for (dtype, tol) in [(DType::F64, 1e-8), (DType::F32, 2e-5)] {
-            let (l, m) = pkl_loss(&tensor(&zs, &[B, TS, VL], dtype), &x, &p, anchor, tau, None)
-                .unwrap();
+            let (l, m) =
+                pkl_loss(&tensor(&zs, &[B, TS, VL], dtype), &x, &p, anchor, tau, None).unwrap();
             assert!(
                 (scalar(&l) - want).abs() < tol * want.abs().max(1e-3),
                 "{anchor:?} {dtype:?}: {} vs {want}",
@@ -273,8 +291,15 @@ fn pkl_is_zero_when_the_projected_student_equals_the_teacher() {
         teacher_topk_logprobs: order.iter().map(|&i| lp[i] as f32).collect(),
         ..Default::default()
     };
-    let (l, _) = pkl_loss(&tensor(&z, &[1, 1, vs], DType::F64), &x, &p, Anchor::First, 1.0, None)
-        .unwrap();
+    let (l, _) = pkl_loss(
+        &tensor(&z, &[1, 1, vs], DType::F64),
+        &x,
+        &p,
+        Anchor::First,
+        1.0,
+        None,
+    )
+    .unwrap();
     assert!(scalar(&l).abs() < 1e-7, "{}", scalar(&l));
 }
 
@@ -287,8 +312,16 @@ fn gold_matches_reference_and_finite_differences() {
     assert!(matched >= 1, "the fixture must exercise the matched branch");
     assert_eq!(gold_split(&x, &p).unwrap(), (matched, 6 - matched));
     for (dtype, tol) in [(DType::F64, 1e-10), (DType::F32, 2e-5)] {
-        let (l, m) =
-            gold_loss(&tensor(&zs, &[B, TS, VL], dtype), &x, &p, 0.7, 1.2, tau, None).unwrap();
+        let (l, m) = gold_loss(
+            &tensor(&zs, &[B, TS, VL], dtype),
+            &x,
+            &p,
+            0.7,
+            1.2,
+            tau,
+            None,
+        )
+        .unwrap();
         assert!(
             (scalar(&l) - want).abs() < tol * want.abs().max(1e-3),
             "{dtype:?}: {} vs {want}",
@@ -308,7 +341,11 @@ fn normalizer_splits_into_micro_batches() {
     let (x, zs) = fixture(5, 1.0);
     let p = projection();
     let z_full = tensor(&zs, &[B, TS, VL], DType::F64);
-    let full = scalar(&pkl_loss(&z_full, &x, &p, Anchor::First, 1.0, None).unwrap().0);
+    let full = scalar(
+        &pkl_loss(&z_full, &x, &p, Anchor::First, 1.0, None)
+            .unwrap()
+            .0,
+    );
     let mut sum = 0.0;
     for b in 0..B {
         let part = XTokenBatch {
@@ -320,8 +357,16 @@ fn normalizer_splits_into_micro_batches() {
             teacher_topk_logprobs: x.teacher_topk_logprobs[b * TT * K..(b + 1) * TT * K].to_vec(),
             ..x.clone()
         };
-        let z = tensor(&zs[b * TS * VL..(b + 1) * TS * VL], &[1, TS, VL], DType::F64);
-        sum += scalar(&pkl_loss(&z, &part, &p, Anchor::First, 1.0, Some(6.0)).unwrap().0);
+        let z = tensor(
+            &zs[b * TS * VL..(b + 1) * TS * VL],
+            &[1, TS, VL],
+            DType::F64,
+        );
+        sum += scalar(
+            &pkl_loss(&z, &part, &p, Anchor::First, 1.0, Some(6.0))
+                .unwrap()
+                .0,
+        );
     }
     assert!((sum - full).abs() < 1e-10, "{sum} vs {full}");
 }

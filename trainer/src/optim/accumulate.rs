@@ -76,15 +76,19 @@ mod tests {
         // the global valid count (unequal counts per micro-batch: 3 and 2).
         let (b, t, h, v, k) = (2, 3, 4, 9, 3);
         let mut r = rng(61);
-        let w = Var::from_tensor(&tensor(&uniform(&mut r, h * v, 1.0), &[h, v], DType::F64))
-            .unwrap();
+        let w =
+            Var::from_tensor(&tensor(&uniform(&mut r, h * v, 1.0), &[h, v], DType::F64)).unwrap();
         let x = tensor(&uniform(&mut r, b * t * h, 1.0), &[b, t, h], DType::F64);
         let ids: Vec<u32> = (0..b * t * k).map(|i| ((i * 7) % v) as u32).collect();
         let lps: Vec<f32> = (0..b * t * k).map(|i| -1.5 - (i % k) as f32).collect();
         let mask = [1.0f32, 1.0, 1.0, 1.0, 0.0, 1.0];
         let tg = TopkTargets::from_host(b, t, k, &ids, &lps, &mask, v, &Device::Cpu).unwrap();
-        let y = Tensor::from_vec((0..b * t).map(|i| (i % v) as u32).collect(), (b, t), &Device::Cpu)
-            .unwrap();
+        let y = Tensor::from_vec(
+            (0..b * t).map(|i| (i % v) as u32).collect(),
+            (b, t),
+            &Device::Cpu,
+        )
+        .unwrap();
         let loss = |rows: std::ops::Range<usize>, norm: Option<f64>| {
             let n = rows.len();
             let xs = x.narrow(0, rows.start, n).unwrap();
@@ -109,9 +113,13 @@ mod tests {
                 norm,
             )
             .unwrap();
-            let (ce, _) =
-                cross_entropy(&logits, &y.narrow(0, rows.start, n).unwrap(), &part.mask, norm)
-                    .unwrap();
+            let (ce, _) = cross_entropy(
+                &logits,
+                &y.narrow(0, rows.start, n).unwrap(),
+                &part.mask,
+                norm,
+            )
+            .unwrap();
             (kd + ce).unwrap()
         };
         let mut acc = GradAccumulator::new(vec![w.clone()]);

@@ -152,7 +152,12 @@ fn resume_from_state_dict_is_bit_identical() {
             new_var(&init_b, &[5], DType::F32),
         ]
     };
-    let named = |vs: &[Var]| vec![("a".to_string(), vs[0].clone()), ("b".to_string(), vs[1].clone())];
+    let named = |vs: &[Var]| {
+        vec![
+            ("a".to_string(), vs[0].clone()),
+            ("b".to_string(), vs[1].clone()),
+        ]
+    };
     let c = AdamWConfig::default();
 
     // Straight run: 5 steps.
@@ -165,7 +170,10 @@ fn resume_from_state_dict_is_bit_identical() {
     let mut opt = AdamW::with_names(named(&first), c.clone()).unwrap();
     run(&mut opt, &first, 0..2);
     let state = opt.state_dict().unwrap();
-    let saved: Vec<Tensor> = first.iter().map(|v| v.as_tensor().copy().unwrap()).collect();
+    let saved: Vec<Tensor> = first
+        .iter()
+        .map(|v| v.as_tensor().copy().unwrap())
+        .collect();
     let resumed: Vec<Var> = saved.iter().map(|t| Var::from_tensor(t).unwrap()).collect();
     let mut opt = AdamW::with_names(named(&resumed), c).unwrap();
     opt.load_state_dict(&state).unwrap();
@@ -186,14 +194,16 @@ fn load_state_dict_rejects_a_mismatched_state() {
     missing.tensors.remove("w.exp_avg");
     assert!(opt.load_state_dict(&missing).is_err());
     let mut shaped = good.clone();
-    shaped
-        .tensors
-        .insert("w.exp_avg".into(), Tensor::zeros(3, DType::F32, &Device::Cpu).unwrap());
+    shaped.tensors.insert(
+        "w.exp_avg".into(),
+        Tensor::zeros(3, DType::F32, &Device::Cpu).unwrap(),
+    );
     assert!(opt.load_state_dict(&shaped).is_err());
     let mut extra = good.clone();
-    extra
-        .tensors
-        .insert("x.exp_avg".into(), Tensor::zeros(2, DType::F32, &Device::Cpu).unwrap());
+    extra.tensors.insert(
+        "x.exp_avg".into(),
+        Tensor::zeros(2, DType::F32, &Device::Cpu).unwrap(),
+    );
     assert!(opt.load_state_dict(&extra).is_err());
     opt.load_state_dict(&good).unwrap();
 }
@@ -216,13 +226,22 @@ fn variables_without_a_gradient_are_left_alone() {
 fn from_varmap_names_the_parameters() {
     let vm = candle_nn::VarMap::new();
     let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
-    let _ = vb.get_with_hints(3, "z.bias", candle_nn::Init::Const(0.0)).unwrap();
-    let _ = vb.get_with_hints((2, 2), "a.weight", candle_nn::Init::Const(1.0)).unwrap();
+    let _ = vb
+        .get_with_hints(3, "z.bias", candle_nn::Init::Const(0.0))
+        .unwrap();
+    let _ = vb
+        .get_with_hints((2, 2), "a.weight", candle_nn::Init::Const(1.0))
+        .unwrap();
     let opt = AdamW::from_varmap(&vm, AdamWConfig::default()).unwrap();
     let mut keys: Vec<String> = opt.state_dict().unwrap().tensors.into_keys().collect();
     keys.sort();
     assert_eq!(
         keys,
-        ["a.weight.exp_avg", "a.weight.exp_avg_sq", "z.bias.exp_avg", "z.bias.exp_avg_sq"]
+        [
+            "a.weight.exp_avg",
+            "a.weight.exp_avg_sq",
+            "z.bias.exp_avg",
+            "z.bias.exp_avg_sq"
+        ]
     );
 }

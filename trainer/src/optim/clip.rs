@@ -23,7 +23,9 @@ pub fn grad_norm(grads: &GradStore, vars: &[Var]) -> Result<f64> {
     if sums.is_empty() {
         return Ok(0.0);
     }
-    let total: Vec<f64> = Tensor::stack(&sums, 0)?.to_device(&candle_core::Device::Cpu)?.to_vec1()?;
+    let total: Vec<f64> = Tensor::stack(&sums, 0)?
+        .to_device(&candle_core::Device::Cpu)?
+        .to_vec1()?;
     Ok(total.iter().sum::<f64>().sqrt())
 }
 
@@ -109,7 +111,8 @@ mod tests {
     #[test]
     fn non_finite_norm_is_reported_not_applied() {
         let (vars, mut g, raw) = setup(1.0);
-        let bad = Tensor::new(&[f32::INFINITY, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], &Device::Cpu).unwrap();
+        let bad =
+            Tensor::new(&[f32::INFINITY, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], &Device::Cpu).unwrap();
         g.insert(vars[1].as_tensor(), bad);
         let pre = clip_grad_norm(&mut g, &vars, 1.0).unwrap();
         assert!(!pre.is_finite());

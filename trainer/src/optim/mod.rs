@@ -17,7 +17,10 @@ pub enum OptimError {
     #[error("optimizer state: {0}")]
     State(String),
     #[error("invalid optimizer config `{field}`: {message}")]
-    Config { field: &'static str, message: String },
+    Config {
+        field: &'static str,
+        message: String,
+    },
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
 }

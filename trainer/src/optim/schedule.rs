@@ -110,7 +110,7 @@ mod tests {
         close(lr(9), 1e-3); // end of warmup = peak
         close(lr(10), 1e-3); // progress 0: cos 0 = 1
         close(lr(60), 1e-5 + (1e-3 - 1e-5) * 0.5); // progress 1/2: cos(π/2) = 0
-        // progress 1/4: (1 + cos(π/4))/2 = (1 + √2/2)/2
+                                                   // progress 1/4: (1 + cos(π/4))/2 = (1 + √2/2)/2
         close(lr(35), 1e-5 + (1e-3 - 1e-5) * (1.0 + 0.5f64.sqrt()) / 2.0);
         close(lr(110), 1e-5);
         close(lr(500), 1e-5);
@@ -138,10 +138,9 @@ mod tests {
         struct W {
             schedule: ScheduleConfig,
         }
-        let w: W = toml::from_str(
-            "schedule = { type = \"cosine\", warmup_steps = 100, min_lr = 1e-6 }",
-        )
-        .unwrap();
+        let w: W =
+            toml::from_str("schedule = { type = \"cosine\", warmup_steps = 100, min_lr = 1e-6 }")
+                .unwrap();
         assert_eq!(
             w.schedule,
             ScheduleConfig::Cosine {
