@@ -9,8 +9,7 @@
 use candle_core::{DType, Device, Tensor, D};
 
 use super::stable::{
-    check_normalizer, log1mexp, log_softmax_last, logaddexp, logsumexp_last, masked_mean,
-    LOG_FLOOR, TAIL_FLOOR,
+    check_normalizer, log1mexp, logaddexp, logsumexp_last, masked_mean, LOG_FLOOR, TAIL_FLOOR,
 };
 use super::{compute_dtype, KdMetrics, LossError, Result, TailMode};
 
@@ -74,17 +73,17 @@ impl TopkTargets {
         let mut ids = ids.to_vec();
         let mut lps = logprobs.to_vec();
         let uniform = -(k as f32).ln();
-        for p in 0..n {
+        for (p, &valid) in mask.iter().enumerate() {
             let row = p * k..(p + 1) * k;
-            if mask[p] == 0.0 {
+            if valid == 0.0 {
                 ids[row.clone()].fill(0);
                 lps[row].fill(uniform);
                 continue;
             }
-            if !(mask[p] == 1.0) {
+            if valid != 1.0 {
                 return Err(LossError::input(
                     "mask",
-                    format!("position {p}: mask must be 0 or 1, got {}", mask[p]),
+                    format!("position {p}: mask must be 0 or 1, got {valid}"),
                 ));
             }
             for i in row {
@@ -128,6 +127,16 @@ pub fn divergence(lp_t: &Tensor, lp_s: &Tensor, div: Divergence) -> Result<Tenso
             Ok((kt.affine(beta, 0.0)? + ks.affine(1.0 - beta, 0.0)?)?)
         }
     }
+}
+
+/// `x / τ` in the compute dtype (no extra op when τ = 1).
+fn scaled(x: &Tensor, dt: DType, inv_t: f64) -> Result<Tensor> {
+    let x = x.to_dtype(dt)?;
+    Ok(if inv_t == 1.0 {
+        x
+    } else {
+        x.affine(inv_t, 0.0)?
+    })
 }
 
 /// Top-k distillation loss.
@@ -179,21 +188,19 @@ pub fn topk_divergence(
     let (lp_t_n, lp_s_n, lse_s_k) = match tail {
         TailMode::Renormalize => {
             // The full-vocab normaliser cancels: only the gathered logits enter the graph.
-            let zk = student_logits
-                .gather(&ids, 2)?
-                .to_dtype(dt)?
-                .affine(inv_t, 0.0)?;
+            let zk = scaled(&student_logits.gather(&ids, 2)?, dt, inv_t)?;
             let lse_zk = logsumexp_last(&zk)?;
             let lp_s = zk.broadcast_sub(&lse_zk.unsqueeze(2)?)?;
             let lp_tn = lp_t.broadcast_sub(&lse_t.unsqueeze(2)?)?;
             // Metric only: log mass of K under the full student distribution.
-            let z = student_logits.detach().to_dtype(dt)?.affine(inv_t, 0.0)?;
-            let lse_s_k = (lse_zk.detach() - logsumexp_last(&z)?)?;
-            (lp_tn, lp_s, lse_s_k)
+            let lse_full = logsumexp_last(&scaled(&student_logits.detach(), dt, inv_t)?)?;
+            (lp_tn, lp_s, (lse_zk.detach() - lse_full)?)
         }
         TailMode::Bucket | TailMode::Ignore => {
-            let ls = log_softmax_last(&student_logits.to_dtype(dt)?.affine(inv_t, 0.0)?)?;
-            let lsk = ls.gather(&ids, 2)?;
+            // log p_S[K] = z[K]/τ − logsumexp(z/τ): no full [B, T, V] log-softmax is kept.
+            let z = scaled(student_logits, dt, inv_t)?;
+            let lse_full = logsumexp_last(&z)?;
+            let lsk = z.gather(&ids, 2)?.broadcast_sub(&lse_full.unsqueeze(2)?)?;
             let lse_s = logsumexp_last(&lsk)?;
             if tail == TailMode::Bucket {
                 let tail_s = log1mexp(&lse_s, TAIL_FLOOR)?.unsqueeze(2)?;

@@ -147,7 +147,7 @@ fn ref_pkl(x: &XTokenBatch, zs: &[f64], anchor: Anchor, tau: f64) -> f64 {
         };
         let (ids, l) = teacher_row(x, *b, a);
         // Q[j] = mean over student positions of Σ_s W[s, K_j]·p(s), then renormalised.
-        let mut q = vec![0.0; K];
+        let mut q = [0.0; K];
         for &pos in s {
             let p = student_probs(zs, *b, pos, tau);
             for (j, &u) in ids.iter().enumerate() {
