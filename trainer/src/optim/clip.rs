@@ -32,9 +32,10 @@ pub fn grad_norm(grads: &GradStore, vars: &[Var]) -> Result<f64> {
 /// Scales the gradients of `vars` in place so that their global norm is at most `max_norm`
 /// (factor `max_norm / (norm + 1e-6)` when above, as PyTorch does) and returns the norm before
 /// clipping. A non-finite norm leaves the gradients untouched: the caller should skip the step.
+/// `max_norm = 0` only measures.
 pub fn clip_grad_norm(grads: &mut GradStore, vars: &[Var], max_norm: f64) -> Result<f64> {
     let norm = grad_norm(grads, vars)?;
-    if !norm.is_finite() || norm <= max_norm {
+    if !norm.is_finite() || max_norm <= 0.0 || norm <= max_norm {
         return Ok(norm);
     }
     let scale = max_norm / (norm + 1e-6);
@@ -103,6 +104,9 @@ mod tests {
         let (vars, mut g, raw) = setup(0.01);
         let pre = clip_grad_norm(&mut g, &vars, 10.0).unwrap();
         assert!((pre - ref_norm(&raw)).abs() < 1e-7);
+        // max_norm = 0 measures only.
+        let pre0 = clip_grad_norm(&mut g, &vars, 0.0).unwrap();
+        assert_eq!(pre0, pre);
         for (v, r) in vars.iter().zip(&raw) {
             assert_eq!(&flat(g.get(v.as_tensor()).unwrap()), r);
         }
