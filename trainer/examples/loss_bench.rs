@@ -121,12 +121,8 @@ fn main() -> Result<()> {
         let mut row_t = vec![-1i64; t];
         while pos_s < t && pos_t < t {
             let (ns, nt) = (rng.random_range(1..=2usize), rng.random_range(1..=2usize));
-            for p in pos_s..(pos_s + ns).min(t) {
-                row_s[p] = c;
-            }
-            for p in pos_t..(pos_t + nt).min(t) {
-                row_t[p] = c;
-            }
+            row_s[pos_s..(pos_s + ns).min(t)].fill(c);
+            row_t[pos_t..(pos_t + nt).min(t)].fill(c);
             pos_s += ns;
             pos_t += nt;
             c += 1;
