@@ -8,7 +8,7 @@
 
 use candle_core::{DType, Tensor};
 
-use super::stable::{check_normalizer, log1mexp, logsumexp_last, LOG_FLOOR};
+use super::stable::{check_normalizer, check_temperature, log1mexp, logsumexp_last, LOG_FLOOR};
 use super::xtoken::{host_tensor, index_tensor, XTokenBatch};
 use super::{compute_dtype, KdMetrics, LossError, Result};
 
@@ -29,6 +29,7 @@ pub fn alm_loss(
     normalizer: Option<f64>,
 ) -> Result<(Tensor, KdMetrics)> {
     check_normalizer(normalizer)?;
+    check_temperature(temperature)?;
     if !(tau.is_finite() && tau > 0.0) {
         return Err(LossError::config(
             "kd.tau",

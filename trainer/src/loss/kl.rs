@@ -9,7 +9,8 @@
 use candle_core::{DType, Device, Tensor, D};
 
 use super::stable::{
-    check_normalizer, log1mexp, logaddexp, logsumexp_last, masked_mean, LOG_FLOOR, TAIL_FLOOR,
+    check_normalizer, check_temperature, log1mexp, logaddexp, logsumexp_last, masked_mean,
+    LOG_FLOOR, TAIL_FLOOR,
 };
 use super::{compute_dtype, KdMetrics, LossError, Result, TailMode};
 
@@ -172,9 +173,7 @@ pub fn topk_divergence(
     if targets.ids.dtype() != DType::U32 {
         return Err(LossError::input("targets.ids", "must be u32"));
     }
-    if !(temperature.is_finite() && temperature > 0.0) {
-        return Err(LossError::config("temperature", "must be > 0"));
-    }
+    check_temperature(temperature)?;
     check_normalizer(normalizer)?;
     let dt = compute_dtype(student_logits);
     let inv_t = 1.0 / temperature;

@@ -369,3 +369,31 @@ fn shape_mismatch_is_an_error() {
     );
     assert!(matches!(r, Err(LossError::Input { .. })));
 }
+
+#[test]
+fn bf16_logits_are_computed_in_f32() {
+    // The reference sees the bf16-rounded logits; the loss itself runs in f32.
+    let c = case(13, 1.0);
+    let rounded: Vec<f64> =
+        c.zs.iter()
+            .map(|&z| half::bf16::from_f64(z).to_f64())
+            .collect();
+    for tail in TAILS {
+        let want = reference(&c, &rounded, Divergence::Reverse, tail, 1.0, None);
+        let logits = tensor(&c.zs, &[B, T, V], DType::BF16);
+        let v = candle_core::Var::from_tensor(&logits).unwrap();
+        let (loss, _) = topk_divergence(
+            v.as_tensor(),
+            &targets(&c, DType::F32),
+            Divergence::Reverse,
+            tail,
+            1.0,
+            None,
+        )
+        .unwrap();
+        assert_eq!(loss.dtype(), DType::F32);
+        assert!((scalar(&loss) - want).abs() < 2e-5 * want.abs().max(1e-3));
+        let g = loss.backward().unwrap();
+        assert_eq!(g.get(v.as_tensor()).unwrap().dtype(), DType::BF16);
+    }
+}

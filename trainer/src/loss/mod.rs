@@ -308,7 +308,7 @@ pub fn kd_loss(
 /// Detached numbers describing one loss evaluation (for logs and metrics).
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct KdMetrics {
-    /// The loss value (already scaled by τ², before `kd_weight`).
+    /// The loss value as returned (τ² included where the loss has it; before `kd_weight`).
     pub loss: f64,
     /// Valid units the loss was averaged over in this call: tokens or chunks.
     pub count: f64,

@@ -8,7 +8,7 @@
 
 use candle_core::{DType, Tensor};
 
-use super::stable::{check_normalizer, logsumexp_last, masked_mean, LOG_FLOOR};
+use super::stable::{check_normalizer, check_temperature, logsumexp_last, masked_mean, LOG_FLOOR};
 use super::{compute_dtype, KdMetrics, LossError, Result};
 
 /// Inputs of [`sampled_token_loss`], all `[B, T]`, row `t` describing token `t + 1`.
@@ -33,6 +33,7 @@ pub fn sampled_token_loss(
     normalizer: Option<f64>,
 ) -> Result<(Tensor, KdMetrics)> {
     check_normalizer(normalizer)?;
+    check_temperature(temperature)?;
     let (b, t, _v) = student_logits.dims3()?;
     let same = |x: &Tensor| x.dims() == [b, t];
     if !same(&targets.tokens)

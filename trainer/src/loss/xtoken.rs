@@ -7,7 +7,7 @@
 
 use candle_core::{DType, Device, Tensor, D};
 
-use super::stable::{check_normalizer, logsumexp_last, softmax_last, LOG_FLOOR};
+use super::stable::{check_normalizer, check_temperature, logsumexp_last, softmax_last, LOG_FLOOR};
 use super::topk::topk_indices;
 use super::{compute_dtype, Anchor, KdMetrics, LossError, Result};
 
@@ -349,6 +349,7 @@ pub fn pkl_loss(
     normalizer: Option<f64>,
 ) -> Result<(Tensor, KdMetrics)> {
     check_normalizer(normalizer)?;
+    check_temperature(temperature)?;
     let z = student_view(student_logits, batch, proj.student_vocab())?;
     let (dt, dev) = (z.dtype(), z.device().clone());
     batch.check_topk()?;
@@ -434,6 +435,7 @@ pub fn gold_loss(
     normalizer: Option<f64>,
 ) -> Result<(Tensor, KdMetrics)> {
     check_normalizer(normalizer)?;
+    check_temperature(temperature)?;
     let z = student_view(student_logits, batch, proj.student_vocab())?;
     let (dt, dev) = (z.dtype(), z.device().clone());
     batch.check_topk()?;
