@@ -5,5 +5,7 @@ pub mod collate;
 pub mod eval;
 pub mod generate;
 pub mod init_model;
+pub mod loss;
+pub mod optim;
 pub mod student;
 pub mod task;

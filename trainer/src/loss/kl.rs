@@ -1,0 +1,239 @@
+//! Same-tokenizer distillation over the teacher's top-k set K: forward KL, reverse KL and
+//! generalized JSD(β), with the mass outside K renormalised away, kept as a tail bucket, or ignored.
+//!
+//! Conventions: row `t` of the student logits predicts token `t + 1`, as the teacher's rows do.
+//! The client asks the server for `temperature = τ`, so the teacher values are already
+//! `log_softmax(z_T/τ)`; the student side is `log_softmax(z_S/τ)` over its full vocabulary,
+//! gathered at K. The loss is multiplied by τ² and averaged over valid tokens.
+
+use candle_core::{DType, Device, Tensor, D};
+
+use super::stable::{
+    check_normalizer, check_temperature, log1mexp, logaddexp, logsumexp_last, masked_mean,
+    LOG_FLOOR, TAIL_FLOOR,
+};
+use super::{compute_dtype, KdMetrics, LossError, Result, TailMode};
+
+/// A divergence between the teacher (T) and student (S) distributions over K (+ tail).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Divergence {
+    /// KL(T‖S) = Σ p_T (lp_T − lp_S).
+    Forward,
+    /// KL(S‖T) = Σ p_S (lp_S − lp_T).
+    Reverse,
+    /// β·KL(T‖M) + (1−β)·KL(S‖M), M = β·p_T + (1−β)·p_S. As in TRL, β = 0 is exactly forward KL
+    /// and β = 1 exactly reverse KL (the mixture formula itself tends to β·KL(T‖S) and
+    /// (1−β)·KL(S‖T) there).
+    Jsd { beta: f64 },
+}
+
+/// The teacher's top-k targets for a batch, on the student's device.
+#[derive(Debug, Clone)]
+pub struct TopkTargets {
+    /// `[B, T, k]` u32: teacher top-k ids (every id below the student's vocabulary size).
+    pub ids: Tensor,
+    /// `[B, T, k]` f32: the teacher's `log_softmax(z_T/τ)` at `ids` (finite, ≤ 0).
+    pub logprobs: Tensor,
+    /// `[B, T]` f32: 1 where the position counts, 0 for padding / prompt.
+    pub mask: Tensor,
+}
+
+impl TopkTargets {
+    /// Builds validated targets from host buffers (row-major `[B, T, k]`, `[B, T]`).
+    ///
+    /// Valid positions must have ids `< vocab` and non-NaN log-probs (−∞ becomes [`LOG_FLOOR`],
+    /// rounding above 0 is clipped to 0). Masked positions are overwritten with harmless values.
+    #[allow(clippy::too_many_arguments)]
+    pub fn from_host(
+        batch: usize,
+        len: usize,
+        k: usize,
+        ids: &[u32],
+        logprobs: &[f32],
+        mask: &[f32],
+        vocab: usize,
+        device: &Device,
+    ) -> Result<Self> {
+        let n = batch * len;
+        if k == 0 {
+            return Err(LossError::input("k", "must be at least 1"));
+        }
+        if ids.len() != n * k || logprobs.len() != n * k || mask.len() != n {
+            return Err(LossError::input(
+                "targets",
+                format!(
+                    "expected {} ids/logprobs and {n} mask values for [B={batch}, T={len}, k={k}], \
+                     got {} / {} / {}",
+                    n * k,
+                    ids.len(),
+                    logprobs.len(),
+                    mask.len()
+                ),
+            ));
+        }
+        let mut ids = ids.to_vec();
+        let mut lps = logprobs.to_vec();
+        let uniform = -(k as f32).ln();
+        for (p, &valid) in mask.iter().enumerate() {
+            let row = p * k..(p + 1) * k;
+            if valid == 0.0 {
+                ids[row.clone()].fill(0);
+                lps[row].fill(uniform);
+                continue;
+            }
+            if valid != 1.0 {
+                return Err(LossError::input(
+                    "mask",
+                    format!("position {p}: mask must be 0 or 1, got {valid}"),
+                ));
+            }
+            for i in row {
+                if ids[i] as usize >= vocab {
+                    return Err(LossError::input(
+                        "ids",
+                        format!("position {p}: id {} >= vocab {vocab}", ids[i]),
+                    ));
+                }
+                let v = lps[i];
+                if v.is_nan() {
+                    return Err(LossError::input("logprobs", format!("position {p}: NaN")));
+                }
+                lps[i] = v.clamp(LOG_FLOOR as f32, 0.0);
+            }
+        }
+        Ok(Self {
+            ids: Tensor::from_vec(ids, (batch, len, k), device)?,
+            logprobs: Tensor::from_vec(lps, (batch, len, k), device)?,
+            mask: Tensor::from_vec(mask.to_vec(), (batch, len), device)?,
+        })
+    }
+}
+
+/// Per-position divergence `[.., n] × [.., n] -> [..]`, summed over the last dim.
+pub fn divergence(lp_t: &Tensor, lp_s: &Tensor, div: Divergence) -> Result<Tensor> {
+    let fwd =
+        |a: &Tensor, b: &Tensor| -> Result<Tensor> { Ok((a.exp()? * (a - b)?)?.sum(D::Minus1)?) };
+    match div {
+        Divergence::Forward => fwd(lp_t, lp_s),
+        Divergence::Reverse => fwd(lp_s, lp_t),
+        Divergence::Jsd { beta } if beta <= 0.0 => fwd(lp_t, lp_s),
+        Divergence::Jsd { beta } if beta >= 1.0 => fwd(lp_s, lp_t),
+        Divergence::Jsd { beta } => {
+            let lm = logaddexp(
+                &lp_t.affine(1.0, beta.ln())?,
+                &lp_s.affine(1.0, (1.0 - beta).ln())?,
+            )?;
+            let kt = fwd(lp_t, &lm)?;
+            let ks = fwd(lp_s, &lm)?;
+            Ok((kt.affine(beta, 0.0)? + ks.affine(1.0 - beta, 0.0)?)?)
+        }
+    }
+}
+
+/// `x / τ` in the compute dtype (no extra op when τ = 1).
+fn scaled(x: &Tensor, dt: DType, inv_t: f64) -> Result<Tensor> {
+    let x = x.to_dtype(dt)?;
+    Ok(if inv_t == 1.0 {
+        x
+    } else {
+        x.affine(inv_t, 0.0)?
+    })
+}
+
+/// Top-k distillation loss.
+///
+/// * `student_logits`: `[B, T, V]` (any float dtype; computed in f32, or f64 when given f64).
+/// * `targets`: teacher top-k ids / log-probs `[B, T, k]` at temperature τ, mask `[B, T]`.
+/// * `normalizer`: divide by this instead of the local valid-token count (pass the global count
+///   of an accumulated batch so that micro-batch losses add up to the full-batch mean).
+///
+/// Returns `τ² · Σ_valid D_t / N` (a scalar) and detached metrics.
+pub fn topk_divergence(
+    student_logits: &Tensor,
+    targets: &TopkTargets,
+    div: Divergence,
+    tail: TailMode,
+    temperature: f64,
+    normalizer: Option<f64>,
+) -> Result<(Tensor, KdMetrics)> {
+    let (b, t, _v) = student_logits.dims3()?;
+    let (tb, tt, k) = targets.ids.dims3()?;
+    if (tb, tt) != (b, t) || targets.logprobs.dims() != [b, t, k] || targets.mask.dims() != [b, t] {
+        return Err(LossError::input(
+            "targets",
+            format!(
+                "shapes ids {:?} logprobs {:?} mask {:?} do not match logits {:?}",
+                targets.ids.dims(),
+                targets.logprobs.dims(),
+                targets.mask.dims(),
+                student_logits.dims()
+            ),
+        ));
+    }
+    if targets.ids.dtype() != DType::U32 {
+        return Err(LossError::input("targets.ids", "must be u32"));
+    }
+    check_temperature(temperature)?;
+    check_normalizer(normalizer)?;
+    let dt = compute_dtype(student_logits);
+    let inv_t = 1.0 / temperature;
+    let ids = targets.ids.contiguous()?;
+
+    // 1. Teacher log-probs at K (no gradient), [B, T, k]; their log-mass in K, [B, T].
+    let lp_t = targets.logprobs.detach().to_dtype(dt)?.maximum(LOG_FLOOR)?;
+    let lse_t = logsumexp_last(&lp_t)?;
+
+    // 2. Both sides as n-way log-distributions (n = k or k + 1), [B, T, n].
+    let (lp_t_n, lp_s_n, lse_s_k) = match tail {
+        TailMode::Renormalize => {
+            // The full-vocab normaliser cancels: only the gathered logits enter the graph.
+            let zk = scaled(&student_logits.gather(&ids, 2)?, dt, inv_t)?;
+            let lse_zk = logsumexp_last(&zk)?;
+            let lp_s = zk.broadcast_sub(&lse_zk.unsqueeze(2)?)?;
+            let lp_tn = lp_t.broadcast_sub(&lse_t.unsqueeze(2)?)?;
+            // Metric only: log mass of K under the full student distribution.
+            let lse_full = logsumexp_last(&scaled(&student_logits.detach(), dt, inv_t)?)?;
+            (lp_tn, lp_s, (lse_zk.detach() - lse_full)?)
+        }
+        TailMode::Bucket | TailMode::Ignore => {
+            // log p_S[K] = z[K]/τ − logsumexp(z/τ): no full [B, T, V] log-softmax is kept.
+            let z = scaled(student_logits, dt, inv_t)?;
+            let lse_full = logsumexp_last(&z)?;
+            let lsk = z.gather(&ids, 2)?.broadcast_sub(&lse_full.unsqueeze(2)?)?;
+            let lse_s = logsumexp_last(&lsk)?;
+            if tail == TailMode::Bucket {
+                let tail_s = log1mexp(&lse_s, TAIL_FLOOR)?.unsqueeze(2)?;
+                let tail_t = log1mexp(&lse_t, TAIL_FLOOR)?.unsqueeze(2)?;
+                (
+                    Tensor::cat(&[&lp_t, &tail_t], 2)?,
+                    Tensor::cat(&[&lsk, &tail_s], 2)?,
+                    lse_s.detach(),
+                )
+            } else {
+                (lp_t, lsk, lse_s.detach())
+            }
+        }
+    };
+
+    // 3. Per-position divergence [B, T], masked mean, τ².
+    let per_pos = divergence(&lp_t_n, &lp_s_n, div)?;
+    let mask = targets.mask.to_dtype(dt)?;
+    let (loss, count) = masked_mean(&per_pos, &mask, normalizer)?;
+    let loss = loss.affine(temperature * temperature, 0.0)?;
+
+    let mean = |x: &Tensor| -> Result<f64> {
+        let (m, _) = masked_mean(&x.exp()?, &mask, None)?;
+        Ok(m.to_dtype(DType::F64)?.to_scalar::<f64>()?)
+    };
+    let metrics = KdMetrics {
+        loss: loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
+        count,
+        teacher_topk_mass: Some(mean(&lse_t)?),
+        student_topk_mass: Some(mean(&lse_s_k)?),
+    };
+    Ok((loss, metrics))
+}
+
+#[cfg(test)]
+#[path = "kl_tests.rs"]
+mod tests;

@@ -1,0 +1,391 @@
+//! Distillation losses: same-tokenizer top-k divergences ([`kl`]), cross-tokenizer chunk losses
+//! ([`xtoken`], [`alm`]), the student's next-token cross-entropy ([`ce`]) and how they combine.
+//!
+//! Every loss is a pure function of candle tensors that is differentiable with respect to the
+//! student logits (only ops with a backward pass), returns a scalar loss tensor and a small struct
+//! of detached metrics. Formulas, conventions and shapes: `docs/losses.md`.
+
+pub mod alm;
+pub mod ce;
+pub mod kl;
+pub mod sampled;
+pub mod stable;
+#[cfg(test)]
+pub(crate) mod testutil;
+pub mod topk;
+pub mod xtoken;
+
+use candle_core::{DType, Tensor};
+use serde::{Deserialize, Serialize};
+
+pub use alm::alm_loss;
+pub use ce::{combine, cross_entropy, Combined};
+pub use kl::{topk_divergence, Divergence, TopkTargets};
+pub use sampled::{sampled_token_loss, SampledTargets};
+pub use xtoken::{gold_loss, pkl_loss, Projection, XTokenBatch};
+
+/// Errors of the loss functions: bad shapes or values in the inputs, a bad config, or candle.
+#[derive(Debug, thiserror::Error)]
+pub enum LossError {
+    #[error("invalid loss input `{field}`: {message}")]
+    Input {
+        field: &'static str,
+        message: String,
+    },
+    #[error("invalid loss config `{field}`: {message}")]
+    Config {
+        field: &'static str,
+        message: String,
+    },
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+impl LossError {
+    pub(crate) fn input(field: &'static str, message: impl Into<String>) -> Self {
+        LossError::Input {
+            field,
+            message: message.into(),
+        }
+    }
+    pub(crate) fn config(field: &'static str, message: impl Into<String>) -> Self {
+        LossError::Config {
+            field,
+            message: message.into(),
+        }
+    }
+}
+
+pub type Result<T> = std::result::Result<T, LossError>;
+
+/// The whole loss section of a run config (TOML):
+///
+/// ```toml
+/// [loss]
+/// kd = { type = "jsd", beta = 0.5 }   # forward_kl | reverse_kl | jsd | sampled_kl | pkl | gold | alm
+/// tail = "bucket"                     # renormalize | bucket | ignore (same tokenizer only)
+/// temperature = 1.0                   # τ: both sides' logits / τ, loss · τ²
+/// kd_weight = 1.0
+/// ce = { type = "weight", weight = 0.1 }   # none | weight | dynamic
+/// ```
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LossConfig {
+    /// Which distillation loss.
+    pub kd: KdConfig,
+    /// What to do with the probability mass outside the teacher's top-k (same-tokenizer losses).
+    #[serde(default)]
+    pub tail: TailMode,
+    /// Distillation temperature τ. The teacher must be queried with the same `temperature`.
+    #[serde(default = "one")]
+    pub temperature: f64,
+    /// Multiplier of the distillation term.
+    #[serde(default = "one")]
+    pub kd_weight: f64,
+    /// Next-token cross-entropy on the student's own targets.
+    #[serde(default)]
+    pub ce: CeConfig,
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+fn default_alm_tau() -> f64 {
+    100.0
+}
+
+/// The distillation loss, tagged by `type`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum KdConfig {
+    /// Σ_K p_T (lp_T − lp_S).
+    ForwardKl {},
+    /// Σ_K p_S (lp_S − lp_T).
+    ReverseKl {},
+    /// Generalized JSD(β), TRL convention: β = 0 is forward KL, β = 1 reverse KL.
+    Jsd { beta: f64 },
+    /// On-policy sampled-token reverse KL (REINFORCE form; needs only the teacher's log-prob
+    /// of each sampled token).
+    SampledKl {},
+    /// Cross-tokenizer chunk-level projected KL (NeMo's P-KL).
+    Pkl {
+        #[serde(default)]
+        anchor: Anchor,
+    },
+    /// Cross-tokenizer hybrid: KL on exactly mapped one-to-one tokens, sorted-probability L1
+    /// (ULD) on the other chunks.
+    Gold {
+        #[serde(default = "one")]
+        matched_weight: f64,
+        #[serde(default = "one")]
+        unmatched_weight: f64,
+    },
+    /// Cross-tokenizer approximate likelihood matching on chunk log-likelihoods.
+    Alm {
+        #[serde(default = "default_alm_tau")]
+        tau: f64,
+    },
+}
+
+impl KdConfig {
+    /// Whether this loss needs the cross-tokenizer inputs ([`XTokenBatch`]).
+    pub fn is_cross_tokenizer(&self) -> bool {
+        matches!(
+            self,
+            KdConfig::Pkl { .. } | KdConfig::Gold { .. } | KdConfig::Alm { .. }
+        )
+    }
+
+    /// Whether this loss needs the sampled-token inputs ([`SampledTargets`]).
+    pub fn is_sampled(&self) -> bool {
+        matches!(self, KdConfig::SampledKl {})
+    }
+}
+
+/// Mass outside the teacher's top-k set K (same-tokenizer losses).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum TailMode {
+    /// Renormalise both sides over K (a k-way distribution).
+    Renormalize,
+    /// Add one bucket `log(1 − Σ_K p)` on both sides (a (k+1)-way distribution).
+    #[default]
+    Bucket,
+    /// NeMo's `zero_outside_topk`: teacher values as given, student full-vocab log-probs gathered
+    /// at K, no renormalisation. Kept for comparison; unstable for reverse KL.
+    Ignore,
+}
+
+/// Which teacher position of a chunk supplies the top-k set K and its exact log-probs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Anchor {
+    /// The chunk's first teacher position: its context is the text before the chunk, the same
+    /// text the student has seen at the chunk's first position.
+    #[default]
+    First,
+    /// The chunk's last teacher position.
+    Last,
+}
+
+/// How the student's next-token cross-entropy enters the total loss.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum CeConfig {
+    /// Distillation only.
+    None {},
+    /// `kd_weight·KD + weight·CE`.
+    Weight { weight: f64 },
+    /// NeMo's dynamic scaling: `kd_weight·sg(|CE|/|KD|)·KD + CE`.
+    Dynamic {},
+}
+
+impl Default for CeConfig {
+    fn default() -> Self {
+        CeConfig::None {}
+    }
+}
+
+impl LossConfig {
+    /// Checks the ranges of every number (call once after parsing).
+    pub fn validate(&self) -> Result<()> {
+        let pos = |field: &'static str, v: f64| {
+            if v.is_finite() && v > 0.0 {
+                Ok(())
+            } else {
+                Err(LossError::config(field, format!("must be > 0, got {v}")))
+            }
+        };
+        let nonneg = |field: &'static str, v: f64| {
+            if v.is_finite() && v >= 0.0 {
+                Ok(())
+            } else {
+                Err(LossError::config(field, format!("must be >= 0, got {v}")))
+            }
+        };
+        pos("temperature", self.temperature)?;
+        nonneg("kd_weight", self.kd_weight)?;
+        match self.kd {
+            KdConfig::Jsd { beta } if !(0.0..=1.0).contains(&beta) => {
+                return Err(LossError::config(
+                    "kd.beta",
+                    format!("must be in [0, 1], got {beta}"),
+                ))
+            }
+            KdConfig::Alm { tau } => pos("kd.tau", tau)?,
+            KdConfig::Gold {
+                matched_weight,
+                unmatched_weight,
+            } => {
+                nonneg("kd.matched_weight", matched_weight)?;
+                nonneg("kd.unmatched_weight", unmatched_weight)?;
+            }
+            _ => {}
+        }
+        if let CeConfig::Weight { weight } = self.ce {
+            nonneg("ce.weight", weight)?;
+        }
+        Ok(())
+    }
+
+    /// The same-tokenizer divergence of this config, `None` for the cross-tokenizer losses.
+    pub fn divergence(&self) -> Option<Divergence> {
+        match self.kd {
+            KdConfig::ForwardKl {} => Some(Divergence::Forward),
+            KdConfig::ReverseKl {} => Some(Divergence::Reverse),
+            KdConfig::Jsd { beta } => Some(Divergence::Jsd { beta }),
+            _ => None,
+        }
+    }
+}
+
+/// What a distillation loss is computed from (see [`kd_loss`]).
+#[derive(Debug, Clone, Copy)]
+pub enum KdInputs<'a> {
+    /// Same tokenizer: the teacher's top-k at the student's positions.
+    Topk(&'a TopkTargets),
+    /// On-policy: the teacher's log-probs of the student's sampled tokens.
+    Sampled(&'a SampledTargets),
+    /// Cross tokenizer: aligned chunks and the projection (ALM does not read the projection).
+    XToken {
+        batch: &'a XTokenBatch,
+        projection: &'a Projection,
+    },
+}
+
+/// The distillation loss `config.kd` on `student_logits` `[B, T, V]` (before `kd_weight`; see
+/// [`combine`]). `normalizer`: the global count of valid units (tokens, or chunks for the
+/// cross-tokenizer losses) of an accumulated batch, else the local count is used.
+pub fn kd_loss(
+    config: &LossConfig,
+    student_logits: &Tensor,
+    inputs: KdInputs<'_>,
+    normalizer: Option<f64>,
+) -> Result<(Tensor, KdMetrics)> {
+    let tau = config.temperature;
+    match (&config.kd, inputs) {
+        (
+            KdConfig::ForwardKl {} | KdConfig::ReverseKl {} | KdConfig::Jsd { .. },
+            KdInputs::Topk(t),
+        ) => {
+            let div = config
+                .divergence()
+                .ok_or_else(|| LossError::config("kd", "not a top-k loss"))?;
+            topk_divergence(student_logits, t, div, config.tail, tau, normalizer)
+        }
+        (KdConfig::SampledKl {}, KdInputs::Sampled(s)) => {
+            sampled_token_loss(student_logits, s, tau, normalizer)
+        }
+        (KdConfig::Pkl { anchor }, KdInputs::XToken { batch, projection }) => {
+            pkl_loss(student_logits, batch, projection, *anchor, tau, normalizer)
+        }
+        (
+            KdConfig::Gold {
+                matched_weight,
+                unmatched_weight,
+            },
+            KdInputs::XToken { batch, projection },
+        ) => gold_loss(
+            student_logits,
+            batch,
+            projection,
+            *matched_weight,
+            *unmatched_weight,
+            tau,
+            normalizer,
+        ),
+        (KdConfig::Alm { tau: alm_tau }, KdInputs::XToken { batch, .. }) => {
+            alm_loss(student_logits, batch, *alm_tau, tau, normalizer)
+        }
+        (kd, _) => Err(LossError::config(
+            "kd",
+            format!("{kd:?} cannot be computed from these inputs"),
+        )),
+    }
+}
+
+/// Detached numbers describing one loss evaluation (for logs and metrics).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct KdMetrics {
+    /// The loss value as returned (τ² included where the loss has it; before `kd_weight`).
+    pub loss: f64,
+    /// Valid units the loss was averaged over in this call: tokens or chunks.
+    pub count: f64,
+    /// Mean over valid units of the teacher's probability mass inside its top-k set.
+    pub teacher_topk_mass: Option<f64>,
+    /// Mean over valid units of the student's probability mass on the teacher's top-k set.
+    pub student_topk_mass: Option<f64>,
+}
+
+/// The dtype losses are computed in: f64 stays f64 (used by gradient checks), the rest is f32.
+pub(crate) fn compute_dtype(logits: &Tensor) -> DType {
+    if logits.dtype() == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Deserialize)]
+    struct Wrapper {
+        loss: LossConfig,
+    }
+
+    fn parse(s: &str) -> std::result::Result<LossConfig, toml::de::Error> {
+        toml::from_str::<Wrapper>(s).map(|w| w.loss)
+    }
+
+    #[test]
+    fn config_parses_tagged_toml() {
+        let c = parse(
+            "[loss]\nkd = { type = \"jsd\", beta = 0.25 }\ntail = \"renormalize\"\n\
+             temperature = 2.0\nce = { type = \"weight\", weight = 0.1 }\n",
+        )
+        .unwrap();
+        assert_eq!(c.kd, KdConfig::Jsd { beta: 0.25 });
+        assert_eq!(c.tail, TailMode::Renormalize);
+        assert_eq!(c.temperature, 2.0);
+        assert_eq!(c.kd_weight, 1.0);
+        assert_eq!(c.ce, CeConfig::Weight { weight: 0.1 });
+        c.validate().unwrap();
+
+        let c =
+            parse("[loss]\nkd = { type = \"forward_kl\" }\nce = { type = \"dynamic\" }\n").unwrap();
+        assert_eq!(c.kd, KdConfig::ForwardKl {});
+        assert_eq!(c.tail, TailMode::Bucket);
+        assert_eq!(c.ce, CeConfig::Dynamic {});
+        assert_eq!(c.divergence(), Some(Divergence::Forward));
+
+        let c = parse("[loss]\nkd = { type = \"alm\" }\n").unwrap();
+        assert_eq!(c.kd, KdConfig::Alm { tau: 100.0 });
+        assert!(c.kd.is_cross_tokenizer());
+        let c = parse("[loss]\nkd = { type = \"pkl\", anchor = \"last\" }\n").unwrap();
+        assert_eq!(
+            c.kd,
+            KdConfig::Pkl {
+                anchor: Anchor::Last
+            }
+        );
+    }
+
+    #[test]
+    fn config_rejects_typos_and_bad_ranges() {
+        assert!(parse("[loss]\nkd = { type = \"jsd\" }\n").is_err()); // beta missing
+        assert!(parse("[loss]\nkd = { type = \"kl\" }\n").is_err());
+        assert!(parse("[loss]\nkd = { type = \"forward_kl\", beta = 1 }\n").is_err());
+        assert!(parse("[loss]\nkd = { type = \"jsd\", beta = 0.5, bta = 1 }\n").is_err());
+        assert!(
+            parse("[loss]\nkd = { type = \"alm\" }\nce = { type = \"dynamic\", w = 1 }\n").is_err()
+        );
+        assert!(parse("[loss]\nkd = { type = \"forward_kl\" }\ntemprature = 2.0\n").is_err());
+        let c = parse("[loss]\nkd = { type = \"jsd\", beta = 1.5 }\n").unwrap();
+        assert!(c.validate().is_err());
+        let c = parse("[loss]\nkd = { type = \"forward_kl\" }\ntemperature = 0.0\n").unwrap();
+        assert!(c.validate().is_err());
+    }
+}

@@ -1,0 +1,561 @@
+//! Cross-tokenizer distillation on byte-aligned chunks: projected KL (NeMo's P-KL) and the gold
+//! hybrid (KL on exactly mapped tokens, sorted-probability L1 elsewhere).
+//!
+//! Inputs live on the host ([`XTokenBatch`], [`Projection`]): the per-chunk index lists are built
+//! there with plain loops, then a single differentiable gather / `index_add` pulls what is needed
+//! out of the student's probabilities on the device.
+
+use candle_core::{DType, Device, Tensor, D};
+
+use super::stable::{check_normalizer, check_temperature, logsumexp_last, softmax_last, LOG_FLOOR};
+use super::topk::topk_indices;
+use super::{compute_dtype, Anchor, KdMetrics, LossError, Result};
+
+/// Added to projected probabilities before the log (a teacher token no student token maps to).
+const Q_EPS: f64 = 1e-10;
+/// Additive log-penalty of unused slots (probability `e^-1e4 = 0`).
+const PAD_PENALTY: f64 = -1.0e4;
+
+/// Sparse projection W from the student vocabulary to the teacher's (≤ 4 entries per row,
+/// weights of a row summing to 1), stored both ways.
+#[derive(Debug, Clone)]
+pub struct Projection {
+    student_vocab: usize,
+    teacher_vocab: usize,
+    // Student → teacher (CSR rows).
+    indptr: Vec<usize>,
+    indices: Vec<u32>,
+    weights: Vec<f32>,
+    // Teacher → student (the transpose, CSR over teacher ids).
+    t_indptr: Vec<usize>,
+    t_indices: Vec<u32>,
+    t_weights: Vec<f32>,
+    /// Student id → teacher id when the row is one-hot with weight 1 (an exact counterpart).
+    exact_teacher: Vec<Option<u32>>,
+    /// Teacher id → the lowest student id exactly mapped to it.
+    exact_student: Vec<Option<u32>>,
+}
+
+impl Projection {
+    /// From CSR slices: row `s` holds `indices[indptr[s]..indptr[s+1]]` (teacher ids) with
+    /// `weights[..]`. `indptr` has `student_vocab + 1` entries.
+    pub fn from_csr(
+        student_vocab: usize,
+        teacher_vocab: usize,
+        indptr: &[usize],
+        indices: &[u32],
+        weights: &[f32],
+    ) -> Result<Self> {
+        let bad = |m: String| Err(LossError::input("projection", m));
+        if indptr.len() != student_vocab + 1 || indptr[0] != 0 {
+            return bad(format!(
+                "indptr must have student_vocab + 1 = {} entries starting at 0",
+                student_vocab + 1
+            ));
+        }
+        if indptr.windows(2).any(|w| w[0] > w[1]) {
+            return bad("indptr must be non-decreasing".into());
+        }
+        let nnz = indptr[student_vocab];
+        if indices.len() != nnz || weights.len() != nnz {
+            return bad(format!(
+                "indptr ends at {nnz} but there are {} indices and {} weights",
+                indices.len(),
+                weights.len()
+            ));
+        }
+        if let Some(&u) = indices.iter().find(|&&u| u as usize >= teacher_vocab) {
+            return bad(format!("teacher id {u} >= teacher vocab {teacher_vocab}"));
+        }
+        if let Some(w) = weights.iter().find(|w| !(w.is_finite() && **w >= 0.0)) {
+            return bad(format!("weight {w} is not a finite non-negative number"));
+        }
+        // Transpose by counting.
+        let mut t_indptr = vec![0usize; teacher_vocab + 1];
+        for &u in indices {
+            t_indptr[u as usize + 1] += 1;
+        }
+        for u in 0..teacher_vocab {
+            t_indptr[u + 1] += t_indptr[u];
+        }
+        let mut fill = t_indptr.clone();
+        let mut t_indices = vec![0u32; nnz];
+        let mut t_weights = vec![0f32; nnz];
+        let mut exact_teacher = vec![None; student_vocab];
+        let mut exact_student = vec![None; teacher_vocab];
+        for s in 0..student_vocab {
+            let row = indptr[s]..indptr[s + 1];
+            for e in row.clone() {
+                let u = indices[e] as usize;
+                t_indices[fill[u]] = s as u32;
+                t_weights[fill[u]] = weights[e];
+                fill[u] += 1;
+            }
+            if row.len() == 1 && weights[row.start] == 1.0 {
+                let u = indices[row.start];
+                exact_teacher[s] = Some(u);
+                exact_student[u as usize].get_or_insert(s as u32);
+            }
+        }
+        Ok(Self {
+            student_vocab,
+            teacher_vocab,
+            indptr: indptr.to_vec(),
+            indices: indices.to_vec(),
+            weights: weights.to_vec(),
+            t_indptr,
+            t_indices,
+            t_weights,
+            exact_teacher,
+            exact_student,
+        })
+    }
+
+    pub fn student_vocab(&self) -> usize {
+        self.student_vocab
+    }
+
+    pub fn teacher_vocab(&self) -> usize {
+        self.teacher_vocab
+    }
+
+    /// Row `s` of W: (teacher ids, weights).
+    pub fn row(&self, s: usize) -> (&[u32], &[f32]) {
+        let r = self.indptr[s]..self.indptr[s + 1];
+        (&self.indices[r.clone()], &self.weights[r])
+    }
+
+    /// Column `u` of W: (student ids, weights).
+    pub fn column(&self, u: usize) -> (&[u32], &[f32]) {
+        let r = self.t_indptr[u]..self.t_indptr[u + 1];
+        (&self.t_indices[r.clone()], &self.t_weights[r])
+    }
+
+    /// The teacher id a student id maps to exactly (one-hot row of weight 1).
+    pub fn exact_teacher(&self, s: usize) -> Option<u32> {
+        self.exact_teacher.get(s).copied().flatten()
+    }
+
+    /// The (lowest) student id that maps exactly to teacher id `u`.
+    pub fn exact_student(&self, u: usize) -> Option<u32> {
+        self.exact_student.get(u).copied().flatten()
+    }
+}
+
+/// One batch of aligned sequences for the cross-tokenizer losses, on the host, row-major.
+///
+/// Both tokenizations are in the *shifted* view: position `t`'s logits predict token `t + 1`,
+/// and `*_chunk[t]` is the chunk of token `t + 1` (−1: none, e.g. padding or prompt). Chunk ids
+/// of row `b` lie in `0..num_chunks[b]`. Fields a loss does not read may be left empty:
+/// P-KL reads the chunks and the teacher top-k; gold also the targets; ALM the chunks, the
+/// student targets and the teacher target log-probs.
+#[derive(Debug, Clone, Default)]
+pub struct XTokenBatch {
+    /// B.
+    pub batch: usize,
+    /// Ts, student positions per row.
+    pub student_len: usize,
+    /// Tt, teacher positions per row.
+    pub teacher_len: usize,
+    /// Entries per teacher top-k row.
+    pub k: usize,
+    /// `[B, Ts]` chunk of each student position (i64, −1 = none).
+    pub student_chunk: Vec<i64>,
+    /// `[B, Tt]` chunk of each teacher position (i64, −1 = none).
+    pub teacher_chunk: Vec<i64>,
+    /// `[B]` chunks per row.
+    pub num_chunks: Vec<usize>,
+    /// `[B, Ts]` the student token each position predicts (token `t + 1`).
+    pub student_targets: Vec<u32>,
+    /// `[B, Tt]` the teacher token each position predicts.
+    pub teacher_targets: Vec<u32>,
+    /// `[B, Tt, k]` teacher top-k ids (descending log-prob).
+    pub teacher_topk_ids: Vec<u32>,
+    /// `[B, Tt, k]` teacher `log_softmax(z_T/τ)` at those ids.
+    pub teacher_topk_logprobs: Vec<f32>,
+    /// `[B, Tt]` teacher log-prob of `teacher_targets`.
+    pub teacher_target_logprobs: Vec<f32>,
+}
+
+/// The student and teacher positions of one chunk with both sides non-empty, in order.
+#[derive(Debug, Clone)]
+pub(crate) struct Chunk {
+    pub b: usize,
+    pub student: Vec<usize>,
+    pub teacher: Vec<usize>,
+}
+
+impl XTokenBatch {
+    fn check_len<T>(&self, field: &'static str, v: &[T], want: usize) -> Result<()> {
+        if v.len() != want {
+            return Err(LossError::input(
+                field,
+                format!("has {} entries, expected {want}", v.len()),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Chunks with at least one student and one teacher position, ordered by (row, chunk id).
+    pub(crate) fn chunks(&self) -> Result<Vec<Chunk>> {
+        let (b, ts, tt) = (self.batch, self.student_len, self.teacher_len);
+        self.check_len("student_chunk", &self.student_chunk, b * ts)?;
+        self.check_len("teacher_chunk", &self.teacher_chunk, b * tt)?;
+        self.check_len("num_chunks", &self.num_chunks, b)?;
+        let mut out = Vec::new();
+        for row in 0..b {
+            let n = self.num_chunks[row];
+            let mut sides: Vec<(Vec<usize>, Vec<usize>)> = vec![(vec![], vec![]); n];
+            let mut place = |ids: &[i64], field: &'static str, student: bool| -> Result<()> {
+                for (t, &c) in ids.iter().enumerate() {
+                    if c == -1 {
+                        continue;
+                    }
+                    if c < 0 || c as usize >= n {
+                        return Err(LossError::input(
+                            field,
+                            format!("row {row} position {t}: chunk {c} not in -1..{n}"),
+                        ));
+                    }
+                    let s = &mut sides[c as usize];
+                    if student { &mut s.0 } else { &mut s.1 }.push(t);
+                }
+                Ok(())
+            };
+            place(
+                &self.student_chunk[row * ts..(row + 1) * ts],
+                "student_chunk",
+                true,
+            )?;
+            place(
+                &self.teacher_chunk[row * tt..(row + 1) * tt],
+                "teacher_chunk",
+                false,
+            )?;
+            for (student, teacher) in sides {
+                if !student.is_empty() && !teacher.is_empty() {
+                    out.push(Chunk {
+                        b: row,
+                        student,
+                        teacher,
+                    });
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Checks the lengths of the teacher top-k buffers (ids are checked row by row on use).
+    fn check_topk(&self) -> Result<()> {
+        let n = self.batch * self.teacher_len * self.k;
+        if self.k == 0 {
+            return Err(LossError::input("k", "must be at least 1"));
+        }
+        self.check_len("teacher_topk_ids", &self.teacher_topk_ids, n)?;
+        self.check_len("teacher_topk_logprobs", &self.teacher_topk_logprobs, n)?;
+        Ok(())
+    }
+
+    /// Teacher top-k of position `(b, t)`: ids (checked against the vocabulary) and log-probs
+    /// (NaN rejected, floored at [`LOG_FLOOR`]).
+    fn topk_row(&self, b: usize, t: usize, teacher_vocab: usize) -> Result<(&[u32], Vec<f64>)> {
+        let r = (b * self.teacher_len + t) * self.k;
+        let ids = &self.teacher_topk_ids[r..r + self.k];
+        if let Some(u) = ids.iter().find(|&&u| u as usize >= teacher_vocab) {
+            return Err(LossError::input(
+                "teacher_topk_ids",
+                format!("row {b} position {t}: id {u} >= teacher vocab {teacher_vocab}"),
+            ));
+        }
+        let lps = self.teacher_topk_logprobs[r..r + self.k]
+            .iter()
+            .map(|&v| {
+                if v.is_nan() {
+                    Err(LossError::input(
+                        "teacher_topk_logprobs",
+                        format!("row {b} position {t}: NaN"),
+                    ))
+                } else {
+                    Ok((v as f64).clamp(LOG_FLOOR, 0.0))
+                }
+            })
+            .collect::<Result<Vec<f64>>>()?;
+        Ok((ids, lps))
+    }
+}
+
+/// Checks `[B, Ts, V]` against the batch and narrows the vocabulary to the projection's
+/// (padded LM-head columns are not tokens); returns the logits in the compute dtype.
+pub(crate) fn student_view(logits: &Tensor, batch: &XTokenBatch, vocab: usize) -> Result<Tensor> {
+    let (b, t, v) = logits.dims3()?;
+    if b != batch.batch || t != batch.student_len || v < vocab {
+        return Err(LossError::input(
+            "student_logits",
+            format!(
+                "shape {:?}, expected [B = {}, Ts = {}, V >= {vocab}]",
+                logits.dims(),
+                batch.batch,
+                batch.student_len
+            ),
+        ));
+    }
+    let z = if v > vocab {
+        logits.narrow(2, 0, vocab)?
+    } else {
+        logits.clone()
+    };
+    Ok(z.to_dtype(compute_dtype(logits))?)
+}
+
+/// An index tensor for `n`-element flat lookups (u32 when it fits, else i64).
+pub(crate) fn index_tensor(idx: Vec<u64>, limit: usize, device: &Device) -> Result<Tensor> {
+    let n = idx.len();
+    Ok(if limit <= u32::MAX as usize {
+        Tensor::from_vec(
+            idx.into_iter().map(|i| i as u32).collect::<Vec<_>>(),
+            n,
+            device,
+        )?
+    } else {
+        Tensor::from_vec(
+            idx.into_iter().map(|i| i as i64).collect::<Vec<_>>(),
+            n,
+            device,
+        )?
+    })
+}
+
+pub(crate) fn host_tensor(v: Vec<f64>, shape: &[usize], dt: DType, dev: &Device) -> Result<Tensor> {
+    Ok(Tensor::from_vec(v, shape, dev)?.to_dtype(dt)?)
+}
+
+fn zero_loss(dt: DType, dev: &Device) -> Result<(Tensor, KdMetrics)> {
+    Ok((Tensor::zeros((), dt, dev)?, KdMetrics::default()))
+}
+
+/// Chunk-level projected KL (NeMo's P-KL) over the teacher top-k set K of each chunk.
+///
+/// For a chunk c with student positions S_c and teacher positions T_c, the anchor teacher
+/// position a (first or last of T_c) supplies K and its exact log-probs L_c = lp_T,a[K].
+/// `q_t = Wᵀ softmax(z_S,t/τ)`, `Q_c = mean_{t∈S_c} q_t[K]` renormalised over K,
+/// `loss = τ² · Σ_c Σ_K e^{L_c}(L_c − log Q_c) / N` with N the number of chunks with both sides
+/// (or `normalizer`). `student_logits`: `[B, Ts, V]`, `V ≥ proj.student_vocab()`.
+pub fn pkl_loss(
+    student_logits: &Tensor,
+    batch: &XTokenBatch,
+    proj: &Projection,
+    anchor: Anchor,
+    temperature: f64,
+    normalizer: Option<f64>,
+) -> Result<(Tensor, KdMetrics)> {
+    check_normalizer(normalizer)?;
+    check_temperature(temperature)?;
+    let z = student_view(student_logits, batch, proj.student_vocab())?;
+    let (dt, dev) = (z.dtype(), z.device().clone());
+    batch.check_topk()?;
+    let chunks = batch.chunks()?;
+    if chunks.is_empty() {
+        return zero_loss(dt, &dev);
+    }
+    let (k, ts, vs) = (batch.k, batch.student_len, proj.student_vocab());
+
+    // 1. Host: for every (chunk, K entry) the student (position, token, weight) triples.
+    let (mut idx, mut wts, mut seg) = (Vec::new(), Vec::new(), Vec::new());
+    let mut lt = Vec::with_capacity(chunks.len() * k);
+    for (ci, c) in chunks.iter().enumerate() {
+        let a = match anchor {
+            Anchor::First => c.teacher[0],
+            Anchor::Last => c.teacher[c.teacher.len() - 1],
+        };
+        let (ids, lps) = batch.topk_row(c.b, a, proj.teacher_vocab())?;
+        lt.extend_from_slice(&lps);
+        let inv_m = 1.0 / c.student.len() as f64;
+        for (j, &u) in ids.iter().enumerate() {
+            let (students, weights) = proj.column(u as usize);
+            for &t in &c.student {
+                let row = ((c.b * ts + t) * vs) as u64;
+                for (&s, &w) in students.iter().zip(weights) {
+                    idx.push(row + s as u64);
+                    wts.push(w as f64 * inv_m);
+                    seg.push((ci * k + j) as u32);
+                }
+            }
+        }
+    }
+    let n_units = chunks.len();
+
+    // 2. Device: Q_c[K] = Σ w·p_S gathered and summed per (chunk, K entry), [C, k].
+    let p = softmax_last(&z.affine(1.0 / temperature, 0.0)?)?.flatten_all()?;
+    let mut q = Tensor::zeros(n_units * k, dt, &dev)?;
+    if !idx.is_empty() {
+        let vals = p.index_select(&index_tensor(idx, p.elem_count(), &dev)?, 0)?;
+        let vals = (vals * host_tensor(wts, &[seg.len()], dt, &dev)?)?;
+        let seg = Tensor::from_vec(seg.clone(), seg.len(), &dev)?;
+        q = q.index_add(&seg, &vals, 0)?;
+    }
+    let q = q.reshape((n_units, k))?.affine(1.0, Q_EPS)?;
+    let student_mass = q.detach().sum(D::Minus1)?;
+    let log_q = q.broadcast_div(&q.sum_keepdim(D::Minus1)?)?.log()?;
+
+    // 3. Σ_K e^L (L − log Q) per chunk, summed and normalised, τ².
+    let l = host_tensor(lt, &[n_units, k], dt, &dev)?;
+    let per_chunk = (l.exp()? * (&l - log_q)?)?.sum(D::Minus1)?;
+    let n = normalizer.unwrap_or(n_units as f64);
+    let loss = per_chunk
+        .sum_all()?
+        .affine(temperature * temperature / n, 0.0)?;
+    let mean =
+        |t: &Tensor| -> Result<f64> { Ok(t.to_dtype(DType::F64)?.mean_all()?.to_scalar::<f64>()?) };
+    let metrics = KdMetrics {
+        loss: loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
+        count: n_units as f64,
+        teacher_topk_mass: Some(mean(&l.exp()?.sum(D::Minus1)?)?),
+        student_topk_mass: Some(mean(&student_mass)?),
+    };
+    Ok((loss, metrics))
+}
+
+/// The gold hybrid (NeMo gold / xtoken, TRL GOLD).
+///
+/// A chunk with exactly one student and one teacher position whose student target maps exactly
+/// (one-hot W row) to the teacher target is *matched*: forward KL over the teacher's top-k ids
+/// that have an exact student counterpart (K'), both sides renormalised over K'. Every other
+/// chunk (or a matched one with empty K') is *unmatched*: L1 between the teacher's top-k
+/// probabilities and the student's k largest probabilities, both sorted descending, taken at
+/// the chunk's first positions (the two models have seen the same text there).
+/// `loss = τ²·(matched_weight·Σ KL + unmatched_weight·Σ L1) / N`, N = chunks with both sides.
+#[allow(clippy::too_many_arguments)]
+pub fn gold_loss(
+    student_logits: &Tensor,
+    batch: &XTokenBatch,
+    proj: &Projection,
+    matched_weight: f64,
+    unmatched_weight: f64,
+    temperature: f64,
+    normalizer: Option<f64>,
+) -> Result<(Tensor, KdMetrics)> {
+    check_normalizer(normalizer)?;
+    check_temperature(temperature)?;
+    let z = student_view(student_logits, batch, proj.student_vocab())?;
+    let (dt, dev) = (z.dtype(), z.device().clone());
+    batch.check_topk()?;
+    let (b, ts, tt, k) = (batch.batch, batch.student_len, batch.teacher_len, batch.k);
+    batch.check_len("student_targets", &batch.student_targets, b * ts)?;
+    batch.check_len("teacher_targets", &batch.teacher_targets, b * tt)?;
+    let vs = proj.student_vocab();
+    if k > vs {
+        return Err(LossError::input(
+            "k",
+            format!("k = {k} > student vocab {vs}"),
+        ));
+    }
+    let chunks = batch.chunks()?;
+    if chunks.is_empty() {
+        return zero_loss(dt, &dev);
+    }
+
+    // 1. Host: split chunks into matched (gather indices + teacher log-probs over K') and
+    //    unmatched (student row + sorted teacher probabilities).
+    let (mut m_idx, mut m_pen, mut m_lt) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut u_rows, mut u_pt) = (Vec::new(), Vec::new());
+    let mut teacher_mass = 0.0;
+    for c in &chunks {
+        let (t, a) = (c.student[0], c.teacher[0]);
+        let (ids, lps) = batch.topk_row(c.b, a, proj.teacher_vocab())?;
+        teacher_mass += lps.iter().map(|l| l.exp()).sum::<f64>();
+        let s_tok = batch.student_targets[c.b * ts + t] as usize;
+        let u_tok = batch.teacher_targets[c.b * tt + a];
+        let one_to_one = c.student.len() == 1 && c.teacher.len() == 1;
+        let mapped: Vec<Option<u32>> = ids
+            .iter()
+            .map(|&u| proj.exact_student(u as usize))
+            .collect();
+        if one_to_one
+            && s_tok < vs
+            && proj.exact_teacher(s_tok) == Some(u_tok)
+            && mapped.iter().any(Option::is_some)
+        {
+            let row = ((c.b * ts + t) * vs) as u64;
+            let pen: Vec<f64> = mapped
+                .iter()
+                .map(|m| if m.is_some() { 0.0 } else { PAD_PENALTY })
+                .collect();
+            // Teacher log-probs renormalised over K' (host, f64).
+            let shifted: Vec<f64> = lps.iter().zip(&pen).map(|(l, p)| l + p).collect();
+            let mx = shifted.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            let lse = mx + shifted.iter().map(|x| (x - mx).exp()).sum::<f64>().ln();
+            m_lt.extend(shifted.iter().map(|x| x - lse));
+            m_idx.extend(mapped.iter().map(|m| row + m.unwrap_or(0) as u64));
+            m_pen.extend(pen);
+        } else {
+            u_rows.push((c.b * ts + t) as u32);
+            let mut pt: Vec<f64> = lps.iter().map(|l| l.exp()).collect();
+            pt.sort_by(|x, y| y.total_cmp(x));
+            u_pt.extend(pt);
+        }
+    }
+    let (n_m, n_u) = (m_idx.len() / k, u_rows.len());
+    let zt = z.affine(1.0 / temperature, 0.0)?;
+    let mut total = Tensor::zeros((), dt, &dev)?;
+
+    // 2. Matched: KL(T‖S) over K' from the gathered student logits.
+    if n_m > 0 {
+        let zk = zt
+            .flatten_all()?
+            .index_select(&index_tensor(m_idx, zt.elem_count(), &dev)?, 0)?
+            .reshape((n_m, k))?;
+        let zk = (zk + host_tensor(m_pen, &[n_m, k], dt, &dev)?)?;
+        let lp_s = zk.broadcast_sub(&logsumexp_last(&zk)?.unsqueeze(1)?)?;
+        let lp_t = host_tensor(m_lt, &[n_m, k], dt, &dev)?;
+        let kl = (lp_t.exp()? * (&lp_t - lp_s)?)?.sum_all()?;
+        total = (total + kl.affine(matched_weight, 0.0)?)?;
+    }
+    // 3. Unmatched: L1 between sorted top-k probabilities.
+    if n_u > 0 {
+        let rows = Tensor::from_vec(u_rows, n_u, &dev)?;
+        let p = softmax_last(&zt.reshape((b * ts, vs))?.index_select(&rows, 0)?)?;
+        let ps = p.gather(&topk_indices(&p, k)?, 1)?;
+        let pt = host_tensor(u_pt, &[n_u, k], dt, &dev)?;
+        let l1 = (pt - ps)?.abs()?.sum_all()?;
+        total = (total + l1.affine(unmatched_weight, 0.0)?)?;
+    }
+    let n = normalizer.unwrap_or(chunks.len() as f64);
+    let loss = total.affine(temperature * temperature / n, 0.0)?;
+    let metrics = KdMetrics {
+        loss: loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
+        count: chunks.len() as f64,
+        teacher_topk_mass: Some(teacher_mass / chunks.len() as f64),
+        student_topk_mass: None,
+    };
+    Ok((loss, metrics))
+}
+
+/// Counts of (matched, unmatched) chunks the gold loss uses (for logs and tests).
+pub fn gold_split(batch: &XTokenBatch, proj: &Projection) -> Result<(usize, usize)> {
+    let (b, ts, tt) = (batch.batch, batch.student_len, batch.teacher_len);
+    batch.check_topk()?;
+    batch.check_len("student_targets", &batch.student_targets, b * ts)?;
+    batch.check_len("teacher_targets", &batch.teacher_targets, b * tt)?;
+    let chunks = batch.chunks()?;
+    let mut matched = 0;
+    for c in &chunks {
+        let (t, a) = (c.student[0], c.teacher[0]);
+        let s_tok = batch.student_targets[c.b * ts + t] as usize;
+        let u_tok = batch.teacher_targets[c.b * tt + a];
+        let (ids, _) = batch.topk_row(c.b, a, proj.teacher_vocab())?;
+        if c.student.len() == 1
+            && c.teacher.len() == 1
+            && proj.exact_teacher(s_tok) == Some(u_tok)
+            && ids
+                .iter()
+                .any(|&u| proj.exact_student(u as usize).is_some())
+        {
+            matched += 1;
+        }
+    }
+    Ok((matched, chunks.len() - matched))
+}
+
+#[cfg(test)]
+#[path = "xtoken_tests.rs"]
+pub(crate) mod tests;
