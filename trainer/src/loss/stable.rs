@@ -12,13 +12,10 @@ pub const LOG_FLOOR: f64 = -1.0e4;
 /// 1e-6, so smaller tails are rounding noise (and `log 0` would be −∞).
 pub const TAIL_FLOOR: f64 = 1.0e-6;
 
-/// `log_softmax` over the last dim, `[.., V] -> [.., V]`. The max is detached: the result does
-/// not depend on it, so the gradient is exact and the graph smaller.
+/// `log_softmax` over the last dim, `[.., V] -> [.., V]`, with a backward pass: the fused
+/// one-pass kernel on the CPU (`xdistill_shared::ops`), composed ops elsewhere.
 pub fn log_softmax_last(x: &Tensor) -> Result<Tensor> {
-    let m = x.max_keepdim(D::Minus1)?.detach();
-    let d = x.broadcast_sub(&m)?;
-    let lse = d.exp()?.sum_keepdim(D::Minus1)?.log()?;
-    Ok(d.broadcast_sub(&lse)?)
+    Ok(xdistill_shared::ops::log_softmax(x)?)
 }
 
 /// `softmax` over the last dim with a backward pass, `[.., V] -> [.., V]`.
