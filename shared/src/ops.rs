@@ -175,6 +175,50 @@ pub fn adamw_update(
     Ok(())
 }
 
+/// The in-place CPU kernels alone: updates `param`, `m`, `v` (all contiguous f32 CPU tensors)
+/// and returns `true`; returns `false` without touching anything when they do not apply.
+/// `m` and `v` must not share storage with anything else.
+pub fn adamw_update_in_place(
+    param: &Tensor,
+    grad: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    h: AdamWStep,
+) -> Result<bool> {
+    let ok = param.device().is_cpu()
+        && [param.dtype(), grad.dtype(), m.dtype(), v.dtype()]
+            .iter()
+            .all(|d| *d == DType::F32)
+        && param.is_contiguous()
+        && m.is_contiguous()
+        && v.is_contiguous()
+        && param.dims() == grad.dims()
+        && param.dims() == m.dims()
+        && param.dims() == v.dims();
+    if !ok {
+        return Ok(false);
+    }
+    let t = h.step.max(1) as i32;
+    let (bc1, bc2) = (1.0 - h.beta1.powi(t), 1.0 - h.beta2.powi(t));
+    let grad = grad.contiguous()?;
+    m.inplace_op2(
+        &grad,
+        &Moment {
+            beta: h.beta1 as f32,
+            square: false,
+        },
+    )?;
+    v.inplace_op2(
+        &grad,
+        &Moment {
+            beta: h.beta2 as f32,
+            square: true,
+        },
+    )?;
+    param.inplace_op3(m, v, &Apply { h, bc1, bc2 })?;
+    Ok(true)
+}
+
 struct Moment {
     beta: f32,
     square: bool,

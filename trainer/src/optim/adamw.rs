@@ -209,6 +209,27 @@ impl AdamW {
                 continue;
             };
             let g = g.detach().to_dtype(p.m.dtype())?;
+            // Fast path (CPU, f32 weights without a master copy): the fused in-place kernels do
+            // the same update in three passes with no temporaries.
+            if p.master.is_none() {
+                let h = xdistill_shared::ops::AdamWStep {
+                    lr: c.lr,
+                    beta1: c.beta1,
+                    beta2: c.beta2,
+                    eps: c.eps,
+                    weight_decay: if p.decay { c.weight_decay } else { 0.0 },
+                    step: self.step,
+                };
+                if xdistill_shared::ops::adamw_update_in_place(
+                    p.var.as_tensor(),
+                    &g,
+                    &p.m,
+                    &p.v,
+                    h,
+                )? {
+                    continue;
+                }
+            }
             // 1. Moments.
             let m = (p.m.affine(c.beta1, 0.0)? + g.affine(1.0 - c.beta1, 0.0)?)?;
             let v = (p.v.affine(c.beta2, 0.0)? + g.sqr()?.affine(1.0 - c.beta2, 0.0)?)?;
