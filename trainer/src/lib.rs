@@ -3,3 +3,4 @@
 pub mod init_model;
 pub mod config;
 pub mod data;
+pub mod checkpoint;
