@@ -4,3 +4,5 @@ pub mod init_model;
 pub mod config;
 pub mod data;
 pub mod checkpoint;
+pub mod client;
+pub mod metrics_log;
