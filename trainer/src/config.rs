@@ -113,6 +113,8 @@ pub struct OptimizerConfig {
     pub schedule: LrSchedule,
     /// Clip the global gradient L2 norm to this; absent or 0 disables clipping.
     pub max_grad_norm: Option<f64>,
+    /// Also apply weight decay to 1-D parameters (norm weights, biases).
+    pub decay_1d: bool,
 }
 
 impl Default for OptimizerConfig {
@@ -126,6 +128,7 @@ impl Default for OptimizerConfig {
             warmup_steps: 0,
             schedule: LrSchedule::Cosine,
             max_grad_norm: Some(1.0),
+            decay_1d: false,
         }
     }
 }
@@ -541,6 +544,18 @@ impl Config {
             return Err(invalid("teacher.prefetch", "must be at least 1"));
         }
 
+        // The loss divides the student's logits by its temperature; the teacher's must match.
+        if let Some(lt) = self.loss.get("temperature").and_then(|v| {
+            v.as_float().or_else(|| v.as_integer().map(|i| i as f64))
+        }) {
+            if (lt - t.temperature as f64).abs() > 1e-6 {
+                return Err(invalid(
+                    "teacher.temperature",
+                    format!("{} differs from loss.temperature = {lt}", t.temperature),
+                ));
+            }
+        }
+
         let d = &self.data;
         if d.train_path.as_os_str().is_empty() {
             return Err(invalid("data.train_path", "the training data file is required (or --data)"));
@@ -873,6 +888,37 @@ mod tests {
         assert_eq!(t["a"]["d"].as_array().map(|a| a.len()), Some(2));
         assert!(apply_set(&mut t, "a.b.c=1").is_err());
         assert!(apply_set(&mut t, "novalue").is_err());
+    }
+
+    #[test]
+    fn temperatures_of_teacher_and_loss_must_agree() {
+        let with = |extra: &str| format!("{MINIMAL}\n{extra}");
+        assert_eq!(err_key(&with("[loss]\ntemperature = 2.0")), "teacher.temperature");
+        let dir = tempfile::tempdir().unwrap();
+        let ok = MINIMAL.replace("[teacher]", "[teacher]\ntemperature = 2.0");
+        Config::from_file(&write(dir.path(), &with_loss(&ok, "temperature = 2"))).unwrap();
+    }
+
+    fn with_loss(text: &str, loss: &str) -> String {
+        format!("{text}\n[loss]\n{loss}\n")
+    }
+
+    /// Every example in `configs/` parses, validates, and names a data file that exists.
+    #[test]
+    fn every_shipped_config_parses() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join("configs");
+        let mut n = 0;
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().and_then(|e| e.to_str()) != Some("toml") {
+                continue;
+            }
+            let c = Config::from_file(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            assert!(c.data.train_path.is_file(), "{}: {}", path.display(), c.data.train_path.display());
+            assert!(!c.loss.is_empty(), "{}: no [loss]", path.display());
+            n += 1;
+        }
+        assert!(n >= 2, "expected the example configs in {}", dir.display());
     }
 
     #[test]
