@@ -388,12 +388,19 @@ pub enum Ranking {
     /// Newest steps first.
     Newest,
     /// By `TrainerState::metrics[name]`; checkpoints without it rank last.
-    Metric { name: String, higher_is_better: bool },
+    Metric {
+        name: String,
+        higher_is_better: bool,
+    },
 }
 
 /// Keeps the `keep` best checkpoints (always including the newest, which a resume needs) and
 /// deletes the others; returns the deleted paths. `final/` is never touched.
-pub fn retain(output_dir: &Path, keep: usize, ranking: &Ranking) -> Result<Vec<PathBuf>, CheckpointError> {
+pub fn retain(
+    output_dir: &Path,
+    keep: usize,
+    ranking: &Ranking,
+) -> Result<Vec<PathBuf>, CheckpointError> {
     let all = list(output_dir)?;
     let Some((newest, _)) = all.last().cloned() else {
         return Ok(Vec::new());
@@ -401,7 +408,7 @@ pub fn retain(output_dir: &Path, keep: usize, ranking: &Ranking) -> Result<Vec<P
     let keep = keep.max(1);
     let mut others: Vec<(u64, PathBuf)> = all.into_iter().filter(|(s, _)| *s != newest).collect();
     match ranking {
-        Ranking::Newest => others.sort_by(|a, b| b.0.cmp(&a.0)),
+        Ranking::Newest => others.sort_by_key(|x| std::cmp::Reverse(x.0)),
         Ranking::Metric {
             name,
             higher_is_better,
@@ -472,7 +479,10 @@ mod tests {
         );
         m.insert(
             "model.norm.weight".to_string(),
-            Tensor::from_vec(f(8), 8, &dev).unwrap().to_dtype(DType::BF16).unwrap(),
+            Tensor::from_vec(f(8), 8, &dev)
+                .unwrap()
+                .to_dtype(DType::BF16)
+                .unwrap(),
         );
         m
     }
@@ -520,7 +530,15 @@ mod tests {
         for _ in 0..step {
             rng.next_u64();
         }
-        TrainerState::new(step, DataPosition { epoch: 1, index: 3 * step as usize }, &rng, "h".into())
+        TrainerState::new(
+            step,
+            DataPosition {
+                epoch: 1,
+                index: 3 * step as usize,
+            },
+            &rng,
+            "h".into(),
+        )
     }
 
     fn save_step(out: &Path, tok: &Path, step: u64, metric: Option<f64>) -> PathBuf {
@@ -572,7 +590,8 @@ mod tests {
             rng.next_u32(); // odd count: mid-block position
         }
         let saved: RngState =
-            serde_json::from_str(&serde_json::to_string(&RngState::capture(&rng)).unwrap()).unwrap();
+            serde_json::from_str(&serde_json::to_string(&RngState::capture(&rng)).unwrap())
+                .unwrap();
         let mut back = saved.restore().unwrap();
         let a: Vec<u64> = (0..40).map(|_| rng.next_u64()).collect();
         let b: Vec<u64> = (0..40).map(|_| back.next_u64()).collect();
@@ -626,7 +645,13 @@ mod tests {
             save_step(&out, &tok, s, Some(v));
         }
         std::fs::create_dir_all(out.join(FINAL_DIR)).unwrap();
-        let steps = |out: &Path| list(out).unwrap().into_iter().map(|(s, _)| s).collect::<Vec<_>>();
+        let steps = |out: &Path| {
+            list(out)
+                .unwrap()
+                .into_iter()
+                .map(|(s, _)| s)
+                .collect::<Vec<_>>()
+        };
 
         let ranking = Ranking::Metric {
             name: "val_loss".into(),

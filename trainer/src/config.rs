@@ -406,12 +406,13 @@ impl Config {
         for s in sets {
             apply_set(&mut table, s)?;
         }
-        let mut c: Config = toml::Value::Table(table)
-            .try_into()
-            .map_err(|e: toml::de::Error| ConfigError::Parse {
-                path: path.to_path_buf(),
-                message: e.to_string(),
-            })?;
+        let mut c: Config =
+            toml::Value::Table(table)
+                .try_into()
+                .map_err(|e: toml::de::Error| ConfigError::Parse {
+                    path: path.to_path_buf(),
+                    message: e.to_string(),
+                })?;
         let base = path
             .parent()
             .filter(|p| !p.as_os_str().is_empty())
@@ -470,7 +471,10 @@ impl Config {
             ));
         }
         if p.max_total_sequence_length < 2 {
-            return Err(invalid("policy.max_total_sequence_length", "must be at least 2"));
+            return Err(invalid(
+                "policy.max_total_sequence_length",
+                "must be at least 2",
+            ));
         }
         xdistill_shared::device::parse_dtype(&p.precision)
             .map_err(|e| invalid("policy.precision", e.to_string()))?;
@@ -481,7 +485,10 @@ impl Config {
             ));
         }
         if p.train_micro_batch_size == 0 {
-            return Err(invalid("policy.train_micro_batch_size", "must be at least 1"));
+            return Err(invalid(
+                "policy.train_micro_batch_size",
+                "must be at least 1",
+            ));
         }
         let o = &p.optimizer;
         if !(o.lr.is_finite() && o.lr > 0.0) {
@@ -494,7 +501,10 @@ impl Config {
             return Err(invalid("policy.optimizer.weight_decay", "must be >= 0"));
         }
         if o.betas.iter().any(|b| !(0.0..1.0).contains(b)) {
-            return Err(invalid("policy.optimizer.betas", "each beta must be in [0, 1)"));
+            return Err(invalid(
+                "policy.optimizer.betas",
+                "each beta must be in [0, 1)",
+            ));
         }
         if !(o.eps.is_finite() && o.eps > 0.0) {
             return Err(invalid("policy.optimizer.eps", "must be positive"));
@@ -535,7 +545,10 @@ impl Config {
             return Err(invalid("teacher.max_wait_s", "must be >= 0 seconds"));
         }
         if t.backoff_max_s < t.backoff_initial_s {
-            return Err(invalid("teacher.backoff_max_s", "must be >= backoff_initial_s"));
+            return Err(invalid(
+                "teacher.backoff_max_s",
+                "must be >= backoff_initial_s",
+            ));
         }
         if t.max_attempts == Some(0) {
             return Err(invalid("teacher.max_attempts", "must be at least 1"));
@@ -545,9 +558,11 @@ impl Config {
         }
 
         // The loss divides the student's logits by its temperature; the teacher's must match.
-        if let Some(lt) = self.loss.get("temperature").and_then(|v| {
-            v.as_float().or_else(|| v.as_integer().map(|i| i as f64))
-        }) {
+        if let Some(lt) = self
+            .loss
+            .get("temperature")
+            .and_then(|v| v.as_float().or_else(|| v.as_integer().map(|i| i as f64)))
+        {
             if (lt - t.temperature as f64).abs() > 1e-6 {
                 return Err(invalid(
                     "teacher.temperature",
@@ -558,14 +573,23 @@ impl Config {
 
         let d = &self.data;
         if d.train_path.as_os_str().is_empty() {
-            return Err(invalid("data.train_path", "the training data file is required (or --data)"));
+            return Err(invalid(
+                "data.train_path",
+                "the training data file is required (or --data)",
+            ));
         }
         match (&d.prompt_field, &d.completion_field) {
             (Some(_), None) => {
-                return Err(invalid("data.completion_field", "required with data.prompt_field"))
+                return Err(invalid(
+                    "data.completion_field",
+                    "required with data.prompt_field",
+                ))
             }
             (None, Some(_)) => {
-                return Err(invalid("data.prompt_field", "required with data.completion_field"))
+                return Err(invalid(
+                    "data.prompt_field",
+                    "required with data.completion_field",
+                ))
             }
             _ => {}
         }
@@ -581,7 +605,10 @@ impl Config {
 
         let r = &self.distillation;
         if r.num_prompts_per_step == 0 {
-            return Err(invalid("distillation.num_prompts_per_step", "must be at least 1"));
+            return Err(invalid(
+                "distillation.num_prompts_per_step",
+                "must be at least 1",
+            ));
         }
         if r.max_num_steps == 0 {
             return Err(invalid("distillation.max_num_steps", "must be at least 1"));
@@ -606,7 +633,10 @@ impl Config {
             return Err(invalid("checkpointing.save_period", "must be at least 1"));
         }
         if c.keep_top_k == Some(0) {
-            return Err(invalid("checkpointing.keep_top_k", "must be at least 1 (or absent to keep all)"));
+            return Err(invalid(
+                "checkpointing.keep_top_k",
+                "must be at least 1 (or absent to keep all)",
+            ));
         }
         if self.logger.log_every == 0 {
             return Err(invalid("logger.log_every", "must be at least 1"));
@@ -785,9 +815,18 @@ mod tests {
         // Relative paths resolve against the config's directory.
         assert_eq!(c.policy.model_name, dir.path().join("student"));
         assert_eq!(c.data.train_path, dir.path().join("data/train.jsonl"));
-        assert_eq!(c.checkpointing.checkpoint_dir, dir.path().join("runs/off_policy"));
-        assert_eq!(c.student_tokenizer(), dir.path().join("student/tokenizer.json"));
-        assert_eq!(c.data.resolved_format(&c.data.train_path), DataFormat::Jsonl);
+        assert_eq!(
+            c.checkpointing.checkpoint_dir,
+            dir.path().join("runs/off_policy")
+        );
+        assert_eq!(
+            c.student_tokenizer(),
+            dir.path().join("student/tokenizer.json")
+        );
+        assert_eq!(
+            c.data.resolved_format(&c.data.train_path),
+            DataFormat::Jsonl
+        );
         assert_eq!(c.data.resolved_format(Path::new("a.txt")), DataFormat::Text);
     }
 
@@ -802,7 +841,10 @@ mod tests {
             output: Some("out".into()),
             max_steps: Some(7),
             resume: true,
-            set: vec!["policy.optimizer.lr=3e-5".into(), "loss.type=forward_kl".into()],
+            set: vec![
+                "policy.optimizer.lr=3e-5".into(),
+                "loss.type=forward_kl".into(),
+            ],
         };
         let c = Config::load(&args).unwrap();
         assert_eq!(c.teacher.urls, ["http://a:1", "http://b:2/"]);
@@ -812,7 +854,10 @@ mod tests {
         assert_eq!(c.checkpointing.checkpoint_dir, PathBuf::from("out"));
         assert_eq!(c.distillation.max_num_steps, 7);
         assert_eq!(c.policy.optimizer.lr, 3e-5);
-        assert_eq!(c.loss.get("type").and_then(|v| v.as_str()), Some("forward_kl"));
+        assert_eq!(
+            c.loss.get("type").and_then(|v| v.as_str()),
+            Some("forward_kl")
+        );
         #[derive(Deserialize)]
         struct L {
             r#type: String,
@@ -831,7 +876,10 @@ mod tests {
     #[test]
     fn validation_errors_name_the_key() {
         let with = |extra: &str| format!("{MINIMAL}\n{extra}");
-        assert_eq!(err_key(&with("[distillation]\nnum_prompts_per_step = 0")), "distillation.num_prompts_per_step");
+        assert_eq!(
+            err_key(&with("[distillation]\nnum_prompts_per_step = 0")),
+            "distillation.num_prompts_per_step"
+        );
         assert_eq!(
             err_key(&MINIMAL.replace("[teacher]", "[teacher]\nk = 0")),
             "teacher.k"
@@ -864,7 +912,10 @@ mod tests {
             err_key(&with("[policy.optimizer]\nbetas = [0.9, 1.0]")),
             "policy.optimizer.betas"
         );
-        assert_eq!(err_key(&with("[checkpointing]\nkeep_top_k = 0")), "checkpointing.keep_top_k");
+        assert_eq!(
+            err_key(&with("[checkpointing]\nkeep_top_k = 0")),
+            "checkpointing.keep_top_k"
+        );
     }
 
     #[test]
@@ -872,7 +923,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let text = MINIMAL.replace("[teacher]", "[teacher]\ntopk = 3");
         match Config::from_file(&write(dir.path(), &text)) {
-            Err(ConfigError::Parse { message, .. }) => assert!(message.contains("topk"), "{message}"),
+            Err(ConfigError::Parse { message, .. }) => {
+                assert!(message.contains("topk"), "{message}")
+            }
             other => panic!("expected a parse error, got {other:?}"),
         }
     }
@@ -893,7 +946,10 @@ mod tests {
     #[test]
     fn temperatures_of_teacher_and_loss_must_agree() {
         let with = |extra: &str| format!("{MINIMAL}\n{extra}");
-        assert_eq!(err_key(&with("[loss]\ntemperature = 2.0")), "teacher.temperature");
+        assert_eq!(
+            err_key(&with("[loss]\ntemperature = 2.0")),
+            "teacher.temperature"
+        );
         let dir = tempfile::tempdir().unwrap();
         let ok = MINIMAL.replace("[teacher]", "[teacher]\ntemperature = 2.0");
         Config::from_file(&write(dir.path(), &with_loss(&ok, "temperature = 2"))).unwrap();
@@ -906,7 +962,9 @@ mod tests {
     /// Every example in `configs/` parses, validates, and names a data file that exists.
     #[test]
     fn every_shipped_config_parses() {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join("configs");
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("..")
+            .join("configs");
         let mut n = 0;
         for entry in std::fs::read_dir(&dir).unwrap() {
             let path = entry.unwrap().path();
@@ -914,7 +972,12 @@ mod tests {
                 continue;
             }
             let c = Config::from_file(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-            assert!(c.data.train_path.is_file(), "{}: {}", path.display(), c.data.train_path.display());
+            assert!(
+                c.data.train_path.is_file(),
+                "{}: {}",
+                path.display(),
+                c.data.train_path.display()
+            );
             assert!(!c.loss.is_empty(), "{}: no [loss]", path.display());
             n += 1;
         }

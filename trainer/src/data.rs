@@ -270,7 +270,11 @@ impl Dataset {
 
     /// Splits off `val_count` records chosen by a seeded permutation; both parts keep file order.
     /// The split depends only on the record count and the seed, so it is the same on resume.
-    pub fn split_validation(self, val_count: usize, seed: u64) -> Result<(Dataset, Dataset), DataError> {
+    pub fn split_validation(
+        self,
+        val_count: usize,
+        seed: u64,
+    ) -> Result<(Dataset, Dataset), DataError> {
         let n = self.records.len();
         if val_count == 0 {
             return Ok((self, Dataset::default()));
@@ -289,7 +293,10 @@ impl Dataset {
         for &i in &perm[..val_count] {
             is_val[i] = true;
         }
-        let (mut train, mut val) = (Vec::with_capacity(n - val_count), Vec::with_capacity(val_count));
+        let (mut train, mut val) = (
+            Vec::with_capacity(n - val_count),
+            Vec::with_capacity(val_count),
+        );
         for (r, v) in self.records.into_iter().zip(is_val) {
             if v {
                 val.push(r)
@@ -310,6 +317,34 @@ impl Dataset {
     }
 }
 
+/// Reads the training data and its validation part as `[data]` describes: `val_path` when set,
+/// else `val_count` / `val_fraction` records held out of `train_path` by `seed`.
+/// Returns (train, validation); the validation set may be empty.
+pub fn load_train_val(d: &DataConfig, seed: u64) -> Result<(Dataset, Dataset), DataError> {
+    let opts = LoadOptions::from_config(d);
+    let all = Dataset::load(&d.train_path, &opts)?;
+    match &d.val_path {
+        Some(vp) => Ok((all, Dataset::load(vp, &opts)?)),
+        None => {
+            let n = val_size(all.records.len(), d.val_fraction, d.val_count);
+            all.split_validation(n, seed)
+        }
+    }
+}
+
+impl BatchOptions {
+    /// Training batches as the config describes them.
+    pub fn from_config(c: &crate::config::Config) -> BatchOptions {
+        BatchOptions {
+            batch_size: c.distillation.num_prompts_per_step,
+            seed: c.distillation.seed,
+            shuffle: c.data.shuffle,
+            drop_last: c.data.drop_last,
+            max_epochs: c.distillation.max_num_epochs,
+        }
+    }
+}
+
 /// Validation size: `count` when given, else `round(fraction · n)`.
 pub fn val_size(n: usize, fraction: f64, count: Option<usize>) -> usize {
     count.unwrap_or_else(|| (fraction * n as f64).round() as usize)
@@ -319,10 +354,7 @@ pub fn val_size(n: usize, fraction: f64, count: Option<usize>) -> usize {
 const VAL_SPLIT_STREAM: u64 = u64::MAX;
 
 /// Calls `f(line_number, bytes)` for each line, without the trailing `\n` / `\r\n`.
-fn for_each_line(
-    mut reader: impl BufRead,
-    mut f: impl FnMut(usize, &[u8]),
-) -> std::io::Result<()> {
+fn for_each_line(mut reader: impl BufRead, mut f: impl FnMut(usize, &[u8])) -> std::io::Result<()> {
     let mut buf = Vec::new();
     let mut line_no = 0;
     loop {
@@ -602,8 +634,14 @@ mod tests {
         let p = write(dir.path(), "d.jsonl", &f);
         let ds = Dataset::load(&p, &opts(20)).unwrap();
         let texts: Vec<String> = ds.records.iter().map(Record::text).collect();
-        assert_eq!(texts, ["good one", "caf\u{e9} \u{1F600}", "last, no newline"]);
-        assert_eq!(ds.records.iter().map(|r| r.line).collect::<Vec<_>>(), [1, 11, 12]);
+        assert_eq!(
+            texts,
+            ["good one", "caf\u{e9} \u{1F600}", "last, no newline"]
+        );
+        assert_eq!(
+            ds.records.iter().map(|r| r.line).collect::<Vec<_>>(),
+            [1, 11, 12]
+        );
         let expect = SkipCounts {
             empty: 3,
             invalid_utf8: 1,
@@ -683,7 +721,9 @@ mod tests {
                 .iter()
                 .map(|t| Record {
                     line: 1,
-                    content: Content::Text { text: t.to_string() },
+                    content: Content::Text {
+                        text: t.to_string(),
+                    },
                     completion_only_loss: false,
                 })
                 .collect(),
@@ -742,14 +782,44 @@ mod tests {
         assert_eq!((&t1, &v1), (&t2, &v2));
         assert_eq!(v1.records.len(), 5);
         assert_eq!(t1.records.len(), 45);
-        let mut lines: Vec<usize> = t1.records.iter().chain(&v1.records).map(|r| r.line).collect();
+        let mut lines: Vec<usize> = t1
+            .records
+            .iter()
+            .chain(&v1.records)
+            .map(|r| r.line)
+            .collect();
         lines.sort();
         assert_eq!(lines, (1..=50).collect::<Vec<_>>());
         // File order is kept within each part.
         assert!(v1.records.windows(2).all(|w| w[0].line < w[1].line));
         let (_, v3) = ds.clone().split_validation(n, 4).unwrap();
         assert_ne!(v1, v3);
-        assert!(matches!(ds.split_validation(50, 3), Err(DataError::SplitTooLarge { .. })));
+        assert!(matches!(
+            ds.split_validation(50, 3),
+            Err(DataError::SplitTooLarge { .. })
+        ));
+    }
+
+    #[test]
+    fn train_val_from_config() {
+        let dir = tempfile::tempdir().unwrap();
+        let lines: String = (0..20)
+            .map(|i| format!("{{\"text\": \"doc {i}\"}}\n"))
+            .collect();
+        let train = write(dir.path(), "t.jsonl", lines.as_bytes());
+        let mut d = DataConfig {
+            train_path: train,
+            val_fraction: 0.25,
+            ..DataConfig::default()
+        };
+        let (t, v) = load_train_val(&d, 1).unwrap();
+        assert_eq!((t.records.len(), v.records.len()), (15, 5));
+        d.val_count = Some(2);
+        let (t, v) = load_train_val(&d, 1).unwrap();
+        assert_eq!((t.records.len(), v.records.len()), (18, 2));
+        d.val_path = Some(write(dir.path(), "v.txt", b"one\n\ntwo\n\nthree"));
+        let (t, v) = load_train_val(&d, 1).unwrap();
+        assert_eq!((t.records.len(), v.records.len()), (20, 3));
     }
 
     fn texts(b: &Batch) -> Vec<String> {
@@ -767,9 +837,15 @@ mod tests {
         };
         let batches: Vec<Batch> = Batcher::new(numbered(10), opts).collect();
         // 10 records / 4 = 3 batches per epoch (4, 4, 2), 2 epochs.
-        assert_eq!(batches.iter().map(|b| b.records.len()).collect::<Vec<_>>(), [4, 4, 2, 4, 4, 2]);
+        assert_eq!(
+            batches.iter().map(|b| b.records.len()).collect::<Vec<_>>(),
+            [4, 4, 2, 4, 4, 2]
+        );
         for epoch in 0..2 {
-            let mut seen: Vec<String> = batches[3 * epoch..3 * epoch + 3].iter().flat_map(texts).collect();
+            let mut seen: Vec<String> = batches[3 * epoch..3 * epoch + 3]
+                .iter()
+                .flat_map(texts)
+                .collect();
             seen.sort();
             let mut all: Vec<String> = (0..10).map(|i| format!("r{i}")).collect();
             all.sort();
@@ -781,9 +857,29 @@ mod tests {
         assert_eq!(batches[2].next, DataPosition { epoch: 1, index: 0 });
         assert_eq!(batches[3].start, DataPosition { epoch: 1, index: 0 });
 
-        let dropped: Vec<Batch> = Batcher::new(numbered(10), BatchOptions { drop_last: true, ..opts }).collect();
-        assert_eq!(dropped.iter().map(|b| b.records.len()).collect::<Vec<_>>(), [4, 4, 4, 4]);
-        assert_eq!(Batcher::new(numbered(10), BatchOptions { drop_last: true, ..opts }).steps_per_epoch(), 2);
+        let dropped: Vec<Batch> = Batcher::new(
+            numbered(10),
+            BatchOptions {
+                drop_last: true,
+                ..opts
+            },
+        )
+        .collect();
+        assert_eq!(
+            dropped.iter().map(|b| b.records.len()).collect::<Vec<_>>(),
+            [4, 4, 4, 4]
+        );
+        assert_eq!(
+            Batcher::new(
+                numbered(10),
+                BatchOptions {
+                    drop_last: true,
+                    ..opts
+                }
+            )
+            .steps_per_epoch(),
+            2
+        );
     }
 
     #[test]
@@ -797,9 +893,14 @@ mod tests {
         };
         let full: Vec<Batch> = Batcher::new(numbered(8), opts).collect();
         for cut in 0..full.len() {
-            let pos = if cut == 0 { DataPosition::default() } else { full[cut - 1].next };
+            let pos = if cut == 0 {
+                DataPosition::default()
+            } else {
+                full[cut - 1].next
+            };
             // The position goes through a checkpoint as JSON.
-            let pos: DataPosition = serde_json::from_str(&serde_json::to_string(&pos).unwrap()).unwrap();
+            let pos: DataPosition =
+                serde_json::from_str(&serde_json::to_string(&pos).unwrap()).unwrap();
             let mut b = Batcher::new(numbered(8), opts);
             b.seek(pos).unwrap();
             let rest: Vec<Batch> = b.collect();

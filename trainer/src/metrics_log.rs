@@ -140,7 +140,10 @@ fn truncate_after(path: &Path, step: u64) -> std::io::Result<()> {
         let Ok(v) = serde_json::from_slice::<serde_json::Value>(&line) else {
             continue;
         };
-        if v.get("step").and_then(|s| s.as_u64()).is_some_and(|s| s <= step) {
+        if v.get("step")
+            .and_then(|s| s.as_u64())
+            .is_some_and(|s| s <= step)
+        {
             kept.extend_from_slice(&line);
             kept.push(b'\n');
         }
@@ -205,7 +208,7 @@ impl Progress {
         if self.visible {
             self.bar.set_message(msg.clone());
         }
-        if m.step % self.log_every == 0 || m.step == self.total {
+        if m.step.checked_rem(self.log_every) == Some(0) || m.step == self.total {
             self.println(&format!("step {}/{} {msg}", m.step, self.total));
         }
     }
@@ -297,14 +300,21 @@ mod tests {
         }
         // A crash mid-line.
         let path = dir.path().join(METRICS_FILE);
-        let mut f = std::fs::OpenOptions::new().append(true).open(&path).unwrap();
-        f.write_all(b"{\"split\":\"train\",\"step\":6,\"lo").unwrap();
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .unwrap();
+        f.write_all(b"{\"split\":\"train\",\"step\":6,\"lo")
+            .unwrap();
         drop(f);
         // Resume from the checkpoint of step 3: steps 4, 5, the val line of 4 and the torn
         // line go; the resumed run appends step 4 again.
         let mut log = MetricsLog::open(dir.path(), Some(3)).unwrap();
         log.append(&line(4)).unwrap();
-        let steps: Vec<u64> = read(&path).iter().map(|v| v["step"].as_u64().unwrap()).collect();
+        let steps: Vec<u64> = read(&path)
+            .iter()
+            .map(|v| v["step"].as_u64().unwrap())
+            .collect();
         assert_eq!(steps, [1, 2, 3, 4]);
     }
 

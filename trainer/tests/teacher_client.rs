@@ -18,7 +18,8 @@ use xdistill_shared::protocol::{
     InfoResponse, Limits, SequenceScores, TopkRequest, TopkResponse, ValuesKind,
 };
 use xdistill_trainer::client::{
-    BlockingClient, ClientError, ClientOptions, Prefetcher, TeacherClient,
+    check_replicas, BlockingClient, ClientError, ClientOptions, Prefetcher, TeacherClient,
+    TeacherTokenizer,
 };
 
 /// Behaviour and counters of one mock teacher.
@@ -90,14 +91,21 @@ fn request() -> TopkRequest {
 
 fn error(status: StatusCode, kind: &str, msg: &str, field: Option<&str>) -> Response {
     let body = serde_json::json!({"error": {"type": kind, "message": msg, "field": field}});
-    (status, [(header::CONTENT_TYPE, "application/json")], body.to_string()).into_response()
+    (
+        status,
+        [(header::CONTENT_TYPE, "application/json")],
+        body.to_string(),
+    )
+        .into_response()
 }
 
 fn authorized(m: &Mock, headers: &HeaderMap) -> bool {
     match &m.api_key {
         None => true,
         Some(k) => {
-            headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok())
+            headers
+                .get(header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok())
                 == Some(&format!("Bearer {k}"))
         }
     }
@@ -106,16 +114,28 @@ fn authorized(m: &Mock, headers: &HeaderMap) -> bool {
 async fn topk(State(m): State<Arc<Mock>>, headers: HeaderMap, body: Bytes) -> Response {
     let n = m.topk_hits.fetch_add(1, Ordering::SeqCst);
     if !authorized(&m, &headers) {
-        return error(StatusCode::UNAUTHORIZED, "unauthorized", "bad API key", None);
+        return error(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "bad API key",
+            None,
+        );
     }
     let h = |name| headers.get(name).and_then(|v| v.to_str().ok());
-    if h(header::CONTENT_TYPE) != Some(codec::MSGPACK) || h(header::ACCEPT) != Some(codec::MSGPACK) {
-        return error(StatusCode::UNSUPPORTED_MEDIA_TYPE, "invalid_request", "not msgpack", None);
+    if h(header::CONTENT_TYPE) != Some(codec::MSGPACK) || h(header::ACCEPT) != Some(codec::MSGPACK)
+    {
+        return error(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "invalid_request",
+            "not msgpack",
+            None,
+        );
     }
     if n < m.fail_first {
         let mut r = error(StatusCode::SERVICE_UNAVAILABLE, "queue_full", "busy", None);
         if let Some(ra) = m.retry_after {
-            r.headers_mut().insert(header::RETRY_AFTER, ra.parse().unwrap());
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, ra.parse().unwrap());
         }
         return r;
     }
@@ -129,7 +149,14 @@ async fn topk(State(m): State<Arc<Mock>>, headers: HeaderMap, body: Bytes) -> Re
     }
     let req = match codec::decode_request(Format::Msgpack, &body) {
         Ok(r) => r,
-        Err(e) => return error(StatusCode::BAD_REQUEST, "invalid_request", &e.to_string(), None),
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                "invalid_request",
+                &e.to_string(),
+                None,
+            )
+        }
     };
     let mut resp = fake_scores(&req);
     *m.last_request.lock().unwrap() = Some(req);
@@ -150,8 +177,16 @@ fn sha256_hex(b: &[u8]) -> String {
 }
 
 async fn info(State(m): State<Arc<Mock>>) -> Response {
-    let sha = if m.wrong_sha { "00".repeat(32) } else { sha256_hex(TOKENIZER) };
-    let info = InfoResponse {
+    let sha = if m.wrong_sha {
+        "00".repeat(32)
+    } else {
+        sha256_hex(TOKENIZER)
+    };
+    axum::Json(mock_info(sha)).into_response()
+}
+
+fn mock_info(sha: String) -> InfoResponse {
+    InfoResponse {
         protocol_version: 1,
         server_version: "mock".into(),
         architecture: "Qwen3ForCausalLM".into(),
@@ -171,8 +206,7 @@ async fn info(State(m): State<Arc<Mock>>) -> Response {
             max_body_bytes: 1 << 20,
             max_wait_ms: 5,
         },
-    };
-    axum::Json(info).into_response()
+    }
 }
 
 async fn tokenizer(State(m): State<Arc<Mock>>) -> Response {
@@ -252,7 +286,11 @@ async fn retries_503_and_honours_retry_after() {
     assert_eq!(resp, fake_scores(&request()));
     assert_eq!(m.topk_hits.load(Ordering::SeqCst), 3);
     // A lower bound only (sleeps never end early): two waits of ≥ 1 s.
-    assert!(t0.elapsed() >= Duration::from_millis(1900), "{:?}", t0.elapsed());
+    assert!(
+        t0.elapsed() >= Duration::from_millis(1900),
+        "{:?}",
+        t0.elapsed()
+    );
 }
 
 #[tokio::test]
@@ -301,8 +339,11 @@ async fn connection_refused_moves_to_the_next_replica_at_once() {
     let (dead, _) = dead_url();
     let live = start(m.clone()).await;
     // A 30 s backoff: only an immediate fail-over finishes well within it.
-    let c = TeacherClient::new(vec![dead, live], opts(30_000, 30_000, Duration::from_secs(60)))
-        .unwrap();
+    let c = TeacherClient::new(
+        vec![dead, live],
+        opts(30_000, 30_000, Duration::from_secs(60)),
+    )
+    .unwrap();
     let t0 = Instant::now();
     for _ in 0..2 {
         assert_eq!(c.topk(&request()).await.unwrap(), fake_scores(&request()));
@@ -323,8 +364,8 @@ async fn a_teacher_that_appears_late_is_waited_for() {
             let l = tokio::net::TcpListener::bind(addr).await.unwrap();
             serve_on(l, m2).await;
         });
-        let c = TeacherClient::new(vec![url.clone()], opts(20, 100, Duration::from_secs(20)))
-            .unwrap();
+        let c =
+            TeacherClient::new(vec![url.clone()], opts(20, 100, Duration::from_secs(20))).unwrap();
         if via_topk {
             assert_eq!(c.topk(&request()).await.unwrap(), fake_scores(&request()));
             // The refused attempts never reached the server; the step was not lost.
@@ -406,17 +447,26 @@ async fn teacher_tokenizer_is_fetched_once_and_checked() {
     let dir = tempfile::tempdir().unwrap();
     let p = c.fetch_tokenizer(dir.path(), &info).await.unwrap();
     assert_eq!(std::fs::read(&p).unwrap(), TOKENIZER);
-    assert_eq!(p, dir.path().join(sha256_hex(TOKENIZER)).join("tokenizer.json"));
+    assert_eq!(
+        p,
+        dir.path()
+            .join(sha256_hex(TOKENIZER))
+            .join("tokenizer.json")
+    );
     let again = c.fetch_tokenizer(dir.path(), &info).await.unwrap();
     assert_eq!(again, p);
-    assert_eq!(m.tokenizer_hits.load(Ordering::SeqCst), 1, "second call hits the cache");
+    assert_eq!(
+        m.tokenizer_hits.load(Ordering::SeqCst),
+        1,
+        "second call hits the cache"
+    );
 
     let bad = Arc::new(Mock {
         wrong_sha: true,
         ..Default::default()
     });
-    let c = TeacherClient::new(vec![start(bad).await], opts(10, 20, Duration::from_secs(5)))
-        .unwrap();
+    let c =
+        TeacherClient::new(vec![start(bad).await], opts(10, 20, Duration::from_secs(5))).unwrap();
     let info = c.info().await.unwrap();
     assert!(matches!(
         c.fetch_tokenizer(dir.path(), &info).await,
@@ -443,9 +493,10 @@ fn blocking_client_feeds_the_prefetcher() {
     });
     let addr = rx.recv().unwrap();
     let url = Url::parse(&format!("http://{addr}")).unwrap();
-    let client =
-        BlockingClient::new(TeacherClient::new(vec![url], opts(10, 20, Duration::from_secs(5))).unwrap())
-            .unwrap();
+    let client = BlockingClient::new(
+        TeacherClient::new(vec![url], opts(10, 20, Duration::from_secs(5))).unwrap(),
+    )
+    .unwrap();
     client.wait_ready(Duration::from_secs(5)).unwrap();
     let batches: Vec<TopkRequest> = (0..4u32)
         .map(|i| TopkRequest {
@@ -468,4 +519,59 @@ fn blocking_client_feeds_the_prefetcher() {
     }
     assert_eq!(n, 4);
     assert_eq!(m.topk_hits.load(Ordering::SeqCst), 4);
+}
+
+#[tokio::test]
+async fn same_tokenizer_is_detected_and_a_different_one_fetched() {
+    let m = Arc::new(Mock::default());
+    let c = TeacherClient::new(
+        vec![start(m.clone()).await],
+        opts(10, 20, Duration::from_secs(5)),
+    )
+    .unwrap();
+    let info = c.info().await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let same = dir.path().join("same.json");
+    std::fs::write(&same, TOKENIZER).unwrap();
+    let other = dir.path().join("other.json");
+    std::fs::write(&other, b"{}").unwrap();
+    assert_eq!(
+        c.teacher_tokenizer(&info, &same, None, &cache)
+            .await
+            .unwrap(),
+        TeacherTokenizer::Same
+    );
+    assert_eq!(m.tokenizer_hits.load(Ordering::SeqCst), 0);
+    let got = c
+        .teacher_tokenizer(&info, &other, None, &cache)
+        .await
+        .unwrap();
+    assert_eq!(
+        got,
+        TeacherTokenizer::Different(cache.join(sha256_hex(TOKENIZER)).join("tokenizer.json"))
+    );
+    assert_eq!(m.tokenizer_hits.load(Ordering::SeqCst), 1);
+    // A local copy is used as given, without a download.
+    let local = c
+        .teacher_tokenizer(&info, &other, Some(&same), &cache)
+        .await
+        .unwrap();
+    assert_eq!(local, TeacherTokenizer::Different(same.clone()));
+    assert_eq!(m.tokenizer_hits.load(Ordering::SeqCst), 1);
+}
+
+#[test]
+fn replicas_must_serve_the_same_model() {
+    let u = |p: u16| Url::parse(&format!("http://127.0.0.1:{p}")).unwrap();
+    let a = mock_info("aa".into());
+    let mut b = a.clone();
+    assert_eq!(
+        check_replicas(&[(u(1), a.clone()), (u(2), b.clone())]).unwrap(),
+        a
+    );
+    b.model_fingerprint = "other".into();
+    let err = check_replicas(&[(u(1), a.clone()), (u(2), b)]).unwrap_err();
+    assert!(err.contains("127.0.0.1:2"), "{err}");
+    assert!(check_replicas(&[]).is_err());
 }

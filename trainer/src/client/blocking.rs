@@ -1,6 +1,6 @@
 //! A synchronous face of [`TeacherClient`] for the (synchronous) training loop.
 
-use super::{ClientError, TeacherClient};
+use super::{ClientError, TeacherClient, TeacherTokenizer};
 use reqwest::Url;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -51,7 +51,25 @@ impl BlockingClient {
         cache_dir: &Path,
         info: &InfoResponse,
     ) -> Result<PathBuf, ClientError> {
-        self.rt.block_on(self.client.fetch_tokenizer(cache_dir, info))
+        self.rt
+            .block_on(self.client.fetch_tokenizer(cache_dir, info))
+    }
+
+    pub fn info_all(&self) -> Vec<(Url, Result<InfoResponse, ClientError>)> {
+        self.rt.block_on(self.client.info_all())
+    }
+
+    pub fn teacher_tokenizer(
+        &self,
+        info: &InfoResponse,
+        student_tokenizer: &Path,
+        local: Option<&Path>,
+        cache_dir: &Path,
+    ) -> Result<TeacherTokenizer, ClientError> {
+        self.rt.block_on(
+            self.client
+                .teacher_tokenizer(info, student_tokenizer, local, cache_dir),
+        )
     }
 
     pub fn wait_ready(&self, max_wait: Duration) -> Result<Url, ClientError> {

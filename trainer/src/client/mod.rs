@@ -202,11 +202,9 @@ impl TeacherClient {
                 })
             })
             .collect::<Result<Vec<_>, _>>()?;
-        TeacherClient::new(urls, ClientOptions::from_config(t)?).map_err(|e| {
-            ConfigError::Invalid {
-                key: "teacher.urls".into(),
-                message: e.to_string(),
-            }
+        TeacherClient::new(urls, ClientOptions::from_config(t)?).map_err(|e| ConfigError::Invalid {
+            key: "teacher.urls".into(),
+            message: e.to_string(),
         })
     }
 
@@ -345,7 +343,10 @@ impl TeacherClient {
             if sha256_hex(&bytes) == expected {
                 return Ok(path);
             }
-            tracing::warn!("{}: cached tokenizer has the wrong hash; fetching it again", path.display());
+            tracing::warn!(
+                "{}: cached tokenizer has the wrong hash; fetching it again",
+                path.display()
+            );
         }
         let bytes = self.tokenizer_json().await?;
         let got = sha256_hex(&bytes);
@@ -362,6 +363,43 @@ impl TeacherClient {
         std::fs::rename(&tmp, &path).map_err(io(&path))?;
         tracing::info!("teacher tokenizer saved to {}", path.display());
         Ok(path)
+    }
+
+    /// The teacher tokenizer for a run whose student uses `student_tokenizer`:
+    /// [`TeacherTokenizer::Same`] when the files are identical (same sha256 as `/v1/info`'s),
+    /// else a local file: `local` when given (a hash mismatch is only warned about, since an
+    /// equivalent file may be formatted differently), else fetched into `cache_dir`.
+    pub async fn teacher_tokenizer(
+        &self,
+        info: &InfoResponse,
+        student_tokenizer: &Path,
+        local: Option<&Path>,
+        cache_dir: &Path,
+    ) -> Result<TeacherTokenizer, ClientError> {
+        let student = std::fs::read(student_tokenizer).map_err(|source| ClientError::Io {
+            path: student_tokenizer.to_path_buf(),
+            source,
+        })?;
+        if sha256_hex(&student).eq_ignore_ascii_case(&info.tokenizer_sha256) {
+            return Ok(TeacherTokenizer::Same);
+        }
+        if let Some(p) = local {
+            let bytes = std::fs::read(p).map_err(|source| ClientError::Io {
+                path: p.to_path_buf(),
+                source,
+            })?;
+            if !sha256_hex(&bytes).eq_ignore_ascii_case(&info.tokenizer_sha256) {
+                tracing::warn!(
+                    "{}: sha256 differs from the teacher's tokenizer ({}); using it anyway",
+                    p.display(),
+                    info.tokenizer_sha256
+                );
+            }
+            return Ok(TeacherTokenizer::Different(p.to_path_buf()));
+        }
+        Ok(TeacherTokenizer::Different(
+            self.fetch_tokenizer(cache_dir, info).await?,
+        ))
     }
 
     /// Polls `GET /health` (all replicas in turn, with backoff) until one answers 2xx; returns
@@ -497,7 +535,9 @@ impl TeacherClient {
                         "{what}: attempt {attempts} failed: {e}; retrying on {} in {:.1} s \
                          (waited {:.1} s of {:.0} s)",
                         urls[next_idx],
-                        next_at.saturating_duration_since(Instant::now()).as_secs_f64(),
+                        next_at
+                            .saturating_duration_since(Instant::now())
+                            .as_secs_f64(),
                         start.elapsed().as_secs_f64(),
                         max_wait.as_secs_f64()
                     );
@@ -507,6 +547,38 @@ impl TeacherClient {
             }
         }
     }
+}
+
+/// Whether the student and the teacher share a tokenizer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TeacherTokenizer {
+    /// Byte-identical `tokenizer.json`: same-tokenizer losses, no alignment.
+    Same,
+    /// The teacher's own tokenizer file: cross-tokenizer alignment needed.
+    Different(PathBuf),
+}
+
+/// Checks that every replica serves the same model (fingerprint) with the same tokenizer;
+/// returns the common info. Replicas that disagree would silently mix two teachers.
+pub fn check_replicas(infos: &[(Url, InfoResponse)]) -> Result<InfoResponse, String> {
+    let Some((u0, first)) = infos.first() else {
+        return Err("no replica answered /v1/info".into());
+    };
+    for (u, i) in &infos[1..] {
+        if i.model_fingerprint != first.model_fingerprint
+            || i.tokenizer_sha256 != first.tokenizer_sha256
+        {
+            return Err(format!(
+                "replicas disagree: {u0} serves model {} (tokenizer {}), {u} serves model {} \
+                 (tokenizer {})",
+                first.model_fingerprint,
+                first.tokenizer_sha256,
+                i.model_fingerprint,
+                i.tokenizer_sha256
+            ));
+        }
+    }
+    Ok(first.clone())
 }
 
 /// `base` with `route` appended to its path (keeps a path prefix such as `/teacher/`).
@@ -540,7 +612,10 @@ pub fn check_response(req: &TopkRequest, resp: &TopkResponse) -> Result<(), Stri
             ));
         }
         if s.k != resp.k {
-            return Err(format!("results[{i}]: k = {} where the response says {}", s.k, resp.k));
+            return Err(format!(
+                "results[{i}]: k = {} where the response says {}",
+                s.k, resp.k
+            ));
         }
         s.check_shapes().map_err(|m| format!("results[{i}]: {m}"))?;
     }
@@ -549,7 +624,11 @@ pub fn check_response(req: &TopkRequest, resp: &TopkResponse) -> Result<(), Stri
 
 /// (type, message, field) of an error answer: the server's `ErrorBody` (JSON or MessagePack),
 /// else the start of the body as text.
-fn error_body(ct: Option<&str>, body: &[u8], status: StatusCode) -> (String, String, Option<String>) {
+fn error_body(
+    ct: Option<&str>,
+    body: &[u8],
+    status: StatusCode,
+) -> (String, String, Option<String>) {
     let parsed: Option<ErrorBody> = match Format::from_content_type(ct) {
         Format::Msgpack => rmp_serde::from_slice(body).ok(),
         Format::Json => serde_json::from_slice(body).ok(),
@@ -557,7 +636,9 @@ fn error_body(ct: Option<&str>, body: &[u8], status: StatusCode) -> (String, Str
     match parsed {
         Some(b) => (b.error.kind, b.error.message, b.error.field),
         None => {
-            let text = String::from_utf8_lossy(&body[..body.len().min(300)]).trim().to_string();
+            let text = String::from_utf8_lossy(&body[..body.len().min(300)])
+                .trim()
+                .to_string();
             let msg = if text.is_empty() {
                 status.canonical_reason().unwrap_or("error").to_string()
             } else {
@@ -595,8 +676,14 @@ mod tests {
     #[test]
     fn endpoints_keep_path_prefixes() {
         let u = |s: &str| Url::parse(s).unwrap();
-        assert_eq!(endpoint(&u("http://h:1"), TOPK_PATH).as_str(), "http://h:1/topk_logits");
-        assert_eq!(endpoint(&u("http://h:1/"), INFO_PATH).as_str(), "http://h:1/v1/info");
+        assert_eq!(
+            endpoint(&u("http://h:1"), TOPK_PATH).as_str(),
+            "http://h:1/topk_logits"
+        );
+        assert_eq!(
+            endpoint(&u("http://h:1/"), INFO_PATH).as_str(),
+            "http://h:1/v1/info"
+        );
         assert_eq!(
             endpoint(&u("https://h/teacher/?x=1"), HEALTH_PATH).as_str(),
             "https://h/teacher/health"
@@ -631,7 +718,9 @@ mod tests {
         };
         check_response(&req, &resp).unwrap();
         resp.results[0] = seq(3);
-        assert!(check_response(&req, &resp).unwrap_err().contains("results[0]"));
+        assert!(check_response(&req, &resp)
+            .unwrap_err()
+            .contains("results[0]"));
         resp.results.pop();
         assert!(check_response(&req, &resp).is_err());
     }
@@ -640,7 +729,10 @@ mod tests {
     fn error_bodies_are_surfaced() {
         let body = br#"{"error":{"type":"invalid_request","message":"id 99 >= vocab","field":"sequences[0][1]"}}"#;
         let (k, m, f) = error_body(Some("application/json"), body, StatusCode::BAD_REQUEST);
-        assert_eq!((k.as_str(), m.as_str(), f.as_deref()), ("invalid_request", "id 99 >= vocab", Some("sequences[0][1]")));
+        assert_eq!(
+            (k.as_str(), m.as_str(), f.as_deref()),
+            ("invalid_request", "id 99 >= vocab", Some("sequences[0][1]"))
+        );
         let (_, m, _) = error_body(None, b"plain failure", StatusCode::BAD_GATEWAY);
         assert_eq!(m, "plain failure");
         let (_, m, _) = error_body(None, b"", StatusCode::SERVICE_UNAVAILABLE);

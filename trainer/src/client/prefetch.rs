@@ -206,12 +206,19 @@ mod tests {
                 seen.push(f.batch);
                 // "Training" on batch b: the fetch of b + 1 starts without us asking...
                 if f.batch < 5 {
-                    assert!(started.wait_for(f.batch + 1), "no prefetch of {}", f.batch + 1);
+                    assert!(
+                        started.wait_for(f.batch + 1),
+                        "no prefetch of {}",
+                        f.batch + 1
+                    );
                 }
                 // ...but never more than `depth` batches ahead.
                 std::thread::sleep(Duration::from_millis(5));
                 let ahead = started.max().unwrap() - f.batch;
-                assert!(ahead as usize <= depth, "depth {depth}: fetched {ahead} ahead");
+                assert!(
+                    ahead as usize <= depth,
+                    "depth {depth}: fetched {ahead} ahead"
+                );
             }
             assert_eq!(seen, [0, 1, 2, 3, 4, 5]);
             assert!(p.next().is_none());

@@ -49,7 +49,9 @@ mod tests {
     fn backoff_doubles_caps_and_jitters_within_half() {
         let (i, m) = (Duration::from_millis(100), Duration::from_secs(1));
         // u = 1: no reduction.
-        let full: Vec<u128> = (0..6).map(|f| backoff_delay(f, i, m, 1.0).as_millis()).collect();
+        let full: Vec<u128> = (0..6)
+            .map(|f| backoff_delay(f, i, m, 1.0).as_millis())
+            .collect();
         assert_eq!(full, [100, 200, 400, 800, 1000, 1000]);
         // u = 0: half.
         assert_eq!(backoff_delay(2, i, m, 0.0).as_millis(), 200);
@@ -59,7 +61,10 @@ mod tests {
     #[test]
     fn retry_after_seconds() {
         assert_eq!(parse_retry_after("2"), Some(Duration::from_secs(2)));
-        assert_eq!(parse_retry_after(" 0.25 "), Some(Duration::from_millis(250)));
+        assert_eq!(
+            parse_retry_after(" 0.25 "),
+            Some(Duration::from_millis(250))
+        );
         assert_eq!(parse_retry_after("-1"), None);
         assert_eq!(parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT"), None);
         assert_eq!(parse_retry_after("1e9"), Some(MAX_RETRY_AFTER));
@@ -71,7 +76,10 @@ mod tests {
         let later = |ms| now + Duration::from_millis(ms);
         assert_eq!(pick(&[now, now, now], 1, now), (1, now));
         assert_eq!(pick(&[now, later(50), now], 1, now), (2, now));
-        assert_eq!(pick(&[later(30), later(10), later(20)], 0, now), (1, later(10)));
+        assert_eq!(
+            pick(&[later(30), later(10), later(20)], 0, now),
+            (1, later(10))
+        );
         assert_eq!(pick(&[later(10)], 5, now), (0, later(10)));
     }
 }
