@@ -721,9 +721,16 @@ impl TeacherConfig {
 }
 
 impl DataConfig {
-    /// The format, with `auto` resolved from the file extension.
+    /// The format of `path`, with `auto` resolved from the file extension.
     pub fn resolved_format(&self, path: &Path) -> DataFormat {
-        match self.format {
+        self.format.resolve(path)
+    }
+}
+
+impl DataFormat {
+    /// `Jsonl` or `Text`: `Auto` becomes `Jsonl` for `.jsonl`/`.json`/`.ndjson` files.
+    pub fn resolve(self, path: &Path) -> DataFormat {
+        match self {
             DataFormat::Auto => match path.extension().and_then(|e| e.to_str()) {
                 Some("jsonl") | Some("json") | Some("ndjson") => DataFormat::Jsonl,
                 _ => DataFormat::Text,

@@ -183,16 +183,7 @@ impl Dataset {
         };
         let file = std::fs::File::open(path).map_err(io)?;
         let reader = std::io::BufReader::new(file);
-        let format = match opts.format {
-            DataFormat::Auto => {
-                let d = DataConfig {
-                    format: DataFormat::Auto,
-                    ..DataConfig::default()
-                };
-                d.resolved_format(path)
-            }
-            f => f,
-        };
+        let format = opts.format.resolve(path);
         let mut ds = Dataset::default();
         let skip = |ds: &mut Dataset, line: usize, r: SkipReason| {
             ds.skipped.add(r);

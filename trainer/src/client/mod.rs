@@ -102,6 +102,8 @@ pub enum ClientError {
     /// Connection refused/reset, timeout, or a broken body: retried.
     #[error("{url}: {message}")]
     Transport { url: String, message: String },
+    #[error("encoding the request: {0}")]
+    Encode(CodecError),
     #[error("{url}: {source}")]
     Decode { url: String, source: CodecError },
     /// The answer does not match the request (sequence count, rows, k).
@@ -225,12 +227,8 @@ impl TeacherClient {
 
     /// Top-k scores for `req`, retried as described in the module docs.
     pub async fn topk(&self, req: &TopkRequest) -> Result<TopkResponse, ClientError> {
-        let body = Bytes::from(
-            codec::encode_request(Format::Msgpack, req).map_err(|source| ClientError::Decode {
-                url: String::new(),
-                source,
-            })?,
-        );
+        let body =
+            Bytes::from(codec::encode_request(Format::Msgpack, req).map_err(ClientError::Encode)?);
         let max_wait = self.inner.opts.max_wait;
         self.with_retries("POST /topk_logits", max_wait, |url| {
             self.topk_once(url, body.clone(), req)
