@@ -230,9 +230,12 @@ impl TeacherClient {
         let body =
             Bytes::from(codec::encode_request(Format::Msgpack, req).map_err(ClientError::Encode)?);
         let max_wait = self.inner.opts.max_wait;
-        self.with_retries("POST /topk_logits", max_wait, |url| {
-            self.topk_once(url, body.clone(), req)
-        })
+        self.with_retries(
+            "POST /topk_logits",
+            max_wait,
+            self.inner.opts.max_attempts,
+            |url| self.topk_once(url, body.clone(), req),
+        )
         .await
     }
 
@@ -285,15 +288,20 @@ impl TeacherClient {
     /// `GET /v1/info` (retried).
     pub async fn info(&self) -> Result<InfoResponse, ClientError> {
         let max_wait = self.inner.opts.max_wait;
-        self.with_retries("GET /v1/info", max_wait, |base| async move {
-            let url = endpoint(&base, INFO_PATH);
-            let rb = self.inner.http.get(url.clone()).header(ACCEPT, codec::JSON);
-            let (_, bytes) = self.send(&url, rb).await?;
-            serde_json::from_slice(&bytes).map_err(|e| ClientError::Decode {
-                url: url.to_string(),
-                source: CodecError::Json(e),
-            })
-        })
+        self.with_retries(
+            "GET /v1/info",
+            max_wait,
+            self.inner.opts.max_attempts,
+            |base| async move {
+                let url = endpoint(&base, INFO_PATH);
+                let rb = self.inner.http.get(url.clone()).header(ACCEPT, codec::JSON);
+                let (_, bytes) = self.send(&url, rb).await?;
+                serde_json::from_slice(&bytes).map_err(|e| ClientError::Decode {
+                    url: url.to_string(),
+                    source: CodecError::Json(e),
+                })
+            },
+        )
         .await
     }
 
@@ -319,11 +327,16 @@ impl TeacherClient {
     /// `GET /tokenizer.json`: the teacher's tokenizer file, as served (retried).
     pub async fn tokenizer_json(&self) -> Result<Bytes, ClientError> {
         let max_wait = self.inner.opts.max_wait;
-        self.with_retries("GET /tokenizer.json", max_wait, |base| async move {
-            let url = endpoint(&base, TOKENIZER_PATH);
-            let rb = self.inner.http.get(url.clone());
-            Ok(self.send(&url, rb).await?.1)
-        })
+        self.with_retries(
+            "GET /tokenizer.json",
+            max_wait,
+            self.inner.opts.max_attempts,
+            |base| async move {
+                let url = endpoint(&base, TOKENIZER_PATH);
+                let rb = self.inner.http.get(url.clone());
+                Ok(self.send(&url, rb).await?.1)
+            },
+        )
         .await
     }
 
@@ -400,10 +413,11 @@ impl TeacherClient {
         ))
     }
 
-    /// Polls `GET /health` (all replicas in turn, with backoff) until one answers 2xx; returns
-    /// its URL. Logs a line per failed poll so a user sees what the trainer waits for.
+    /// Polls `GET /health` (all replicas in turn, with backoff) until one answers 2xx or
+    /// `max_wait` passes (`max_attempts` does not apply); returns the URL that answered. Logs a
+    /// line per failed poll so a user sees what the trainer waits for.
     pub async fn wait_ready(&self, max_wait: Duration) -> Result<Url, ClientError> {
-        self.with_retries("GET /health", max_wait, |base| async move {
+        self.with_retries("GET /health", max_wait, None, |base| async move {
             let url = endpoint(&base, HEALTH_PATH);
             let rb = self.inner.http.get(url.clone());
             self.send(&url, rb).await?;
@@ -468,6 +482,7 @@ impl TeacherClient {
         &self,
         what: &str,
         max_wait: Duration,
+        max_attempts: Option<u32>,
         mut attempt: F,
     ) -> Result<T, ClientError>
     where
@@ -512,7 +527,7 @@ impl TeacherClient {
                 }
                 Err(e) if !e.is_retryable() => return Err(e),
                 Err(e) => {
-                    if opts.max_attempts.is_some_and(|m| attempts >= m) {
+                    if max_attempts.is_some_and(|m| attempts >= m) {
                         return Err(ClientError::GaveUp {
                             what: what.to_string(),
                             attempts,
