@@ -1,11 +1,16 @@
 //! xdistill trainer library: everything the `trainer` binary does, importable by tests and benches.
 
 pub mod answer;
+pub mod checkpoint;
+pub mod client;
 pub mod collate;
+pub mod config;
+pub mod data;
 pub mod eval;
 pub mod generate;
 pub mod init_model;
 pub mod loss;
+pub mod metrics_log;
 pub mod optim;
 pub mod student;
 pub mod task;

@@ -1,0 +1,766 @@
+//! Training checkpoints under the run's output directory.
+//!
+//! Layout of `OUTPUT/step_N/` (a complete Hugging Face model directory, so `teacher --model
+//! OUTPUT/step_N` and transformers load it as is, plus the trainer's own files):
+//!
+//! ```text
+//! config.json  model.safetensors  tokenizer.json  [tokenizer_config.json]
+//! optimizer.safetensors   optimizer state tensors (names chosen by the optimizer)
+//! trainer_state.json      TrainerState: step, data position, RNG, metrics, config hash
+//! ```
+//!
+//! A checkpoint is written into `OUTPUT/.step_N.tmp-*`, every file is fsynced, and the directory
+//! is renamed to `step_N` only when complete: a crash leaves at most a hidden temp directory,
+//! which [`latest`] ignores and [`remove_temp_dirs`] deletes. `OUTPUT/final/` has the same
+//! layout without the optimizer state.
+
+use crate::data::DataPosition;
+use candle_core::{Device, Tensor};
+use rand_chacha::ChaCha8Rng;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use xdistill_shared::hf::{write_model_dir, HfError, ModelConfig};
+
+pub const STATE_FILE: &str = "trainer_state.json";
+pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+pub const MODEL_FILE: &str = "model.safetensors";
+pub const FINAL_DIR: &str = "final";
+/// Version of `trainer_state.json`; bumped on incompatible changes.
+pub const STATE_VERSION: u32 = 1;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CheckpointError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("writing the model: {0}")]
+    Model(#[from] HfError),
+    #[error("{path}: {message}")]
+    Safetensors { path: PathBuf, message: String },
+    #[error("{path}: invalid trainer state: {message}")]
+    State { path: PathBuf, message: String },
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
+    move |source| CheckpointError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// The full state of a ChaCha8 generator (seed, stream, position), exact across save/load.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RngState {
+    /// The 32-byte seed, hex.
+    pub seed: String,
+    pub stream: u64,
+    /// Position in 32-bit words (a u128, written as a decimal string since JSON numbers are not
+    /// exact beyond 2^53).
+    pub word_pos: String,
+}
+
+impl RngState {
+    pub fn capture(rng: &ChaCha8Rng) -> RngState {
+        RngState {
+            seed: hex::encode(rng.get_seed()),
+            stream: rng.get_stream(),
+            word_pos: rng.get_word_pos().to_string(),
+        }
+    }
+
+    pub fn restore(&self) -> Result<ChaCha8Rng, String> {
+        use rand::SeedableRng;
+        let bytes = hex::decode(&self.seed).map_err(|e| format!("rng.seed: {e}"))?;
+        let seed: [u8; 32] = bytes
+            .try_into()
+            .map_err(|_| "rng.seed: expected 32 bytes".to_string())?;
+        let pos: u128 = self
+            .word_pos
+            .parse()
+            .map_err(|e| format!("rng.word_pos: {e}"))?;
+        let mut rng = ChaCha8Rng::from_seed(seed);
+        rng.set_stream(self.stream);
+        rng.set_word_pos(pos);
+        Ok(rng)
+    }
+}
+
+/// Everything besides tensors that a resumed run needs (`trainer_state.json`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainerState {
+    pub format_version: u32,
+    /// Optimizer steps completed.
+    pub step: u64,
+    /// Where the next batch starts (the `Batch::next` of the last trained batch).
+    pub data: DataPosition,
+    /// The trainer's RNG after the last step.
+    pub rng: RngState,
+    /// Training tokens consumed so far.
+    #[serde(default)]
+    pub tokens_seen: u64,
+    /// Best validation value so far (lower is better unless the config says otherwise).
+    #[serde(default)]
+    pub best_val: Option<f64>,
+    /// Latest metrics worth keeping (e.g. `val_loss`); also used to rank checkpoints.
+    #[serde(default)]
+    pub metrics: BTreeMap<String, f64>,
+    /// `Config::training_hash()` of the run that wrote it.
+    #[serde(default)]
+    pub config_hash: String,
+    /// Free-form state of other modules (e.g. the optimizer's scalar step counter).
+    #[serde(default)]
+    pub extra: serde_json::Value,
+}
+
+impl TrainerState {
+    pub fn new(step: u64, data: DataPosition, rng: &ChaCha8Rng, config_hash: String) -> Self {
+        TrainerState {
+            format_version: STATE_VERSION,
+            step,
+            data,
+            rng: RngState::capture(rng),
+            tokens_seen: 0,
+            best_val: None,
+            metrics: BTreeMap::new(),
+            config_hash,
+            extra: serde_json::Value::Null,
+        }
+    }
+}
+
+/// What [`save`] writes.
+pub struct CheckpointData<'a> {
+    /// Student weights by Hugging Face name.
+    pub model: &'a HashMap<String, Tensor>,
+    pub model_config: &'a ModelConfig,
+    /// The student's `tokenizer.json` (copied with its `tokenizer_config.json`, if any).
+    pub tokenizer_json: &'a Path,
+    pub optimizer: &'a HashMap<String, Tensor>,
+    pub state: &'a TrainerState,
+}
+
+/// A checkpoint read back by [`load`].
+#[derive(Debug)]
+pub struct Checkpoint {
+    pub path: PathBuf,
+    pub model_config: ModelConfig,
+    pub model: HashMap<String, Tensor>,
+    pub optimizer: HashMap<String, Tensor>,
+    pub state: TrainerState,
+}
+
+/// Directory name of step `step`.
+pub fn step_dir_name(step: u64) -> String {
+    format!("step_{step}")
+}
+
+fn parse_step_dir(name: &str) -> Option<u64> {
+    let digits = name.strip_prefix("step_")?;
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
+}
+
+/// Writes `OUTPUT/step_<state.step>/` atomically and returns its path. An existing checkpoint
+/// of the same step is replaced.
+pub fn save(output_dir: &Path, data: &CheckpointData) -> Result<PathBuf, CheckpointError> {
+    let name = step_dir_name(data.state.step);
+    write_atomically(output_dir, &name, |tmp| {
+        write_model_dir(tmp, data.model_config, data.model, data.tokenizer_json)?;
+        write_tensors(&tmp.join(OPTIMIZER_FILE), data.optimizer)?;
+        write_state(&tmp.join(STATE_FILE), data.state)
+    })
+}
+
+/// Writes the final model to `OUTPUT/final/` (Hugging Face layout plus `trainer_state.json`).
+pub fn save_final(
+    output_dir: &Path,
+    model: &HashMap<String, Tensor>,
+    model_config: &ModelConfig,
+    tokenizer_json: &Path,
+    state: &TrainerState,
+) -> Result<PathBuf, CheckpointError> {
+    write_atomically(output_dir, FINAL_DIR, |tmp| {
+        write_model_dir(tmp, model_config, model, tokenizer_json)?;
+        write_state(&tmp.join(STATE_FILE), state)
+    })
+}
+
+/// Runs `fill` on a fresh directory inside a hidden staging directory, fsyncs it, and renames it
+/// to `output_dir/name`. On failure the staging directory (with anything `fill` left in it,
+/// including `write_model_dir`'s own temp directory) is removed.
+fn write_atomically(
+    output_dir: &Path,
+    name: &str,
+    fill: impl FnOnce(&Path) -> Result<(), CheckpointError>,
+) -> Result<PathBuf, CheckpointError> {
+    std::fs::create_dir_all(output_dir).map_err(io_err(output_dir))?;
+    let nonce = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    let staging = output_dir.join(format!(".{name}.tmp-{}-{nonce}", std::process::id()));
+    std::fs::create_dir_all(&staging).map_err(io_err(&staging))?;
+    let tmp = staging.join(name);
+    let result = (|| {
+        fill(&tmp)?;
+        sync_tree(&tmp)?;
+        let dst = output_dir.join(name);
+        if dst.exists() {
+            // rename() cannot replace a non-empty directory: move the old one aside first.
+            let old = staging.join("old");
+            std::fs::rename(&dst, &old).map_err(io_err(&dst))?;
+            std::fs::rename(&tmp, &dst).map_err(io_err(&dst))?;
+        } else {
+            std::fs::rename(&tmp, &dst).map_err(io_err(&dst))?;
+        }
+        sync_dir(output_dir)?;
+        Ok(dst)
+    })();
+    // Best effort: a leftover staging directory is invisible to `latest` and removed by
+    // `remove_temp_dirs`.
+    let _ = std::fs::remove_dir_all(&staging);
+    result
+}
+
+fn write_tensors(path: &Path, tensors: &HashMap<String, Tensor>) -> Result<(), CheckpointError> {
+    let mut owned: Vec<(&str, Tensor)> = Vec::with_capacity(tensors.len());
+    for (k, v) in tensors {
+        let v = v.contiguous().map_err(|e| CheckpointError::Safetensors {
+            path: path.to_path_buf(),
+            message: format!("{k}: {e}"),
+        })?;
+        owned.push((k.as_str(), v));
+    }
+    owned.sort_by(|a, b| a.0.cmp(b.0));
+    safetensors::serialize_to_file(owned.iter().map(|(k, v)| (*k, v)), None, path).map_err(|e| {
+        CheckpointError::Safetensors {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        }
+    })
+}
+
+fn write_state(path: &Path, state: &TrainerState) -> Result<(), CheckpointError> {
+    let text = serde_json::to_vec_pretty(state).map_err(|e| CheckpointError::State {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })?;
+    std::fs::write(path, text).map_err(io_err(path))
+}
+
+fn sync_dir(dir: &Path) -> Result<(), CheckpointError> {
+    // Directories can be opened and fsynced on Unix; elsewhere this is best effort.
+    match std::fs::File::open(dir) {
+        Ok(f) => match f.sync_all() {
+            Ok(()) => Ok(()),
+            Err(_) if !cfg!(unix) => Ok(()),
+            Err(e) => Err(io_err(dir)(e)),
+        },
+        Err(_) if !cfg!(unix) => Ok(()),
+        Err(e) => Err(io_err(dir)(e)),
+    }
+}
+
+/// fsyncs every file directly in `dir`, then `dir` itself.
+fn sync_tree(dir: &Path) -> Result<(), CheckpointError> {
+    for entry in std::fs::read_dir(dir).map_err(io_err(dir))? {
+        let path = entry.map_err(io_err(dir))?.path();
+        if path.is_file() {
+            std::fs::File::open(&path)
+                .and_then(|f| f.sync_all())
+                .map_err(io_err(&path))?;
+        }
+    }
+    sync_dir(dir)
+}
+
+/// Complete checkpoints in `output_dir`, oldest first. Temp directories and directories without
+/// `trainer_state.json` are ignored; a missing `output_dir` has none.
+pub fn list(output_dir: &Path) -> Result<Vec<(u64, PathBuf)>, CheckpointError> {
+    let entries = match std::fs::read_dir(output_dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(io_err(output_dir)(e)),
+    };
+    let mut out = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(io_err(output_dir))?;
+        let name = entry.file_name();
+        let Some(step) = name.to_str().and_then(parse_step_dir) else {
+            continue;
+        };
+        let path = entry.path();
+        if path.join(STATE_FILE).is_file() {
+            out.push((step, path));
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// The newest complete checkpoint.
+pub fn latest(output_dir: &Path) -> Result<Option<(u64, PathBuf)>, CheckpointError> {
+    Ok(list(output_dir)?.pop())
+}
+
+/// Deletes temp directories left by an interrupted save; returns how many.
+pub fn remove_temp_dirs(output_dir: &Path) -> Result<usize, CheckpointError> {
+    let entries = match std::fs::read_dir(output_dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+        Err(e) => return Err(io_err(output_dir)(e)),
+    };
+    let mut n = 0;
+    for entry in entries {
+        let entry = entry.map_err(io_err(output_dir))?;
+        let name = entry.file_name().to_string_lossy().to_string();
+        let ours = name.starts_with(".step_") || name.starts_with(&format!(".{FINAL_DIR}."));
+        if ours && name.contains(".tmp-") && entry.path().is_dir() {
+            std::fs::remove_dir_all(entry.path()).map_err(io_err(&entry.path()))?;
+            n += 1;
+        }
+    }
+    Ok(n)
+}
+
+/// Reads a trainer state file.
+pub fn read_state(dir: &Path) -> Result<TrainerState, CheckpointError> {
+    let path = dir.join(STATE_FILE);
+    let bytes = std::fs::read(&path).map_err(io_err(&path))?;
+    let state: TrainerState =
+        serde_json::from_slice(&bytes).map_err(|e| CheckpointError::State {
+            path: path.clone(),
+            message: e.to_string(),
+        })?;
+    if state.format_version != STATE_VERSION {
+        return Err(CheckpointError::State {
+            path,
+            message: format!(
+                "format_version {} (this trainer reads {STATE_VERSION})",
+                state.format_version
+            ),
+        });
+    }
+    Ok(state)
+}
+
+fn read_tensors(path: &Path, device: &Device) -> Result<HashMap<String, Tensor>, CheckpointError> {
+    candle_core::safetensors::load(path, device).map_err(|e| CheckpointError::Safetensors {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })
+}
+
+/// Loads a checkpoint directory (`step_N/`) onto `device`, tensors in their stored dtype.
+pub fn load(dir: &Path, device: &Device) -> Result<Checkpoint, CheckpointError> {
+    let state = read_state(dir)?;
+    let cfg_path = dir.join("config.json");
+    let cfg_bytes = std::fs::read(&cfg_path).map_err(io_err(&cfg_path))?;
+    let model_config: ModelConfig =
+        serde_json::from_slice(&cfg_bytes).map_err(|e| CheckpointError::State {
+            path: cfg_path.clone(),
+            message: e.to_string(),
+        })?;
+    let model = read_tensors(&dir.join(MODEL_FILE), device)?;
+    let opt_path = dir.join(OPTIMIZER_FILE);
+    let optimizer = if opt_path.is_file() {
+        read_tensors(&opt_path, device)?
+    } else {
+        HashMap::new()
+    };
+    Ok(Checkpoint {
+        path: dir.to_path_buf(),
+        model_config,
+        model,
+        optimizer,
+        state,
+    })
+}
+
+/// How [`retain`] ranks checkpoints.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Ranking {
+    /// Newest steps first.
+    Newest,
+    /// By `TrainerState::metrics[name]`; checkpoints without it rank last.
+    Metric {
+        name: String,
+        higher_is_better: bool,
+    },
+}
+
+/// Keeps the `keep` best checkpoints (always including the newest, which a resume needs) and
+/// deletes the others; returns the deleted paths. `final/` is never touched.
+pub fn retain(
+    output_dir: &Path,
+    keep: usize,
+    ranking: &Ranking,
+) -> Result<Vec<PathBuf>, CheckpointError> {
+    let all = list(output_dir)?;
+    let Some((newest, _)) = all.last().cloned() else {
+        return Ok(Vec::new());
+    };
+    let keep = keep.max(1);
+    let mut others: Vec<(u64, PathBuf)> = all.into_iter().filter(|(s, _)| *s != newest).collect();
+    match ranking {
+        Ranking::Newest => others.sort_by_key(|x| std::cmp::Reverse(x.0)),
+        Ranking::Metric {
+            name,
+            higher_is_better,
+        } => {
+            let mut scored: Vec<(Option<f64>, u64, PathBuf)> = others
+                .into_iter()
+                .map(|(s, p)| {
+                    let v = read_state(&p)
+                        .ok()
+                        .and_then(|st| st.metrics.get(name).copied())
+                        .filter(|v| v.is_finite());
+                    (v, s, p)
+                })
+                .collect();
+            // Best first; missing values last; ties broken by the newer step.
+            scored.sort_by(|a, b| match (a.0, b.0) {
+                (Some(x), Some(y)) => {
+                    let o = if *higher_is_better {
+                        y.total_cmp(&x)
+                    } else {
+                        x.total_cmp(&y)
+                    };
+                    o.then(b.1.cmp(&a.1))
+                }
+                (Some(_), None) => std::cmp::Ordering::Less,
+                (None, Some(_)) => std::cmp::Ordering::Greater,
+                (None, None) => b.1.cmp(&a.1),
+            });
+            others = scored.into_iter().map(|(_, s, p)| (s, p)).collect();
+        }
+    }
+    let mut removed = Vec::new();
+    for (_, path) in others.into_iter().skip(keep - 1) {
+        std::fs::remove_dir_all(&path).map_err(io_err(&path))?;
+        removed.push(path);
+    }
+    Ok(removed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::DType;
+    use rand::{RngCore, SeedableRng};
+
+    fn tiny_config() -> ModelConfig {
+        serde_json::from_str(
+            r#"{"model_type":"qwen3","vocab_size":16,"hidden_size":8,"intermediate_size":16,
+                "num_hidden_layers":1,"num_attention_heads":2,"num_key_value_heads":1,"head_dim":4}"#,
+        )
+        .unwrap()
+    }
+
+    fn tensors(seed: u64) -> HashMap<String, Tensor> {
+        // Random bit patterns (including values that print identically but differ in the last
+        // bit) so that any lossy conversion would show.
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let mut f = |n: usize| -> Vec<f32> {
+            (0..n)
+                .map(|_| f32::from_bits((rng.next_u32() & 0x3fff_ffff) | 0x3000_0000))
+                .collect()
+        };
+        let dev = Device::Cpu;
+        let mut m = HashMap::new();
+        m.insert(
+            "model.embed_tokens.weight".to_string(),
+            Tensor::from_vec(f(16 * 8), (16, 8), &dev).unwrap(),
+        );
+        m.insert(
+            "model.norm.weight".to_string(),
+            Tensor::from_vec(f(8), 8, &dev)
+                .unwrap()
+                .to_dtype(DType::BF16)
+                .unwrap(),
+        );
+        m
+    }
+
+    fn bits(t: &Tensor) -> Vec<u32> {
+        match t.dtype() {
+            DType::BF16 => t
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<half::bf16>()
+                .unwrap()
+                .iter()
+                .map(|x| x.to_bits() as u32)
+                .collect(),
+            _ => t
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+                .iter()
+                .map(|x| x.to_bits())
+                .collect(),
+        }
+    }
+
+    fn assert_same(a: &HashMap<String, Tensor>, b: &HashMap<String, Tensor>) {
+        assert_eq!(a.len(), b.len());
+        for (k, t) in a {
+            let u = &b[k];
+            assert_eq!(t.dtype(), u.dtype(), "{k}");
+            assert_eq!(t.dims(), u.dims(), "{k}");
+            assert_eq!(bits(t), bits(u), "{k}");
+        }
+    }
+
+    fn tokenizer_file(dir: &Path) -> PathBuf {
+        let p = dir.join("tok").join("tokenizer.json");
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(&p, b"{\"not\": \"a real tokenizer\"}").unwrap();
+        p
+    }
+
+    fn state(step: u64) -> TrainerState {
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        for _ in 0..step {
+            rng.next_u64();
+        }
+        TrainerState::new(
+            step,
+            DataPosition {
+                epoch: 1,
+                index: 3 * step as usize,
+            },
+            &rng,
+            "h".into(),
+        )
+    }
+
+    fn save_step(out: &Path, tok: &Path, step: u64, metric: Option<f64>) -> PathBuf {
+        let mut st = state(step);
+        if let Some(v) = metric {
+            st.metrics.insert("val_loss".into(), v);
+        }
+        save(
+            out,
+            &CheckpointData {
+                model: &tensors(step),
+                model_config: &tiny_config(),
+                tokenizer_json: tok,
+                optimizer: &tensors(step + 100),
+                state: &st,
+            },
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn round_trip_is_bit_exact_and_loadable_as_a_model_dir() {
+        let dir = tempfile::tempdir().unwrap();
+        let tok = tokenizer_file(dir.path());
+        let out = dir.path().join("out");
+        let p = save_step(&out, &tok, 7, Some(1.5));
+        assert_eq!(p, out.join("step_7"));
+        let ck = load(&p, &Device::Cpu).unwrap();
+        assert_same(&ck.model, &tensors(7));
+        assert_same(&ck.optimizer, &tensors(107));
+        let mut expect = state(7);
+        expect.metrics.insert("val_loss".into(), 1.5);
+        assert_eq!(ck.state, expect);
+        assert_eq!(ck.model_config.hidden_size, 8);
+        // The directory is a Hugging Face model directory the teacher can open.
+        let md = xdistill_shared::hf::ModelDir::open(&p).unwrap();
+        assert_eq!(md.weights, vec![p.join(MODEL_FILE)]);
+        // Saving the same step again replaces it.
+        save_step(&out, &tok, 7, Some(1.0));
+        assert_eq!(read_state(&p).unwrap().metrics["val_loss"], 1.0);
+        assert_eq!(list(&out).unwrap().len(), 1);
+    }
+
+    #[test]
+    fn rng_state_restores_the_exact_stream() {
+        let mut rng = ChaCha8Rng::seed_from_u64(11);
+        rng.set_stream(3);
+        for _ in 0..13 {
+            rng.next_u32(); // odd count: mid-block position
+        }
+        let saved: RngState =
+            serde_json::from_str(&serde_json::to_string(&RngState::capture(&rng)).unwrap())
+                .unwrap();
+        let mut back = saved.restore().unwrap();
+        let a: Vec<u64> = (0..40).map(|_| rng.next_u64()).collect();
+        let b: Vec<u64> = (0..40).map(|_| back.next_u64()).collect();
+        assert_eq!(a, b);
+        let bad = RngState {
+            seed: "00".into(),
+            ..saved
+        };
+        assert!(bad.restore().is_err());
+    }
+
+    #[test]
+    fn interrupted_saves_are_invisible() {
+        let dir = tempfile::tempdir().unwrap();
+        let tok = tokenizer_file(dir.path());
+        let out = dir.path().join("out");
+        assert_eq!(latest(&out).unwrap(), None);
+        save_step(&out, &tok, 2, None);
+        // A crash mid-write leaves a hidden temp dir with a partial checkpoint of a later step.
+        let crashed = out.join(".step_4.tmp-999-1");
+        std::fs::create_dir_all(&crashed).unwrap();
+        std::fs::write(crashed.join(MODEL_FILE), b"partial").unwrap();
+        // And a step directory without its state file (e.g. copied by hand, incompletely).
+        std::fs::create_dir_all(out.join("step_9")).unwrap();
+        assert_eq!(latest(&out).unwrap(), Some((2, out.join("step_2"))));
+        // A save that fails midway (the tokenizer is missing) leaves nothing behind.
+        let err = save(
+            &out,
+            &CheckpointData {
+                model: &tensors(3),
+                model_config: &tiny_config(),
+                tokenizer_json: &dir.path().join("missing.json"),
+                optimizer: &HashMap::new(),
+                state: &state(3),
+            },
+        );
+        assert!(err.is_err());
+        assert!(!out.join("step_3").exists());
+        assert_eq!(latest(&out).unwrap(), Some((2, out.join("step_2"))));
+        assert_eq!(remove_temp_dirs(&out).unwrap(), 1);
+        assert!(!crashed.exists());
+    }
+
+    /// The pieces a resume needs (data position, RNG, tensors) compose: a toy run whose update
+    /// depends on the batch text and on RNG draws, interrupted after step 3 and resumed from
+    /// its checkpoint, ends bit-identical to the uninterrupted run.
+    #[test]
+    fn toy_run_resumed_from_a_checkpoint_matches_an_uninterrupted_one() {
+        use crate::data::{BatchOptions, Batcher, Content, Record};
+        let records: Vec<Record> = (0..7)
+            .map(|i| Record {
+                line: i + 1,
+                content: Content::Text {
+                    text: format!("record number {i}"),
+                },
+                completion_only_loss: false,
+            })
+            .collect();
+        let opts = BatchOptions {
+            batch_size: 2,
+            seed: 3,
+            shuffle: true,
+            drop_last: false,
+            max_epochs: 3,
+        };
+        // One "step": w ← 0.9·w + (bytes of the batch) · noise, momentum m ← 0.5·m + w.
+        let step = |w: &mut Vec<f32>, m: &mut Vec<f32>, texts: &[String], rng: &mut ChaCha8Rng| {
+            let bytes: f32 = texts.iter().map(|t| t.len() as f32).sum();
+            for (wi, mi) in w.iter_mut().zip(m.iter_mut()) {
+                let noise = (rng.next_u32() % 1000) as f32 / 1000.0;
+                *wi = 0.9 * *wi + bytes * noise * 1e-3;
+                *mi = 0.5 * *mi + *wi;
+            }
+        };
+        let run = |from: Option<&Path>, stop_after: usize, out: &Path| -> (Vec<f32>, Vec<f32>) {
+            let dev = Device::Cpu;
+            let (mut w, mut m, mut rng, mut batcher, mut n) = match from {
+                None => {
+                    let mut rng = ChaCha8Rng::seed_from_u64(3);
+                    rng.set_stream(1);
+                    (
+                        vec![0.1f32; 4],
+                        vec![0f32; 4],
+                        rng,
+                        Batcher::new(records.clone(), opts),
+                        0,
+                    )
+                }
+                Some(dir) => {
+                    let ck = load(dir, &dev).unwrap();
+                    let mut b = Batcher::new(records.clone(), opts);
+                    b.seek(ck.state.data).unwrap();
+                    (
+                        ck.model["w"].to_vec1::<f32>().unwrap(),
+                        ck.optimizer["m"].to_vec1::<f32>().unwrap(),
+                        ck.state.rng.restore().unwrap(),
+                        b,
+                        ck.state.step as usize,
+                    )
+                }
+            };
+            let tok = tokenizer_file(out);
+            for batch in batcher.by_ref() {
+                let texts: Vec<String> = batch.records.iter().map(Record::text).collect();
+                step(&mut w, &mut m, &texts, &mut rng);
+                n += 1;
+                let st = TrainerState::new(n as u64, batch.next, &rng, "h".into());
+                save(
+                    out,
+                    &CheckpointData {
+                        model: &[("w".to_string(), Tensor::new(w.as_slice(), &dev).unwrap())]
+                            .into(),
+                        model_config: &tiny_config(),
+                        tokenizer_json: &tok,
+                        optimizer: &[("m".to_string(), Tensor::new(m.as_slice(), &dev).unwrap())]
+                            .into(),
+                        state: &st,
+                    },
+                )
+                .unwrap();
+                if n == stop_after {
+                    break;
+                }
+            }
+            (w, m)
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let full = run(None, usize::MAX, &dir.path().join("a"));
+        let out = dir.path().join("b");
+        run(None, 3, &out);
+        let (_, ck) = latest(&out).unwrap().unwrap();
+        assert_eq!(ck, out.join("step_3"));
+        let resumed = run(Some(&ck), usize::MAX, &out);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&resumed.0), bits(&full.0));
+        assert_eq!(bits(&resumed.1), bits(&full.1));
+        // 7 records in batches of 2: 4 steps per epoch, 3 epochs.
+        assert_eq!(latest(&out).unwrap().unwrap().0, 12);
+    }
+
+    #[test]
+    fn retention_keeps_the_newest_and_the_best() {
+        let dir = tempfile::tempdir().unwrap();
+        let tok = tokenizer_file(dir.path());
+        let out = dir.path().join("out");
+        let vals = [(1, 3.0), (2, 1.0), (3, 2.0), (4, 5.0), (5, 4.0)];
+        for (s, v) in vals {
+            save_step(&out, &tok, s, Some(v));
+        }
+        std::fs::create_dir_all(out.join(FINAL_DIR)).unwrap();
+        let steps = |out: &Path| {
+            list(out)
+                .unwrap()
+                .into_iter()
+                .map(|(s, _)| s)
+                .collect::<Vec<_>>()
+        };
+
+        let ranking = Ranking::Metric {
+            name: "val_loss".into(),
+            higher_is_better: false,
+        };
+        retain(&out, 3, &ranking).unwrap();
+        // Newest (5) plus the two lowest val_loss among the rest (2: 1.0, 3: 2.0).
+        assert_eq!(steps(&out), [2, 3, 5]);
+        retain(&out, 2, &Ranking::Newest).unwrap();
+        assert_eq!(steps(&out), [3, 5]);
+        retain(&out, 1, &Ranking::Newest).unwrap();
+        assert_eq!(steps(&out), [5]);
+        assert!(out.join(FINAL_DIR).is_dir());
+    }
+}
