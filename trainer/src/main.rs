@@ -3,7 +3,7 @@
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 
-use xdistill_trainer::init_model;
+use xdistill_trainer::{align, init_model};
 
 #[derive(Parser)]
 #[command(
@@ -20,6 +20,10 @@ struct Cli {
 enum Command {
     /// Write a randomly initialised model as a Hugging Face directory.
     InitModel(init_model::Args),
+    /// Align two tokenizations of a corpus; print totals and speed.
+    Align(align::cli::AlignArgs),
+    /// Build the sparse student<->teacher vocabulary projection.
+    BuildProjection(align::cli::BuildProjectionArgs),
 }
 
 fn main() -> Result<()> {
@@ -31,5 +35,7 @@ fn main() -> Result<()> {
         .init();
     match Cli::parse().command {
         Command::InitModel(a) => init_model::run(a),
+        Command::Align(a) => align::cli::run_align(a),
+        Command::BuildProjection(a) => align::cli::run_build_projection(a),
     }
 }

@@ -1,0 +1,399 @@
+//! The alignment walk: cumulative byte lengths on both sides, a chunk closes whenever they are
+//! equal. Linear in the number of tokens; allocates only the output.
+
+use std::ops::Range;
+
+use super::token_bytes::{Piece, TokenBytes};
+use super::{AlignError, Side};
+
+/// What a chunk pairs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ChunkKind {
+    /// Runs of tokens spelling the same bytes.
+    Text,
+    /// One special token on each side at the same text position (BOS↔BOS, EOS↔EOS, ...): a unit.
+    Special,
+}
+
+/// The smallest pair of token runs covering the same bytes of the text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Chunk {
+    /// Student token indices, half-open, never empty.
+    pub student: Range<usize>,
+    /// Teacher token indices, half-open, never empty.
+    pub teacher: Range<usize>,
+    /// Byte span in the (canonical) text; empty for `Special` chunks.
+    pub bytes: Range<usize>,
+    pub kind: ChunkKind,
+}
+
+impl Chunk {
+    /// One token on each side.
+    pub fn is_one_to_one(&self) -> bool {
+        self.student.len() == 1 && self.teacher.len() == 1
+    }
+}
+
+/// One side of the walk.
+struct Seq<'a> {
+    ids: &'a [u32],
+    tb: &'a TokenBytes,
+    side: Side,
+}
+
+impl<'a> Seq<'a> {
+    #[inline]
+    fn get(&self, k: usize) -> Result<Option<Piece<'a>>, AlignError> {
+        if k >= self.ids.len() {
+            return Ok(None);
+        }
+        self.tb
+            .piece(self.ids, k)
+            .map(Some)
+            .ok_or(AlignError::UnknownId {
+                side: self.side,
+                index: k,
+                id: self.ids[k],
+            })
+    }
+
+    /// Whether the text tokens from `k` on start with `pattern` (stops at special tokens).
+    fn text_starts_with(&self, mut k: usize, pattern: &[u8]) -> Result<bool, AlignError> {
+        let mut rest = pattern;
+        while !rest.is_empty() {
+            match self.get(k)? {
+                Some(Piece::Text(b)) => {
+                    let n = b.len().min(rest.len());
+                    if b[..n] != rest[..n] {
+                        return Ok(false);
+                    }
+                    rest = &rest[n..];
+                }
+                _ => return Ok(false),
+            }
+            k += 1;
+        }
+        Ok(!pattern.is_empty())
+    }
+
+    /// Like `text_starts_with`, after skipping the run of special tokens at `k`.
+    fn text_after_specials_starts_with(
+        &self,
+        mut k: usize,
+        pattern: &[u8],
+    ) -> Result<bool, AlignError> {
+        while let Some(Piece::Special(_)) = self.get(k)? {
+            k += 1;
+        }
+        self.text_starts_with(k, pattern)
+    }
+
+    /// Iterator over the bytes of tokens `r` (specials contribute their content).
+    fn bytes_of(&self, r: Range<usize>) -> impl Iterator<Item = &'a [u8]> + '_ {
+        r.filter_map(move |k| self.tb.piece(self.ids, k).map(Piece::bytes))
+    }
+}
+
+/// Whether two sequences of byte slices concatenate to the same bytes, without allocating.
+fn concat_eq<'x>(
+    mut a: impl Iterator<Item = &'x [u8]>,
+    mut b: impl Iterator<Item = &'x [u8]>,
+) -> bool {
+    let (mut x, mut y): (&[u8], &[u8]) = (&[], &[]);
+    loop {
+        while x.is_empty() {
+            match a.next() {
+                Some(s) => x = s,
+                None => break,
+            }
+        }
+        while y.is_empty() {
+            match b.next() {
+                Some(s) => y = s,
+                None => break,
+            }
+        }
+        match (x.is_empty(), y.is_empty()) {
+            (true, true) => return true,
+            (true, false) | (false, true) => return false,
+            _ => {}
+        }
+        let n = x.len().min(y.len());
+        if x[..n] != y[..n] {
+            return false;
+        }
+        x = &x[n..];
+        y = &y[n..];
+    }
+}
+
+/// Splits two tokenizations of the same text into chunks (in order, covering both sides).
+///
+/// Text tokens are walked on cumulative byte lengths: the side that is behind advances, and a
+/// chunk closes when both totals are equal, so no token straddles a chunk boundary (a
+/// multi-byte character split across tokens simply stays inside one chunk). Each chunk's bytes
+/// are compared on both sides; any difference is an error, never a silent misalignment.
+///
+/// Special tokens (see `docs/alignment.md`): at a chunk boundary, specials on both sides with the
+/// same content pair 1:1; a special whose content the other side spells as text is read as
+/// text; a special facing a special with different content pairs 1:1 with it (BOS↔BOS), unless
+/// one of them is spelled as text just after the other side's specials (then the other is
+/// masked); any other special is masked (it belongs to no chunk).
+///
+/// Zero-byte text tokens join the chunk that follows them (or, at the very end, the last one).
+pub fn align(
+    student_ids: &[u32],
+    teacher_ids: &[u32],
+    student_bytes: &TokenBytes,
+    teacher_bytes: &TokenBytes,
+) -> Result<Vec<Chunk>, AlignError> {
+    let s = Seq {
+        ids: student_ids,
+        tb: student_bytes,
+        side: Side::Student,
+    };
+    let t = Seq {
+        ids: teacher_ids,
+        tb: teacher_bytes,
+        side: Side::Teacher,
+    };
+    let mut chunks = Vec::with_capacity(student_ids.len().min(teacher_ids.len()) + 2);
+    let (mut i, mut j, mut pos) = (0usize, 0usize, 0usize);
+    loop {
+        // 1. At a chunk boundary: decide what to do with special tokens.
+        let (a, b) = (s.get(i)?, t.get(j)?);
+        match (a, b) {
+            (None, None) => break,
+            (Some(Piece::Special(x)), Some(Piece::Special(y))) => {
+                if x != y {
+                    if t.text_after_specials_starts_with(j, x)? {
+                        j += 1; // the teacher special has no counterpart
+                        continue;
+                    }
+                    if s.text_after_specials_starts_with(i, y)? {
+                        i += 1;
+                        continue;
+                    }
+                }
+                chunks.push(Chunk {
+                    student: i..i + 1,
+                    teacher: j..j + 1,
+                    bytes: pos..pos,
+                    kind: ChunkKind::Special,
+                });
+                i += 1;
+                j += 1;
+                continue;
+            }
+            (Some(Piece::Special(x)), Some(Piece::Text(_))) => {
+                if !t.text_starts_with(j, x)? {
+                    i += 1;
+                    continue;
+                }
+            }
+            (Some(Piece::Text(_)), Some(Piece::Special(y))) => {
+                if !s.text_starts_with(i, y)? {
+                    j += 1;
+                    continue;
+                }
+            }
+            (Some(Piece::Special(_)), None) => {
+                i += 1;
+                continue;
+            }
+            (None, Some(Piece::Special(_))) => {
+                j += 1;
+                continue;
+            }
+            (Some(Piece::Text(x)), None) | (None, Some(Piece::Text(x))) => {
+                let on_student = a.is_some();
+                let last_end = chunks.last().map(|c: &Chunk| {
+                    if on_student {
+                        c.student.end
+                    } else {
+                        c.teacher.end
+                    }
+                });
+                let k = if on_student { i } else { j };
+                if x.is_empty() && last_end == Some(k) {
+                    if let Some(c) = chunks.last_mut() {
+                        if on_student {
+                            c.student.end += 1;
+                            i += 1;
+                        } else {
+                            c.teacher.end += 1;
+                            j += 1;
+                        }
+                    }
+                    continue;
+                }
+                return Err(AlignError::LengthMismatch {
+                    shorter: if on_student {
+                        Side::Teacher
+                    } else {
+                        Side::Student
+                    },
+                    at: pos,
+                });
+            }
+            (Some(Piece::Text(_)), Some(Piece::Text(_))) => {}
+        }
+        // 2. A text chunk: take one token from each side, then advance whichever is behind.
+        let (i0, j0) = (i, j);
+        let mut cs = a.map_or(0, |p| p.bytes().len());
+        let mut ct = b.map_or(0, |p| p.bytes().len());
+        i += 1;
+        j += 1;
+        while cs != ct {
+            if cs < ct {
+                match s.get(i)? {
+                    Some(p) => cs += p.bytes().len(),
+                    None => {
+                        return Err(AlignError::LengthMismatch {
+                            shorter: Side::Student,
+                            at: pos + cs,
+                        })
+                    }
+                }
+                i += 1;
+            } else {
+                match t.get(j)? {
+                    Some(p) => ct += p.bytes().len(),
+                    None => {
+                        return Err(AlignError::LengthMismatch {
+                            shorter: Side::Teacher,
+                            at: pos + ct,
+                        })
+                    }
+                }
+                j += 1;
+            }
+        }
+        // 3. Equal lengths are not enough: the bytes must be the same.
+        if !concat_eq(s.bytes_of(i0..i), t.bytes_of(j0..j)) {
+            return Err(AlignError::ByteMismatch {
+                at: pos,
+                student_start: i0,
+                student_end: i,
+                teacher_start: j0,
+                teacher_end: j,
+            });
+        }
+        chunks.push(Chunk {
+            student: i0..i,
+            teacher: j0..j,
+            bytes: pos..pos + cs,
+            kind: ChunkKind::Text,
+        });
+        pos += cs;
+    }
+    Ok(chunks)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::align::token_bytes::{DummyPrefix, TokenizerKind};
+
+    /// A vocabulary of the given strings; names starting with `<|` are special.
+    fn vocab(words: &[&str]) -> TokenBytes {
+        let entries: Vec<(&[u8], bool)> = words
+            .iter()
+            .map(|w| (w.as_bytes(), w.starts_with("<|")))
+            .collect();
+        TokenBytes::from_entries(TokenizerKind::ByteLevel, DummyPrefix::None, &entries)
+    }
+
+    fn ids(v: &[&str], words: &[&str]) -> Vec<u32> {
+        words
+            .iter()
+            .map(|w| v.iter().position(|x| x == w).unwrap() as u32)
+            .collect()
+    }
+
+    fn spans(c: &[Chunk]) -> Vec<(usize, usize, usize, usize)> {
+        c.iter()
+            .map(|c| (c.student.start, c.student.end, c.teacher.start, c.teacher.end))
+            .collect()
+    }
+
+    const V: &[&str] = &[
+        "Hel", "lo", "Hello", " wor", "ld", " world", "!", "", "<|bos|>", "<|eos|>", "<|im|>", "<",
+        "|im|>", "\u{e9}", "\u{c3}", "\u{a9}",
+    ];
+
+    #[test]
+    fn chunks_close_at_common_boundaries() {
+        let tb = vocab(V);
+        let s = ids(V, &["Hel", "lo", " world", "!"]);
+        let t = ids(V, &["Hello", " wor", "ld", "!"]);
+        let c = align(&s, &t, &tb, &tb).unwrap();
+        assert_eq!(spans(&c), vec![(0, 2, 0, 1), (2, 3, 1, 3), (3, 4, 3, 4)]);
+        assert_eq!(c[1].bytes, 5..11);
+        assert!(c[2].is_one_to_one());
+    }
+
+    #[test]
+    fn split_multibyte_character_stays_in_one_chunk() {
+        // 'é' is C3 A9: one side has it whole, the other as two byte tokens.
+        let tb = vocab(V);
+        let s = ids(V, &["\u{e9}", "!"]);
+        let t = TokenBytes::from_entries(
+            TokenizerKind::ByteLevel,
+            DummyPrefix::None,
+            &[(&[0xC3], false), (&[0xA9], false), (b"!", false)],
+        );
+        let c = align(&s, &[0, 1, 2], &tb, &t).unwrap();
+        assert_eq!(spans(&c), vec![(0, 1, 0, 2), (1, 2, 2, 3)]);
+    }
+
+    #[test]
+    fn specials_pair_mask_or_read_as_text() {
+        let tb = vocab(V);
+        // BOS on both sides pairs; EOS only on the student is masked.
+        let s = ids(V, &["<|bos|>", "Hello", "<|eos|>"]);
+        let t = ids(V, &["<|eos|>", "Hel", "lo"]);
+        let c = align(&s, &t, &tb, &tb).unwrap();
+        assert_eq!(spans(&c), vec![(0, 1, 0, 1), (1, 2, 1, 3)]);
+        assert_eq!(c[0].kind, ChunkKind::Special);
+        // A special the other side spells as text becomes a text chunk; the teacher's BOS, which
+        // faces it, is masked.
+        let s = ids(V, &["<|im|>", "Hello"]);
+        let t = ids(V, &["<|bos|>", "<", "|im|>", "Hel", "lo"]);
+        let c = align(&s, &t, &tb, &tb).unwrap();
+        assert_eq!(spans(&c), vec![(0, 1, 1, 3), (1, 2, 3, 5)]);
+        assert_eq!(c[0].kind, ChunkKind::Text);
+        assert_eq!(c[0].bytes, 0..6);
+    }
+
+    #[test]
+    fn zero_byte_tokens_join_a_neighbouring_chunk() {
+        let tb = vocab(V);
+        let s = ids(V, &["", "Hello", ""]);
+        let t = ids(V, &["Hello"]);
+        let c = align(&s, &t, &tb, &tb).unwrap();
+        assert_eq!(spans(&c), vec![(0, 3, 0, 1)]);
+    }
+
+    #[test]
+    fn mismatches_are_errors() {
+        let tb = vocab(V);
+        let r = align(&ids(V, &["Hello"]), &ids(V, &["Hel"]), &tb, &tb);
+        assert!(matches!(r, Err(AlignError::LengthMismatch { shorter: Side::Teacher, at: 3 })));
+        let r = align(&ids(V, &["Hello", "!"]), &ids(V, &["Hel", "ld"]), &tb, &tb);
+        assert!(matches!(r, Err(AlignError::ByteMismatch { at: 0, .. })));
+        let r = align(&[99], &ids(V, &["Hel"]), &tb, &tb);
+        assert!(matches!(r, Err(AlignError::UnknownId { side: Side::Student, index: 0, id: 99 })));
+        assert_eq!(align(&[], &[], &tb, &tb).unwrap(), vec![]);
+    }
+
+    #[test]
+    fn concat_eq_ignores_slice_boundaries() {
+        let a: [&[u8]; 3] = [b"ab", b"", b"cd"];
+        let b: [&[u8]; 2] = [b"a", b"bcd"];
+        assert!(concat_eq(a.iter().copied(), b.iter().copied()));
+        assert!(!concat_eq(a.iter().copied(), [b"abc" as &[u8]].iter().copied()));
+        assert!(!concat_eq(a.iter().copied(), [b"abce" as &[u8]].iter().copied()));
+    }
+}
