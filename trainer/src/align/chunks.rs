@@ -58,35 +58,28 @@ impl<'a> Seq<'a> {
             })
     }
 
-    /// Whether the text tokens from `k` on start with `pattern` (stops at special tokens).
-    fn text_starts_with(&self, mut k: usize, pattern: &[u8]) -> Result<bool, AlignError> {
-        let mut rest = pattern;
-        while !rest.is_empty() {
-            match self.get(k)? {
-                Some(Piece::Text(b)) => {
-                    let n = b.len().min(rest.len());
-                    if b[..n] != rest[..n] {
-                        return Ok(false);
-                    }
-                    rest = &rest[n..];
-                }
-                _ => return Ok(false),
-            }
-            k += 1;
-        }
-        Ok(!pattern.is_empty())
+    /// Contents of the run of special tokens starting at `k`.
+    fn special_run(&self, k: usize) -> impl Iterator<Item = &'a [u8]> + '_ {
+        (k..self.ids.len()).map_while(move |i| match self.tb.piece(self.ids, i) {
+            Some(Piece::Special(c)) => Some(c),
+            _ => None,
+        })
     }
 
-    /// Like `text_starts_with`, after skipping the run of special tokens at `k`.
-    fn text_after_specials_starts_with(
-        &self,
-        mut k: usize,
-        pattern: &[u8],
-    ) -> Result<bool, AlignError> {
-        while let Some(Piece::Special(_)) = self.get(k)? {
+    /// Bytes of the text tokens from `k` on, up to the next special token.
+    fn text_from(&self, k: usize) -> impl Iterator<Item = &'a [u8]> + '_ {
+        (k..self.ids.len()).map_while(move |i| match self.tb.piece(self.ids, i) {
+            Some(Piece::Text(b)) => Some(b),
+            _ => None,
+        })
+    }
+
+    /// Index of the first non-special token at or after `k`.
+    fn skip_specials(&self, mut k: usize) -> usize {
+        while k < self.ids.len() && self.tb.is_special(self.ids[k]) {
             k += 1;
         }
-        self.text_starts_with(k, pattern)
+        k
     }
 
     /// Iterator over the bytes of tokens `r` (specials contribute their content).
@@ -128,6 +121,33 @@ fn concat_eq<'x>(
     }
 }
 
+/// Whether the concatenation of `pat` is a non-empty prefix of the concatenation of `text`.
+fn is_prefix<'x>(
+    pat: impl Iterator<Item = &'x [u8]>,
+    mut text: impl Iterator<Item = &'x [u8]>,
+) -> bool {
+    let mut y: &[u8] = &[];
+    let mut any = false;
+    for mut x in pat {
+        while !x.is_empty() {
+            any = true;
+            while y.is_empty() {
+                match text.next() {
+                    Some(s) => y = s,
+                    None => return false,
+                }
+            }
+            let n = x.len().min(y.len());
+            if x[..n] != y[..n] {
+                return false;
+            }
+            x = &x[n..];
+            y = &y[n..];
+        }
+    }
+    any
+}
+
 /// Splits two tokenizations of the same text into chunks (in order, covering both sides).
 ///
 /// Text tokens are walked on cumulative byte lengths: the side that is behind advances, and a
@@ -167,11 +187,13 @@ pub fn align(
             (None, None) => break,
             (Some(Piece::Special(x)), Some(Piece::Special(y))) => {
                 if x != y {
-                    if t.text_after_specials_starts_with(j, x)? {
-                        j += 1; // the teacher special has no counterpart
+                    // A special run that the other side spells as text (after its own specials)
+                    // is text; the other side's special facing it has no counterpart.
+                    if is_prefix(s.special_run(i), t.text_from(t.skip_specials(j))) {
+                        j += 1;
                         continue;
                     }
-                    if s.text_after_specials_starts_with(i, y)? {
+                    if is_prefix(t.special_run(j), s.text_from(s.skip_specials(i))) {
                         i += 1;
                         continue;
                     }
@@ -186,14 +208,16 @@ pub fn align(
                 j += 1;
                 continue;
             }
-            (Some(Piece::Special(x)), Some(Piece::Text(_))) => {
-                if !t.text_starts_with(j, x)? {
+            // A special is read as text when the other side spells it, and every special after
+            // it in its run, as text here (so an inserted BOS before a typed "<s>" is masked).
+            (Some(Piece::Special(_)), Some(Piece::Text(_))) => {
+                if !is_prefix(s.special_run(i), t.text_from(j)) {
                     i += 1;
                     continue;
                 }
             }
-            (Some(Piece::Text(_)), Some(Piece::Special(y))) => {
-                if !s.text_starts_with(i, y)? {
+            (Some(Piece::Text(_)), Some(Piece::Special(_))) => {
+                if !is_prefix(t.special_run(j), s.text_from(i)) {
                     j += 1;
                     continue;
                 }
