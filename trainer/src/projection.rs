@@ -112,7 +112,9 @@ pub fn decay_weights(ids: &[u32], max: usize) -> Vec<(u32, f32)> {
         w *= 0.1;
     }
     let sum: f64 = row.iter().map(|e| e.1).sum();
-    row.into_iter().map(|(i, w)| (i, (w / sum) as f32)).collect()
+    row.into_iter()
+        .map(|(i, w)| (i, (w / sum) as f32))
+        .collect()
 }
 
 /// A copy of `tok` that adds no dummy-prefix space and no BOS/EOS: it spells exactly the bytes
@@ -218,7 +220,10 @@ fn build_direction(
         })
         .collect();
     let n_exact = rows.iter().filter(|r| r.1).count();
-    Ok((Csr::from_rows(rows.into_iter().map(|r| r.0).collect()), n_exact))
+    Ok((
+        Csr::from_rows(rows.into_iter().map(|r| r.0).collect()),
+        n_exact,
+    ))
 }
 
 fn meta_get<'a>(
@@ -295,7 +300,10 @@ impl Projection {
         let mut views = Vec::new();
         for (name, dtype, data) in &bufs {
             let n = data.len() / dtype.bitsize() * 8;
-            views.push((name.clone(), TensorView::new(*dtype, vec![n], data).map_err(fmt)?));
+            views.push((
+                name.clone(),
+                TensorView::new(*dtype, vec![n], data).map_err(fmt)?,
+            ));
         }
         let meta: HashMap<String, String> = [
             ("format", "xdistill-projection".to_string()),
@@ -391,7 +399,12 @@ impl Projection {
     }
 
     /// The cache file name for two tokenizer hashes and a row size.
-    pub fn cache_path(cache_dir: &Path, student_sha: &str, teacher_sha: &str, max: usize) -> PathBuf {
+    pub fn cache_path(
+        cache_dir: &Path,
+        student_sha: &str,
+        teacher_sha: &str,
+        max: usize,
+    ) -> PathBuf {
         let short = |s: &str| s.chars().take(16).collect::<String>();
         cache_dir.join(format!(
             "projection-{}-{}-k{max}.safetensors",
@@ -413,13 +426,16 @@ impl Projection {
         let path = Projection::cache_path(cache_dir, &sh, &th, max_entries);
         if path.is_file() {
             match Projection::load(&path) {
-                Ok(p) if p.student_sha256 == sh
-                    && p.teacher_sha256 == th
-                    && p.max_entries == max_entries =>
+                Ok(p)
+                    if p.student_sha256 == sh
+                        && p.teacher_sha256 == th
+                        && p.max_entries == max_entries =>
                 {
                     return Ok((p, false))
                 }
-                Ok(_) => tracing::warn!("{}: built for other tokenizers; rebuilding", path.display()),
+                Ok(_) => {
+                    tracing::warn!("{}: built for other tokenizers; rebuilding", path.display())
+                }
                 Err(e) => tracing::warn!("{e}; rebuilding"),
             }
         }

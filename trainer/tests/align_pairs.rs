@@ -5,7 +5,7 @@ mod align_common;
 
 use align_common::{check_pair, get, pairs, tokenizers};
 use xdistill_trainer::align::{
-    tokenize_pair, AlignmentBatch, ChunkKind, PairOptions, TokenizerKind,
+    align, tokenize_pair, AlignmentBatch, ChunkKind, PairOptions, TokenizerKind,
 };
 
 /// One text per quirk the alignment must be exact on.
@@ -47,6 +47,11 @@ fn every_pair_aligns_every_text_exactly() {
                 };
                 let p = tokenize_pair(text, s, t, opts).unwrap_or_else(|e| panic!("{ctx}: {e}"));
                 check_pair(&p, s, t, &ctx);
+                // From ids alone (no text: special roles decided against the other side's
+                // bytes), the chunks are the same.
+                let ids_only = align(&p.student_ids, &p.teacher_ids, &s.bytes, &t.bytes)
+                    .unwrap_or_else(|e| panic!("{ctx}: ids only: {e}"));
+                assert_eq!(ids_only, p.chunks, "{ctx}: ids only");
             }
         }
     }
@@ -85,9 +90,12 @@ fn special_tokens_pair_mask_or_read_as_text() {
     // Both add a BOS: the BOS tokens form a special one-to-one chunk.
     let p = tokenize_pair("Hello", get("llama2"), get("gemma3"), opts).unwrap();
     assert_eq!(p.chunks[0].kind, ChunkKind::Special);
-    assert_eq!((p.chunks[0].student.clone(), p.chunks[0].teacher.clone()), (0..1, 0..1));
+    assert_eq!(
+        (p.chunks[0].student.clone(), p.chunks[0].teacher.clone()),
+        (0..1, 0..1)
+    );
     assert_eq!((p.student_ids[0], p.teacher_ids[0]), (1, 2)); // <s>, <bos>
-    // Only the student adds one: it is masked (in no chunk).
+                                                              // Only the student adds one: it is masked (in no chunk).
     let p = tokenize_pair("Hello", get("llama2"), get("qwen3"), opts).unwrap();
     assert_eq!(p.student_ids[0], 1);
     assert!(p.chunks.iter().all(|c| c.student.start >= 1));
@@ -123,7 +131,10 @@ fn truncation_cuts_both_sides_at_the_same_text_offset() {
             };
             let p = tokenize_pair(&text, s, t, opts).unwrap();
             assert!(p.truncated, "{ctx}");
-            assert!(p.student_ids.len() <= ms && p.teacher_ids.len() <= mt, "{ctx}");
+            assert!(
+                p.student_ids.len() <= ms && p.teacher_ids.len() <= mt,
+                "{ctx}"
+            );
             // Reference: the kept chunks are the longest prefix of the untruncated chunks that
             // fits both limits, found by a plain scan.
             let mut keep = 0;
@@ -134,8 +145,16 @@ fn truncation_cuts_both_sides_at_the_same_text_offset() {
                 keep += 1;
             }
             assert_eq!(p.chunks, full.chunks[..keep], "{ctx}");
-            assert_eq!(p.student_ids, full.student_ids[..p.student_ids.len()], "{ctx}");
-            assert_eq!(p.teacher_ids, full.teacher_ids[..p.teacher_ids.len()], "{ctx}");
+            assert_eq!(
+                p.student_ids,
+                full.student_ids[..p.student_ids.len()],
+                "{ctx}"
+            );
+            assert_eq!(
+                p.teacher_ids,
+                full.teacher_ids[..p.teacher_ids.len()],
+                "{ctx}"
+            );
             assert!(full.text.starts_with(&p.text), "{ctx}");
             check_pair(&p, s, t, &ctx);
         }
@@ -158,8 +177,12 @@ fn padded_batch_matches_the_chunks() {
     for (r, (chunks, sl, tl)) in rows.iter().enumerate() {
         assert_eq!(b.num_chunks[r] as usize, chunks.len());
         // Pad positions belong to no chunk.
-        assert!(b.student_chunk_id[r * ts + sl..(r + 1) * ts].iter().all(|&c| c == -1));
-        assert!(b.teacher_chunk_id[r * tt + tl..(r + 1) * tt].iter().all(|&c| c == -1));
+        assert!(b.student_chunk_id[r * ts + sl..(r + 1) * ts]
+            .iter()
+            .all(|&c| c == -1));
+        assert!(b.teacher_chunk_id[r * tt + tl..(r + 1) * tt]
+            .iter()
+            .all(|&c| c == -1));
         for (k, c) in chunks.iter().enumerate() {
             for i in c.student.clone() {
                 assert_eq!(b.student_chunk_id[r * ts + i], k as i32);

@@ -164,7 +164,11 @@ impl AlignmentBatch {
         // Shifted view: position t carries token t + 1; chunks missing their first prediction
         // are dropped entirely so a loss over chunk ids never sees half a chunk.
         let drop_invalid = |ids: &mut [i32], ex: &mut [bool], len: usize, valid: &[bool]| {
-            for (row, (ids, ex)) in ids.chunks_mut(len.max(1)).zip(ex.chunks_mut(len.max(1))).enumerate() {
+            for (row, (ids, ex)) in ids
+                .chunks_mut(len.max(1))
+                .zip(ex.chunks_mut(len.max(1)))
+                .enumerate()
+            {
                 for (id, e) in ids.iter_mut().zip(ex.iter_mut()) {
                     if *id >= 0 && !valid[row * p + *id as usize] {
                         *id = -1;
@@ -216,20 +220,27 @@ mod tests {
             (vec![chunk(1..2, 0..1, ChunkKind::Text)], 2, 1),
         ];
         let b = AlignmentBatch::new(&rows, 5, 6).unwrap();
-        assert_eq!((b.batch_size, b.student_len, b.teacher_len, b.max_chunks), (2, 5, 6, 3));
+        assert_eq!(
+            (b.batch_size, b.student_len, b.teacher_len, b.max_chunks),
+            (2, 5, 6, 3)
+        );
         // Reference: for every position, search the chunk lists directly.
         for (r, (chunks, _, _)) in rows.iter().enumerate() {
             for t in 0..5 {
                 let want = chunks.iter().position(|c| c.student.contains(&t));
                 assert_eq!(b.student_chunk_id[r * 5 + t], want.map_or(-1, |c| c as i32));
-                let one = want.is_some_and(|c| chunks[c].student.len() == 1 && chunks[c].teacher.len() == 1);
+                let one = want
+                    .is_some_and(|c| chunks[c].student.len() == 1 && chunks[c].teacher.len() == 1);
                 assert_eq!(b.student_exact_1to1[r * 5 + t], one);
                 // Shifted: position t holds token t + 1 if its chunk starts after 0 on both sides.
                 let sh = chunks
                     .iter()
                     .position(|c| c.student.contains(&(t + 1)))
                     .filter(|&c| chunks[c].student.start > 0 && chunks[c].teacher.start > 0);
-                assert_eq!(b.shifted.student_chunk_id[r * 5 + t], sh.map_or(-1, |c| c as i32));
+                assert_eq!(
+                    b.shifted.student_chunk_id[r * 5 + t],
+                    sh.map_or(-1, |c| c as i32)
+                );
             }
             for t in 0..6 {
                 let want = chunks.iter().position(|c| c.teacher.contains(&t));
@@ -238,8 +249,14 @@ mod tests {
         }
         assert_eq!(b.num_chunks, vec![3, 1]);
         assert_eq!(b.chunk_valid, vec![true, true, true, true, false, false]);
-        assert_eq!(b.chunk_is_special, vec![true, false, false, false, false, false]);
-        assert_eq!(b.shifted.chunk_valid, vec![false, true, true, false, false, false]);
+        assert_eq!(
+            b.chunk_is_special,
+            vec![true, false, false, false, false, false]
+        );
+        assert_eq!(
+            b.shifted.chunk_valid,
+            vec![false, true, true, false, false, false]
+        );
         assert_eq!(b.chunk_teacher_end[2], 4);
     }
 
@@ -250,7 +267,10 @@ mod tests {
         let beyond = vec![(vec![chunk(0..3, 0..2, ChunkKind::Text)], 3, 1)];
         assert!(AlignmentBatch::new(&beyond, 4, 4).is_err());
         let unordered = vec![(
-            vec![chunk(1..2, 1..2, ChunkKind::Text), chunk(0..1, 0..1, ChunkKind::Text)],
+            vec![
+                chunk(1..2, 1..2, ChunkKind::Text),
+                chunk(0..1, 0..1, ChunkKind::Text),
+            ],
             2,
             2,
         )];

@@ -40,9 +40,18 @@ struct Seq<'a> {
     ids: &'a [u32],
     tb: &'a TokenBytes,
     side: Side,
+    /// Per token: whether a special token stands for text characters (known from the text);
+    /// `None` when only ids are known (then decided against the other side's bytes).
+    textual: Option<&'a [bool]>,
 }
 
 impl<'a> Seq<'a> {
+    /// The known text/unit role of special token `k`, if the text was given.
+    #[inline]
+    fn known_textual(&self, k: usize) -> Option<bool> {
+        self.textual.and_then(|f| f.get(k).copied())
+    }
+
     #[inline]
     fn get(&self, k: usize) -> Result<Option<Piece<'a>>, AlignError> {
         if k >= self.ids.len() {
@@ -121,6 +130,15 @@ fn concat_eq<'x>(
     }
 }
 
+fn special_chunk(i: usize, j: usize, pos: usize) -> Chunk {
+    Chunk {
+        student: i..i + 1,
+        teacher: j..j + 1,
+        bytes: pos..pos,
+        kind: ChunkKind::Special,
+    }
+}
+
 /// Whether the concatenation of `pat` is a non-empty prefix of the concatenation of `text`.
 fn is_prefix<'x>(
     pat: impl Iterator<Item = &'x [u8]>,
@@ -168,16 +186,109 @@ pub fn align(
     student_bytes: &TokenBytes,
     teacher_bytes: &TokenBytes,
 ) -> Result<Vec<Chunk>, AlignError> {
-    let s = Seq {
-        ids: student_ids,
-        tb: student_bytes,
-        side: Side::Student,
+    align_inner(
+        Seq {
+            ids: student_ids,
+            tb: student_bytes,
+            side: Side::Student,
+            textual: None,
+        },
+        Seq {
+            ids: teacher_ids,
+            tb: teacher_bytes,
+            side: Side::Teacher,
+            textual: None,
+        },
+    )
+}
+
+/// Like [`align`], with each side's special tokens already known to be text or units (from
+/// [`textual_specials`] on the text both sides tokenized): exact even when special-token strings
+/// are typed in the text next to inserted BOS/EOS tokens.
+pub fn align_known(
+    student_ids: &[u32],
+    teacher_ids: &[u32],
+    student_bytes: &TokenBytes,
+    teacher_bytes: &TokenBytes,
+    student_textual: &[bool],
+    teacher_textual: &[bool],
+) -> Result<Vec<Chunk>, AlignError> {
+    if student_textual.len() != student_ids.len() || teacher_textual.len() != teacher_ids.len() {
+        return Err(AlignError::Batch(
+            "textual flags and ids differ in length".into(),
+        ));
+    }
+    align_inner(
+        Seq {
+            ids: student_ids,
+            tb: student_bytes,
+            side: Side::Student,
+            textual: Some(student_textual),
+        },
+        Seq {
+            ids: teacher_ids,
+            tb: teacher_bytes,
+            side: Side::Teacher,
+            textual: Some(teacher_textual),
+        },
+    )
+}
+
+/// For each token of `ids` (which must spell `text`): whether it is a special token that stands
+/// for characters of the text (typed "<|im_start|>") rather than one the tokenizer inserted
+/// (BOS/EOS). A special is text when the text here spells it; of several identical specials in
+/// a row with fewer copies in the text, the first ones count as inserted (BOS before "<s>").
+/// Errors name the first byte where the tokens stop spelling the text.
+pub fn textual_specials(
+    ids: &[u32],
+    tb: &TokenBytes,
+    text: &[u8],
+    side: Side,
+) -> Result<Vec<bool>, AlignError> {
+    let seq = Seq {
+        ids,
+        tb,
+        side,
+        textual: None,
     };
-    let t = Seq {
-        ids: teacher_ids,
-        tb: teacher_bytes,
-        side: Side::Teacher,
-    };
+    let mut flags = vec![false; ids.len()];
+    let mut at = 0usize;
+    for k in 0..ids.len() {
+        match seq.get(k)? {
+            None => break,
+            Some(Piece::Special(c)) => {
+                // m identical specials in a row need m copies of their content in the text to
+                // all be text; with fewer, the first ones were inserted (BOS before "<s>").
+                let m = seq.special_run(k).take_while(|d| *d == c).count();
+                let mut r = 0;
+                while r < m && text[at + r * c.len()..].starts_with(c) {
+                    r += 1;
+                }
+                if !c.is_empty() && r == m {
+                    flags[k] = true;
+                    at += c.len();
+                }
+            }
+            Some(Piece::Text(b)) => {
+                let rest = &text[at..];
+                if !rest.starts_with(b) {
+                    let d = (0..b.len().min(rest.len()))
+                        .find(|&x| b[x] != rest[x])
+                        .unwrap_or(b.len().min(rest.len()));
+                    return Err(AlignError::TextMismatch { side, at: at + d });
+                }
+                at += b.len();
+            }
+        }
+    }
+    if at != text.len() {
+        return Err(AlignError::TextMismatch { side, at });
+    }
+    Ok(flags)
+}
+
+fn align_inner(s: Seq<'_>, t: Seq<'_>) -> Result<Vec<Chunk>, AlignError> {
+    let (student_ids, teacher_ids) = (s.ids, t.ids);
     let mut chunks = Vec::with_capacity(student_ids.len().min(teacher_ids.len()) + 2);
     let (mut i, mut j, mut pos) = (0usize, 0usize, 0usize);
     loop {
@@ -186,38 +297,59 @@ pub fn align(
         match (a, b) {
             (None, None) => break,
             (Some(Piece::Special(x)), Some(Piece::Special(y))) => {
-                if x != y {
-                    // A special run that the other side spells as text (after its own specials)
-                    // is text; the other side's special facing it has no counterpart.
-                    if is_prefix(s.special_run(i), t.text_from(t.skip_specials(j))) {
-                        j += 1;
-                        continue;
-                    }
-                    if is_prefix(t.special_run(j), s.text_from(s.skip_specials(i))) {
+                match (s.known_textual(i), t.known_textual(j)) {
+                    (Some(false), Some(true)) => {
                         i += 1;
                         continue;
                     }
+                    (Some(true), Some(false)) => {
+                        j += 1;
+                        continue;
+                    }
+                    (Some(true), Some(true)) => {}
+                    (Some(false), Some(false)) => {
+                        chunks.push(special_chunk(i, j, pos));
+                        i += 1;
+                        j += 1;
+                        continue;
+                    }
+                    _ => {
+                        if x != y {
+                            // A special run that the other side spells as text (after its own
+                            // specials) is text; the other side's special facing it has no
+                            // counterpart.
+                            if is_prefix(s.special_run(i), t.text_from(t.skip_specials(j))) {
+                                j += 1;
+                                continue;
+                            }
+                            if is_prefix(t.special_run(j), s.text_from(s.skip_specials(i))) {
+                                i += 1;
+                                continue;
+                            }
+                        }
+                        chunks.push(special_chunk(i, j, pos));
+                        i += 1;
+                        j += 1;
+                        continue;
+                    }
                 }
-                chunks.push(Chunk {
-                    student: i..i + 1,
-                    teacher: j..j + 1,
-                    bytes: pos..pos,
-                    kind: ChunkKind::Special,
-                });
-                i += 1;
-                j += 1;
-                continue;
             }
             // A special is read as text when the other side spells it, and every special after
             // it in its run, as text here (so an inserted BOS before a typed "<s>" is masked).
             (Some(Piece::Special(_)), Some(Piece::Text(_))) => {
-                if !is_prefix(s.special_run(i), t.text_from(j)) {
+                let textual = s
+                    .known_textual(i)
+                    .unwrap_or_else(|| is_prefix(s.special_run(i), t.text_from(j)));
+                if !textual {
                     i += 1;
                     continue;
                 }
             }
             (Some(Piece::Text(_)), Some(Piece::Special(_))) => {
-                if !is_prefix(t.special_run(j), s.text_from(i)) {
+                let textual = t
+                    .known_textual(j)
+                    .unwrap_or_else(|| is_prefix(t.special_run(j), s.text_from(i)));
+                if !textual {
                     j += 1;
                     continue;
                 }
@@ -338,7 +470,14 @@ mod tests {
 
     fn spans(c: &[Chunk]) -> Vec<(usize, usize, usize, usize)> {
         c.iter()
-            .map(|c| (c.student.start, c.student.end, c.teacher.start, c.teacher.end))
+            .map(|c| {
+                (
+                    c.student.start,
+                    c.student.end,
+                    c.teacher.start,
+                    c.teacher.end,
+                )
+            })
             .collect()
     }
 
@@ -404,11 +543,24 @@ mod tests {
     fn mismatches_are_errors() {
         let tb = vocab(V);
         let r = align(&ids(V, &["Hello"]), &ids(V, &["Hel"]), &tb, &tb);
-        assert!(matches!(r, Err(AlignError::LengthMismatch { shorter: Side::Teacher, at: 3 })));
+        assert!(matches!(
+            r,
+            Err(AlignError::LengthMismatch {
+                shorter: Side::Teacher,
+                at: 3
+            })
+        ));
         let r = align(&ids(V, &["Hello", "!"]), &ids(V, &["Hel", "ld"]), &tb, &tb);
         assert!(matches!(r, Err(AlignError::ByteMismatch { at: 0, .. })));
         let r = align(&[99], &ids(V, &["Hel"]), &tb, &tb);
-        assert!(matches!(r, Err(AlignError::UnknownId { side: Side::Student, index: 0, id: 99 })));
+        assert!(matches!(
+            r,
+            Err(AlignError::UnknownId {
+                side: Side::Student,
+                index: 0,
+                id: 99
+            })
+        ));
         assert_eq!(align(&[], &[], &tb, &tb).unwrap(), vec![]);
     }
 
@@ -417,7 +569,13 @@ mod tests {
         let a: [&[u8]; 3] = [b"ab", b"", b"cd"];
         let b: [&[u8]; 2] = [b"a", b"bcd"];
         assert!(concat_eq(a.iter().copied(), b.iter().copied()));
-        assert!(!concat_eq(a.iter().copied(), [b"abc" as &[u8]].iter().copied()));
-        assert!(!concat_eq(a.iter().copied(), [b"abce" as &[u8]].iter().copied()));
+        assert!(!concat_eq(
+            a.iter().copied(),
+            [b"abc" as &[u8]].iter().copied()
+        ));
+        assert!(!concat_eq(
+            a.iter().copied(),
+            [b"abce" as &[u8]].iter().copied()
+        ));
     }
 }

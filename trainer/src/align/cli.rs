@@ -6,8 +6,7 @@ use std::io::{BufRead, BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use super::pair::{canonical_text, check_spells, AlignTokenizer, TokenizedPair};
-use super::{align, Side};
+use super::pair::{align_text, canonical_text, AlignTokenizer, TokenizedPair};
 use crate::projection::Projection;
 
 #[derive(clap::Args, Debug, Clone)]
@@ -151,11 +150,9 @@ pub fn run_align(a: AlignArgs) -> Result<()> {
         let s_ids = student.encode(&text, !a.no_special_tokens)?;
         let t_ids = teacher.encode(&text, !a.no_special_tokens)?;
         tot.tokenize += t.elapsed();
-        let checked = check_spells(&s_ids, &student.bytes, text.as_bytes(), Side::Student)
-            .and_then(|_| check_spells(&t_ids, &teacher.bytes, text.as_bytes(), Side::Teacher));
-        // Alignment (timed).
+        // Alignment (timed): the spelling check against the text and the walk.
         let t = Instant::now();
-        let chunks = checked.and_then(|_| align(&s_ids, &t_ids, &student.bytes, &teacher.bytes));
+        let chunks = align_text(&text, &s_ids, &t_ids, &student, &teacher);
         tot.align += t.elapsed();
         let chunks = match chunks {
             Ok(c) => c,
@@ -187,7 +184,14 @@ pub fn run_align(a: AlignArgs) -> Result<()> {
                 chunks: pair
                     .chunks
                     .iter()
-                    .map(|c| [c.student.start, c.student.end, c.teacher.start, c.teacher.end])
+                    .map(|c| {
+                        [
+                            c.student.start,
+                            c.student.end,
+                            c.teacher.start,
+                            c.teacher.end,
+                        ]
+                    })
                     .collect(),
             };
             serde_json::to_writer(&mut *w, &line)?;
@@ -200,7 +204,11 @@ pub fn run_align(a: AlignArgs) -> Result<()> {
     }
     print_totals(&tot);
     if tot.failed > 0 {
-        bail!("{} of {} documents could not be aligned", tot.failed, tot.documents);
+        bail!(
+            "{} of {} documents could not be aligned",
+            tot.failed,
+            tot.documents
+        );
     }
     Ok(())
 }

@@ -14,8 +14,10 @@ pub mod pair;
 pub mod token_bytes;
 
 pub use batch::{AlignmentBatch, ShiftedAlignment};
-pub use chunks::{align, Chunk, ChunkKind};
-pub use pair::{tokenize_pair, AlignTokenizer, PairOptions, TokenizedPair};
+pub use chunks::{align, align_known, textual_specials, Chunk, ChunkKind};
+pub use pair::{
+    align_text, canonical_text, tokenize_pair, AlignTokenizer, PairOptions, TokenizedPair,
+};
 pub use token_bytes::{DummyPrefix, Piece, TokenBytes, TokenizerKind, UnicodeNorm};
 
 /// Which tokenization an error is about.

@@ -3,8 +3,8 @@
 use std::path::Path;
 use tokenizers::Tokenizer;
 
-use super::chunks::{align, Chunk};
-use super::token_bytes::{Piece, TokenBytes};
+use super::chunks::{align_known, textual_specials, Chunk};
+use super::token_bytes::TokenBytes;
 use super::{AlignError, Side};
 
 /// A tokenizer together with its byte table.
@@ -82,8 +82,12 @@ pub fn canonical_text<'t>(
     student: &TokenBytes,
     teacher: &TokenBytes,
 ) -> Result<std::borrow::Cow<'t, str>, AlignError> {
-    let once = student.canonicalize(&teacher.canonicalize(text)).into_owned();
-    let twice = student.canonicalize(&teacher.canonicalize(&once)).into_owned();
+    let once = student
+        .canonicalize(&teacher.canonicalize(text))
+        .into_owned();
+    let twice = student
+        .canonicalize(&teacher.canonicalize(&once))
+        .into_owned();
     if once != twice {
         return Err(AlignError::IncompatibleNormalizers(format!(
             "{:?} vs {:?}",
@@ -98,46 +102,6 @@ pub fn canonical_text<'t>(
     })
 }
 
-/// Checks that `ids` spell `text` exactly (special tokens either match the text's characters
-/// or were inserted by the tokenizer and are skipped); `Err` names the first differing byte.
-pub fn check_spells(
-    ids: &[u32],
-    tb: &TokenBytes,
-    text: &[u8],
-    side: Side,
-) -> Result<(), AlignError> {
-    let mut at = 0usize;
-    for k in 0..ids.len() {
-        match tb.piece(ids, k) {
-            None => {
-                return Err(AlignError::UnknownId {
-                    side,
-                    index: k,
-                    id: ids[k],
-                })
-            }
-            Some(Piece::Special(c)) => {
-                if text[at..].starts_with(c) {
-                    at += c.len();
-                }
-            }
-            Some(Piece::Text(b)) => {
-                let n = b.len().min(text.len() - at);
-                let same = b[..n] == text[at..at + n];
-                if !same || n < b.len() {
-                    let d = (0..n).find(|&x| b[x] != text[at + x]).unwrap_or(n);
-                    return Err(AlignError::TextMismatch { side, at: at + d });
-                }
-                at += n;
-            }
-        }
-    }
-    if at != text.len() {
-        return Err(AlignError::TextMismatch { side, at });
-    }
-    Ok(())
-}
-
 /// Tokenizes `text` for both sides, checks that both spell it exactly, aligns, and truncates
 /// both at the last chunk boundary within both limits (never by token count on one side).
 pub fn tokenize_pair(
@@ -149,9 +113,7 @@ pub fn tokenize_pair(
     let text = canonical_text(text, &student.bytes, &teacher.bytes)?;
     let student_ids = student.encode(&text, opts.add_special_tokens)?;
     let teacher_ids = teacher.encode(&text, opts.add_special_tokens)?;
-    check_spells(&student_ids, &student.bytes, text.as_bytes(), Side::Student)?;
-    check_spells(&teacher_ids, &teacher.bytes, text.as_bytes(), Side::Teacher)?;
-    let chunks = align(&student_ids, &teacher_ids, &student.bytes, &teacher.bytes)?;
+    let chunks = align_text(&text, &student_ids, &teacher_ids, student, teacher)?;
     let mut pair = TokenizedPair {
         text: text.into_owned(),
         student_ids,
@@ -186,6 +148,27 @@ impl TokenizedPair {
         self.text = String::from_utf8_lossy(cut).into_owned();
         self.truncated = true;
     }
+}
+
+/// Aligns two tokenizations of `text` exactly: checks that both spell it, tells typed special
+/// strings from inserted BOS/EOS on each side, then walks ([`align_known`]).
+pub fn align_text(
+    text: &str,
+    student_ids: &[u32],
+    teacher_ids: &[u32],
+    student: &AlignTokenizer,
+    teacher: &AlignTokenizer,
+) -> Result<Vec<Chunk>, AlignError> {
+    let fs = textual_specials(student_ids, &student.bytes, text.as_bytes(), Side::Student)?;
+    let ft = textual_specials(teacher_ids, &teacher.bytes, text.as_bytes(), Side::Teacher)?;
+    align_known(
+        student_ids,
+        teacher_ids,
+        &student.bytes,
+        &teacher.bytes,
+        &fs,
+        &ft,
+    )
 }
 
 /// Number of leading chunks that fit in `max_s` student and `max_t` teacher tokens.

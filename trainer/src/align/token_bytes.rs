@@ -83,7 +83,8 @@ fn byte_level_inverse() -> [i16; 324] {
     let mut inv = [-1i16; 324];
     let mut n = 0u32;
     for b in 0u32..256 {
-        let printable = (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+        let printable =
+            (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
         let c = if printable {
             b
         } else {
@@ -120,7 +121,12 @@ impl Facts {
     fn normalizer(&mut self, v: &Value) {
         match v.get("type").and_then(Value::as_str).unwrap_or("") {
             "Sequence" => {
-                for n in v.get("normalizers").and_then(Value::as_array).into_iter().flatten() {
+                for n in v
+                    .get("normalizers")
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                {
                     self.normalizer(n);
                 }
             }
@@ -144,7 +150,8 @@ impl Facts {
 
     fn set_norm(&mut self, n: UnicodeNorm) {
         if self.norm.is_some_and(|m| m != n) {
-            self.unsupported.push("two different Unicode normalizations".into());
+            self.unsupported
+                .push("two different Unicode normalizations".into());
         }
         self.norm = Some(n);
     }
@@ -152,7 +159,12 @@ impl Facts {
     fn pre_tokenizer(&mut self, v: &Value) {
         match v.get("type").and_then(Value::as_str).unwrap_or("") {
             "Sequence" => {
-                for p in v.get("pretokenizers").and_then(Value::as_array).into_iter().flatten() {
+                for p in v
+                    .get("pretokenizers")
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                {
                     self.pre_tokenizer(p);
                 }
             }
@@ -169,10 +181,12 @@ impl Facts {
                     .get("prepend_scheme")
                     .and_then(Value::as_str)
                     .map(str::to_string)
-                    .or_else(|| match v.get("add_prefix_space").and_then(Value::as_bool) {
-                        Some(false) => Some("never".into()),
-                        _ => Some("always".into()),
-                    });
+                    .or_else(
+                        || match v.get("add_prefix_space").and_then(Value::as_bool) {
+                            Some(false) => Some("never".into()),
+                            _ => Some("always".into()),
+                        },
+                    );
                 self.metaspace_scheme = scheme;
             }
             "Split" => {
@@ -189,7 +203,12 @@ impl Facts {
     fn decoder(&mut self, v: &Value) {
         match v.get("type").and_then(Value::as_str).unwrap_or("") {
             "Sequence" => {
-                for d in v.get("decoders").and_then(Value::as_array).into_iter().flatten() {
+                for d in v
+                    .get("decoders")
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                {
                     self.decoder(d);
                 }
             }
@@ -372,7 +391,9 @@ impl TokenBytes {
     }
 
     pub fn is_special(&self, id: u32) -> bool {
-        self.flags.get(id as usize).is_some_and(|f| f & SPECIAL != 0)
+        self.flags
+            .get(id as usize)
+            .is_some_and(|f| f & SPECIAL != 0)
     }
 
     /// Added tokens (special or not) split the input into pieces before normalization.
@@ -382,7 +403,9 @@ impl TokenBytes {
 
     /// `<0xNN>` byte-fallback tokens.
     pub fn is_byte_fallback(&self, id: u32) -> bool {
-        self.flags.get(id as usize).is_some_and(|f| f & BYTE_FALLBACK != 0)
+        self.flags
+            .get(id as usize)
+            .is_some_and(|f| f & BYTE_FALLBACK != 0)
     }
 
     /// Token `k` of `ids` as alignment sees it: specials as units; text with the dummy prefix
@@ -417,7 +440,12 @@ impl TokenBytes {
                 Some(Piece::Text(b)) => out.extend_from_slice(b),
                 Some(Piece::Special(b)) if keep_special => out.extend_from_slice(b),
                 Some(Piece::Special(_)) => {}
-                None => return Err(AlignError::UnknownToken { index: k, id: ids[k] }),
+                None => {
+                    return Err(AlignError::UnknownToken {
+                        index: k,
+                        id: ids[k],
+                    })
+                }
             }
         }
         Ok(out)

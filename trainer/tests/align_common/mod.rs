@@ -90,7 +90,11 @@ pub fn check_pair(p: &TokenizedPair, s: &AlignTokenizer, t: &AlignTokenizer, ctx
             prefix += len;
             set.insert(prefix);
         }
-        assert_eq!(prefix, text.len(), "{ctx}: token bytes do not add up to the text");
+        assert_eq!(
+            prefix,
+            text.len(),
+            "{ctx}: token bytes do not add up to the text"
+        );
         boundary_sets.push(set);
     }
     // Order, non-emptiness, contiguity, byte equality.
@@ -98,8 +102,14 @@ pub fn check_pair(p: &TokenizedPair, s: &AlignTokenizer, t: &AlignTokenizer, ctx
     let (mut s_prev, mut t_prev) = (0, 0);
     let mut rebuilt = Vec::new();
     for (k, c) in p.chunks.iter().enumerate() {
-        assert!(!c.student.is_empty() && !c.teacher.is_empty(), "{ctx}: chunk {k} empty");
-        assert!(c.student.start >= s_prev && c.teacher.start >= t_prev, "{ctx}: chunk {k} out of order");
+        assert!(
+            !c.student.is_empty() && !c.teacher.is_empty(),
+            "{ctx}: chunk {k} empty"
+        );
+        assert!(
+            c.student.start >= s_prev && c.teacher.start >= t_prev,
+            "{ctx}: chunk {k} out of order"
+        );
         s_prev = c.student.end;
         t_prev = c.teacher.end;
         assert_eq!(c.bytes.start, at, "{ctx}: chunk {k} not contiguous");
@@ -121,7 +131,11 @@ pub fn check_pair(p: &TokenizedPair, s: &AlignTokenizer, t: &AlignTokenizer, ctx
             .flat_map(|i| t.bytes.piece(&p.teacher_ids, i).unwrap().bytes().to_vec())
             .collect();
         assert_eq!(sb, tb, "{ctx}: chunk {k} bytes differ");
-        assert_eq!(&sb[..], &text[c.bytes.clone()], "{ctx}: chunk {k} is not the text there");
+        assert_eq!(
+            &sb[..],
+            &text[c.bytes.clone()],
+            "{ctx}: chunk {k} is not the text there"
+        );
         rebuilt.extend_from_slice(&sb);
     }
     assert_eq!(rebuilt, text, "{ctx}: chunks do not give back the text");
