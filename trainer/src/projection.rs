@@ -67,6 +67,18 @@ impl Csr {
         }
     }
 
+    /// Adds empty rows up to `n` (a padded LM head: Qwen3 has 151,936 logits for 151,669
+    /// tokens; the extra rows map nowhere).
+    pub fn pad_rows(&mut self, n: usize) {
+        let last = self.indptr.last().copied().unwrap_or(0);
+        if self.indptr.is_empty() {
+            self.indptr.push(0);
+        }
+        while self.rows() < n {
+            self.indptr.push(last);
+        }
+    }
+
     fn from_rows(rows: Vec<Vec<(u32, f32)>>) -> Csr {
         let mut m = Csr {
             indptr: Vec::with_capacity(rows.len() + 1),
@@ -299,7 +311,7 @@ impl Projection {
         }
         let mut views = Vec::new();
         for (name, dtype, data) in &bufs {
-            let n = data.len() / dtype.bitsize() * 8;
+            let n = data.len() * 8 / dtype.bitsize();
             views.push((
                 name.clone(),
                 TensorView::new(*dtype, vec![n], data).map_err(fmt)?,
@@ -465,6 +477,16 @@ mod tests {
         // Duplicates add up: [a, a] → a with weight 1.
         assert_eq!(decay_weights(&[3, 3], 4), vec![(3, 1.0)]);
         assert!(decay_weights(&[], 4).is_empty());
+    }
+
+    #[test]
+    fn padded_rows_are_empty() {
+        let mut m = Csr::from_rows(vec![vec![(1, 1.0)], vec![]]);
+        m.pad_rows(5);
+        assert_eq!(m.rows(), 5);
+        assert_eq!(m.row(0), (&[1u32][..], &[1.0f32][..]));
+        assert_eq!(m.row(4), (&[][..], &[][..]));
+        assert_eq!(m.row(9), (&[][..], &[][..]));
     }
 
     #[test]

@@ -253,7 +253,7 @@ pub fn textual_specials(
     };
     let mut flags = vec![false; ids.len()];
     let mut at = 0usize;
-    for k in 0..ids.len() {
+    for (k, flag) in flags.iter_mut().enumerate() {
         match seq.get(k)? {
             None => break,
             Some(Piece::Special(c)) => {
@@ -265,7 +265,7 @@ pub fn textual_specials(
                     r += 1;
                 }
                 if !c.is_empty() && r == m {
-                    flags[k] = true;
+                    *flag = true;
                     at += c.len();
                 }
             }
