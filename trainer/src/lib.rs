@@ -1,5 +1,6 @@
 //! xdistill trainer library: everything the `trainer` binary does, importable by tests and benches.
 
+pub mod align;
 pub mod answer;
 pub mod checkpoint;
 pub mod client;
@@ -12,5 +13,6 @@ pub mod init_model;
 pub mod loss;
 pub mod metrics_log;
 pub mod optim;
+pub mod projection;
 pub mod student;
 pub mod task;

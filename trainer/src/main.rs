@@ -3,7 +3,7 @@
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 
-use xdistill_trainer::{eval, init_model, task};
+use xdistill_trainer::{align, eval, init_model, task};
 
 #[derive(Parser)]
 #[command(
@@ -24,6 +24,10 @@ enum Command {
     Eval(eval::Args),
     /// Write a synthetic arithmetic task (train.jsonl, test.jsonl).
     MakeTask(task::Args),
+    /// Align two tokenizations of a corpus; print totals and speed.
+    Align(align::cli::AlignArgs),
+    /// Build the sparse student<->teacher vocabulary projection.
+    BuildProjection(align::cli::BuildProjectionArgs),
 }
 
 fn main() -> Result<()> {
@@ -37,5 +41,7 @@ fn main() -> Result<()> {
         Command::InitModel(a) => init_model::run(a),
         Command::Eval(a) => eval::run(a).map(|_| ()),
         Command::MakeTask(a) => Ok(task::run(a)?),
+        Command::Align(a) => align::cli::run_align(a),
+        Command::BuildProjection(a) => align::cli::run_build_projection(a),
     }
 }
