@@ -16,3 +16,4 @@ pub mod optim;
 pub mod projection;
 pub mod student;
 pub mod task;
+pub mod train;

@@ -3,7 +3,7 @@
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 
-use xdistill_trainer::{align, eval, init_model, task};
+use xdistill_trainer::{align, config, eval, init_model, task, train};
 
 #[derive(Parser)]
 #[command(
@@ -20,6 +20,8 @@ struct Cli {
 enum Command {
     /// Write a randomly initialised model as a Hugging Face directory.
     InitModel(init_model::Args),
+    /// Distil a student from a teacher server on dataset text (off-policy).
+    OffPolicy(config::OffPolicyArgs),
     /// Accuracy of a model on a prompts file (greedy and sampled).
     Eval(eval::Args),
     /// Write a synthetic arithmetic task (train.jsonl, test.jsonl).
@@ -39,6 +41,7 @@ fn main() -> Result<()> {
         .init();
     match Cli::parse().command {
         Command::InitModel(a) => init_model::run(a),
+        Command::OffPolicy(a) => train::off_policy::run(a),
         Command::Eval(a) => eval::run(a).map(|_| ()),
         Command::MakeTask(a) => Ok(task::run(a)?),
         Command::Align(a) => align::cli::run_align(a),

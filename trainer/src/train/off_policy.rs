@@ -1,0 +1,372 @@
+//! `trainer off-policy`: distil a student from a teacher server on dataset text.
+//!
+//! Per step: `num_prompts_per_step` records are tokenized for both sides (and aligned when the
+//! tokenizers differ) and scored by the teacher on the prefetch thread while the previous step
+//! trains; the step runs micro-batches of `train_micro_batch_size`, accumulating gradients
+//! normalised by the whole step's count, then clips, schedules and applies AdamW. Checkpoints
+//! record the position *after* the last trained batch, so `--resume` continues exactly.
+
+use super::prepare::{prepare, Limits, Prepared, Tokenization};
+use super::runner::{optim_config, Runner};
+use super::step::{micro_loss, units, validation_sums, Units, ValSums};
+use crate::align::AlignTokenizer;
+use crate::checkpoint::{self, Ranking, TrainerState};
+use crate::client::{BlockingClient, ClientError, Prefetcher, TeacherClient, TeacherTokenizer};
+use crate::config::{Config, OffPolicyArgs};
+use crate::data::{self, BatchOptions, Batcher, Record};
+use crate::loss::{LossConfig, Projection as LossProjection};
+use crate::metrics_log::{unix_time, MetricsLog, Progress, StepMetrics, ValMetrics};
+use crate::optim::GradAccumulator;
+use crate::projection::Projection;
+use crate::student::Student;
+use anyhow::{bail, Context, Result};
+use candle_core::Device;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
+use xdistill_shared::protocol::{SequenceScores, TopkResponse};
+
+/// Everything a run needs that does not change while it trains.
+pub struct Setup {
+    pub cfg: Config,
+    pub loss: LossConfig,
+    pub device: Device,
+    pub client: Arc<BlockingClient>,
+    pub tokenization: Arc<Tokenization>,
+    pub projection: Option<LossProjection>,
+    pub limits: Limits,
+}
+
+/// Connects to the teacher, decides same vs cross tokenizer, builds the projection if needed.
+pub fn setup(cfg: Config) -> Result<Setup> {
+    let loss: LossConfig = cfg.loss_as()?;
+    loss.validate()?;
+    let device = xdistill_shared::device::parse_device(&cfg.policy.device)?;
+    let client = Arc::new(BlockingClient::new(TeacherClient::from_config(&cfg.teacher)?)?);
+    let url = client.wait_ready(cfg.teacher.max_wait())?;
+    tracing::info!("teacher ready at {url}");
+    let infos: Vec<_> = client
+        .info_all()
+        .into_iter()
+        .filter_map(|(u, r)| match r {
+            Ok(i) => Some((u, i)),
+            Err(e) => {
+                tracing::warn!("{u}: /v1/info failed: {e}");
+                None
+            }
+        })
+        .collect();
+    let info = crate::client::check_replicas(&infos).map_err(anyhow::Error::msg)?;
+    client.client().pin_model(&info.model_fingerprint);
+    if cfg.teacher.k > info.limits.max_k {
+        bail!("teacher.k = {} exceeds the teacher's max_k {}", cfg.teacher.k, info.limits.max_k);
+    }
+    let student_tok = cfg.student_tokenizer();
+    let which = client.teacher_tokenizer(
+        &info,
+        &student_tok,
+        cfg.teacher.tokenizer.as_deref(),
+        &cfg.teacher_tokenizer_cache(),
+    )?;
+    let max_student = cfg.policy.max_total_sequence_length;
+    let max_teacher = info.max_seq_len.min(info.limits.max_seq_len);
+    let (tokenization, projection) = match which {
+        TeacherTokenizer::Same => {
+            if loss.kd.is_cross_tokenizer() {
+                bail!("loss.kd = {:?} is a cross-tokenizer loss but student and teacher share a tokenizer", loss.kd);
+            }
+            let tok = xdistill_shared::hf::load_tokenizer(&student_tok)?;
+            (Tokenization::Same(tok), None)
+        }
+        TeacherTokenizer::Different(teacher_tok) => {
+            if !loss.kd.is_cross_tokenizer() {
+                bail!(
+                    "student and teacher tokenizers differ: use a cross-tokenizer loss \
+                     (loss.kd = {{ type = \"pkl\" }}, \"gold\" or \"alm\"), not {:?}",
+                    loss.kd
+                );
+            }
+            let t0 = Instant::now();
+            let (p, built) = Projection::load_or_build(&cfg.teacher_tokenizer_cache(), &student_tok, &teacher_tok, 4)?;
+            tracing::info!(
+                "projection map {} in {:.1}s",
+                if built { "built" } else { "loaded" },
+                t0.elapsed().as_secs_f64()
+            );
+            let s2t = &p.student_to_teacher;
+            let indptr: Vec<usize> = s2t.indptr.iter().map(|&x| x as usize).collect();
+            let lp = LossProjection::from_csr(s2t.rows(), info.vocab_size, &indptr, &s2t.indices, &s2t.weights)?;
+            let student = AlignTokenizer::from_file(&student_tok)?;
+            let teacher = AlignTokenizer::from_file(&teacher_tok)?;
+            (Tokenization::Cross { student, teacher }, Some(lp))
+        }
+    };
+    Ok(Setup {
+        limits: Limits { max_student_tokens: max_student, max_teacher_tokens: max_teacher },
+        cfg,
+        loss,
+        device,
+        client,
+        tokenization: Arc::new(tokenization),
+        projection,
+    })
+}
+
+/// Teacher answers of a prepared batch, in item order.
+fn scores_of(resp: &TopkResponse) -> Vec<&SequenceScores> {
+    resp.results.iter().collect()
+}
+
+/// Runs validation over `val` records; `None` when there are none.
+fn validate(s: &Setup, student: &Student, val: &[Record]) -> Result<Option<ValSums>> {
+    if val.is_empty() {
+        return Ok(None);
+    }
+    let mb = s.cfg.policy.train_micro_batch_size.max(1);
+    let mut sums = ValSums::default();
+    for chunk in val.chunks(mb) {
+        let batch = data::Batch { records: chunk.to_vec(), start: Default::default(), next: Default::default() };
+        let p = prepare(batch, &s.tokenization, s.limits, s.cfg.teacher.k, s.cfg.teacher.temperature);
+        if p.items.is_empty() {
+            continue;
+        }
+        let resp = s.client.topk(&p.request)?;
+        sums += validation_sums(
+            student.model(),
+            &p.items,
+            &scores_of(&resp),
+            s.cfg.teacher.k,
+            s.loss.temperature,
+            s.projection.as_ref(),
+            &s.device,
+        )?;
+    }
+    Ok(Some(sums))
+}
+
+/// `trainer off-policy`.
+pub fn run(args: OffPolicyArgs) -> Result<()> {
+    let cfg = Config::load(&args)?;
+    let out = cfg.checkpointing.checkpoint_dir.clone();
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    let s = setup(cfg)?;
+    let summary = train(&s, args.resume)?;
+    println!("{}", serde_json::to_string(&summary)?);
+    Ok(())
+}
+
+/// What a finished run reports.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Summary {
+    pub steps: u64,
+    pub seconds: f64,
+    pub val_kl_start: Option<f64>,
+    pub val_kl_end: Option<f64>,
+    pub val_ce_end: Option<f64>,
+    pub skipped_records: u64,
+    pub final_dir: String,
+}
+
+/// The training loop (also used by tests and the demo with a ready [`Setup`]).
+pub fn train(s: &Setup, resume: bool) -> Result<Summary> {
+    let cfg = &s.cfg;
+    let out = &cfg.checkpointing.checkpoint_dir;
+    let t_start = Instant::now();
+    // 1. Data, with token-length filtering on the student side.
+    let (train_set, val_set) = data::load_train_val(&cfg.data, cfg.distillation.seed)?;
+    let mut skipped = train_set.skipped.total();
+    if skipped > 0 {
+        tracing::warn!("{skipped} training records skipped: {}", train_set.skipped);
+    }
+    let mut val: Vec<Record> = val_set.records;
+    if let Some(n) = cfg.distillation.max_val_samples {
+        val.truncate(n);
+    }
+    // 2. Student, optimiser, schedule.
+    let dtype = xdistill_shared::device::parse_dtype(&cfg.policy.precision)?;
+    let student = Student::load(&cfg.policy.model_name, &s.device, dtype)?;
+    let steps_per_epoch = {
+        let n = train_set.records.len();
+        let b = cfg.distillation.num_prompts_per_step;
+        if cfg.data.drop_last { n / b } else { n.div_ceil(b) }
+    } as u64;
+    if steps_per_epoch == 0 {
+        bail!("no training batch: {} records for num_prompts_per_step = {}", train_set.records.len(), cfg.distillation.num_prompts_per_step);
+    }
+    let total_steps = cfg.distillation.max_num_steps.min(steps_per_epoch * cfg.distillation.max_num_epochs);
+    let mut runner = Runner::new(student, optim_config(&cfg.policy.optimizer), total_steps)?;
+    let mut batcher = Batcher::new(train_set.records, BatchOptions::from_config(cfg));
+    let mut rng = ChaCha8Rng::seed_from_u64(cfg.distillation.seed);
+    let hash = cfg.training_hash();
+    let mut tokens_seen = 0u64;
+    // 3. Resume from the newest complete checkpoint.
+    let mut resumed_from = None;
+    if resume {
+        checkpoint::remove_temp_dirs(out)?;
+        if let Some((step, path)) = checkpoint::latest(out)? {
+            let ck = checkpoint::load(&path, &s.device)?;
+            if ck.state.config_hash != hash {
+                tracing::warn!("resuming {} with a changed config: the result will differ from an uninterrupted run", path.display());
+            }
+            runner.restore(&ck)?;
+            batcher.seek(ck.state.data)?;
+            rng = ck.state.rng.restore().map_err(anyhow::Error::msg)?;
+            tokens_seen = ck.state.tokens_seen;
+            tracing::info!("resumed from {} (step {step})", path.display());
+            resumed_from = Some(step);
+        } else {
+            tracing::info!("--resume: no checkpoint in {}, starting fresh", out.display());
+        }
+    }
+    let _ = &mut rng; // off-policy training draws no random numbers; the stream is kept for resume
+    let mut log = MetricsLog::open(out, resumed_from)?;
+    let progress = Progress::new(total_steps, runner.step, cfg.logger.progress_bar, cfg.logger.log_every);
+    let k = cfg.teacher.k;
+    let val_metrics = |runner: &Runner, log: &mut MetricsLog, step: u64| -> Result<Option<(f64, f64)>> {
+        let t0 = Instant::now();
+        let Some(v) = validate(s, &runner.student, &val)? else { return Ok(None) };
+        let (kl, ce) = (v.kl / v.kl_units.max(1.0), v.ce / v.ce_tokens.max(1.0));
+        let mut parts = BTreeMap::new();
+        parts.insert("ce".to_string(), ce);
+        log.append(&ValMetrics {
+            split: "val".into(),
+            step,
+            loss: kl,
+            loss_parts: parts,
+            kl: Some(kl),
+            records: val.len() as u64,
+            loss_tokens: v.ce_tokens as u64,
+            time: t0.elapsed().as_secs_f64(),
+        })?;
+        progress.println(&format!("validation at step {step}: kl {kl:.4} ce {ce:.4} ({:.1}s)", t0.elapsed().as_secs_f64()));
+        Ok(Some((kl, ce)))
+    };
+    let mut val_kl_start = None;
+    if cfg.distillation.val_at_start && resumed_from.is_none() {
+        val_kl_start = val_metrics(&runner, &mut log, 0)?.map(|x| x.0);
+    }
+    // 4. Prefetch: tokenize + score the next batches while the current one trains.
+    let steps_left = total_steps.saturating_sub(runner.step) as usize;
+    let tokenization = s.tokenization.clone();
+    let (limits, temperature) = (s.limits, cfg.teacher.temperature);
+    let client = s.client.clone();
+    let batches = batcher.take(steps_left).map(move |b| prepare(b, &tokenization, limits, k, temperature));
+    let mut prefetch = Prefetcher::spawn(batches, cfg.teacher.prefetch.max(1), move |p: &Prepared| -> Result<TopkResponse, ClientError> {
+        if p.items.is_empty() {
+            return Ok(TopkResponse { k, ..Default::default() });
+        }
+        client.topk(&p.request)
+    });
+    let mb = cfg.policy.train_micro_batch_size.max(1);
+    let mut last_val = None;
+    while runner.step < total_steps {
+        let t_step = Instant::now();
+        let Some(fetched) = prefetch.next() else { break };
+        let fetched = fetched.map_err(|e| anyhow::anyhow!("teacher: {e}"))?;
+        let p = fetched.batch;
+        skipped += p.skipped;
+        let step_no = runner.step + 1;
+        if p.items.is_empty() {
+            tracing::warn!("step {step_no}: every record of the batch was skipped");
+        }
+        // 5. Micro-batches with gradients accumulated over the whole step.
+        let scores = scores_of(&fetched.result);
+        let norm: Units = units(&p.items);
+        let mut acc = GradAccumulator::new(runner.vars().to_vec());
+        let (mut kd_sum, mut ce_sum, mut ce_n) = (0.0, 0.0, 0.0);
+        let mut kd_scale = 1.0;
+        for (items, sc) in p.items.chunks(mb).zip(scores.chunks(mb)) {
+            let u = units(items);
+            if u.kd == 0.0 {
+                continue;
+            }
+            let (loss, m) = micro_loss(runner.student.model(), items, sc, k, &s.loss, s.projection.as_ref(), norm, &s.device)?;
+            acc.add(&loss.backward()?)?;
+            kd_sum += m.kd.loss * norm.kd; // per-call value is normalised by the step total
+            if let Some(ce) = m.ce {
+                ce_sum += ce * u.ce;
+                ce_n += u.ce;
+            }
+            kd_scale = m.kd_scale;
+        }
+        let update = runner.apply(acc.take())?;
+        let tokens: u64 = p.items.iter().map(|i| i.teacher_ids().len() as u64).sum();
+        tokens_seen += tokens;
+        let kd_mean = kd_sum / norm.kd.max(1.0);
+        let mut parts = BTreeMap::new();
+        parts.insert("kd".to_string(), kd_mean);
+        if ce_n > 0.0 {
+            parts.insert("ce".to_string(), ce_sum / ce_n);
+        }
+        parts.insert("kd_scale".to_string(), kd_scale);
+        let dt = t_step.elapsed().as_secs_f64();
+        let m = StepMetrics {
+            split: "train".into(),
+            step: runner.step,
+            epoch: p.batch.start.epoch,
+            loss: kd_mean * kd_scale + if ce_n > 0.0 { ce_sum / ce_n } else { 0.0 },
+            loss_parts: parts,
+            kl: Some(kd_mean / (s.loss.temperature * s.loss.temperature)),
+            grad_norm: Some(update.grad_norm),
+            lr: update.lr,
+            tokens,
+            loss_tokens: norm.ce as u64,
+            tokens_per_s: tokens as f64 / dt.max(1e-9),
+            step_time_s: dt,
+            teacher_latency_s: fetched.fetch_time.as_secs_f64(),
+            teacher_wait_s: fetched.wait_time.as_secs_f64(),
+            skipped_records: skipped,
+            time: unix_time(),
+        };
+        log.append(&m)?;
+        progress.step(&m);
+        // 6. Validation and checkpoints.
+        let step = runner.step;
+        let val_due = cfg.distillation.val_period > 0 && step % cfg.distillation.val_period == 0;
+        if val_due || (step == total_steps && cfg.distillation.val_at_end) {
+            last_val = val_metrics(&runner, &mut log, step)?;
+        }
+        let mut state = TrainerState::new(step, p.batch.next, &rng, hash.clone());
+        state.tokens_seen = tokens_seen;
+        if let Some((kl, _)) = last_val {
+            state.metrics.insert("val_kl".into(), kl);
+        }
+        if cfg.checkpointing.enabled && step % cfg.checkpointing.save_period == 0 && step < total_steps {
+            let path = runner.save_checkpoint(out, &state)?;
+            progress.println(&format!("checkpoint {}", path.display()));
+            if let Some(keep) = cfg.checkpointing.keep_top_k {
+                let ranking = match &cfg.checkpointing.metric_name {
+                    Some(name) => Ranking::Metric { name: name.clone(), higher_is_better: cfg.checkpointing.higher_is_better },
+                    None => Ranking::Newest,
+                };
+                checkpoint::retain(out, keep, &ranking)?;
+            }
+        }
+        if step == total_steps {
+            let path = runner.save_final(out, &state)?;
+            progress.println(&format!("final model {}", path.display()));
+        }
+    }
+    progress.finish();
+    // Data ran out before max_num_steps: still write the final model.
+    let final_dir = out.join("final");
+    if !final_dir.is_dir() {
+        let state = TrainerState::new(runner.step, batcher_position_unknown(), &rng, hash);
+        runner.save_final(out, &state)?;
+    }
+    Ok(Summary {
+        steps: runner.step,
+        seconds: t_start.elapsed().as_secs_f64(),
+        val_kl_start,
+        val_kl_end: last_val.map(|v| v.0),
+        val_ce_end: last_val.map(|v| v.1),
+        skipped_records: skipped,
+        final_dir: final_dir.display().to_string(),
+    })
+}
+
+fn batcher_position_unknown() -> data::DataPosition {
+    data::DataPosition::default()
+}

@@ -1,0 +1,347 @@
+//! The loss of one micro-batch: student forward, teacher rows laid against it, distillation loss
+//! (+ cross-entropy), as one scalar to call `backward` on.
+
+use super::prepare::Item;
+use crate::collate::{pad_batch, Encoded};
+use crate::loss::{
+    combine, cross_entropy, kd_loss, kl::Divergence, topk_divergence, CeConfig, KdInputs, KdMetrics, LossConfig,
+    Projection, TailMode, TopkTargets, XTokenBatch,
+};
+use anyhow::{bail, Context, Result};
+use candle_core::{Device, Tensor};
+use xdistill_shared::model::Decoder;
+use xdistill_shared::protocol::SequenceScores;
+
+/// Counts a step's losses are normalised by (summed over its micro-batches, so accumulated
+/// micro-batches add up to the mean over the whole step).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Units {
+    /// Tokens (same tokenizer) or chunks (cross tokenizer) of the distillation loss.
+    pub kd: f64,
+    /// Trained student tokens (cross-entropy).
+    pub ce: f64,
+}
+
+impl std::ops::AddAssign for Units {
+    fn add_assign(&mut self, o: Units) {
+        self.kd += o.kd;
+        self.ce += o.ce;
+    }
+}
+
+/// What a micro-batch's loss evaluation measured (detached).
+#[derive(Debug, Clone, Default)]
+pub struct MicroOut {
+    pub kd: KdMetrics,
+    /// Mean cross-entropy over this micro-batch's trained tokens, when computed.
+    pub ce: Option<f64>,
+    /// Effective KD multiplier (dynamic scaling).
+    pub kd_scale: f64,
+    pub units: Units,
+}
+
+/// The trained units of `items`.
+pub fn units(items: &[Item]) -> Units {
+    let mut u = Units::default();
+    for it in items {
+        match it {
+            Item::Same(e) => {
+                let n = e.ids.len().saturating_sub(e.loss_from.max(1)) as f64;
+                u += Units { kd: n, ce: n };
+            }
+            Item::Cross { pair, loss_start } => {
+                let layout = cross_layout(pair, *loss_start);
+                u += Units { kd: layout.chunks as f64, ce: layout.student_loss_tokens as f64 };
+            }
+        }
+    }
+    u
+}
+
+/// Per-position chunk ids in the shifted view for one aligned pair.
+struct CrossLayout {
+    /// `[Ts]` chunk of token t+1 (−1: none).
+    student_chunk: Vec<i64>,
+    /// `[Tt]`.
+    teacher_chunk: Vec<i64>,
+    chunks: usize,
+    /// First student token index that is trained.
+    student_loss_from: usize,
+    student_loss_tokens: usize,
+}
+
+/// Chunks count when both sides have a logit predicting their first token (not at position 0)
+/// and they hold trained bytes (end after `loss_start`). Ids are renumbered densely.
+fn cross_layout(pair: &crate::align::TokenizedPair, loss_start: usize) -> CrossLayout {
+    let (ts, tt) = (pair.student_ids.len(), pair.teacher_ids.len());
+    let mut student_chunk = vec![-1i64; ts];
+    let mut teacher_chunk = vec![-1i64; tt];
+    let mut next = 0i64;
+    let mut student_loss_from = ts;
+    for c in &pair.chunks {
+        let trained = c.bytes.end > loss_start || (loss_start == 0 && c.bytes.is_empty());
+        if !trained {
+            continue;
+        }
+        student_loss_from = student_loss_from.min(c.student.start.max(1));
+        if c.student.start == 0 || c.teacher.start == 0 {
+            continue;
+        }
+        for j in c.student.clone() {
+            student_chunk[j - 1] = next;
+        }
+        for j in c.teacher.clone() {
+            teacher_chunk[j - 1] = next;
+        }
+        next += 1;
+    }
+    let student_loss_tokens = ts.saturating_sub(student_loss_from);
+    CrossLayout { student_chunk, teacher_chunk, chunks: next as usize, student_loss_from, student_loss_tokens }
+}
+
+fn check_rows(s: &SequenceScores, len: usize, k: usize) -> Result<()> {
+    if s.rows + 1 != len || s.k != k {
+        bail!("teacher returned {} rows of k={} for a sequence of {len} tokens (expected {} of k={k})", s.rows, s.k, len - 1);
+    }
+    Ok(())
+}
+
+/// The loss of one micro-batch. `scores[i]` is the teacher's answer for `items[i]`.
+#[allow(clippy::too_many_arguments)]
+pub fn micro_loss(
+    model: &Decoder,
+    items: &[Item],
+    scores: &[&SequenceScores],
+    k: usize,
+    cfg: &LossConfig,
+    projection: Option<&Projection>,
+    norm: Units,
+    device: &Device,
+) -> Result<(Tensor, MicroOut)> {
+    if items.is_empty() || items.len() != scores.len() {
+        bail!("micro-batch of {} items with {} teacher answers", items.len(), scores.len());
+    }
+    let want_ce = !matches!(cfg.ce, CeConfig::None {});
+    match &items[0] {
+        Item::Same(_) => same_tokenizer(model, items, scores, k, cfg, norm, want_ce, device),
+        Item::Cross { .. } => {
+            let proj = projection.context("cross-tokenizer batch without a projection map")?;
+            cross_tokenizer(model, items, scores, k, cfg, proj, norm, want_ce, device)
+        }
+    }
+}
+
+/// Same tokenizer: the LM head runs only on trained positions (`[N, H] -> [N, V]`), which is
+/// where almost all of a step's time goes with a real vocabulary.
+#[allow(clippy::too_many_arguments)]
+fn same_tokenizer(
+    model: &Decoder,
+    items: &[Item],
+    scores: &[&SequenceScores],
+    k: usize,
+    cfg: &LossConfig,
+    norm: Units,
+    want_ce: bool,
+    device: &Device,
+) -> Result<(Tensor, MicroOut)> {
+    let enc: Vec<Encoded> = items
+        .iter()
+        .map(|i| match i {
+            Item::Same(e) => Ok(e.clone()),
+            Item::Cross { .. } => bail!("mixed same/cross-tokenizer micro-batch"),
+        })
+        .collect::<Result<_>>()?;
+    for (e, s) in enc.iter().zip(scores) {
+        check_rows(s, e.ids.len(), k)?;
+    }
+    let tb = pad_batch(&enc, 0, device)?;
+    let (b, t) = tb.ids.dims2()?;
+    // 1. Trained positions (row-major over [B, T]) and their teacher rows.
+    let mask: Vec<f32> = tb.mask.flatten_all()?.to_vec1()?;
+    let targets: Vec<u32> = tb.targets.flatten_all()?.to_vec1()?;
+    let sel: Vec<u32> = (0..b * t).filter(|&i| mask[i] > 0.0).map(|i| i as u32).collect();
+    let n = sel.len();
+    if n == 0 {
+        bail!("micro-batch has no trained tokens");
+    }
+    let mut ids = Vec::with_capacity(n * k);
+    let mut lps = Vec::with_capacity(n * k);
+    for &i in &sel {
+        let (r, p) = (i as usize / t, i as usize % t);
+        ids.extend_from_slice(scores[r].ids_row(p));
+        lps.extend_from_slice(scores[r].values_row(p));
+    }
+    // 2. Student: hidden [B, T, H] -> trained rows [1, N, H] -> logits [1, N, V].
+    let hidden = model.forward_hidden(&tb.ids, None, None, None)?;
+    let h = hidden.dim(2)?;
+    let sel_t = Tensor::from_vec(sel.clone(), n, device)?;
+    let rows = hidden.reshape((b * t, h))?.index_select(&sel_t, 0)?.unsqueeze(0)?;
+    let logits = model.logits(&rows)?;
+    let vocab = logits.dim(2)?;
+    let ones = vec![1f32; n];
+    let tk = TopkTargets::from_host(1, n, k, &ids, &lps, &ones, vocab, device)?;
+    let (kd, kd_m) = kd_loss(cfg, &logits, KdInputs::Topk(&tk), Some(norm.kd))?;
+    let (ce, ce_mean) = if want_ce {
+        let tg: Vec<u32> = sel.iter().map(|&i| targets[i as usize]).collect();
+        let tg = Tensor::from_vec(tg, (1, n), device)?;
+        let (ce, _) = cross_entropy(&logits, &tg, &Tensor::ones((1, n), candle_core::DType::F32, device)?, Some(norm.ce))?;
+        let mean = ce.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()? * norm.ce / n as f64;
+        (Some(ce), Some(mean))
+    } else {
+        (None, None)
+    };
+    let c = combine(&kd, ce.as_ref(), cfg)?;
+    Ok((c.total, MicroOut { kd: kd_m, ce: ce_mean, kd_scale: c.kd_scale, units: units(items) }))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn cross_tokenizer(
+    model: &Decoder,
+    items: &[Item],
+    scores: &[&SequenceScores],
+    k: usize,
+    cfg: &LossConfig,
+    projection: &Projection,
+    norm: Units,
+    want_ce: bool,
+    device: &Device,
+) -> Result<(Tensor, MicroOut)> {
+    let (xb, enc) = xtoken_batch(items, scores, k)?;
+    let tb = pad_batch(&enc, 0, device)?;
+    let logits = model.forward(&tb.ids)?; // [B, Ts, V]
+    let (kd, kd_m) = kd_loss(cfg, &logits, KdInputs::XToken { batch: &xb, projection }, Some(norm.kd))?;
+    let (ce, ce_mean) = if want_ce && tb.n_targets > 0 {
+        let (ce, _) = cross_entropy(&logits, &tb.targets, &tb.mask, Some(norm.ce))?;
+        let mean = ce.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()? * norm.ce / tb.n_targets as f64;
+        (Some(ce), Some(mean))
+    } else {
+        (None, None)
+    };
+    let c = combine(&kd, ce.as_ref(), cfg)?;
+    Ok((c.total, MicroOut { kd: kd_m, ce: ce_mean, kd_scale: c.kd_scale, units: units(items) }))
+}
+
+/// The cross-tokenizer loss input for aligned items, plus the student side as `Encoded`s.
+pub fn xtoken_batch(items: &[Item], scores: &[&SequenceScores], k: usize) -> Result<(XTokenBatch, Vec<Encoded>)> {
+    let b = items.len();
+    let mut layouts = Vec::with_capacity(b);
+    let mut enc = Vec::with_capacity(b);
+    for (it, s) in items.iter().zip(scores) {
+        let Item::Cross { pair, loss_start } = it else { bail!("mixed same/cross-tokenizer micro-batch") };
+        check_rows(s, pair.teacher_ids.len(), k)?;
+        let l = cross_layout(pair, *loss_start);
+        enc.push(Encoded { ids: pair.student_ids.clone(), loss_from: l.student_loss_from });
+        layouts.push((pair, l));
+    }
+    let ts = layouts.iter().map(|(p, _)| p.student_ids.len()).max().unwrap_or(1);
+    let tt = layouts.iter().map(|(p, _)| p.teacher_ids.len()).max().unwrap_or(1);
+    let mut x = XTokenBatch {
+        batch: b,
+        student_len: ts,
+        teacher_len: tt,
+        k,
+        student_chunk: vec![-1; b * ts],
+        teacher_chunk: vec![-1; b * tt],
+        num_chunks: vec![0; b],
+        student_targets: vec![0; b * ts],
+        teacher_targets: vec![0; b * tt],
+        teacher_topk_ids: vec![0; b * tt * k],
+        teacher_topk_logprobs: vec![0.0; b * tt * k],
+        teacher_target_logprobs: vec![0.0; b * tt],
+    };
+    for (r, ((pair, l), s)) in layouts.iter().zip(scores).enumerate() {
+        x.num_chunks[r] = l.chunks;
+        x.student_chunk[r * ts..r * ts + l.student_chunk.len()].copy_from_slice(&l.student_chunk);
+        x.teacher_chunk[r * tt..r * tt + l.teacher_chunk.len()].copy_from_slice(&l.teacher_chunk);
+        for p in 0..pair.student_ids.len() - 1 {
+            x.student_targets[r * ts + p] = pair.student_ids[p + 1];
+        }
+        for p in 0..s.rows {
+            x.teacher_targets[r * tt + p] = pair.teacher_ids[p + 1];
+            let dst = (r * tt + p) * k;
+            x.teacher_topk_ids[dst..dst + k].copy_from_slice(s.ids_row(p));
+            x.teacher_topk_logprobs[dst..dst + k].copy_from_slice(s.values_row(p));
+            x.teacher_target_logprobs[r * tt + p] = s.target_logprobs[p];
+        }
+    }
+    Ok((x, enc))
+}
+
+/// Validation figures of one micro-batch, without gradients: forward KL to the teacher over its
+/// top-k with a tail bucket (same tokenizer) or chunk-level P-KL (cross tokenizer), and the
+/// student's cross-entropy. Returns sums (not means) with their counts.
+pub fn validation_sums(
+    model: &Decoder,
+    items: &[Item],
+    scores: &[&SequenceScores],
+    k: usize,
+    temperature: f64,
+    projection: Option<&Projection>,
+    device: &Device,
+) -> Result<ValSums> {
+    let ones_cfg = |kd: crate::loss::KdConfig| LossConfig {
+        kd,
+        tail: TailMode::Bucket,
+        temperature,
+        kd_weight: 1.0,
+        ce: CeConfig::None {},
+    };
+    match &items[0] {
+        Item::Same(_) => {
+            let enc: Vec<Encoded> =
+                items.iter().filter_map(|i| if let Item::Same(e) = i { Some(e.clone()) } else { None }).collect();
+            for (e, s) in enc.iter().zip(scores) {
+                check_rows(s, e.ids.len(), k)?;
+            }
+            let tb = pad_batch(&enc, 0, device)?;
+            let (b, t) = tb.ids.dims2()?;
+            let logits = model.forward(&tb.ids)?;
+            let mut ids = vec![0u32; b * t * k];
+            let mut lps = vec![0f32; b * t * k];
+            for (r, s) in scores.iter().enumerate() {
+                for p in 0..s.rows.min(t) {
+                    let dst = (r * t + p) * k;
+                    ids[dst..dst + k].copy_from_slice(s.ids_row(p));
+                    lps[dst..dst + k].copy_from_slice(s.values_row(p));
+                }
+            }
+            let mask: Vec<f32> = tb.mask.flatten_all()?.to_vec1()?;
+            let tk = TopkTargets::from_host(b, t, k, &ids, &lps, &mask, logits.dim(2)?, device)?;
+            let (kl, m) = topk_divergence(&logits, &tk, Divergence::Forward, TailMode::Bucket, temperature, None)?;
+            let (ce, n) = cross_entropy(&logits, &tb.targets, &tb.mask, None)?;
+            let kl = kl.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()? / (temperature * temperature);
+            let ce = ce.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
+            Ok(ValSums { kl: kl * m.count, kl_units: m.count, ce: ce * n, ce_tokens: n })
+        }
+        Item::Cross { .. } => {
+            let proj = projection.context("cross-tokenizer validation without a projection map")?;
+            let (xb, enc) = xtoken_batch(items, scores, k)?;
+            let tb = pad_batch(&enc, 0, device)?;
+            let logits = model.forward(&tb.ids)?;
+            let cfg = ones_cfg(crate::loss::KdConfig::Pkl { anchor: Default::default() });
+            let (kl, m) = kd_loss(&cfg, &logits, KdInputs::XToken { batch: &xb, projection: proj }, None)?;
+            let (ce, n) = cross_entropy(&logits, &tb.targets, &tb.mask, None)?;
+            let kl = kl.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()? / (temperature * temperature);
+            let ce = ce.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
+            Ok(ValSums { kl: kl * m.count, kl_units: m.count, ce: ce * n, ce_tokens: n })
+        }
+    }
+}
+
+/// Sums of validation figures with their counts (means are `kl / kl_units`, `ce / ce_tokens`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ValSums {
+    pub kl: f64,
+    pub kl_units: f64,
+    pub ce: f64,
+    pub ce_tokens: f64,
+}
+
+impl std::ops::AddAssign for ValSums {
+    fn add_assign(&mut self, o: ValSums) {
+        self.kl += o.kl;
+        self.kl_units += o.kl_units;
+        self.ce += o.ce;
+        self.ce_tokens += o.ce_tokens;
+    }
+}
