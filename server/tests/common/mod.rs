@@ -16,6 +16,9 @@ use xdistill_shared::protocol::{TopkRequest, TopkResponse, ValuesKind};
 /// A tiny random model (hidden 32, 2 layers) with a real tokenizer, made once per directory.
 /// `pad_to` pads the LM head beyond the tokenizer's vocabulary (rows the server must mask).
 pub fn tiny_model(name: &str, arch: &str, tokenizer: &str, pad_to: usize) -> PathBuf {
+    // Tests of one binary run on threads of one process: make each model once, in turn.
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let out = Path::new(env!("CARGO_TARGET_TMPDIR"))
         .join("teacher-models")
         .join(name);
