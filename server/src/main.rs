@@ -1,1 +1,24 @@
-fn main() {}
+//! `teacher`: serve a model's per-position top-k log-probs (see docs/protocol.md).
+
+use anyhow::Result;
+use clap::Parser;
+use xdistill_server::{server, Args};
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    if args.check_args {
+        server::check_args(&args)?;
+        println!("arguments ok");
+        return Ok(());
+    }
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(server::run(args))
+}

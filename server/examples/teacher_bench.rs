@@ -1,0 +1,247 @@
+//! Load benchmark of a running `teacher` (prints figures; not a test).
+//!
+//! ```text
+//! cargo run --release -p xdistill-server --example teacher-bench -- --url http://127.0.0.1:8000
+//! ```
+//!
+//! Reports scored positions per second and latency percentiles with N concurrent clients, the
+//! wire size per position in JSON and MessagePack, the share of wall time the worker spends
+//! outside the model forward (from the server's `/metrics`), and cache hit vs miss latency.
+
+use anyhow::{bail, Context, Result};
+use clap::Parser;
+use rand::{Rng, SeedableRng};
+use std::time::{Duration, Instant};
+use xdistill_server::metrics::sample;
+use xdistill_shared::codec::{self, Format};
+use xdistill_shared::protocol::{InfoResponse, TopkRequest, ValuesKind};
+
+#[derive(Parser, Debug, Clone)]
+struct Args {
+    /// Base URL of the teacher.
+    #[arg(long, default_value = "http://127.0.0.1:8000")]
+    url: String,
+    /// Concurrent clients.
+    #[arg(long, default_value_t = 16)]
+    clients: usize,
+    /// Requests per client.
+    #[arg(long, default_value_t = 8)]
+    requests: usize,
+    /// Sequences per request.
+    #[arg(long, default_value_t = 4)]
+    sequences: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 128)]
+    seq_len: usize,
+    #[arg(long, default_value_t = 64)]
+    k: usize,
+    #[arg(long)]
+    api_key: Option<String>,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+struct Bench {
+    args: Args,
+    http: reqwest::Client,
+    vocab: usize,
+}
+
+impl Bench {
+    fn get(&self, path: &str) -> reqwest::RequestBuilder {
+        let r = self.http.get(format!("{}{path}", self.args.url));
+        match &self.args.api_key {
+            Some(k) => r.bearer_auth(k),
+            None => r,
+        }
+    }
+
+    fn random_request(&self, rng: &mut impl Rng) -> TopkRequest {
+        let sequences = (0..self.args.sequences)
+            .map(|_| {
+                (0..self.args.seq_len)
+                    .map(|_| rng.random_range(0..self.vocab as u32))
+                    .collect()
+            })
+            .collect();
+        TopkRequest {
+            sequences,
+            k: self.args.k,
+            temperature: 1.0,
+            start: 0,
+            starts: None,
+            values: ValuesKind::Logprobs,
+        }
+    }
+
+    /// Sends `req`, returns (latency, response bytes, scored rows).
+    async fn send(&self, req: &TopkRequest, format: Format) -> Result<(Duration, usize, usize)> {
+        let body = codec::encode_request(Format::Msgpack, req)?;
+        let t0 = Instant::now();
+        let mut r = self
+            .http
+            .post(format!("{}/topk_logits", self.args.url))
+            .header("content-type", codec::MSGPACK)
+            .header("accept", format.content_type())
+            .body(body);
+        if let Some(k) = &self.args.api_key {
+            r = r.bearer_auth(k);
+        }
+        let resp = r.send().await?;
+        let status = resp.status();
+        let bytes = resp.bytes().await?;
+        let dt = t0.elapsed();
+        if !status.is_success() {
+            bail!("{status}: {}", String::from_utf8_lossy(&bytes));
+        }
+        let decoded = codec::decode_response(format, &bytes)?;
+        let rows = decoded.results.iter().map(|s| s.rows).sum();
+        Ok((dt, bytes.len(), rows))
+    }
+
+    async fn metrics(&self) -> Result<String> {
+        Ok(self.get("/metrics").send().await?.text().await?)
+    }
+}
+
+fn percentile(sorted: &[Duration], q: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    sorted[((sorted.len() - 1) as f64 * q).round() as usize]
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let args = Args::parse();
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(600))
+        .build()?;
+    let mut b = Bench {
+        args: args.clone(),
+        http,
+        vocab: 0,
+    };
+    let info: InfoResponse = b
+        .get("/v1/info")
+        .send()
+        .await
+        .context("GET /v1/info (is the teacher running?)")?
+        .error_for_status()?
+        .json()
+        .await?;
+    b.vocab = info.vocab_size;
+    let b = std::sync::Arc::new(b);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed);
+    println!(
+        "teacher: {} vocab {} (LM head {}), {} on {}; k = {}, {} clients x {} requests x {} sequences x {} tokens",
+        info.architecture,
+        info.vocab_size,
+        info.logits_size,
+        info.dtype,
+        info.device,
+        args.k,
+        args.clients,
+        args.requests,
+        args.sequences,
+        args.seq_len
+    );
+
+    // 1. Warm-up.
+    b.send(&b.random_request(&mut rng), Format::Msgpack).await?;
+
+    // 2. Throughput and latency with N concurrent clients (fresh sequences: no cache hits).
+    let before = b.metrics().await?;
+    let t0 = Instant::now();
+    let mut tasks = Vec::new();
+    for c in 0..args.clients {
+        let b = b.clone();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed + 1 + c as u64);
+        tasks.push(tokio::spawn(async move {
+            let mut out = Vec::new();
+            for _ in 0..b.args.requests {
+                let req = b.random_request(&mut rng);
+                out.push(b.send(&req, Format::Msgpack).await?);
+            }
+            anyhow::Ok(out)
+        }));
+    }
+    let mut lat = Vec::new();
+    let mut rows = 0;
+    for t in tasks {
+        for (d, _, r) in t.await?? {
+            lat.push(d);
+            rows += r;
+        }
+    }
+    let wall = t0.elapsed().as_secs_f64();
+    let after = b.metrics().await?;
+    lat.sort();
+    let delta = |name: &str| -> f64 {
+        sample(&after, name).unwrap_or(0.0) - sample(&before, name).unwrap_or(0.0)
+    };
+    let forward = delta("xdistill_batch_forward_duration_seconds_sum");
+    let topk = delta("xdistill_batch_topk_duration_seconds_sum");
+    let busy = delta("xdistill_batch_duration_seconds_sum");
+    let batches = delta("xdistill_batch_forward_total");
+    let seqs_per_batch = delta("xdistill_batch_sequences_sum") / batches.max(1.0);
+
+    // 3. Wire size of one answer in each format.
+    let req = b.random_request(&mut rng);
+    let (_, json_bytes, r1) = b.send(&req, Format::Json).await?;
+    let req = b.random_request(&mut rng);
+    let (_, pack_bytes, r2) = b.send(&req, Format::Msgpack).await?;
+
+    // 4. Cache: fresh requests (misses) vs repeats of one of them (hits).
+    let mut misses = Vec::new();
+    let mut hits = Vec::new();
+    for _ in 0..5 {
+        let req = b.random_request(&mut rng);
+        misses.push(b.send(&req, Format::Msgpack).await?.0);
+        for _ in 0..4 {
+            hits.push(b.send(&req, Format::Msgpack).await?.0);
+        }
+    }
+    misses.sort();
+    hits.sort();
+    let (miss, hit) = (percentile(&misses, 0.5), percentile(&hits, 0.5));
+
+    println!();
+    println!("| figure | value |");
+    println!("|---|---|");
+    println!("| requests | {} in {:.2} s |", lat.len(), wall);
+    println!("| scored positions/s | {:.0} |", rows as f64 / wall);
+    println!("| latency p50 / p99 | {:.1} ms / {:.1} ms |", ms(percentile(&lat, 0.5)), ms(percentile(&lat, 0.99)));
+    println!("| batches | {batches:.0} ({seqs_per_batch:.1} sequences each) |");
+    println!(
+        "| worker: forward / top-k / other | {:.1}% / {:.1}% / {:.1}% of wall time |",
+        100.0 * forward / wall,
+        100.0 * topk / wall,
+        100.0 * (busy - forward - topk) / wall
+    );
+    println!(
+        "| share of server time outside the forward | {:.1}% |",
+        100.0 * (1.0 - forward / wall)
+    );
+    println!(
+        "| JSON bytes per position | {:.1} ({:.2} per entry) |",
+        json_bytes as f64 / r1 as f64,
+        json_bytes as f64 / (r1 * args.k) as f64
+    );
+    println!(
+        "| msgpack bytes per position | {:.1} ({:.2} per entry) |",
+        pack_bytes as f64 / r2 as f64,
+        pack_bytes as f64 / (r2 * args.k) as f64
+    );
+    println!(
+        "| cache miss / hit p50 | {:.2} ms / {:.3} ms ({:.0}x) |",
+        ms(miss),
+        ms(hit),
+        miss.as_secs_f64() / hit.as_secs_f64().max(1e-9)
+    );
+    Ok(())
+}

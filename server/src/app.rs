@@ -1,0 +1,362 @@
+//! HTTP routes: content negotiation, body limit, auth, and the `/topk_logits` pipeline
+//! (validate → cache → admit → batch → encode).
+
+use crate::batcher::Batcher;
+use crate::cache::{cache_key, ScoreCache};
+use crate::error::ApiError;
+use crate::metrics::Metrics;
+use crate::model::ModelFacts;
+use crate::validation::{validate, RequestLimits};
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use futures::StreamExt;
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
+use xdistill_shared::codec::{self, Format};
+use xdistill_shared::protocol::{
+    InfoResponse, Limits, SequenceScores, TopkResponse, PROTOCOL_VERSION, TOPK_PATH,
+};
+
+/// Limits and options fixed at start-up.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub max_k: usize,
+    /// `None`: the model's max_position_embeddings.
+    pub max_seq_len: Option<usize>,
+    pub max_batch_tokens: usize,
+    pub max_queue_tokens: usize,
+    pub max_body_bytes: usize,
+    pub max_wait_ms: u64,
+    pub api_key: Option<String>,
+}
+
+/// What exists only once the model is loaded.
+pub struct Ready {
+    pub facts: ModelFacts,
+    pub limits: RequestLimits,
+    pub info: InfoResponse,
+}
+
+pub struct AppState {
+    pub config: ServerConfig,
+    pub ready: OnceLock<Ready>,
+    pub batcher: Batcher,
+    pub cache: ScoreCache,
+    pub metrics: Arc<Metrics>,
+}
+
+impl AppState {
+    /// Marks the model loaded; `/health` answers 200 from now on.
+    pub fn set_ready(&self, facts: ModelFacts) -> Result<(), String> {
+        let c = &self.config;
+        let max_seq_len = c.max_seq_len.unwrap_or(facts.max_position_embeddings);
+        if max_seq_len > facts.max_position_embeddings {
+            return Err(format!(
+                "--max-seq-len {max_seq_len} exceeds the model's max_position_embeddings {}",
+                facts.max_position_embeddings
+            ));
+        }
+        let limits = RequestLimits {
+            vocab_size: facts.vocab_size,
+            max_k: c.max_k,
+            max_seq_len,
+            max_queue_tokens: c.max_queue_tokens,
+        };
+        let info = InfoResponse {
+            protocol_version: PROTOCOL_VERSION,
+            server_version: env!("CARGO_PKG_VERSION").into(),
+            architecture: facts.architecture.clone(),
+            model_type: facts.model_type.clone(),
+            vocab_size: facts.vocab_size,
+            logits_size: facts.logits_size,
+            max_seq_len,
+            dtype: facts.dtype.clone(),
+            device: facts.device.clone(),
+            tokenizer_sha256: facts.tokenizer_sha256.clone(),
+            model_fingerprint: facts.fingerprint.clone(),
+            limits: Limits {
+                max_k: c.max_k,
+                max_seq_len,
+                max_batch_tokens: c.max_batch_tokens,
+                max_queue_tokens: c.max_queue_tokens,
+                max_body_bytes: c.max_body_bytes,
+                max_wait_ms: c.max_wait_ms,
+            },
+        };
+        self.ready
+            .set(Ready {
+                facts,
+                limits,
+                info,
+            })
+            .map_err(|_| "model set twice".to_string())?;
+        self.metrics.model_loaded.store(1, Relaxed);
+        Ok(())
+    }
+
+    fn ready(&self) -> Result<&Ready, ApiError> {
+        self.ready.get().ok_or(ApiError::NotReady)
+    }
+}
+
+type Shared = Arc<AppState>;
+
+/// The router with every route and middleware.
+pub fn router(state: Shared) -> Router {
+    Router::new()
+        .route("/health", get(health))
+        .route("/v1/info", get(info))
+        .route("/tokenizer.json", get(tokenizer))
+        .route("/metrics", get(metrics))
+        .route(TOPK_PATH, post(topk))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn_with_state(state.clone(), auth))
+        .layer(middleware::from_fn_with_state(state.clone(), count))
+        .with_state(state)
+}
+
+/// The error label of a response, for metrics (set by [`ApiError`] responses).
+#[derive(Clone, Copy)]
+struct Outcome(&'static str);
+
+fn error_response(e: ApiError) -> Response {
+    let label = e.label();
+    let mut r = e.into_response();
+    r.extensions_mut().insert(Outcome(label));
+    r
+}
+
+/// Counts every request by route and outcome.
+async fn count(State(st): State<Shared>, req: Request, next: Next) -> Response {
+    let t0 = Instant::now();
+    let path = req.uri().path().to_string();
+    let route = match path.as_str() {
+        "/health" | "/v1/info" | "/tokenizer.json" | "/metrics" | TOPK_PATH => path,
+        _ => "other".into(),
+    };
+    let resp = next.run(req).await;
+    let outcome = match resp.extensions().get::<Outcome>() {
+        Some(o) => o.0,
+        None if resp.status().is_success() => "ok",
+        None => "error",
+    };
+    st.metrics
+        .record_request(&route, outcome, t0.elapsed().as_secs_f64());
+    resp
+}
+
+/// Constant-time comparison, so the key cannot be guessed byte by byte from timings.
+fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// With `--api-key`, every route but `/health` needs `Authorization: Bearer KEY`.
+async fn auth(State(st): State<Shared>, req: Request, next: Next) -> Response {
+    if let Some(key) = &st.config.api_key {
+        if req.uri().path() != "/health" {
+            let given = req
+                .headers()
+                .get(header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.strip_prefix("Bearer "))
+                .map(str::trim);
+            if !given.is_some_and(|g| same_secret(g.as_bytes(), key.as_bytes())) {
+                return error_response(ApiError::Unauthorized);
+            }
+        }
+    }
+    next.run(req).await
+}
+
+async fn not_found(req: Request) -> Response {
+    error_response(ApiError::NotFound(req.uri().path().to_string()))
+}
+
+async fn method_not_allowed() -> Response {
+    error_response(ApiError::MethodNotAllowed)
+}
+
+async fn health(State(st): State<Shared>) -> Response {
+    match st.ready() {
+        Ok(_) => (StatusCode::OK, axum::Json(serde_json::json!({"status": "ok"}))).into_response(),
+        Err(e) => error_response(e),
+    }
+}
+
+async fn info(State(st): State<Shared>) -> Response {
+    match st.ready() {
+        Ok(r) => axum::Json(r.info.clone()).into_response(),
+        Err(e) => error_response(e),
+    }
+}
+
+async fn tokenizer(State(st): State<Shared>) -> Response {
+    match st.ready() {
+        Ok(r) => (
+            [(header::CONTENT_TYPE, HeaderValue::from_static(codec::JSON))],
+            r.facts.tokenizer_json.clone(),
+        )
+            .into_response(),
+        Err(e) => error_response(e),
+    }
+}
+
+async fn metrics(State(st): State<Shared>) -> Response {
+    let text = st.metrics.render(st.cache.usage());
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+        )],
+        text,
+    )
+        .into_response()
+}
+
+/// Reads at most `limit` bytes of body; more is a 413 (checked on Content-Length first).
+async fn read_body(headers: &HeaderMap, body: Body, limit: usize) -> Result<Vec<u8>, ApiError> {
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(ApiError::PayloadTooLarge { limit });
+    }
+    let mut buf = Vec::with_capacity(declared.unwrap_or(0) as usize);
+    let mut stream = body.into_data_stream();
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| ApiError::Malformed(format!("reading the body: {e}")))?;
+        if buf.len() + chunk.len() > limit {
+            return Err(ApiError::PayloadTooLarge { limit });
+        }
+        buf.extend_from_slice(&chunk);
+    }
+    Ok(buf)
+}
+
+/// Format of the request body: JSON when no Content-Type is given.
+fn body_format(headers: &HeaderMap) -> Result<Format, ApiError> {
+    let Some(ct) = headers.get(header::CONTENT_TYPE) else {
+        return Ok(Format::Json);
+    };
+    let ct = ct.to_str().unwrap_or("");
+    let mime = ct.split(';').next().unwrap_or("").trim();
+    match Format::from_content_type(Some(ct)) {
+        Format::Msgpack => Ok(Format::Msgpack),
+        Format::Json if mime.eq_ignore_ascii_case(codec::JSON) || mime.is_empty() => {
+            Ok(Format::Json)
+        }
+        Format::Json => Err(ApiError::UnsupportedMediaType(mime.to_string())),
+    }
+}
+
+async fn topk(State(st): State<Shared>, headers: HeaderMap, body: Body) -> Response {
+    match score(&st, &headers, body).await {
+        Ok(r) => r,
+        Err(e) => error_response(e),
+    }
+}
+
+/// The `/topk_logits` pipeline.
+async fn score(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Response, ApiError> {
+    let ready = st.ready()?;
+    let in_format = body_format(headers)?;
+    let out_format = Format::from_accept(headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()));
+    let bytes = read_body(headers, body, st.config.max_body_bytes).await?;
+    let req =
+        codec::decode_request(in_format, &bytes).map_err(|e| ApiError::Malformed(e.to_string()))?;
+    let valid = validate(req, &ready.limits)?;
+    let p = valid.params;
+    let m = &st.metrics;
+    m.request_sequences
+        .fetch_add(valid.sequences.len() as u64, Relaxed);
+
+    // 1. Cache lookups; sequences with no rows need no work at all.
+    let fingerprint = &ready.facts.fingerprint;
+    let mut results: Vec<Option<Arc<SequenceScores>>> = Vec::with_capacity(valid.sequences.len());
+    let mut misses = Vec::new();
+    for (i, s) in valid.sequences.iter().enumerate() {
+        if s.rows() == 0 {
+            results.push(Some(Arc::new(SequenceScores {
+                k: p.k,
+                ..Default::default()
+            })));
+            continue;
+        }
+        let key = cache_key(fingerprint, &s.ids, s.start, &p);
+        match st.cache.get(&key).await {
+            Some(hit) => {
+                m.cache_hits.fetch_add(1, Relaxed);
+                results.push(Some(hit));
+            }
+            None => {
+                m.cache_misses.fetch_add(1, Relaxed);
+                results.push(None);
+                misses.push((i, key));
+            }
+        }
+    }
+
+    // 2. Admission for the misses, all or nothing, then queue them.
+    if !misses.is_empty() {
+        let tokens: usize = misses
+            .iter()
+            .map(|&(i, _)| valid.sequences[i].input_tokens())
+            .sum();
+        let mut ticket = st.batcher.admit(tokens)?;
+        let mut pending = Vec::with_capacity(misses.len());
+        for &(i, key) in &misses {
+            let s = &valid.sequences[i];
+            let rx = st
+                .batcher
+                .submit(&mut ticket, s.ids.clone(), s.start, p)
+                .await?;
+            pending.push((i, key, rx));
+        }
+        drop(ticket);
+        // 3. Results, routed back by index; each is cached.
+        for (i, key, rx) in pending {
+            let scores = rx
+                .await
+                .map_err(|_| ApiError::Internal("the model worker dropped the request".into()))?
+                .map_err(ApiError::Internal)?;
+            let scores = Arc::new(scores);
+            st.cache.insert(key, scores.clone()).await;
+            results[i] = Some(scores);
+        }
+    }
+
+    // 4. Encode off the async threads (large answers take milliseconds).
+    let results: Vec<SequenceScores> = results
+        .into_iter()
+        .map(|r| r.map(|a| (*a).clone()).unwrap_or_default())
+        .collect();
+    let rows: usize = results.iter().map(|r| r.rows).sum();
+    m.tokens_scored.fetch_add(rows as u64, Relaxed);
+    let resp = TopkResponse {
+        k: p.k,
+        values: p.values,
+        temperature: p.temperature,
+        model: fingerprint.clone(),
+        results,
+    };
+    let body = tokio::task::spawn_blocking(move || codec::encode_response(out_format, &resp))
+        .await
+        .map_err(|e| ApiError::Internal(format!("encoder task failed: {e}")))?
+        .map_err(|e| ApiError::Internal(e.to_string()))?;
+    Ok((
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static(out_format.content_type()),
+        )],
+        body,
+    )
+        .into_response())
+}

@@ -1,0 +1,112 @@
+//! Command line of `teacher` (every flag also reads an `XDISTILL_*` environment variable).
+
+use clap::Parser;
+use std::net::IpAddr;
+use std::path::PathBuf;
+
+#[derive(Parser, Debug, Clone)]
+#[command(
+    name = "teacher",
+    version,
+    about = "xdistill teacher server: batched, cached top-k log-probs of a Llama/Qwen model over HTTP"
+)]
+pub struct Args {
+    /// Hugging Face model directory: config.json, model.safetensors (or sharded + index), tokenizer.json.
+    #[arg(long, env = "XDISTILL_MODEL")]
+    pub model: PathBuf,
+    /// Address to bind. Loopback by default; use 0.0.0.0 only behind a firewall or with --api-key.
+    #[arg(long, env = "XDISTILL_HOST", default_value = "127.0.0.1")]
+    pub host: IpAddr,
+    /// Port to bind (0 picks a free one; the bound address is printed as `listening on ADDR`).
+    #[arg(long, env = "XDISTILL_PORT", default_value_t = 8000)]
+    pub port: u16,
+    /// cpu, cuda or cuda:N.
+    #[arg(long, env = "XDISTILL_DEVICE", default_value = "cpu")]
+    pub device: String,
+    /// Compute dtype of the weights: f32, bf16 or f16 (top-k is always computed in f32/f64).
+    #[arg(long, env = "XDISTILL_DTYPE", default_value = "f32")]
+    pub dtype: String,
+    /// Most padded tokens (batch size × longest input) per forward pass.
+    #[arg(long, env = "XDISTILL_MAX_BATCH_TOKENS", default_value_t = 8192)]
+    pub max_batch_tokens: usize,
+    /// How long the batcher waits for more work before running a batch that is not full.
+    #[arg(long, env = "XDISTILL_MAX_WAIT_MS", default_value_t = 5)]
+    pub max_wait_ms: u64,
+    /// Most tokens admitted (queued or running) at once; beyond it requests get 503 + Retry-After.
+    #[arg(long, env = "XDISTILL_MAX_QUEUE_TOKENS", default_value_t = 262_144)]
+    pub max_queue_tokens: usize,
+    /// Size of the result cache in bytes (0 disables it).
+    #[arg(long, env = "XDISTILL_CACHE_BYTES", default_value_t = 1 << 30)]
+    pub cache_bytes: u64,
+    /// Largest k a request may ask for.
+    #[arg(long, env = "XDISTILL_MAX_K", default_value_t = 256)]
+    pub max_k: usize,
+    /// Longest sequence accepted (default: the model's max_position_embeddings).
+    #[arg(long, env = "XDISTILL_MAX_SEQ_LEN")]
+    pub max_seq_len: Option<usize>,
+    /// Largest request body in bytes (larger bodies get 413).
+    #[arg(long, env = "XDISTILL_MAX_BODY_BYTES", default_value_t = 64 << 20)]
+    pub max_body_bytes: usize,
+    /// When set, every route but /health needs `Authorization: Bearer KEY`.
+    #[arg(long, env = "XDISTILL_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Parse and check the arguments (and that the model directory opens), then exit.
+    #[arg(long)]
+    pub check_args: bool,
+}
+
+impl Args {
+    /// Constraints between flags that clap cannot express.
+    pub fn check(&self) -> Result<(), String> {
+        if self.max_batch_tokens == 0 {
+            return Err("--max-batch-tokens must be at least 1".into());
+        }
+        if self.max_queue_tokens < self.max_batch_tokens {
+            return Err(format!(
+                "--max-queue-tokens ({}) must be at least --max-batch-tokens ({})",
+                self.max_queue_tokens, self.max_batch_tokens
+            ));
+        }
+        if self.max_k == 0 {
+            return Err("--max-k must be at least 1".into());
+        }
+        if self.max_seq_len == Some(0) {
+            return Err("--max-seq-len must be at least 1".into());
+        }
+        if self.max_body_bytes == 0 {
+            return Err("--max-body-bytes must be at least 1".into());
+        }
+        if matches!(&self.api_key, Some(k) if k.trim().is_empty()) {
+            return Err("--api-key must not be empty".into());
+        }
+        xdistill_shared::device::parse_dtype(&self.dtype).map_err(|e| e.to_string())?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_and_constraints() {
+        let a = Args::try_parse_from(["teacher", "--model", "m"]).unwrap();
+        assert_eq!(a.host.to_string(), "127.0.0.1");
+        assert_eq!(a.port, 8000);
+        a.check().unwrap();
+        let bad = Args::try_parse_from([
+            "teacher",
+            "--model",
+            "m",
+            "--max-batch-tokens",
+            "10",
+            "--max-queue-tokens",
+            "5",
+        ])
+        .unwrap();
+        assert!(bad.check().is_err());
+        let bad = Args::try_parse_from(["teacher", "--model", "m", "--dtype", "int4"]).unwrap();
+        assert!(bad.check().is_err());
+        assert!(Args::try_parse_from(["teacher", "--model", "m", "--port", "x"]).is_err());
+    }
+}

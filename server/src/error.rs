@@ -1,0 +1,153 @@
+//! The one error type of the HTTP layer: each variant maps to a status, a JSON [`ErrorBody`]
+//! and a short label reused in metrics.
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use xdistill_shared::protocol::{ErrorBody, ErrorDetail};
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ApiError {
+    /// The body is not valid JSON / MessagePack for the request type (incl. unknown fields).
+    #[error("malformed body: {0}")]
+    Malformed(String),
+    /// A field has a value the server refuses; `field` names it (e.g. `sequences[3][17]`).
+    #[error("{field}: {message}")]
+    Invalid { field: String, message: String },
+    #[error("body larger than the limit of {limit} bytes")]
+    PayloadTooLarge { limit: usize },
+    /// The request alone needs more tokens than the queue may ever hold.
+    #[error("request of {tokens} tokens exceeds --max-queue-tokens {limit}")]
+    RequestTooLarge { tokens: usize, limit: usize },
+    #[error("queue full ({queued} of {limit} tokens admitted); retry later")]
+    QueueFull {
+        queued: usize,
+        limit: usize,
+        retry_after_s: u64,
+    },
+    #[error("unsupported content type {0:?}: send application/json or application/msgpack")]
+    UnsupportedMediaType(String),
+    #[error("missing or wrong bearer token")]
+    Unauthorized,
+    #[error("model is still loading")]
+    NotReady,
+    #[error("server is shutting down")]
+    ShuttingDown,
+    #[error("no route {0}")]
+    NotFound(String),
+    #[error("method not allowed")]
+    MethodNotAllowed,
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl ApiError {
+    pub fn invalid(field: impl Into<String>, message: impl Into<String>) -> ApiError {
+        ApiError::Invalid {
+            field: field.into(),
+            message: message.into(),
+        }
+    }
+
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ApiError::Malformed(_) => StatusCode::BAD_REQUEST,
+            ApiError::Invalid { .. } => StatusCode::UNPROCESSABLE_ENTITY,
+            ApiError::PayloadTooLarge { .. } | ApiError::RequestTooLarge { .. } => {
+                StatusCode::PAYLOAD_TOO_LARGE
+            }
+            ApiError::QueueFull { .. } | ApiError::NotReady | ApiError::ShuttingDown => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
+            ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// Machine-readable class: the `error.type` of the body and the metrics label.
+    pub fn label(&self) -> &'static str {
+        match self {
+            ApiError::Malformed(_) => "malformed_body",
+            ApiError::Invalid { .. } => "invalid_request",
+            ApiError::PayloadTooLarge { .. } => "payload_too_large",
+            ApiError::RequestTooLarge { .. } => "request_too_large",
+            ApiError::QueueFull { .. } => "queue_full",
+            ApiError::UnsupportedMediaType(_) => "unsupported_media_type",
+            ApiError::Unauthorized => "unauthorized",
+            ApiError::NotReady => "not_ready",
+            ApiError::ShuttingDown => "shutting_down",
+            ApiError::NotFound(_) => "not_found",
+            ApiError::MethodNotAllowed => "method_not_allowed",
+            ApiError::Internal(_) => "internal_error",
+        }
+    }
+
+    pub fn body(&self) -> ErrorBody {
+        let field = match self {
+            ApiError::Invalid { field, .. } => Some(field.clone()),
+            ApiError::RequestTooLarge { .. } => Some("sequences".into()),
+            _ => None,
+        };
+        let message = match self {
+            ApiError::Invalid { message, .. } => message.clone(),
+            other => other.to_string(),
+        };
+        ErrorBody {
+            error: ErrorDetail {
+                kind: self.label().into(),
+                message,
+                field,
+            },
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        let body = serde_json::to_vec(&self.body()).unwrap_or_else(|_| b"{}".to_vec());
+        let mut resp = (status, body).into_response();
+        let h = resp.headers_mut();
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static(xdistill_shared::codec::JSON),
+        );
+        match &self {
+            ApiError::QueueFull { retry_after_s, .. } => {
+                h.insert(header::RETRY_AFTER, HeaderValue::from(*retry_after_s));
+            }
+            ApiError::NotReady | ApiError::ShuttingDown => {
+                h.insert(header::RETRY_AFTER, HeaderValue::from(1u64));
+            }
+            ApiError::Unauthorized => {
+                h.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            }
+            _ => {}
+        }
+        resp
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_and_bodies() {
+        let e = ApiError::invalid("sequences[3][17]", "id 999999 >= vocab size 1000");
+        assert_eq!(e.status(), StatusCode::UNPROCESSABLE_ENTITY);
+        let b = e.body();
+        assert_eq!(b.error.kind, "invalid_request");
+        assert_eq!(b.error.field.as_deref(), Some("sequences[3][17]"));
+        let q = ApiError::QueueFull {
+            queued: 10,
+            limit: 10,
+            retry_after_s: 2,
+        }
+        .into_response();
+        assert_eq!(q.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(q.headers()[header::RETRY_AFTER], "2");
+    }
+}

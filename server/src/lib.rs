@@ -1,0 +1,19 @@
+//! xdistill teacher server: batched, cached top-k log-probs of a Llama/Qwen model over HTTP.
+//!
+//! Request path: [`app`] (HTTP, auth, content negotiation) → [`validation`] → [`cache`] →
+//! [`batcher`] (admission, coalescing) → [`worker`] (the model, on its own thread) → [`topk`].
+
+pub mod app;
+pub mod args;
+pub mod batcher;
+pub mod cache;
+pub mod error;
+pub mod metrics;
+pub mod model;
+pub mod server;
+pub mod shutdown;
+pub mod topk;
+pub mod validation;
+pub mod worker;
+
+pub use args::Args;

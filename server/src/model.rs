@@ -1,0 +1,87 @@
+//! Loading the teacher: a Hugging Face directory → a [`Decoder`] plus the facts `/v1/info` reports.
+
+use candle_core::{DType, Device};
+use candle_nn::VarBuilder;
+use std::path::Path;
+use xdistill_shared::device::{device_name, dtype_name, parse_device, parse_dtype};
+use xdistill_shared::hf::ModelDir;
+use xdistill_shared::model::{Decoder, Ops};
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error(transparent)]
+    Hf(#[from] xdistill_shared::hf::HfError),
+    #[error(transparent)]
+    Device(#[from] xdistill_shared::device::DeviceError),
+    #[error("loading weights: {0}")]
+    Weights(#[from] candle_core::Error),
+    #[error("{0}")]
+    Config(String),
+}
+
+/// What the server knows about its model, besides the weights.
+#[derive(Debug, Clone)]
+pub struct ModelFacts {
+    pub architecture: String,
+    pub model_type: String,
+    /// Valid ids: `< vocab_size` (the tokenizer's vocabulary incl. added tokens).
+    pub vocab_size: usize,
+    /// Rows of the LM head (≥ `vocab_size` when padded).
+    pub logits_size: usize,
+    pub max_position_embeddings: usize,
+    pub dtype: String,
+    pub device: String,
+    pub tokenizer_sha256: String,
+    pub fingerprint: String,
+    /// The teacher's `tokenizer.json`, served at `GET /tokenizer.json`.
+    pub tokenizer_json: bytes::Bytes,
+}
+
+/// Reads everything but the weights (cheap: used by `--check-args` and before loading).
+pub fn read_facts(dir: &ModelDir, dtype: DType, device: &Device) -> Result<ModelFacts, LoadError> {
+    let arch = dir.config.arch()?;
+    let tok = dir.load_tokenizer()?;
+    let tok_vocab = tok.get_vocab_size(true);
+    let logits_size = dir.config.vocab_size;
+    if tok_vocab > logits_size {
+        tracing::warn!(
+            tokenizer = tok_vocab,
+            lm_head = logits_size,
+            "tokenizer has more ids than the LM head; ids >= {logits_size} are refused"
+        );
+    }
+    let tokenizer_json = std::fs::read(&dir.tokenizer).map_err(|e| {
+        LoadError::Config(format!("reading {}: {e}", dir.tokenizer.display()))
+    })?;
+    Ok(ModelFacts {
+        architecture: arch.hf_class().into(),
+        model_type: arch.model_type().into(),
+        vocab_size: tok_vocab.min(logits_size),
+        logits_size,
+        max_position_embeddings: dir.config.max_position_embeddings,
+        dtype: dtype_name(dtype).into(),
+        device: device_name(device),
+        tokenizer_sha256: dir.tokenizer_sha256()?,
+        fingerprint: dir.fingerprint()?,
+        tokenizer_json: tokenizer_json.into(),
+    })
+}
+
+/// Opens the device and the directory and memory-maps the weights.
+pub fn load(
+    path: &Path,
+    device: &str,
+    dtype: &str,
+) -> Result<(Decoder, ModelFacts), LoadError> {
+    let device = parse_device(device)?;
+    let dtype = parse_dtype(dtype)?;
+    let dir = ModelDir::open(path)?;
+    let facts = read_facts(&dir, dtype, &device)?;
+    // SAFETY: the safetensors files are memory-mapped read-only; undefined behaviour would need
+    // another process to truncate or rewrite them while mapped. candle copies every tensor out of
+    // the map into its own storage while the decoder is built, so the map is only read here, and
+    // model directories are written atomically (temporary name + rename), never edited in place.
+    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&dir.weights, dtype, &device)? };
+    let decoder = Decoder::new(&dir.config, vb, Ops::Fused)?;
+    Ok((decoder, facts))
+}

@@ -1,0 +1,124 @@
+//! Wiring: bind, start the worker (which loads the model), the batcher and the HTTP server;
+//! stop gracefully on SIGTERM / ctrl-c.
+
+use crate::app::{router, AppState, ServerConfig};
+use crate::args::Args;
+use crate::batcher::{BatchConfig, Batcher};
+use crate::cache::ScoreCache;
+use crate::metrics::Metrics;
+use crate::shutdown;
+use crate::worker::{self, WorkerConfig};
+use anyhow::{anyhow, bail, Context, Result};
+use std::io::Write;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+use tokio::sync::{mpsc, oneshot, watch};
+
+/// `--check-args`: flags and model directory are valid (weights are not loaded).
+pub fn check_args(args: &Args) -> Result<()> {
+    args.check().map_err(|e| anyhow!(e))?;
+    let dir = xdistill_shared::hf::ModelDir::open(&args.model)
+        .with_context(|| format!("opening {}", args.model.display()))?;
+    if let Some(n) = args.max_seq_len {
+        if n > dir.config.max_position_embeddings {
+            bail!(
+                "--max-seq-len {n} exceeds the model's max_position_embeddings {}",
+                dir.config.max_position_embeddings
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Runs the server until SIGTERM / ctrl-c; in-flight requests finish first.
+pub async fn run(args: Args) -> Result<()> {
+    args.check().map_err(|e| anyhow!(e))?;
+    let metrics = Arc::new(Metrics::default());
+
+    // 1. Bind first, so health checks see "loading" rather than "connection refused".
+    let addr = std::net::SocketAddr::new(args.host, args.port);
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding {addr}"))?;
+    let local = listener.local_addr()?;
+    tracing::info!("listening on {local}");
+    // A parseable line for scripts and tests that start the server on port 0.
+    println!("listening on {local}");
+    let _ = std::io::stdout().flush();
+
+    // 2. The worker thread loads the model and reports on `ready`.
+    let (batch_tx, batch_rx) = mpsc::channel(1);
+    let (ready_tx, ready_rx) = oneshot::channel();
+    let worker_thread = worker::spawn(
+        WorkerConfig {
+            model: args.model.clone(),
+            device: args.device.clone(),
+            dtype: args.dtype.clone(),
+            max_batch_tokens: args.max_batch_tokens,
+        },
+        metrics.clone(),
+        batch_rx,
+        ready_tx,
+    )
+    .context("starting the worker thread")?;
+    let batcher = Batcher::start(
+        BatchConfig {
+            max_batch_tokens: args.max_batch_tokens,
+            max_wait: Duration::from_millis(args.max_wait_ms),
+            max_queue_tokens: args.max_queue_tokens,
+        },
+        batch_tx,
+        metrics.clone(),
+    );
+    let state = Arc::new(AppState {
+        config: ServerConfig {
+            max_k: args.max_k,
+            max_seq_len: args.max_seq_len,
+            max_batch_tokens: args.max_batch_tokens,
+            max_queue_tokens: args.max_queue_tokens,
+            max_body_bytes: args.max_body_bytes,
+            max_wait_ms: args.max_wait_ms,
+            api_key: args.api_key.clone(),
+        },
+        ready: OnceLock::new(),
+        batcher,
+        cache: ScoreCache::new(args.cache_bytes),
+        metrics,
+    });
+
+    // 3. A failed load stops the server with the load error.
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let load_error: Arc<OnceLock<String>> = Arc::new(OnceLock::new());
+    {
+        let state = state.clone();
+        let load_error = load_error.clone();
+        tokio::spawn(async move {
+            let outcome = match ready_rx.await {
+                Ok(Ok(facts)) => state.set_ready(facts),
+                Ok(Err(e)) => Err(e),
+                Err(_) => Err("the worker thread died while loading".into()),
+            };
+            match outcome {
+                Ok(()) => tracing::info!("ready"),
+                Err(e) => {
+                    let _ = load_error.set(e);
+                    let _ = stop_tx.send(true);
+                }
+            }
+        });
+    }
+
+    // 4. Serve until a signal (or a load failure); axum lets in-flight requests finish.
+    axum::serve(listener, router(state.clone()))
+        .with_graceful_shutdown(shutdown::signal(stop_rx))
+        .await
+        .context("serving")?;
+    // Dropping the last batcher handle closes the queue; the worker finishes what it has.
+    drop(state);
+    let _ = tokio::task::spawn_blocking(move || worker_thread.join()).await;
+    if let Some(e) = load_error.get() {
+        bail!("loading the model failed: {e}");
+    }
+    tracing::info!("stopped");
+    Ok(())
+}

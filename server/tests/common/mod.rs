@@ -1,0 +1,315 @@
+//! Test support: tiny random models made by `init-model`, a running `teacher`, an HTTP client,
+//! and the f64 reference the server's answers are checked against.
+#![allow(dead_code)]
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::time::{Duration, Instant};
+use xdistill_shared::codec::{self, Format};
+use xdistill_shared::hf::ModelDir;
+use xdistill_shared::model::{Decoder, Ops};
+use xdistill_shared::protocol::{TopkRequest, TopkResponse, ValuesKind};
+
+/// A tiny random model (hidden 32, 2 layers) with a real tokenizer, made once per directory.
+/// `pad_to` pads the LM head beyond the tokenizer's vocabulary (rows the server must mask).
+pub fn tiny_model(name: &str, arch: &str, tokenizer: &str, pad_to: usize) -> PathBuf {
+    // Tests of one binary run on threads of one process: make each model once, in turn.
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR"))
+        .join("teacher-models")
+        .join(name);
+    if out.join("config.json").is_file() {
+        return out;
+    }
+    xdistill_trainer::init_model::run(xdistill_trainer::init_model::Args {
+        arch: arch.into(),
+        tokenizer: xdistill_shared::paths::tokenizer_json(tokenizer),
+        hidden_size: 32,
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        intermediate_size: 64,
+        head_dim: None,
+        pad_vocab_to: pad_to,
+        max_position_embeddings: 256,
+        tie_embeddings: false,
+        // Large enough that logits are spread (few near-ties among the top k).
+        init_std: 0.1,
+        seed: 7,
+        out: out.clone(),
+    })
+    .expect("init-model");
+    out
+}
+
+/// A `teacher` process. It runs under a small shell guard that stops it when our end of the
+/// guard's stdin closes, so servers shared through statics never outlive the test binary.
+pub struct Teacher {
+    pub base: String,
+    pub pid: u32,
+    guard: Child,
+    stdin: Option<ChildStdin>,
+}
+
+impl Teacher {
+    pub fn start(model: &Path, extra: &[&str]) -> Teacher {
+        let mut cmd = Command::new("sh");
+        cmd.arg("-c")
+            .arg(r#""$0" "$@" & pid=$!; echo "pid $pid"; read _ignored; kill -TERM $pid; wait $pid"#)
+            .arg(env!("CARGO_BIN_EXE_teacher"))
+            .arg("--model")
+            .arg(model)
+            .args(["--port", "0"])
+            .args(extra)
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped());
+        let mut guard = cmd.spawn().expect("spawn teacher");
+        let stdin = guard.stdin.take();
+        let (pid, base) = read_startup(guard.stdout.take().expect("stdout"));
+        let t = Teacher {
+            base,
+            pid,
+            guard,
+            stdin,
+        };
+        t.wait_healthy();
+        t
+    }
+
+    fn wait_healthy(&self) {
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_secs(60) {
+            if let Ok(r) = ureq_get(&format!("{}/health", self.base)) {
+                if r == 200 {
+                    return;
+                }
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("teacher at {} never became healthy", self.base);
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("{}{path}", self.base)
+    }
+}
+
+impl Drop for Teacher {
+    fn drop(&mut self) {
+        drop(self.stdin.take());
+        let _ = self.guard.wait();
+    }
+}
+
+/// Reads `pid N` (from the guard) and `listening on ADDR` (from the teacher).
+fn read_startup(stdout: std::process::ChildStdout) -> (u32, String) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let (mut pid, mut base) = (None, None);
+    while pid.is_none() || base.is_none() {
+        let line = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("teacher did not print its address");
+        if let Some(p) = line.strip_prefix("pid ") {
+            pid = p.trim().parse().ok();
+        } else if let Some(a) = line.strip_prefix("listening on ") {
+            base = Some(format!("http://{}", a.trim()));
+        }
+    }
+    (pid.unwrap_or(0), base.unwrap_or_default())
+}
+
+/// Minimal blocking GET returning the status (std only; used before the async client exists).
+fn ureq_get(url: &str) -> std::io::Result<u16> {
+    use std::io::{Read, Write};
+    let rest = url.trim_start_matches("http://");
+    let (host, path) = rest.split_once('/').unwrap_or((rest, ""));
+    let mut s = std::net::TcpStream::connect(host)?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    write!(
+        s,
+        "GET /{path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf)?;
+    Ok(buf
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0))
+}
+
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()
+        .expect("client")
+}
+
+pub fn request(sequences: Vec<Vec<u32>>, k: usize) -> TopkRequest {
+    TopkRequest {
+        sequences,
+        k,
+        temperature: 1.0,
+        start: 0,
+        starts: None,
+        values: ValuesKind::Logprobs,
+    }
+}
+
+/// POSTs `req` in JSON (or msgpack), asks for `format`, decodes the answer.
+pub async fn score(
+    c: &reqwest::Client,
+    t: &Teacher,
+    req: &TopkRequest,
+    format: Format,
+) -> TopkResponse {
+    let (status, body) = post(c, t, req, format).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    codec::decode_response(format, &body).expect("decode response")
+}
+
+pub async fn post(
+    c: &reqwest::Client,
+    t: &Teacher,
+    req: &TopkRequest,
+    format: Format,
+) -> (u16, Vec<u8>) {
+    let body = codec::encode_request(format, req).expect("encode");
+    let r = c
+        .post(t.url("/topk_logits"))
+        .header("content-type", format.content_type())
+        .header("accept", format.content_type())
+        .body(body)
+        .send()
+        .await
+        .expect("send");
+    let status = r.status().as_u16();
+    (status, r.bytes().await.expect("body").to_vec())
+}
+
+pub async fn metric(c: &reqwest::Client, t: &Teacher, name: &str) -> f64 {
+    let text = c
+        .get(t.url("/metrics"))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    xdistill_server::metrics::sample(&text, name).unwrap_or_else(|| panic!("no metric {name}"))
+}
+
+/// The independent reference: the model loaded here, one sequence at a time (no batching, no
+/// padding), full logits [S, V], log-softmax over the tokenizer's vocabulary in f64.
+pub struct Reference {
+    decoder: Decoder,
+    vocab: usize,
+}
+
+impl Reference {
+    pub fn load(dir: &Path) -> Reference {
+        let md = ModelDir::open(dir).expect("open model");
+        let vocab = md
+            .load_tokenizer()
+            .expect("tokenizer")
+            .get_vocab_size(true)
+            .min(md.config.vocab_size);
+        let vb = unsafe {
+            VarBuilder::from_mmaped_safetensors(&md.weights, DType::F32, &Device::Cpu).expect("vb")
+        };
+        Reference {
+            decoder: Decoder::new(&md.config, vb, Ops::Fused).expect("decoder"),
+            vocab,
+        }
+    }
+
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+
+    /// Rows `start..S-1` of `(logits / t)[..vocab]` and their log-softmax, in f64.
+    pub fn rows(&self, ids: &[u32], start: usize, t: f64) -> Vec<(Vec<f64>, Vec<f64>)> {
+        let x = Tensor::new(ids, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+        let logits = self.decoder.forward(&x).unwrap().squeeze(0).unwrap();
+        let logits: Vec<Vec<f32>> = logits.to_vec2().unwrap();
+        logits[start..ids.len() - 1]
+            .iter()
+            .map(|row| {
+                let y: Vec<f64> = row[..self.vocab].iter().map(|&v| v as f64 / t).collect();
+                let m = y.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let lse = m + y.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
+                let lp = y.iter().map(|v| v - lse).collect();
+                (y, lp)
+            })
+            .collect()
+    }
+
+    /// Checks one sequence's answer against the reference to `tol`: every returned id carries
+    /// its reference value, values descend, no better id was left out (ties allowed), the
+    /// target log-prob and the logsumexp agree.
+    pub fn check(
+        &self,
+        got: &xdistill_shared::protocol::SequenceScores,
+        ids: &[u32],
+        start: usize,
+        t: f64,
+        values: ValuesKind,
+        tol: f64,
+    ) {
+        let rows = self.rows(ids, start, t);
+        assert_eq!(got.rows, rows.len(), "row count");
+        for (r, (y, lp)) in rows.iter().enumerate() {
+            let vals = if values == ValuesKind::Logits { y } else { lp };
+            let mut sorted = vals.clone();
+            sorted.sort_by(|a, b| b.partial_cmp(a).unwrap());
+            let (gi, gv) = (got.ids_row(r), got.values_row(r));
+            for j in 0..got.k {
+                let id = gi[j] as usize;
+                assert!(id < self.vocab, "row {r}: id {id} >= vocab {}", self.vocab);
+                assert!(
+                    (gv[j] as f64 - vals[id]).abs() < tol,
+                    "row {r} entry {j}: id {id} value {} vs reference {}",
+                    gv[j],
+                    vals[id]
+                );
+                assert!(
+                    (gv[j] as f64 - sorted[j]).abs() < tol,
+                    "row {r} entry {j}: value {} but the reference's {j}-th largest is {}",
+                    gv[j],
+                    sorted[j]
+                );
+                if j > 0 {
+                    assert!(gv[j] <= gv[j - 1], "row {r}: values not descending");
+                    assert!(!gi[..j].contains(&gi[j]), "row {r}: duplicate id");
+                }
+            }
+            let target = ids[start + r + 1] as usize;
+            assert!((got.target_logprobs[r] as f64 - lp[target]).abs() < tol);
+            let lse = y[0] - lp[0];
+            assert!((got.logsumexp[r] as f64 - lse).abs() < tol * lse.abs().max(1.0));
+        }
+    }
+}
+
+/// Deterministic pseudo-random ids below `vocab`.
+pub fn ids(seed: u64, len: usize, vocab: usize) -> Vec<u32> {
+    let mut s = seed.wrapping_mul(0x9E3779B97F4A7C15).wrapping_add(1);
+    (0..len)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 33) % vocab as u64) as u32
+        })
+        .collect()
+}

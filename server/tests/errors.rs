@@ -1,0 +1,262 @@
+//! Every class of bad input gets a JSON error with the right status, and the server keeps
+//! serving afterwards. One shared server (tiny Llama, Llama 2 vocabulary, API key set).
+
+mod common;
+
+use common::{client, ids, request, Teacher};
+use std::sync::OnceLock;
+use std::time::Duration;
+use xdistill_shared::codec::{self, Format};
+use xdistill_shared::protocol::{ErrorBody, TopkRequest};
+
+const KEY: &str = "test-secret";
+const VOCAB: usize = 32_000;
+
+fn teacher() -> &'static Teacher {
+    static T: OnceLock<Teacher> = OnceLock::new();
+    T.get_or_init(|| {
+        let dir = common::tiny_model("errors-llama", "llama", "llama2", 1);
+        Teacher::start(
+            &dir,
+            &[
+                "--max-k",
+                "40000",
+                "--max-seq-len",
+                "64",
+                "--max-body-bytes",
+                "4096",
+                "--api-key",
+                KEY,
+            ],
+        )
+    })
+}
+
+async fn send(
+    path: &str,
+    content_type: Option<&str>,
+    body: Vec<u8>,
+    key: Option<&str>,
+) -> reqwest::Response {
+    let mut r = client().post(teacher().url(path)).body(body);
+    if let Some(ct) = content_type {
+        r = r.header("content-type", ct);
+    }
+    if let Some(k) = key {
+        r = r.header("authorization", format!("Bearer {k}"));
+    }
+    r.send().await.expect("send")
+}
+
+async fn post_json(body: serde_json::Value) -> reqwest::Response {
+    send(
+        "/topk_logits",
+        Some("application/json"),
+        serde_json::to_vec(&body).unwrap(),
+        Some(KEY),
+    )
+    .await
+}
+
+async fn post_msgpack(req: &TopkRequest) -> reqwest::Response {
+    let body = codec::encode_request(Format::Msgpack, req).unwrap();
+    send("/topk_logits", Some(codec::MSGPACK), body, Some(KEY)).await
+}
+
+/// Asserts status, error type and field of an error answer, then that the server still works.
+async fn expect_error(r: reqwest::Response, status: u16, kind: &str, field: Option<&str>) {
+    assert_eq!(r.status().as_u16(), status);
+    assert_eq!(
+        r.headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok()),
+        Some("application/json")
+    );
+    let text = r.text().await.unwrap();
+    let body: ErrorBody = serde_json::from_str(&text).expect(&text);
+    assert_eq!(body.error.kind, kind, "{text}");
+    assert_eq!(body.error.field.as_deref(), field, "{text}");
+    assert!(!body.error.message.is_empty());
+    still_serving().await;
+}
+
+async fn still_serving() {
+    let ok = post_json(serde_json::json!({"sequences": [[1, 2, 3]], "k": 2})).await;
+    assert_eq!(ok.status(), 200);
+}
+
+#[tokio::test]
+async fn malformed_body() {
+    let r = send("/topk_logits", Some("application/json"), b"{\"sequences\": [[1,".to_vec(), Some(KEY)).await;
+    expect_error(r, 400, "malformed_body", None).await;
+    let r = send("/topk_logits", Some(codec::MSGPACK), vec![0xc1, 0x00, 0xff], Some(KEY)).await;
+    expect_error(r, 400, "malformed_body", None).await;
+    let r = post_json(serde_json::json!({"sequences": [[1, -2]], "k": 2})).await;
+    expect_error(r, 400, "malformed_body", None).await;
+}
+
+#[tokio::test]
+async fn unknown_field() {
+    let r = post_json(serde_json::json!({"sequences": [[1, 2]], "k": 2, "topk": 3})).await;
+    assert_eq!(r.status(), 400);
+    let body: ErrorBody = r.json().await.unwrap();
+    assert!(body.error.message.contains("topk"), "{}", body.error.message);
+    still_serving().await;
+}
+
+#[tokio::test]
+async fn empty_sequence_and_empty_list() {
+    let r = post_json(serde_json::json!({"sequences": [[1, 2], []], "k": 2})).await;
+    expect_error(r, 422, "invalid_request", Some("sequences[1]")).await;
+    let r = post_json(serde_json::json!({"sequences": [], "k": 2})).await;
+    expect_error(r, 422, "invalid_request", Some("sequences")).await;
+}
+
+#[tokio::test]
+async fn id_at_or_above_vocab() {
+    let r = post_json(serde_json::json!({"sequences": [[1, 2, VOCAB]], "k": 2})).await;
+    expect_error(r, 422, "invalid_request", Some("sequences[0][2]")).await;
+    let r = post_json(serde_json::json!({"sequences": [[1], [5, u32::MAX]], "k": 2})).await;
+    expect_error(r, 422, "invalid_request", Some("sequences[1][1]")).await;
+}
+
+#[tokio::test]
+async fn k_zero_over_max_k_and_over_vocab() {
+    for k in [0, 40_001, VOCAB + 1] {
+        let r = post_json(serde_json::json!({"sequences": [[1, 2]], "k": k})).await;
+        expect_error(r, 422, "invalid_request", Some("k")).await;
+    }
+    // k equal to the vocabulary is allowed.
+    let r = post_json(serde_json::json!({"sequences": [[1, 2]], "k": VOCAB})).await;
+    assert_eq!(r.status(), 200);
+}
+
+#[tokio::test]
+async fn temperature_not_positive_or_not_finite() {
+    for t in [0.0, -1.0] {
+        let r = post_json(serde_json::json!({"sequences": [[1, 2]], "k": 2, "temperature": t})).await;
+        expect_error(r, 422, "invalid_request", Some("temperature")).await;
+    }
+    // JSON cannot carry NaN or infinity; MessagePack can.
+    for t in [f32::NAN, f32::INFINITY] {
+        let mut req = request(vec![vec![1, 2]], 2);
+        req.temperature = t;
+        expect_error(post_msgpack(&req).await, 422, "invalid_request", Some("temperature")).await;
+    }
+}
+
+#[tokio::test]
+async fn start_out_of_range() {
+    let r = post_json(serde_json::json!({"sequences": [[1, 2, 3], [4, 5]], "k": 2, "start": 2})).await;
+    expect_error(r, 422, "invalid_request", Some("start")).await;
+    let r = post_json(serde_json::json!({"sequences": [[1, 2, 3]], "k": 2, "starts": [3]})).await;
+    expect_error(r, 422, "invalid_request", Some("starts[0]")).await;
+    let r = post_json(serde_json::json!({"sequences": [[1, 2, 3]], "k": 2, "starts": [0, 1]})).await;
+    expect_error(r, 422, "invalid_request", Some("starts")).await;
+}
+
+#[tokio::test]
+async fn sequence_over_max_seq_len() {
+    let r = post_json(serde_json::json!({"sequences": [[1, 2], ids(3, 65, VOCAB)], "k": 2})).await;
+    expect_error(r, 422, "invalid_request", Some("sequences[1]")).await;
+}
+
+#[tokio::test]
+async fn body_over_the_size_limit() {
+    let big = format!("{{\"sequences\": [[{}]], \"k\": 2}}", vec!["1"; 3000].join(","));
+    let r = send("/topk_logits", Some("application/json"), big.into_bytes(), Some(KEY)).await;
+    expect_error(r, 413, "payload_too_large", None).await;
+}
+
+#[tokio::test]
+async fn unsupported_content_type() {
+    let r = send("/topk_logits", Some("text/csv"), b"1,2,3".to_vec(), Some(KEY)).await;
+    expect_error(r, 415, "unsupported_media_type", None).await;
+}
+
+#[tokio::test]
+async fn api_key_required_except_for_health() {
+    let c = client();
+    let body = serde_json::to_vec(&serde_json::json!({"sequences": [[1, 2]], "k": 2})).unwrap();
+    let r = send("/topk_logits", Some("application/json"), body.clone(), None).await;
+    assert!(r.headers().contains_key("www-authenticate"));
+    expect_error(r, 401, "unauthorized", None).await;
+    let r = send("/topk_logits", Some("application/json"), body, Some("wrong")).await;
+    expect_error(r, 401, "unauthorized", None).await;
+    for path in ["/v1/info", "/metrics", "/tokenizer.json"] {
+        let r = c.get(teacher().url(path)).send().await.unwrap();
+        assert_eq!(r.status(), 401, "{path}");
+        let r = c
+            .get(teacher().url(path))
+            .bearer_auth(KEY)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "{path}");
+    }
+    let r = c.get(teacher().url("/health")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+}
+
+#[tokio::test]
+async fn unknown_route_and_wrong_method() {
+    let c = client();
+    let r = c.get(teacher().url("/nope")).bearer_auth(KEY).send().await.unwrap();
+    expect_error(r, 404, "not_found", None).await;
+    let r = c.get(teacher().url("/topk_logits")).bearer_auth(KEY).send().await.unwrap();
+    expect_error(r, 405, "method_not_allowed", None).await;
+}
+
+/// A full queue answers 503 with Retry-After at once; a request larger than the whole queue
+/// answers 413; the queued request still completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queue_full_and_request_too_large() {
+    let dir = common::tiny_model("errors-llama", "llama", "llama2", 1);
+    let t = Teacher::start(
+        &dir,
+        &[
+            "--max-wait-ms",
+            "1500",
+            "--max-batch-tokens",
+            "32",
+            "--max-queue-tokens",
+            "40",
+        ],
+    );
+    let first = {
+        let url = t.url("/topk_logits");
+        let body = codec::encode_request(Format::Json, &request(vec![ids(1, 31, VOCAB)], 3)).unwrap();
+        tokio::spawn(async move {
+            client()
+                .post(url)
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+                .await
+                .map(|r| r.status().as_u16())
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let c = client();
+    let (status, body) = common::post(&c, &t, &request(vec![ids(2, 21, VOCAB)], 3), Format::Json).await;
+    assert_eq!(status, 503, "{}", String::from_utf8_lossy(&body));
+    let e: ErrorBody = serde_json::from_slice(&body).unwrap();
+    assert_eq!(e.error.kind, "queue_full");
+    let r = c
+        .post(t.url("/topk_logits"))
+        .header("content-type", "application/json")
+        .body(codec::encode_request(Format::Json, &request(vec![ids(2, 21, VOCAB)], 3)).unwrap())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 503);
+    assert_eq!(r.headers()["retry-after"], "1");
+    let (status, body) = common::post(&c, &t, &request(vec![ids(3, 30, VOCAB); 2], 3), Format::Json).await;
+    assert_eq!(status, 413);
+    let e: ErrorBody = serde_json::from_slice(&body).unwrap();
+    assert_eq!(e.error.kind, "request_too_large");
+    assert_eq!(first.await.unwrap().unwrap(), 200);
+    // The budget came back: the same request is admitted now.
+    let (status, _) = common::post(&c, &t, &request(vec![ids(2, 21, VOCAB)], 3), Format::Json).await;
+    assert_eq!(status, 200);
+}

@@ -1,0 +1,185 @@
+//! Process-level behaviour: graceful shutdown on SIGTERM, load failures, `--check-args`, and the
+//! teacher command line of `docker/compose.yaml`.
+
+mod common;
+
+use clap::Parser;
+use common::{client, ids, request};
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+use xdistill_server::Args;
+use xdistill_shared::codec::{self, Format};
+
+fn teacher_bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_teacher"))
+}
+
+/// SIGTERM while a request waits in the batcher: the request still completes, then the
+/// process exits cleanly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_lets_in_flight_requests_finish() {
+    let dir = common::tiny_model("lifecycle-llama", "llama", "llama2", 1);
+    let mut child = teacher_bin()
+        .arg("--model")
+        .arg(&dir)
+        .args(["--port", "0", "--max-wait-ms", "1000"])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let addr = lines
+        .find_map(|l| l.ok()?.strip_prefix("listening on ").map(str::to_string))
+        .expect("address line");
+    let base = format!("http://{addr}");
+    let c = client();
+    for _ in 0..600 {
+        if let Ok(r) = c.get(format!("{base}/health")).send().await {
+            if r.status() == 200 {
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let req = request(vec![ids(1, 12, 32_000)], 4);
+    let in_flight = {
+        let c = c.clone();
+        let url = format!("{base}/topk_logits");
+        let body = codec::encode_request(Format::Json, &req).unwrap();
+        tokio::spawn(async move {
+            let r = c
+                .post(url)
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+                .await
+                .expect("in-flight request failed");
+            (r.status().as_u16(), r.bytes().await.unwrap())
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let killed = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let (status, body) = in_flight.await.unwrap();
+    assert_eq!(status, 200);
+    let resp = codec::decode_response(Format::Json, &body).unwrap();
+    assert_eq!(resp.results[0].rows, 11);
+    let exit = tokio::task::spawn_blocking(move || child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(exit.success(), "{exit:?}");
+}
+
+#[test]
+fn missing_model_fails_clearly() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = teacher_bin()
+        .arg("--model")
+        .arg(dir.path())
+        .args(["--port", "0"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("config.json"), "{err}");
+}
+
+#[test]
+fn check_args_accepts_and_refuses() {
+    let dir = common::tiny_model("lifecycle-llama", "llama", "llama2", 1);
+    let ok = teacher_bin()
+        .arg("--model")
+        .arg(&dir)
+        .arg("--check-args")
+        .output()
+        .unwrap();
+    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    // max_position_embeddings of the tiny model is 256.
+    let bad = teacher_bin()
+        .arg("--model")
+        .arg(&dir)
+        .args(["--max-seq-len", "257", "--check-args"])
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+}
+
+/// Replaces `${VAR:-default}` by `default`, as compose does with an empty environment.
+fn compose_defaults(s: &str) -> String {
+    let mut out = String::new();
+    let mut rest = s;
+    while let Some(i) = rest.find("${") {
+        out.push_str(&rest[..i]);
+        let Some(j) = rest[i..].find('}') else { break };
+        let inner = &rest[i + 2..i + j];
+        out.push_str(inner.split_once(":-").map(|(_, d)| d).unwrap_or(""));
+        rest = &rest[i + j + 1..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// No Docker engine runs here: read the compose file and prove its teacher command line (with
+/// its environment) is accepted by `teacher`.
+#[test]
+fn compose_teacher_command_is_accepted() {
+    let path = xdistill_shared::paths::repo_root().join("docker/compose.yaml");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let doc: serde_yaml::Value = serde_yaml::from_str(&text).unwrap();
+    let svc = &doc["services"]["teacher"];
+    let command: Vec<String> = svc["command"]
+        .as_sequence()
+        .expect("command is a list")
+        .iter()
+        .map(|v| compose_defaults(v.as_str().expect("command entries are strings")))
+        .collect();
+    let env: Vec<(String, String)> = svc["environment"]
+        .as_mapping()
+        .map(|m| {
+            m.iter()
+                .map(|(k, v)| {
+                    (
+                        k.as_str().unwrap().to_string(),
+                        compose_defaults(v.as_str().unwrap_or("")),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    // 1. clap accepts it and the flag constraints hold.
+    let argv = std::iter::once("teacher".to_string()).chain(command.iter().cloned());
+    let args = Args::try_parse_from(argv).expect("compose command rejected by clap");
+    args.check().expect("compose command violates a constraint");
+    assert_eq!(args.host.to_string(), "0.0.0.0");
+    assert_eq!(args.port, 8000);
+    // 2. The binary accepts it too, with the model path pointed at a real model.
+    let container_model = args.model.clone();
+    let dir = common::tiny_model("lifecycle-llama", "llama", "llama2", 1);
+    let argv: Vec<String> = command
+        .iter()
+        .map(|a| {
+            if std::path::Path::new(a) == container_model {
+                dir.display().to_string()
+            } else {
+                a.clone()
+            }
+        })
+        .collect();
+    let out = teacher_bin()
+        .args(&argv)
+        .arg("--check-args")
+        .envs(env.iter().filter(|(k, _)| k.starts_with("XDISTILL_")).cloned())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // 3. The model volume is mounted read-only at the --model path; health is checked.
+    let volumes = format!("{:?}", svc["volumes"]);
+    assert!(volumes.contains(&format!("{}:ro", container_model.display())), "{volumes}");
+    let health = format!("{:?}", svc["healthcheck"]["test"]);
+    assert!(health.contains("/health"), "{health}");
+}

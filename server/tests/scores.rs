@@ -1,0 +1,229 @@
+//! The teacher's answers against an independent f64 reference, on tiny random Qwen3 and Llama
+//! models with real tokenizers: correctness, batch invariance, cache, concurrency, formats.
+
+mod common;
+
+use common::{client, ids, metric, request, score, Reference, Teacher};
+use std::sync::OnceLock;
+use xdistill_shared::codec::Format;
+use xdistill_shared::protocol::{InfoResponse, ValuesKind};
+
+const TOL: f64 = 1e-5;
+
+/// Qwen3 vocabulary (151,669 ids) with the LM head padded to a multiple of 64 (151,680 rows).
+fn qwen3() -> &'static (Teacher, Reference) {
+    static S: OnceLock<(Teacher, Reference)> = OnceLock::new();
+    S.get_or_init(|| {
+        let dir = common::tiny_model("scores-qwen3", "qwen3", "qwen3", 64);
+        (Teacher::start(&dir, &[]), Reference::load(&dir))
+    })
+}
+
+/// Llama 2 vocabulary, no cache (so every answer is a fresh forward), a small batch budget so
+/// long sequences are split, and a short wait window.
+fn llama() -> &'static (Teacher, Reference) {
+    static S: OnceLock<(Teacher, Reference)> = OnceLock::new();
+    S.get_or_init(|| {
+        let dir = common::tiny_model("scores-llama", "llama", "llama2", 1);
+        let t = Teacher::start(
+            &dir,
+            &[
+                "--cache-bytes",
+                "0",
+                "--max-batch-tokens",
+                "64",
+                "--max-wait-ms",
+                "20",
+            ],
+        );
+        (t, Reference::load(&dir))
+    })
+}
+
+#[tokio::test]
+async fn qwen3_topk_equals_f64_reference() {
+    let (t, reference) = qwen3();
+    let c = client();
+    let v = reference.vocab();
+    let seqs = vec![ids(1, 12, v), ids(2, 5, v), ids(3, 20, v)];
+    for (temperature, values, start) in [
+        (1.0f32, ValuesKind::Logprobs, 0usize),
+        (0.7, ValuesKind::Logprobs, 2),
+        (1.5, ValuesKind::Logits, 1),
+    ] {
+        let mut req = request(seqs.clone(), 16);
+        req.temperature = temperature;
+        req.values = values;
+        req.start = start;
+        let resp = score(&c, t, &req, Format::Json).await;
+        assert_eq!(resp.results.len(), seqs.len());
+        for (s, got) in seqs.iter().zip(&resp.results) {
+            reference.check(got, s, start, temperature as f64, values, TOL);
+        }
+    }
+}
+
+#[tokio::test]
+async fn llama_topk_equals_f64_reference_with_per_sequence_starts() {
+    let (t, reference) = llama();
+    let c = client();
+    let v = reference.vocab();
+    let seqs = vec![ids(4, 9, v), ids(5, 17, v), ids(6, 2, v), ids(7, 1, v)];
+    let mut req = request(seqs.clone(), 8);
+    req.starts = Some(vec![3, 0, 0, 0]);
+    let resp = score(&c, t, &req, Format::Msgpack).await;
+    // The S-1 convention: rows = S - 1 - start.
+    let rows: Vec<usize> = resp.results.iter().map(|r| r.rows).collect();
+    assert_eq!(rows, vec![5, 16, 1, 0]);
+    for ((s, got), start) in seqs.iter().zip(&resp.results).zip([3, 0, 0, 0]) {
+        reference.check(got, s, start, 1.0, ValuesKind::Logprobs, TOL);
+    }
+}
+
+/// A sequence longer than --max-batch-tokens (64) is scored in chunks and still exact.
+#[tokio::test]
+async fn long_sequence_is_split_and_exact() {
+    let (t, reference) = llama();
+    let c = client();
+    let s = ids(8, 150, reference.vocab());
+    let resp = score(&c, t, &request(vec![s.clone()], 4), Format::Json).await;
+    reference.check(&resp.results[0], &s, 0, 1.0, ValuesKind::Logprobs, TOL);
+}
+
+/// A sequence's answer does not depend on what it is batched with (cache disabled).
+#[tokio::test]
+async fn results_are_batch_invariant() {
+    let (t, reference) = llama();
+    let c = client();
+    let v = reference.vocab();
+    let probe = ids(9, 11, v);
+    let alone = score(&c, t, &request(vec![probe.clone()], 8), Format::Json).await;
+    let others: Vec<Vec<u32>> = (0..6).map(|i| ids(100 + i, 3 + 5 * i as usize, v)).collect();
+    let mut mixed = others.clone();
+    mixed.insert(3, probe.clone());
+    let together = score(&c, t, &request(mixed, 8), Format::Json).await;
+    let (a, b) = (&alone.results[0], &together.results[3]);
+    assert_eq!(a.topk_ids, b.topk_ids);
+    for (x, y) in a
+        .topk_values
+        .iter()
+        .chain(&a.target_logprobs)
+        .chain(&a.logsumexp)
+        .zip(b.topk_values.iter().chain(&b.target_logprobs).chain(&b.logsumexp))
+    {
+        assert!((x - y).abs() < 1e-5, "{x} vs {y}");
+    }
+}
+
+/// 32 concurrent clients, each with its own sequences; all answers correct.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thirty_two_concurrent_clients() {
+    let (t, reference) = llama();
+    let v = reference.vocab();
+    let forwards_before = metric(&client(), t, "xdistill_batch_forward_total").await;
+    let tasks: Vec<_> = (0..32u64)
+        .map(|i| {
+            let seqs = vec![ids(1000 + i, 4 + (i as usize % 7), v)];
+            tokio::spawn(async move {
+                let (t, _) = llama();
+                let resp = score(&client(), t, &request(seqs.clone(), 5), Format::Msgpack).await;
+                (seqs, resp)
+            })
+        })
+        .collect();
+    for task in tasks {
+        let (seqs, resp) = task.await.expect("client task");
+        reference.check(&resp.results[0], &seqs[0], 0, 1.0, ValuesKind::Logprobs, TOL);
+    }
+    // Coalescing happened: fewer forward passes than requests.
+    let forwards = metric(&client(), t, "xdistill_batch_forward_total").await - forwards_before;
+    assert!(forwards < 32.0, "{forwards} forwards for 32 requests");
+}
+
+#[tokio::test]
+async fn cache_hit_answers_without_a_forward_pass() {
+    let (t, reference) = qwen3();
+    let c = client();
+    let req = request(vec![ids(11, 14, reference.vocab())], 8);
+    let first = score(&c, t, &req, Format::Json).await;
+    let forwards = metric(&c, t, "xdistill_batch_forward_total").await;
+    let hits = metric(&c, t, "xdistill_cache_hits_total").await;
+    let second = score(&c, t, &req, Format::Json).await;
+    assert_eq!(first, second);
+    assert_eq!(
+        metric(&c, t, "xdistill_batch_forward_total").await,
+        forwards
+    );
+    assert_eq!(metric(&c, t, "xdistill_cache_hits_total").await, hits + 1.0);
+    // A different k is a different entry.
+    let mut other = req.clone();
+    other.k = 9;
+    score(&c, t, &other, Format::Json).await;
+    assert!(metric(&c, t, "xdistill_batch_forward_total").await > forwards);
+}
+
+#[tokio::test]
+async fn msgpack_and_json_answers_agree() {
+    let (t, reference) = qwen3();
+    let c = client();
+    let v = reference.vocab();
+    let req = request(vec![ids(21, 10, v), ids(22, 6, v)], 32);
+    let j = score(&c, t, &req, Format::Json).await;
+    let m = score(&c, t, &req, Format::Msgpack).await;
+    assert_eq!(j, m);
+    // msgpack: 8 bytes per (position, k) entry plus small per-row and per-sequence overhead.
+    let (_, body) = common::post(&c, t, &req, Format::Msgpack).await;
+    let entries = (9 + 5) * 32;
+    assert!(body.len() < entries * 9, "{} bytes", body.len());
+}
+
+#[tokio::test]
+async fn info_health_tokenizer_and_metrics() {
+    let (t, reference) = qwen3();
+    let c = client();
+    assert_eq!(
+        c.get(t.url("/health")).send().await.unwrap().status(),
+        200
+    );
+    let info: InfoResponse = c
+        .get(t.url("/v1/info"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(info.architecture, "Qwen3ForCausalLM");
+    assert_eq!(info.vocab_size, reference.vocab());
+    assert_eq!(info.vocab_size, 151_669);
+    assert_eq!(info.logits_size, 151_680);
+    assert_eq!(info.max_seq_len, 256);
+    assert_eq!(info.dtype, "f32");
+    assert_eq!(info.device, "cpu");
+    let tok = c.get(t.url("/tokenizer.json")).send().await.unwrap();
+    assert_eq!(tok.status(), 200);
+    let bytes = tok.bytes().await.unwrap();
+    let expected = std::fs::read(xdistill_shared::paths::tokenizer_json("qwen3")).unwrap();
+    assert_eq!(bytes.as_ref(), expected.as_slice());
+    let sha = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&bytes));
+    assert_eq!(sha, info.tokenizer_sha256);
+    let text = c
+        .get(t.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for name in [
+        "xdistill_request_total",
+        "xdistill_request_duration_seconds",
+        "xdistill_request_tokens_scored_total",
+        "xdistill_batch_sequences",
+        "xdistill_queue_tokens",
+        "xdistill_cache_hits_total",
+        "xdistill_cache_misses_total",
+    ] {
+        assert!(text.contains(&format!("# TYPE {name} ")), "{name} missing");
+    }
+}
