@@ -215,7 +215,11 @@ async fn main() -> Result<()> {
     println!("|---|---|");
     println!("| requests | {} in {:.2} s |", lat.len(), wall);
     println!("| scored positions/s | {:.0} |", rows as f64 / wall);
-    println!("| latency p50 / p99 | {:.1} ms / {:.1} ms |", ms(percentile(&lat, 0.5)), ms(percentile(&lat, 0.99)));
+    println!(
+        "| latency p50 / p99 | {:.1} ms / {:.1} ms |",
+        ms(percentile(&lat, 0.5)),
+        ms(percentile(&lat, 0.99))
+    );
     println!("| batches | {batches:.0} ({seqs_per_batch:.1} sequences each) |");
     println!(
         "| worker: forward / top-k / other | {:.1}% / {:.1}% / {:.1}% of wall time |",

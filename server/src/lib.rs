@@ -12,6 +12,7 @@ pub mod metrics;
 pub mod model;
 pub mod server;
 pub mod shutdown;
+pub mod testing;
 pub mod topk;
 pub mod validation;
 pub mod worker;

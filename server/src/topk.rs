@@ -55,7 +55,11 @@ fn block_max(x: &[f32]) -> f32 {
             acc[i] = if c[i] > acc[i] { c[i] } else { acc[i] };
         }
     }
-    let mut m = it.remainder().iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut m = it
+        .remainder()
+        .iter()
+        .copied()
+        .fold(f32::NEG_INFINITY, f32::max);
     for a in acc {
         m = m.max(a);
     }
@@ -303,8 +307,11 @@ mod tests {
             let s = score_rows(&logits, width, width, &[0; 4], &p);
             for r in 0..rows {
                 let row = &logits[r * width..(r + 1) * width];
-                let mut all: Vec<(f32, u32)> =
-                    row.iter().enumerate().map(|(i, &x)| (x, i as u32)).collect();
+                let mut all: Vec<(f32, u32)> = row
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &x)| (x, i as u32))
+                    .collect();
                 all.sort_by(desc);
                 let want: Vec<u32> = all[..k].iter().map(|e| e.1).collect();
                 assert_eq!(s.ids_row(r), want.as_slice(), "row {r} k {k}");

@@ -98,7 +98,11 @@ fn check_args_accepts_and_refuses() {
         .arg("--check-args")
         .output()
         .unwrap();
-    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
     // max_position_embeddings of the tiny model is 256.
     let bad = teacher_bin()
         .arg("--model")
@@ -173,13 +177,24 @@ fn compose_teacher_command_is_accepted() {
     let out = teacher_bin()
         .args(&argv)
         .arg("--check-args")
-        .envs(env.iter().filter(|(k, _)| k.starts_with("XDISTILL_")).cloned())
+        .envs(
+            env.iter()
+                .filter(|(k, _)| k.starts_with("XDISTILL_"))
+                .cloned(),
+        )
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     // 3. The model volume is mounted read-only at the --model path; health is checked.
     let volumes = format!("{:?}", svc["volumes"]);
-    assert!(volumes.contains(&format!("{}:ro", container_model.display())), "{volumes}");
+    assert!(
+        volumes.contains(&format!("{}:ro", container_model.display())),
+        "{volumes}"
+    );
     let health = format!("{:?}", svc["healthcheck"]["test"]);
     assert!(health.contains("/health"), "{health}");
 }

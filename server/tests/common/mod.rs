@@ -59,7 +59,9 @@ impl Teacher {
     pub fn start(model: &Path, extra: &[&str]) -> Teacher {
         let mut cmd = Command::new("sh");
         cmd.arg("-c")
-            .arg(r#""$0" "$@" & pid=$!; echo "pid $pid"; read _ignored; kill -TERM $pid; wait $pid"#)
+            .arg(
+                r#""$0" "$@" & pid=$!; echo "pid $pid"; read _ignored; kill -TERM $pid; wait $pid"#,
+            )
             .arg(env!("CARGO_BIN_EXE_teacher"))
             .arg("--model")
             .arg(model)
@@ -239,7 +241,10 @@ impl Reference {
 
     /// Rows `start..S-1` of `(logits / t)[..vocab]` and their log-softmax, in f64.
     pub fn rows(&self, ids: &[u32], start: usize, t: f64) -> Vec<(Vec<f64>, Vec<f64>)> {
-        let x = Tensor::new(ids, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+        let x = Tensor::new(ids, &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
         let logits = self.decoder.forward(&x).unwrap().squeeze(0).unwrap();
         let logits: Vec<Vec<f32>> = logits.to_vec2().unwrap();
         logits[start..ids.len() - 1]

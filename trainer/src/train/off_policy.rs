@@ -44,7 +44,9 @@ pub fn setup(cfg: Config) -> Result<Setup> {
     let loss: LossConfig = cfg.loss_as()?;
     loss.validate()?;
     let device = xdistill_shared::device::parse_device(&cfg.policy.device)?;
-    let client = Arc::new(BlockingClient::new(TeacherClient::from_config(&cfg.teacher)?)?);
+    let client = Arc::new(BlockingClient::new(TeacherClient::from_config(
+        &cfg.teacher,
+    )?)?);
     let url = client.wait_ready(cfg.teacher.max_wait())?;
     tracing::info!("teacher ready at {url}");
     let infos: Vec<_> = client
@@ -61,7 +63,11 @@ pub fn setup(cfg: Config) -> Result<Setup> {
     let info = crate::client::check_replicas(&infos).map_err(anyhow::Error::msg)?;
     client.client().pin_model(&info.model_fingerprint);
     if cfg.teacher.k > info.limits.max_k {
-        bail!("teacher.k = {} exceeds the teacher's max_k {}", cfg.teacher.k, info.limits.max_k);
+        bail!(
+            "teacher.k = {} exceeds the teacher's max_k {}",
+            cfg.teacher.k,
+            info.limits.max_k
+        );
     }
     let student_tok = cfg.student_tokenizer();
     let which = client.teacher_tokenizer(
@@ -89,7 +95,12 @@ pub fn setup(cfg: Config) -> Result<Setup> {
                 );
             }
             let t0 = Instant::now();
-            let (p, built) = Projection::load_or_build(&cfg.teacher_tokenizer_cache(), &student_tok, &teacher_tok, 4)?;
+            let (p, built) = Projection::load_or_build(
+                &cfg.teacher_tokenizer_cache(),
+                &student_tok,
+                &teacher_tok,
+                4,
+            )?;
             tracing::info!(
                 "projection map {} in {:.1}s",
                 if built { "built" } else { "loaded" },
@@ -97,14 +108,23 @@ pub fn setup(cfg: Config) -> Result<Setup> {
             );
             let s2t = &p.student_to_teacher;
             let indptr: Vec<usize> = s2t.indptr.iter().map(|&x| x as usize).collect();
-            let lp = LossProjection::from_csr(s2t.rows(), info.vocab_size, &indptr, &s2t.indices, &s2t.weights)?;
+            let lp = LossProjection::from_csr(
+                s2t.rows(),
+                info.vocab_size,
+                &indptr,
+                &s2t.indices,
+                &s2t.weights,
+            )?;
             let student = AlignTokenizer::from_file(&student_tok)?;
             let teacher = AlignTokenizer::from_file(&teacher_tok)?;
             (Tokenization::Cross { student, teacher }, Some(lp))
         }
     };
     Ok(Setup {
-        limits: Limits { max_student_tokens: max_student, max_teacher_tokens: max_teacher },
+        limits: Limits {
+            max_student_tokens: max_student,
+            max_teacher_tokens: max_teacher,
+        },
         cfg,
         loss,
         device,
@@ -127,8 +147,18 @@ fn validate(s: &Setup, student: &Student, val: &[Record]) -> Result<Option<ValSu
     let mb = s.cfg.policy.train_micro_batch_size.max(1);
     let mut sums = ValSums::default();
     for chunk in val.chunks(mb) {
-        let batch = data::Batch { records: chunk.to_vec(), start: Default::default(), next: Default::default() };
-        let p = prepare(batch, &s.tokenization, s.limits, s.cfg.teacher.k, s.cfg.teacher.temperature);
+        let batch = data::Batch {
+            records: chunk.to_vec(),
+            start: Default::default(),
+            next: Default::default(),
+        };
+        let p = prepare(
+            batch,
+            &s.tokenization,
+            s.limits,
+            s.cfg.teacher.k,
+            s.cfg.teacher.temperature,
+        );
         if p.items.is_empty() {
             continue;
         }
@@ -152,7 +182,7 @@ pub fn run(args: OffPolicyArgs) -> Result<()> {
     let out = cfg.checkpointing.checkpoint_dir.clone();
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     let s = setup(cfg)?;
-    let summary = train(&s, args.resume)?;
+    let summary = train(&s, args.resume, None)?;
     println!("{}", serde_json::to_string(&summary)?);
     Ok(())
 }
@@ -170,7 +200,9 @@ pub struct Summary {
 }
 
 /// The training loop (also used by tests and the demo with a ready [`Setup`]).
-pub fn train(s: &Setup, resume: bool) -> Result<Summary> {
+/// `stop_after`: end after that step as an interruption would (no final model): tests use it to
+/// check that `--resume` continues exactly.
+pub fn train(s: &Setup, resume: bool, stop_after: Option<u64>) -> Result<Summary> {
     let cfg = &s.cfg;
     let out = &cfg.checkpointing.checkpoint_dir;
     let t_start = Instant::now();
@@ -190,12 +222,23 @@ pub fn train(s: &Setup, resume: bool) -> Result<Summary> {
     let steps_per_epoch = {
         let n = train_set.records.len();
         let b = cfg.distillation.num_prompts_per_step;
-        if cfg.data.drop_last { n / b } else { n.div_ceil(b) }
+        if cfg.data.drop_last {
+            n / b
+        } else {
+            n.div_ceil(b)
+        }
     } as u64;
     if steps_per_epoch == 0 {
-        bail!("no training batch: {} records for num_prompts_per_step = {}", train_set.records.len(), cfg.distillation.num_prompts_per_step);
+        bail!(
+            "no training batch: {} records for num_prompts_per_step = {}",
+            train_set.records.len(),
+            cfg.distillation.num_prompts_per_step
+        );
     }
-    let total_steps = cfg.distillation.max_num_steps.min(steps_per_epoch * cfg.distillation.max_num_epochs);
+    let total_steps = cfg
+        .distillation
+        .max_num_steps
+        .min(steps_per_epoch * cfg.distillation.max_num_epochs);
     let mut runner = Runner::new(student, optim_config(&cfg.policy.optimizer), total_steps)?;
     let mut batcher = Batcher::new(train_set.records, BatchOptions::from_config(cfg));
     let mut rng = ChaCha8Rng::seed_from_u64(cfg.distillation.seed);
@@ -217,32 +260,46 @@ pub fn train(s: &Setup, resume: bool) -> Result<Summary> {
             tracing::info!("resumed from {} (step {step})", path.display());
             resumed_from = Some(step);
         } else {
-            tracing::info!("--resume: no checkpoint in {}, starting fresh", out.display());
+            tracing::info!(
+                "--resume: no checkpoint in {}, starting fresh",
+                out.display()
+            );
         }
     }
     let _ = &mut rng; // off-policy training draws no random numbers; the stream is kept for resume
     let mut log = MetricsLog::open(out, resumed_from)?;
-    let progress = Progress::new(total_steps, runner.step, cfg.logger.progress_bar, cfg.logger.log_every);
+    let progress = Progress::new(
+        total_steps,
+        runner.step,
+        cfg.logger.progress_bar,
+        cfg.logger.log_every,
+    );
     let k = cfg.teacher.k;
-    let val_metrics = |runner: &Runner, log: &mut MetricsLog, step: u64| -> Result<Option<(f64, f64)>> {
-        let t0 = Instant::now();
-        let Some(v) = validate(s, &runner.student, &val)? else { return Ok(None) };
-        let (kl, ce) = (v.kl / v.kl_units.max(1.0), v.ce / v.ce_tokens.max(1.0));
-        let mut parts = BTreeMap::new();
-        parts.insert("ce".to_string(), ce);
-        log.append(&ValMetrics {
-            split: "val".into(),
-            step,
-            loss: kl,
-            loss_parts: parts,
-            kl: Some(kl),
-            records: val.len() as u64,
-            loss_tokens: v.ce_tokens as u64,
-            time: t0.elapsed().as_secs_f64(),
-        })?;
-        progress.println(&format!("validation at step {step}: kl {kl:.4} ce {ce:.4} ({:.1}s)", t0.elapsed().as_secs_f64()));
-        Ok(Some((kl, ce)))
-    };
+    let val_metrics =
+        |runner: &Runner, log: &mut MetricsLog, step: u64| -> Result<Option<(f64, f64)>> {
+            let t0 = Instant::now();
+            let Some(v) = validate(s, &runner.student, &val)? else {
+                return Ok(None);
+            };
+            let (kl, ce) = (v.kl / v.kl_units.max(1.0), v.ce / v.ce_tokens.max(1.0));
+            let mut parts = BTreeMap::new();
+            parts.insert("ce".to_string(), ce);
+            log.append(&ValMetrics {
+                split: "val".into(),
+                step,
+                loss: kl,
+                loss_parts: parts,
+                kl: Some(kl),
+                records: val.len() as u64,
+                loss_tokens: v.ce_tokens as u64,
+                time: t0.elapsed().as_secs_f64(),
+            })?;
+            progress.println(&format!(
+                "validation at step {step}: kl {kl:.4} ce {ce:.4} ({:.1}s)",
+                t0.elapsed().as_secs_f64()
+            ));
+            Ok(Some((kl, ce)))
+        };
     let mut val_kl_start = None;
     if cfg.distillation.val_at_start && resumed_from.is_none() {
         val_kl_start = val_metrics(&runner, &mut log, 0)?.map(|x| x.0);
@@ -252,18 +309,29 @@ pub fn train(s: &Setup, resume: bool) -> Result<Summary> {
     let tokenization = s.tokenization.clone();
     let (limits, temperature) = (s.limits, cfg.teacher.temperature);
     let client = s.client.clone();
-    let batches = batcher.take(steps_left).map(move |b| prepare(b, &tokenization, limits, k, temperature));
-    let mut prefetch = Prefetcher::spawn(batches, cfg.teacher.prefetch.max(1), move |p: &Prepared| -> Result<TopkResponse, ClientError> {
-        if p.items.is_empty() {
-            return Ok(TopkResponse { k, ..Default::default() });
-        }
-        client.topk(&p.request)
-    });
+    let batches = batcher
+        .take(steps_left)
+        .map(move |b| prepare(b, &tokenization, limits, k, temperature));
+    let mut prefetch = Prefetcher::spawn(
+        batches,
+        cfg.teacher.prefetch.max(1),
+        move |p: &Prepared| -> Result<TopkResponse, ClientError> {
+            if p.items.is_empty() {
+                return Ok(TopkResponse {
+                    k,
+                    ..Default::default()
+                });
+            }
+            client.topk(&p.request)
+        },
+    );
     let mb = cfg.policy.train_micro_batch_size.max(1);
     let mut last_val = None;
     while runner.step < total_steps {
         let t_step = Instant::now();
-        let Some(fetched) = prefetch.next() else { break };
+        let Some(fetched) = prefetch.next() else {
+            break;
+        };
         let fetched = fetched.map_err(|e| anyhow::anyhow!("teacher: {e}"))?;
         let p = fetched.batch;
         skipped += p.skipped;
@@ -282,7 +350,16 @@ pub fn train(s: &Setup, resume: bool) -> Result<Summary> {
             if u.kd == 0.0 {
                 continue;
             }
-            let (loss, m) = micro_loss(runner.student.model(), items, sc, k, &s.loss, s.projection.as_ref(), norm, &s.device)?;
+            let (loss, m) = micro_loss(
+                runner.student.model(),
+                items,
+                sc,
+                k,
+                &s.loss,
+                s.projection.as_ref(),
+                norm,
+                &s.device,
+            )?;
             acc.add(&loss.backward()?)?;
             kd_sum += m.kd.loss * norm.kd; // per-call value is normalised by the step total
             if let Some(ce) = m.ce {
@@ -333,16 +410,34 @@ pub fn train(s: &Setup, resume: bool) -> Result<Summary> {
         if let Some((kl, _)) = last_val {
             state.metrics.insert("val_kl".into(), kl);
         }
-        if cfg.checkpointing.enabled && step % cfg.checkpointing.save_period == 0 && step < total_steps {
+        if cfg.checkpointing.enabled
+            && step % cfg.checkpointing.save_period == 0
+            && step < total_steps
+        {
             let path = runner.save_checkpoint(out, &state)?;
             progress.println(&format!("checkpoint {}", path.display()));
             if let Some(keep) = cfg.checkpointing.keep_top_k {
                 let ranking = match &cfg.checkpointing.metric_name {
-                    Some(name) => Ranking::Metric { name: name.clone(), higher_is_better: cfg.checkpointing.higher_is_better },
+                    Some(name) => Ranking::Metric {
+                        name: name.clone(),
+                        higher_is_better: cfg.checkpointing.higher_is_better,
+                    },
                     None => Ranking::Newest,
                 };
                 checkpoint::retain(out, keep, &ranking)?;
             }
+        }
+        if stop_after == Some(step) && step < total_steps {
+            progress.finish();
+            return Ok(Summary {
+                steps: step,
+                seconds: t_start.elapsed().as_secs_f64(),
+                val_kl_start,
+                val_kl_end: last_val.map(|v| v.0),
+                val_ce_end: last_val.map(|v| v.1),
+                skipped_records: skipped,
+                final_dir: String::new(),
+            });
         }
         if step == total_steps {
             let path = runner.save_final(out, &state)?;

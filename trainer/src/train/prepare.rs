@@ -11,7 +11,10 @@ use xdistill_shared::protocol::{TopkRequest, ValuesKind};
 /// How records are tokenized: one tokenizer for both sides, or two aligned ones.
 pub enum Tokenization {
     Same(Tokenizer),
-    Cross { student: AlignTokenizer, teacher: AlignTokenizer },
+    Cross {
+        student: AlignTokenizer,
+        teacher: AlignTokenizer,
+    },
 }
 
 impl Tokenization {
@@ -27,7 +30,10 @@ pub enum Item {
     Same(Encoded),
     /// Different tokenizers: both tokenizations of the same (canonical) text and their chunks;
     /// `loss_start` is the byte of that text where training starts (0: everything).
-    Cross { pair: TokenizedPair, loss_start: usize },
+    Cross {
+        pair: TokenizedPair,
+        loss_start: usize,
+    },
 }
 
 impl Item {
@@ -64,7 +70,9 @@ pub fn prepare_record(r: &Record, tok: &Tokenization, lim: Limits) -> Option<Ite
     let item = match tok {
         Tokenization::Same(t) => {
             let max = lim.max_student_tokens.min(lim.max_teacher_tokens);
-            encode(t, &text, loss_start, max).map(Item::Same).map_err(|e| e.to_string())
+            encode(t, &text, loss_start, max)
+                .map(Item::Same)
+                .map_err(|e| e.to_string())
         }
         Tokenization::Cross { student, teacher } => {
             let opts = PairOptions {
@@ -77,9 +85,13 @@ pub fn prepare_record(r: &Record, tok: &Tokenization, lim: Limits) -> Option<Ite
             let canon_start = if loss_start == 0 {
                 Ok(0)
             } else {
-                canonical_text(&text[..loss_start.min(text.len())], &student.bytes, &teacher.bytes)
-                    .map(|p| p.len())
-                    .map_err(|e| e.to_string())
+                canonical_text(
+                    &text[..loss_start.min(text.len())],
+                    &student.bytes,
+                    &teacher.bytes,
+                )
+                .map(|p| p.len())
+                .map_err(|e| e.to_string())
             };
             canon_start.and_then(|ls| {
                 tokenize_pair(&text, student, teacher, opts)
@@ -88,7 +100,10 @@ pub fn prepare_record(r: &Record, tok: &Tokenization, lim: Limits) -> Option<Ite
                         if pair.student_ids.len() < 2 || pair.teacher_ids.len() < 2 {
                             Err("fewer than 2 tokens on a side".to_string())
                         } else {
-                            Ok(Item::Cross { pair, loss_start: ls })
+                            Ok(Item::Cross {
+                                pair,
+                                loss_start: ls,
+                            })
                         }
                     })
             })
@@ -104,7 +119,13 @@ pub fn prepare_record(r: &Record, tok: &Tokenization, lim: Limits) -> Option<Ite
 }
 
 /// Tokenizes a batch and builds its teacher request (`start = 0`: every position).
-pub fn prepare(batch: Batch, tok: &Tokenization, lim: Limits, k: usize, temperature: f32) -> Prepared {
+pub fn prepare(
+    batch: Batch,
+    tok: &Tokenization,
+    lim: Limits,
+    k: usize,
+    temperature: f32,
+) -> Prepared {
     let mut items = Vec::with_capacity(batch.records.len());
     let mut skipped = 0;
     for r in &batch.records {
@@ -121,5 +142,10 @@ pub fn prepare(batch: Batch, tok: &Tokenization, lim: Limits, k: usize, temperat
         starts: None,
         values: ValuesKind::Logprobs,
     };
-    Prepared { batch, items, request, skipped }
+    Prepared {
+        batch,
+        items,
+        request,
+        skipped,
+    }
 }

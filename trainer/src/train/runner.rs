@@ -2,7 +2,9 @@
 
 use crate::checkpoint::{self, Checkpoint, CheckpointData, TrainerState};
 use crate::config::{LrSchedule, OptimizerConfig};
-use crate::optim::{clip_grad_norm, AdamW, AdamWConfig, OptimConfig, OptimizerState, ScheduleConfig};
+use crate::optim::{
+    clip_grad_norm, AdamW, AdamWConfig, OptimConfig, OptimizerState, ScheduleConfig,
+};
 use crate::student::Student;
 use anyhow::{Context, Result};
 use candle_core::backprop::GradStore;
@@ -23,8 +25,14 @@ pub fn optim_config(o: &OptimizerConfig) -> OptimConfig {
         },
         schedule: match o.schedule {
             LrSchedule::Constant => ScheduleConfig::Constant { warmup_steps },
-            LrSchedule::Linear => ScheduleConfig::Linear { warmup_steps, min_lr: o.min_lr },
-            LrSchedule::Cosine => ScheduleConfig::Cosine { warmup_steps, min_lr: o.min_lr },
+            LrSchedule::Linear => ScheduleConfig::Linear {
+                warmup_steps,
+                min_lr: o.min_lr,
+            },
+            LrSchedule::Cosine => ScheduleConfig::Cosine {
+                warmup_steps,
+                min_lr: o.min_lr,
+            },
         },
         max_grad_norm: o.max_grad_norm.unwrap_or(0.0),
     }
@@ -56,7 +64,14 @@ impl Runner {
         optim.validate()?;
         let vars: Vec<Var> = student.named_vars().into_iter().map(|(_, v)| v).collect();
         let opt = AdamW::with_names(student.named_vars(), optim.adamw.clone())?;
-        Ok(Runner { student, opt, optim, total_steps, step: 0, vars })
+        Ok(Runner {
+            student,
+            opt,
+            optim,
+            total_steps,
+            step: 0,
+            vars,
+        })
     }
 
     pub fn vars(&self) -> &[Var] {
@@ -69,22 +84,39 @@ impl Runner {
         let grad_norm = clip_grad_norm(&mut grads, &self.vars, self.optim.max_grad_norm)?;
         self.step += 1;
         if !grad_norm.is_finite() {
-            tracing::warn!("step {}: gradient norm is {grad_norm}; update skipped", self.step);
-            return Ok(Update { grad_norm, lr, applied: false });
+            tracing::warn!(
+                "step {}: gradient norm is {grad_norm}; update skipped",
+                self.step
+            );
+            return Ok(Update {
+                grad_norm,
+                lr,
+                applied: false,
+            });
         }
         self.opt.set_learning_rate(lr);
         self.opt.step(&grads)?;
         self.student.refresh()?;
-        Ok(Update { grad_norm, lr, applied: true })
+        Ok(Update {
+            grad_norm,
+            lr,
+            applied: true,
+        })
     }
 
     /// Restores weights, optimiser state and the step from a checkpoint.
     pub fn restore(&mut self, ck: &Checkpoint) -> Result<()> {
         for (name, var) in self.student.named_vars() {
-            let t = ck.model.get(&name).with_context(|| format!("checkpoint has no tensor {name:?}"))?;
+            let t = ck
+                .model
+                .get(&name)
+                .with_context(|| format!("checkpoint has no tensor {name:?}"))?;
             var.set(&t.to_dtype(var.dtype())?.to_device(var.device())?)?;
         }
-        let state = OptimizerState { step: ck.state.step, tensors: ck.optimizer.clone() };
+        let state = OptimizerState {
+            step: ck.state.step,
+            tensors: ck.optimizer.clone(),
+        };
         self.opt.load_state_dict(&state)?;
         self.student.refresh()?;
         self.step = ck.state.step;
@@ -110,6 +142,12 @@ impl Runner {
     /// Writes `OUTPUT/final/`.
     pub fn save_final(&self, out: &Path, state: &TrainerState) -> Result<PathBuf> {
         let model = self.student.tensors()?;
-        Ok(checkpoint::save_final(out, &model, &self.student.config, &self.student.tokenizer_json, state)?)
+        Ok(checkpoint::save_final(
+            out,
+            &model,
+            &self.student.config,
+            &self.student.tokenizer_json,
+            state,
+        )?)
     }
 }

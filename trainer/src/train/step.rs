@@ -4,8 +4,8 @@
 use super::prepare::Item;
 use crate::collate::{pad_batch, Encoded};
 use crate::loss::{
-    combine, cross_entropy, kd_loss, kl::Divergence, topk_divergence, CeConfig, KdInputs, KdMetrics, LossConfig,
-    Projection, TailMode, TopkTargets, XTokenBatch,
+    combine, cross_entropy, kd_loss, kl::Divergence, topk_divergence, CeConfig, KdInputs,
+    KdMetrics, LossConfig, Projection, TailMode, TopkTargets, XTokenBatch,
 };
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
@@ -51,7 +51,10 @@ pub fn units(items: &[Item]) -> Units {
             }
             Item::Cross { pair, loss_start } => {
                 let layout = cross_layout(pair, *loss_start);
-                u += Units { kd: layout.chunks as f64, ce: layout.student_loss_tokens as f64 };
+                u += Units {
+                    kd: layout.chunks as f64,
+                    ce: layout.student_loss_tokens as f64,
+                };
             }
         }
     }
@@ -96,7 +99,13 @@ fn cross_layout(pair: &crate::align::TokenizedPair, loss_start: usize) -> CrossL
         next += 1;
     }
     let student_loss_tokens = ts.saturating_sub(student_loss_from);
-    CrossLayout { student_chunk, teacher_chunk, chunks: next as usize, student_loss_from, student_loss_tokens }
+    CrossLayout {
+        student_chunk,
+        teacher_chunk,
+        chunks: next as usize,
+        student_loss_from,
+        student_loss_tokens,
+    }
 }
 
 fn check_rows(s: &SequenceScores, len: usize, k: usize) -> Result<()> {
@@ -119,7 +128,11 @@ pub fn micro_loss(
     device: &Device,
 ) -> Result<(Tensor, MicroOut)> {
     if items.is_empty() || items.len() != scores.len() {
-        bail!("micro-batch of {} items with {} teacher answers", items.len(), scores.len());
+        bail!(
+            "micro-batch of {} items with {} teacher answers",
+            items.len(),
+            scores.len()
+        );
     }
     let want_ce = !matches!(cfg.ce, CeConfig::None {});
     match &items[0] {
@@ -159,7 +172,10 @@ fn same_tokenizer(
     // 1. Trained positions (row-major over [B, T]) and their teacher rows.
     let mask: Vec<f32> = tb.mask.flatten_all()?.to_vec1()?;
     let targets: Vec<u32> = tb.targets.flatten_all()?.to_vec1()?;
-    let sel: Vec<u32> = (0..b * t).filter(|&i| mask[i] > 0.0).map(|i| i as u32).collect();
+    let sel: Vec<u32> = (0..b * t)
+        .filter(|&i| mask[i] > 0.0)
+        .map(|i| i as u32)
+        .collect();
     let n = sel.len();
     if n == 0 {
         bail!("micro-batch has no trained tokens");
@@ -175,7 +191,10 @@ fn same_tokenizer(
     let hidden = model.forward_hidden(&tb.ids, None, None, None)?;
     let h = hidden.dim(2)?;
     let sel_t = Tensor::from_vec(sel.clone(), n, device)?;
-    let rows = hidden.reshape((b * t, h))?.index_select(&sel_t, 0)?.unsqueeze(0)?;
+    let rows = hidden
+        .reshape((b * t, h))?
+        .index_select(&sel_t, 0)?
+        .unsqueeze(0)?;
     let logits = model.logits(&rows)?;
     let vocab = logits.dim(2)?;
     let ones = vec![1f32; n];
@@ -184,14 +203,27 @@ fn same_tokenizer(
     let (ce, ce_mean) = if want_ce {
         let tg: Vec<u32> = sel.iter().map(|&i| targets[i as usize]).collect();
         let tg = Tensor::from_vec(tg, (1, n), device)?;
-        let (ce, _) = cross_entropy(&logits, &tg, &Tensor::ones((1, n), candle_core::DType::F32, device)?, Some(norm.ce))?;
+        let (ce, _) = cross_entropy(
+            &logits,
+            &tg,
+            &Tensor::ones((1, n), candle_core::DType::F32, device)?,
+            Some(norm.ce),
+        )?;
         let mean = ce.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()? * norm.ce / n as f64;
         (Some(ce), Some(mean))
     } else {
         (None, None)
     };
     let c = combine(&kd, ce.as_ref(), cfg)?;
-    Ok((c.total, MicroOut { kd: kd_m, ce: ce_mean, kd_scale: c.kd_scale, units: units(items) }))
+    Ok((
+        c.total,
+        MicroOut {
+            kd: kd_m,
+            ce: ce_mean,
+            kd_scale: c.kd_scale,
+            units: units(items),
+        },
+    ))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -209,32 +241,66 @@ fn cross_tokenizer(
     let (xb, enc) = xtoken_batch(items, scores, k)?;
     let tb = pad_batch(&enc, 0, device)?;
     let logits = model.forward(&tb.ids)?; // [B, Ts, V]
-    let (kd, kd_m) = kd_loss(cfg, &logits, KdInputs::XToken { batch: &xb, projection }, Some(norm.kd))?;
+    let (kd, kd_m) = kd_loss(
+        cfg,
+        &logits,
+        KdInputs::XToken {
+            batch: &xb,
+            projection,
+        },
+        Some(norm.kd),
+    )?;
     let (ce, ce_mean) = if want_ce && tb.n_targets > 0 {
         let (ce, _) = cross_entropy(&logits, &tb.targets, &tb.mask, Some(norm.ce))?;
-        let mean = ce.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()? * norm.ce / tb.n_targets as f64;
+        let mean = ce.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()? * norm.ce
+            / tb.n_targets as f64;
         (Some(ce), Some(mean))
     } else {
         (None, None)
     };
     let c = combine(&kd, ce.as_ref(), cfg)?;
-    Ok((c.total, MicroOut { kd: kd_m, ce: ce_mean, kd_scale: c.kd_scale, units: units(items) }))
+    Ok((
+        c.total,
+        MicroOut {
+            kd: kd_m,
+            ce: ce_mean,
+            kd_scale: c.kd_scale,
+            units: units(items),
+        },
+    ))
 }
 
 /// The cross-tokenizer loss input for aligned items, plus the student side as `Encoded`s.
-pub fn xtoken_batch(items: &[Item], scores: &[&SequenceScores], k: usize) -> Result<(XTokenBatch, Vec<Encoded>)> {
+pub fn xtoken_batch(
+    items: &[Item],
+    scores: &[&SequenceScores],
+    k: usize,
+) -> Result<(XTokenBatch, Vec<Encoded>)> {
     let b = items.len();
     let mut layouts = Vec::with_capacity(b);
     let mut enc = Vec::with_capacity(b);
     for (it, s) in items.iter().zip(scores) {
-        let Item::Cross { pair, loss_start } = it else { bail!("mixed same/cross-tokenizer micro-batch") };
+        let Item::Cross { pair, loss_start } = it else {
+            bail!("mixed same/cross-tokenizer micro-batch")
+        };
         check_rows(s, pair.teacher_ids.len(), k)?;
         let l = cross_layout(pair, *loss_start);
-        enc.push(Encoded { ids: pair.student_ids.clone(), loss_from: l.student_loss_from });
+        enc.push(Encoded {
+            ids: pair.student_ids.clone(),
+            loss_from: l.student_loss_from,
+        });
         layouts.push((pair, l));
     }
-    let ts = layouts.iter().map(|(p, _)| p.student_ids.len()).max().unwrap_or(1);
-    let tt = layouts.iter().map(|(p, _)| p.teacher_ids.len()).max().unwrap_or(1);
+    let ts = layouts
+        .iter()
+        .map(|(p, _)| p.student_ids.len())
+        .max()
+        .unwrap_or(1);
+    let tt = layouts
+        .iter()
+        .map(|(p, _)| p.teacher_ids.len())
+        .max()
+        .unwrap_or(1);
     let mut x = XTokenBatch {
         batch: b,
         student_len: ts,
@@ -288,8 +354,16 @@ pub fn validation_sums(
     };
     match &items[0] {
         Item::Same(_) => {
-            let enc: Vec<Encoded> =
-                items.iter().filter_map(|i| if let Item::Same(e) = i { Some(e.clone()) } else { None }).collect();
+            let enc: Vec<Encoded> = items
+                .iter()
+                .filter_map(|i| {
+                    if let Item::Same(e) = i {
+                        Some(e.clone())
+                    } else {
+                        None
+                    }
+                })
+                .collect();
             for (e, s) in enc.iter().zip(scores) {
                 check_rows(s, e.ids.len(), k)?;
             }
@@ -307,23 +381,52 @@ pub fn validation_sums(
             }
             let mask: Vec<f32> = tb.mask.flatten_all()?.to_vec1()?;
             let tk = TopkTargets::from_host(b, t, k, &ids, &lps, &mask, logits.dim(2)?, device)?;
-            let (kl, m) = topk_divergence(&logits, &tk, Divergence::Forward, TailMode::Bucket, temperature, None)?;
+            let (kl, m) = topk_divergence(
+                &logits,
+                &tk,
+                Divergence::Forward,
+                TailMode::Bucket,
+                temperature,
+                None,
+            )?;
             let (ce, n) = cross_entropy(&logits, &tb.targets, &tb.mask, None)?;
-            let kl = kl.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()? / (temperature * temperature);
+            let kl = kl.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?
+                / (temperature * temperature);
             let ce = ce.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
-            Ok(ValSums { kl: kl * m.count, kl_units: m.count, ce: ce * n, ce_tokens: n })
+            Ok(ValSums {
+                kl: kl * m.count,
+                kl_units: m.count,
+                ce: ce * n,
+                ce_tokens: n,
+            })
         }
         Item::Cross { .. } => {
             let proj = projection.context("cross-tokenizer validation without a projection map")?;
             let (xb, enc) = xtoken_batch(items, scores, k)?;
             let tb = pad_batch(&enc, 0, device)?;
             let logits = model.forward(&tb.ids)?;
-            let cfg = ones_cfg(crate::loss::KdConfig::Pkl { anchor: Default::default() });
-            let (kl, m) = kd_loss(&cfg, &logits, KdInputs::XToken { batch: &xb, projection: proj }, None)?;
+            let cfg = ones_cfg(crate::loss::KdConfig::Pkl {
+                anchor: Default::default(),
+            });
+            let (kl, m) = kd_loss(
+                &cfg,
+                &logits,
+                KdInputs::XToken {
+                    batch: &xb,
+                    projection: proj,
+                },
+                None,
+            )?;
             let (ce, n) = cross_entropy(&logits, &tb.targets, &tb.mask, None)?;
-            let kl = kl.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()? / (temperature * temperature);
+            let kl = kl.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?
+                / (temperature * temperature);
             let ce = ce.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
-            Ok(ValSums { kl: kl * m.count, kl_units: m.count, ce: ce * n, ce_tokens: n })
+            Ok(ValSums {
+                kl: kl * m.count,
+                kl_units: m.count,
+                ce: ce * n,
+                ce_tokens: n,
+            })
         }
     }
 }
