@@ -185,7 +185,11 @@ async fn method_not_allowed() -> Response {
 
 async fn health(State(st): State<Shared>) -> Response {
     match st.ready() {
-        Ok(_) => (StatusCode::OK, axum::Json(serde_json::json!({"status": "ok"}))).into_response(),
+        Ok(_) => (
+            StatusCode::OK,
+            axum::Json(serde_json::json!({"status": "ok"})),
+        )
+            .into_response(),
         Err(e) => error_response(e),
     }
 }

@@ -268,7 +268,10 @@ mod tests {
         let (wtx, _wrx) = mpsc::channel(1);
         let b = Batcher::start(cfg(50, 1), wtx, metrics.clone());
         let t1 = b.admit(60).unwrap();
-        assert!(matches!(b.admit(41), Err(ApiError::QueueFull { queued: 60, .. })));
+        assert!(matches!(
+            b.admit(41),
+            Err(ApiError::QueueFull { queued: 60, .. })
+        ));
         drop(t1);
         let _t2 = b.admit(100).unwrap();
         assert_eq!(metrics.queue_rejected.load(Relaxed), 1);

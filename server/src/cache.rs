@@ -88,7 +88,10 @@ mod tests {
         assert_ne!(base, cache_key("fq", &[1, 2, 3], 0, &p));
         assert_ne!(base, cache_key("fp", &[1, 2, 4], 0, &p));
         assert_ne!(base, cache_key("fp", &[1, 2, 3], 1, &p));
-        assert_ne!(base, cache_key("fp", &[1, 2, 3], 0, &ScoreParams { k: 5, ..p }));
+        assert_ne!(
+            base,
+            cache_key("fp", &[1, 2, 3], 0, &ScoreParams { k: 5, ..p })
+        );
         assert_ne!(
             base,
             cache_key(

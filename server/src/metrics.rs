@@ -111,7 +111,10 @@ impl Default for Metrics {
 }
 
 fn counter(out: &mut String, name: &str, help: &str, v: u64) {
-    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
+    let _ = writeln!(
+        out,
+        "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}"
+    );
 }
 
 fn gauge(out: &mut String, name: &str, help: &str, v: i64) {
@@ -252,12 +255,10 @@ impl Metrics {
 
 /// Reads the value of an unlabelled sample `name` from exposition text (for tests and the bench).
 pub fn sample(text: &str, name: &str) -> Option<f64> {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .find_map(|l| {
-            let (n, v) = l.rsplit_once(' ')?;
-            (n == name).then(|| v.parse().ok()).flatten()
-        })
+    text.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
+        let (n, v) = l.rsplit_once(' ')?;
+        (n == name).then(|| v.parse().ok()).flatten()
+    })
 }
 
 #[cfg(test)]
@@ -278,11 +279,17 @@ mod tests {
             Some(2.0)
         );
         assert_eq!(
-            sample(&t, "xdistill_batch_forward_duration_seconds_bucket{le=\"0.005\"}"),
+            sample(
+                &t,
+                "xdistill_batch_forward_duration_seconds_bucket{le=\"0.005\"}"
+            ),
             Some(1.0)
         );
         assert_eq!(
-            sample(&t, "xdistill_batch_forward_duration_seconds_bucket{le=\"+Inf\"}"),
+            sample(
+                &t,
+                "xdistill_batch_forward_duration_seconds_bucket{le=\"+Inf\"}"
+            ),
             Some(2.0)
         );
         assert_eq!(sample(&t, "xdistill_cache_bytes"), Some(100.0));

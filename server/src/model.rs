@@ -50,9 +50,8 @@ pub fn read_facts(dir: &ModelDir, dtype: DType, device: &Device) -> Result<Model
             "tokenizer has more ids than the LM head; ids >= {logits_size} are refused"
         );
     }
-    let tokenizer_json = std::fs::read(&dir.tokenizer).map_err(|e| {
-        LoadError::Config(format!("reading {}: {e}", dir.tokenizer.display()))
-    })?;
+    let tokenizer_json = std::fs::read(&dir.tokenizer)
+        .map_err(|e| LoadError::Config(format!("reading {}: {e}", dir.tokenizer.display())))?;
     Ok(ModelFacts {
         architecture: arch.hf_class().into(),
         model_type: arch.model_type().into(),
@@ -68,11 +67,7 @@ pub fn read_facts(dir: &ModelDir, dtype: DType, device: &Device) -> Result<Model
 }
 
 /// Opens the device and the directory and memory-maps the weights.
-pub fn load(
-    path: &Path,
-    device: &str,
-    dtype: &str,
-) -> Result<(Decoder, ModelFacts), LoadError> {
+pub fn load(path: &Path, device: &str, dtype: &str) -> Result<(Decoder, ModelFacts), LoadError> {
     let device = parse_device(device)?;
     let dtype = parse_dtype(dtype)?;
     let dir = ModelDir::open(path)?;

@@ -29,7 +29,10 @@ fn exp_nonpos(x: f32) -> f32 {
     const LN2_LO: f32 = -2.121_944_4e-4;
     let x = if x < -87.0 { -87.0 } else { x };
     // 1. x = n ln2 + r with |r| <= ln2 / 2 (Cody-Waite, two-part ln2).
-    let n = (x * std::f32::consts::LOG2_E + MAGIC) - MAGIC;
+    let t = x * std::f32::consts::LOG2_E + MAGIC;
+    let n = t - MAGIC;
+    // The integer n sits in the low mantissa bits of t (no float-to-int conversion needed).
+    let ni = (t.to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32);
     let r = (x - n * LN2_HI) - n * LN2_LO;
     // 2. e^r by its Taylor polynomial of degree 7 (truncation error < 1e-8 on that interval).
     let p = 1.0
@@ -39,7 +42,7 @@ fn exp_nonpos(x: f32) -> f32 {
                     + r * (1.0 / 24.0
                         + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
     // 3. Scale by 2^n through the exponent bits (n >= -126, so the result is normal).
-    p * f32::from_bits(((n as i32 + 127) as u32) << 23)
+    p * f32::from_bits((ni.wrapping_add(127) as u32) << 23)
 }
 
 /// Lanes of the vectorisable reductions.
@@ -51,11 +54,15 @@ fn block_max(x: &[f32]) -> f32 {
     let mut acc = [f32::NEG_INFINITY; LANES];
     let mut it = x.chunks_exact(LANES);
     for c in &mut it {
-        for i in 0..LANES {
-            acc[i] = if c[i] > acc[i] { c[i] } else { acc[i] };
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a = if v > *a { v } else { *a };
         }
     }
-    let mut m = it.remainder().iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut m = it
+        .remainder()
+        .iter()
+        .copied()
+        .fold(f32::NEG_INFINITY, f32::max);
     for a in acc {
         m = m.max(a);
     }
@@ -67,8 +74,8 @@ fn block_sum_exp(x: &[f32], m: f32, scale: f32) -> f64 {
     let mut acc = [0f32; LANES];
     let mut it = x.chunks_exact(LANES);
     for c in &mut it {
-        for i in 0..LANES {
-            acc[i] += exp_nonpos((c[i] - m) * scale);
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a += exp_nonpos((v - m) * scale);
         }
     }
     let rest: f64 = it
@@ -187,7 +194,7 @@ pub fn score_rows(
                 .zip(out.logsumexp.par_iter_mut()),
         )
         .for_each_init(
-            || Vec::with_capacity(valid),
+            || Vec::with_capacity((4 * k).max(256) + 1),
             |buf, ((((row, &target), ids), vals), (tl, lse))| {
                 let (t, l) = score_row(row, valid, target, p, buf, ids, vals);
                 *tl = t;
@@ -243,9 +250,10 @@ mod tests {
             for r in 0..rows {
                 let (all, lse) = reference(&logits[r * width..(r + 1) * width], valid, t as f64);
                 assert!((s.logsumexp[r] as f64 - lse).abs() < 1e-5 * lse.abs().max(1.0));
-                for j in 0..p.k {
-                    assert_eq!(s.ids_row(r)[j] as usize, all[j].0);
-                    assert!((s.values_row(r)[j] as f64 - all[j].1).abs() < 1e-5);
+                let got = s.ids_row(r).iter().zip(s.values_row(r));
+                for ((&id, &v), want) in got.zip(&all[..p.k]) {
+                    assert_eq!(id as usize, want.0);
+                    assert!((v as f64 - want.1).abs() < 1e-5);
                 }
                 let tl = all.iter().find(|e| e.0 == targets[r] as usize).unwrap().1;
                 assert!((s.target_logprobs[r] as f64 - tl).abs() < 1e-5);
@@ -303,8 +311,11 @@ mod tests {
             let s = score_rows(&logits, width, width, &[0; 4], &p);
             for r in 0..rows {
                 let row = &logits[r * width..(r + 1) * width];
-                let mut all: Vec<(f32, u32)> =
-                    row.iter().enumerate().map(|(i, &x)| (x, i as u32)).collect();
+                let mut all: Vec<(f32, u32)> = row
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &x)| (x, i as u32))
+                    .collect();
                 all.sort_by(desc);
                 let want: Vec<u32> = all[..k].iter().map(|e| e.1).collect();
                 assert_eq!(s.ids_row(r), want.as_slice(), "row {r} k {k}");

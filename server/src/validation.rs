@@ -64,7 +64,10 @@ pub fn validate(req: TopkRequest, lim: &RequestLimits) -> Result<ValidTopkReques
     if req.k > lim.vocab_size {
         return Err(ApiError::invalid(
             "k",
-            format!("k = {} exceeds the vocabulary size {}", req.k, lim.vocab_size),
+            format!(
+                "k = {} exceeds the vocabulary size {}",
+                req.k, lim.vocab_size
+            ),
         ));
     }
     if !req.temperature.is_finite() || req.temperature <= 0.0 {
@@ -201,7 +204,10 @@ mod tests {
 
     #[test]
     fn names_the_offending_field() {
-        assert_eq!(field_of(req(vec![vec![1, 2], vec![3, 100]])), "sequences[1][1]");
+        assert_eq!(
+            field_of(req(vec![vec![1, 2], vec![3, 100]])),
+            "sequences[1][1]"
+        );
         assert_eq!(field_of(req(vec![vec![1], vec![]])), "sequences[1]");
         assert_eq!(field_of(req(vec![vec![1; 9]])), "sequences[0]");
         assert_eq!(field_of(req(vec![])), "sequences");

@@ -119,10 +119,8 @@ impl Worker {
     fn run_batch(&self, batch: Batch) {
         let t0 = Instant::now();
         // Drop cancelled work before computing it: the caller's receiver is gone.
-        let (jobs, cancelled): (Vec<Job>, Vec<Job>) = batch
-            .jobs
-            .into_iter()
-            .partition(|j| !j.reply.is_closed());
+        let (jobs, cancelled): (Vec<Job>, Vec<Job>) =
+            batch.jobs.into_iter().partition(|j| !j.reply.is_closed());
         self.metrics
             .batch_cancelled
             .fetch_add(cancelled.len() as u64, Relaxed);
@@ -137,12 +135,16 @@ impl Worker {
             Ok(Ok(scores)) => scores.into_iter().map(Ok).collect(),
             Ok(Err(e)) => {
                 tracing::error!("batch failed: {e}");
-                jobs.iter().map(|_| Err(format!("forward failed: {e}"))).collect()
+                jobs.iter()
+                    .map(|_| Err(format!("forward failed: {e}")))
+                    .collect()
             }
             Err(p) => {
                 let msg = panic_message(p.as_ref());
                 tracing::error!("batch panicked: {msg}");
-                jobs.iter().map(|_| Err(format!("worker panicked: {msg}"))).collect()
+                jobs.iter()
+                    .map(|_| Err(format!("worker panicked: {msg}")))
+                    .collect()
             }
         };
         let m = &self.metrics;

@@ -5,7 +5,6 @@ mod common;
 
 use common::{client, ids, request, Teacher};
 use std::sync::OnceLock;
-use std::time::Duration;
 use xdistill_shared::codec::{self, Format};
 use xdistill_shared::protocol::{ErrorBody, TopkRequest};
 
@@ -87,9 +86,21 @@ async fn still_serving() {
 
 #[tokio::test]
 async fn malformed_body() {
-    let r = send("/topk_logits", Some("application/json"), b"{\"sequences\": [[1,".to_vec(), Some(KEY)).await;
+    let r = send(
+        "/topk_logits",
+        Some("application/json"),
+        b"{\"sequences\": [[1,".to_vec(),
+        Some(KEY),
+    )
+    .await;
     expect_error(r, 400, "malformed_body", None).await;
-    let r = send("/topk_logits", Some(codec::MSGPACK), vec![0xc1, 0x00, 0xff], Some(KEY)).await;
+    let r = send(
+        "/topk_logits",
+        Some(codec::MSGPACK),
+        vec![0xc1, 0x00, 0xff],
+        Some(KEY),
+    )
+    .await;
     expect_error(r, 400, "malformed_body", None).await;
     let r = post_json(serde_json::json!({"sequences": [[1, -2]], "k": 2})).await;
     expect_error(r, 400, "malformed_body", None).await;
@@ -100,7 +111,11 @@ async fn unknown_field() {
     let r = post_json(serde_json::json!({"sequences": [[1, 2]], "k": 2, "topk": 3})).await;
     assert_eq!(r.status(), 400);
     let body: ErrorBody = r.json().await.unwrap();
-    assert!(body.error.message.contains("topk"), "{}", body.error.message);
+    assert!(
+        body.error.message.contains("topk"),
+        "{}",
+        body.error.message
+    );
     still_serving().await;
 }
 
@@ -134,24 +149,33 @@ async fn k_zero_over_max_k_and_over_vocab() {
 #[tokio::test]
 async fn temperature_not_positive_or_not_finite() {
     for t in [0.0, -1.0] {
-        let r = post_json(serde_json::json!({"sequences": [[1, 2]], "k": 2, "temperature": t})).await;
+        let r =
+            post_json(serde_json::json!({"sequences": [[1, 2]], "k": 2, "temperature": t})).await;
         expect_error(r, 422, "invalid_request", Some("temperature")).await;
     }
     // JSON cannot carry NaN or infinity; MessagePack can.
     for t in [f32::NAN, f32::INFINITY] {
         let mut req = request(vec![vec![1, 2]], 2);
         req.temperature = t;
-        expect_error(post_msgpack(&req).await, 422, "invalid_request", Some("temperature")).await;
+        expect_error(
+            post_msgpack(&req).await,
+            422,
+            "invalid_request",
+            Some("temperature"),
+        )
+        .await;
     }
 }
 
 #[tokio::test]
 async fn start_out_of_range() {
-    let r = post_json(serde_json::json!({"sequences": [[1, 2, 3], [4, 5]], "k": 2, "start": 2})).await;
+    let r =
+        post_json(serde_json::json!({"sequences": [[1, 2, 3], [4, 5]], "k": 2, "start": 2})).await;
     expect_error(r, 422, "invalid_request", Some("start")).await;
     let r = post_json(serde_json::json!({"sequences": [[1, 2, 3]], "k": 2, "starts": [3]})).await;
     expect_error(r, 422, "invalid_request", Some("starts[0]")).await;
-    let r = post_json(serde_json::json!({"sequences": [[1, 2, 3]], "k": 2, "starts": [0, 1]})).await;
+    let r =
+        post_json(serde_json::json!({"sequences": [[1, 2, 3]], "k": 2, "starts": [0, 1]})).await;
     expect_error(r, 422, "invalid_request", Some("starts")).await;
 }
 
@@ -163,14 +187,29 @@ async fn sequence_over_max_seq_len() {
 
 #[tokio::test]
 async fn body_over_the_size_limit() {
-    let big = format!("{{\"sequences\": [[{}]], \"k\": 2}}", vec!["1"; 3000].join(","));
-    let r = send("/topk_logits", Some("application/json"), big.into_bytes(), Some(KEY)).await;
+    let big = format!(
+        "{{\"sequences\": [[{}]], \"k\": 2}}",
+        vec!["1"; 3000].join(",")
+    );
+    let r = send(
+        "/topk_logits",
+        Some("application/json"),
+        big.into_bytes(),
+        Some(KEY),
+    )
+    .await;
     expect_error(r, 413, "payload_too_large", None).await;
 }
 
 #[tokio::test]
 async fn unsupported_content_type() {
-    let r = send("/topk_logits", Some("text/csv"), b"1,2,3".to_vec(), Some(KEY)).await;
+    let r = send(
+        "/topk_logits",
+        Some("text/csv"),
+        b"1,2,3".to_vec(),
+        Some(KEY),
+    )
+    .await;
     expect_error(r, 415, "unsupported_media_type", None).await;
 }
 
@@ -181,7 +220,13 @@ async fn api_key_required_except_for_health() {
     let r = send("/topk_logits", Some("application/json"), body.clone(), None).await;
     assert!(r.headers().contains_key("www-authenticate"));
     expect_error(r, 401, "unauthorized", None).await;
-    let r = send("/topk_logits", Some("application/json"), body, Some("wrong")).await;
+    let r = send(
+        "/topk_logits",
+        Some("application/json"),
+        body,
+        Some("wrong"),
+    )
+    .await;
     expect_error(r, 401, "unauthorized", None).await;
     for path in ["/v1/info", "/metrics", "/tokenizer.json"] {
         let r = c.get(teacher().url(path)).send().await.unwrap();
@@ -201,9 +246,19 @@ async fn api_key_required_except_for_health() {
 #[tokio::test]
 async fn unknown_route_and_wrong_method() {
     let c = client();
-    let r = c.get(teacher().url("/nope")).bearer_auth(KEY).send().await.unwrap();
+    let r = c
+        .get(teacher().url("/nope"))
+        .bearer_auth(KEY)
+        .send()
+        .await
+        .unwrap();
     expect_error(r, 404, "not_found", None).await;
-    let r = c.get(teacher().url("/topk_logits")).bearer_auth(KEY).send().await.unwrap();
+    let r = c
+        .get(teacher().url("/topk_logits"))
+        .bearer_auth(KEY)
+        .send()
+        .await
+        .unwrap();
     expect_error(r, 405, "method_not_allowed", None).await;
 }
 
@@ -216,7 +271,7 @@ async fn queue_full_and_request_too_large() {
         &dir,
         &[
             "--max-wait-ms",
-            "1500",
+            "3000",
             "--max-batch-tokens",
             "32",
             "--max-queue-tokens",
@@ -225,7 +280,8 @@ async fn queue_full_and_request_too_large() {
     );
     let first = {
         let url = t.url("/topk_logits");
-        let body = codec::encode_request(Format::Json, &request(vec![ids(1, 31, VOCAB)], 3)).unwrap();
+        let body =
+            codec::encode_request(Format::Json, &request(vec![ids(1, 31, VOCAB)], 3)).unwrap();
         tokio::spawn(async move {
             client()
                 .post(url)
@@ -236,9 +292,11 @@ async fn queue_full_and_request_too_large() {
                 .map(|r| r.status().as_u16())
         })
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Wait until the first request is queued (it then waits out the 3 s window).
     let c = client();
-    let (status, body) = common::post(&c, &t, &request(vec![ids(2, 21, VOCAB)], 3), Format::Json).await;
+    common::wait_for_metric(&c, &t, "xdistill_queue_tokens", 30.0).await;
+    let (status, body) =
+        common::post(&c, &t, &request(vec![ids(2, 21, VOCAB)], 3), Format::Json).await;
     assert_eq!(status, 503, "{}", String::from_utf8_lossy(&body));
     let e: ErrorBody = serde_json::from_slice(&body).unwrap();
     assert_eq!(e.error.kind, "queue_full");
@@ -251,12 +309,19 @@ async fn queue_full_and_request_too_large() {
         .unwrap();
     assert_eq!(r.status(), 503);
     assert_eq!(r.headers()["retry-after"], "1");
-    let (status, body) = common::post(&c, &t, &request(vec![ids(3, 30, VOCAB); 2], 3), Format::Json).await;
+    let (status, body) = common::post(
+        &c,
+        &t,
+        &request(vec![ids(3, 30, VOCAB); 2], 3),
+        Format::Json,
+    )
+    .await;
     assert_eq!(status, 413);
     let e: ErrorBody = serde_json::from_slice(&body).unwrap();
     assert_eq!(e.error.kind, "request_too_large");
     assert_eq!(first.await.unwrap().unwrap(), 200);
     // The budget came back: the same request is admitted now.
-    let (status, _) = common::post(&c, &t, &request(vec![ids(2, 21, VOCAB)], 3), Format::Json).await;
+    let (status, _) =
+        common::post(&c, &t, &request(vec![ids(2, 21, VOCAB)], 3), Format::Json).await;
     assert_eq!(status, 200);
 }

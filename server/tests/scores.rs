@@ -98,7 +98,9 @@ async fn results_are_batch_invariant() {
     let v = reference.vocab();
     let probe = ids(9, 11, v);
     let alone = score(&c, t, &request(vec![probe.clone()], 8), Format::Json).await;
-    let others: Vec<Vec<u32>> = (0..6).map(|i| ids(100 + i, 3 + 5 * i as usize, v)).collect();
+    let others: Vec<Vec<u32>> = (0..6)
+        .map(|i| ids(100 + i, 3 + 5 * i as usize, v))
+        .collect();
     let mut mixed = others.clone();
     mixed.insert(3, probe.clone());
     let together = score(&c, t, &request(mixed, 8), Format::Json).await;
@@ -109,7 +111,12 @@ async fn results_are_batch_invariant() {
         .iter()
         .chain(&a.target_logprobs)
         .chain(&a.logsumexp)
-        .zip(b.topk_values.iter().chain(&b.target_logprobs).chain(&b.logsumexp))
+        .zip(
+            b.topk_values
+                .iter()
+                .chain(&b.target_logprobs)
+                .chain(&b.logsumexp),
+        )
     {
         assert!((x - y).abs() < 1e-5, "{x} vs {y}");
     }
@@ -133,7 +140,14 @@ async fn thirty_two_concurrent_clients() {
         .collect();
     for task in tasks {
         let (seqs, resp) = task.await.expect("client task");
-        reference.check(&resp.results[0], &seqs[0], 0, 1.0, ValuesKind::Logprobs, TOL);
+        reference.check(
+            &resp.results[0],
+            &seqs[0],
+            0,
+            1.0,
+            ValuesKind::Logprobs,
+            TOL,
+        );
     }
     // Coalescing happened: fewer forward passes than requests.
     let forwards = metric(&client(), t, "xdistill_batch_forward_total").await - forwards_before;
@@ -181,10 +195,7 @@ async fn msgpack_and_json_answers_agree() {
 async fn info_health_tokenizer_and_metrics() {
     let (t, reference) = qwen3();
     let c = client();
-    assert_eq!(
-        c.get(t.url("/health")).send().await.unwrap().status(),
-        200
-    );
+    assert_eq!(c.get(t.url("/health")).send().await.unwrap().status(), 200);
     let info: InfoResponse = c
         .get(t.url("/v1/info"))
         .send()

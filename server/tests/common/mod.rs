@@ -59,7 +59,9 @@ impl Teacher {
     pub fn start(model: &Path, extra: &[&str]) -> Teacher {
         let mut cmd = Command::new("sh");
         cmd.arg("-c")
-            .arg(r#""$0" "$@" & pid=$!; echo "pid $pid"; read _ignored; kill -TERM $pid; wait $pid"#)
+            .arg(
+                r#""$0" "$@" & pid=$!; echo "pid $pid"; read _ignored; kill -TERM $pid; wait $pid"#,
+            )
             .arg(env!("CARGO_BIN_EXE_teacher"))
             .arg("--model")
             .arg(model)
@@ -209,6 +211,17 @@ pub async fn metric(c: &reqwest::Client, t: &Teacher, name: &str) -> f64 {
     xdistill_server::metrics::sample(&text, name).unwrap_or_else(|| panic!("no metric {name}"))
 }
 
+/// Polls `/metrics` until `name` equals `value` (at most 10 s).
+pub async fn wait_for_metric(c: &reqwest::Client, t: &Teacher, name: &str, value: f64) {
+    for _ in 0..1000 {
+        if metric(c, t, name).await == value {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("{name} never reached {value}");
+}
+
 /// The independent reference: the model loaded here, one sequence at a time (no batching, no
 /// padding), full logits [S, V], log-softmax over the tokenizer's vocabulary in f64.
 pub struct Reference {
@@ -239,7 +252,10 @@ impl Reference {
 
     /// Rows `start..S-1` of `(logits / t)[..vocab]` and their log-softmax, in f64.
     pub fn rows(&self, ids: &[u32], start: usize, t: f64) -> Vec<(Vec<f64>, Vec<f64>)> {
-        let x = Tensor::new(ids, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+        let x = Tensor::new(ids, &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
         let logits = self.decoder.forward(&x).unwrap().squeeze(0).unwrap();
         let logits: Vec<Vec<f32>> = logits.to_vec2().unwrap();
         logits[start..ids.len() - 1]
