@@ -37,8 +37,9 @@ struct Args {
     k: usize,
     #[arg(long)]
     api_key: Option<String>,
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
+    /// Seed of the random sequences (default: from the clock, so a rerun misses the cache).
+    #[arg(long)]
+    seed: Option<u64>,
 }
 
 struct Bench {
@@ -117,7 +118,14 @@ fn ms(d: Duration) -> f64 {
 
 #[tokio::main]
 async fn main() -> Result<()> {
-    let args = Args::parse();
+    let mut args = Args::parse();
+    let seed = args.seed.unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0)
+    });
+    args.seed = Some(seed);
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs(600))
         .build()?;
@@ -136,9 +144,9 @@ async fn main() -> Result<()> {
         .await?;
     b.vocab = info.vocab_size;
     let b = std::sync::Arc::new(b);
-    let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     println!(
-        "teacher: {} vocab {} (LM head {}), {} on {}; k = {}, {} clients x {} requests x {} sequences x {} tokens",
+        "teacher: {} vocab {} (LM head {}), {} on {}; k = {}, {} clients x {} requests x {} sequences x {} tokens, seed {seed}",
         info.architecture,
         info.vocab_size,
         info.logits_size,
@@ -160,7 +168,7 @@ async fn main() -> Result<()> {
     let mut tasks = Vec::new();
     for c in 0..args.clients {
         let b = b.clone();
-        let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed + 1 + c as u64);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed.wrapping_add(1 + c as u64));
         tasks.push(tokio::spawn(async move {
             let mut out = Vec::new();
             for _ in 0..b.args.requests {

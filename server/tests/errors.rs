@@ -5,7 +5,6 @@ mod common;
 
 use common::{client, ids, request, Teacher};
 use std::sync::OnceLock;
-use std::time::Duration;
 use xdistill_shared::codec::{self, Format};
 use xdistill_shared::protocol::{ErrorBody, TopkRequest};
 
@@ -272,7 +271,7 @@ async fn queue_full_and_request_too_large() {
         &dir,
         &[
             "--max-wait-ms",
-            "1500",
+            "3000",
             "--max-batch-tokens",
             "32",
             "--max-queue-tokens",
@@ -293,8 +292,9 @@ async fn queue_full_and_request_too_large() {
                 .map(|r| r.status().as_u16())
         })
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Wait until the first request is queued (it then waits out the 3 s window).
     let c = client();
+    common::wait_for_metric(&c, &t, "xdistill_queue_tokens", 30.0).await;
     let (status, body) =
         common::post(&c, &t, &request(vec![ids(2, 21, VOCAB)], 3), Format::Json).await;
     assert_eq!(status, 503, "{}", String::from_utf8_lossy(&body));

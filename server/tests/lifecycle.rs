@@ -23,7 +23,7 @@ async fn sigterm_lets_in_flight_requests_finish() {
     let mut child = teacher_bin()
         .arg("--model")
         .arg(&dir)
-        .args(["--port", "0", "--max-wait-ms", "1000"])
+        .args(["--port", "0", "--max-wait-ms", "2000"])
         .env("RUST_LOG", "warn")
         .stdout(Stdio::piped())
         .spawn()
@@ -58,7 +58,21 @@ async fn sigterm_lets_in_flight_requests_finish() {
             (r.status().as_u16(), r.bytes().await.unwrap())
         })
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // SIGTERM once the request is queued (it then waits out the 2 s batching window).
+    for _ in 0..200 {
+        let text = c
+            .get(format!("{base}/metrics"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        if xdistill_server::metrics::sample(&text, "xdistill_queue_tokens") == Some(11.0) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let killed = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status()
@@ -197,4 +211,57 @@ fn compose_teacher_command_is_accepted() {
     );
     let health = format!("{:?}", svc["healthcheck"]["test"]);
     assert!(health.contains("/health"), "{health}");
+}
+
+/// A checkpoint split into shards with `model.safetensors.index.json` loads to the same model
+/// as the single file (Qwen2 here, so all three architectures are exercised by the tests).
+#[test]
+fn sharded_checkpoint_loads_like_the_single_file() {
+    use candle_core::{Device, Tensor};
+    let single = common::tiny_model("lifecycle-qwen2", "qwen2", "llama2", 1);
+    let sharded = tempfile::tempdir().unwrap();
+    let tensors =
+        candle_core::safetensors::load(single.join("model.safetensors"), &Device::Cpu).unwrap();
+    let mut names: Vec<&String> = tensors.keys().collect();
+    names.sort();
+    let mut weight_map = serde_json::Map::new();
+    for (shard, part) in names.chunks(names.len().div_ceil(2)).enumerate() {
+        let file = format!("model-{:05}-of-00002.safetensors", shard + 1);
+        let map: std::collections::HashMap<String, Tensor> = part
+            .iter()
+            .map(|n| ((*n).clone(), tensors[*n].clone()))
+            .collect();
+        candle_core::safetensors::save(&map, sharded.path().join(&file)).unwrap();
+        for n in part {
+            weight_map.insert((*n).clone(), file.clone().into());
+        }
+    }
+    std::fs::write(
+        sharded.path().join("model.safetensors.index.json"),
+        serde_json::to_vec(&serde_json::json!({"metadata": {}, "weight_map": weight_map})).unwrap(),
+    )
+    .unwrap();
+    for f in ["config.json", "tokenizer.json"] {
+        std::fs::copy(single.join(f), sharded.path().join(f)).unwrap();
+    }
+    let (a, fa) = xdistill_server::model::load(&single, "cpu", "f32").unwrap();
+    let (b, fb) = xdistill_server::model::load(sharded.path(), "cpu", "f32").unwrap();
+    assert_eq!(fa.architecture, "Qwen2ForCausalLM");
+    assert_eq!(fa.vocab_size, fb.vocab_size);
+    let ids = Tensor::new(&ids(5, 9, 32_000)[..], &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    let (la, lb) = (a.forward(&ids).unwrap(), b.forward(&ids).unwrap());
+    let diff: f32 = (la - lb)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar()
+        .unwrap();
+    assert_eq!(diff, 0.0);
 }

@@ -211,6 +211,17 @@ pub async fn metric(c: &reqwest::Client, t: &Teacher, name: &str) -> f64 {
     xdistill_server::metrics::sample(&text, name).unwrap_or_else(|| panic!("no metric {name}"))
 }
 
+/// Polls `/metrics` until `name` equals `value` (at most 10 s).
+pub async fn wait_for_metric(c: &reqwest::Client, t: &Teacher, name: &str, value: f64) {
+    for _ in 0..1000 {
+        if metric(c, t, name).await == value {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("{name} never reached {value}");
+}
+
 /// The independent reference: the model loaded here, one sequence at a time (no batching, no
 /// padding), full logits [S, V], log-softmax over the tokenizer's vocabulary in f64.
 pub struct Reference {
