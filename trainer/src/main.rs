@@ -22,6 +22,8 @@ enum Command {
     InitModel(init_model::Args),
     /// Distil a student from a teacher server on dataset text (off-policy).
     OffPolicy(config::OffPolicyArgs),
+    /// Distil on the student's own samples scored by the teacher (on-policy, mixable with off-policy).
+    OnPolicy(train::on_policy::OnPolicyArgs),
     /// Accuracy of a model on a prompts file (greedy and sampled).
     Eval(eval::Args),
     /// Write a synthetic arithmetic task (train.jsonl, test.jsonl).
@@ -42,6 +44,7 @@ fn main() -> Result<()> {
     match Cli::parse().command {
         Command::InitModel(a) => init_model::run(a),
         Command::OffPolicy(a) => train::off_policy::run(a),
+        Command::OnPolicy(a) => train::on_policy::run(a),
         Command::Eval(a) => eval::run(a).map(|_| ()),
         Command::MakeTask(a) => Ok(task::run(a)?),
         Command::Align(a) => align::cli::run_align(a),

@@ -99,6 +99,13 @@ impl Student {
         &self.model
     }
 
+    /// A decoder on the same weights with the fused (inference-only) kernels, for generation.
+    /// In f32 it reads the master vars directly, so it sees every optimizer update.
+    pub fn inference_model(&self) -> Result<Decoder> {
+        let vb = VarBuilder::from_varmap(&self.varmap, self.compute_dtype, &self.device);
+        Ok(Decoder::new(&self.config, vb, Ops::Fused)?)
+    }
+
     /// Re-derives the compute-dtype copy after an optimizer step (no-op in f32).
     pub fn refresh(&mut self) -> Result<()> {
         if self.compute_dtype != self.master_dtype() {

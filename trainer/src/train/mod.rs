@@ -5,6 +5,7 @@
 //! checkpoint).
 
 pub mod off_policy;
+pub mod on_policy;
 pub mod prepare;
 pub mod runner;
 pub mod step;

@@ -10,7 +10,7 @@ use super::prepare::{prepare, Limits, Prepared, Tokenization};
 use super::runner::{optim_config, Runner};
 use super::step::{micro_loss, units, validation_sums, Units, ValSums};
 use crate::align::AlignTokenizer;
-use crate::checkpoint::{self, Ranking, TrainerState};
+use crate::checkpoint::{self, TrainerState};
 use crate::client::{BlockingClient, ClientError, Prefetcher, TeacherClient, TeacherTokenizer};
 use crate::config::{Config, OffPolicyArgs};
 use crate::data::{self, BatchOptions, Batcher, Record};
@@ -197,6 +197,11 @@ pub struct Summary {
     pub val_ce_end: Option<f64>,
     pub skipped_records: u64,
     pub final_dir: String,
+    /// On-policy runs: mean teacher log-prob of the student's held-out samples.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub val_teacher_logprob_start: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub val_teacher_logprob_end: Option<f64>,
 }
 
 /// The training loop (also used by tests and the demo with a ready [`Setup`]).
@@ -410,23 +415,7 @@ pub fn train(s: &Setup, resume: bool, stop_after: Option<u64>) -> Result<Summary
         if let Some((kl, _)) = last_val {
             state.metrics.insert("val_kl".into(), kl);
         }
-        if cfg.checkpointing.enabled
-            && step % cfg.checkpointing.save_period == 0
-            && step < total_steps
-        {
-            let path = runner.save_checkpoint(out, &state)?;
-            progress.println(&format!("checkpoint {}", path.display()));
-            if let Some(keep) = cfg.checkpointing.keep_top_k {
-                let ranking = match &cfg.checkpointing.metric_name {
-                    Some(name) => Ranking::Metric {
-                        name: name.clone(),
-                        higher_is_better: cfg.checkpointing.higher_is_better,
-                    },
-                    None => Ranking::Newest,
-                };
-                checkpoint::retain(out, keep, &ranking)?;
-            }
-        }
+        runner.after_step(&cfg.checkpointing, &state, &|l| progress.println(l))?;
         if stop_after == Some(step) && step < total_steps {
             progress.finish();
             return Ok(Summary {
@@ -437,11 +426,9 @@ pub fn train(s: &Setup, resume: bool, stop_after: Option<u64>) -> Result<Summary
                 val_ce_end: last_val.map(|v| v.1),
                 skipped_records: skipped,
                 final_dir: String::new(),
+                val_teacher_logprob_start: None,
+                val_teacher_logprob_end: None,
             });
-        }
-        if step == total_steps {
-            let path = runner.save_final(out, &state)?;
-            progress.println(&format!("final model {}", path.display()));
         }
     }
     progress.finish();
@@ -459,6 +446,8 @@ pub fn train(s: &Setup, resume: bool, stop_after: Option<u64>) -> Result<Summary
         val_ce_end: last_val.map(|v| v.1),
         skipped_records: skipped,
         final_dir: final_dir.display().to_string(),
+        val_teacher_logprob_start: None,
+        val_teacher_logprob_end: None,
     })
 }
 

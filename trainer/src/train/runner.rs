@@ -139,6 +139,36 @@ impl Runner {
         )?)
     }
 
+    /// End-of-step bookkeeping shared by the loops: a checkpoint every `save_period` steps
+    /// (pruned to `keep_top_k`), and the final model after the last step.
+    pub fn after_step(
+        &self,
+        ck: &crate::config::CheckpointingConfig,
+        state: &TrainerState,
+        log: &dyn Fn(&str),
+    ) -> Result<()> {
+        let out = &ck.checkpoint_dir;
+        if ck.enabled && self.step % ck.save_period == 0 && self.step < self.total_steps {
+            let path = self.save_checkpoint(out, state)?;
+            log(&format!("checkpoint {}", path.display()));
+            if let Some(keep) = ck.keep_top_k {
+                let ranking = match &ck.metric_name {
+                    Some(name) => checkpoint::Ranking::Metric {
+                        name: name.clone(),
+                        higher_is_better: ck.higher_is_better,
+                    },
+                    None => checkpoint::Ranking::Newest,
+                };
+                checkpoint::retain(out, keep, &ranking)?;
+            }
+        }
+        if self.step == self.total_steps {
+            let path = self.save_final(out, state)?;
+            log(&format!("final model {}", path.display()));
+        }
+        Ok(())
+    }
+
     /// Writes `OUTPUT/final/`.
     pub fn save_final(&self, out: &Path, state: &TrainerState) -> Result<PathBuf> {
         let model = self.student.tensors()?;

@@ -1,0 +1,699 @@
+//! `trainer on-policy`: the student samples completions of the data's prompts, the teacher scores
+//! them, and the student is trained on its own samples.
+//!
+//! - Same tokenizer: prompt + completion goes to the teacher in one request with `starts` at the
+//!   completion, so only completion positions come back. With `kd = sampled_kl` the loss is the
+//!   sampled-token reverse KL with the teacher's log-prob of each sampled token as advantage
+//!   (field notes §3); a top-k loss (`forward_kl`, `jsd`, …) uses the teacher's top-k there.
+//! - Different tokenizers: each completion is decoded to text, prompt + completion is tokenized
+//!   once for both sides (no spurious space at the join), aligned, and trained with the
+//!   cross-tokenizer loss of `[loss]`.
+//! - `[on_policy] lambda`: the share of steps that sample; the others train off-policy on the
+//!   data's own prompt + completion, so one run can mix both (TRL GKD's λ).
+
+use super::off_policy::{setup, Setup, Summary};
+use super::prepare::{prepare, prepare_record, Item, Tokenization};
+use super::runner::{optim_config, Runner};
+use super::step::{micro_loss, units, validation_sums, Units};
+use crate::checkpoint::{self, TrainerState};
+use crate::collate::Encoded;
+use crate::config::{Config, OffPolicyArgs};
+use crate::data::{self, BatchOptions, Batcher, Content, Record};
+use crate::generate::{generate, Generation};
+use crate::loss::{sampled_token_loss, KdConfig, LossConfig, SampledTargets};
+use crate::metrics_log::{unix_time, MetricsLog, Progress, StepMetrics, ValMetrics};
+use crate::optim::GradAccumulator;
+use crate::student::Student;
+use anyhow::{bail, Context, Result};
+use candle_core::{Device, Tensor};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Instant;
+use xdistill_shared::protocol::{SequenceScores, TopkRequest, ValuesKind};
+
+/// `trainer on-policy` flags (the off-policy ones, with `--prompts` for the data).
+#[derive(clap::Args, Debug, Clone)]
+pub struct OnPolicyArgs {
+    /// TOML config (same sections as off-policy, plus `[on_policy]`).
+    #[arg(long)]
+    pub config: PathBuf,
+    /// Teacher base URL (repeatable; overrides `teacher.urls`).
+    #[arg(long = "teacher-url")]
+    pub teacher_url: Vec<String>,
+    /// Student model directory (overrides `policy.model_name`).
+    #[arg(long)]
+    pub student: Option<PathBuf>,
+    /// Prompts: JSONL with the fields `[data]` names (overrides `data.train_path`).
+    #[arg(long)]
+    pub prompts: Option<PathBuf>,
+    /// Output directory (overrides `checkpointing.checkpoint_dir`).
+    #[arg(long)]
+    pub output: Option<PathBuf>,
+    #[arg(long)]
+    pub max_steps: Option<u64>,
+    /// Continue from the newest checkpoint in the output directory.
+    #[arg(long)]
+    pub resume: bool,
+    /// Override any config key: `--set section.key=value` (repeatable).
+    #[arg(long)]
+    pub set: Vec<String>,
+}
+
+impl From<OnPolicyArgs> for OffPolicyArgs {
+    fn from(a: OnPolicyArgs) -> OffPolicyArgs {
+        OffPolicyArgs {
+            config: a.config,
+            teacher_url: a.teacher_url,
+            student: a.student,
+            data: a.prompts,
+            output: a.output,
+            max_steps: a.max_steps,
+            resume: a.resume,
+            set: a.set,
+        }
+    }
+}
+
+pub fn run(args: OnPolicyArgs) -> Result<()> {
+    let args: OffPolicyArgs = args.into();
+    let cfg = Config::load(&args)?;
+    let out = cfg.checkpointing.checkpoint_dir.clone();
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    let s = setup(cfg)?;
+    let summary = train(&s, args.resume, None)?;
+    println!("{}", serde_json::to_string(&summary)?);
+    Ok(())
+}
+
+/// The prompt part of a record (the whole text for plain-text records).
+fn prompt_of(r: &Record) -> String {
+    match &r.content {
+        Content::Pair { prompt, .. } => prompt.clone(),
+        Content::Text { text } => text.clone(),
+    }
+}
+
+/// The loss for off-policy steps of a mixed run: `[loss]` itself, or forward KL over the top-k
+/// (same tail and temperature) when `[loss]` is the sampled-token loss, which needs samples.
+fn off_policy_loss(l: &LossConfig) -> LossConfig {
+    let mut o = l.clone();
+    if matches!(l.kd, KdConfig::SampledKl {}) {
+        o.kd = KdConfig::ForwardKl {};
+    }
+    o
+}
+
+/// Figures of the samples of one step or one validation pass.
+#[derive(Debug, Clone, Copy, Default)]
+struct SampleStats {
+    teacher_lp: f64,
+    student_lp: f64,
+    tokens: f64,
+    completions: usize,
+    eos: usize,
+    completion_tokens: usize,
+}
+
+impl SampleStats {
+    fn add_generation(&mut self, g: &Generation) {
+        self.completions += 1;
+        self.eos += g.hit_eos as usize;
+        self.completion_tokens += g.completion_ids.len();
+    }
+    fn mean_teacher_lp(&self) -> f64 {
+        self.teacher_lp / self.tokens.max(1.0)
+    }
+    fn mean_student_lp(&self) -> f64 {
+        self.student_lp / self.tokens.max(1.0)
+    }
+    /// Monte-Carlo reverse KL per token: mean of `lp_S − lp_T` over sampled tokens.
+    fn reverse_kl(&self) -> f64 {
+        self.mean_student_lp() - self.mean_teacher_lp()
+    }
+    fn into_parts(self, parts: &mut BTreeMap<String, f64>) {
+        parts.insert("teacher_logprob".into(), self.mean_teacher_lp());
+        parts.insert("student_logprob".into(), self.mean_student_lp());
+        parts.insert(
+            "completion_len".into(),
+            self.completion_tokens as f64 / self.completions.max(1) as f64,
+        );
+        parts.insert(
+            "eos_share".into(),
+            self.eos as f64 / self.completions.max(1) as f64,
+        );
+    }
+}
+
+/// A sampled completion ready for the teacher: same tokenizer keeps the student's own ids.
+struct Sample {
+    ids: Vec<u32>,
+    /// First completion token index.
+    completion_from: usize,
+    old_lp: Vec<f32>,
+}
+
+/// Generates for `records`, returns the generations and the time it took.
+fn sample(
+    s: &Setup,
+    model: &xdistill_shared::model::Decoder,
+    tok: &tokenizers::Tokenizer,
+    records: &[Record],
+    rng: &mut ChaCha8Rng,
+) -> Result<Vec<Generation>> {
+    let prompts: Vec<Vec<u32>> = records
+        .iter()
+        .map(|r| crate::eval::encode_prompt(tok, &prompt_of(r)))
+        .collect::<Result<_, _>>()?;
+    let gen = &s.cfg.on_policy.generation;
+    Ok(generate(model, tok, &prompts, gen, rng)?)
+}
+
+fn student_tokenizer(s: &Setup) -> &tokenizers::Tokenizer {
+    match s.tokenization.as_ref() {
+        Tokenization::Same(t) => t,
+        Tokenization::Cross { student, .. } => &student.tokenizer,
+    }
+}
+
+/// Same tokenizer: one teacher request with `starts` at the completions.
+fn score_same(s: &Setup, gens: &[Generation]) -> Result<(Vec<Sample>, Vec<SequenceScores>)> {
+    let include_prompt = s.cfg.on_policy.include_prompt;
+    let samples: Vec<Sample> = gens
+        .iter()
+        .filter(|g| !g.completion_ids.is_empty())
+        .map(|g| {
+            let mut ids = g.prompt_ids.clone();
+            ids.extend_from_slice(&g.completion_ids);
+            Sample {
+                ids,
+                completion_from: g.prompt_ids.len(),
+                old_lp: g.sampled_logprobs.clone(),
+            }
+        })
+        .collect();
+    if samples.is_empty() {
+        return Ok((samples, vec![]));
+    }
+    let starts: Vec<usize> = samples
+        .iter()
+        .map(|x| {
+            if include_prompt {
+                0
+            } else {
+                x.completion_from - 1
+            }
+        })
+        .collect();
+    let req = TopkRequest {
+        sequences: samples.iter().map(|x| x.ids.clone()).collect(),
+        k: s.cfg.teacher.k,
+        temperature: s.cfg.teacher.temperature,
+        start: 0,
+        starts: Some(starts.clone()),
+        values: ValuesKind::Logprobs,
+    };
+    let resp = s.client.topk(&req)?;
+    // Lay the rows out as a `start = 0` answer (prompt rows zero, never trained on) so the
+    // shared step code can be used.
+    let scores = resp
+        .results
+        .into_iter()
+        .zip(&starts)
+        .map(|(sc, &st)| pad_front(sc, st))
+        .collect();
+    Ok((samples, scores))
+}
+
+/// Prepends `start` zero rows, turning a `start = st` answer into a `start = 0` one.
+fn pad_front(sc: SequenceScores, start: usize) -> SequenceScores {
+    if start == 0 {
+        return sc;
+    }
+    let k = sc.k;
+    let mut out = SequenceScores {
+        rows: sc.rows + start,
+        k,
+        topk_ids: vec![0; start * k],
+        topk_values: vec![0.0; start * k],
+        target_logprobs: vec![0.0; start],
+        logsumexp: vec![0.0; start],
+    };
+    out.topk_ids.extend(sc.topk_ids);
+    out.topk_values.extend(sc.topk_values);
+    out.target_logprobs.extend(sc.target_logprobs);
+    out.logsumexp.extend(sc.logsumexp);
+    out
+}
+
+/// Sampled-token loss on the completion positions of same-tokenizer samples; the LM head runs
+/// only on those rows.
+fn sampled_loss(
+    student: &Student,
+    samples: &[Sample],
+    scores: &[&SequenceScores],
+    loss: &LossConfig,
+    normalizer: f64,
+    device: &Device,
+) -> Result<(Tensor, f64)> {
+    let enc: Vec<Encoded> = samples
+        .iter()
+        .map(|x| Encoded {
+            ids: x.ids.clone(),
+            loss_from: x.completion_from,
+        })
+        .collect();
+    let tb = crate::collate::pad_batch(&enc, 0, device)?;
+    let (b, t) = tb.ids.dims2()?;
+    let mut sel = Vec::new();
+    let (mut tokens, mut tlp) = (Vec::new(), Vec::new());
+    for (r, (x, sc)) in samples.iter().zip(scores).enumerate() {
+        for p in x.completion_from - 1..x.ids.len() - 1 {
+            sel.push((r * t + p) as u32);
+            tokens.push(x.ids[p + 1]);
+            tlp.push(sc.target_logprobs[p]);
+        }
+    }
+    let n = sel.len();
+    let hidden = student.model().forward_hidden(&tb.ids, None, None, None)?;
+    let h = hidden.dim(2)?;
+    let rows = hidden
+        .reshape((b * t, h))?
+        .index_select(&Tensor::from_vec(sel, n, device)?, 0)?
+        .unsqueeze(0)?;
+    let logits = student.model().logits(&rows)?;
+    let targets = SampledTargets {
+        tokens: Tensor::from_vec(tokens, (1, n), device)?,
+        teacher_logprobs: Tensor::from_vec(tlp, (1, n), device)?,
+        old_logprobs: None, // one update per rollout: the ratio is exactly 1 (REINFORCE)
+        mask: Tensor::ones((1, n), candle_core::DType::F32, device)?,
+    };
+    let (l, m) = sampled_token_loss(&logits, &targets, loss.temperature, Some(normalizer))?;
+    Ok((l.affine(loss.kd_weight, 0.0)?, m.loss))
+}
+
+/// Validation on held-out prompts: samples with a fixed seed, teacher log-prob of the samples and
+/// the reverse KL estimate (same tokenizer), or P-KL on the samples (different tokenizers).
+fn validate(s: &Setup, student: &Student, val: &[Record]) -> Result<Option<(f64, SampleStats)>> {
+    if val.is_empty() {
+        return Ok(None);
+    }
+    let model = student.inference_model()?;
+    let tok = student_tokenizer(s);
+    let mut rng = ChaCha8Rng::seed_from_u64(s.cfg.distillation.seed ^ 0x5eed);
+    let gens = sample(s, &model, tok, val, &mut rng)?;
+    let mut st = SampleStats::default();
+    gens.iter().for_each(|g| st.add_generation(g));
+    match s.tokenization.as_ref() {
+        Tokenization::Same(_) => {
+            let (samples, scores) = score_same(s, &gens)?;
+            for (x, sc) in samples.iter().zip(&scores) {
+                for (j, p) in (x.completion_from - 1..x.ids.len() - 1).enumerate() {
+                    st.teacher_lp += sc.target_logprobs[p] as f64;
+                    st.student_lp += x.old_lp[j] as f64;
+                    st.tokens += 1.0;
+                }
+            }
+            Ok(Some((st.reverse_kl(), st)))
+        }
+        Tokenization::Cross { .. } => {
+            let items = cross_items(s, val, &gens);
+            if items.is_empty() {
+                return Ok(Some((f64::NAN, st)));
+            }
+            let req = request_of(s, &items);
+            let resp = s.client.topk(&req)?;
+            let scores: Vec<&SequenceScores> = resp.results.iter().collect();
+            for (it, sc) in items.iter().zip(&scores) {
+                st.teacher_lp += sc.target_logprobs.iter().map(|&x| x as f64).sum::<f64>();
+                st.tokens += sc.rows as f64;
+                let _ = it;
+            }
+            let v = validation_sums(
+                student.model(),
+                &items,
+                &scores,
+                s.cfg.teacher.k,
+                s.loss.temperature,
+                s.projection.as_ref(),
+                &s.device,
+            )?;
+            Ok(Some((v.kl / v.kl_units.max(1.0), st)))
+        }
+    }
+}
+
+/// Different tokenizers: prompt + completion text of each generation, tokenized for both sides.
+fn cross_items(s: &Setup, records: &[Record], gens: &[Generation]) -> Vec<Item> {
+    gens.iter()
+        .filter(|g| !g.completion_text.is_empty())
+        .filter_map(|g| {
+            let r = Record {
+                line: records[g.prompt_index].line,
+                content: Content::Pair {
+                    prompt: prompt_of(&records[g.prompt_index]),
+                    completion: g.completion_text.clone(),
+                },
+                completion_only_loss: !s.cfg.on_policy.include_prompt,
+            };
+            prepare_record(&r, &s.tokenization, s.limits)
+        })
+        .collect()
+}
+
+fn request_of(s: &Setup, items: &[Item]) -> TopkRequest {
+    TopkRequest {
+        sequences: items.iter().map(|i| i.teacher_ids().to_vec()).collect(),
+        k: s.cfg.teacher.k,
+        temperature: s.cfg.teacher.temperature,
+        start: 0,
+        starts: None,
+        values: ValuesKind::Logprobs,
+    }
+}
+
+/// The on-policy training loop.
+pub fn train(s: &Setup, resume: bool, stop_after: Option<u64>) -> Result<Summary> {
+    let cfg = &s.cfg;
+    let op = &cfg.on_policy;
+    if !(0.0..=1.0).contains(&op.lambda) {
+        bail!("on_policy.lambda = {} must be in [0, 1]", op.lambda);
+    }
+    op.generation.validate()?;
+    if s.tokenization.is_cross() && matches!(s.loss.kd, KdConfig::SampledKl {}) {
+        bail!("kd = sampled_kl needs the teacher's log-prob of the student's tokens: use a cross-tokenizer loss (pkl, gold, alm) when the tokenizers differ");
+    }
+    let out = &cfg.checkpointing.checkpoint_dir;
+    let t_start = Instant::now();
+    let (train_set, val_set) = data::load_train_val(&cfg.data, cfg.distillation.seed)?;
+    let mut skipped = train_set.skipped.total();
+    let mut val = val_set.records;
+    if let Some(n) = cfg.distillation.max_val_samples {
+        val.truncate(n);
+    }
+    let dtype = xdistill_shared::device::parse_dtype(&cfg.policy.precision)?;
+    let student = Student::load(&cfg.policy.model_name, &s.device, dtype)?;
+    let b = cfg.distillation.num_prompts_per_step;
+    let steps_per_epoch = if cfg.data.drop_last {
+        train_set.records.len() / b
+    } else {
+        train_set.records.len().div_ceil(b)
+    } as u64;
+    if steps_per_epoch == 0 {
+        bail!(
+            "no training batch: {} prompts for num_prompts_per_step = {b}",
+            train_set.records.len()
+        );
+    }
+    let total_steps = cfg
+        .distillation
+        .max_num_steps
+        .min(steps_per_epoch * cfg.distillation.max_num_epochs);
+    let mut runner = Runner::new(student, optim_config(&cfg.policy.optimizer), total_steps)?;
+    let mut batcher = Batcher::new(train_set.records, BatchOptions::from_config(cfg));
+    let mut rng = ChaCha8Rng::seed_from_u64(cfg.distillation.seed);
+    let hash = cfg.training_hash();
+    let mut resumed_from = None;
+    if resume {
+        checkpoint::remove_temp_dirs(out)?;
+        if let Some((step, path)) = checkpoint::latest(out)? {
+            let ck = checkpoint::load(&path, &s.device)?;
+            runner.restore(&ck)?;
+            batcher.seek(ck.state.data)?;
+            rng = ck.state.rng.restore().map_err(anyhow::Error::msg)?;
+            tracing::info!("resumed from {} (step {step})", path.display());
+            resumed_from = Some(step);
+        }
+    }
+    let mut log = MetricsLog::open(out, resumed_from)?;
+    let progress = Progress::new(
+        total_steps,
+        runner.step,
+        cfg.logger.progress_bar,
+        cfg.logger.log_every,
+    );
+    let k = cfg.teacher.k;
+    let off_loss = off_policy_loss(&s.loss);
+    let val_pass = |runner: &Runner,
+                    log: &mut MetricsLog,
+                    step: u64|
+     -> Result<Option<(f64, f64)>> {
+        let t0 = Instant::now();
+        let Some((kl, st)) = validate(s, &runner.student, &val)? else {
+            return Ok(None);
+        };
+        let mut parts = BTreeMap::new();
+        st.into_parts(&mut parts);
+        log.append(&ValMetrics {
+            split: "val".into(),
+            step,
+            loss: kl,
+            loss_parts: parts,
+            kl: Some(kl),
+            records: val.len() as u64,
+            loss_tokens: st.tokens as u64,
+            time: t0.elapsed().as_secs_f64(),
+        })?;
+        progress.println(&format!(
+            "validation at step {step}: kl {kl:.4}, teacher log-prob of samples {:.4}, eos {:.0}% ({:.1}s)",
+            st.mean_teacher_lp(),
+            100.0 * st.eos as f64 / st.completions.max(1) as f64,
+            t0.elapsed().as_secs_f64()
+        ));
+        Ok(Some((kl, st.mean_teacher_lp())))
+    };
+    let mut val_start = None;
+    if cfg.distillation.val_at_start && resumed_from.is_none() {
+        val_start = val_pass(&runner, &mut log, 0)?;
+    }
+    let mut last_val = None;
+    let mb = cfg.policy.train_micro_batch_size.max(1);
+    let tok = student_tokenizer(s).clone();
+    let mut batches = batcher.take(total_steps.saturating_sub(runner.step) as usize);
+    while runner.step < total_steps {
+        let t_step = Instant::now();
+        let Some(batch) = batches.next() else { break };
+        let on = op.lambda >= 1.0 || rng.random::<f64>() < op.lambda;
+        let mut parts = BTreeMap::new();
+        let mut acc = GradAccumulator::new(runner.vars().to_vec());
+        let mut score_s = 0.0;
+        let (mut kd_sum, mut tokens) = (0.0, 0u64);
+        let mut norm = Units::default();
+        let mut stats = SampleStats::default();
+        if on {
+            // 1. Sample with the current weights (fused kernels, same vars).
+            let t0 = Instant::now();
+            let gens = sample(
+                s,
+                &runner.student.inference_model()?,
+                &tok,
+                &batch.records,
+                &mut rng,
+            )?;
+            let gen_s = t0.elapsed().as_secs_f64();
+            gens.iter().for_each(|g| stats.add_generation(g));
+            let t1 = Instant::now();
+            match (s.tokenization.as_ref(), &s.loss.kd) {
+                (Tokenization::Same(_), kd) => {
+                    let (samples, scores) = score_same(s, &gens)?;
+                    score_s = t1.elapsed().as_secs_f64();
+                    for (x, sc) in samples.iter().zip(&scores) {
+                        for (j, p) in (x.completion_from - 1..x.ids.len() - 1).enumerate() {
+                            stats.teacher_lp += sc.target_logprobs[p] as f64;
+                            stats.student_lp += x.old_lp[j] as f64;
+                            stats.tokens += 1.0;
+                        }
+                        tokens += x.ids.len() as u64;
+                    }
+                    let refs: Vec<&SequenceScores> = scores.iter().collect();
+                    if matches!(kd, KdConfig::SampledKl {}) {
+                        norm.kd = stats.tokens;
+                        for (xs, sc) in samples.chunks(mb).zip(refs.chunks(mb)) {
+                            let (l, v) = sampled_loss(
+                                &runner.student,
+                                xs,
+                                sc,
+                                &s.loss,
+                                norm.kd.max(1.0),
+                                &s.device,
+                            )?;
+                            acc.add(&l.backward()?)?;
+                            kd_sum += v * norm.kd;
+                        }
+                    } else {
+                        let items: Vec<Item> = samples
+                            .iter()
+                            .map(|x| {
+                                Item::Same(Encoded {
+                                    ids: x.ids.clone(),
+                                    loss_from: if op.include_prompt {
+                                        1
+                                    } else {
+                                        x.completion_from
+                                    },
+                                })
+                            })
+                            .collect();
+                        norm = units(&items);
+                        for (it, sc) in items.chunks(mb).zip(refs.chunks(mb)) {
+                            let (l, m) = micro_loss(
+                                runner.student.model(),
+                                it,
+                                sc,
+                                k,
+                                &s.loss,
+                                None,
+                                norm,
+                                &s.device,
+                            )?;
+                            acc.add(&l.backward()?)?;
+                            kd_sum += m.kd.loss * norm.kd;
+                        }
+                    }
+                }
+                (Tokenization::Cross { .. }, _) => {
+                    let items = cross_items(s, &batch.records, &gens);
+                    skipped += (gens.len() - items.len()) as u64;
+                    if !items.is_empty() {
+                        let resp = s.client.topk(&request_of(s, &items))?;
+                        score_s = t1.elapsed().as_secs_f64();
+                        let refs: Vec<&SequenceScores> = resp.results.iter().collect();
+                        for sc in &refs {
+                            stats.teacher_lp +=
+                                sc.target_logprobs.iter().map(|&x| x as f64).sum::<f64>();
+                            stats.tokens += sc.rows as f64;
+                        }
+                        norm = units(&items);
+                        tokens = items.iter().map(|i| i.teacher_ids().len() as u64).sum();
+                        for (it, sc) in items.chunks(mb).zip(refs.chunks(mb)) {
+                            if units(it).kd == 0.0 {
+                                continue;
+                            }
+                            let (l, m) = micro_loss(
+                                runner.student.model(),
+                                it,
+                                sc,
+                                k,
+                                &s.loss,
+                                s.projection.as_ref(),
+                                norm,
+                                &s.device,
+                            )?;
+                            acc.add(&l.backward()?)?;
+                            kd_sum += m.kd.loss * norm.kd;
+                        }
+                    }
+                }
+            }
+            stats.into_parts(&mut parts);
+            parts.insert("generation_s".into(), gen_s);
+            parts.insert("scoring_s".into(), score_s);
+            if !s.tokenization.is_cross() {
+                parts.insert("reverse_kl".into(), stats.reverse_kl());
+            }
+        } else {
+            // Off-policy step on the data's own prompt + completion.
+            let p = prepare(
+                batch.clone(),
+                &s.tokenization,
+                s.limits,
+                k,
+                cfg.teacher.temperature,
+            );
+            skipped += p.skipped;
+            if !p.items.is_empty() {
+                let t1 = Instant::now();
+                let resp = s.client.topk(&p.request)?;
+                score_s = t1.elapsed().as_secs_f64();
+                let refs: Vec<&SequenceScores> = resp.results.iter().collect();
+                norm = units(&p.items);
+                tokens = p.items.iter().map(|i| i.teacher_ids().len() as u64).sum();
+                for (it, sc) in p.items.chunks(mb).zip(refs.chunks(mb)) {
+                    if units(it).kd == 0.0 {
+                        continue;
+                    }
+                    let (l, m) = micro_loss(
+                        runner.student.model(),
+                        it,
+                        sc,
+                        k,
+                        &off_loss,
+                        s.projection.as_ref(),
+                        norm,
+                        &s.device,
+                    )?;
+                    acc.add(&l.backward()?)?;
+                    kd_sum += m.kd.loss * norm.kd;
+                }
+            }
+            parts.insert("scoring_s".into(), score_s);
+        }
+        parts.insert("on_policy".into(), on as u8 as f64);
+        let update = runner.apply(acc.take())?;
+        let kd_mean = kd_sum / norm.kd.max(1.0);
+        parts.insert("kd".into(), kd_mean);
+        let dt = t_step.elapsed().as_secs_f64();
+        let m = StepMetrics {
+            split: "train".into(),
+            step: runner.step,
+            epoch: batch.start.epoch,
+            loss: kd_mean,
+            loss_parts: parts,
+            kl: if on && !s.tokenization.is_cross() {
+                Some(stats.reverse_kl())
+            } else {
+                None
+            },
+            grad_norm: Some(update.grad_norm),
+            lr: update.lr,
+            tokens,
+            loss_tokens: norm.ce.max(norm.kd) as u64,
+            tokens_per_s: tokens as f64 / dt.max(1e-9),
+            step_time_s: dt,
+            teacher_latency_s: score_s,
+            teacher_wait_s: score_s,
+            skipped_records: skipped,
+            time: unix_time(),
+        };
+        log.append(&m)?;
+        progress.step(&m);
+        let step = runner.step;
+        let dist = &cfg.distillation;
+        if (dist.val_period > 0 && step % dist.val_period == 0)
+            || (step == total_steps && dist.val_at_end)
+        {
+            last_val = val_pass(&runner, &mut log, step)?;
+        }
+        let mut state = TrainerState::new(step, batch.next, &rng, hash.clone());
+        if let Some((kl, _)) = last_val {
+            state.metrics.insert("val_kl".into(), kl);
+        }
+        runner.after_step(&cfg.checkpointing, &state, &|l| progress.println(l))?;
+        if stop_after == Some(step) && step < total_steps {
+            break;
+        }
+    }
+    progress.finish();
+    let final_dir = out.join("final");
+    let interrupted = stop_after.is_some_and(|s| s < total_steps) && runner.step < total_steps;
+    if !final_dir.is_dir() && !interrupted {
+        let state = TrainerState::new(runner.step, Default::default(), &rng, hash);
+        runner.save_final(out, &state)?;
+    }
+    Ok(Summary {
+        steps: runner.step,
+        seconds: t_start.elapsed().as_secs_f64(),
+        val_kl_start: val_start.map(|v| v.0),
+        val_kl_end: last_val.map(|v| v.0),
+        val_ce_end: None,
+        skipped_records: skipped,
+        final_dir: if interrupted {
+            String::new()
+        } else {
+            final_dir.display().to_string()
+        },
+        val_teacher_logprob_start: val_start.map(|v| v.1),
+        val_teacher_logprob_end: last_val.map(|v| v.1),
+    })
+}

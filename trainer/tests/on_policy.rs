@@ -1,0 +1,133 @@
+//! On-policy distillation end to end on loopback: the student samples completions of task
+//! prompts, a real `teacher` process scores them, the student trains on its own samples.
+
+mod distill_common;
+
+use distill_common::{config_with, context_free_teacher, model, token_driven_teacher};
+use std::path::{Path, PathBuf};
+use xdistill_server::testing::{teacher_binary, TeacherProcess};
+use xdistill_trainer::task::{make_splits, write_splits, TaskConfig};
+use xdistill_trainer::train::off_policy::setup;
+use xdistill_trainer::train::on_policy::train;
+
+/// Task prompts (`prompt`, `completion`, `answer`) in `dir/task/train.jsonl`.
+fn prompts(dir: &Path) -> PathBuf {
+    let cfg = TaskConfig {
+        train: 64,
+        test: 8,
+        seed: 1,
+        ..Default::default()
+    };
+    let task = dir.join("task");
+    write_splits(&task, &cfg, &make_splits(&cfg).unwrap()).unwrap();
+    task.join("train.jsonl")
+}
+
+const ON_POLICY: &str = r#"
+[on_policy]
+lambda = 1.0
+[on_policy.generation]
+max_new_tokens = 12
+temperature = 1.0
+stop_strings = []
+"#;
+
+#[test]
+fn on_policy_raises_teacher_logprob_of_samples_and_lowers_reverse_kl() {
+    let dir = tempfile::tempdir().unwrap();
+    let teacher = context_free_teacher(dir.path(), "llama", "llama2", 11);
+    let student = model(dir.path(), "student", "qwen3", "llama2", 32, 2, 0.02, 12);
+    let t = TeacherProcess::start(&teacher_binary(), &teacher, &[]);
+    let data = prompts(dir.path());
+    // 1. Top-k distillation on the student's own samples, from a random student.
+    // 2. The sampled-token reverse KL (REINFORCE, teacher log-prob of each sample only), continued
+    //    from that student: it needs a student that already samples some teacher-preferred
+    //    tokens (from a uniform 32k-token student almost no sample carries signal).
+    let mut from = student;
+    for (name, loss, gain) in [
+        (
+            "topk",
+            "kd = { type = \"forward_kl\" }\ntail = \"bucket\"",
+            3.0,
+        ),
+        ("sampled", "kd = { type = \"sampled_kl\" }", 1.0),
+    ] {
+        let out = dir.path().join(name);
+        let cfg = config_with(
+            dir.path(),
+            &from,
+            &t.base,
+            &out,
+            30,
+            loss,
+            &data,
+            "prompt",
+            "completion",
+            ON_POLICY,
+        );
+        let s = train(&setup(cfg).unwrap(), false, None).unwrap();
+        let (lp0, lp1) = (
+            s.val_teacher_logprob_start.unwrap(),
+            s.val_teacher_logprob_end.unwrap(),
+        );
+        let (kl0, kl1) = (s.val_kl_start.unwrap(), s.val_kl_end.unwrap());
+        eprintln!("{name}: teacher log-prob of samples {lp0:.3} -> {lp1:.3}, reverse KL {kl0:.3} -> {kl1:.3} ({:.1}s)", s.seconds);
+        assert!(lp1 > lp0 + gain, "{name}: teacher log-prob {lp0} -> {lp1}");
+        assert!(kl1 < kl0 - gain, "{name}: reverse KL {kl0} -> {kl1}");
+        let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+        let first = metrics
+            .lines()
+            .find(|l| l.contains("\"split\":\"train\""))
+            .unwrap();
+        for key in [
+            "teacher_logprob",
+            "student_logprob",
+            "completion_len",
+            "eos_share",
+            "generation_s",
+            "scoring_s",
+            "reverse_kl",
+        ] {
+            assert!(first.contains(key), "{key} missing from {first}");
+        }
+        from = out.join("final");
+    }
+}
+
+#[test]
+fn cross_tokenizer_on_policy_runs_end_to_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let teacher = token_driven_teacher(dir.path(), "qwen3", "qwen3", 13);
+    let student = model(dir.path(), "student", "llama", "llama2", 32, 2, 0.02, 14);
+    let t = TeacherProcess::start(&teacher_binary(), &teacher, &[]);
+    let data = prompts(dir.path());
+    let out = dir.path().join("x");
+    // Half the steps on-policy, half off-policy on the task's own completions.
+    let extra = ON_POLICY.replace("lambda = 1.0", "lambda = 0.5");
+    let cfg = config_with(
+        dir.path(),
+        &student,
+        &t.base,
+        &out,
+        4,
+        "kd = { type = \"pkl\" }",
+        &data,
+        "prompt",
+        "completion",
+        &extra,
+    );
+    let s = train(&setup(cfg).unwrap(), false, None).unwrap();
+    assert_eq!(s.steps, 4);
+    assert!(s.val_kl_start.unwrap().is_finite() && s.val_kl_end.unwrap().is_finite());
+    let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let on = metrics
+        .lines()
+        .filter(|l| l.contains("\"on_policy\":1.0"))
+        .count();
+    let off = metrics
+        .lines()
+        .filter(|l| l.contains("\"on_policy\":0.0"))
+        .count();
+    assert_eq!(on + off, 4, "{metrics}");
+    assert!(out.join("final").join("model.safetensors").is_file());
+}
