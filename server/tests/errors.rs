@@ -15,7 +15,7 @@ fn teacher() -> &'static Teacher {
     static T: OnceLock<Teacher> = OnceLock::new();
     T.get_or_init(|| {
         let dir = common::tiny_model("errors-llama", "llama", "llama2", 1);
-        Teacher::start(
+        common::start_teacher(
             &dir,
             &[
                 "--max-k",
@@ -267,7 +267,7 @@ async fn unknown_route_and_wrong_method() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn queue_full_and_request_too_large() {
     let dir = common::tiny_model("errors-llama", "llama", "llama2", 1);
-    let t = Teacher::start(
+    let t = common::start_teacher(
         &dir,
         &[
             "--max-wait-ms",

@@ -15,7 +15,7 @@ fn qwen3() -> &'static (Teacher, Reference) {
     static S: OnceLock<(Teacher, Reference)> = OnceLock::new();
     S.get_or_init(|| {
         let dir = common::tiny_model("scores-qwen3", "qwen3", "qwen3", 64);
-        (Teacher::start(&dir, &[]), Reference::load(&dir))
+        (common::start_teacher(&dir, &[]), Reference::load(&dir))
     })
 }
 
@@ -25,7 +25,7 @@ fn llama() -> &'static (Teacher, Reference) {
     static S: OnceLock<(Teacher, Reference)> = OnceLock::new();
     S.get_or_init(|| {
         let dir = common::tiny_model("scores-llama", "llama", "llama2", 1);
-        let t = Teacher::start(
+        let t = common::start_teacher(
             &dir,
             &[
                 "--cache-bytes",

@@ -160,14 +160,14 @@ impl ModelConfig {
         if self.num_attention_heads == 0 || self.kv_heads() == 0 {
             return bad("attention heads must be positive".into());
         }
-        if self.num_attention_heads % self.kv_heads() != 0 {
+        if !self.num_attention_heads.is_multiple_of(self.kv_heads()) {
             return bad(format!(
                 "num_attention_heads ({}) must be a multiple of num_key_value_heads ({})",
                 self.num_attention_heads,
                 self.kv_heads()
             ));
         }
-        if self.head_dim() % 2 != 0 {
+        if !self.head_dim().is_multiple_of(2) {
             return bad(format!(
                 "head_dim ({}) must be even for RoPE",
                 self.head_dim()
@@ -313,37 +313,6 @@ pub fn load_tokenizer(path: &Path) -> Result<tokenizers::Tokenizer, HfError> {
         .map_err(|e| HfError::Tokenizer(format!("{}: {e}", path.display())))
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn parses_qwen3_and_llama_configs() {
-        let q: ModelConfig = serde_json::from_str(
-            r#"{"model_type":"qwen3","vocab_size":10,"hidden_size":8,"intermediate_size":16,
-                "num_hidden_layers":1,"num_attention_heads":2,"num_key_value_heads":1,"head_dim":4,
-                "eos_token_id":[3,4],"some_unknown_field":true}"#,
-        )
-        .unwrap();
-        q.validate().unwrap();
-        assert_eq!(q.eos_ids(), vec![3, 4]);
-        assert_eq!(q.kv_heads(), 1);
-        let l: ModelConfig = serde_json::from_str(
-            r#"{"model_type":"llama","vocab_size":10,"hidden_size":8,"intermediate_size":16,
-                "num_hidden_layers":1,"num_attention_heads":2,"eos_token_id":2}"#,
-        )
-        .unwrap();
-        assert_eq!(l.head_dim(), 4);
-        assert_eq!(l.eos_ids(), vec![2]);
-        let mut bad = l.clone();
-        bad.model_type = "gpt2".into();
-        assert!(matches!(bad.validate(), Err(HfError::UnsupportedArch(_))));
-        bad = l.clone();
-        bad.num_key_value_heads = Some(3);
-        assert!(bad.validate().is_err());
-    }
-}
-
 /// Writes a model directory the teacher and transformers both load: `config.json` (with
 /// `architectures` and `torch_dtype`), `model.safetensors` and `tokenizer.json`.
 ///
@@ -365,7 +334,10 @@ pub fn write_model_dir(
         .file_name()
         .map(|n| n.to_string_lossy().to_string())
         .unwrap_or_else(|| "model".into());
-    let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
+    // Unique per process *and* call, so concurrent writers never share a staging directory.
+    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = parent.join(format!(".{name}.tmp-{}-{seq}", std::process::id()));
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp).map_err(io_err(&tmp))?;
     }
@@ -373,9 +345,10 @@ pub fn write_model_dir(
 
     let mut cfg =
         serde_json::to_value(config).map_err(|e| HfError::InvalidConfig(e.to_string()))?;
+    // The embedding's dtype names the checkpoint's (all tensors share one in practice).
     let dtype = tensors
-        .values()
-        .next()
+        .get("model.embed_tokens.weight")
+        .or_else(|| tensors.values().next())
         .map(|t| match t.dtype() {
             candle_core::DType::BF16 => "bfloat16",
             candle_core::DType::F16 => "float16",
@@ -437,9 +410,46 @@ pub fn write_model_dir(
         perm.set_readonly(false);
         std::fs::set_permissions(entry.path(), perm).map_err(io_err(&entry.path()))?;
     }
+    // Durable before visible: flush every file, then rename the directory into place.
+    for entry in std::fs::read_dir(&tmp).map_err(io_err(&tmp))?.flatten() {
+        std::fs::File::open(entry.path())
+            .and_then(|f| f.sync_all())
+            .map_err(io_err(&entry.path()))?;
+    }
     if dir.exists() {
         std::fs::remove_dir_all(dir).map_err(io_err(dir))?;
     }
     std::fs::rename(&tmp, dir).map_err(io_err(dir))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_qwen3_and_llama_configs() {
+        let q: ModelConfig = serde_json::from_str(
+            r#"{"model_type":"qwen3","vocab_size":10,"hidden_size":8,"intermediate_size":16,
+                "num_hidden_layers":1,"num_attention_heads":2,"num_key_value_heads":1,"head_dim":4,
+                "eos_token_id":[3,4],"some_unknown_field":true}"#,
+        )
+        .unwrap();
+        q.validate().unwrap();
+        assert_eq!(q.eos_ids(), vec![3, 4]);
+        assert_eq!(q.kv_heads(), 1);
+        let l: ModelConfig = serde_json::from_str(
+            r#"{"model_type":"llama","vocab_size":10,"hidden_size":8,"intermediate_size":16,
+                "num_hidden_layers":1,"num_attention_heads":2,"eos_token_id":2}"#,
+        )
+        .unwrap();
+        assert_eq!(l.head_dim(), 4);
+        assert_eq!(l.eos_ids(), vec![2]);
+        let mut bad = l.clone();
+        bad.model_type = "gpt2".into();
+        assert!(matches!(bad.validate(), Err(HfError::UnsupportedArch(_))));
+        bad = l.clone();
+        bad.num_key_value_heads = Some(3);
+        assert!(bad.validate().is_err());
+    }
 }

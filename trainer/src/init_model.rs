@@ -111,7 +111,8 @@ pub fn build_config(a: &Args) -> Result<ModelConfig> {
             many => Some(many.to_vec().into()),
         },
     };
-    if arch != Arch::Qwen3 && a.head_dim.is_none() && a.hidden_size % a.heads.max(1) != 0 {
+    if arch != Arch::Qwen3 && a.head_dim.is_none() && !a.hidden_size.is_multiple_of(a.heads.max(1))
+    {
         bail!(
             "--hidden-size ({}) must be a multiple of --heads ({})",
             a.hidden_size,

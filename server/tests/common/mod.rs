@@ -4,10 +4,9 @@
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use xdistill_server::testing::TeacherProcess;
 use xdistill_shared::codec::{self, Format};
 use xdistill_shared::hf::ModelDir;
 use xdistill_shared::model::{Decoder, Ops};
@@ -46,108 +45,12 @@ pub fn tiny_model(name: &str, arch: &str, tokenizer: &str, pad_to: usize) -> Pat
     out
 }
 
-/// A `teacher` process. It runs under a small shell guard that stops it when our end of the
-/// guard's stdin closes, so servers shared through statics never outlive the test binary.
-pub struct Teacher {
-    pub base: String,
-    pub pid: u32,
-    guard: Child,
-    stdin: Option<ChildStdin>,
-}
+/// A running `teacher` (see `xdistill_server::testing`).
+pub type Teacher = TeacherProcess;
 
-impl Teacher {
-    pub fn start(model: &Path, extra: &[&str]) -> Teacher {
-        let mut cmd = Command::new("sh");
-        cmd.arg("-c")
-            .arg(
-                r#""$0" "$@" & pid=$!; echo "pid $pid"; read _ignored; kill -TERM $pid; wait $pid"#,
-            )
-            .arg(env!("CARGO_BIN_EXE_teacher"))
-            .arg("--model")
-            .arg(model)
-            .args(["--port", "0"])
-            .args(extra)
-            .env("RUST_LOG", "warn")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped());
-        let mut guard = cmd.spawn().expect("spawn teacher");
-        let stdin = guard.stdin.take();
-        let (pid, base) = read_startup(guard.stdout.take().expect("stdout"));
-        let t = Teacher {
-            base,
-            pid,
-            guard,
-            stdin,
-        };
-        t.wait_healthy();
-        t
-    }
-
-    fn wait_healthy(&self) {
-        let t0 = Instant::now();
-        while t0.elapsed() < Duration::from_secs(60) {
-            if let Ok(r) = ureq_get(&format!("{}/health", self.base)) {
-                if r == 200 {
-                    return;
-                }
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        panic!("teacher at {} never became healthy", self.base);
-    }
-
-    pub fn url(&self, path: &str) -> String {
-        format!("{}{path}", self.base)
-    }
-}
-
-impl Drop for Teacher {
-    fn drop(&mut self) {
-        drop(self.stdin.take());
-        let _ = self.guard.wait();
-    }
-}
-
-/// Reads `pid N` (from the guard) and `listening on ADDR` (from the teacher).
-fn read_startup(stdout: std::process::ChildStdout) -> (u32, String) {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let (mut pid, mut base) = (None, None);
-    while pid.is_none() || base.is_none() {
-        let line = rx
-            .recv_timeout(Duration::from_secs(60))
-            .expect("teacher did not print its address");
-        if let Some(p) = line.strip_prefix("pid ") {
-            pid = p.trim().parse().ok();
-        } else if let Some(a) = line.strip_prefix("listening on ") {
-            base = Some(format!("http://{}", a.trim()));
-        }
-    }
-    (pid.unwrap_or(0), base.unwrap_or_default())
-}
-
-/// Minimal blocking GET returning the status (std only; used before the async client exists).
-fn ureq_get(url: &str) -> std::io::Result<u16> {
-    use std::io::{Read, Write};
-    let rest = url.trim_start_matches("http://");
-    let (host, path) = rest.split_once('/').unwrap_or((rest, ""));
-    let mut s = std::net::TcpStream::connect(host)?;
-    s.set_read_timeout(Some(Duration::from_secs(5)))?;
-    write!(
-        s,
-        "GET /{path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
-    )?;
-    let mut buf = String::new();
-    s.read_to_string(&mut buf)?;
-    Ok(buf
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0))
+/// Starts this crate's `teacher` binary on `model` (port 0) and waits until it is healthy.
+pub fn start_teacher(model: &Path, extra: &[&str]) -> Teacher {
+    TeacherProcess::start(Path::new(env!("CARGO_BIN_EXE_teacher")), model, extra)
 }
 
 pub fn client() -> reqwest::Client {

@@ -9,6 +9,7 @@ use tokenizers::Tokenizer;
 use xdistill_shared::protocol::{TopkRequest, ValuesKind};
 
 /// How records are tokenized: one tokenizer for both sides, or two aligned ones.
+#[allow(clippy::large_enum_variant)] // one value per run
 pub enum Tokenization {
     Same(Tokenizer),
     Cross {

@@ -148,7 +148,7 @@ impl Runner {
         log: &dyn Fn(&str),
     ) -> Result<()> {
         let out = &ck.checkpoint_dir;
-        if ck.enabled && self.step % ck.save_period == 0 && self.step < self.total_steps {
+        if ck.enabled && self.step.is_multiple_of(ck.save_period) && self.step < self.total_steps {
             let path = self.save_checkpoint(out, state)?;
             log(&format!("checkpoint {}", path.display()));
             if let Some(keep) = ck.keep_top_k {
