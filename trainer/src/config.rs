@@ -1016,9 +1016,19 @@ mod tests {
                 c.data.train_path.display()
             );
             assert!(!c.loss.is_empty(), "{}: no [loss]", path.display());
+            // The [loss] table must be a valid loss config, not just TOML.
+            let loss: crate::loss::LossConfig = c
+                .loss_as()
+                .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            loss.validate()
+                .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            c.on_policy
+                .generation
+                .validate()
+                .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
             n += 1;
         }
-        assert!(n >= 2, "expected the example configs in {}", dir.display());
+        assert!(n >= 3, "expected the example configs in {}", dir.display());
     }
 
     #[test]
