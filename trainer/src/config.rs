@@ -382,8 +382,8 @@ pub struct OffPolicyArgs {
     /// Student model directory (replaces `policy.model_name`).
     #[arg(long)]
     pub student: Option<PathBuf>,
-    /// Training data file (replaces `data.train_path`).
-    #[arg(long)]
+    /// Training data file (replaces `data.train_path`); `--prompts` for on-policy runs.
+    #[arg(long, visible_alias = "prompts")]
     pub data: Option<PathBuf>,
     /// Output directory (replaces `checkpointing.checkpoint_dir`).
     #[arg(long)]

@@ -23,7 +23,7 @@ enum Command {
     /// Distil a student from a teacher server on dataset text (off-policy).
     OffPolicy(config::OffPolicyArgs),
     /// Distil on the student's own samples scored by the teacher (on-policy, mixable with off-policy).
-    OnPolicy(train::on_policy::OnPolicyArgs),
+    OnPolicy(config::OffPolicyArgs),
     /// Accuracy of a model on a prompts file (greedy and sampled).
     Eval(eval::Args),
     /// Write a synthetic arithmetic task (train.jsonl, test.jsonl).

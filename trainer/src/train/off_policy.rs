@@ -7,22 +7,20 @@
 //! record the position *after* the last trained batch, so `--resume` continues exactly.
 
 use super::prepare::{prepare, Limits, Prepared, Tokenization};
-use super::runner::{optim_config, Runner};
+use super::runner::{Runner, Session};
 use super::step::{micro_loss, units, validation_sums, Units, ValSums};
 use crate::align::AlignTokenizer;
-use crate::checkpoint::{self, TrainerState};
+use crate::checkpoint::TrainerState;
 use crate::client::{BlockingClient, ClientError, Prefetcher, TeacherClient, TeacherTokenizer};
 use crate::config::{Config, OffPolicyArgs};
-use crate::data::{self, BatchOptions, Batcher, Record};
+use crate::data::{self, Record};
 use crate::loss::{LossConfig, Projection as LossProjection};
-use crate::metrics_log::{unix_time, MetricsLog, Progress, StepMetrics, ValMetrics};
+use crate::metrics_log::{unix_time, MetricsLog, StepMetrics, ValMetrics};
 use crate::optim::GradAccumulator;
 use crate::projection::Projection;
 use crate::student::Student;
 use anyhow::{bail, Context, Result};
 use candle_core::Device;
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
@@ -211,74 +209,19 @@ pub fn train(s: &Setup, resume: bool, stop_after: Option<u64>) -> Result<Summary
     let cfg = &s.cfg;
     let out = &cfg.checkpointing.checkpoint_dir;
     let t_start = Instant::now();
-    // 1. Data, with token-length filtering on the student side.
-    let (train_set, val_set) = data::load_train_val(&cfg.data, cfg.distillation.seed)?;
-    let mut skipped = train_set.skipped.total();
-    if skipped > 0 {
-        tracing::warn!("{skipped} training records skipped: {}", train_set.skipped);
-    }
-    let mut val: Vec<Record> = val_set.records;
-    if let Some(n) = cfg.distillation.max_val_samples {
-        val.truncate(n);
-    }
-    // 2. Student, optimiser, schedule.
-    let dtype = xdistill_shared::device::parse_dtype(&cfg.policy.precision)?;
-    let student = Student::load(&cfg.policy.model_name, &s.device, dtype)?;
-    let steps_per_epoch = {
-        let n = train_set.records.len();
-        let b = cfg.distillation.num_prompts_per_step;
-        if cfg.data.drop_last {
-            n / b
-        } else {
-            n.div_ceil(b)
-        }
-    } as u64;
-    if steps_per_epoch == 0 {
-        bail!(
-            "no training batch: {} records for num_prompts_per_step = {}",
-            train_set.records.len(),
-            cfg.distillation.num_prompts_per_step
-        );
-    }
-    let total_steps = cfg
-        .distillation
-        .max_num_steps
-        .min(steps_per_epoch * cfg.distillation.max_num_epochs);
-    let mut runner = Runner::new(student, optim_config(&cfg.policy.optimizer), total_steps)?;
-    let mut batcher = Batcher::new(train_set.records, BatchOptions::from_config(cfg));
-    let mut rng = ChaCha8Rng::seed_from_u64(cfg.distillation.seed);
-    let hash = cfg.training_hash();
-    let mut tokens_seen = 0u64;
-    // 3. Resume from the newest complete checkpoint.
-    let mut resumed_from = None;
-    if resume {
-        checkpoint::remove_temp_dirs(out)?;
-        if let Some((step, path)) = checkpoint::latest(out)? {
-            let ck = checkpoint::load(&path, &s.device)?;
-            if ck.state.config_hash != hash {
-                tracing::warn!("resuming {} with a changed config: the result will differ from an uninterrupted run", path.display());
-            }
-            runner.restore(&ck)?;
-            batcher.seek(ck.state.data)?;
-            rng = ck.state.rng.restore().map_err(anyhow::Error::msg)?;
-            tokens_seen = ck.state.tokens_seen;
-            tracing::info!("resumed from {} (step {step})", path.display());
-            resumed_from = Some(step);
-        } else {
-            tracing::info!(
-                "--resume: no checkpoint in {}, starting fresh",
-                out.display()
-            );
-        }
-    }
-    let _ = &mut rng; // off-policy training draws no random numbers; the stream is kept for resume
-    let mut log = MetricsLog::open(out, resumed_from)?;
-    let progress = Progress::new(
-        total_steps,
-        runner.step,
-        cfg.logger.progress_bar,
-        cfg.logger.log_every,
-    );
+    let Session {
+        mut runner,
+        batcher,
+        val,
+        rng,
+        hash,
+        mut tokens_seen,
+        mut skipped,
+        resumed_from,
+        mut log,
+        progress,
+    } = Session::open(cfg, &s.device, resume)?;
+    let total_steps = runner.total_steps;
     let k = cfg.teacher.k;
     let val_metrics =
         |runner: &Runner, log: &mut MetricsLog, step: u64| -> Result<Option<(f64, f64)>> {

@@ -13,15 +13,15 @@
 
 use super::off_policy::{setup, Setup, Summary};
 use super::prepare::{prepare, prepare_record, Item, Tokenization};
-use super::runner::{optim_config, Runner};
+use super::runner::{Runner, Session};
 use super::step::{micro_loss, units, validation_sums, Units};
-use crate::checkpoint::{self, TrainerState};
+use crate::checkpoint::TrainerState;
 use crate::collate::Encoded;
 use crate::config::{Config, OffPolicyArgs};
-use crate::data::{self, BatchOptions, Batcher, Content, Record};
+use crate::data::{Content, Record};
 use crate::generate::{generate, Generation};
 use crate::loss::{sampled_token_loss, KdConfig, LossConfig, SampledTargets};
-use crate::metrics_log::{unix_time, MetricsLog, Progress, StepMetrics, ValMetrics};
+use crate::metrics_log::{unix_time, MetricsLog, StepMetrics, ValMetrics};
 use crate::optim::GradAccumulator;
 use crate::student::Student;
 use anyhow::{bail, Context, Result};
@@ -29,55 +29,11 @@ use candle_core::{Device, Tensor};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::time::Instant;
 use xdistill_shared::protocol::{SequenceScores, TopkRequest, ValuesKind};
 
-/// `trainer on-policy` flags (the off-policy ones, with `--prompts` for the data).
-#[derive(clap::Args, Debug, Clone)]
-pub struct OnPolicyArgs {
-    /// TOML config (same sections as off-policy, plus `[on_policy]`).
-    #[arg(long)]
-    pub config: PathBuf,
-    /// Teacher base URL (repeatable; overrides `teacher.urls`).
-    #[arg(long = "teacher-url")]
-    pub teacher_url: Vec<String>,
-    /// Student model directory (overrides `policy.model_name`).
-    #[arg(long)]
-    pub student: Option<PathBuf>,
-    /// Prompts: JSONL with the fields `[data]` names (overrides `data.train_path`).
-    #[arg(long)]
-    pub prompts: Option<PathBuf>,
-    /// Output directory (overrides `checkpointing.checkpoint_dir`).
-    #[arg(long)]
-    pub output: Option<PathBuf>,
-    #[arg(long)]
-    pub max_steps: Option<u64>,
-    /// Continue from the newest checkpoint in the output directory.
-    #[arg(long)]
-    pub resume: bool,
-    /// Override any config key: `--set section.key=value` (repeatable).
-    #[arg(long)]
-    pub set: Vec<String>,
-}
-
-impl From<OnPolicyArgs> for OffPolicyArgs {
-    fn from(a: OnPolicyArgs) -> OffPolicyArgs {
-        OffPolicyArgs {
-            config: a.config,
-            teacher_url: a.teacher_url,
-            student: a.student,
-            data: a.prompts,
-            output: a.output,
-            max_steps: a.max_steps,
-            resume: a.resume,
-            set: a.set,
-        }
-    }
-}
-
-pub fn run(args: OnPolicyArgs) -> Result<()> {
-    let args: OffPolicyArgs = args.into();
+/// `trainer on-policy` (the off-policy flags; `--prompts` is an alias of `--data`).
+pub fn run(args: OffPolicyArgs) -> Result<()> {
     let cfg = Config::load(&args)?;
     let out = cfg.checkpointing.checkpoint_dir.clone();
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
@@ -386,53 +342,19 @@ pub fn train(s: &Setup, resume: bool, stop_after: Option<u64>) -> Result<Summary
     }
     let out = &cfg.checkpointing.checkpoint_dir;
     let t_start = Instant::now();
-    let (train_set, val_set) = data::load_train_val(&cfg.data, cfg.distillation.seed)?;
-    let mut skipped = train_set.skipped.total();
-    let mut val = val_set.records;
-    if let Some(n) = cfg.distillation.max_val_samples {
-        val.truncate(n);
-    }
-    let dtype = xdistill_shared::device::parse_dtype(&cfg.policy.precision)?;
-    let student = Student::load(&cfg.policy.model_name, &s.device, dtype)?;
-    let b = cfg.distillation.num_prompts_per_step;
-    let steps_per_epoch = if cfg.data.drop_last {
-        train_set.records.len() / b
-    } else {
-        train_set.records.len().div_ceil(b)
-    } as u64;
-    if steps_per_epoch == 0 {
-        bail!(
-            "no training batch: {} prompts for num_prompts_per_step = {b}",
-            train_set.records.len()
-        );
-    }
-    let total_steps = cfg
-        .distillation
-        .max_num_steps
-        .min(steps_per_epoch * cfg.distillation.max_num_epochs);
-    let mut runner = Runner::new(student, optim_config(&cfg.policy.optimizer), total_steps)?;
-    let mut batcher = Batcher::new(train_set.records, BatchOptions::from_config(cfg));
-    let mut rng = ChaCha8Rng::seed_from_u64(cfg.distillation.seed);
-    let hash = cfg.training_hash();
-    let mut resumed_from = None;
-    if resume {
-        checkpoint::remove_temp_dirs(out)?;
-        if let Some((step, path)) = checkpoint::latest(out)? {
-            let ck = checkpoint::load(&path, &s.device)?;
-            runner.restore(&ck)?;
-            batcher.seek(ck.state.data)?;
-            rng = ck.state.rng.restore().map_err(anyhow::Error::msg)?;
-            tracing::info!("resumed from {} (step {step})", path.display());
-            resumed_from = Some(step);
-        }
-    }
-    let mut log = MetricsLog::open(out, resumed_from)?;
-    let progress = Progress::new(
-        total_steps,
-        runner.step,
-        cfg.logger.progress_bar,
-        cfg.logger.log_every,
-    );
+    let Session {
+        mut runner,
+        batcher,
+        val,
+        mut rng,
+        hash,
+        mut skipped,
+        resumed_from,
+        mut log,
+        progress,
+        ..
+    } = Session::open(cfg, &s.device, resume)?;
+    let total_steps = runner.total_steps;
     let k = cfg.teacher.k;
     let off_loss = off_policy_loss(&s.loss);
     let val_pass = |runner: &Runner,

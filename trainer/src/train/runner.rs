@@ -181,3 +181,110 @@ impl Runner {
         )?)
     }
 }
+
+/// What every training loop opens before its first step: data, the student with its optimiser
+/// and schedule, the batcher, the run's RNG, and — with `--resume` — the newest checkpoint's state.
+pub struct Session {
+    pub runner: Runner,
+    pub batcher: crate::data::Batcher,
+    pub val: Vec<crate::data::Record>,
+    pub rng: rand_chacha::ChaCha8Rng,
+    /// `Config::training_hash`, stored in checkpoints.
+    pub hash: String,
+    pub tokens_seen: u64,
+    /// Records skipped while loading.
+    pub skipped: u64,
+    /// The step a resumed run continues from.
+    pub resumed_from: Option<u64>,
+    pub log: crate::metrics_log::MetricsLog,
+    pub progress: crate::metrics_log::Progress,
+}
+
+impl Session {
+    pub fn open(
+        cfg: &crate::config::Config,
+        device: &candle_core::Device,
+        resume: bool,
+    ) -> Result<Session> {
+        use rand::SeedableRng;
+        let out = &cfg.checkpointing.checkpoint_dir;
+        let (train_set, val_set) = crate::data::load_train_val(&cfg.data, cfg.distillation.seed)?;
+        let skipped = train_set.skipped.total();
+        if skipped > 0 {
+            tracing::warn!("{skipped} training records skipped: {}", train_set.skipped);
+        }
+        let mut val = val_set.records;
+        if let Some(n) = cfg.distillation.max_val_samples {
+            val.truncate(n);
+        }
+        let dtype = xdistill_shared::device::parse_dtype(&cfg.policy.precision)?;
+        let student = Student::load(&cfg.policy.model_name, device, dtype)?;
+        let (n, b) = (
+            train_set.records.len(),
+            cfg.distillation.num_prompts_per_step,
+        );
+        let steps_per_epoch = if cfg.data.drop_last {
+            n / b
+        } else {
+            n.div_ceil(b)
+        } as u64;
+        if steps_per_epoch == 0 {
+            anyhow::bail!("no training batch: {n} records for num_prompts_per_step = {b}");
+        }
+        let total_steps = cfg
+            .distillation
+            .max_num_steps
+            .min(steps_per_epoch * cfg.distillation.max_num_epochs);
+        let mut runner = Runner::new(student, optim_config(&cfg.policy.optimizer), total_steps)?;
+        let mut batcher = crate::data::Batcher::new(
+            train_set.records,
+            crate::data::BatchOptions::from_config(cfg),
+        );
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(cfg.distillation.seed);
+        let hash = cfg.training_hash();
+        let mut tokens_seen = 0;
+        let mut resumed_from = None;
+        if resume {
+            checkpoint::remove_temp_dirs(out)?;
+            if let Some((step, path)) = checkpoint::latest(out)? {
+                let ck = checkpoint::load(&path, device)?;
+                if ck.state.config_hash != hash {
+                    tracing::warn!(
+                        "resuming {} with a changed config: the result will differ from an uninterrupted run",
+                        path.display()
+                    );
+                }
+                runner.restore(&ck)?;
+                batcher.seek(ck.state.data)?;
+                rng = ck.state.rng.restore().map_err(anyhow::Error::msg)?;
+                tokens_seen = ck.state.tokens_seen;
+                tracing::info!("resumed from {} (step {step})", path.display());
+                resumed_from = Some(step);
+            } else {
+                tracing::info!(
+                    "--resume: no checkpoint in {}, starting fresh",
+                    out.display()
+                );
+            }
+        }
+        let log = crate::metrics_log::MetricsLog::open(out, resumed_from)?;
+        let progress = crate::metrics_log::Progress::new(
+            runner.total_steps,
+            runner.step,
+            cfg.logger.progress_bar,
+            cfg.logger.log_every,
+        );
+        Ok(Session {
+            runner,
+            batcher,
+            val,
+            rng,
+            hash,
+            tokens_seen,
+            skipped,
+            resumed_from,
+            log,
+            progress,
+        })
+    }
+}
