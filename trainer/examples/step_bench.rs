@@ -385,7 +385,7 @@ fn main() -> Result<()> {
         med(|p| p.clip),
         med(|p| p.adamw)
     );
-    println!("  first-step loss {:.6}", first_loss.unwrap_or(f64::NAN));
+    println!("  first-step loss {:.9}", first_loss.unwrap_or(f64::NAN));
     if !torch.is_empty() {
         let t = median(torch.clone());
         println!(
@@ -395,7 +395,7 @@ fn main() -> Result<()> {
             tokens as f64 / t
         );
         let tl = torch_first.unwrap_or(f64::NAN);
-        println!("  first-step loss {tl:.6}");
+        println!("  first-step loss {tl:.9}");
         println!(
             "ratio ours/pytorch: {:.2} (goal <= 1.5); first-step loss difference {:.2e}",
             ours_med / t,
