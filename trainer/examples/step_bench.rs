@@ -73,6 +73,10 @@ struct Args {
     /// Python with torch + transformers + safetensors; empty: skip the PyTorch side.
     #[arg(long, default_value = ".venv/bin/python")]
     python: String,
+    /// Init std of the weight matrices: large enough that the logits are far from uniform, so
+    /// the loss comparison exercises the whole model (the timing does not depend on it).
+    #[arg(long, default_value_t = 0.1)]
+    init_std: f64,
     /// Where the model directory and the batch are written.
     #[arg(long, default_value = "target/step-bench")]
     work_dir: PathBuf,
@@ -273,7 +277,7 @@ fn main() -> Result<()> {
         pad_vocab_to: 1,
         max_position_embeddings: a.len.max(2048),
         tie_embeddings: a.tie_embeddings,
-        init_std: 0.02,
+        init_std: a.init_std,
         seed: 0,
         out: model_dir.clone(),
     };
@@ -322,6 +326,10 @@ fn main() -> Result<()> {
     let mut torch: Vec<f64> = vec![];
     let mut first_loss = None;
     let mut torch_first = None;
+    // Loss of the last step of the first round: after `steps` updates on both sides it checks
+    // the gradients, the clipping and AdamW too.
+    let mut last_loss = None;
+    let mut torch_last = None;
     for round in 0..a.rounds {
         let student = Student::load(&model_dir, &Device::Cpu, DType::F32)?;
         let mut runner = Runner::new(student, optim.clone(), 1_000_000)?;
@@ -329,9 +337,12 @@ fn main() -> Result<()> {
         first_loss.get_or_insert(l0);
         let mut times = vec![];
         for _ in 0..a.steps {
-            let (_, ph) = step(&mut runner, &batch, a.k, &cfg)?;
+            let (l, ph) = step(&mut runner, &batch, a.k, &cfg)?;
             times.push(ph.total());
             ours.push(ph);
+            if round == 0 {
+                last_loss = Some(l);
+            }
         }
         println!("round {round}: ours median {:.3} s", median(times.clone()));
         drop(runner);
@@ -366,6 +377,7 @@ fn main() -> Result<()> {
             println!("round {round}: pytorch median {:.3} s", median(ts.clone()));
             torch.extend(ts);
             torch_first.get_or_insert(v["first_loss"].as_f64().unwrap_or(f64::NAN));
+            torch_last.get_or_insert(v["last_loss"].as_f64().unwrap_or(f64::NAN));
         }
     }
     // 4. Report.
@@ -385,7 +397,11 @@ fn main() -> Result<()> {
         med(|p| p.clip),
         med(|p| p.adamw)
     );
-    println!("  first-step loss {:.9}", first_loss.unwrap_or(f64::NAN));
+    let (l0, l1) = (
+        first_loss.unwrap_or(f64::NAN),
+        last_loss.unwrap_or(f64::NAN),
+    );
+    println!("  loss: first step {l0:.9}, step {} {l1:.9}", a.steps + 1);
     if !torch.is_empty() {
         let t = median(torch.clone());
         println!(
@@ -394,12 +410,18 @@ fn main() -> Result<()> {
             t,
             tokens as f64 / t
         );
-        let tl = torch_first.unwrap_or(f64::NAN);
-        println!("  first-step loss {tl:.9}");
+        let (t0, t1) = (
+            torch_first.unwrap_or(f64::NAN),
+            torch_last.unwrap_or(f64::NAN),
+        );
+        println!("  loss: first step {t0:.9}, step {} {t1:.9}", a.steps + 1);
         println!(
-            "ratio ours/pytorch: {:.2} (goal <= 1.5); first-step loss difference {:.2e}",
+            "ratio ours/pytorch: {:.2} (goal <= 1.5); loss differences: first step {:.2e}, \
+             step {} {:.2e}",
             ours_med / t,
-            (first_loss.unwrap_or(f64::NAN) - tl).abs()
+            (l0 - t0).abs(),
+            a.steps + 1,
+            (l1 - t1).abs()
         );
     }
     Ok(())
