@@ -3,11 +3,13 @@
 Runs the same step as `cargo run --release -p xdistill-trainer --example step_bench`: the same
 model directory, the same batch (read from the safetensors file the Rust bench writes), the same
 loss (forward KL over the teacher's top-k with a tail bucket, temperature 1, plus 0.1 x CE on the
-targets), AdamW (lr 1e-4, wd 0.01), and prints the median step time.
+targets), AdamW (lr 1e-4, wd 0.01), gradient-norm clipping at 1.0, and prints one JSON line: the median
+step time, every timed step's time and the first (warm-up) step's loss, which the Rust side
+compares with its own.
 
     python bench/torch_step.py MODEL_DIR BATCH.safetensors STEPS THREADS
 """
-import json, statistics, sys, time
+import json, math, statistics, sys, time
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
@@ -24,6 +26,10 @@ model.train()
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, betas=(0.9, 0.999), eps=1e-8)
 
 
+# The tail mass 1 - sum_K p is floored at 1e-6, as the Rust loss does (TAIL_FLOOR).
+TAIL_MAX = math.log1p(-1e-6)
+
+
 def log1mexp(x):
     # log(1 - exp(x)) for x < 0, stable
     return torch.where(x > -0.693, torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
@@ -33,8 +39,8 @@ def step():
     logits = model(ids).logits  # [B, T, V]
     lp = torch.log_softmax(logits.float(), dim=-1)
     s_k = lp.gather(-1, t_ids)  # [B, T, k]
-    s_tail = log1mexp(torch.logsumexp(s_k, -1).clamp(max=-1e-7))
-    t_tail = log1mexp(torch.logsumexp(t_lp, -1).clamp(max=-1e-7))
+    s_tail = log1mexp(torch.logsumexp(s_k, -1).clamp(max=TAIL_MAX))
+    t_tail = log1mexp(torch.logsumexp(t_lp, -1).clamp(max=TAIL_MAX))
     kl = (t_lp.exp() * (t_lp - s_k)).sum(-1) + t_tail.exp() * (t_tail - s_tail)
     ce = -lp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     n = mask.sum()
@@ -46,7 +52,7 @@ def step():
     return loss.item()
 
 
-step()  # warm-up
+first_loss = step()  # warm-up, on the initial weights
 times = []
 for _ in range(steps):
     t0 = time.perf_counter()
@@ -55,4 +61,5 @@ for _ in range(steps):
 tokens = int(mask.sum().item())
 med = statistics.median(times)
 print(json.dumps({"impl": "pytorch-eager", "threads": threads, "median_step_s": med,
-                  "tokens_per_s": ids.numel() / med, "trained_tokens": tokens, "last_loss": loss}))
+                  "tokens_per_s": ids.numel() / med, "trained_tokens": tokens,
+                  "first_loss": first_loss, "last_loss": loss, "step_s": times}))

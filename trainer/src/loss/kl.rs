@@ -197,9 +197,9 @@ pub fn topk_divergence(
         }
         TailMode::Bucket | TailMode::Ignore => {
             // log p_S[K] = z[K]/τ − logsumexp(z/τ): no full [B, T, V] log-softmax is kept.
+            // Fused on the CPU: the full [B, T, V] log-softmax is never materialised.
             let z = scaled(student_logits, dt, inv_t)?;
-            let lse_full = logsumexp_last(&z)?;
-            let lsk = z.gather(&ids, 2)?.broadcast_sub(&lse_full.unsqueeze(2)?)?;
+            let lsk = xdistill_shared::ops::gather_log_softmax(&z, &ids)?;
             let lse_s = logsumexp_last(&lsk)?;
             if tail == TailMode::Bucket {
                 let tail_s = log1mexp(&lse_s, TAIL_FLOOR)?.unsqueeze(2)?;

@@ -5,13 +5,23 @@ use candle_core::{DType, Tensor, Var};
 
 use super::Result;
 
-/// The global L2 norm `√(Σ_params Σ g²)` of the gradients of `vars` (missing ones count as 0).
-/// One device-to-host transfer in all.
+/// The global L2 norm `√(Σ_params Σ g²)` of the gradients of `vars` (missing ones count as 0),
+/// accumulated in f64. On the CPU each gradient is read in place (no squared temporary).
 pub fn grad_norm(grads: &GradStore, vars: &[Var]) -> Result<f64> {
+    if vars.first().is_some_and(|v| v.device().is_cpu()) {
+        let mut total = 0.0;
+        for v in vars {
+            if let Some(g) = grads.get(v.as_tensor()) {
+                total += xdistill_shared::ops::sum_squares(g)?;
+            }
+        }
+        return Ok(total.sqrt());
+    }
     let mut sums = Vec::new();
     for v in vars {
         if let Some(g) = grads.get(v.as_tensor()) {
-            // f32 partial sums per tensor (f64 stays f64), added on the host in f64.
+            // f32 partial sums per tensor (f64 stays f64), added on the host in f64: one
+            // device-to-host transfer in all.
             let dt = if g.dtype() == DType::F64 {
                 DType::F64
             } else {
