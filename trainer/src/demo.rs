@@ -1,14 +1,17 @@
 //! `trainer demo`: the end-to-end comparison on the synthetic arithmetic task.
 //!
-//! 1. writes the task (seeded); 2. builds a teacher by SFT on it (cached under
-//! `OUTPUT/teacher/<hash of the teacher settings>/`, reused by later runs); 3. starts the real
-//! `teacher` binary on loopback; 4. initialises a smaller student **with a different tokenizer**;
-//! 5. gives it the same budget (steps × prompts per step) under (a) SFT, (b) off-policy and
-//! (c) on-policy distillation, each run as a subprocess of this executable (`trainer sft`,
-//! `trainer off-policy`, `trainer on-policy`) with a generated config file, so the demo exercises
-//! the real CLIs; 6. evaluates every checkpoint (greedy held-out accuracy, the curve) and the
-//! final models (accuracy and KL to the teacher); 7. prints the table and writes
-//! `OUTPUT/summary.json`, `OUTPUT/curves.json` and `OUTPUT/curves.svg`.
+//! 1. Writes the task (seeded).
+//! 2. Builds a teacher by SFT on it, cached under `OUTPUT/teacher/<hash of the teacher
+//!    settings>/` and reused by later runs.
+//! 3. Starts the real `teacher` binary on loopback (port 0).
+//! 4. Initialises a smaller student **with a different tokenizer**.
+//! 5. Gives it the same budget (steps × prompts per step) under (a) SFT, (b) off-policy and
+//!    (c) on-policy distillation, each run as a subprocess of this executable (`trainer sft`,
+//!    `trainer off-policy`, `trainer on-policy`) with a generated config file, so the demo
+//!    exercises the real CLIs.
+//! 6. Evaluates every checkpoint (greedy held-out accuracy: the curve) and the final models
+//!    (accuracy and KL to the teacher).
+//! 7. Prints the table and writes `OUTPUT/summary.json`, `OUTPUT/curves.json`, `OUTPUT/curves.svg`.
 //!
 //! The task's completions get a blank line appended (`"\n\n"`, the evaluation's default stop
 //! string): every method then learns the same end-of-answer marker, whatever each tokenizer's
@@ -306,13 +309,16 @@ pub fn teacher_binary(explicit: Option<&Path>) -> Result<PathBuf> {
             candidates.push(up.join(&name));
         }
     }
-    candidates.into_iter().find(|p| p.is_file()).with_context(|| {
-        format!(
-            "the `teacher` server binary is not beside {} — build the whole workspace first \
+    candidates
+        .into_iter()
+        .find(|p| p.is_file())
+        .with_context(|| {
+            format!(
+                "the `teacher` server binary is not beside {} — build the whole workspace first \
              (`cargo build --release` at the repository root), or pass --teacher-bin",
-            exe.display()
-        )
-    })
+                exe.display()
+            )
+        })
 }
 
 /// The `trainer` executable to run subcommands with (tests run from `deps/`).
@@ -587,6 +593,25 @@ fn curve(
     Ok(points)
 }
 
+/// Copies a folder tree (the teacher-tokenizer and projection cache; absent source: nothing).
+fn copy_dir(from: &Path, to: &Path) -> Result<()> {
+    if !from.is_dir() {
+        return Ok(());
+    }
+    std::fs::create_dir_all(to).with_context(|| format!("creating {}", to.display()))?;
+    for entry in std::fs::read_dir(from)? {
+        let entry = entry?;
+        let dst = to.join(entry.file_name());
+        if entry.file_type()?.is_dir() {
+            copy_dir(&entry.path(), &dst)?;
+        } else {
+            std::fs::copy(entry.path(), &dst)
+                .with_context(|| format!("copying {}", entry.path().display()))?;
+        }
+    }
+    Ok(())
+}
+
 /// First evaluated step whose accuracy reaches `target`.
 pub fn steps_to(curve: &[(u64, f64)], target: f64) -> Option<u64> {
     curve.iter().find(|(_, a)| *a >= target).map(|(s, _)| *s)
@@ -595,7 +620,13 @@ pub fn steps_to(curve: &[(u64, f64)], target: f64) -> Option<u64> {
 /// The issue's goal: on-policy reaches 90% of the teacher's accuracy in at most a fifth of the
 /// steps SFT needs to get as far (SFT not reaching it within the budget counts as needing more
 /// than the budget).
-pub fn goal(teacher_acc: f64, sft: &[(u64, f64)], off: &[(u64, f64)], on: &[(u64, f64)], budget: u64) -> Goal {
+pub fn goal(
+    teacher_acc: f64,
+    sft: &[(u64, f64)],
+    off: &[(u64, f64)],
+    on: &[(u64, f64)],
+    budget: u64,
+) -> Goal {
     let target = 0.9 * teacher_acc;
     let (on_s, sft_s) = (steps_to(on, target), steps_to(sft, target));
     let met = match (on_s, sft_s) {
@@ -716,7 +747,12 @@ pub fn run(a: DemoArgs) -> Result<()> {
         }
         settings.student_training.steps = n;
     }
-    let summary = run_with(&a.output, &settings, a.rebuild_teacher, a.teacher_bin.as_deref())?;
+    let summary = run_with(
+        &a.output,
+        &settings,
+        a.rebuild_teacher,
+        a.teacher_bin.as_deref(),
+    )?;
     println!("\n{}", table(&summary));
     println!(
         "goal (on-policy ≥ 90% of the teacher in ≤ 1/5 of SFT's steps): {}",
@@ -758,7 +794,8 @@ pub fn run_with(
     let tdir = out.join("teacher").join(s.teacher_key());
     let teacher_model = tdir.join("run").join("final");
     let info_path = tdir.join("teacher.json");
-    let cached = !rebuild_teacher && info_path.is_file() && teacher_model.join("config.json").is_file();
+    let cached =
+        !rebuild_teacher && info_path.is_file() && teacher_model.join("config.json").is_file();
     let teacher_row: Row = if cached {
         eprintln!("   reusing {}", teacher_model.display());
         let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&info_path)?)?;
@@ -899,6 +936,13 @@ stop_strings = ["\n\n", "\nQ:"]
     for (i, (name, sub, title, extra)) in methods.iter().enumerate() {
         stage(5 + i, &format!("{title}: {budget} steps"));
         let cfg = method_cfg(name, extra)?;
+        if *name != "sft" {
+            // The probe already fetched the teacher tokenizer and built the projection map.
+            copy_dir(
+                &runs.join("kl_probe").join("teacher_tokenizer"),
+                &runs.join(name).join("teacher_tokenizer"),
+            )?;
+        }
         let r = run_trainer(sub, &cfg, &[])?;
         let dir = runs.join(name);
         let c = curve(&dir, budget, init_acc, &eval_records, s.max_new_tokens)?;
@@ -921,7 +965,13 @@ stop_strings = ["\n\n", "\nQ:"]
     let on = rows.pop().context("on-policy row")?;
     let off = rows.pop().context("off-policy row")?;
     let sft = rows.pop().context("sft row")?;
-    let g = goal(teacher_row.accuracy, &sft.curve, &off.curve, &on.curve, budget);
+    let g = goal(
+        teacher_row.accuracy,
+        &sft.curve,
+        &off.curve,
+        &on.curve,
+        budget,
+    );
     let summary = Summary {
         teacher: teacher_row,
         student_init: student_row,
@@ -960,4 +1010,53 @@ stop_strings = ["\n\n", "\nQ:"]
         ),
     )?;
     Ok(summary)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn goal_compares_steps_to_ninety_percent_of_the_teacher() {
+        // Teacher 0.8: target 0.72.
+        let on = [(0, 0.0), (10, 0.5), (20, 0.75), (100, 0.8)];
+        let sft_slow = [(0, 0.0), (50, 0.3), (100, 0.73)];
+        let sft_fast = [(0, 0.0), (50, 0.72), (100, 0.8)];
+        let never = [(0, 0.0), (100, 0.7)];
+        let g = goal(0.8, &sft_slow, &never, &on, 100);
+        assert!((g.target_accuracy - 0.72).abs() < 1e-12);
+        assert_eq!(
+            (g.on_policy_steps, g.sft_steps, g.off_policy_steps),
+            (Some(20), Some(100), None)
+        );
+        assert!(g.met, "20 * 5 <= 100");
+        assert!(!goal(0.8, &sft_fast, &never, &on, 100).met, "20 * 5 > 50");
+        // SFT never gets there: judged against the budget.
+        assert!(goal(0.8, &never, &never, &on, 100).met);
+        assert!(!goal(0.8, &never, &never, &on, 99).met);
+        // On-policy never gets there, or a teacher at 0: not met.
+        assert!(!goal(0.8, &sft_slow, &never, &never, 100).met);
+        assert!(!goal(0.0, &never, &never, &on, 100).met);
+    }
+
+    #[test]
+    fn svg_has_a_line_per_method_and_the_teacher() {
+        let c: Vec<(u64, f64)> = vec![(0, 0.0), (50, 0.5), (100, 1.0)];
+        let s = svg(&[("a", &c), ("b", &c)], 0.9, 100);
+        assert_eq!(s.matches("<polyline").count(), 2);
+        assert!(s.contains(">teacher<"));
+        // Step 100 of 100 at accuracy 1.0 is the plot's top-right corner (x = 50 + 380, y = 20).
+        assert!(s.contains("430.0,20.0"), "{s}");
+    }
+
+    #[test]
+    fn teacher_key_follows_the_teacher_settings_only() {
+        let a = DemoSettings::full();
+        let mut b = a.clone();
+        b.student_training.steps += 1;
+        b.student.hidden_size *= 2;
+        assert_eq!(a.teacher_key(), b.teacher_key());
+        b.teacher_training.lr *= 2.0;
+        assert_ne!(a.teacher_key(), b.teacher_key());
+    }
 }
