@@ -236,7 +236,8 @@ fn loss_covers_exactly_the_completion_and_eos() {
         let completion_positions: Vec<usize> = (p_ids.len() - 1..e.ids.len() - 1).collect();
         let all_positions: Vec<usize> = (0..e.ids.len() - 1).collect();
 
-        let (loss, n) = sft_loss(student.model(), std::slice::from_ref(&e), 1.0, &Device::Cpu).unwrap();
+        let (loss, n) =
+            sft_loss(student.model(), std::slice::from_ref(&e), 1.0, &Device::Cpu).unwrap();
         assert_eq!(n as usize, completion_positions.len());
         let got = loss.to_scalar::<f32>().unwrap() as f64 / n;
         let ids_t = candle_core::Tensor::new(e.ids.as_slice(), &Device::Cpu)
@@ -278,7 +279,8 @@ fn loss_covers_exactly_the_completion_and_eos() {
             None,
         )
         .unwrap();
-        let (mean_loss, _) = sft_loss(student.model(), std::slice::from_ref(&e), n, &Device::Cpu).unwrap();
+        let (mean_loss, _) =
+            sft_loss(student.model(), std::slice::from_ref(&e), n, &Device::Cpu).unwrap();
         let (ga, gb) = (mean_loss.backward().unwrap(), reference.backward().unwrap());
         for (name, v) in &vars {
             let a: Vec<f32> = ga
