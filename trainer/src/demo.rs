@@ -378,12 +378,18 @@ fn run_trainer(sub: &str, config: &Path, extra: &[String]) -> Result<serde_json:
     serde_json::from_str(last).with_context(|| format!("`trainer {sub}` summary: {last}"))
 }
 
-fn tokenizer_path(name: &str) -> PathBuf {
-    xdistill_shared::paths::tokenizer_json(name)
+/// `NAME/tokenizer.json` of the real tokenizers (`XDISTILL_TOKENIZERS`, or the folders
+/// `scripts/get-tokenizers.sh` fills).
+fn tokenizer_path(name: &str) -> Result<PathBuf> {
+    let dir = xdistill_shared::paths::tokenizers_dir().context(
+        "the tokenizers were not found: run scripts/get-tokenizers.sh, or set XDISTILL_TOKENIZERS \
+         to the folder holding NAME/tokenizer.json",
+    )?;
+    Ok(dir.join(name).join("tokenizer.json"))
 }
 
 fn init_model(spec: &ModelSpec, out: &Path) -> Result<()> {
-    let tokenizer = tokenizer_path(&spec.tokenizer);
+    let tokenizer = tokenizer_path(&spec.tokenizer)?;
     if !tokenizer.is_file() {
         bail!(
             "tokenizer {:?} not found at {} (scripts/get-tokenizers.sh fetches them)",
