@@ -7,6 +7,7 @@ pub mod client;
 pub mod collate;
 pub mod config;
 pub mod data;
+pub mod demo;
 pub mod eval;
 pub mod generate;
 pub mod init_model;

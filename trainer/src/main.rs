@@ -3,7 +3,7 @@
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 
-use xdistill_trainer::{align, config, eval, init_model, task, train};
+use xdistill_trainer::{align, config, demo, eval, init_model, task, train};
 
 #[derive(Parser)]
 #[command(
@@ -24,6 +24,10 @@ enum Command {
     OffPolicy(config::OffPolicyArgs),
     /// Distil on the student's own samples scored by the teacher (on-policy, mixable with off-policy).
     OnPolicy(config::OffPolicyArgs),
+    /// Supervised fine-tuning on prompt + completion data (loss on the completion).
+    Sft(train::sft::SftArgs),
+    /// The end-to-end demo: teacher by SFT, then SFT vs off-policy vs on-policy distillation.
+    Demo(demo::DemoArgs),
     /// Accuracy of a model on a prompts file (greedy and sampled).
     Eval(eval::Args),
     /// Write a synthetic arithmetic task (train.jsonl, test.jsonl).
@@ -45,6 +49,8 @@ fn main() -> Result<()> {
         Command::InitModel(a) => init_model::run(a),
         Command::OffPolicy(a) => train::off_policy::run(a),
         Command::OnPolicy(a) => train::on_policy::run(a),
+        Command::Sft(a) => train::sft::run(a),
+        Command::Demo(a) => demo::run(a),
         Command::Eval(a) => eval::run(a).map(|_| ()),
         Command::MakeTask(a) => Ok(task::run(a)?),
         Command::Align(a) => align::cli::run_align(a),

@@ -8,4 +8,5 @@ pub mod off_policy;
 pub mod on_policy;
 pub mod prepare;
 pub mod runner;
+pub mod sft;
 pub mod step;
