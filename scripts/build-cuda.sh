@@ -26,10 +26,22 @@ if [ ! -x "$tk/nvidia/cu13/bin/nvcc" ]; then
 fi
 home="$tk/nvidia/cu13"
 [ -x "$home/bin/nvcc" ] || { echo "nvcc missing under $home/bin" >&2; exit 1; }
-# Unversioned names for the linker, and the driver stub as libcuda.so.1.
-(cd "$home/lib" && for f in lib*.so.[0-9]*; do base=${f%%.so.*}.so; [ -e "$base" ] || ln -s "$f" "$base"; done
- [ -e libcuda.so.1 ] || ln -s stubs/libcuda.so libcuda.so.1
- [ -e libcuda.so ] || ln -s stubs/libcuda.so libcuda.so)
+# The wheels ship no driver (libcuda.so.1 comes with the NVIDIA driver), so link against a stub:
+# a tiny library exporting every driver entry point cudarc declares, with the driver's soname.
+# At run time the real libcuda.so.1 of the GPU machine is loaded instead.
+if [ ! -e "$home/lib/stubs/libcuda.so" ]; then
+  (cd "$root" && cargo fetch --locked -q)
+  sys=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-"$(awk '/^name = "cudarc"/{getline; gsub(/[^0-9.]/,""); print}' "$root/Cargo.lock")"/src/driver/sys/mod.rs | head -n 1)
+  [ -f "$sys" ] || { echo "cudarc sources not found (cargo fetch failed?)" >&2; exit 1; }
+  mkdir -p "$home/lib/stubs"
+  grep -oE '^pub unsafe fn cu[A-Za-z0-9_]+' "$sys" | sed 's/^pub unsafe fn //' | sort -u \
+    | sed 's/.*/void &(void) {}/' > "$home/lib/stubs/libcuda_stub.c"
+  cc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$home/lib/stubs/libcuda.so" "$home/lib/stubs/libcuda_stub.c"
+fi
+# Unversioned names for the linker, and the driver stub as libcuda.so(.1).
+(cd "$home/lib" && for f in lib*.so.[0-9]*; do base=${f%%.so.*}.so; [ -e "$base" ] || [ -L "$base" ] || ln -s "$f" "$base"; done
+ ln -sfn stubs/libcuda.so libcuda.so.1
+ ln -sfn stubs/libcuda.so libcuda.so)
 
 export CUDA_HOME="$home" CUDA_PATH="$home"
 export PATH="$home/bin:$PATH"
