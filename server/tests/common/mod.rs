@@ -19,7 +19,11 @@ pub fn tiny_model(name: &str, arch: &str, tokenizer: &str, pad_to: usize) -> Pat
     // Tests of one binary run on threads of one process: make each model once, in turn.
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    let out = Path::new(env!("CARGO_TARGET_TMPDIR"))
+    // A test executable run away from its build tree (the GPU check) says where to write.
+    let tmp = std::env::var_os("XDISTILL_TEST_TMPDIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_TARGET_TMPDIR")));
+    let out = tmp
         .join("teacher-models")
         .join(name);
     if out.join("config.json").is_file() {
@@ -46,6 +50,14 @@ pub fn tiny_model(name: &str, arch: &str, tokenizer: &str, pad_to: usize) -> Pat
     out
 }
 
+/// The `teacher` of this build, or `$XDISTILL_TEACHER_BIN` (a test executable run away from its
+/// build tree).
+pub fn teacher_bin() -> PathBuf {
+    std::env::var_os("XDISTILL_TEACHER_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_teacher")))
+}
+
 /// A `teacher` process. It runs under a small shell guard that stops it when our end of the
 /// guard's stdin closes, so servers shared through statics never outlive the test binary.
 pub struct Teacher {
@@ -62,7 +74,7 @@ impl Teacher {
             .arg(
                 r#""$0" "$@" & pid=$!; echo "pid $pid"; read _ignored; kill -TERM $pid; wait $pid"#,
             )
-            .arg(env!("CARGO_BIN_EXE_teacher"))
+            .arg(teacher_bin())
             .arg("--model")
             .arg(model)
             .args(["--port", "0"])
