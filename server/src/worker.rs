@@ -10,6 +10,7 @@ use crate::batcher::{Batch, Job};
 use crate::metrics::Metrics;
 use crate::model::{self, ModelFacts};
 use crate::topk::{self, ScoreParams, TopkPath};
+use candle_core::Device;
 use candle_core::{DType, Storage, Tensor};
 use std::panic::AssertUnwindSafe;
 use std::path::PathBuf;
@@ -17,7 +18,6 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
-use candle_core::Device;
 use xdistill_shared::model::{Decoder, KvCache};
 use xdistill_shared::protocol::SequenceScores;
 
@@ -414,7 +414,9 @@ mod tests {
             .map(|i| ((i * 7919 % 113) as f32 / 113.0 - 0.5) * 4.0)
             .collect();
         let hidden = Tensor::from_vec(h, (n, 16), &Device::Cpu).unwrap();
-        let ids: Vec<u32> = (0..first + n + 1).map(|i| (i * 997 % VALID) as u32).collect();
+        let ids: Vec<u32> = (0..first + n + 1)
+            .map(|i| (i * 997 % VALID) as u32)
+            .collect();
         let full: Vec<Vec<f32>> = dec.logits(&hidden).unwrap().to_vec2().unwrap();
         let p = ScoreParams {
             k: 6,
@@ -447,7 +449,11 @@ mod tests {
                     let got_ids: Vec<u32> = top.iter().map(|e| e.0).collect();
                     assert_eq!(acc.ids_row(r), got_ids.as_slice(), "{what}");
                     for (v, want) in acc.values_row(r).iter().zip(&top) {
-                        assert!((*v as f64 - want.1).abs() < 1e-4, "{what}: {v} vs {}", want.1);
+                        assert!(
+                            (*v as f64 - want.1).abs() < 1e-4,
+                            "{what}: {v} vs {}",
+                            want.1
+                        );
                     }
                     assert!((acc.target_logprobs[r] as f64 - tl).abs() < 1e-4, "{what}");
                     assert!((acc.logsumexp[r] as f64 - lse).abs() < 1e-4, "{what}");

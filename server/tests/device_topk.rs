@@ -81,7 +81,12 @@ async fn device_path_equals_f64_reference_and_host_path() {
                     assert!((gv[j] - wv[j]).abs() as f64 <= tol(), "row {r} rank {j}");
                     let tied = (j > 0 && (wv[j - 1] - wv[j]).abs() as f64 <= tol())
                         || (j + 1 < k && (wv[j] - wv[j + 1]).abs() as f64 <= tol());
-                    assert!(gi[j] == wi[j] || tied, "row {r} rank {j}: {} vs {}", gi[j], wi[j]);
+                    assert!(
+                        gi[j] == wi[j] || tied,
+                        "row {r} rank {j}: {} vs {}",
+                        gi[j],
+                        wi[j]
+                    );
                 }
             }
         }
@@ -99,6 +104,10 @@ async fn info_reports_the_device() {
         .json()
         .await
         .unwrap();
-    let want = if device() == "cuda" { "cuda:0".to_string() } else { device() };
+    let want = if device() == "cuda" {
+        "cuda:0".to_string()
+    } else {
+        device()
+    };
     assert_eq!(info.device, want);
 }

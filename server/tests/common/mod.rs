@@ -23,9 +23,7 @@ pub fn tiny_model(name: &str, arch: &str, tokenizer: &str, pad_to: usize) -> Pat
     let tmp = std::env::var_os("XDISTILL_TEST_TMPDIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_TARGET_TMPDIR")));
-    let out = tmp
-        .join("teacher-models")
-        .join(name);
+    let out = tmp.join("teacher-models").join(name);
     if out.join("config.json").is_file() {
         return out;
     }
