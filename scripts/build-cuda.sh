@@ -9,6 +9,9 @@
 #
 #   scripts/build-cuda.sh            # download (once), unpack (once), build
 #   scripts/build-cuda.sh --toolkit  # only prepare the toolkit, print the env to use it
+#   scripts/build-cuda.sh --bundle   # build, plus the CUDA test executables, and pack what
+#                                    # scripts/gpu-check.sh needs into target/cuda/gpu-bundle
+#                                    # (stripped, gzipped: small enough to carry to a GPU machine)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cuda="$root/.cuda"
@@ -55,6 +58,31 @@ if [ "${1:-}" = "--toolkit" ]; then
   exit 0
 fi
 cd "$root"
-CARGO_TARGET_DIR="$root/target/cuda" cargo build --release --locked --features cuda \
-  -p xdistill-server -p xdistill-trainer
+export CARGO_TARGET_DIR="$root/target/cuda"
+cargo build --release --locked --features cuda -p xdistill-server -p xdistill-trainer
 ls -la target/cuda/release/teacher target/cuda/release/trainer
+[ "${1:-}" = "--bundle" ] || exit 0
+
+# The model tests and the device top-k parity test, built for the GPU. Their executables are
+# found from cargo's JSON messages (names carry a hash).
+tests=$(cargo test --release --locked --features cuda --no-run --message-format=json \
+    -p xdistill-shared --test model -p xdistill-server --test device_topk \
+  | python3 -c 'import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
+        print(m["target"]["name"], m["executable"])')
+bundle="$root/target/cuda/gpu-bundle"
+rm -rf "$bundle" && mkdir -p "$bundle/tokenizers/qwen3"
+pack() { strip -o "$bundle/$2" "$1" && gzip -f -9 "$bundle/$2"; }
+pack target/cuda/release/teacher teacher
+pack target/cuda/release/trainer trainer
+while read -r name exe; do pack "$exe" "test-$name"; done <<<"$tests"
+# The Qwen3 tokenizer (tiny test models and the benchmark model use it). The other names the
+# tokenizer lookup expects point at it: the GPU tests use only Qwen3.
+tok=$(scripts/get-tokenizers.sh)
+gzip -c -9 "$tok/qwen3/tokenizer.json" > "$bundle/tokenizers/qwen3/tokenizer.json.gz"
+for n in llama3 llama2 gemma3 deepseek_v3; do
+  mkdir -p "$bundle/tokenizers/$n" && ln -sfn ../qwen3/tokenizer.json "$bundle/tokenizers/$n/tokenizer.json"
+done
+du -sh "$bundle" && ls -la "$bundle"
