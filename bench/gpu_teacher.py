@@ -23,11 +23,14 @@ p.add_argument("--k", type=int, default=64)
 p.add_argument("--requests", type=int, default=24, help="batches per side (after one warm-up)")
 p.add_argument("--clients", type=int, default=4, help="concurrent HTTP clients")
 p.add_argument("--dtype", default="bf16", choices=["bf16", "f16", "f32"])
-p.add_argument("--vocab", type=int, default=None, help="valid ids (default: config vocab_size)")
 a = p.parse_args()
 
-cfg = json.load(open(f"{a.model}/config.json"))
-vocab = a.vocab or cfg["vocab_size"]
+# Valid ids as the server counts them (the tokenizer's; LM-head rows beyond are padding, excluded
+# on both sides).
+with urllib.request.urlopen(f"{a.url}/v1/info", timeout=60) as r:
+    info = json.loads(r.read())
+vocab = info["vocab_size"]
+assert info["device"].startswith("cuda"), f"teacher runs on {info['device']}"
 rng = np.random.default_rng(0)
 batches = [rng.integers(0, vocab, size=(a.batch, a.seq_len), dtype=np.int64)
            for _ in range(a.requests + 1)]
