@@ -89,7 +89,7 @@ check "$work/trainer" init-model --arch qwen3 --tokenizer "$work/tokenizers/qwen
 step "   teacher (cuda, bf16, device top-k) vs transformers + torch.topk, k = 64"
 port=18123
 "$work/teacher" --model "$model" --device cuda --dtype bf16 --port $port --cache-bytes 0 \
-  --max-batch-tokens 4096 --max-queue-tokens 1048576 > "$out/teacher.log" 2>&1 &
+  --max-batch-tokens 8192 --max-queue-tokens 1048576 > "$out/teacher.log" 2>&1 &
 tpid=$!
 for _ in $(seq 600); do
   curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break
