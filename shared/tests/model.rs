@@ -9,9 +9,14 @@ use xdistill_shared::model::{param_specs, Decoder, Init, KvCache, Ops};
 
 /// `cpu` unless `XDISTILL_TEST_DEVICE` names another (`cuda`, `cuda:N`: the GPU check runs these
 /// tests there with a CUDA build).
+/// Opened once: two opens of a GPU are two candle devices whose tensors do not mix.
 fn dev() -> Device {
-    let name = std::env::var("XDISTILL_TEST_DEVICE").unwrap_or_else(|_| "cpu".into());
-    xdistill_shared::device::parse_device(&name).unwrap()
+    static DEV: std::sync::OnceLock<Device> = std::sync::OnceLock::new();
+    DEV.get_or_init(|| {
+        let name = std::env::var("XDISTILL_TEST_DEVICE").unwrap_or_else(|_| "cpu".into());
+        xdistill_shared::device::parse_device(&name).unwrap()
+    })
+    .clone()
 }
 
 fn config(model_type: &str) -> ModelConfig {
