@@ -157,8 +157,17 @@ impl Student {
 }
 
 fn build(config: &ModelConfig, varmap: &VarMap, dtype: DType, device: &Device) -> Result<Decoder> {
-    let vb = VarBuilder::from_backend(Box::new(CastVars(varmap.clone())), dtype, device.clone());
-    Ok(Decoder::new(config, vb, Ops::Differentiable)?)
+    Ok(Decoder::new(
+        config,
+        compute_vars(varmap, dtype, device),
+        Ops::Differentiable,
+    )?)
+}
+
+/// A builder reading the master vars in `dtype` (use this, not `VarBuilder::from_varmap`, for
+/// any decoder over the student's weights: see [`CastVars`]).
+pub fn compute_vars(varmap: &VarMap, dtype: DType, device: &Device) -> VarBuilder<'static> {
+    VarBuilder::from_backend(Box::new(CastVars(varmap.clone())), dtype, device.clone())
 }
 
 /// The master `Var`s seen in the compute dtype. A `VarMap` alone hands out its vars in their own
