@@ -9,6 +9,9 @@
 #
 #   scripts/build-cuda.sh            # download (once), unpack (once), build
 #   scripts/build-cuda.sh --toolkit  # only prepare the toolkit, print the env to use it
+#   scripts/build-cuda.sh --bundle   # build, plus the CUDA test executables, and pack what
+#                                    # scripts/gpu-check.sh needs into target/cuda/gpu-bundle
+#                                    # (stripped, gzipped: small enough to carry to a GPU machine)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cuda="$root/.cuda"
@@ -26,10 +29,22 @@ if [ ! -x "$tk/nvidia/cu13/bin/nvcc" ]; then
 fi
 home="$tk/nvidia/cu13"
 [ -x "$home/bin/nvcc" ] || { echo "nvcc missing under $home/bin" >&2; exit 1; }
-# Unversioned names for the linker, and the driver stub as libcuda.so.1.
-(cd "$home/lib" && for f in lib*.so.[0-9]*; do base=${f%%.so.*}.so; [ -e "$base" ] || ln -s "$f" "$base"; done
- [ -e libcuda.so.1 ] || ln -s stubs/libcuda.so libcuda.so.1
- [ -e libcuda.so ] || ln -s stubs/libcuda.so libcuda.so)
+# The wheels ship no driver (libcuda.so.1 comes with the NVIDIA driver), so link against a stub:
+# a tiny library exporting every driver entry point cudarc declares, with the driver's soname.
+# At run time the real libcuda.so.1 of the GPU machine is loaded instead.
+if [ ! -e "$home/lib/stubs/libcuda.so" ]; then
+  (cd "$root" && cargo fetch --locked -q)
+  sys=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-"$(awk '/^name = "cudarc"/{getline; gsub(/[^0-9.]/,""); print}' "$root/Cargo.lock")"/src/driver/sys/mod.rs | head -n 1)
+  [ -f "$sys" ] || { echo "cudarc sources not found (cargo fetch failed?)" >&2; exit 1; }
+  mkdir -p "$home/lib/stubs"
+  grep -oE '^pub unsafe fn cu[A-Za-z0-9_]+' "$sys" | sed 's/^pub unsafe fn //' | sort -u \
+    | sed 's/.*/void &(void) {}/' > "$home/lib/stubs/libcuda_stub.c"
+  cc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$home/lib/stubs/libcuda.so" "$home/lib/stubs/libcuda_stub.c"
+fi
+# Unversioned names for the linker, and the driver stub as libcuda.so(.1).
+(cd "$home/lib" && for f in lib*.so.[0-9]*; do base=${f%%.so.*}.so; [ -e "$base" ] || [ -L "$base" ] || ln -s "$f" "$base"; done
+ ln -sfn stubs/libcuda.so libcuda.so.1
+ ln -sfn stubs/libcuda.so libcuda.so)
 
 export CUDA_HOME="$home" CUDA_PATH="$home"
 export PATH="$home/bin:$PATH"
@@ -43,6 +58,31 @@ if [ "${1:-}" = "--toolkit" ]; then
   exit 0
 fi
 cd "$root"
-CARGO_TARGET_DIR="$root/target/cuda" cargo build --release --locked --features cuda \
-  -p xdistill-server -p xdistill-trainer
+export CARGO_TARGET_DIR="$root/target/cuda"
+cargo build --release --locked --features cuda -p xdistill-server -p xdistill-trainer
 ls -la target/cuda/release/teacher target/cuda/release/trainer
+[ "${1:-}" = "--bundle" ] || exit 0
+
+# The model tests and the device top-k parity test, built for the GPU. Their executables are
+# found from cargo's JSON messages (names carry a hash).
+tests=$(cargo test --release --locked --features cuda --no-run --message-format=json \
+    -p xdistill-shared --test model -p xdistill-server --test device_topk \
+  | python3 -c 'import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
+        print(m["target"]["name"], m["executable"])')
+bundle="$root/target/cuda/gpu-bundle"
+rm -rf "$bundle" && mkdir -p "$bundle/tokenizers/qwen3"
+pack() { strip -o "$bundle/$2" "$1" && gzip -f -9 "$bundle/$2"; }
+pack target/cuda/release/teacher teacher
+pack target/cuda/release/trainer trainer
+while read -r name exe; do pack "$exe" "test-$name"; done <<<"$tests"
+# The Qwen3 tokenizer (tiny test models and the benchmark model use it). The other names the
+# tokenizer lookup expects point at it: the GPU tests use only Qwen3.
+tok=$(scripts/get-tokenizers.sh)
+gzip -c -9 "$tok/qwen3/tokenizer.json" > "$bundle/tokenizers/qwen3/tokenizer.json.gz"
+for n in llama3 llama2 gemma3 deepseek_v3; do
+  mkdir -p "$bundle/tokenizers/$n" && ln -sfn ../qwen3/tokenizer.json "$bundle/tokenizers/$n/tokenizer.json"
+done
+du -sh "$bundle" && ls -la "$bundle"

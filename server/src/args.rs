@@ -1,5 +1,6 @@
 //! Command line of `teacher` (every flag also reads an `XDISTILL_*` environment variable).
 
+use crate::topk::TopkPath;
 use clap::Parser;
 use std::net::IpAddr;
 use std::path::PathBuf;
@@ -26,6 +27,10 @@ pub struct Args {
     /// Compute dtype of the weights: f32, bf16 or f16 (top-k is always computed in f32/f64).
     #[arg(long, env = "XDISTILL_DTYPE", default_value = "f32")]
     pub dtype: String,
+    /// Where top-k runs: auto (on the GPU when the model is on one, else on the host), device or
+    /// host.
+    #[arg(long, env = "XDISTILL_TOPK", value_enum, default_value_t = TopkPath::Auto)]
+    pub topk: TopkPath,
     /// Most padded tokens (batch size × longest input) per forward pass.
     #[arg(long, env = "XDISTILL_MAX_BATCH_TOKENS", default_value_t = 8192)]
     pub max_batch_tokens: usize,

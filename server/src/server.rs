@@ -55,6 +55,7 @@ pub async fn run(args: Args) -> Result<()> {
             device: args.device.clone(),
             dtype: args.dtype.clone(),
             max_batch_tokens: args.max_batch_tokens,
+            topk: args.topk,
         },
         metrics.clone(),
         batch_rx,

@@ -114,10 +114,15 @@ pub fn get_status(url: &str) -> std::io::Result<u16> {
 
 /// The `teacher` binary of the current build (beside the calling test's `deps/` folder), built
 /// first if it is missing or stale — another crate's tests cannot name it with `CARGO_BIN_EXE_`.
+/// `$XDISTILL_TEACHER_BIN` names one instead (test executables run away from their build tree,
+/// where no cargo is, as on the GPU check's machine).
 pub fn teacher_binary() -> PathBuf {
     static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     BUILT
         .get_or_init(|| {
+            if let Some(bin) = std::env::var_os("XDISTILL_TEACHER_BIN") {
+                return PathBuf::from(bin);
+            }
             let exe = std::env::current_exe().expect("current exe");
             // target/PROFILE/deps/test-HASH -> target/PROFILE
             let profile_dir = exe

@@ -7,6 +7,30 @@ use rayon::prelude::*;
 use std::cmp::Ordering;
 use xdistill_shared::protocol::{SequenceScores, ValuesKind};
 
+/// Where the scores of logit rows are computed (`--topk`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum TopkPath {
+    /// On the model's device for a GPU, on the host for the CPU.
+    #[default]
+    Auto,
+    /// On the model's device with tensor ops (only `[N, k]` results leave it); on the CPU this
+    /// is the GPU code path run on the CPU, for checks.
+    Device,
+    /// Logits copied to the host, scored by [`score_rows`].
+    Host,
+}
+
+impl TopkPath {
+    /// Whether scoring runs on `device` (true) or on the host.
+    pub fn on_device(self, device: &candle_core::Device) -> bool {
+        match self {
+            TopkPath::Auto => !device.is_cpu(),
+            TopkPath::Device => true,
+            TopkPath::Host => false,
+        }
+    }
+}
+
 /// What a request asks for, shared by all its sequences.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ScoreParams {

@@ -1,11 +1,16 @@
 //! The model worker: one OS thread owns the [`Decoder`] and runs whole batches it receives over
 //! a channel. Batches are right-padded (the causal mask keeps real tokens exact); logits are
 //! computed a chunk of positions at a time so memory stays bounded for large vocabularies.
+//!
+//! Scoring takes one of two paths ([`TopkPath`]): on the host (logits copied out, the fast Rust
+//! loop of [`topk::score_rows`]) or on the model's device ([`xdistill_shared::topk::topk_rows`]:
+//! only the `[N, k]` results are copied back; the default on a GPU).
 
 use crate::batcher::{Batch, Job};
 use crate::metrics::Metrics;
 use crate::model::{self, ModelFacts};
-use crate::topk::{self, ScoreParams};
+use crate::topk::{self, ScoreParams, TopkPath};
+use candle_core::Device;
 use candle_core::{DType, Storage, Tensor};
 use std::panic::AssertUnwindSafe;
 use std::path::PathBuf;
@@ -27,6 +32,8 @@ pub struct WorkerConfig {
     pub dtype: String,
     /// Inputs longer than this run alone, in chunks of this many tokens over a KV cache.
     pub max_batch_tokens: usize,
+    /// Where top-k runs (auto: on the device for a GPU, on the host for the CPU).
+    pub topk: TopkPath,
 }
 
 /// Time spent per batch in the model and in top-k.
@@ -38,11 +45,34 @@ struct Timing {
 
 struct Worker {
     decoder: Decoder,
-    /// Valid ids (the tokenizer's vocabulary); LM-head rows at or above are padding.
-    vocab: usize,
-    logits_size: usize,
+    scorer: Scorer,
     max_batch_tokens: usize,
     metrics: Arc<Metrics>,
+}
+
+/// Turns hidden states into scores: the LM head a chunk of positions at a time, then top-k.
+#[derive(Debug, Clone, Copy)]
+pub struct Scorer {
+    /// Valid ids (the tokenizer's vocabulary); LM-head rows at or above are padding.
+    pub vocab: usize,
+    /// Rows of the LM head.
+    pub logits_size: usize,
+    /// Positions per LM-head chunk (bounds the `[c, V]` logits held at once).
+    pub chunk_rows: usize,
+    /// Top-k on the device (true) or on the host.
+    pub on_device: bool,
+}
+
+impl Scorer {
+    /// Chunks of [`LOGIT_CHUNK_ELEMS`] logits; device scoring where `path` resolves to it.
+    pub fn new(vocab: usize, logits_size: usize, path: TopkPath, device: &Device) -> Scorer {
+        Scorer {
+            vocab,
+            logits_size,
+            chunk_rows: (LOGIT_CHUNK_ELEMS / logits_size.max(1)).max(1),
+            on_device: path.on_device(device),
+        }
+    }
 }
 
 /// Starts the worker thread. It loads the model, reports the outcome on `ready`, then serves
@@ -69,10 +99,20 @@ pub fn spawn(
                 seconds = t0.elapsed().as_secs_f64(),
                 "model loaded"
             );
+            let scorer = Scorer::new(
+                facts.vocab_size,
+                facts.logits_size,
+                cfg.topk,
+                decoder.device(),
+            );
+            tracing::info!(
+                on_device = scorer.on_device,
+                chunk_rows = scorer.chunk_rows,
+                "top-k path"
+            );
             let worker = Worker {
                 decoder,
-                vocab: facts.vocab_size,
-                logits_size: facts.logits_size,
+                scorer,
                 max_batch_tokens: cfg.max_batch_tokens.max(1),
                 metrics,
             };
@@ -237,32 +277,196 @@ impl Worker {
         acc: &mut SequenceScores,
         timing: &mut Timing,
     ) -> candle_core::Result<()> {
+        self.scorer.score(
+            &self.decoder,
+            hidden,
+            first,
+            &job.ids,
+            job.start,
+            &job.params,
+            acc,
+            timing,
+        )
+    }
+}
+
+impl Scorer {
+    /// `hidden`: [n, H], the states of positions `first..first + n` of sequence `ids`. Appends to
+    /// `acc` the rows of the requested positions (`start..S-1`) in that range, a chunk of
+    /// [`Scorer::chunk_rows`] positions at a time (row p predicts `ids[p + 1]`).
+    #[allow(clippy::too_many_arguments)]
+    fn score(
+        &self,
+        decoder: &Decoder,
+        hidden: &Tensor,
+        first: usize,
+        ids: &[u32],
+        start: usize,
+        params: &ScoreParams,
+        acc: &mut SequenceScores,
+        timing: &mut Timing,
+    ) -> candle_core::Result<()> {
         let n = hidden.dim(0)?;
-        let lo = first.max(job.start);
-        let hi = (first + n).min(job.ids.len() - 1);
-        let chunk = (LOGIT_CHUNK_ELEMS / self.logits_size.max(1)).max(1);
+        let lo = first.max(start);
+        let hi = (first + n).min(ids.len().saturating_sub(1));
         let mut c0 = lo;
         while c0 < hi {
-            let c1 = (c0 + chunk).min(hi);
+            let c1 = (c0 + self.chunk_rows).min(hi);
             let f0 = Instant::now();
-            // [c, H] -> [c, V] in f32.
-            let logits = self
-                .decoder
-                .logits(&hidden.narrow(0, c0 - first, c1 - c0)?)?
-                .to_dtype(DType::F32)?
-                .contiguous()?;
+            // [c, H] -> [c, V] in the model dtype.
+            let logits = decoder.logits(&hidden.narrow(0, c0 - first, c1 - c0)?)?;
             timing.forward += f0.elapsed();
-            // Row p predicts token p + 1.
-            let targets = &job.ids[c0 + 1..c1 + 1];
-            let s = with_host_f32(&logits, |rows| {
-                let t0 = Instant::now();
-                let s = topk::score_rows(rows, self.logits_size, self.vocab, targets, &job.params);
-                timing.topk += t0.elapsed();
-                s
-            })?;
+            let targets = &ids[c0 + 1..c1 + 1];
+            let t0 = Instant::now();
+            let s = if self.on_device && device_topk_fits(params.k) {
+                self.score_on_device(&logits, targets, params)?
+            } else {
+                let logits = logits.to_dtype(DType::F32)?.contiguous()?;
+                with_host_f32(&logits, |rows| {
+                    topk::score_rows(rows, self.logits_size, self.vocab, targets, params)
+                })?
+            };
+            timing.topk += t0.elapsed();
             append(acc, s);
             c0 = c1;
         }
         Ok(())
+    }
+
+    /// Top-k, target log-prob and logsumexp of `logits` [c, V] where they are; only the `[c, k]`
+    /// and `[c]` results come back to the host.
+    fn score_on_device(
+        &self,
+        logits: &Tensor,
+        targets: &[u32],
+        p: &ScoreParams,
+    ) -> candle_core::Result<SequenceScores> {
+        let tg = Tensor::new(targets, logits.device())?;
+        let r = xdistill_shared::topk::topk_rows(
+            logits,
+            &tg,
+            p.k,
+            p.temperature,
+            self.vocab.min(self.logits_size),
+            p.values,
+        )?;
+        Ok(SequenceScores {
+            rows: targets.len(),
+            k: p.k,
+            topk_ids: r.ids.flatten_all()?.to_vec1()?,
+            topk_values: r.values.flatten_all()?.to_vec1()?,
+            target_logprobs: r.target_logprobs.to_vec1()?,
+            logsumexp: r.logsumexp.to_vec1()?,
+        })
+    }
+}
+
+/// The device sort keeps 2k candidates per chunk of [`xdistill_shared::topk::SORT_CHUNK`] columns;
+/// larger k (only with a raised `--max-k`) goes to the host path.
+fn device_topk_fits(k: usize) -> bool {
+    k >= 1 && 2 * k <= xdistill_shared::topk::SORT_CHUNK
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_nn::VarBuilder;
+    use xdistill_shared::hf::ModelConfig;
+    use xdistill_shared::model::Ops;
+    use xdistill_shared::protocol::ValuesKind;
+
+    /// LM head of 9000 rows (more than one device sort chunk), of which 8990 are valid ids.
+    const V: usize = 9000;
+    const VALID: usize = 8990;
+
+    fn decoder() -> Decoder {
+        let cfg: ModelConfig = serde_json::from_value(serde_json::json!({
+            "model_type": "qwen3", "vocab_size": V, "hidden_size": 16, "intermediate_size": 24,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "head_dim": 8, "max_position_embeddings": 64, "rope_theta": 10000.0,
+            "tie_word_embeddings": false
+        }))
+        .unwrap();
+        let params = xdistill_trainer::init_model::random_params(&cfg, 0.5, 3).unwrap();
+        let vb = VarBuilder::from_tensors(params, DType::F32, &Device::Cpu);
+        Decoder::new(&cfg, vb, Ops::Fused).unwrap()
+    }
+
+    /// f64 scores of one logit row: top-k by a full sort, target log-prob, logsumexp.
+    fn reference(row: &[f32], target: usize, k: usize, t: f64) -> (Vec<(u32, f64)>, f64, f64) {
+        let z: Vec<f64> = row[..VALID].iter().map(|&x| x as f64 / t).collect();
+        let m = z.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let lse = m + z.iter().map(|x| (x - m).exp()).sum::<f64>().ln();
+        let mut idx: Vec<usize> = (0..VALID).collect();
+        idx.sort_by(|&a, &b| z[b].total_cmp(&z[a]));
+        let top = idx[..k].iter().map(|&i| (i as u32, z[i] - lse)).collect();
+        (top, z[target] - lse, lse)
+    }
+
+    /// Every chunking of the LM head, on both paths, gives the scores of the whole `[n, V]`
+    /// logits computed at once, for exactly the requested positions.
+    #[test]
+    fn chunked_lm_head_equals_full_logits_on_both_paths() {
+        let dec = decoder();
+        let (first, n, start) = (2usize, 7usize, 4usize);
+        // Hidden states of positions first..first+n: [n, 16], spread values.
+        let h: Vec<f32> = (0..n * 16)
+            .map(|i| ((i * 7919 % 113) as f32 / 113.0 - 0.5) * 4.0)
+            .collect();
+        let hidden = Tensor::from_vec(h, (n, 16), &Device::Cpu).unwrap();
+        let ids: Vec<u32> = (0..first + n + 1)
+            .map(|i| (i * 997 % VALID) as u32)
+            .collect();
+        let full: Vec<Vec<f32>> = dec.logits(&hidden).unwrap().to_vec2().unwrap();
+        let p = ScoreParams {
+            k: 6,
+            temperature: 0.8,
+            values: ValuesKind::Logprobs,
+        };
+        for on_device in [false, true] {
+            for chunk_rows in [1, 3, 64] {
+                let scorer = Scorer {
+                    vocab: VALID,
+                    logits_size: V,
+                    chunk_rows,
+                    on_device,
+                };
+                let mut acc = SequenceScores {
+                    k: p.k,
+                    ..Default::default()
+                };
+                let mut timing = Timing::default();
+                scorer
+                    .score(&dec, &hidden, first, &ids, start, &p, &mut acc, &mut timing)
+                    .unwrap();
+                acc.check_shapes().unwrap();
+                // Requested rows: positions start..first+n (row p predicts ids[p + 1]).
+                assert_eq!(acc.rows, first + n - start);
+                for (r, pos) in (start..first + n).enumerate() {
+                    let (top, tl, lse) =
+                        reference(&full[pos - first], ids[pos + 1] as usize, p.k, 0.8);
+                    let what = format!("device {on_device} chunk {chunk_rows} row {r}");
+                    let got_ids: Vec<u32> = top.iter().map(|e| e.0).collect();
+                    assert_eq!(acc.ids_row(r), got_ids.as_slice(), "{what}");
+                    for (v, want) in acc.values_row(r).iter().zip(&top) {
+                        assert!(
+                            (*v as f64 - want.1).abs() < 1e-4,
+                            "{what}: {v} vs {}",
+                            want.1
+                        );
+                    }
+                    assert!((acc.target_logprobs[r] as f64 - tl).abs() < 1e-4, "{what}");
+                    assert!((acc.logsumexp[r] as f64 - lse).abs() < 1e-4, "{what}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn auto_path_is_host_on_the_cpu() {
+        assert!(!TopkPath::Auto.on_device(&Device::Cpu));
+        assert!(TopkPath::Device.on_device(&Device::Cpu));
+        assert!(!TopkPath::Host.on_device(&Device::Cpu));
+        assert!(device_topk_fits(1) && device_topk_fits(4096) && !device_topk_fits(4097));
     }
 }

@@ -142,14 +142,34 @@ fn compose_defaults(s: &str) -> String {
     out
 }
 
-/// No Docker engine runs here: read the compose file and prove its teacher command line (with
-/// its environment) is accepted by `teacher`.
+/// No Docker engine runs here: read the compose file and prove each teacher service's command
+/// line (with its environment) is accepted by `teacher`: the CPU one, and the GPU one with its
+/// NVIDIA device reservation.
 #[test]
 fn compose_teacher_command_is_accepted() {
     let path = xdistill_shared::paths::repo_root().join("docker/compose.yaml");
     let text = std::fs::read_to_string(&path).unwrap();
     let doc: serde_yaml::Value = serde_yaml::from_str(&text).unwrap();
-    let svc = &doc["services"]["teacher"];
+    let args = check_compose_service(&doc["services"]["teacher"]);
+    assert_eq!(args.device, "cpu");
+    let gpu = &doc["services"]["teacher-gpu"];
+    let args = check_compose_service(gpu);
+    assert_eq!(args.device, "cuda");
+    assert_eq!(args.dtype, "bf16");
+    assert_eq!(
+        gpu["build"]["dockerfile"].as_str(),
+        Some("docker/Dockerfile.cuda")
+    );
+    let dev = &gpu["deploy"]["resources"]["reservations"]["devices"][0];
+    assert_eq!(dev["driver"].as_str(), Some("nvidia"));
+    assert!(format!("{:?}", dev["capabilities"]).contains("gpu"));
+    // Opt-in: a plain `docker compose up` on a machine without a GPU starts the CPU service only.
+    assert!(format!("{:?}", gpu["profiles"]).contains("gpu"));
+    assert!(doc["services"]["teacher"]["profiles"].is_null());
+}
+
+/// The checks of one compose service running `teacher`; returns its parsed arguments.
+fn check_compose_service(svc: &serde_yaml::Value) -> Args {
     let command: Vec<String> = svc["command"]
         .as_sequence()
         .expect("command is a list")
@@ -175,7 +195,8 @@ fn compose_teacher_command_is_accepted() {
     args.check().expect("compose command violates a constraint");
     assert_eq!(args.host.to_string(), "0.0.0.0");
     assert_eq!(args.port, 8000);
-    // 2. The binary accepts it too, with the model path pointed at a real model.
+    // 2. The binary accepts it too, with the model path pointed at a real model (--check-args
+    // does not open the device, so the GPU command is checked by a CPU build as well).
     let container_model = args.model.clone();
     let dir = common::tiny_model("lifecycle-llama", "llama", "llama2", 1);
     let argv: Vec<String> = command
@@ -211,6 +232,7 @@ fn compose_teacher_command_is_accepted() {
     );
     let health = format!("{:?}", svc["healthcheck"]["test"]);
     assert!(health.contains("/health"), "{health}");
+    args
 }
 
 /// A checkpoint split into shards with `model.safetensors.index.json` loads to the same model

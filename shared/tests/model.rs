@@ -7,6 +7,18 @@ use std::collections::HashMap;
 use xdistill_shared::hf::ModelConfig;
 use xdistill_shared::model::{param_specs, Decoder, Init, KvCache, Ops};
 
+/// `cpu` unless `XDISTILL_TEST_DEVICE` names another (`cuda`, `cuda:N`: the GPU check runs these
+/// tests there with a CUDA build).
+/// Opened once: two opens of a GPU are two candle devices whose tensors do not mix.
+fn dev() -> Device {
+    static DEV: std::sync::OnceLock<Device> = std::sync::OnceLock::new();
+    DEV.get_or_init(|| {
+        let name = std::env::var("XDISTILL_TEST_DEVICE").unwrap_or_else(|_| "cpu".into());
+        xdistill_shared::device::parse_device(&name).unwrap()
+    })
+    .clone()
+}
+
 fn config(model_type: &str) -> ModelConfig {
     serde_json::from_value(serde_json::json!({
         "model_type": model_type, "vocab_size": 50, "hidden_size": 16, "intermediate_size": 24,
@@ -35,13 +47,13 @@ fn params(cfg: &ModelConfig) -> HashMap<String, Tensor> {
                 // Non-trivial norms and biases so their code paths matter.
                 _ => (0..n).map(|_| 1.0 + next() * 0.5).collect(),
             };
-            (s.name, Tensor::from_vec(v, s.shape, &Device::Cpu).unwrap())
+            (s.name, Tensor::from_vec(v, s.shape, &dev()).unwrap())
         })
         .collect()
 }
 
 fn model(cfg: &ModelConfig, ops: Ops) -> Decoder {
-    let vb = VarBuilder::from_tensors(params(cfg), DType::F32, &Device::Cpu);
+    let vb = VarBuilder::from_tensors(params(cfg), DType::F32, &dev());
     Decoder::new(cfg, vb, ops).unwrap()
 }
 
@@ -59,7 +71,7 @@ fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
 }
 
 fn ids(v: &[u32]) -> Tensor {
-    Tensor::new(v, &Device::Cpu).unwrap().unsqueeze(0).unwrap()
+    Tensor::new(v, &dev()).unwrap().unsqueeze(0).unwrap()
 }
 
 const SEQ: [u32; 9] = [3, 17, 42, 8, 8, 1, 49, 0, 23];
@@ -123,7 +135,7 @@ fn right_padding_and_batching_do_not_change_real_logits() {
     let mut padded = short.to_vec();
     padded.resize(SEQ.len(), 0);
     let flat: Vec<u32> = padded.iter().chain(SEQ.iter()).copied().collect();
-    let batch = Tensor::from_vec(flat, (2, SEQ.len()), &Device::Cpu).unwrap();
+    let batch = Tensor::from_vec(flat, (2, SEQ.len()), &dev()).unwrap();
     let out = m.forward(&batch).unwrap();
     let first = out
         .get(0)
@@ -150,11 +162,11 @@ fn left_padding_with_positions_and_key_mask() {
         .map(|i| i.saturating_sub(pad) as u32)
         .collect();
     let valid: Vec<u8> = (0..row.len()).map(|i| (i >= pad) as u8).collect();
-    let pos = Tensor::new(positions.as_slice(), &Device::Cpu)
+    let pos = Tensor::new(positions.as_slice(), &dev())
         .unwrap()
         .unsqueeze(0)
         .unwrap();
-    let kv = Tensor::new(valid.as_slice(), &Device::Cpu)
+    let kv = Tensor::new(valid.as_slice(), &dev())
         .unwrap()
         .unsqueeze(0)
         .unwrap();

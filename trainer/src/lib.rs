@@ -2,6 +2,7 @@
 
 pub mod align;
 pub mod answer;
+pub mod bench_step;
 pub mod checkpoint;
 pub mod client;
 pub mod collate;

@@ -3,7 +3,7 @@
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 
-use xdistill_trainer::{align, config, demo, eval, init_model, task, train};
+use xdistill_trainer::{align, bench_step, config, demo, eval, init_model, task, train};
 
 #[derive(Parser)]
 #[command(
@@ -36,6 +36,8 @@ enum Command {
     Align(align::cli::AlignArgs),
     /// Build the sparse student<->teacher vocabulary projection.
     BuildProjection(align::cli::BuildProjectionArgs),
+    /// Time one full training step on a synthetic batch (figures, not a test).
+    BenchStep(bench_step::Args),
 }
 
 fn main() -> Result<()> {
@@ -55,5 +57,6 @@ fn main() -> Result<()> {
         Command::MakeTask(a) => Ok(task::run(a)?),
         Command::Align(a) => align::cli::run_align(a),
         Command::BuildProjection(a) => align::cli::run_build_projection(a),
+        Command::BenchStep(a) => bench_step::run(a),
     }
 }

@@ -1,12 +1,14 @@
 //! The trainable student: a [`Decoder`] whose parameters are `Var`s in a `VarMap`.
 //!
 //! Master weights are f32 `Var`s. Computing in f32 the decoder reads the vars directly (optimizer
-//! updates are seen in place); computing in bf16/f16 (GPU) the decoder holds converted copies, so
-//! [`Student::model`] rebuilds it after each optimizer step (`refresh`).
+//! updates are seen in place); computing in bf16/f16 (GPU) the decoder holds converted copies
+//! (`to_dtype` is differentiable, so gradients reach the f32 masters), and [`Student::refresh`]
+//! rebuilds them after each optimizer step.
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
-use candle_nn::{VarBuilder, VarMap};
+use candle_nn::var_builder::SimpleBackend;
+use candle_nn::{Init, VarBuilder, VarMap};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use xdistill_shared::hf::{ModelConfig, ModelDir};
@@ -102,7 +104,7 @@ impl Student {
     /// A decoder on the same weights with the fused (inference-only) kernels, for generation.
     /// In f32 it reads the master vars directly, so it sees every optimizer update.
     pub fn inference_model(&self) -> Result<Decoder> {
-        let vb = VarBuilder::from_varmap(&self.varmap, self.compute_dtype, &self.device);
+        let vb = compute_vars(&self.varmap, self.compute_dtype, &self.device);
         Ok(Decoder::new(&self.config, vb, Ops::Fused)?)
     }
 
@@ -162,6 +164,41 @@ impl Student {
 }
 
 fn build(config: &ModelConfig, varmap: &VarMap, dtype: DType, device: &Device) -> Result<Decoder> {
-    let vb = VarBuilder::from_varmap(varmap, dtype, device);
-    Ok(Decoder::new(config, vb, Ops::Differentiable)?)
+    Ok(Decoder::new(
+        config,
+        compute_vars(varmap, dtype, device),
+        Ops::Differentiable,
+    )?)
+}
+
+/// A builder reading the master vars in `dtype` (use this, not `VarBuilder::from_varmap`, for
+/// any decoder over the student's weights: see [`CastVars`]).
+pub fn compute_vars(varmap: &VarMap, dtype: DType, device: &Device) -> VarBuilder<'static> {
+    VarBuilder::from_backend(Box::new(CastVars(varmap.clone())), dtype, device.clone())
+}
+
+/// The master `Var`s seen in the compute dtype. A `VarMap` alone hands out its vars in their own
+/// dtype whatever the builder asks for; this converts them (a no-op when the dtypes agree, so an
+/// f32 decoder still reads the vars in place).
+struct CastVars(VarMap);
+
+impl SimpleBackend for CastVars {
+    fn get(
+        &self,
+        s: candle_core::Shape,
+        name: &str,
+        init: Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        self.0.get(s, name, init, dtype, dev)?.to_dtype(dtype)
+    }
+
+    fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> candle_core::Result<Tensor> {
+        candle_core::bail!("tensor {name:?} needs its shape (VarMap-backed builder)")
+    }
+
+    fn contains_tensor(&self, name: &str) -> bool {
+        self.0.data().lock().is_ok_and(|d| d.contains_key(name))
+    }
 }

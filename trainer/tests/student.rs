@@ -17,6 +17,11 @@ fn config(model_type: &str, tie: bool) -> ModelConfig {
 }
 
 fn student(cfg: &ModelConfig, dtype: DType, seed: u64) -> Student {
+    student_mixed(cfg, dtype, dtype, seed)
+}
+
+/// Masters in `master`, forward in `compute`.
+fn student_mixed(cfg: &ModelConfig, master: DType, compute: DType, seed: u64) -> Student {
     let mut params = random_params(cfg, 0.3, seed).unwrap();
     // Non-trivial norms and biases so their gradients are exercised away from 1 and 0.
     for (name, t) in params.iter_mut() {
@@ -34,8 +39,8 @@ fn student(cfg: &ModelConfig, dtype: DType, seed: u64) -> Student {
         params,
         "unused".into(),
         &Device::Cpu,
-        dtype,
-        dtype,
+        master,
+        compute,
     )
     .unwrap()
 }
@@ -157,5 +162,118 @@ fn saved_student_serves_identical_logits() {
         let a: Vec<f32> = v1.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
         let b: Vec<f32> = v2.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
         assert_eq!(a, b, "{n1}");
+    }
+}
+
+/// Flat f64 copy of a tensor.
+fn flat(t: &Tensor) -> Vec<f64> {
+    t.to_dtype(DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+fn cosine(a: &[f64], b: &[f64]) -> f64 {
+    let dot: f64 = a.iter().zip(b).map(|(x, y)| x * y).sum();
+    let na: f64 = a.iter().map(|x| x * x).sum::<f64>().sqrt();
+    let nb: f64 = b.iter().map(|x| x * x).sum::<f64>().sqrt();
+    dot / (na * nb)
+}
+
+/// The GPU training setup (bf16 forward/backward, f32 masters), run on the CPU: loss and
+/// gradients agree with an all-f32 student to bf16 accuracy, the gradients land on the f32
+/// masters, AdamW updates them below bf16 resolution, and `refresh` makes the next forward use them.
+#[test]
+fn bf16_compute_trains_the_f32_masters() {
+    use xdistill_trainer::optim::{AdamW, AdamWConfig};
+    for (arch, tie) in [("qwen3", false), ("llama", true)] {
+        let cfg = config(arch, tie);
+        let s32 = student(&cfg, DType::F32, 5);
+        let mut s16 = student_mixed(&cfg, DType::F32, DType::BF16, 5);
+        assert_eq!(s16.master_dtype(), DType::F32);
+        assert_eq!(s16.model().dtype(), DType::BF16);
+        let (l32, l16) = (loss(s32.model()), loss(s16.model()));
+        let (v32, v16) = (scalar(&l32), scalar(&l16));
+        assert!(
+            (v32 - v16).abs() < 2e-2 * v32.abs(),
+            "{arch}: f32 loss {v32} vs bf16 {v16}"
+        );
+        let (g32, g16) = (l32.backward().unwrap(), l16.backward().unwrap());
+        let (mut all32, mut all16) = (Vec::new(), Vec::new());
+        for ((name, a), (_, b)) in s32.named_vars().into_iter().zip(s16.named_vars()) {
+            let ga = g32.get(a.as_tensor()).unwrap();
+            let gb = g16
+                .get(b.as_tensor())
+                .unwrap_or_else(|| panic!("{arch}: no gradient reached master {name}"));
+            assert_eq!(gb.dtype(), DType::F32, "{arch}: {name}");
+            let (ga, gb) = (flat(ga), flat(gb));
+            let c = cosine(&ga, &gb);
+            assert!(c > 0.95, "{arch}: {name} gradient cosine {c}");
+            all32.extend(ga);
+            all16.extend(gb);
+        }
+        let c = cosine(&all32, &all16);
+        assert!(c > 0.99, "{arch}: global gradient cosine {c}");
+
+        // One AdamW step on the masters (first Adam step: every entry moves by ~lr).
+        let before: Vec<Vec<f64>> = s16
+            .named_vars()
+            .iter()
+            .map(|(_, v)| flat(v.as_tensor()))
+            .collect();
+        let config = AdamWConfig {
+            lr: 1e-4,
+            weight_decay: 0.0,
+            ..Default::default()
+        };
+        let mut opt = AdamW::from_varmap(&s16.varmap, config).unwrap();
+        opt.step(&g16).unwrap();
+        let mut moved_below_bf16 = 0;
+        for ((name, v), old) in s16.named_vars().iter().zip(&before) {
+            assert_eq!(v.dtype(), DType::F32);
+            let new = flat(v.as_tensor());
+            let step = new
+                .iter()
+                .zip(old)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f64, f64::max);
+            assert!(step > 0.0 && step < 2e-4, "{arch}: {name} moved by {step}");
+            // Updates a bf16 master would have rounded away.
+            moved_below_bf16 += new
+                .iter()
+                .zip(old)
+                .filter(|(a, b)| a != b && half::bf16::from_f64(**a) == half::bf16::from_f64(**b))
+                .count();
+        }
+        assert!(moved_below_bf16 > 0, "{arch}: no sub-bf16 update kept");
+        // The stale compute copy still gives the old loss; after refresh the forward is exactly
+        // that of a bf16 student built afresh from the updated masters, and differs from before.
+        let ids = Tensor::new(&IDS, &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        let stale = s16.model().forward(&ids).unwrap();
+        assert!((scalar(&loss(s16.model())) - v16).abs() < 1e-9);
+        s16.refresh().unwrap();
+        let fresh = Student::from_tensors(
+            cfg.clone(),
+            s16.tensors().unwrap(),
+            "unused".into(),
+            &Device::Cpu,
+            DType::F32,
+            DType::BF16,
+        )
+        .unwrap();
+        let got = s16.model().forward(&ids).unwrap();
+        let want = fresh.model().forward(&ids).unwrap();
+        assert_eq!(
+            flat(&got),
+            flat(&want),
+            "{arch}: refresh differs from a fresh build"
+        );
+        let moved = scalar(&(&got - &stale).unwrap().abs().unwrap().max_all().unwrap());
+        assert!(moved > 0.0, "{arch}: refresh did not pick up the update");
     }
 }

@@ -18,9 +18,11 @@ pub fn tiny_model(name: &str, arch: &str, tokenizer: &str, pad_to: usize) -> Pat
     // Tests of one binary run on threads of one process: make each model once, in turn.
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    let out = Path::new(env!("CARGO_TARGET_TMPDIR"))
-        .join("teacher-models")
-        .join(name);
+    // A test executable run away from its build tree (the GPU check) says where to write.
+    let tmp = std::env::var_os("XDISTILL_TEST_TMPDIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_TARGET_TMPDIR")));
+    let out = tmp.join("teacher-models").join(name);
     if out.join("config.json").is_file() {
         return out;
     }
@@ -48,9 +50,17 @@ pub fn tiny_model(name: &str, arch: &str, tokenizer: &str, pad_to: usize) -> Pat
 /// A running `teacher` (see `xdistill_server::testing`).
 pub type Teacher = TeacherProcess;
 
+/// The `teacher` of this build, or `$XDISTILL_TEACHER_BIN` (a test executable run away from its
+/// build tree, as in the GPU check).
+pub fn teacher_bin() -> PathBuf {
+    std::env::var_os("XDISTILL_TEACHER_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_teacher")))
+}
+
 /// Starts this crate's `teacher` binary on `model` (port 0) and waits until it is healthy.
 pub fn start_teacher(model: &Path, extra: &[&str]) -> Teacher {
-    TeacherProcess::start(Path::new(env!("CARGO_BIN_EXE_teacher")), model, extra)
+    TeacherProcess::start(&teacher_bin(), model, extra)
 }
 
 pub fn client() -> reqwest::Client {

@@ -389,3 +389,7 @@ mod tests {
         assert!(c.validate().is_err());
     }
 }
+
+#[cfg(test)]
+#[path = "bf16_tests.rs"]
+mod bf16_tests;

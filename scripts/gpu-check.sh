@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# The GPU checks and benchmarks in one command, for a machine with an NVIDIA GPU (H100/H200),
+# its driver, Python with PyTorch + transformers (their pip packages bring the CUDA 13 runtime
+# libraries), and no Rust toolchain or network. Run from the repository root with the bundle
+# `scripts/build-cuda.sh --bundle` made (target/cuda/gpu-bundle, carried beside the sources):
+#
+#   scripts/gpu-check.sh [BUNDLE]        # figures and logs go to $OUT (or runs/gpu-check)
+#
+# 1. the decoder model tests on the GPU (f32);
+# 2. the teacher's device top-k path on the GPU against the f64 CPU reference and the host path;
+# 3. a random model of Qwen3-0.6B's shape (Qwen3 vocabulary): teacher (cuda, bf16) scored
+#    tokens/s at k = 64 vs transformers forward + torch.topk, with their answers compared;
+# 4. the student training step (bf16 compute, f32 masters, AdamW) vs PyTorch eager (autocast).
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+bundle=${1:-target/cuda/gpu-bundle}
+out=${OUT:-$root/runs/gpu-check}
+mkdir -p "$out"
+log="$out/gpu-check.log"
+exec > >(tee -a "$log") 2>&1
+work=$(mktemp -d /tmp/xdistill-gpu.XXXXXX)
+fail=0
+step() { echo; echo "=== $* ($(date -u +%H:%M:%S))"; }
+check() { if "$@"; then echo "PASS: $*"; else echo "FAIL ($?): $*"; fail=1; fi; }
+
+step "unpacking $bundle into $work"
+[ -d "$bundle" ] || { echo "no bundle at $bundle: run scripts/build-cuda.sh --bundle first" >&2; exit 2; }
+for f in "$bundle"/*.gz; do gunzip -c "$f" > "$work/$(basename "${f%.gz}")"; chmod +x "$work/$(basename "${f%.gz}")"; done
+mkdir -p "$work/tokenizers/qwen3"
+gunzip -c "$bundle/tokenizers/qwen3/tokenizer.json.gz" > "$work/tokenizers/qwen3/tokenizer.json"
+for n in llama3 llama2 gemma3 deepseek_v3; do
+  mkdir -p "$work/tokenizers/$n" && ln -sfn ../qwen3/tokenizer.json "$work/tokenizers/$n/tokenizer.json"
+done
+ls -la "$work"
+
+step "CUDA runtime libraries from the Python packages"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+py=${PYTHON:-python3}
+libdirs=$("$py" - <<'PY'
+import glob, os
+roots = []
+try:
+    import nvidia
+    roots += list(nvidia.__path__)
+except ImportError:
+    pass
+try:
+    import torch
+    roots.append(os.path.join(os.path.dirname(torch.__file__), "lib"))
+except ImportError:
+    pass
+want = ["libcudart.so.13", "libcublas.so.13", "libcublasLt.so.13", "libcurand.so.10", "libnvrtc.so.13"]
+dirs = []
+for w in want:
+    for r in roots:
+        hits = glob.glob(os.path.join(r, "**", w), recursive=True)
+        if hits:
+            d = os.path.dirname(hits[0])
+            if d not in dirs:
+                dirs.append(d)
+            break
+print(":".join(dirs))
+PY
+)
+export LD_LIBRARY_PATH="$libdirs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+ldd "$work/teacher" | grep -E 'cuda|cublas|curand|nvrtc|not found'
+if ldd "$work/teacher" "$work/trainer" | grep -q 'not found'; then
+  echo "missing libraries (above): set LD_LIBRARY_PATH to the CUDA 13 runtime" >&2; exit 3
+fi
+
+export XDISTILL_TOKENIZERS="$work/tokenizers" XDISTILL_TEST_TMPDIR="$work/tmp"
+export XDISTILL_TEACHER_BIN="$work/teacher" RUST_BACKTRACE=1
+step "1. decoder model tests on the GPU"
+check env XDISTILL_TEST_DEVICE=cuda "$work/test-model" --test-threads=1
+step "2. device top-k path: GPU vs the f64 CPU reference and the CPU host path"
+check env XDISTILL_TEST_DEVICE=cuda "$work/test-device_topk" --test-threads=1
+step "   the same tests on the CPU (sanity of the bundle)"
+check "$work/test-device_topk" --test-threads=1
+
+step "3. a random model of Qwen3-0.6B's shape"
+model="$work/qwen3-0.6b-random"
+check "$work/trainer" init-model --arch qwen3 --tokenizer "$work/tokenizers/qwen3/tokenizer.json" \
+  --hidden-size 1024 --layers 28 --heads 16 --kv-heads 8 --head-dim 128 --intermediate-size 3072 \
+  --tie-embeddings --pad-vocab-to 64 --max-position-embeddings 4096 --seed 1 --out "$model"
+"$py" -c "import json; c = json.load(open('$model/config.json')); print({k: c[k] for k in ('vocab_size', 'hidden_size', 'num_hidden_layers', 'head_dim', 'tie_word_embeddings')})"
+
+step "   teacher (cuda, bf16, device top-k) vs transformers + torch.topk, k = 64"
+port=18123
+"$work/teacher" --model "$model" --device cuda --dtype bf16 --port $port --cache-bytes 0 \
+  --max-batch-tokens 8192 --max-queue-tokens 1048576 > "$out/teacher.log" 2>&1 &
+tpid=$!
+for _ in $(seq 600); do
+  curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break
+  "$py" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=1)" 2>/dev/null && break
+  kill -0 $tpid 2>/dev/null || break
+  sleep 0.5
+done
+curl -s "http://127.0.0.1:$port/v1/info" | head -c 600; echo
+for shape in "8 512" "4 2048"; do
+  set -- $shape
+  check env PYTHONUNBUFFERED=1 "$py" bench/gpu_teacher.py --model "$model" --url "http://127.0.0.1:$port" \
+    --batch "$1" --seq-len "$2" --k 64 --requests 24 --clients 4 --dtype bf16
+done
+kill -TERM $tpid; wait $tpid
+tail -n 5 "$out/teacher.log"
+
+step "4. student step: ours (cuda, bf16 compute, f32 masters) vs PyTorch eager (autocast bf16)"
+for shape in "4 512" "8 1024"; do
+  set -- $shape
+  check "$work/trainer" bench-step --model "$model" --device cuda --dtype bf16 --batch "$1" \
+    --seq-len "$2" --k 64 --steps 10 --write-batch "$work/batch.safetensors"
+  check env PYTHONUNBUFFERED=1 "$py" bench/torch_step.py "$model" "$work/batch.safetensors" 10 16 cuda bf16
+done
+
+step "done"
+[ $fail = 0 ] && echo "ALL CHECKS PASSED" || echo "SOME CHECKS FAILED"
+rm -rf "$work"
+exit $fail
