@@ -8,7 +8,7 @@
 
 use super::prepare::{prepare, Limits, Prepared, Tokenization};
 use super::runner::{Runner, Session};
-use super::step::{micro_loss, units, validation_sums, Units, ValSums};
+use super::step::{accumulate, units, validation_sums, Units, ValSums};
 use crate::align::AlignTokenizer;
 use crate::checkpoint::TrainerState;
 use crate::client::{BlockingClient, ClientError, Prefetcher, TeacherClient, TeacherTokenizer};
@@ -291,47 +291,34 @@ pub fn train(s: &Setup, resume: bool, stop_after: Option<u64>) -> Result<Summary
         let scores = scores_of(&fetched.result);
         let norm: Units = units(&p.items);
         let mut acc = GradAccumulator::new(runner.vars().to_vec());
-        let (mut kd_sum, mut ce_sum, mut ce_n) = (0.0, 0.0, 0.0);
-        let mut kd_scale = 1.0;
-        for (items, sc) in p.items.chunks(mb).zip(scores.chunks(mb)) {
-            let u = units(items);
-            if u.kd == 0.0 {
-                continue;
-            }
-            let (loss, m) = micro_loss(
-                runner.student.model(),
-                items,
-                sc,
-                k,
-                &s.loss,
-                s.projection.as_ref(),
-                norm,
-                &s.device,
-            )?;
-            acc.add(&loss.backward()?)?;
-            kd_sum += m.kd.loss * norm.kd; // per-call value is normalised by the step total
-            if let Some(ce) = m.ce {
-                ce_sum += ce * u.ce;
-                ce_n += u.ce;
-            }
-            kd_scale = m.kd_scale;
-        }
+        let sums = accumulate(
+            &mut acc,
+            runner.student.model(),
+            &p.items,
+            &scores,
+            mb,
+            k,
+            &s.loss,
+            s.projection.as_ref(),
+            norm,
+            &s.device,
+        )?;
         let update = runner.apply(acc.take())?;
         let tokens: u64 = p.items.iter().map(|i| i.teacher_ids().len() as u64).sum();
         tokens_seen += tokens;
-        let kd_mean = kd_sum / norm.kd.max(1.0);
+        let kd_mean = sums.kd_mean(norm);
         let mut parts = BTreeMap::new();
         parts.insert("kd".to_string(), kd_mean);
-        if ce_n > 0.0 {
-            parts.insert("ce".to_string(), ce_sum / ce_n);
+        if let Some(ce) = sums.ce_mean() {
+            parts.insert("ce".to_string(), ce);
         }
-        parts.insert("kd_scale".to_string(), kd_scale);
+        parts.insert("kd_scale".to_string(), sums.kd_scale);
         let dt = t_step.elapsed().as_secs_f64();
         let m = StepMetrics {
             split: "train".into(),
             step: runner.step,
             epoch: p.batch.start.epoch,
-            loss: kd_mean * kd_scale + if ce_n > 0.0 { ce_sum / ce_n } else { 0.0 },
+            loss: kd_mean * sums.kd_scale + sums.ce_mean().unwrap_or(0.0),
             loss_parts: parts,
             kl: Some(kd_mean / (s.loss.temperature * s.loss.temperature)),
             grad_norm: Some(update.grad_norm),

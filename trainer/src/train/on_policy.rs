@@ -14,7 +14,7 @@
 use super::off_policy::{setup, Setup, Summary};
 use super::prepare::{prepare, prepare_record, Item, Tokenization};
 use super::runner::{Runner, Session};
-use super::step::{micro_loss, units, validation_sums, Units};
+use super::step::{accumulate, units, validation_sums, Units};
 use crate::checkpoint::TrainerState;
 use crate::collate::Encoded;
 use crate::config::{Config, OffPolicyArgs};
@@ -458,20 +458,19 @@ pub fn train(s: &Setup, resume: bool, stop_after: Option<u64>) -> Result<Summary
                             })
                             .collect();
                         norm = units(&items);
-                        for (it, sc) in items.chunks(mb).zip(refs.chunks(mb)) {
-                            let (l, m) = micro_loss(
-                                runner.student.model(),
-                                it,
-                                sc,
-                                k,
-                                &s.loss,
-                                None,
-                                norm,
-                                &s.device,
-                            )?;
-                            acc.add(&l.backward()?)?;
-                            kd_sum += m.kd.loss * norm.kd;
-                        }
+                        kd_sum += accumulate(
+                            &mut acc,
+                            runner.student.model(),
+                            &items,
+                            &refs,
+                            mb,
+                            k,
+                            &s.loss,
+                            None,
+                            norm,
+                            &s.device,
+                        )?
+                        .kd_sum;
                     }
                 }
                 (Tokenization::Cross { .. }, _) => {
@@ -488,23 +487,19 @@ pub fn train(s: &Setup, resume: bool, stop_after: Option<u64>) -> Result<Summary
                         }
                         norm = units(&items);
                         tokens = items.iter().map(|i| i.teacher_ids().len() as u64).sum();
-                        for (it, sc) in items.chunks(mb).zip(refs.chunks(mb)) {
-                            if units(it).kd == 0.0 {
-                                continue;
-                            }
-                            let (l, m) = micro_loss(
-                                runner.student.model(),
-                                it,
-                                sc,
-                                k,
-                                &s.loss,
-                                s.projection.as_ref(),
-                                norm,
-                                &s.device,
-                            )?;
-                            acc.add(&l.backward()?)?;
-                            kd_sum += m.kd.loss * norm.kd;
-                        }
+                        kd_sum += accumulate(
+                            &mut acc,
+                            runner.student.model(),
+                            &items,
+                            &refs,
+                            mb,
+                            k,
+                            &s.loss,
+                            s.projection.as_ref(),
+                            norm,
+                            &s.device,
+                        )?
+                        .kd_sum;
                     }
                 }
             }
@@ -531,23 +526,19 @@ pub fn train(s: &Setup, resume: bool, stop_after: Option<u64>) -> Result<Summary
                 let refs: Vec<&SequenceScores> = resp.results.iter().collect();
                 norm = units(&p.items);
                 tokens = p.items.iter().map(|i| i.teacher_ids().len() as u64).sum();
-                for (it, sc) in p.items.chunks(mb).zip(refs.chunks(mb)) {
-                    if units(it).kd == 0.0 {
-                        continue;
-                    }
-                    let (l, m) = micro_loss(
-                        runner.student.model(),
-                        it,
-                        sc,
-                        k,
-                        &off_loss,
-                        s.projection.as_ref(),
-                        norm,
-                        &s.device,
-                    )?;
-                    acc.add(&l.backward()?)?;
-                    kd_sum += m.kd.loss * norm.kd;
-                }
+                kd_sum += accumulate(
+                    &mut acc,
+                    runner.student.model(),
+                    &p.items,
+                    &refs,
+                    mb,
+                    k,
+                    &off_loss,
+                    s.projection.as_ref(),
+                    norm,
+                    &s.device,
+                )?
+                .kd_sum;
             }
             parts.insert("scoring_s".into(), score_s);
         }

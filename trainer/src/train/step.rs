@@ -448,3 +448,60 @@ impl std::ops::AddAssign for ValSums {
         self.ce_tokens += o.ce_tokens;
     }
 }
+
+/// What [`accumulate`] measured over a step's micro-batches.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StepSums {
+    /// Σ over micro-batches of (KD value × step units): divide by `norm.kd` for the step's mean.
+    pub kd_sum: f64,
+    /// Σ of CE means weighted by their tokens, and the tokens.
+    pub ce_sum: f64,
+    pub ce_n: f64,
+    /// Effective KD multiplier of the last micro-batch (dynamic scaling).
+    pub kd_scale: f64,
+}
+
+impl StepSums {
+    pub fn kd_mean(&self, norm: Units) -> f64 {
+        self.kd_sum / norm.kd.max(1.0)
+    }
+    pub fn ce_mean(&self) -> Option<f64> {
+        (self.ce_n > 0.0).then(|| self.ce_sum / self.ce_n)
+    }
+}
+
+/// Runs `items` in micro-batches of `mb`, each loss normalised by the whole step's `norm` (so
+/// the summed gradients are those of the step's mean), and adds every backward to `acc`.
+#[allow(clippy::too_many_arguments)]
+pub fn accumulate(
+    acc: &mut crate::optim::GradAccumulator,
+    model: &Decoder,
+    items: &[Item],
+    scores: &[&SequenceScores],
+    mb: usize,
+    k: usize,
+    cfg: &LossConfig,
+    projection: Option<&Projection>,
+    norm: Units,
+    device: &Device,
+) -> Result<StepSums> {
+    let mut s = StepSums {
+        kd_scale: 1.0,
+        ..Default::default()
+    };
+    for (it, sc) in items.chunks(mb.max(1)).zip(scores.chunks(mb.max(1))) {
+        let u = units(it);
+        if u.kd == 0.0 {
+            continue;
+        }
+        let (loss, m) = micro_loss(model, it, sc, k, cfg, projection, norm, device)?;
+        acc.add(&loss.backward()?)?;
+        s.kd_sum += m.kd.loss * norm.kd;
+        if let Some(ce) = m.ce {
+            s.ce_sum += ce * u.ce;
+            s.ce_n += u.ce;
+        }
+        s.kd_scale = m.kd_scale;
+    }
+    Ok(s)
+}
