@@ -18,12 +18,10 @@
 //! EOS and however the cross-tokenizer alignment treats special tokens.
 
 use crate::config::{Config, OffPolicyArgs};
-use crate::data::{self, Batch, Record};
+use crate::data::{self, Record};
 use crate::eval::{self, EvalConfig, EvalRecord};
 use crate::task::{self, Op, TaskConfig};
 use crate::train::off_policy;
-use crate::train::prepare::prepare;
-use crate::train::step::{validation_sums, ValSums};
 use anyhow::{bail, Context, Result};
 use candle_core::DType;
 use serde::Serialize;
@@ -537,35 +535,7 @@ impl KlProbe {
     pub fn kl(&self, model_dir: &Path) -> Result<f64> {
         let s = &self.setup;
         let (model, _) = eval::load_model(model_dir, &s.device, DType::F32)?;
-        let mut sums = ValSums::default();
-        for chunk in self.records.chunks(8) {
-            let batch = Batch {
-                records: chunk.to_vec(),
-                start: Default::default(),
-                next: Default::default(),
-            };
-            let p = prepare(
-                batch,
-                &s.tokenization,
-                s.limits,
-                s.cfg.teacher.k,
-                s.cfg.teacher.temperature,
-            );
-            if p.items.is_empty() {
-                continue;
-            }
-            let resp = s.client.topk(&p.request)?;
-            let scores: Vec<_> = resp.results.iter().collect();
-            sums += validation_sums(
-                &model,
-                &p.items,
-                &scores,
-                s.cfg.teacher.k,
-                s.loss.temperature,
-                s.projection.as_ref(),
-                &s.device,
-            )?;
-        }
+        let sums = off_policy::kl_to_teacher(s, &model, &self.records, 8)?;
         Ok(sums.kl / sums.kl_units.max(1.0))
     }
 }

@@ -142,7 +142,20 @@ fn validate(s: &Setup, student: &Student, val: &[Record]) -> Result<Option<ValSu
     if val.is_empty() {
         return Ok(None);
     }
-    let mb = s.cfg.policy.train_micro_batch_size.max(1);
+    let mb = s.cfg.policy.train_micro_batch_size;
+    Ok(Some(kl_to_teacher(s, student.model(), val, mb)?))
+}
+
+/// KL to the teacher and cross-entropy of `model` on `records`, in batches of `batch` (sums
+/// with their counts; see [`validation_sums`]). Also used by the demo to probe saved models.
+pub fn kl_to_teacher(
+    s: &Setup,
+    model: &xdistill_shared::model::Decoder,
+    records: &[Record],
+    batch: usize,
+) -> Result<ValSums> {
+    let mb = batch.max(1);
+    let val = records;
     let mut sums = ValSums::default();
     for chunk in val.chunks(mb) {
         let batch = data::Batch {
@@ -162,7 +175,7 @@ fn validate(s: &Setup, student: &Student, val: &[Record]) -> Result<Option<ValSu
         }
         let resp = s.client.topk(&p.request)?;
         sums += validation_sums(
-            student.model(),
+            model,
             &p.items,
             &scores_of(&resp),
             s.cfg.teacher.k,
@@ -171,7 +184,7 @@ fn validate(s: &Setup, student: &Student, val: &[Record]) -> Result<Option<ValSu
             &s.device,
         )?;
     }
-    Ok(Some(sums))
+    Ok(sums)
 }
 
 /// `trainer off-policy`.

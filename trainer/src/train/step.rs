@@ -200,19 +200,39 @@ fn same_tokenizer(
     let ones = vec![1f32; n];
     let tk = TopkTargets::from_host(1, n, k, &ids, &lps, &ones, vocab, device)?;
     let (kd, kd_m) = kd_loss(cfg, &logits, KdInputs::Topk(&tk), Some(norm.kd))?;
-    let (ce, ce_mean) = if want_ce {
+    let ce_inputs = if want_ce {
         let tg: Vec<u32> = sel.iter().map(|&i| targets[i as usize]).collect();
         let tg = Tensor::from_vec(tg, (1, n), device)?;
-        let (ce, _) = cross_entropy(
-            &logits,
-            &tg,
-            &Tensor::ones((1, n), candle_core::DType::F32, device)?,
-            Some(norm.ce),
-        )?;
-        let mean = ce.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()? * norm.ce / n as f64;
-        (Some(ce), Some(mean))
+        Some((
+            tg,
+            Tensor::ones((1, n), candle_core::DType::F32, device)?,
+            n,
+        ))
     } else {
-        (None, None)
+        None
+    };
+    finish(&logits, kd, kd_m, ce_inputs, cfg, norm, items)
+}
+
+/// Adds the cross-entropy term (when `ce` gives targets `[B, T]`, mask `[B, T]` and the count of
+/// trained tokens) to the distillation loss as `[loss] ce` says, and reports the parts.
+fn finish(
+    logits: &Tensor,
+    kd: Tensor,
+    kd_m: KdMetrics,
+    ce: Option<(Tensor, Tensor, usize)>,
+    cfg: &LossConfig,
+    norm: Units,
+    items: &[Item],
+) -> Result<(Tensor, MicroOut)> {
+    let (ce, ce_mean) = match ce {
+        Some((targets, mask, n)) if n > 0 => {
+            let (ce, _) = cross_entropy(logits, &targets, &mask, Some(norm.ce))?;
+            let mean =
+                ce.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()? * norm.ce / n as f64;
+            (Some(ce), Some(mean))
+        }
+        _ => (None, None),
     };
     let c = combine(&kd, ce.as_ref(), cfg)?;
     Ok((
@@ -250,24 +270,8 @@ fn cross_tokenizer(
         },
         Some(norm.kd),
     )?;
-    let (ce, ce_mean) = if want_ce && tb.n_targets > 0 {
-        let (ce, _) = cross_entropy(&logits, &tb.targets, &tb.mask, Some(norm.ce))?;
-        let mean = ce.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()? * norm.ce
-            / tb.n_targets as f64;
-        (Some(ce), Some(mean))
-    } else {
-        (None, None)
-    };
-    let c = combine(&kd, ce.as_ref(), cfg)?;
-    Ok((
-        c.total,
-        MicroOut {
-            kd: kd_m,
-            ce: ce_mean,
-            kd_scale: c.kd_scale,
-            units: units(items),
-        },
-    ))
+    let ce_inputs = want_ce.then(|| (tb.targets.clone(), tb.mask.clone(), tb.n_targets));
+    finish(&logits, kd, kd_m, ce_inputs, cfg, norm, items)
 }
 
 /// The cross-tokenizer loss input for aligned items, plus the student side as `Encoded`s.

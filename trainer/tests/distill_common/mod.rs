@@ -40,25 +40,9 @@ pub fn model(
 /// LM head (peaked, token-specific distributions), small attention and MLP weights. A student can
 /// learn that from a few hundred records and generalise to held-out text.
 pub fn token_driven_teacher(dir: &Path, arch: &str, tokenizer: &str, seed: u64) -> PathBuf {
-    use xdistill_trainer::init_model::{build_config, random_params, Args};
-    let out = dir.join("teacher");
-    let args = Args {
-        arch: arch.into(),
-        tokenizer: xdistill_shared::paths::tokenizer_json(tokenizer),
-        hidden_size: 64,
-        layers: 1,
-        heads: 4,
-        kv_heads: 2,
-        intermediate_size: 128,
-        head_dim: None,
-        pad_vocab_to: 1,
-        max_position_embeddings: 512,
-        tie_embeddings: false,
-        init_std: 0.02,
-        seed,
-        out: out.clone(),
-    };
-    let cfg = build_config(&args).unwrap();
+    use xdistill_trainer::init_model::random_params;
+    let (args, cfg) = teacher_args(dir, arch, tokenizer, seed);
+    let out = args.out.clone();
     let mut params = random_params(&cfg, 0.02, seed).unwrap();
     let big = random_params(&cfg, 0.5, seed + 100).unwrap();
     for name in ["model.embed_tokens.weight", "lm_head.weight"] {
@@ -178,25 +162,9 @@ progress_bar = false
 /// reach from its own (initially random) samples.
 pub fn context_free_teacher(dir: &Path, arch: &str, tokenizer: &str, seed: u64) -> PathBuf {
     use candle_core::Tensor;
-    use xdistill_trainer::init_model::{build_config, random_params, Args};
-    let out = dir.join("teacher");
-    let args = Args {
-        arch: arch.into(),
-        tokenizer: xdistill_shared::paths::tokenizer_json(tokenizer),
-        hidden_size: 64,
-        layers: 1,
-        heads: 4,
-        kv_heads: 2,
-        intermediate_size: 128,
-        head_dim: None,
-        pad_vocab_to: 1,
-        max_position_embeddings: 512,
-        tie_embeddings: false,
-        init_std: 0.02,
-        seed,
-        out: out.clone(),
-    };
-    let cfg = build_config(&args).unwrap();
+    use xdistill_trainer::init_model::random_params;
+    let (args, cfg) = teacher_args(dir, arch, tokenizer, seed);
+    let out = args.out.clone();
     let mut params = random_params(&cfg, 0.02, seed).unwrap();
     let noise = random_params(&cfg, 0.05, seed + 300).unwrap();
     let c = Tensor::from_vec(
@@ -215,4 +183,34 @@ pub fn context_free_teacher(dir: &Path, arch: &str, tokenizer: &str, seed: u64) 
     params.insert("lm_head.weight".into(), big["lm_head.weight"].clone());
     xdistill_shared::hf::write_model_dir(&out, &cfg, &params, &args.tokenizer).unwrap();
     out
+}
+
+/// The shape both test teachers share: hidden 64, one layer, written to `dir/teacher`.
+fn teacher_args(
+    dir: &Path,
+    arch: &str,
+    tokenizer: &str,
+    seed: u64,
+) -> (
+    xdistill_trainer::init_model::Args,
+    xdistill_shared::hf::ModelConfig,
+) {
+    let args = xdistill_trainer::init_model::Args {
+        arch: arch.into(),
+        tokenizer: xdistill_shared::paths::tokenizer_json(tokenizer),
+        hidden_size: 64,
+        layers: 1,
+        heads: 4,
+        kv_heads: 2,
+        intermediate_size: 128,
+        head_dim: None,
+        pad_vocab_to: 1,
+        max_position_embeddings: 512,
+        tie_embeddings: false,
+        init_std: 0.02,
+        seed,
+        out: dir.join("teacher"),
+    };
+    let cfg = xdistill_trainer::init_model::build_config(&args).unwrap();
+    (args, cfg)
 }
