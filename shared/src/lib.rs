@@ -5,6 +5,7 @@
 //! - [`hf`]: Hugging Face model directories: `config.json`, safetensors, `tokenizer.json`.
 //! - [`model`]: the Llama-family decoder (Llama, Qwen2, Qwen3) used by both sides.
 
+pub mod alloc;
 pub mod codec;
 pub mod device;
 pub mod hf;

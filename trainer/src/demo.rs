@@ -122,7 +122,7 @@ impl DemoSettings {
                 seed: 1,
             },
             teacher_training: TrainSpec {
-                steps: 300,
+                steps: 600,
                 prompts_per_step: 16,
                 micro_batch: 16,
                 lr: 3e-3,

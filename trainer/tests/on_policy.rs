@@ -129,5 +129,12 @@ fn cross_tokenizer_on_policy_runs_end_to_end() {
         .filter(|l| l.contains("\"on_policy\":0.0"))
         .count();
     assert_eq!(on + off, 4, "{metrics}");
+    // The student's log-prob of its own samples is reported per student token: a random
+    // 32k-vocabulary student samples at about −ln 32000 ≈ −10.4 nats, never 0.
+    for line in metrics.lines().filter(|l| l.contains("\"on_policy\":1.0")) {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        let lp = v["loss_parts"]["student_logprob"].as_f64().unwrap();
+        assert!(lp < -1.0 && lp.is_finite(), "student_logprob {lp} in {line}");
+    }
     assert!(out.join("final").join("model.safetensors").is_file());
 }

@@ -63,7 +63,7 @@ pub type Result<T> = std::result::Result<T, LossError>;
 /// ```toml
 /// [loss]
 /// kd = { type = "jsd", beta = 0.5 }   # forward_kl | reverse_kl | jsd | sampled_kl | pkl | gold | alm
-/// tail = "bucket"                     # renormalize | bucket | ignore (same tokenizer only)
+/// tail = "bucket"                     # renormalize | bucket | ignore (top-k losses and pkl)
 /// temperature = 1.0                   # τ: both sides' logits / τ, loss · τ²
 /// kd_weight = 1.0
 /// ce = { type = "weight", weight = 0.1 }   # none | weight | dynamic
@@ -73,7 +73,8 @@ pub type Result<T> = std::result::Result<T, LossError>;
 pub struct LossConfig {
     /// Which distillation loss.
     pub kd: KdConfig,
-    /// What to do with the probability mass outside the teacher's top-k (same-tokenizer losses).
+    /// What to do with the probability mass outside the teacher's top-k (the same-tokenizer
+    /// top-k losses and P-KL; `renormalize` gives NeMo's P-KL exactly).
     #[serde(default)]
     pub tail: TailMode,
     /// Distillation temperature τ. The teacher must be queried with the same `temperature`.
@@ -143,7 +144,7 @@ impl KdConfig {
     }
 }
 
-/// Mass outside the teacher's top-k set K (same-tokenizer losses).
+/// Mass outside the teacher's top-k set K (same-tokenizer top-k losses and P-KL).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum TailMode {
@@ -277,9 +278,15 @@ pub fn kd_loss(
         (KdConfig::SampledKl {}, KdInputs::Sampled(s)) => {
             sampled_token_loss(student_logits, s, tau, normalizer)
         }
-        (KdConfig::Pkl { anchor }, KdInputs::XToken { batch, projection }) => {
-            pkl_loss(student_logits, batch, projection, *anchor, tau, normalizer)
-        }
+        (KdConfig::Pkl { anchor }, KdInputs::XToken { batch, projection }) => pkl_loss(
+            student_logits,
+            batch,
+            projection,
+            *anchor,
+            config.tail,
+            tau,
+            normalizer,
+        ),
         (
             KdConfig::Gold {
                 matched_weight,

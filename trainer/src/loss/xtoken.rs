@@ -7,9 +7,12 @@
 
 use candle_core::{DType, Device, Tensor, D};
 
-use super::stable::{check_normalizer, check_temperature, logsumexp_last, softmax_last, LOG_FLOOR};
+use super::stable::{
+    check_normalizer, check_temperature, log1mexp, logsumexp_last, softmax_last, LOG_FLOOR,
+    TAIL_FLOOR,
+};
 use super::topk::topk_indices;
-use super::{compute_dtype, Anchor, KdMetrics, LossError, Result};
+use super::{compute_dtype, Anchor, KdMetrics, LossError, Result, TailMode};
 
 /// Added to projected probabilities before the log (a teacher token no student token maps to).
 const Q_EPS: f64 = 1e-10;
@@ -337,14 +340,24 @@ fn zero_loss(dt: DType, dev: &Device) -> Result<(Tensor, KdMetrics)> {
 ///
 /// For a chunk c with student positions S_c and teacher positions T_c, the anchor teacher
 /// position a (first or last of T_c) supplies K and its exact log-probs L_c = lp_T,a[K].
-/// `q_t = Wᵀ softmax(z_S,t/τ)`, `Q_c = mean_{t∈S_c} q_t[K]` renormalised over K,
-/// `loss = τ² · Σ_c Σ_K e^{L_c}(L_c − log Q_c) / N` with N the number of chunks with both sides
-/// (or `normalizer`). `student_logits`: `[B, Ts, V]`, `V ≥ proj.student_vocab()`.
+/// `q_t = Wᵀ softmax(z_S,t/τ)`, `Q_c = mean_{t∈S_c} q_t[K]`,
+/// `loss = τ² · Σ_c D_c / N` with N the number of chunks with both sides (or `normalizer`) and,
+/// by `tail`:
+/// - `Renormalize` (NeMo's P-KL): `D_c = Σ_K e^{L_c}(L_c − log Q̂_c)`, Q̂ = Q renormalised over K;
+/// - `Bucket`: the (k+1)-way KL with the mass outside K as one more entry on both sides,
+///   `D_c = Σ_K e^{L_c}(L_c − log Q_c) + T_c(log T_c − log(1 − Σ_K Q_c))`, `T_c = 1 − Σ_K e^{L_c}`
+///   (both floored at 1e-6). Unlike NeMo's form it penalises student mass outside K, which a
+///   student trained from scratch otherwise keeps (it then matches the teacher inside K and
+///   still samples junk);
+/// - `Ignore`: `D_c = Σ_K e^{L_c}(L_c − log Q_c)`, Q not renormalised.
+///
+/// `student_logits`: `[B, Ts, V]`, `V ≥ proj.student_vocab()`.
 pub fn pkl_loss(
     student_logits: &Tensor,
     batch: &XTokenBatch,
     proj: &Projection,
     anchor: Anchor,
+    tail: TailMode,
     temperature: f64,
     normalizer: Option<f64>,
 ) -> Result<(Tensor, KdMetrics)> {
@@ -394,12 +407,21 @@ pub fn pkl_loss(
         q = q.index_add(&seg, &vals, 0)?;
     }
     let q = q.reshape((n_units, k))?.affine(1.0, Q_EPS)?;
-    let student_mass = q.detach().sum(D::Minus1)?;
-    let log_q = q.broadcast_div(&q.sum_keepdim(D::Minus1)?)?.log()?;
+    let q_mass = q.sum_keepdim(D::Minus1)?; // [C, 1]
+    let student_mass = q_mass.detach().squeeze(D::Minus1)?;
+    let log_q = match tail {
+        TailMode::Renormalize => q.broadcast_div(&q_mass)?.log()?,
+        TailMode::Bucket | TailMode::Ignore => q.log()?,
+    };
 
-    // 3. Σ_K e^L (L − log Q) per chunk, summed and normalised, τ².
+    // 3. Σ_K e^L (L − log Q) per chunk (+ the tail entry), summed and normalised, τ².
     let l = host_tensor(lt, &[n_units, k], dt, &dev)?;
-    let per_chunk = (l.exp()? * (&l - log_q)?)?.sum(D::Minus1)?;
+    let mut per_chunk = (l.exp()? * (&l - log_q)?)?.sum(D::Minus1)?;
+    if tail == TailMode::Bucket {
+        let lt_tail = log1mexp(&logsumexp_last(&l)?, TAIL_FLOOR)?; // [C]
+        let ls_tail = log1mexp(&q_mass.log()?.squeeze(D::Minus1)?, TAIL_FLOOR)?;
+        per_chunk = (per_chunk + (lt_tail.exp()? * (&lt_tail - ls_tail)?)?)?;
+    }
     let n = normalizer.unwrap_or(n_units as f64);
     let loss = per_chunk
         .sum_all()?

@@ -135,7 +135,7 @@ fn teacher_row(x: &XTokenBatch, b: usize, t: usize) -> (Vec<usize>, Vec<f64>) {
     )
 }
 
-fn ref_pkl(x: &XTokenBatch, zs: &[f64], anchor: Anchor, tau: f64) -> f64 {
+fn ref_pkl(x: &XTokenBatch, zs: &[f64], anchor: Anchor, tail: TailMode, tau: f64) -> f64 {
     let w = dense_w(&projection());
     let chunks = ref_chunks(x);
     let mut total = 0.0;
@@ -155,9 +155,16 @@ fn ref_pkl(x: &XTokenBatch, zs: &[f64], anchor: Anchor, tau: f64) -> f64 {
             }
         }
         let qs: f64 = q.iter().sum();
+        let norm = if tail == TailMode::Renormalize { qs } else { 1.0 };
         total += (0..K)
-            .map(|j| l[j].exp() * (l[j] - (q[j] / qs).ln()))
+            .map(|j| l[j].exp() * (l[j] - (q[j] / norm).ln()))
             .sum::<f64>();
+        if tail == TailMode::Bucket {
+            // One more entry: the mass outside K on each side (floored as the loss does).
+            let t_tail = (1.0 - l.iter().map(|v| v.exp()).sum::<f64>()).max(1e-6);
+            let s_tail = (1.0 - qs).max(1e-6);
+            total += t_tail * (t_tail.ln() - s_tail.ln());
+        }
     }
     tau * tau * total / chunks.len() as f64
 }
@@ -245,24 +252,30 @@ fn projection_transpose_and_exact_maps() {
 
 #[test]
 fn pkl_matches_reference_and_finite_differences() {
-    for (seed, tau, anchor) in [(2, 1.0, Anchor::First), (3, 2.0, Anchor::Last)] {
+    for (seed, tau, anchor, tail) in [
+        (2, 1.0, Anchor::First, TailMode::Renormalize),
+        (3, 2.0, Anchor::Last, TailMode::Renormalize),
+        (2, 1.0, Anchor::First, TailMode::Bucket),
+        (3, 2.0, Anchor::Last, TailMode::Bucket),
+        (5, 1.0, Anchor::First, TailMode::Ignore),
+    ] {
         let (x, zs) = fixture(seed, tau);
-        let want = ref_pkl(&x, &zs, anchor, tau);
+        let want = ref_pkl(&x, &zs, anchor, tail, tau);
         let p = projection();
         for (dtype, tol) in [(DType::F64, 1e-8), (DType::F32, 2e-5)] {
             let (l, m) =
-                pkl_loss(&tensor(&zs, &[B, TS, VL], dtype), &x, &p, anchor, tau, None).unwrap();
+                pkl_loss(&tensor(&zs, &[B, TS, VL], dtype), &x, &p, anchor, tail, tau, None).unwrap();
             assert!(
                 (scalar(&l) - want).abs() < tol * want.abs().max(1e-3),
-                "{anchor:?} {dtype:?}: {} vs {want}",
+                "{anchor:?} {tail:?} {dtype:?}: {} vs {want}",
                 scalar(&l)
             );
             assert_eq!(m.count, 6.0);
         }
         let v = var(&zs, &[B, TS, VL]);
-        let (l, _) = pkl_loss(v.as_tensor(), &x, &p, anchor, tau, None).unwrap();
+        let (l, _) = pkl_loss(v.as_tensor(), &x, &p, anchor, tail, tau, None).unwrap();
         let g = flat(l.backward().unwrap().get(v.as_tensor()).unwrap());
-        let fd = numeric_grad(&zs, 1e-5, |z| ref_pkl(&x, z, anchor, tau));
+        let fd = numeric_grad(&zs, 1e-5, |z| ref_pkl(&x, z, anchor, tail, tau));
         assert_close(&g, &fd, 1e-7, "pkl grad");
         // The padded column and positions outside any chunk get no gradient.
         assert!((0..B * TS).all(|r| g[r * VL + VS] == 0.0));
@@ -296,6 +309,7 @@ fn pkl_is_zero_when_the_projected_student_equals_the_teacher() {
         &x,
         &p,
         Anchor::First,
+        TailMode::Renormalize,
         1.0,
         None,
     )
@@ -342,7 +356,7 @@ fn normalizer_splits_into_micro_batches() {
     let p = projection();
     let z_full = tensor(&zs, &[B, TS, VL], DType::F64);
     let full = scalar(
-        &pkl_loss(&z_full, &x, &p, Anchor::First, 1.0, None)
+        &pkl_loss(&z_full, &x, &p, Anchor::First, TailMode::Bucket, 1.0, None)
             .unwrap()
             .0,
     );
@@ -363,7 +377,7 @@ fn normalizer_splits_into_micro_batches() {
             DType::F64,
         );
         sum += scalar(
-            &pkl_loss(&z, &part, &p, Anchor::First, 1.0, Some(6.0))
+            &pkl_loss(&z, &part, &p, Anchor::First, TailMode::Bucket, 1.0, Some(6.0))
                 .unwrap()
                 .0,
         );
@@ -378,7 +392,7 @@ fn bad_inputs_are_errors_not_panics() {
     let z = tensor(&zs, &[B, TS, VL], DType::F32);
     let mut bad = x.clone();
     bad.teacher_topk_ids[0] = VT as u32;
-    assert!(pkl_loss(&z, &bad, &p, Anchor::First, 1.0, None).is_err());
+    assert!(pkl_loss(&z, &bad, &p, Anchor::First, TailMode::Bucket, 1.0, None).is_err());
     let mut bad = x.clone();
     bad.teacher_topk_logprobs.truncate(3);
     assert!(gold_loss(&z, &bad, &p, 1.0, 1.0, 1.0, None).is_err());
@@ -386,13 +400,69 @@ fn bad_inputs_are_errors_not_panics() {
     bad.student_targets.clear();
     assert!(gold_loss(&z, &bad, &p, 1.0, 1.0, 1.0, None).is_err());
     let narrow = tensor(&zs[..B * TS * 4], &[B, TS, 4], DType::F32);
-    assert!(pkl_loss(&narrow, &x, &p, Anchor::First, 1.0, None).is_err());
-    assert!(pkl_loss(&z, &x, &p, Anchor::First, 1.0, Some(0.0)).is_err());
+    assert!(pkl_loss(&narrow, &x, &p, Anchor::First, TailMode::Bucket, 1.0, None).is_err());
+    assert!(pkl_loss(&z, &x, &p, Anchor::First, TailMode::Bucket, 1.0, Some(0.0)).is_err());
     // No chunk with both sides: a zero loss, not an error.
     let empty = XTokenBatch {
         teacher_chunk: vec![-1; B * TT],
         ..x.clone()
     };
-    let (l, m) = pkl_loss(&z, &empty, &p, Anchor::First, 1.0, None).unwrap();
+    let (l, m) = pkl_loss(&z, &empty, &p, Anchor::First, TailMode::Bucket, 1.0, None).unwrap();
     assert_eq!((scalar(&l), m.count), (0.0, 0.0));
+}
+
+#[test]
+fn pkl_bucket_penalises_student_mass_outside_the_teacher_top_k() {
+    // Two students with the same distribution *inside* each chunk's K (up to a factor): the one
+    // that moves mass outside K (onto student ids 4.., which map to teacher ids outside K) has a
+    // larger bucket loss, while NeMo's renormalised P-KL cannot tell them apart.
+    let (mut x, zs) = fixture(7, 1.0);
+    // Every K is teacher ids {0, 1, 2}; student ids 3 and 4 map only outside it.
+    for (i, id) in x.teacher_topk_ids.iter_mut().enumerate() {
+        *id = (i % K) as u32;
+    }
+    let p = projection();
+    let loss = |z: &[f64], tail| {
+        scalar(
+            &pkl_loss(
+                &tensor(z, &[B, TS, VL], DType::F64),
+                &x,
+                &p,
+                Anchor::First,
+                tail,
+                1.0,
+                None,
+            )
+            .unwrap()
+            .0,
+        )
+    };
+    let outside: Vec<usize> = (0..VS)
+        .filter(|&s| p.row(s).0.iter().all(|&u| u as usize >= K))
+        .collect();
+    assert_eq!(outside, vec![3, 4]);
+    // At every position, give ids 3 and 4 together a share `f` of the mass: the distribution
+    // over the other ids keeps its shape, scaled by 1 − f.
+    let with_outside_share = |f: f64| {
+        let mut z = zs.clone();
+        for r in 0..B * TS {
+            let row = &mut z[r * VL..r * VL + VS];
+            let inside: f64 = (0..VS)
+                .filter(|s| !outside.contains(s))
+                .map(|s| row[s].exp())
+                .sum();
+            for &s in &outside {
+                row[s] = (f / (1.0 - f) * inside / outside.len() as f64).ln();
+            }
+        }
+        z
+    };
+    let (low, high) = (with_outside_share(0.05), with_outside_share(0.9));
+    let (r0, r1) = (
+        loss(&low, TailMode::Renormalize),
+        loss(&high, TailMode::Renormalize),
+    );
+    assert!((r0 - r1).abs() < 1e-7, "renormalised: {r0} vs {r1}");
+    let (b0, b1) = (loss(&low, TailMode::Bucket), loss(&high, TailMode::Bucket));
+    assert!(b1 > b0 + 0.1, "bucket: {b0} -> {b1}");
 }

@@ -64,9 +64,13 @@ fn off_policy_loss(l: &LossConfig) -> LossConfig {
 /// Figures of the samples of one step or one validation pass.
 #[derive(Debug, Clone, Copy, Default)]
 struct SampleStats {
+    /// Sum of the teacher's log-probs of the sampled text, over `tokens` teacher tokens.
     teacher_lp: f64,
+    /// Sum of the student's log-probs of its samples, over `student_tokens` student tokens
+    /// (the two counts differ across tokenizers).
     student_lp: f64,
     tokens: f64,
+    student_tokens: f64,
     completions: usize,
     eos: usize,
     completion_tokens: usize,
@@ -82,7 +86,15 @@ impl SampleStats {
         self.teacher_lp / self.tokens.max(1.0)
     }
     fn mean_student_lp(&self) -> f64 {
-        self.student_lp / self.tokens.max(1.0)
+        self.student_lp / self.student_tokens.max(1.0)
+    }
+    /// The student's own log-probs of its samples (cross tokenizer: the teacher side counts
+    /// teacher tokens, so the student side is taken from the generations).
+    fn add_student_lps(&mut self, gens: &[Generation]) {
+        for g in gens {
+            self.student_lp += g.sampled_logprobs.iter().map(|&x| x as f64).sum::<f64>();
+            self.student_tokens += g.sampled_logprobs.len() as f64;
+        }
     }
     /// Monte-Carlo reverse KL per token: mean of `lp_S − lp_T` over sampled tokens.
     fn reverse_kl(&self) -> f64 {
@@ -268,12 +280,14 @@ fn validate(s: &Setup, student: &Student, val: &[Record]) -> Result<Option<(f64,
                 for (j, p) in (x.completion_from - 1..x.ids.len() - 1).enumerate() {
                     st.teacher_lp += sc.target_logprobs[p] as f64;
                     st.student_lp += x.old_lp[j] as f64;
+                    st.student_tokens += 1.0;
                     st.tokens += 1.0;
                 }
             }
             Ok(Some((st.reverse_kl(), st)))
         }
         Tokenization::Cross { .. } => {
+            st.add_student_lps(&gens);
             let items = cross_items(s, val, &gens);
             if items.is_empty() {
                 return Ok(Some((f64::NAN, st)));
@@ -424,6 +438,7 @@ pub fn train(s: &Setup, resume: bool, stop_after: Option<u64>) -> Result<Summary
                         for (j, p) in (x.completion_from - 1..x.ids.len() - 1).enumerate() {
                             stats.teacher_lp += sc.target_logprobs[p] as f64;
                             stats.student_lp += x.old_lp[j] as f64;
+                            stats.student_tokens += 1.0;
                             stats.tokens += 1.0;
                         }
                         tokens += x.ids.len() as u64;
@@ -474,6 +489,7 @@ pub fn train(s: &Setup, resume: bool, stop_after: Option<u64>) -> Result<Summary
                     }
                 }
                 (Tokenization::Cross { .. }, _) => {
+                    stats.add_student_lps(&gens);
                     let items = cross_items(s, &batch.records, &gens);
                     skipped += (gens.len() - items.len()) as u64;
                     if !items.is_empty() {

@@ -338,7 +338,8 @@ pub fn xtoken_batch(
 }
 
 /// Validation figures of one micro-batch, without gradients: forward KL to the teacher over its
-/// top-k with a tail bucket (same tokenizer) or chunk-level P-KL (cross tokenizer), and the
+/// top-k with a tail bucket (same tokenizer) or chunk-level P-KL with a tail bucket (cross
+/// tokenizer, so student mass outside the teacher's top-k counts), and the
 /// student's cross-entropy. Returns sums (not means) with their counts.
 pub fn validation_sums(
     model: &Decoder,
