@@ -84,6 +84,10 @@ pub struct DemoSettings {
     pub teacher: ModelSpec,
     pub teacher_training: TrainSpec,
     pub student: ModelSpec,
+    /// A short SFT on the task that turns the random student into the common starting point of
+    /// the three methods (`student_init`), as in the published comparisons, which distil a
+    /// mid-trained student rather than a random one (steps 0: start from the random init).
+    pub student_warmup: TrainSpec,
     /// The budget every method gets.
     pub student_training: TrainSpec,
     /// Teacher top-k per position for the distillation losses.
@@ -139,13 +143,21 @@ impl DemoSettings {
                 intermediate_size: 128,
                 seed: 2,
             },
-            student_training: TrainSpec {
-                steps: 100,
+            student_warmup: TrainSpec {
+                steps: 300,
                 prompts_per_step: 16,
                 micro_batch: 16,
                 lr: 3e-3,
-                min_lr: 3e-4,
-                warmup_steps: 5,
+                min_lr: 1e-3,
+                warmup_steps: 10,
+            },
+            student_training: TrainSpec {
+                steps: 150,
+                prompts_per_step: 16,
+                micro_batch: 16,
+                lr: 1e-3,
+                min_lr: 1e-4,
+                warmup_steps: 10,
             },
             k: 16,
             kd: "pkl".into(),
@@ -170,6 +182,10 @@ impl DemoSettings {
         s.teacher_training.steps = 3;
         s.teacher_training.prompts_per_step = 4;
         s.teacher_training.micro_batch = 4;
+        s.student_warmup.steps = 2;
+        s.student_warmup.prompts_per_step = 4;
+        s.student_warmup.micro_batch = 4;
+        s.student_warmup.warmup_steps = 1;
         s.student_training.steps = 4;
         s.student_training.prompts_per_step = 4;
         s.student_training.micro_batch = 4;
@@ -829,11 +845,41 @@ pub fn run_with(
     eprintln!("   {} serving {}", server.url, teacher_model.display());
 
     stage(4, "student with a different tokenizer");
-    let student_init = out.join("student_init");
-    if student_init.exists() {
-        std::fs::remove_dir_all(&student_init)?;
+    let student_random = out.join("student_random");
+    for d in [&student_random, &out.join("student_warmup")] {
+        if d.exists() {
+            std::fs::remove_dir_all(d)?;
+        }
     }
-    init_model(&s.student, &student_init)?;
+    init_model(&s.student, &student_random)?;
+    let mut warmup = serde_json::Value::Null;
+    let student_init = if s.student_warmup.steps == 0 {
+        student_random
+    } else {
+        let dir = out.join("student_warmup");
+        std::fs::create_dir_all(&dir)?;
+        let cfg = dir.join("sft.toml");
+        std::fs::write(
+            &cfg,
+            config_text(
+                &student_random,
+                &train,
+                &dir.join("run"),
+                &s.student_warmup,
+                "http://unused.invalid",
+                "",
+                s.student_warmup.steps,
+                s.task.seed ^ 0x5717,
+                s.k,
+            ),
+        )?;
+        eprintln!(
+            "   warm-up: {} SFT steps from the random init (the common starting point)",
+            s.student_warmup.steps
+        );
+        warmup = run_trainer("sft", &cfg, &[])?;
+        dir.join("run").join("final")
+    };
     let runs = out.join("runs");
     if runs.exists() {
         std::fs::remove_dir_all(&runs)?;
@@ -875,8 +921,8 @@ pub fn run_with(
     let student_row = Row {
         accuracy: init_acc,
         kl: probe.kl(&student_init)?,
-        steps: 0,
-        seconds: 0.0,
+        steps: steps_of(&warmup),
+        seconds: seconds_of(&warmup),
         curve: vec![],
     };
     eprintln!(

@@ -162,6 +162,11 @@ pub struct Generation {
     /// `decode(completion_ids)` without the EOS, special tokens skipped, cut before the first
     /// stop string.
     pub completion_text: String,
+    /// The stop string that ended the row (`stop == StopString`): the text the model produced is
+    /// `completion_text + matched_stop`, which is what a teacher should score so the student
+    /// learns where to stop.
+    #[serde(default)]
+    pub matched_stop: Option<String>,
     pub hit_eos: bool,
     pub stop: StopReason,
     /// Per completion id: `log_softmax(z / τ)[x_t]`, untruncated by top-k/top-p (τ = 1 greedy).
@@ -181,6 +186,7 @@ struct Row {
     limited_by_context: bool,
     done: Option<StopReason>,
     text: Option<String>,
+    matched_stop: Option<String>,
 }
 
 /// Settings shared by every row of one call.
@@ -212,9 +218,14 @@ impl Row {
             self.done = Some(StopReason::Eos);
         } else if !ctx.stops.is_empty() {
             let text = decode(ctx.tokenizer, &self.ids)?;
-            let first = ctx.stops.iter().filter_map(|s| text.find(s.as_str())).min();
-            if let Some(pos) = first {
+            let first = ctx
+                .stops
+                .iter()
+                .filter_map(|s| text.find(s.as_str()).map(|pos| (pos, s)))
+                .min_by_key(|(pos, _)| *pos);
+            if let Some((pos, stop)) = first {
                 self.text = Some(text[..pos].to_string());
+                self.matched_stop = Some(stop.clone());
                 self.done = Some(StopReason::StopString);
             }
         }
@@ -244,6 +255,7 @@ impl Row {
             prompt_ids: self.prompt,
             completion_ids: self.ids,
             completion_text,
+            matched_stop: self.matched_stop,
             hit_eos,
             stop,
             sampled_logprobs: self.logprobs,
@@ -294,6 +306,7 @@ fn make_rows(
                 limited_by_context: room < cfg.max_new_tokens,
                 done: (cfg.max_new_tokens == 0).then_some(StopReason::MaxNewTokens),
                 text: None,
+                matched_stop: None,
             });
         }
     }

@@ -55,7 +55,13 @@ fn fast_demo_end_to_end() {
         assert!(row["seconds"].as_f64().unwrap() >= 0.0);
     }
     assert_eq!(summary["teacher"]["kl"].as_f64(), Some(0.0));
-    assert_eq!(summary["student_init"]["steps"].as_u64(), Some(0));
+    // The common starting point is the random student after the warm-up SFT.
+    assert_eq!(
+        summary["student_init"]["steps"].as_u64(),
+        summary["settings"]["student_warmup"]["steps"].as_u64()
+    );
+    assert!(summary["settings"]["student_warmup"]["steps"].as_u64().unwrap() > 0);
+    assert!(out.join("student_warmup/run/final/config.json").is_file());
     for name in ["sft", "off_policy", "on_policy"] {
         let row = &summary[name];
         assert_eq!(row["steps"].as_u64(), Some(steps), "{name}: same budget");

@@ -219,6 +219,9 @@ fn stops_at_eos_and_at_stop_strings() {
     let cut = texts[first].find(&stop).unwrap();
     assert_eq!(out[0].completion_text, texts[first][..cut]);
     assert!(!out[0].completion_text.contains(&stop));
+    // The matched stop string completes the text the model produced.
+    assert_eq!(out[0].matched_stop.as_deref(), Some(stop.as_str()));
+    assert!(texts[first].starts_with(&format!("{}{stop}", out[0].completion_text)));
 }
 
 #[test]

@@ -323,7 +323,12 @@ fn cross_items(s: &Setup, records: &[Record], gens: &[Generation]) -> Vec<Item> 
                 line: records[g.prompt_index].line,
                 content: Content::Pair {
                     prompt: prompt_of(&records[g.prompt_index]),
-                    completion: g.completion_text.clone(),
+                    // The stop string is part of the sample: scored, so stopping is learned.
+                    completion: format!(
+                        "{}{}",
+                        g.completion_text,
+                        g.matched_stop.as_deref().unwrap_or("")
+                    ),
                 },
                 completion_only_loss: !s.cfg.on_policy.include_prompt,
             };
