@@ -159,8 +159,8 @@ pub struct Generation {
     /// Generated ids: with the EOS id when `hit_eos`, and up to and including the token that
     /// completed a stop string.
     pub completion_ids: Vec<u32>,
-    /// `decode(completion_ids)` without the EOS, special tokens skipped, cut before the first
-    /// stop string.
+    /// The text of `completion_ids` after the prompt ([`decode_after`]) without the EOS,
+    /// special tokens skipped, cut before the first stop string.
     pub completion_text: String,
     /// The stop string that ended the row (`stop == StopString`): the text the model produced is
     /// `completion_text + matched_stop`, which is what a teacher should score so the student
@@ -204,6 +204,22 @@ fn decode(tok: &Tokenizer, ids: &[u32]) -> Result<String, GenerateError> {
         .map_err(|e| GenerateError::Tokenizer(e.to_string()))
 }
 
+/// The text `ids` add after `prompt`: `decode(prompt ++ ids)` minus `decode(prompt)`.
+///
+/// Decoding the completion on its own loses what depends on its left context: SentencePiece
+/// (Llama 2) drops the leading space of a sequence's first token, so `▁8` alone is `"8"` but
+/// `" 8"` after `A:`. A teacher with another tokenizer would then score `A:8` instead of the
+/// `A: 8` the student produced. Falls back to the plain decode if the prompt's text is not a
+/// prefix (a normaliser that rewrites across the join).
+pub fn decode_after(tok: &Tokenizer, prompt: &[u32], ids: &[u32]) -> Result<String, GenerateError> {
+    let head = decode(tok, prompt)?;
+    let full = decode(tok, &[prompt, ids].concat())?;
+    match full.strip_prefix(&head) {
+        Some(tail) => Ok(tail.to_string()),
+        None => decode(tok, ids),
+    }
+}
+
 impl Row {
     fn finished(&self) -> bool {
         self.done.is_some()
@@ -217,7 +233,7 @@ impl Row {
         if ctx.eos.contains(&s.id) {
             self.done = Some(StopReason::Eos);
         } else if !ctx.stops.is_empty() {
-            let text = decode(ctx.tokenizer, &self.ids)?;
+            let text = decode_after(ctx.tokenizer, &self.prompt, &self.ids)?;
             let first = ctx
                 .stops
                 .iter()
@@ -246,7 +262,7 @@ impl Row {
             Some(t) => t,
             None => {
                 let n = self.ids.len() - usize::from(hit_eos);
-                decode(tok, &self.ids[..n])?
+                decode_after(tok, &self.prompt, &self.ids[..n])?
             }
         };
         Ok(Generation {

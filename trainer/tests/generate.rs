@@ -8,6 +8,7 @@ use tokenizers::Tokenizer;
 use xdistill_shared::model::Decoder;
 use xdistill_shared::paths::tokenizer_json;
 use xdistill_trainer::generate::{
+    decode_after,
     generate, generate_no_cache, generate_seeded, GenerateError, Generation, GenerationConfig,
     StopReason,
 };
@@ -370,4 +371,24 @@ fn sampled_logprobs_are_untruncated_tempered_log_softmax() {
             assert!((lp as f64 - want).abs() < 1e-3, "t {t}: {lp} vs {want}");
         }
     }
+}
+
+#[test]
+fn completion_text_keeps_the_space_its_left_context_gives_it() {
+    // Llama 2's SentencePiece decoder drops the leading space of a sequence's first token:
+    // "▁8" alone decodes to "8". After the prompt it is " 8", and that is the text a teacher with
+    // another tokenizer must score.
+    let tok = Tokenizer::from_file(tokenizer_json("llama2")).unwrap();
+    let enc = |s: &str| tok.encode(s, false).unwrap().get_ids().to_vec();
+    let prompt = enc("Q: 47+38=?\nA:");
+    let full = enc("Q: 47+38=?\nA: 7+8=15");
+    assert_eq!(full[..prompt.len()], prompt[..], "the prompt tokenizes the same inside the text");
+    let completion = &full[prompt.len()..];
+    assert_eq!(tok.decode(completion, true).unwrap(), "7+8=15", "decoded alone: space lost");
+    assert_eq!(decode_after(&tok, &prompt, completion).unwrap(), " 7+8=15");
+    // A byte-level tokenizer (Qwen3) decodes the same either way.
+    let q = Tokenizer::from_file(tokenizer_json("qwen3")).unwrap();
+    let qe = |s: &str| q.encode(s, false).unwrap().get_ids().to_vec();
+    let (qp, qf) = (qe("Q: 47+38=?\nA:"), qe("Q: 47+38=?\nA: 7+8=15"));
+    assert_eq!(decode_after(&q, &qp, &qf[qp.len()..]).unwrap(), " 7+8=15");
 }
