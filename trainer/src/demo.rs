@@ -160,7 +160,7 @@ impl DemoSettings {
                 warmup_steps: 10,
             },
             k: 16,
-            kd: "pkl".into(),
+            kd: "first_kl".into(),
             eval_prompts: 100,
             eval_every: 20,
             max_new_tokens: 40,
@@ -944,17 +944,20 @@ stop_strings = ["\n\n", "\nQ:"]
         s.max_new_tokens, s.rollout_temperature
     );
     let methods = [
-        ("sft", "sft", "(a) SFT on the task data", String::new()),
+        ("sft", "sft", "(a) SFT on the task data".to_string(), String::new()),
         (
             "off_policy",
             "off-policy",
-            "(b) off-policy distillation (cross-tokenizer P-KL on the task data)",
+            format!("(b) off-policy distillation (cross-tokenizer {} on the task data)", s.kd),
             String::new(),
         ),
         (
             "on_policy",
             "on-policy",
-            "(c) on-policy distillation (cross-tokenizer P-KL on the student's own samples)",
+            format!(
+                "(c) on-policy distillation (cross-tokenizer {} on the student's own samples)",
+                s.kd
+            ),
             on_policy_extra,
         ),
     ];

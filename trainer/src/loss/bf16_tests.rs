@@ -5,7 +5,7 @@
 use candle_core::{DType, Device, Tensor, Var};
 
 use super::testutil::*;
-use super::xtoken::tests::{fixture, projection, B as XB, TS, VL};
+use super::xtoken::tests::{fixture, projection_with_first, B as XB, TS, VL};
 use super::*;
 
 /// Rounds through bf16 (what the bf16 logits hold).
@@ -103,11 +103,12 @@ fn every_loss_runs_on_bf16_logits() {
     });
     // Cross-tokenizer losses on the hand-made aligned batch.
     let (x, zx) = fixture(4, 1.5);
-    let p = projection();
+    let p = projection_with_first();
     for kd in [
         KdConfig::Pkl {
             anchor: Anchor::First,
         },
+        KdConfig::FirstKl {},
         KdConfig::Gold {
             matched_weight: 1.0,
             unmatched_weight: 0.5,

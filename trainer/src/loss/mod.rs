@@ -22,7 +22,7 @@ pub use alm::alm_loss;
 pub use ce::{combine, cross_entropy, Combined};
 pub use kl::{topk_divergence, Divergence, TopkTargets};
 pub use sampled::{sampled_token_loss, SampledTargets};
-pub use xtoken::{gold_loss, pkl_loss, Projection, XTokenBatch};
+pub use xtoken::{first_kl_loss, gold_loss, pkl_loss, Projection, XTokenBatch};
 
 /// Errors of the loss functions: bad shapes or values in the inputs, a bad config, or candle.
 #[derive(Debug, thiserror::Error)]
@@ -62,7 +62,7 @@ pub type Result<T> = std::result::Result<T, LossError>;
 ///
 /// ```toml
 /// [loss]
-/// kd = { type = "jsd", beta = 0.5 }   # forward_kl | reverse_kl | jsd | sampled_kl | pkl | gold | alm
+/// kd = { type = "jsd", beta = 0.5 }   # forward_kl | reverse_kl | jsd | sampled_kl | pkl | first_kl | gold | alm
 /// tail = "bucket"                     # renormalize | bucket | ignore (top-k losses and pkl)
 /// temperature = 1.0                   # τ: both sides' logits / τ, loss · τ²
 /// kd_weight = 1.0
@@ -114,6 +114,9 @@ pub enum KdConfig {
         #[serde(default)]
         anchor: Anchor,
     },
+    /// Cross-tokenizer forward KL at each chunk's first student position, the teacher's top-k
+    /// grouped by the first student token that spells each entry (with a tail bucket).
+    FirstKl {},
     /// Cross-tokenizer hybrid: KL on exactly mapped one-to-one tokens, sorted-probability L1
     /// (ULD) on the other chunks.
     Gold {
@@ -134,7 +137,10 @@ impl KdConfig {
     pub fn is_cross_tokenizer(&self) -> bool {
         matches!(
             self,
-            KdConfig::Pkl { .. } | KdConfig::Gold { .. } | KdConfig::Alm { .. }
+            KdConfig::Pkl { .. }
+                | KdConfig::FirstKl {}
+                | KdConfig::Gold { .. }
+                | KdConfig::Alm { .. }
         )
     }
 
@@ -278,6 +284,9 @@ pub fn kd_loss(
         (KdConfig::SampledKl {}, KdInputs::Sampled(s)) => {
             sampled_token_loss(student_logits, s, tau, normalizer)
         }
+        (KdConfig::FirstKl {}, KdInputs::XToken { batch, projection }) => {
+            first_kl_loss(student_logits, batch, projection, tau, normalizer)
+        }
         (KdConfig::Pkl { anchor }, KdInputs::XToken { batch, projection }) => pkl_loss(
             student_logits,
             batch,
@@ -370,6 +379,9 @@ mod tests {
 
         let c = parse("[loss]\nkd = { type = \"alm\" }\n").unwrap();
         assert_eq!(c.kd, KdConfig::Alm { tau: 100.0 });
+        assert!(c.kd.is_cross_tokenizer());
+        let c = parse("[loss]\nkd = { type = \"first_kl\" }\n").unwrap();
+        assert_eq!(c.kd, KdConfig::FirstKl {});
         assert!(c.kd.is_cross_tokenizer());
         let c = parse("[loss]\nkd = { type = \"pkl\", anchor = \"last\" }\n").unwrap();
         assert_eq!(

@@ -37,6 +37,9 @@ pub struct Projection {
     exact_teacher: Vec<Option<u32>>,
     /// Teacher id → the lowest student id exactly mapped to it.
     exact_student: Vec<Option<u32>>,
+    /// Teacher id → the first student token of its re-tokenisation by the student (`None`:
+    /// not set, or no student token starts it). Read by [`first_kl_loss`].
+    teacher_first: Vec<Option<u32>>,
 }
 
 impl Projection {
@@ -111,7 +114,35 @@ impl Projection {
             t_weights,
             exact_teacher,
             exact_student,
+            teacher_first: Vec::new(),
         })
+    }
+
+    /// Sets the teacher → first-student-token map (one entry per teacher id; ids checked).
+    pub fn with_teacher_first(mut self, first: Vec<Option<u32>>) -> Result<Self> {
+        if first.len() != self.teacher_vocab {
+            return Err(LossError::input(
+                "projection",
+                format!(
+                    "teacher_first has {} entries for a teacher vocabulary of {}",
+                    first.len(),
+                    self.teacher_vocab
+                ),
+            ));
+        }
+        if let Some(s) = first.iter().flatten().find(|&&s| s as usize >= self.student_vocab) {
+            return Err(LossError::input(
+                "projection",
+                format!("teacher_first: student id {s} out of range"),
+            ));
+        }
+        self.teacher_first = first;
+        Ok(self)
+    }
+
+    /// The first student token of teacher token `u`'s re-tokenisation, if known.
+    pub fn teacher_first(&self, u: usize) -> Option<u32> {
+        self.teacher_first.get(u).copied().flatten()
     }
 
     pub fn student_vocab(&self) -> usize {
@@ -433,6 +464,110 @@ pub fn pkl_loss(
         count: n_units as f64,
         teacher_topk_mass: Some(mean(&l.exp()?.sum(D::Minus1)?)?),
         student_topk_mass: Some(mean(&student_mass)?),
+    };
+    Ok((loss, metrics))
+}
+
+/// First-token KL: forward KL at each chunk's *first* student position, with the teacher's
+/// top-k coarsened to the student's first tokens.
+///
+/// For chunk c, the first teacher position a₀ supplies K and `P_T[u] = e^{L_u}`; every u ∈ K
+/// is spelled by the student starting with token `f(u)` (`Projection::teacher_first`), so the
+/// teacher's mass is grouped by first student token, `P[g] = Σ_{f(u)=g} P_T[u]` (a u with no
+/// first token adds to the tail). The student side is its distribution at the chunk's first
+/// position t₀ (the same context as a₀: the text before the chunk), `p[g] = softmax(z_t₀/τ)[g]`.
+/// `D_c = Σ_g P[g](log P[g] − log p[g]) + T(log T − log S)`, `T = 1 − Σ_g P[g]`,
+/// `S = 1 − Σ_g p[g]` (both floored at 1e-6): a proper (|G|+1)-way KL.
+/// `loss = τ² · Σ_c D_c / N`, N = chunks with both sides (or `normalizer`).
+///
+/// Why: P-KL's W maps a student token only to the teacher tokens that spell it, so a teacher
+/// token longer than every student token (`" carry"` vs `▁car`+`ry`) has no preimage and P-KL
+/// pushes the student away from the right first piece. Here the long token's mass lands on its
+/// first piece. The later student positions of a multi-token chunk get no distillation term.
+pub fn first_kl_loss(
+    student_logits: &Tensor,
+    batch: &XTokenBatch,
+    proj: &Projection,
+    temperature: f64,
+    normalizer: Option<f64>,
+) -> Result<(Tensor, KdMetrics)> {
+    check_normalizer(normalizer)?;
+    check_temperature(temperature)?;
+    if proj.teacher_first.is_empty() {
+        return Err(LossError::input(
+            "projection",
+            "first_kl needs the teacher → student first-token map (Projection::with_teacher_first)"
+                .to_string(),
+        ));
+    }
+    let z = student_view(student_logits, batch, proj.student_vocab())?;
+    let (dt, dev) = (z.dtype(), z.device().clone());
+    batch.check_topk()?;
+    let chunks = batch.chunks()?;
+    if chunks.is_empty() {
+        return zero_loss(dt, &dev);
+    }
+    let (k, ts, vs) = (batch.k, batch.student_len, proj.student_vocab());
+
+    // 1. Host: per chunk, the student row of its first position and the teacher's mass grouped
+    //    by first student token, padded to k (padding: weight 0, mask 0).
+    let (mut rows, mut ids, mut pt, mut mask) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut constant, mut teacher_mass) = (0.0f64, 0.0f64);
+    let mut t_tail = Vec::with_capacity(chunks.len());
+    for c in &chunks {
+        rows.push((c.b * ts + c.student[0]) as u32);
+        let (kids, lps) = batch.topk_row(c.b, c.teacher[0], proj.teacher_vocab())?;
+        let mut groups: Vec<(u32, f64)> = Vec::with_capacity(k);
+        for (&u, &l) in kids.iter().zip(&lps) {
+            if let Some(g) = proj.teacher_first(u as usize) {
+                match groups.iter_mut().find(|(id, _)| *id == g) {
+                    Some(e) => e.1 += (l as f64).exp(),
+                    None => groups.push((g, (l as f64).exp())),
+                }
+            }
+        }
+        let in_groups: f64 = groups.iter().map(|g| g.1).sum();
+        teacher_mass += in_groups;
+        let tail = (1.0 - in_groups).max(TAIL_FLOOR);
+        t_tail.push(tail);
+        constant += groups.iter().map(|(_, p)| p * p.ln()).sum::<f64>() + tail * tail.ln();
+        let pad = groups.first().map(|g| g.0).unwrap_or(0);
+        for j in 0..k {
+            let (g, p, m) = groups.get(j).map(|&(g, p)| (g, p, 1.0)).unwrap_or((pad, 0.0, 0.0));
+            ids.push(g);
+            pt.push(p);
+            mask.push(m);
+        }
+    }
+    let n_units = chunks.len();
+
+    // 2. Device: log p[g] at each chunk's first position, [C, k]; S = Σ_g p[g] over real groups.
+    let rows = Tensor::from_vec(rows, n_units, &dev)?;
+    let zr = z.reshape((batch.batch * ts, vs))?.index_select(&rows, 0)?; // [C, V]
+    let ls = crate::loss::stable::log_softmax_last(&zr.affine(1.0 / temperature, 0.0)?)?
+        .gather(&Tensor::from_vec(ids, (n_units, k), &dev)?, 1)?; // [C, k]
+    let mask = host_tensor(mask, &[n_units, k], dt, &dev)?;
+    let s_mass = (ls.exp()? * &mask)?.sum(D::Minus1)?; // [C]
+    let ls_tail = log1mexp(&s_mass.log()?, TAIL_FLOOR)?;
+    let pt = host_tensor(pt, &[n_units, k], dt, &dev)?;
+    let t_tail = host_tensor(t_tail, &[n_units], dt, &dev)?;
+    // Σ_c [−Σ_g P log p − T log S] + Σ_c [Σ_g P log P + T log T] (the constant, on the host).
+    let cross = ((pt * ls)?.sum(D::Minus1)? + (t_tail * ls_tail)?)?;
+    let n = normalizer.unwrap_or(n_units as f64);
+    let loss = cross
+        .sum_all()?
+        .affine(-1.0, constant)?
+        .affine(temperature * temperature / n, 0.0)?;
+    let metrics = KdMetrics {
+        loss: loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
+        count: n_units as f64,
+        teacher_topk_mass: Some(teacher_mass / n_units as f64),
+        student_topk_mass: Some(
+            s_mass
+                .to_dtype(DType::F64)?
+                .mean_all()?
+                .to_scalar::<f64>()?,
+        ),
     };
     Ok((loss, metrics))
 }

@@ -466,3 +466,118 @@ fn pkl_bucket_penalises_student_mass_outside_the_teacher_top_k() {
     let (b0, b1) = (loss(&low, TailMode::Bucket), loss(&high, TailMode::Bucket));
     assert!(b1 > b0 + 0.1, "bucket: {b0} -> {b1}");
 }
+
+/// Teacher id → first student token for the fixture: ids 3 and 4 share first token 3, id 6 has
+/// none (its mass belongs to the teacher's tail).
+const FIRST: [Option<u32>; VT] = [Some(0), Some(1), Some(2), Some(3), Some(3), Some(5), None];
+
+pub(crate) fn projection_with_first() -> Projection {
+    projection().with_teacher_first(FIRST.to_vec()).unwrap()
+}
+
+/// First-token KL by the definition, in f64 with naive loops.
+fn ref_first_kl(x: &XTokenBatch, zs: &[f64], tau: f64) -> f64 {
+    let chunks = ref_chunks(x);
+    let mut total = 0.0;
+    for (b, s, t) in &chunks {
+        let (ids, l) = teacher_row(x, *b, t[0]);
+        let p = student_probs(zs, *b, s[0], tau);
+        let mut groups: Vec<(usize, f64)> = vec![];
+        for (j, &u) in ids.iter().enumerate() {
+            if let Some(g) = FIRST[u] {
+                let g = g as usize;
+                match groups.iter_mut().find(|e| e.0 == g) {
+                    Some(e) => e.1 += l[j].exp(),
+                    None => groups.push((g, l[j].exp())),
+                }
+            }
+        }
+        let t_tail = (1.0 - groups.iter().map(|e| e.1).sum::<f64>()).max(1e-6);
+        let s_tail = (1.0 - groups.iter().map(|e| p[e.0]).sum::<f64>()).max(1e-6);
+        total += groups
+            .iter()
+            .map(|&(g, pt)| pt * (pt.ln() - p[g].ln()))
+            .sum::<f64>()
+            + t_tail * (t_tail.ln() - s_tail.ln());
+    }
+    tau * tau * total / chunks.len() as f64
+}
+
+#[test]
+fn first_kl_matches_reference_and_finite_differences() {
+    let p = projection_with_first();
+    for (seed, tau) in [(2, 1.0), (3, 2.0), (8, 0.7)] {
+        let (x, zs) = fixture(seed, tau);
+        let want = ref_first_kl(&x, &zs, tau);
+        assert!(want > 0.0, "a proper KL of two different distributions");
+        for (dtype, tol) in [(DType::F64, 1e-9), (DType::F32, 2e-5)] {
+            let (l, m) =
+                first_kl_loss(&tensor(&zs, &[B, TS, VL], dtype), &x, &p, tau, None).unwrap();
+            assert!(
+                (scalar(&l) - want).abs() < tol * want.abs().max(1e-3),
+                "{dtype:?} τ={tau}: {} vs {want}",
+                scalar(&l)
+            );
+            assert_eq!(m.count, ref_chunks(&x).len() as f64);
+        }
+        let v = var(&zs, &[B, TS, VL]);
+        let (l, _) = first_kl_loss(v.as_tensor(), &x, &p, tau, None).unwrap();
+        let g = flat(l.backward().unwrap().get(v.as_tensor()).unwrap());
+        let fd = numeric_grad(&zs, 1e-5, |z| ref_first_kl(&x, z, tau));
+        assert_close(&g, &fd, 1e-7, "first_kl grad");
+        // Only each chunk's first student position gets a gradient, never the padded column.
+        let firsts: Vec<usize> = ref_chunks(&x).iter().map(|(b, s, _)| b * TS + s[0]).collect();
+        for r in 0..B * TS {
+            let row = &g[r * VL..(r + 1) * VL];
+            assert_eq!(row[VS], 0.0);
+            if !firsts.contains(&r) {
+                assert!(row.iter().all(|&v| v == 0.0), "row {r} is not a chunk's first");
+            }
+        }
+    }
+}
+
+#[test]
+fn first_kl_rewards_the_first_piece_of_a_long_teacher_token() {
+    // One chunk, teacher certain of id 4, a token no student token spells (W's column 4 only
+    // holds partial weights) but whose re-tokenisation starts with student token 3. First-token
+    // KL is lowest when the student puts its mass on 3.
+    let (mut x, _) = fixture(9, 1.0);
+    for (i, (id, lp)) in x
+        .teacher_topk_ids
+        .iter_mut()
+        .zip(x.teacher_topk_logprobs.iter_mut())
+        .enumerate()
+    {
+        (*id, *lp) = match i % K {
+            0 => (4, (0.98f32).ln()),
+            1 => (0, (0.01f32).ln()),
+            _ => (1, (0.005f32).ln()),
+        };
+    }
+    let p = projection_with_first();
+    let loss_with_peak_on = |s: usize| {
+        let mut z = vec![0.0; B * TS * VL];
+        for r in 0..B * TS {
+            z[r * VL + s] = 8.0;
+        }
+        scalar(
+            &first_kl_loss(&tensor(&z, &[B, TS, VL], DType::F64), &x, &p, 1.0, None)
+                .unwrap()
+                .0,
+        )
+    };
+    let on_first_piece = loss_with_peak_on(3);
+    for other in [0, 1, 2, 4, 5, 6, 7, 8] {
+        assert!(
+            on_first_piece < loss_with_peak_on(other),
+            "peak on 3: {on_first_piece}, on {other}: {}",
+            loss_with_peak_on(other)
+        );
+    }
+    // Without the first-token map the loss refuses to run rather than guess.
+    let (x2, zs) = fixture(2, 1.0);
+    assert!(first_kl_loss(&tensor(&zs, &[B, TS, VL], DType::F64), &x2, &projection(), 1.0, None).is_err());
+    assert!(projection().with_teacher_first(vec![None; VT - 1]).is_err());
+    assert!(projection().with_teacher_first(vec![Some(VS as u32); VT]).is_err());
+}

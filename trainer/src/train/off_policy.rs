@@ -112,7 +112,11 @@ pub fn setup(cfg: Config) -> Result<Setup> {
                 &indptr,
                 &s2t.indices,
                 &s2t.weights,
-            )?;
+            )?
+            .with_teacher_first(teacher_first_tokens(
+                &p.teacher_to_student,
+                info.vocab_size,
+            ))?;
             let student = AlignTokenizer::from_file(&student_tok)?;
             let teacher = AlignTokenizer::from_file(&teacher_tok)?;
             (Tokenization::Cross { student, teacher }, Some(lp))
@@ -396,4 +400,20 @@ pub fn train(s: &Setup, resume: bool, stop_after: Option<u64>) -> Result<Summary
 
 fn batcher_position_unknown() -> data::DataPosition {
     data::DataPosition::default()
+}
+
+/// Teacher id → the first student token of its re-tokenisation (the first entry of its
+/// teacher→student row, which lists the pieces in order); `None` for empty rows and for ids past
+/// the map (a padded teacher vocabulary).
+fn teacher_first_tokens(
+    t2s: &crate::projection::Csr,
+    teacher_vocab: usize,
+) -> Vec<Option<u32>> {
+    (0..teacher_vocab)
+        .map(|u| {
+            (u < t2s.rows())
+                .then(|| t2s.row(u).0.first().copied())
+                .flatten()
+        })
+        .collect()
 }
