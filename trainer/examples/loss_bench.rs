@@ -145,8 +145,8 @@ fn main() -> Result<()> {
         teacher_topk_logprobs: lps.clone(),
         teacher_target_logprobs: (0..b * t).map(|_| -rng.random_range(0.0..3.0f32)).collect(),
     };
-    time("pkl (anchor first)", a.repeats, || {
-        Ok(pkl_loss(z, &x, &proj, Anchor::First, 1.0, None)?.0)
+    time("pkl (anchor first, tail bucket)", a.repeats, || {
+        Ok(pkl_loss(z, &x, &proj, Anchor::First, TailMode::Bucket, 1.0, None)?.0)
     })?;
     time("gold", a.repeats, || {
         Ok(gold_loss(z, &x, &proj, 1.0, 1.0, 1.0, None)?.0)

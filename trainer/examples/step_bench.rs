@@ -291,7 +291,7 @@ fn main() -> Result<()> {
     write_batch(&batch, a.len, a.k, &batch_path)?;
     let cfg = LossConfig {
         kd: KdConfig::ForwardKl {},
-        tail: TailMode::Bucket,
+        tail: Some(TailMode::Bucket),
         temperature: 1.0,
         kd_weight: 1.0,
         ce: CeConfig::Weight { weight: 0.1 },

@@ -492,6 +492,33 @@ progress_bar = true
     )
 }
 
+/// `trainer sft` from `init` on `train` with `dir/sft.toml` (written here), checkpoints and the
+/// final model under `dir/run/`; returns the trainer's JSON summary.
+fn sft_run(
+    dir: &Path,
+    init: &Path,
+    train: &Path,
+    t: &TrainSpec,
+    seed: u64,
+    k: usize,
+) -> Result<serde_json::Value> {
+    let cfg = dir.join("sft.toml");
+    // `trainer sft` needs no teacher; the shared config validation wants a URL.
+    let text = config_text(
+        init,
+        train,
+        &dir.join("run"),
+        t,
+        "http://unused.invalid",
+        "",
+        t.steps,
+        seed,
+        k,
+    );
+    std::fs::write(&cfg, text).with_context(|| format!("writing {}", cfg.display()))?;
+    run_trainer("sft", &cfg, &[])
+}
+
 /// Writes the task files: the standard splits plus `train_demo.jsonl` / `test_demo.jsonl`, whose
 /// completions end with the blank line every method learns to stop at.
 fn write_task(dir: &Path, cfg: &TaskConfig) -> Result<(PathBuf, PathBuf)> {
@@ -705,6 +732,12 @@ pub fn svg(curves: &[(&str, &[(u64, f64)])], teacher_acc: f64, budget: u64) -> S
         t = y(teacher_acc)
     );
     let colors = ["#1f77b4", "#ff7f0e", "#2ca02c"];
+    // The legend sits in the right margin, in the half the teacher's label is not in.
+    let legend_top = if y(teacher_acc) < top + ph / 2.0 {
+        top + ph / 2.0
+    } else {
+        top + 20.0
+    };
     for (i, (name, c)) in curves.iter().enumerate() {
         let pts: Vec<String> = c
             .iter()
@@ -716,7 +749,7 @@ pub fn svg(curves: &[(&str, &[(u64, f64)])], teacher_acc: f64, budget: u64) -> S
              <text x=\"{}\" y=\"{}\" fill=\"{color}\">{name}</text>\n",
             pts.join(" "),
             l + pw + 8.0,
-            top + 20.0 + 16.0 * i as f64
+            legend_top + 16.0 * i as f64
         );
     }
     o + "</svg>\n"
@@ -808,22 +841,7 @@ pub fn run_with(
         }
         let init = tdir.join("init");
         init_model(&s.teacher, &init)?;
-        let cfg = tdir.join("sft.toml");
-        std::fs::write(
-            &cfg,
-            config_text(
-                &init,
-                &train,
-                &tdir.join("run"),
-                &s.teacher_training,
-                "http://unused.invalid",
-                "",
-                s.teacher_training.steps,
-                s.task.seed,
-                s.k,
-            ),
-        )?;
-        let r = run_trainer("sft", &cfg, &[])?;
+        let r = sft_run(&tdir, &init, &train, &s.teacher_training, s.task.seed, s.k)?;
         let acc = accuracy(&teacher_model, &eval_records, s.max_new_tokens)?;
         let row = Row {
             accuracy: acc,
@@ -858,26 +876,12 @@ pub fn run_with(
     } else {
         let dir = out.join("student_warmup");
         std::fs::create_dir_all(&dir)?;
-        let cfg = dir.join("sft.toml");
-        std::fs::write(
-            &cfg,
-            config_text(
-                &student_random,
-                &train,
-                &dir.join("run"),
-                &s.student_warmup,
-                "http://unused.invalid",
-                "",
-                s.student_warmup.steps,
-                s.task.seed ^ 0x5717,
-                s.k,
-            ),
-        )?;
         eprintln!(
             "   warm-up: {} SFT steps from the random init (the common starting point)",
             s.student_warmup.steps
         );
-        warmup = run_trainer("sft", &cfg, &[])?;
+        let seed = s.task.seed ^ 0x5717;
+        warmup = sft_run(&dir, &student_random, &train, &s.student_warmup, seed, s.k)?;
         dir.join("run").join("final")
     };
     let runs = out.join("runs");
@@ -944,11 +948,19 @@ stop_strings = ["\n\n", "\nQ:"]
         s.max_new_tokens, s.rollout_temperature
     );
     let methods = [
-        ("sft", "sft", "(a) SFT on the task data".to_string(), String::new()),
+        (
+            "sft",
+            "sft",
+            "(a) SFT on the task data".to_string(),
+            String::new(),
+        ),
         (
             "off_policy",
             "off-policy",
-            format!("(b) off-policy distillation (cross-tokenizer {} on the task data)", s.kd),
+            format!(
+                "(b) off-policy distillation (cross-tokenizer {} on the task data)",
+                s.kd
+            ),
             String::new(),
         ),
         (

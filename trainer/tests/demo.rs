@@ -60,7 +60,12 @@ fn fast_demo_end_to_end() {
         summary["student_init"]["steps"].as_u64(),
         summary["settings"]["student_warmup"]["steps"].as_u64()
     );
-    assert!(summary["settings"]["student_warmup"]["steps"].as_u64().unwrap() > 0);
+    assert!(
+        summary["settings"]["student_warmup"]["steps"]
+            .as_u64()
+            .unwrap()
+            > 0
+    );
     assert!(out.join("student_warmup/run/final/config.json").is_file());
     for name in ["sft", "off_policy", "on_policy"] {
         let row = &summary[name];

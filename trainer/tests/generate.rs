@@ -8,9 +8,8 @@ use tokenizers::Tokenizer;
 use xdistill_shared::model::Decoder;
 use xdistill_shared::paths::tokenizer_json;
 use xdistill_trainer::generate::{
-    decode_after,
-    generate, generate_no_cache, generate_seeded, GenerateError, Generation, GenerationConfig,
-    StopReason,
+    decode_after, generate, generate_no_cache, generate_seeded, GenerateError, Generation,
+    GenerationConfig, StopReason,
 };
 
 /// The fast fixture: a tiny qwen3 over the 257-token byte tokenizer.
@@ -382,9 +381,17 @@ fn completion_text_keeps_the_space_its_left_context_gives_it() {
     let enc = |s: &str| tok.encode(s, false).unwrap().get_ids().to_vec();
     let prompt = enc("Q: 47+38=?\nA:");
     let full = enc("Q: 47+38=?\nA: 7+8=15");
-    assert_eq!(full[..prompt.len()], prompt[..], "the prompt tokenizes the same inside the text");
+    assert_eq!(
+        full[..prompt.len()],
+        prompt[..],
+        "the prompt tokenizes the same inside the text"
+    );
     let completion = &full[prompt.len()..];
-    assert_eq!(tok.decode(completion, true).unwrap(), "7+8=15", "decoded alone: space lost");
+    assert_eq!(
+        tok.decode(completion, true).unwrap(),
+        "7+8=15",
+        "decoded alone: space lost"
+    );
     assert_eq!(decode_after(&tok, &prompt, completion).unwrap(), " 7+8=15");
     // A byte-level tokenizer (Qwen3) decodes the same either way.
     let q = Tokenizer::from_file(tokenizer_json("qwen3")).unwrap();

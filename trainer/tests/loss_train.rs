@@ -77,7 +77,7 @@ fn gradients_reach_every_parameter_and_training_lowers_the_loss() {
 
     let loss_cfg = LossConfig {
         kd: KdConfig::Jsd { beta: 0.5 },
-        tail: TailMode::Bucket,
+        tail: Some(TailMode::Bucket),
         temperature: 1.0,
         kd_weight: 1.0,
         ce: CeConfig::Weight { weight: 0.1 },
@@ -155,7 +155,7 @@ fn kd_loss_refuses_inputs_of_the_wrong_kind() {
     let targets = TopkTargets::from_host(1, 1, 1, &[0], &[-0.1], &[1.0], V, &dev).unwrap();
     let cfg = LossConfig {
         kd: KdConfig::Alm { tau: 100.0 },
-        tail: TailMode::Bucket,
+        tail: Some(TailMode::Bucket),
         temperature: 1.0,
         kd_weight: 1.0,
         ce: CeConfig::None {},

@@ -134,7 +134,10 @@ fn cross_tokenizer_on_policy_runs_end_to_end() {
     for line in metrics.lines().filter(|l| l.contains("\"on_policy\":1.0")) {
         let v: serde_json::Value = serde_json::from_str(line).unwrap();
         let lp = v["loss_parts"]["student_logprob"].as_f64().unwrap();
-        assert!(lp < -1.0 && lp.is_finite(), "student_logprob {lp} in {line}");
+        assert!(
+            lp < -1.0 && lp.is_finite(),
+            "student_logprob {lp} in {line}"
+        );
     }
     assert!(out.join("final").join("model.safetensors").is_file());
 }

@@ -40,7 +40,7 @@ fn check(what: &str, zs: &[f64], shape: &[usize], f: impl Fn(&Tensor) -> Tensor)
 fn config(kd: KdConfig) -> LossConfig {
     LossConfig {
         kd,
-        tail: TailMode::Bucket,
+        tail: Some(TailMode::Bucket),
         temperature: 1.5,
         kd_weight: 1.0,
         ce: CeConfig::None {},

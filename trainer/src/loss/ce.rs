@@ -120,7 +120,7 @@ mod tests {
     fn cfg(ce: CeConfig, kd_weight: f64) -> LossConfig {
         LossConfig {
             kd: KdConfig::ForwardKl {},
-            tail: Default::default(),
+            tail: None,
             temperature: 1.0,
             kd_weight,
             ce,

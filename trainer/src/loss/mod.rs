@@ -73,10 +73,10 @@ pub type Result<T> = std::result::Result<T, LossError>;
 pub struct LossConfig {
     /// Which distillation loss.
     pub kd: KdConfig,
-    /// What to do with the probability mass outside the teacher's top-k (the same-tokenizer
-    /// top-k losses and P-KL; `renormalize` gives NeMo's P-KL exactly).
+    /// What to do with the probability mass outside the teacher's top-k. Unset: `bucket` for
+    /// the same-tokenizer top-k losses, `renormalize` (NeMo's exact form) for P-KL.
     #[serde(default)]
-    pub tail: TailMode,
+    pub tail: Option<TailMode>,
     /// Distillation temperature τ. The teacher must be queried with the same `temperature`.
     #[serde(default = "one")]
     pub temperature: f64,
@@ -151,13 +151,12 @@ impl KdConfig {
 }
 
 /// Mass outside the teacher's top-k set K (same-tokenizer top-k losses and P-KL).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum TailMode {
     /// Renormalise both sides over K (a k-way distribution).
     Renormalize,
     /// Add one bucket `log(1 − Σ_K p)` on both sides (a (k+1)-way distribution).
-    #[default]
     Bucket,
     /// NeMo's `zero_outside_topk`: teacher values as given, student full-vocab log-probs gathered
     /// at K, no renormalisation. Kept for comparison; unstable for reverse KL.
@@ -279,7 +278,8 @@ pub fn kd_loss(
             let div = config
                 .divergence()
                 .ok_or_else(|| LossError::config("kd", "not a top-k loss"))?;
-            topk_divergence(student_logits, t, div, config.tail, tau, normalizer)
+            let tail = config.tail.unwrap_or(TailMode::Bucket);
+            topk_divergence(student_logits, t, div, tail, tau, normalizer)
         }
         (KdConfig::SampledKl {}, KdInputs::Sampled(s)) => {
             sampled_token_loss(student_logits, s, tau, normalizer)
@@ -292,7 +292,7 @@ pub fn kd_loss(
             batch,
             projection,
             *anchor,
-            config.tail,
+            config.tail.unwrap_or(TailMode::Renormalize),
             tau,
             normalizer,
         ),
@@ -364,7 +364,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!(c.kd, KdConfig::Jsd { beta: 0.25 });
-        assert_eq!(c.tail, TailMode::Renormalize);
+        assert_eq!(c.tail, Some(TailMode::Renormalize));
         assert_eq!(c.temperature, 2.0);
         assert_eq!(c.kd_weight, 1.0);
         assert_eq!(c.ce, CeConfig::Weight { weight: 0.1 });
@@ -373,7 +373,7 @@ mod tests {
         let c =
             parse("[loss]\nkd = { type = \"forward_kl\" }\nce = { type = \"dynamic\" }\n").unwrap();
         assert_eq!(c.kd, KdConfig::ForwardKl {});
-        assert_eq!(c.tail, TailMode::Bucket);
+        assert_eq!(c.tail, None, "unset: each loss picks its default");
         assert_eq!(c.ce, CeConfig::Dynamic {});
         assert_eq!(c.divergence(), Some(Divergence::Forward));
 

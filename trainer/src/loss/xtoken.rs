@@ -130,7 +130,11 @@ impl Projection {
                 ),
             ));
         }
-        if let Some(s) = first.iter().flatten().find(|&&s| s as usize >= self.student_vocab) {
+        if let Some(s) = first
+            .iter()
+            .flatten()
+            .find(|&&s| s as usize >= self.student_vocab)
+        {
             return Err(LossError::input(
                 "projection",
                 format!("teacher_first: student id {s} out of range"),
@@ -367,6 +371,18 @@ fn zero_loss(dt: DType, dev: &Device) -> Result<(Tensor, KdMetrics)> {
     Ok((Tensor::zeros((), dt, dev)?, KdMetrics::default()))
 }
 
+/// The common start of the top-k chunk losses: the checked student logits `[B, Ts, Vs]` in the
+/// compute dtype, and the chunks with both sides (after checking the top-k buffers).
+fn view_and_chunks(
+    student_logits: &Tensor,
+    batch: &XTokenBatch,
+    proj: &Projection,
+) -> Result<(Tensor, Vec<Chunk>)> {
+    let z = student_view(student_logits, batch, proj.student_vocab())?;
+    batch.check_topk()?;
+    Ok((z, batch.chunks()?))
+}
+
 /// Chunk-level projected KL (NeMo's P-KL) over the teacher top-k set K of each chunk.
 ///
 /// For a chunk c with student positions S_c and teacher positions T_c, the anchor teacher
@@ -394,10 +410,8 @@ pub fn pkl_loss(
 ) -> Result<(Tensor, KdMetrics)> {
     check_normalizer(normalizer)?;
     check_temperature(temperature)?;
-    let z = student_view(student_logits, batch, proj.student_vocab())?;
+    let (z, chunks) = view_and_chunks(student_logits, batch, proj)?;
     let (dt, dev) = (z.dtype(), z.device().clone());
-    batch.check_topk()?;
-    let chunks = batch.chunks()?;
     if chunks.is_empty() {
         return zero_loss(dt, &dev);
     }
@@ -500,10 +514,8 @@ pub fn first_kl_loss(
                 .to_string(),
         ));
     }
-    let z = student_view(student_logits, batch, proj.student_vocab())?;
+    let (z, chunks) = view_and_chunks(student_logits, batch, proj)?;
     let (dt, dev) = (z.dtype(), z.device().clone());
-    batch.check_topk()?;
-    let chunks = batch.chunks()?;
     if chunks.is_empty() {
         return zero_loss(dt, &dev);
     }
@@ -533,7 +545,10 @@ pub fn first_kl_loss(
         constant += groups.iter().map(|(_, p)| p * p.ln()).sum::<f64>() + tail * tail.ln();
         let pad = groups.first().map(|g| g.0).unwrap_or(0);
         for j in 0..k {
-            let (g, p, m) = groups.get(j).map(|&(g, p)| (g, p, 1.0)).unwrap_or((pad, 0.0, 0.0));
+            let (g, p, m) = groups
+                .get(j)
+                .map(|&(g, p)| (g, p, 1.0))
+                .unwrap_or((pad, 0.0, 0.0));
             ids.push(g);
             pt.push(p);
             mask.push(m);

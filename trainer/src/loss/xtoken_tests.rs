@@ -155,7 +155,11 @@ fn ref_pkl(x: &XTokenBatch, zs: &[f64], anchor: Anchor, tail: TailMode, tau: f64
             }
         }
         let qs: f64 = q.iter().sum();
-        let norm = if tail == TailMode::Renormalize { qs } else { 1.0 };
+        let norm = if tail == TailMode::Renormalize {
+            qs
+        } else {
+            1.0
+        };
         total += (0..K)
             .map(|j| l[j].exp() * (l[j] - (q[j] / norm).ln()))
             .sum::<f64>();
@@ -263,8 +267,16 @@ fn pkl_matches_reference_and_finite_differences() {
         let want = ref_pkl(&x, &zs, anchor, tail, tau);
         let p = projection();
         for (dtype, tol) in [(DType::F64, 1e-8), (DType::F32, 2e-5)] {
-            let (l, m) =
-                pkl_loss(&tensor(&zs, &[B, TS, VL], dtype), &x, &p, anchor, tail, tau, None).unwrap();
+            let (l, m) = pkl_loss(
+                &tensor(&zs, &[B, TS, VL], dtype),
+                &x,
+                &p,
+                anchor,
+                tail,
+                tau,
+                None,
+            )
+            .unwrap();
             assert!(
                 (scalar(&l) - want).abs() < tol * want.abs().max(1e-3),
                 "{anchor:?} {tail:?} {dtype:?}: {} vs {want}",
@@ -377,9 +389,17 @@ fn normalizer_splits_into_micro_batches() {
             DType::F64,
         );
         sum += scalar(
-            &pkl_loss(&z, &part, &p, Anchor::First, TailMode::Bucket, 1.0, Some(6.0))
-                .unwrap()
-                .0,
+            &pkl_loss(
+                &z,
+                &part,
+                &p,
+                Anchor::First,
+                TailMode::Bucket,
+                1.0,
+                Some(6.0),
+            )
+            .unwrap()
+            .0,
         );
     }
     assert!((sum - full).abs() < 1e-10, "{sum} vs {full}");
@@ -526,12 +546,18 @@ fn first_kl_matches_reference_and_finite_differences() {
         let fd = numeric_grad(&zs, 1e-5, |z| ref_first_kl(&x, z, tau));
         assert_close(&g, &fd, 1e-7, "first_kl grad");
         // Only each chunk's first student position gets a gradient, never the padded column.
-        let firsts: Vec<usize> = ref_chunks(&x).iter().map(|(b, s, _)| b * TS + s[0]).collect();
+        let firsts: Vec<usize> = ref_chunks(&x)
+            .iter()
+            .map(|(b, s, _)| b * TS + s[0])
+            .collect();
         for r in 0..B * TS {
             let row = &g[r * VL..(r + 1) * VL];
             assert_eq!(row[VS], 0.0);
             if !firsts.contains(&r) {
-                assert!(row.iter().all(|&v| v == 0.0), "row {r} is not a chunk's first");
+                assert!(
+                    row.iter().all(|&v| v == 0.0),
+                    "row {r} is not a chunk's first"
+                );
             }
         }
     }
@@ -577,7 +603,16 @@ fn first_kl_rewards_the_first_piece_of_a_long_teacher_token() {
     }
     // Without the first-token map the loss refuses to run rather than guess.
     let (x2, zs) = fixture(2, 1.0);
-    assert!(first_kl_loss(&tensor(&zs, &[B, TS, VL], DType::F64), &x2, &projection(), 1.0, None).is_err());
+    assert!(first_kl_loss(
+        &tensor(&zs, &[B, TS, VL], DType::F64),
+        &x2,
+        &projection(),
+        1.0,
+        None
+    )
+    .is_err());
     assert!(projection().with_teacher_first(vec![None; VT - 1]).is_err());
-    assert!(projection().with_teacher_first(vec![Some(VS as u32); VT]).is_err());
+    assert!(projection()
+        .with_teacher_first(vec![Some(VS as u32); VT])
+        .is_err());
 }

@@ -113,10 +113,7 @@ pub fn setup(cfg: Config) -> Result<Setup> {
                 &s2t.indices,
                 &s2t.weights,
             )?
-            .with_teacher_first(teacher_first_tokens(
-                &p.teacher_to_student,
-                info.vocab_size,
-            ))?;
+            .with_teacher_first(teacher_first_tokens(&p.teacher_to_student, info.vocab_size))?;
             let student = AlignTokenizer::from_file(&student_tok)?;
             let teacher = AlignTokenizer::from_file(&teacher_tok)?;
             (Tokenization::Cross { student, teacher }, Some(lp))
@@ -405,10 +402,7 @@ fn batcher_position_unknown() -> data::DataPosition {
 /// Teacher id → the first student token of its re-tokenisation (the first entry of its
 /// teacher→student row, which lists the pieces in order); `None` for empty rows and for ids past
 /// the map (a padded teacher vocabulary).
-fn teacher_first_tokens(
-    t2s: &crate::projection::Csr,
-    teacher_vocab: usize,
-) -> Vec<Option<u32>> {
+fn teacher_first_tokens(t2s: &crate::projection::Csr, teacher_vocab: usize) -> Vec<Option<u32>> {
     (0..teacher_vocab)
         .map(|u| {
             (u < t2s.rows())

@@ -352,7 +352,10 @@ pub fn validation_sums(
 ) -> Result<ValSums> {
     let ones_cfg = |kd: crate::loss::KdConfig| LossConfig {
         kd,
-        tail: TailMode::Bucket,
+        // Same tokenizer: a tail bucket; P-KL: NeMo's renormalised form, whose validation
+        // figures are comparable with theirs (the bucket adds a floor wherever K holds a teacher
+        // token no student token spells, docs/losses.md).
+        tail: None,
         temperature,
         kd_weight: 1.0,
         ce: CeConfig::None {},
