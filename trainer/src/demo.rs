@@ -165,7 +165,7 @@ impl DemoSettings {
             eval_every: 20,
             max_new_tokens: 40,
             kl_records: 32,
-            rollout_temperature: 1.0,
+            rollout_temperature: 0.5,
         }
     }
 
