@@ -533,8 +533,8 @@ pub fn first_kl_loss(
         for (&u, &l) in kids.iter().zip(&lps) {
             if let Some(g) = proj.teacher_first(u as usize) {
                 match groups.iter_mut().find(|(id, _)| *id == g) {
-                    Some(e) => e.1 += (l as f64).exp(),
-                    None => groups.push((g, (l as f64).exp())),
+                    Some(e) => e.1 += l.exp(),
+                    None => groups.push((g, l.exp())),
                 }
             }
         }

@@ -88,6 +88,24 @@ impl SampleStats {
     fn mean_student_lp(&self) -> f64 {
         self.student_lp / self.student_tokens.max(1.0)
     }
+    /// Same tokenizer: both sides' log-probs of each completion token.
+    fn add_same(&mut self, samples: &[Sample], scores: &[SequenceScores]) {
+        for (x, sc) in samples.iter().zip(scores) {
+            for (j, p) in (x.completion_from - 1..x.ids.len() - 1).enumerate() {
+                self.teacher_lp += sc.target_logprobs[p] as f64;
+                self.student_lp += x.old_lp[j] as f64;
+                self.student_tokens += 1.0;
+                self.tokens += 1.0;
+            }
+        }
+    }
+    /// The teacher's log-probs of the scored text (cross tokenizer: per teacher token).
+    fn add_teacher_scores<'a>(&mut self, scores: impl IntoIterator<Item = &'a SequenceScores>) {
+        for sc in scores {
+            self.teacher_lp += sc.target_logprobs.iter().map(|&x| x as f64).sum::<f64>();
+            self.tokens += sc.rows as f64;
+        }
+    }
     /// The student's own log-probs of its samples (cross tokenizer: the teacher side counts
     /// teacher tokens, so the student side is taken from the generations).
     fn add_student_lps(&mut self, gens: &[Generation]) {
@@ -276,14 +294,7 @@ fn validate(s: &Setup, student: &Student, val: &[Record]) -> Result<Option<(f64,
     match s.tokenization.as_ref() {
         Tokenization::Same(_) => {
             let (samples, scores) = score_same(s, &gens)?;
-            for (x, sc) in samples.iter().zip(&scores) {
-                for (j, p) in (x.completion_from - 1..x.ids.len() - 1).enumerate() {
-                    st.teacher_lp += sc.target_logprobs[p] as f64;
-                    st.student_lp += x.old_lp[j] as f64;
-                    st.student_tokens += 1.0;
-                    st.tokens += 1.0;
-                }
-            }
+            st.add_same(&samples, &scores);
             Ok(Some((st.reverse_kl(), st)))
         }
         Tokenization::Cross { .. } => {
@@ -295,11 +306,7 @@ fn validate(s: &Setup, student: &Student, val: &[Record]) -> Result<Option<(f64,
             let req = request_of(s, &items);
             let resp = s.client.topk(&req)?;
             let scores: Vec<&SequenceScores> = resp.results.iter().collect();
-            for (it, sc) in items.iter().zip(&scores) {
-                st.teacher_lp += sc.target_logprobs.iter().map(|&x| x as f64).sum::<f64>();
-                st.tokens += sc.rows as f64;
-                let _ = it;
-            }
+            st.add_teacher_scores(scores.iter().copied());
             let v = validation_sums(
                 student.model(),
                 &items,
@@ -439,15 +446,8 @@ pub fn train(s: &Setup, resume: bool, stop_after: Option<u64>) -> Result<Summary
                 (Tokenization::Same(_), kd) => {
                     let (samples, scores) = score_same(s, &gens)?;
                     score_s = t1.elapsed().as_secs_f64();
-                    for (x, sc) in samples.iter().zip(&scores) {
-                        for (j, p) in (x.completion_from - 1..x.ids.len() - 1).enumerate() {
-                            stats.teacher_lp += sc.target_logprobs[p] as f64;
-                            stats.student_lp += x.old_lp[j] as f64;
-                            stats.student_tokens += 1.0;
-                            stats.tokens += 1.0;
-                        }
-                        tokens += x.ids.len() as u64;
-                    }
+                    stats.add_same(&samples, &scores);
+                    tokens += samples.iter().map(|x| x.ids.len() as u64).sum::<u64>();
                     let refs: Vec<&SequenceScores> = scores.iter().collect();
                     if matches!(kd, KdConfig::SampledKl {}) {
                         norm.kd = stats.tokens;
@@ -501,11 +501,7 @@ pub fn train(s: &Setup, resume: bool, stop_after: Option<u64>) -> Result<Summary
                         let resp = s.client.topk(&request_of(s, &items))?;
                         score_s = t1.elapsed().as_secs_f64();
                         let refs: Vec<&SequenceScores> = resp.results.iter().collect();
-                        for sc in &refs {
-                            stats.teacher_lp +=
-                                sc.target_logprobs.iter().map(|&x| x as f64).sum::<f64>();
-                            stats.tokens += sc.rows as f64;
-                        }
+                        stats.add_teacher_scores(refs.iter().copied());
                         norm = units(&items);
                         tokens = items.iter().map(|i| i.teacher_ids().len() as u64).sum();
                         kd_sum += accumulate(

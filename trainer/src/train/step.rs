@@ -2,7 +2,7 @@
 //! (+ cross-entropy), as one scalar to call `backward` on.
 
 use super::prepare::Item;
-use crate::collate::{pad_batch, Encoded};
+use crate::collate::{pad_batch, Encoded, TokenBatch};
 use crate::loss::{
     combine, cross_entropy, kd_loss, kl::Divergence, topk_divergence, CeConfig, KdInputs,
     KdMetrics, LossConfig, Projection, TailMode, TopkTargets, XTokenBatch,
@@ -360,6 +360,19 @@ pub fn validation_sums(
         kd_weight: 1.0,
         ce: CeConfig::None {},
     };
+    // Mean KL (τ² removed) and the student's CE of one micro-batch, as sums with their counts.
+    let sums = |kl: &Tensor, units: f64, logits: &Tensor, tb: &TokenBatch| -> Result<ValSums> {
+        let (ce, n) = cross_entropy(logits, &tb.targets, &tb.mask, None)?;
+        let kl =
+            kl.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()? / (temperature * temperature);
+        let ce = ce.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
+        Ok(ValSums {
+            kl: kl * units,
+            kl_units: units,
+            ce: ce * n,
+            ce_tokens: n,
+        })
+    };
     match &items[0] {
         Item::Same(_) => {
             let enc: Vec<Encoded> = items
@@ -397,16 +410,7 @@ pub fn validation_sums(
                 temperature,
                 None,
             )?;
-            let (ce, n) = cross_entropy(&logits, &tb.targets, &tb.mask, None)?;
-            let kl = kl.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?
-                / (temperature * temperature);
-            let ce = ce.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
-            Ok(ValSums {
-                kl: kl * m.count,
-                kl_units: m.count,
-                ce: ce * n,
-                ce_tokens: n,
-            })
+            sums(&kl, m.count, &logits, &tb)
         }
         Item::Cross { .. } => {
             let proj = projection.context("cross-tokenizer validation without a projection map")?;
@@ -425,16 +429,7 @@ pub fn validation_sums(
                 },
                 None,
             )?;
-            let (ce, n) = cross_entropy(&logits, &tb.targets, &tb.mask, None)?;
-            let kl = kl.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?
-                / (temperature * temperature);
-            let ce = ce.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
-            Ok(ValSums {
-                kl: kl * m.count,
-                kl_units: m.count,
-                ce: ce * n,
-                ce_tokens: n,
-            })
+            sums(&kl, m.count, &logits, &tb)
         }
     }
 }
