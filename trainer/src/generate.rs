@@ -187,6 +187,8 @@ struct Row {
     done: Option<StopReason>,
     text: Option<String>,
     matched_stop: Option<String>,
+    /// `decode(prompt)`, filled on first use.
+    prompt_text: Option<String>,
 }
 
 /// Settings shared by every row of one call.
@@ -212,9 +214,18 @@ fn decode(tok: &Tokenizer, ids: &[u32]) -> Result<String, GenerateError> {
 /// `A: 8` the student produced. Falls back to the plain decode if the prompt's text is not a
 /// prefix (a normaliser that rewrites across the join).
 pub fn decode_after(tok: &Tokenizer, prompt: &[u32], ids: &[u32]) -> Result<String, GenerateError> {
-    let head = decode(tok, prompt)?;
+    decode_after_head(tok, &decode(tok, prompt)?, prompt, ids)
+}
+
+/// [`decode_after`] with `head = decode(prompt)` already known (a row decodes its prompt once).
+fn decode_after_head(
+    tok: &Tokenizer,
+    head: &str,
+    prompt: &[u32],
+    ids: &[u32],
+) -> Result<String, GenerateError> {
     let full = decode(tok, &[prompt, ids].concat())?;
-    match full.strip_prefix(&head) {
+    match full.strip_prefix(head) {
         Some(tail) => Ok(tail.to_string()),
         None => decode(tok, ids),
     }
@@ -225,6 +236,15 @@ impl Row {
         self.done.is_some()
     }
 
+    /// The text of the first `n` generated ids after the prompt ([`decode_after`]).
+    fn text_of(&mut self, tok: &Tokenizer, n: usize) -> Result<String, GenerateError> {
+        if self.prompt_text.is_none() {
+            self.prompt_text = Some(decode(tok, &self.prompt)?);
+        }
+        let head = self.prompt_text.as_deref().unwrap_or_default();
+        decode_after_head(tok, head, &self.prompt, &self.ids[..n])
+    }
+
     /// Samples from this row's logits `[V]`, appends the token and updates the stop state.
     fn step(&mut self, logits: &[f32], ctx: &Ctx) -> Result<u32, GenerateError> {
         let s = sample_token(&logits[..ctx.support], &ctx.params, &mut self.rng)?;
@@ -233,7 +253,7 @@ impl Row {
         if ctx.eos.contains(&s.id) {
             self.done = Some(StopReason::Eos);
         } else if !ctx.stops.is_empty() {
-            let text = decode_after(ctx.tokenizer, &self.prompt, &self.ids)?;
+            let text = self.text_of(ctx.tokenizer, self.ids.len())?;
             let first = ctx
                 .stops
                 .iter()
@@ -255,14 +275,14 @@ impl Row {
         Ok(s.id)
     }
 
-    fn finish(self, tok: &Tokenizer) -> Result<Generation, GenerateError> {
+    fn finish(mut self, tok: &Tokenizer) -> Result<Generation, GenerateError> {
         let stop = self.done.unwrap_or(StopReason::MaxNewTokens);
         let hit_eos = stop == StopReason::Eos;
         let completion_text = match self.text {
             Some(t) => t,
             None => {
                 let n = self.ids.len() - usize::from(hit_eos);
-                decode_after(tok, &self.prompt, &self.ids[..n])?
+                self.text_of(tok, n)?
             }
         };
         Ok(Generation {
@@ -323,6 +343,7 @@ fn make_rows(
                 done: (cfg.max_new_tokens == 0).then_some(StopReason::MaxNewTokens),
                 text: None,
                 matched_stop: None,
+                prompt_text: None,
             });
         }
     }
