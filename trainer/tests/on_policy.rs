@@ -94,15 +94,15 @@ fn on_policy_raises_teacher_logprob_of_samples_and_lowers_reverse_kl() {
     }
 }
 
-#[test]
-fn cross_tokenizer_on_policy_runs_end_to_end() {
+/// A 4-step cross-tokenizer run with `kd` (half the steps on-policy, half off-policy on the
+/// task's own completions); checks what every such run must report.
+fn cross_tokenizer_run(kd: &str, seed: u64) {
     let dir = tempfile::tempdir().unwrap();
     let teacher = token_driven_teacher(dir.path(), "qwen3", "qwen3", 13);
-    let student = model(dir.path(), "student", "llama", "llama2", 32, 2, 0.02, 14);
+    let student = model(dir.path(), "student", "llama", "llama2", 32, 2, 0.02, seed);
     let t = TeacherProcess::start(&teacher_binary(), &teacher, &[]);
     let data = prompts(dir.path());
     let out = dir.path().join("x");
-    // Half the steps on-policy, half off-policy on the task's own completions.
     let extra = ON_POLICY.replace("lambda = 1.0", "lambda = 0.5");
     let cfg = config_with(
         dir.path(),
@@ -110,7 +110,7 @@ fn cross_tokenizer_on_policy_runs_end_to_end() {
         &t.base,
         &out,
         4,
-        "kd = { type = \"pkl\" }",
+        kd,
         &data,
         "prompt",
         "completion",
@@ -129,15 +129,33 @@ fn cross_tokenizer_on_policy_runs_end_to_end() {
         .filter(|l| l.contains("\"on_policy\":0.0"))
         .count();
     assert_eq!(on + off, 4, "{metrics}");
-    // The student's log-prob of its own samples is reported per student token: a random
-    // 32k-vocabulary student samples at about −ln 32000 ≈ −10.4 nats, never 0.
     for line in metrics.lines().filter(|l| l.contains("\"on_policy\":1.0")) {
         let v: serde_json::Value = serde_json::from_str(line).unwrap();
-        let lp = v["loss_parts"]["student_logprob"].as_f64().unwrap();
+        let parts = &v["loss_parts"];
+        // The student's log-prob of its own samples is reported per student token: a random
+        // 32k-vocabulary student samples at about −ln 32000 ≈ −10.4 nats, never 0.
+        let lp = parts["student_logprob"].as_f64().unwrap();
         assert!(
             lp < -1.0 && lp.is_finite(),
             "student_logprob {lp} in {line}"
         );
+        // The teacher's log-prob of the completion: a random student's samples are junk to the
+        // teacher (an empty sum would read 0).
+        let tlp = parts["teacher_logprob"].as_f64().unwrap();
+        assert!(tlp < -1.0 && tlp.is_finite(), "teacher_logprob {tlp}");
+        assert!(parts["kd"].as_f64().unwrap().is_finite(), "{line}");
     }
     assert!(out.join("final").join("model.safetensors").is_file());
+}
+
+#[test]
+fn cross_tokenizer_on_policy_runs_end_to_end() {
+    cross_tokenizer_run("kd = { type = \"pkl\" }", 14);
+}
+
+/// `sampled_kl` across tokenizers: the chunk-level sampled reverse KL on on-policy steps,
+/// `first_kl` on the off-policy ones.
+#[test]
+fn cross_tokenizer_sampled_kl_runs_end_to_end() {
+    cross_tokenizer_run("kd = { type = \"sampled_kl\" }", 15);
 }

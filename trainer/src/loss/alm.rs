@@ -8,8 +8,8 @@
 
 use candle_core::{DType, Tensor};
 
-use super::stable::{check_normalizer, check_temperature, log1mexp, logsumexp_last, LOG_FLOOR};
-use super::xtoken::{host_tensor, index_tensor, XTokenBatch};
+use super::stable::{check_normalizer, check_temperature, log1mexp};
+use super::xtoken::{chunk_loglikelihoods, host_tensor, XTokenBatch};
 use super::{compute_dtype, KdMetrics, LossError, Result};
 
 /// Floor of `1 − e^b` in the log (a chunk the student is certain of, `b = 0`).
@@ -36,77 +36,16 @@ pub fn alm_loss(
             format!("must be > 0, got {tau}"),
         ));
     }
-    let (b, ts, v) = student_logits.dims3()?;
-    if b != batch.batch || ts != batch.student_len {
-        return Err(LossError::input(
-            "student_logits",
-            format!(
-                "shape {:?}, expected [B = {}, Ts = {}, V]",
-                student_logits.dims(),
-                batch.batch,
-                batch.student_len
-            ),
-        ));
-    }
-    let tt = batch.teacher_len;
-    if batch.student_targets.len() != b * ts {
-        return Err(LossError::input(
-            "student_targets",
-            format!("expected {} entries", b * ts),
-        ));
-    }
-    if batch.teacher_target_logprobs.len() != b * tt {
-        return Err(LossError::input(
-            "teacher_target_logprobs",
-            format!("expected {} entries", b * tt),
-        ));
-    }
-    if let Some(y) = batch.student_targets.iter().find(|&&y| y as usize >= v) {
-        return Err(LossError::input(
-            "student_targets",
-            format!("id {y} >= vocab {v}"),
-        ));
-    }
     let dt = compute_dtype(student_logits);
     let dev = student_logits.device().clone();
     let chunks = batch.chunks()?;
     if chunks.is_empty() {
         return Ok((Tensor::zeros((), dt, &dev)?, KdMetrics::default()));
     }
-
-    // 1. Host: student positions per chunk and the teacher's chunk log-likelihoods.
-    let (mut pos, mut seg, mut lt) = (Vec::new(), Vec::new(), Vec::new());
-    for (ci, c) in chunks.iter().enumerate() {
-        let mut l = 0.0;
-        for &t in &c.teacher {
-            let x = batch.teacher_target_logprobs[c.b * tt + t];
-            if x.is_nan() {
-                return Err(LossError::input(
-                    "teacher_target_logprobs",
-                    format!("row {} position {t}: NaN", c.b),
-                ));
-            }
-            l += (x as f64).clamp(LOG_FLOOR, 0.0);
-        }
-        lt.push(l);
-        for &t in &c.student {
-            pos.push((c.b * ts + t) as u64);
-            seg.push(ci as u32);
-        }
-    }
+    let (ls, lt) = chunk_loglikelihoods(student_logits, batch, &chunks, temperature)?;
     let n_c = chunks.len();
 
-    // 2. Device: student target log-probs z[y] − logsumexp(z), summed per chunk, [C].
-    let z = student_logits
-        .to_dtype(dt)?
-        .affine(1.0 / temperature, 0.0)?;
-    let y = Tensor::from_vec(batch.student_targets.clone(), (b, ts, 1), &dev)?;
-    let lp = (z.gather(&y, 2)?.squeeze(2)? - logsumexp_last(&z)?)?.flatten_all()?;
-    let picked = lp.index_select(&index_tensor(pos, lp.elem_count(), &dev)?, 0)?;
-    let seg = Tensor::from_vec(seg, picked.elem_count(), &dev)?;
-    let ls = Tensor::zeros(n_c, dt, &dev)?.index_add(&seg, &picked, 0)?;
-
-    // 3. Binary cross-entropy of the tempered chunk likelihoods.
+    // Binary cross-entropy of the tempered chunk likelihoods, [C].
     let pa: Vec<f64> = lt.iter().map(|l| (l / tau).exp()).collect();
     let qa: Vec<f64> = pa.iter().map(|p| 1.0 - p).collect();
     let bb = ls.affine(1.0 / tau, 0.0)?;

@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize};
 pub use alm::alm_loss;
 pub use ce::{combine, cross_entropy, Combined};
 pub use kl::{topk_divergence, Divergence, TopkTargets};
-pub use sampled::{sampled_token_loss, SampledTargets};
+pub use sampled::{chunk_sampled_loss, sampled_token_loss, SampledTargets};
 pub use xtoken::{first_kl_loss, gold_loss, pkl_loss, Projection, XTokenBatch};
 
 /// Errors of the loss functions: bad shapes or values in the inputs, a bad config, or candle.
@@ -107,7 +107,7 @@ pub enum KdConfig {
     /// Generalized JSD(β), TRL convention: β = 0 is forward KL, β = 1 reverse KL.
     Jsd { beta: f64 },
     /// On-policy sampled-token reverse KL (REINFORCE form; needs only the teacher's log-prob
-    /// of each sampled token).
+    /// of each sampled token). Across tokenizers the unit is an aligned chunk.
     SampledKl {},
     /// Cross-tokenizer chunk-level projected KL (NeMo's P-KL).
     Pkl {
@@ -144,7 +144,12 @@ impl KdConfig {
         )
     }
 
-    /// Whether this loss needs the sampled-token inputs ([`SampledTargets`]).
+    /// Whether this loss can train a student whose tokenizer differs from the teacher's.
+    pub fn works_across_tokenizers(&self) -> bool {
+        self.is_cross_tokenizer() || self.is_sampled()
+    }
+
+    /// Whether this loss needs the student's own samples (`trainer on-policy`).
     pub fn is_sampled(&self) -> bool {
         matches!(self, KdConfig::SampledKl {})
     }
@@ -283,6 +288,9 @@ pub fn kd_loss(
         }
         (KdConfig::SampledKl {}, KdInputs::Sampled(s)) => {
             sampled_token_loss(student_logits, s, tau, normalizer)
+        }
+        (KdConfig::SampledKl {}, KdInputs::XToken { batch, .. }) => {
+            chunk_sampled_loss(student_logits, batch, tau, normalizer)
         }
         (KdConfig::FirstKl {}, KdInputs::XToken { batch, projection }) => {
             first_kl_loss(student_logits, batch, projection, tau, normalizer)

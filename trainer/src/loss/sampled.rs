@@ -5,10 +5,16 @@
 //! `ratio_t = exp(lp_S(x_t) − lp_S_old(x_t))`, the loss is `−Σ_t ratio_t·A_t / N`. With one
 //! update per rollout (`old` = the current policy, detached) its value is the sampled reverse-KL
 //! estimate `mean(lp_S − lp_T)` and its gradient the REINFORCE step `−A_t·∇lp_S(x_t)`.
+//!
+//! Across tokenizers ([`chunk_sampled_loss`]) the unit is an aligned chunk c: both sides spell the
+//! same text after the same context, so `ℓS_c = Σ_{s∈c} lp_S` and `ℓT_c = Σ_{t∈c} lp_T` are two
+//! models' log-probs of one event and `A_c = −(ℓS_old_c − ℓT_c)` is the same reverse-KL
+//! advantage, exact up to the tokenizations being the canonical ones.
 
 use candle_core::{DType, Tensor};
 
 use super::stable::{check_normalizer, check_temperature, logsumexp_last, masked_mean, LOG_FLOOR};
+use super::xtoken::{chunk_loglikelihoods, host_tensor, XTokenBatch};
 use super::{compute_dtype, KdMetrics, LossError, Result};
 
 /// Inputs of [`sampled_token_loss`], all `[B, T]`, row `t` describing token `t + 1`.
@@ -81,6 +87,45 @@ pub fn sampled_token_loss(
     Ok((loss, metrics))
 }
 
+/// Chunk-level sampled reverse KL for samples scored by a teacher with another tokenizer.
+///
+/// Per aligned chunk c with both sides (the student's own sample, re-tokenised by both):
+/// `A_c = ℓT_c − ℓS_old_c` (no gradient), `ratio_c = exp(ℓS_c − ℓS_old_c)`, and the loss is
+/// `−Σ_c ratio_c·A_c / N`, N the chunks (or `normalizer`). With one update per rollout its value
+/// is the per-chunk reverse-KL estimate `mean_c(ℓS_c − ℓT_c)` and its gradient
+/// `−A_c·Σ_{s∈c} ∇lp_S(y_s)`: every student token of the chunk shares the chunk's advantage.
+/// `student_logits` `[B, Ts, V]`; `batch` needs the targets and the teacher's target log-probs
+/// (its top-k buffers are not read). No τ² factor (as [`sampled_token_loss`]).
+pub fn chunk_sampled_loss(
+    student_logits: &Tensor,
+    batch: &XTokenBatch,
+    temperature: f64,
+    normalizer: Option<f64>,
+) -> Result<(Tensor, KdMetrics)> {
+    check_normalizer(normalizer)?;
+    check_temperature(temperature)?;
+    let dt = compute_dtype(student_logits);
+    let dev = student_logits.device();
+    let chunks = batch.chunks()?;
+    if chunks.is_empty() {
+        return Ok((Tensor::zeros((), dt, dev)?, KdMetrics::default()));
+    }
+    // ℓS_c with gradient and ℓT_c, [C].
+    let (ls, lt) = chunk_loglikelihoods(student_logits, batch, &chunks, temperature)?;
+    let old = ls.detach();
+    let adv = (host_tensor(lt, &[chunks.len()], dt, dev)? - &old)?;
+    let ratio = (&ls - &old)?.exp()?;
+    let n = normalizer.unwrap_or(chunks.len() as f64);
+    let loss = (ratio * adv)?.sum_all()?.affine(-1.0 / n, 0.0)?;
+    let metrics = KdMetrics {
+        loss: loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
+        count: chunks.len() as f64,
+        teacher_topk_mass: None,
+        student_topk_mass: None,
+    };
+    Ok((loss, metrics))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -128,5 +173,152 @@ mod tests {
                 / 5.0
         });
         assert_close(&g, &fd, 1e-8, "sampled grad");
+    }
+}
+
+#[cfg(test)]
+mod chunk_tests {
+    use super::*;
+    use crate::loss::testutil::*;
+    use crate::loss::xtoken::tests::{fixture, ref_chunks, B, TS, TT, VL};
+    use candle_core::Device;
+
+    /// Student log-prob of the target at `(b, p)`, from plain f64 loops.
+    fn lp_at(x: &XTokenBatch, zs: &[f64], b: usize, p: usize, temp: f64) -> f64 {
+        let o = (b * TS + p) * VL;
+        let z: Vec<f64> = zs[o..o + VL].iter().map(|z| z / temp).collect();
+        log_softmax(&z)[x.student_targets[b * TS + p] as usize]
+    }
+
+    /// Reference surrogate `−Σ_c exp(ℓS_c(z) − ℓS_c(z0))·(ℓT_c − ℓS_c(z0)) / C` in f64.
+    fn reference(x: &XTokenBatch, z: &[f64], z0: &[f64], temp: f64) -> f64 {
+        let chunks = ref_chunks(x);
+        let ls = |zz: &[f64], b: usize, s: &[usize]| -> f64 {
+            s.iter().map(|&p| lp_at(x, zz, b, p, temp)).sum()
+        };
+        -chunks
+            .iter()
+            .map(|(b, s, t)| {
+                let lt: f64 = t
+                    .iter()
+                    .map(|&p| x.teacher_target_logprobs[b * TT + p] as f64)
+                    .sum();
+                let old = ls(z0, *b, s);
+                (ls(z, *b, s) - old).exp() * (lt - old)
+            })
+            .sum::<f64>()
+            / chunks.len() as f64
+    }
+
+    #[test]
+    fn value_and_gradient_match_the_chunk_reinforce_reference() {
+        for (seed, temp) in [(91, 1.0), (92, 0.7)] {
+            let (x, zs) = fixture(seed, 1.0);
+            let want = reference(&x, &zs, &zs, temp);
+            for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-5)] {
+                let z = tensor(&zs, &[B, TS, VL], dtype);
+                let (l, m) = chunk_sampled_loss(&z, &x, temp, None).unwrap();
+                assert!((scalar(&l) - want).abs() < tol * want.abs().max(1.0));
+                assert_eq!(m.count, ref_chunks(&x).len() as f64);
+            }
+            let v = var(&zs, &[B, TS, VL]);
+            let (l, _) = chunk_sampled_loss(v.as_tensor(), &x, temp, Some(4.0)).unwrap();
+            let g = flat(l.backward().unwrap().get(v.as_tensor()).unwrap());
+            let c = ref_chunks(&x).len() as f64;
+            let fd = numeric_grad(&zs, 1e-5, |z| reference(&x, z, &zs, temp) * c / 4.0);
+            assert_close(&g, &fd, 1e-8, "chunk sampled grad");
+        }
+    }
+
+    /// With every chunk one student and one teacher token, the chunk loss is the token-level
+    /// [`sampled_token_loss`] on the same log-probs (an independent code path).
+    #[test]
+    fn one_to_one_chunks_equal_the_token_level_loss() {
+        let (mut x, zs) = fixture(93, 1.0);
+        // Row-major 1:1 chunks over the first min(TS, TT) − 1 positions of each row.
+        let n = TS.min(TT) - 1;
+        for b in 0..B {
+            for p in 0..TS {
+                x.student_chunk[b * TS + p] = if p < n { p as i64 } else { -1 };
+            }
+            for p in 0..TT {
+                x.teacher_chunk[b * TT + p] = if p < n { p as i64 } else { -1 };
+            }
+            x.num_chunks[b] = n;
+        }
+        let z = tensor(&zs, &[B, TS, VL], DType::F64);
+        let (l, _) = chunk_sampled_loss(&z, &x, 1.0, None).unwrap();
+        let (mut tlp, mut mask) = (vec![0.0; B * TS], vec![0.0; B * TS]);
+        for b in 0..B {
+            for p in 0..n {
+                tlp[b * TS + p] = x.teacher_target_logprobs[b * TT + p] as f64;
+                mask[b * TS + p] = 1.0;
+            }
+        }
+        let targets = SampledTargets {
+            tokens: Tensor::from_vec(x.student_targets.clone(), (B, TS), &Device::Cpu).unwrap(),
+            teacher_logprobs: tensor(&tlp, &[B, TS], DType::F64),
+            old_logprobs: None,
+            mask: tensor(&mask, &[B, TS], DType::F64),
+        };
+        let (want, _) = sampled_token_loss(&z, &targets, 1.0, None).unwrap();
+        assert!((scalar(&l) - scalar(&want)).abs() < 1e-12);
+        let v = var(&zs, &[B, TS, VL]);
+        let g1 = flat(
+            chunk_sampled_loss(v.as_tensor(), &x, 1.0, None)
+                .unwrap()
+                .0
+                .backward()
+                .unwrap()
+                .get(v.as_tensor())
+                .unwrap(),
+        );
+        let g2 = flat(
+            sampled_token_loss(v.as_tensor(), &targets, 1.0, None)
+                .unwrap()
+                .0
+                .backward()
+                .unwrap()
+                .get(v.as_tensor())
+                .unwrap(),
+        );
+        assert_close(&g1, &g2, 1e-12, "1:1 chunks vs tokens");
+    }
+
+    #[test]
+    fn a_chunk_the_teacher_prefers_is_pushed_up() {
+        // One chunk, teacher more confident than the student: the loss falls along −∇.
+        let (x, zs) = fixture(94, 1.0);
+        let mut x = x;
+        for v in x.teacher_target_logprobs.iter_mut() {
+            *v = 0.0;
+        }
+        let v = var(&zs, &[B, TS, VL]);
+        let (l, _) = chunk_sampled_loss(v.as_tensor(), &x, 1.0, None).unwrap();
+        let g = flat(l.backward().unwrap().get(v.as_tensor()).unwrap());
+        let stepped: Vec<f64> = zs.iter().zip(&g).map(|(z, g)| z - 0.1 * g).collect();
+        let lp_sum = |zz: &[f64]| -> f64 {
+            ref_chunks(&x)
+                .iter()
+                .flat_map(|(b, s, _)| s.iter().map(move |&p| (*b, p)))
+                .map(|(b, p)| lp_at(&x, zz, b, p, 1.0))
+                .sum()
+        };
+        assert!(lp_sum(&stepped) > lp_sum(&zs) + 1e-3);
+    }
+
+    #[test]
+    fn bad_inputs_are_errors() {
+        let (x, zs) = fixture(95, 1.0);
+        let z = tensor(&zs, &[B, TS, VL], DType::F32);
+        let mut bad = x.clone();
+        bad.student_targets[0] = VL as u32;
+        assert!(chunk_sampled_loss(&z, &bad, 1.0, None).is_err());
+        let mut bad = x.clone();
+        bad.teacher_target_logprobs[0] = f32::NAN;
+        assert!(chunk_sampled_loss(&z, &bad, 1.0, None).is_err());
+        assert!(chunk_sampled_loss(&z, &x, 0.0, None).is_err());
+        let wrong = tensor(&zs[..TS * VL], &[1, TS, VL], DType::F32);
+        assert!(chunk_sampled_loss(&wrong, &x, 1.0, None).is_err());
     }
 }

@@ -371,6 +371,74 @@ fn zero_loss(dt: DType, dev: &Device) -> Result<(Tensor, KdMetrics)> {
     Ok((Tensor::zeros((), dt, dev)?, KdMetrics::default()))
 }
 
+/// Both sides' log-likelihood of each chunk's text, for the losses that need only the actual
+/// next tokens (ALM, the chunk-level sampled KL): the student's `ℓS_c = Σ_{s∈c} lp_S(y_s)` at
+/// `temperature`, `[C]` on the logits' device with gradient, and the teacher's
+/// `ℓT_c = Σ_{t∈c} lp_T(y_t)` on the host (each term floored at [`LOG_FLOOR`]).
+pub(crate) fn chunk_loglikelihoods(
+    student_logits: &Tensor,
+    batch: &XTokenBatch,
+    chunks: &[Chunk],
+    temperature: f64,
+) -> Result<(Tensor, Vec<f64>)> {
+    let (b, ts, v) = student_logits.dims3()?;
+    if b != batch.batch || ts != batch.student_len {
+        return Err(LossError::input(
+            "student_logits",
+            format!(
+                "shape {:?}, expected [B = {}, Ts = {}, V]",
+                student_logits.dims(),
+                batch.batch,
+                batch.student_len
+            ),
+        ));
+    }
+    let tt = batch.teacher_len;
+    batch.check_len("student_targets", &batch.student_targets, b * ts)?;
+    batch.check_len(
+        "teacher_target_logprobs",
+        &batch.teacher_target_logprobs,
+        b * tt,
+    )?;
+    if let Some(y) = batch.student_targets.iter().find(|&&y| y as usize >= v) {
+        return Err(LossError::input(
+            "student_targets",
+            format!("id {y} >= vocab {v}"),
+        ));
+    }
+    // 1. Host: student positions per chunk and the teacher's chunk log-likelihoods.
+    let (mut pos, mut seg, mut lt) = (Vec::new(), Vec::new(), Vec::new());
+    for (ci, c) in chunks.iter().enumerate() {
+        let mut l = 0.0;
+        for &t in &c.teacher {
+            let x = batch.teacher_target_logprobs[c.b * tt + t];
+            if x.is_nan() {
+                return Err(LossError::input(
+                    "teacher_target_logprobs",
+                    format!("row {} position {t}: NaN", c.b),
+                ));
+            }
+            l += (x as f64).clamp(LOG_FLOOR, 0.0);
+        }
+        lt.push(l);
+        for &t in &c.student {
+            pos.push((c.b * ts + t) as u64);
+            seg.push(ci as u32);
+        }
+    }
+    // 2. Device: student target log-probs z[y] − logsumexp(z), summed per chunk.
+    let dev = student_logits.device();
+    let z = student_logits
+        .to_dtype(compute_dtype(student_logits))?
+        .affine(1.0 / temperature, 0.0)?;
+    let y = Tensor::from_vec(batch.student_targets.clone(), (b, ts, 1), dev)?;
+    let lp = (z.gather(&y, 2)?.squeeze(2)? - logsumexp_last(&z)?)?.flatten_all()?;
+    let picked = lp.index_select(&index_tensor(pos, lp.elem_count(), dev)?, 0)?;
+    let seg = Tensor::from_vec(seg, picked.elem_count(), dev)?;
+    let ls = Tensor::zeros(chunks.len(), lp.dtype(), dev)?.index_add(&seg, &picked, 0)?;
+    Ok((ls, lt))
+}
+
 /// The common start of the top-k chunk losses: the checked student logits `[B, Ts, Vs]` in the
 /// compute dtype, and the chunks with both sides (after checking the top-k buffers).
 fn view_and_chunks(

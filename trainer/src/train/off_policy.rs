@@ -85,10 +85,11 @@ pub fn setup(cfg: Config) -> Result<Setup> {
             (Tokenization::Same(tok), None)
         }
         TeacherTokenizer::Different(teacher_tok) => {
-            if !loss.kd.is_cross_tokenizer() {
+            if !loss.kd.works_across_tokenizers() {
                 bail!(
                     "student and teacher tokenizers differ: use a cross-tokenizer loss \
-                     (loss.kd = {{ type = \"pkl\" }}, \"gold\" or \"alm\"), not {:?}",
+                     (loss.kd = {{ type = \"first_kl\" }}, \"pkl\", \"gold\", \"alm\", or \
+                     \"sampled_kl\" on-policy), not {:?}",
                     loss.kd
                 );
             }
@@ -220,6 +221,9 @@ pub struct Summary {
 /// `stop_after`: end after that step as an interruption would (no final model): tests use it to
 /// check that `--resume` continues exactly.
 pub fn train(s: &Setup, resume: bool, stop_after: Option<u64>) -> Result<Summary> {
+    if s.loss.kd.is_sampled() {
+        bail!("loss.kd = sampled_kl scores the student's own samples: run `trainer on-policy`, or pick a top-k loss for off-policy training");
+    }
     let cfg = &s.cfg;
     let out = &cfg.checkpointing.checkpoint_dir;
     let t_start = Instant::now();

@@ -7,14 +7,15 @@
 //!   (field notes §3); a top-k loss (`forward_kl`, `jsd`, …) uses the teacher's top-k there.
 //! - Different tokenizers: each completion is decoded to text, prompt + completion is tokenized
 //!   once for both sides (no spurious space at the join), aligned, and trained with the
-//!   cross-tokenizer loss of `[loss]`.
+//!   cross-tokenizer loss of `[loss]`; `sampled_kl` becomes the chunk-level sampled reverse KL
+//!   (`loss::chunk_sampled_loss`, the teacher's log-probs of each chunk's tokens summed).
 //! - `[on_policy] lambda`: the share of steps that sample; the others train off-policy on the
 //!   data's own prompt + completion, so one run can mix both (TRL GKD's λ).
 
 use super::off_policy::{setup, Setup, Summary};
 use super::prepare::{prepare, prepare_record, Item, Tokenization};
 use super::runner::{Runner, Session};
-use super::step::{accumulate, units, validation_sums, Units};
+use super::step::{accumulate, trained_teacher_rows, units, validation_sums, Units};
 use crate::checkpoint::TrainerState;
 use crate::collate::Encoded;
 use crate::config::{Config, OffPolicyArgs};
@@ -51,12 +52,17 @@ fn prompt_of(r: &Record) -> String {
     }
 }
 
-/// The loss for off-policy steps of a mixed run: `[loss]` itself, or forward KL over the top-k
-/// (same tail and temperature) when `[loss]` is the sampled-token loss, which needs samples.
-fn off_policy_loss(l: &LossConfig) -> LossConfig {
+/// The loss for off-policy steps of a mixed run: `[loss]` itself, or, when `[loss]` is the
+/// sampled-token loss (which needs samples), forward KL over the top-k (same tail and
+/// temperature), or `first_kl` across tokenizers.
+fn off_policy_loss(l: &LossConfig, cross: bool) -> LossConfig {
     let mut o = l.clone();
-    if matches!(l.kd, KdConfig::SampledKl {}) {
-        o.kd = KdConfig::ForwardKl {};
+    if l.kd.is_sampled() {
+        o.kd = if cross {
+            KdConfig::FirstKl {}
+        } else {
+            KdConfig::ForwardKl {}
+        };
     }
     o
 }
@@ -99,11 +105,14 @@ impl SampleStats {
             }
         }
     }
-    /// The teacher's log-probs of the scored text (cross tokenizer: per teacher token).
-    fn add_teacher_scores<'a>(&mut self, scores: impl IntoIterator<Item = &'a SequenceScores>) {
-        for sc in scores {
-            self.teacher_lp += sc.target_logprobs.iter().map(|&x| x as f64).sum::<f64>();
-            self.tokens += sc.rows as f64;
+    /// Cross tokenizer: the teacher's log-probs of the trained part of the scored text (the
+    /// completion unless `include_prompt`), per teacher token.
+    fn add_teacher_scores(&mut self, items: &[Item], scores: &[&SequenceScores]) {
+        for (it, sc) in items.iter().zip(scores) {
+            for p in trained_teacher_rows(it) {
+                self.teacher_lp += sc.target_logprobs[p] as f64;
+                self.tokens += 1.0;
+            }
         }
     }
     /// The student's own log-probs of its samples (cross tokenizer: the teacher side counts
@@ -306,7 +315,7 @@ fn validate(s: &Setup, student: &Student, val: &[Record]) -> Result<Option<(f64,
             let req = request_of(s, &items);
             let resp = s.client.topk(&req)?;
             let scores: Vec<&SequenceScores> = resp.results.iter().collect();
-            st.add_teacher_scores(scores.iter().copied());
+            st.add_teacher_scores(&items, &scores);
             let v = validation_sums(
                 student.model(),
                 &items,
@@ -363,9 +372,6 @@ pub fn train(s: &Setup, resume: bool, stop_after: Option<u64>) -> Result<Summary
         bail!("on_policy.lambda = {} must be in [0, 1]", op.lambda);
     }
     op.generation.validate()?;
-    if s.tokenization.is_cross() && matches!(s.loss.kd, KdConfig::SampledKl {}) {
-        bail!("kd = sampled_kl needs the teacher's log-prob of the student's tokens: use a cross-tokenizer loss (pkl, gold, alm) when the tokenizers differ");
-    }
     let out = &cfg.checkpointing.checkpoint_dir;
     let t_start = Instant::now();
     let Session {
@@ -382,7 +388,7 @@ pub fn train(s: &Setup, resume: bool, stop_after: Option<u64>) -> Result<Summary
     } = Session::open(cfg, &s.device, resume)?;
     let total_steps = runner.total_steps;
     let k = cfg.teacher.k;
-    let off_loss = off_policy_loss(&s.loss);
+    let off_loss = off_policy_loss(&s.loss, s.tokenization.is_cross());
     let val_pass = |runner: &Runner,
                     log: &mut MetricsLog,
                     step: u64|
@@ -501,7 +507,7 @@ pub fn train(s: &Setup, resume: bool, stop_after: Option<u64>) -> Result<Summary
                         let resp = s.client.topk(&request_of(s, &items))?;
                         score_s = t1.elapsed().as_secs_f64();
                         let refs: Vec<&SequenceScores> = resp.results.iter().collect();
-                        stats.add_teacher_scores(refs.iter().copied());
+                        stats.add_teacher_scores(&items, &refs);
                         norm = units(&items);
                         tokens = items.iter().map(|i| i.teacher_ids().len() as u64).sum();
                         kd_sum += accumulate(

@@ -108,6 +108,21 @@ fn cross_layout(pair: &crate::align::TokenizedPair, loss_start: usize) -> CrossL
     }
 }
 
+/// The teacher rows an item is trained on (row p scores token p + 1): the completion's rows, or
+/// across tokenizers the rows of the chunks in the loss region.
+pub fn trained_teacher_rows(item: &Item) -> Vec<usize> {
+    match item {
+        Item::Same(e) => (e.loss_from.max(1) - 1..e.ids.len().saturating_sub(1)).collect(),
+        Item::Cross { pair, loss_start } => cross_layout(pair, *loss_start)
+            .teacher_chunk
+            .iter()
+            .enumerate()
+            .filter(|(_, &c)| c != -1)
+            .map(|(p, _)| p)
+            .collect(),
+    }
+}
+
 fn check_rows(s: &SequenceScores, len: usize, k: usize) -> Result<()> {
     if s.rows + 1 != len || s.k != k {
         bail!("teacher returned {} rows of k={} for a sequence of {len} tokens (expected {} of k={k})", s.rows, s.k, len - 1);
