@@ -144,6 +144,8 @@ fn cross_tokenizer_run(kd: &str, seed: u64) {
         let tlp = parts["teacher_logprob"].as_f64().unwrap();
         assert!(tlp < -1.0 && tlp.is_finite(), "teacher_logprob {tlp}");
         assert!(parts["kd"].as_f64().unwrap().is_finite(), "{line}");
+        assert!(parts["reverse_kl"].as_f64().unwrap().is_finite(), "{line}");
+        assert_eq!(v["kl"], parts["reverse_kl"], "{line}");
     }
     assert!(out.join("final").join("model.safetensors").is_file());
 }

@@ -116,18 +116,22 @@ impl SampleStats {
         }
     }
     /// The student's own log-probs of its samples (cross tokenizer: the teacher side counts
-    /// teacher tokens, so the student side is taken from the generations).
-    fn add_student_lps(&mut self, gens: &[Generation]) {
+    /// teacher tokens, so the student side is taken from the generations that were scored).
+    fn add_student_lps<'a>(&mut self, gens: impl IntoIterator<Item = &'a Generation>) {
         for g in gens {
             self.student_lp += g.sampled_logprobs.iter().map(|&x| x as f64).sum::<f64>();
             self.student_tokens += g.sampled_logprobs.len() as f64;
         }
     }
-    /// Monte-Carlo reverse KL per token: mean of `lp_S − lp_T` over sampled tokens.
+    /// Monte-Carlo reverse KL per student token, `(Σ lp_S − Σ lp_T) / student tokens` over the
+    /// scored samples: the mean of `lp_S − lp_T` per sampled token with one tokenizer; across
+    /// tokenizers each side sums its own tokens of the same text, so the difference is the
+    /// sequence-level `log p_S(text) − log p_T(text)`.
     fn reverse_kl(&self) -> f64 {
-        self.mean_student_lp() - self.mean_teacher_lp()
+        (self.student_lp - self.teacher_lp) / self.student_tokens.max(1.0)
     }
     fn into_parts(self, parts: &mut BTreeMap<String, f64>) {
+        parts.insert("reverse_kl".into(), self.reverse_kl());
         parts.insert("teacher_logprob".into(), self.mean_teacher_lp());
         parts.insert("student_logprob".into(), self.mean_student_lp());
         parts.insert(
@@ -307,8 +311,8 @@ fn validate(s: &Setup, student: &Student, val: &[Record]) -> Result<Option<(f64,
             Ok(Some((st.reverse_kl(), st)))
         }
         Tokenization::Cross { .. } => {
-            st.add_student_lps(&gens);
-            let items = cross_items(s, val, &gens);
+            let (items, used) = cross_items(s, val, &gens);
+            st.add_student_lps(used.iter().map(|&i| &gens[i]));
             if items.is_empty() {
                 return Ok(Some((f64::NAN, st)));
             }
@@ -330,11 +334,13 @@ fn validate(s: &Setup, student: &Student, val: &[Record]) -> Result<Option<(f64,
     }
 }
 
-/// Different tokenizers: prompt + completion text of each generation, tokenized for both sides.
-fn cross_items(s: &Setup, records: &[Record], gens: &[Generation]) -> Vec<Item> {
+/// Different tokenizers: prompt + completion text of each generation, tokenized for both sides,
+/// with the indices of the generations they came from (empty or unusable ones are dropped).
+fn cross_items(s: &Setup, records: &[Record], gens: &[Generation]) -> (Vec<Item>, Vec<usize>) {
     gens.iter()
-        .filter(|g| !g.completion_text.is_empty())
-        .filter_map(|g| {
+        .enumerate()
+        .filter(|(_, g)| !g.completion_text.is_empty())
+        .filter_map(|(i, g)| {
             let r = Record {
                 line: records[g.prompt_index].line,
                 content: Content::Pair {
@@ -348,9 +354,9 @@ fn cross_items(s: &Setup, records: &[Record], gens: &[Generation]) -> Vec<Item> 
                 },
                 completion_only_loss: !s.cfg.on_policy.include_prompt,
             };
-            prepare_record(&r, &s.tokenization, s.limits)
+            prepare_record(&r, &s.tokenization, s.limits).map(|it| (it, i))
         })
-        .collect()
+        .unzip()
 }
 
 fn request_of(s: &Setup, items: &[Item]) -> TopkRequest {
@@ -500,8 +506,8 @@ pub fn train(s: &Setup, resume: bool, stop_after: Option<u64>) -> Result<Summary
                     }
                 }
                 (Tokenization::Cross { .. }, _) => {
-                    stats.add_student_lps(&gens);
-                    let items = cross_items(s, &batch.records, &gens);
+                    let (items, used) = cross_items(s, &batch.records, &gens);
+                    stats.add_student_lps(used.iter().map(|&i| &gens[i]));
                     skipped += (gens.len() - items.len()) as u64;
                     if !items.is_empty() {
                         let resp = s.client.topk(&request_of(s, &items))?;
@@ -529,9 +535,6 @@ pub fn train(s: &Setup, resume: bool, stop_after: Option<u64>) -> Result<Summary
             stats.into_parts(&mut parts);
             parts.insert("generation_s".into(), gen_s);
             parts.insert("scoring_s".into(), score_s);
-            if !s.tokenization.is_cross() {
-                parts.insert("reverse_kl".into(), stats.reverse_kl());
-            }
         } else {
             // Off-policy step on the data's own prompt + completion.
             let p = prepare(
@@ -576,11 +579,7 @@ pub fn train(s: &Setup, resume: bool, stop_after: Option<u64>) -> Result<Summary
             epoch: batch.start.epoch,
             loss: kd_mean,
             loss_parts: parts,
-            kl: if on && !s.tokenization.is_cross() {
-                Some(stats.reverse_kl())
-            } else {
-                None
-            },
+            kl: on.then(|| stats.reverse_kl()),
             grad_norm: Some(update.grad_norm),
             lr: update.lr,
             tokens,
