@@ -117,4 +117,24 @@ fn cross_tokenizer_kl_falls() {
         s.steps, s.seconds
     );
     assert!(kl1 < 0.8 * kl0, "held-out P-KL {kl0} -> {kl1}");
+
+    // Losses that cannot run here are refused with a message naming what to use instead.
+    for (loss, want) in [
+        (
+            r#"kd = { type = "forward_kl" }"#,
+            "use a cross-tokenizer loss",
+        ),
+        (r#"kd = { type = "sampled_kl" }"#, "run `trainer on-policy`"),
+    ] {
+        let cfg = config(
+            dir.path(),
+            &student,
+            &t.base,
+            &dir.path().join("bad"),
+            1,
+            loss,
+        );
+        let err = setup(cfg).and_then(|s| train(&s, false, None)).unwrap_err();
+        assert!(format!("{err:#}").contains(want), "{loss}: {err:#}");
+    }
 }
