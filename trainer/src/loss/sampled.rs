@@ -264,23 +264,12 @@ mod chunk_tests {
         let (want, _) = sampled_token_loss(&z, &targets, 1.0, None).unwrap();
         assert!((scalar(&l) - scalar(&want)).abs() < 1e-12);
         let v = var(&zs, &[B, TS, VL]);
-        let g1 = flat(
-            chunk_sampled_loss(v.as_tensor(), &x, 1.0, None)
-                .unwrap()
-                .0
-                .backward()
-                .unwrap()
-                .get(v.as_tensor())
-                .unwrap(),
-        );
-        let g2 = flat(
+        let grad = |l: Tensor| flat(l.backward().unwrap().get(v.as_tensor()).unwrap());
+        let g1 = grad(chunk_sampled_loss(v.as_tensor(), &x, 1.0, None).unwrap().0);
+        let g2 = grad(
             sampled_token_loss(v.as_tensor(), &targets, 1.0, None)
                 .unwrap()
-                .0
-                .backward()
-                .unwrap()
-                .get(v.as_tensor())
-                .unwrap(),
+                .0,
         );
         assert_close(&g1, &g2, 1e-12, "1:1 chunks vs tokens");
     }
