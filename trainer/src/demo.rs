@@ -503,7 +503,7 @@ fn sft_run(
     k: usize,
 ) -> Result<serde_json::Value> {
     let cfg = dir.join("sft.toml");
-    // `trainer sft` needs no teacher; the shared config validation wants a URL.
+    // `trainer sft` ignores `[teacher]`; a placeholder URL keeps the file in the shared format.
     let text = config_text(
         init,
         train,

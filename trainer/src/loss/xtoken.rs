@@ -563,8 +563,8 @@ pub fn pkl_loss(
 /// `loss = τ² · Σ_c D_c / N`, N = chunks with both sides (or `normalizer`).
 ///
 /// Why: P-KL's W maps a student token only to the teacher tokens that spell it, so a teacher
-/// token longer than every student token (`" carry"` vs `▁car`+`ry`) has no preimage and P-KL
-/// pushes the student away from the right first piece. Here the long token's mass lands on its
+/// token longer than every student token (Qwen3's `"\n\n"` vs Llama 2's `<0x0A>`+`<0x0A>`) has no
+/// preimage and P-KL pushes the student away from the right first piece. Here the long token's mass lands on its
 /// first piece. The later student positions of a multi-token chunk get no distillation term.
 pub fn first_kl_loss(
     student_logits: &Tensor,

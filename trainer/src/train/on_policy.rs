@@ -109,7 +109,10 @@ impl SampleStats {
     /// completion unless `include_prompt`), per teacher token.
     fn add_teacher_scores(&mut self, items: &[Item], scores: &[&SequenceScores]) {
         for (it, sc) in items.iter().zip(scores) {
-            for p in trained_teacher_rows(it) {
+            let Item::Cross { pair, loss_start } = it else {
+                continue;
+            };
+            for p in trained_teacher_rows(pair, *loss_start) {
                 self.teacher_lp += sc.target_logprobs[p] as f64;
                 self.tokens += 1.0;
             }

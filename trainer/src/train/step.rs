@@ -108,19 +108,18 @@ fn cross_layout(pair: &crate::align::TokenizedPair, loss_start: usize) -> CrossL
     }
 }
 
-/// The teacher rows an item is trained on (row p scores token p + 1): the completion's rows, or
-/// across tokenizers the rows of the chunks in the loss region.
-pub fn trained_teacher_rows(item: &Item) -> Vec<usize> {
-    match item {
-        Item::Same(e) => (e.loss_from.max(1) - 1..e.ids.len().saturating_sub(1)).collect(),
-        Item::Cross { pair, loss_start } => cross_layout(pair, *loss_start)
-            .teacher_chunk
-            .iter()
-            .enumerate()
-            .filter(|(_, &c)| c != -1)
-            .map(|(p, _)| p)
-            .collect(),
-    }
+/// Across tokenizers, the teacher rows a pair is trained on (row p scores token p + 1): those of
+/// the chunks in the loss region.
+pub fn trained_teacher_rows(
+    pair: &crate::align::TokenizedPair,
+    loss_start: usize,
+) -> impl Iterator<Item = usize> {
+    cross_layout(pair, loss_start)
+        .teacher_chunk
+        .into_iter()
+        .enumerate()
+        .filter(|&(_, c)| c != -1)
+        .map(|(p, _)| p)
 }
 
 fn check_rows(s: &SequenceScores, len: usize, k: usize) -> Result<()> {
@@ -353,9 +352,8 @@ pub fn xtoken_batch(
 }
 
 /// Validation figures of one micro-batch, without gradients: forward KL to the teacher over its
-/// top-k with a tail bucket (same tokenizer) or chunk-level P-KL with a tail bucket (cross
-/// tokenizer, so student mass outside the teacher's top-k counts), and the
-/// student's cross-entropy. Returns sums (not means) with their counts.
+/// top-k with a tail bucket (same tokenizer) or chunk-level P-KL in NeMo's renormalised form
+/// (cross tokenizer), and the student's cross-entropy. Returns sums (not means) with their counts.
 pub fn validation_sums(
     model: &Decoder,
     items: &[Item],
