@@ -5,3 +5,4 @@ cd "$(dirname "$0")/.."
 XDISTILL_TOKENIZERS="$(scripts/get-tokenizers.sh)"
 export XDISTILL_TOKENIZERS
 cargo test --workspace --locked "$@"
+scripts/python-tests.sh

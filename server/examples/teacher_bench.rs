@@ -72,6 +72,7 @@ impl Bench {
             start: 0,
             starts: None,
             values: ValuesKind::Logprobs,
+            ids: None,
         }
     }
 

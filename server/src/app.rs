@@ -1,8 +1,11 @@
-//! HTTP routes: content negotiation, body limit, auth, and the `/topk_logits` pipeline
-//! (validate → cache → admit → batch → encode).
+//! HTTP routes: content negotiation, body limit, auth, and the native `/topk_logits` face of the
+//! engine (decode → validate → [`engine::score`] → encode). The vLLM- and SGLang-compatible faces
+//! of the same engine are in [`crate::compat`].
 
 use crate::batcher::Batcher;
-use crate::cache::{cache_key, ScoreCache};
+use crate::cache::ScoreCache;
+use crate::compat;
+use crate::engine;
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::model::ModelFacts;
@@ -19,9 +22,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 use xdistill_shared::codec::{self, Format};
-use xdistill_shared::protocol::{
-    InfoResponse, Limits, SequenceScores, TopkResponse, PROTOCOL_VERSION, TOPK_PATH,
-};
+use xdistill_shared::protocol::{InfoResponse, Limits, TopkResponse, PROTOCOL_VERSION, TOPK_PATH};
 
 /// Limits and options fixed at start-up.
 #[derive(Debug, Clone)]
@@ -34,6 +35,8 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     pub max_wait_ms: u64,
     pub api_key: Option<String>,
+    /// The model name of the compatible routes (`/v1/models`, the `model` field).
+    pub served_model_name: String,
 }
 
 /// What exists only once the model is loaded.
@@ -100,7 +103,7 @@ impl AppState {
         Ok(())
     }
 
-    fn ready(&self) -> Result<&Ready, ApiError> {
+    pub(crate) fn ready(&self) -> Result<&Ready, ApiError> {
         self.ready.get().ok_or(ApiError::NotReady)
     }
 }
@@ -115,6 +118,7 @@ pub fn router(state: Shared) -> Router {
         .route("/tokenizer.json", get(tokenizer))
         .route("/metrics", get(metrics))
         .route(TOPK_PATH, post(topk))
+        .merge(compat::routes())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(state.clone(), auth))
@@ -126,7 +130,7 @@ pub fn router(state: Shared) -> Router {
 #[derive(Clone, Copy)]
 struct Outcome(&'static str);
 
-fn error_response(e: ApiError) -> Response {
+pub(crate) fn error_response(e: ApiError) -> Response {
     let label = e.label();
     let mut r = e.into_response();
     r.extensions_mut().insert(Outcome(label));
@@ -139,6 +143,7 @@ async fn count(State(st): State<Shared>, req: Request, next: Next) -> Response {
     let path = req.uri().path().to_string();
     let route = match path.as_str() {
         "/health" | "/v1/info" | "/tokenizer.json" | "/metrics" | TOPK_PATH => path,
+        p if compat::ROUTES.contains(&p) => path,
         _ => "other".into(),
     };
     let resp = next.run(req).await;
@@ -225,7 +230,11 @@ async fn metrics(State(st): State<Shared>) -> Response {
 }
 
 /// Reads at most `limit` bytes of body; more is a 413 (checked on Content-Length first).
-async fn read_body(headers: &HeaderMap, body: Body, limit: usize) -> Result<Vec<u8>, ApiError> {
+pub(crate) async fn read_body(
+    headers: &HeaderMap,
+    body: Body,
+    limit: usize,
+) -> Result<Vec<u8>, ApiError> {
     let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
@@ -268,7 +277,7 @@ async fn topk(State(st): State<Shared>, headers: HeaderMap, body: Body) -> Respo
     }
 }
 
-/// The `/topk_logits` pipeline.
+/// The `/topk_logits` face: MessagePack or JSON in and out.
 async fn score(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Response, ApiError> {
     let ready = st.ready()?;
     let in_format = body_format(headers)?;
@@ -276,85 +285,26 @@ async fn score(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Respons
     let bytes = read_body(headers, body, st.config.max_body_bytes).await?;
     let req =
         codec::decode_request(in_format, &bytes).map_err(|e| ApiError::Malformed(e.to_string()))?;
+    let with_ids = req.ids.is_some();
     let valid = validate(req, &ready.limits)?;
+    let results = engine::score(st, &valid).await?;
     let p = valid.params;
-    let m = &st.metrics;
-    m.request_sequences
-        .fetch_add(valid.sequences.len() as u64, Relaxed);
-
-    // 1. Cache lookups; sequences with no rows need no work at all.
-    let fingerprint = &ready.facts.fingerprint;
-    let mut results: Vec<Option<Arc<SequenceScores>>> = Vec::with_capacity(valid.sequences.len());
-    let mut misses = Vec::new();
-    for (i, s) in valid.sequences.iter().enumerate() {
-        if s.rows() == 0 {
-            results.push(Some(Arc::new(SequenceScores {
-                k: p.k,
-                ..Default::default()
-            })));
-            continue;
-        }
-        let key = cache_key(fingerprint, &s.ids, s.start, &p);
-        match st.cache.get(&key).await {
-            Some(hit) => {
-                m.cache_hits.fetch_add(1, Relaxed);
-                results.push(Some(hit));
-            }
-            None => {
-                m.cache_misses.fetch_add(1, Relaxed);
-                results.push(None);
-                misses.push((i, key));
-            }
-        }
-    }
-
-    // 2. Admission for the misses, all or nothing, then queue them.
-    if !misses.is_empty() {
-        let tokens: usize = misses
-            .iter()
-            .map(|&(i, _)| valid.sequences[i].input_tokens())
-            .sum();
-        let mut ticket = st.batcher.admit(tokens)?;
-        let mut pending = Vec::with_capacity(misses.len());
-        for &(i, key) in &misses {
-            let s = &valid.sequences[i];
-            let rx = st
-                .batcher
-                .submit(&mut ticket, s.ids.clone(), s.start, p)
-                .await?;
-            pending.push((i, key, rx));
-        }
-        drop(ticket);
-        // 3. Results, routed back by index; each is cached.
-        for (i, key, rx) in pending {
-            let scores = rx
-                .await
-                .map_err(|_| ApiError::Internal("the model worker dropped the request".into()))?
-                .map_err(ApiError::Internal)?;
-            let scores = Arc::new(scores);
-            st.cache.insert(key, scores.clone()).await;
-            results[i] = Some(scores);
-        }
-    }
-
-    // 4. Encode off the async threads (large answers take milliseconds).
-    let results: Vec<SequenceScores> = results
-        .into_iter()
-        .map(|r| r.map(|a| (*a).clone()).unwrap_or_default())
-        .collect();
-    let rows: usize = results.iter().map(|r| r.rows).sum();
-    m.tokens_scored.fetch_add(rows as u64, Relaxed);
-    let resp = TopkResponse {
-        k: p.k,
-        values: p.values,
-        temperature: p.temperature,
-        model: fingerprint.clone(),
-        results,
-    };
-    let body = tokio::task::spawn_blocking(move || codec::encode_response(out_format, &resp))
-        .await
-        .map_err(|e| ApiError::Internal(format!("encoder task failed: {e}")))?
-        .map_err(|e| ApiError::Internal(e.to_string()))?;
+    // Encode off the async threads (large answers take milliseconds).
+    let model = ready.facts.fingerprint.clone();
+    let body = tokio::task::spawn_blocking(move || {
+        let resp = TopkResponse {
+            k: p.k,
+            values: p.values,
+            temperature: p.temperature,
+            model,
+            with_ids,
+            results: results.iter().map(|r| (**r).clone()).collect(),
+        };
+        codec::encode_response(out_format, &resp)
+    })
+    .await
+    .map_err(|e| ApiError::Internal(format!("encoder task failed: {e}")))?
+    .map_err(|e| ApiError::Internal(e.to_string()))?;
     Ok((
         [(
             header::CONTENT_TYPE,

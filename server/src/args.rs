@@ -52,6 +52,10 @@ pub struct Args {
     /// Largest request body in bytes (larger bodies get 413).
     #[arg(long, env = "XDISTILL_MAX_BODY_BYTES", default_value_t = 64 << 20)]
     pub max_body_bytes: usize,
+    /// Model name of the vLLM-compatible routes (`/v1/models`, the `model` field of
+    /// `/v1/completions`). Default: the model directory's name.
+    #[arg(long, env = "XDISTILL_SERVED_MODEL_NAME")]
+    pub served_model_name: Option<String>,
     /// When set, every route but /health needs `Authorization: Bearer KEY`.
     #[arg(long, env = "XDISTILL_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
@@ -61,6 +65,16 @@ pub struct Args {
 }
 
 impl Args {
+    /// `--served-model-name`, or the model directory's name.
+    pub fn model_name(&self) -> String {
+        self.served_model_name.clone().unwrap_or_else(|| {
+            let abs = std::path::absolute(&self.model).unwrap_or_else(|_| self.model.clone());
+            abs.file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "teacher".into())
+        })
+    }
+
     /// Constraints between flags that clap cannot express.
     pub fn check(&self) -> Result<(), String> {
         if self.max_batch_tokens == 0 {
@@ -80,6 +94,9 @@ impl Args {
         }
         if self.max_body_bytes == 0 {
             return Err("--max-body-bytes must be at least 1".into());
+        }
+        if matches!(&self.served_model_name, Some(n) if n.trim().is_empty()) {
+            return Err("--served-model-name must not be empty".into());
         }
         if matches!(&self.api_key, Some(k) if k.trim().is_empty()) {
             return Err("--api-key must not be empty".into());
@@ -113,5 +130,11 @@ mod tests {
         let bad = Args::try_parse_from(["teacher", "--model", "m", "--dtype", "int4"]).unwrap();
         assert!(bad.check().is_err());
         assert!(Args::try_parse_from(["teacher", "--model", "m", "--port", "x"]).is_err());
+        // The served name defaults to the directory's name.
+        let a = Args::try_parse_from(["teacher", "--model", "/models/Qwen3-8B/"]).unwrap();
+        assert_eq!(a.model_name(), "Qwen3-8B");
+        let a =
+            Args::try_parse_from(["teacher", "--model", "m", "--served-model-name", "t"]).unwrap();
+        assert_eq!(a.model_name(), "t");
     }
 }

@@ -10,6 +10,7 @@
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::topk::ScoreParams;
+use crate::validation::{Candidates, ValidSequence};
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
@@ -42,14 +43,17 @@ pub struct Job {
     pub ids: Arc<[u32]>,
     pub start: usize,
     pub params: ScoreParams,
+    /// `[rows, m]` candidate ids to score exactly, if asked for.
+    pub candidates: Option<Candidates>,
     pub reply: oneshot::Sender<JobResult>,
     pub admission: Admission,
 }
 
 impl Job {
-    /// Tokens the model reads: `S - 1` (the last token predicts nothing we return).
+    /// Tokens the model reads: `S - 1` (the last token predicts nothing we return), or all `S`
+    /// when a next token is asked for.
     pub fn input_tokens(&self) -> usize {
-        self.ids.len().saturating_sub(1)
+        (self.ids.len() + self.params.next.is_some() as usize).saturating_sub(1)
     }
 }
 
@@ -117,11 +121,10 @@ impl Batcher {
     pub async fn submit(
         &self,
         ticket: &mut Ticket,
-        ids: Arc<[u32]>,
-        start: usize,
+        seq: &ValidSequence,
         params: ScoreParams,
     ) -> Result<oneshot::Receiver<JobResult>, ApiError> {
-        let tokens = ids.len().saturating_sub(1);
+        let tokens = seq.input_tokens();
         let permit = ticket
             .permit
             .split(tokens)
@@ -135,9 +138,10 @@ impl Batcher {
         };
         let (reply, rx) = oneshot::channel();
         let job = Job {
-            ids,
-            start,
+            ids: seq.ids.clone(),
+            start: seq.start,
             params,
+            candidates: seq.candidates.clone(),
             reply,
             admission,
         };
@@ -247,10 +251,15 @@ mod tests {
     use xdistill_shared::protocol::ValuesKind;
 
     fn params() -> ScoreParams {
-        ScoreParams {
-            k: 2,
-            temperature: 1.0,
-            values: ValuesKind::Logprobs,
+        ScoreParams::native(2, 1.0, ValuesKind::Logprobs)
+    }
+
+    fn seq(ids: Vec<u32>) -> ValidSequence {
+        ValidSequence {
+            ids: ids.into(),
+            start: 0,
+            next_row: false,
+            candidates: None,
         }
     }
 
@@ -288,8 +297,11 @@ mod tests {
         let mut rxs = Vec::new();
         for n in [3u32, 4, 5, 6, 7] {
             // 5 sequences of 4 input tokens (5 ids) each: at most 3 fit 12 padded tokens.
-            let ids: Arc<[u32]> = Arc::from(vec![n; 5]);
-            rxs.push(b.submit(&mut ticket, ids, 0, params()).await.unwrap());
+            rxs.push(
+                b.submit(&mut ticket, &seq(vec![n; 5]), params())
+                    .await
+                    .unwrap(),
+            );
         }
         let mut sizes = Vec::new();
         for _ in 0..2 {
@@ -317,12 +329,12 @@ mod tests {
         let b = Batcher::start(cfg(100, 20), wtx, metrics);
         let mut ticket = b.admit(8).unwrap();
         let gone = b
-            .submit(&mut ticket, Arc::from(vec![1u32; 5]), 0, params())
+            .submit(&mut ticket, &seq(vec![1u32; 5]), params())
             .await
             .unwrap();
         drop(gone);
         let _kept = b
-            .submit(&mut ticket, Arc::from(vec![2u32; 5]), 0, params())
+            .submit(&mut ticket, &seq(vec![2u32; 5]), params())
             .await
             .unwrap();
         let batch = wrx.recv().await.unwrap();

@@ -1,6 +1,7 @@
 //! Result cache: one entry per scored sequence, weighted by its size in bytes.
 
-use crate::topk::ScoreParams;
+use crate::topk::{NextToken, ScoreParams};
+use crate::validation::ValidSequence;
 use moka::future::Cache;
 use sha2::{Digest, Sha256};
 use std::sync::Arc;
@@ -9,22 +10,43 @@ use xdistill_shared::protocol::{SequenceScores, ValuesKind};
 /// A 128-bit digest of everything that determines a sequence's scores.
 pub type CacheKey = u128;
 
-/// The key of one sequence: model fingerprint, ids, k, temperature bits, values and start.
-pub fn cache_key(fingerprint: &str, ids: &[u32], start: usize, p: &ScoreParams) -> CacheKey {
+/// The key of one sequence: model fingerprint, ids, start, every score parameter (k,
+/// temperature bits, values, ranks, next-token mode and seed) and the candidate ids.
+pub fn cache_key(fingerprint: &str, seq: &ValidSequence, p: &ScoreParams) -> CacheKey {
     let mut h = Sha256::new();
     h.update((fingerprint.len() as u64).to_le_bytes());
     h.update(fingerprint.as_bytes());
-    h.update((ids.len() as u64).to_le_bytes());
-    for id in ids {
-        h.update(id.to_le_bytes());
-    }
+    let ids_bytes = |h: &mut Sha256, ids: &[u32]| {
+        h.update((ids.len() as u64).to_le_bytes());
+        for id in ids {
+            h.update(id.to_le_bytes());
+        }
+    };
+    ids_bytes(&mut h, &seq.ids);
     h.update((p.k as u64).to_le_bytes());
     h.update(p.temperature.to_bits().to_le_bytes());
     h.update([match p.values {
         ValuesKind::Logprobs => 0u8,
         ValuesKind::Logits => 1u8,
     }]);
-    h.update((start as u64).to_le_bytes());
+    h.update((seq.start as u64).to_le_bytes());
+    h.update([p.ranks as u8]);
+    match p.next {
+        None => h.update([0u8]),
+        Some(NextToken::Greedy) => h.update([1u8]),
+        Some(NextToken::Sample { seed }) => {
+            h.update([2u8]);
+            h.update(seed.to_le_bytes());
+        }
+    }
+    match &seq.candidates {
+        None => h.update([0u8]),
+        Some(c) => {
+            h.update([1u8]);
+            h.update((c.m as u64).to_le_bytes());
+            ids_bytes(&mut h, &c.ids);
+        }
+    }
     let d = h.finalize();
     let mut b = [0u8; 16];
     b.copy_from_slice(&d[..16]);
@@ -76,56 +98,86 @@ impl ScoreCache {
 mod tests {
     use super::*;
 
+    fn seq(ids: &[u32], start: usize) -> ValidSequence {
+        ValidSequence {
+            ids: ids.into(),
+            start,
+            next_row: false,
+            candidates: None,
+        }
+    }
+
     #[test]
     fn key_depends_on_every_part() {
-        let p = ScoreParams {
-            k: 4,
-            temperature: 1.0,
-            values: ValuesKind::Logprobs,
-        };
-        let base = cache_key("fp", &[1, 2, 3], 0, &p);
-        assert_eq!(base, cache_key("fp", &[1, 2, 3], 0, &p));
-        assert_ne!(base, cache_key("fq", &[1, 2, 3], 0, &p));
-        assert_ne!(base, cache_key("fp", &[1, 2, 4], 0, &p));
-        assert_ne!(base, cache_key("fp", &[1, 2, 3], 1, &p));
-        assert_ne!(
-            base,
-            cache_key("fp", &[1, 2, 3], 0, &ScoreParams { k: 5, ..p })
-        );
-        assert_ne!(
-            base,
+        let p = ScoreParams::native(4, 1.0, ValuesKind::Logprobs);
+        let s = seq(&[1, 2, 3], 0);
+        let base = cache_key("fp", &s, &p);
+        assert_eq!(base, cache_key("fp", &seq(&[1, 2, 3], 0), &p));
+        let mut others = vec![
+            cache_key("fq", &s, &p),
+            cache_key("fp", &seq(&[1, 2, 4], 0), &p),
+            cache_key("fp", &seq(&[1, 2, 3], 1), &p),
+            cache_key("fp", &s, &ScoreParams { k: 5, ..p }),
             cache_key(
                 "fp",
-                &[1, 2, 3],
-                0,
+                &s,
                 &ScoreParams {
                     temperature: 0.5,
                     ..p
-                }
-            )
-        );
-        assert_ne!(
-            base,
+                },
+            ),
             cache_key(
                 "fp",
-                &[1, 2, 3],
-                0,
+                &s,
                 &ScoreParams {
                     values: ValuesKind::Logits,
                     ..p
-                }
-            )
-        );
+                },
+            ),
+            cache_key("fp", &s, &ScoreParams { ranks: true, ..p }),
+            cache_key(
+                "fp",
+                &s,
+                &ScoreParams {
+                    next: Some(NextToken::Greedy),
+                    ..p
+                },
+            ),
+            cache_key(
+                "fp",
+                &s,
+                &ScoreParams {
+                    next: Some(NextToken::Sample { seed: 1 }),
+                    ..p
+                },
+            ),
+            cache_key(
+                "fp",
+                &s,
+                &ScoreParams {
+                    next: Some(NextToken::Sample { seed: 2 }),
+                    ..p
+                },
+            ),
+        ];
+        for (m, ids) in [(1usize, vec![7u32, 8]), (2, vec![7, 8]), (1, vec![7, 9])] {
+            let with = ValidSequence {
+                candidates: Some(crate::validation::Candidates { m, ids: ids.into() }),
+                ..s.clone()
+            };
+            others.push(cache_key("fp", &with, &p));
+        }
+        let n = others.len();
+        others.push(base);
+        others.sort_unstable();
+        others.dedup();
+        assert_eq!(others.len(), n + 1, "two different requests share a key");
     }
 
     #[tokio::test]
     async fn stores_and_disables() {
-        let p = ScoreParams {
-            k: 1,
-            temperature: 1.0,
-            values: ValuesKind::Logprobs,
-        };
-        let key = cache_key("fp", &[1, 2], 0, &p);
+        let p = ScoreParams::native(1, 1.0, ValuesKind::Logprobs);
+        let key = cache_key("fp", &seq(&[1, 2], 0), &p);
         let v = Arc::new(SequenceScores {
             rows: 1,
             k: 1,
@@ -133,6 +185,7 @@ mod tests {
             topk_values: vec![-0.1],
             target_logprobs: vec![-0.2],
             logsumexp: vec![0.3],
+            ..Default::default()
         });
         let c = ScoreCache::new(1 << 20);
         c.insert(key, v.clone()).await;

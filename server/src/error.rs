@@ -26,6 +26,13 @@ pub enum ApiError {
     },
     #[error("unsupported content type {0:?}: send application/json or application/msgpack")]
     UnsupportedMediaType(String),
+    /// The request asks for something this server does not do (e.g. `max_tokens: 2`: it
+    /// scores, it does not generate), or over a limit phrased as vLLM phrases it.
+    #[error("{field}: {message}")]
+    Unsupported { field: String, message: String },
+    /// A compatible route named a model this server does not serve.
+    #[error("the model `{0}` does not exist")]
+    ModelNotFound(String),
     #[error("missing or wrong bearer token")]
     Unauthorized,
     #[error("model is still loading")]
@@ -48,9 +55,17 @@ impl ApiError {
         }
     }
 
+    pub fn unsupported(field: impl Into<String>, message: impl Into<String>) -> ApiError {
+        ApiError::Unsupported {
+            field: field.into(),
+            message: message.into(),
+        }
+    }
+
     pub fn status(&self) -> StatusCode {
         match self {
-            ApiError::Malformed(_) => StatusCode::BAD_REQUEST,
+            ApiError::Malformed(_) | ApiError::Unsupported { .. } => StatusCode::BAD_REQUEST,
+            ApiError::ModelNotFound(_) => StatusCode::NOT_FOUND,
             ApiError::Invalid { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::PayloadTooLarge { .. } | ApiError::RequestTooLarge { .. } => {
                 StatusCode::PAYLOAD_TOO_LARGE
@@ -70,6 +85,8 @@ impl ApiError {
     pub fn label(&self) -> &'static str {
         match self {
             ApiError::Malformed(_) => "malformed_body",
+            ApiError::Unsupported { .. } => "unsupported_request",
+            ApiError::ModelNotFound(_) => "model_not_found",
             ApiError::Invalid { .. } => "invalid_request",
             ApiError::PayloadTooLarge { .. } => "payload_too_large",
             ApiError::RequestTooLarge { .. } => "request_too_large",
@@ -86,19 +103,26 @@ impl ApiError {
 
     pub fn body(&self) -> ErrorBody {
         let field = match self {
-            ApiError::Invalid { field, .. } => Some(field.clone()),
+            ApiError::Invalid { field, .. } | ApiError::Unsupported { field, .. } => {
+                Some(field.clone())
+            }
             ApiError::RequestTooLarge { .. } => Some("sequences".into()),
+            ApiError::ModelNotFound(_) => Some("model".into()),
             _ => None,
         };
         let message = match self {
-            ApiError::Invalid { message, .. } => message.clone(),
+            ApiError::Invalid { message, .. } | ApiError::Unsupported { message, .. } => {
+                message.clone()
+            }
             other => other.to_string(),
         };
         ErrorBody {
             error: ErrorDetail {
                 kind: self.label().into(),
                 message,
+                param: field.clone(),
                 field,
+                code: Some(self.status().as_u16()),
             },
         }
     }
@@ -141,6 +165,21 @@ mod tests {
         let b = e.body();
         assert_eq!(b.error.kind, "invalid_request");
         assert_eq!(b.error.field.as_deref(), Some("sequences[3][17]"));
+        // The OpenAI names of the same facts.
+        assert_eq!(b.error.param.as_deref(), Some("sequences[3][17]"));
+        assert_eq!(b.error.code, Some(422));
+        let json = serde_json::to_value(ApiError::Unauthorized.body()).unwrap();
+        assert_eq!(
+            json,
+            serde_json::json!({"error": {"type": "unauthorized",
+                "message": "missing or wrong bearer token", "param": null, "code": 401}})
+        );
+        let u = ApiError::unsupported("max_tokens", "at most 1");
+        assert_eq!(u.status(), StatusCode::BAD_REQUEST);
+        assert_eq!(
+            ApiError::ModelNotFound("x".into()).status(),
+            StatusCode::NOT_FOUND
+        );
         let q = ApiError::QueueFull {
             queued: 10,
             limit: 10,

@@ -1,12 +1,15 @@
 //! xdistill teacher server: batched, cached top-k log-probs of a Llama/Qwen model over HTTP.
 //!
-//! Request path: [`app`] (HTTP, auth, content negotiation) → [`validation`] → [`cache`] →
-//! [`batcher`] (admission, coalescing) → [`worker`] (the model, on its own thread) → [`topk`].
+//! Request path: [`app`] (HTTP, auth, the native route) or [`compat`] (the vLLM- and
+//! SGLang-compatible routes) → [`validation`] → [`engine`]: [`cache`] → [`batcher`] (admission,
+//! coalescing) → [`worker`] (the model, on its own thread) → [`topk`].
 
 pub mod app;
 pub mod args;
 pub mod batcher;
 pub mod cache;
+pub mod compat;
+pub mod engine;
 pub mod error;
 pub mod metrics;
 pub mod model;
@@ -15,6 +18,7 @@ pub mod shutdown;
 pub mod testing;
 pub mod topk;
 pub mod validation;
+pub mod vocab;
 pub mod worker;
 
 pub use args::Args;

@@ -1,8 +1,10 @@
 //! Loading the teacher: a Hugging Face directory → a [`Decoder`] plus the facts `/v1/info` reports.
 
+use crate::vocab::Vocab;
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
 use std::path::Path;
+use std::sync::Arc;
 use xdistill_shared::device::{device_name, dtype_name, parse_device, parse_dtype};
 use xdistill_shared::hf::ModelDir;
 use xdistill_shared::model::{Decoder, Ops};
@@ -35,9 +37,11 @@ pub struct ModelFacts {
     pub fingerprint: String,
     /// The teacher's `tokenizer.json`, served at `GET /tokenizer.json`.
     pub tokenizer_json: bytes::Bytes,
+    /// The tokenizer and every id's text, for the compatible routes.
+    pub vocab: Arc<Vocab>,
 }
 
-/// Reads everything but the weights (cheap: used by `--check-args` and before loading).
+/// Reads everything but the weights, and decodes every id once for the compatible routes.
 pub fn read_facts(dir: &ModelDir, dtype: DType, device: &Device) -> Result<ModelFacts, LoadError> {
     let arch = dir.config.arch()?;
     let tok = dir.load_tokenizer()?;
@@ -63,6 +67,7 @@ pub fn read_facts(dir: &ModelDir, dtype: DType, device: &Device) -> Result<Model
         tokenizer_sha256: dir.tokenizer_sha256()?,
         fingerprint: dir.fingerprint()?,
         tokenizer_json: tokenizer_json.into(),
+        vocab: Arc::new(Vocab::build(tok, tok_vocab.min(logits_size))),
     })
 }
 

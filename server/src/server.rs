@@ -80,6 +80,7 @@ pub async fn run(args: Args) -> Result<()> {
             max_body_bytes: args.max_body_bytes,
             max_wait_ms: args.max_wait_ms,
             api_key: args.api_key.clone(),
+            served_model_name: args.model_name(),
         },
         ready: OnceLock::new(),
         batcher,

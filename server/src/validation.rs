@@ -1,4 +1,6 @@
-//! Raw [`TopkRequest`] → [`ValidTopkRequest`], in one place. Every error names the field.
+//! Every scoring request, whatever route it came by, becomes a [`ValidTopkRequest`] here, in one
+//! place. Each route first translates its own body into a [`ScoreSpec`] (engine terms, with the
+//! route's own field names for errors); [`validate_spec`] checks it. Every error names the field.
 
 use crate::error::ApiError;
 use crate::topk::ScoreParams;
@@ -15,25 +17,36 @@ pub struct RequestLimits {
     pub max_queue_tokens: usize,
 }
 
-/// One sequence to score: rows `start..len-1` (the distribution predicting token `p + 1`).
+/// Candidate ids of one sequence, `[rows, m]` row-major.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Candidates {
+    pub m: usize,
+    pub ids: Arc<[u32]>,
+}
+
+/// One sequence to score: rows `start..S-1` (row `p` is the distribution predicting token
+/// `p + 1`), plus the row at `S - 1` when a next token is asked for.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ValidSequence {
     pub ids: Arc<[u32]>,
     pub start: usize,
+    /// Also score the position after the last token (the compatible routes' `max_tokens: 1`).
+    pub next_row: bool,
+    pub candidates: Option<Candidates>,
 }
 
 impl ValidSequence {
-    /// Number of result rows, `S - 1 - start`.
+    /// Number of result rows, `S - 1 - start` (+ 1 with a next row).
     pub fn rows(&self) -> usize {
-        self.ids.len() - 1 - self.start
+        self.ids.len() - 1 - self.start + self.next_row as usize
     }
-    /// Tokens the model must read: the last token predicts nothing we return, so `S - 1`
-    /// (0 when there are no rows: the sequence needs no forward at all).
+    /// Tokens the model must read: `S - 1` (the last token predicts nothing we return), or all
+    /// `S` with a next row; 0 when there are no rows (no forward at all).
     pub fn input_tokens(&self) -> usize {
         if self.rows() == 0 {
             0
         } else {
-            self.ids.len() - 1
+            self.ids.len() - 1 + self.next_row as usize
         }
     }
 }
@@ -50,105 +63,133 @@ impl ValidTopkRequest {
     }
 }
 
-/// Checks every field of `req` against `lim`.
+/// The request fields of one route, for error messages.
+#[derive(Debug, Clone, Copy)]
+pub struct FieldNames {
+    pub sequences: &'static str,
+    pub k: &'static str,
+    pub temperature: &'static str,
+    /// The shared start (`start`), or the per-sequence list (`starts`) when `per_sequence_start`.
+    pub start: &'static str,
+    pub ids: &'static str,
+}
+
+/// `/topk_logits`.
+pub const NATIVE_FIELDS: FieldNames = FieldNames {
+    sequences: "sequences",
+    k: "k",
+    temperature: "temperature",
+    start: "start",
+    ids: "ids",
+};
+
+/// Candidate ids as a route gives them.
+#[derive(Debug, Clone, Default)]
+pub enum CandidateSpec {
+    #[default]
+    None,
+    /// Per sequence, per returned row, a list of ids (`[n][rows][m]`): the native `ids`.
+    PerRow(Vec<Vec<Vec<u32>>>),
+    /// One list for every row of every sequence: SGLang's `token_ids_logprob`.
+    Shared(Vec<u32>),
+}
+
+/// A scoring request in engine terms, before validation.
+#[derive(Debug, Clone)]
+pub struct ScoreSpec {
+    pub sequences: Vec<Vec<u32>>,
+    /// One start per sequence.
+    pub starts: Vec<usize>,
+    /// Whether the starts were given per sequence (errors then name `start[i]`).
+    pub per_sequence_start: bool,
+    pub candidates: CandidateSpec,
+    pub params: ScoreParams,
+    pub names: FieldNames,
+}
+
+/// Checks every field of a native request against `lim`.
 pub fn validate(req: TopkRequest, lim: &RequestLimits) -> Result<ValidTopkRequest, ApiError> {
-    if req.k == 0 {
-        return Err(ApiError::invalid("k", "k must be at least 1"));
+    let n = req.sequences.len();
+    let mut names = NATIVE_FIELDS;
+    if let Some(starts) = &req.starts {
+        if starts.len() != n {
+            return Err(ApiError::invalid(
+                "starts",
+                format!("{} starts for {n} sequences", starts.len()),
+            ));
+        }
+        names.start = "starts";
     }
-    if req.k > lim.max_k {
+    let spec = ScoreSpec {
+        starts: (0..n).map(|i| req.start_of(i)).collect(),
+        per_sequence_start: req.starts.is_some(),
+        candidates: match req.ids {
+            Some(ids) => CandidateSpec::PerRow(ids),
+            None => CandidateSpec::None,
+        },
+        params: ScoreParams::native(req.k, req.temperature, req.values),
+        sequences: req.sequences,
+        names,
+    };
+    validate_spec(spec, lim)
+}
+
+/// Checks a request of any route against `lim`.
+pub fn validate_spec(spec: ScoreSpec, lim: &RequestLimits) -> Result<ValidTopkRequest, ApiError> {
+    let f = spec.names;
+    let p = spec.params;
+    check_k(p.k, f.k, lim)?;
+    if !p.temperature.is_finite() || p.temperature <= 0.0 {
         return Err(ApiError::invalid(
-            "k",
-            format!("k = {} exceeds the server's max-k {}", req.k, lim.max_k),
+            f.temperature,
+            format!("temperature must be finite and > 0, got {}", p.temperature),
         ));
     }
-    if req.k > lim.vocab_size {
+    if spec.sequences.is_empty() {
         return Err(ApiError::invalid(
-            "k",
-            format!(
-                "k = {} exceeds the vocabulary size {}",
-                req.k, lim.vocab_size
-            ),
-        ));
-    }
-    if !req.temperature.is_finite() || req.temperature <= 0.0 {
-        return Err(ApiError::invalid(
-            "temperature",
-            format!(
-                "temperature must be finite and > 0, got {}",
-                req.temperature
-            ),
-        ));
-    }
-    if req.sequences.is_empty() {
-        return Err(ApiError::invalid(
-            "sequences",
+            f.sequences,
             "at least one sequence is required",
         ));
     }
-    if let Some(starts) = &req.starts {
-        if starts.len() != req.sequences.len() {
+    if let CandidateSpec::PerRow(ids) = &spec.candidates {
+        if ids.len() != spec.sequences.len() {
             return Err(ApiError::invalid(
-                "starts",
+                f.ids,
                 format!(
-                    "{} starts for {} sequences",
-                    starts.len(),
-                    req.sequences.len()
+                    "{} candidate lists for {} sequences",
+                    ids.len(),
+                    spec.sequences.len()
                 ),
             ));
         }
     }
-    let mut sequences = Vec::with_capacity(req.sequences.len());
-    for (i, seq) in req.sequences.iter().enumerate() {
-        if seq.is_empty() {
-            return Err(ApiError::invalid(
-                format!("sequences[{i}]"),
-                "empty sequence",
-            ));
-        }
-        if seq.len() > lim.max_seq_len {
-            return Err(ApiError::invalid(
-                format!("sequences[{i}]"),
-                format!(
-                    "sequence of {} tokens exceeds max-seq-len {}",
-                    seq.len(),
-                    lim.max_seq_len
-                ),
-            ));
-        }
-        if let Some(j) = seq.iter().position(|&id| id as usize >= lim.vocab_size) {
-            return Err(ApiError::invalid(
-                format!("sequences[{i}][{j}]"),
-                format!("token id {} >= vocab size {}", seq[j], lim.vocab_size),
-            ));
-        }
-        let start = req.start_of(i);
-        if start >= seq.len() {
-            let field = if req.starts.is_some() {
-                format!("starts[{i}]")
-            } else {
-                "start".into()
-            };
-            return Err(ApiError::invalid(
-                field,
-                format!(
-                    "start {start} out of range for sequences[{i}] of length {} (must be < {})",
-                    seq.len(),
-                    seq.len()
-                ),
-            ));
-        }
+    if let CandidateSpec::Shared(ids) = &spec.candidates {
+        check_candidate_row(ids, f.ids.to_string(), lim)?;
+    }
+    let next_row = p.next.is_some();
+    let mut sequences = Vec::with_capacity(spec.sequences.len());
+    for (i, seq) in spec.sequences.iter().enumerate() {
+        let start = spec.starts[i];
+        let valid = check_sequence(i, seq, start, &spec, lim)?;
+        let rows = seq.len() - 1 - start + next_row as usize;
+        let candidates = match &spec.candidates {
+            CandidateSpec::None => None,
+            CandidateSpec::Shared(ids) => Some(Candidates {
+                m: ids.len(),
+                ids: ids.iter().copied().cycle().take(rows * ids.len()).collect(),
+            }),
+            CandidateSpec::PerRow(all) => Some(per_row_candidates(i, &all[i], rows, f, lim)?),
+        };
         sequences.push(ValidSequence {
-            ids: Arc::from(seq.as_slice()),
+            ids: valid,
             start,
+            next_row,
+            candidates,
         });
     }
     let valid = ValidTopkRequest {
         sequences,
-        params: ScoreParams {
-            k: req.k,
-            temperature: req.temperature,
-            values: req.values,
-        },
+        params: p,
     };
     let tokens = valid.input_tokens();
     if tokens > lim.max_queue_tokens {
@@ -160,9 +201,139 @@ pub fn validate(req: TopkRequest, lim: &RequestLimits) -> Result<ValidTopkReques
     Ok(valid)
 }
 
+fn check_k(k: usize, field: &str, lim: &RequestLimits) -> Result<(), ApiError> {
+    if k > lim.max_k {
+        return Err(ApiError::invalid(
+            field,
+            format!("{field} = {k} exceeds the server's max-k {}", lim.max_k),
+        ));
+    }
+    if k > lim.vocab_size {
+        return Err(ApiError::invalid(
+            field,
+            format!(
+                "{field} = {k} exceeds the vocabulary size {}",
+                lim.vocab_size
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Sequence `i`: not empty, not too long, ids in range, start in range.
+fn check_sequence(
+    i: usize,
+    seq: &[u32],
+    start: usize,
+    spec: &ScoreSpec,
+    lim: &RequestLimits,
+) -> Result<Arc<[u32]>, ApiError> {
+    let f = spec.names;
+    if seq.is_empty() {
+        return Err(ApiError::invalid(
+            format!("{}[{i}]", f.sequences),
+            "empty sequence",
+        ));
+    }
+    if seq.len() > lim.max_seq_len {
+        return Err(ApiError::invalid(
+            format!("{}[{i}]", f.sequences),
+            format!(
+                "sequence of {} tokens exceeds max-seq-len {}",
+                seq.len(),
+                lim.max_seq_len
+            ),
+        ));
+    }
+    if let Some(j) = seq.iter().position(|&id| id as usize >= lim.vocab_size) {
+        return Err(ApiError::invalid(
+            format!("{}[{i}][{j}]", f.sequences),
+            format!("token id {} >= vocab size {}", seq[j], lim.vocab_size),
+        ));
+    }
+    if start >= seq.len() {
+        let field = if spec.per_sequence_start {
+            format!("{}[{i}]", f.start)
+        } else {
+            f.start.to_string()
+        };
+        return Err(ApiError::invalid(
+            field,
+            format!(
+                "start {start} out of range for {}[{i}] of length {} (must be < {})",
+                f.sequences,
+                seq.len(),
+                seq.len()
+            ),
+        ));
+    }
+    Ok(Arc::from(seq))
+}
+
+/// One row of candidate ids: at most `max_k` of them, each a valid id.
+fn check_candidate_row(row: &[u32], field: String, lim: &RequestLimits) -> Result<(), ApiError> {
+    if row.len() > lim.max_k {
+        return Err(ApiError::invalid(
+            field,
+            format!(
+                "{} candidate ids exceed the server's max-k {}",
+                row.len(),
+                lim.max_k
+            ),
+        ));
+    }
+    if let Some(j) = row.iter().position(|&id| id as usize >= lim.vocab_size) {
+        return Err(ApiError::invalid(
+            format!("{field}[{j}]"),
+            format!("token id {} >= vocab size {}", row[j], lim.vocab_size),
+        ));
+    }
+    Ok(())
+}
+
+/// Sequence `i`'s `[rows][m]` candidates: one list per returned row, all of one length.
+fn per_row_candidates(
+    i: usize,
+    lists: &[Vec<u32>],
+    rows: usize,
+    f: FieldNames,
+    lim: &RequestLimits,
+) -> Result<Candidates, ApiError> {
+    if lists.len() != rows {
+        return Err(ApiError::invalid(
+            format!("{}[{i}]", f.ids),
+            format!(
+                "{} candidate rows for the {rows} returned rows of {}[{i}]",
+                lists.len(),
+                f.sequences
+            ),
+        ));
+    }
+    let m = lists.first().map_or(0, Vec::len);
+    let mut flat = Vec::with_capacity(rows * m);
+    for (r, row) in lists.iter().enumerate() {
+        if row.len() != m {
+            return Err(ApiError::invalid(
+                format!("{}[{i}][{r}]", f.ids),
+                format!(
+                    "{} ids where row 0 has {m}: every row needs the same count",
+                    row.len()
+                ),
+            ));
+        }
+        check_candidate_row(row, format!("{}[{i}][{r}]", f.ids), lim)?;
+        flat.extend_from_slice(row);
+    }
+    Ok(Candidates {
+        m,
+        ids: flat.into(),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::topk::NextToken;
     use xdistill_shared::protocol::ValuesKind;
 
     fn lim() -> RequestLimits {
@@ -182,6 +353,7 @@ mod tests {
             start: 0,
             starts: None,
             values: ValuesKind::Logprobs,
+            ids: None,
         }
     }
 
@@ -212,8 +384,6 @@ mod tests {
         assert_eq!(field_of(req(vec![vec![1; 9]])), "sequences[0]");
         assert_eq!(field_of(req(vec![])), "sequences");
         let mut r = req(vec![vec![1, 2]]);
-        r.k = 0;
-        assert_eq!(field_of(r.clone()), "k");
         r.k = 11;
         assert_eq!(field_of(r.clone()), "k");
         r.k = 3;
@@ -226,7 +396,65 @@ mod tests {
         assert_eq!(field_of(r.clone()), "start");
         r.start = 0;
         r.starts = Some(vec![0, 0]);
-        assert_eq!(field_of(r), "starts");
+        assert_eq!(field_of(r.clone()), "starts");
+        r.starts = Some(vec![5]);
+        assert_eq!(field_of(r), "starts[0]");
+    }
+
+    #[test]
+    fn k_zero_is_accepted() {
+        let mut r = req(vec![vec![1, 2, 3]]);
+        r.k = 0;
+        let v = validate(r, &lim()).unwrap();
+        assert_eq!(v.params.k, 0);
+        assert_eq!(v.sequences[0].rows(), 2);
+    }
+
+    #[test]
+    fn candidate_ids_are_checked_per_row() {
+        let mut r = req(vec![vec![1, 2, 3], vec![4, 5]]);
+        r.starts = Some(vec![0, 1]);
+        // Sequence 0 has 2 rows, sequence 1 none.
+        r.ids = Some(vec![vec![vec![7, 8], vec![9, 10]], vec![]]);
+        let v = validate(r.clone(), &lim()).unwrap();
+        let c = v.sequences[0].candidates.as_ref().unwrap();
+        assert_eq!((c.m, &*c.ids), (2, &[7u32, 8, 9, 10][..]));
+        assert_eq!(v.sequences[1].candidates.as_ref().unwrap().m, 0);
+        let mut bad = r.clone();
+        bad.ids = Some(vec![vec![vec![7, 8]], vec![]]);
+        assert_eq!(field_of(bad), "ids[0]");
+        let mut bad = r.clone();
+        bad.ids = Some(vec![vec![vec![7, 8], vec![9]], vec![]]);
+        assert_eq!(field_of(bad), "ids[0][1]");
+        let mut bad = r.clone();
+        bad.ids = Some(vec![vec![vec![7, 8], vec![9, 100]], vec![]]);
+        assert_eq!(field_of(bad), "ids[0][1][1]");
+        let mut bad = r.clone();
+        bad.ids = Some(vec![vec![vec![1; 11], vec![1; 11]], vec![]]);
+        assert_eq!(field_of(bad), "ids[0][0]");
+        let mut bad = r;
+        bad.ids = Some(vec![]);
+        assert_eq!(field_of(bad), "ids");
+    }
+
+    #[test]
+    fn shared_candidates_and_next_row() {
+        let spec = ScoreSpec {
+            sequences: vec![vec![1, 2, 3]],
+            starts: vec![1],
+            per_sequence_start: false,
+            candidates: CandidateSpec::Shared(vec![5, 6]),
+            params: ScoreParams {
+                next: Some(NextToken::Greedy),
+                ..ScoreParams::native(2, 1.0, ValuesKind::Logprobs)
+            },
+            names: NATIVE_FIELDS,
+        };
+        let v = validate_spec(spec, &lim()).unwrap();
+        let s = &v.sequences[0];
+        // Rows at positions 1 and 2 (the next row): every token is fed.
+        assert_eq!((s.rows(), s.input_tokens()), (2, 3));
+        assert_eq!(&*s.candidates.as_ref().unwrap().ids, &[5, 6, 5, 6]);
     }
 
     #[test]

@@ -9,7 +9,8 @@
 use crate::batcher::{Batch, Job};
 use crate::metrics::Metrics;
 use crate::model::{self, ModelFacts};
-use crate::topk::{self, ScoreParams, TopkPath};
+use crate::topk::{self, CandidateRows, RowLayout, ScoreParams, TopkPath};
+use crate::validation::Candidates;
 use candle_core::Device;
 use candle_core::{DType, Storage, Tensor};
 use std::panic::AssertUnwindSafe;
@@ -145,6 +146,54 @@ fn append(acc: &mut SequenceScores, s: SequenceScores) {
     acc.topk_values.extend(s.topk_values);
     acc.target_logprobs.extend(s.target_logprobs);
     acc.logsumexp.extend(s.logsumexp);
+    acc.ids_logprobs.extend(s.ids_logprobs);
+    acc.target_ranks.extend(s.target_ranks);
+}
+
+/// What the scorer needs of one sequence (a [`Job`] without its reply channel).
+#[derive(Clone, Copy)]
+pub struct SeqRef<'a> {
+    pub ids: &'a [u32],
+    pub start: usize,
+    pub params: &'a ScoreParams,
+    pub candidates: Option<&'a Candidates>,
+}
+
+impl SeqRef<'_> {
+    /// Positions scored are `start..end()`: up to `S - 1`, or `S` with a next row.
+    fn end(&self) -> usize {
+        self.ids.len() - 1 + self.params.next.is_some() as usize
+    }
+    /// Candidate ids of positions `p0..p1`.
+    fn candidates(&self, p0: usize, p1: usize) -> CandidateRows<'_> {
+        match self.candidates {
+            Some(c) => CandidateRows {
+                ids: &c.ids,
+                m: c.m,
+            }
+            .rows(p0 - self.start, p1 - self.start),
+            None => CandidateRows::default(),
+        }
+    }
+    /// An empty result to append rows to.
+    fn empty(&self) -> SequenceScores {
+        SequenceScores {
+            k: self.params.k,
+            m: self.candidates.map_or(0, |c| c.m),
+            ..Default::default()
+        }
+    }
+}
+
+impl Job {
+    fn seq(&self) -> SeqRef<'_> {
+        SeqRef {
+            ids: &self.ids,
+            start: self.start,
+            params: &self.params,
+            candidates: self.candidates.as_ref(),
+        }
+    }
 }
 
 fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
@@ -233,8 +282,14 @@ impl Worker {
         // 3. Per sequence: logits of its requested positions, then top-k.
         let mut out = Vec::with_capacity(b);
         for (i, job) in jobs.iter().enumerate() {
-            let mut acc = self.empty(&job.params);
-            self.score_positions(&hidden.get(i)?, 0, job, &mut acc, timing)?;
+            let seq = job.seq();
+            let mut acc = seq.empty();
+            let span = HiddenSpan {
+                states: &hidden.get(i)?,
+                first: 0,
+            };
+            self.scorer
+                .score(&self.decoder, span, seq, &mut acc, timing)?;
             out.push(acc);
         }
         Ok(out)
@@ -244,7 +299,8 @@ impl Worker {
     fn compute_long(&self, job: &Job, timing: &mut Timing) -> candle_core::Result<SequenceScores> {
         let dev = self.decoder.device();
         let mut cache = KvCache::default();
-        let mut acc = self.empty(&job.params);
+        let seq = job.seq();
+        let mut acc = seq.empty();
         let n = job.input_tokens();
         for c0 in (0..n).step_by(self.max_batch_tokens) {
             let c1 = (c0 + self.max_batch_tokens).min(n);
@@ -255,82 +311,93 @@ impl Worker {
                 .forward_hidden(&ids, Some(&mut cache), None, None)?
                 .get(0)?; // [c, H]
             timing.forward += f0.elapsed();
-            self.score_positions(&hidden, c0, job, &mut acc, timing)?;
+            let span = HiddenSpan {
+                states: &hidden,
+                first: c0,
+            };
+            self.scorer
+                .score(&self.decoder, span, seq, &mut acc, timing)?;
         }
         Ok(acc)
     }
+}
 
-    fn empty(&self, p: &ScoreParams) -> SequenceScores {
-        SequenceScores {
-            k: p.k,
-            ..Default::default()
-        }
-    }
-
-    /// `hidden`: [n, H], the states of positions `first..first + n` of `job`'s sequence. Appends
-    /// to `acc` the rows of the requested positions (`start..S-1`) that fall in that range.
-    fn score_positions(
-        &self,
-        hidden: &Tensor,
-        first: usize,
-        job: &Job,
-        acc: &mut SequenceScores,
-        timing: &mut Timing,
-    ) -> candle_core::Result<()> {
-        self.scorer.score(
-            &self.decoder,
-            hidden,
-            first,
-            &job.ids,
-            job.start,
-            &job.params,
-            acc,
-            timing,
-        )
-    }
+/// Hidden states `[n, H]` of positions `first..first + n` of one sequence.
+#[derive(Clone, Copy)]
+pub struct HiddenSpan<'a> {
+    pub states: &'a Tensor,
+    pub first: usize,
 }
 
 impl Scorer {
-    /// `hidden`: [n, H], the states of positions `first..first + n` of sequence `ids`. Appends to
-    /// `acc` the rows of the requested positions (`start..S-1`) in that range, a chunk of
-    /// [`Scorer::chunk_rows`] positions at a time (row p predicts `ids[p + 1]`).
-    #[allow(clippy::too_many_arguments)]
+    /// Appends to `acc` the rows of `seq`'s requested positions (`start..end`) that fall in
+    /// `span`, a chunk of [`Scorer::chunk_rows`] positions at a time (row p predicts `ids[p + 1]`).
+    /// The next row (position `S - 1`, with a next token asked for) chooses its own target.
     fn score(
         &self,
         decoder: &Decoder,
-        hidden: &Tensor,
-        first: usize,
-        ids: &[u32],
-        start: usize,
-        params: &ScoreParams,
+        span: HiddenSpan<'_>,
+        seq: SeqRef<'_>,
         acc: &mut SequenceScores,
         timing: &mut Timing,
     ) -> candle_core::Result<()> {
+        let (hidden, first) = (span.states, span.first);
         let n = hidden.dim(0)?;
-        let lo = first.max(start);
-        let hi = (first + n).min(ids.len().saturating_sub(1));
+        let lo = first.max(seq.start);
+        let hi = (first + n).min(seq.end());
+        // Rows with a known target: positions before S - 1.
+        let known = hi.min(seq.ids.len() - 1);
+        let params = seq.params;
         let mut c0 = lo;
-        while c0 < hi {
-            let c1 = (c0 + self.chunk_rows).min(hi);
+        while c0 < known {
+            let c1 = (c0 + self.chunk_rows).min(known);
             let f0 = Instant::now();
             // [c, H] -> [c, V] in the model dtype.
             let logits = decoder.logits(&hidden.narrow(0, c0 - first, c1 - c0)?)?;
             timing.forward += f0.elapsed();
-            let targets = &ids[c0 + 1..c1 + 1];
+            let targets = &seq.ids[c0 + 1..c1 + 1];
+            let cands = seq.candidates(c0, c1);
             let t0 = Instant::now();
             let s = if self.on_device && device_topk_fits(params.k) {
-                self.score_on_device(&logits, targets, params)?
+                self.score_on_device(&logits, targets, cands, params)?
             } else {
                 let logits = logits.to_dtype(DType::F32)?.contiguous()?;
                 with_host_f32(&logits, |rows| {
-                    topk::score_rows(rows, self.logits_size, self.vocab, targets, params)
+                    topk::score_rows(rows, self.layout(), targets, cands, params)
                 })?
             };
             timing.topk += t0.elapsed();
             append(acc, s);
             c0 = c1;
         }
+        if let Some(how) = params.next {
+            let last = seq.ids.len() - 1;
+            if (lo..hi).contains(&last) {
+                let f0 = Instant::now();
+                let logits = decoder.logits(&hidden.narrow(0, last - first, 1)?)?;
+                let logits = logits.to_dtype(DType::F32)?.contiguous()?;
+                timing.forward += f0.elapsed();
+                let t0 = Instant::now();
+                let cands = seq.candidates(last, last + 1);
+                let (s, token) = with_host_f32(&logits, |row| {
+                    let valid = self.vocab.min(self.logits_size);
+                    let token = topk::choose_next(&row[..valid], params.temperature, how);
+                    let s = topk::score_rows(row, self.layout(), &[token], cands, params);
+                    (s, token)
+                })?;
+                timing.topk += t0.elapsed();
+                append(acc, s);
+                acc.next_token = Some(token);
+            }
+        }
         Ok(())
+    }
+
+    fn layout(&self) -> RowLayout {
+        RowLayout {
+            width: self.logits_size,
+            valid: self.vocab,
+        }
     }
 
     /// Top-k, target log-prob and logsumexp of `logits` [c, V] where they are; only the `[c, k]`
@@ -339,37 +406,65 @@ impl Scorer {
         &self,
         logits: &Tensor,
         targets: &[u32],
+        cands: CandidateRows<'_>,
         p: &ScoreParams,
     ) -> candle_core::Result<SequenceScores> {
-        let tg = Tensor::new(targets, logits.device())?;
-        let r = xdistill_shared::topk::topk_rows(
-            logits,
-            &tg,
-            p.k,
-            p.temperature,
-            self.vocab.min(self.logits_size),
-            p.values,
-        )?;
-        Ok(SequenceScores {
+        let dev = logits.device();
+        let tg = Tensor::new(targets, dev)?;
+        let ct = match cands.m {
+            0 => None,
+            m => Some(Tensor::from_slice(cands.ids, (targets.len(), m), dev)?),
+        };
+        let q = xdistill_shared::topk::RowQuery {
+            k: p.k,
+            temperature: p.temperature,
+            valid: self.vocab.min(self.logits_size),
+            values: p.values,
+            ranks: p.ranks,
+        };
+        let r = xdistill_shared::topk::topk_rows(logits, &tg, ct.as_ref(), &q)?;
+        let mut s = SequenceScores {
             rows: targets.len(),
             k: p.k,
             topk_ids: r.ids.flatten_all()?.to_vec1()?,
             topk_values: r.values.flatten_all()?.to_vec1()?,
             target_logprobs: r.target_logprobs.to_vec1()?,
             logsumexp: r.logsumexp.to_vec1()?,
-        })
+            m: cands.m,
+            ids_logprobs: match r.ids_logprobs {
+                Some(t) => t.flatten_all()?.to_vec1()?,
+                None => Vec::new(),
+            },
+            target_ranks: match r.target_ranks {
+                Some(t) => t.to_vec1()?,
+                None => Vec::new(),
+            },
+            next_token: None,
+        };
+        // A target inside the top k is ranked by its position there (as on the host path); the
+        // device count ranks ties last, which differs only for tied values.
+        for (row, &t) in targets.iter().enumerate().take(s.target_ranks.len()) {
+            if let Some(j) = s.topk_ids[row * p.k..(row + 1) * p.k]
+                .iter()
+                .position(|&id| id == t)
+            {
+                s.target_ranks[row] = j as u32 + 1;
+            }
+        }
+        Ok(s)
     }
 }
 
 /// The device sort keeps 2k candidates per chunk of [`xdistill_shared::topk::SORT_CHUNK`] columns;
 /// larger k (only with a raised `--max-k`) goes to the host path.
 fn device_topk_fits(k: usize) -> bool {
-    k >= 1 && 2 * k <= xdistill_shared::topk::SORT_CHUNK
+    2 * k <= xdistill_shared::topk::SORT_CHUNK
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::topk::NextToken;
     use candle_nn::VarBuilder;
     use xdistill_shared::hf::ModelConfig;
     use xdistill_shared::model::Ops;
@@ -419,9 +514,14 @@ mod tests {
             .collect();
         let full: Vec<Vec<f32>> = dec.logits(&hidden).unwrap().to_vec2().unwrap();
         let p = ScoreParams {
-            k: 6,
-            temperature: 0.8,
-            values: ValuesKind::Logprobs,
+            ranks: true,
+            ..ScoreParams::native(6, 0.8, ValuesKind::Logprobs)
+        };
+        // Candidate ids: 3 per requested row, spread over the valid vocabulary.
+        let rows = first + n - start;
+        let cands = Candidates {
+            m: 3,
+            ids: (0..rows * 3).map(|i| (i * 2011 % VALID) as u32).collect(),
         };
         for on_device in [false, true] {
             for chunk_rows in [1, 3, 64] {
@@ -431,20 +531,27 @@ mod tests {
                     chunk_rows,
                     on_device,
                 };
-                let mut acc = SequenceScores {
-                    k: p.k,
-                    ..Default::default()
+                let seq = SeqRef {
+                    ids: &ids,
+                    start,
+                    params: &p,
+                    candidates: Some(&cands),
                 };
+                let mut acc = seq.empty();
                 let mut timing = Timing::default();
+                let span = HiddenSpan {
+                    states: &hidden,
+                    first,
+                };
                 scorer
-                    .score(&dec, &hidden, first, &ids, start, &p, &mut acc, &mut timing)
+                    .score(&dec, span, seq, &mut acc, &mut timing)
                     .unwrap();
                 acc.check_shapes().unwrap();
                 // Requested rows: positions start..first+n (row p predicts ids[p + 1]).
-                assert_eq!(acc.rows, first + n - start);
+                assert_eq!(acc.rows, rows);
                 for (r, pos) in (start..first + n).enumerate() {
-                    let (top, tl, lse) =
-                        reference(&full[pos - first], ids[pos + 1] as usize, p.k, 0.8);
+                    let row = &full[pos - first];
+                    let (top, tl, lse) = reference(row, ids[pos + 1] as usize, p.k, 0.8);
                     let what = format!("device {on_device} chunk {chunk_rows} row {r}");
                     let got_ids: Vec<u32> = top.iter().map(|e| e.0).collect();
                     assert_eq!(acc.ids_row(r), got_ids.as_slice(), "{what}");
@@ -457,8 +564,71 @@ mod tests {
                     }
                     assert!((acc.target_logprobs[r] as f64 - tl).abs() < 1e-4, "{what}");
                     assert!((acc.logsumexp[r] as f64 - lse).abs() < 1e-4, "{what}");
+                    for j in 0..3 {
+                        let c = cands.ids[r * 3 + j] as usize;
+                        let want = row[c] as f64 / 0.8 - lse;
+                        let got = acc.ids_logprobs_row(r)[j] as f64;
+                        assert!((got - want).abs() < 1e-4, "{what} cand {j}");
+                    }
+                    // Rank: 1 + the number of valid ids with a larger logit (no ties here).
+                    let zt = row[ids[pos + 1] as usize];
+                    let want_rank = 1 + row[..VALID].iter().filter(|&&x| x > zt).count();
+                    assert_eq!(acc.target_ranks[r] as usize, want_rank, "{what}");
                 }
             }
+        }
+    }
+
+    /// With a next token asked for, the position after the last token is scored too (its target
+    /// is the chosen token), on both paths and whatever the chunking; greedy takes the argmax.
+    #[test]
+    fn next_row_scores_the_chosen_token() {
+        let dec = decoder();
+        let ids: Vec<u32> = vec![5, 900, 33, 4000, 12];
+        let x = Tensor::new(ids.as_slice(), &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        let hidden = dec
+            .forward_hidden(&x, None, None, None)
+            .unwrap()
+            .get(0)
+            .unwrap(); // [5, H]
+        let full: Vec<Vec<f32>> = dec.logits(&hidden).unwrap().to_vec2().unwrap();
+        let p = ScoreParams {
+            next: Some(NextToken::Greedy),
+            ..ScoreParams::native(2, 1.0, ValuesKind::Logprobs)
+        };
+        for (on_device, chunk_rows) in [(false, 2), (true, 64)] {
+            let scorer = Scorer {
+                vocab: VALID,
+                logits_size: V,
+                chunk_rows,
+                on_device,
+            };
+            let seq = SeqRef {
+                ids: &ids,
+                start: 3,
+                params: &p,
+                candidates: None,
+            };
+            let mut acc = seq.empty();
+            let span = HiddenSpan {
+                states: &hidden,
+                first: 0,
+            };
+            scorer
+                .score(&dec, span, seq, &mut acc, &mut Timing::default())
+                .unwrap();
+            // Rows at positions 3 (predicting ids[4]) and 4 (the next token).
+            assert_eq!(acc.rows, 2);
+            let (top, _, _) = reference(&full[4], 0, 1, 1.0);
+            let token = acc.next_token.unwrap();
+            assert_eq!(token, top[0].0);
+            assert_eq!(acc.ids_row(1)[0], token);
+            assert!((acc.target_logprobs[1] as f64 - top[0].1).abs() < 1e-4);
+            let (_, tl, _) = reference(&full[3], ids[4] as usize, 1, 1.0);
+            assert!((acc.target_logprobs[0] as f64 - tl).abs() < 1e-4);
         }
     }
 
@@ -467,6 +637,6 @@ mod tests {
         assert!(!TopkPath::Auto.on_device(&Device::Cpu));
         assert!(TopkPath::Device.on_device(&Device::Cpu));
         assert!(!TopkPath::Host.on_device(&Device::Cpu));
-        assert!(device_topk_fits(1) && device_topk_fits(4096) && !device_topk_fits(4097));
+        assert!(device_topk_fits(0) && device_topk_fits(4096) && !device_topk_fits(4097));
     }
 }

@@ -92,11 +92,15 @@ struct JsonSequence {
     topk_values: Vec<Vec<f32>>,
     target_logprobs: Vec<f32>,
     logsumexp: Vec<f32>,
+    /// `[rows][m]`, only when the request sent candidate `ids`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    ids_logprobs: Option<Vec<Vec<f32>>>,
 }
 
-fn rows_of<T: Copy>(flat: &[T], k: usize) -> Vec<Vec<T>> {
+/// `[rows * k]` → `[rows][k]` (`rows` empty rows when `k = 0`).
+fn rows_of<T: Copy>(flat: &[T], rows: usize, k: usize) -> Vec<Vec<T>> {
     if k == 0 {
-        return Vec::new();
+        return vec![Vec::new(); rows];
     }
     flat.chunks(k).map(|c| c.to_vec()).collect()
 }
@@ -127,7 +131,8 @@ struct PackResponse {
     results: Vec<PackSequence>,
 }
 
-/// One sequence with its arrays as little-endian blobs; `shape` is `[rows, k]`.
+/// One sequence with its arrays as little-endian blobs; `shape` is `[rows, k]`, `ids_shape`
+/// `[rows, m]` (with `ids_logprobs`, only when the request sent candidate `ids`).
 #[derive(Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct PackSequence {
@@ -140,6 +145,10 @@ struct PackSequence {
     target_logprobs: Vec<u8>,
     #[serde(with = "serde_bytes")]
     logsumexp: Vec<u8>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    ids_shape: Option<[usize; 2]>,
+    #[serde(default, skip_serializing_if = "Option::is_none", with = "serde_bytes")]
+    ids_logprobs: Option<Vec<u8>>,
 }
 
 fn le_u32(v: &[u32]) -> Vec<u8> {
@@ -172,10 +181,11 @@ pub fn encode_response(format: Format, resp: &TopkResponse) -> Result<Vec<u8>, C
                     .results
                     .iter()
                     .map(|s| JsonSequence {
-                        topk_ids: rows_of(&s.topk_ids, s.k),
-                        topk_values: rows_of(&s.topk_values, s.k),
+                        topk_ids: rows_of(&s.topk_ids, s.rows, s.k),
+                        topk_values: rows_of(&s.topk_values, s.rows, s.k),
                         target_logprobs: s.target_logprobs.clone(),
                         logsumexp: s.logsumexp.clone(),
+                        ids_logprobs: resp.with_ids.then(|| rows_of(&s.ids_logprobs, s.rows, s.m)),
                     })
                     .collect(),
             };
@@ -196,6 +206,8 @@ pub fn encode_response(format: Format, resp: &TopkResponse) -> Result<Vec<u8>, C
                         topk_values: le_f32(&s.topk_values),
                         target_logprobs: le_f32(&s.target_logprobs),
                         logsumexp: le_f32(&s.logsumexp),
+                        ids_shape: resp.with_ids.then_some([s.rows, s.m]),
+                        ids_logprobs: resp.with_ids.then(|| le_f32(&s.ids_logprobs)),
                     })
                     .collect(),
             };
@@ -209,11 +221,26 @@ pub fn decode_response(format: Format, body: &[u8]) -> Result<TopkResponse, Code
         Format::Json => {
             let r: JsonResponse = serde_json::from_slice(body)?;
             let k = r.k;
+            let mut with_ids = false;
             let results = r
                 .results
                 .into_iter()
                 .map(|s| {
-                    let rows = s.topk_ids.len();
+                    let rows = s.target_logprobs.len();
+                    if s.topk_ids.len() != rows {
+                        return Err(CodecError::Shape(format!(
+                            "{} top-k rows for {rows} target log-probs",
+                            s.topk_ids.len()
+                        )));
+                    }
+                    let (m, ids_logprobs) = match s.ids_logprobs {
+                        Some(v) => {
+                            with_ids = true;
+                            let m = v.first().map_or(0, Vec::len);
+                            (m, flatten(v, m)?)
+                        }
+                        None => (0, Vec::new()),
+                    };
                     // serde_json writes non-finite floats as null; they cannot occur in top-k
                     // values of a finite model, so a null is a malformed answer.
                     let seq = SequenceScores {
@@ -223,6 +250,9 @@ pub fn decode_response(format: Format, body: &[u8]) -> Result<TopkResponse, Code
                         topk_values: flatten(s.topk_values, k)?,
                         target_logprobs: s.target_logprobs,
                         logsumexp: s.logsumexp,
+                        m,
+                        ids_logprobs,
+                        ..Default::default()
                     };
                     seq.check_shapes().map_err(CodecError::Shape)?;
                     Ok(seq)
@@ -233,11 +263,13 @@ pub fn decode_response(format: Format, body: &[u8]) -> Result<TopkResponse, Code
                 values: r.values,
                 temperature: r.temperature,
                 model: r.model,
+                with_ids,
                 results,
             })
         }
         Format::Msgpack => {
             let r: PackResponse = rmp_serde::from_slice(body)?;
+            let with_ids = r.results.iter().any(|s| s.ids_shape.is_some());
             let results = r
                 .results
                 .into_iter()
@@ -260,7 +292,26 @@ pub fn decode_response(format: Format, body: &[u8]) -> Result<TopkResponse, Code
                             f32::from_le_bytes,
                         )?,
                         logsumexp: from_le(&s.logsumexp, rows, "logsumexp", f32::from_le_bytes)?,
+                        ..Default::default()
                     };
+                    let seq =
+                        match (s.ids_shape, s.ids_logprobs) {
+                            (Some([r, m]), Some(b)) if r == rows => SequenceScores {
+                                m,
+                                ids_logprobs: from_le(
+                                    &b,
+                                    rows * m,
+                                    "ids_logprobs",
+                                    f32::from_le_bytes,
+                                )?,
+                                ..seq
+                            },
+                            (None, None) => seq,
+                            _ => return Err(CodecError::Shape(
+                                "ids_shape and ids_logprobs must come together, with `rows` rows"
+                                    .into(),
+                            )),
+                        };
                     Ok(seq)
                 })
                 .collect::<Result<Vec<_>, CodecError>>()?;
@@ -269,6 +320,7 @@ pub fn decode_response(format: Format, body: &[u8]) -> Result<TopkResponse, Code
                 values: r.values,
                 temperature: r.temperature,
                 model: r.model,
+                with_ids,
                 results,
             })
         }
@@ -293,6 +345,7 @@ mod tests {
                     topk_values: vec![-0.1, -2.5, -0.3, -1.25],
                     target_logprobs: vec![-2.5, -9.0],
                     logsumexp: vec![3.5, 1.0],
+                    ..Default::default()
                 },
                 SequenceScores {
                     rows: 0,
@@ -300,7 +353,68 @@ mod tests {
                     ..Default::default()
                 },
             ],
+            with_ids: false,
         }
+    }
+
+    /// Version 2: `k = 0` (no top-k columns) and candidate-id log-probs.
+    fn sample_v2() -> TopkResponse {
+        TopkResponse {
+            k: 0,
+            values: ValuesKind::Logprobs,
+            temperature: 1.0,
+            model: "abc".into(),
+            results: vec![
+                SequenceScores {
+                    rows: 2,
+                    k: 0,
+                    target_logprobs: vec![-2.5, -9.0],
+                    logsumexp: vec![3.5, 1.0],
+                    m: 3,
+                    ids_logprobs: vec![-1.0, -2.0, -3.0, -4.0, -5.0, -6.0],
+                    ..Default::default()
+                },
+                SequenceScores {
+                    rows: 1,
+                    k: 0,
+                    target_logprobs: vec![-0.5],
+                    logsumexp: vec![2.0],
+                    m: 1,
+                    ids_logprobs: vec![-7.5],
+                    ..Default::default()
+                },
+            ],
+            with_ids: true,
+        }
+    }
+
+    #[test]
+    fn version_2_fields_round_trip() {
+        for f in [Format::Json, Format::Msgpack] {
+            let bytes = encode_response(f, &sample_v2()).unwrap();
+            assert_eq!(decode_response(f, &bytes).unwrap(), sample_v2(), "{f:?}");
+        }
+        // k = 0 keeps one (empty) row per position in JSON, so the row count survives.
+        let json: serde_json::Value =
+            serde_json::from_slice(&encode_response(Format::Json, &sample_v2()).unwrap()).unwrap();
+        assert_eq!(json["results"][0]["topk_ids"], serde_json::json!([[], []]));
+        assert_eq!(
+            json["results"][0]["ids_logprobs"],
+            serde_json::json!([[-1.0, -2.0, -3.0], [-4.0, -5.0, -6.0]])
+        );
+        // A version-1 answer carries no ids fields at all.
+        let v1: serde_json::Value =
+            serde_json::from_slice(&encode_response(Format::Json, &sample()).unwrap()).unwrap();
+        assert!(v1["results"][0].get("ids_logprobs").is_none());
+    }
+
+    #[test]
+    fn request_ids_round_trip() {
+        let req: TopkRequest =
+            serde_json::from_str(r#"{"sequences":[[1,2,3]],"k":0,"ids":[[[4,5],[6,7]]]}"#).unwrap();
+        assert_eq!(req.ids, Some(vec![vec![vec![4, 5], vec![6, 7]]]));
+        let packed = encode_request(Format::Msgpack, &req).unwrap();
+        assert_eq!(decode_request(Format::Msgpack, &packed).unwrap(), req);
     }
 
     #[test]

@@ -8,8 +8,9 @@ use serde::{Deserialize, Serialize};
 
 /// Path of the scoring route.
 pub const TOPK_PATH: &str = "/topk_logits";
-/// Protocol version, reported by `/v1/info`; bumped on incompatible changes.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// Protocol version, reported by `/v1/info`. Version 2 added `k = 0` and `ids` (backwards
+/// compatible: every version-1 request means the same and gets the same answer).
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// What `topk_values` holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
@@ -54,6 +55,11 @@ pub struct TopkRequest {
     pub starts: Option<Vec<usize>>,
     #[serde(default)]
     pub values: ValuesKind,
+    /// Optional candidate ids to score exactly (e.g. the student's own top-k): one entry per
+    /// sequence, each `[rows][m]` (the same `m` for every row of a sequence). The answer's
+    /// `ids_logprobs` holds the teacher's full-vocabulary log-probs at these ids.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ids: Option<Vec<Vec<Vec<u32>>>>,
 }
 
 impl TopkRequest {
@@ -69,7 +75,8 @@ impl TopkRequest {
 /// Scores of one sequence, row-major flat buffers.
 ///
 /// Shapes: `topk_ids` and `topk_values` are `[rows, k]`; `target_logprobs` and `logsumexp`
-/// are `[rows]`. Within a row, entries are sorted by descending value.
+/// are `[rows]`; `ids_logprobs` is `[rows, m]` (empty with `m = 0` unless candidate ids were
+/// asked for). Within a row, top-k entries are sorted by descending value.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct SequenceScores {
     pub rows: usize,
@@ -78,6 +85,16 @@ pub struct SequenceScores {
     pub topk_values: Vec<f32>,
     pub target_logprobs: Vec<f32>,
     pub logsumexp: Vec<f32>,
+    /// Candidate ids per row (0 when none were asked for).
+    pub m: usize,
+    /// `[rows, m]`: log-probs at the request's candidate ids.
+    pub ids_logprobs: Vec<f32>,
+    /// `[rows]` or empty: 1-based rank of each row's target over the whole vocabulary (ties
+    /// ranked last). Server-side only, for the vLLM-compatible route; never on the native wire.
+    pub target_ranks: Vec<u32>,
+    /// The token chosen after the last position (greedy or sampled) when a compatible route asked
+    /// for one; its row is the last row. Server-side only, never on the native wire.
+    pub next_token: Option<u32>,
 }
 
 impl SequenceScores {
@@ -89,12 +106,18 @@ impl SequenceScores {
     pub fn values_row(&self, r: usize) -> &[f32] {
         &self.topk_values[r * self.k..(r + 1) * self.k]
     }
+    /// Row `r` of the candidate-id log-probs, `[m]`.
+    pub fn ids_logprobs_row(&self, r: usize) -> &[f32] {
+        &self.ids_logprobs[r * self.m..(r + 1) * self.m]
+    }
     /// Approximate heap size, used to weigh cache entries.
     pub fn heap_bytes(&self) -> usize {
         4 * (self.topk_ids.len()
             + self.topk_values.len()
             + self.target_logprobs.len()
-            + self.logsumexp.len())
+            + self.logsumexp.len()
+            + self.ids_logprobs.len()
+            + self.target_ranks.len())
     }
     /// Checks that the buffer lengths agree with `rows` and `k`.
     pub fn check_shapes(&self) -> Result<(), String> {
@@ -103,15 +126,19 @@ impl SequenceScores {
             || self.topk_values.len() != rk
             || self.target_logprobs.len() != self.rows
             || self.logsumexp.len() != self.rows
+            || self.ids_logprobs.len() != self.rows * self.m
         {
             return Err(format!(
-                "inconsistent shapes: rows={} k={} ids={} values={} target={} lse={}",
+                "inconsistent shapes: rows={} k={} m={} ids={} values={} target={} lse={} \
+                 ids_logprobs={}",
                 self.rows,
                 self.k,
+                self.m,
                 self.topk_ids.len(),
                 self.topk_values.len(),
                 self.target_logprobs.len(),
-                self.logsumexp.len()
+                self.logsumexp.len(),
+                self.ids_logprobs.len()
             ));
         }
         Ok(())
@@ -126,10 +153,14 @@ pub struct TopkResponse {
     pub temperature: f32,
     /// Fingerprint of the model that produced the scores (same as `/v1/info`).
     pub model: String,
+    /// Whether the request sent candidate `ids` (then every result carries `ids_logprobs`).
+    pub with_ids: bool,
     pub results: Vec<SequenceScores>,
 }
 
-/// Error body of every non-2xx answer: `{"error": {"type": ..., "message": ..., "field": ...}}`.
+/// Error body of every non-2xx answer, on every route:
+/// `{"error": {"type": ..., "message": ..., "field": ..., "param": ..., "code": STATUS}}`.
+/// `param` and `code` make it the OpenAI error shape too (what vLLM's clients parse).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ErrorBody {
     pub error: ErrorDetail,
@@ -144,6 +175,12 @@ pub struct ErrorDetail {
     /// The offending request field, when there is one (e.g. `sequences[3][17]`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub field: Option<String>,
+    /// The same as `field`, under the OpenAI name (always sent; null when there is none).
+    #[serde(default)]
+    pub param: Option<String>,
+    /// The HTTP status code.
+    #[serde(default)]
+    pub code: Option<u16>,
 }
 
 /// Limits the server enforces, reported in `/v1/info`.

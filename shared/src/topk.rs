@@ -12,6 +12,20 @@ use candle_core::{DType, Result, Tensor, D};
 /// Widest row candle's CUDA sort handles.
 pub const SORT_CHUNK: usize = 8192;
 
+/// What to compute for each row.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RowQuery {
+    /// Top entries per row (0: none, only the target log-prob and logsumexp).
+    pub k: usize,
+    /// Logits are divided by it (> 0).
+    pub temperature: f32,
+    /// Real tokens: the first `valid` columns (the rest is LM-head padding).
+    pub valid: usize,
+    pub values: ValuesKind,
+    /// Also count each target's 1-based rank over the valid vocabulary (ties ranked last).
+    pub ranks: bool,
+}
+
 /// Results for `N` rows.
 pub struct TopkRows {
     /// `[N, k]` u32, by descending value.
@@ -22,73 +36,105 @@ pub struct TopkRows {
     pub target_logprobs: Tensor,
     /// `[N]` f32: logsumexp of `logits / temperature` over the valid vocabulary.
     pub logsumexp: Tensor,
+    /// `[N, m]` f32: log-probs at the candidate ids, when candidates were given.
+    pub ids_logprobs: Option<Tensor>,
+    /// `[N]` u32: `#{v < valid : z_v >= z_target}`, when ranks were asked for.
+    pub target_ranks: Option<Tensor>,
 }
 
-/// Scores logit rows `[N, V]` against `targets` `[N]` (u32).
+/// Scores logit rows `[N, V]` against `targets` `[N]` (u32) and optional `candidates` `[N, m]`
+/// (u32).
 ///
-/// Only the first `valid` columns take part (padded LM-head rows are excluded from the softmax and
-/// can never be returned). Requires `1 ≤ k ≤ valid` and `temperature > 0`.
+/// Only the first `q.valid` columns take part (padded LM-head rows are excluded from the softmax
+/// and can never be returned). Requires `k ≤ valid` and `temperature > 0`.
 pub fn topk_rows(
     logits: &Tensor,
     targets: &Tensor,
-    k: usize,
-    temperature: f32,
-    valid: usize,
-    values: ValuesKind,
+    candidates: Option<&Tensor>,
+    q: &RowQuery,
 ) -> Result<TopkRows> {
-    topk_rows_chunked(logits, targets, k, temperature, valid, values, SORT_CHUNK)
+    topk_rows_chunked(logits, targets, candidates, q, SORT_CHUNK)
 }
 
 /// [`topk_rows`] with an explicit sort width (tests use small widths to exercise the reduction).
 pub fn topk_rows_chunked(
     logits: &Tensor,
     targets: &Tensor,
-    k: usize,
-    temperature: f32,
-    valid: usize,
-    values: ValuesKind,
+    candidates: Option<&Tensor>,
+    q: &RowQuery,
     chunk: usize,
 ) -> Result<TopkRows> {
     let (n, v) = logits.dims2()?;
-    if k == 0 || k > valid || valid > v || chunk < 2 * k {
+    let RowQuery { k, valid, .. } = *q;
+    if k > valid || valid > v || chunk < 2 * k.max(1) {
         candle_core::bail!(
-            "topk_rows: need 1 <= k ({k}) <= valid ({valid}) <= V ({v}) and chunk ({chunk}) >= 2k"
+            "topk_rows: need k ({k}) <= valid ({valid}) <= V ({v}) and chunk ({chunk}) >= 2k"
         );
     }
     // 1. Scaled logits in f32: [N, Vv].
-    let z = (logits.narrow(1, 0, valid)?.to_dtype(DType::F32)? / temperature as f64)?;
+    let z = (logits.narrow(1, 0, valid)?.to_dtype(DType::F32)? / q.temperature as f64)?;
     // 2. logsumexp: [N, 1].
     let m = z.max_keepdim(D::Minus1)?;
     let lse = (z.broadcast_sub(&m)?.exp()?.sum_keepdim(D::Minus1)?.log()? + &m)?;
-    // 3. Target log-prob: [N, 1].
+    // 3. Target log-prob and rank: [N, 1].
     let tgt = z.gather(&targets.to_dtype(DType::U32)?.reshape((n, 1))?, D::Minus1)?;
+    let target_ranks = if q.ranks {
+        let ge = z.broadcast_ge(&tgt)?.to_dtype(DType::F32)?.sum(D::Minus1)?;
+        Some(ge.to_dtype(DType::U32)?)
+    } else {
+        None
+    };
     let target_lp = (tgt - &lse)?;
-    // 4. Candidates: (values, ids) [N, W], reduced until one sort suffices.
-    let ids = Tensor::arange(0u32, valid as u32, z.device())?
-        .unsqueeze(0)?
-        .broadcast_as((n, valid))?
-        .contiguous()?;
-    let (mut vals, mut cand) = (z.contiguous()?, ids);
-    while vals.dim(1)? > chunk {
-        (vals, cand) = reduce_chunks(&vals, &cand, k, chunk)?;
-    }
-    // 5. Final sort of ≤ chunk columns, keep k.
-    let order = vals
-        .arg_sort_last_dim(false)?
-        .narrow(1, 0, k)?
-        .contiguous()?;
-    let top_vals = vals.gather(&order, D::Minus1)?;
-    let top_ids = cand.gather(&order, D::Minus1)?;
-    let top_vals = match values {
-        ValuesKind::Logprobs => top_vals.broadcast_sub(&lse)?,
-        ValuesKind::Logits => top_vals,
+    // 4. Candidate-id log-probs: [N, m].
+    let ids_logprobs = match candidates {
+        Some(c) => Some(
+            z.gather(&c.to_dtype(DType::U32)?.contiguous()?, D::Minus1)?
+                .broadcast_sub(&lse)?,
+        ),
+        None => None,
+    };
+    let (top_ids, top_vals) = if k == 0 {
+        (
+            Tensor::zeros((n, 0), DType::U32, z.device())?,
+            Tensor::zeros((n, 0), DType::F32, z.device())?,
+        )
+    } else {
+        top_k(&z, &lse, q, chunk)?
     };
     Ok(TopkRows {
         ids: top_ids,
         values: top_vals,
         target_logprobs: target_lp.squeeze(1)?,
         logsumexp: lse.squeeze(1)?,
+        ids_logprobs,
+        target_ranks,
     })
+}
+
+/// Top `q.k` (ids, values) of scaled logits `z` [N, Vv] with logsumexp `lse` [N, 1].
+fn top_k(z: &Tensor, lse: &Tensor, q: &RowQuery, chunk: usize) -> Result<(Tensor, Tensor)> {
+    let (n, valid) = z.dims2()?;
+    // Candidates: (values, ids) [N, W], reduced until one sort suffices.
+    let ids = Tensor::arange(0u32, valid as u32, z.device())?
+        .unsqueeze(0)?
+        .broadcast_as((n, valid))?
+        .contiguous()?;
+    let (mut vals, mut cand) = (z.contiguous()?, ids);
+    while vals.dim(1)? > chunk {
+        (vals, cand) = reduce_chunks(&vals, &cand, q.k, chunk)?;
+    }
+    // Final sort of ≤ chunk columns, keep k.
+    let order = vals
+        .arg_sort_last_dim(false)?
+        .narrow(1, 0, q.k)?
+        .contiguous()?;
+    let top_vals = vals.gather(&order, D::Minus1)?;
+    let top_ids = cand.gather(&order, D::Minus1)?;
+    let top_vals = match q.values {
+        ValuesKind::Logprobs => top_vals.broadcast_sub(lse)?,
+        ValuesKind::Logits => top_vals,
+    };
+    Ok((top_ids, top_vals))
 }
 
 /// One reduction: `[N, W]` → `[N, ceil(W / chunk) * k]`, each chunk keeping its top k.
@@ -152,8 +198,19 @@ mod tests {
         let targets: Vec<u32> = (0..n).map(|r| ((r * 31) % valid) as u32).collect();
         let logits = Tensor::from_vec(data.clone(), (n, v), &Device::Cpu).unwrap();
         let tg = Tensor::new(targets.as_slice(), &Device::Cpu).unwrap();
-        let out =
-            topk_rows_chunked(&logits, &tg, k, t, valid, ValuesKind::Logprobs, chunk).unwrap();
+        let q = RowQuery {
+            k,
+            temperature: t,
+            valid,
+            values: ValuesKind::Logprobs,
+            ranks: true,
+        };
+        // Candidates: 3 ids per row spread over the valid vocabulary.
+        let cands: Vec<u32> = (0..n * 3).map(|i| ((i * 977) % valid) as u32).collect();
+        let ct = Tensor::from_vec(cands.clone(), (n, 3), &Device::Cpu).unwrap();
+        let out = topk_rows_chunked(&logits, &tg, Some(&ct), &q, chunk).unwrap();
+        let ilp: Vec<Vec<f32>> = out.ids_logprobs.unwrap().to_vec2().unwrap();
+        let ranks: Vec<u32> = out.target_ranks.unwrap().to_vec1().unwrap();
         let ids: Vec<Vec<u32>> = out.ids.to_vec2().unwrap();
         let vals: Vec<Vec<f32>> = out.values.to_vec2().unwrap();
         let tlp: Vec<f32> = out.target_logprobs.to_vec1().unwrap();
@@ -171,7 +228,40 @@ mod tests {
             }
             assert!((tlp[r] as f64 - t_lp).abs() < 1e-5);
             assert!((lse[r] as f64 - l).abs() < 1e-5);
+            let row = &data[r * v..r * v + valid];
+            for j in 0..3 {
+                let c = cands[r * 3 + j] as usize;
+                let want = row[c] as f64 / t as f64 - l;
+                assert!((ilp[r][j] as f64 - want).abs() < 1e-5, "row {r} cand {j}");
+            }
+            // Rank by a naive count in f64.
+            let zt = row[targets[r] as usize] as f64;
+            let want_rank = row.iter().filter(|&&x| x as f64 >= zt).count() as u32;
+            assert_eq!(ranks[r], want_rank, "row {r}");
         }
+    }
+
+    #[test]
+    fn k_zero_gives_target_and_logsumexp_only() {
+        let data: Vec<f32> = (0..2 * 50).map(|i| ((i * 37) % 50) as f32 / 7.0).collect();
+        let logits = Tensor::from_vec(data.clone(), (2, 50), &Device::Cpu).unwrap();
+        let tg = Tensor::new(&[3u32, 40], &Device::Cpu).unwrap();
+        let q = RowQuery {
+            k: 0,
+            temperature: 1.0,
+            valid: 45,
+            values: ValuesKind::Logprobs,
+            ranks: false,
+        };
+        let out = topk_rows(&logits, &tg, None, &q).unwrap();
+        assert_eq!(out.ids.dims(), &[2, 0]);
+        assert_eq!(out.values.dims(), &[2, 0]);
+        let tlp: Vec<f32> = out.target_logprobs.to_vec1().unwrap();
+        for (r, &t) in [3usize, 40].iter().enumerate() {
+            let (_, want, _) = reference(&data[r * 50..(r + 1) * 50], t, 1, 1.0, 45);
+            assert!((tlp[r] as f64 - want).abs() < 1e-5);
+        }
+        assert!(out.ids_logprobs.is_none() && out.target_ranks.is_none());
     }
 
     #[test]
@@ -190,8 +280,14 @@ mod tests {
     fn rejects_bad_arguments() {
         let l = Tensor::zeros((2, 10), DType::F32, &Device::Cpu).unwrap();
         let t = Tensor::zeros(2, DType::U32, &Device::Cpu).unwrap();
-        assert!(topk_rows(&l, &t, 0, 1.0, 10, ValuesKind::Logprobs).is_err());
-        assert!(topk_rows(&l, &t, 11, 1.0, 10, ValuesKind::Logprobs).is_err());
-        assert!(topk_rows(&l, &t, 3, 1.0, 12, ValuesKind::Logprobs).is_err());
+        let q = |k, valid| RowQuery {
+            k,
+            temperature: 1.0,
+            valid,
+            values: ValuesKind::Logprobs,
+            ranks: false,
+        };
+        assert!(topk_rows(&l, &t, None, &q(11, 10)).is_err());
+        assert!(topk_rows(&l, &t, None, &q(3, 12)).is_err());
     }
 }

@@ -128,6 +128,7 @@ fn make_batch(b: usize, len: usize, k: usize, vocab: usize, seed: u64) -> Batch 
             topk_values,
             target_logprobs: vec![0.0; rows],
             logsumexp: vec![0.0; rows],
+            ..Default::default()
         });
     }
     Batch { items, scores }

@@ -74,6 +74,7 @@ fn fake_scores(req: &TopkRequest) -> TopkResponse {
         values: req.values,
         temperature: req.temperature,
         model: "mock-model".into(),
+        with_ids: false,
         results,
     }
 }
@@ -86,6 +87,7 @@ fn request() -> TopkRequest {
         start: 1,
         starts: None,
         values: ValuesKind::Logprobs,
+        ids: None,
     }
 }
 
@@ -506,6 +508,7 @@ fn blocking_client_feeds_the_prefetcher() {
             start: 0,
             starts: None,
             values: ValuesKind::Logprobs,
+            ids: None,
         })
         .collect();
     let c2 = client.clone();

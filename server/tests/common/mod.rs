@@ -78,6 +78,7 @@ pub fn request(sequences: Vec<Vec<u32>>, k: usize) -> TopkRequest {
         start: 0,
         starts: None,
         values: ValuesKind::Logprobs,
+        ids: None,
     }
 }
 

@@ -712,6 +712,7 @@ mod tests {
             start: 0,
             starts: Some(vec![1, 0]),
             values: ValuesKind::Logprobs,
+            ids: None,
         };
         let seq = |rows: usize| SequenceScores {
             rows,
@@ -720,12 +721,14 @@ mod tests {
             topk_values: vec![0.0; rows * 2],
             target_logprobs: vec![0.0; rows],
             logsumexp: vec![0.0; rows],
+            ..Default::default()
         };
         let mut resp = TopkResponse {
             k: 2,
             values: ValuesKind::Logprobs,
             temperature: 1.0,
             model: "m".into(),
+            with_ids: false,
             // 4 tokens from 1: rows 2 (predicting tokens 2 and 3); 2 tokens from 0: 1 row.
             results: vec![seq(2), seq(1)],
         };

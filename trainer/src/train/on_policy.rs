@@ -215,6 +215,7 @@ fn score_same(s: &Setup, gens: &[Generation]) -> Result<(Vec<Sample>, Vec<Sequen
         start: 0,
         starts: Some(starts.clone()),
         values: ValuesKind::Logprobs,
+        ids: None,
     };
     let resp = s.client.topk(&req)?;
     // Lay the rows out as a `start = 0` answer (prompt rows zero, never trained on) so the
@@ -241,6 +242,7 @@ fn pad_front(sc: SequenceScores, start: usize) -> SequenceScores {
         topk_values: vec![0.0; start * k],
         target_logprobs: vec![0.0; start],
         logsumexp: vec![0.0; start],
+        ..Default::default()
     };
     out.topk_ids.extend(sc.topk_ids);
     out.topk_values.extend(sc.topk_values);
@@ -370,6 +372,7 @@ fn request_of(s: &Setup, items: &[Item]) -> TopkRequest {
         start: 0,
         starts: None,
         values: ValuesKind::Logprobs,
+        ids: None,
     }
 }
 

@@ -142,6 +142,7 @@ pub fn prepare(
         start: 0,
         starts: None,
         values: ValuesKind::Logprobs,
+        ids: None,
     };
     Prepared {
         batch,

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The Python client's tests (python/tests) against real `teacher` processes on a tiny model.
+#
+# Makes (or reuses) a virtual environment at target/pyenv with python/requirements-test.txt and
+# the client (`pip install ./python`), builds the `teacher` and `trainer` debug binaries unless
+# XDISTILL_BIN_DIR points at others, and runs pytest; pytest's exit status is this script's.
+# Extra arguments go to pytest (e.g. `scripts/python-tests.sh -k sglang -x`).
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+
+venv="$root/target/pyenv"
+py="$venv/bin/python"
+
+# 1. The venv: reinstalled only when the requirements or the client changed since last time.
+stamp_of() {
+  cat python/requirements-test.txt python/pyproject.toml python/README.md python/xdistill/*.py \
+    | sha256sum | cut -d' ' -f1
+}
+if [ ! -x "$py" ]; then
+  rm -rf "$venv"
+  python3 -m venv "$venv"
+fi
+stamp="$(stamp_of)"
+if [ "$(cat "$venv/.xdistill-stamp" 2>/dev/null || true)" != "$stamp" ]; then
+  pip_q=(--quiet --disable-pip-version-check)
+  "$py" -m pip install "${pip_q[@]}" -r python/requirements-test.txt
+  "$py" -m pip install "${pip_q[@]}" --force-reinstall --no-deps ./python
+  rm -rf python/build python/*.egg-info
+  echo "$stamp" > "$venv/.xdistill-stamp"
+fi
+
+# 2. The binaries (a no-op when they are up to date).
+if [ -z "${XDISTILL_BIN_DIR:-}" ]; then
+  cargo build --locked -p xdistill-server --bin teacher -p xdistill-trainer --bin trainer
+  XDISTILL_BIN_DIR="$root/target/debug"
+fi
+export XDISTILL_BIN_DIR
+
+# 3. The tokenizers the tiny model is built on.
+if [ -z "${XDISTILL_TOKENIZERS:-}" ]; then
+  XDISTILL_TOKENIZERS="$(scripts/get-tokenizers.sh)"
+fi
+export XDISTILL_TOKENIZERS
+
+# 4. The tests. They import the installed package (python/ itself is not on sys.path), so the
+#    packaging is tested too.
+exec "$py" -m pytest -q -p no:cacheprovider python/tests "$@"
