@@ -7,6 +7,12 @@
 //! Reports scored positions per second and latency percentiles with N concurrent clients, the
 //! wire size per position in JSON and MessagePack, the share of wall time the worker spends
 //! outside the model forward (from the server's `/metrics`), and cache hit vs miss latency.
+//!
+//! With `--routes 8,20,64` it instead compares the vLLM-compatible `/v1/completions`
+//! (`prompt_logprobs: k`, JSON) with the native `/topk_logits` (MessagePack) on the same
+//! requests, one at a time: server time per position (from the server's request-duration
+//! histogram), where it goes (forward, top-k, the rest: HTTP, JSON, encoding) and bytes per
+//! position. Run the teacher with `--cache-bytes 0` for it, so both routes compute every answer.
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
@@ -40,6 +46,12 @@ struct Args {
     /// Seed of the random sequences (default: from the clock, so a rerun misses the cache).
     #[arg(long)]
     seed: Option<u64>,
+    /// Compare the routes at these k instead (e.g. `8,20,64`): `--requests` requests per
+    /// round, `--rounds` rounds alternating which route goes first.
+    #[arg(long, value_delimiter = ',')]
+    routes: Option<Vec<usize>>,
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
 }
 
 struct Bench {
@@ -104,6 +116,114 @@ impl Bench {
     async fn metrics(&self) -> Result<String> {
         Ok(self.get("/metrics").send().await?.text().await?)
     }
+
+    /// Sends `req` to `/v1/completions` as vLLM's clients do (token-id prompts,
+    /// `prompt_logprobs: k`, `max_tokens: 0`); returns the response bytes.
+    async fn send_completions(&self, req: &TopkRequest) -> Result<usize> {
+        let body = serde_json::json!({
+            "prompt": req.sequences,
+            "max_tokens": 0,
+            "prompt_logprobs": req.k,
+            "temperature": req.temperature,
+        });
+        let mut r = self
+            .http
+            .post(format!("{}/v1/completions", self.args.url))
+            .json(&body);
+        if let Some(k) = &self.args.api_key {
+            r = r.bearer_auth(k);
+        }
+        let resp = r.send().await?;
+        let status = resp.status();
+        let bytes = resp.bytes().await?;
+        if !status.is_success() {
+            bail!("{status}: {}", String::from_utf8_lossy(&bytes));
+        }
+        Ok(bytes.len())
+    }
+}
+
+/// Totals of one route over a set of requests.
+#[derive(Default)]
+struct RouteTotals {
+    /// Server seconds: request durations, the worker's forward and top-k.
+    server: f64,
+    forward: f64,
+    topk: f64,
+    wall: f64,
+    positions: usize,
+    bytes: usize,
+}
+
+impl RouteTotals {
+    fn per_position_ms(&self, x: f64) -> f64 {
+        x * 1e3 / self.positions.max(1) as f64
+    }
+}
+
+/// The route comparison (`--routes`): the same requests through both routes, one at a time.
+async fn compare_routes(b: &Bench, ks: &[usize], rng: &mut impl Rng) -> Result<()> {
+    println!("| k | route | server ms / position | forward / top-k / rest (ms / position) | positions/s | bytes / position |");
+    println!("|---|---|---|---|---|---|");
+    let mut ratios = Vec::new();
+    for &k in ks {
+        let mut reqs: Vec<TopkRequest> = (0..b.args.requests)
+            .map(|_| b.random_request(rng))
+            .collect();
+        for r in &mut reqs {
+            r.k = k;
+        }
+        // [native, compatible]
+        let mut totals = [RouteTotals::default(), RouteTotals::default()];
+        for round in 0..b.args.rounds.max(1) {
+            for which in [round % 2, 1 - round % 2] {
+                let before = b.metrics().await?;
+                let t0 = Instant::now();
+                let t = &mut totals[which];
+                for req in &reqs {
+                    t.bytes += if which == 0 {
+                        b.send(req, Format::Msgpack).await?.1
+                    } else {
+                        b.send_completions(req).await?
+                    };
+                    t.positions += req.sequences.iter().map(|s| s.len() - 1).sum::<usize>();
+                }
+                t.wall += t0.elapsed().as_secs_f64();
+                let after = b.metrics().await?;
+                let delta = |name: &str| -> f64 {
+                    sample(&after, name).unwrap_or(0.0) - sample(&before, name).unwrap_or(0.0)
+                };
+                if delta("xdistill_cache_hits_total") > 0.0 {
+                    bail!("the teacher answered from its cache: run it with --cache-bytes 0");
+                }
+                t.server += delta("xdistill_request_duration_seconds_sum");
+                t.forward += delta("xdistill_batch_forward_duration_seconds_sum");
+                t.topk += delta("xdistill_batch_topk_duration_seconds_sum");
+            }
+        }
+        for (t, name) in totals
+            .iter()
+            .zip(["/topk_logits (msgpack)", "/v1/completions (JSON)"])
+        {
+            println!(
+                "| {k} | {name} | {:.3} | {:.3} / {:.3} / {:.3} | {:.0} | {:.1} |",
+                t.per_position_ms(t.server),
+                t.per_position_ms(t.forward),
+                t.per_position_ms(t.topk),
+                t.per_position_ms(t.server - t.forward - t.topk),
+                t.positions as f64 / t.wall,
+                t.bytes as f64 / t.positions.max(1) as f64
+            );
+        }
+        ratios.push((k, totals[1].server / totals[0].server));
+    }
+    println!();
+    for (k, r) in ratios {
+        println!(
+            "k = {k}: /v1/completions costs {r:.2}x the native route's server time per position"
+        );
+    }
+    Ok(())
 }
 
 fn percentile(sorted: &[Duration], q: f64) -> Duration {
@@ -162,6 +282,9 @@ async fn main() -> Result<()> {
 
     // 1. Warm-up.
     b.send(&b.random_request(&mut rng), Format::Msgpack).await?;
+    if let Some(ks) = &args.routes {
+        return compare_routes(&b, ks, &mut rng).await;
+    }
 
     // 2. Throughput and latency with N concurrent clients (fresh sequences: no cache hits).
     let before = b.metrics().await?;

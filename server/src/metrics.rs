@@ -63,6 +63,14 @@ impl Histogram {
     }
 }
 
+/// The routes whose durations `xdistill_request_duration_seconds` observes: every route that
+/// scores (native and compatible), so that benchmarks can compare them phase by phase.
+pub const SCORING_ROUTES: &[&str] = &[
+    xdistill_shared::protocol::TOPK_PATH,
+    "/v1/completions",
+    "/generate",
+];
+
 /// Every metric the server exports.
 pub struct Metrics {
     /// Finished requests by route and outcome label (`ok` or an error label).
@@ -127,7 +135,7 @@ impl Metrics {
             *m.entry((route.to_string(), outcome.to_string()))
                 .or_default() += 1;
         }
-        if route == xdistill_shared::protocol::TOPK_PATH {
+        if SCORING_ROUTES.contains(&route) {
             self.request_duration.observe(seconds);
         }
     }

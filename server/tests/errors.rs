@@ -136,14 +136,20 @@ async fn id_at_or_above_vocab() {
 }
 
 #[tokio::test]
-async fn k_zero_over_max_k_and_over_vocab() {
-    for k in [0, 40_001, VOCAB + 1] {
+async fn k_over_max_k_and_over_vocab() {
+    for k in [40_001, VOCAB + 1] {
         let r = post_json(serde_json::json!({"sequences": [[1, 2]], "k": k})).await;
         expect_error(r, 422, "invalid_request", Some("k")).await;
     }
-    // k equal to the vocabulary is allowed.
+    // k equal to the vocabulary is allowed, and so (since protocol version 2) is k = 0: one
+    // empty top-k row per position, with its target log-prob and logsumexp.
     let r = post_json(serde_json::json!({"sequences": [[1, 2]], "k": VOCAB})).await;
     assert_eq!(r.status(), 200);
+    let r = post_json(serde_json::json!({"sequences": [[1, 2, 3]], "k": 0})).await;
+    assert_eq!(r.status(), 200);
+    let v: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(v["results"][0]["topk_ids"], serde_json::json!([[], []]));
+    assert_eq!(v["results"][0]["target_logprobs"].as_array().unwrap().len(), 2);
 }
 
 #[tokio::test]
