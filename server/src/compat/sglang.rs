@@ -269,59 +269,51 @@ async fn run(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Response,
     let next = sampling.max_new_tokens == 1;
     let any_logprob = per.return_logprob.iter().any(|&b| b);
 
-    // Score the requested input rows (and the next row), or nothing at all.
+    // Score the requested input rows (and the next row), or nothing at all (the inputs are
+    // still checked).
+    let starts: Vec<usize> = (0..n)
+        .map(|i| {
+            if per.return_logprob[i] {
+                per.start[i]
+            } else {
+                sequences[i].len() - 1
+            }
+        })
+        .collect();
+    let candidates = match &per.candidates {
+        None => CandidateSpec::None,
+        Some(lists) => CandidateSpec::PerRow(
+            lists
+                .iter()
+                .zip(&sequences)
+                .zip(&starts)
+                .map(|((l, s), &start)| vec![l.clone(); s.len() - 1 - start + next as usize])
+                .collect(),
+        ),
+    };
+    let k = (0..n)
+        .filter(|&i| per.return_logprob[i])
+        .map(|i| per.top_n[i])
+        .max()
+        .unwrap_or(0);
+    let spec = ScoreSpec {
+        starts,
+        per_sequence_start: false,
+        candidates,
+        params: ScoreParams {
+            k,
+            temperature,
+            values: ValuesKind::Logprobs,
+            ranks: false,
+            next: next.then(|| next_token_mode(greedy, None, &sequences)),
+        },
+        names: FIELDS,
+        sequences: sequences.clone(),
+    };
+    let valid = validate_spec(spec, &ready.limits)?;
     let scores = if any_logprob || next {
-        let starts: Vec<usize> = (0..n)
-            .map(|i| {
-                if per.return_logprob[i] {
-                    per.start[i]
-                } else {
-                    sequences[i].len() - 1
-                }
-            })
-            .collect();
-        let candidates = match &per.candidates {
-            None => CandidateSpec::None,
-            Some(lists) => CandidateSpec::PerRow(
-                lists
-                    .iter()
-                    .zip(&sequences)
-                    .zip(&starts)
-                    .map(|((l, s), &start)| vec![l.clone(); s.len() - 1 - start + next as usize])
-                    .collect(),
-            ),
-        };
-        let k = (0..n)
-            .filter(|&i| per.return_logprob[i])
-            .map(|i| per.top_n[i])
-            .max()
-            .unwrap_or(0);
-        let spec = ScoreSpec {
-            starts,
-            per_sequence_start: false,
-            candidates,
-            params: ScoreParams {
-                k,
-                temperature,
-                values: ValuesKind::Logprobs,
-                ranks: false,
-                next: next.then(|| next_token_mode(greedy, None, &sequences)),
-            },
-            names: FIELDS,
-            sequences: sequences.clone(),
-        };
-        let valid = validate_spec(spec, &ready.limits)?;
         Some(engine::score(st, &valid).await?)
     } else {
-        let spec = ScoreSpec {
-            starts: sequences.iter().map(|s| s.len() - 1).collect(),
-            per_sequence_start: false,
-            candidates: CandidateSpec::None,
-            params: ScoreParams::native(0, 1.0, ValuesKind::Logprobs),
-            names: FIELDS,
-            sequences: sequences.clone(),
-        };
-        validate_spec(spec, &ready.limits)?;
         None
     };
     let rid = match &req.rid {

@@ -196,62 +196,41 @@ async fn complete(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Resp
         return Err(ApiError::invalid(format!("prompt[{i}]"), "empty prompt"));
     }
 
-    // Score: the prompt rows when log-probs of them are asked for, the next row for a token.
+    // Score: the prompt rows when log-probs of them are asked for, the next row for a token;
+    // nothing at all for `max_tokens: 0` without log-probs (the prompt is still checked).
+    let score = plan.prompt_rows() || max_tokens == 1;
     let k = plan.prompt_k.unwrap_or(0).max(plan.legacy_k.unwrap_or(0));
-    let scores = if plan.prompt_rows() || max_tokens == 1 {
-        let spec = ScoreSpec {
-            starts: sequences
-                .iter()
-                .map(|s| if plan.prompt_rows() { 0 } else { s.len() - 1 })
-                .collect(),
-            per_sequence_start: false,
-            candidates: CandidateSpec::None,
-            params: ScoreParams {
-                k,
-                temperature,
-                values: ValuesKind::Logprobs,
-                ranks: true,
-                next: (max_tokens == 1)
-                    .then(|| next_token_mode(greedy, req.seed.map(|s| s as u64), &sequences)),
-            },
-            names: FIELDS,
-            sequences,
-        };
-        let valid = validate_spec(spec, &ready.limits)?;
-        let scores = engine::score(st, &valid).await?;
-        let seqs = valid
-            .sequences
-            .into_iter()
-            .map(|s| s.ids.to_vec())
-            .collect();
-        (seqs, Some(scores))
+    let spec = ScoreSpec {
+        starts: sequences
+            .iter()
+            .map(|s| if plan.prompt_rows() { 0 } else { s.len() - 1 })
+            .collect(),
+        per_sequence_start: false,
+        candidates: CandidateSpec::None,
+        params: ScoreParams {
+            k,
+            temperature,
+            values: ValuesKind::Logprobs,
+            ranks: true,
+            next: (max_tokens == 1)
+                .then(|| next_token_mode(greedy, req.seed.map(|s| s as u64), &sequences)),
+        },
+        names: FIELDS,
+        sequences,
+    };
+    let valid = validate_spec(spec, &ready.limits)?;
+    let scores = if score {
+        Some(engine::score(st, &valid).await?)
     } else {
-        // Nothing to score (max_tokens 0, no log-probs): still check the prompt.
-        let spec = ScoreSpec {
-            starts: sequences.iter().map(|s| s.len() - 1).collect(),
-            per_sequence_start: false,
-            candidates: CandidateSpec::None,
-            params: ScoreParams::native(0, 1.0, ValuesKind::Logprobs),
-            names: FIELDS,
-            sequences,
-        };
-        let valid = validate_spec(spec, &ready.limits)?;
-        (
-            valid
-                .sequences
-                .into_iter()
-                .map(|s| s.ids.to_vec())
-                .collect(),
-            None,
-        )
+        None
     };
     let answer = Answer {
         model: st.config.served_model_name.clone(),
         vocab: vocab.clone(),
         plan,
-        sequences: scores.0,
+        sequences: valid.sequences.iter().map(|s| s.ids.to_vec()).collect(),
         texts,
-        scores: scores.1,
+        scores,
     };
     encode_json(answer).await
 }
