@@ -253,3 +253,36 @@ async fn sglang_input_logprobs_equal_the_native_rows() {
     assert_eq!(meta["prompt_tokens"], 8);
     assert_eq!(out["text"], "");
 }
+
+/// The tokenizer routes refuse bad input with the documented errors.
+#[tokio::test]
+async fn tokenizer_routes_refuse_bad_input() {
+    let (t, _, _) = teachers();
+    let (status, resp) = post_json(t, "/detokenize", &json!({"tokens": [1, 32000]})).await;
+    assert_eq!(status, 422, "{resp}");
+    assert_eq!(resp["error"]["param"], "tokens[1]");
+    let (status, resp) = post_json(t, "/detokenize", &json!({"tokens": [1, -3]})).await;
+    assert_eq!(
+        (status, resp["error"]["param"].as_str()),
+        (422, Some("tokens[1]"))
+    );
+    let (status, resp) = post_json(t, "/tokenize", &json!({"add_special_tokens": true})).await;
+    assert_eq!(
+        (status, resp["error"]["param"].as_str()),
+        (422, Some("prompt"))
+    );
+    let chat = json!({"messages": [{"role": "user", "content": "hi"}]});
+    let (status, resp) = post_json(t, "/tokenize", &chat).await;
+    assert_eq!(
+        (status, resp["error"]["param"].as_str()),
+        (400, Some("messages"))
+    );
+    // Round trip of a real text through both routes.
+    let (_, tk) = post_json(t, "/tokenize", &json!({"prompt": "Déjà vu 🙂"})).await;
+    let (status, dt) = post_json(t, "/detokenize", &json!({"tokens": tk["tokens"]})).await;
+    assert_eq!(status, 200);
+    assert!(
+        dt["prompt"].as_str().unwrap().ends_with("Déjà vu 🙂"),
+        "{dt}"
+    );
+}

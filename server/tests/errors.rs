@@ -149,7 +149,10 @@ async fn k_over_max_k_and_over_vocab() {
     assert_eq!(r.status(), 200);
     let v: serde_json::Value = r.json().await.unwrap();
     assert_eq!(v["results"][0]["topk_ids"], serde_json::json!([[], []]));
-    assert_eq!(v["results"][0]["target_logprobs"].as_array().unwrap().len(), 2);
+    assert_eq!(
+        v["results"][0]["target_logprobs"].as_array().unwrap().len(),
+        2
+    );
 }
 
 #[tokio::test]
@@ -324,6 +327,40 @@ async fn queue_full_and_request_too_large() {
     .await;
     assert_eq!(status, 413);
     let e: ErrorBody = serde_json::from_slice(&body).unwrap();
+    assert_eq!(e.error.kind, "request_too_large");
+    // The compatible routes share the queue: the same 503 + Retry-After and 413, in the one
+    // error shape (with the OpenAI `code`).
+    let prompt = ids(2, 21, VOCAB);
+    for (path, body) in [
+        (
+            "/v1/completions",
+            serde_json::json!({"prompt": prompt, "max_tokens": 0, "prompt_logprobs": 3}),
+        ),
+        (
+            "/generate",
+            serde_json::json!({"input_ids": prompt, "return_logprob": true,
+                               "logprob_start_len": 0}),
+        ),
+    ] {
+        let r = c.post(t.url(path)).json(&body).send().await.unwrap();
+        assert_eq!(r.status(), 503, "{path}");
+        assert_eq!(r.headers()["retry-after"], "1");
+        let e: ErrorBody = r.json().await.unwrap();
+        assert_eq!(
+            (e.error.kind.as_str(), e.error.code),
+            ("queue_full", Some(503))
+        );
+    }
+    let two = vec![ids(3, 30, VOCAB); 2];
+    let body = serde_json::json!({"prompt": two, "max_tokens": 0, "prompt_logprobs": 3});
+    let r = c
+        .post(t.url("/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 413);
+    let e: ErrorBody = r.json().await.unwrap();
     assert_eq!(e.error.kind, "request_too_large");
     assert_eq!(first.await.unwrap().unwrap(), 200);
     // The budget came back: the same request is admitted now.
