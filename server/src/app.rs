@@ -32,8 +32,12 @@ pub struct ServerConfig {
     pub max_seq_len: Option<usize>,
     pub max_batch_tokens: usize,
     pub max_queue_tokens: usize,
+    pub max_sequences: usize,
+    pub max_answer_bytes: usize,
     pub max_body_bytes: usize,
     pub max_wait_ms: u64,
+    /// Longest a request may take to send its body (408 beyond).
+    pub body_timeout: std::time::Duration,
     pub api_key: Option<String>,
     /// The model name of the compatible routes (`/v1/models`, the `model` field).
     pub served_model_name: String,
@@ -70,6 +74,8 @@ impl AppState {
             max_k: c.max_k,
             max_seq_len,
             max_queue_tokens: c.max_queue_tokens,
+            max_sequences: c.max_sequences,
+            max_answer_bytes: c.max_answer_bytes,
         };
         let info = InfoResponse {
             protocol_version: PROTOCOL_VERSION,
@@ -90,6 +96,8 @@ impl AppState {
                 max_queue_tokens: c.max_queue_tokens,
                 max_body_bytes: c.max_body_bytes,
                 max_wait_ms: c.max_wait_ms,
+                max_sequences: c.max_sequences,
+                max_answer_bytes: c.max_answer_bytes,
             },
         };
         self.ready
@@ -162,6 +170,13 @@ fn same_secret(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
+/// The token of an `Authorization: Bearer TOKEN` header; the scheme is case-insensitive
+/// (RFC 7235).
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, token) = value.trim().split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+}
+
 /// With `--api-key`, every route but `/health` needs `Authorization: Bearer KEY`.
 async fn auth(State(st): State<Shared>, req: Request, next: Next) -> Response {
     if let Some(key) = &st.config.api_key {
@@ -170,8 +185,7 @@ async fn auth(State(st): State<Shared>, req: Request, next: Next) -> Response {
                 .headers()
                 .get(header::AUTHORIZATION)
                 .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.strip_prefix("Bearer "))
-                .map(str::trim);
+                .and_then(bearer_token);
             if !given.is_some_and(|g| same_secret(g.as_bytes(), key.as_bytes())) {
                 return error_response(ApiError::Unauthorized);
             }
@@ -229,8 +243,20 @@ async fn metrics(State(st): State<Shared>) -> Response {
         .into_response()
 }
 
-/// Reads at most `limit` bytes of body; more is a 413 (checked on Content-Length first).
+/// Reads the body within `--body-timeout-secs` (408 beyond) and `--max-body-bytes` (413).
 pub(crate) async fn read_body(
+    st: &AppState,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<Vec<u8>, ApiError> {
+    let t = st.config.body_timeout;
+    tokio::time::timeout(t, read_body_within(headers, body, st.config.max_body_bytes))
+        .await
+        .map_err(|_| ApiError::BodyTimeout(t.as_secs_f64()))?
+}
+
+/// Reads at most `limit` bytes of body; more is a 413 (checked on Content-Length first).
+async fn read_body_within(
     headers: &HeaderMap,
     body: Body,
     limit: usize,
@@ -282,7 +308,7 @@ async fn score(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Respons
     let ready = st.ready()?;
     let in_format = body_format(headers)?;
     let out_format = Format::from_accept(headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()));
-    let bytes = read_body(headers, body, st.config.max_body_bytes).await?;
+    let bytes = read_body(st, headers, body).await?;
     let req =
         codec::decode_request(in_format, &bytes).map_err(|e| ApiError::Malformed(e.to_string()))?;
     let with_ids = req.ids.is_some();
@@ -313,4 +339,19 @@ async fn score(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Respons
         body,
     )
         .into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bearer_scheme_is_case_insensitive() {
+        for h in ["Bearer k1", "bearer k1", "BEARER  k1 ", " Bearer k1"] {
+            assert_eq!(bearer_token(h), Some("k1"), "{h:?}");
+        }
+        assert_eq!(bearer_token("Basic k1"), None);
+        assert_eq!(bearer_token("Bearerk1"), None);
+        assert_eq!(bearer_token("k1"), None);
+    }
 }

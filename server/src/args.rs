@@ -34,12 +34,38 @@ pub struct Args {
     /// Most padded tokens (batch size × longest input) per forward pass.
     #[arg(long, env = "XDISTILL_MAX_BATCH_TOKENS", default_value_t = 8192)]
     pub max_batch_tokens: usize,
+    /// Run each sequence of a batch through its own forward (no padding, no neighbours), so
+    /// its scores are bit-identical whatever it is batched with (`false`: one padded forward
+    /// per batch; scores then vary with the batch at ~1e-6). Its cost on the CPU: none measurable
+    /// on the bench model, 4–14% on deeper ones (bench/teacher.md).
+    #[arg(long, env = "XDISTILL_BATCH_INVARIANT", default_value_t = true,
+          action = clap::ArgAction::Set, value_name = "BOOL")]
+    pub batch_invariant: bool,
     /// How long the batcher waits for more work before running a batch that is not full.
     #[arg(long, env = "XDISTILL_MAX_WAIT_MS", default_value_t = 5)]
     pub max_wait_ms: u64,
     /// Most tokens admitted (queued or running) at once; beyond it requests get 503 + Retry-After.
     #[arg(long, env = "XDISTILL_MAX_QUEUE_TOKENS", default_value_t = 262_144)]
     pub max_queue_tokens: usize,
+    /// Most sequences in one request (each also costs at least one token of the queue budget,
+    /// even with no rows to score).
+    #[arg(long, env = "XDISTILL_MAX_SEQUENCES", default_value_t = 16_384)]
+    pub max_sequences: usize,
+    /// Most bytes of scores one answer may hold (4 bytes per id or value; JSON encodings are
+    /// larger); beyond it requests get 413.
+    #[arg(long, env = "XDISTILL_MAX_ANSWER_BYTES", default_value_t = 1 << 30)]
+    pub max_answer_bytes: usize,
+    /// Seconds a connection may take to send a request's headers, counted from when the server
+    /// waits for them (so also the longest a keep-alive connection may sit idle).
+    #[arg(long, env = "XDISTILL_HEADER_TIMEOUT_SECS", default_value_t = 10.0)]
+    pub header_timeout_secs: f64,
+    /// Seconds a request may take to send its whole body (beyond it: 408).
+    #[arg(long, env = "XDISTILL_BODY_TIMEOUT_SECS", default_value_t = 60.0)]
+    pub body_timeout_secs: f64,
+    /// Most connections open at once (also capped by the open-files limit, which is raised to
+    /// its hard limit at start); beyond it new connections wait until one closes.
+    #[arg(long, env = "XDISTILL_MAX_CONNECTIONS", default_value_t = 4096)]
+    pub max_connections: usize,
     /// Size of the result cache in bytes (0 disables it).
     #[arg(long, env = "XDISTILL_CACHE_BYTES", default_value_t = 1 << 30)]
     pub cache_bytes: u64,
@@ -56,15 +82,36 @@ pub struct Args {
     /// `/v1/completions`). Default: the model directory's name.
     #[arg(long, env = "XDISTILL_SERVED_MODEL_NAME")]
     pub served_model_name: Option<String>,
-    /// When set, every route but /health needs `Authorization: Bearer KEY`.
+    /// When set, every route but /health needs `Authorization: Bearer KEY`. Prefer
+    /// `--api-key-file` or the environment variable: a flag's value shows in `ps`.
     #[arg(long, env = "XDISTILL_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
+    /// A file holding the API key (surrounding whitespace ignored), e.g. a mounted secret.
+    #[arg(long, env = "XDISTILL_API_KEY_FILE", conflicts_with = "api_key")]
+    pub api_key_file: Option<PathBuf>,
     /// Parse and check the arguments (and that the model directory opens), then exit.
     #[arg(long)]
     pub check_args: bool,
 }
 
 impl Args {
+    /// The API key from `--api-key` (or its variable) or `--api-key-file`.
+    pub fn resolve_api_key(&self) -> Result<Option<String>, String> {
+        match (&self.api_key, &self.api_key_file) {
+            (Some(k), _) => Ok(Some(k.clone())),
+            (None, Some(path)) => {
+                let key = std::fs::read_to_string(path)
+                    .map_err(|e| format!("--api-key-file {}: {e}", path.display()))?;
+                let key = key.trim();
+                if key.is_empty() {
+                    return Err(format!("--api-key-file {} is empty", path.display()));
+                }
+                Ok(Some(key.to_string()))
+            }
+            (None, None) => Ok(None),
+        }
+    }
+
     /// `--served-model-name`, or the model directory's name.
     pub fn model_name(&self) -> String {
         self.served_model_name.clone().unwrap_or_else(|| {
@@ -86,6 +133,20 @@ impl Args {
                 self.max_queue_tokens, self.max_batch_tokens
             ));
         }
+        for (name, secs) in [
+            ("--header-timeout-secs", self.header_timeout_secs),
+            ("--body-timeout-secs", self.body_timeout_secs),
+        ] {
+            if !(secs.is_finite() && secs > 0.0 && secs <= 86_400.0) {
+                return Err(format!("{name} must be in (0, 86400], got {secs}"));
+            }
+        }
+        if self.max_connections == 0 {
+            return Err("--max-connections must be at least 1".into());
+        }
+        if self.max_sequences == 0 || self.max_answer_bytes == 0 {
+            return Err("--max-sequences and --max-answer-bytes must be at least 1".into());
+        }
         if self.max_k == 0 {
             return Err("--max-k must be at least 1".into());
         }
@@ -102,6 +163,7 @@ impl Args {
             return Err("--api-key must not be empty".into());
         }
         xdistill_shared::device::parse_dtype(&self.dtype).map_err(|e| e.to_string())?;
+        self.resolve_api_key()?;
         Ok(())
     }
 }
@@ -115,7 +177,14 @@ mod tests {
         let a = Args::try_parse_from(["teacher", "--model", "m"]).unwrap();
         assert_eq!(a.host.to_string(), "127.0.0.1");
         assert_eq!(a.port, 8000);
+        assert!(a.batch_invariant);
         a.check().unwrap();
+        let a = Args::try_parse_from(["teacher", "--model", "m", "--batch-invariant", "false"])
+            .unwrap();
+        assert!(!a.batch_invariant);
+        assert!(
+            Args::try_parse_from(["teacher", "--model", "m", "--batch-invariant", "x"]).is_err()
+        );
         let bad = Args::try_parse_from([
             "teacher",
             "--model",
@@ -136,5 +205,36 @@ mod tests {
         let a =
             Args::try_parse_from(["teacher", "--model", "m", "--served-model-name", "t"]).unwrap();
         assert_eq!(a.model_name(), "t");
+        // The key from a file, trimmed; an empty or missing file is refused.
+        let dir = std::env::temp_dir().join(format!("xd-args-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("key");
+        std::fs::write(&f, "  s3cret\n").unwrap();
+        let fs = f.to_str().unwrap();
+        let a = Args::try_parse_from(["teacher", "--model", "m", "--api-key-file", fs]).unwrap();
+        assert_eq!(a.resolve_api_key().unwrap().as_deref(), Some("s3cret"));
+        std::fs::write(&f, "\n").unwrap();
+        assert!(a.check().is_err());
+        let gone = dir.join("none");
+        let a = Args::try_parse_from([
+            "teacher",
+            "--model",
+            "m",
+            "--api-key-file",
+            gone.to_str().unwrap(),
+        ])
+        .unwrap();
+        assert!(a.check().unwrap_err().contains("--api-key-file"));
+        assert!(Args::try_parse_from([
+            "teacher",
+            "--model",
+            "m",
+            "--api-key",
+            "a",
+            "--api-key-file",
+            fs
+        ])
+        .is_err());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

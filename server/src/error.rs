@@ -13,11 +13,20 @@ pub enum ApiError {
     /// A field has a value the server refuses; `field` names it (e.g. `sequences[3][17]`).
     #[error("{field}: {message}")]
     Invalid { field: String, message: String },
+    /// The body did not arrive within `--body-timeout-secs`.
+    #[error("the request body did not arrive within {0} s")]
+    BodyTimeout(f64),
     #[error("body larger than the limit of {limit} bytes")]
     PayloadTooLarge { limit: usize },
     /// The request alone needs more tokens than the queue may ever hold.
     #[error("request of {tokens} tokens exceeds --max-queue-tokens {limit}")]
     RequestTooLarge { tokens: usize, limit: usize },
+    /// More sequences than `--max-sequences` in one request.
+    #[error("{sequences} sequences exceed --max-sequences {limit}; split the request")]
+    TooManySequences { sequences: usize, limit: usize },
+    /// The answer would hold more than `--max-answer-bytes` of scores.
+    #[error("the answer would hold {bytes} bytes of scores, over --max-answer-bytes {limit}; lower k or split the request")]
+    AnswerTooLarge { bytes: usize, limit: usize },
     #[error("queue full ({queued} of {limit} tokens admitted); retry later")]
     QueueFull {
         queued: usize,
@@ -66,10 +75,12 @@ impl ApiError {
         match self {
             ApiError::Malformed(_) | ApiError::Unsupported { .. } => StatusCode::BAD_REQUEST,
             ApiError::ModelNotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::Invalid { .. } => StatusCode::UNPROCESSABLE_ENTITY,
-            ApiError::PayloadTooLarge { .. } | ApiError::RequestTooLarge { .. } => {
-                StatusCode::PAYLOAD_TOO_LARGE
-            }
+            ApiError::PayloadTooLarge { .. }
+            | ApiError::RequestTooLarge { .. }
+            | ApiError::TooManySequences { .. }
+            | ApiError::AnswerTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::QueueFull { .. } | ApiError::NotReady | ApiError::ShuttingDown => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
@@ -87,9 +98,12 @@ impl ApiError {
             ApiError::Malformed(_) => "malformed_body",
             ApiError::Unsupported { .. } => "unsupported_request",
             ApiError::ModelNotFound(_) => "model_not_found",
+            ApiError::BodyTimeout(_) => "body_timeout",
             ApiError::Invalid { .. } => "invalid_request",
             ApiError::PayloadTooLarge { .. } => "payload_too_large",
             ApiError::RequestTooLarge { .. } => "request_too_large",
+            ApiError::TooManySequences { .. } => "too_many_sequences",
+            ApiError::AnswerTooLarge { .. } => "answer_too_large",
             ApiError::QueueFull { .. } => "queue_full",
             ApiError::UnsupportedMediaType(_) => "unsupported_media_type",
             ApiError::Unauthorized => "unauthorized",
@@ -106,7 +120,9 @@ impl ApiError {
             ApiError::Invalid { field, .. } | ApiError::Unsupported { field, .. } => {
                 Some(field.clone())
             }
-            ApiError::RequestTooLarge { .. } => Some("sequences".into()),
+            ApiError::RequestTooLarge { .. }
+            | ApiError::TooManySequences { .. }
+            | ApiError::AnswerTooLarge { .. } => Some("sequences".into()),
             ApiError::ModelNotFound(_) => Some("model".into()),
             _ => None,
         };

@@ -13,6 +13,7 @@ pub mod engine;
 pub mod error;
 pub mod metrics;
 pub mod model;
+pub mod serve;
 pub mod server;
 pub mod shutdown;
 pub mod testing;

@@ -45,15 +45,8 @@ pub struct ModelFacts {
 pub fn read_facts(dir: &ModelDir, dtype: DType, device: &Device) -> Result<ModelFacts, LoadError> {
     let arch = dir.config.arch()?;
     let tok = dir.load_tokenizer()?;
-    let tok_vocab = tok.get_vocab_size(true);
+    let tok_vocab = check_dir(dir, &tok)?;
     let logits_size = dir.config.vocab_size;
-    if tok_vocab > logits_size {
-        tracing::warn!(
-            tokenizer = tok_vocab,
-            lm_head = logits_size,
-            "tokenizer has more ids than the LM head; ids >= {logits_size} are refused"
-        );
-    }
     let tokenizer_json = std::fs::read(&dir.tokenizer)
         .map_err(|e| LoadError::Config(format!("reading {}: {e}", dir.tokenizer.display())))?;
     Ok(ModelFacts {
@@ -69,6 +62,29 @@ pub fn read_facts(dir: &ModelDir, dtype: DType, device: &Device) -> Result<Model
         tokenizer_json: tokenizer_json.into(),
         vocab: Arc::new(Vocab::build(tok, tok_vocab.min(logits_size))),
     })
+}
+
+/// Start-up checks that need no weights: a model that would serve wrong or no answers is refused
+/// with a message naming the file and key. Returns the tokenizer's vocabulary size.
+pub fn check_dir(dir: &ModelDir, tok: &tokenizers::Tokenizer) -> Result<usize, LoadError> {
+    let cfg_file = dir.path.join("config.json");
+    let tok_vocab = tok.get_vocab_size(true);
+    let rows = dir.config.vocab_size;
+    if tok_vocab > rows {
+        return Err(LoadError::Config(format!(
+            "{} has {tok_vocab} ids but the model's embedding has {rows} rows (vocab_size in {}): \
+             the tokenizer does not belong to this model",
+            dir.tokenizer.display(),
+            cfg_file.display()
+        )));
+    }
+    if dir.config.max_position_embeddings == 0 {
+        return Err(LoadError::Config(format!(
+            "max_position_embeddings is 0 in {}: no sequence could be scored",
+            cfg_file.display()
+        )));
+    }
+    Ok(tok_vocab)
 }
 
 /// Opens the device and the directory and memory-maps the weights.

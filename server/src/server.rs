@@ -6,6 +6,7 @@ use crate::args::Args;
 use crate::batcher::{BatchConfig, Batcher};
 use crate::cache::ScoreCache;
 use crate::metrics::Metrics;
+use crate::serve::{self, ConnLimits};
 use crate::shutdown;
 use crate::worker::{self, WorkerConfig};
 use anyhow::{anyhow, bail, Context, Result};
@@ -19,6 +20,8 @@ pub fn check_args(args: &Args) -> Result<()> {
     args.check().map_err(|e| anyhow!(e))?;
     let dir = xdistill_shared::hf::ModelDir::open(&args.model)
         .with_context(|| format!("opening {}", args.model.display()))?;
+    let tok = dir.load_tokenizer()?;
+    crate::model::check_dir(&dir, &tok)?;
     if let Some(n) = args.max_seq_len {
         if n > dir.config.max_position_embeddings {
             bail!(
@@ -34,6 +37,20 @@ pub fn check_args(args: &Args) -> Result<()> {
 pub async fn run(args: Args) -> Result<()> {
     args.check().map_err(|e| anyhow!(e))?;
     let metrics = Arc::new(Metrics::default());
+
+    // 0. As many open files as the hard limit allows; keep some for the model and the logs.
+    let conn_cap = match serve::raise_fd_limit() {
+        Ok(n) => {
+            tracing::info!(open_files = n, "file descriptor limit");
+            usize::try_from(n.saturating_sub(64))
+                .unwrap_or(usize::MAX)
+                .max(16)
+        }
+        Err(e) => {
+            tracing::warn!("could not read or raise the open-files limit: {e}");
+            usize::MAX
+        }
+    };
 
     // 1. Bind first, so health checks see "loading" rather than "connection refused".
     let addr = std::net::SocketAddr::new(args.host, args.port);
@@ -56,6 +73,7 @@ pub async fn run(args: Args) -> Result<()> {
             dtype: args.dtype.clone(),
             max_batch_tokens: args.max_batch_tokens,
             topk: args.topk,
+            batch_invariant: args.batch_invariant,
         },
         metrics.clone(),
         batch_rx,
@@ -77,9 +95,12 @@ pub async fn run(args: Args) -> Result<()> {
             max_seq_len: args.max_seq_len,
             max_batch_tokens: args.max_batch_tokens,
             max_queue_tokens: args.max_queue_tokens,
+            max_sequences: args.max_sequences,
+            max_answer_bytes: args.max_answer_bytes,
             max_body_bytes: args.max_body_bytes,
             max_wait_ms: args.max_wait_ms,
-            api_key: args.api_key.clone(),
+            body_timeout: Duration::from_secs_f64(args.body_timeout_secs),
+            api_key: args.resolve_api_key().map_err(|e| anyhow!(e))?,
             served_model_name: args.model_name(),
         },
         ready: OnceLock::new(),
@@ -110,11 +131,19 @@ pub async fn run(args: Args) -> Result<()> {
         });
     }
 
-    // 4. Serve until a signal (or a load failure); axum lets in-flight requests finish.
-    axum::serve(listener, router(state.clone()))
-        .with_graceful_shutdown(shutdown::signal(stop_rx))
-        .await
-        .context("serving")?;
+    // 4. Serve until a signal (or a load failure); in-flight requests finish first.
+    let limits = ConnLimits {
+        header_timeout: Duration::from_secs_f64(args.header_timeout_secs),
+        max_connections: args.max_connections.min(conn_cap),
+        drain_timeout: Duration::from_secs(600),
+    };
+    serve::serve(
+        listener,
+        router(state.clone()),
+        limits,
+        shutdown::signal(stop_rx),
+    )
+    .await;
     // Dropping the last batcher handle closes the queue; the worker finishes what it has.
     drop(state);
     let _ = tokio::task::spawn_blocking(move || worker_thread.join()).await;

@@ -15,6 +15,10 @@ pub struct RequestLimits {
     pub max_k: usize,
     pub max_seq_len: usize,
     pub max_queue_tokens: usize,
+    /// Most sequences in one request.
+    pub max_sequences: usize,
+    /// Most bytes of scores one answer may hold (see [`ValidTopkRequest::answer_bytes`]).
+    pub max_answer_bytes: usize,
 }
 
 /// Candidate ids of one sequence, `[rows, m]` row-major.
@@ -49,6 +53,11 @@ impl ValidSequence {
             self.ids.len() - 1 + self.next_row as usize
         }
     }
+    /// What the sequence costs against the queue budget: its input tokens, and at least 1, so
+    /// that sequences without rows (no forward, but still an answer entry) are not free.
+    pub fn cost(&self) -> usize {
+        self.input_tokens().max(1)
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -60,6 +69,24 @@ pub struct ValidTopkRequest {
 impl ValidTopkRequest {
     pub fn input_tokens(&self) -> usize {
         self.sequences.iter().map(|s| s.input_tokens()).sum()
+    }
+    /// The request's cost against the queue budget (every sequence counts, see
+    /// [`ValidSequence::cost`]).
+    pub fn cost(&self) -> usize {
+        self.sequences.iter().map(ValidSequence::cost).sum()
+    }
+    /// Bytes of scores the answer will hold: per row k ids and values, the target log-prob, the
+    /// logsumexp, the candidates' log-probs and a rank (4 bytes each), plus 64 per sequence.
+    /// Encoded answers are this size (MessagePack) or larger (JSON).
+    pub fn answer_bytes(&self) -> usize {
+        let p = &self.params;
+        self.sequences
+            .iter()
+            .map(|s| {
+                let m = s.candidates.as_ref().map_or(0, |c| c.m);
+                64 + s.rows() * 4 * (2 * p.k + 2 + m + p.ranks as usize)
+            })
+            .sum()
     }
 }
 
@@ -151,6 +178,12 @@ pub fn validate_spec(spec: ScoreSpec, lim: &RequestLimits) -> Result<ValidTopkRe
             "at least one sequence is required",
         ));
     }
+    if spec.sequences.len() > lim.max_sequences {
+        return Err(ApiError::TooManySequences {
+            sequences: spec.sequences.len(),
+            limit: lim.max_sequences,
+        });
+    }
     if let CandidateSpec::PerRow(ids) = &spec.candidates {
         if ids.len() != spec.sequences.len() {
             return Err(ApiError::invalid(
@@ -191,11 +224,18 @@ pub fn validate_spec(spec: ScoreSpec, lim: &RequestLimits) -> Result<ValidTopkRe
         sequences,
         params: p,
     };
-    let tokens = valid.input_tokens();
+    let tokens = valid.cost();
     if tokens > lim.max_queue_tokens {
         return Err(ApiError::RequestTooLarge {
             tokens,
             limit: lim.max_queue_tokens,
+        });
+    }
+    let bytes = valid.answer_bytes();
+    if bytes > lim.max_answer_bytes {
+        return Err(ApiError::AnswerTooLarge {
+            bytes,
+            limit: lim.max_answer_bytes,
         });
     }
     Ok(valid)
@@ -342,6 +382,8 @@ mod tests {
             max_k: 10,
             max_seq_len: 8,
             max_queue_tokens: 20,
+            max_sequences: 6,
+            max_answer_bytes: 1 << 20,
         }
     }
 
@@ -457,6 +499,41 @@ mod tests {
         assert_eq!(&*s.candidates.as_ref().unwrap().ids, &[5, 6, 5, 6]);
     }
 
+    /// Every sequence costs at least one token, however empty its answer; the sequence count and
+    /// the answer's size are bounded.
+    #[test]
+    fn every_sequence_and_every_answer_byte_counts() {
+        // 6 one-token sequences: no forward at all, but 6 of the 20 budget tokens.
+        let v = validate(req(vec![vec![1]; 6]), &lim()).unwrap();
+        assert_eq!((v.input_tokens(), v.cost()), (0, 6));
+        assert!(matches!(
+            validate(req(vec![vec![1]; 7]), &lim()),
+            Err(ApiError::TooManySequences {
+                sequences: 7,
+                limit: 6
+            })
+        ));
+        let many = RequestLimits {
+            max_sequences: 100,
+            ..lim()
+        };
+        assert!(matches!(
+            validate(req(vec![vec![1]; 21]), &many),
+            Err(ApiError::RequestTooLarge { tokens: 21, .. })
+        ));
+        // 2 rows × (2·3 + 2) values × 4 bytes + 64 = 128 bytes; a limit of 127 refuses it.
+        let v = validate(req(vec![vec![1, 2, 3]]), &lim()).unwrap();
+        assert_eq!(v.answer_bytes(), 128);
+        let tight = RequestLimits {
+            max_answer_bytes: 127,
+            ..lim()
+        };
+        assert!(matches!(
+            validate(req(vec![vec![1, 2, 3]]), &tight),
+            Err(ApiError::AnswerTooLarge { bytes: 128, .. })
+        ));
+    }
+
     #[test]
     fn k_above_vocab_and_queue_limit() {
         let small = RequestLimits {
@@ -471,5 +548,41 @@ mod tests {
             validate(big, &lim()),
             Err(ApiError::RequestTooLarge { tokens: 21, .. })
         ));
+    }
+
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+        /// Arbitrary requests (any k, starts, candidate shapes, ids) never panic the validator;
+        /// an accepted one is consistent: rows, candidate shapes and its cost within limits.
+        #[test]
+        fn validation_never_panics_and_accepts_only_consistent_requests(
+            sequences in prop::collection::vec(prop::collection::vec(0u32..120, 0..9), 0..8),
+            k in 0usize..14,
+            start in 0usize..10,
+            starts in prop::option::of(prop::collection::vec(0usize..10, 0..8)),
+            ids in prop::option::of(prop::collection::vec(
+                prop::collection::vec(prop::collection::vec(0u32..120, 0..12), 0..9), 0..8)),
+            temperature in prop_oneof![Just(1.0f32), Just(0.0), Just(f32::NAN), -2.0f32..3.0],
+        ) {
+            let r = TopkRequest {
+                sequences, k, temperature, start, starts, ids,
+                values: ValuesKind::Logprobs,
+            };
+            if let Ok(v) = validate(r.clone(), &lim()) {
+                prop_assert!(v.cost() <= lim().max_queue_tokens);
+                prop_assert!(v.sequences.len() <= lim().max_sequences);
+                for (i, s) in v.sequences.iter().enumerate() {
+                    prop_assert_eq!(s.rows(), r.sequences[i].len() - 1 - r.start_of(i));
+                    if let Some(c) = &s.candidates {
+                        prop_assert_eq!(c.ids.len(), s.rows() * c.m);
+                        prop_assert!(c.ids.iter().all(|&id| id < 100));
+                    }
+                    prop_assert!(s.ids.iter().all(|&id| id < 100));
+                }
+            }
+        }
     }
 }

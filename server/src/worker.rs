@@ -1,6 +1,18 @@
 //! The model worker: one OS thread owns the [`Decoder`] and runs whole batches it receives over
-//! a channel. Batches are right-padded (the causal mask keeps real tokens exact); logits are
-//! computed a chunk of positions at a time so memory stays bounded for large vocabularies.
+//! a channel. Logits are computed a chunk of positions at a time so memory stays bounded for
+//! large vocabularies.
+//!
+//! Two ways to run a batch (`--batch-invariant`):
+//! - batch-invariant (the default): each sequence runs its own forward (`[1, S - 1]`, no
+//!   padding), so its bytes depend only on the sequence, its request and the server's flags,
+//!   never on what it was batched with. The batcher still coalesces (admission and queueing are
+//!   the same); only the forward is per sequence.
+//! - padded: one right-padded `[B, T]` forward for the whole batch (the causal mask keeps real
+//!   tokens exact up to float rounding, ~1e-6, which then depends on the batch's shape).
+//!
+//! In both, a sequence longer than `--max-batch-tokens` runs in chunks of that many tokens over
+//! a KV cache; which path a sequence takes depends only on its own length. A result with a
+//! non-finite value is never returned: the sequence fails with the cause named.
 //!
 //! Scoring takes one of two paths ([`TopkPath`]): on the host (logits copied out, the fast Rust
 //! loop of [`topk::score_rows`]) or on the model's device ([`xdistill_shared::topk::topk_rows`]:
@@ -35,6 +47,8 @@ pub struct WorkerConfig {
     pub max_batch_tokens: usize,
     /// Where top-k runs (auto: on the device for a GPU, on the host for the CPU).
     pub topk: TopkPath,
+    /// One forward per sequence (no padding, no neighbours) instead of one per batch.
+    pub batch_invariant: bool,
 }
 
 /// Time spent per batch in the model and in top-k.
@@ -48,7 +62,32 @@ struct Worker {
     decoder: Decoder,
     scorer: Scorer,
     max_batch_tokens: usize,
+    batch_invariant: bool,
     metrics: Arc<Metrics>,
+}
+
+/// Why one sequence got no scores.
+#[derive(Debug)]
+pub enum JobError {
+    /// The model (or a tensor op around it) failed.
+    Forward(candle_core::Error),
+    /// A score came out NaN or infinite; the message names the cause.
+    NonFinite(String),
+}
+
+impl From<candle_core::Error> for JobError {
+    fn from(e: candle_core::Error) -> Self {
+        JobError::Forward(e)
+    }
+}
+
+impl std::fmt::Display for JobError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            JobError::Forward(e) => write!(f, "forward failed: {e}"),
+            JobError::NonFinite(m) => f.write_str(m),
+        }
+    }
 }
 
 /// Turns hidden states into scores: the LM head a chunk of positions at a time, then top-k.
@@ -109,12 +148,14 @@ pub fn spawn(
             tracing::info!(
                 on_device = scorer.on_device,
                 chunk_rows = scorer.chunk_rows,
-                "top-k path"
+                batch_invariant = cfg.batch_invariant,
+                "scoring path"
             );
             let worker = Worker {
                 decoder,
                 scorer,
                 max_batch_tokens: cfg.max_batch_tokens.max(1),
+                batch_invariant: cfg.batch_invariant,
                 metrics,
             };
             if ready.send(Ok(facts)).is_err() {
@@ -160,6 +201,10 @@ pub struct SeqRef<'a> {
 }
 
 impl SeqRef<'_> {
+    /// Tokens the model reads (as [`Job::input_tokens`]): `S - 1`, or `S` with a next row.
+    fn input_tokens(&self) -> usize {
+        self.end()
+    }
     /// Positions scored are `start..end()`: up to `S - 1`, or `S` with a next row.
     fn end(&self) -> usize {
         self.ids.len() - 1 + self.params.next.is_some() as usize
@@ -203,6 +248,26 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "unknown panic".into())
 }
 
+/// Runs `f`, turning its error or panic into the message its caller gets.
+fn guarded<T>(f: impl FnOnce() -> Result<T, JobError>) -> Result<T, String> {
+    match std::panic::catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(x)) => Ok(x),
+        Ok(Err(e @ JobError::NonFinite(_))) => {
+            tracing::warn!("sequence refused: {e}");
+            Err(e.to_string())
+        }
+        Ok(Err(e)) => {
+            tracing::error!("sequence failed: {e}");
+            Err(e.to_string())
+        }
+        Err(p) => {
+            let msg = panic_message(p.as_ref());
+            tracing::error!("worker panicked: {msg}");
+            Err(format!("worker panicked: {msg}"))
+        }
+    }
+}
+
 impl Worker {
     /// Runs one batch and answers every caller; never panics out of the thread.
     fn run_batch(&self, batch: Batch) {
@@ -218,33 +283,23 @@ impl Worker {
             return;
         }
         let mut timing = Timing::default();
-        let outcome =
-            std::panic::catch_unwind(AssertUnwindSafe(|| self.compute(&jobs, &mut timing)));
-        let results: Vec<Result<SequenceScores, String>> = match outcome {
-            Ok(Ok(scores)) => scores.into_iter().map(Ok).collect(),
-            Ok(Err(e)) => {
-                tracing::error!("batch failed: {e}");
-                jobs.iter()
-                    .map(|_| Err(format!("forward failed: {e}")))
-                    .collect()
-            }
-            Err(p) => {
-                let msg = panic_message(p.as_ref());
-                tracing::error!("batch panicked: {msg}");
-                jobs.iter()
-                    .map(|_| Err(format!("worker panicked: {msg}")))
-                    .collect()
-            }
-        };
+        let seqs: Vec<SeqRef<'_>> = jobs.iter().map(Job::seq).collect();
+        let results = self.compute(&seqs, &mut timing);
         let m = &self.metrics;
         m.batch_forwards.fetch_add(1, Relaxed);
         m.batch_sequences.observe(jobs.len() as f64);
-        let longest = jobs.iter().map(Job::input_tokens).max().unwrap_or(0);
-        m.batch_padded_tokens
-            .observe((jobs.len() * longest.min(self.max_batch_tokens)) as f64);
+        let fed = |n: usize| n.min(self.max_batch_tokens);
+        let tokens = if self.batch_invariant {
+            seqs.iter().map(|s| fed(s.input_tokens())).sum()
+        } else {
+            let longest = seqs.iter().map(SeqRef::input_tokens).max().unwrap_or(0);
+            jobs.len() * fed(longest)
+        };
+        m.batch_padded_tokens.observe(tokens as f64);
         m.batch_forward_duration
             .observe(timing.forward.as_secs_f64());
         m.batch_topk_duration.observe(timing.topk.as_secs_f64());
+        drop(seqs);
         for (job, r) in jobs.into_iter().zip(results) {
             // A caller that left meanwhile is not an error.
             let _ = job.reply.send(r);
@@ -252,60 +307,104 @@ impl Worker {
         m.batch_duration.observe(t0.elapsed().as_secs_f64());
     }
 
-    /// Scores of every job, in order.
+    /// Scores of every sequence, in order; each fails or succeeds on its own.
     fn compute(
         &self,
-        jobs: &[Job],
+        seqs: &[SeqRef<'_>],
         timing: &mut Timing,
-    ) -> candle_core::Result<Vec<SequenceScores>> {
-        if let [job] = jobs {
-            if job.input_tokens() > self.max_batch_tokens {
-                return Ok(vec![self.compute_long(job, timing)?]);
-            }
+    ) -> Vec<Result<SequenceScores, String>> {
+        if self.batch_invariant || seqs.len() == 1 {
+            return seqs
+                .iter()
+                .map(|&seq| guarded(|| self.compute_alone(seq, timing)))
+                .collect();
         }
+        // One padded forward for all; a failure there fails every sequence.
+        match guarded(|| self.forward_padded(seqs, timing)) {
+            Err(e) => seqs.iter().map(|_| Err(e.clone())).collect(),
+            Ok(hidden) => seqs
+                .iter()
+                .enumerate()
+                .map(|(i, &seq)| {
+                    guarded(|| {
+                        let mut acc = seq.empty();
+                        let span = HiddenSpan {
+                            states: &hidden.get(i)?,
+                            first: 0,
+                        };
+                        self.scorer
+                            .score(&self.decoder, span, seq, &mut acc, timing)?;
+                        Ok(acc)
+                    })
+                })
+                .collect(),
+        }
+    }
+
+    /// Hidden states of a right-padded batch: [B, T, H] (the last token of each sequence is
+    /// not needed, unless a next row is asked for).
+    fn forward_padded(&self, seqs: &[SeqRef<'_>], timing: &mut Timing) -> Result<Tensor, JobError> {
         let dev = self.decoder.device();
         let (b, t) = (
-            jobs.len(),
-            jobs.iter().map(Job::input_tokens).max().unwrap_or(0),
+            seqs.len(),
+            seqs.iter().map(SeqRef::input_tokens).max().unwrap_or(0),
         );
-        // 1. Right-pad the inputs (the last token of each sequence is not needed): [B, T].
+        // 1. Right-pad the inputs: [B, T].
         let mut ids = vec![0u32; b * t];
-        for (i, job) in jobs.iter().enumerate() {
-            let n = job.input_tokens();
-            ids[i * t..i * t + n].copy_from_slice(&job.ids[..n]);
+        for (i, seq) in seqs.iter().enumerate() {
+            let n = seq.input_tokens();
+            ids[i * t..i * t + n].copy_from_slice(&seq.ids[..n]);
         }
         let f0 = Instant::now();
         let ids = Tensor::from_vec(ids, (b, t), dev)?;
         // 2. Hidden states of all positions: [B, T, H].
         let hidden = self.decoder.forward_hidden(&ids, None, None, None)?;
         timing.forward += f0.elapsed();
-        // 3. Per sequence: logits of its requested positions, then top-k.
-        let mut out = Vec::with_capacity(b);
-        for (i, job) in jobs.iter().enumerate() {
-            let seq = job.seq();
-            let mut acc = seq.empty();
-            let span = HiddenSpan {
-                states: &hidden.get(i)?,
-                first: 0,
-            };
-            self.scorer
-                .score(&self.decoder, span, seq, &mut acc, timing)?;
-            out.push(acc);
+        Ok(hidden)
+    }
+
+    /// One sequence on its own: a `[1, S - 1]` forward, or chunks over a KV cache when it is
+    /// longer than the batch budget (a rule on its own length only).
+    fn compute_alone(
+        &self,
+        seq: SeqRef<'_>,
+        timing: &mut Timing,
+    ) -> Result<SequenceScores, JobError> {
+        let n = seq.input_tokens();
+        if n > self.max_batch_tokens {
+            return self.compute_long(seq, timing);
         }
-        Ok(out)
+        let mut acc = seq.empty();
+        let f0 = Instant::now();
+        let ids = Tensor::new(&seq.ids[..n], self.decoder.device())?.unsqueeze(0)?; // [1, n]
+        let hidden = self
+            .decoder
+            .forward_hidden(&ids, None, None, None)?
+            .get(0)?; // [n, H]
+        timing.forward += f0.elapsed();
+        let span = HiddenSpan {
+            states: &hidden,
+            first: 0,
+        };
+        self.scorer
+            .score(&self.decoder, span, seq, &mut acc, timing)?;
+        Ok(acc)
     }
 
     /// A sequence longer than the batch budget: chunks of `max_batch_tokens` over a KV cache.
-    fn compute_long(&self, job: &Job, timing: &mut Timing) -> candle_core::Result<SequenceScores> {
+    fn compute_long(
+        &self,
+        seq: SeqRef<'_>,
+        timing: &mut Timing,
+    ) -> Result<SequenceScores, JobError> {
         let dev = self.decoder.device();
         let mut cache = KvCache::default();
-        let seq = job.seq();
         let mut acc = seq.empty();
-        let n = job.input_tokens();
+        let n = seq.input_tokens();
         for c0 in (0..n).step_by(self.max_batch_tokens) {
             let c1 = (c0 + self.max_batch_tokens).min(n);
             let f0 = Instant::now();
-            let ids = Tensor::new(&job.ids[c0..c1], dev)?.unsqueeze(0)?; // [1, c]
+            let ids = Tensor::new(&seq.ids[c0..c1], dev)?.unsqueeze(0)?; // [1, c]
             let hidden = self
                 .decoder
                 .forward_hidden(&ids, Some(&mut cache), None, None)?
@@ -340,7 +439,7 @@ impl Scorer {
         seq: SeqRef<'_>,
         acc: &mut SequenceScores,
         timing: &mut Timing,
-    ) -> candle_core::Result<()> {
+    ) -> Result<(), JobError> {
         let (hidden, first) = (span.states, span.first);
         let n = hidden.dim(0)?;
         let lo = first.max(seq.start);
@@ -361,12 +460,13 @@ impl Scorer {
             let s = if self.on_device && device_topk_fits(params.k) {
                 self.score_on_device(&logits, targets, cands, params)?
             } else {
-                let logits = logits.to_dtype(DType::F32)?.contiguous()?;
-                with_host_f32(&logits, |rows| {
+                let host = logits.to_dtype(DType::F32)?.contiguous()?;
+                with_host_f32(&host, |rows| {
                     topk::score_rows(rows, self.layout(), targets, cands, params)
                 })?
             };
             timing.topk += t0.elapsed();
+            self.check_finite(&s, &logits, c0, params.temperature)?;
             append(acc, s);
             c0 = c1;
         }
@@ -386,11 +486,39 @@ impl Scorer {
                     (s, token)
                 })?;
                 timing.topk += t0.elapsed();
+                self.check_finite(&s, &logits, last, params.temperature)?;
                 append(acc, s);
                 acc.next_token = Some(token);
             }
         }
         Ok(())
+    }
+
+    /// Refuses scores with a non-finite value, naming the cause ([`topk::first_non_finite`]).
+    /// `logits`: the `[c, V]` rows they came from, of positions `p0..p0 + c`; read only when
+    /// something is wrong.
+    fn check_finite(
+        &self,
+        s: &SequenceScores,
+        logits: &Tensor,
+        p0: usize,
+        temperature: f32,
+    ) -> Result<(), JobError> {
+        let Some((r, field)) = topk::first_non_finite(s) else {
+            return Ok(());
+        };
+        let valid = self.vocab.min(self.logits_size);
+        let row: Vec<f32> = logits
+            .get(r)?
+            .narrow(0, 0, valid)?
+            .to_dtype(DType::F32)?
+            .to_vec1()?;
+        Err(JobError::NonFinite(topk::non_finite_cause(
+            &row,
+            temperature,
+            p0 + r,
+            field,
+        )))
     }
 
     fn layout(&self) -> RowLayout {
@@ -629,6 +757,186 @@ mod tests {
             assert!((acc.target_logprobs[1] as f64 - top[0].1).abs() < 1e-4);
             let (_, tl, _) = reference(&full[3], ids[4] as usize, 1, 1.0);
             assert!((acc.target_logprobs[0] as f64 - tl).abs() < 1e-4);
+        }
+    }
+
+    /// candle's CPU matmul (gemm 0.19) computes a row of `x · Wᵀ` with the same bits whatever
+    /// the number of rows M ≥ 2, for LM-head-like shapes (N in the thousands): the reduction
+    /// over K is blocked by K alone. M = 1 goes to a gemv kernel with another summation order
+    /// (printed, not asserted), as do tiny products (M·N ≤ 256, a "horizontal" kernel). So the
+    /// LM-head chunking changes no row but a one-row chunk's; the batch-invariant guarantee does
+    /// not rest on this (a sequence's chunking depends only on itself and its request).
+    #[test]
+    fn matmul_rows_do_not_depend_on_the_row_count() {
+        let values = |len: usize, seed: usize| -> Vec<f32> {
+            (0..len)
+                .map(|i| (((i * 7919 + seed * 104_729) % 2003) as f32 / 2003.0 - 0.5) * 2.0)
+                .collect()
+        };
+        for (k, n) in [(16usize, 9000usize), (128, 4000), (1024, 3000)] {
+            let w = Tensor::from_vec(values(n * k, 1), (n, k), &Device::Cpu).unwrap();
+            let x = Tensor::from_vec(values(130 * k, 2), (130, k), &Device::Cpu).unwrap();
+            let wt = w.t().unwrap();
+            let full: Vec<Vec<f32>> = x.matmul(&wt).unwrap().to_vec2().unwrap();
+            for m in [1usize, 2, 3, 7, 16, 64, 65, 129] {
+                let part: Vec<Vec<f32>> = x
+                    .narrow(0, 130 - m, m)
+                    .unwrap()
+                    .matmul(&wt)
+                    .unwrap()
+                    .to_vec2()
+                    .unwrap();
+                let differ = (0..m)
+                    .filter(|&r| {
+                        let want = &full[130 - m + r];
+                        part[r]
+                            .iter()
+                            .zip(want)
+                            .any(|(a, b)| a.to_bits() != b.to_bits())
+                    })
+                    .count();
+                if m == 1 {
+                    println!("k {k} n {n}: one row alone differs: {}", differ == 1);
+                } else {
+                    assert_eq!(differ, 0, "k {k} n {n} m {m}");
+                }
+            }
+        }
+    }
+
+    fn worker(batch_invariant: bool, max_batch_tokens: usize) -> Worker {
+        Worker {
+            decoder: decoder(),
+            scorer: Scorer::new(VALID, V, TopkPath::Host, &Device::Cpu),
+            max_batch_tokens,
+            batch_invariant,
+            metrics: Arc::new(Metrics::default()),
+        }
+    }
+
+    /// Every id, value and log-prob of a result as bits (f32 equality would hide -0.0 vs 0.0).
+    fn bits(s: &SequenceScores) -> Vec<u32> {
+        let f = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+        [
+            s.topk_ids.clone(),
+            f(&s.topk_values),
+            f(&s.target_logprobs),
+            f(&s.logsumexp),
+            f(&s.ids_logprobs),
+        ]
+        .concat()
+    }
+
+    /// Batch-invariant mode: a short sequence and one over the batch budget (the KV-cache
+    /// path) get the same bits alone and batched with neighbours of other lengths, in any
+    /// order. The padded mode's differences are printed for comparison.
+    #[test]
+    fn batch_invariant_scores_do_not_depend_on_neighbours() {
+        let seq_ids = |seed: usize, len: usize| -> Vec<u32> {
+            (0..len)
+                .map(|i| ((i * 7 + seed) * 997 % VALID) as u32)
+                .collect()
+        };
+        let (x, y, z, long) = (seq_ids(1, 9), seq_ids(2, 20), seq_ids(3, 4), seq_ids(4, 50));
+        let p = ScoreParams::native(5, 0.9, ValuesKind::Logprobs);
+        let q = ScoreParams::native(3, 1.7, ValuesKind::Logits);
+        let cands = Candidates {
+            m: 2,
+            ids: (0..16).map(|i| (i * 31 % VALID) as u32).collect(),
+        };
+        let seq = |ids: &'static [u32], params: &'static ScoreParams, start: usize| SeqRef {
+            ids,
+            start,
+            params,
+            candidates: None,
+        };
+        let leak = |v: Vec<u32>| -> &'static [u32] { Vec::leak(v) };
+        let (x, y, z, long) = (leak(x), leak(y), leak(z), leak(long));
+        let (p, q): (&'static ScoreParams, &'static ScoreParams) =
+            (Box::leak(Box::new(p)), Box::leak(Box::new(q)));
+        let cands: &'static Candidates = Box::leak(Box::new(cands));
+        let xs = SeqRef {
+            candidates: Some(cands),
+            ..seq(x, p, 0)
+        };
+        let ls = seq(long, p, 3);
+        let mixes: Vec<Vec<SeqRef<'static>>> = vec![
+            vec![seq(y, q, 2), xs, seq(z, p, 0), ls],
+            vec![ls, seq(z, q, 1), seq(y, p, 0), xs, xs],
+        ];
+        for invariant in [true, false] {
+            // 20 tokens per batch: the 49 input tokens of `long` run in chunks over a KV cache.
+            let w = worker(invariant, 20);
+            let mut t = Timing::default();
+            let alone_x = w.compute(&[xs], &mut t).remove(0).unwrap();
+            let alone_l = w.compute(&[ls], &mut t).remove(0).unwrap();
+            assert_eq!((alone_x.rows, alone_l.rows), (8, 46));
+            for mix in &mixes {
+                let got = w.compute(mix, &mut t);
+                let i = mix.iter().position(|s| s.ids.len() == 9).unwrap();
+                let same_x = bits(got[i].as_ref().unwrap()) == bits(&alone_x);
+                if invariant {
+                    assert!(same_x, "the short sequence changed with its neighbours");
+                    let j = mix.iter().position(|s| s.ids.len() == 50).unwrap();
+                    assert_eq!(bits(got[j].as_ref().unwrap()), bits(&alone_l));
+                } else {
+                    println!("padded forward: short sequence identical when batched: {same_x}");
+                }
+            }
+        }
+    }
+
+    /// A temperature that overflows the scaled logits, or non-finite logits, fail that sequence
+    /// with the cause named; its neighbours in the batch are answered as usual.
+    #[test]
+    fn non_finite_scores_fail_with_their_cause() {
+        let ids: Vec<u32> = vec![5, 900, 33, 4000, 12];
+        let tiny = ScoreParams::native(4, 1e-45, ValuesKind::Logprobs);
+        let fine = ScoreParams::native(4, 1.0, ValuesKind::Logprobs);
+        for invariant in [true, false] {
+            let w = worker(invariant, 64);
+            let mk = |params| SeqRef {
+                ids: &ids,
+                start: 0,
+                params,
+                candidates: None,
+            };
+            let got = w.compute(&[mk(&tiny), mk(&fine)], &mut Timing::default());
+            let err = got[0].as_ref().unwrap_err();
+            assert!(
+                err.starts_with("temperature 1e-45 overflows the scaled logits"),
+                "{err}"
+            );
+            assert_eq!(got[1].as_ref().unwrap().rows, 4);
+        }
+        // NaN hidden states (a broken model) are named as such, whatever the temperature.
+        let dec = decoder();
+        let mut h = vec![0.5f32; 3 * 16];
+        h[20] = f32::NAN;
+        let hidden = Tensor::from_vec(h, (3, 16), &Device::Cpu).unwrap();
+        let scorer = Scorer::new(VALID, V, TopkPath::Host, &Device::Cpu);
+        let seq = mk_seq(&ids[..4], &fine);
+        let mut acc = seq.empty();
+        let span = HiddenSpan {
+            states: &hidden,
+            first: 0,
+        };
+        let err = scorer
+            .score(&dec, span, seq, &mut acc, &mut Timing::default())
+            .unwrap_err();
+        assert!(
+            matches!(&err, JobError::NonFinite(m) if m.contains("logits are not finite")
+                && m.contains("position 1")),
+            "{err}"
+        );
+    }
+
+    fn mk_seq<'a>(ids: &'a [u32], params: &'a ScoreParams) -> SeqRef<'a> {
+        SeqRef {
+            ids,
+            start: 0,
+            params,
+            candidates: None,
         }
     }
 

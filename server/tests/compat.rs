@@ -242,12 +242,16 @@ async fn sglang_input_logprobs_equal_the_native_rows() {
         assert_eq!(tok[i][1], s[3 + i]);
         let close = |x: &Value, y: f32| (x.as_f64().unwrap() - y as f64).abs() < 1e-6;
         assert!(close(&tok[i][0], n.target_logprobs[r]));
-        for j in 0..4 {
-            assert_eq!(top[i][j][1], n.ids_row(r)[j]);
-            assert!(close(&top[i][j][0], n.values_row(r)[j]));
+        let row = top[i].as_array().unwrap();
+        assert_eq!(row.len(), 4);
+        for ((e, &id), &v) in row.iter().zip(n.ids_row(r)).zip(n.values_row(r)) {
+            assert_eq!(e[1], id);
+            assert!(close(&e[0], v));
         }
-        for j in 0..2 {
-            assert!(close(&cand[i][j][0], n.ids_logprobs_row(r)[j]));
+        let row = cand[i].as_array().unwrap();
+        assert_eq!(row.len(), 2);
+        for (e, &v) in row.iter().zip(n.ids_logprobs_row(r)) {
+            assert!(close(&e[0], v));
         }
     }
     assert_eq!(meta["prompt_tokens"], 8);

@@ -368,3 +368,84 @@ async fn queue_full_and_request_too_large() {
         common::post(&c, &t, &request(vec![ids(2, 21, VOCAB)], 3), Format::Json).await;
     assert_eq!(status, 200);
 }
+
+/// Memory amplification: sequences without rows still cost a token each, the sequence count and
+/// the answer's size are bounded, and the refusals come before any work (413 at once).
+#[tokio::test]
+async fn every_sequence_and_answer_byte_is_counted() {
+    let dir = common::tiny_model("errors-llama", "llama", "llama2", 1);
+    let t = common::start_teacher(
+        &dir,
+        &[
+            "--max-queue-tokens",
+            "5000",
+            "--max-batch-tokens",
+            "5000",
+            "--max-sequences",
+            "8000",
+            "--max-answer-bytes",
+            "100000",
+        ],
+    );
+    let c = client();
+    let ones = |n: usize| request(vec![vec![1u32]; n], 2);
+    // 6,000 one-token sequences: no forward, but 6,000 tokens of a 5,000 budget.
+    let (status, body) = common::post(&c, &t, &ones(6000), Format::Msgpack).await;
+    assert_eq!(status, 413, "{}", String::from_utf8_lossy(&body));
+    let e: ErrorBody = serde_json::from_slice(&body).unwrap();
+    assert_eq!(e.error.kind, "request_too_large");
+    let (status, body) = common::post(&c, &t, &ones(9000), Format::Msgpack).await;
+    assert_eq!(status, 413);
+    let e: ErrorBody = serde_json::from_slice(&body).unwrap();
+    assert_eq!(e.error.kind, "too_many_sequences");
+    // 4 × 40 rows × (2 · 256 + 2) × 4 bytes ≈ 329 kB of scores > 100 kB.
+    let big = request(vec![ids(4, 41, VOCAB); 4], 256);
+    let (status, body) = common::post(&c, &t, &big, Format::Msgpack).await;
+    assert_eq!(status, 413);
+    let e: ErrorBody = serde_json::from_slice(&body).unwrap();
+    assert_eq!(e.error.kind, "answer_too_large");
+    assert_eq!(
+        common::metric(&c, &t, "xdistill_batch_forward_total").await,
+        0.0
+    );
+    // Within the limits all is served.
+    let (status, _) = common::post(&c, &t, &ones(100), Format::Msgpack).await;
+    assert_eq!(status, 200);
+}
+
+/// MessagePack bodies are decoded as strictly as JSON: trailing bytes, `values` as a variant
+/// index and a `bin` blob where ids are expected are 400s naming the problem.
+#[tokio::test]
+async fn lenient_msgpack_is_refused() {
+    let good = codec::encode_request(Format::Msgpack, &request(vec![vec![1, 2, 3]], 2)).unwrap();
+    let r = send(
+        "/topk_logits",
+        Some(codec::MSGPACK),
+        good.clone(),
+        Some(KEY),
+    )
+    .await;
+    assert_eq!(r.status(), 200);
+    let mut trailing = good;
+    trailing.extend_from_slice(b"garbage");
+    let r = send("/topk_logits", Some(codec::MSGPACK), trailing, Some(KEY)).await;
+    expect_error(r, 400, "malformed_body", None).await;
+    let as_index = rmp_serde::to_vec_named(
+        &serde_json::json!({"sequences": [[1, 2, 3]], "k": 2, "values": 1}),
+    )
+    .unwrap();
+    let r = send("/topk_logits", Some(codec::MSGPACK), as_index, Some(KEY)).await;
+    expect_error(r, 400, "malformed_body", None).await;
+    #[derive(serde::Serialize)]
+    struct Blob<'a> {
+        sequences: Vec<&'a serde_bytes::Bytes>,
+        k: usize,
+    }
+    let blob = rmp_serde::to_vec_named(&Blob {
+        sequences: vec![serde_bytes::Bytes::new(&[1, 2, 3])],
+        k: 2,
+    })
+    .unwrap();
+    let r = send("/topk_logits", Some(codec::MSGPACK), blob, Some(KEY)).await;
+    expect_error(r, 400, "malformed_body", None).await;
+}

@@ -287,3 +287,74 @@ fn sharded_checkpoint_loads_like_the_single_file() {
         .unwrap();
     assert_eq!(diff, 0.0);
 }
+
+/// A copy of the tiny Llama model with `edit` applied to its directory.
+fn broken_copy(edit: impl FnOnce(&std::path::Path)) -> tempfile::TempDir {
+    let src = common::tiny_model("lifecycle-llama", "llama", "llama2", 1);
+    let dir = tempfile::tempdir().unwrap();
+    for f in std::fs::read_dir(&src).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, dir.path().join(f.file_name().unwrap())).unwrap();
+    }
+    edit(dir.path());
+    dir
+}
+
+/// Models that would serve wrong or no answers are refused at start, by `--check-args` and by
+/// a real start, with a message naming the file and key: a tokenizer with more ids than the
+/// embedding has rows, and `max_position_embeddings = 0`.
+#[test]
+fn unservable_models_are_refused_at_start() {
+    let qwen_tokenizer = xdistill_shared::paths::tokenizer_json("qwen3");
+    let too_big = broken_copy(|d| {
+        std::fs::copy(&qwen_tokenizer, d.join("tokenizer.json")).unwrap();
+    });
+    let zero_positions = broken_copy(|d| {
+        let p = d.join("config.json");
+        let mut cfg: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+        cfg["max_position_embeddings"] = serde_json::json!(0);
+        std::fs::write(&p, serde_json::to_vec(&cfg).unwrap()).unwrap();
+    });
+    for (dir, needle) in [
+        (&too_big, "tokenizer does not belong to this model"),
+        (&zero_positions, "max_position_embeddings is 0"),
+    ] {
+        for extra in [&["--check-args"][..], &["--port", "0"][..]] {
+            let out = teacher_bin()
+                .arg("--model")
+                .arg(dir.path())
+                .args(extra)
+                .output()
+                .unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(!out.status.success(), "{extra:?}: {err}");
+            assert!(err.contains(needle), "{extra:?}: {err}");
+        }
+    }
+}
+
+/// The API key can come from a file (so it need not show in `ps`), and the `Bearer` scheme is
+/// matched case-insensitively.
+#[tokio::test]
+async fn api_key_from_a_file_and_any_case_of_bearer() {
+    let dir = common::tiny_model("lifecycle-llama", "llama", "llama2", 1);
+    let keys = tempfile::tempdir().unwrap();
+    let key_file = keys.path().join("key");
+    std::fs::write(&key_file, "file-secret\n").unwrap();
+    let t = common::start_teacher(&dir, &["--api-key-file", key_file.to_str().unwrap()]);
+    let c = client();
+    for (auth, status) in [
+        (None, 401),
+        (Some("Bearer wrong"), 401),
+        (Some("Bearer file-secret"), 200),
+        (Some("bearer file-secret"), 200),
+        (Some("BEARER file-secret"), 200),
+    ] {
+        let mut r = c.get(t.url("/v1/info"));
+        if let Some(a) = auth {
+            r = r.header("authorization", a);
+        }
+        assert_eq!(r.send().await.unwrap().status(), status, "{auth:?}");
+    }
+}

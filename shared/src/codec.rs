@@ -20,6 +20,8 @@ pub enum CodecError {
     MsgpackEncode(#[from] rmp_serde::encode::Error),
     #[error("malformed response: {0}")]
     Shape(String),
+    #[error("{0} bytes after the end of the MessagePack value")]
+    Trailing(usize),
 }
 
 /// Wire format chosen by content negotiation.
@@ -59,10 +61,20 @@ fn is_msgpack(mime: &str) -> bool {
 
 // ---- requests -------------------------------------------------------------------------------
 
+/// Decodes a request body. Both formats are strict alike: the body is exactly one value (no
+/// trailing bytes), lists are lists (no `bin` blob where ids are expected), names are strings.
 pub fn decode_request(format: Format, body: &[u8]) -> Result<TopkRequest, CodecError> {
     Ok(match format {
         Format::Json => serde_json::from_slice(body)?,
-        Format::Msgpack => rmp_serde::from_slice(body)?,
+        Format::Msgpack => {
+            let mut de = rmp_serde::Deserializer::new(body);
+            let req = TopkRequest::deserialize(&mut de)?;
+            let rest = de.into_inner();
+            if !rest.is_empty() {
+                return Err(CodecError::Trailing(rest.len()));
+            }
+            req
+        }
     })
 }
 
@@ -445,6 +457,78 @@ mod tests {
             decode_response(Format::Msgpack, &bytes),
             Err(CodecError::Shape(_))
         ));
+    }
+
+    /// MessagePack is decoded as strictly as JSON: trailing bytes, a variant index for `values`
+    /// and `bin` blobs where lists of ids are expected are all errors.
+    #[test]
+    fn msgpack_requests_are_strict() {
+        let ok = decode_request(Format::Json, br#"{"sequences":[[1,2]],"k":2}"#).unwrap();
+        let mut packed = encode_request(Format::Msgpack, &ok).unwrap();
+        assert_eq!(decode_request(Format::Msgpack, &packed).unwrap(), ok);
+        packed.extend_from_slice(&[0xc0, 0x01]);
+        assert!(matches!(
+            decode_request(Format::Msgpack, &packed),
+            Err(CodecError::Trailing(2))
+        ));
+        // {"sequences": [[1, 2]], "k": 2, "values": 1}
+        let as_index = rmp_serde::to_vec_named(&serde_json::json!(
+            {"sequences": [[1, 2]], "k": 2, "values": 1}
+        ))
+        .unwrap();
+        assert!(decode_request(Format::Msgpack, &as_index).is_err());
+        let named = rmp_serde::to_vec_named(&serde_json::json!(
+            {"sequences": [[1, 2]], "k": 2, "values": "logits"}
+        ))
+        .unwrap();
+        assert_eq!(
+            decode_request(Format::Msgpack, &named).unwrap().values,
+            ValuesKind::Logits
+        );
+        // A bin blob where a list of ids (or the list of sequences, or starts) is expected.
+        #[derive(Serialize)]
+        struct Blob<'a> {
+            sequences: Vec<&'a serde_bytes::Bytes>,
+            k: usize,
+        }
+        let blob = rmp_serde::to_vec_named(&Blob {
+            sequences: vec![serde_bytes::Bytes::new(&[1, 2, 3])],
+            k: 2,
+        })
+        .unwrap();
+        assert!(decode_request(Format::Msgpack, &blob).is_err());
+        #[derive(Serialize)]
+        struct OuterBlob<'a> {
+            #[serde(with = "serde_bytes")]
+            sequences: &'a [u8],
+            k: usize,
+        }
+        let outer = rmp_serde::to_vec_named(&OuterBlob {
+            sequences: &[1, 2],
+            k: 2,
+        })
+        .unwrap();
+        assert!(decode_request(Format::Msgpack, &outer).is_err());
+        #[derive(Serialize)]
+        struct StartsBlob<'a> {
+            sequences: Vec<Vec<u32>>,
+            k: usize,
+            #[serde(with = "serde_bytes")]
+            starts: &'a [u8],
+        }
+        let starts = rmp_serde::to_vec_named(&StartsBlob {
+            sequences: vec![vec![1, 2]],
+            k: 2,
+            starts: &[0],
+        })
+        .unwrap();
+        assert!(decode_request(Format::Msgpack, &starts).is_err());
+        // JSON refuses the same shapes.
+        assert!(
+            decode_request(Format::Json, br#"{"sequences":[[1,2]],"k":2,"values":1}"#).is_err()
+        );
+        assert!(decode_request(Format::Json, br#"{"sequences":["ab"],"k":2}"#).is_err());
+        assert!(decode_request(Format::Json, br#"{"sequences":[[1,2]],"k":2} x"#).is_err());
     }
 
     #[test]

@@ -12,8 +12,9 @@ pub const TOPK_PATH: &str = "/topk_logits";
 /// compatible: every version-1 request means the same and gets the same answer).
 pub const PROTOCOL_VERSION: u32 = 2;
 
-/// What `topk_values` holds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+/// What `topk_values` holds. Deserialised from its name only (MessagePack could otherwise
+/// give the variant's index).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum ValuesKind {
     /// `log_softmax(logits / temperature)` over the full (unpadded) vocabulary.
@@ -32,6 +33,97 @@ impl ValuesKind {
     }
 }
 
+impl<'de> Deserialize<'de> for ValuesKind {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        match strict::Name::deserialize(d)?.0.as_str() {
+            "logprobs" => Ok(ValuesKind::Logprobs),
+            "logits" => Ok(ValuesKind::Logits),
+            other => Err(serde::de::Error::unknown_variant(
+                other,
+                &["logprobs", "logits"],
+            )),
+        }
+    }
+}
+
+/// Strict decoding of request fields: lists must be lists (MessagePack `bin` blobs are refused
+/// where ids are expected, as JSON would refuse a string), names must be strings.
+mod strict {
+    use serde::de::{self, Deserialize, Deserializer, SeqAccess, Visitor};
+    use std::fmt;
+    use std::marker::PhantomData;
+
+    /// A list decoded through `deserialize_any`, so that a `bin` blob is seen as bytes (and
+    /// refused) instead of being read as a list of its bytes.
+    pub struct List<T>(pub Vec<T>);
+
+    impl<'de, T: Deserialize<'de>> Deserialize<'de> for List<T> {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct V<T>(PhantomData<T>);
+            impl<'de, T: Deserialize<'de>> Visitor<'de> for V<T> {
+                type Value = List<T>;
+                fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                    f.write_str("a list")
+                }
+                fn visit_seq<A: SeqAccess<'de>>(self, mut a: A) -> Result<List<T>, A::Error> {
+                    // The size hint comes from the sender: cap the preallocation.
+                    let mut out = Vec::with_capacity(a.size_hint().unwrap_or(0).min(4096));
+                    while let Some(x) = a.next_element()? {
+                        out.push(x);
+                    }
+                    Ok(List(out))
+                }
+            }
+            d.deserialize_any(V(PhantomData))
+        }
+    }
+
+    /// A string (never a variant index or bytes).
+    pub struct Name(pub String);
+
+    impl<'de> Deserialize<'de> for Name {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct V;
+            impl Visitor<'_> for V {
+                type Value = Name;
+                fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                    f.write_str("a string")
+                }
+                fn visit_str<E: de::Error>(self, s: &str) -> Result<Name, E> {
+                    Ok(Name(s.to_string()))
+                }
+            }
+            d.deserialize_any(V)
+        }
+    }
+
+    /// `[[u32]]`.
+    pub fn lists<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Vec<u32>>, D::Error> {
+        Ok(List::<List<u32>>::deserialize(d)?
+            .0
+            .into_iter()
+            .map(|l| l.0)
+            .collect())
+    }
+
+    /// `[usize]` or absent.
+    pub fn opt_list<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<usize>>, D::Error> {
+        Ok(Option::<List<usize>>::deserialize(d)?.map(|l| l.0))
+    }
+
+    /// Candidate ids: per sequence, per row, a list.
+    type Candidates = Vec<Vec<Vec<u32>>>;
+
+    /// `[[[u32]]]` or absent.
+    pub fn opt_list3<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Candidates>, D::Error> {
+        Ok(Option::<List<List<List<u32>>>>::deserialize(d)?.map(|a| {
+            a.0.into_iter()
+                .map(|b| b.0.into_iter().map(|c| c.0).collect())
+                .collect()
+        }))
+    }
+}
+
 fn default_temperature() -> f32 {
     1.0
 }
@@ -41,6 +133,7 @@ fn default_temperature() -> f32 {
 #[serde(deny_unknown_fields)]
 pub struct TopkRequest {
     /// Token ids in the teacher's vocabulary, one list per sequence (lengths may differ).
+    #[serde(deserialize_with = "strict::lists")]
     pub sequences: Vec<Vec<u32>>,
     /// Number of top entries per position.
     pub k: usize,
@@ -51,14 +144,22 @@ pub struct TopkRequest {
     #[serde(default)]
     pub start: usize,
     /// Optional per-sequence first positions (on-policy scoring: the completion starts differ).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "strict::opt_list"
+    )]
     pub starts: Option<Vec<usize>>,
     #[serde(default)]
     pub values: ValuesKind,
     /// Optional candidate ids to score exactly (e.g. the student's own top-k): one entry per
     /// sequence, each `[rows][m]` (the same `m` for every row of a sequence). The answer's
     /// `ids_logprobs` holds the teacher's full-vocabulary log-probs at these ids.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "strict::opt_list3"
+    )]
     pub ids: Option<Vec<Vec<Vec<u32>>>>,
 }
 
@@ -192,6 +293,12 @@ pub struct Limits {
     pub max_queue_tokens: usize,
     pub max_body_bytes: usize,
     pub max_wait_ms: u64,
+    /// Most sequences per request (0 when talking to a server older than protocol 2).
+    #[serde(default)]
+    pub max_sequences: usize,
+    /// Most bytes of scores per answer (0 when talking to a server older than protocol 2).
+    #[serde(default)]
+    pub max_answer_bytes: usize,
 }
 
 /// Body of `GET /v1/info`.

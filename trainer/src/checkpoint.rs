@@ -7,12 +7,17 @@
 //! config.json  model.safetensors  tokenizer.json  [tokenizer_config.json]
 //! optimizer.safetensors   optimizer state tensors (names chosen by the optimizer)
 //! trainer_state.json      TrainerState: step, data position, RNG, metrics, config hash
+//! checksums.sha256        SHA-256 of every other file (`sha256sum -c` format)
 //! ```
 //!
 //! A checkpoint is written into `OUTPUT/.step_N.tmp-*`, every file is fsynced, and the directory
 //! is renamed to `step_N` only when complete: a crash leaves at most a hidden temp directory,
 //! which [`latest`] ignores and [`remove_temp_dirs`] deletes. `OUTPUT/final/` has the same
 //! layout without the optimizer state.
+//!
+//! The checksum manifest is written inside the staging directory, so it appears atomically with
+//! the files it covers; [`verify`] checks it on resume, and [`load_newest_valid`] falls back to
+//! an older checkpoint when the newest is corrupt.
 
 use crate::data::DataPosition;
 use candle_core::{Device, Tensor};
@@ -26,6 +31,9 @@ pub const STATE_FILE: &str = "trainer_state.json";
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 pub const MODEL_FILE: &str = "model.safetensors";
 pub const FINAL_DIR: &str = "final";
+pub const CHECKSUM_FILE: &str = "checksums.sha256";
+/// Suffix of a checkpoint directory set aside as corrupt (ignored by [`list`]).
+pub const CORRUPT_SUFFIX: &str = ".corrupt";
 /// Version of `trainer_state.json`; bumped on incompatible changes.
 pub const STATE_VERSION: u32 = 1;
 
@@ -42,6 +50,8 @@ pub enum CheckpointError {
     Safetensors { path: PathBuf, message: String },
     #[error("{path}: invalid trainer state: {message}")]
     State { path: PathBuf, message: String },
+    #[error("{path}: corrupt checkpoint: {message}")]
+    Corrupt { path: PathBuf, message: String },
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
@@ -208,6 +218,7 @@ fn write_atomically(
     let tmp = staging.join(name);
     let result = (|| {
         fill(&tmp)?;
+        write_manifest(&tmp)?;
         sync_tree(&tmp)?;
         let dst = output_dir.join(name);
         if dst.exists() {
@@ -225,6 +236,153 @@ fn write_atomically(
     // `remove_temp_dirs`.
     let _ = std::fs::remove_dir_all(&staging);
     result
+}
+
+/// SHA-256 of a file, hex, read in 1 MiB blocks.
+fn sha256_file(path: &Path) -> Result<String, CheckpointError> {
+    use sha2::{Digest, Sha256};
+    use std::io::Read;
+    let mut f = std::fs::File::open(path).map_err(io_err(path))?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf).map_err(io_err(path))?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(hex::encode(h.finalize()))
+}
+
+/// Writes `dir/checksums.sha256`: one `HEX  NAME` line per file of `dir`, sorted by name.
+fn write_manifest(dir: &Path) -> Result<(), CheckpointError> {
+    let mut names = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(io_err(dir))? {
+        let entry = entry.map_err(io_err(dir))?;
+        let name = entry.file_name().to_string_lossy().to_string();
+        if entry.path().is_file() && name != CHECKSUM_FILE {
+            names.push(name);
+        }
+    }
+    names.sort();
+    let mut text = String::new();
+    for name in names {
+        text += &format!("{}  {name}\n", sha256_file(&dir.join(&name))?);
+    }
+    let path = dir.join(CHECKSUM_FILE);
+    std::fs::write(&path, text).map_err(io_err(&path))
+}
+
+/// Checks every file named in `dir/checksums.sha256`. Returns `false` (nothing verified) for a
+/// checkpoint written before manifests existed; a missing file or a wrong hash is an error
+/// naming the file.
+pub fn verify(dir: &Path) -> Result<bool, CheckpointError> {
+    let manifest = dir.join(CHECKSUM_FILE);
+    let text = match std::fs::read_to_string(&manifest) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
+        Err(e) => return Err(io_err(&manifest)(e)),
+    };
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let Some((want, name)) = line.split_once("  ") else {
+            return Err(CheckpointError::Corrupt {
+                path: manifest.clone(),
+                message: format!("bad line {line:?}"),
+            });
+        };
+        let path = dir.join(name);
+        if name.contains('/') || name.contains('\\') || !path.is_file() {
+            return Err(CheckpointError::Corrupt {
+                path,
+                message: "file named in the checksum manifest is missing".into(),
+            });
+        }
+        let got = sha256_file(&path)?;
+        if got != want {
+            return Err(CheckpointError::Corrupt {
+                path,
+                message: format!("SHA-256 {got} does not match the manifest's {want}"),
+            });
+        }
+    }
+    Ok(true)
+}
+
+/// Fails when a model tensor holds NaN or ±inf.
+fn check_finite(dir: &Path, model: &HashMap<String, Tensor>) -> Result<(), CheckpointError> {
+    for (name, t) in model {
+        let m = t
+            .to_dtype(candle_core::DType::F32)
+            .and_then(|t| t.abs()?.max_all()?.to_scalar::<f32>());
+        match m {
+            Ok(v) if v.is_finite() => {}
+            Ok(_) => {
+                return Err(CheckpointError::Corrupt {
+                    path: dir.join(MODEL_FILE),
+                    message: format!("tensor {name:?} holds non-finite values"),
+                })
+            }
+            Err(e) => {
+                return Err(CheckpointError::Safetensors {
+                    path: dir.join(MODEL_FILE),
+                    message: format!("{name}: {e}"),
+                })
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Verifies and loads the newest usable checkpoint. A corrupt one (checksum mismatch, unreadable
+/// file, non-finite weights) is reported with a warning naming the file, renamed to
+/// `step_N.corrupt` so that no later resume or pruning takes it for a checkpoint, and the next
+/// older one is tried. `Ok(None)`: no checkpoint at all; an error when every one is corrupt.
+pub fn load_newest_valid(
+    output_dir: &Path,
+    device: &Device,
+) -> Result<Option<Checkpoint>, CheckpointError> {
+    let all = list(output_dir)?;
+    if all.is_empty() {
+        return Ok(None);
+    }
+    let mut errors = Vec::new();
+    for (step, path) in all.into_iter().rev() {
+        let attempt = verify(&path).and_then(|verified| {
+            if !verified {
+                tracing::warn!(
+                    "{}: no {CHECKSUM_FILE} (written by an older trainer): not verified",
+                    path.display()
+                );
+            }
+            let ck = load(&path, device)?;
+            check_finite(&path, &ck.model)?;
+            Ok(ck)
+        });
+        match attempt {
+            Ok(ck) => return Ok(Some(ck)),
+            Err(e) => {
+                let aside = output_dir.join(format!("{}{CORRUPT_SUFFIX}", step_dir_name(step)));
+                let moved = !aside.exists() && std::fs::rename(&path, &aside).is_ok();
+                tracing::warn!(
+                    "checkpoint step {step} is unusable: {e}; {}falling back to the previous checkpoint",
+                    if moved {
+                        format!("moved to {}; ", aside.display())
+                    } else {
+                        String::new()
+                    }
+                );
+                errors.push(e.to_string());
+            }
+        }
+    }
+    Err(CheckpointError::Corrupt {
+        path: output_dir.to_path_buf(),
+        message: format!(
+            "no usable checkpoint to resume from ({}); remove them or run without --resume",
+            errors.join("; ")
+        ),
+    })
 }
 
 fn write_tensors(path: &Path, tensors: &HashMap<String, Tensor>) -> Result<(), CheckpointError> {
@@ -366,6 +524,8 @@ pub fn load(dir: &Path, device: &Device) -> Result<Checkpoint, CheckpointError> 
             path: cfg_path.clone(),
             message: e.to_string(),
         })?;
+    // Nothing is allocated from `model_config` here: a resume restores these tensors into the
+    // student (loaded and checked from `policy.model_name`), which checks every name and shape.
     let model = read_tensors(&dir.join(MODEL_FILE), device)?;
     let opt_path = dir.join(OPTIMIZER_FILE);
     let optimizer = if opt_path.is_file() {
@@ -580,6 +740,88 @@ mod tests {
         save_step(&out, &tok, 7, Some(1.0));
         assert_eq!(read_state(&p).unwrap().metrics["val_loss"], 1.0);
         assert_eq!(list(&out).unwrap().len(), 1);
+    }
+
+    #[test]
+    fn corrupt_newest_checkpoint_falls_back_to_the_previous_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let tok = tokenizer_file(dir.path());
+        let out = dir.path().join("out");
+        save_step(&out, &tok, 2, None);
+        let p4 = save_step(&out, &tok, 4, None);
+        // Every file is in the manifest, which verifies.
+        let manifest = std::fs::read_to_string(p4.join(CHECKSUM_FILE)).unwrap();
+        for f in [
+            MODEL_FILE,
+            OPTIMIZER_FILE,
+            STATE_FILE,
+            "config.json",
+            "tokenizer.json",
+        ] {
+            assert!(manifest.contains(&format!("  {f}\n")), "{manifest}");
+        }
+        assert!(verify(&p4).unwrap());
+        // One flipped bit in the last tensor byte of the newest checkpoint.
+        let mut bytes = std::fs::read(p4.join(MODEL_FILE)).unwrap();
+        *bytes.last_mut().unwrap() ^= 0x01;
+        std::fs::write(p4.join(MODEL_FILE), &bytes).unwrap();
+        let e = verify(&p4).unwrap_err().to_string();
+        assert!(
+            e.contains("model.safetensors") && e.contains("SHA-256"),
+            "{e}"
+        );
+        let ck = load_newest_valid(&out, &Device::Cpu).unwrap().unwrap();
+        assert_eq!(ck.state.step, 2);
+        assert_same(&ck.model, &tensors(2));
+        // The corrupt one is set aside, so it is neither resumed nor counted by pruning.
+        assert!(out.join("step_4.corrupt").is_dir());
+        assert_eq!(list(&out).unwrap(), vec![(2, out.join("step_2"))]);
+        // A checkpoint without a manifest (an older trainer's) still loads, unverified.
+        std::fs::remove_file(out.join("step_2").join(CHECKSUM_FILE)).unwrap();
+        assert!(!verify(&out.join("step_2")).unwrap());
+        assert_eq!(
+            load_newest_valid(&out, &Device::Cpu)
+                .unwrap()
+                .unwrap()
+                .state
+                .step,
+            2
+        );
+        // When every checkpoint is corrupt, resuming is an error.
+        std::fs::write(out.join("step_2").join(MODEL_FILE), b"garbage").unwrap();
+        assert!(load_newest_valid(&out, &Device::Cpu).is_err());
+    }
+
+    #[test]
+    fn non_finite_weights_make_a_checkpoint_unusable() {
+        let dir = tempfile::tempdir().unwrap();
+        let tok = tokenizer_file(dir.path());
+        let out = dir.path().join("out");
+        save_step(&out, &tok, 1, None);
+        let mut model = tensors(3);
+        model.insert(
+            "model.embed_tokens.weight".into(),
+            Tensor::from_vec(vec![f32::NAN; 16 * 8], (16, 8), &Device::Cpu).unwrap(),
+        );
+        save(
+            &out,
+            &CheckpointData {
+                model: &model,
+                model_config: &tiny_config(),
+                tokenizer_json: &tok,
+                optimizer: &HashMap::new(),
+                state: &state(3),
+            },
+        )
+        .unwrap();
+        assert_eq!(
+            load_newest_valid(&out, &Device::Cpu)
+                .unwrap()
+                .unwrap()
+                .state
+                .step,
+            1
+        );
     }
 
     #[test]

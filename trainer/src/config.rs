@@ -92,7 +92,8 @@ pub struct PolicyConfig {
     pub model_name: PathBuf,
     /// Student tokenizer; default `<model_name>/tokenizer.json`.
     pub tokenizer: Option<PathBuf>,
-    /// Longest tokenized sequence (student tokens); longer records are skipped.
+    /// Longest tokenized sequence (student tokens); longer records are skipped (or truncated
+    /// with `data.truncate`).
     pub max_total_sequence_length: usize,
     /// Weight dtype: f32, bf16 or f16 (master weights stay f32 either way).
     pub precision: String,
@@ -101,6 +102,9 @@ pub struct PolicyConfig {
     /// Sequences per forward/backward pass; a step accumulates gradients over
     /// `ceil(num_prompts_per_step / train_micro_batch_size)` micro-batches.
     pub train_micro_batch_size: usize,
+    /// Abort the run after this many consecutive steps with a non-finite gradient norm (each
+    /// is skipped); 0: never abort.
+    pub max_nonfinite_steps: u64,
     pub optimizer: OptimizerConfig,
 }
 
@@ -113,6 +117,7 @@ impl Default for PolicyConfig {
             precision: "f32".into(),
             device: "cpu".into(),
             train_micro_batch_size: 4,
+            max_nonfinite_steps: 10,
             optimizer: OptimizerConfig::default(),
         }
     }
@@ -263,6 +268,9 @@ pub struct DataConfig {
     pub val_count: Option<usize>,
     /// Records longer than this many bytes are skipped.
     pub max_record_bytes: usize,
+    /// Truncate records over the token limits (both tokenizations at one chunk boundary of
+    /// their alignment) instead of skipping them.
+    pub truncate: bool,
     pub shuffle: bool,
     /// Drop an epoch's last batch when it is smaller than `num_prompts_per_step`.
     pub drop_last: bool,
@@ -282,6 +290,7 @@ impl Default for DataConfig {
             val_fraction: 0.0,
             val_count: None,
             max_record_bytes: 1 << 20,
+            truncate: false,
             shuffle: true,
             drop_last: false,
         }

@@ -247,15 +247,26 @@ impl Dataset {
         max_tokens: usize,
         count: impl Fn(&Record) -> usize + Sync,
     ) {
+        self.drop_where(&|r: &Record| count(r) > max_tokens);
+    }
+
+    /// Skips (and counts as too long in tokens) the records `too_long` picks, tested in
+    /// parallel; the first few are logged with their line numbers.
+    pub fn drop_where(&mut self, too_long: &(dyn Fn(&Record) -> bool + Sync)) {
         use rayon::prelude::*;
-        let keep: Vec<bool> = self
+        let drop: Vec<bool> = self.records.par_iter().map(too_long).collect();
+        for r in self
             .records
-            .par_iter()
-            .map(|r| count(r) <= max_tokens)
-            .collect();
-        let mut it = keep.iter();
+            .iter()
+            .zip(&drop)
+            .filter(|x| *x.1)
+            .take(SKIP_LOG_LIMIT as usize)
+        {
+            tracing::warn!("line {}: skipping record (TooLongTokens)", r.0.line);
+        }
+        let mut it = drop.iter();
         let before = self.records.len();
-        self.records.retain(|_| *it.next().unwrap_or(&true));
+        self.records.retain(|_| !*it.next().unwrap_or(&false));
         self.skipped.too_long_tokens += (before - self.records.len()) as u64;
     }
 
@@ -344,7 +355,10 @@ pub fn val_size(n: usize, fraction: f64, count: Option<usize>) -> usize {
 /// The RNG stream used for the validation split (epochs use streams 0, 1, 2, ...).
 const VAL_SPLIT_STREAM: u64 = u64::MAX;
 
-/// Calls `f(line_number, bytes)` for each line, without the trailing `\n` / `\r\n`.
+const UTF8_BOM: &[u8] = b"\xEF\xBB\xBF";
+
+/// Calls `f(line_number, bytes)` for each line, without the trailing `\n` / `\r\n` (and
+/// without a UTF-8 byte order mark at the start of the file).
 fn for_each_line(mut reader: impl BufRead, mut f: impl FnMut(usize, &[u8])) -> std::io::Result<()> {
     let mut buf = Vec::new();
     let mut line_no = 0;
@@ -361,7 +375,13 @@ fn for_each_line(mut reader: impl BufRead, mut f: impl FnMut(usize, &[u8])) -> s
         if end > 0 && buf[end - 1] == b'\r' {
             end -= 1;
         }
-        f(line_no, &buf[..end]);
+        // A UTF-8 byte order mark (written by some editors) is not part of the first record.
+        let begin = if line_no == 1 && buf[..end].starts_with(UTF8_BOM) {
+            UTF8_BOM.len()
+        } else {
+            0
+        };
+        f(line_no, &buf[begin..end]);
     }
 }
 
@@ -643,6 +663,25 @@ mod tests {
         };
         assert_eq!(ds.skipped, expect);
         assert_eq!(ds.skipped.total() as usize + ds.records.len(), 12);
+    }
+
+    #[test]
+    fn utf8_bom_does_not_cost_the_first_record() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = write(
+            dir.path(),
+            "bom.jsonl",
+            b"\xEF\xBB\xBF{\"text\": \"first\"}\r\n{\"text\": \"second\"}\n",
+        );
+        let ds = Dataset::load(&p, &LoadOptions::default()).unwrap();
+        let texts: Vec<String> = ds.records.iter().map(Record::text).collect();
+        assert_eq!(texts, ["first", "second"]);
+        assert_eq!(ds.skipped.total(), 0);
+        // Plain text: the BOM is not part of the first document either.
+        let p = write(dir.path(), "bom.txt", b"\xEF\xBB\xBFone\n\ntwo\n");
+        let ds = Dataset::load(&p, &LoadOptions::default()).unwrap();
+        let texts: Vec<String> = ds.records.iter().map(Record::text).collect();
+        assert_eq!(texts, ["one", "two"]);
     }
 
     #[test]

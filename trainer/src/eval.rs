@@ -318,7 +318,8 @@ pub fn load_model(
     device: &Device,
     dtype: DType,
 ) -> anyhow::Result<(Decoder, Tokenizer)> {
-    let md = ModelDir::open(dir)?;
+    let md = ModelDir::open(dir).with_context(|| format!("opening model {}", dir.display()))?;
+    crate::model_check::check_model_dir(&md)?;
     // SAFETY: the files are memory-mapped read-only; nothing in this process writes them.
     let vb = unsafe { VarBuilder::from_mmaped_safetensors(&md.weights, dtype, device)? };
     let model = Decoder::new(&md.config, vb, Ops::Fused)

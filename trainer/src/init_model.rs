@@ -120,6 +120,7 @@ pub fn build_config(a: &Args) -> Result<ModelConfig> {
         );
     }
     cfg.validate()?;
+    crate::model_check::check_init_size(&cfg)?;
     Ok(cfg)
 }
 

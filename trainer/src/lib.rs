@@ -14,6 +14,7 @@ pub mod generate;
 pub mod init_model;
 pub mod loss;
 pub mod metrics_log;
+pub mod model_check;
 pub mod optim;
 pub mod projection;
 pub mod student;

@@ -31,6 +31,8 @@ impl Student {
     pub fn load(dir: &Path, device: &Device, compute_dtype: DType) -> Result<Student> {
         let md =
             ModelDir::open(dir).with_context(|| format!("opening student {}", dir.display()))?;
+        // Sizes from config.json are checked against the stored shapes before any allocation.
+        crate::model_check::check_model_dir(&md)?;
         let mut tensors = HashMap::new();
         for f in &md.weights {
             let loaded = candle_core::safetensors::load(f, device)

@@ -137,4 +137,28 @@ fn cross_tokenizer_kl_falls() {
         let err = setup(cfg).and_then(|s| train(&s, false, None)).unwrap_err();
         assert!(format!("{err:#}").contains(want), "{loss}: {err:#}");
     }
+
+    // A student tokenizer.json that does not parse is named as such (it used to be taken for a
+    // different tokenizer: "student and teacher tokenizers differ").
+    let garbage = dir.path().join("garbage-student");
+    std::fs::create_dir_all(&garbage).unwrap();
+    for f in std::fs::read_dir(&student).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, garbage.join(f.file_name().unwrap())).unwrap();
+    }
+    std::fs::write(garbage.join("tokenizer.json"), b"{\"not\": \"a tokenizer\"").unwrap();
+    let cfg = config(
+        dir.path(),
+        &garbage,
+        &t.base,
+        &dir.path().join("garbage-run"),
+        1,
+        r#"kd = { type = "forward_kl" }"#,
+    );
+    let err = format!(
+        "{:#}",
+        setup(cfg).err().expect("a garbage tokenizer was accepted")
+    );
+    assert!(err.contains("tokenizer.json"), "{err}");
+    assert!(!err.contains("differ"), "{err}");
 }

@@ -207,6 +207,8 @@ fn mock_info(sha: String) -> InfoResponse {
             max_queue_tokens: 65536,
             max_body_bytes: 1 << 20,
             max_wait_ms: 5,
+            max_sequences: 1024,
+            max_answer_bytes: 1 << 30,
         },
     }
 }

@@ -57,7 +57,7 @@ async fn read_json<T: DeserializeOwned>(
             return Err(ApiError::UnsupportedMediaType(mime.to_string()));
         }
     }
-    let bytes = read_body(headers, body, st.config.max_body_bytes).await?;
+    let bytes = read_body(st, headers, body).await?;
     serde_json::from_slice(&bytes).map_err(|e| ApiError::Malformed(format!("invalid JSON: {e}")))
 }
 

@@ -178,6 +178,9 @@ impl TeacherClient {
         let http = reqwest::Client::builder()
             .timeout(opts.timeout)
             .connect_timeout(opts.connect_timeout)
+            // Drop idle pooled connections before the teacher's keep-alive limit (its
+            // --header-timeout-secs, 10 s by default) closes them under a request.
+            .pool_idle_timeout(Duration::from_secs(5))
             .build()
             .map_err(|e| ClientError::Build(e.to_string()))?;
         Ok(TeacherClient {

@@ -6,7 +6,7 @@
 //! normalised by the whole step's count, then clips, schedules and applies AdamW. Checkpoints
 //! record the position *after* the last trained batch, so `--resume` continues exactly.
 
-use super::prepare::{prepare, Limits, Prepared, Tokenization};
+use super::prepare::{prepare, too_long, Limits, Prepared, Tokenization};
 use super::runner::{Runner, Session};
 use super::step::{accumulate, units, validation_sums, Units, ValSums};
 use crate::align::AlignTokenizer;
@@ -68,6 +68,11 @@ pub fn setup(cfg: Config) -> Result<Setup> {
         );
     }
     let student_tok = cfg.student_tokenizer();
+    // A tokenizer that does not parse is named as such, not taken for a different tokenizer.
+    xdistill_shared::hf::load_tokenizer(&student_tok)?;
+    if let Some(local) = &cfg.teacher.tokenizer {
+        xdistill_shared::hf::load_tokenizer(local)?;
+    }
     let which = client.teacher_tokenizer(
         &info,
         &student_tok,
@@ -124,6 +129,7 @@ pub fn setup(cfg: Config) -> Result<Setup> {
         limits: Limits {
             max_student_tokens: max_student,
             max_teacher_tokens: max_teacher,
+            truncate: cfg.data.truncate,
         },
         cfg,
         loss,
@@ -238,7 +244,12 @@ pub fn train(s: &Setup, resume: bool, stop_after: Option<u64>) -> Result<Summary
         resumed_from,
         mut log,
         progress,
-    } = Session::open(cfg, &s.device, resume)?;
+    } = Session::open(
+        cfg,
+        &s.device,
+        resume,
+        Some(&|r| too_long(r, &s.tokenization, s.limits)),
+    )?;
     let total_steps = runner.total_steps;
     let k = cfg.teacher.k;
     let val_metrics =

@@ -359,7 +359,12 @@ fn cross_items(s: &Setup, records: &[Record], gens: &[Generation]) -> (Vec<Item>
                 },
                 completion_only_loss: !s.cfg.on_policy.include_prompt,
             };
-            prepare_record(&r, &s.tokenization, s.limits).map(|it| (it, i))
+            // Rollouts are not dataset records: one over the limits is truncated, not skipped.
+            let lim = super::prepare::Limits {
+                truncate: true,
+                ..s.limits
+            };
+            prepare_record(&r, &s.tokenization, lim).map(|it| (it, i))
         })
         .unzip()
 }
@@ -397,7 +402,12 @@ pub fn train(s: &Setup, resume: bool, stop_after: Option<u64>) -> Result<Summary
         mut log,
         progress,
         ..
-    } = Session::open(cfg, &s.device, resume)?;
+    } = Session::open(
+        cfg,
+        &s.device,
+        resume,
+        Some(&|r| super::prepare::too_long(r, &s.tokenization, s.limits)),
+    )?;
     let total_steps = runner.total_steps;
     let k = cfg.teacher.k;
     let off_loss = off_policy_loss(&s.loss, s.tokenization.is_cross());

@@ -62,6 +62,38 @@ pub struct Prepared {
 pub struct Limits {
     pub max_student_tokens: usize,
     pub max_teacher_tokens: usize,
+    /// Over-long records are truncated (both sides at one chunk boundary) instead of skipped
+    /// (`data.truncate`).
+    pub truncate: bool,
+}
+
+/// Margin for [`too_long`]'s shortcut: a text of `b` bytes has at most about `b` tokens, plus
+/// the special tokens a tokenizer adds (BOS/EOS, a prefix-space piece).
+const SPECIAL_TOKEN_MARGIN: usize = 16;
+
+/// Whether `r` exceeds a token limit on either side (without truncation). Texts short enough in
+/// bytes are not tokenized; a record that cannot be tokenized is not "too long" (it is skipped
+/// later, when prepared, with its reason).
+pub fn too_long(r: &Record, tok: &Tokenization, lim: Limits) -> bool {
+    let max_s = lim.max_student_tokens;
+    let max_t = lim.max_teacher_tokens;
+    if r.len_bytes() + SPECIAL_TOKEN_MARGIN <= max_s.min(max_t) {
+        return false;
+    }
+    match tok {
+        Tokenization::Same(t) => {
+            encode(t, &r.text(), 0, usize::MAX).is_ok_and(|e| e.ids.len() > max_s.min(max_t))
+        }
+        Tokenization::Cross { student, teacher } => {
+            let opts = PairOptions {
+                add_special_tokens: true,
+                max_student_tokens: None,
+                max_teacher_tokens: None,
+            };
+            tokenize_pair(&r.text(), student, teacher, opts)
+                .is_ok_and(|p| p.student_ids.len() > max_s || p.teacher_ids.len() > max_t)
+        }
+    }
 }
 
 /// Tokenizes one record; `None` (with a log line) when it cannot be used.
@@ -71,15 +103,23 @@ pub fn prepare_record(r: &Record, tok: &Tokenization, lim: Limits) -> Option<Ite
     let item = match tok {
         Tokenization::Same(t) => {
             let max = lim.max_student_tokens.min(lim.max_teacher_tokens);
-            encode(t, &text, loss_start, max)
-                .map(Item::Same)
+            let cut = if lim.truncate { max } else { usize::MAX };
+            encode(t, &text, loss_start, cut)
                 .map_err(|e| e.to_string())
+                .and_then(|e| {
+                    if e.ids.len() > max {
+                        Err(format!("{} tokens exceed the limit of {max}", e.ids.len()))
+                    } else {
+                        Ok(Item::Same(e))
+                    }
+                })
         }
         Tokenization::Cross { student, teacher } => {
+            let (max_s, max_t) = (lim.max_student_tokens, lim.max_teacher_tokens);
             let opts = PairOptions {
                 add_special_tokens: true,
-                max_student_tokens: Some(lim.max_student_tokens),
-                max_teacher_tokens: Some(lim.max_teacher_tokens),
+                max_student_tokens: lim.truncate.then_some(max_s),
+                max_teacher_tokens: lim.truncate.then_some(max_t),
             };
             // Canonicalisation (e.g. Unicode normalisation) may move bytes: locate the loss start
             // in the canonical text through the canonical prompt.
@@ -98,7 +138,13 @@ pub fn prepare_record(r: &Record, tok: &Tokenization, lim: Limits) -> Option<Ite
                 tokenize_pair(&text, student, teacher, opts)
                     .map_err(|e| e.to_string())
                     .and_then(|pair| {
-                        if pair.student_ids.len() < 2 || pair.teacher_ids.len() < 2 {
+                        if pair.student_ids.len() > max_s || pair.teacher_ids.len() > max_t {
+                            Err(format!(
+                                "{} student / {} teacher tokens exceed the limits of {max_s} / {max_t}",
+                                pair.student_ids.len(),
+                                pair.teacher_ids.len()
+                            ))
+                        } else if pair.student_ids.len() < 2 || pair.teacher_ids.len() < 2 {
                             Err("fewer than 2 tokens on a side".to_string())
                         } else {
                             Ok(Item::Cross {

@@ -46,6 +46,10 @@ pub struct Runner {
     pub total_steps: u64,
     /// Updates done so far.
     pub step: u64,
+    /// Consecutive non-finite steps after which [`Runner::apply`] fails (0: never).
+    pub max_nonfinite_steps: u64,
+    /// Current run of consecutive steps skipped for a non-finite gradient norm.
+    nonfinite_run: u64,
     vars: Vec<Var>,
 }
 
@@ -70,6 +74,8 @@ impl Runner {
             optim,
             total_steps,
             step: 0,
+            max_nonfinite_steps: 10,
+            nonfinite_run: 0,
             vars,
         })
     }
@@ -84,16 +90,30 @@ impl Runner {
         let grad_norm = clip_grad_norm(&mut grads, &self.vars, self.optim.max_grad_norm)?;
         self.step += 1;
         if !grad_norm.is_finite() {
+            self.nonfinite_run += 1;
             tracing::warn!(
-                "step {}: gradient norm is {grad_norm}; update skipped",
-                self.step
+                "step {}: gradient norm is {grad_norm}; update skipped ({} in a row)",
+                self.step,
+                self.nonfinite_run
             );
+            if self.max_nonfinite_steps > 0 && self.nonfinite_run >= self.max_nonfinite_steps {
+                anyhow::bail!(
+                    "{} consecutive steps (through step {}) had a non-finite gradient norm \
+                     ({grad_norm}): aborting at policy.max_nonfinite_steps = {}; the weights or \
+                     the data produce NaN/inf (check the student for non-finite weights, lower \
+                     policy.optimizer.lr)",
+                    self.nonfinite_run,
+                    self.step,
+                    self.max_nonfinite_steps
+                );
+            }
             return Ok(Update {
                 grad_norm,
                 lr,
                 applied: false,
             });
         }
+        self.nonfinite_run = 0;
         self.opt.set_learning_rate(lr);
         self.opt.step(&grads)?;
         self.student.refresh()?;
@@ -201,14 +221,35 @@ pub struct Session {
 }
 
 impl Session {
+    /// `too_long` tells records over the token limits; unless `data.truncate` is set they are
+    /// skipped and counted here, before anything is sent to a teacher, and a run left with no
+    /// training record is an error.
     pub fn open(
         cfg: &crate::config::Config,
         device: &candle_core::Device,
         resume: bool,
+        too_long: Option<&(dyn Fn(&crate::data::Record) -> bool + Sync)>,
     ) -> Result<Session> {
         use rand::SeedableRng;
         let out = &cfg.checkpointing.checkpoint_dir;
-        let (train_set, val_set) = crate::data::load_train_val(&cfg.data, cfg.distillation.seed)?;
+        let (mut train_set, mut val_set) =
+            crate::data::load_train_val(&cfg.data, cfg.distillation.seed)?;
+        if let (Some(f), false) = (too_long, cfg.data.truncate) {
+            let before = train_set.records.len();
+            train_set.drop_where(f);
+            val_set.drop_where(f);
+            if train_set.records.is_empty() {
+                anyhow::bail!(
+                    "{}: nothing to train on: all {before} training records are longer than the \
+                     token limits (policy.max_total_sequence_length = {}, or the teacher's \
+                     max_seq_len) and were skipped ({}); raise the limit or set \
+                     data.truncate = true",
+                    cfg.data.train_path.display(),
+                    cfg.policy.max_total_sequence_length,
+                    train_set.skipped
+                );
+            }
+        }
         let skipped = train_set.skipped.total();
         if skipped > 0 {
             tracing::warn!("{skipped} training records skipped: {}", train_set.skipped);
@@ -236,6 +277,7 @@ impl Session {
             .max_num_steps
             .min(steps_per_epoch * cfg.distillation.max_num_epochs);
         let mut runner = Runner::new(student, optim_config(&cfg.policy.optimizer), total_steps)?;
+        runner.max_nonfinite_steps = cfg.policy.max_nonfinite_steps;
         let mut batcher = crate::data::Batcher::new(
             train_set.records,
             crate::data::BatchOptions::from_config(cfg),
@@ -246,8 +288,8 @@ impl Session {
         let mut resumed_from = None;
         if resume {
             checkpoint::remove_temp_dirs(out)?;
-            if let Some((step, path)) = checkpoint::latest(out)? {
-                let ck = checkpoint::load(&path, device)?;
+            if let Some(ck) = checkpoint::load_newest_valid(out, device)? {
+                let (step, path) = (ck.state.step, ck.path.clone());
                 if ck.state.config_hash != hash {
                     tracing::warn!(
                         "resuming {} with a changed config: the result will differ from an uninterrupted run",

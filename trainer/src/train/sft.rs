@@ -271,8 +271,7 @@ pub fn train(
     let device = xdistill_shared::device::parse_device(&cfg.policy.device)?;
     let dtype = xdistill_shared::device::parse_dtype(&cfg.policy.precision)?;
     // 1. Data and the student.
-    let (train_set, val_set) = data::load_train_val(&cfg.data, cfg.distillation.seed)?;
-    let mut skipped = train_set.skipped.total();
+    let (mut train_set, val_set) = data::load_train_val(&cfg.data, cfg.distillation.seed)?;
     let mut val_records = val_set.records;
     if let Some(n) = cfg.distillation.max_val_samples {
         val_records.truncate(n);
@@ -284,6 +283,20 @@ pub fn train(
         tracing::warn!("the model config names no eos_token_id: the model will not learn to stop");
     }
     let max_len = cfg.policy.max_total_sequence_length;
+    // Over-long records are skipped and counted before the first step; none left is an error.
+    let before = train_set.records.len();
+    train_set.drop_where(&|r: &Record| {
+        encode_record(&tok, r, eos, usize::MAX).is_ok_and(|e| e.ids.len() > max_len)
+    });
+    if train_set.records.is_empty() {
+        bail!(
+            "{}: nothing to train on: all {before} training records are longer than \
+             policy.max_total_sequence_length = {max_len} tokens and were skipped ({})",
+            cfg.data.train_path.display(),
+            train_set.skipped
+        );
+    }
+    let mut skipped = train_set.skipped.total();
     let (val, _) = encode_all(&tok, &val_records, eos, max_len);
     let steps_per_epoch = {
         let n = train_set.records.len();
@@ -306,6 +319,7 @@ pub fn train(
         .max_num_steps
         .min(steps_per_epoch * cfg.distillation.max_num_epochs);
     let mut runner = Runner::new(student, optim_config(&cfg.policy.optimizer), total_steps)?;
+    runner.max_nonfinite_steps = cfg.policy.max_nonfinite_steps;
     let mut batcher = Batcher::new(train_set.records, BatchOptions::from_config(cfg));
     let rng = ChaCha8Rng::seed_from_u64(cfg.distillation.seed);
     let hash = cfg.training_hash();

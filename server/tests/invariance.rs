@@ -1,0 +1,192 @@
+//! Scores are reproducible under sharing and never NaN: a sequence gets the same bytes alone or
+//! batched with other clients' sequences (the default `--batch-invariant true`), and a
+//! temperature that overflows the scaled logits is an error naming it, never cached.
+
+mod common;
+
+use common::{client, ids, metric, post, request, Teacher};
+use std::sync::OnceLock;
+use xdistill_shared::codec::Format;
+use xdistill_shared::protocol::{ErrorBody, SequenceScores, TopkRequest};
+
+const VOCAB: usize = 32_000;
+/// Inputs over this many tokens run in chunks over a KV cache.
+const BATCH_TOKENS: usize = 128;
+
+fn model() -> std::path::PathBuf {
+    common::tiny_model("invariance-qwen3", "qwen3", "llama2", 64)
+}
+
+/// No cache (it would hide a difference), and a long wait window so that concurrent requests
+/// share batches.
+fn shared_teacher() -> &'static Teacher {
+    static T: OnceLock<Teacher> = OnceLock::new();
+    T.get_or_init(|| {
+        let batch = BATCH_TOKENS.to_string();
+        common::start_teacher(
+            &model(),
+            &[
+                "--cache-bytes",
+                "0",
+                "--max-wait-ms",
+                "300",
+                "--max-batch-tokens",
+                &batch,
+            ],
+        )
+    })
+}
+
+/// The default cache, to check that failures are not stored.
+fn cached_teacher() -> &'static Teacher {
+    static T: OnceLock<Teacher> = OnceLock::new();
+    T.get_or_init(|| common::start_teacher(&model(), &[]))
+}
+
+/// Every id, value and log-prob of a result as bits.
+fn bits(s: &SequenceScores) -> Vec<u32> {
+    let f = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    [
+        s.topk_ids.clone(),
+        f(&s.topk_values),
+        f(&s.target_logprobs),
+        f(&s.logsumexp),
+        f(&s.ids_logprobs),
+    ]
+    .concat()
+}
+
+fn req(sequences: Vec<Vec<u32>>) -> TopkRequest {
+    TopkRequest {
+        temperature: 0.8,
+        ..request(sequences, 8)
+    }
+}
+
+/// Raw MessagePack answer bytes and the decoded results.
+async fn answer(
+    c: &reqwest::Client,
+    t: &Teacher,
+    r: &TopkRequest,
+) -> (Vec<u8>, Vec<SequenceScores>) {
+    let (status, body) = post(c, t, r, Format::Msgpack).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let decoded = xdistill_shared::codec::decode_response(Format::Msgpack, &body).expect("decode");
+    (body, decoded.results)
+}
+
+async fn batch_stats(c: &reqwest::Client, t: &Teacher) -> (f64, f64) {
+    (
+        metric(c, t, "xdistill_batch_sequences_count").await,
+        metric(c, t, "xdistill_batch_sequences_sum").await,
+    )
+}
+
+/// Concurrent clients with different mixes get, for the same sequence, the bits it gets when
+/// one client sends it alone: a short sequence batched with neighbours of other lengths (padded
+/// to the longest in a padded forward), and one longer than `--max-batch-tokens` (the KV-cache
+/// path) sent with neighbours.
+#[tokio::test]
+async fn a_sequence_gets_the_same_bytes_alone_or_shared() {
+    let t = shared_teacher();
+    let c = client();
+    let x = ids(1, 12, VOCAB); // 11 input tokens
+    let (n0, n1, n2) = (ids(2, 26, VOCAB), ids(3, 5, VOCAB), ids(4, 17, VOCAB));
+    let long = ids(5, 200, VOCAB); // 199 input tokens > 128
+                                   // 1. One client, one sequence at a time.
+    let (alone_raw, alone) = answer(&c, t, &req(vec![x.clone()])).await;
+    let (_, alone_long) = answer(&c, t, &req(vec![long.clone()])).await;
+    assert_eq!((alone[0].rows, alone_long[0].rows), (11, 199));
+    // 2. Two clients at once: x alone, and x among three neighbours. Together 5 × 25 = 125
+    //    padded tokens: one batch, when both arrive within the wait window.
+    let ra = req(vec![x.clone()]);
+    let rb = req(vec![n0.clone(), x.clone(), n1.clone(), n2.clone()]);
+    let mut met = false;
+    for round in 0..5 {
+        let before = batch_stats(&c, t).await;
+        let (a, b) = tokio::join!(answer(&c, t, &ra), answer(&c, t, &rb));
+        let after = batch_stats(&c, t).await;
+        if (after.0 - before.0, after.1 - before.1) != (1.0, 5.0) {
+            eprintln!("round {round}: {before:?} -> {after:?}, the requests did not meet; again");
+            continue;
+        }
+        met = true;
+        // The same answer bytes for the same request; the same bits for x in another.
+        assert_eq!(
+            a.0, alone_raw,
+            "x alone in its request, batched with others"
+        );
+        assert_eq!(bits(&b.1[1]), bits(&alone[0]), "x among neighbours");
+        break;
+    }
+    assert!(met, "the concurrent requests never shared a batch");
+    // 3. The long sequence among neighbours while another client sends short ones.
+    let rl = req(vec![n1.clone(), long.clone(), n0.clone()]);
+    let rc = req(vec![n2.clone(), x.clone()]);
+    let (l, s) = tokio::join!(answer(&c, t, &rl), answer(&c, t, &rc));
+    assert_eq!(bits(&l.1[1]), bits(&alone_long[0]), "long among neighbours");
+    assert_eq!(bits(&s.1[1]), bits(&alone[0]), "x after n2");
+}
+
+fn error_of(body: &[u8]) -> ErrorBody {
+    serde_json::from_slice(body)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(body)))
+}
+
+/// `temperature: 1e-45` is finite and > 0 but overflows the scaled logits: a non-200 naming
+/// the temperature (no NaN answer), not cached (asked again, it misses again), on the native
+/// and the vLLM route; a normal request still works.
+#[tokio::test]
+async fn an_overflowing_temperature_is_an_error_and_not_cached() {
+    let t = cached_teacher();
+    let c = client();
+    let seq = ids(9, 10, VOCAB);
+    let bad = TopkRequest {
+        temperature: 1e-45,
+        ..request(vec![seq.clone()], 4)
+    };
+    for format in [Format::Json, Format::Msgpack, Format::Json] {
+        let hits = metric(&c, t, "xdistill_cache_hits_total").await;
+        let misses = metric(&c, t, "xdistill_cache_misses_total").await;
+        let (status, body) = post(&c, t, &bad, format).await;
+        assert_ne!(status, 200, "{}", String::from_utf8_lossy(&body));
+        let e = error_of(&body);
+        assert!(
+            e.error.message.contains("temperature"),
+            "{}",
+            e.error.message
+        );
+        assert_eq!(metric(&c, t, "xdistill_cache_hits_total").await, hits);
+        // Refused before the cache (a validation error) or looked up and missed.
+        assert!(metric(&c, t, "xdistill_cache_misses_total").await - misses <= 1.0);
+    }
+    // The vLLM route scores with the same engine.
+    let body = serde_json::json!({"prompt": seq, "max_tokens": 0, "prompt_logprobs": 2,
+                                  "temperature": 1e-45});
+    let r = c
+        .post(t.url("/v1/completions"))
+        .json(&body)
+        .send()
+        .await
+        .expect("send");
+    let status = r.status().as_u16();
+    let body = r.bytes().await.expect("body");
+    assert_ne!(status, 200, "{}", String::from_utf8_lossy(&body));
+    assert!(error_of(&body).error.message.contains("temperature"));
+    // A normal request: every value finite, and cached.
+    let good = request(vec![seq], 4);
+    let (status, body) = post(&c, t, &good, Format::Json).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let hits = metric(&c, t, "xdistill_cache_hits_total").await;
+    let (_, again) = post(&c, t, &good, Format::Json).await;
+    assert_eq!(again, body);
+    assert_eq!(metric(&c, t, "xdistill_cache_hits_total").await, hits + 1.0);
+    let r = xdistill_shared::codec::decode_response(Format::Json, &body).unwrap();
+    let s = &r.results[0];
+    assert!(s
+        .topk_values
+        .iter()
+        .chain(&s.target_logprobs)
+        .chain(&s.logsumexp)
+        .all(|v| v.is_finite()));
+}
