@@ -39,6 +39,8 @@ pub struct ServerConfig {
     /// Longest a request may take to send its body (408 beyond).
     pub body_timeout: std::time::Duration,
     pub api_key: Option<String>,
+    /// Scores do not depend on batching (`--batch-invariant`), reported by `/v1/info`.
+    pub batch_invariant: bool,
     /// The model name of the compatible routes (`/v1/models`, the `model` field).
     pub served_model_name: String,
 }
@@ -99,6 +101,7 @@ impl AppState {
                 max_sequences: c.max_sequences,
                 max_answer_bytes: c.max_answer_bytes,
             },
+            batch_invariant: c.batch_invariant,
         };
         self.ready
             .set(Ready {

@@ -102,6 +102,7 @@ pub async fn run(args: Args) -> Result<()> {
             body_timeout: Duration::from_secs_f64(args.body_timeout_secs),
             api_key: args.resolve_api_key().map_err(|e| anyhow!(e))?,
             served_model_name: args.model_name(),
+            batch_invariant: args.batch_invariant,
         },
         ready: OnceLock::new(),
         batcher,

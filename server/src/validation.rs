@@ -172,6 +172,18 @@ pub fn validate_spec(spec: ScoreSpec, lim: &RequestLimits) -> Result<ValidTopkRe
             format!("temperature must be finite and > 0, got {}", p.temperature),
         ));
     }
+    // Below 1 / f32::MAX the scale 1 / τ itself overflows: every score would be NaN, whatever
+    // the model. (Larger τ that overflow only for large logits are caught by the worker.)
+    if !(1.0 / p.temperature).is_finite() {
+        return Err(ApiError::invalid(
+            f.temperature,
+            format!(
+                "temperature {:e} is too small: 1 / temperature overflows f32 (use >= {:e})",
+                p.temperature,
+                1.0 / f32::MAX
+            ),
+        ));
+    }
     if spec.sequences.is_empty() {
         return Err(ApiError::invalid(
             f.sequences,
@@ -433,6 +445,10 @@ mod tests {
         assert_eq!(field_of(r.clone()), "temperature");
         r.temperature = f32::NAN;
         assert_eq!(field_of(r.clone()), "temperature");
+        r.temperature = 1e-45;
+        assert_eq!(field_of(r.clone()), "temperature");
+        r.temperature = 1e-37;
+        assert!(validate(r.clone(), &lim()).is_ok());
         r.temperature = 1.0;
         r.start = 2;
         assert_eq!(field_of(r.clone()), "start");

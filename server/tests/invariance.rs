@@ -92,8 +92,9 @@ async fn a_sequence_gets_the_same_bytes_alone_or_shared() {
     let c = client();
     let x = ids(1, 12, VOCAB); // 11 input tokens
     let (n0, n1, n2) = (ids(2, 26, VOCAB), ids(3, 5, VOCAB), ids(4, 17, VOCAB));
-    let long = ids(5, 200, VOCAB); // 199 input tokens > 128
-                                   // 1. One client, one sequence at a time.
+    // 199 input tokens > 128: chunks over a KV cache.
+    let long = ids(5, 200, VOCAB);
+    // 1. One client, one sequence at a time.
     let (alone_raw, alone) = answer(&c, t, &req(vec![x.clone()])).await;
     let (_, alone_long) = answer(&c, t, &req(vec![long.clone()])).await;
     assert_eq!((alone[0].rows, alone_long[0].rows), (11, 199));

@@ -211,6 +211,9 @@ async fn info_health_tokenizer_and_metrics() {
     assert_eq!(info.max_seq_len, 256);
     assert_eq!(info.dtype, "f32");
     assert_eq!(info.device, "cpu");
+    assert_eq!(info.protocol_version, 2);
+    assert!(info.batch_invariant, "--batch-invariant is on by default");
+    assert_eq!(info.limits.max_sequences, 16_384);
     let tok = c.get(t.url("/tokenizer.json")).send().await.unwrap();
     assert_eq!(tok.status(), 200);
     let bytes = tok.bytes().await.unwrap();

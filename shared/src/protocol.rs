@@ -320,4 +320,8 @@ pub struct InfoResponse {
     pub tokenizer_sha256: String,
     pub model_fingerprint: String,
     pub limits: Limits,
+    /// Whether a sequence's scores are bit-identical whatever it is batched with
+    /// (`--batch-invariant`; false from servers older than protocol 2).
+    #[serde(default)]
+    pub batch_invariant: bool,
 }

@@ -210,6 +210,7 @@ fn mock_info(sha: String) -> InfoResponse {
             max_sequences: 1024,
             max_answer_bytes: 1 << 30,
         },
+        batch_invariant: true,
     }
 }
 
