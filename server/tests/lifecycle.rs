@@ -302,7 +302,7 @@ fn broken_copy(edit: impl FnOnce(&std::path::Path)) -> tempfile::TempDir {
 
 /// Models that would serve wrong or no answers are refused at start, by `--check-args` and by
 /// a real start, with a message naming the file and key: a tokenizer with more ids than the
-/// embedding has rows, and `max_position_embeddings = 0`.
+/// embedding has rows, `max_position_embeddings = 0`, an unimplemented RoPE scaling.
 #[test]
 fn unservable_models_are_refused_at_start() {
     let qwen_tokenizer = xdistill_shared::paths::tokenizer_json("qwen3");
@@ -316,9 +316,19 @@ fn unservable_models_are_refused_at_start() {
         cfg["max_position_embeddings"] = serde_json::json!(0);
         std::fs::write(&p, serde_json::to_vec(&cfg).unwrap()).unwrap();
     });
+    // A scaling the decoder does not implement (it used to be dropped without a word).
+    let yarn = broken_copy(|d| {
+        let p = d.join("config.json");
+        let mut cfg: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+        cfg["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0,
+            "original_max_position_embeddings": 64});
+        std::fs::write(&p, serde_json::to_vec(&cfg).unwrap()).unwrap();
+    });
     for (dir, needle) in [
         (&too_big, "tokenizer does not belong to this model"),
         (&zero_positions, "max_position_embeddings is 0"),
+        (&yarn, "rope scaling type \"yarn\""),
     ] {
         for extra in [&["--check-args"][..], &["--port", "0"][..]] {
             let out = teacher_bin()

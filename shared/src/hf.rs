@@ -73,7 +73,9 @@ impl Arch {
     }
 }
 
-/// Llama 3 style RoPE frequency scaling (`rope_scaling.rope_type == "llama3"`).
+/// RoPE frequency scaling: `rope_scaling` (transformers ≤ 4) or the scaling fields of
+/// `rope_parameters` (transformers ≥ 5). Only `llama3` is implemented; [`ModelConfig::validate`]
+/// refuses every other type rather than serve wrong log-probs.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RopeScaling {
     #[serde(alias = "type")]
@@ -109,6 +111,15 @@ pub struct ModelConfig {
     pub rope_theta: f64,
     #[serde(default)]
     pub rope_scaling: Option<RopeScaling>,
+    /// transformers ≥ 5 writes RoPE settings here (`{"rope_theta": …, "rope_type": "default"}`)
+    /// instead of top-level `rope_theta` / `rope_scaling`; read through
+    /// [`ModelConfig::rope_theta`] and [`ModelConfig::rope_scaling`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_parameters: Option<serde_json::Value>,
+    /// Keys that change the math and that this decoder does not implement, read only to refuse
+    /// such a model by name (never a silent wrong answer).
+    #[serde(flatten)]
+    pub unimplemented: UnimplementedKeys,
     #[serde(default)]
     pub tie_word_embeddings: bool,
     /// Llama: bias on q/k/v/o. Qwen2 always has q/k/v bias (and no o bias).
@@ -120,6 +131,23 @@ pub struct ModelConfig {
     pub bos_token_id: Option<serde_json::Value>,
     #[serde(default)]
     pub eos_token_id: Option<serde_json::Value>,
+}
+
+/// `config.json` keys this decoder does not implement (see [`ModelConfig::validate`]).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct UnimplementedKeys {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding_window: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub use_sliding_window: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mlp_bias: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub partial_rotary_factor: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attn_logit_softcapping: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub final_logit_softcapping: Option<serde_json::Value>,
 }
 
 fn default_max_pos() -> usize {
@@ -150,9 +178,127 @@ impl ModelConfig {
     pub fn bos_id(&self) -> Option<u32> {
         ids_of(self.bos_token_id.as_ref()).first().copied()
     }
-    /// Checks the invariants the decoder relies on.
+    /// The RoPE base: `rope_parameters.rope_theta` (transformers ≥ 5) or `rope_theta`.
+    pub fn rope_theta(&self) -> f64 {
+        self.rope_parameters
+            .as_ref()
+            .and_then(|p| p.get("rope_theta"))
+            .and_then(serde_json::Value::as_f64)
+            .unwrap_or(self.rope_theta)
+    }
+
+    /// The RoPE scaling in force: from `rope_parameters` when it names a type other than
+    /// `default`, else `rope_scaling` (a `default` type there is no scaling either).
+    pub fn rope_scaling(&self) -> Result<Option<RopeScaling>, HfError> {
+        let scaling = match &self.rope_parameters {
+            Some(p) => match p.get("rope_type").or_else(|| p.get("type")) {
+                None => self.rope_scaling.clone(),
+                Some(_) => Some(
+                    serde_json::from_value::<RopeScaling>(p.clone())
+                        .map_err(|e| HfError::InvalidConfig(format!("rope_parameters: {e}")))?,
+                ),
+            },
+            None => self.rope_scaling.clone(),
+        };
+        Ok(scaling.filter(|s| s.rope_type != "default"))
+    }
+
+    /// Checks the RoPE settings: one convention or two that agree, a type that is implemented.
+    fn validate_rope(&self) -> Result<(), HfError> {
+        let bad = |m: String| Err(HfError::InvalidConfig(m));
+        if let Some(p) = &self.rope_parameters {
+            let Some(obj) = p.as_object() else {
+                return bad("rope_parameters must be an object".into());
+            };
+            if obj.values().all(serde_json::Value::is_object) && !obj.is_empty() {
+                return bad(format!(
+                    "rope_parameters per layer type ({}) is not supported: this decoder has one \
+                     RoPE for every layer",
+                    obj.keys().cloned().collect::<Vec<_>>().join(", ")
+                ));
+            }
+            if let Some(t) = obj.get("rope_theta") {
+                let Some(t) = t.as_f64().filter(|t| t.is_finite() && *t > 0.0) else {
+                    return bad(format!("rope_parameters.rope_theta must be > 0, got {t}"));
+                };
+                let top = self.rope_theta;
+                if top != default_theta() && (top - t).abs() > 1e-9 * t {
+                    return bad(format!(
+                        "rope_theta {top} and rope_parameters.rope_theta {t} disagree"
+                    ));
+                }
+            }
+        }
+        if let Some(s) = self.rope_scaling()? {
+            match s.rope_type.as_str() {
+                "llama3" => {
+                    if !(s.factor > 0.0
+                        && s.low_freq_factor > 0.0
+                        && s.high_freq_factor > s.low_freq_factor
+                        && s.original_max_position_embeddings > 0)
+                    {
+                        return bad(format!(
+                            "rope scaling llama3 needs factor > 0, 0 < low_freq_factor < \
+                             high_freq_factor and original_max_position_embeddings > 0, got {s:?}"
+                        ));
+                    }
+                }
+                other => {
+                    return bad(format!(
+                        "rope scaling type {other:?} (rope_scaling / rope_parameters.rope_type) \
+                         is not implemented: only \"default\" and \"llama3\" are"
+                    ))
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Refuses keys that change the math but are not implemented.
+    fn validate_unimplemented(&self) -> Result<(), HfError> {
+        let u = &self.unimplemented;
+        let bad = |m: String| Err(HfError::InvalidConfig(m));
+        let window = u
+            .sliding_window
+            .as_ref()
+            .and_then(serde_json::Value::as_u64);
+        if let Some(w) = window {
+            // Qwen configs carry a window with `use_sliding_window: false`: no window applies.
+            if u.use_sliding_window != Some(false) && (w as usize) < self.max_position_embeddings {
+                return bad(format!(
+                    "sliding_window {w} (< max_position_embeddings {}) is not implemented: \
+                     attention here is full-causal",
+                    self.max_position_embeddings
+                ));
+            }
+        }
+        if u.mlp_bias == Some(true) {
+            return bad("mlp_bias true is not implemented".into());
+        }
+        if let Some(f) = u.partial_rotary_factor {
+            if f != 1.0 {
+                return bad(format!(
+                    "partial_rotary_factor {f} is not implemented (only 1)"
+                ));
+            }
+        }
+        for (key, v) in [
+            ("attn_logit_softcapping", &u.attn_logit_softcapping),
+            ("final_logit_softcapping", &u.final_logit_softcapping),
+        ] {
+            if v.as_ref().is_some_and(|v| !v.is_null()) {
+                return bad(format!("{key} is not implemented"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks the invariants the decoder relies on, and refuses every setting that would change
+    /// the math but is not implemented (naming the key).
     pub fn validate(&self) -> Result<(), HfError> {
         self.arch()?;
+        self.validate_rope()?;
+        self.validate_unimplemented()?;
         let bad = |m: String| Err(HfError::InvalidConfig(m));
         if self.vocab_size == 0 || self.hidden_size == 0 || self.num_hidden_layers == 0 {
             return bad("vocab_size, hidden_size and num_hidden_layers must be positive".into());

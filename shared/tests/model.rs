@@ -197,3 +197,112 @@ fn too_long_sequence_is_an_error_not_a_panic() {
     let long: Vec<u32> = (0..65).map(|i| i % 50).collect();
     assert!(m.forward(&ids(&long)).is_err());
 }
+
+/// A config from JSON edits of the llama test config.
+fn edited(edit: serde_json::Value) -> Result<ModelConfig, String> {
+    let mut v = serde_json::to_value(config("llama")).unwrap();
+    for (k, x) in edit.as_object().unwrap() {
+        if x.is_null() {
+            v.as_object_mut().unwrap().remove(k);
+        } else {
+            v[k] = x.clone();
+        }
+    }
+    let cfg: ModelConfig = serde_json::from_value(v).map_err(|e| e.to_string())?;
+    cfg.validate().map_err(|e| e.to_string())?;
+    Ok(cfg)
+}
+
+/// transformers ≥ 5 writes RoPE settings under `rope_parameters`: the same model written either
+/// way gives bit-identical logits, and a different base gives different ones (the key is read,
+/// not ignored as it was: θ = 10,000 served silently).
+#[test]
+fn rope_parameters_equal_top_level_rope_settings() {
+    let llama3 = serde_json::json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 16});
+    let old = edited(serde_json::json!({"rope_theta": 500000.0})).unwrap();
+    let new = edited(serde_json::json!({"rope_theta": null,
+        "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}}))
+    .unwrap();
+    let base = edited(serde_json::json!({"rope_theta": null})).unwrap();
+    let old_scaled =
+        edited(serde_json::json!({"rope_theta": 500000.0, "rope_scaling": llama3})).unwrap();
+    let mut p = llama3.clone();
+    p["rope_theta"] = serde_json::json!(500000.0);
+    let new_scaled = edited(serde_json::json!({"rope_theta": null, "rope_parameters": p})).unwrap();
+    assert_eq!(new.rope_theta(), 500000.0);
+    let logits = |c: &ModelConfig| model(c, Ops::Fused).forward(&ids(&SEQ)).unwrap();
+    assert_eq!(max_abs_diff(&logits(&old), &logits(&new)), 0.0);
+    assert_eq!(
+        max_abs_diff(&logits(&old_scaled), &logits(&new_scaled)),
+        0.0
+    );
+    assert!(max_abs_diff(&logits(&base), &logits(&new)) > 1e-4);
+    assert!(max_abs_diff(&logits(&old), &logits(&old_scaled)) > 1e-4);
+}
+
+/// Every setting that changes the math but is not implemented is refused, naming the key.
+#[test]
+fn unimplemented_settings_are_refused_by_name() {
+    for (edit, needle) in [
+        (
+            serde_json::json!({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}),
+            "yarn",
+        ),
+        (
+            serde_json::json!({"rope_scaling": {"type": "linear", "factor": 2.0}}),
+            "linear",
+        ),
+        (
+            serde_json::json!({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0,
+            "rope_theta": 10000.0}}),
+            "dynamic",
+        ),
+        (
+            serde_json::json!({"rope_parameters": {"full_attention": {"rope_theta": 1e6},
+            "sliding_attention": {"rope_theta": 1e4}}}),
+            "per layer type",
+        ),
+        (
+            serde_json::json!({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}),
+            "llama3",
+        ),
+        (
+            serde_json::json!({"rope_theta": 20000.0, "rope_parameters": {"rope_theta": 500000.0,
+            "rope_type": "default"}}),
+            "disagree",
+        ),
+        (serde_json::json!({"sliding_window": 16}), "sliding_window"),
+        (serde_json::json!({"mlp_bias": true}), "mlp_bias"),
+        (
+            serde_json::json!({"partial_rotary_factor": 0.5}),
+            "partial_rotary_factor",
+        ),
+        (
+            serde_json::json!({"final_logit_softcapping": 30.0}),
+            "final_logit_softcapping",
+        ),
+        (
+            serde_json::json!({"attn_logit_softcapping": 50.0}),
+            "attn_logit_softcapping",
+        ),
+        (
+            serde_json::json!({"hidden_act": "gelu_pytorch_tanh"}),
+            "hidden_act",
+        ),
+    ] {
+        let err = edited(edit.clone()).expect_err(&edit.to_string());
+        assert!(err.contains(needle), "{edit}: {err}");
+    }
+    // What real Qwen and Llama checkpoints carry and is harmless is accepted.
+    for ok in [
+        serde_json::json!({"sliding_window": 16, "use_sliding_window": false}),
+        serde_json::json!({"sliding_window": null}),
+        serde_json::json!({"sliding_window": 4096}),
+        serde_json::json!({"mlp_bias": false, "partial_rotary_factor": 1.0,
+            "final_logit_softcapping": null}),
+        serde_json::json!({"rope_scaling": {"rope_type": "default"}}),
+    ] {
+        edited(ok.clone()).unwrap_or_else(|e| panic!("{ok}: {e}"));
+    }
+}

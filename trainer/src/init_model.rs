@@ -101,6 +101,8 @@ pub fn build_config(a: &Args) -> Result<ModelConfig> {
             1_000_000.0
         },
         rope_scaling: None,
+        rope_parameters: None,
+        unimplemented: Default::default(),
         tie_word_embeddings: a.tie_embeddings,
         attention_bias: false,
         hidden_act: Some("silu".into()),

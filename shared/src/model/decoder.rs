@@ -76,11 +76,13 @@ fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, ops: Ops) -> Result<Tensor> {
 /// Inverse frequencies, with Llama 3 frequency scaling when configured.
 fn inv_freqs(cfg: &ModelConfig) -> Vec<f64> {
     let d = cfg.head_dim();
+    let theta = cfg.rope_theta();
     let mut inv: Vec<f64> = (0..d / 2)
-        .map(|i| 1.0 / cfg.rope_theta.powf(2.0 * i as f64 / d as f64))
+        .map(|i| 1.0 / theta.powf(2.0 * i as f64 / d as f64))
         .collect();
-    if let Some(rs) = &cfg.rope_scaling {
-        if rs.rope_type == "llama3" && rs.factor > 0.0 && rs.original_max_position_embeddings > 0 {
+    // `validate` has refused every other scaling type and a malformed `rope_parameters`.
+    if let Ok(Some(rs)) = cfg.rope_scaling() {
+        if rs.rope_type == "llama3" {
             let old = rs.original_max_position_embeddings as f64;
             let low_wl = old / rs.low_freq_factor;
             let high_wl = old / rs.high_freq_factor;
