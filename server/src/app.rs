@@ -102,6 +102,8 @@ impl AppState {
                 max_answer_bytes: c.max_answer_bytes,
             },
             batch_invariant: c.batch_invariant,
+            rope_theta: facts.rope_theta,
+            rope_scaling: facts.rope_scaling.clone(),
         };
         self.ready
             .set(Ready {

@@ -25,6 +25,9 @@ pub enum LoadError {
 #[derive(Debug, Clone)]
 pub struct ModelFacts {
     pub architecture: String,
+    /// RoPE base and scaling type as applied (`/v1/info`).
+    pub rope_theta: f64,
+    pub rope_scaling: String,
     pub model_type: String,
     /// Valid ids: `< vocab_size` (the tokenizer's vocabulary incl. added tokens).
     pub vocab_size: usize,
@@ -51,6 +54,11 @@ pub fn read_facts(dir: &ModelDir, dtype: DType, device: &Device) -> Result<Model
         .map_err(|e| LoadError::Config(format!("reading {}: {e}", dir.tokenizer.display())))?;
     Ok(ModelFacts {
         architecture: arch.hf_class().into(),
+        rope_theta: dir.config.rope_theta(),
+        rope_scaling: dir
+            .config
+            .rope_scaling()?
+            .map_or_else(|| "default".to_string(), |s| s.rope_type),
         model_type: arch.model_type().into(),
         vocab_size: tok_vocab.min(logits_size),
         logits_size,

@@ -213,6 +213,11 @@ async fn info_health_tokenizer_and_metrics() {
     assert_eq!(info.device, "cpu");
     assert_eq!(info.protocol_version, 2);
     assert!(info.batch_invariant, "--batch-invariant is on by default");
+    // init-model's Qwen3 base, no scaling.
+    assert_eq!(
+        (info.rope_theta, info.rope_scaling.as_str()),
+        (1e6, "default")
+    );
     assert_eq!(info.limits.max_sequences, 16_384);
     let tok = c.get(t.url("/tokenizer.json")).send().await.unwrap();
     assert_eq!(tok.status(), 200);

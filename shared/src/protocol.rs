@@ -320,6 +320,12 @@ pub struct InfoResponse {
     pub tokenizer_sha256: String,
     pub model_fingerprint: String,
     pub limits: Limits,
+    /// RoPE as applied: base and scaling type (`"default"` or `"llama3"`); absent from servers
+    /// older than protocol 2.
+    #[serde(default)]
+    pub rope_theta: f64,
+    #[serde(default)]
+    pub rope_scaling: String,
     /// Whether a sequence's scores are bit-identical whatever it is batched with
     /// (`--batch-invariant`; false from servers older than protocol 2).
     #[serde(default)]

@@ -211,6 +211,8 @@ fn mock_info(sha: String) -> InfoResponse {
             max_answer_bytes: 1 << 30,
         },
         batch_invariant: true,
+        rope_theta: 1e6,
+        rope_scaling: "default".into(),
     }
 }
 
