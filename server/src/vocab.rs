@@ -22,8 +22,12 @@ impl std::fmt::Debug for Vocab {
 }
 
 impl Vocab {
-    /// Decodes ids `0..n` (n = the valid vocabulary) once, in parallel.
-    pub fn build(tokenizer: Tokenizer, n: usize) -> Vocab {
+    /// Decodes ids `0..n` (n = the valid vocabulary) once, in parallel. Truncation and padding
+    /// that a `tokenizer.json` may carry are switched off: a prompt is scored whole, as given.
+    pub fn build(mut tokenizer: Tokenizer, n: usize) -> Vocab {
+        // Disabling truncation cannot fail (only enabling it validates a stride).
+        let _ = tokenizer.with_truncation(None);
+        tokenizer.with_padding(None);
         let texts = (0..n as u32)
             .into_par_iter()
             .map(|id| {
@@ -62,5 +66,34 @@ impl Vocab {
     /// The tokenizer's own token strings (`Ġthe`), vLLM's `token_strs`.
     pub fn token_str(&self, id: u32) -> Option<String> {
         self.tokenizer.id_to_token(id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokenizers::TruncationParams;
+
+    /// A `tokenizer.json` that carries truncation does not cut prompts; single-token texts and
+    /// round trips agree with the tokenizer itself.
+    #[test]
+    fn prompts_are_never_truncated() {
+        let path = xdistill_shared::paths::tokenizer_json("llama2");
+        let mut tok = Tokenizer::from_file(&path).unwrap();
+        tok.with_truncation(Some(TruncationParams {
+            max_length: 4,
+            ..Default::default()
+        }))
+        .unwrap();
+        let text = "one two three four five six seven eight";
+        assert_eq!(tok.encode(text, false).unwrap().get_ids().len(), 4);
+        let n = tok.get_vocab_size(true);
+        let v = Vocab::build(tok, n);
+        let ids = v.encode(text, false).unwrap();
+        assert!(ids.len() > 4, "{ids:?}");
+        assert_eq!(v.decode(&ids).unwrap(), text);
+        let one = ids[1];
+        assert_eq!(v.text(one), v.decode(&[one]).unwrap());
+        assert_eq!(v.text(u32::MAX), "");
     }
 }
