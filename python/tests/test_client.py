@@ -372,3 +372,17 @@ def test_connection_errors_are_retried_with_backoff():
     assert e.value.status is None and e.value.type == "connection_error"
     assert isinstance(e.value.__cause__, requests.ConnectionError)
     assert time.monotonic() - t0 >= 0.05 + 0.1  # backoff 0.05, then 0.1
+
+
+def test_affinity_key_matches_the_rust_clients():
+    """The same key as `xdistill_shared::protocol::affinity_key` (its unit test pins the byte
+    layout: per sequence its length, then its ids, u32 little-endian)."""
+    import hashlib
+    import struct
+
+    from xdistill import affinity_key
+
+    want = hashlib.sha256(struct.pack("<IIII", 3, 1, 2, 3)).hexdigest()[:16]
+    assert affinity_key([[1, 2, 3]]) == want
+    assert affinity_key([np.array([1, 2, 3], dtype=np.int64)]) == want
+    assert affinity_key([[1, 2], [3]]) != want

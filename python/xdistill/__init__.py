@@ -14,7 +14,9 @@ Example::
     scores.topk_ids.shape   # (3, 5): rows = len(sequence) - 1 - start
 """
 
-from .client import PROTOCOL_VERSION, SequenceScores, TeacherClient, TeacherError
+from .client import (AFFINITY_HEADER, PROTOCOL_VERSION, SequenceScores, TeacherClient,
+                     TeacherError, affinity_key)
 
-__all__ = ["TeacherClient", "SequenceScores", "TeacherError", "PROTOCOL_VERSION"]
+__all__ = ["TeacherClient", "SequenceScores", "TeacherError", "PROTOCOL_VERSION",
+           "AFFINITY_HEADER", "affinity_key"]
 __version__ = "0.1.0"

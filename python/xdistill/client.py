@@ -8,6 +8,8 @@ request; every refusal comes back as a :class:`TeacherError` naming the offendin
 
 from __future__ import annotations
 
+import hashlib
+import struct
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
@@ -24,6 +26,21 @@ PROTOCOL_VERSION = 2
 _MAX_SLEEP_S = 60.0
 
 _MSGPACK = "application/msgpack"
+
+#: Header with a stable hash of a request's sequences: a load balancer that hashes on it sends
+#: the same text to the same teacher replica, whose cache then answers it (docs/protocol.md).
+AFFINITY_HEADER = "X-Xdistill-Affinity"
+
+
+def affinity_key(sequences: Sequence[Sequence[int]]) -> str:
+    """The affinity key of a request: the first 16 hex digits of the SHA-256 of its sequences,
+    each as its length then its ids, u32 little-endian (as the Rust clients compute it)."""
+    h = hashlib.sha256()
+    for s in sequences:
+        ids = np.asarray(s, dtype="<u4")
+        h.update(struct.pack("<I", len(ids)))
+        h.update(ids.tobytes())
+    return h.hexdigest()[:16]
 
 
 class TeacherError(Exception):
@@ -266,7 +283,8 @@ class TeacherClient:
         resp = self._request(
             "POST", "/topk_logits",
             data=msgpack.packb(body, use_bin_type=True),
-            headers={"Content-Type": _MSGPACK, "Accept": _MSGPACK},
+            headers={"Content-Type": _MSGPACK, "Accept": _MSGPACK,
+                     AFFINITY_HEADER: affinity_key(seqs)},
         )
         answer = msgpack.unpackb(resp.content, raw=False)
         results = answer["results"]

@@ -166,6 +166,25 @@ fn compose_teacher_command_is_accepted() {
     // Opt-in: a plain `docker compose up` on a machine without a GPU starts the CPU service only.
     assert!(format!("{:?}", gpu["profiles"]).contains("gpu"));
     assert!(doc["services"]["teacher"]["profiles"].is_null());
+    // The `scale` profile: replicas that run the same command (no published port) behind
+    // HAProxy with the repository's config (its syntax is checked by HAProxy itself in
+    // tests/balancer.rs).
+    let replica = &doc["services"]["teacher-replica"];
+    let args = check_compose_service(replica);
+    assert_eq!(args.device, "cpu");
+    assert!(replica["ports"].is_null(), "replicas publish no port");
+    assert!(format!("{:?}", replica["profiles"]).contains("scale"));
+    let lb = &doc["services"]["balancer"];
+    assert!(lb["image"].as_str().unwrap().starts_with("haproxy:"));
+    assert!(format!("{:?}", lb["volumes"]).contains("./haproxy.cfg:"));
+    assert!(format!("{:?}", lb["profiles"]).contains("scale"));
+    let cfg =
+        std::fs::read_to_string(xdistill_shared::paths::repo_root().join("docker/haproxy.cfg"))
+            .unwrap();
+    assert!(
+        cfg.contains("teacher-replica:8000"),
+        "the config names the compose service"
+    );
 }
 
 /// The checks of one compose service running `teacher`; returns its parsed arguments.

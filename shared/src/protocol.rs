@@ -8,6 +8,25 @@ use serde::{Deserialize, Serialize};
 
 /// Path of the scoring route.
 pub const TOPK_PATH: &str = "/topk_logits";
+
+/// Header the clients send with a stable hash of a request's sequences, so that a load balancer
+/// hashing on it (`docker/haproxy.cfg`) sends the same text to the same replica, whose cache then
+/// answers it.
+pub const AFFINITY_HEADER: &str = "x-xdistill-affinity";
+
+/// The affinity key of a request: the first 16 hex digits of the SHA-256 of its sequences
+/// (each as its length then its ids, u32 little-endian). `python/xdistill` computes the same.
+pub fn affinity_key(sequences: &[Vec<u32>]) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    for s in sequences {
+        h.update((s.len() as u32).to_le_bytes());
+        for id in s {
+            h.update(id.to_le_bytes());
+        }
+    }
+    hex::encode(&h.finalize()[..8])
+}
 /// Protocol version, reported by `/v1/info`. Version 2 added `k = 0` and `ids` (backwards
 /// compatible: every version-1 request means the same and gets the same answer).
 pub const PROTOCOL_VERSION: u32 = 2;
@@ -330,4 +349,26 @@ pub struct InfoResponse {
     /// (`--batch-invariant`; false from servers older than protocol 2).
     #[serde(default)]
     pub batch_invariant: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The key depends on the ids and their grouping into sequences; its value is pinned so the
+    /// Python client (which must compute the same) can be checked against it:
+    /// `hashlib.sha256(struct.pack("<IIII", 3, 1, 2, 3)).hexdigest()[:16]`.
+    #[test]
+    fn affinity_key_is_stable() {
+        let k = affinity_key(&[vec![1, 2, 3]]);
+        assert_eq!(k.len(), 16);
+        let mut want = Vec::new();
+        for x in [3u32, 1, 2, 3] {
+            want.extend_from_slice(&x.to_le_bytes());
+        }
+        use sha2::{Digest, Sha256};
+        assert_eq!(k, hex::encode(&Sha256::digest(&want)[..8]));
+        assert_ne!(k, affinity_key(&[vec![1, 2], vec![3]]));
+        assert_ne!(k, affinity_key(&[vec![1, 2, 4]]));
+    }
 }

@@ -27,7 +27,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use xdistill_shared::codec::{self, CodecError, Format};
-use xdistill_shared::protocol::{ErrorBody, InfoResponse, TopkRequest, TopkResponse, TOPK_PATH};
+use xdistill_shared::protocol::{
+    affinity_key, ErrorBody, InfoResponse, TopkRequest, TopkResponse, AFFINITY_HEADER, TOPK_PATH,
+};
 
 pub const INFO_PATH: &str = "/v1/info";
 pub const TOKENIZER_PATH: &str = "/tokenizer.json";
@@ -255,6 +257,7 @@ impl TeacherClient {
             .post(url.clone())
             .header(CONTENT_TYPE, codec::MSGPACK)
             .header(ACCEPT, codec::MSGPACK)
+            .header(AFFINITY_HEADER, affinity_key(&req.sequences))
             .body(body);
         let (ct, bytes) = self.send(&url, rb).await?;
         let resp = codec::decode_response(Format::from_content_type(ct.as_deref()), &bytes)

@@ -1,0 +1,280 @@
+//! Teacher replicas behind a real load balancer: three `teacher` processes on loopback behind
+//! HAProxy running the repository's `docker/haproxy.cfg` (only its addresses changed), driven by
+//! the trainer's own client. Cache affinity (a repeated request is answered by one replica's
+//! cache), failover (`kill -9` of the replica that owns a request), and the restarted replica
+//! receiving its requests again. Needs `haproxy` (scripts/install-haproxy.sh, which
+//! scripts/test.sh runs).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+use xdistill_server::testing::get_status;
+use xdistill_shared::protocol::TopkResponse;
+use xdistill_trainer::client::{ClientOptions, TeacherClient};
+
+/// A child process killed (SIGKILL) on drop.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn wait_for(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) {
+    let t0 = Instant::now();
+    while !ok() {
+        assert!(t0.elapsed() < limit, "{what}: not within {limit:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn teacher_on(model: &Path, port: u16) -> Proc {
+    let child = Command::new(common::teacher_bin())
+        .arg("--model")
+        .arg(model)
+        .args(["--port", &port.to_string()])
+        .env("RUST_LOG", "error")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn teacher");
+    let p = Proc(child);
+    let url = format!("http://127.0.0.1:{port}/health");
+    wait_for("teacher healthy", Duration::from_secs(60), || {
+        get_status(&url).ok() == Some(200)
+    });
+    p
+}
+
+/// `docker/haproxy.cfg` with its front port and its upstreams moved to loopback.
+fn haproxy_config(front: u16, replicas: &[u16]) -> String {
+    let path = xdistill_shared::paths::repo_root().join("docker/haproxy.cfg");
+    let text = std::fs::read_to_string(path).unwrap();
+    assert!(text.contains("bind :8000") && text.contains("server-template teacher"));
+    text.lines()
+        .map(|l| {
+            let t = l.trim_start();
+            if t == "bind :8000" {
+                format!("    bind 127.0.0.1:{front}")
+            } else if t.starts_with("server-template teacher") {
+                replicas
+                    .iter()
+                    .enumerate()
+                    .map(|(i, p)| format!("    server teacher{i} 127.0.0.1:{p} check"))
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            } else {
+                l.to_string()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+        + "\n"
+}
+
+fn haproxy() -> PathBuf {
+    which("haproxy")
+        .expect("haproxy is not installed: run scripts/install-haproxy.sh (scripts/test.sh does)")
+}
+
+fn which(name: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH")?
+        .to_str()?
+        .split(':')
+        .map(|d| Path::new(d).join(name))
+        .find(|p| p.is_file())
+}
+
+/// `haproxy -c`: the configuration is valid.
+fn check_config(file: &Path) {
+    let out = Command::new(haproxy())
+        .arg("-c")
+        .arg("-f")
+        .arg(file)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}: {}",
+        file.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// (cache hits, cache misses) of one replica.
+fn cache_counts(port: u16) -> (f64, f64) {
+    let text = plain_http::metrics(port);
+    let get = |n: &str| xdistill_server::metrics::sample(&text, n).unwrap_or(0.0);
+    (
+        get("xdistill_cache_hits_total"),
+        get("xdistill_cache_misses_total"),
+    )
+}
+
+/// A tiny blocking GET of `/metrics` (std only; the test's async client is busy elsewhere).
+mod plain_http {
+    use std::io::{Read, Write};
+    pub fn metrics(port: u16) -> String {
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        write!(
+            s,
+            "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
+        .unwrap();
+        let mut buf = String::new();
+        s.read_to_string(&mut buf).unwrap();
+        buf.split_once("\r\n\r\n")
+            .map(|x| x.1.to_string())
+            .unwrap_or_default()
+    }
+}
+
+fn same_bits(a: &TopkResponse, b: &TopkResponse) -> bool {
+    a.results.len() == b.results.len()
+        && a.results.iter().zip(&b.results).all(|(x, y)| {
+            x.topk_ids == y.topk_ids
+                && x.topk_values
+                    .iter()
+                    .chain(&x.target_logprobs)
+                    .chain(&x.logsumexp)
+                    .map(|v| v.to_bits())
+                    .eq(y
+                        .topk_values
+                        .iter()
+                        .chain(&y.target_logprobs)
+                        .chain(&y.logsumexp)
+                        .map(|v| v.to_bits()))
+        })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_behind_haproxy_affinity_failover_restart() {
+    let dir = common::tiny_model("balancer-llama", "llama", "llama2", 1);
+    let work = tempfile::tempdir().unwrap();
+    // 1. The repository's config is valid as shipped, and with loopback addresses.
+    check_config(&xdistill_shared::paths::repo_root().join("docker/haproxy.cfg"));
+    let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
+    let mut replicas: Vec<Option<Proc>> =
+        ports.iter().map(|&p| Some(teacher_on(&dir, p))).collect();
+    let front = free_port();
+    let cfg = work.path().join("haproxy.cfg");
+    std::fs::write(&cfg, haproxy_config(front, &ports)).unwrap();
+    check_config(&cfg);
+    let _lb = Proc(
+        Command::new(haproxy())
+            .arg("-db")
+            .arg("-f")
+            .arg(&cfg)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn haproxy"),
+    );
+    let base = format!("http://127.0.0.1:{front}");
+    let client = TeacherClient::new(
+        vec![base.parse().unwrap()],
+        ClientOptions {
+            max_wait: Duration::from_secs(60),
+            backoff_initial: Duration::from_millis(100),
+            backoff_max: Duration::from_secs(1),
+            ..ClientOptions::default()
+        },
+    )
+    .unwrap();
+    // Every replica marked up by the health checks (rise 2 × 1 s).
+    wait_for("balancer up", Duration::from_secs(30), || {
+        get_status(&format!("{base}/health")).ok() == Some(200)
+    });
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+
+    // 2. Affinity: 6 different requests, each sent 3 times. Each is computed once (one miss),
+    // its repeats answered by the same replica's cache.
+    let v = 32_000;
+    let reqs: Vec<_> = (0..6)
+        .map(|i| {
+            common::request(
+                vec![common::ids(40 + i, 12, v), common::ids(90 + i, 7, v)],
+                4,
+            )
+        })
+        .collect();
+    let mut first = Vec::new();
+    for r in &reqs {
+        let a = client.topk(r).await.expect("through the balancer");
+        for _ in 0..2 {
+            let b = client.topk(r).await.unwrap();
+            assert!(same_bits(&a, &b));
+        }
+        first.push(a);
+    }
+    let counts: Vec<(f64, f64)> = ports.iter().map(|&p| cache_counts(p)).collect();
+    let (hits, misses) = counts
+        .iter()
+        .fold((0.0, 0.0), |(h, m), &(a, b)| (h + a, m + b));
+    // Two sequences per request: 12 misses and 24 hits when every repeat met its cache.
+    assert_eq!((misses, hits), (12.0, 24.0), "per replica: {counts:?}");
+
+    // 3. Failover: the replica that owns request 0 is killed; the request is answered by
+    // another replica, bit-identical (scores are batch-invariant and deterministic).
+    let owner = |counts_before: &[(f64, f64)]| -> usize {
+        ports
+            .iter()
+            .enumerate()
+            .find(|&(i, &p)| cache_counts(p).0 > counts_before[i].0)
+            .map(|(i, _)| i)
+            .expect("some replica answered")
+    };
+    let before: Vec<(f64, f64)> = ports.iter().map(|&p| cache_counts(p)).collect();
+    client.topk(&reqs[0]).await.unwrap();
+    let victim = owner(&before);
+    drop(replicas[victim].take()); // SIGKILL
+    let again = client.topk(&reqs[0]).await.expect("failover");
+    assert!(
+        same_bits(&first[0], &again),
+        "another replica answered differently"
+    );
+    let survivors: f64 = ports
+        .iter()
+        .enumerate()
+        .filter(|&(i, _)| i != victim)
+        .map(|(_, &p)| cache_counts(p).1)
+        .sum();
+    assert!(
+        survivors
+            > counts
+                .iter()
+                .enumerate()
+                .filter(|&(i, _)| i != victim)
+                .map(|(_, c)| c.1)
+                .sum::<f64>()
+    );
+
+    // 4. Restart: the replica comes back on its port; once the health checks see it, consistent
+    // hashing sends request 0 back to it (a miss there: its cache is new).
+    replicas[victim] = Some(teacher_on(&dir, ports[victim]));
+    let t0 = Instant::now();
+    loop {
+        let r = client.topk(&reqs[0]).await.unwrap();
+        assert!(same_bits(&first[0], &r));
+        if cache_counts(ports[victim]).1 > 0.0 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the restarted replica never got its requests back"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
