@@ -363,61 +363,57 @@ impl Worker {
         Ok(hidden)
     }
 
-    /// One sequence on its own: a `[1, S - 1]` forward, or chunks over a KV cache when it is
-    /// longer than the batch budget (a rule on its own length only).
+    /// One sequence on its own, computed as a request without a next token computes it: its
+    /// `S - 1` inputs in one `[1, S - 1]` forward, or in chunks of `max_batch_tokens` over a KV
+    /// cache when longer (a rule on its own length only). When a next token is asked for, one
+    /// more step (the last token over the cache) gives the row after the sequence, so the rows
+    /// before it keep the bits a plain request gets. (A fresh cache does not change the first
+    /// forward's arithmetic: there is nothing to concatenate.)
     fn compute_alone(
         &self,
         seq: SeqRef<'_>,
         timing: &mut Timing,
     ) -> Result<SequenceScores, JobError> {
-        let n = seq.input_tokens();
-        if n > self.max_batch_tokens {
-            return self.compute_long(seq, timing);
-        }
-        let mut acc = seq.empty();
-        let f0 = Instant::now();
-        let ids = Tensor::new(&seq.ids[..n], self.decoder.device())?.unsqueeze(0)?; // [1, n]
-        let hidden = self
-            .decoder
-            .forward_hidden(&ids, None, None, None)?
-            .get(0)?; // [n, H]
-        timing.forward += f0.elapsed();
-        let span = HiddenSpan {
-            states: &hidden,
-            first: 0,
+        let inputs = seq.ids.len() - 1;
+        let chunk = if inputs > self.max_batch_tokens {
+            self.max_batch_tokens
+        } else {
+            inputs.max(1)
         };
-        self.scorer
-            .score(&self.decoder, span, seq, &mut acc, timing)?;
+        let mut cache = KvCache::default();
+        let mut acc = seq.empty();
+        for c0 in (0..inputs).step_by(chunk) {
+            let c1 = (c0 + chunk).min(inputs);
+            self.forward_and_score(seq, c0..c1, &mut cache, &mut acc, timing)?;
+        }
+        if seq.params.next.is_some() {
+            self.forward_and_score(seq, inputs..inputs + 1, &mut cache, &mut acc, timing)?;
+        }
         Ok(acc)
     }
 
-    /// A sequence longer than the batch budget: chunks of `max_batch_tokens` over a KV cache.
-    fn compute_long(
+    /// Forwards positions `range` of `seq` over `cache` and appends their rows to `acc`.
+    fn forward_and_score(
         &self,
         seq: SeqRef<'_>,
+        range: std::ops::Range<usize>,
+        cache: &mut KvCache,
+        acc: &mut SequenceScores,
         timing: &mut Timing,
-    ) -> Result<SequenceScores, JobError> {
-        let dev = self.decoder.device();
-        let mut cache = KvCache::default();
-        let mut acc = seq.empty();
-        let n = seq.input_tokens();
-        for c0 in (0..n).step_by(self.max_batch_tokens) {
-            let c1 = (c0 + self.max_batch_tokens).min(n);
-            let f0 = Instant::now();
-            let ids = Tensor::new(&seq.ids[c0..c1], dev)?.unsqueeze(0)?; // [1, c]
-            let hidden = self
-                .decoder
-                .forward_hidden(&ids, Some(&mut cache), None, None)?
-                .get(0)?; // [c, H]
-            timing.forward += f0.elapsed();
-            let span = HiddenSpan {
-                states: &hidden,
-                first: c0,
-            };
-            self.scorer
-                .score(&self.decoder, span, seq, &mut acc, timing)?;
-        }
-        Ok(acc)
+    ) -> Result<(), JobError> {
+        let f0 = Instant::now();
+        let ids = Tensor::new(&seq.ids[range.clone()], self.decoder.device())?.unsqueeze(0)?; // [1, c]
+        let hidden = self
+            .decoder
+            .forward_hidden(&ids, Some(cache), None, None)?
+            .get(0)?; // [c, H]
+        timing.forward += f0.elapsed();
+        let span = HiddenSpan {
+            states: &hidden,
+            first: range.start,
+        };
+        self.scorer.score(&self.decoder, span, seq, acc, timing)?;
+        Ok(())
     }
 }
 

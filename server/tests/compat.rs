@@ -290,3 +290,38 @@ async fn tokenizer_routes_refuse_bad_input() {
         "{dt}"
     );
 }
+
+/// A prompt scored with `max_tokens: 1` gets the same bits as the native route gives it: the
+/// next token's row is a separate step over the KV cache, so the prompt's forward is the plain
+/// request's (and batching does not matter: scores are batch-invariant).
+#[tokio::test]
+async fn next_token_requests_keep_the_native_bits() {
+    let (t, _, reference) = teachers();
+    let v = reference.vocab();
+    for (len, seed) in [(9usize, 21u64), (2, 22), (40, 23)] {
+        let prompt = ids(seed, len, v);
+        let body = json!({"prompt": prompt, "max_tokens": 1, "temperature": 0,
+                          "prompt_logprobs": 5});
+        let (status, resp) = post_json(t, "/v1/completions", &body).await;
+        assert_eq!(status, 200, "{resp}");
+        let native = score(
+            &client(),
+            t,
+            &request(vec![prompt.clone()], 5),
+            Format::Msgpack,
+        )
+        .await;
+        let n = &native.results[0];
+        let pl = resp["choices"][0]["prompt_logprobs"].as_array().unwrap();
+        for p in 1..len {
+            for (j, &id) in n.ids_row(p - 1).iter().enumerate() {
+                let lp = pl[p][id.to_string()]["logprob"].as_f64().unwrap() as f32;
+                assert_eq!(
+                    lp.to_bits(),
+                    n.values_row(p - 1)[j].to_bits(),
+                    "len {len} position {p} entry {j}"
+                );
+            }
+        }
+    }
+}
