@@ -313,9 +313,10 @@ async fn next_token_requests_keep_the_native_bits() {
         .await;
         let n = &native.results[0];
         let pl = resp["choices"][0]["prompt_logprobs"].as_array().unwrap();
-        for p in 1..len {
+        assert_eq!(pl.len(), len);
+        for (p, entry) in pl.iter().enumerate().skip(1) {
             for (j, &id) in n.ids_row(p - 1).iter().enumerate() {
-                let lp = pl[p][id.to_string()]["logprob"].as_f64().unwrap() as f32;
+                let lp = entry[id.to_string()]["logprob"].as_f64().unwrap() as f32;
                 assert_eq!(
                     lp.to_bits(),
                     n.values_row(p - 1)[j].to_bits(),
