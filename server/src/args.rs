@@ -205,6 +205,27 @@ mod tests {
         let a =
             Args::try_parse_from(["teacher", "--model", "m", "--served-model-name", "t"]).unwrap();
         assert_eq!(a.model_name(), "t");
+        // Limits and timeouts out of range are refused, naming the flag.
+        for bad in [
+            ["--header-timeout-secs", "0"],
+            ["--header-timeout-secs", "nan"],
+            ["--body-timeout-secs", "-1"],
+            ["--body-timeout-secs", "1e9"],
+            ["--max-connections", "0"],
+            ["--max-sequences", "0"],
+            ["--max-answer-bytes", "0"],
+        ] {
+            let flag = format!("{}={}", bad[0], bad[1]);
+            let a = Args::try_parse_from(["teacher", "--model", "m", &flag]).unwrap();
+            let e = a.check().unwrap_err();
+            assert!(e.contains(bad[0]), "{bad:?}: {e}");
+        }
+        assert!(
+            Args::try_parse_from(["teacher", "--model", "m", "--served-model-name", " "])
+                .unwrap()
+                .check()
+                .is_err()
+        );
         // The key from a file, trimmed; an empty or missing file is refused.
         let dir = std::env::temp_dir().join(format!("xd-args-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();

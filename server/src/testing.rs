@@ -158,3 +158,17 @@ pub fn teacher_binary() -> PathBuf {
         })
         .clone()
 }
+
+/// Every id and value of a sequence's scores as bits, in a fixed order: equal vectors mean a
+/// bit-identical answer (f32 equality would hide -0.0 vs 0.0 and NaN).
+pub fn score_bits(s: &xdistill_shared::protocol::SequenceScores) -> Vec<u32> {
+    let f = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    [
+        s.topk_ids.clone(),
+        f(&s.topk_values),
+        f(&s.target_logprobs),
+        f(&s.logsumexp),
+        f(&s.ids_logprobs),
+    ]
+    .concat()
+}

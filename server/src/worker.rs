@@ -810,18 +810,7 @@ mod tests {
         }
     }
 
-    /// Every id, value and log-prob of a result as bits (f32 equality would hide -0.0 vs 0.0).
-    fn bits(s: &SequenceScores) -> Vec<u32> {
-        let f = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
-        [
-            s.topk_ids.clone(),
-            f(&s.topk_values),
-            f(&s.target_logprobs),
-            f(&s.logsumexp),
-            f(&s.ids_logprobs),
-        ]
-        .concat()
-    }
+    use crate::testing::score_bits as bits;
 
     /// Batch-invariant mode: a short sequence and one over the batch budget (the KV-cache
     /// path) get the same bits alone and batched with neighbours of other lengths, in any

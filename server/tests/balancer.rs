@@ -10,7 +10,7 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-use xdistill_server::testing::get_status;
+use xdistill_server::testing::{get_status, score_bits};
 use xdistill_shared::protocol::TopkResponse;
 use xdistill_trainer::client::{ClientOptions, TeacherClient};
 
@@ -143,20 +143,10 @@ mod plain_http {
 
 fn same_bits(a: &TopkResponse, b: &TopkResponse) -> bool {
     a.results.len() == b.results.len()
-        && a.results.iter().zip(&b.results).all(|(x, y)| {
-            x.topk_ids == y.topk_ids
-                && x.topk_values
-                    .iter()
-                    .chain(&x.target_logprobs)
-                    .chain(&x.logsumexp)
-                    .map(|v| v.to_bits())
-                    .eq(y
-                        .topk_values
-                        .iter()
-                        .chain(&y.target_logprobs)
-                        .chain(&y.logsumexp)
-                        .map(|v| v.to_bits()))
-        })
+        && a.results
+            .iter()
+            .zip(&b.results)
+            .all(|(x, y)| score_bits(x) == score_bits(y))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

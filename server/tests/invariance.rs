@@ -43,18 +43,7 @@ fn cached_teacher() -> &'static Teacher {
     T.get_or_init(|| common::start_teacher(&model(), &[]))
 }
 
-/// Every id, value and log-prob of a result as bits.
-fn bits(s: &SequenceScores) -> Vec<u32> {
-    let f = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
-    [
-        s.topk_ids.clone(),
-        f(&s.topk_values),
-        f(&s.target_logprobs),
-        f(&s.logsumexp),
-        f(&s.ids_logprobs),
-    ]
-    .concat()
-}
+use xdistill_server::testing::score_bits as bits;
 
 fn req(sequences: Vec<Vec<u32>>) -> TopkRequest {
     TopkRequest {

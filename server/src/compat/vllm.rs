@@ -228,7 +228,7 @@ async fn complete(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Resp
         model: st.config.served_model_name.clone(),
         vocab: vocab.clone(),
         plan,
-        sequences: valid.sequences.iter().map(|s| s.ids.to_vec()).collect(),
+        sequences: valid.sequences.into_iter().map(|s| s.ids).collect(),
         texts,
         scores,
     };
@@ -240,7 +240,8 @@ struct Answer {
     model: String,
     vocab: Arc<Vocab>,
     plan: Plan,
-    sequences: Vec<Vec<u32>>,
+    /// The validated prompts (shared with the engine's jobs, not copied).
+    sequences: Vec<Arc<[u32]>>,
     /// The prompt as text, when it was given as text.
     texts: Vec<Option<String>>,
     /// One per prompt, when anything was scored.
@@ -249,7 +250,7 @@ struct Answer {
 
 impl Serialize for Answer {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let prompt_tokens: usize = self.sequences.iter().map(Vec::len).sum();
+        let prompt_tokens: usize = self.sequences.iter().map(|s| s.len()).sum();
         let completion_tokens = self.plan.max_tokens * self.sequences.len();
         let choices: Vec<Choice<'_>> = (0..self.sequences.len())
             .map(|i| Choice { a: self, i })
