@@ -104,6 +104,8 @@ impl AppState {
             batch_invariant: c.batch_invariant,
             rope_theta: facts.rope_theta,
             rope_scaling: facts.rope_scaling.clone(),
+            sliding_window: facts.sliding_window,
+            sliding_layers: facts.sliding_layers,
         };
         self.ready
             .set(Ready {

@@ -6,7 +6,7 @@ use candle_nn::VarBuilder;
 use std::path::Path;
 use std::sync::Arc;
 use xdistill_shared::device::{device_name, dtype_name, parse_device, parse_dtype};
-use xdistill_shared::hf::ModelDir;
+use xdistill_shared::hf::{HfError, ModelDir};
 use xdistill_shared::model::{Decoder, Ops};
 
 #[derive(Debug, thiserror::Error)]
@@ -28,6 +28,9 @@ pub struct ModelFacts {
     /// RoPE base and scaling type as applied (`/v1/info`).
     pub rope_theta: f64,
     pub rope_scaling: String,
+    /// The window of sliding-attention layers and their number (`/v1/info`).
+    pub sliding_window: Option<usize>,
+    pub sliding_layers: usize,
     pub model_type: String,
     /// Valid ids: `< vocab_size` (the tokenizer's vocabulary incl. added tokens).
     pub vocab_size: usize,
@@ -46,7 +49,12 @@ pub struct ModelFacts {
 
 /// Reads everything but the weights, and decodes every id once for the compatible routes.
 pub fn read_facts(dir: &ModelDir, dtype: DType, device: &Device) -> Result<ModelFacts, LoadError> {
-    let arch = dir.config.arch()?;
+    let arch = dir.config.arch().map_err(HfError::from)?;
+    let kinds = dir.config.layer_kinds().map_err(HfError::from)?;
+    let sliding: Vec<usize> = kinds
+        .iter()
+        .filter_map(|&k| dir.config.layer_window(k))
+        .collect();
     let tok = dir.load_tokenizer()?;
     let tok_vocab = check_dir(dir, &tok)?;
     let logits_size = dir.config.vocab_size;
@@ -57,8 +65,11 @@ pub fn read_facts(dir: &ModelDir, dtype: DType, device: &Device) -> Result<Model
         rope_theta: dir.config.rope_theta(),
         rope_scaling: dir
             .config
-            .rope_scaling()?
-            .map_or_else(|| "default".to_string(), |s| s.rope_type),
+            .rope_scaling()
+            .map_err(HfError::from)?
+            .map_or_else(|| "default".to_string(), |s| s.kind().to_string()),
+        sliding_window: sliding.first().copied(),
+        sliding_layers: sliding.len(),
         model_type: arch.model_type().into(),
         vocab_size: tok_vocab.min(logits_size),
         logits_size,

@@ -380,7 +380,9 @@ impl Worker {
         } else {
             inputs.max(1)
         };
-        let mut cache = KvCache::default();
+        // The cache knows the whole length, so length-dependent RoPE (LongRoPE) treats every
+        // chunk as part of this sequence, as one forward over it would.
+        let mut cache = KvCache::for_sequence(seq.ids.len());
         let mut acc = seq.empty();
         for c0 in (0..inputs).step_by(chunk) {
             let c1 = (c0 + chunk).min(inputs);

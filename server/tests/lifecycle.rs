@@ -10,6 +10,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 use xdistill_server::Args;
 use xdistill_shared::codec::{self, Format};
+use xdistill_shared::protocol::ValuesKind;
 
 fn teacher_bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_teacher"))
@@ -321,7 +322,8 @@ fn broken_copy(edit: impl FnOnce(&std::path::Path)) -> tempfile::TempDir {
 
 /// Models that would serve wrong or no answers are refused at start, by `--check-args` and by
 /// a real start, with a message naming the file and key: a tokenizer with more ids than the
-/// embedding has rows, `max_position_embeddings = 0`, an unimplemented RoPE scaling.
+/// embedding has rows, `max_position_embeddings = 0`, an unimplemented RoPE scaling,
+/// architecture or feature.
 #[test]
 fn unservable_models_are_refused_at_start() {
     let qwen_tokenizer = xdistill_shared::paths::tokenizer_json("qwen3");
@@ -335,19 +337,27 @@ fn unservable_models_are_refused_at_start() {
         cfg["max_position_embeddings"] = serde_json::json!(0);
         std::fs::write(&p, serde_json::to_vec(&cfg).unwrap()).unwrap();
     });
-    // A scaling the decoder does not implement (it used to be dropped without a word).
-    let yarn = broken_copy(|d| {
-        let p = d.join("config.json");
-        let mut cfg: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
-        cfg["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0,
-            "original_max_position_embeddings": 64});
-        std::fs::write(&p, serde_json::to_vec(&cfg).unwrap()).unwrap();
+    let edit_config = |edit: fn(&mut serde_json::Value)| {
+        broken_copy(move |d| {
+            let p = d.join("config.json");
+            let mut cfg: serde_json::Value =
+                serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+            edit(&mut cfg);
+            std::fs::write(&p, serde_json::to_vec(&cfg).unwrap()).unwrap();
+        })
+    };
+    // A scaling, an architecture and a feature the decoder does not implement.
+    let mrope = edit_config(|c| {
+        c["rope_scaling"] = serde_json::json!({"rope_type": "mrope", "factor": 4.0});
     });
+    let gpt2 = edit_config(|c| c["model_type"] = serde_json::json!("gpt2"));
+    let softcap = edit_config(|c| c["attn_logit_softcapping"] = serde_json::json!(50.0));
     for (dir, needle) in [
         (&too_big, "tokenizer does not belong to this model"),
         (&zero_positions, "max_position_embeddings is 0"),
-        (&yarn, "rope scaling type \"yarn\""),
+        (&mrope, "rope scaling type \"mrope\""),
+        (&gpt2, "unsupported model_type \"gpt2\""),
+        (&softcap, "attn_logit_softcapping is not implemented"),
     ] {
         for extra in [&["--check-args"][..], &["--port", "0"][..]] {
             let out = teacher_bin()
@@ -385,5 +395,61 @@ async fn api_key_from_a_file_and_any_case_of_bearer() {
             r = r.header("authorization", a);
         }
         assert_eq!(r.send().await.unwrap().status(), status, "{auth:?}");
+    }
+}
+
+/// A Gemma 3 teacher (local layers with a window shorter than the sequence, global layers with
+/// their own RoPE base and linear scaling) reports its architecture, RoPE and window in
+/// `/v1/info`, and a sequence longer than `--max-batch-tokens` (scored in chunks over the KV
+/// cache) gets the scores it gets in one forward, and those of the decoder run in-process.
+#[tokio::test]
+async fn gemma3_teacher_reports_its_window_and_scores_in_chunks() {
+    let models = tempfile::tempdir().unwrap();
+    let dir = models.path().join("gemma3");
+    xdistill_trainer::init_model::run(xdistill_trainer::init_model::Args {
+        arch: "gemma3".into(),
+        tokenizer: xdistill_shared::paths::tokenizer_json("gemma3"),
+        hidden_size: 32,
+        layers: 3,
+        heads: 4,
+        kv_heads: 2,
+        intermediate_size: 64,
+        head_dim: Some(8),
+        pad_vocab_to: 1,
+        max_position_embeddings: 128,
+        tie_embeddings: true,
+        init_std: 0.1,
+        seed: 5,
+        out: dir.clone(),
+        features: xdistill_trainer::init_model::Features {
+            sliding_window: Some(8),
+            sliding_window_pattern: Some(3),
+            rope_scaling: Some(r#"{"rope_type": "linear", "factor": 2.0}"#.into()),
+            ..Default::default()
+        },
+    })
+    .unwrap();
+    let whole = common::start_teacher(&dir, &[]);
+    let chunked = common::start_teacher(&dir, &["--max-batch-tokens", "16"]);
+    let c = client();
+    let info: xdistill_shared::protocol::InfoResponse = c
+        .get(whole.url("/v1/info"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(info.architecture, "Gemma3ForCausalLM");
+    assert_eq!(info.model_type, "gemma3_text");
+    assert_eq!((info.rope_theta, info.rope_scaling.as_str()), (1e6, "linear"));
+    assert_eq!((info.sliding_window, info.sliding_layers), (Some(8), 2));
+    let seq: Vec<u32> = (0..40u32).map(|i| (i * 7919 + 13) % 262_000).collect();
+    let req = request(vec![seq.clone()], 4);
+    let a = common::score(&c, &whole, &req, Format::Json).await.results.remove(0);
+    let b = common::score(&c, &chunked, &req, Format::Json).await.results.remove(0);
+    let reference = common::Reference::load(&dir);
+    for got in [&a, &b] {
+        reference.check(got, &seq, 0, 1.0, ValuesKind::Logprobs, 1e-4);
     }
 }

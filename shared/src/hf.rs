@@ -1,7 +1,7 @@
 //! Hugging Face model directories: `config.json`, safetensors (single or sharded) and
-//! `tokenizer.json`, for the Llama family (Llama, Qwen2, Qwen3).
+//! `tokenizer.json`. The `config.json` schema itself is [`crate::model::config`].
 
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use std::collections::BTreeSet;
 use std::io::Read;
@@ -23,8 +23,8 @@ pub enum HfError {
     NoWeights(PathBuf),
     #[error("{0}: no tokenizer.json")]
     NoTokenizer(PathBuf),
-    #[error("unsupported model_type {0:?} (supported: qwen3, qwen2, llama)")]
-    UnsupportedArch(String),
+    #[error(transparent)]
+    Config(#[from] ConfigError),
     #[error("invalid config: {0}")]
     InvalidConfig(String),
     #[error("tokenizer: {0}")]
@@ -38,309 +38,10 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> HfError + '_ {
     }
 }
 
-/// The decoder families we implement; they differ only in attention biases and q/k norms.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Arch {
-    Qwen3,
-    Qwen2,
-    Llama,
-}
-
-impl Arch {
-    pub fn parse(s: &str) -> Result<Arch, HfError> {
-        match s {
-            "qwen3" => Ok(Arch::Qwen3),
-            "qwen2" => Ok(Arch::Qwen2),
-            "llama" => Ok(Arch::Llama),
-            other => Err(HfError::UnsupportedArch(other.to_string())),
-        }
-    }
-    pub fn model_type(self) -> &'static str {
-        match self {
-            Arch::Qwen3 => "qwen3",
-            Arch::Qwen2 => "qwen2",
-            Arch::Llama => "llama",
-        }
-    }
-    /// The `architectures[0]` transformers expects.
-    pub fn hf_class(self) -> &'static str {
-        match self {
-            Arch::Qwen3 => "Qwen3ForCausalLM",
-            Arch::Qwen2 => "Qwen2ForCausalLM",
-            Arch::Llama => "LlamaForCausalLM",
-        }
-    }
-}
-
-/// RoPE frequency scaling: `rope_scaling` (transformers ≤ 4) or the scaling fields of
-/// `rope_parameters` (transformers ≥ 5). Only `llama3` is implemented; [`ModelConfig::validate`]
-/// refuses every other type rather than serve wrong log-probs.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct RopeScaling {
-    #[serde(alias = "type")]
-    pub rope_type: String,
-    #[serde(default)]
-    pub factor: f64,
-    #[serde(default)]
-    pub low_freq_factor: f64,
-    #[serde(default)]
-    pub high_freq_factor: f64,
-    #[serde(default)]
-    pub original_max_position_embeddings: usize,
-}
-
-/// The fields of `config.json` the decoder needs; unknown fields are ignored.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct ModelConfig {
-    pub model_type: String,
-    pub vocab_size: usize,
-    pub hidden_size: usize,
-    pub intermediate_size: usize,
-    pub num_hidden_layers: usize,
-    pub num_attention_heads: usize,
-    #[serde(default)]
-    pub num_key_value_heads: Option<usize>,
-    #[serde(default)]
-    pub head_dim: Option<usize>,
-    #[serde(default = "default_max_pos")]
-    pub max_position_embeddings: usize,
-    #[serde(default = "default_eps")]
-    pub rms_norm_eps: f64,
-    #[serde(default = "default_theta")]
-    pub rope_theta: f64,
-    #[serde(default)]
-    pub rope_scaling: Option<RopeScaling>,
-    /// transformers ≥ 5 writes RoPE settings here (`{"rope_theta": …, "rope_type": "default"}`)
-    /// instead of top-level `rope_theta` / `rope_scaling`; read through
-    /// [`ModelConfig::rope_theta`] and [`ModelConfig::rope_scaling`].
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub rope_parameters: Option<serde_json::Value>,
-    /// Keys that change the math and that this decoder does not implement, read only to refuse
-    /// such a model by name (never a silent wrong answer).
-    #[serde(flatten)]
-    pub unimplemented: UnimplementedKeys,
-    #[serde(default)]
-    pub tie_word_embeddings: bool,
-    /// Llama: bias on q/k/v/o. Qwen2 always has q/k/v bias (and no o bias).
-    #[serde(default)]
-    pub attention_bias: bool,
-    #[serde(default)]
-    pub hidden_act: Option<String>,
-    #[serde(default)]
-    pub bos_token_id: Option<serde_json::Value>,
-    #[serde(default)]
-    pub eos_token_id: Option<serde_json::Value>,
-}
-
-/// `config.json` keys this decoder does not implement (see [`ModelConfig::validate`]).
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct UnimplementedKeys {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub sliding_window: Option<serde_json::Value>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub use_sliding_window: Option<bool>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mlp_bias: Option<bool>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub partial_rotary_factor: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub attn_logit_softcapping: Option<serde_json::Value>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub final_logit_softcapping: Option<serde_json::Value>,
-}
-
-fn default_max_pos() -> usize {
-    4096
-}
-fn default_eps() -> f64 {
-    1e-6
-}
-fn default_theta() -> f64 {
-    10_000.0
-}
-
-impl ModelConfig {
-    pub fn arch(&self) -> Result<Arch, HfError> {
-        Arch::parse(&self.model_type)
-    }
-    pub fn kv_heads(&self) -> usize {
-        self.num_key_value_heads.unwrap_or(self.num_attention_heads)
-    }
-    pub fn head_dim(&self) -> usize {
-        self.head_dim
-            .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
-    }
-    /// EOS ids (`eos_token_id` may be a number or a list).
-    pub fn eos_ids(&self) -> Vec<u32> {
-        ids_of(self.eos_token_id.as_ref())
-    }
-    pub fn bos_id(&self) -> Option<u32> {
-        ids_of(self.bos_token_id.as_ref()).first().copied()
-    }
-    /// The RoPE base: `rope_parameters.rope_theta` (transformers ≥ 5) or `rope_theta`.
-    pub fn rope_theta(&self) -> f64 {
-        self.rope_parameters
-            .as_ref()
-            .and_then(|p| p.get("rope_theta"))
-            .and_then(serde_json::Value::as_f64)
-            .unwrap_or(self.rope_theta)
-    }
-
-    /// The RoPE scaling in force: from `rope_parameters` when it names a type other than
-    /// `default`, else `rope_scaling` (a `default` type there is no scaling either).
-    pub fn rope_scaling(&self) -> Result<Option<RopeScaling>, HfError> {
-        let scaling = match &self.rope_parameters {
-            Some(p) => match p.get("rope_type").or_else(|| p.get("type")) {
-                None => self.rope_scaling.clone(),
-                Some(_) => Some(
-                    serde_json::from_value::<RopeScaling>(p.clone())
-                        .map_err(|e| HfError::InvalidConfig(format!("rope_parameters: {e}")))?,
-                ),
-            },
-            None => self.rope_scaling.clone(),
-        };
-        Ok(scaling.filter(|s| s.rope_type != "default"))
-    }
-
-    /// Checks the RoPE settings: one convention or two that agree, a type that is implemented.
-    fn validate_rope(&self) -> Result<(), HfError> {
-        let bad = |m: String| Err(HfError::InvalidConfig(m));
-        if let Some(p) = &self.rope_parameters {
-            let Some(obj) = p.as_object() else {
-                return bad("rope_parameters must be an object".into());
-            };
-            if obj.values().all(serde_json::Value::is_object) && !obj.is_empty() {
-                return bad(format!(
-                    "rope_parameters per layer type ({}) is not supported: this decoder has one \
-                     RoPE for every layer",
-                    obj.keys().cloned().collect::<Vec<_>>().join(", ")
-                ));
-            }
-            if let Some(t) = obj.get("rope_theta") {
-                let Some(t) = t.as_f64().filter(|t| t.is_finite() && *t > 0.0) else {
-                    return bad(format!("rope_parameters.rope_theta must be > 0, got {t}"));
-                };
-                let top = self.rope_theta;
-                if top != default_theta() && (top - t).abs() > 1e-9 * t {
-                    return bad(format!(
-                        "rope_theta {top} and rope_parameters.rope_theta {t} disagree"
-                    ));
-                }
-            }
-        }
-        if let Some(s) = self.rope_scaling()? {
-            match s.rope_type.as_str() {
-                "llama3" => {
-                    if !(s.factor > 0.0
-                        && s.low_freq_factor > 0.0
-                        && s.high_freq_factor > s.low_freq_factor
-                        && s.original_max_position_embeddings > 0)
-                    {
-                        return bad(format!(
-                            "rope scaling llama3 needs factor > 0, 0 < low_freq_factor < \
-                             high_freq_factor and original_max_position_embeddings > 0, got {s:?}"
-                        ));
-                    }
-                }
-                other => {
-                    return bad(format!(
-                        "rope scaling type {other:?} (rope_scaling / rope_parameters.rope_type) \
-                         is not implemented: only \"default\" and \"llama3\" are"
-                    ))
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Refuses keys that change the math but are not implemented.
-    fn validate_unimplemented(&self) -> Result<(), HfError> {
-        let u = &self.unimplemented;
-        let bad = |m: String| Err(HfError::InvalidConfig(m));
-        let window = u
-            .sliding_window
-            .as_ref()
-            .and_then(serde_json::Value::as_u64);
-        if let Some(w) = window {
-            // Qwen configs carry a window with `use_sliding_window: false`: no window applies.
-            if u.use_sliding_window != Some(false) && (w as usize) < self.max_position_embeddings {
-                return bad(format!(
-                    "sliding_window {w} (< max_position_embeddings {}) is not implemented: \
-                     attention here is full-causal",
-                    self.max_position_embeddings
-                ));
-            }
-        }
-        if u.mlp_bias == Some(true) {
-            return bad("mlp_bias true is not implemented".into());
-        }
-        if let Some(f) = u.partial_rotary_factor {
-            if f != 1.0 {
-                return bad(format!(
-                    "partial_rotary_factor {f} is not implemented (only 1)"
-                ));
-            }
-        }
-        for (key, v) in [
-            ("attn_logit_softcapping", &u.attn_logit_softcapping),
-            ("final_logit_softcapping", &u.final_logit_softcapping),
-        ] {
-            if v.as_ref().is_some_and(|v| !v.is_null()) {
-                return bad(format!("{key} is not implemented"));
-            }
-        }
-        Ok(())
-    }
-
-    /// Checks the invariants the decoder relies on, and refuses every setting that would change
-    /// the math but is not implemented (naming the key).
-    pub fn validate(&self) -> Result<(), HfError> {
-        self.arch()?;
-        self.validate_rope()?;
-        self.validate_unimplemented()?;
-        let bad = |m: String| Err(HfError::InvalidConfig(m));
-        if self.vocab_size == 0 || self.hidden_size == 0 || self.num_hidden_layers == 0 {
-            return bad("vocab_size, hidden_size and num_hidden_layers must be positive".into());
-        }
-        if self.num_attention_heads == 0 || self.kv_heads() == 0 {
-            return bad("attention heads must be positive".into());
-        }
-        if !self.num_attention_heads.is_multiple_of(self.kv_heads()) {
-            return bad(format!(
-                "num_attention_heads ({}) must be a multiple of num_key_value_heads ({})",
-                self.num_attention_heads,
-                self.kv_heads()
-            ));
-        }
-        if !self.head_dim().is_multiple_of(2) {
-            return bad(format!(
-                "head_dim ({}) must be even for RoPE",
-                self.head_dim()
-            ));
-        }
-        if let Some(act) = &self.hidden_act {
-            if act != "silu" {
-                return bad(format!("hidden_act {act:?} is not supported (only silu)"));
-            }
-        }
-        Ok(())
-    }
-}
-
-fn ids_of(v: Option<&serde_json::Value>) -> Vec<u32> {
-    match v {
-        Some(serde_json::Value::Number(n)) => {
-            n.as_u64().map(|x| vec![x as u32]).unwrap_or_default()
-        }
-        Some(serde_json::Value::Array(a)) => a
-            .iter()
-            .filter_map(|x| x.as_u64())
-            .map(|x| x as u32)
-            .collect(),
-        _ => vec![],
-    }
-}
+pub use crate::model::config::{
+    Activation, Arch, ConfigError, GemmaConfig, LayerKind, ModelConfig, MoeConfig, RopeParams,
+    UnimplementedKeys, WindowConfig,
+};
 
 /// A model directory on disk.
 #[derive(Debug, Clone)]
@@ -358,13 +59,22 @@ impl ModelDir {
         let path = dir.as_ref().to_path_buf();
         let cfg_path = path.join("config.json");
         let text = std::fs::read(&cfg_path).map_err(io_err(&cfg_path))?;
-        let config: ModelConfig =
+        let json: serde_json::Value =
             serde_json::from_slice(&text).map_err(|source| HfError::Json {
+                path: cfg_path.clone(),
+                source,
+            })?;
+        let (json, multimodal) = text_config(json);
+        let mut config: ModelConfig =
+            serde_json::from_value(json).map_err(|source| HfError::Json {
                 path: cfg_path.clone(),
                 source,
             })?;
         config.validate()?;
         let weights = weight_files(&path)?;
+        if multimodal {
+            config.weight_prefix = Some(text_tower_prefix(&weights)?);
+        }
         let tokenizer = path.join("tokenizer.json");
         if !tokenizer.is_file() {
             return Err(HfError::NoTokenizer(path));
@@ -414,6 +124,86 @@ impl ModelDir {
         }
         Ok(hex::encode(&h.finalize()[..16]))
     }
+}
+
+/// The text model of a `config.json`: the file itself, or the `text_config` of a multimodal
+/// checkpoint (Gemma 3's `Gemma3ForConditionalGeneration`), with the top level's token ids and
+/// tying where the text config has none. The flag says it came from a `text_config`.
+fn text_config(mut json: serde_json::Value) -> (serde_json::Value, bool) {
+    let Some(top) = json.as_object_mut() else {
+        return (json, false);
+    };
+    let Some(serde_json::Value::Object(mut text)) = top.remove("text_config") else {
+        return (json, false);
+    };
+    if top.get("model_type").and_then(|m| m.as_str()) == Some("gemma3") {
+        text.entry("model_type")
+            .or_insert_with(|| serde_json::json!("gemma3_text"));
+    }
+    for key in ["bos_token_id", "eos_token_id", "tie_word_embeddings"] {
+        if let Some(v) = top.get(key) {
+            text.entry(key).or_insert_with(|| v.clone());
+        }
+    }
+    (serde_json::Value::Object(text), true)
+}
+
+/// Where a multimodal checkpoint keeps its text model's weights: `model.language_model.`
+/// (transformers ≥ 4.52) or `language_model.model.` (earlier), found from the headers.
+fn text_tower_prefix(weights: &[PathBuf]) -> Result<String, HfError> {
+    for w in weights {
+        for (name, _) in safetensors_header(w)? {
+            for prefix in ["model.language_model.", "language_model.model."] {
+                if name.starts_with(prefix) {
+                    return Ok(prefix.into());
+                }
+            }
+        }
+    }
+    Err(HfError::InvalidConfig(
+        "config.json has a text_config, but no weight is named model.language_model.* or          language_model.model.*"
+            .into(),
+    ))
+}
+
+/// The largest safetensors header read (the format's own limit is 100 MB).
+const MAX_HEADER_BYTES: u64 = 100 << 20;
+
+/// Names and shapes of the tensors of one safetensors file, from its header only.
+pub fn safetensors_header(path: &Path) -> Result<Vec<(String, Vec<usize>)>, HfError> {
+    let bad = |m: String| HfError::InvalidConfig(format!("{}: {m}", path.display()));
+    let mut f = std::fs::File::open(path).map_err(io_err(path))?;
+    let file_len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let mut len = [0u8; 8];
+    f.read_exact(&mut len)
+        .map_err(|_| bad("not a safetensors file (too short)".into()))?;
+    let n = u64::from_le_bytes(len);
+    if n > MAX_HEADER_BYTES || n.saturating_add(8) > file_len {
+        return Err(bad(format!(
+            "not a safetensors file (header length {n} for a file of {file_len} bytes)"
+        )));
+    }
+    let mut head = vec![0u8; n as usize];
+    f.read_exact(&mut head).map_err(io_err(path))?;
+    let map: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&head)
+        .map_err(|e| bad(format!("invalid safetensors header: {e}")))?;
+    let mut out = Vec::with_capacity(map.len());
+    for (name, v) in map {
+        if name == "__metadata__" {
+            continue;
+        }
+        let shape = v
+            .get("shape")
+            .and_then(|s| s.as_array())
+            .and_then(|a| {
+                a.iter()
+                    .map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok()))
+                    .collect::<Option<Vec<usize>>>()
+            })
+            .ok_or_else(|| bad(format!("tensor {name:?} has no valid shape")))?;
+        out.push((name, shape));
+    }
+    Ok(out)
 }
 
 /// Safetensors files of `dir`: `model.safetensors`, or the shards named by the index.
@@ -504,15 +294,26 @@ pub fn write_model_dir(
     if let Some(obj) = cfg.as_object_mut() {
         obj.insert("architectures".into(), serde_json::json!([arch.hf_class()]));
         obj.insert("torch_dtype".into(), serde_json::json!(dtype));
-        obj.insert("hidden_act".into(), serde_json::json!("silu"));
+        obj.retain(|_, v| !v.is_null());
+        // The config's own values win; these fill what transformers would otherwise default.
+        let act_key = if arch == Arch::Gemma3 {
+            "hidden_activation"
+        } else {
+            "hidden_act"
+        };
+        let act = if arch == Arch::Gemma3 {
+            "gelu_pytorch_tanh"
+        } else {
+            "silu"
+        };
+        obj.entry(act_key).or_insert_with(|| serde_json::json!(act));
         obj.insert("attention_dropout".into(), serde_json::json!(0.0));
         obj.insert("use_cache".into(), serde_json::json!(true));
-        if arch == Arch::Qwen2 || arch == Arch::Qwen3 {
-            obj.insert("use_sliding_window".into(), serde_json::json!(false));
-            obj.insert(
-                "max_window_layers".into(),
-                serde_json::json!(config.num_hidden_layers),
-            );
+        if matches!(arch, Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe) {
+            obj.entry("use_sliding_window")
+                .or_insert_with(|| serde_json::json!(false));
+            obj.entry("max_window_layers")
+                .or_insert_with(|| serde_json::json!(config.num_hidden_layers));
         }
         if arch == Arch::Llama {
             obj.insert("mlp_bias".into(), serde_json::json!(false));
@@ -593,7 +394,7 @@ mod tests {
         assert_eq!(l.eos_ids(), vec![2]);
         let mut bad = l.clone();
         bad.model_type = "gpt2".into();
-        assert!(matches!(bad.validate(), Err(HfError::UnsupportedArch(_))));
+        assert!(matches!(bad.validate(), Err(ConfigError::UnsupportedArch(_))));
         bad = l.clone();
         bad.num_key_value_heads = Some(3);
         assert!(bad.validate().is_err());

@@ -327,7 +327,8 @@ pub struct InfoResponse {
     pub server_version: String,
     /// e.g. `Qwen3ForCausalLM`.
     pub architecture: String,
-    /// `qwen3`, `qwen2` or `llama`.
+    /// `config.json`'s `model_type`: `qwen3`, `qwen2`, `llama`, `mistral`, `gemma3_text`,
+    /// `phi3` or `qwen3_moe`.
     pub model_type: String,
     /// Number of valid token ids (the tokenizer's vocabulary incl. added tokens); ids must be below.
     pub vocab_size: usize,
@@ -339,12 +340,19 @@ pub struct InfoResponse {
     pub tokenizer_sha256: String,
     pub model_fingerprint: String,
     pub limits: Limits,
-    /// RoPE as applied: base and scaling type (`"default"` or `"llama3"`); absent from servers
-    /// older than protocol 2.
+    /// RoPE of the full-attention layers as applied: base and scaling type (`default`,
+    /// `linear`, `dynamic`, `llama3`, `yarn`, `longrope`); absent from servers older than
+    /// protocol 2.
     #[serde(default)]
     pub rope_theta: f64,
     #[serde(default)]
     pub rope_scaling: String,
+    /// The attention window of sliding layers, and how many of the layers slide (`null` and 0
+    /// when every layer attends to the whole sequence).
+    #[serde(default)]
+    pub sliding_window: Option<usize>,
+    #[serde(default)]
+    pub sliding_layers: usize,
     /// Whether a sequence's scores are bit-identical whatever it is batched with
     /// (`--batch-invariant`; false from servers older than protocol 2).
     #[serde(default)]

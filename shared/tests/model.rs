@@ -4,7 +4,7 @@
 use candle_core::{DType, Device, Tensor, D};
 use candle_nn::VarBuilder;
 use std::collections::HashMap;
-use xdistill_shared::hf::ModelConfig;
+use xdistill_shared::hf::{LayerKind, ModelConfig};
 use xdistill_shared::model::{param_specs, Decoder, Init, KvCache, Ops};
 
 /// `cpu` unless `XDISTILL_TEST_DEVICE` names another (`cuda`, `cuda:N`: the GPU check runs these
@@ -27,6 +27,60 @@ fn config(model_type: &str) -> ModelConfig {
         "attention_bias": false
     }))
     .unwrap()
+}
+
+/// Every architecture, each with its features switched on: windows shorter than [`SEQ`],
+/// Gemma's local/global layers, Phi-3's partial rotary, Qwen3-MoE's experts with a dense layer.
+fn arch_configs() -> Vec<(&'static str, ModelConfig)> {
+    let with = |model_type: &str, extra: serde_json::Value| {
+        let mut v = serde_json::to_value(config(model_type)).unwrap();
+        for (k, x) in extra.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        let cfg: ModelConfig = serde_json::from_value(v).unwrap();
+        cfg.validate().unwrap();
+        cfg
+    };
+    vec![
+        ("qwen3", config("qwen3")),
+        ("qwen2", config("qwen2")),
+        ("llama", config("llama")),
+        ("mistral", with("mistral", serde_json::json!({"sliding_window": 3}))),
+        (
+            "qwen3 window",
+            with(
+                "qwen3",
+                serde_json::json!({"sliding_window": 3, "use_sliding_window": true,
+                    "max_window_layers": 1}),
+            ),
+        ),
+        (
+            "gemma3",
+            with(
+                "gemma3_text",
+                serde_json::json!({"num_hidden_layers": 3, "sliding_window": 3,
+                    "sliding_window_pattern": 3, "query_pre_attn_scalar": 8,
+                    "rope_local_base_freq": 100.0, "tie_word_embeddings": true}),
+            ),
+        ),
+        (
+            "phi3",
+            with(
+                "phi3",
+                serde_json::json!({"head_dim": null, "hidden_size": 32, "partial_rotary_factor": 0.5,
+                    "sliding_window": 4}),
+            ),
+        ),
+        (
+            "qwen3_moe",
+            with(
+                "qwen3_moe",
+                serde_json::json!({"num_hidden_layers": 3, "num_experts": 4,
+                    "num_experts_per_tok": 2, "moe_intermediate_size": 8, "norm_topk_prob": true,
+                    "mlp_only_layers": [1]}),
+            ),
+        ),
+    ]
 }
 
 /// Deterministic pseudo-random parameters (a simple LCG; no RNG crate needed).
@@ -78,8 +132,7 @@ const SEQ: [u32; 9] = [3, 17, 42, 8, 8, 1, 49, 0, 23];
 
 #[test]
 fn fused_and_differentiable_ops_agree() {
-    for arch in ["qwen3", "qwen2", "llama"] {
-        let cfg = config(arch);
+    for (arch, cfg) in arch_configs() {
         let a = model(&cfg, Ops::Fused).forward(&ids(&SEQ)).unwrap();
         let b = model(&cfg, Ops::Differentiable)
             .forward(&ids(&SEQ))
@@ -95,8 +148,10 @@ fn fused_and_differentiable_ops_agree() {
 
 #[test]
 fn kv_cache_matches_full_forward() {
-    for ops in [Ops::Fused, Ops::Differentiable] {
-        let cfg = config("qwen3");
+    for ((arch, cfg), ops) in arch_configs()
+        .into_iter()
+        .flat_map(|c| [(c.clone(), Ops::Fused), (c, Ops::Differentiable)])
+    {
         let m = model(&cfg, ops);
         let full = m.forward(&ids(&SEQ)).unwrap();
         let mut cache = KvCache::new(cfg.num_hidden_layers);
@@ -119,7 +174,7 @@ fn kv_cache_matches_full_forward() {
         let inc = Tensor::cat(&parts, 1).unwrap();
         assert!(
             max_abs_diff(&full, &inc) < 1e-4,
-            "{ops:?}: {}",
+            "{arch} {ops:?}: {}",
             max_abs_diff(&full, &inc)
         );
     }
@@ -246,36 +301,44 @@ fn rope_parameters_equal_top_level_rope_settings() {
 fn unimplemented_settings_are_refused_by_name() {
     for (edit, needle) in [
         (
-            serde_json::json!({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}),
-            "yarn",
+            serde_json::json!({"rope_scaling": {"rope_type": "mrope", "factor": 4.0}}),
+            "mrope",
         ),
         (
-            serde_json::json!({"rope_scaling": {"type": "linear", "factor": 2.0}}),
-            "linear",
-        ),
-        (
-            serde_json::json!({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0,
+            serde_json::json!({"rope_parameters": {"rope_type": "proportional", "factor": 2.0,
             "rope_theta": 10000.0}}),
-            "dynamic",
+            "proportional",
         ),
         (
             serde_json::json!({"rope_parameters": {"full_attention": {"rope_theta": 1e6},
-            "sliding_attention": {"rope_theta": 1e4}}}),
-            "per layer type",
+            "chunked_attention": {"rope_theta": 1e4}}}),
+            "chunked_attention",
+        ),
+        (
+            serde_json::json!({"layer_types": ["full_attention", "linear_attention"]}),
+            "linear_attention",
         ),
         (
             serde_json::json!({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}),
-            "llama3",
+            "low_freq_factor",
+        ),
+        (
+            serde_json::json!({"rope_scaling": {"rope_type": "yarn"}}),
+            "factor",
+        ),
+        (
+            serde_json::json!({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0],
+            "long_factor": [1.0, 2.0]}}),
+            "short_factor",
         ),
         (
             serde_json::json!({"rope_theta": 20000.0, "rope_parameters": {"rope_theta": 500000.0,
             "rope_type": "default"}}),
             "disagree",
         ),
-        (serde_json::json!({"sliding_window": 16}), "sliding_window"),
         (serde_json::json!({"mlp_bias": true}), "mlp_bias"),
         (
-            serde_json::json!({"partial_rotary_factor": 0.5}),
+            serde_json::json!({"partial_rotary_factor": 0.3}),
             "partial_rotary_factor",
         ),
         (
@@ -287,14 +350,16 @@ fn unimplemented_settings_are_refused_by_name() {
             "attn_logit_softcapping",
         ),
         (
-            serde_json::json!({"hidden_act": "gelu_pytorch_tanh"}),
-            "hidden_act",
+            serde_json::json!({"use_bidirectional_attention": true}),
+            "use_bidirectional_attention",
         ),
+        (serde_json::json!({"hidden_act": "relu"}), "hidden_act"),
+        (serde_json::json!({"model_type": "gpt2"}), "gpt2"),
     ] {
         let err = edited(edit.clone()).expect_err(&edit.to_string());
         assert!(err.contains(needle), "{edit}: {err}");
     }
-    // What real Qwen and Llama checkpoints carry and is harmless is accepted.
+    // What real checkpoints carry and is implemented, or changes nothing, is accepted.
     for ok in [
         serde_json::json!({"sliding_window": 16, "use_sliding_window": false}),
         serde_json::json!({"sliding_window": null}),
@@ -302,7 +367,161 @@ fn unimplemented_settings_are_refused_by_name() {
         serde_json::json!({"mlp_bias": false, "partial_rotary_factor": 1.0,
             "final_logit_softcapping": null}),
         serde_json::json!({"rope_scaling": {"rope_type": "default"}}),
+        serde_json::json!({"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+            "original_max_position_embeddings": 16}}),
+        serde_json::json!({"rope_scaling": {"type": "linear", "factor": 2.0}}),
+        serde_json::json!({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0,
+            "rope_theta": 10000.0}}),
+        serde_json::json!({"partial_rotary_factor": 0.5}),
+        serde_json::json!({"hidden_act": "gelu_pytorch_tanh"}),
     ] {
         edited(ok.clone()).unwrap_or_else(|e| panic!("{ok}: {e}"));
+    }
+}
+
+/// Scores of a window model for the rows of `seq`: alone, right-padded in a batch with a longer
+/// sequence, and in chunks over a KV cache all agree; and the window is honoured (a model
+/// without it scores differently).
+#[test]
+fn sliding_windows_hold_batched_alone_and_chunked() {
+    for (arch, cfg) in arch_configs() {
+        if cfg.layer_kinds().unwrap().iter().all(|k| *k == LayerKind::Full) {
+            continue;
+        }
+        let m = model(&cfg, Ops::Fused);
+        let short = &SEQ[..7];
+        let alone = m.forward(&ids(short)).unwrap();
+        // Batched: [short + pads, SEQ].
+        let mut padded = short.to_vec();
+        padded.resize(SEQ.len(), 0);
+        let flat: Vec<u32> = padded.iter().chain(SEQ.iter()).copied().collect();
+        let batch = Tensor::from_vec(flat, (2, SEQ.len()), &dev()).unwrap();
+        let batched = m.forward(&batch).unwrap();
+        let first = batched.get(0).unwrap().narrow(0, 0, short.len()).unwrap();
+        assert!(max_abs_diff(&alone.get(0).unwrap(), &first) < 1e-5, "{arch} batched");
+        // Chunked: 3 + 3 + 1 positions over a cache planned for the whole sequence.
+        let mut cache = KvCache::for_sequence(short.len());
+        let mut parts = Vec::new();
+        for chunk in short.chunks(3) {
+            let h = m.forward_hidden(&ids(chunk), Some(&mut cache), None, None).unwrap();
+            parts.push(m.logits(&h).unwrap());
+        }
+        let chunked = Tensor::cat(&parts, 1).unwrap();
+        assert!(max_abs_diff(&alone, &chunked) < 1e-4, "{arch} chunked");
+        // The window matters: without it the last rows change.
+        let mut wide = serde_json::to_value(&cfg).unwrap();
+        wide["sliding_window"] = serde_json::json!(64);
+        let wide: ModelConfig = serde_json::from_value(wide).unwrap();
+        let unwindowed = model(&wide, Ops::Fused).forward(&ids(short)).unwrap();
+        assert!(max_abs_diff(&alone, &unwindowed) > 1e-3, "{arch}: window ignored");
+    }
+}
+
+/// The window's edge, against an independent reference: RoPE scores depend only on the
+/// distance between positions, so in a one-layer model with window `w` the row of position `i`
+/// equals the last row of the `w` tokens ending at `i` scored by the same weights without a
+/// window — and not that of the `w + 1` tokens ending there (no off-by-one).
+#[test]
+fn window_edge_matches_truncated_sequences() {
+    let mut v = serde_json::to_value(config("mistral")).unwrap();
+    v["num_hidden_layers"] = serde_json::json!(1);
+    let full_cfg: ModelConfig = serde_json::from_value(v.clone()).unwrap();
+    v["sliding_window"] = serde_json::json!(3);
+    let cfg: ModelConfig = serde_json::from_value(v).unwrap();
+    let windowed = model(&cfg, Ops::Fused).forward(&ids(&SEQ)).unwrap().get(0).unwrap();
+    let plain = model(&full_cfg, Ops::Fused);
+    let last_row = |s: &[u32]| plain.forward(&ids(s)).unwrap().get(0).unwrap().get(s.len() - 1).unwrap();
+    for i in 0..SEQ.len() {
+        let d = max_abs_diff(&windowed.get(i).unwrap(), &last_row(&SEQ[i.saturating_sub(2)..=i]));
+        assert!(d < 1e-4, "position {i}: {d}");
+        if i >= 3 {
+            let wider = max_abs_diff(&windowed.get(i).unwrap(), &last_row(&SEQ[i - 3..=i]));
+            assert!(wider > 1e-3, "position {i} sees a fourth key");
+        }
+    }
+}
+
+/// A Qwen3-MoE layer whose experts are all one dense MLP computes that MLP (the routing weights
+/// of each token sum to one with `norm_topk_prob`): its logits equal the dense Qwen3's.
+#[test]
+fn moe_of_identical_experts_equals_the_dense_model() {
+    let dense_cfg = config("qwen3");
+    let mut v = serde_json::to_value(&dense_cfg).unwrap();
+    v["model_type"] = serde_json::json!("qwen3_moe");
+    v["num_experts"] = serde_json::json!(4);
+    v["num_experts_per_tok"] = serde_json::json!(2);
+    v["moe_intermediate_size"] = serde_json::json!(24);
+    v["norm_topk_prob"] = serde_json::json!(true);
+    let moe_cfg: ModelConfig = serde_json::from_value(v).unwrap();
+    let dense = params(&dense_cfg);
+    let mut moe = params(&moe_cfg); // random routers
+    for (name, t) in &dense {
+        if let Some((layer, proj)) = name.split_once(".mlp.") {
+            moe.remove(name);
+            for e in 0..4 {
+                moe.insert(format!("{layer}.mlp.experts.{e}.{proj}"), t.clone());
+            }
+        } else {
+            moe.insert(name.clone(), t.clone());
+        }
+    }
+    let load = |cfg: &ModelConfig, p: HashMap<String, Tensor>| {
+        Decoder::new(cfg, VarBuilder::from_tensors(p, DType::F32, &dev()), Ops::Fused).unwrap()
+    };
+    let a = load(&dense_cfg, dense).forward(&ids(&SEQ)).unwrap();
+    let b = load(&moe_cfg, moe).forward(&ids(&SEQ)).unwrap();
+    assert!(max_abs_diff(&a, &b) < 1e-4, "{}", max_abs_diff(&a, &b));
+}
+
+/// The text tower of a multimodal Gemma 3 checkpoint (`text_config`, weights under
+/// `model.language_model.` or `language_model.model.`) loads and scores as the text-only model.
+#[test]
+fn gemma3_text_tower_of_a_multimodal_checkpoint() {
+    let (_, cfg) = arch_configs()
+        .into_iter()
+        .find(|(a, _)| *a == "gemma3")
+        .unwrap();
+    let p = params(&cfg);
+    let want = Decoder::new(
+        &cfg,
+        VarBuilder::from_tensors(p.clone(), DType::F32, &dev()),
+        Ops::Fused,
+    )
+    .unwrap()
+    .forward(&ids(&SEQ))
+    .unwrap();
+    for prefix in ["model.language_model.", "language_model.model."] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut text = serde_json::to_value(&cfg).unwrap();
+        text.as_object_mut().unwrap().remove("tie_word_embeddings");
+        let top = serde_json::json!({"model_type": "gemma3", "architectures":
+            ["Gemma3ForConditionalGeneration"], "text_config": text, "tie_word_embeddings": true,
+            "vision_config": {"hidden_size": 8}});
+        std::fs::write(dir.path().join("config.json"), top.to_string()).unwrap();
+        let mut stored: Vec<(String, Tensor)> = p
+            .iter()
+            .map(|(k, t)| (format!("{prefix}{}", k.strip_prefix("model.").unwrap()), t.clone()))
+            .collect();
+        stored.push((
+            "model.vision_tower.patch.weight".into(),
+            Tensor::zeros((2, 2), DType::F32, &dev()).unwrap(),
+        ));
+        let st = dir.path().join("model.safetensors");
+        safetensors::serialize_to_file(stored.iter().map(|(k, t)| (k.as_str(), t)), None, &st)
+            .unwrap();
+        std::fs::write(dir.path().join("tokenizer.json"), "{}").unwrap();
+        let md = xdistill_shared::hf::ModelDir::open(dir.path()).unwrap();
+        assert_eq!(md.config.weight_prefix.as_deref(), Some(prefix));
+        assert!(param_specs(&md.config, 0.0).iter().all(|s| s.name.starts_with(prefix)));
+        // SAFETY: written above, not modified while mapped.
+        let vb = unsafe {
+            VarBuilder::from_mmaped_safetensors(&md.weights, DType::F32, &dev())
+        }
+        .unwrap();
+        let got = Decoder::new(&md.config, vb, Ops::Fused)
+            .unwrap()
+            .forward(&ids(&SEQ))
+            .unwrap();
+        assert_eq!(max_abs_diff(&want, &got), 0.0, "{prefix}");
     }
 }

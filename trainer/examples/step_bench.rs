@@ -281,6 +281,7 @@ fn main() -> Result<()> {
         init_std: a.init_std,
         seed: 0,
         out: model_dir.clone(),
+        features: Default::default(),
     };
     init_model::run(margs)?;
     let student = Student::load(&model_dir, &Device::Cpu, DType::F32)?;

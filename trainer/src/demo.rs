@@ -426,6 +426,7 @@ fn init_model(spec: &ModelSpec, out: &Path) -> Result<()> {
         init_std: 0.02,
         seed: spec.seed,
         out: out.to_path_buf(),
+        features: Default::default(),
     })
 }
 

@@ -1,4 +1,5 @@
-//! `trainer init-model`: a randomly initialised Llama/Qwen2/Qwen3 in Hugging Face layout.
+//! `trainer init-model`: a randomly initialised model of any architecture we serve, in Hugging
+//! Face layout (transformers loads it unchanged).
 
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
@@ -6,13 +7,13 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use std::collections::HashMap;
 use std::path::PathBuf;
-use xdistill_shared::hf::{write_model_dir, Arch, ModelConfig};
+use xdistill_shared::hf::{write_model_dir, Arch, LayerKind, ModelConfig, RopeParams};
 use xdistill_shared::model::{param_specs, Init};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct Args {
-    /// Architecture: qwen3, qwen2 or llama.
-    #[arg(long, value_parser = ["qwen3", "qwen2", "llama"])]
+    /// Architecture: qwen3, qwen2, llama, mistral, gemma3, phi3 or qwen3-moe.
+    #[arg(long, value_parser = ["qwen3", "qwen2", "llama", "mistral", "gemma3", "phi3", "qwen3-moe"])]
     pub arch: String,
     /// tokenizer.json whose vocabulary sets the embedding size; copied into the model directory.
     #[arg(long)]
@@ -44,6 +45,55 @@ pub struct Args {
     pub seed: u64,
     #[arg(long)]
     pub out: PathBuf,
+    #[command(flatten)]
+    pub features: Features,
+}
+
+/// Architecture features beyond the dense Llama shape (each off or at transformers' default
+/// unless given).
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct Features {
+    /// Sliding-window attention of this many positions (Mistral, Phi-3 and Qwen: every layer
+    /// from `--max-window-layers` on; Gemma 3: its local layers, default 4096).
+    #[arg(long)]
+    pub sliding_window: Option<usize>,
+    /// Qwen2/Qwen3: layers below this index keep full attention.
+    #[arg(long, default_value_t = 0)]
+    pub max_window_layers: usize,
+    /// Gemma 3: every n-th layer is global, the others local (default 6).
+    #[arg(long)]
+    pub sliding_window_pattern: Option<usize>,
+    /// `rope_scaling` as JSON, e.g. '{"rope_type":"yarn","factor":4.0,
+    /// "original_max_position_embeddings":512}' (Gemma 3: its global layers).
+    #[arg(long)]
+    pub rope_scaling: Option<String>,
+    /// Phi-3: the fraction of each head that is rotated.
+    #[arg(long)]
+    pub partial_rotary_factor: Option<f64>,
+    /// Phi-3: the context length before LongRoPE scaling.
+    #[arg(long)]
+    pub original_max_position_embeddings: Option<usize>,
+    /// Bias on the q/k/v/o projections (Llama, Qwen3, Gemma 3).
+    #[arg(long)]
+    pub attention_bias: bool,
+    /// Qwen3-MoE: number of experts (default 8).
+    #[arg(long)]
+    pub experts: Option<usize>,
+    /// Qwen3-MoE: experts per token (default 2).
+    #[arg(long)]
+    pub experts_per_tok: Option<usize>,
+    /// Qwen3-MoE: each expert's intermediate size (default --intermediate-size / 2).
+    #[arg(long)]
+    pub moe_intermediate_size: Option<usize>,
+    /// Qwen3-MoE: renormalise the top-k router probabilities.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub norm_topk_prob: bool,
+    /// Qwen3-MoE: every n-th layer is sparse.
+    #[arg(long, default_value_t = 1)]
+    pub decoder_sparse_step: usize,
+    /// Qwen3-MoE: layers (0-based) that keep a dense MLP, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    pub mlp_only_layers: Vec<usize>,
 }
 
 /// Vocabulary size including added tokens, and the BOS/EOS ids the tokenizer config names.
@@ -80,7 +130,16 @@ pub fn build_config(a: &Args) -> Result<ModelConfig> {
     }
     let vocab_size = vocab.div_ceil(a.pad_vocab_to) * a.pad_vocab_to;
     let head_dim = a.head_dim.unwrap_or(a.hidden_size / a.heads.max(1));
-    let cfg = ModelConfig {
+    let explicit_head_dim = matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3);
+    let f = &a.features;
+    let rope_scaling = match &f.rope_scaling {
+        Some(json) => Some(
+            serde_json::from_str::<RopeParams>(json)
+                .with_context(|| format!("--rope-scaling {json:?} is not a rope_scaling object"))?,
+        ),
+        None => None,
+    };
+    let mut cfg = ModelConfig {
         model_type: arch.model_type().into(),
         vocab_size,
         hidden_size: a.hidden_size,
@@ -88,32 +147,77 @@ pub fn build_config(a: &Args) -> Result<ModelConfig> {
         num_hidden_layers: a.layers,
         num_attention_heads: a.heads,
         num_key_value_heads: Some(a.kv_heads),
-        head_dim: if arch == Arch::Qwen3 || a.head_dim.is_some() {
-            Some(head_dim)
-        } else {
-            None
-        },
+        head_dim: (explicit_head_dim || a.head_dim.is_some()).then_some(head_dim),
         max_position_embeddings: a.max_position_embeddings,
         rms_norm_eps: 1e-6,
-        rope_theta: if arch == Arch::Llama {
-            500_000.0
-        } else {
-            1_000_000.0
-        },
-        rope_scaling: None,
+        rope_theta: Some(match arch {
+            Arch::Llama => 500_000.0,
+            Arch::Mistral | Arch::Phi3 => 10_000.0,
+            _ => 1_000_000.0,
+        }),
+        rope_scaling,
         rope_parameters: None,
+        partial_rotary_factor: f.partial_rotary_factor,
+        original_max_position_embeddings: f.original_max_position_embeddings,
+        window: Default::default(),
+        moe: Default::default(),
+        gemma: Default::default(),
         unimplemented: Default::default(),
         tie_word_embeddings: a.tie_embeddings,
-        attention_bias: false,
-        hidden_act: Some("silu".into()),
+        attention_bias: f.attention_bias,
+        hidden_act: (arch != Arch::Gemma3).then(|| "silu".into()),
         bos_token_id: bos.map(|b| b.into()),
         eos_token_id: match eos.as_slice() {
             [] => None,
             [one] => Some((*one).into()),
             many => Some(many.to_vec().into()),
         },
+        pad_token_id: Some(eos.first().copied().unwrap_or(0).into()),
+        weight_prefix: None,
     };
-    if arch != Arch::Qwen3 && a.head_dim.is_none() && !a.hidden_size.is_multiple_of(a.heads.max(1))
+    match arch {
+        Arch::Gemma3 => {
+            let pattern = f.sliding_window_pattern.unwrap_or(6).max(1);
+            cfg.window.sliding_window = Some(f.sliding_window.unwrap_or(4096));
+            cfg.window.layer_types = Some(
+                (0..a.layers)
+                    .map(|i| {
+                        let kind = if (i + 1) % pattern != 0 {
+                            LayerKind::Sliding
+                        } else {
+                            LayerKind::Full
+                        };
+                        kind.name().to_string()
+                    })
+                    .collect(),
+            );
+            cfg.gemma.hidden_activation = Some("gelu_pytorch_tanh".into());
+            cfg.gemma.query_pre_attn_scalar = Some(head_dim as f64);
+            cfg.gemma.rope_local_base_freq = Some(10_000.0);
+        }
+        Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe => {
+            if let Some(w) = f.sliding_window {
+                cfg.window.sliding_window = Some(w);
+                cfg.window.use_sliding_window = Some(true);
+                cfg.window.max_window_layers = Some(f.max_window_layers);
+            }
+        }
+        _ => cfg.window.sliding_window = f.sliding_window,
+    }
+    if arch == Arch::Qwen3Moe {
+        cfg.moe.num_experts = Some(f.experts.unwrap_or(8));
+        cfg.moe.num_experts_per_tok = Some(f.experts_per_tok.unwrap_or(2));
+        cfg.moe.moe_intermediate_size = Some(
+            f.moe_intermediate_size
+                .unwrap_or((a.intermediate_size / 2).max(1)),
+        );
+        cfg.moe.norm_topk_prob = Some(f.norm_topk_prob);
+        cfg.moe.decoder_sparse_step = Some(f.decoder_sparse_step);
+        cfg.moe.mlp_only_layers = Some(f.mlp_only_layers.clone());
+    }
+    if !explicit_head_dim
+        && a.head_dim.is_none()
+        && !a.hidden_size.is_multiple_of(a.heads.max(1))
     {
         bail!(
             "--hidden-size ({}) must be a multiple of --heads ({})",

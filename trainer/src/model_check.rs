@@ -7,13 +7,9 @@
 
 use anyhow::{bail, Context, Result};
 use std::collections::{BTreeSet, HashMap};
-use std::io::Read;
 use std::path::{Path, PathBuf};
 use xdistill_shared::hf::{ModelConfig, ModelDir};
 use xdistill_shared::model::param_specs;
-
-/// The largest safetensors header read (the format's own limit is 100 MB).
-const MAX_HEADER_BYTES: u64 = 100 << 20;
 
 /// Cap on `max_position_embeddings × head_dim / 2`: the size of each of the two RoPE tables the
 /// decoder precomputes (2^26 f32 = 256 MiB; a 1M-token context at head_dim 128 still fits).
@@ -35,40 +31,7 @@ pub fn header_shapes(files: &[PathBuf]) -> Result<HashMap<String, (Vec<usize>, P
 
 /// Names and shapes of one safetensors file, read from its header.
 fn read_header(path: &Path) -> Result<Vec<(String, Vec<usize>)>> {
-    let mut f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
-    let file_len = f.metadata().map(|m| m.len()).unwrap_or(0);
-    let mut len = [0u8; 8];
-    f.read_exact(&mut len)
-        .with_context(|| format!("{}: not a safetensors file (too short)", path.display()))?;
-    let n = u64::from_le_bytes(len);
-    if n > MAX_HEADER_BYTES || n.saturating_add(8) > file_len {
-        bail!(
-            "{}: not a safetensors file (header length {n} for a file of {file_len} bytes)",
-            path.display()
-        );
-    }
-    let mut head = vec![0u8; n as usize];
-    f.read_exact(&mut head)
-        .with_context(|| format!("reading the header of {}", path.display()))?;
-    let map: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&head)
-        .with_context(|| format!("{}: invalid safetensors header", path.display()))?;
-    let mut out = Vec::with_capacity(map.len());
-    for (name, v) in map {
-        if name == "__metadata__" {
-            continue;
-        }
-        let shape = v
-            .get("shape")
-            .and_then(|s| s.as_array())
-            .and_then(|a| {
-                a.iter()
-                    .map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok()))
-                    .collect::<Option<Vec<usize>>>()
-            })
-            .with_context(|| format!("{}: tensor {name:?} has no valid shape", path.display()))?;
-        out.push((name, shape));
-    }
-    Ok(out)
+    Ok(xdistill_shared::hf::safetensors_header(path)?)
 }
 
 /// Checks `md.config` against the weights of `md` (see the module docs). Call before loading.

@@ -11,7 +11,7 @@ use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, VarBuilder, VarMap};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use xdistill_shared::hf::{ModelConfig, ModelDir};
+use xdistill_shared::hf::{Arch, ModelConfig, ModelDir};
 use xdistill_shared::model::{param_specs, Decoder, Ops};
 
 pub struct Student {
@@ -31,6 +31,7 @@ impl Student {
     pub fn load(dir: &Path, device: &Device, compute_dtype: DType) -> Result<Student> {
         let md =
             ModelDir::open(dir).with_context(|| format!("opening student {}", dir.display()))?;
+        refuse_unsupported(&md.config)?;
         // Sizes from config.json are checked against the stored shapes before any allocation.
         crate::model_check::check_model_dir(&md)?;
         let mut tensors = HashMap::new();
@@ -58,6 +59,7 @@ impl Student {
         master_dtype: DType,
         compute_dtype: DType,
     ) -> Result<Student> {
+        refuse_unsupported(&config)?;
         let varmap = VarMap::new();
         {
             let mut data = varmap
@@ -163,6 +165,25 @@ impl Student {
     pub fn num_parameters(&self) -> usize {
         self.varmap.all_vars().iter().map(|v| v.elem_count()).sum()
     }
+}
+
+/// Students may be any architecture the teacher serves except Qwen3-MoE (the router's top-k
+/// has no gradient here, and the expert loop is written for scoring), and not the text tower of
+/// a multimodal checkpoint (it would be saved under names transformers does not expect).
+fn refuse_unsupported(config: &ModelConfig) -> Result<()> {
+    if config.arch()? == Arch::Qwen3Moe {
+        bail!(
+            "Qwen3-MoE students are not supported (MoE models can be teachers only): distil \
+             into a dense architecture (qwen3, qwen2, llama, mistral, gemma3, phi3)"
+        );
+    }
+    if let Some(prefix) = &config.weight_prefix {
+        bail!(
+            "the student is the text tower of a multimodal checkpoint (weights under \
+             {prefix:?}): save the text model on its own (e.g. Gemma3ForCausalLM) and train that"
+        );
+    }
+    Ok(())
 }
 
 fn build(config: &ModelConfig, varmap: &VarMap, dtype: DType, device: &Device) -> Result<Decoder> {

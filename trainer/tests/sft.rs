@@ -24,6 +24,7 @@ fn model(dir: &Path, name: &str, arch: &str, tokenizer: &str, seed: u64) -> Path
         init_std: 0.02,
         seed,
         out: out.clone(),
+        features: Default::default(),
     })
     .expect("init-model");
     out

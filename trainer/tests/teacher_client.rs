@@ -213,6 +213,8 @@ fn mock_info(sha: String) -> InfoResponse {
         batch_invariant: true,
         rope_theta: 1e6,
         rope_scaling: "default".into(),
+        sliding_window: None,
+        sliding_layers: 0,
     }
 }
 

@@ -42,6 +42,7 @@ pub fn tiny_model(name: &str, arch: &str, tokenizer: &str, pad_to: usize) -> Pat
         init_std: 0.1,
         seed: 7,
         out: out.clone(),
+        features: Default::default(),
     })
     .expect("init-model");
     out

@@ -1,116 +1,67 @@
-//! Llama / Qwen2 / Qwen3 decoder returning hidden states for **all** positions.
+//! The decoder: embedding, the blocks of one architecture, the final norm and the LM head,
+//! returning hidden states for **all** positions. One forward loop serves every architecture;
+//! each architecture's file says how its blocks are built.
 //!
 //! Layout follows transformers: `model.embed_tokens`, `model.layers.N.{self_attn,mlp}`,
 //! `model.norm`, `lm_head` (or the tied embedding). Padding: right-pad and rely on the causal mask
 //! (real tokens never attend to later pads), or pass `key_valid` for left-padded batches.
 
+use super::config::{Arch, LayerKind, ModelConfig};
+use super::layers::{AttnInputs, Attention, GatedMlp, Norm, Ops};
 use super::params::param_specs;
-use crate::hf::{Arch, ModelConfig};
-use candle_core::{DType, Device, Module, Result, Tensor, D};
-use candle_nn::{Linear, VarBuilder};
+use super::qwen3_moe::SparseMoe;
+use super::rope::Rope;
+use super::{gemma3, llama, phi3, qwen3_moe};
+use candle_core::{DType, Device, Result, Tensor};
+use candle_nn::VarBuilder;
 
-/// Which kernels to use.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Ops {
-    /// candle's fused rms_norm / softmax / rope: fast, but they have no backward pass.
-    Fused,
-    /// Ops composed of differentiable primitives, so gradients reach every parameter.
-    Differentiable,
+/// The MLP of a block: dense, or Qwen3-MoE's sparse experts.
+pub(crate) enum Ffn {
+    Dense(GatedMlp),
+    Moe(SparseMoe),
 }
 
-fn rms_norm(x: &Tensor, w: &Tensor, eps: f64, ops: Ops) -> Result<Tensor> {
-    match ops {
-        Ops::Fused => candle_nn::ops::rms_norm(&x.contiguous()?, w, eps as f32),
-        Ops::Differentiable => {
-            // Normalise in f32 (or f64) as transformers does, then scale in the compute dtype.
-            let dt = x.dtype();
-            let xf = x.to_dtype(accum_dtype(dt))?;
-            let ms = xf.sqr()?.mean_keepdim(D::Minus1)?;
-            let normed = xf.broadcast_mul(&(ms + eps)?.sqrt()?.recip()?)?;
-            normed.to_dtype(dt)?.broadcast_mul(w)
+impl Ffn {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Ffn::Dense(m) => m.forward(x),
+            Ffn::Moe(m) => m.forward(x),
         }
     }
 }
 
-/// Dtype for reductions: f32, or f64 when computing in f64 (gradient checks).
-fn accum_dtype(dt: DType) -> DType {
-    if dt == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    }
-}
-
-fn softmax_last(x: &Tensor, ops: Ops) -> Result<Tensor> {
-    match ops {
-        Ops::Fused => candle_nn::ops::softmax_last_dim(x),
-        Ops::Differentiable => candle_nn::ops::softmax(x, D::Minus1),
-    }
-}
-
-/// RoPE (rotate-half form). `x`: [B, H, T, D]; `cos`, `sin`: [T, D/2] or [B, T, D/2].
-fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, ops: Ops) -> Result<Tensor> {
-    match ops {
-        Ops::Fused => candle_nn::rotary_emb::rope(&x.contiguous()?, cos, sin),
-        Ops::Differentiable => {
-            let cos = Tensor::cat(&[cos, cos], D::Minus1)?;
-            let sin = Tensor::cat(&[sin, sin], D::Minus1)?;
-            // [T, D] -> [1, 1, T, D]; [B, T, D] -> [B, 1, T, D]
-            let (cos, sin) = if cos.rank() == 2 {
-                (
-                    cos.unsqueeze(0)?.unsqueeze(0)?,
-                    sin.unsqueeze(0)?.unsqueeze(0)?,
-                )
-            } else {
-                (cos.unsqueeze(1)?, sin.unsqueeze(1)?)
-            };
-            let half = x.dim(D::Minus1)? / 2;
-            let x1 = x.narrow(D::Minus1, 0, half)?;
-            let x2 = x.narrow(D::Minus1, half, half)?;
-            let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
-            x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?
-        }
-    }
-}
-
-/// Inverse frequencies, with Llama 3 frequency scaling when configured.
-fn inv_freqs(cfg: &ModelConfig) -> Vec<f64> {
-    let d = cfg.head_dim();
-    let theta = cfg.rope_theta();
-    let mut inv: Vec<f64> = (0..d / 2)
-        .map(|i| 1.0 / theta.powf(2.0 * i as f64 / d as f64))
-        .collect();
-    // `validate` has refused every other scaling type and a malformed `rope_parameters`.
-    if let Ok(Some(rs)) = cfg.rope_scaling() {
-        if rs.rope_type == "llama3" {
-            let old = rs.original_max_position_embeddings as f64;
-            let low_wl = old / rs.low_freq_factor;
-            let high_wl = old / rs.high_freq_factor;
-            for f in inv.iter_mut() {
-                let wl = 2.0 * std::f64::consts::PI / *f;
-                if wl > low_wl {
-                    *f /= rs.factor;
-                } else if wl >= high_wl {
-                    let smooth = (old / wl - rs.low_freq_factor)
-                        / (rs.high_freq_factor - rs.low_freq_factor);
-                    *f = (1.0 - smooth) * *f / rs.factor + smooth * *f;
-                }
-            }
-        }
-    }
-    inv
+/// One decoder layer: `x += post_attn(attn(norm(x)))`, then `x += post_ffn(ffn(ffn_norm(x)))`
+/// (the `post_*` norms are Gemma's; the others have none).
+pub(crate) struct Block {
+    pub input_norm: Norm,
+    pub attn: Attention,
+    pub post_attn_norm: Option<Norm>,
+    pub ffn_norm: Norm,
+    pub ffn: Ffn,
+    pub post_ffn_norm: Option<Norm>,
 }
 
 /// Key/value cache for incremental decoding: per layer `k`, `v` of shape [B, Hkv, S, D].
 #[derive(Debug, Clone, Default)]
 pub struct KvCache {
     layers: Vec<Option<(Tensor, Tensor)>>,
+    /// The whole sequence's length when known up front (scoring in chunks): RoPE types that
+    /// depend on the length (LongRoPE) then treat every chunk as part of that sequence.
+    planned_len: usize,
 }
 
 impl KvCache {
     pub fn new(n_layers: usize) -> Self {
         KvCache {
             layers: vec![None; n_layers],
+            planned_len: 0,
+        }
+    }
+    /// A cache for a sequence of `len` positions fed in chunks.
+    pub fn for_sequence(len: usize) -> Self {
+        KvCache {
+            layers: Vec::new(),
+            planned_len: len,
         }
     }
     /// Number of cached positions.
@@ -123,29 +74,56 @@ impl KvCache {
     }
 }
 
-struct Attention {
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    o: Linear,
-    /// Qwen3: RMSNorm over head_dim of q and k, before RoPE.
-    qk_norm: Option<(Tensor, Tensor)>,
-    n_heads: usize,
-    n_kv: usize,
-    head_dim: usize,
+/// The weights of a decoder, as stored (the RoPE tables are derived, not stored).
+pub(crate) struct Weights {
+    pub embed: Tensor,
+    pub layers: Vec<Block>,
+    pub norm: Norm,
+    /// [V, H]; the embedding itself when tied.
+    pub lm_head: Tensor,
 }
 
-struct Mlp {
-    gate: Linear,
-    up: Linear,
-    down: Linear,
-}
-
-struct Layer {
-    input_norm: Tensor,
-    attn: Attention,
-    post_norm: Tensor,
-    mlp: Mlp,
+impl Weights {
+    /// Reads every parameter of `cfg` from `vb`, named as transformers names them.
+    pub fn load(cfg: &ModelConfig, vb: &VarBuilder) -> Result<Weights> {
+        let arch = cfg.arch().map_err(candle_core::Error::wrap)?;
+        let kinds = cfg.layer_kinds().map_err(candle_core::Error::wrap)?;
+        let h = cfg.hidden_size;
+        let embed = vb.get((cfg.vocab_size, h), "model.embed_tokens.weight")?;
+        let layers = kinds
+            .iter()
+            .enumerate()
+            .map(|(l, &kind)| {
+                let lv = vb.pp(format!("model.layers.{l}"));
+                match arch {
+                    Arch::Gemma3 => gemma3::block(cfg, &lv, kind),
+                    Arch::Phi3 => phi3::block(cfg, &lv, kind),
+                    Arch::Qwen3Moe => qwen3_moe::block(cfg, &lv, l, kind),
+                    Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => {
+                        llama::block(cfg, &lv, kind, None)
+                    }
+                }
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let norm = Norm::load(
+            &vb.pp("model"),
+            "norm",
+            h,
+            cfg.rms_norm_eps,
+            arch == Arch::Gemma3,
+        )?;
+        let lm_head = if cfg.tie_word_embeddings {
+            embed.clone()
+        } else {
+            vb.get((cfg.vocab_size, h), "lm_head.weight")?
+        };
+        Ok(Weights {
+            embed,
+            layers,
+            norm,
+            lm_head,
+        })
+    }
 }
 
 /// The decoder. Cheap to clone (tensors are reference counted).
@@ -153,32 +131,17 @@ pub struct Decoder {
     cfg: ModelConfig,
     arch: Arch,
     ops: Ops,
-    embed: Tensor,
-    layers: Vec<Layer>,
-    norm: Tensor,
-    /// [V, H]; the embedding itself when tied.
-    lm_head: Tensor,
-    /// [max_pos, D/2] each.
-    cos: Tensor,
-    sin: Tensor,
+    w: Weights,
+    /// Gemma: the embedding is multiplied by √hidden (rounded to the model dtype).
+    embed_scale: Option<f64>,
+    /// RoPE of full-attention layers, and of sliding ones when there are any (Gemma 3's local
+    /// base differs; the others repeat the full one).
+    rope_full: Rope,
+    rope_sliding: Option<Rope>,
+    /// The layer kind of each block.
+    kinds: Vec<LayerKind>,
     dtype: DType,
     device: Device,
-}
-
-fn linear(
-    vb: &VarBuilder,
-    name: &str,
-    in_dim: usize,
-    out_dim: usize,
-    bias: bool,
-) -> Result<Linear> {
-    let w = vb.get((out_dim, in_dim), &format!("{name}.weight"))?;
-    let b = if bias {
-        Some(vb.get(out_dim, &format!("{name}.bias"))?)
-    } else {
-        None
-    };
-    Ok(Linear::new(w, b))
 }
 
 impl Decoder {
@@ -186,78 +149,36 @@ impl Decoder {
     pub fn new(cfg: &ModelConfig, vb: VarBuilder, ops: Ops) -> Result<Decoder> {
         let arch = cfg.arch().map_err(candle_core::Error::wrap)?;
         cfg.validate().map_err(candle_core::Error::wrap)?;
-        let (h, hq, hkv, d) = (
-            cfg.hidden_size,
-            cfg.num_attention_heads,
-            cfg.kv_heads(),
-            cfg.head_dim(),
-        );
-        let qkv_bias = arch == Arch::Qwen2 || (arch == Arch::Llama && cfg.attention_bias);
-        let o_bias = arch == Arch::Llama && cfg.attention_bias;
-        let embed = vb.get((cfg.vocab_size, h), "model.embed_tokens.weight")?;
-        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
-        for l in 0..cfg.num_hidden_layers {
-            let lv = vb.pp(format!("model.layers.{l}"));
-            let av = lv.pp("self_attn");
-            let qk_norm = if arch == Arch::Qwen3 {
-                Some((av.get(d, "q_norm.weight")?, av.get(d, "k_norm.weight")?))
-            } else {
-                None
-            };
-            let attn = Attention {
-                q: linear(&av, "q_proj", h, hq * d, qkv_bias)?,
-                k: linear(&av, "k_proj", h, hkv * d, qkv_bias)?,
-                v: linear(&av, "v_proj", h, hkv * d, qkv_bias)?,
-                o: linear(&av, "o_proj", hq * d, h, o_bias)?,
-                qk_norm,
-                n_heads: hq,
-                n_kv: hkv,
-                head_dim: d,
-            };
-            let mv = lv.pp("mlp");
-            let mlp = Mlp {
-                gate: linear(&mv, "gate_proj", h, cfg.intermediate_size, false)?,
-                up: linear(&mv, "up_proj", h, cfg.intermediate_size, false)?,
-                down: linear(&mv, "down_proj", cfg.intermediate_size, h, false)?,
-            };
-            layers.push(Layer {
-                input_norm: lv.get(h, "input_layernorm.weight")?,
-                attn,
-                post_norm: lv.get(h, "post_attention_layernorm.weight")?,
-                mlp,
-            });
-        }
-        let norm = vb.get(h, "model.norm.weight")?;
-        let lm_head = if cfg.tie_word_embeddings {
-            embed.clone()
-        } else {
-            vb.get((cfg.vocab_size, h), "lm_head.weight")?
+        let vb = match cfg.weight_prefix.clone() {
+            Some(prefix) => vb.rename_f(move |name| stored_name(&prefix, name)),
+            None => vb,
         };
-        let inv = inv_freqs(cfg);
-        let max_pos = cfg.max_position_embeddings.max(1);
-        let mut cos = Vec::with_capacity(max_pos * inv.len());
-        let mut sin = Vec::with_capacity(max_pos * inv.len());
-        for p in 0..max_pos {
-            for f in &inv {
-                let a = p as f64 * f;
-                cos.push(a.cos() as f32);
-                sin.push(a.sin() as f32);
-            }
-        }
+        let w = Weights::load(cfg, &vb)?;
+        let kinds = cfg.layer_kinds().map_err(candle_core::Error::wrap)?;
         let device = vb.device().clone();
         let dtype = vb.dtype();
-        let cos = Tensor::from_vec(cos, (max_pos, inv.len()), &device)?.to_dtype(dtype)?;
-        let sin = Tensor::from_vec(sin, (max_pos, inv.len()), &device)?.to_dtype(dtype)?;
+        let embed_scale = (arch == Arch::Gemma3).then(|| {
+            let s = (cfg.hidden_size as f64).sqrt();
+            match dtype {
+                DType::BF16 => half::bf16::from_f64(s).to_f64(),
+                DType::F16 => half::f16::from_f64(s).to_f64(),
+                DType::F32 => s as f32 as f64,
+                _ => s,
+            }
+        });
         Ok(Decoder {
             cfg: cfg.clone(),
             arch,
             ops,
-            embed,
-            layers,
-            norm,
-            lm_head,
-            cos,
-            sin,
+            w,
+            embed_scale,
+            rope_full: Rope::new(cfg, LayerKind::Full, dtype, &device)?,
+            rope_sliding: if kinds.contains(&LayerKind::Sliding) {
+                Some(Rope::new(cfg, LayerKind::Sliding, dtype, &device)?)
+            } else {
+                None
+            },
+            kinds,
             dtype,
             device,
         })
@@ -302,9 +223,10 @@ impl Decoder {
     ) -> Result<Tensor> {
         let (b, t) = ids.dims2()?;
         let past = cache.as_ref().map(|c| c.seq_len()).unwrap_or(0);
+        let planned = cache.as_ref().map(|c| c.planned_len).unwrap_or(0);
         if let Some(c) = cache.as_mut() {
-            if c.layers.len() != self.layers.len() {
-                c.layers = vec![None; self.layers.len()];
+            if c.layers.len() != self.w.layers.len() {
+                c.layers = vec![None; self.w.layers.len()];
             }
         }
         if past + t > self.cfg.max_position_embeddings {
@@ -314,39 +236,85 @@ impl Decoder {
                 self.cfg.max_position_embeddings
             );
         }
-        let (cos, sin) = match positions {
-            None => (self.cos.narrow(0, past, t)?, self.sin.narrow(0, past, t)?),
-            Some(p) => {
-                // Gather per-row tables: [B*T] -> [B, T, D/2].
-                let flat = p.flatten_all()?;
-                let half = self.cos.dim(1)?;
-                (
-                    self.cos.index_select(&flat, 0)?.reshape((b, t, half))?,
-                    self.sin.index_select(&flat, 0)?.reshape((b, t, half))?,
-                )
-            }
+        let total = planned.max(past + t);
+        let full = self.rope_slice(&self.rope_full, total, past, t, positions)?;
+        let sliding = match &self.rope_sliding {
+            Some(r) => Some(self.rope_slice(r, total, past, t, positions)?),
+            None => None,
         };
-        let mask = self.attention_bias(b, t, past, key_valid)?;
-        let mut x = self.embed.index_select(&ids.flatten_all()?, 0)?.reshape((
+        // One mask per distinct window (full layers: none).
+        let mut masks: Vec<(Option<usize>, Option<Tensor>)> = Vec::new();
+        for block in &self.w.layers {
+            let wnd = block.attn.window;
+            if !masks.iter().any(|(w, _)| *w == wnd) {
+                masks.push((wnd, attention_bias(b, t, past, key_valid, wnd, &self.device)?));
+            }
+        }
+        let mut x = self.w.embed.index_select(&ids.flatten_all()?, 0)?.reshape((
             b,
             t,
             self.cfg.hidden_size,
         ))?;
-        for (li, layer) in self.layers.iter().enumerate() {
+        if let Some(s) = self.embed_scale {
+            x = (x * s)?;
+        }
+        for (li, block) in self.w.layers.iter().enumerate() {
             let kv = cache.as_mut().map(|c| &mut c.layers[li]);
+            let (cos, sin) = match (self.kinds[li], &sliding) {
+                (LayerKind::Sliding, Some(s)) => (&s.0, &s.1),
+                _ => (&full.0, &full.1),
+            };
+            let mask = masks
+                .iter()
+                .find(|(w, _)| *w == block.attn.window)
+                .and_then(|(_, m)| m.as_ref());
+            let inp = AttnInputs {
+                cos,
+                sin,
+                mask,
+                ops: self.ops,
+            };
             let residual = x.clone();
-            let h = rms_norm(&x, &layer.input_norm, self.cfg.rms_norm_eps, self.ops)?;
-            let h = self.attention(&layer.attn, &h, &cos, &sin, mask.as_ref(), kv)?;
+            let mut h = block.input_norm.forward(&x, self.ops)?;
+            h = block.attn.forward(&h, &inp, kv)?;
+            if let Some(n) = &block.post_attn_norm {
+                h = n.forward(&h, self.ops)?;
+            }
             x = (residual + h)?;
             let residual = x.clone();
-            let h = rms_norm(&x, &layer.post_norm, self.cfg.rms_norm_eps, self.ops)?;
-            let m = &layer.mlp;
-            let h = m
-                .down
-                .forward(&(m.gate.forward(&h)?.silu()? * m.up.forward(&h)?)?)?;
+            let mut h = block.ffn_norm.forward(&x, self.ops)?;
+            h = block.ffn.forward(&h)?;
+            if let Some(n) = &block.post_ffn_norm {
+                h = n.forward(&h, self.ops)?;
+            }
             x = (residual + h)?;
         }
-        rms_norm(&x, &self.norm, self.cfg.rms_norm_eps, self.ops)
+        self.w.norm.forward(&x, self.ops)
+    }
+
+    /// The cos/sin rows of this forward: `past..past+T` for every row, or gathered per row from
+    /// `positions` ([B, T] → [B, T, R/2]).
+    fn rope_slice(
+        &self,
+        rope: &Rope,
+        total: usize,
+        past: usize,
+        t: usize,
+        positions: Option<&Tensor>,
+    ) -> Result<(Tensor, Tensor)> {
+        let (cos, sin) = rope.tables(total);
+        match positions {
+            None => Ok((cos.narrow(0, past, t)?, sin.narrow(0, past, t)?)),
+            Some(p) => {
+                let (b, t) = p.dims2()?;
+                let flat = p.flatten_all()?;
+                let half = cos.dim(1)?;
+                Ok((
+                    cos.index_select(&flat, 0)?.reshape((b, t, half))?,
+                    sin.index_select(&flat, 0)?.reshape((b, t, half))?,
+                ))
+            }
+        }
     }
 
     /// Logits of the hidden states: [..., H] → [..., V] (in the model dtype).
@@ -357,10 +325,10 @@ impl Decoder {
         let dims = hidden.dims().to_vec();
         let h = *dims.last().unwrap_or(&0);
         let rows = hidden.elem_count() / h.max(1);
-        let out = hidden.reshape((rows, h))?.matmul(&self.lm_head.t()?)?;
+        let out = hidden.reshape((rows, h))?.matmul(&self.w.lm_head.t()?)?;
         let mut shape = dims;
         if let Some(last) = shape.last_mut() {
-            *last = self.lm_head.dim(0)?;
+            *last = self.w.lm_head.dim(0)?;
         }
         out.reshape(shape)
     }
@@ -369,102 +337,55 @@ impl Decoder {
     pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
         self.logits(&self.forward_hidden(ids, None, None, None)?)
     }
+}
 
-    /// Additive attention bias [B|1, 1, T, past+T] (0 or -inf), or None when nothing is masked.
-    fn attention_bias(
-        &self,
-        b: usize,
-        t: usize,
-        past: usize,
-        key_valid: Option<&Tensor>,
-    ) -> Result<Option<Tensor>> {
-        let s = past + t;
-        let valid: Option<Vec<Vec<f32>>> = match key_valid {
-            Some(kv) => Some(kv.to_dtype(DType::F32)?.to_vec2::<f32>()?),
-            None => None,
-        };
-        if t == 1 && valid.is_none() {
-            return Ok(None); // one new token attends to everything cached
-        }
-        let rows = if valid.is_some() { b } else { 1 };
-        let mut bias = vec![0f32; rows * t * s];
-        for r in 0..rows {
-            for i in 0..t {
-                for j in 0..s {
-                    let causal_ok = j <= past + i;
-                    let key_ok =
-                        j == past + i || valid.as_ref().map(|v| v[r][j] != 0.0).unwrap_or(true);
-                    if !(causal_ok && key_ok) {
-                        bias[(r * t + i) * s + j] = f32::NEG_INFINITY;
-                    }
-                }
-            }
-        }
-        Ok(Some(Tensor::from_vec(bias, (rows, 1, t, s), &self.device)?))
-    }
-
-    /// Self-attention of one layer. `x`: [B, T, H] → [B, T, H].
-    fn attention(
-        &self,
-        a: &Attention,
-        x: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        mask: Option<&Tensor>,
-        kv: Option<&mut Option<(Tensor, Tensor)>>,
-    ) -> Result<Tensor> {
-        let (b, t, _) = x.dims3()?;
-        let d = a.head_dim;
-        // 1. Project: [B, T, H] -> [B, T, heads, D]
-        let mut q = a.q.forward(x)?.reshape((b, t, a.n_heads, d))?;
-        let mut k = a.k.forward(x)?.reshape((b, t, a.n_kv, d))?;
-        let v = a.v.forward(x)?.reshape((b, t, a.n_kv, d))?;
-        if let Some((qn, kn)) = &a.qk_norm {
-            q = rms_norm(&q, qn, self.cfg.rms_norm_eps, self.ops)?;
-            k = rms_norm(&k, kn, self.cfg.rms_norm_eps, self.ops)?;
-        }
-        // 2. Heads first: [B, heads, T, D], then RoPE.
-        let q = rope(&q.transpose(1, 2)?.contiguous()?, cos, sin, self.ops)?;
-        let k = rope(&k.transpose(1, 2)?.contiguous()?, cos, sin, self.ops)?;
-        let v = v.transpose(1, 2)?.contiguous()?;
-        // 3. Append to the cache: [B, Hkv, past+T, D].
-        let (k, v) = match kv {
-            Some(slot) => {
-                let (k, v) = match slot.take() {
-                    Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 2)?, Tensor::cat(&[&pv, &v], 2)?),
-                    None => (k, v),
-                };
-                *slot = Some((k.clone(), v.clone()));
-                (k, v)
-            }
-            None => (k, v),
-        };
-        // 4. Grouped-query: repeat kv heads to [B, Hq, S, D].
-        let rep = a.n_heads / a.n_kv;
-        let (k, v) = if rep == 1 {
-            (k, v)
-        } else {
-            (repeat_kv(&k, rep)?, repeat_kv(&v, rep)?)
-        };
-        // 5. Scores [B, Hq, T, S] in f32, masked softmax, weighted sum -> [B, Hq, T, D].
-        let scale = 1.0 / (d as f64).sqrt();
-        let acc = accum_dtype(q.dtype());
-        let mut att = (q.matmul(&k.t()?)? * scale)?.to_dtype(acc)?;
-        if let Some(m) = mask {
-            att = att.broadcast_add(&m.to_dtype(acc)?)?;
-        }
-        let att = softmax_last(&att, self.ops)?.to_dtype(v.dtype())?;
-        let out = att.matmul(&v)?;
-        // 6. Merge heads: [B, T, Hq*D] -> o_proj.
-        let out = out.transpose(1, 2)?.reshape((b, t, a.n_heads * d))?;
-        a.o.forward(&out)
+/// The stored name of parameter `name` in a multimodal checkpoint whose text model lives under
+/// `prefix` (`model.X` → `prefix + X`; an untied head stays `lm_head`, or
+/// `language_model.lm_head` in the older layout).
+pub(crate) fn stored_name(prefix: &str, name: &str) -> String {
+    match name.strip_prefix("model.") {
+        Some(rest) => format!("{prefix}{rest}"),
+        None if prefix == "language_model.model." => format!("language_model.{name}"),
+        None => name.to_string(),
     }
 }
 
-/// [B, Hkv, S, D] -> [B, Hkv*rep, S, D], each kv head repeated `rep` times consecutively.
-fn repeat_kv(x: &Tensor, rep: usize) -> Result<Tensor> {
-    let (b, h, s, d) = x.dims4()?;
-    x.unsqueeze(2)?
-        .expand((b, h, rep, s, d))?
-        .reshape((b, h * rep, s, d))
+/// Additive attention bias [B|1, 1, T, past+T] (0 or -inf), or None when nothing is masked.
+///
+/// Query `i` (absolute position `past + i`) sees key `j` when `j <= past + i`, the key is valid
+/// (`key_valid`) or is the query itself, and, with a window `w`, `past + i - j < w` (as
+/// transformers' `sliding_window_overlay`: `kv_idx > q_idx - w`).
+fn attention_bias(
+    b: usize,
+    t: usize,
+    past: usize,
+    key_valid: Option<&Tensor>,
+    window: Option<usize>,
+    device: &Device,
+) -> Result<Option<Tensor>> {
+    let s = past + t;
+    let valid: Option<Vec<Vec<f32>>> = match key_valid {
+        Some(kv) => Some(kv.to_dtype(DType::F32)?.to_vec2::<f32>()?),
+        None => None,
+    };
+    let window_masks_something = window.is_some_and(|w| s > w);
+    if t == 1 && valid.is_none() && !window_masks_something {
+        return Ok(None); // one new token attends to everything cached
+    }
+    let rows = if valid.is_some() { b } else { 1 };
+    let mut bias = vec![0f32; rows * t * s];
+    for r in 0..rows {
+        for i in 0..t {
+            let q = past + i;
+            for j in 0..s {
+                let causal_ok = j <= q;
+                let in_window = window.is_none_or(|w| q - j.min(q) < w);
+                let key_ok = j == q || valid.as_ref().map(|v| v[r][j] != 0.0).unwrap_or(true);
+                if !(causal_ok && in_window && key_ok) {
+                    bias[(r * t + i) * s + j] = f32::NEG_INFINITY;
+                }
+            }
+        }
+    }
+    Ok(Some(Tensor::from_vec(bias, (rows, 1, t, s), device)?))
 }

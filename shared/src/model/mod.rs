@@ -1,11 +1,20 @@
-//! The Llama-family decoder and the list of its parameters.
-//!
-//! One implementation serves Llama, Qwen2 and Qwen3 (they differ only in q/k/v biases and the
-//! Qwen3 per-head q/k RMSNorm). It runs in two modes ([`Ops`]): fused candle kernels for serving,
-//! and ops that all have a backward pass for training.
+//! The decoders we serve and train, one file per architecture in candle's manner:
+//! `llama.rs` (Llama, Mistral, Qwen2, Qwen3), `gemma3.rs`, `phi3.rs`, `qwen3_moe.rs`. What they
+//! truly share lives beside them: `config.rs` (reading `config.json`), `rope.rs` (every RoPE
+//! scaling type), `layers.rs` (norms, attention, MLP) and `decoder.rs` (the one forward loop).
+//! Each runs in two modes ([`Ops`]): fused candle kernels for serving, and ops that all have a
+//! backward pass for training.
 
+pub mod config;
 mod decoder;
+mod gemma3;
+mod layers;
+mod llama;
 mod params;
+mod phi3;
+mod qwen3_moe;
+pub mod rope;
 
-pub use decoder::{Decoder, KvCache, Ops};
+pub use decoder::{Decoder, KvCache};
+pub use layers::Ops;
 pub use params::{param_specs, Init, ParamSpec};

@@ -1,6 +1,16 @@
 //! Every parameter of a decoder with its Hugging Face name, shape and initialisation.
+//!
+//! The list is read off the loader itself: the architecture files are run against a builder
+//! that records each name and shape it is asked for (and allocates nothing), so the names
+//! `init-model` writes, the checks compare with safetensors headers, and the decoder reads can
+//! never disagree.
 
-use crate::hf::{Arch, ModelConfig};
+use super::config::{Arch, ModelConfig};
+use super::decoder::{stored_name, Weights};
+use candle_core::{DType, Device, Shape, Tensor};
+use candle_nn::var_builder::SimpleBackend;
+use candle_nn::VarBuilder;
+use std::sync::{Arc, Mutex};
 
 /// How `init-model` fills a parameter (transformers' `_init_weights` for these models).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -18,59 +28,59 @@ pub struct ParamSpec {
     pub init: Init,
 }
 
-/// All parameters of `cfg`, in a stable order, named as transformers names them.
+/// Records the parameters asked for; answers with zero-stride views of one scalar.
+struct Recorder(Arc<Mutex<Vec<(String, Vec<usize>)>>>);
+
+impl SimpleBackend for Recorder {
+    fn get(
+        &self,
+        s: Shape,
+        name: &str,
+        _: candle_nn::Init,
+        dtype: DType,
+        dev: &Device,
+    ) -> candle_core::Result<Tensor> {
+        if let Ok(mut seen) = self.0.lock() {
+            seen.push((name.to_string(), s.dims().to_vec()));
+        }
+        Tensor::zeros((), dtype, dev)?.broadcast_as(s)
+    }
+    fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> candle_core::Result<Tensor> {
+        candle_core::bail!("parameter {name:?} needs its shape")
+    }
+    fn contains_tensor(&self, _: &str) -> bool {
+        // Optional layouts (fused experts) read as absent: the Hub layout is listed.
+        false
+    }
+}
+
+/// All parameters of `cfg`, in the order the decoder reads them, named as they are stored.
 pub fn param_specs(cfg: &ModelConfig, init_std: f64) -> Vec<ParamSpec> {
-    let arch = cfg.arch().unwrap_or(Arch::Llama);
-    let (h, i, v) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size);
-    let (hq, hkv, d) = (cfg.num_attention_heads, cfg.kv_heads(), cfg.head_dim());
-    let mut out = Vec::new();
-    let mut p =
-        |name: String, shape: Vec<usize>, init: Init| out.push(ParamSpec { name, shape, init });
-    let w = Init::Normal(init_std);
-    p("model.embed_tokens.weight".into(), vec![v, h], w);
-    let qkv_bias = arch == Arch::Qwen2 || (arch == Arch::Llama && cfg.attention_bias);
-    let o_bias = arch == Arch::Llama && cfg.attention_bias;
-    for l in 0..cfg.num_hidden_layers {
-        let pre = format!("model.layers.{l}");
-        p(format!("{pre}.input_layernorm.weight"), vec![h], Init::Ones);
-        for (name, rows) in [("q_proj", hq * d), ("k_proj", hkv * d), ("v_proj", hkv * d)] {
-            p(format!("{pre}.self_attn.{name}.weight"), vec![rows, h], w);
-            if qkv_bias {
-                p(
-                    format!("{pre}.self_attn.{name}.bias"),
-                    vec![rows],
-                    Init::Zeros,
-                );
-            }
-        }
-        p(format!("{pre}.self_attn.o_proj.weight"), vec![h, hq * d], w);
-        if o_bias {
-            p(format!("{pre}.self_attn.o_proj.bias"), vec![h], Init::Zeros);
-        }
-        if arch == Arch::Qwen3 {
-            p(
-                format!("{pre}.self_attn.q_norm.weight"),
-                vec![d],
-                Init::Ones,
-            );
-            p(
-                format!("{pre}.self_attn.k_norm.weight"),
-                vec![d],
-                Init::Ones,
-            );
-        }
-        p(
-            format!("{pre}.post_attention_layernorm.weight"),
-            vec![h],
-            Init::Ones,
-        );
-        p(format!("{pre}.mlp.gate_proj.weight"), vec![i, h], w);
-        p(format!("{pre}.mlp.up_proj.weight"), vec![i, h], w);
-        p(format!("{pre}.mlp.down_proj.weight"), vec![h, i], w);
-    }
-    p("model.norm.weight".into(), vec![h], Init::Ones);
-    if !cfg.tie_word_embeddings {
-        p("lm_head.weight".into(), vec![v, h], w);
-    }
-    out
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let vb = VarBuilder::from_backend(Box::new(Recorder(seen.clone())), DType::F32, Device::Cpu);
+    // A config `validate` refuses lists what could be read before the refusal.
+    let _ = Weights::load(cfg, &vb);
+    let gemma = cfg.arch().is_ok_and(|a| a == Arch::Gemma3);
+    let list = seen.lock().map(|s| s.clone()).unwrap_or_default();
+    list.into_iter()
+        .map(|(name, shape)| {
+            let init = if name.ends_with(".bias") {
+                Init::Zeros
+            } else if name.ends_with("norm.weight") {
+                // Gemma scales by 1 + weight: zero is the identity.
+                if gemma {
+                    Init::Zeros
+                } else {
+                    Init::Ones
+                }
+            } else {
+                Init::Normal(init_std)
+            };
+            let name = match &cfg.weight_prefix {
+                Some(p) => stored_name(p, &name),
+                None => name,
+            };
+            ParamSpec { name, shape, init }
+        })
+        .collect()
 }

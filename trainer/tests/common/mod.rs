@@ -92,6 +92,7 @@ pub fn model_args(arch: &str, tokenizer: &Path, tie: bool) -> Args {
         init_std: 0.5,
         seed: 3,
         out: PathBuf::new(),
+        features: Default::default(),
     }
 }
 

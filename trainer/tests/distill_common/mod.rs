@@ -31,6 +31,7 @@ pub fn model(
         init_std: std,
         seed,
         out: out.clone(),
+        features: Default::default(),
     })
     .expect("init-model");
     out
@@ -212,6 +213,7 @@ fn teacher_args(
         init_std: 0.02,
         seed,
         out: dir.join("teacher"),
+        features: Default::default(),
     };
     let cfg = xdistill_trainer::init_model::build_config(&args).unwrap();
     (args, cfg)

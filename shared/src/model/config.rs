@@ -1,0 +1,722 @@
+//! `config.json` of the decoders we implement, read as transformers reads it: both RoPE
+//! conventions (`rope_theta`/`rope_scaling` and transformers 5's `rope_parameters`, flat or per
+//! layer type), the layer types (full or sliding-window attention), and the keys of each
+//! architecture. Every setting that would change the math and is not implemented is refused by
+//! name in [`ModelConfig::validate`]: never a silent wrong answer.
+
+use serde::{Deserialize, Serialize};
+
+/// Why a `config.json` cannot be served.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error(
+        "unsupported model_type {0:?} (supported: llama, mistral, qwen2, qwen3, qwen3_moe, \
+         gemma3_text, phi3)"
+    )]
+    UnsupportedArch(String),
+    #[error("invalid config: {0}")]
+    Invalid(String),
+}
+
+fn invalid<T>(m: impl Into<String>) -> Result<T, ConfigError> {
+    Err(ConfigError::Invalid(m.into()))
+}
+
+/// The decoder families we implement, one file each under `model/` (Llama, Mistral, Qwen2 and
+/// Qwen3 share `llama.rs`: they differ in biases, q/k norms and sliding windows only).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Arch {
+    Qwen3,
+    Qwen2,
+    Llama,
+    Mistral,
+    Gemma3,
+    Phi3,
+    Qwen3Moe,
+}
+
+impl Arch {
+    /// Every architecture, in the order `init-model --arch` lists them.
+    pub const ALL: [Arch; 7] = [
+        Arch::Qwen3,
+        Arch::Qwen2,
+        Arch::Llama,
+        Arch::Mistral,
+        Arch::Gemma3,
+        Arch::Phi3,
+        Arch::Qwen3Moe,
+    ];
+
+    /// From `config.json`'s `model_type` (or the `init-model --arch` name).
+    pub fn parse(s: &str) -> Result<Arch, ConfigError> {
+        match s {
+            "qwen3" => Ok(Arch::Qwen3),
+            "qwen2" => Ok(Arch::Qwen2),
+            "llama" => Ok(Arch::Llama),
+            "mistral" => Ok(Arch::Mistral),
+            "gemma3_text" | "gemma3" => Ok(Arch::Gemma3),
+            "phi3" => Ok(Arch::Phi3),
+            "qwen3_moe" | "qwen3-moe" => Ok(Arch::Qwen3Moe),
+            other => Err(ConfigError::UnsupportedArch(other.to_string())),
+        }
+    }
+    /// The `model_type` transformers writes.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Arch::Qwen3 => "qwen3",
+            Arch::Qwen2 => "qwen2",
+            Arch::Llama => "llama",
+            Arch::Mistral => "mistral",
+            Arch::Gemma3 => "gemma3_text",
+            Arch::Phi3 => "phi3",
+            Arch::Qwen3Moe => "qwen3_moe",
+        }
+    }
+    /// The name `init-model --arch` takes.
+    pub fn cli_name(self) -> &'static str {
+        match self {
+            Arch::Gemma3 => "gemma3",
+            Arch::Qwen3Moe => "qwen3-moe",
+            other => other.model_type(),
+        }
+    }
+    /// The `architectures[0]` transformers expects.
+    pub fn hf_class(self) -> &'static str {
+        match self {
+            Arch::Qwen3 => "Qwen3ForCausalLM",
+            Arch::Qwen2 => "Qwen2ForCausalLM",
+            Arch::Llama => "LlamaForCausalLM",
+            Arch::Mistral => "MistralForCausalLM",
+            Arch::Gemma3 => "Gemma3ForCausalLM",
+            Arch::Phi3 => "Phi3ForCausalLM",
+            Arch::Qwen3Moe => "Qwen3MoeForCausalLM",
+        }
+    }
+    /// The Qwen families switch their window on with `use_sliding_window`.
+    fn window_needs_switch(self) -> bool {
+        matches!(self, Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe)
+    }
+}
+
+/// The attention of one layer: over every earlier position, or over the last `sliding_window`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerKind {
+    Full,
+    Sliding,
+}
+
+impl LayerKind {
+    /// The name transformers gives it in `layer_types` and per-type `rope_parameters`.
+    pub fn name(self) -> &'static str {
+        match self {
+            LayerKind::Full => "full_attention",
+            LayerKind::Sliding => "sliding_attention",
+        }
+    }
+}
+
+/// The MLP activation (`hidden_act`, or Gemma's `hidden_activation`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    Silu,
+    /// `gelu_pytorch_tanh`: the tanh approximation.
+    GeluTanh,
+    /// `gelu`: the exact (erf) form.
+    GeluErf,
+}
+
+/// RoPE settings of one layer type, as transformers standardises them: the base, the scaling
+/// type and every parameter a type reads (absent ones take transformers' defaults).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct RopeParams {
+    /// `default`, `linear`, `dynamic`, `llama3`, `yarn` or `longrope` (`su` is longrope's
+    /// old name).
+    #[serde(alias = "type", default = "default_rope_type")]
+    pub rope_type: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_theta: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub factor: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub low_freq_factor: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub high_freq_factor: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub original_max_position_embeddings: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention_factor: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub beta_fast: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub beta_slow: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mscale: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mscale_all_dim: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub truncate: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub short_factor: Option<Vec<f64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub long_factor: Option<Vec<f64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub partial_rotary_factor: Option<f64>,
+}
+
+fn default_rope_type() -> String {
+    "default".into()
+}
+
+impl RopeParams {
+    /// `su` is what early Phi-3 configs call `longrope`.
+    pub fn kind(&self) -> &str {
+        match self.rope_type.as_str() {
+            "su" => "longrope",
+            other => other,
+        }
+    }
+}
+
+/// Qwen3-MoE's sparse MLP settings (absent for dense models).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct MoeConfig {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_experts: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_experts_per_tok: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub moe_intermediate_size: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub norm_topk_prob: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub decoder_sparse_step: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mlp_only_layers: Option<Vec<usize>>,
+}
+
+/// Window and layer-type keys (Mistral, Phi-3, Gemma 3, the Qwen families).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct WindowConfig {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding_window: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub use_sliding_window: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_window_layers: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layer_types: Option<Vec<String>>,
+    /// Gemma 3: every n-th layer is global (default 6).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding_window_pattern: Option<usize>,
+}
+
+/// Gemma 3's own keys.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct GemmaConfig {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hidden_activation: Option<String>,
+    /// Attention scale is `query_pre_attn_scalar^-1/2` instead of `head_dim^-1/2`.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        serialize_with = "whole_as_int"
+    )]
+    pub query_pre_attn_scalar: Option<f64>,
+    /// The RoPE base of sliding layers (transformers ≤ 4).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_local_base_freq: Option<f64>,
+}
+
+/// Keys that change the math and that no decoder here implements, read only to refuse such a
+/// model by name.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct UnimplementedKeys {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mlp_bias: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attn_logit_softcapping: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub final_logit_softcapping: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub use_bidirectional_attention: Option<bool>,
+}
+
+/// The fields of `config.json` the decoders need; unknown fields are ignored.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelConfig {
+    pub model_type: String,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    #[serde(default)]
+    pub num_key_value_heads: Option<usize>,
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    #[serde(default = "default_max_pos")]
+    pub max_position_embeddings: usize,
+    #[serde(default = "default_eps")]
+    pub rms_norm_eps: f64,
+    /// The RoPE base of transformers ≤ 4 (read through [`ModelConfig::rope`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_theta: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_scaling: Option<RopeParams>,
+    /// transformers ≥ 5 writes RoPE settings here, flat (`{"rope_theta": …, "rope_type": …}`)
+    /// or per layer type (`{"full_attention": {…}, "sliding_attention": {…}}`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_parameters: Option<serde_json::Value>,
+    /// Phi-3 keeps these at the top level.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub partial_rotary_factor: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub original_max_position_embeddings: Option<usize>,
+    #[serde(flatten)]
+    pub window: WindowConfig,
+    #[serde(flatten)]
+    pub moe: MoeConfig,
+    #[serde(flatten)]
+    pub gemma: GemmaConfig,
+    #[serde(flatten)]
+    pub unimplemented: UnimplementedKeys,
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    /// Llama, Mistral, Gemma 3: bias on q/k/v/o. Qwen2 always has q/k/v bias (and no o bias).
+    #[serde(default)]
+    pub attention_bias: bool,
+    #[serde(default)]
+    pub hidden_act: Option<String>,
+    #[serde(default)]
+    pub bos_token_id: Option<serde_json::Value>,
+    #[serde(default)]
+    pub eos_token_id: Option<serde_json::Value>,
+    /// Written so transformers does not fall back on an architecture default outside the
+    /// vocabulary (Phi-3's is 32000).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pad_token_id: Option<serde_json::Value>,
+    /// Where the text model's weights live when it is the text tower of a multimodal checkpoint
+    /// (`model.language_model.` or `language_model.model.` instead of `model.`); set by
+    /// [`crate::hf::ModelDir::open`], never written.
+    #[serde(skip)]
+    pub weight_prefix: Option<String>,
+}
+
+/// Writes a whole number as an integer (transformers' strict config types want `int` there).
+fn whole_as_int<S: serde::Serializer>(v: &Option<f64>, s: S) -> Result<S::Ok, S::Error> {
+    match v {
+        Some(x) if x.fract() == 0.0 && x.abs() < 1e15 => s.serialize_some(&(*x as i64)),
+        Some(x) => s.serialize_some(x),
+        None => s.serialize_none(),
+    }
+}
+
+fn default_max_pos() -> usize {
+    4096
+}
+fn default_eps() -> f64 {
+    1e-6
+}
+
+impl ModelConfig {
+    pub fn arch(&self) -> Result<Arch, ConfigError> {
+        Arch::parse(&self.model_type)
+    }
+    pub fn kv_heads(&self) -> usize {
+        self.num_key_value_heads.unwrap_or(self.num_attention_heads)
+    }
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
+    }
+    /// EOS ids (`eos_token_id` may be a number or a list).
+    pub fn eos_ids(&self) -> Vec<u32> {
+        ids_of(self.eos_token_id.as_ref())
+    }
+    pub fn bos_id(&self) -> Option<u32> {
+        ids_of(self.bos_token_id.as_ref()).first().copied()
+    }
+
+    /// The MLP activation.
+    pub fn activation(&self) -> Result<Activation, ConfigError> {
+        let arch = self.arch()?;
+        let (key, name) = match (&self.gemma.hidden_activation, &self.hidden_act) {
+            (Some(a), _) => ("hidden_activation", a.as_str()),
+            (None, Some(a)) => ("hidden_act", a.as_str()),
+            (None, None) if arch == Arch::Gemma3 => ("hidden_activation", "gelu_pytorch_tanh"),
+            (None, None) => ("hidden_act", "silu"),
+        };
+        match name {
+            "silu" | "swish" => Ok(Activation::Silu),
+            "gelu_pytorch_tanh" | "gelu_new" => Ok(Activation::GeluTanh),
+            "gelu" => Ok(Activation::GeluErf),
+            other => invalid(format!(
+                "{key} {other:?} is not implemented (silu, gelu, gelu_pytorch_tanh are)"
+            )),
+        }
+    }
+
+    /// The sliding window in force, if any (the Qwen families need `use_sliding_window: true`).
+    pub fn sliding_window(&self) -> Option<usize> {
+        let arch = self.arch().ok()?;
+        if arch == Arch::Llama
+            || (arch.window_needs_switch() && self.window.use_sliding_window != Some(true))
+        {
+            return None;
+        }
+        self.window.sliding_window
+    }
+
+    /// The attention kind of every layer, as transformers decides it: `layer_types` when given,
+    /// else the architecture's rule (Gemma 3's pattern, Qwen's `max_window_layers`, or every
+    /// layer when a window is set).
+    pub fn layer_kinds(&self) -> Result<Vec<LayerKind>, ConfigError> {
+        let arch = self.arch()?;
+        let n = self.num_hidden_layers;
+        if let Some(types) = &self.window.layer_types {
+            if types.len() != n {
+                return invalid(format!(
+                    "layer_types has {} entries for {n} layers",
+                    types.len()
+                ));
+            }
+            return types
+                .iter()
+                .map(|t| match t.as_str() {
+                    "full_attention" => Ok(LayerKind::Full),
+                    "sliding_attention" => Ok(LayerKind::Sliding),
+                    other => invalid(format!(
+                        "layer_types entry {other:?} is not implemented (full_attention and \
+                         sliding_attention are)"
+                    )),
+                })
+                .collect();
+        }
+        let window = self.sliding_window().is_some();
+        Ok((0..n)
+            .map(|i| {
+                let sliding = match arch {
+                    Arch::Gemma3 => {
+                        let p = self.window.sliding_window_pattern.unwrap_or(6).max(1);
+                        (i + 1) % p != 0
+                    }
+                    Arch::Qwen2 | Arch::Qwen3 => {
+                        window && i >= self.window.max_window_layers.unwrap_or(0)
+                    }
+                    _ => window,
+                };
+                if sliding {
+                    LayerKind::Sliding
+                } else {
+                    LayerKind::Full
+                }
+            })
+            .collect())
+    }
+
+    /// The window of one layer: `Some` only on sliding layers when a window is set.
+    pub fn layer_window(&self, kind: LayerKind) -> Option<usize> {
+        match kind {
+            LayerKind::Sliding => self.window.sliding_window.filter(|_| {
+                // Gemma 3's sliding layers always use the window; the others as switched.
+                matches!(self.arch(), Ok(Arch::Gemma3)) || self.sliding_window().is_some()
+            }),
+            LayerKind::Full => None,
+        }
+    }
+
+    /// `rope_parameters` split per layer type (`None`: flat or absent).
+    fn nested_rope(&self) -> Option<&serde_json::Map<String, serde_json::Value>> {
+        let obj = self.rope_parameters.as_ref()?.as_object()?;
+        (!obj.is_empty() && obj.values().all(|v| v.is_object() || v.is_null())).then_some(obj)
+    }
+
+    /// The RoPE settings of one layer type, standardised as transformers does: the base from
+    /// `rope_parameters` or `rope_theta` (Gemma 3's sliding layers: `rope_local_base_freq`),
+    /// `partial_rotary_factor` and `original_max_position_embeddings` filled in.
+    pub fn rope(&self, kind: LayerKind) -> Result<RopeParams, ConfigError> {
+        let arch = self.arch()?;
+        let gemma_local = arch == Arch::Gemma3 && kind == LayerKind::Sliding;
+        let parse = |v: &serde_json::Value, what: &str| {
+            serde_json::from_value::<RopeParams>(v.clone())
+                .map_err(|e| ConfigError::Invalid(format!("{what}: {e}")))
+        };
+        let mut p = if let Some(nested) = self.nested_rope() {
+            match nested.get(kind.name()) {
+                Some(v) if v.is_object() => parse(v, &format!("rope_parameters.{}", kind.name()))?,
+                _ if kind == LayerKind::Sliding && arch != Arch::Gemma3 => {
+                    // A model without sliding layers needs no entry for them.
+                    match nested.get(LayerKind::Full.name()) {
+                        Some(v) => parse(v, "rope_parameters.full_attention")?,
+                        None => RopeParams::default(),
+                    }
+                }
+                _ => RopeParams {
+                    rope_type: "default".into(),
+                    ..Default::default()
+                },
+            }
+        } else if let Some(v) = &self.rope_parameters {
+            if !v.is_object() {
+                return invalid("rope_parameters must be an object");
+            }
+            if gemma_local {
+                RopeParams::default()
+            } else {
+                parse(v, "rope_parameters")?
+            }
+        } else if gemma_local {
+            RopeParams::default()
+        } else {
+            self.rope_scaling.clone().unwrap_or_default()
+        };
+        if p.rope_type.is_empty() {
+            p.rope_type = "default".into();
+        }
+        if p.rope_theta.is_none() {
+            p.rope_theta = Some(if gemma_local {
+                self.gemma.rope_local_base_freq.unwrap_or(10_000.0)
+            } else {
+                self.rope_theta.unwrap_or(if arch == Arch::Gemma3 {
+                    1_000_000.0
+                } else {
+                    10_000.0
+                })
+            });
+        }
+        if p.partial_rotary_factor.is_none() {
+            p.partial_rotary_factor = self.partial_rotary_factor;
+        }
+        if matches!(p.kind(), "llama3" | "yarn" | "longrope") {
+            // Phi-3 keeps it at the top level, and there it wins (as in transformers).
+            if let Some(o) = self.original_max_position_embeddings.filter(|_| arch == Arch::Phi3) {
+                p.original_max_position_embeddings = Some(o);
+            }
+            if p.original_max_position_embeddings.is_none() {
+                p.original_max_position_embeddings = Some(self.max_position_embeddings);
+            }
+        }
+        Ok(p)
+    }
+
+    /// The RoPE base of full-attention layers.
+    pub fn rope_theta(&self) -> f64 {
+        self.rope(LayerKind::Full)
+            .ok()
+            .and_then(|p| p.rope_theta)
+            .unwrap_or(10_000.0)
+    }
+
+    /// The RoPE scaling of full-attention layers, `None` for plain RoPE.
+    pub fn rope_scaling(&self) -> Result<Option<RopeParams>, ConfigError> {
+        Ok(Some(self.rope(LayerKind::Full)?).filter(|p| p.kind() != "default"))
+    }
+
+    /// The number of rotated dimensions of each head (`partial_rotary_factor` × head_dim).
+    pub fn rotary_dim(&self, kind: LayerKind) -> Result<usize, ConfigError> {
+        let f = self.rope(kind)?.partial_rotary_factor.unwrap_or(1.0);
+        Ok((self.head_dim() as f64 * f) as usize)
+    }
+
+    /// Whether layer `l` has a sparse MoE block (Qwen3-MoE's `decoder_sparse_step` and
+    /// `mlp_only_layers`).
+    pub fn is_moe_layer(&self, l: usize) -> bool {
+        let m = &self.moe;
+        matches!(self.arch(), Ok(Arch::Qwen3Moe))
+            && m.num_experts.unwrap_or(0) > 0
+            && !m.mlp_only_layers.as_deref().unwrap_or(&[]).contains(&l)
+            && (l + 1) % m.decoder_sparse_step.unwrap_or(1).max(1) == 0
+    }
+
+    /// The attention scale: Gemma 3's `query_pre_attn_scalar^-1/2`, else `head_dim^-1/2`.
+    pub fn attention_scale(&self) -> f64 {
+        match (self.arch(), self.gemma.query_pre_attn_scalar) {
+            (Ok(Arch::Gemma3), Some(s)) => 1.0 / s.sqrt(),
+            (Ok(Arch::Gemma3), None) => 1.0 / 256f64.sqrt(),
+            _ => 1.0 / (self.head_dim() as f64).sqrt(),
+        }
+    }
+
+    /// Checks one layer type's RoPE: an implemented type with the parameters it needs.
+    fn validate_rope_kind(&self, kind: LayerKind) -> Result<(), ConfigError> {
+        let p = self.rope(kind)?;
+        let theta = p.rope_theta.unwrap_or(0.0);
+        if !(theta.is_finite() && theta > 0.0) {
+            return invalid(format!("rope_theta must be > 0, got {theta}"));
+        }
+        let partial = p.partial_rotary_factor.unwrap_or(1.0);
+        let rot = self.rotary_dim(kind)?;
+        if !(partial > 0.0 && partial <= 1.0) || rot == 0 || !rot.is_multiple_of(2) {
+            return invalid(format!(
+                "partial_rotary_factor {partial} gives {rot} rotated dimensions of head_dim {}: \
+                 it must be in (0, 1] and give an even number",
+                self.head_dim()
+            ));
+        }
+        let need = |name: &str, v: Option<f64>, ok: fn(f64) -> bool| -> Result<(), ConfigError> {
+            match v {
+                Some(x) if ok(x) => Ok(()),
+                other => invalid(format!(
+                    "rope scaling {:?} needs a valid {name}, got {other:?}",
+                    p.rope_type
+                )),
+            }
+        };
+        match p.kind() {
+            "default" => {}
+            "linear" | "dynamic" => need("factor", p.factor, |f| f > 0.0)?,
+            "llama3" => {
+                need("factor", p.factor, |f| f > 0.0)?;
+                need("low_freq_factor", p.low_freq_factor, |f| f > 0.0)?;
+                need("high_freq_factor", p.high_freq_factor, |f| f > 0.0)?;
+                if p.high_freq_factor <= p.low_freq_factor {
+                    return invalid("rope scaling llama3 needs low_freq_factor < high_freq_factor");
+                }
+            }
+            "yarn" => {
+                need("factor", p.factor, |f| f >= 1.0)?;
+            }
+            "longrope" => {
+                for (name, f) in [("short_factor", &p.short_factor), ("long_factor", &p.long_factor)]
+                {
+                    match f {
+                        Some(v) if v.len() == rot / 2 && v.iter().all(|x| *x > 0.0) => {}
+                        other => {
+                            return invalid(format!(
+                                "rope scaling longrope needs {name} of {} positive numbers, got \
+                                 {:?} entries",
+                                rot / 2,
+                                other.as_ref().map(Vec::len)
+                            ))
+                        }
+                    }
+                }
+            }
+            other => {
+                return invalid(format!(
+                    "rope scaling type {other:?} (rope_scaling / rope_parameters.rope_type) is \
+                     not implemented: default, linear, dynamic, llama3, yarn and longrope are"
+                ))
+            }
+        }
+        if p.original_max_position_embeddings == Some(0) {
+            return invalid("original_max_position_embeddings must be > 0");
+        }
+        Ok(())
+    }
+
+    /// Checks the RoPE settings: the conventions agree, and each layer type's is implemented.
+    fn validate_rope(&self) -> Result<(), ConfigError> {
+        if let (Some(top), Some(p)) = (self.rope_theta, &self.rope_parameters) {
+            if let Some(t) = p.get("rope_theta").and_then(serde_json::Value::as_f64) {
+                if (top - t).abs() > 1e-9 * t {
+                    return invalid(format!(
+                        "rope_theta {top} and rope_parameters.rope_theta {t} disagree"
+                    ));
+                }
+            }
+        }
+        if let Some(nested) = self.nested_rope() {
+            for key in nested.keys() {
+                if key != "full_attention" && key != "sliding_attention" {
+                    return invalid(format!(
+                        "rope_parameters for layer type {key:?} is not implemented"
+                    ));
+                }
+            }
+        }
+        let kinds = self.layer_kinds()?;
+        for kind in [LayerKind::Full, LayerKind::Sliding] {
+            if kinds.contains(&kind) || kind == LayerKind::Full {
+                self.validate_rope_kind(kind)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Refuses keys that change the math but are not implemented.
+    fn validate_unimplemented(&self) -> Result<(), ConfigError> {
+        let u = &self.unimplemented;
+        if u.mlp_bias == Some(true) {
+            return invalid("mlp_bias true is not implemented");
+        }
+        for (key, v) in [
+            ("attn_logit_softcapping", &u.attn_logit_softcapping),
+            ("final_logit_softcapping", &u.final_logit_softcapping),
+        ] {
+            if v.as_ref().is_some_and(|v| !v.is_null()) {
+                return invalid(format!("{key} is not implemented"));
+            }
+        }
+        if u.use_bidirectional_attention == Some(true) {
+            return invalid("use_bidirectional_attention true is not implemented (causal only)");
+        }
+        if self.window.sliding_window == Some(0) {
+            return invalid("sliding_window must be > 0");
+        }
+        Ok(())
+    }
+
+    fn validate_moe(&self) -> Result<(), ConfigError> {
+        if self.arch()? != Arch::Qwen3Moe {
+            return Ok(());
+        }
+        let m = &self.moe;
+        let experts = m.num_experts.unwrap_or(0);
+        let top_k = m.num_experts_per_tok.unwrap_or(0);
+        if experts > 0 && !(1..=experts).contains(&top_k) {
+            return invalid(format!(
+                "num_experts_per_tok ({top_k}) must be in 1..=num_experts ({experts})"
+            ));
+        }
+        if experts > 0 && m.moe_intermediate_size.unwrap_or(0) == 0 {
+            return invalid("moe_intermediate_size must be > 0");
+        }
+        Ok(())
+    }
+
+    /// Checks the invariants the decoder relies on, and refuses every setting that would change
+    /// the math but is not implemented (naming the key).
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.arch()?;
+        if self.vocab_size == 0 || self.hidden_size == 0 || self.num_hidden_layers == 0 {
+            return invalid("vocab_size, hidden_size and num_hidden_layers must be positive");
+        }
+        if self.num_attention_heads == 0 || self.kv_heads() == 0 {
+            return invalid("attention heads must be positive");
+        }
+        if !self.num_attention_heads.is_multiple_of(self.kv_heads()) {
+            return invalid(format!(
+                "num_attention_heads ({}) must be a multiple of num_key_value_heads ({})",
+                self.num_attention_heads,
+                self.kv_heads()
+            ));
+        }
+        if !self.head_dim().is_multiple_of(2) {
+            return invalid(format!(
+                "head_dim ({}) must be even for RoPE",
+                self.head_dim()
+            ));
+        }
+        self.validate_unimplemented()?;
+        self.validate_rope()?;
+        self.validate_moe()?;
+        self.activation()?;
+        Ok(())
+    }
+}
+
+fn ids_of(v: Option<&serde_json::Value>) -> Vec<u32> {
+    match v {
+        Some(serde_json::Value::Number(n)) => {
+            n.as_u64().map(|x| vec![x as u32]).unwrap_or_default()
+        }
+        Some(serde_json::Value::Array(a)) => a
+            .iter()
+            .filter_map(|x| x.as_u64())
+            .map(|x| x as u32)
+            .collect(),
+        _ => vec![],
+    }
+}

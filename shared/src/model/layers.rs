@@ -1,0 +1,278 @@
+//! The pieces every architecture is built from: RMSNorm (both weight conventions), linear
+//! layers, RoPE application (whole or partial), grouped-query attention with causal and
+//! sliding-window masks, and the gated MLP. Each runs in two modes ([`Ops`]).
+
+use super::config::Activation;
+use candle_core::{DType, Module, Result, Tensor, D};
+use candle_nn::{Linear, VarBuilder};
+
+/// Which kernels to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ops {
+    /// candle's fused rms_norm / softmax / rope: fast, but they have no backward pass.
+    Fused,
+    /// Ops composed of differentiable primitives, so gradients reach every parameter.
+    Differentiable,
+}
+
+/// Dtype for reductions: f32, or f64 when computing in f64 (gradient checks).
+pub(crate) fn accum_dtype(dt: DType) -> DType {
+    if dt == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
+/// RMSNorm over the last dimension. Gemma scales by `1 + weight` (its weights start at zero),
+/// the others by `weight`.
+#[derive(Clone)]
+pub(crate) struct Norm {
+    pub weight: Tensor,
+    pub eps: f64,
+    pub plus_one: bool,
+}
+
+impl Norm {
+    pub fn load(vb: &VarBuilder, name: &str, dim: usize, eps: f64, plus_one: bool) -> Result<Norm> {
+        Ok(Norm {
+            weight: vb.get(dim, &format!("{name}.weight"))?,
+            eps,
+            plus_one,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor, ops: Ops) -> Result<Tensor> {
+        let dt = x.dtype();
+        match (ops, self.plus_one) {
+            (Ops::Fused, false) => {
+                candle_nn::ops::rms_norm(&x.contiguous()?, &self.weight, self.eps as f32)
+            }
+            (Ops::Fused, true) => {
+                let w = (self.weight.to_dtype(accum_dtype(dt))? + 1.0)?.to_dtype(dt)?;
+                candle_nn::ops::rms_norm(&x.contiguous()?, &w, self.eps as f32)
+            }
+            (Ops::Differentiable, plus_one) => {
+                // Normalise in f32 (or f64) as transformers does.
+                let acc = accum_dtype(dt);
+                let xf = x.to_dtype(acc)?;
+                let ms = xf.sqr()?.mean_keepdim(D::Minus1)?;
+                let normed = xf.broadcast_mul(&(ms + self.eps)?.sqrt()?.recip()?)?;
+                if plus_one {
+                    // Gemma: (1 + w) applied in f32, then cast.
+                    let w = (self.weight.to_dtype(acc)? + 1.0)?;
+                    normed.broadcast_mul(&w)?.to_dtype(dt)
+                } else {
+                    // Llama: cast, then scale in the compute dtype.
+                    normed.to_dtype(dt)?.broadcast_mul(&self.weight)
+                }
+            }
+        }
+    }
+}
+
+/// A linear layer `name.weight` `[out, in]` (and `name.bias` `[out]`).
+pub(crate) fn linear(
+    vb: &VarBuilder,
+    name: &str,
+    (in_dim, out_dim): (usize, usize),
+    bias: bool,
+) -> Result<Linear> {
+    let w = vb.get((out_dim, in_dim), &format!("{name}.weight"))?;
+    let b = if bias {
+        Some(vb.get(out_dim, &format!("{name}.bias"))?)
+    } else {
+        None
+    };
+    Ok(Linear::new(w, b))
+}
+
+pub(crate) fn activate(x: &Tensor, act: Activation) -> Result<Tensor> {
+    match act {
+        Activation::Silu => x.silu(),
+        Activation::GeluTanh => x.gelu(),
+        Activation::GeluErf => x.gelu_erf(),
+    }
+}
+
+/// RoPE (rotate-half form) on the first `cos.dim(-1) * 2` dims of each head; the rest pass
+/// through (partial rotary). `x`: [B, H, T, D]; `cos`, `sin`: [T, R/2] or [B, T, R/2].
+pub(crate) fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor, ops: Ops) -> Result<Tensor> {
+    let d = x.dim(D::Minus1)?;
+    let rot = cos.dim(D::Minus1)? * 2;
+    if rot < d {
+        let rotated = rope(&x.narrow(D::Minus1, 0, rot)?, cos, sin, ops)?;
+        return Tensor::cat(&[&rotated, &x.narrow(D::Minus1, rot, d - rot)?], D::Minus1);
+    }
+    match ops {
+        Ops::Fused => candle_nn::rotary_emb::rope(&x.contiguous()?, cos, sin),
+        Ops::Differentiable => {
+            let cos = Tensor::cat(&[cos, cos], D::Minus1)?;
+            let sin = Tensor::cat(&[sin, sin], D::Minus1)?;
+            // [T, D] -> [1, 1, T, D]; [B, T, D] -> [B, 1, T, D]
+            let (cos, sin) = if cos.rank() == 2 {
+                (
+                    cos.unsqueeze(0)?.unsqueeze(0)?,
+                    sin.unsqueeze(0)?.unsqueeze(0)?,
+                )
+            } else {
+                (cos.unsqueeze(1)?, sin.unsqueeze(1)?)
+            };
+            let half = d / 2;
+            let x1 = x.narrow(D::Minus1, 0, half)?;
+            let x2 = x.narrow(D::Minus1, half, half)?;
+            let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+            x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?
+        }
+    }
+}
+
+/// The q/k/v projections: three matrices, or Phi-3's one `qkv_proj` ([q; k; v] rows).
+pub(crate) enum Qkv {
+    Separate { q: Linear, k: Linear, v: Linear },
+    Fused(Linear),
+}
+
+/// Self-attention of one layer.
+pub(crate) struct Attention {
+    pub qkv: Qkv,
+    pub o: Linear,
+    /// Qwen3, Gemma 3: RMSNorm over head_dim of q and k, before RoPE.
+    pub qk_norm: Option<(Norm, Norm)>,
+    pub n_heads: usize,
+    pub n_kv: usize,
+    pub head_dim: usize,
+    /// Multiplies q·k (`head_dim^-1/2`, Gemma 3: `query_pre_attn_scalar^-1/2`).
+    pub scale: f64,
+    /// Keys further back than this many positions (counting the query's own) are masked.
+    pub window: Option<usize>,
+}
+
+/// What one attention call reads besides its weights.
+pub(crate) struct AttnInputs<'a> {
+    /// RoPE tables for this forward: [T, R/2] or [B, T, R/2].
+    pub cos: &'a Tensor,
+    pub sin: &'a Tensor,
+    /// Additive bias [B|1, 1, T, S] for this layer's window, or None.
+    pub mask: Option<&'a Tensor>,
+    pub ops: Ops,
+}
+
+impl Attention {
+    /// `x`: [B, T, H] → [B, T, H]; `kv` is this layer's cache slot, appended to.
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        inp: &AttnInputs<'_>,
+        kv: Option<&mut Option<(Tensor, Tensor)>>,
+    ) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let d = self.head_dim;
+        // 1. Project: [B, T, H] -> [B, T, heads, D]
+        let (q, k, v) = match &self.qkv {
+            Qkv::Separate { q, k, v } => (q.forward(x)?, k.forward(x)?, v.forward(x)?),
+            Qkv::Fused(qkv) => {
+                let all = qkv.forward(x)?;
+                let (nq, nkv) = (self.n_heads * d, self.n_kv * d);
+                (
+                    all.narrow(D::Minus1, 0, nq)?,
+                    all.narrow(D::Minus1, nq, nkv)?,
+                    all.narrow(D::Minus1, nq + nkv, nkv)?,
+                )
+            }
+        };
+        let mut q = q.reshape((b, t, self.n_heads, d))?;
+        let mut k = k.reshape((b, t, self.n_kv, d))?;
+        let v = v.reshape((b, t, self.n_kv, d))?;
+        if let Some((qn, kn)) = &self.qk_norm {
+            q = qn.forward(&q, inp.ops)?;
+            k = kn.forward(&k, inp.ops)?;
+        }
+        // 2. Heads first: [B, heads, T, D], then RoPE.
+        let q = rope(&q.transpose(1, 2)?.contiguous()?, inp.cos, inp.sin, inp.ops)?;
+        let k = rope(&k.transpose(1, 2)?.contiguous()?, inp.cos, inp.sin, inp.ops)?;
+        let v = v.transpose(1, 2)?.contiguous()?;
+        // 3. Append to the cache: [B, Hkv, past+T, D].
+        let (k, v) = match kv {
+            Some(slot) => {
+                let (k, v) = match slot.take() {
+                    Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 2)?, Tensor::cat(&[&pv, &v], 2)?),
+                    None => (k, v),
+                };
+                *slot = Some((k.clone(), v.clone()));
+                (k, v)
+            }
+            None => (k, v),
+        };
+        // 4. Grouped-query: repeat kv heads to [B, Hq, S, D].
+        let rep = self.n_heads / self.n_kv;
+        let (k, v) = if rep == 1 {
+            (k, v)
+        } else {
+            (repeat_kv(&k, rep)?, repeat_kv(&v, rep)?)
+        };
+        // 5. Scores [B, Hq, T, S] in f32, masked softmax, weighted sum -> [B, Hq, T, D].
+        let acc = accum_dtype(q.dtype());
+        let mut att = (q.matmul(&k.t()?)? * self.scale)?.to_dtype(acc)?;
+        if let Some(m) = inp.mask {
+            att = att.broadcast_add(&m.to_dtype(acc)?)?;
+        }
+        let att = match inp.ops {
+            Ops::Fused => candle_nn::ops::softmax_last_dim(&att)?,
+            Ops::Differentiable => candle_nn::ops::softmax(&att, D::Minus1)?,
+        }
+        .to_dtype(v.dtype())?;
+        let out = att.matmul(&v)?;
+        // 6. Merge heads: [B, T, Hq*D] -> o_proj.
+        let out = out.transpose(1, 2)?.reshape((b, t, self.n_heads * d))?;
+        self.o.forward(&out)
+    }
+}
+
+/// [B, Hkv, S, D] -> [B, Hkv*rep, S, D], each kv head repeated `rep` times consecutively.
+fn repeat_kv(x: &Tensor, rep: usize) -> Result<Tensor> {
+    let (b, h, s, d) = x.dims4()?;
+    x.unsqueeze(2)?
+        .expand((b, h, rep, s, d))?
+        .reshape((b, h * rep, s, d))
+}
+
+/// The gate and up projections: two matrices, or Phi-3's one `gate_up_proj` ([gate; up] rows).
+pub(crate) enum GateUp {
+    Separate { gate: Linear, up: Linear },
+    Fused(Linear),
+}
+
+/// The gated MLP `down(act(gate(x)) * up(x))`.
+pub(crate) struct GatedMlp {
+    pub gate_up: GateUp,
+    pub down: Linear,
+    pub act: Activation,
+}
+
+impl GatedMlp {
+    /// Loads `gate_proj`, `up_proj` and `down_proj` under `vb`.
+    pub fn load(vb: &VarBuilder, hidden: usize, inter: usize, act: Activation) -> Result<Self> {
+        Ok(GatedMlp {
+            gate_up: GateUp::Separate {
+                gate: linear(vb, "gate_proj", (hidden, inter), false)?,
+                up: linear(vb, "up_proj", (hidden, inter), false)?,
+            },
+            down: linear(vb, "down_proj", (inter, hidden), false)?,
+            act,
+        })
+    }
+
+    /// `x`: [..., H] → [..., H].
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (gate, up) = match &self.gate_up {
+            GateUp::Separate { gate, up } => (gate.forward(x)?, up.forward(x)?),
+            GateUp::Fused(gu) => {
+                let both = gu.forward(x)?;
+                let i = both.dim(D::Minus1)? / 2;
+                (both.narrow(D::Minus1, 0, i)?, both.narrow(D::Minus1, i, i)?)
+            }
+        };
+        self.down.forward(&(activate(&gate, self.act)? * up)?)
+    }
+}

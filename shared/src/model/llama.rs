@@ -1,0 +1,79 @@
+//! Llama, Mistral, Qwen2 and Qwen3: one block shape. They differ only in attention biases
+//! (`attention_bias`; Qwen2's fixed q/k/v bias; none in Mistral), Qwen3's per-head q/k RMSNorm, and
+//! sliding windows (Mistral on every layer, Qwen2/3 above `max_window_layers`).
+
+use super::config::{Arch, LayerKind, ModelConfig};
+use super::decoder::{Block, Ffn};
+use super::layers::{linear, Attention, GatedMlp, Norm, Qkv};
+use candle_core::Result;
+use candle_nn::VarBuilder;
+
+/// The attention of layer `vb` (`…layers.N`): `self_attn.{q,k,v,o}_proj` (+ Qwen3's q/k norms).
+pub(crate) fn attention(cfg: &ModelConfig, vb: &VarBuilder, kind: LayerKind) -> Result<Attention> {
+    let arch = cfg.arch().map_err(candle_core::Error::wrap)?;
+    let (h, hq, hkv, d) = (
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.kv_heads(),
+        cfg.head_dim(),
+    );
+    // Qwen2: q/k/v always biased, o never; Mistral: none; the rest: `attention_bias` on all four.
+    let (qkv_bias, o_bias) = match arch {
+        Arch::Qwen2 => (true, false),
+        Arch::Mistral => (false, false),
+        _ => (cfg.attention_bias, cfg.attention_bias),
+    };
+    let av = vb.pp("self_attn");
+    let qk_norm = if matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe) {
+        let eps = cfg.rms_norm_eps;
+        Some((
+            Norm::load(&av, "q_norm", d, eps, false)?,
+            Norm::load(&av, "k_norm", d, eps, false)?,
+        ))
+    } else {
+        None
+    };
+    Ok(Attention {
+        qkv: Qkv::Separate {
+            q: linear(&av, "q_proj", (h, hq * d), qkv_bias)?,
+            k: linear(&av, "k_proj", (h, hkv * d), qkv_bias)?,
+            v: linear(&av, "v_proj", (h, hkv * d), qkv_bias)?,
+        },
+        o: linear(&av, "o_proj", (hq * d, h), o_bias)?,
+        qk_norm,
+        n_heads: hq,
+        n_kv: hkv,
+        head_dim: d,
+        scale: cfg.attention_scale(),
+        window: cfg.layer_window(kind),
+    })
+}
+
+/// One block: pre-norm attention, then a pre-norm SwiGLU MLP (`ffn` overrides the MLP, for
+/// Qwen3-MoE's sparse layers).
+pub(crate) fn block(
+    cfg: &ModelConfig,
+    vb: &VarBuilder,
+    kind: LayerKind,
+    ffn: Option<Ffn>,
+) -> Result<Block> {
+    let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
+    let act = cfg.activation().map_err(candle_core::Error::wrap)?;
+    let ffn = match ffn {
+        Some(f) => f,
+        None => Ffn::Dense(GatedMlp::load(
+            &vb.pp("mlp"),
+            h,
+            cfg.intermediate_size,
+            act,
+        )?),
+    };
+    Ok(Block {
+        input_norm: Norm::load(vb, "input_layernorm", h, eps, false)?,
+        attn: attention(cfg, vb, kind)?,
+        post_attn_norm: None,
+        ffn_norm: Norm::load(vb, "post_attention_layernorm", h, eps, false)?,
+        ffn,
+        post_ffn_norm: None,
+    })
+}

@@ -1,0 +1,44 @@
+//! Phi-3 / Phi-4-mini: Llama's block with fused `qkv_proj` and `gate_up_proj`, partial rotary
+//! (`partial_rotary_factor`), a sliding window on every layer when configured, and LongRoPE
+//! (`longrope`/`su`) for the long-context variants (the RoPE module handles both).
+
+use super::config::{LayerKind, ModelConfig};
+use super::decoder::{Block, Ffn};
+use super::layers::{linear, Attention, GateUp, GatedMlp, Norm, Qkv};
+use candle_core::Result;
+use candle_nn::VarBuilder;
+
+pub(crate) fn block(cfg: &ModelConfig, vb: &VarBuilder, kind: LayerKind) -> Result<Block> {
+    let (h, hq, hkv, d) = (
+        cfg.hidden_size,
+        cfg.num_attention_heads,
+        cfg.kv_heads(),
+        cfg.head_dim(),
+    );
+    let (eps, inter) = (cfg.rms_norm_eps, cfg.intermediate_size);
+    let av = vb.pp("self_attn");
+    let attn = Attention {
+        qkv: Qkv::Fused(linear(&av, "qkv_proj", (h, (hq + 2 * hkv) * d), false)?),
+        o: linear(&av, "o_proj", (hq * d, h), false)?,
+        qk_norm: None,
+        n_heads: hq,
+        n_kv: hkv,
+        head_dim: d,
+        scale: cfg.attention_scale(),
+        window: cfg.layer_window(kind),
+    };
+    let mv = vb.pp("mlp");
+    let mlp = GatedMlp {
+        gate_up: GateUp::Fused(linear(&mv, "gate_up_proj", (h, 2 * inter), false)?),
+        down: linear(&mv, "down_proj", (inter, h), false)?,
+        act: cfg.activation().map_err(candle_core::Error::wrap)?,
+    };
+    Ok(Block {
+        input_norm: Norm::load(vb, "input_layernorm", h, eps, false)?,
+        attn,
+        post_attn_norm: None,
+        ffn_norm: Norm::load(vb, "post_attention_layernorm", h, eps, false)?,
+        ffn: Ffn::Dense(mlp),
+        post_ffn_norm: None,
+    })
+}
