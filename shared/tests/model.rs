@@ -442,7 +442,8 @@ fn window_edge_matches_truncated_sequences() {
 }
 
 /// A Qwen3-MoE layer whose experts are all one dense MLP computes that MLP (the routing weights
-/// of each token sum to one with `norm_topk_prob`): its logits equal the dense Qwen3's.
+/// of each token sum to one with `norm_topk_prob`): its logits equal the dense Qwen3's, whether
+/// the experts are stored per expert (the Hub) or fused (transformers 5 in memory).
 #[test]
 fn moe_of_identical_experts_equals_the_dense_model() {
     let dense_cfg = config("qwen3");
@@ -468,9 +469,27 @@ fn moe_of_identical_experts_equals_the_dense_model() {
     let load = |cfg: &ModelConfig, p: HashMap<String, Tensor>| {
         Decoder::new(cfg, VarBuilder::from_tensors(p, DType::F32, &dev()), Ops::Fused).unwrap()
     };
+    // transformers 5's fused layout of the same experts: gate_up [E, 2I, H], down [E, H, I].
+    let mut fused = moe.clone();
+    for l in 0..moe_cfg.num_hidden_layers {
+        let pre = format!("model.layers.{l}.mlp.experts");
+        let take = |fused: &mut HashMap<String, Tensor>, e: usize, p: &str| {
+            fused.remove(&format!("{pre}.{e}.{p}.weight")).unwrap()
+        };
+        let (mut gate_up, mut down) = (Vec::new(), Vec::new());
+        for e in 0..4 {
+            let (g, u) = (take(&mut fused, e, "gate_proj"), take(&mut fused, e, "up_proj"));
+            gate_up.push(Tensor::cat(&[g, u], 0).unwrap());
+            down.push(take(&mut fused, e, "down_proj"));
+        }
+        fused.insert(format!("{pre}.gate_up_proj"), Tensor::stack(&gate_up, 0).unwrap());
+        fused.insert(format!("{pre}.down_proj"), Tensor::stack(&down, 0).unwrap());
+    }
     let a = load(&dense_cfg, dense).forward(&ids(&SEQ)).unwrap();
     let b = load(&moe_cfg, moe).forward(&ids(&SEQ)).unwrap();
     assert!(max_abs_diff(&a, &b) < 1e-4, "{}", max_abs_diff(&a, &b));
+    let c = load(&moe_cfg, fused).forward(&ids(&SEQ)).unwrap();
+    assert!(max_abs_diff(&b, &c) < 1e-5, "fused expert layout");
 }
 
 /// The text tower of a multimodal Gemma 3 checkpoint (`text_config`, weights under

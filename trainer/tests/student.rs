@@ -16,6 +16,42 @@ fn config(model_type: &str, tie: bool) -> ModelConfig {
     .unwrap()
 }
 
+/// Every architecture a student may have, with its features on (windows shorter than [`IDS`]).
+fn student_configs() -> Vec<(&'static str, ModelConfig)> {
+    let with = |model_type: &str, tie: bool, extra: serde_json::Value| {
+        let mut v = serde_json::to_value(config(model_type, tie)).unwrap();
+        for (k, x) in extra.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        serde_json::from_value::<ModelConfig>(v).unwrap()
+    };
+    vec![
+        ("qwen3", config("qwen3", false)),
+        ("qwen2", config("qwen2", false)),
+        ("llama", config("llama", true)),
+        ("mistral", with("mistral", false, serde_json::json!({"sliding_window": 3}))),
+        (
+            "gemma3",
+            with(
+                "gemma3_text",
+                true,
+                serde_json::json!({"sliding_window": 3, "sliding_window_pattern": 2,
+                    "query_pre_attn_scalar": 4}),
+            ),
+        ),
+        (
+            "phi3",
+            with(
+                "phi3",
+                false,
+                serde_json::json!({"partial_rotary_factor": 0.5, "sliding_window": 4,
+                    "rope_scaling": {"rope_type": "yarn", "factor": 2.0,
+                    "original_max_position_embeddings": 16}}),
+            ),
+        ),
+    ]
+}
+
 fn student(cfg: &ModelConfig, dtype: DType, seed: u64) -> Student {
     student_mixed(cfg, dtype, dtype, seed)
 }
@@ -74,8 +110,7 @@ fn scalar(t: &Tensor) -> f64 {
 
 #[test]
 fn gradients_match_central_finite_differences_in_f64() {
-    for (arch, tie) in [("qwen3", false), ("qwen2", false), ("llama", true)] {
-        let cfg = config(arch, tie);
+    for (arch, cfg) in student_configs() {
         let s = student(&cfg, DType::F64, 7);
         let grads = loss(s.model()).backward().unwrap();
         let mut checked = 0;
@@ -113,8 +148,7 @@ fn gradients_match_central_finite_differences_in_f64() {
 
 #[test]
 fn every_parameter_gets_a_nonzero_gradient() {
-    for (arch, tie) in [("qwen3", false), ("qwen2", false), ("llama", true)] {
-        let cfg = config(arch, tie);
+    for (arch, cfg) in student_configs() {
         let s = student(&cfg, DType::F32, 3);
         let grads = loss(s.model()).backward().unwrap();
         let vars = s.named_vars();
@@ -276,4 +310,29 @@ fn bf16_compute_trains_the_f32_masters() {
         let moved = scalar(&(&got - &stale).unwrap().abs().unwrap().max_all().unwrap());
         assert!(moved > 0.0, "{arch}: refresh did not pick up the update");
     }
+}
+
+/// A Qwen3-MoE student is refused with a message that says so (MoE models teach only).
+#[test]
+fn moe_students_are_refused() {
+    let mut v = serde_json::to_value(config("qwen3_moe", false)).unwrap();
+    v["num_experts"] = serde_json::json!(4);
+    v["num_experts_per_tok"] = serde_json::json!(2);
+    v["moe_intermediate_size"] = serde_json::json!(8);
+    let cfg: ModelConfig = serde_json::from_value(v).unwrap();
+    let params = random_params(&cfg, 0.1, 1).unwrap();
+    let err = Student::from_tensors(
+        cfg,
+        params,
+        "unused".into(),
+        &Device::Cpu,
+        DType::F32,
+        DType::F32,
+    )
+    .err()
+    .expect("refused");
+    assert!(
+        err.to_string().contains("Qwen3-MoE students are not supported"),
+        "{err}"
+    );
 }
