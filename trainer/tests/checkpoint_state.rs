@@ -52,7 +52,12 @@ fn every_objective_checkpoints_the_same_trainer_state() {
         seed: 1,
         ..Default::default()
     };
-    write_splits(&dir.path().join("task"), &task, &make_splits(&task).unwrap()).unwrap();
+    write_splits(
+        &dir.path().join("task"),
+        &task,
+        &make_splits(&task).unwrap(),
+    )
+    .unwrap();
     let data = dir.path().join("task/train.jsonl");
     let loss = "kd = { type = \"forward_kl\" }\ntail = \"bucket\"";
     let mut states = Vec::new();
@@ -95,17 +100,28 @@ fn every_objective_checkpoints_the_same_trainer_state() {
         assert_eq!(fin.tokens_seen, logged_tokens(&out, 6), "{name}");
         // Validation ran at the end only (val_period = 0): its metric is in the final state.
         assert!(ck.metrics.is_empty(), "{name}: {:?}", ck.metrics);
-        assert!(fin.metrics.contains_key(val_metric), "{name}: {:?}", fin.metrics);
+        assert!(
+            fin.metrics.contains_key(val_metric),
+            "{name}: {:?}",
+            fin.metrics
+        );
         ck.rng.restore().unwrap();
         states.push((name, ck, ck_json, fin_json));
     }
-    let keys = |v: &serde_json::Value| -> Vec<String> {
-        v.as_object().unwrap().keys().cloned().collect()
-    };
+    let keys =
+        |v: &serde_json::Value| -> Vec<String> { v.as_object().unwrap().keys().cloned().collect() };
     let (_, first, first_json, first_fin) = &states[0];
     for (name, ck, ck_json, fin_json) in &states[1..] {
-        assert_eq!(keys(ck_json), keys(first_json), "{name}: trainer_state.json fields");
-        assert_eq!(keys(fin_json), keys(first_fin), "{name}: final trainer_state.json fields");
+        assert_eq!(
+            keys(ck_json),
+            keys(first_json),
+            "{name}: trainer_state.json fields"
+        );
+        assert_eq!(
+            keys(fin_json),
+            keys(first_fin),
+            "{name}: final trainer_state.json fields"
+        );
         // Same data, seed and batch size: the same position after four batches.
         assert_eq!(ck.data, first.data, "{name}");
         assert_ne!(ck.data, Default::default(), "{name}");

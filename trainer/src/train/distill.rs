@@ -29,7 +29,7 @@ pub struct Setup {
 
 /// Connects to the teacher, decides same vs cross tokenizer, builds the projection if needed.
 pub fn setup(cfg: Config) -> Result<Setup> {
-    let loss: LossConfig = cfg.loss_as()?;
+    let loss: LossConfig = cfg.loss()?.clone();
     loss.validate()?;
     let device = xdistill_shared::device::parse_device(&cfg.policy.device)?;
     let client = Arc::new(BlockingClient::new(TeacherClient::from_config(

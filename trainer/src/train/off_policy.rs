@@ -112,7 +112,7 @@ impl Objective for OffPolicy<'_> {
         })
     }
 
-    fn validate(&mut self, student: &Student, val: &[Record]) -> Result<Option<ValReport>> {
+    fn validation(&mut self, student: &Student, val: &[Record]) -> Result<Option<ValReport>> {
         if val.is_empty() {
             return Ok(None);
         }

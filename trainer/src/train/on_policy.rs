@@ -204,8 +204,8 @@ impl Objective for OnPolicy<'_> {
         Ok(r)
     }
 
-    fn validate(&mut self, student: &Student, val: &[Record]) -> Result<Option<ValReport>> {
-        let Some((kl, st)) = validate(self.s, student, val)? else {
+    fn validation(&mut self, student: &Student, val: &[Record]) -> Result<Option<ValReport>> {
+        let Some((kl, st)) = validation_pass(self.s, student, val)? else {
             return Ok(None);
         };
         let mut parts = BTreeMap::new();
@@ -480,7 +480,11 @@ fn sampled_loss(
 
 /// Validation on held-out prompts: samples with a fixed seed, teacher log-prob of the samples and
 /// the reverse KL estimate (same tokenizer), or P-KL on the samples (different tokenizers).
-fn validate(s: &Setup, student: &Student, val: &[Record]) -> Result<Option<(f64, SampleStats)>> {
+fn validation_pass(
+    s: &Setup,
+    student: &Student,
+    val: &[Record],
+) -> Result<Option<(f64, SampleStats)>> {
     if val.is_empty() {
         return Ok(None);
     }

@@ -368,7 +368,7 @@ pub trait Objective {
     fn step(&mut self, ctx: &mut StepCtx, input: Self::Input) -> Result<StepReport>;
 
     /// One validation pass over the held-out records; `None` when there are none.
-    fn validate(&mut self, student: &Student, val: &[Record]) -> Result<Option<ValReport>>;
+    fn validation(&mut self, student: &Student, val: &[Record]) -> Result<Option<ValReport>>;
 
     /// Evaluation besides validation (SFT's task accuracy), called at the start and after every
     /// step; returns metrics to keep in checkpoints.
@@ -483,9 +483,9 @@ pub fn run<O: Objective>(
     } = Session::open(cfg, device, opts.resume, objective)?;
     let total_steps = runner.total_steps;
     let dist = &cfg.distillation;
-    let validate = |o: &mut O, runner: &Runner, log: &mut MetricsLog, step: u64| {
+    let validation = |o: &mut O, runner: &Runner, log: &mut MetricsLog, step: u64| {
         let t0 = Instant::now();
-        let Some(v) = o.validate(&runner.student, &val)? else {
+        let Some(v) = o.validation(&runner.student, &val)? else {
             return Ok::<_, anyhow::Error>(None);
         };
         log.append(&ValMetrics {
@@ -509,7 +509,7 @@ pub fn run<O: Objective>(
     let mut evals = BTreeMap::new();
     if resumed_from.is_none() {
         if dist.val_at_start {
-            val_start = validate(objective, &runner, &mut log, 0)?;
+            val_start = validation(objective, &runner, &mut log, 0)?;
         }
         evals = objective.evaluate(EvalCtx {
             student: &runner.student,
@@ -563,7 +563,7 @@ pub fn run<O: Objective>(
         let step = runner.step;
         let at_end = step == total_steps;
         if (dist.val_period > 0 && step % dist.val_period == 0) || (at_end && dist.val_at_end) {
-            last_val = validate(objective, &runner, &mut log, step)?;
+            last_val = validation(objective, &runner, &mut log, step)?;
         }
         evals.extend(objective.evaluate(EvalCtx {
             student: &runner.student,

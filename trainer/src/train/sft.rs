@@ -342,7 +342,7 @@ impl Objective for Sft<'_> {
     }
 
     /// Held-out cross-entropy.
-    fn validate(&mut self, student: &Student, val: &[Record]) -> Result<Option<ValReport>> {
+    fn validation(&mut self, student: &Student, val: &[Record]) -> Result<Option<ValReport>> {
         let (tok, eos, max_len) = (&self.tok, self.eos, self.max_len());
         let val = self
             .val
@@ -368,7 +368,9 @@ impl Objective for Sft<'_> {
         let Some(task) = self.task else {
             return Ok(BTreeMap::new());
         };
-        let due = ctx.step == 0 || (task.period > 0 && ctx.step.is_multiple_of(task.period)) || ctx.at_end;
+        let due = ctx.step == 0
+            || (task.period > 0 && ctx.step.is_multiple_of(task.period))
+            || ctx.at_end;
         if !due {
             return Ok(BTreeMap::new());
         }
