@@ -4,13 +4,14 @@
 //! - [`codec`]: JSON and MessagePack encodings of those types (content negotiation helpers).
 //! - [`hf`]: Hugging Face model directories: `config.json`, safetensors, `tokenizer.json`.
 //! - [`model`]: the Llama-family decoder (Llama, Qwen2, Qwen3) used by both sides.
+//! - [`init`]: random parameters for a model config, reproducible from a seed.
 
 pub mod alloc;
 pub mod codec;
 pub mod device;
 pub mod hf;
+pub mod init;
 pub mod model;
-pub mod ops;
 pub mod paths;
 pub mod protocol;
 pub mod topk;
