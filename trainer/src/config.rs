@@ -217,6 +217,15 @@ impl Default for TeacherConfig {
 }
 
 impl TeacherConfig {
+    /// `urls`, parsed (the error names the offending entry).
+    pub fn parsed_urls(&self) -> Result<Vec<reqwest::Url>, ConfigError> {
+        self.urls
+            .iter()
+            .enumerate()
+            .map(|(i, u)| parse_base_url(u).map_err(|m| invalid(&format!("teacher.urls[{i}]"), m)))
+            .collect()
+    }
+
     /// The API key, read from the environment variable named by `api_key_env`.
     pub fn api_key(&self) -> Result<Option<String>, ConfigError> {
         match &self.api_key_env {
@@ -556,12 +565,7 @@ impl Config {
 
     /// Teacher URLs, parsed.
     pub fn teacher_urls(&self) -> Result<Vec<reqwest::Url>, ConfigError> {
-        self.teacher
-            .urls
-            .iter()
-            .enumerate()
-            .map(|(i, u)| parse_base_url(u).map_err(|m| invalid(&format!("teacher.urls[{i}]"), m)))
-            .collect()
+        self.teacher.parsed_urls()
     }
 
     /// The student tokenizer file.
@@ -715,9 +719,7 @@ impl Validate for TeacherConfig {
                 "at least one teacher URL is required (or --teacher-url)",
             ));
         }
-        for (i, u) in t.urls.iter().enumerate() {
-            parse_base_url(u).map_err(|m| invalid(&format!("teacher.urls[{i}]"), m))?;
-        }
+        t.parsed_urls()?;
         if t.k == 0 {
             return Err(invalid("teacher.k", "must be at least 1"));
         }

@@ -220,13 +220,7 @@ impl AdamW {
                     weight_decay: if p.decay { c.weight_decay } else { 0.0 },
                     step: self.step,
                 };
-                if xdistill_kernels::adamw_update_in_place(
-                    p.var.as_tensor(),
-                    &g,
-                    &p.m,
-                    &p.v,
-                    h,
-                )? {
+                if xdistill_kernels::adamw_update_in_place(p.var.as_tensor(), &g, &p.m, &p.v, h)? {
                     continue;
                 }
             }
