@@ -45,7 +45,7 @@ fn every_objective_checkpoints_the_same_trainer_state() {
     let dir = tempfile::tempdir().unwrap();
     let teacher = token_driven_teacher(dir.path(), "llama", "llama2", 1);
     let student = model(dir.path(), "student", "qwen3", "llama2", 32, 1, 0.02, 2);
-    let t = TeacherProcess::start(&teacher_binary(), &teacher, &[]);
+    let t = TeacherProcess::start(&teacher_binary(), &teacher, &[]).expect("starting the teacher");
     let task = TaskConfig {
         train: 40,
         test: 4,
