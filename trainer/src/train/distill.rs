@@ -203,6 +203,22 @@ pub struct Summary {
     pub val_teacher_logprob_end: Option<f64>,
 }
 
+/// A distillation command (`trainer off-policy`, `trainer on-policy`): loads the config,
+/// connects to the teacher, runs `train` and prints its summary as one JSON line.
+pub fn run_command(
+    args: &crate::config::OffPolicyArgs,
+    train: fn(&Setup, bool, Option<u64>) -> Result<Summary>,
+) -> Result<()> {
+    use anyhow::Context;
+    let cfg = Config::load(args)?;
+    let out = &cfg.checkpointing.checkpoint_dir;
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let s = setup(cfg)?;
+    let summary = train(&s, args.resume, None)?;
+    println!("{}", serde_json::to_string(&summary)?);
+    Ok(())
+}
+
 impl Summary {
     /// The summary of a distillation run (on-policy validation also reports the teacher's
     /// log-prob of the student's samples).

@@ -14,10 +14,10 @@ use super::runner::{
 };
 use super::step::{accumulate, units};
 use crate::client::{ClientError, Fetched, Prefetcher};
-use crate::config::{Config, OffPolicyArgs};
+use crate::config::OffPolicyArgs;
 use crate::data::Record;
 use crate::student::Student;
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use std::collections::BTreeMap;
 use xdistill_shared::protocol::TopkResponse;
 
@@ -133,13 +133,7 @@ impl Objective for OffPolicy<'_> {
 
 /// `trainer off-policy`.
 pub fn run(args: OffPolicyArgs) -> Result<()> {
-    let cfg = Config::load(&args)?;
-    let out = &cfg.checkpointing.checkpoint_dir;
-    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-    let s = setup(cfg)?;
-    let summary = train(&s, args.resume, None)?;
-    println!("{}", serde_json::to_string(&summary)?);
-    Ok(())
+    super::distill::run_command(&args, train)
 }
 
 /// The off-policy run (also used by tests and the demo with a ready [`Setup`]); `stop_after`

@@ -12,7 +12,7 @@
 //! - `[on_policy] lambda`: the share of steps that sample; the others train off-policy on the
 //!   data's own prompt + completion, so one run can mix both (TRL GKD's λ).
 
-use super::distill::{setup, Setup, Summary};
+use super::distill::{Setup, Summary};
 use super::off_policy::distill_filter;
 use super::prepare::{prepare, prepare_record, Item, Tokenization};
 use super::runner::{
@@ -20,12 +20,12 @@ use super::runner::{
 };
 use super::step::{accumulate, trained_teacher_rows, units, validation_sums, LossCtx, Units};
 use crate::collate::Encoded;
-use crate::config::{Config, OffPolicyArgs};
+use crate::config::OffPolicyArgs;
 use crate::data::{Batch, Content, Record};
 use crate::generate::{generate, Generation};
 use crate::loss::{sampled_token_loss, KdConfig, LossConfig, SampledTargets};
 use crate::student::Student;
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use candle_core::Tensor;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -35,13 +35,7 @@ use xdistill_shared::protocol::{SequenceScores, TopkRequest, ValuesKind};
 
 /// `trainer on-policy` (the off-policy flags; `--prompts` is an alias of `--data`).
 pub fn run(args: OffPolicyArgs) -> Result<()> {
-    let cfg = Config::load(&args)?;
-    let out = &cfg.checkpointing.checkpoint_dir;
-    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-    let s = setup(cfg)?;
-    let summary = train(&s, args.resume, None)?;
-    println!("{}", serde_json::to_string(&summary)?);
-    Ok(())
+    super::distill::run_command(&args, train)
 }
 
 /// The on-policy run (also used by tests and the demo); `stop_after` as in [`RunOptions`].
