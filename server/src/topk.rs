@@ -1,7 +1,6 @@
-//! Per-position top-k, target log-prob and logsumexp of logit rows (pure CPU function).
-//!
-//! This is the only place the scores are computed, so a device implementation can replace
-//! [`score_rows`] behind the same signature.
+//! Per-position top-k, target log-prob and logsumexp of logit rows on the host ([`score_rows`]),
+//! the choice between that and the device path ([`TopkPath`]; the device path itself is
+//! `worker.rs`'s `score_on_device`), and the next-token helpers built on the same row maths.
 
 use rayon::prelude::*;
 use std::cmp::Ordering;

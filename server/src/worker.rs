@@ -608,7 +608,7 @@ mod tests {
             "tie_word_embeddings": false
         }))
         .unwrap();
-        let params = xdistill_trainer::init_model::random_params(&cfg, 0.5, 3).unwrap();
+        let params = xdistill_shared::init::random_params(&cfg, 0.5, 3).unwrap();
         let vb = VarBuilder::from_tensors(params, DType::F32, &Device::Cpu);
         Decoder::new(&cfg, vb, Ops::Fused).unwrap()
     }

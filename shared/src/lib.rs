@@ -4,14 +4,17 @@
 //! - [`codec`]: JSON and MessagePack encodings of those types (content negotiation helpers).
 //! - [`hf`]: Hugging Face model directories: `config.json`, safetensors, `tokenizer.json`.
 //! - [`model`]: the Llama-family decoder (Llama, Qwen2, Qwen3) used by both sides.
+//! - [`process`]: a `teacher` server as a child process (the demo, cross-process tests).
+//! - [`init`]: random parameters for a model config, reproducible from a seed.
 
 pub mod alloc;
 pub mod codec;
 pub mod device;
 pub mod hf;
+pub mod init;
 pub mod model;
-pub mod ops;
 pub mod paths;
+pub mod process;
 pub mod protocol;
 pub mod topk;
 

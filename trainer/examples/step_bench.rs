@@ -32,7 +32,7 @@ use xdistill_trainer::optim::{clip_grad_norm, AdamWConfig, GradAccumulator, Opti
 use xdistill_trainer::student::Student;
 use xdistill_trainer::train::prepare::Item;
 use xdistill_trainer::train::runner::Runner;
-use xdistill_trainer::train::step::{micro_loss, units};
+use xdistill_trainer::train::step::{micro_loss, units, LossCtx, Pairing};
 
 #[derive(Parser)]
 struct Args {
@@ -197,16 +197,15 @@ fn step(runner: &mut Runner, batch: &Batch, k: usize, cfg: &LossConfig) -> Resul
     let scores: Vec<&SequenceScores> = batch.scores.iter().collect();
     let norm = units(&batch.items);
     let t = Instant::now();
-    let (loss, _) = micro_loss(
-        runner.student.model(),
-        &batch.items,
-        &scores,
+    let ctx = LossCtx {
+        model: runner.student.model(),
         k,
-        cfg,
-        None,
-        norm,
-        &Device::Cpu,
-    )?;
+        loss: cfg,
+        pairing: Pairing::Same,
+        device: &Device::Cpu,
+        micro_batch: batch.items.len(),
+    };
+    let (loss, _) = micro_loss(&ctx, &batch.items, &scores, norm)?;
     let loss_v = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
     ph.forward = t.elapsed().as_secs_f64();
     let t = Instant::now();

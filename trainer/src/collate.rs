@@ -7,7 +7,6 @@
 
 use candle_core::{Device, Tensor};
 use tokenizers::Tokenizer;
-use xdistill_shared::protocol::TopkResponse;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CollateError {
@@ -15,14 +14,6 @@ pub enum CollateError {
     Tokenizer(String),
     #[error("text tokenizes to {0} token(s); at least 2 are needed for one prediction")]
     TooShort(usize),
-    #[error("teacher answered {got} rows for a sequence of {len} tokens (expected {expected})")]
-    TeacherRows {
-        got: usize,
-        len: usize,
-        expected: usize,
-    },
-    #[error("teacher answered {got} sequences for {expected}")]
-    TeacherCount { got: usize, expected: usize },
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
 }
@@ -112,54 +103,6 @@ pub fn pad_batch(
         mask: Tensor::from_vec(mask, (b, t), device)?,
         lens: examples.iter().map(|e| e.ids.len()).collect(),
         n_targets,
-    })
-}
-
-/// Teacher results laid out against a `[B, T]` student batch (same tokenizer, `start = 0`).
-/// Shapes: `ids` `[B, T, k]` u32, `logprobs` `[B, T, k]` f32, `target_logprobs` `[B, T]` f32.
-/// Rows past a sequence's end are zero and must be masked by the caller.
-pub struct TeacherRows {
-    pub ids: Tensor,
-    pub logprobs: Tensor,
-    pub target_logprobs: Tensor,
-}
-
-pub fn teacher_rows(
-    resp: &TopkResponse,
-    lens: &[usize],
-    t: usize,
-    device: &Device,
-) -> Result<TeacherRows, CollateError> {
-    if resp.results.len() != lens.len() {
-        return Err(CollateError::TeacherCount {
-            got: resp.results.len(),
-            expected: lens.len(),
-        });
-    }
-    let (b, k) = (lens.len(), resp.k);
-    let mut ids = vec![0u32; b * t * k];
-    let mut lps = vec![0f32; b * t * k];
-    let mut tlp = vec![0f32; b * t];
-    for (r, (seq, &len)) in resp.results.iter().zip(lens).enumerate() {
-        let expected = len.saturating_sub(1);
-        if seq.rows != expected || seq.k != k {
-            return Err(CollateError::TeacherRows {
-                got: seq.rows,
-                len,
-                expected,
-            });
-        }
-        for p in 0..seq.rows.min(t) {
-            let dst = (r * t + p) * k;
-            ids[dst..dst + k].copy_from_slice(seq.ids_row(p));
-            lps[dst..dst + k].copy_from_slice(seq.values_row(p));
-            tlp[r * t + p] = seq.target_logprobs[p];
-        }
-    }
-    Ok(TeacherRows {
-        ids: Tensor::from_vec(ids, (b, t, k), device)?,
-        logprobs: Tensor::from_vec(lps, (b, t, k), device)?,
-        target_logprobs: Tensor::from_vec(tlp, (b, t), device)?,
     })
 }
 

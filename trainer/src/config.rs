@@ -6,7 +6,8 @@
 //! paths in a file resolve against the file's directory; paths on the command line against the
 //! working directory. `docs/training.md` is the reference for every key.
 
-use serde::{de::DeserializeOwned, Deserialize, Serialize};
+use crate::loss::LossConfig;
+use serde::{Deserialize, Deserializer, Serialize};
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -40,10 +41,9 @@ pub struct Config {
     pub policy: PolicyConfig,
     #[serde(default)]
     pub teacher: TeacherConfig,
-    /// Passed through untouched: the loss module defines its own typed config
-    /// (read it with [`Config::loss_as`]).
-    #[serde(default)]
-    pub loss: toml::Table,
+    /// `[loss]`, required by the distillation objectives (SFT has none; an empty table is none).
+    #[serde(default, deserialize_with = "loss_section")]
+    pub loss: Option<LossConfig>,
     #[serde(default)]
     pub data: DataConfig,
     #[serde(default)]
@@ -217,6 +217,15 @@ impl Default for TeacherConfig {
 }
 
 impl TeacherConfig {
+    /// `urls`, parsed (the error names the offending entry).
+    pub fn parsed_urls(&self) -> Result<Vec<reqwest::Url>, ConfigError> {
+        self.urls
+            .iter()
+            .enumerate()
+            .map(|(i, u)| parse_base_url(u).map_err(|m| invalid(&format!("teacher.urls[{i}]"), m)))
+            .collect()
+    }
+
     /// The API key, read from the environment variable named by `api_key_env`.
     pub fn api_key(&self) -> Result<Option<String>, ConfigError> {
         match &self.api_key_env {
@@ -500,108 +509,31 @@ impl Config {
         }
     }
 
-    /// Checks every constraint; the error names the offending key.
+    /// Checks every constraint: each section its own ([`Validate`]), then the ones that span
+    /// sections. The error names the offending key.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let p = &self.policy;
-        if p.model_name.as_os_str().is_empty() {
-            return Err(invalid(
-                "policy.model_name",
-                "the student model directory is required (or --student)",
-            ));
+        self.policy.validate()?;
+        self.teacher.validate()?;
+        if let Some(loss) = &self.loss {
+            loss.validate().map_err(|e| match e {
+                crate::loss::LossError::Config { field, message } => {
+                    invalid(&format!("loss.{field}"), message)
+                }
+                other => invalid("loss", other.to_string()),
+            })?;
         }
-        if p.max_total_sequence_length < 2 {
-            return Err(invalid(
-                "policy.max_total_sequence_length",
-                "must be at least 2",
-            ));
-        }
-        xdistill_shared::device::parse_dtype(&p.precision)
-            .map_err(|e| invalid("policy.precision", e.to_string()))?;
-        if !is_device_name(&p.device) {
-            return Err(invalid(
-                "policy.device",
-                format!("{:?} is not cpu, cuda or cuda:N", p.device),
-            ));
-        }
-        if p.train_micro_batch_size == 0 {
-            return Err(invalid(
-                "policy.train_micro_batch_size",
-                "must be at least 1",
-            ));
-        }
-        let o = &p.optimizer;
-        if !(o.lr.is_finite() && o.lr > 0.0) {
-            return Err(invalid("policy.optimizer.lr", "must be positive"));
-        }
-        if !(o.min_lr.is_finite() && o.min_lr >= 0.0 && o.min_lr <= o.lr) {
-            return Err(invalid("policy.optimizer.min_lr", "must be in [0, lr]"));
-        }
-        if !(o.weight_decay.is_finite() && o.weight_decay >= 0.0) {
-            return Err(invalid("policy.optimizer.weight_decay", "must be >= 0"));
-        }
-        if o.betas.iter().any(|b| !(0.0..1.0).contains(b)) {
-            return Err(invalid(
-                "policy.optimizer.betas",
-                "each beta must be in [0, 1)",
-            ));
-        }
-        if !(o.eps.is_finite() && o.eps > 0.0) {
-            return Err(invalid("policy.optimizer.eps", "must be positive"));
-        }
-        if let Some(g) = o.max_grad_norm {
-            if !(g.is_finite() && g >= 0.0) {
-                return Err(invalid("policy.optimizer.max_grad_norm", "must be >= 0"));
-            }
-        }
+        self.data.validate()?;
+        self.distillation.validate()?;
+        self.checkpointing.validate()?;
+        self.logger.validate()?;
+        self.check_across_sections()
+    }
 
-        let t = &self.teacher;
-        if t.urls.is_empty() {
-            return Err(invalid(
-                "teacher.urls",
-                "at least one teacher URL is required (or --teacher-url)",
-            ));
-        }
-        for (i, u) in t.urls.iter().enumerate() {
-            parse_base_url(u).map_err(|m| invalid(&format!("teacher.urls[{i}]"), m))?;
-        }
-        if t.k == 0 {
-            return Err(invalid("teacher.k", "must be at least 1"));
-        }
-        if !(t.temperature.is_finite() && t.temperature > 0.0) {
-            return Err(invalid("teacher.temperature", "must be positive"));
-        }
-        for (key, v) in [
-            ("teacher.timeout_s", t.timeout_s),
-            ("teacher.connect_timeout_s", t.connect_timeout_s),
-            ("teacher.backoff_initial_s", t.backoff_initial_s),
-            ("teacher.backoff_max_s", t.backoff_max_s),
-        ] {
-            if !(v.is_finite() && v > 0.0) {
-                return Err(invalid(key, "must be a positive number of seconds"));
-            }
-        }
-        if !(t.max_wait_s.is_finite() && t.max_wait_s >= 0.0) {
-            return Err(invalid("teacher.max_wait_s", "must be >= 0 seconds"));
-        }
-        if t.backoff_max_s < t.backoff_initial_s {
-            return Err(invalid(
-                "teacher.backoff_max_s",
-                "must be >= backoff_initial_s",
-            ));
-        }
-        if t.max_attempts == Some(0) {
-            return Err(invalid("teacher.max_attempts", "must be at least 1"));
-        }
-        if t.prefetch == 0 {
-            return Err(invalid("teacher.prefetch", "must be at least 1"));
-        }
-
+    /// The constraints between sections.
+    fn check_across_sections(&self) -> Result<(), ConfigError> {
         // The loss divides the student's logits by its temperature; the teacher's must match.
-        if let Some(lt) = self
-            .loss
-            .get("temperature")
-            .and_then(|v| v.as_float().or_else(|| v.as_integer().map(|i| i as f64)))
-        {
+        let t = &self.teacher;
+        if let Some(lt) = self.loss.as_ref().map(|l| l.temperature) {
             if (lt - t.temperature as f64).abs() > 1e-6 {
                 return Err(invalid(
                     "teacher.temperature",
@@ -609,52 +541,7 @@ impl Config {
                 ));
             }
         }
-
-        let d = &self.data;
-        if d.train_path.as_os_str().is_empty() {
-            return Err(invalid(
-                "data.train_path",
-                "the training data file is required (or --data)",
-            ));
-        }
-        match (&d.prompt_field, &d.completion_field) {
-            (Some(_), None) => {
-                return Err(invalid(
-                    "data.completion_field",
-                    "required with data.prompt_field",
-                ))
-            }
-            (None, Some(_)) => {
-                return Err(invalid(
-                    "data.prompt_field",
-                    "required with data.completion_field",
-                ))
-            }
-            _ => {}
-        }
-        if d.text_field.is_empty() {
-            return Err(invalid("data.text_field", "must not be empty"));
-        }
-        if !(d.val_fraction.is_finite() && (0.0..1.0).contains(&d.val_fraction)) {
-            return Err(invalid("data.val_fraction", "must be in [0, 1)"));
-        }
-        if d.max_record_bytes == 0 {
-            return Err(invalid("data.max_record_bytes", "must be at least 1"));
-        }
-
-        let r = &self.distillation;
-        if r.num_prompts_per_step == 0 {
-            return Err(invalid(
-                "distillation.num_prompts_per_step",
-                "must be at least 1",
-            ));
-        }
-        if r.max_num_steps == 0 {
-            return Err(invalid("distillation.max_num_steps", "must be at least 1"));
-        }
-        if r.max_num_epochs == 0 {
-            return Err(invalid("distillation.max_num_epochs", "must be at least 1"));
-        }
+        let (d, r) = (&self.data, &self.distillation);
         let has_val = d.val_path.is_some() || d.val_count.unwrap_or(0) > 0 || d.val_fraction > 0.0;
         if (r.val_period > 0 || r.val_at_start || r.val_at_end) && !has_val {
             return Err(invalid(
@@ -663,41 +550,22 @@ impl Config {
                  (set data.val_path, data.val_fraction or data.val_count)",
             ));
         }
-
-        let c = &self.checkpointing;
-        if c.checkpoint_dir.as_os_str().is_empty() {
-            return Err(invalid("checkpointing.checkpoint_dir", "must not be empty"));
-        }
-        if c.enabled && c.save_period == 0 {
-            return Err(invalid("checkpointing.save_period", "must be at least 1"));
-        }
-        if c.keep_top_k == Some(0) {
-            return Err(invalid(
-                "checkpointing.keep_top_k",
-                "must be at least 1 (or absent to keep all)",
-            ));
-        }
-        if self.logger.log_every == 0 {
-            return Err(invalid("logger.log_every", "must be at least 1"));
-        }
         Ok(())
     }
 
-    /// The `[loss]` table as the loss module's typed config.
-    pub fn loss_as<T: DeserializeOwned>(&self) -> Result<T, ConfigError> {
-        toml::Value::Table(self.loss.clone())
-            .try_into()
-            .map_err(|e: toml::de::Error| invalid("loss", e.message().to_string()))
+    /// `[loss]`, which the distillation objectives need.
+    pub fn loss(&self) -> Result<&LossConfig, ConfigError> {
+        self.loss.as_ref().ok_or_else(|| {
+            invalid(
+                "loss",
+                "a distillation run needs a [loss] section (e.g. kd = { type = \"forward_kl\" })",
+            )
+        })
     }
 
     /// Teacher URLs, parsed.
     pub fn teacher_urls(&self) -> Result<Vec<reqwest::Url>, ConfigError> {
-        self.teacher
-            .urls
-            .iter()
-            .enumerate()
-            .map(|(i, u)| parse_base_url(u).map_err(|m| invalid(&format!("teacher.urls[{i}]"), m)))
-            .collect()
+        self.teacher.parsed_urls()
     }
 
     /// The student tokenizer file.
@@ -722,7 +590,7 @@ impl Config {
             policy: &'a PolicyConfig,
             k: usize,
             temperature: f32,
-            loss: &'a toml::Table,
+            loss: &'a Option<LossConfig>,
             data: &'a DataConfig,
             num_prompts_per_step: usize,
             seed: u64,
@@ -777,6 +645,210 @@ impl DataFormat {
             f => f,
         }
     }
+}
+
+/// A config section that checks its own constraints; the error names the offending key.
+pub trait Validate {
+    fn validate(&self) -> Result<(), ConfigError>;
+}
+
+impl Validate for PolicyConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        let p = self;
+        if p.model_name.as_os_str().is_empty() {
+            return Err(invalid(
+                "policy.model_name",
+                "the student model directory is required (or --student)",
+            ));
+        }
+        if p.max_total_sequence_length < 2 {
+            return Err(invalid(
+                "policy.max_total_sequence_length",
+                "must be at least 2",
+            ));
+        }
+        xdistill_shared::device::parse_dtype(&p.precision)
+            .map_err(|e| invalid("policy.precision", e.to_string()))?;
+        if !is_device_name(&p.device) {
+            return Err(invalid(
+                "policy.device",
+                format!("{:?} is not cpu, cuda or cuda:N", p.device),
+            ));
+        }
+        if p.train_micro_batch_size == 0 {
+            return Err(invalid(
+                "policy.train_micro_batch_size",
+                "must be at least 1",
+            ));
+        }
+        let o = &p.optimizer;
+        if !(o.lr.is_finite() && o.lr > 0.0) {
+            return Err(invalid("policy.optimizer.lr", "must be positive"));
+        }
+        if !(o.min_lr.is_finite() && o.min_lr >= 0.0 && o.min_lr <= o.lr) {
+            return Err(invalid("policy.optimizer.min_lr", "must be in [0, lr]"));
+        }
+        if !(o.weight_decay.is_finite() && o.weight_decay >= 0.0) {
+            return Err(invalid("policy.optimizer.weight_decay", "must be >= 0"));
+        }
+        if o.betas.iter().any(|b| !(0.0..1.0).contains(b)) {
+            return Err(invalid(
+                "policy.optimizer.betas",
+                "each beta must be in [0, 1)",
+            ));
+        }
+        if !(o.eps.is_finite() && o.eps > 0.0) {
+            return Err(invalid("policy.optimizer.eps", "must be positive"));
+        }
+        if let Some(g) = o.max_grad_norm {
+            if !(g.is_finite() && g >= 0.0) {
+                return Err(invalid("policy.optimizer.max_grad_norm", "must be >= 0"));
+            }
+        }
+
+        Ok(())
+    }
+}
+
+impl Validate for TeacherConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        let t = self;
+        if t.urls.is_empty() {
+            return Err(invalid(
+                "teacher.urls",
+                "at least one teacher URL is required (or --teacher-url)",
+            ));
+        }
+        t.parsed_urls()?;
+        if t.k == 0 {
+            return Err(invalid("teacher.k", "must be at least 1"));
+        }
+        if !(t.temperature.is_finite() && t.temperature > 0.0) {
+            return Err(invalid("teacher.temperature", "must be positive"));
+        }
+        for (key, v) in [
+            ("teacher.timeout_s", t.timeout_s),
+            ("teacher.connect_timeout_s", t.connect_timeout_s),
+            ("teacher.backoff_initial_s", t.backoff_initial_s),
+            ("teacher.backoff_max_s", t.backoff_max_s),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(invalid(key, "must be a positive number of seconds"));
+            }
+        }
+        if !(t.max_wait_s.is_finite() && t.max_wait_s >= 0.0) {
+            return Err(invalid("teacher.max_wait_s", "must be >= 0 seconds"));
+        }
+        if t.backoff_max_s < t.backoff_initial_s {
+            return Err(invalid(
+                "teacher.backoff_max_s",
+                "must be >= backoff_initial_s",
+            ));
+        }
+        if t.max_attempts == Some(0) {
+            return Err(invalid("teacher.max_attempts", "must be at least 1"));
+        }
+        if t.prefetch == 0 {
+            return Err(invalid("teacher.prefetch", "must be at least 1"));
+        }
+        Ok(())
+    }
+}
+
+impl Validate for DataConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        let d = self;
+        if d.train_path.as_os_str().is_empty() {
+            return Err(invalid(
+                "data.train_path",
+                "the training data file is required (or --data)",
+            ));
+        }
+        match (&d.prompt_field, &d.completion_field) {
+            (Some(_), None) => {
+                return Err(invalid(
+                    "data.completion_field",
+                    "required with data.prompt_field",
+                ))
+            }
+            (None, Some(_)) => {
+                return Err(invalid(
+                    "data.prompt_field",
+                    "required with data.completion_field",
+                ))
+            }
+            _ => {}
+        }
+        if d.text_field.is_empty() {
+            return Err(invalid("data.text_field", "must not be empty"));
+        }
+        if !(d.val_fraction.is_finite() && (0.0..1.0).contains(&d.val_fraction)) {
+            return Err(invalid("data.val_fraction", "must be in [0, 1)"));
+        }
+        if d.max_record_bytes == 0 {
+            return Err(invalid("data.max_record_bytes", "must be at least 1"));
+        }
+        Ok(())
+    }
+}
+
+impl Validate for DistillationConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        let r = self;
+        if r.num_prompts_per_step == 0 {
+            return Err(invalid(
+                "distillation.num_prompts_per_step",
+                "must be at least 1",
+            ));
+        }
+        if r.max_num_steps == 0 {
+            return Err(invalid("distillation.max_num_steps", "must be at least 1"));
+        }
+        if r.max_num_epochs == 0 {
+            return Err(invalid("distillation.max_num_epochs", "must be at least 1"));
+        }
+        Ok(())
+    }
+}
+
+impl Validate for CheckpointingConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        let c = self;
+        if c.checkpoint_dir.as_os_str().is_empty() {
+            return Err(invalid("checkpointing.checkpoint_dir", "must not be empty"));
+        }
+        if c.enabled && c.save_period == 0 {
+            return Err(invalid("checkpointing.save_period", "must be at least 1"));
+        }
+        if c.keep_top_k == Some(0) {
+            return Err(invalid(
+                "checkpointing.keep_top_k",
+                "must be at least 1 (or absent to keep all)",
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Validate for LoggerConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        if self.log_every == 0 {
+            return Err(invalid("logger.log_every", "must be at least 1"));
+        }
+        Ok(())
+    }
+}
+
+/// `[loss]` as typed config; an absent or empty table is none.
+fn loss_section<'de, D: Deserializer<'de>>(d: D) -> Result<Option<LossConfig>, D::Error> {
+    let table = toml::Table::deserialize(d)?;
+    if table.is_empty() {
+        return Ok(None);
+    }
+    toml::Value::Table(table)
+        .try_into()
+        .map(Some)
+        .map_err(|e: toml::de::Error| serde::de::Error::custom(format!("[loss]: {}", e.message())))
 }
 
 fn is_device_name(s: &str) -> bool {
@@ -857,7 +929,7 @@ mod tests {
         assert_eq!(c.teacher.k, 64);
         assert_eq!(c.distillation, DistillationConfig::default());
         assert_eq!(c.policy.optimizer, OptimizerConfig::default());
-        assert!(c.loss.is_empty());
+        assert!(c.loss.is_none());
         // Relative paths resolve against the config's directory.
         assert_eq!(c.policy.model_name, dir.path().join("student"));
         assert_eq!(c.data.train_path, dir.path().join("data/train.jsonl"));
@@ -889,7 +961,7 @@ mod tests {
             resume: true,
             set: vec![
                 "policy.optimizer.lr=3e-5".into(),
-                "loss.type=forward_kl".into(),
+                "loss.kd.type=forward_kl".into(),
             ],
         };
         let c = Config::load(&args).unwrap();
@@ -901,14 +973,9 @@ mod tests {
         assert_eq!(c.distillation.max_num_steps, 7);
         assert_eq!(c.policy.optimizer.lr, 3e-5);
         assert_eq!(
-            c.loss.get("type").and_then(|v| v.as_str()),
-            Some("forward_kl")
+            c.loss.as_ref().map(|l| &l.kd),
+            Some(&crate::loss::KdConfig::ForwardKl {})
         );
-        #[derive(Deserialize)]
-        struct L {
-            r#type: String,
-        }
-        assert_eq!(c.loss_as::<L>().unwrap().r#type, "forward_kl");
     }
 
     fn err_key(text: &str) -> String {
@@ -993,12 +1060,18 @@ mod tests {
     fn temperatures_of_teacher_and_loss_must_agree() {
         let with = |extra: &str| format!("{MINIMAL}\n{extra}");
         assert_eq!(
-            err_key(&with("[loss]\ntemperature = 2.0")),
+            err_key(&with(
+                "[loss]\nkd = { type = \"forward_kl\" }\ntemperature = 2.0"
+            )),
             "teacher.temperature"
         );
         let dir = tempfile::tempdir().unwrap();
         let ok = MINIMAL.replace("[teacher]", "[teacher]\ntemperature = 2.0");
-        Config::from_file(&write(dir.path(), &with_loss(&ok, "temperature = 2"))).unwrap();
+        Config::from_file(&write(
+            dir.path(),
+            &with_loss(&ok, "kd = { type = \"forward_kl\" }\ntemperature = 2"),
+        ))
+        .unwrap();
     }
 
     fn with_loss(text: &str, loss: &str) -> String {
@@ -1024,10 +1097,10 @@ mod tests {
                 path.display(),
                 c.data.train_path.display()
             );
-            assert!(!c.loss.is_empty(), "{}: no [loss]", path.display());
+            assert!(c.loss.is_some(), "{}: no [loss]", path.display());
             // The [loss] table must be a valid loss config, not just TOML.
-            let loss: crate::loss::LossConfig = c
-                .loss_as()
+            let loss = c
+                .loss()
                 .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
             loss.validate()
                 .unwrap_or_else(|e| panic!("{}: {e}", path.display()));

@@ -2,13 +2,10 @@
 //! Face layout (transformers loads it unchanged).
 
 use anyhow::{bail, Context, Result};
-use candle_core::{Device, Tensor};
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
+use candle_core::Tensor;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use xdistill_shared::hf::{write_model_dir, Arch, LayerKind, ModelConfig, RopeParams};
-use xdistill_shared::model::{param_specs, Init};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct Args {
@@ -230,31 +227,13 @@ pub fn build_config(a: &Args) -> Result<ModelConfig> {
     Ok(cfg)
 }
 
-/// Random parameters for `cfg`, reproducible from `seed` (ChaCha8, Box–Muller normals).
+/// Random parameters for `cfg`, reproducible from `seed` (see [`xdistill_shared::init`]).
 pub fn random_params(
     cfg: &ModelConfig,
     init_std: f64,
     seed: u64,
 ) -> Result<HashMap<String, Tensor>> {
-    use rand::Rng;
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let mut out = HashMap::new();
-    for spec in param_specs(cfg, init_std) {
-        let n: usize = spec.shape.iter().product();
-        let data: Vec<f32> = match spec.init {
-            Init::Ones => vec![1.0; n],
-            Init::Zeros => vec![0.0; n],
-            Init::Normal(std) => (0..n)
-                .map(|_| {
-                    let u1: f64 = rng.random::<f64>().max(f64::MIN_POSITIVE);
-                    let u2: f64 = rng.random::<f64>();
-                    ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos() * std) as f32
-                })
-                .collect(),
-        };
-        out.insert(spec.name, Tensor::from_vec(data, spec.shape, &Device::Cpu)?);
-    }
-    Ok(out)
+    Ok(xdistill_shared::init::random_params(cfg, init_std, seed)?)
 }
 
 pub fn run(a: Args) -> Result<()> {

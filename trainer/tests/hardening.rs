@@ -187,7 +187,7 @@ fn over_long_records_are_skipped_or_truncated() {
     let dir = tempfile::tempdir().unwrap();
     let teacher = token_driven_teacher(dir.path(), "llama", "llama2", 1);
     let student = model(dir.path(), "student", "qwen3", "llama2", 32, 2, 0.02, 2);
-    let t = TeacherProcess::start(&teacher_binary(), &teacher, &[]);
+    let t = TeacherProcess::start(&teacher_binary(), &teacher, &[]).expect("starting the teacher");
     let loss = r#"kd = { type = "forward_kl" }"#;
 
     // 1. Every record too long: an error naming the cause, before any teacher query.
@@ -398,7 +398,7 @@ fn corrupt_checkpoints_and_non_finite_steps() {
     let dir = tempfile::tempdir().unwrap();
     let teacher = token_driven_teacher(dir.path(), "llama", "llama2", 1);
     let student = model(dir.path(), "student", "qwen3", "llama2", 32, 2, 0.02, 2);
-    let t = TeacherProcess::start(&teacher_binary(), &teacher, &[]);
+    let t = TeacherProcess::start(&teacher_binary(), &teacher, &[]).expect("starting the teacher");
     let loss = r#"kd = { type = "forward_kl" }"#;
     let quick = |c: &mut xdistill_trainer::config::Config| {
         c.distillation.val_at_start = false;

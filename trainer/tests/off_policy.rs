@@ -32,7 +32,7 @@ fn same_tokenizer_kl_halves_and_resume_is_exact() {
     // A peaked, token-driven teacher and a smaller, near-uniform student on the same tokenizer.
     let teacher = token_driven_teacher(dir.path(), "llama", "llama2", 1);
     let student = model(dir.path(), "student", "qwen3", "llama2", 32, 2, 0.02, 2);
-    let t = TeacherProcess::start(&teacher_binary(), &teacher, &[]);
+    let t = TeacherProcess::start(&teacher_binary(), &teacher, &[]).expect("starting the teacher");
     let loss = r#"kd = { type = "forward_kl" }
 tail = "bucket""#;
 
@@ -100,7 +100,7 @@ fn cross_tokenizer_kl_falls() {
     // Teacher on the Qwen3 tokenizer, student on Llama 2's: aligned chunks + projected KL.
     let teacher = token_driven_teacher(dir.path(), "qwen3", "qwen3", 4);
     let student = model(dir.path(), "student", "llama", "llama2", 32, 2, 0.02, 5);
-    let t = TeacherProcess::start(&teacher_binary(), &teacher, &[]);
+    let t = TeacherProcess::start(&teacher_binary(), &teacher, &[]).expect("starting the teacher");
     let out = dir.path().join("xrun");
     let cfg = config(
         dir.path(),

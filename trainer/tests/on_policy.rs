@@ -37,7 +37,7 @@ fn on_policy_raises_teacher_logprob_of_samples_and_lowers_reverse_kl() {
     let dir = tempfile::tempdir().unwrap();
     let teacher = context_free_teacher(dir.path(), "llama", "llama2", 11);
     let student = model(dir.path(), "student", "qwen3", "llama2", 32, 2, 0.02, 12);
-    let t = TeacherProcess::start(&teacher_binary(), &teacher, &[]);
+    let t = TeacherProcess::start(&teacher_binary(), &teacher, &[]).expect("starting the teacher");
     let data = prompts(dir.path());
     // 1. Top-k distillation on the student's own samples, from a random student.
     // 2. The sampled-token reverse KL (REINFORCE, teacher log-prob of each sample only), continued
@@ -100,7 +100,7 @@ fn cross_tokenizer_run(kd: &str, seed: u64) {
     let dir = tempfile::tempdir().unwrap();
     let teacher = token_driven_teacher(dir.path(), "qwen3", "qwen3", 13);
     let student = model(dir.path(), "student", "llama", "llama2", 32, 2, 0.02, seed);
-    let t = TeacherProcess::start(&teacher_binary(), &teacher, &[]);
+    let t = TeacherProcess::start(&teacher_binary(), &teacher, &[]).expect("starting the teacher");
     let data = prompts(dir.path());
     let out = dir.path().join("x");
     let extra = ON_POLICY.replace("lambda = 1.0", "lambda = 0.5");

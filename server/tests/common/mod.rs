@@ -61,7 +61,7 @@ pub fn teacher_bin() -> PathBuf {
 
 /// Starts this crate's `teacher` binary on `model` (port 0) and waits until it is healthy.
 pub fn start_teacher(model: &Path, extra: &[&str]) -> Teacher {
-    TeacherProcess::start(&teacher_bin(), model, extra)
+    TeacherProcess::start(&teacher_bin(), model, extra).expect("starting the teacher")
 }
 
 pub fn client() -> reqwest::Client {

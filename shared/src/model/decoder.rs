@@ -100,7 +100,7 @@ impl Weights {
                     Arch::Phi3 => phi3::block(cfg, &lv, kind),
                     Arch::Qwen3Moe => qwen3_moe::block(cfg, &lv, l, kind),
                     Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => {
-                        llama::block(cfg, &lv, kind, None)
+                        llama::block(cfg, &lv, kind)
                     }
                 }
             })

@@ -18,37 +18,38 @@ pub(crate) fn block(cfg: &ModelConfig, vb: &VarBuilder, kind: LayerKind) -> Resu
     );
     let eps = cfg.rms_norm_eps;
     let bias = cfg.attention_bias;
+    let norm = |name: &str| Norm::load(vb, name, h, eps, true);
+    // Read in the order of the forward pass (see `llama::block_with`).
+    let input_norm = norm("input_layernorm")?;
     let av = vb.pp("self_attn");
+    let q = linear(&av, "q_proj", (h, hq * d), bias)?;
+    let k = linear(&av, "k_proj", (h, hkv * d), bias)?;
+    let v = linear(&av, "v_proj", (h, hkv * d), bias)?;
+    let o = linear(&av, "o_proj", (hq * d, h), bias)?;
+    let qk_norm = Some((
+        Norm::load(&av, "q_norm", d, eps, true)?,
+        Norm::load(&av, "k_norm", d, eps, true)?,
+    ));
     let attn = Attention {
-        qkv: Qkv::Separate {
-            q: linear(&av, "q_proj", (h, hq * d), bias)?,
-            k: linear(&av, "k_proj", (h, hkv * d), bias)?,
-            v: linear(&av, "v_proj", (h, hkv * d), bias)?,
-        },
-        o: linear(&av, "o_proj", (hq * d, h), bias)?,
-        qk_norm: Some((
-            Norm::load(&av, "q_norm", d, eps, true)?,
-            Norm::load(&av, "k_norm", d, eps, true)?,
-        )),
+        qkv: Qkv::Separate { q, k, v },
+        o,
+        qk_norm,
         n_heads: hq,
         n_kv: hkv,
         head_dim: d,
         scale: cfg.attention_scale(),
         window: cfg.layer_window(kind),
     };
+    let post_attn_norm = Some(norm("post_attention_layernorm")?);
+    let ffn_norm = norm("pre_feedforward_layernorm")?;
     let act = cfg.activation().map_err(candle_core::Error::wrap)?;
-    let norm = |name: &str| Norm::load(vb, name, h, eps, true);
+    let ffn = Ffn::Dense(GatedMlp::load(&vb.pp("mlp"), h, cfg.intermediate_size, act)?);
     Ok(Block {
-        input_norm: norm("input_layernorm")?,
+        input_norm,
         attn,
-        post_attn_norm: Some(norm("post_attention_layernorm")?),
-        ffn_norm: norm("pre_feedforward_layernorm")?,
-        ffn: Ffn::Dense(GatedMlp::load(
-            &vb.pp("mlp"),
-            h,
-            cfg.intermediate_size,
-            act,
-        )?),
+        post_attn_norm,
+        ffn_norm,
+        ffn,
         post_ffn_norm: Some(norm("post_feedforward_layernorm")?),
     })
 }

@@ -24,6 +24,10 @@ pub(crate) fn attention(cfg: &ModelConfig, vb: &VarBuilder, kind: LayerKind) -> 
         _ => (cfg.attention_bias, cfg.attention_bias),
     };
     let av = vb.pp("self_attn");
+    let q = linear(&av, "q_proj", (h, hq * d), qkv_bias)?;
+    let k = linear(&av, "k_proj", (h, hkv * d), qkv_bias)?;
+    let v = linear(&av, "v_proj", (h, hkv * d), qkv_bias)?;
+    let o = linear(&av, "o_proj", (hq * d, h), o_bias)?;
     let qk_norm = if matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe) {
         let eps = cfg.rms_norm_eps;
         Some((
@@ -34,12 +38,8 @@ pub(crate) fn attention(cfg: &ModelConfig, vb: &VarBuilder, kind: LayerKind) -> 
         None
     };
     Ok(Attention {
-        qkv: Qkv::Separate {
-            q: linear(&av, "q_proj", (h, hq * d), qkv_bias)?,
-            k: linear(&av, "k_proj", (h, hkv * d), qkv_bias)?,
-            v: linear(&av, "v_proj", (h, hkv * d), qkv_bias)?,
-        },
-        o: linear(&av, "o_proj", (hq * d, h), o_bias)?,
+        qkv: Qkv::Separate { q, k, v },
+        o,
         qk_norm,
         n_heads: hq,
         n_kv: hkv,
@@ -49,30 +49,36 @@ pub(crate) fn attention(cfg: &ModelConfig, vb: &VarBuilder, kind: LayerKind) -> 
     })
 }
 
-/// One block: pre-norm attention, then a pre-norm SwiGLU MLP (`ffn` overrides the MLP, for
-/// Qwen3-MoE's sparse layers).
-pub(crate) fn block(
+/// One block: pre-norm attention, then a pre-norm SwiGLU MLP.
+pub(crate) fn block(cfg: &ModelConfig, vb: &VarBuilder, kind: LayerKind) -> Result<Block> {
+    block_with(cfg, vb, kind, |cfg, mv| dense_mlp(cfg, mv).map(Ffn::Dense))
+}
+
+/// The dense SwiGLU MLP under `mv` (`…mlp`).
+pub(crate) fn dense_mlp(cfg: &ModelConfig, mv: &VarBuilder) -> Result<GatedMlp> {
+    let act = cfg.activation().map_err(candle_core::Error::wrap)?;
+    GatedMlp::load(mv, cfg.hidden_size, cfg.intermediate_size, act)
+}
+
+/// A block whose MLP `ffn` builds from `…mlp` (Qwen3-MoE's sparse layers).
+pub(crate) fn block_with(
     cfg: &ModelConfig,
     vb: &VarBuilder,
     kind: LayerKind,
-    ffn: Option<Ffn>,
+    ffn: impl FnOnce(&ModelConfig, &VarBuilder) -> Result<Ffn>,
 ) -> Result<Block> {
     let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
-    let act = cfg.activation().map_err(candle_core::Error::wrap)?;
-    let ffn = match ffn {
-        Some(f) => f,
-        None => Ffn::Dense(GatedMlp::load(
-            &vb.pp("mlp"),
-            h,
-            cfg.intermediate_size,
-            act,
-        )?),
-    };
+    // Read in the order of the forward pass (it fixes `param_specs`' order, and so which draws
+    // of a seeded `init-model` land where).
+    let input_norm = Norm::load(vb, "input_layernorm", h, eps, false)?;
+    let attn = attention(cfg, vb, kind)?;
+    let ffn_norm = Norm::load(vb, "post_attention_layernorm", h, eps, false)?;
+    let ffn = ffn(cfg, &vb.pp("mlp"))?;
     Ok(Block {
-        input_norm: Norm::load(vb, "input_layernorm", h, eps, false)?,
-        attn: attention(cfg, vb, kind)?,
+        input_norm,
+        attn,
         post_attn_norm: None,
-        ffn_norm: Norm::load(vb, "post_attention_layernorm", h, eps, false)?,
+        ffn_norm,
         ffn,
         post_ffn_norm: None,
     })

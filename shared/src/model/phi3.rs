@@ -16,6 +16,8 @@ pub(crate) fn block(cfg: &ModelConfig, vb: &VarBuilder, kind: LayerKind) -> Resu
         cfg.head_dim(),
     );
     let (eps, inter) = (cfg.rms_norm_eps, cfg.intermediate_size);
+    // Read in the order of the forward pass (see `llama::block_with`).
+    let input_norm = Norm::load(vb, "input_layernorm", h, eps, false)?;
     let av = vb.pp("self_attn");
     let attn = Attention {
         qkv: Qkv::Fused(linear(&av, "qkv_proj", (h, (hq + 2 * hkv) * d), false)?),
@@ -27,6 +29,7 @@ pub(crate) fn block(cfg: &ModelConfig, vb: &VarBuilder, kind: LayerKind) -> Resu
         scale: cfg.attention_scale(),
         window: cfg.layer_window(kind),
     };
+    let ffn_norm = Norm::load(vb, "post_attention_layernorm", h, eps, false)?;
     let mv = vb.pp("mlp");
     let mlp = GatedMlp {
         gate_up: GateUp::Fused(linear(&mv, "gate_up_proj", (h, 2 * inter), false)?),
@@ -34,10 +37,10 @@ pub(crate) fn block(cfg: &ModelConfig, vb: &VarBuilder, kind: LayerKind) -> Resu
         act: cfg.activation().map_err(candle_core::Error::wrap)?,
     };
     Ok(Block {
-        input_norm: Norm::load(vb, "input_layernorm", h, eps, false)?,
+        input_norm,
         attn,
         post_attn_norm: None,
-        ffn_norm: Norm::load(vb, "post_attention_layernorm", h, eps, false)?,
+        ffn_norm,
         ffn: Ffn::Dense(mlp),
         post_ffn_norm: None,
     })

@@ -28,6 +28,7 @@ impl SparseMoe {
         let (h, e) = (cfg.hidden_size, m.num_experts.unwrap_or(0));
         let inter = m.moe_intermediate_size.unwrap_or(0);
         let act = cfg.activation().map_err(candle_core::Error::wrap)?;
+        let router = linear(vb, "gate", (h, e), false)?;
         let ev = vb.pp("experts");
         let experts = if ev.contains_tensor("gate_up_proj") {
             let gate_up = ev.get((e, 2 * inter, h), "gate_up_proj")?;
@@ -47,7 +48,7 @@ impl SparseMoe {
                 .collect::<Result<Vec<_>>>()?
         };
         Ok(SparseMoe {
-            router: linear(vb, "gate", (h, e), false)?,
+            router,
             experts,
             top_k: m.num_experts_per_tok.unwrap_or(1),
             norm_topk_prob: m.norm_topk_prob.unwrap_or(false),
@@ -94,10 +95,11 @@ impl SparseMoe {
 
 /// One block: Qwen3's, with the sparse MLP on MoE layers.
 pub(crate) fn block(cfg: &ModelConfig, vb: &VarBuilder, l: usize, kind: LayerKind) -> Result<Block> {
-    let ffn = if cfg.is_moe_layer(l) {
-        Some(Ffn::Moe(SparseMoe::load(cfg, &vb.pp("mlp"))?))
-    } else {
-        None
-    };
-    super::llama::block(cfg, vb, kind, ffn)
+    super::llama::block_with(cfg, vb, kind, |cfg, mv| {
+        Ok(if cfg.is_moe_layer(l) {
+            Ffn::Moe(SparseMoe::load(cfg, mv)?)
+        } else {
+            Ffn::Dense(super::llama::dense_mlp(cfg, mv)?)
+        })
+    })
 }

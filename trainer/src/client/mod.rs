@@ -198,20 +198,11 @@ impl TeacherClient {
 
     /// From the `[teacher]` section of a config.
     pub fn from_config(t: &TeacherConfig) -> Result<TeacherClient, ConfigError> {
-        let urls = t
-            .urls
-            .iter()
-            .enumerate()
-            .map(|(i, u)| {
-                crate::config::parse_base_url(u).map_err(|m| ConfigError::Invalid {
-                    key: format!("teacher.urls[{i}]"),
-                    message: m,
-                })
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        TeacherClient::new(urls, ClientOptions::from_config(t)?).map_err(|e| ConfigError::Invalid {
-            key: "teacher.urls".into(),
-            message: e.to_string(),
+        TeacherClient::new(t.parsed_urls()?, ClientOptions::from_config(t)?).map_err(|e| {
+            ConfigError::Invalid {
+                key: "teacher.urls".into(),
+                message: e.to_string(),
+            }
         })
     }
 
@@ -354,6 +345,16 @@ impl TeacherClient {
         info: &InfoResponse,
     ) -> Result<PathBuf, ClientError> {
         let expected = info.tokenizer_sha256.to_ascii_lowercase();
+        // The hash names a directory: only a SHA-256 in hex may become a path.
+        if expected.len() != 64 || !expected.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(ClientError::InvalidResponse {
+                url: TOKENIZER_PATH.to_string(),
+                message: format!(
+                    "/v1/info's tokenizer_sha256 {:?} is not a SHA-256 in hex",
+                    info.tokenizer_sha256
+                ),
+            });
+        }
         let dir = cache_dir.join(&expected);
         let path = dir.join("tokenizer.json");
         if let Ok(bytes) = std::fs::read(&path) {

@@ -37,7 +37,7 @@ pub fn cross_entropy(
     let dt = compute_dtype(logits);
     let z = logits.to_dtype(dt)?;
     // −log p(y) = logsumexp(z) − z[y]; [B, T] (fused on the CPU: no [B, T, V] temporaries).
-    let nll = xdistill_shared::ops::gather_log_softmax(&z, &targets.contiguous()?.unsqueeze(2)?)?
+    let nll = xdistill_kernels::gather_log_softmax(&z, &targets.contiguous()?.unsqueeze(2)?)?
         .squeeze(2)?
         .neg()?;
     masked_mean(&nll, &mask.to_dtype(dt)?, normalizer)

@@ -199,7 +199,7 @@ pub fn topk_divergence(
             // log p_S[K] = z[K]/τ − logsumexp(z/τ): no full [B, T, V] log-softmax is kept.
             // Fused on the CPU: the full [B, T, V] log-softmax is never materialised.
             let z = scaled(student_logits, dt, inv_t)?;
-            let lsk = xdistill_shared::ops::gather_log_softmax(&z, &ids)?;
+            let lsk = xdistill_kernels::gather_log_softmax(&z, &ids)?;
             let lse_s = logsumexp_last(&lsk)?;
             if tail == TailMode::Bucket {
                 let tail_s = log1mexp(&lse_s, TAIL_FLOOR)?.unsqueeze(2)?;

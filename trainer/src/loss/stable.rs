@@ -13,9 +13,9 @@ pub const LOG_FLOOR: f64 = -1.0e4;
 pub const TAIL_FLOOR: f64 = 1.0e-6;
 
 /// `log_softmax` over the last dim, `[.., V] -> [.., V]`, with a backward pass: the fused
-/// one-pass kernel on the CPU (`xdistill_shared::ops`), composed ops elsewhere.
+/// one-pass kernel on the CPU (`xdistill_kernels`), composed ops elsewhere.
 pub fn log_softmax_last(x: &Tensor) -> Result<Tensor> {
-    Ok(xdistill_shared::ops::log_softmax(x)?)
+    Ok(xdistill_kernels::log_softmax(x)?)
 }
 
 /// `softmax` over the last dim with a backward pass, `[.., V] -> [.., V]`.

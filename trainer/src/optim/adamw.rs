@@ -212,7 +212,7 @@ impl AdamW {
             // Fast path (CPU, f32 weights without a master copy): the fused in-place kernels do
             // the same update in three passes with no temporaries.
             if p.master.is_none() {
-                let h = xdistill_shared::ops::AdamWStep {
+                let h = xdistill_kernels::AdamWStep {
                     lr: c.lr,
                     beta1: c.beta1,
                     beta2: c.beta2,
@@ -220,13 +220,7 @@ impl AdamW {
                     weight_decay: if p.decay { c.weight_decay } else { 0.0 },
                     step: self.step,
                 };
-                if xdistill_shared::ops::adamw_update_in_place(
-                    p.var.as_tensor(),
-                    &g,
-                    &p.m,
-                    &p.v,
-                    h,
-                )? {
+                if xdistill_kernels::adamw_update_in_place(p.var.as_tensor(), &g, &p.m, &p.v, h)? {
                     continue;
                 }
             }

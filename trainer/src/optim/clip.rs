@@ -12,7 +12,7 @@ pub fn grad_norm(grads: &GradStore, vars: &[Var]) -> Result<f64> {
         let mut total = 0.0;
         for v in vars {
             if let Some(g) = grads.get(v.as_tensor()) {
-                total += xdistill_shared::ops::sum_squares(g)?;
+                total += xdistill_kernels::sum_squares(g)?;
             }
         }
         return Ok(total.sqrt());

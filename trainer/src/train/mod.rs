@@ -1,9 +1,12 @@
-//! Training loops and the pieces they share.
+//! The training loop and its objectives.
 //!
-//! Data flows one way: dataset → [`prepare`] (tokenize, align, teacher request) → teacher client
+//! [`runner::run`] is the one loop (session, validation cadence, metrics, checkpoints, final
+//! save); [`off_policy`], [`on_policy`] and [`sft`] implement [`runner::Objective`]. Data flows
+//! one way: dataset → [`prepare`] (tokenize, align, teacher request) → teacher client
 //! (prefetched) → [`step`] (loss on the student) → [`runner::Runner`] (clip, schedule, AdamW,
 //! checkpoint).
 
+pub mod distill;
 pub mod off_policy;
 pub mod on_policy;
 pub mod prepare;

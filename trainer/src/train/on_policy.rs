@@ -12,21 +12,21 @@
 //! - `[on_policy] lambda`: the share of steps that sample; the others train off-policy on the
 //!   data's own prompt + completion, so one run can mix both (TRL GKD's λ).
 
-use super::off_policy::{setup, Setup, Summary};
+use super::distill::{Setup, Summary};
+use super::off_policy::distill_filter;
 use super::prepare::{prepare, prepare_record, Item, Tokenization};
-use super::runner::{Runner, Session};
-use super::step::{accumulate, trained_teacher_rows, units, validation_sums, Units};
-use crate::checkpoint::TrainerState;
+use super::runner::{
+    self, Batches, Objective, RecordFilter, RunOptions, StepCtx, StepReport, ValReport,
+};
+use super::step::{accumulate, trained_teacher_rows, units, validation_sums, LossCtx, Units};
 use crate::collate::Encoded;
-use crate::config::{Config, OffPolicyArgs};
-use crate::data::{Content, Record};
+use crate::config::OffPolicyArgs;
+use crate::data::{Batch, Content, Record};
 use crate::generate::{generate, Generation};
 use crate::loss::{sampled_token_loss, KdConfig, LossConfig, SampledTargets};
-use crate::metrics_log::{unix_time, MetricsLog, StepMetrics, ValMetrics};
-use crate::optim::GradAccumulator;
 use crate::student::Student;
-use anyhow::{bail, Context, Result};
-use candle_core::{Device, Tensor};
+use anyhow::{bail, Result};
+use candle_core::Tensor;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::collections::BTreeMap;
@@ -35,13 +35,189 @@ use xdistill_shared::protocol::{SequenceScores, TopkRequest, ValuesKind};
 
 /// `trainer on-policy` (the off-policy flags; `--prompts` is an alias of `--data`).
 pub fn run(args: OffPolicyArgs) -> Result<()> {
-    let cfg = Config::load(&args)?;
-    let out = cfg.checkpointing.checkpoint_dir.clone();
-    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
-    let s = setup(cfg)?;
-    let summary = train(&s, args.resume, None)?;
-    println!("{}", serde_json::to_string(&summary)?);
-    Ok(())
+    super::distill::run_command(&args, train)
+}
+
+/// The on-policy run (also used by tests and the demo); `stop_after` as in [`RunOptions`].
+pub fn train(s: &Setup, resume: bool, stop_after: Option<u64>) -> Result<Summary> {
+    let mut objective = OnPolicy::new(s)?;
+    let opts = RunOptions { resume, stop_after };
+    let o = runner::run(&s.cfg, &s.device, &mut objective, opts)?;
+    Ok(Summary::from_outcome(&o))
+}
+
+/// On-policy distillation, mixed with off-policy steps by `[on_policy] lambda`: owns generation
+/// and the λ draws.
+pub struct OnPolicy<'a> {
+    s: &'a Setup,
+    /// The loss of the off-policy steps.
+    off_loss: LossConfig,
+    tok: tokenizers::Tokenizer,
+}
+
+impl<'a> OnPolicy<'a> {
+    pub fn new(s: &'a Setup) -> Result<OnPolicy<'a>> {
+        let op = &s.cfg.on_policy;
+        if !(0.0..=1.0).contains(&op.lambda) {
+            bail!("on_policy.lambda = {} must be in [0, 1]", op.lambda);
+        }
+        op.generation.validate()?;
+        Ok(OnPolicy {
+            s,
+            off_loss: off_policy_loss(&s.loss, s.tokenization.is_cross()),
+            tok: student_tokenizer(s).clone(),
+        })
+    }
+
+    /// Samples completions of `batch`'s prompts, scores them and accumulates the loss.
+    fn on_step(&self, ctx: &mut StepCtx, batch: &Batch, r: &mut StepReport) -> Result<()> {
+        let (s, mb) = (self.s, self.s.cfg.policy.train_micro_batch_size.max(1));
+        let mut stats = SampleStats::default();
+        // 1. Sample with the current weights (fused kernels, same vars).
+        let t0 = Instant::now();
+        let model = ctx.student.inference_model()?;
+        let gens = sample(s, &model, &self.tok, &batch.records, ctx.rng)?;
+        let gen_s = t0.elapsed().as_secs_f64();
+        gens.iter().for_each(|g| stats.add_generation(g));
+        let t1 = Instant::now();
+        let lc = s.loss_ctx(ctx.student.model(), &s.loss);
+        let (mut kd_sum, mut norm) = (0.0, Units::default());
+        match s.tokenization.as_ref() {
+            Tokenization::Same(_) => {
+                let (samples, scores) = score_same(s, &gens)?;
+                r.teacher_latency_s = t1.elapsed().as_secs_f64();
+                stats.add_same(&samples, &scores);
+                r.tokens = samples.iter().map(|x| x.ids.len() as u64).sum::<u64>();
+                let refs: Vec<&SequenceScores> = scores.iter().collect();
+                if s.loss.kd.is_sampled() {
+                    norm.kd = stats.tokens;
+                    for (xs, sc) in samples.chunks(mb).zip(refs.chunks(mb)) {
+                        let (l, v) = sampled_loss(&lc, xs, sc, norm.kd.max(1.0))?;
+                        ctx.acc.add(&l.backward()?)?;
+                        kd_sum += v * norm.kd;
+                    }
+                } else {
+                    let include_prompt = s.cfg.on_policy.include_prompt;
+                    let items: Vec<Item> = samples
+                        .iter()
+                        .map(|x| {
+                            Item::Same(Encoded {
+                                ids: x.ids.clone(),
+                                loss_from: if include_prompt { 1 } else { x.completion_from },
+                            })
+                        })
+                        .collect();
+                    norm = units(&items);
+                    kd_sum += accumulate(&lc, ctx.acc, &items, &refs, norm)?.kd_sum;
+                }
+            }
+            Tokenization::Cross { .. } => {
+                let (items, used) = cross_items(s, &batch.records, &gens);
+                stats.add_student_lps(used.iter().map(|&i| &gens[i]));
+                r.skipped += (gens.len() - items.len()) as u64;
+                if !items.is_empty() {
+                    let resp = s.client.topk(&request_of(s, &items))?;
+                    r.teacher_latency_s = t1.elapsed().as_secs_f64();
+                    let refs: Vec<&SequenceScores> = resp.results.iter().collect();
+                    stats.add_teacher_scores(&items, &refs);
+                    norm = units(&items);
+                    r.tokens = items.iter().map(|i| i.teacher_ids().len() as u64).sum();
+                    kd_sum += accumulate(&lc, ctx.acc, &items, &refs, norm)?.kd_sum;
+                }
+            }
+        }
+        stats.into_parts(&mut r.loss_parts);
+        r.loss_parts.insert("generation_s".into(), gen_s);
+        r.kl = Some(stats.reverse_kl());
+        self.finish(r, kd_sum, norm);
+        Ok(())
+    }
+
+    /// An off-policy step on the data's own prompt + completion.
+    fn off_step(&self, ctx: &mut StepCtx, batch: &Batch, r: &mut StepReport) -> Result<()> {
+        let s = self.s;
+        let p = prepare(
+            batch.clone(),
+            &s.tokenization,
+            s.limits,
+            s.cfg.teacher.k,
+            s.cfg.teacher.temperature,
+        );
+        r.skipped += p.skipped;
+        let (mut kd_sum, mut norm) = (0.0, Units::default());
+        if !p.items.is_empty() {
+            let t1 = Instant::now();
+            let resp = s.client.topk(&p.request)?;
+            r.teacher_latency_s = t1.elapsed().as_secs_f64();
+            let refs: Vec<&SequenceScores> = resp.results.iter().collect();
+            norm = units(&p.items);
+            r.tokens = p.items.iter().map(|i| i.teacher_ids().len() as u64).sum();
+            let lc = s.loss_ctx(ctx.student.model(), &self.off_loss);
+            kd_sum += accumulate(&lc, ctx.acc, &p.items, &refs, norm)?.kd_sum;
+        }
+        self.finish(r, kd_sum, norm);
+        Ok(())
+    }
+
+    /// The step's loss figures from the summed KD and its units.
+    fn finish(&self, r: &mut StepReport, kd_sum: f64, norm: Units) {
+        let kd_mean = kd_sum / norm.kd.max(1.0);
+        r.loss_parts.insert("scoring_s".into(), r.teacher_latency_s);
+        r.loss_parts.insert("kd".into(), kd_mean);
+        r.loss = kd_mean;
+        r.loss_tokens = norm.ce.max(norm.kd) as u64;
+        r.teacher_wait_s = r.teacher_latency_s;
+    }
+}
+
+impl Objective for OnPolicy<'_> {
+    type Input = Batch;
+
+    fn open(&mut self, _: &Student) -> Result<Option<RecordFilter<'_>>> {
+        Ok(distill_filter(self.s))
+    }
+
+    fn feed(&mut self, batches: Batches) -> Box<dyn Iterator<Item = Result<Batch>>> {
+        Box::new(batches.map(Ok))
+    }
+
+    fn step(&mut self, ctx: &mut StepCtx, batch: Batch) -> Result<StepReport> {
+        let op = &self.s.cfg.on_policy;
+        let on = op.lambda >= 1.0 || ctx.rng.random::<f64>() < op.lambda;
+        let mut r = StepReport {
+            epoch: batch.start.epoch,
+            next: batch.next,
+            ..Default::default()
+        };
+        if on {
+            self.on_step(ctx, &batch, &mut r)?;
+        } else {
+            self.off_step(ctx, &batch, &mut r)?;
+        }
+        r.loss_parts.insert("on_policy".into(), on as u8 as f64);
+        Ok(r)
+    }
+
+    fn validation(&mut self, student: &Student, val: &[Record]) -> Result<Option<ValReport>> {
+        let Some((kl, st)) = validation_pass(self.s, student, val)? else {
+            return Ok(None);
+        };
+        let mut parts = BTreeMap::new();
+        st.into_parts(&mut parts);
+        Ok(Some(ValReport {
+            loss: kl,
+            kl: Some(kl),
+            parts,
+            records: val.len() as u64,
+            loss_tokens: st.tokens as u64,
+            metric: "val_kl",
+            summary: format!(
+                "kl {kl:.4}, teacher log-prob of samples {:.4}, eos {:.0}%",
+                st.mean_teacher_lp(),
+                100.0 * st.eos as f64 / st.completions.max(1) as f64,
+            ),
+        }))
+    }
 }
 
 /// The prompt part of a record (the whole text for plain-text records).
@@ -254,13 +430,12 @@ fn pad_front(sc: SequenceScores, start: usize) -> SequenceScores {
 /// Sampled-token loss on the completion positions of same-tokenizer samples; the LM head runs
 /// only on those rows.
 fn sampled_loss(
-    student: &Student,
+    ctx: &LossCtx,
     samples: &[Sample],
     scores: &[&SequenceScores],
-    loss: &LossConfig,
     normalizer: f64,
-    device: &Device,
 ) -> Result<(Tensor, f64)> {
+    let (device, loss) = (ctx.device, ctx.loss);
     let enc: Vec<Encoded> = samples
         .iter()
         .map(|x| Encoded {
@@ -280,13 +455,13 @@ fn sampled_loss(
         }
     }
     let n = sel.len();
-    let hidden = student.model().forward_hidden(&tb.ids, None, None, None)?;
+    let hidden = ctx.model.forward_hidden(&tb.ids, None, None, None)?;
     let h = hidden.dim(2)?;
     let rows = hidden
         .reshape((b * t, h))?
         .index_select(&Tensor::from_vec(sel, n, device)?, 0)?
         .unsqueeze(0)?;
-    let logits = student.model().logits(&rows)?;
+    let logits = ctx.model.logits(&rows)?;
     let targets = SampledTargets {
         tokens: Tensor::from_vec(tokens, (1, n), device)?,
         teacher_logprobs: Tensor::from_vec(tlp, (1, n), device)?,
@@ -299,7 +474,11 @@ fn sampled_loss(
 
 /// Validation on held-out prompts: samples with a fixed seed, teacher log-prob of the samples and
 /// the reverse KL estimate (same tokenizer), or P-KL on the samples (different tokenizers).
-fn validate(s: &Setup, student: &Student, val: &[Record]) -> Result<Option<(f64, SampleStats)>> {
+fn validation_pass(
+    s: &Setup,
+    student: &Student,
+    val: &[Record],
+) -> Result<Option<(f64, SampleStats)>> {
     if val.is_empty() {
         return Ok(None);
     }
@@ -325,15 +504,7 @@ fn validate(s: &Setup, student: &Student, val: &[Record]) -> Result<Option<(f64,
             let resp = s.client.topk(&req)?;
             let scores: Vec<&SequenceScores> = resp.results.iter().collect();
             st.add_teacher_scores(&items, &scores);
-            let v = validation_sums(
-                student.model(),
-                &items,
-                &scores,
-                s.cfg.teacher.k,
-                s.loss.temperature,
-                s.projection.as_ref(),
-                &s.device,
-            )?;
+            let v = validation_sums(&s.loss_ctx(student.model(), &s.loss), &items, &scores)?;
             Ok(Some((v.kl / v.kl_units.max(1.0), st)))
         }
     }
@@ -379,272 +550,4 @@ fn request_of(s: &Setup, items: &[Item]) -> TopkRequest {
         values: ValuesKind::Logprobs,
         ids: None,
     }
-}
-
-/// The on-policy training loop.
-pub fn train(s: &Setup, resume: bool, stop_after: Option<u64>) -> Result<Summary> {
-    let cfg = &s.cfg;
-    let op = &cfg.on_policy;
-    if !(0.0..=1.0).contains(&op.lambda) {
-        bail!("on_policy.lambda = {} must be in [0, 1]", op.lambda);
-    }
-    op.generation.validate()?;
-    let out = &cfg.checkpointing.checkpoint_dir;
-    let t_start = Instant::now();
-    let Session {
-        mut runner,
-        batcher,
-        val,
-        mut rng,
-        hash,
-        mut skipped,
-        resumed_from,
-        mut log,
-        progress,
-        ..
-    } = Session::open(
-        cfg,
-        &s.device,
-        resume,
-        Some(&|r| super::prepare::too_long(r, &s.tokenization, s.limits)),
-    )?;
-    let total_steps = runner.total_steps;
-    let k = cfg.teacher.k;
-    let off_loss = off_policy_loss(&s.loss, s.tokenization.is_cross());
-    let val_pass = |runner: &Runner,
-                    log: &mut MetricsLog,
-                    step: u64|
-     -> Result<Option<(f64, f64)>> {
-        let t0 = Instant::now();
-        let Some((kl, st)) = validate(s, &runner.student, &val)? else {
-            return Ok(None);
-        };
-        let mut parts = BTreeMap::new();
-        st.into_parts(&mut parts);
-        log.append(&ValMetrics {
-            split: "val".into(),
-            step,
-            loss: kl,
-            loss_parts: parts,
-            kl: Some(kl),
-            records: val.len() as u64,
-            loss_tokens: st.tokens as u64,
-            time: t0.elapsed().as_secs_f64(),
-        })?;
-        progress.println(&format!(
-            "validation at step {step}: kl {kl:.4}, teacher log-prob of samples {:.4}, eos {:.0}% ({:.1}s)",
-            st.mean_teacher_lp(),
-            100.0 * st.eos as f64 / st.completions.max(1) as f64,
-            t0.elapsed().as_secs_f64()
-        ));
-        Ok(Some((kl, st.mean_teacher_lp())))
-    };
-    let mut val_start = None;
-    if cfg.distillation.val_at_start && resumed_from.is_none() {
-        val_start = val_pass(&runner, &mut log, 0)?;
-    }
-    let mut last_val = None;
-    let mb = cfg.policy.train_micro_batch_size.max(1);
-    let tok = student_tokenizer(s).clone();
-    let mut batches = batcher.take(total_steps.saturating_sub(runner.step) as usize);
-    while runner.step < total_steps {
-        let t_step = Instant::now();
-        let Some(batch) = batches.next() else { break };
-        let on = op.lambda >= 1.0 || rng.random::<f64>() < op.lambda;
-        let mut parts = BTreeMap::new();
-        let mut acc = GradAccumulator::new(runner.vars().to_vec());
-        let mut score_s = 0.0;
-        let (mut kd_sum, mut tokens) = (0.0, 0u64);
-        let mut norm = Units::default();
-        let mut stats = SampleStats::default();
-        if on {
-            // 1. Sample with the current weights (fused kernels, same vars).
-            let t0 = Instant::now();
-            let gens = sample(
-                s,
-                &runner.student.inference_model()?,
-                &tok,
-                &batch.records,
-                &mut rng,
-            )?;
-            let gen_s = t0.elapsed().as_secs_f64();
-            gens.iter().for_each(|g| stats.add_generation(g));
-            let t1 = Instant::now();
-            match (s.tokenization.as_ref(), &s.loss.kd) {
-                (Tokenization::Same(_), kd) => {
-                    let (samples, scores) = score_same(s, &gens)?;
-                    score_s = t1.elapsed().as_secs_f64();
-                    stats.add_same(&samples, &scores);
-                    tokens += samples.iter().map(|x| x.ids.len() as u64).sum::<u64>();
-                    let refs: Vec<&SequenceScores> = scores.iter().collect();
-                    if matches!(kd, KdConfig::SampledKl {}) {
-                        norm.kd = stats.tokens;
-                        for (xs, sc) in samples.chunks(mb).zip(refs.chunks(mb)) {
-                            let (l, v) = sampled_loss(
-                                &runner.student,
-                                xs,
-                                sc,
-                                &s.loss,
-                                norm.kd.max(1.0),
-                                &s.device,
-                            )?;
-                            acc.add(&l.backward()?)?;
-                            kd_sum += v * norm.kd;
-                        }
-                    } else {
-                        let items: Vec<Item> = samples
-                            .iter()
-                            .map(|x| {
-                                Item::Same(Encoded {
-                                    ids: x.ids.clone(),
-                                    loss_from: if op.include_prompt {
-                                        1
-                                    } else {
-                                        x.completion_from
-                                    },
-                                })
-                            })
-                            .collect();
-                        norm = units(&items);
-                        kd_sum += accumulate(
-                            &mut acc,
-                            runner.student.model(),
-                            &items,
-                            &refs,
-                            mb,
-                            k,
-                            &s.loss,
-                            None,
-                            norm,
-                            &s.device,
-                        )?
-                        .kd_sum;
-                    }
-                }
-                (Tokenization::Cross { .. }, _) => {
-                    let (items, used) = cross_items(s, &batch.records, &gens);
-                    stats.add_student_lps(used.iter().map(|&i| &gens[i]));
-                    skipped += (gens.len() - items.len()) as u64;
-                    if !items.is_empty() {
-                        let resp = s.client.topk(&request_of(s, &items))?;
-                        score_s = t1.elapsed().as_secs_f64();
-                        let refs: Vec<&SequenceScores> = resp.results.iter().collect();
-                        stats.add_teacher_scores(&items, &refs);
-                        norm = units(&items);
-                        tokens = items.iter().map(|i| i.teacher_ids().len() as u64).sum();
-                        kd_sum += accumulate(
-                            &mut acc,
-                            runner.student.model(),
-                            &items,
-                            &refs,
-                            mb,
-                            k,
-                            &s.loss,
-                            s.projection.as_ref(),
-                            norm,
-                            &s.device,
-                        )?
-                        .kd_sum;
-                    }
-                }
-            }
-            stats.into_parts(&mut parts);
-            parts.insert("generation_s".into(), gen_s);
-            parts.insert("scoring_s".into(), score_s);
-        } else {
-            // Off-policy step on the data's own prompt + completion.
-            let p = prepare(
-                batch.clone(),
-                &s.tokenization,
-                s.limits,
-                k,
-                cfg.teacher.temperature,
-            );
-            skipped += p.skipped;
-            if !p.items.is_empty() {
-                let t1 = Instant::now();
-                let resp = s.client.topk(&p.request)?;
-                score_s = t1.elapsed().as_secs_f64();
-                let refs: Vec<&SequenceScores> = resp.results.iter().collect();
-                norm = units(&p.items);
-                tokens = p.items.iter().map(|i| i.teacher_ids().len() as u64).sum();
-                kd_sum += accumulate(
-                    &mut acc,
-                    runner.student.model(),
-                    &p.items,
-                    &refs,
-                    mb,
-                    k,
-                    &off_loss,
-                    s.projection.as_ref(),
-                    norm,
-                    &s.device,
-                )?
-                .kd_sum;
-            }
-            parts.insert("scoring_s".into(), score_s);
-        }
-        parts.insert("on_policy".into(), on as u8 as f64);
-        let update = runner.apply(acc.take())?;
-        let kd_mean = kd_sum / norm.kd.max(1.0);
-        parts.insert("kd".into(), kd_mean);
-        let dt = t_step.elapsed().as_secs_f64();
-        let m = StepMetrics {
-            split: "train".into(),
-            step: runner.step,
-            epoch: batch.start.epoch,
-            loss: kd_mean,
-            loss_parts: parts,
-            kl: on.then(|| stats.reverse_kl()),
-            grad_norm: Some(update.grad_norm),
-            lr: update.lr,
-            tokens,
-            loss_tokens: norm.ce.max(norm.kd) as u64,
-            tokens_per_s: tokens as f64 / dt.max(1e-9),
-            step_time_s: dt,
-            teacher_latency_s: score_s,
-            teacher_wait_s: score_s,
-            skipped_records: skipped,
-            time: unix_time(),
-        };
-        log.append(&m)?;
-        progress.step(&m);
-        let step = runner.step;
-        let dist = &cfg.distillation;
-        if (dist.val_period > 0 && step % dist.val_period == 0)
-            || (step == total_steps && dist.val_at_end)
-        {
-            last_val = val_pass(&runner, &mut log, step)?;
-        }
-        let mut state = TrainerState::new(step, batch.next, &rng, hash.clone());
-        if let Some((kl, _)) = last_val {
-            state.metrics.insert("val_kl".into(), kl);
-        }
-        runner.after_step(&cfg.checkpointing, &state, &|l| progress.println(l))?;
-        if stop_after == Some(step) && step < total_steps {
-            break;
-        }
-    }
-    progress.finish();
-    let final_dir = out.join("final");
-    let interrupted = stop_after.is_some_and(|s| s < total_steps) && runner.step < total_steps;
-    if !final_dir.is_dir() && !interrupted {
-        let state = TrainerState::new(runner.step, Default::default(), &rng, hash);
-        runner.save_final(out, &state)?;
-    }
-    Ok(Summary {
-        steps: runner.step,
-        seconds: t_start.elapsed().as_secs_f64(),
-        val_kl_start: val_start.map(|v| v.0),
-        val_kl_end: last_val.map(|v| v.0),
-        val_ce_end: None,
-        skipped_records: skipped,
-        final_dir: if interrupted {
-            String::new()
-        } else {
-            final_dir.display().to_string()
-        },
-        val_teacher_logprob_start: val_start.map(|v| v.1),
-        val_teacher_logprob_end: last_val.map(|v| v.1),
-    })
 }

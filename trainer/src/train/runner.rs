@@ -1,15 +1,28 @@
 //! The state every training loop owns: the student, its optimiser and schedule, and the step.
 
+//!
+//! [`run`] is the one training loop: it opens (or resumes) the [`Session`], validates at the
+//! start, asks the [`Objective`] for each step's gradients, applies them, logs [`StepMetrics`],
+//! validates on the configured cadence, checkpoints with the full [`TrainerState`], stops where
+//! asked, and writes the final model. What differs between SFT, off-policy and on-policy
+//! distillation lives behind the trait, one file per objective.
+
 use crate::checkpoint::{self, Checkpoint, CheckpointData, TrainerState};
-use crate::config::{LrSchedule, OptimizerConfig};
+use crate::config::{Config, LrSchedule, OptimizerConfig};
+use crate::data::{Batcher, DataPosition, Record};
+use crate::metrics_log::{unix_time, MetricsLog, Progress, StepMetrics, ValMetrics};
 use crate::optim::{
-    clip_grad_norm, AdamW, AdamWConfig, OptimConfig, OptimizerState, ScheduleConfig,
+    clip_grad_norm, AdamW, AdamWConfig, GradAccumulator, OptimConfig, OptimizerState,
+    ScheduleConfig,
 };
 use crate::student::Student;
 use anyhow::{Context, Result};
 use candle_core::backprop::GradStore;
 use candle_core::Var;
+use rand_chacha::ChaCha8Rng;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::time::Instant;
 
 /// `[policy.optimizer]` as the optimiser module's config.
 pub fn optim_config(o: &OptimizerConfig) -> OptimConfig {
@@ -206,9 +219,9 @@ impl Runner {
 /// and schedule, the batcher, the run's RNG, and — with `--resume` — the newest checkpoint's state.
 pub struct Session {
     pub runner: Runner,
-    pub batcher: crate::data::Batcher,
-    pub val: Vec<crate::data::Record>,
-    pub rng: rand_chacha::ChaCha8Rng,
+    pub batcher: Batcher,
+    pub val: Vec<Record>,
+    pub rng: ChaCha8Rng,
     /// `Config::training_hash`, stored in checkpoints.
     pub hash: String,
     pub tokens_seen: u64,
@@ -216,36 +229,44 @@ pub struct Session {
     pub skipped: u64,
     /// The step a resumed run continues from.
     pub resumed_from: Option<u64>,
-    pub log: crate::metrics_log::MetricsLog,
-    pub progress: crate::metrics_log::Progress,
+    pub log: MetricsLog,
+    pub progress: Progress,
+}
+
+/// Records an objective cannot train on, dropped (and counted) when the session opens, before
+/// anything is sent to a teacher.
+pub struct RecordFilter<'a> {
+    pub too_long: Box<dyn Fn(&Record) -> bool + Sync + 'a>,
+    /// The limits, for the error of a run left with no record: "longer than {limits}".
+    pub limits: String,
 }
 
 impl Session {
-    /// `too_long` tells records over the token limits; unless `data.truncate` is set they are
-    /// skipped and counted here, before anything is sent to a teacher, and a run left with no
-    /// training record is an error.
-    pub fn open(
-        cfg: &crate::config::Config,
+    /// Loads data and the student, drops the records `objective`'s filter rejects (a run left
+    /// with no training record is an error), and with `resume` restores the newest valid
+    /// checkpoint.
+    pub fn open<O: Objective + ?Sized>(
+        cfg: &Config,
         device: &candle_core::Device,
         resume: bool,
-        too_long: Option<&(dyn Fn(&crate::data::Record) -> bool + Sync)>,
+        objective: &mut O,
     ) -> Result<Session> {
         use rand::SeedableRng;
         let out = &cfg.checkpointing.checkpoint_dir;
         let (mut train_set, mut val_set) =
             crate::data::load_train_val(&cfg.data, cfg.distillation.seed)?;
-        if let (Some(f), false) = (too_long, cfg.data.truncate) {
+        let dtype = xdistill_shared::device::parse_dtype(&cfg.policy.precision)?;
+        let student = Student::load(&cfg.policy.model_name, device, dtype)?;
+        if let Some(f) = objective.open(&student)? {
             let before = train_set.records.len();
-            train_set.drop_where(f);
-            val_set.drop_where(f);
+            train_set.drop_where(&*f.too_long);
+            val_set.drop_where(&*f.too_long);
             if train_set.records.is_empty() {
                 anyhow::bail!(
-                    "{}: nothing to train on: all {before} training records are longer than the \
-                     token limits (policy.max_total_sequence_length = {}, or the teacher's \
-                     max_seq_len) and were skipped ({}); raise the limit or set \
-                     data.truncate = true",
+                    "{}: nothing to train on: all {before} training records are longer than {} \
+                     and were skipped ({})",
                     cfg.data.train_path.display(),
-                    cfg.policy.max_total_sequence_length,
+                    f.limits,
                     train_set.skipped
                 );
             }
@@ -258,8 +279,6 @@ impl Session {
         if let Some(n) = cfg.distillation.max_val_samples {
             val.truncate(n);
         }
-        let dtype = xdistill_shared::device::parse_dtype(&cfg.policy.precision)?;
-        let student = Student::load(&cfg.policy.model_name, device, dtype)?;
         let (n, b) = (
             train_set.records.len(),
             cfg.distillation.num_prompts_per_step,
@@ -278,7 +297,7 @@ impl Session {
             .min(steps_per_epoch * cfg.distillation.max_num_epochs);
         let mut runner = Runner::new(student, optim_config(&cfg.policy.optimizer), total_steps)?;
         runner.max_nonfinite_steps = cfg.policy.max_nonfinite_steps;
-        let mut batcher = crate::data::Batcher::new(
+        let mut batcher = Batcher::new(
             train_set.records,
             crate::data::BatchOptions::from_config(cfg),
         );
@@ -309,8 +328,8 @@ impl Session {
                 );
             }
         }
-        let log = crate::metrics_log::MetricsLog::open(out, resumed_from)?;
-        let progress = crate::metrics_log::Progress::new(
+        let log = MetricsLog::open(out, resumed_from)?;
+        let progress = Progress::new(
             runner.total_steps,
             runner.step,
             cfg.logger.progress_bar,
@@ -329,4 +348,261 @@ impl Session {
             progress,
         })
     }
+}
+
+/// What differs between training objectives; [`run`] does the rest.
+pub trait Objective {
+    /// One step's input as [`Objective::feed`] yields it (a batch, possibly already scored).
+    type Input;
+
+    /// Called once the student is loaded; returns the test of records over this objective's
+    /// token limits, dropped before the first step (`None`: keep every record, e.g. when
+    /// `data.truncate` cuts them instead).
+    fn open(&mut self, student: &Student) -> Result<Option<RecordFilter<'_>>>;
+
+    /// Turns the run's remaining batches into step inputs (off-policy: tokenized and scored by
+    /// the teacher on a prefetch thread while the previous step trains).
+    fn feed(&mut self, batches: Batches) -> Box<dyn Iterator<Item = Result<Self::Input>>>;
+
+    /// Runs one step's forward and backward passes, adding the gradients to `ctx.acc`.
+    fn step(&mut self, ctx: &mut StepCtx, input: Self::Input) -> Result<StepReport>;
+
+    /// One validation pass over the held-out records; `None` when there are none.
+    fn validation(&mut self, student: &Student, val: &[Record]) -> Result<Option<ValReport>>;
+
+    /// Evaluation besides validation (SFT's task accuracy), called at the start and after every
+    /// step; returns metrics to keep in checkpoints.
+    fn evaluate(&mut self, _ctx: EvalCtx) -> Result<BTreeMap<String, f64>> {
+        Ok(BTreeMap::new())
+    }
+}
+
+/// The batches a run has left to train on.
+pub type Batches = std::iter::Take<Batcher>;
+
+/// What an objective's step works with.
+pub struct StepCtx<'a> {
+    pub student: &'a Student,
+    /// Where the step's gradients go (the runner clips and applies them).
+    pub acc: &'a mut GradAccumulator,
+    /// The run's RNG, saved in checkpoints (sampling, λ draws).
+    pub rng: &'a mut ChaCha8Rng,
+    /// The step being trained (1-based).
+    pub step: u64,
+}
+
+/// What an objective's evaluation works with.
+pub struct EvalCtx<'a> {
+    pub student: &'a Student,
+    pub log: &'a mut MetricsLog,
+    pub progress: &'a Progress,
+    /// Steps done (0: before the first).
+    pub step: u64,
+    /// Whether this is the run's last step.
+    pub at_end: bool,
+}
+
+/// What one step measured (the runner adds the update's figures and timings).
+#[derive(Debug, Clone, Default)]
+pub struct StepReport {
+    /// Epoch of the batch's first record.
+    pub epoch: u64,
+    /// The data position after this batch (saved in the step's checkpoint).
+    pub next: DataPosition,
+    pub loss: f64,
+    pub loss_parts: BTreeMap<String, f64>,
+    pub kl: Option<f64>,
+    /// Tokens of the step's sequences (counted into `tokens_seen`).
+    pub tokens: u64,
+    pub loss_tokens: u64,
+    pub teacher_latency_s: f64,
+    pub teacher_wait_s: f64,
+    /// Records skipped by this step.
+    pub skipped: u64,
+}
+
+/// What one validation pass measured.
+#[derive(Debug, Clone, Default)]
+pub struct ValReport {
+    /// The headline value (KL to the teacher, or SFT's cross-entropy).
+    pub loss: f64,
+    pub kl: Option<f64>,
+    pub parts: BTreeMap<String, f64>,
+    pub records: u64,
+    pub loss_tokens: u64,
+    /// Name of the headline value in checkpoints' metrics (`val_kl`, `val_ce`).
+    pub metric: &'static str,
+    /// The figures of the progress line, e.g. `kl 0.1234 ce 2.3456`.
+    pub summary: String,
+}
+
+/// How [`run`] is asked to run.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RunOptions {
+    /// Continue from the newest valid checkpoint.
+    pub resume: bool,
+    /// End after that step as an interruption would (no final model): tests use it to check
+    /// that `--resume` continues exactly.
+    pub stop_after: Option<u64>,
+}
+
+/// What a finished (or stopped) run did.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    pub steps: u64,
+    pub seconds: f64,
+    pub skipped_records: u64,
+    /// `OUTPUT/final`, or empty when the run was stopped early.
+    pub final_dir: String,
+    pub val_start: Option<ValReport>,
+    /// The last validation.
+    pub val_end: Option<ValReport>,
+}
+
+/// The training loop, for any objective.
+pub fn run<O: Objective>(
+    cfg: &Config,
+    device: &candle_core::Device,
+    objective: &mut O,
+    opts: RunOptions,
+) -> Result<Outcome> {
+    let out = &cfg.checkpointing.checkpoint_dir;
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let t_start = Instant::now();
+    let Session {
+        mut runner,
+        batcher,
+        val,
+        mut rng,
+        hash,
+        mut tokens_seen,
+        mut skipped,
+        resumed_from,
+        mut log,
+        progress,
+    } = Session::open(cfg, device, opts.resume, objective)?;
+    let total_steps = runner.total_steps;
+    let dist = &cfg.distillation;
+    let validation = |o: &mut O, runner: &Runner, log: &mut MetricsLog, step: u64| {
+        let t0 = Instant::now();
+        let Some(v) = o.validation(&runner.student, &val)? else {
+            return Ok::<_, anyhow::Error>(None);
+        };
+        log.append(&ValMetrics {
+            split: "val".into(),
+            step,
+            loss: v.loss,
+            loss_parts: v.parts.clone(),
+            kl: v.kl,
+            records: v.records,
+            loss_tokens: v.loss_tokens,
+            time: t0.elapsed().as_secs_f64(),
+        })?;
+        progress.println(&format!(
+            "validation at step {step}: {} ({:.1}s)",
+            v.summary,
+            t0.elapsed().as_secs_f64()
+        ));
+        Ok(Some(v))
+    };
+    let (mut val_start, mut last_val) = (None, None);
+    let mut evals = BTreeMap::new();
+    if resumed_from.is_none() {
+        if dist.val_at_start {
+            val_start = validation(objective, &runner, &mut log, 0)?;
+        }
+        evals = objective.evaluate(EvalCtx {
+            student: &runner.student,
+            log: &mut log,
+            progress: &progress,
+            step: 0,
+            at_end: false,
+        })?;
+    }
+    let steps_left = total_steps.saturating_sub(runner.step) as usize;
+    let mut inputs = objective.feed(batcher.take(steps_left));
+    let mut stopped = false;
+    while runner.step < total_steps {
+        let t_step = Instant::now();
+        let Some(input) = inputs.next() else {
+            break;
+        };
+        let mut acc = GradAccumulator::new(runner.vars().to_vec());
+        let mut ctx = StepCtx {
+            student: &runner.student,
+            acc: &mut acc,
+            rng: &mut rng,
+            step: runner.step + 1,
+        };
+        let r = objective.step(&mut ctx, input?)?;
+        let update = runner.apply(acc.take())?;
+        tokens_seen += r.tokens;
+        skipped += r.skipped;
+        let dt = t_step.elapsed().as_secs_f64();
+        let m = StepMetrics {
+            split: "train".into(),
+            step: runner.step,
+            epoch: r.epoch,
+            loss: r.loss,
+            loss_parts: r.loss_parts,
+            kl: r.kl,
+            grad_norm: Some(update.grad_norm),
+            lr: update.lr,
+            tokens: r.tokens,
+            loss_tokens: r.loss_tokens,
+            tokens_per_s: r.tokens as f64 / dt.max(1e-9),
+            step_time_s: dt,
+            teacher_latency_s: r.teacher_latency_s,
+            teacher_wait_s: r.teacher_wait_s,
+            skipped_records: skipped,
+            time: unix_time(),
+        };
+        log.append(&m)?;
+        progress.step(&m);
+        // Validation, evaluation and checkpoints.
+        let step = runner.step;
+        let at_end = step == total_steps;
+        if (dist.val_period > 0 && step % dist.val_period == 0) || (at_end && dist.val_at_end) {
+            last_val = validation(objective, &runner, &mut log, step)?;
+        }
+        evals.extend(objective.evaluate(EvalCtx {
+            student: &runner.student,
+            log: &mut log,
+            progress: &progress,
+            step,
+            at_end,
+        })?);
+        let mut state = TrainerState::new(step, r.next, &rng, hash.clone());
+        state.tokens_seen = tokens_seen;
+        if let Some(v) = &last_val {
+            state.metrics.insert(v.metric.into(), v.loss);
+        }
+        state.metrics.extend(evals.clone());
+        runner.after_step(&cfg.checkpointing, &state, &|l| progress.println(l))?;
+        if opts.stop_after == Some(step) && !at_end {
+            stopped = true;
+            break;
+        }
+    }
+    drop(inputs);
+    progress.finish();
+    let final_dir = out.join(checkpoint::FINAL_DIR);
+    // Data ran out before max_num_steps: still write the final model.
+    if !stopped && !final_dir.is_dir() {
+        let mut state = TrainerState::new(runner.step, DataPosition::default(), &rng, hash);
+        state.tokens_seen = tokens_seen;
+        runner.save_final(out, &state)?;
+    }
+    Ok(Outcome {
+        steps: runner.step,
+        seconds: t_start.elapsed().as_secs_f64(),
+        skipped_records: skipped,
+        final_dir: if stopped {
+            String::new()
+        } else {
+            final_dir.display().to_string()
+        },
+        val_start,
+        val_end: last_val,
+    })
 }

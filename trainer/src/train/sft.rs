@@ -11,20 +11,17 @@
 //! cross-entropy (`[distillation] val_*`) and, with `--eval-prompts`, greedy task accuracy.
 //! Checkpoints record the data position after the last trained batch, so `--resume` is exact.
 
-use super::runner::{optim_config, Runner};
-use crate::checkpoint::{self, Ranking, TrainerState};
+use super::runner::{
+    self, Batches, EvalCtx, Objective, RecordFilter, RunOptions, StepCtx, StepReport, ValReport,
+};
 use crate::collate::{encode, pad_batch, Encoded};
 use crate::config::{Config, OffPolicyArgs};
-use crate::data::{self, BatchOptions, Batcher, Record};
+use crate::data::{Batch, Record};
 use crate::eval::{self, EvalConfig, EvalRecord};
 use crate::loss::cross_entropy;
-use crate::metrics_log::{unix_time, MetricsLog, Progress, StepMetrics, ValMetrics};
-use crate::optim::GradAccumulator;
 use crate::student::Student;
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
-use rand::SeedableRng;
-use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -257,274 +254,178 @@ fn encode_all(
     (out, skipped)
 }
 
-/// The SFT loop (also used by tests and the demo). `stop_after`: end after that step as an
-/// interruption would (no final model), for resume tests.
-pub fn train(
-    cfg: &Config,
-    task: Option<&TaskEval>,
-    resume: bool,
-    stop_after: Option<u64>,
-) -> Result<Summary> {
-    let out = &cfg.checkpointing.checkpoint_dir;
-    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-    let t_start = Instant::now();
-    let device = xdistill_shared::device::parse_device(&cfg.policy.device)?;
-    let dtype = xdistill_shared::device::parse_dtype(&cfg.policy.precision)?;
-    // 1. Data and the student.
-    let (mut train_set, val_set) = data::load_train_val(&cfg.data, cfg.distillation.seed)?;
-    let mut val_records = val_set.records;
-    if let Some(n) = cfg.distillation.max_val_samples {
-        val_records.truncate(n);
+/// Supervised fine-tuning: the student's cross-entropy on the completions, and periodic task
+/// accuracy with `--eval-prompts`.
+pub struct Sft<'a> {
+    cfg: &'a Config,
+    task: Option<&'a TaskEval>,
+    tok: Tokenizer,
+    device: Device,
+    /// The model config's EOS, appended as every record's last target (set when the student
+    /// is loaded).
+    eos: Option<u32>,
+    /// The held-out records, encoded on first use.
+    val: Option<Vec<Encoded>>,
+    accuracy_start: Option<f64>,
+    accuracy_end: Option<f64>,
+}
+
+impl<'a> Sft<'a> {
+    pub fn new(cfg: &'a Config, task: Option<&'a TaskEval>) -> Result<Sft<'a>> {
+        Ok(Sft {
+            cfg,
+            task,
+            tok: xdistill_shared::hf::load_tokenizer(&cfg.student_tokenizer())?,
+            device: xdistill_shared::device::parse_device(&cfg.policy.device)?,
+            eos: None,
+            val: None,
+            accuracy_start: None,
+            accuracy_end: None,
+        })
     }
-    let student = Student::load(&cfg.policy.model_name, &device, dtype)?;
-    let tok = xdistill_shared::hf::load_tokenizer(&cfg.student_tokenizer())?;
-    let eos = student.config.eos_ids().first().copied();
-    if eos.is_none() {
-        tracing::warn!("the model config names no eos_token_id: the model will not learn to stop");
+
+    fn max_len(&self) -> usize {
+        self.cfg.policy.max_total_sequence_length
     }
-    let max_len = cfg.policy.max_total_sequence_length;
-    // Over-long records are skipped and counted before the first step; none left is an error.
-    let before = train_set.records.len();
-    train_set.drop_where(&|r: &Record| {
-        encode_record(&tok, r, eos, usize::MAX).is_ok_and(|e| e.ids.len() > max_len)
-    });
-    if train_set.records.is_empty() {
-        bail!(
-            "{}: nothing to train on: all {before} training records are longer than \
-             policy.max_total_sequence_length = {max_len} tokens and were skipped ({})",
-            cfg.data.train_path.display(),
-            train_set.skipped
-        );
-    }
-    let mut skipped = train_set.skipped.total();
-    let (val, _) = encode_all(&tok, &val_records, eos, max_len);
-    let steps_per_epoch = {
-        let n = train_set.records.len();
-        let b = cfg.distillation.num_prompts_per_step;
-        if cfg.data.drop_last {
-            n / b
-        } else {
-            n.div_ceil(b)
-        }
-    } as u64;
-    if steps_per_epoch == 0 {
-        bail!(
-            "no training batch: {} records for num_prompts_per_step = {}",
-            train_set.records.len(),
-            cfg.distillation.num_prompts_per_step
-        );
-    }
-    let total_steps = cfg
-        .distillation
-        .max_num_steps
-        .min(steps_per_epoch * cfg.distillation.max_num_epochs);
-    let mut runner = Runner::new(student, optim_config(&cfg.policy.optimizer), total_steps)?;
-    runner.max_nonfinite_steps = cfg.policy.max_nonfinite_steps;
-    let mut batcher = Batcher::new(train_set.records, BatchOptions::from_config(cfg));
-    let rng = ChaCha8Rng::seed_from_u64(cfg.distillation.seed);
-    let hash = cfg.training_hash();
-    let mut tokens_seen = 0u64;
-    // 2. Resume from the newest complete checkpoint.
-    let mut resumed_from = None;
-    if resume {
-        checkpoint::remove_temp_dirs(out)?;
-        if let Some((step, path)) = checkpoint::latest(out)? {
-            let ck = checkpoint::load(&path, &device)?;
-            if ck.state.config_hash != hash {
-                tracing::warn!("resuming {} with a changed config: the result will differ from an uninterrupted run", path.display());
-            }
-            runner.restore(&ck)?;
-            batcher.seek(ck.state.data)?;
-            tokens_seen = ck.state.tokens_seen;
-            tracing::info!("resumed from {} (step {step})", path.display());
-            resumed_from = Some(step);
-        } else {
-            tracing::info!(
-                "--resume: no checkpoint in {}, starting fresh",
-                out.display()
+}
+
+impl Objective for Sft<'_> {
+    type Input = Batch;
+
+    fn open(&mut self, student: &Student) -> Result<Option<RecordFilter<'_>>> {
+        self.eos = student.config.eos_ids().first().copied();
+        if self.eos.is_none() {
+            tracing::warn!(
+                "the model config names no eos_token_id: the model will not learn to stop"
             );
         }
+        let (tok, eos, max_len) = (&self.tok, self.eos, self.max_len());
+        // SFT never truncates: over-long records are skipped whatever `data.truncate` says.
+        Ok(Some(RecordFilter {
+            too_long: Box::new(move |r: &Record| {
+                encode_record(tok, r, eos, usize::MAX).is_ok_and(|e| e.ids.len() > max_len)
+            }),
+            limits: format!("policy.max_total_sequence_length = {max_len} tokens"),
+        }))
     }
-    let mut log = MetricsLog::open(out, resumed_from)?;
-    let progress = Progress::new(
-        total_steps,
-        runner.step,
-        cfg.logger.progress_bar,
-        cfg.logger.log_every,
-    );
-    let mb = cfg.policy.train_micro_batch_size.max(1);
-    // Validation: held-out CE, and task accuracy when asked for.
-    let validate = |runner: &Runner, log: &mut MetricsLog, step: u64| -> Result<Option<f64>> {
+
+    fn feed(&mut self, batches: Batches) -> Box<dyn Iterator<Item = Result<Batch>>> {
+        Box::new(batches.map(Ok))
+    }
+
+    fn step(&mut self, ctx: &mut StepCtx, batch: Batch) -> Result<StepReport> {
+        let (enc, skipped) = encode_all(&self.tok, &batch.records, self.eos, self.max_len());
+        // Micro-batches, gradients accumulated and normalised by the step's target count.
+        let n_targets: usize = enc.iter().map(targets_of).sum();
+        if n_targets == 0 {
+            tracing::warn!("step {}: every record of the batch was skipped", ctx.step);
+        }
+        let mb = self.cfg.policy.train_micro_batch_size.max(1);
+        let mut loss_sum = 0.0;
+        for chunk in enc.chunks(mb) {
+            let model = ctx.student.model();
+            let (loss, _) = sft_loss(model, chunk, n_targets as f64, &self.device)?;
+            ctx.acc.add(&loss.backward()?)?;
+            loss_sum += loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        }
+        Ok(StepReport {
+            epoch: batch.start.epoch,
+            next: batch.next,
+            loss: loss_sum,
+            loss_parts: BTreeMap::from([("ce".to_string(), loss_sum)]),
+            kl: None,
+            tokens: enc.iter().map(|e| e.ids.len() as u64).sum(),
+            loss_tokens: n_targets as u64,
+            skipped,
+            ..Default::default()
+        })
+    }
+
+    /// Held-out cross-entropy.
+    fn validation(&mut self, student: &Student, val: &[Record]) -> Result<Option<ValReport>> {
+        let (tok, eos, max_len) = (&self.tok, self.eos, self.max_len());
+        let val = self
+            .val
+            .get_or_insert_with(|| encode_all(tok, val, eos, max_len).0);
         if val.is_empty() {
             return Ok(None);
         }
-        let t0 = Instant::now();
-        let ce = validation_ce(runner.student.model(), &val, mb, &device)?;
-        let mut parts = BTreeMap::new();
-        parts.insert("ce".to_string(), ce);
-        log.append(&ValMetrics {
-            split: "val".into(),
-            step,
+        let mb = self.cfg.policy.train_micro_batch_size;
+        let ce = validation_ce(student.model(), val, mb, &self.device)?;
+        Ok(Some(ValReport {
             loss: ce,
-            loss_parts: parts,
             kl: None,
+            parts: BTreeMap::from([("ce".to_string(), ce)]),
             records: val.len() as u64,
             loss_tokens: val.iter().map(|e| targets_of(e) as u64).sum(),
-            time: t0.elapsed().as_secs_f64(),
-        })?;
-        progress.println(&format!(
-            "validation at step {step}: ce {ce:.4} ({:.1}s)",
-            t0.elapsed().as_secs_f64()
-        ));
-        Ok(Some(ce))
-    };
-    let accuracy = |runner: &Runner, log: &mut MetricsLog, step: u64| -> Result<Option<f64>> {
-        let Some(task) = task else {
-            return Ok(None);
+            metric: "val_ce",
+            summary: format!("ce {ce:.4}"),
+        }))
+    }
+
+    /// Greedy task accuracy at the start, every `--eval-period` steps and at the end.
+    fn evaluate(&mut self, ctx: EvalCtx) -> Result<BTreeMap<String, f64>> {
+        let Some(task) = self.task else {
+            return Ok(BTreeMap::new());
         };
+        let due = ctx.step == 0
+            || (task.period > 0 && ctx.step.is_multiple_of(task.period))
+            || ctx.at_end;
+        if !due {
+            return Ok(BTreeMap::new());
+        }
         let t0 = Instant::now();
-        let r = eval::evaluate(runner.student.model(), &tok, &task.records, &task.config)?;
-        log.append(&AccuracyMetrics {
+        let r = eval::evaluate(ctx.student.model(), &self.tok, &task.records, &task.config)?;
+        ctx.log.append(&AccuracyMetrics {
             split: "eval".into(),
-            step,
+            step: ctx.step,
             accuracy: r.greedy_accuracy,
             marker_rate: r.greedy_marker_rate,
             eos_rate: r.greedy_eos_rate,
             records: r.n as u64,
             time: t0.elapsed().as_secs_f64(),
         })?;
-        progress.println(&format!(
-            "task accuracy at step {step}: {:.4} on {} prompts ({:.1}s)",
+        ctx.progress.println(&format!(
+            "task accuracy at step {}: {:.4} on {} prompts ({:.1}s)",
+            ctx.step,
             r.greedy_accuracy,
             r.n,
             t0.elapsed().as_secs_f64()
         ));
-        Ok(Some(r.greedy_accuracy))
-    };
-    let (mut val_ce_start, mut accuracy_start) = (None, None);
-    if resumed_from.is_none() {
-        if cfg.distillation.val_at_start {
-            val_ce_start = validate(&runner, &mut log, 0)?;
+        if ctx.step == 0 {
+            self.accuracy_start = Some(r.greedy_accuracy);
         }
-        if task.is_some() {
-            accuracy_start = accuracy(&runner, &mut log, 0)?;
-        }
+        self.accuracy_end = Some(r.greedy_accuracy);
+        Ok(BTreeMap::from([(
+            "accuracy".to_string(),
+            r.greedy_accuracy,
+        )]))
     }
-    let (mut last_ce, mut last_acc) = (None, None);
-    let steps_left = total_steps.saturating_sub(runner.step) as usize;
-    let mut batches = batcher.take(steps_left);
-    while runner.step < total_steps {
-        let t_step = Instant::now();
-        let Some(batch) = batches.next() else {
-            break;
-        };
-        let (enc, sk) = encode_all(&tok, &batch.records, eos, max_len);
-        skipped += sk;
-        let step_no = runner.step + 1;
-        // 3. Micro-batches, gradients accumulated and normalised by the step's target count.
-        let n_targets: usize = enc.iter().map(targets_of).sum();
-        let mut acc = GradAccumulator::new(runner.vars().to_vec());
-        let mut loss_sum = 0.0;
-        if n_targets == 0 {
-            tracing::warn!("step {step_no}: every record of the batch was skipped");
-        }
-        for chunk in enc.chunks(mb) {
-            let (loss, _) = sft_loss(runner.student.model(), chunk, n_targets as f64, &device)?;
-            acc.add(&loss.backward()?)?;
-            loss_sum += loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-        }
-        let update = runner.apply(acc.take())?;
-        let tokens: u64 = enc.iter().map(|e| e.ids.len() as u64).sum();
-        tokens_seen += tokens;
-        let dt = t_step.elapsed().as_secs_f64();
-        let mut parts = BTreeMap::new();
-        parts.insert("ce".to_string(), loss_sum);
-        let m = StepMetrics {
-            split: "train".into(),
-            step: runner.step,
-            epoch: batch.start.epoch,
-            loss: loss_sum,
-            loss_parts: parts,
-            kl: None,
-            grad_norm: Some(update.grad_norm),
-            lr: update.lr,
-            tokens,
-            loss_tokens: n_targets as u64,
-            tokens_per_s: tokens as f64 / dt.max(1e-9),
-            step_time_s: dt,
-            teacher_latency_s: 0.0,
-            teacher_wait_s: 0.0,
-            skipped_records: skipped,
-            time: unix_time(),
-        };
-        log.append(&m)?;
-        progress.step(&m);
-        // 4. Validation and checkpoints.
-        let step = runner.step;
-        let at_end = step == total_steps;
-        let val_due = cfg.distillation.val_period > 0 && step % cfg.distillation.val_period == 0;
-        if val_due || (at_end && cfg.distillation.val_at_end) {
-            last_ce = validate(&runner, &mut log, step)?;
-        }
-        if let Some(t) = task {
-            if (t.period > 0 && step % t.period == 0) || at_end {
-                last_acc = accuracy(&runner, &mut log, step)?;
-            }
-        }
-        let mut state = TrainerState::new(step, batch.next, &rng, hash.clone());
-        state.tokens_seen = tokens_seen;
-        if let Some(ce) = last_ce {
-            state.metrics.insert("val_ce".into(), ce);
-        }
-        if let Some(a) = last_acc {
-            state.metrics.insert("accuracy".into(), a);
-        }
-        if cfg.checkpointing.enabled && step % cfg.checkpointing.save_period == 0 && !at_end {
-            let path = runner.save_checkpoint(out, &state)?;
-            progress.println(&format!("checkpoint {}", path.display()));
-            if let Some(keep) = cfg.checkpointing.keep_top_k {
-                let ranking = match &cfg.checkpointing.metric_name {
-                    Some(name) => Ranking::Metric {
-                        name: name.clone(),
-                        higher_is_better: cfg.checkpointing.higher_is_better,
-                    },
-                    None => Ranking::Newest,
-                };
-                checkpoint::retain(out, keep, &ranking)?;
-            }
-        }
-        if stop_after == Some(step) && !at_end {
-            progress.finish();
-            return Ok(Summary {
-                steps: step,
-                seconds: t_start.elapsed().as_secs_f64(),
-                val_ce_start,
-                val_ce_end: last_ce,
-                accuracy_start,
-                accuracy_end: last_acc,
-                skipped_records: skipped,
-                final_dir: String::new(),
-            });
-        }
-        if at_end {
-            let path = runner.save_final(out, &state)?;
-            progress.println(&format!("final model {}", path.display()));
-        }
-    }
-    progress.finish();
-    let final_dir = out.join("final");
-    if !final_dir.is_dir() {
-        let state = TrainerState::new(runner.step, Default::default(), &rng, hash);
-        runner.save_final(out, &state)?;
-    }
+}
+
+/// The SFT run (also used by tests and the demo); `stop_after` as in [`RunOptions`].
+pub fn train(
+    cfg: &Config,
+    task: Option<&TaskEval>,
+    resume: bool,
+    stop_after: Option<u64>,
+) -> Result<Summary> {
+    let mut objective = Sft::new(cfg, task)?;
+    let device = objective.device.clone();
+    let o = runner::run(
+        cfg,
+        &device,
+        &mut objective,
+        RunOptions { resume, stop_after },
+    )?;
     Ok(Summary {
-        steps: runner.step,
-        seconds: t_start.elapsed().as_secs_f64(),
-        val_ce_start,
-        val_ce_end: last_ce,
-        accuracy_start,
-        accuracy_end: last_acc,
-        skipped_records: skipped,
-        final_dir: final_dir.display().to_string(),
+        steps: o.steps,
+        seconds: o.seconds,
+        val_ce_start: o.val_start.map(|v| v.loss),
+        val_ce_end: o.val_end.map(|v| v.loss),
+        accuracy_start: objective.accuracy_start,
+        accuracy_end: objective.accuracy_end,
+        skipped_records: o.skipped_records,
+        final_dir: o.final_dir,
     })
 }

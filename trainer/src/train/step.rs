@@ -7,7 +7,7 @@ use crate::loss::{
     combine, cross_entropy, kd_loss, kl::Divergence, topk_divergence, CeConfig, KdInputs,
     KdMetrics, LossConfig, Projection, TailMode, TopkTargets, XTokenBatch,
 };
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use candle_core::{Device, Tensor};
 use xdistill_shared::model::Decoder;
 use xdistill_shared::protocol::SequenceScores;
@@ -27,6 +27,27 @@ impl std::ops::AddAssign for Units {
         self.kd += o.kd;
         self.ce += o.ce;
     }
+}
+
+/// Whether student and teacher share a tokenizer: decided once, when the run connects to its
+/// teacher, and carried by [`LossCtx`] (a cross-tokenizer run always has its projection).
+#[derive(Clone, Copy)]
+pub enum Pairing<'a> {
+    Same,
+    Cross(&'a Projection),
+}
+
+/// Everything the loss of a micro-batch needs besides the batch itself.
+#[derive(Clone, Copy)]
+pub struct LossCtx<'a> {
+    pub model: &'a Decoder,
+    /// The teacher's top-k per position.
+    pub k: usize,
+    pub loss: &'a LossConfig,
+    pub pairing: Pairing<'a>,
+    pub device: &'a Device,
+    /// Sequences per forward/backward pass in [`accumulate`].
+    pub micro_batch: usize,
 }
 
 /// What a micro-batch's loss evaluation measured (detached).
@@ -130,16 +151,11 @@ fn check_rows(s: &SequenceScores, len: usize, k: usize) -> Result<()> {
 }
 
 /// The loss of one micro-batch. `scores[i]` is the teacher's answer for `items[i]`.
-#[allow(clippy::too_many_arguments)]
 pub fn micro_loss(
-    model: &Decoder,
+    ctx: &LossCtx,
     items: &[Item],
     scores: &[&SequenceScores],
-    k: usize,
-    cfg: &LossConfig,
-    projection: Option<&Projection>,
     norm: Units,
-    device: &Device,
 ) -> Result<(Tensor, MicroOut)> {
     if items.is_empty() || items.len() != scores.len() {
         bail!(
@@ -148,39 +164,24 @@ pub fn micro_loss(
             scores.len()
         );
     }
-    let want_ce = !matches!(cfg.ce, CeConfig::None {});
-    match &items[0] {
-        Item::Same(_) => same_tokenizer(model, items, scores, k, cfg, norm, want_ce, device),
-        Item::Cross { .. } => {
-            let proj = projection.context("cross-tokenizer batch without a projection map")?;
-            cross_tokenizer(model, items, scores, k, cfg, proj, norm, want_ce, device)
-        }
-    }
+    let (loss, mut out) = match ctx.pairing {
+        Pairing::Same => same_tokenizer(ctx, items, scores, norm)?,
+        Pairing::Cross(projection) => cross_tokenizer(ctx, projection, items, scores, norm)?,
+    };
+    out.units = units(items);
+    Ok((loss, out))
 }
 
 /// Same tokenizer: the LM head runs only on trained positions (`[N, H] -> [N, V]`), which is
 /// where almost all of a step's time goes with a real vocabulary.
-#[allow(clippy::too_many_arguments)]
 fn same_tokenizer(
-    model: &Decoder,
+    ctx: &LossCtx,
     items: &[Item],
     scores: &[&SequenceScores],
-    k: usize,
-    cfg: &LossConfig,
     norm: Units,
-    want_ce: bool,
-    device: &Device,
 ) -> Result<(Tensor, MicroOut)> {
-    let enc: Vec<Encoded> = items
-        .iter()
-        .map(|i| match i {
-            Item::Same(e) => Ok(e.clone()),
-            Item::Cross { .. } => bail!("mixed same/cross-tokenizer micro-batch"),
-        })
-        .collect::<Result<_>>()?;
-    for (e, s) in enc.iter().zip(scores) {
-        check_rows(s, e.ids.len(), k)?;
-    }
+    let (model, k, device) = (ctx.model, ctx.k, ctx.device);
+    let enc = same_encodings(items, scores, k)?;
     let tb = pad_batch(&enc, 0, device)?;
     let (b, t) = tb.ids.dims2()?;
     // 1. Trained positions (row-major over [B, T]) and their teacher rows.
@@ -213,8 +214,8 @@ fn same_tokenizer(
     let vocab = logits.dim(2)?;
     let ones = vec![1f32; n];
     let tk = TopkTargets::from_host(1, n, k, &ids, &lps, &ones, vocab, device)?;
-    let (kd, kd_m) = kd_loss(cfg, &logits, KdInputs::Topk(&tk), Some(norm.kd))?;
-    let ce_inputs = if want_ce {
+    let kd = kd_loss(ctx.loss, &logits, KdInputs::Topk(&tk), Some(norm.kd))?;
+    let ce_inputs = if wants_ce(ctx.loss) {
         let tg: Vec<u32> = sel.iter().map(|&i| targets[i as usize]).collect();
         let tg = Tensor::from_vec(tg, (1, n), device)?;
         Some((
@@ -225,19 +226,38 @@ fn same_tokenizer(
     } else {
         None
     };
-    finish(&logits, kd, kd_m, ce_inputs, cfg, norm, items)
+    finish(ctx.loss, &logits, kd, ce_inputs, norm)
+}
+
+/// Whether `[loss] ce` asks for the cross-entropy term.
+fn wants_ce(cfg: &LossConfig) -> bool {
+    !matches!(cfg.ce, CeConfig::None {})
+}
+
+/// The student side of same-tokenizer items, each checked against its teacher answer.
+fn same_encodings(items: &[Item], scores: &[&SequenceScores], k: usize) -> Result<Vec<Encoded>> {
+    items
+        .iter()
+        .zip(scores)
+        .map(|(i, s)| match i {
+            Item::Same(e) => {
+                check_rows(s, e.ids.len(), k)?;
+                Ok(e.clone())
+            }
+            Item::Cross { .. } => bail!("an aligned item in a same-tokenizer run"),
+        })
+        .collect()
 }
 
 /// Adds the cross-entropy term (when `ce` gives targets `[B, T]`, mask `[B, T]` and the count of
-/// trained tokens) to the distillation loss as `[loss] ce` says, and reports the parts.
+/// trained tokens) to the distillation loss as `[loss] ce` says, and reports the parts (the
+/// caller fills in the units).
 fn finish(
-    logits: &Tensor,
-    kd: Tensor,
-    kd_m: KdMetrics,
-    ce: Option<(Tensor, Tensor, usize)>,
     cfg: &LossConfig,
+    logits: &Tensor,
+    (kd, kd_m): (Tensor, KdMetrics),
+    ce: Option<(Tensor, Tensor, usize)>,
     norm: Units,
-    items: &[Item],
 ) -> Result<(Tensor, MicroOut)> {
     let (ce, ce_mean) = match ce {
         Some((targets, mask, n)) if n > 0 => {
@@ -255,28 +275,23 @@ fn finish(
             kd: kd_m,
             ce: ce_mean,
             kd_scale: c.kd_scale,
-            units: units(items),
+            units: Units::default(),
         },
     ))
 }
 
-#[allow(clippy::too_many_arguments)]
 fn cross_tokenizer(
-    model: &Decoder,
+    ctx: &LossCtx,
+    projection: &Projection,
     items: &[Item],
     scores: &[&SequenceScores],
-    k: usize,
-    cfg: &LossConfig,
-    projection: &Projection,
     norm: Units,
-    want_ce: bool,
-    device: &Device,
 ) -> Result<(Tensor, MicroOut)> {
-    let (xb, enc) = xtoken_batch(items, scores, k)?;
-    let tb = pad_batch(&enc, 0, device)?;
-    let logits = model.forward(&tb.ids)?; // [B, Ts, V]
-    let (kd, kd_m) = kd_loss(
-        cfg,
+    let (xb, enc) = xtoken_batch(items, scores, ctx.k)?;
+    let tb = pad_batch(&enc, 0, ctx.device)?;
+    let logits = ctx.model.forward(&tb.ids)?; // [B, Ts, V]
+    let kd = kd_loss(
+        ctx.loss,
         &logits,
         KdInputs::XToken {
             batch: &xb,
@@ -284,8 +299,8 @@ fn cross_tokenizer(
         },
         Some(norm.kd),
     )?;
-    let ce_inputs = want_ce.then(|| (tb.targets.clone(), tb.mask.clone(), tb.n_targets));
-    finish(&logits, kd, kd_m, ce_inputs, cfg, norm, items)
+    let ce_inputs = wants_ce(ctx.loss).then(|| (tb.targets.clone(), tb.mask.clone(), tb.n_targets));
+    finish(ctx.loss, &logits, kd, ce_inputs, norm)
 }
 
 /// The cross-tokenizer loss input for aligned items, plus the student side as `Encoded`s.
@@ -353,16 +368,14 @@ pub fn xtoken_batch(
 
 /// Validation figures of one micro-batch, without gradients: forward KL to the teacher over its
 /// top-k with a tail bucket (same tokenizer) or chunk-level P-KL in NeMo's renormalised form
-/// (cross tokenizer), and the student's cross-entropy. Returns sums (not means) with their counts.
+/// (cross tokenizer), and the student's cross-entropy, at `ctx.loss`'s temperature. Returns sums
+/// (not means) with their counts.
 pub fn validation_sums(
-    model: &Decoder,
+    ctx: &LossCtx,
     items: &[Item],
     scores: &[&SequenceScores],
-    k: usize,
-    temperature: f64,
-    projection: Option<&Projection>,
-    device: &Device,
 ) -> Result<ValSums> {
+    let (model, k, device, temperature) = (ctx.model, ctx.k, ctx.device, ctx.loss.temperature);
     let ones_cfg = |kd: crate::loss::KdConfig| LossConfig {
         kd,
         // Same tokenizer: a tail bucket; P-KL: NeMo's renormalised form, whose validation
@@ -386,21 +399,9 @@ pub fn validation_sums(
             ce_tokens: n,
         })
     };
-    match &items[0] {
-        Item::Same(_) => {
-            let enc: Vec<Encoded> = items
-                .iter()
-                .filter_map(|i| {
-                    if let Item::Same(e) = i {
-                        Some(e.clone())
-                    } else {
-                        None
-                    }
-                })
-                .collect();
-            for (e, s) in enc.iter().zip(scores) {
-                check_rows(s, e.ids.len(), k)?;
-            }
+    match ctx.pairing {
+        Pairing::Same => {
+            let enc = same_encodings(items, scores, k)?;
             let tb = pad_batch(&enc, 0, device)?;
             let (b, t) = tb.ids.dims2()?;
             let logits = model.forward(&tb.ids)?;
@@ -425,8 +426,7 @@ pub fn validation_sums(
             )?;
             sums(&kl, m.count, &logits, &tb)
         }
-        Item::Cross { .. } => {
-            let proj = projection.context("cross-tokenizer validation without a projection map")?;
+        Pairing::Cross(proj) => {
             let (xb, enc) = xtoken_batch(items, scores, k)?;
             let tb = pad_batch(&enc, 0, device)?;
             let logits = model.forward(&tb.ids)?;
@@ -486,31 +486,27 @@ impl StepSums {
     }
 }
 
-/// Runs `items` in micro-batches of `mb`, each loss normalised by the whole step's `norm` (so
-/// the summed gradients are those of the step's mean), and adds every backward to `acc`.
-#[allow(clippy::too_many_arguments)]
+/// Runs `items` in micro-batches of `ctx.micro_batch`, each loss normalised by the whole step's
+/// `norm` (so the summed gradients are those of the step's mean), and adds every backward to
+/// `acc`.
 pub fn accumulate(
+    ctx: &LossCtx,
     acc: &mut crate::optim::GradAccumulator,
-    model: &Decoder,
     items: &[Item],
     scores: &[&SequenceScores],
-    mb: usize,
-    k: usize,
-    cfg: &LossConfig,
-    projection: Option<&Projection>,
     norm: Units,
-    device: &Device,
 ) -> Result<StepSums> {
+    let mb = ctx.micro_batch.max(1);
     let mut s = StepSums {
         kd_scale: 1.0,
         ..Default::default()
     };
-    for (it, sc) in items.chunks(mb.max(1)).zip(scores.chunks(mb.max(1))) {
+    for (it, sc) in items.chunks(mb).zip(scores.chunks(mb)) {
         let u = units(it);
         if u.kd == 0.0 {
             continue;
         }
-        let (loss, m) = micro_loss(model, it, sc, k, cfg, projection, norm, device)?;
+        let (loss, m) = micro_loss(ctx, it, sc, norm)?;
         acc.add(&loss.backward()?)?;
         s.kd_sum += m.kd.loss * norm.kd;
         if let Some(ce) = m.ce {

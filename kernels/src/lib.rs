@@ -1,4 +1,5 @@
-//! Fused, differentiable ops the training losses lean on.
+//! Fused, differentiable ops the training losses and the optimiser lean on (a crate of its own so
+//! that it is optimised in dev builds and the teacher does not compile it).
 //!
 //! `log_softmax` over a 150k-column vocabulary is the hottest op of a distillation step after the
 //! LM-head matmul. candle's composed version materialises ~6 full `[N, V]` intermediates forward and

@@ -20,16 +20,20 @@
 use crate::config::{Config, OffPolicyArgs};
 use crate::data::{self, Record};
 use crate::eval::{self, EvalConfig, EvalRecord};
-use crate::task::{self, Op, TaskConfig};
+use crate::task::{self, TaskConfig};
 use crate::train::off_policy;
+mod report;
+mod settings;
+
+pub use report::{goal, steps_to, svg, table, Goal, Row, Summary};
+pub use settings::{DemoSettings, ModelSpec, TrainSpec};
+
 use anyhow::{bail, Context, Result};
 use candle_core::DType;
-use serde::Serialize;
-use sha2::{Digest, Sha256};
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
+use std::time::Instant;
+use xdistill_shared::process::TeacherProcess;
 
 /// `trainer demo`.
 #[derive(clap::Args, Debug, Clone)]
@@ -50,258 +54,6 @@ pub struct DemoArgs {
     /// The `teacher` server binary (default: beside this executable).
     #[arg(long)]
     pub teacher_bin: Option<PathBuf>,
-}
-
-/// A model to initialise.
-#[derive(Debug, Clone, Serialize)]
-pub struct ModelSpec {
-    pub arch: String,
-    /// Name of a tokenizer under the shared tokenizers folder (`qwen3`, `llama2`, ...).
-    pub tokenizer: String,
-    pub hidden_size: usize,
-    pub layers: usize,
-    pub heads: usize,
-    pub kv_heads: usize,
-    pub intermediate_size: usize,
-    pub seed: u64,
-}
-
-/// How one model is trained.
-#[derive(Debug, Clone, Serialize)]
-pub struct TrainSpec {
-    pub steps: u64,
-    pub prompts_per_step: usize,
-    pub micro_batch: usize,
-    pub lr: f64,
-    pub min_lr: f64,
-    pub warmup_steps: u64,
-}
-
-/// Everything that determines the demo's result.
-#[derive(Debug, Clone, Serialize)]
-pub struct DemoSettings {
-    pub task: TaskConfig,
-    pub teacher: ModelSpec,
-    pub teacher_training: TrainSpec,
-    pub student: ModelSpec,
-    /// A short SFT on the task that turns the random student into the common starting point of
-    /// the three methods (`student_init`), as in the published comparisons, which distil a
-    /// mid-trained student rather than a random one (steps 0: start from the random init).
-    pub student_warmup: TrainSpec,
-    /// The budget every method gets.
-    pub student_training: TrainSpec,
-    /// Teacher top-k per position for the distillation losses.
-    pub k: usize,
-    /// Distillation loss of the off-policy and on-policy runs (a `[loss] kd` type).
-    pub kd: String,
-    /// Held-out prompts for accuracy, and evaluation cadence (steps) for the curves.
-    pub eval_prompts: usize,
-    pub eval_every: u64,
-    pub max_new_tokens: usize,
-    /// Held-out records for the KL to the teacher.
-    pub kl_records: usize,
-    /// Sampling temperature of the on-policy rollouts.
-    pub rollout_temperature: f64,
-}
-
-impl DemoSettings {
-    /// The calibrated demo (see docs/demo.md for the measurements behind these numbers).
-    pub fn full() -> DemoSettings {
-        DemoSettings {
-            task: TaskConfig {
-                digits: 2,
-                ops: vec![Op::Add],
-                train: 2000,
-                test: 200,
-                seed: 0,
-            },
-            teacher: ModelSpec {
-                arch: "qwen3".into(),
-                tokenizer: "qwen3".into(),
-                hidden_size: 64,
-                layers: 2,
-                heads: 4,
-                kv_heads: 2,
-                intermediate_size: 256,
-                seed: 1,
-            },
-            teacher_training: TrainSpec {
-                steps: 600,
-                prompts_per_step: 16,
-                micro_batch: 16,
-                lr: 3e-3,
-                min_lr: 3e-4,
-                warmup_steps: 10,
-            },
-            student: ModelSpec {
-                arch: "llama".into(),
-                tokenizer: "llama2".into(),
-                hidden_size: 64,
-                layers: 2,
-                heads: 4,
-                kv_heads: 2,
-                intermediate_size: 128,
-                seed: 2,
-            },
-            student_warmup: TrainSpec {
-                steps: 300,
-                prompts_per_step: 16,
-                micro_batch: 16,
-                lr: 3e-3,
-                min_lr: 1e-3,
-                warmup_steps: 10,
-            },
-            student_training: TrainSpec {
-                steps: 150,
-                prompts_per_step: 16,
-                micro_batch: 16,
-                lr: 1e-3,
-                min_lr: 1e-4,
-                warmup_steps: 10,
-            },
-            k: 16,
-            kd: "first_kl".into(),
-            eval_prompts: 100,
-            eval_every: 20,
-            max_new_tokens: 40,
-            kl_records: 32,
-            rollout_temperature: 0.5,
-        }
-    }
-
-    /// Tiny models, a few steps: the pipeline end to end in seconds (CI).
-    pub fn fast() -> DemoSettings {
-        let mut s = DemoSettings::full();
-        s.task.train = 64;
-        s.task.test = 16;
-        for m in [&mut s.teacher, &mut s.student] {
-            m.hidden_size = 16;
-            m.layers = 1;
-            m.intermediate_size = 32;
-        }
-        s.teacher_training.steps = 3;
-        s.teacher_training.prompts_per_step = 4;
-        s.teacher_training.micro_batch = 4;
-        s.student_warmup.steps = 2;
-        s.student_warmup.prompts_per_step = 4;
-        s.student_warmup.micro_batch = 4;
-        s.student_warmup.warmup_steps = 1;
-        s.student_training.steps = 4;
-        s.student_training.prompts_per_step = 4;
-        s.student_training.micro_batch = 4;
-        s.student_training.warmup_steps = 1;
-        s.k = 4;
-        s.eval_prompts = 4;
-        s.eval_every = 2;
-        s.max_new_tokens = 6;
-        s.kl_records = 4;
-        s
-    }
-
-    /// Key of the cached teacher: a hash of everything the teacher depends on.
-    pub fn teacher_key(&self) -> String {
-        let bytes = serde_json::to_vec(&(&self.task, &self.teacher, &self.teacher_training))
-            .unwrap_or_default();
-        hex::encode(&Sha256::digest(&bytes)[..8])
-    }
-}
-
-/// One row of the table.
-#[derive(Debug, Clone, Serialize)]
-pub struct Row {
-    pub accuracy: f64,
-    pub kl: f64,
-    pub steps: u64,
-    pub seconds: f64,
-    /// Greedy held-out accuracy by step (step 0 is the initial student).
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub curve: Vec<(u64, f64)>,
-}
-
-/// Whether the run reached the goal of the issue.
-#[derive(Debug, Clone, Serialize)]
-pub struct Goal {
-    /// 90% of the teacher's accuracy.
-    pub target_accuracy: f64,
-    /// First evaluated step at which each method reached the target (None: not within budget).
-    pub on_policy_steps: Option<u64>,
-    pub off_policy_steps: Option<u64>,
-    pub sft_steps: Option<u64>,
-    /// On-policy reached the target, in at most a fifth of the steps SFT needed (or SFT did not
-    /// reach it within the budget and on-policy did within a fifth of it).
-    pub met: bool,
-}
-
-/// `OUTPUT/summary.json`.
-#[derive(Debug, Clone, Serialize)]
-pub struct Summary {
-    pub teacher: Row,
-    pub student_init: Row,
-    pub sft: Row,
-    pub off_policy: Row,
-    pub on_policy: Row,
-    pub goal: Goal,
-    pub settings: DemoSettings,
-    /// Wall time of the whole demo, and whether the teacher came from the cache.
-    pub wall_seconds: f64,
-    pub teacher_cached: bool,
-}
-
-/// A `teacher` server child process, killed when dropped.
-pub struct TeacherServer {
-    pub url: String,
-    child: Child,
-}
-
-impl TeacherServer {
-    /// Starts `bin --model DIR --port 0` and waits for its `listening on ADDR` line.
-    pub fn start(bin: &Path, model: &Path) -> Result<TeacherServer> {
-        let mut child = Command::new(bin)
-            .arg("--model")
-            .arg(model)
-            .args(["--port", "0"])
-            .env(
-                "RUST_LOG",
-                std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
-            )
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .spawn()
-            .with_context(|| format!("starting {}", bin.display()))?;
-        let stdout = child.stdout.take().context("teacher stdout")?;
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if let Some(addr) = line.trim().strip_prefix("listening on ") {
-                    let _ = tx.send(addr.trim().to_string());
-                }
-            }
-        });
-        let mut server = TeacherServer {
-            url: String::new(),
-            child,
-        };
-        match rx.recv_timeout(Duration::from_secs(300)) {
-            Ok(addr) => server.url = format!("http://{addr}"),
-            Err(_) => {
-                let status = server.child.try_wait().ok().flatten();
-                bail!(
-                    "the teacher server did not report its address (exit status: {status:?}); \
-                     run {} --model {} to see why",
-                    bin.display(),
-                    model.display()
-                );
-            }
-        }
-        Ok(server)
-    }
-}
-
-impl Drop for TeacherServer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// The `teacher` binary: `--teacher-bin`, else beside the running executable.
@@ -632,130 +384,6 @@ fn copy_dir(from: &Path, to: &Path) -> Result<()> {
     Ok(())
 }
 
-/// First evaluated step whose accuracy reaches `target`.
-pub fn steps_to(curve: &[(u64, f64)], target: f64) -> Option<u64> {
-    // The tolerance keeps e.g. 0.72 ≥ 0.9 × 0.8 (= 0.7200000000000001) true.
-    curve
-        .iter()
-        .find(|(_, a)| *a >= target - 1e-9)
-        .map(|(s, _)| *s)
-}
-
-/// The issue's goal: on-policy reaches 90% of the teacher's accuracy in at most a fifth of the
-/// steps SFT needs to get as far (SFT not reaching it within the budget counts as needing more
-/// than the budget).
-pub fn goal(
-    teacher_acc: f64,
-    sft: &[(u64, f64)],
-    off: &[(u64, f64)],
-    on: &[(u64, f64)],
-    budget: u64,
-) -> Goal {
-    let target = 0.9 * teacher_acc;
-    let (on_s, sft_s) = (steps_to(on, target), steps_to(sft, target));
-    let met = match (on_s, sft_s) {
-        (Some(o), Some(s)) => 5 * o <= s,
-        (Some(o), None) => 5 * o <= budget,
-        _ => false,
-    } && target > 0.0;
-    Goal {
-        target_accuracy: target,
-        on_policy_steps: on_s,
-        off_policy_steps: steps_to(off, target),
-        sft_steps: sft_s,
-        met,
-    }
-}
-
-/// The printed table.
-pub fn table(s: &Summary) -> String {
-    let mut t = format!(
-        "{:<14} {:>9} {:>9} {:>7} {:>9}\n",
-        "method", "accuracy", "KL", "steps", "seconds"
-    );
-    for (name, r) in [
-        ("teacher", &s.teacher),
-        ("student_init", &s.student_init),
-        ("sft", &s.sft),
-        ("off_policy", &s.off_policy),
-        ("on_policy", &s.on_policy),
-    ] {
-        t += &format!(
-            "{name:<14} {:>9.3} {:>9.4} {:>7} {:>9.1}\n",
-            r.accuracy, r.kl, r.steps, r.seconds
-        );
-    }
-    t
-}
-
-/// A small SVG line plot of the accuracy curves (no plotting dependency).
-pub fn svg(curves: &[(&str, &[(u64, f64)])], teacher_acc: f64, budget: u64) -> String {
-    let (w, h, l, r, top, bot) = (560.0, 340.0, 50.0, 130.0, 20.0, 40.0);
-    let (pw, ph) = (w - l - r, h - top - bot);
-    let x = |s: u64| l + pw * s as f64 / budget.max(1) as f64;
-    let y = |a: f64| top + ph * (1.0 - a.clamp(0.0, 1.0));
-    let mut o = format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
-         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
-    );
-    for i in 0..=5 {
-        let a = i as f64 / 5.0;
-        o += &format!(
-            "<line x1=\"{l}\" x2=\"{}\" y1=\"{y:.1}\" y2=\"{y:.1}\" stroke=\"#ddd\"/><text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{a:.1}</text>\n",
-            l + pw,
-            l - 6.0,
-            y(a) + 4.0,
-            y = y(a)
-        );
-    }
-    for i in 0..=4 {
-        let s = budget * i / 4;
-        o += &format!(
-            "<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">{s}</text>\n",
-            x(s),
-            top + ph + 16.0
-        );
-    }
-    o += &format!(
-        "<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">training step</text>\n\
-         <text x=\"14\" y=\"{:.1}\" transform=\"rotate(-90 14 {:.1})\" text-anchor=\"middle\">held-out accuracy (greedy)</text>\n",
-        l + pw / 2.0,
-        h - 6.0,
-        top + ph / 2.0,
-        top + ph / 2.0
-    );
-    o += &format!(
-        "<line x1=\"{l}\" x2=\"{}\" y1=\"{t:.1}\" y2=\"{t:.1}\" stroke=\"black\" stroke-dasharray=\"5,4\"/>\n\
-         <text x=\"{}\" y=\"{:.1}\">teacher</text>\n",
-        l + pw,
-        l + pw + 8.0,
-        y(teacher_acc) + 4.0,
-        t = y(teacher_acc)
-    );
-    let colors = ["#1f77b4", "#ff7f0e", "#2ca02c"];
-    // The legend sits in the right margin, in the half the teacher's label is not in.
-    let legend_top = if y(teacher_acc) < top + ph / 2.0 {
-        top + ph / 2.0
-    } else {
-        top + 20.0
-    };
-    for (i, (name, c)) in curves.iter().enumerate() {
-        let pts: Vec<String> = c
-            .iter()
-            .map(|(s, a)| format!("{:.1},{:.1}", x(*s), y(*a)))
-            .collect();
-        let color = colors[i % colors.len()];
-        o += &format!(
-            "<polyline fill=\"none\" stroke=\"{color}\" stroke-width=\"2\" points=\"{}\"/>\n\
-             <text x=\"{}\" y=\"{}\" fill=\"{color}\">{name}</text>\n",
-            pts.join(" "),
-            l + pw + 8.0,
-            legend_top + 16.0 * i as f64
-        );
-    }
-    o + "</svg>\n"
-}
-
 fn seconds_of(v: &serde_json::Value) -> f64 {
     v.get("seconds").and_then(|s| s.as_f64()).unwrap_or(0.0)
 }
@@ -860,8 +488,9 @@ pub fn run_with(
     );
 
     stage(3, "teacher server on loopback");
-    let server = TeacherServer::start(&teacher_bin, &teacher_model)?;
-    eprintln!("   {} serving {}", server.url, teacher_model.display());
+    let server = TeacherProcess::start(&teacher_bin, &teacher_model, &[])
+        .with_context(|| format!("starting {}", teacher_bin.display()))?;
+    eprintln!("   {} serving {}", server.base, teacher_model.display());
 
     stage(4, "student with a different tokenizer");
     let student_random = out.join("student_random");
@@ -898,7 +527,7 @@ pub fn run_with(
             &train,
             &runs.join(name),
             &s.student_training,
-            &server.url,
+            &server.base,
             if name == "sft" { "" } else { &kd_loss },
             s.eval_every,
             s.task.seed,
@@ -1052,53 +681,4 @@ stop_strings = ["\n\n", "\nQ:"]
         ),
     )?;
     Ok(summary)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn goal_compares_steps_to_ninety_percent_of_the_teacher() {
-        // Teacher 0.8: target 0.72.
-        let on = [(0, 0.0), (10, 0.5), (20, 0.75), (100, 0.8)];
-        let sft_slow = [(0, 0.0), (50, 0.3), (100, 0.73)];
-        let sft_fast = [(0, 0.0), (50, 0.72), (100, 0.8)];
-        let never = [(0, 0.0), (100, 0.7)];
-        let g = goal(0.8, &sft_slow, &never, &on, 100);
-        assert!((g.target_accuracy - 0.72).abs() < 1e-12);
-        assert_eq!(
-            (g.on_policy_steps, g.sft_steps, g.off_policy_steps),
-            (Some(20), Some(100), None)
-        );
-        assert!(g.met, "20 * 5 <= 100");
-        assert!(!goal(0.8, &sft_fast, &never, &on, 100).met, "20 * 5 > 50");
-        // SFT never gets there: judged against the budget.
-        assert!(goal(0.8, &never, &never, &on, 100).met);
-        assert!(!goal(0.8, &never, &never, &on, 99).met);
-        // On-policy never gets there, or a teacher at 0: not met.
-        assert!(!goal(0.8, &sft_slow, &never, &never, 100).met);
-        assert!(!goal(0.0, &never, &never, &on, 100).met);
-    }
-
-    #[test]
-    fn svg_has_a_line_per_method_and_the_teacher() {
-        let c: Vec<(u64, f64)> = vec![(0, 0.0), (50, 0.5), (100, 1.0)];
-        let s = svg(&[("a", &c), ("b", &c)], 0.9, 100);
-        assert_eq!(s.matches("<polyline").count(), 2);
-        assert!(s.contains(">teacher<"));
-        // Step 100 of 100 at accuracy 1.0 is the plot's top-right corner (x = 50 + 380, y = 20).
-        assert!(s.contains("430.0,20.0"), "{s}");
-    }
-
-    #[test]
-    fn teacher_key_follows_the_teacher_settings_only() {
-        let a = DemoSettings::full();
-        let mut b = a.clone();
-        b.student_training.steps += 1;
-        b.student.hidden_size *= 2;
-        assert_eq!(a.teacher_key(), b.teacher_key());
-        b.teacher_training.lr *= 2.0;
-        assert_ne!(a.teacher_key(), b.teacher_key());
-    }
 }

@@ -1,0 +1,176 @@
+//! The demo's presets: the task, the models and how each is trained (`DemoSettings::full` is
+//! the calibrated run, `DemoSettings::fast` the pipeline check).
+
+use crate::task::{Op, TaskConfig};
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+
+/// A model to initialise.
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelSpec {
+    pub arch: String,
+    /// Name of a tokenizer under the shared tokenizers folder (`qwen3`, `llama2`, ...).
+    pub tokenizer: String,
+    pub hidden_size: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub intermediate_size: usize,
+    pub seed: u64,
+}
+
+/// How one model is trained.
+#[derive(Debug, Clone, Serialize)]
+pub struct TrainSpec {
+    pub steps: u64,
+    pub prompts_per_step: usize,
+    pub micro_batch: usize,
+    pub lr: f64,
+    pub min_lr: f64,
+    pub warmup_steps: u64,
+}
+
+/// Everything that determines the demo's result.
+#[derive(Debug, Clone, Serialize)]
+pub struct DemoSettings {
+    pub task: TaskConfig,
+    pub teacher: ModelSpec,
+    pub teacher_training: TrainSpec,
+    pub student: ModelSpec,
+    /// A short SFT on the task that turns the random student into the common starting point of
+    /// the three methods (`student_init`), as in the published comparisons, which distil a
+    /// mid-trained student rather than a random one (steps 0: start from the random init).
+    pub student_warmup: TrainSpec,
+    /// The budget every method gets.
+    pub student_training: TrainSpec,
+    /// Teacher top-k per position for the distillation losses.
+    pub k: usize,
+    /// Distillation loss of the off-policy and on-policy runs (a `[loss] kd` type).
+    pub kd: String,
+    /// Held-out prompts for accuracy, and evaluation cadence (steps) for the curves.
+    pub eval_prompts: usize,
+    pub eval_every: u64,
+    pub max_new_tokens: usize,
+    /// Held-out records for the KL to the teacher.
+    pub kl_records: usize,
+    /// Sampling temperature of the on-policy rollouts.
+    pub rollout_temperature: f64,
+}
+
+impl DemoSettings {
+    /// The calibrated demo (see docs/demo.md for the measurements behind these numbers).
+    pub fn full() -> DemoSettings {
+        DemoSettings {
+            task: TaskConfig {
+                digits: 2,
+                ops: vec![Op::Add],
+                train: 2000,
+                test: 200,
+                seed: 0,
+            },
+            teacher: ModelSpec {
+                arch: "qwen3".into(),
+                tokenizer: "qwen3".into(),
+                hidden_size: 64,
+                layers: 2,
+                heads: 4,
+                kv_heads: 2,
+                intermediate_size: 256,
+                seed: 1,
+            },
+            teacher_training: TrainSpec {
+                steps: 600,
+                prompts_per_step: 16,
+                micro_batch: 16,
+                lr: 3e-3,
+                min_lr: 3e-4,
+                warmup_steps: 10,
+            },
+            student: ModelSpec {
+                arch: "llama".into(),
+                tokenizer: "llama2".into(),
+                hidden_size: 64,
+                layers: 2,
+                heads: 4,
+                kv_heads: 2,
+                intermediate_size: 128,
+                seed: 2,
+            },
+            student_warmup: TrainSpec {
+                steps: 300,
+                prompts_per_step: 16,
+                micro_batch: 16,
+                lr: 3e-3,
+                min_lr: 1e-3,
+                warmup_steps: 10,
+            },
+            student_training: TrainSpec {
+                steps: 150,
+                prompts_per_step: 16,
+                micro_batch: 16,
+                lr: 1e-3,
+                min_lr: 1e-4,
+                warmup_steps: 10,
+            },
+            k: 16,
+            kd: "first_kl".into(),
+            eval_prompts: 100,
+            eval_every: 20,
+            max_new_tokens: 40,
+            kl_records: 32,
+            rollout_temperature: 0.5,
+        }
+    }
+
+    /// Tiny models, a few steps: the pipeline end to end in seconds (CI).
+    pub fn fast() -> DemoSettings {
+        let mut s = DemoSettings::full();
+        s.task.train = 64;
+        s.task.test = 16;
+        for m in [&mut s.teacher, &mut s.student] {
+            m.hidden_size = 16;
+            m.layers = 1;
+            m.intermediate_size = 32;
+        }
+        s.teacher_training.steps = 3;
+        s.teacher_training.prompts_per_step = 4;
+        s.teacher_training.micro_batch = 4;
+        s.student_warmup.steps = 2;
+        s.student_warmup.prompts_per_step = 4;
+        s.student_warmup.micro_batch = 4;
+        s.student_warmup.warmup_steps = 1;
+        s.student_training.steps = 4;
+        s.student_training.prompts_per_step = 4;
+        s.student_training.micro_batch = 4;
+        s.student_training.warmup_steps = 1;
+        s.k = 4;
+        s.eval_prompts = 4;
+        s.eval_every = 2;
+        s.max_new_tokens = 6;
+        s.kl_records = 4;
+        s
+    }
+
+    /// Key of the cached teacher: a hash of everything the teacher depends on.
+    pub fn teacher_key(&self) -> String {
+        let bytes = serde_json::to_vec(&(&self.task, &self.teacher, &self.teacher_training))
+            .unwrap_or_default();
+        hex::encode(&Sha256::digest(&bytes)[..8])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn teacher_key_follows_the_teacher_settings_only() {
+        let a = DemoSettings::full();
+        let mut b = a.clone();
+        b.student_training.steps += 1;
+        b.student.hidden_size *= 2;
+        assert_eq!(a.teacher_key(), b.teacher_key());
+        b.teacher_training.lr *= 2.0;
+        assert_ne!(a.teacher_key(), b.teacher_key());
+    }
+}
