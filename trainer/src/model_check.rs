@@ -110,11 +110,59 @@ pub fn check_config(
         ));
     }
     // 3. Attention and MLP widths, on layer 0 (every layer is compared below).
-    let d = cfg.head_dim();
     let rows = |name: &str| -> Result<(usize, &Path)> {
         let (s, f) = shape(name)?;
         Ok((s.first().copied().unwrap_or(0), f.as_path()))
     };
+    // (Phi-3's fused qkv_proj / gate_up_proj and Qwen3-MoE's experts are compared by shape
+    // in step 5 only.)
+    let separate_qkv = shapes.contains_key("model.layers.0.self_attn.q_proj.weight")
+        || !shapes.contains_key("model.layers.0.self_attn.qkv_proj.weight");
+    if separate_qkv {
+        check_attention_rows(cfg, &file.to_string(), shapes)?;
+    }
+    if shapes.contains_key("model.layers.0.mlp.gate_proj.weight") {
+        let (i_rows, gf) = rows("model.layers.0.mlp.gate_proj.weight")?;
+        if cfg.intermediate_size != i_rows {
+            return Err(key_vs_dim(
+                "intermediate_size",
+                cfg.intermediate_size,
+                "gate_proj's row count",
+                i_rows,
+                gf,
+            ));
+        }
+    }
+    // 4. RoPE tables are sized by max_position_embeddings alone (no tensor to compare with).
+    check_rope(cfg).with_context(|| format!("{file}"))?;
+    // 5. Now the parameter list is bounded by the weights: compare every shape.
+    for spec in param_specs(cfg, 0.0) {
+        let (got, f) = shape(&spec.name)?;
+        if *got != spec.shape {
+            bail!(
+                "{file}: the config implies shape {:?} for {:?}, but it is {got:?} in {}",
+                spec.shape,
+                spec.name,
+                f.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// q_proj and k_proj rows against the head counts (named keys in the message).
+fn check_attention_rows(
+    cfg: &ModelConfig,
+    file: &str,
+    shapes: &HashMap<String, (Vec<usize>, PathBuf)>,
+) -> Result<()> {
+    let rows = |name: &str| -> Result<(usize, &Path)> {
+        let (s, f) = shapes
+            .get(name)
+            .with_context(|| format!("{file}: the weights have no tensor {name:?}"))?;
+        Ok((s.first().copied().unwrap_or(0), f.as_path()))
+    };
+    let d = cfg.head_dim();
     let (q_rows, qf) = rows("model.layers.0.self_attn.q_proj.weight")?;
     if cfg.num_attention_heads.checked_mul(d) != Some(q_rows) {
         let key = if cfg.head_dim.is_some() {
@@ -137,30 +185,6 @@ pub fn check_config(
             cfg.kv_heads(),
             kf.display()
         ));
-    }
-    let (i_rows, gf) = rows("model.layers.0.mlp.gate_proj.weight")?;
-    if cfg.intermediate_size != i_rows {
-        return Err(key_vs_dim(
-            "intermediate_size",
-            cfg.intermediate_size,
-            "gate_proj's row count",
-            i_rows,
-            gf,
-        ));
-    }
-    // 4. RoPE tables are sized by max_position_embeddings alone (no tensor to compare with).
-    check_rope(cfg).with_context(|| format!("{file}"))?;
-    // 5. Now the parameter list is bounded by the weights: compare every shape.
-    for spec in param_specs(cfg, 0.0) {
-        let (got, f) = shape(&spec.name)?;
-        if *got != spec.shape {
-            bail!(
-                "{file}: the config implies shape {:?} for {:?}, but it is {got:?} in {}",
-                spec.shape,
-                spec.name,
-                f.display()
-            );
-        }
     }
     Ok(())
 }
@@ -198,6 +222,11 @@ pub fn parameter_count(cfg: &ModelConfig) -> f64 {
         + 3.0 * i * h
         + (hq * d + 2.0 * hkv * d + h)
         + 2.0 * d;
+    // Qwen3-MoE: every expert and the router, on every layer (an upper bound).
+    let m = &cfg.moe;
+    let experts = m.num_experts.unwrap_or(0) as f64;
+    let per_layer = per_layer
+        + experts * (3.0 * m.moe_intermediate_size.unwrap_or(0) as f64 * h + h);
     let heads = if cfg.tie_word_embeddings { 1.0 } else { 2.0 };
     heads * v * h + h + cfg.num_hidden_layers as f64 * per_layer
 }

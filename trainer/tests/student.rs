@@ -336,3 +336,45 @@ fn moe_students_are_refused() {
         "{err}"
     );
 }
+
+/// Every architecture's `init-model` directory passes the config-vs-weights checks and loads as
+/// a student (Phi-3's fused projections included); Qwen3-MoE's is refused by name.
+#[test]
+fn student_directories_of_every_architecture_load() {
+    let tmp = tempfile::tempdir().unwrap();
+    for arch in ["qwen3", "qwen2", "llama", "mistral", "gemma3", "phi3", "qwen3-moe"] {
+        let out = tmp.path().join(arch);
+        xdistill_trainer::init_model::run(xdistill_trainer::init_model::Args {
+            arch: arch.into(),
+            tokenizer: xdistill_shared::paths::tokenizer_json("llama2"),
+            hidden_size: 32,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            intermediate_size: 48,
+            head_dim: None,
+            pad_vocab_to: 64,
+            max_position_embeddings: 64,
+            tie_embeddings: false,
+            init_std: 0.02,
+            seed: 1,
+            out: out.clone(),
+            features: xdistill_trainer::init_model::Features {
+                sliding_window: Some(16),
+                ..Default::default()
+            },
+        })
+        .unwrap();
+        let loaded = Student::load(&out, &Device::Cpu, DType::F32);
+        match arch {
+            "qwen3-moe" => {
+                let err = loaded.err().expect("MoE student refused").to_string();
+                assert!(err.contains("Qwen3-MoE students are not supported"), "{err}");
+            }
+            _ => {
+                let s = loaded.unwrap_or_else(|e| panic!("{arch}: {e:#}"));
+                assert_eq!(s.named_vars().len(), s.model().param_names().len(), "{arch}");
+            }
+        }
+    }
+}

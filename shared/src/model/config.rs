@@ -399,7 +399,7 @@ impl ModelConfig {
                 let sliding = match arch {
                     Arch::Gemma3 => {
                         let p = self.window.sliding_window_pattern.unwrap_or(6).max(1);
-                        (i + 1) % p != 0
+                        !(i + 1).is_multiple_of(p)
                     }
                     Arch::Qwen2 | Arch::Qwen3 => {
                         window && i >= self.window.max_window_layers.unwrap_or(0)
@@ -526,7 +526,7 @@ impl ModelConfig {
         matches!(self.arch(), Ok(Arch::Qwen3Moe))
             && m.num_experts.unwrap_or(0) > 0
             && !m.mlp_only_layers.as_deref().unwrap_or(&[]).contains(&l)
-            && (l + 1) % m.decoder_sparse_step.unwrap_or(1).max(1) == 0
+            && (l + 1).is_multiple_of(m.decoder_sparse_step.unwrap_or(1).max(1))
     }
 
     /// The attention scale: Gemma 3's `query_pre_attn_scalar^-1/2`, else `head_dim^-1/2`.

@@ -28,8 +28,11 @@ pub struct ParamSpec {
     pub init: Init,
 }
 
+/// Names and shapes, in the order they were asked for.
+type Seen = Arc<Mutex<Vec<(String, Vec<usize>)>>>;
+
 /// Records the parameters asked for; answers with zero-stride views of one scalar.
-struct Recorder(Arc<Mutex<Vec<(String, Vec<usize>)>>>);
+struct Recorder(Seen);
 
 impl SimpleBackend for Recorder {
     fn get(
