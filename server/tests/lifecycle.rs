@@ -442,12 +442,21 @@ async fn gemma3_teacher_reports_its_window_and_scores_in_chunks() {
         .unwrap();
     assert_eq!(info.architecture, "Gemma3ForCausalLM");
     assert_eq!(info.model_type, "gemma3_text");
-    assert_eq!((info.rope_theta, info.rope_scaling.as_str()), (1e6, "linear"));
+    assert_eq!(
+        (info.rope_theta, info.rope_scaling.as_str()),
+        (1e6, "linear")
+    );
     assert_eq!((info.sliding_window, info.sliding_layers), (Some(8), 2));
     let seq: Vec<u32> = (0..40u32).map(|i| (i * 7919 + 13) % 262_000).collect();
     let req = request(vec![seq.clone()], 4);
-    let a = common::score(&c, &whole, &req, Format::Json).await.results.remove(0);
-    let b = common::score(&c, &chunked, &req, Format::Json).await.results.remove(0);
+    let a = common::score(&c, &whole, &req, Format::Json)
+        .await
+        .results
+        .remove(0);
+    let b = common::score(&c, &chunked, &req, Format::Json)
+        .await
+        .results
+        .remove(0);
     let reference = common::Reference::load(&dir);
     for got in [&a, &b] {
         reference.check(got, &seq, 0, 1.0, ValuesKind::Logprobs, 1e-4);

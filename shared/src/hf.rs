@@ -394,7 +394,10 @@ mod tests {
         assert_eq!(l.eos_ids(), vec![2]);
         let mut bad = l.clone();
         bad.model_type = "gpt2".into();
-        assert!(matches!(bad.validate(), Err(ConfigError::UnsupportedArch(_))));
+        assert!(matches!(
+            bad.validate(),
+            Err(ConfigError::UnsupportedArch(_))
+        ));
         bad = l.clone();
         bad.num_key_value_heads = Some(3);
         assert!(bad.validate().is_err());

@@ -45,7 +45,10 @@ fn arch_configs() -> Vec<(&'static str, ModelConfig)> {
         ("qwen3", config("qwen3")),
         ("qwen2", config("qwen2")),
         ("llama", config("llama")),
-        ("mistral", with("mistral", serde_json::json!({"sliding_window": 3}))),
+        (
+            "mistral",
+            with("mistral", serde_json::json!({"sliding_window": 3})),
+        ),
         (
             "qwen3 window",
             with(
@@ -385,7 +388,12 @@ fn unimplemented_settings_are_refused_by_name() {
 #[test]
 fn sliding_windows_hold_batched_alone_and_chunked() {
     for (arch, cfg) in arch_configs() {
-        if cfg.layer_kinds().unwrap().iter().all(|k| *k == LayerKind::Full) {
+        if cfg
+            .layer_kinds()
+            .unwrap()
+            .iter()
+            .all(|k| *k == LayerKind::Full)
+        {
             continue;
         }
         let m = model(&cfg, Ops::Fused);
@@ -398,12 +406,17 @@ fn sliding_windows_hold_batched_alone_and_chunked() {
         let batch = Tensor::from_vec(flat, (2, SEQ.len()), &dev()).unwrap();
         let batched = m.forward(&batch).unwrap();
         let first = batched.get(0).unwrap().narrow(0, 0, short.len()).unwrap();
-        assert!(max_abs_diff(&alone.get(0).unwrap(), &first) < 1e-5, "{arch} batched");
+        assert!(
+            max_abs_diff(&alone.get(0).unwrap(), &first) < 1e-5,
+            "{arch} batched"
+        );
         // Chunked: 3 + 3 + 1 positions over a cache planned for the whole sequence.
         let mut cache = KvCache::for_sequence(short.len());
         let mut parts = Vec::new();
         for chunk in short.chunks(3) {
-            let h = m.forward_hidden(&ids(chunk), Some(&mut cache), None, None).unwrap();
+            let h = m
+                .forward_hidden(&ids(chunk), Some(&mut cache), None, None)
+                .unwrap();
             parts.push(m.logits(&h).unwrap());
         }
         let chunked = Tensor::cat(&parts, 1).unwrap();
@@ -413,7 +426,10 @@ fn sliding_windows_hold_batched_alone_and_chunked() {
         wide["sliding_window"] = serde_json::json!(64);
         let wide: ModelConfig = serde_json::from_value(wide).unwrap();
         let unwindowed = model(&wide, Ops::Fused).forward(&ids(short)).unwrap();
-        assert!(max_abs_diff(&alone, &unwindowed) > 1e-3, "{arch}: window ignored");
+        assert!(
+            max_abs_diff(&alone, &unwindowed) > 1e-3,
+            "{arch}: window ignored"
+        );
     }
 }
 
@@ -428,11 +444,26 @@ fn window_edge_matches_truncated_sequences() {
     let full_cfg: ModelConfig = serde_json::from_value(v.clone()).unwrap();
     v["sliding_window"] = serde_json::json!(3);
     let cfg: ModelConfig = serde_json::from_value(v).unwrap();
-    let windowed = model(&cfg, Ops::Fused).forward(&ids(&SEQ)).unwrap().get(0).unwrap();
+    let windowed = model(&cfg, Ops::Fused)
+        .forward(&ids(&SEQ))
+        .unwrap()
+        .get(0)
+        .unwrap();
     let plain = model(&full_cfg, Ops::Fused);
-    let last_row = |s: &[u32]| plain.forward(&ids(s)).unwrap().get(0).unwrap().get(s.len() - 1).unwrap();
+    let last_row = |s: &[u32]| {
+        plain
+            .forward(&ids(s))
+            .unwrap()
+            .get(0)
+            .unwrap()
+            .get(s.len() - 1)
+            .unwrap()
+    };
     for i in 0..SEQ.len() {
-        let d = max_abs_diff(&windowed.get(i).unwrap(), &last_row(&SEQ[i.saturating_sub(2)..=i]));
+        let d = max_abs_diff(
+            &windowed.get(i).unwrap(),
+            &last_row(&SEQ[i.saturating_sub(2)..=i]),
+        );
         assert!(d < 1e-4, "position {i}: {d}");
         if i >= 3 {
             let wider = max_abs_diff(&windowed.get(i).unwrap(), &last_row(&SEQ[i - 3..=i]));
@@ -467,7 +498,12 @@ fn moe_of_identical_experts_equals_the_dense_model() {
         }
     }
     let load = |cfg: &ModelConfig, p: HashMap<String, Tensor>| {
-        Decoder::new(cfg, VarBuilder::from_tensors(p, DType::F32, &dev()), Ops::Fused).unwrap()
+        Decoder::new(
+            cfg,
+            VarBuilder::from_tensors(p, DType::F32, &dev()),
+            Ops::Fused,
+        )
+        .unwrap()
     };
     // transformers 5's fused layout of the same experts: gate_up [E, 2I, H], down [E, H, I].
     let mut fused = moe.clone();
@@ -478,11 +514,17 @@ fn moe_of_identical_experts_equals_the_dense_model() {
         };
         let (mut gate_up, mut down) = (Vec::new(), Vec::new());
         for e in 0..4 {
-            let (g, u) = (take(&mut fused, e, "gate_proj"), take(&mut fused, e, "up_proj"));
+            let (g, u) = (
+                take(&mut fused, e, "gate_proj"),
+                take(&mut fused, e, "up_proj"),
+            );
             gate_up.push(Tensor::cat(&[g, u], 0).unwrap());
             down.push(take(&mut fused, e, "down_proj"));
         }
-        fused.insert(format!("{pre}.gate_up_proj"), Tensor::stack(&gate_up, 0).unwrap());
+        fused.insert(
+            format!("{pre}.gate_up_proj"),
+            Tensor::stack(&gate_up, 0).unwrap(),
+        );
         fused.insert(format!("{pre}.down_proj"), Tensor::stack(&down, 0).unwrap());
     }
     let a = load(&dense_cfg, dense).forward(&ids(&SEQ)).unwrap();
@@ -519,7 +561,12 @@ fn gemma3_text_tower_of_a_multimodal_checkpoint() {
         std::fs::write(dir.path().join("config.json"), top.to_string()).unwrap();
         let mut stored: Vec<(String, Tensor)> = p
             .iter()
-            .map(|(k, t)| (format!("{prefix}{}", k.strip_prefix("model.").unwrap()), t.clone()))
+            .map(|(k, t)| {
+                (
+                    format!("{prefix}{}", k.strip_prefix("model.").unwrap()),
+                    t.clone(),
+                )
+            })
             .collect();
         stored.push((
             "model.vision_tower.patch.weight".into(),
@@ -531,12 +578,12 @@ fn gemma3_text_tower_of_a_multimodal_checkpoint() {
         std::fs::write(dir.path().join("tokenizer.json"), "{}").unwrap();
         let md = xdistill_shared::hf::ModelDir::open(dir.path()).unwrap();
         assert_eq!(md.config.weight_prefix.as_deref(), Some(prefix));
-        assert!(param_specs(&md.config, 0.0).iter().all(|s| s.name.starts_with(prefix)));
+        assert!(param_specs(&md.config, 0.0)
+            .iter()
+            .all(|s| s.name.starts_with(prefix)));
         // SAFETY: written above, not modified while mapped.
-        let vb = unsafe {
-            VarBuilder::from_mmaped_safetensors(&md.weights, DType::F32, &dev())
-        }
-        .unwrap();
+        let vb = unsafe { VarBuilder::from_mmaped_safetensors(&md.weights, DType::F32, &dev()) }
+            .unwrap();
         let got = Decoder::new(&md.config, vb, Ops::Fused)
             .unwrap()
             .forward(&ids(&SEQ))

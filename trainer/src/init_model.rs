@@ -212,10 +212,7 @@ pub fn build_config(a: &Args) -> Result<ModelConfig> {
         cfg.moe.decoder_sparse_step = Some(f.decoder_sparse_step);
         cfg.moe.mlp_only_layers = Some(f.mlp_only_layers.clone());
     }
-    if !explicit_head_dim
-        && a.head_dim.is_none()
-        && !a.hidden_size.is_multiple_of(a.heads.max(1))
-    {
+    if !explicit_head_dim && a.head_dim.is_none() && !a.hidden_size.is_multiple_of(a.heads.max(1)) {
         bail!(
             "--hidden-size ({}) must be a multiple of --heads ({})",
             a.hidden_size,

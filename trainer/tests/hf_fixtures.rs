@@ -35,8 +35,17 @@ fn log_probs(dir: &std::path::Path, ids: &[u32], ops: Ops) -> Vec<Vec<f64>> {
     let vb = unsafe { VarBuilder::from_mmaped_safetensors(&md.weights, DType::F32, &Device::Cpu) }
         .unwrap();
     let dec = Decoder::new(&md.config, vb, ops).unwrap();
-    let x = Tensor::new(ids, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
-    let logits = dec.forward(&x).unwrap().get(0).unwrap().to_dtype(DType::F64).unwrap();
+    let x = Tensor::new(ids, &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    let logits = dec
+        .forward(&x)
+        .unwrap()
+        .get(0)
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap();
     candle_nn::ops::log_softmax(&logits, D::Minus1)
         .unwrap()
         .to_vec2::<f64>()
@@ -82,7 +91,9 @@ fn every_architecture_scores_as_transformers() {
                     );
                     // The same value at transformers' j-th id, and as our j-th largest (ties
                     // may order differently; values may not).
-                    worst = worst.max((row[id] - want).abs()).max((sorted[j] - want).abs());
+                    worst = worst
+                        .max((row[id] - want).abs())
+                        .max((sorted[j] - want).abs());
                 }
                 if let Some(target) = case["target_logprobs"].get(t) {
                     let want = target.as_f64().unwrap();

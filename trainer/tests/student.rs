@@ -29,7 +29,10 @@ fn student_configs() -> Vec<(&'static str, ModelConfig)> {
         ("qwen3", config("qwen3", false)),
         ("qwen2", config("qwen2", false)),
         ("llama", config("llama", true)),
-        ("mistral", with("mistral", false, serde_json::json!({"sliding_window": 3}))),
+        (
+            "mistral",
+            with("mistral", false, serde_json::json!({"sliding_window": 3})),
+        ),
         (
             "gemma3",
             with(
@@ -332,7 +335,8 @@ fn moe_students_are_refused() {
     .err()
     .expect("refused");
     assert!(
-        err.to_string().contains("Qwen3-MoE students are not supported"),
+        err.to_string()
+            .contains("Qwen3-MoE students are not supported"),
         "{err}"
     );
 }
@@ -342,7 +346,15 @@ fn moe_students_are_refused() {
 #[test]
 fn student_directories_of_every_architecture_load() {
     let tmp = tempfile::tempdir().unwrap();
-    for arch in ["qwen3", "qwen2", "llama", "mistral", "gemma3", "phi3", "qwen3-moe"] {
+    for arch in [
+        "qwen3",
+        "qwen2",
+        "llama",
+        "mistral",
+        "gemma3",
+        "phi3",
+        "qwen3-moe",
+    ] {
         let out = tmp.path().join(arch);
         xdistill_trainer::init_model::run(xdistill_trainer::init_model::Args {
             arch: arch.into(),
@@ -369,11 +381,18 @@ fn student_directories_of_every_architecture_load() {
         match arch {
             "qwen3-moe" => {
                 let err = loaded.err().expect("MoE student refused").to_string();
-                assert!(err.contains("Qwen3-MoE students are not supported"), "{err}");
+                assert!(
+                    err.contains("Qwen3-MoE students are not supported"),
+                    "{err}"
+                );
             }
             _ => {
                 let s = loaded.unwrap_or_else(|e| panic!("{arch}: {e:#}"));
-                assert_eq!(s.named_vars().len(), s.model().param_names().len(), "{arch}");
+                assert_eq!(
+                    s.named_vars().len(),
+                    s.model().param_names().len(),
+                    "{arch}"
+                );
             }
         }
     }

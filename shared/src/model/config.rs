@@ -490,7 +490,10 @@ impl ModelConfig {
         }
         if matches!(p.kind(), "llama3" | "yarn" | "longrope") {
             // Phi-3 keeps it at the top level, and there it wins (as in transformers).
-            if let Some(o) = self.original_max_position_embeddings.filter(|_| arch == Arch::Phi3) {
+            if let Some(o) = self
+                .original_max_position_embeddings
+                .filter(|_| arch == Arch::Phi3)
+            {
                 p.original_max_position_embeddings = Some(o);
             }
             if p.original_max_position_embeddings.is_none() {
@@ -578,8 +581,10 @@ impl ModelConfig {
                 need("factor", p.factor, |f| f >= 1.0)?;
             }
             "longrope" => {
-                for (name, f) in [("short_factor", &p.short_factor), ("long_factor", &p.long_factor)]
-                {
+                for (name, f) in [
+                    ("short_factor", &p.short_factor),
+                    ("long_factor", &p.long_factor),
+                ] {
                     match f {
                         Some(v) if v.len() == rot / 2 && v.iter().all(|x| *x > 0.0) => {}
                         other => {

@@ -7,7 +7,7 @@
 //! (real tokens never attend to later pads), or pass `key_valid` for left-padded batches.
 
 use super::config::{Arch, LayerKind, ModelConfig};
-use super::layers::{AttnInputs, Attention, GatedMlp, Norm, Ops};
+use super::layers::{Attention, AttnInputs, GatedMlp, Norm, Ops};
 use super::params::param_specs;
 use super::qwen3_moe::SparseMoe;
 use super::rope::Rope;
@@ -247,14 +247,17 @@ impl Decoder {
         for block in &self.w.layers {
             let wnd = block.attn.window;
             if !masks.iter().any(|(w, _)| *w == wnd) {
-                masks.push((wnd, attention_bias(b, t, past, key_valid, wnd, &self.device)?));
+                masks.push((
+                    wnd,
+                    attention_bias(b, t, past, key_valid, wnd, &self.device)?,
+                ));
             }
         }
-        let mut x = self.w.embed.index_select(&ids.flatten_all()?, 0)?.reshape((
-            b,
-            t,
-            self.cfg.hidden_size,
-        ))?;
+        let mut x = self
+            .w
+            .embed
+            .index_select(&ids.flatten_all()?, 0)?
+            .reshape((b, t, self.cfg.hidden_size))?;
         if let Some(s) = self.embed_scale {
             x = (x * s)?;
         }

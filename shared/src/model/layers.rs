@@ -2,7 +2,7 @@
 //! layers, RoPE application (whole or partial), grouped-query attention with causal and
 //! sliding-window masks, and the gated MLP. Each runs in two modes ([`Ops`]).
 
-use super::config::Activation;
+use super::config::{Activation, LayerKind, ModelConfig};
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::{Linear, VarBuilder};
 
@@ -159,6 +159,45 @@ pub(crate) struct AttnInputs<'a> {
 }
 
 impl Attention {
+    /// `q_proj`, `k_proj`, `v_proj`, `o_proj` under `av` (`…self_attn`) with the given biases
+    /// (q/k/v, o), then `q_norm`/`k_norm` when `qk_norm` is given (`Some(true)`: Gemma's
+    /// `1 + weight`). Head counts, scale and window come from `cfg` and the layer's kind.
+    pub fn load(
+        cfg: &ModelConfig,
+        av: &VarBuilder,
+        kind: LayerKind,
+        (qkv_bias, o_bias): (bool, bool),
+        qk_norm: Option<bool>,
+    ) -> Result<Attention> {
+        let (h, hq, hkv, d) = (
+            cfg.hidden_size,
+            cfg.num_attention_heads,
+            cfg.kv_heads(),
+            cfg.head_dim(),
+        );
+        let q = linear(av, "q_proj", (h, hq * d), qkv_bias)?;
+        let k = linear(av, "k_proj", (h, hkv * d), qkv_bias)?;
+        let v = linear(av, "v_proj", (h, hkv * d), qkv_bias)?;
+        let o = linear(av, "o_proj", (hq * d, h), o_bias)?;
+        let qk_norm = match qk_norm {
+            Some(plus_one) => Some((
+                Norm::load(av, "q_norm", d, cfg.rms_norm_eps, plus_one)?,
+                Norm::load(av, "k_norm", d, cfg.rms_norm_eps, plus_one)?,
+            )),
+            None => None,
+        };
+        Ok(Attention {
+            qkv: Qkv::Separate { q, k, v },
+            o,
+            qk_norm,
+            n_heads: hq,
+            n_kv: hkv,
+            head_dim: d,
+            scale: cfg.attention_scale(),
+            window: cfg.layer_window(kind),
+        })
+    }
+
     /// `x`: [B, T, H] → [B, T, H]; `kv` is this layer's cache slot, appended to.
     pub fn forward(
         &self,

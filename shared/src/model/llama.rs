@@ -4,49 +4,21 @@
 
 use super::config::{Arch, LayerKind, ModelConfig};
 use super::decoder::{Block, Ffn};
-use super::layers::{linear, Attention, GatedMlp, Norm, Qkv};
+use super::layers::{Attention, GatedMlp, Norm};
 use candle_core::Result;
 use candle_nn::VarBuilder;
 
 /// The attention of layer `vb` (`…layers.N`): `self_attn.{q,k,v,o}_proj` (+ Qwen3's q/k norms).
 pub(crate) fn attention(cfg: &ModelConfig, vb: &VarBuilder, kind: LayerKind) -> Result<Attention> {
     let arch = cfg.arch().map_err(candle_core::Error::wrap)?;
-    let (h, hq, hkv, d) = (
-        cfg.hidden_size,
-        cfg.num_attention_heads,
-        cfg.kv_heads(),
-        cfg.head_dim(),
-    );
     // Qwen2: q/k/v always biased, o never; Mistral: none; the rest: `attention_bias` on all four.
-    let (qkv_bias, o_bias) = match arch {
+    let biases = match arch {
         Arch::Qwen2 => (true, false),
         Arch::Mistral => (false, false),
         _ => (cfg.attention_bias, cfg.attention_bias),
     };
-    let av = vb.pp("self_attn");
-    let q = linear(&av, "q_proj", (h, hq * d), qkv_bias)?;
-    let k = linear(&av, "k_proj", (h, hkv * d), qkv_bias)?;
-    let v = linear(&av, "v_proj", (h, hkv * d), qkv_bias)?;
-    let o = linear(&av, "o_proj", (hq * d, h), o_bias)?;
-    let qk_norm = if matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe) {
-        let eps = cfg.rms_norm_eps;
-        Some((
-            Norm::load(&av, "q_norm", d, eps, false)?,
-            Norm::load(&av, "k_norm", d, eps, false)?,
-        ))
-    } else {
-        None
-    };
-    Ok(Attention {
-        qkv: Qkv::Separate { q, k, v },
-        o,
-        qk_norm,
-        n_heads: hq,
-        n_kv: hkv,
-        head_dim: d,
-        scale: cfg.attention_scale(),
-        window: cfg.layer_window(kind),
-    })
+    let qk_norm = matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe).then_some(false);
+    Attention::load(cfg, &vb.pp("self_attn"), kind, biases, qk_norm)
 }
 
 /// One block: pre-norm attention, then a pre-norm SwiGLU MLP.

@@ -60,11 +60,10 @@ impl SparseMoe {
         let dims = x.dims().to_vec();
         let h = *dims.last().unwrap_or(&0);
         let flat = x.reshape(((), h))?; // [N, H]
-        // 1. Route: softmax over experts in f32, top-k per token (on the host: [N, E] is small).
-        let probs = candle_nn::ops::softmax_last_dim(
-            &self.router.forward(&flat)?.to_dtype(DType::F32)?,
-        )?
-        .to_vec2::<f32>()?;
+                                        // 1. Route: softmax over experts in f32, top-k per token (on the host: [N, E] is small).
+        let probs =
+            candle_nn::ops::softmax_last_dim(&self.router.forward(&flat)?.to_dtype(DType::F32)?)?
+                .to_vec2::<f32>()?;
         let mut routed: Vec<(Vec<u32>, Vec<f32>)> = vec![(vec![], vec![]); self.experts.len()];
         for (tok, row) in probs.iter().enumerate() {
             let mut order: Vec<usize> = (0..row.len()).collect();
@@ -72,7 +71,11 @@ impl SparseMoe {
             let picked = &order[..self.top_k.min(order.len())];
             let sum: f32 = picked.iter().map(|&e| row[e]).sum();
             for &e in picked {
-                let w = if self.norm_topk_prob { row[e] / sum } else { row[e] };
+                let w = if self.norm_topk_prob {
+                    row[e] / sum
+                } else {
+                    row[e]
+                };
                 routed[e].0.push(tok as u32);
                 routed[e].1.push(w);
             }
@@ -94,7 +97,12 @@ impl SparseMoe {
 }
 
 /// One block: Qwen3's, with the sparse MLP on MoE layers.
-pub(crate) fn block(cfg: &ModelConfig, vb: &VarBuilder, l: usize, kind: LayerKind) -> Result<Block> {
+pub(crate) fn block(
+    cfg: &ModelConfig,
+    vb: &VarBuilder,
+    l: usize,
+    kind: LayerKind,
+) -> Result<Block> {
     super::llama::block_with(cfg, vb, kind, |cfg, mv| {
         Ok(if cfg.is_moe_layer(l) {
             Ffn::Moe(SparseMoe::load(cfg, mv)?)

@@ -25,7 +25,11 @@ pub fn inv_freqs(p: &RopeParams, rot_dim: usize, max_pos: usize, long: bool) -> 
         "llama3" => (llama3(p, plain), 1.0),
         "yarn" => yarn(p, &pos_freqs, dim, base, orig),
         "longrope" => {
-            let ext = if long { &p.long_factor } else { &p.short_factor };
+            let ext = if long {
+                &p.long_factor
+            } else {
+                &p.short_factor
+            };
             let ext = ext.as_deref().unwrap_or(&[]);
             let inv = pos_freqs
                 .iter()
@@ -77,10 +81,14 @@ fn yarn(p: &RopeParams, pos_freqs: &[f64], dim: f64, base: f64, orig: f64) -> (V
             0.1 * m * scale.ln() + 1.0
         }
     };
-    let attention = p.attention_factor.unwrap_or_else(|| match (p.mscale, p.mscale_all_dim) {
-        (Some(m), Some(all)) if m != 0.0 && all != 0.0 => mscale(factor, m) / mscale(factor, all),
-        _ => mscale(factor, 1.0),
-    });
+    let attention = p
+        .attention_factor
+        .unwrap_or_else(|| match (p.mscale, p.mscale_all_dim) {
+            (Some(m), Some(all)) if m != 0.0 && all != 0.0 => {
+                mscale(factor, m) / mscale(factor, all)
+            }
+            _ => mscale(factor, 1.0),
+        });
     let beta_fast = p.beta_fast.filter(|b| *b != 0.0).unwrap_or(32.0);
     let beta_slow = p.beta_slow.filter(|b| *b != 0.0).unwrap_or(1.0);
     let correction_dim = |rotations: f64| {
