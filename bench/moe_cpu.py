@@ -8,14 +8,15 @@ Needs torch and transformers (a venv). For each model: `trainer init-model` writ
 `teacher` serves it on loopback and answers `/topk_logits` (k = 20, log-probs, MessagePack off:
 JSON) for R requests of B sequences × T tokens (fresh ids each time, so the cache never hits);
 transformers runs forward + log_softmax + topk(20) on the same sequences with the same number
-of threads. Prints one table; record it in bench/teacher.md.
+of threads. The two sides alternate rounds (medians reported), so both see the same load.
+Prints one table; record it in bench/teacher.md.
 """
-import json, os, socket, subprocess, sys, tempfile, time, urllib.request
+import json, os, socket, statistics, subprocess, sys, tempfile, time, urllib.request
 
 import torch
 from transformers import AutoModelForCausalLM
 
-B, T, R, K = 2, 256, 4, 20
+B, T, R, K, ROUNDS = 2, 256, 3, 20, 3
 SHAPE = ["--hidden-size", "768", "--layers", "6", "--heads", "12", "--kv-heads", "4",
          "--head-dim", "64", "--max-position-embeddings", "1024", "--init-std", "0.02", "--seed", "1"]
 MODELS = {
@@ -51,39 +52,49 @@ def batches(vocab, seed):
     return [torch.randint(0, vocab, (B, T), generator=g).tolist() for _ in range(R + 1)]
 
 
-def ours(bin_dir, model_dir, reqs):
-    port = free_port()
-    proc = subprocess.Popen([os.path.join(bin_dir, "teacher"), "--model", model_dir, "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc)
-        def post(seqs):
-            body = json.dumps({"sequences": seqs, "k": K}).encode()
-            r = urllib.request.Request(url + "/topk_logits", body, {"content-type": "application/json"})
-            return json.load(urllib.request.urlopen(r, timeout=600))
-        post(reqs[0])  # warm-up
-        t0 = time.perf_counter()
-        for seqs in reqs[1:]:
-            post(seqs)
-        return R * B * (T - 1) / (time.perf_counter() - t0)
-    finally:
-        proc.terminate()
-        proc.wait()
+class Ours:
+    """The `teacher` serving `model_dir` on loopback."""
+
+    def __init__(self, bin_dir, model_dir):
+        port = free_port()
+        self.proc = subprocess.Popen(
+            [os.path.join(bin_dir, "teacher"), "--model", model_dir, "--port", str(port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.url = f"http://127.0.0.1:{port}"
+        wait_healthy(self.url, self.proc)
+
+    def score(self, seqs):
+        body = json.dumps({"sequences": seqs, "k": K}).encode()
+        r = urllib.request.Request(self.url + "/topk_logits", body, {"content-type": "application/json"})
+        return json.load(urllib.request.urlopen(r, timeout=600))
+
+    def close(self):
+        self.proc.terminate()
+        self.proc.wait()
 
 
-def transformers_rate(model_dir, reqs):
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.eval()
-    def run(seqs):
+class Theirs:
+    """transformers on the same directory: forward + log_softmax + topk."""
+
+    def __init__(self, model_dir):
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model.eval()
+
+    def score(self, seqs):
         with torch.no_grad():
-            lp = torch.log_softmax(model(torch.tensor(seqs)).logits[:, :-1].float(), dim=-1)
+            lp = torch.log_softmax(self.model(torch.tensor(seqs)).logits[:, :-1].float(), dim=-1)
             torch.topk(lp, K, dim=-1)
-    run(reqs[0])
+
+    def close(self):
+        pass
+
+
+def rate(side, reqs):
+    """Positions/s over `reqs` (each request a fresh set of sequences)."""
     t0 = time.perf_counter()
-    for seqs in reqs[1:]:
-        run(seqs)
-    return R * B * (T - 1) / (time.perf_counter() - t0)
+    for seqs in reqs:
+        side.score(seqs)
+    return len(reqs) * B * (T - 1) / (time.perf_counter() - t0)
 
 
 def main():
@@ -99,12 +110,23 @@ def main():
             subprocess.run([os.path.join(bin_dir, "trainer"), "init-model", *SHAPE, *args,
                             "--tokenizer", tok, "--out", d], check=True, stderr=subprocess.DEVNULL)
             cfg = json.load(open(os.path.join(d, "config.json")))
-            reqs = batches(cfg["vocab_size"], i)
-            a = ours(bin_dir, d, reqs)
-            b = transformers_rate(d, reqs)
+            ours, theirs = Ours(bin_dir, d), Theirs(d)
+            try:
+                # Warm both, then alternate rounds so both sides see the same load; medians.
+                warm = batches(cfg["vocab_size"], 1000 + i)[0]
+                ours.score(warm), theirs.score(warm)
+                a_runs, b_runs = [], []
+                for rnd in range(ROUNDS):
+                    reqs = batches(cfg["vocab_size"], 10 * i + rnd)[1:]
+                    a_runs.append(rate(ours, reqs))
+                    b_runs.append(rate(theirs, reqs))
+            finally:
+                ours.close()
+            a, b = statistics.median(a_runs), statistics.median(b_runs)
             rows.append((name, a, b))
             print(f"{name}: xdistill {a:.0f} pos/s, transformers {b:.0f} pos/s", file=sys.stderr)
-    print(f"\n{threads} threads, {R} requests of {B} × {T} tokens, k = {K}, f32, CPU\n")
+    print(f"\n{threads} threads, {ROUNDS} alternating rounds of {R} requests of {B} × {T} tokens "
+          f"(medians), k = {K}, f32, CPU\n")
     print("| model | xdistill teacher (pos/s) | transformers (pos/s) | ratio |")
     print("|---|---|---|---|")
     for name, a, b in rows:
