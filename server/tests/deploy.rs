@@ -57,7 +57,10 @@ fn kubernetes_manifests_fit_together_and_the_teacher_accepts_its_command() {
         .expect("deployment args rejected by clap");
     args.check().expect("deployment args violate a constraint");
     assert_eq!((args.host.to_string(), args.port), ("0.0.0.0".into(), 8000));
-    assert_eq!((args.device.as_str(), args.dtype.as_str()), ("cuda", "bf16"));
+    assert_eq!(
+        (args.device.as_str(), args.dtype.as_str()),
+        ("cuda", "bf16")
+    );
     // 2. The binary accepts it, environment included, with --model pointed at a real model
     // (--check-args does not open the device, so a CPU build checks the GPU command).
     let env: Vec<(String, String)> = c["env"]
@@ -92,7 +95,11 @@ fn kubernetes_manifests_fit_together_and_the_teacher_accepts_its_command() {
         .envs(env.iter().cloned())
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     // 3. Probes on /health at the named container port.
     let port_name = c["ports"][0]["name"].as_str().unwrap();
     assert_eq!(c["ports"][0]["containerPort"].as_u64(), Some(8000));
@@ -103,17 +110,23 @@ fn kubernetes_manifests_fit_together_and_the_teacher_accepts_its_command() {
     }
     // Loading may take minutes: liveness must not kill a replica that is still loading.
     let startup = &c["startupProbe"];
-    let patience = startup["periodSeconds"].as_u64().unwrap()
-        * startup["failureThreshold"].as_u64().unwrap();
+    let patience =
+        startup["periodSeconds"].as_u64().unwrap() * startup["failureThreshold"].as_u64().unwrap();
     assert!(patience >= 600, "startup probe waits {patience} s");
     // 4. The model volume, read-only at --model; one GPU per replica; the CUDA image.
     let mount = &c["volumeMounts"][0];
-    assert_eq!(mount["mountPath"].as_str().map(PathBuf::from), Some(args.model.clone()));
+    assert_eq!(
+        mount["mountPath"].as_str().map(PathBuf::from),
+        Some(args.model.clone())
+    );
     assert_eq!(mount["readOnly"].as_bool(), Some(true));
     let vol = &pod["spec"]["volumes"][0];
     assert_eq!(vol["name"], mount["name"]);
     let claim = vol["persistentVolumeClaim"]["claimName"].as_str().unwrap();
-    assert_eq!(load("model-volume.yaml")["metadata"]["name"].as_str(), Some(claim));
+    assert_eq!(
+        load("model-volume.yaml")["metadata"]["name"].as_str(),
+        Some(claim)
+    );
     assert_eq!(c["resources"]["limits"]["nvidia.com/gpu"].as_u64(), Some(1));
     let compose: serde_yaml::Value = serde_yaml::from_str(
         &std::fs::read_to_string(xdistill_shared::paths::repo_root().join("docker/compose.yaml"))
@@ -123,12 +136,17 @@ fn kubernetes_manifests_fit_together_and_the_teacher_accepts_its_command() {
     assert_eq!(c["image"], compose["services"]["teacher-gpu"]["image"]);
     // 5. Graceful termination outlasts the longest request (its body may take the whole body
     // timeout to arrive, then it is scored).
-    let grace = pod["spec"]["terminationGracePeriodSeconds"].as_f64().unwrap();
+    let grace = pod["spec"]["terminationGracePeriodSeconds"]
+        .as_f64()
+        .unwrap();
     assert!(grace >= 2.0 * args.body_timeout_secs, "grace {grace} s");
     // 6. The Service selects these pods at the container's port.
     let svc = load("service.yaml");
     assert_eq!(&svc["spec"]["selector"], labels);
-    assert_eq!(svc["spec"]["ports"][0]["targetPort"].as_str(), Some(port_name));
+    assert_eq!(
+        svc["spec"]["ports"][0]["targetPort"].as_str(),
+        Some(port_name)
+    );
     assert_eq!(svc["spec"]["type"].as_str(), Some("ClusterIP"));
     // 7. The optional ingress hashes on the header the clients send.
     let ing = load("ingress.yaml");

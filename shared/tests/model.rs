@@ -591,3 +591,36 @@ fn gemma3_text_tower_of_a_multimodal_checkpoint() {
         assert_eq!(max_abs_diff(&want, &got), 0.0, "{prefix}");
     }
 }
+
+/// An absent `sliding_window` takes the architecture's default as transformers does (4096 for
+/// Mistral, Gemma 3 and the Qwen families when switched on); `null` means no window.
+#[test]
+fn absent_and_null_windows_follow_transformers_defaults() {
+    let parse = |v: serde_json::Value| serde_json::from_value::<ModelConfig>(v).unwrap();
+    let base = |t: &str| serde_json::to_value(config(t)).unwrap();
+    let mistral = base("mistral");
+    assert_eq!(parse(mistral.clone()).sliding_window(), Some(4096));
+    let mut null = mistral;
+    null["sliding_window"] = serde_json::Value::Null;
+    assert_eq!(parse(null).sliding_window(), None);
+    let mut gemma = base("gemma3_text");
+    gemma["num_hidden_layers"] = serde_json::json!(6);
+    let gemma = parse(gemma);
+    let kinds = gemma.layer_kinds().unwrap();
+    assert_eq!(
+        kinds.iter().filter(|k| **k == LayerKind::Sliding).count(),
+        5
+    );
+    assert_eq!(gemma.layer_window(LayerKind::Sliding), Some(4096));
+    let mut qwen = base("qwen3");
+    qwen["use_sliding_window"] = serde_json::json!(true);
+    qwen["num_hidden_layers"] = serde_json::json!(30);
+    let kinds = parse(qwen).layer_kinds().unwrap();
+    // max_window_layers defaults to 28: layers 28 and 29 slide.
+    assert_eq!(
+        kinds.iter().position(|k| *k == LayerKind::Sliding),
+        Some(28)
+    );
+    assert_eq!(parse(base("llama")).sliding_window(), None);
+    assert_eq!(parse(base("phi3")).sliding_window(), None);
+}

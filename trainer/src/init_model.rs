@@ -175,7 +175,7 @@ pub fn build_config(a: &Args) -> Result<ModelConfig> {
     match arch {
         Arch::Gemma3 => {
             let pattern = f.sliding_window_pattern.unwrap_or(6).max(1);
-            cfg.window.sliding_window = Some(f.sliding_window.unwrap_or(4096));
+            cfg.window.sliding_window = Some(Some(f.sliding_window.unwrap_or(4096)));
             cfg.window.layer_types = Some(
                 (0..a.layers)
                     .map(|i| {
@@ -194,12 +194,12 @@ pub fn build_config(a: &Args) -> Result<ModelConfig> {
         }
         Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe => {
             if let Some(w) = f.sliding_window {
-                cfg.window.sliding_window = Some(w);
+                cfg.window.sliding_window = Some(Some(w));
                 cfg.window.use_sliding_window = Some(true);
                 cfg.window.max_window_layers = Some(f.max_window_layers);
             }
         }
-        _ => cfg.window.sliding_window = f.sliding_window,
+        _ => cfg.window.sliding_window = f.sliding_window.map(Some),
     }
     if arch == Arch::Qwen3Moe {
         cfg.moe.num_experts = Some(f.experts.unwrap_or(8));

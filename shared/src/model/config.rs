@@ -198,8 +198,14 @@ pub struct MoeConfig {
 /// Window and layer-type keys (Mistral, Phi-3, Gemma 3, the Qwen families).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct WindowConfig {
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub sliding_window: Option<usize>,
+    /// Absent (`None`: the architecture's default, as transformers), `null` (`Some(None)`: no
+    /// window) or a width.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "present"
+    )]
+    pub sliding_window: Option<Option<usize>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub use_sliding_window: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -303,6 +309,13 @@ pub struct ModelConfig {
     pub weight_prefix: Option<String>,
 }
 
+/// A key that is present, `null` included (`Some(None)`); an absent one stays `None`.
+fn present<'de, D: serde::Deserializer<'de>, T: Deserialize<'de>>(
+    d: D,
+) -> Result<Option<T>, D::Error> {
+    T::deserialize(d).map(Some)
+}
+
 /// Writes a whole number as an integer (transformers' strict config types want `int` there).
 fn whole_as_int<S: serde::Serializer>(v: &Option<f64>, s: S) -> Result<S::Ok, S::Error> {
     match v {
@@ -357,6 +370,20 @@ impl ModelConfig {
         }
     }
 
+    /// `sliding_window` as transformers reads it: the key's value, or when absent the
+    /// architecture's default (4096 for Mistral, Gemma 3 and the Qwen families, none else).
+    fn window_setting(&self) -> Option<usize> {
+        match self.window.sliding_window {
+            Some(w) => w,
+            None => match self.arch().ok()? {
+                Arch::Mistral | Arch::Gemma3 | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe => {
+                    Some(4096)
+                }
+                Arch::Llama | Arch::Phi3 => None,
+            },
+        }
+    }
+
     /// The sliding window in force, if any (the Qwen families need `use_sliding_window: true`).
     pub fn sliding_window(&self) -> Option<usize> {
         let arch = self.arch().ok()?;
@@ -365,7 +392,7 @@ impl ModelConfig {
         {
             return None;
         }
-        self.window.sliding_window
+        self.window_setting()
     }
 
     /// The attention kind of every layer, as transformers decides it: `layer_types` when given,
@@ -402,7 +429,7 @@ impl ModelConfig {
                         !(i + 1).is_multiple_of(p)
                     }
                     Arch::Qwen2 | Arch::Qwen3 => {
-                        window && i >= self.window.max_window_layers.unwrap_or(0)
+                        window && i >= self.window.max_window_layers.unwrap_or(28)
                     }
                     _ => window,
                 };
@@ -418,7 +445,7 @@ impl ModelConfig {
     /// The window of one layer: `Some` only on sliding layers when a window is set.
     pub fn layer_window(&self, kind: LayerKind) -> Option<usize> {
         match kind {
-            LayerKind::Sliding => self.window.sliding_window.filter(|_| {
+            LayerKind::Sliding => self.window_setting().filter(|_| {
                 // Gemma 3's sliding layers always use the window; the others as switched.
                 matches!(self.arch(), Ok(Arch::Gemma3)) || self.sliding_window().is_some()
             }),
@@ -657,7 +684,7 @@ impl ModelConfig {
         if u.use_bidirectional_attention == Some(true) {
             return invalid("use_bidirectional_attention true is not implemented (causal only)");
         }
-        if self.window.sliding_window == Some(0) {
+        if self.window.sliding_window == Some(Some(0)) {
             return invalid("sliding_window must be > 0");
         }
         Ok(())
