@@ -406,7 +406,7 @@ async fn api_key_from_a_file_and_any_case_of_bearer() {
 async fn gemma3_teacher_reports_its_window_and_scores_in_chunks() {
     let models = tempfile::tempdir().unwrap();
     let dir = models.path().join("gemma3");
-    xdistill_trainer::init_model::run(xdistill_trainer::init_model::Args {
+    xdistill_shared::init::init_model_dir(&xdistill_shared::init::InitSpec {
         arch: "gemma3".into(),
         tokenizer: xdistill_shared::paths::tokenizer_json("gemma3"),
         hidden_size: 32,
@@ -421,7 +421,7 @@ async fn gemma3_teacher_reports_its_window_and_scores_in_chunks() {
         init_std: 0.1,
         seed: 5,
         out: dir.clone(),
-        features: xdistill_trainer::init_model::Features {
+        features: xdistill_shared::init::InitFeatures {
             sliding_window: Some(8),
             sliding_window_pattern: Some(3),
             rope_scaling: Some(r#"{"rope_type": "linear", "factor": 2.0}"#.into()),
@@ -442,12 +442,21 @@ async fn gemma3_teacher_reports_its_window_and_scores_in_chunks() {
         .unwrap();
     assert_eq!(info.architecture, "Gemma3ForCausalLM");
     assert_eq!(info.model_type, "gemma3_text");
-    assert_eq!((info.rope_theta, info.rope_scaling.as_str()), (1e6, "linear"));
+    assert_eq!(
+        (info.rope_theta, info.rope_scaling.as_str()),
+        (1e6, "linear")
+    );
     assert_eq!((info.sliding_window, info.sliding_layers), (Some(8), 2));
     let seq: Vec<u32> = (0..40u32).map(|i| (i * 7919 + 13) % 262_000).collect();
     let req = request(vec![seq.clone()], 4);
-    let a = common::score(&c, &whole, &req, Format::Json).await.results.remove(0);
-    let b = common::score(&c, &chunked, &req, Format::Json).await.results.remove(0);
+    let a = common::score(&c, &whole, &req, Format::Json)
+        .await
+        .results
+        .remove(0);
+    let b = common::score(&c, &chunked, &req, Format::Json)
+        .await
+        .results
+        .remove(0);
     let reference = common::Reference::load(&dir);
     for got in [&a, &b] {
         reference.check(got, &seq, 0, 1.0, ValuesKind::Logprobs, 1e-4);
