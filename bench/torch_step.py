@@ -1,8 +1,8 @@
 """PyTorch eager reference for the student training step (outside CI).
 
-Runs the same step as `cargo run --release -p xdistill-trainer --example step_bench` (CPU) and
-`trainer bench-step --write-batch BATCH.safetensors` (GPU check): the same model directory, the
-same batch (read from the safetensors file the Rust side writes), the same loss (forward KL over
+Runs the same step as `trainer bench-step`, which runs this script itself with `--python` (CPU
+comparison) or writes the batch with `--write-batch BATCH.safetensors` (GPU check): the same
+model directory, the same batch (read from the safetensors file the Rust side writes), the same loss (forward KL over
 the teacher's top-k with a tail bucket, temperature 1, plus 0.1 x CE on the targets), AdamW
 (lr 1e-4, wd 0.01), gradient-norm clipping at 1.0, and prints one JSON line: the median step
 time, every timed step's time and the first (warm-up) step's loss, which the Rust side compares

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs HAProxy from Debian's packages when it is missing (the load balancer the loopback
-# balancer test runs, server/tests/balancer.rs). Idempotent; needs root (as CI's machine is).
+# balancer test runs, tests/tests/balancer.rs). Idempotent; needs root (as CI's machine is).
 set -euo pipefail
 if command -v haproxy >/dev/null 2>&1; then
   exit 0

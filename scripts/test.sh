@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 XDISTILL_TOKENIZERS="$(scripts/get-tokenizers.sh)"
 export XDISTILL_TOKENIZERS
-# The load balancer of the replicas test (server/tests/balancer.rs), from Debian's packages.
+# The load balancer of the replicas test (tests/tests/balancer.rs), from Debian's packages.
 scripts/install-haproxy.sh
 cargo test --workspace --locked "$@"
 scripts/python-tests.sh

@@ -209,7 +209,12 @@ async fn method_not_allowed() -> Response {
     error_response(ApiError::MethodNotAllowed)
 }
 
+/// 200 once the model is loaded and while its worker thread runs; 503 with the reason while
+/// loading (`not_ready`) and after the worker has ended (`worker_stopped`).
 async fn health(State(st): State<Shared>) -> Response {
+    if st.batcher.worker_stopped() {
+        return error_response(ApiError::WorkerStopped);
+    }
     match st.ready() {
         Ok(_) => (
             StatusCode::OK,
@@ -351,6 +356,152 @@ async fn score(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Respons
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::batcher::{Batch, BatchConfig};
+    use crate::worker::{self, WorkerConfig};
+    use std::path::Path;
+    use std::time::Duration;
+    use tokio::sync::{mpsc, oneshot};
+    use tower::ServiceExt;
+
+    /// Server state whose batcher hands batches to `worker`.
+    fn state(worker: mpsc::Sender<Batch>) -> Shared {
+        let metrics = Arc::new(Metrics::default());
+        let batcher = Batcher::start(
+            BatchConfig {
+                max_batch_tokens: 64,
+                max_wait: Duration::from_millis(1),
+                max_queue_tokens: 1024,
+            },
+            worker,
+            metrics.clone(),
+        );
+        Arc::new(AppState {
+            config: ServerConfig {
+                max_k: 8,
+                max_seq_len: None,
+                max_batch_tokens: 64,
+                max_queue_tokens: 1024,
+                max_sequences: 8,
+                max_answer_bytes: 1 << 20,
+                max_body_bytes: 1 << 20,
+                max_wait_ms: 1,
+                body_timeout: Duration::from_secs(5),
+                api_key: None,
+                batch_invariant: false,
+                served_model_name: "m".into(),
+            },
+            ready: OnceLock::new(),
+            batcher,
+            cache: ScoreCache::new(0),
+            metrics,
+        })
+    }
+
+    /// Status and JSON body of `req` through the router.
+    async fn call(st: &Shared, req: Request) -> (u16, serde_json::Value) {
+        let r = router(st.clone()).oneshot(req).await.unwrap();
+        let status = r.status().as_u16();
+        let body = axum::body::to_bytes(r.into_body(), 1 << 20).await.unwrap();
+        (status, serde_json::from_slice(&body).unwrap())
+    }
+
+    async fn health(st: &Shared) -> (u16, serde_json::Value) {
+        let req = Request::get("/health").body(Body::empty()).unwrap();
+        call(st, req).await
+    }
+
+    fn worker_config(model: &Path) -> WorkerConfig {
+        WorkerConfig {
+            model: model.to_path_buf(),
+            device: "cpu".into(),
+            dtype: "f32".into(),
+            max_batch_tokens: 64,
+            topk: Default::default(),
+            batch_invariant: false,
+        }
+    }
+
+    /// The real worker thread on a model it cannot load: it reports the error and ends, and
+    /// `/health` then says the worker has stopped (not that the model is loading).
+    #[tokio::test]
+    async fn health_is_503_once_the_worker_thread_has_ended() {
+        let (tx, rx) = mpsc::channel(1);
+        let st = state(tx);
+        let (status, body) = health(&st).await;
+        assert_eq!(
+            (status, body["error"]["type"].as_str()),
+            (503, Some("not_ready"))
+        );
+        let (ready_tx, ready_rx) = oneshot::channel();
+        let dir = tempfile::tempdir().unwrap();
+        let thread = worker::spawn(
+            worker_config(&dir.path().join("no-model")),
+            st.metrics.clone(),
+            rx,
+            ready_tx,
+        )
+        .unwrap();
+        assert!(ready_rx.await.unwrap().is_err(), "the load must fail");
+        thread.join().unwrap();
+        let (status, body) = health(&st).await;
+        assert_eq!(status, 503, "{body}");
+        assert_eq!(body["error"]["type"], "worker_stopped", "{body}");
+        let msg = body["error"]["message"].as_str().unwrap();
+        assert!(msg.contains("model worker has stopped"), "{msg}");
+    }
+
+    /// A loaded model: 200 while its worker thread holds its queue; once that thread has ended,
+    /// `/health` and scoring requests are refused with 503 `worker_stopped`.
+    #[tokio::test]
+    async fn health_follows_the_worker_after_loading() {
+        let dir = tempfile::tempdir().unwrap();
+        let model = dir.path().join("m");
+        xdistill_shared::init::init_model_dir(&xdistill_shared::init::InitSpec {
+            arch: "llama".into(),
+            tokenizer: xdistill_shared::paths::tokenizer_json("llama2"),
+            hidden_size: 16,
+            layers: 1,
+            heads: 2,
+            kv_heads: 1,
+            intermediate_size: 32,
+            head_dim: None,
+            pad_vocab_to: 1,
+            max_position_embeddings: 64,
+            tie_embeddings: true,
+            init_std: 0.02,
+            seed: 1,
+            out: model.clone(),
+            features: Default::default(),
+        })
+        .unwrap();
+        let md = xdistill_shared::hf::ModelDir::open(&model).unwrap();
+        let facts =
+            crate::model::read_facts(&md, candle_core::DType::F32, &candle_core::Device::Cpu)
+                .unwrap();
+        let (tx, rx) = mpsc::channel(1);
+        let st = state(tx);
+        st.set_ready(facts).unwrap();
+        // In place of the worker thread: holds the queue's receiver until told to end.
+        let (end_tx, end_rx) = std::sync::mpsc::channel::<()>();
+        let thread = std::thread::spawn(move || {
+            let _queue = rx;
+            let _ = end_rx.recv();
+        });
+        let (status, body) = health(&st).await;
+        assert_eq!((status, &body), (200, &serde_json::json!({"status": "ok"})));
+        end_tx.send(()).unwrap();
+        thread.join().unwrap();
+        let (status, body) = health(&st).await;
+        assert_eq!(status, 503, "{body}");
+        assert_eq!(body["error"]["type"], "worker_stopped", "{body}");
+        let topk = Request::post(TOPK_PATH)
+            .header(header::CONTENT_TYPE, codec::JSON)
+            .body(Body::from(r#"{"sequences": [[1, 2, 3]], "k": 2}"#))
+            .unwrap();
+        let (status, body) = call(&st, topk).await;
+        assert_eq!(status, 503, "{body}");
+        assert_eq!(body["error"]["type"], "worker_stopped", "{body}");
+    }
 
     #[test]
     fn bearer_scheme_is_case_insensitive() {

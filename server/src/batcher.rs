@@ -71,6 +71,9 @@ pub struct Ticket {
 #[derive(Clone)]
 pub struct Batcher {
     tx: mpsc::Sender<Job>,
+    /// The worker's queue, only to see whether the worker is still there (it is closed once the
+    /// worker thread has ended and dropped its receiver).
+    worker: mpsc::Sender<Batch>,
     budget: Arc<Semaphore>,
     max_queue_tokens: usize,
     metrics: Arc<Metrics>,
@@ -89,17 +92,27 @@ impl Batcher {
     pub fn start(cfg: BatchConfig, worker: mpsc::Sender<Batch>, metrics: Arc<Metrics>) -> Batcher {
         // The token budget bounds the work in flight; the channel only smooths bursts.
         let (tx, rx) = mpsc::channel(4096);
-        tokio::spawn(collect(rx, worker, cfg));
+        tokio::spawn(collect(rx, worker.clone(), cfg));
         Batcher {
             tx,
+            worker,
             budget: Arc::new(Semaphore::new(cfg.max_queue_tokens)),
             max_queue_tokens: cfg.max_queue_tokens,
             metrics,
         }
     }
 
+    /// True once the model worker thread has ended (its receiver is dropped, as when the thread
+    /// returns or unwinds): nothing queued from now on can be scored.
+    pub fn worker_stopped(&self) -> bool {
+        self.worker.is_closed()
+    }
+
     /// Takes `tokens` from the queue budget at once, or refuses (503) without waiting.
     pub fn admit(&self, tokens: usize) -> Result<Ticket, ApiError> {
+        if self.worker_stopped() {
+            return Err(ApiError::WorkerStopped);
+        }
         let full = || {
             self.metrics.queue_rejected.fetch_add(1, Relaxed);
             ApiError::QueueFull {
@@ -145,10 +158,13 @@ impl Batcher {
             reply,
             admission,
         };
-        self.tx
-            .send(job)
-            .await
-            .map_err(|_| ApiError::ShuttingDown)?;
+        self.tx.send(job).await.map_err(|_| {
+            if self.worker_stopped() {
+                ApiError::WorkerStopped
+            } else {
+                ApiError::ShuttingDown
+            }
+        })?;
         Ok(rx)
     }
 }

@@ -48,6 +48,9 @@ pub enum ApiError {
     NotReady,
     #[error("server is shutting down")]
     ShuttingDown,
+    /// The model worker thread has ended: nothing can be scored until the server restarts.
+    #[error("the model worker has stopped (the server log says why); this server cannot score until it is restarted")]
+    WorkerStopped,
     #[error("no route {0}")]
     NotFound(String),
     #[error("method not allowed")]
@@ -81,9 +84,10 @@ impl ApiError {
             | ApiError::RequestTooLarge { .. }
             | ApiError::TooManySequences { .. }
             | ApiError::AnswerTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            ApiError::QueueFull { .. } | ApiError::NotReady | ApiError::ShuttingDown => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            ApiError::QueueFull { .. }
+            | ApiError::NotReady
+            | ApiError::ShuttingDown
+            | ApiError::WorkerStopped => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
@@ -109,6 +113,7 @@ impl ApiError {
             ApiError::Unauthorized => "unauthorized",
             ApiError::NotReady => "not_ready",
             ApiError::ShuttingDown => "shutting_down",
+            ApiError::WorkerStopped => "worker_stopped",
             ApiError::NotFound(_) => "not_found",
             ApiError::MethodNotAllowed => "method_not_allowed",
             ApiError::Internal(_) => "internal_error",

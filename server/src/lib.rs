@@ -16,7 +16,6 @@ pub mod model;
 pub mod serve;
 pub mod server;
 pub mod shutdown;
-pub mod testing;
 pub mod topk;
 pub mod validation;
 pub mod vocab;

@@ -812,7 +812,9 @@ mod tests {
         }
     }
 
-    use crate::testing::score_bits as bits;
+    fn bits(s: &SequenceScores) -> Vec<u32> {
+        s.bits()
+    }
 
     /// Batch-invariant mode: a short sequence and one over the batch budget (the KV-cache
     /// path) get the same bits alone and batched with neighbours of other lengths, in any

@@ -43,7 +43,7 @@ fn cached_teacher() -> &'static Teacher {
     T.get_or_init(|| common::start_teacher(&model(), &[]))
 }
 
-use xdistill_server::testing::score_bits as bits;
+use common::score_bits as bits;
 
 fn req(sequences: Vec<Vec<u32>>) -> TopkRequest {
     TopkRequest {

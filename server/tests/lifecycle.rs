@@ -406,7 +406,7 @@ async fn api_key_from_a_file_and_any_case_of_bearer() {
 async fn gemma3_teacher_reports_its_window_and_scores_in_chunks() {
     let models = tempfile::tempdir().unwrap();
     let dir = models.path().join("gemma3");
-    xdistill_trainer::init_model::run(xdistill_trainer::init_model::Args {
+    xdistill_shared::init::init_model_dir(&xdistill_shared::init::InitSpec {
         arch: "gemma3".into(),
         tokenizer: xdistill_shared::paths::tokenizer_json("gemma3"),
         hidden_size: 32,
@@ -421,7 +421,7 @@ async fn gemma3_teacher_reports_its_window_and_scores_in_chunks() {
         init_std: 0.1,
         seed: 5,
         out: dir.clone(),
-        features: xdistill_trainer::init_model::Features {
+        features: xdistill_shared::init::InitFeatures {
             sliding_window: Some(8),
             sliding_window_pattern: Some(3),
             rope_scaling: Some(r#"{"rope_type": "linear", "factor": 2.0}"#.into()),

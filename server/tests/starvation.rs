@@ -4,12 +4,12 @@
 
 mod common;
 
+use common::get_status;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-use xdistill_server::testing::get_status;
 
 /// A `teacher` started under a shell that first runs `limits` (e.g. `ulimit -n 128`); killed on
 /// drop.

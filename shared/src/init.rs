@@ -1,12 +1,14 @@
-//! Random model parameters, reproducible from a seed: what `trainer init-model` writes and what
-//! tests build tiny models from.
+//! Random models, reproducible from a seed: what `trainer init-model` writes (its flags are an
+//! [`InitSpec`]) and what tests build tiny models from.
 
-use crate::hf::ModelConfig;
+use crate::hf::{write_model_dir, Arch, LayerKind, ModelConfig, RopeParams};
 use crate::model::{param_specs, Init};
+use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 
 /// Random parameters for `cfg` on the CPU (f32), reproducible from `seed`: one ChaCha8 stream
 /// over the parameters in `param_specs` order, normals by Box–Muller (one draw pair per value).
@@ -33,4 +35,292 @@ pub fn random_params(
         out.insert(spec.name, Tensor::from_vec(data, spec.shape, &Device::Cpu)?);
     }
     Ok(out)
+}
+
+/// Cap on the parameter count [`build_config`] accepts (f32 weights: 64 GiB).
+pub const MAX_INIT_PARAMETERS: u128 = 16 << 30;
+
+/// Cap on `max_position_embeddings × head_dim / 2`: the size of each of the two RoPE tables the
+/// decoder precomputes (2^26 f32 = 256 MiB; a 1M-token context at head_dim 128 still fits).
+pub const MAX_ROPE_TABLE: u128 = 1 << 26;
+
+/// What a random model is made from: the fields of `trainer init-model`'s flags (that command is
+/// a command-line front end to this), without the command-line parser.
+#[derive(Debug, Clone)]
+pub struct InitSpec {
+    /// qwen3, qwen2, llama, mistral, gemma3, phi3 or qwen3-moe.
+    pub arch: String,
+    /// tokenizer.json whose vocabulary sets the embedding size; copied into the model directory.
+    pub tokenizer: PathBuf,
+    pub hidden_size: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub intermediate_size: usize,
+    /// Head dimension (default hidden_size / heads).
+    pub head_dim: Option<usize>,
+    /// Round the vocabulary up to a multiple of this (padded rows are masked when serving).
+    pub pad_vocab_to: usize,
+    pub max_position_embeddings: usize,
+    pub tie_embeddings: bool,
+    /// Standard deviation of the normal initialisation of weight matrices.
+    pub init_std: f64,
+    pub seed: u64,
+    /// The model directory to write.
+    pub out: PathBuf,
+    pub features: InitFeatures,
+}
+
+/// Architecture features beyond the dense Llama shape (each off or at transformers' default
+/// unless given); `Default` is what `init-model` uses when no flag is given.
+#[derive(Debug, Clone)]
+pub struct InitFeatures {
+    /// Sliding-window attention of this many positions (Mistral, Phi-3 and Qwen: every layer
+    /// from `max_window_layers` on; Gemma 3: its local layers, default 4096).
+    pub sliding_window: Option<usize>,
+    /// Qwen2/Qwen3: layers below this index keep full attention.
+    pub max_window_layers: usize,
+    /// Gemma 3: every n-th layer is global, the others local (default 6).
+    pub sliding_window_pattern: Option<usize>,
+    /// `rope_scaling` as JSON (Gemma 3: its global layers).
+    pub rope_scaling: Option<String>,
+    /// Phi-3: the fraction of each head that is rotated.
+    pub partial_rotary_factor: Option<f64>,
+    /// Phi-3: the context length before LongRoPE scaling.
+    pub original_max_position_embeddings: Option<usize>,
+    /// Bias on the q/k/v/o projections (Llama, Qwen3, Gemma 3).
+    pub attention_bias: bool,
+    /// Qwen3-MoE: number of experts (default 8).
+    pub experts: Option<usize>,
+    /// Qwen3-MoE: experts per token (default 2).
+    pub experts_per_tok: Option<usize>,
+    /// Qwen3-MoE: each expert's intermediate size (default intermediate_size / 2).
+    pub moe_intermediate_size: Option<usize>,
+    /// Qwen3-MoE: renormalise the top-k router probabilities.
+    pub norm_topk_prob: bool,
+    /// Qwen3-MoE: every n-th layer is sparse.
+    pub decoder_sparse_step: usize,
+    /// Qwen3-MoE: layers (0-based) that keep a dense MLP.
+    pub mlp_only_layers: Vec<usize>,
+}
+
+impl Default for InitFeatures {
+    fn default() -> Self {
+        InitFeatures {
+            sliding_window: None,
+            max_window_layers: 0,
+            sliding_window_pattern: None,
+            rope_scaling: None,
+            partial_rotary_factor: None,
+            original_max_position_embeddings: None,
+            attention_bias: false,
+            experts: None,
+            experts_per_tok: None,
+            moe_intermediate_size: None,
+            norm_topk_prob: true,
+            decoder_sparse_step: 1,
+            mlp_only_layers: Vec::new(),
+        }
+    }
+}
+
+/// Vocabulary size including added tokens, and the BOS/EOS ids the tokenizer config names.
+pub fn tokenizer_facts(path: &Path) -> Result<(usize, Option<u32>, Vec<u32>)> {
+    let tok = crate::hf::load_tokenizer(path)?;
+    let vocab = tok.get_vocab_size(true);
+    // tokenizer_config.json (beside tokenizer.json) names bos/eos as strings.
+    let mut bos = None;
+    let mut eos = Vec::new();
+    let cfg_path = path.with_file_name("tokenizer_config.json");
+    if let Ok(text) = std::fs::read(&cfg_path) {
+        if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&text) {
+            let name = |k: &str| -> Option<String> {
+                match v.get(k)? {
+                    serde_json::Value::String(s) => Some(s.clone()),
+                    serde_json::Value::Object(o) => o.get("content")?.as_str().map(String::from),
+                    _ => None,
+                }
+            };
+            bos = name("bos_token").and_then(|s| tok.token_to_id(&s));
+            if let Some(id) = name("eos_token").and_then(|s| tok.token_to_id(&s)) {
+                eos.push(id);
+            }
+        }
+    }
+    Ok((vocab, bos, eos))
+}
+
+/// The `config.json` of the model `a` describes (transformers' layout for its architecture),
+/// validated and refused when its parameters could not be created in memory.
+pub fn build_config(a: &InitSpec) -> Result<ModelConfig> {
+    let arch = Arch::parse(&a.arch)?;
+    let (vocab, bos, eos) = tokenizer_facts(&a.tokenizer)?;
+    if a.pad_vocab_to == 0 {
+        bail!("--pad-vocab-to must be at least 1");
+    }
+    let vocab_size = vocab.div_ceil(a.pad_vocab_to) * a.pad_vocab_to;
+    let head_dim = a.head_dim.unwrap_or(a.hidden_size / a.heads.max(1));
+    let explicit_head_dim = matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3);
+    let f = &a.features;
+    let rope_scaling = match &f.rope_scaling {
+        Some(json) => Some(
+            serde_json::from_str::<RopeParams>(json)
+                .with_context(|| format!("--rope-scaling {json:?} is not a rope_scaling object"))?,
+        ),
+        None => None,
+    };
+    let mut cfg = ModelConfig {
+        model_type: arch.model_type().into(),
+        vocab_size,
+        hidden_size: a.hidden_size,
+        intermediate_size: a.intermediate_size,
+        num_hidden_layers: a.layers,
+        num_attention_heads: a.heads,
+        num_key_value_heads: Some(a.kv_heads),
+        head_dim: (explicit_head_dim || a.head_dim.is_some()).then_some(head_dim),
+        max_position_embeddings: a.max_position_embeddings,
+        rms_norm_eps: 1e-6,
+        rope_theta: Some(match arch {
+            Arch::Llama => 500_000.0,
+            Arch::Mistral | Arch::Phi3 => 10_000.0,
+            _ => 1_000_000.0,
+        }),
+        rope_scaling,
+        rope_parameters: None,
+        partial_rotary_factor: f.partial_rotary_factor,
+        original_max_position_embeddings: f.original_max_position_embeddings,
+        window: Default::default(),
+        moe: Default::default(),
+        gemma: Default::default(),
+        unimplemented: Default::default(),
+        tie_word_embeddings: a.tie_embeddings,
+        attention_bias: f.attention_bias,
+        hidden_act: (arch != Arch::Gemma3).then(|| "silu".into()),
+        bos_token_id: bos.map(|b| b.into()),
+        eos_token_id: match eos.as_slice() {
+            [] => None,
+            [one] => Some((*one).into()),
+            many => Some(many.to_vec().into()),
+        },
+        pad_token_id: Some(eos.first().copied().unwrap_or(0).into()),
+        weight_prefix: None,
+    };
+    match arch {
+        Arch::Gemma3 => {
+            let pattern = f.sliding_window_pattern.unwrap_or(6).max(1);
+            cfg.window.sliding_window = Some(Some(f.sliding_window.unwrap_or(4096)));
+            cfg.window.layer_types = Some(
+                (0..a.layers)
+                    .map(|i| {
+                        let kind = if (i + 1) % pattern != 0 {
+                            LayerKind::Sliding
+                        } else {
+                            LayerKind::Full
+                        };
+                        kind.name().to_string()
+                    })
+                    .collect(),
+            );
+            cfg.gemma.hidden_activation = Some("gelu_pytorch_tanh".into());
+            cfg.gemma.query_pre_attn_scalar = Some(head_dim as f64);
+            cfg.gemma.rope_local_base_freq = Some(10_000.0);
+        }
+        Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe => {
+            if let Some(w) = f.sliding_window {
+                cfg.window.sliding_window = Some(Some(w));
+                cfg.window.use_sliding_window = Some(true);
+                cfg.window.max_window_layers = Some(f.max_window_layers);
+            }
+        }
+        _ => cfg.window.sliding_window = f.sliding_window.map(Some),
+    }
+    if arch == Arch::Qwen3Moe {
+        cfg.moe.num_experts = Some(f.experts.unwrap_or(8));
+        cfg.moe.num_experts_per_tok = Some(f.experts_per_tok.unwrap_or(2));
+        cfg.moe.moe_intermediate_size = Some(
+            f.moe_intermediate_size
+                .unwrap_or((a.intermediate_size / 2).max(1)),
+        );
+        cfg.moe.norm_topk_prob = Some(f.norm_topk_prob);
+        cfg.moe.decoder_sparse_step = Some(f.decoder_sparse_step);
+        cfg.moe.mlp_only_layers = Some(f.mlp_only_layers.clone());
+    }
+    if !explicit_head_dim && a.head_dim.is_none() && !a.hidden_size.is_multiple_of(a.heads.max(1)) {
+        bail!(
+            "--hidden-size ({}) must be a multiple of --heads ({})",
+            a.hidden_size,
+            a.heads
+        );
+    }
+    cfg.validate()?;
+    check_init_size(&cfg)?;
+    Ok(cfg)
+}
+
+/// Builds the config of `a`, draws its parameters and writes the model directory `a.out`
+/// (config.json, model.safetensors, the tokenizer). Returns the config and the parameter count.
+pub fn init_model_dir(a: &InitSpec) -> Result<(ModelConfig, usize)> {
+    let cfg = build_config(a)?;
+    let params = random_params(&cfg, a.init_std, a.seed)?;
+    let n: usize = params.values().map(|t| t.elem_count()).sum();
+    write_model_dir(&a.out, &cfg, &params, &a.tokenizer)
+        .with_context(|| format!("writing {}", a.out.display()))?;
+    Ok((cfg, n))
+}
+
+/// Refuses a `max_position_embeddings` whose RoPE tables would not fit ([`MAX_ROPE_TABLE`]).
+pub fn check_rope(cfg: &ModelConfig) -> Result<()> {
+    let table = cfg.max_position_embeddings as u128 * (cfg.head_dim() as u128 / 2).max(1);
+    if table > MAX_ROPE_TABLE {
+        bail!(
+            "config key `max_position_embeddings` = {} is too large: its RoPE tables would hold \
+             {table} entries each (at most {MAX_ROPE_TABLE})",
+            cfg.max_position_embeddings
+        );
+    }
+    Ok(())
+}
+
+/// Parameter count of `cfg` (an upper bound, in f64 so that no product overflows), computed
+/// without listing the parameters (so an absurd layer count costs nothing).
+pub fn parameter_count(cfg: &ModelConfig) -> f64 {
+    let (h, i, v) = (
+        cfg.hidden_size as f64,
+        cfg.intermediate_size as f64,
+        cfg.vocab_size as f64,
+    );
+    let (hq, hkv, d) = (
+        cfg.num_attention_heads as f64,
+        cfg.kv_heads() as f64,
+        cfg.head_dim() as f64,
+    );
+    // Norms, q/k/v/o (with biases and q/k norms as an upper bound), gate/up/down.
+    let per_layer = 2.0 * h
+        + 2.0 * (hq * d) * h
+        + 2.0 * (hkv * d) * h
+        + 3.0 * i * h
+        + (hq * d + 2.0 * hkv * d + h)
+        + 2.0 * d;
+    // Qwen3-MoE: every expert and the router, on every layer (an upper bound).
+    let m = &cfg.moe;
+    let experts = m.num_experts.unwrap_or(0) as f64;
+    let per_layer = per_layer
+        + experts * (3.0 * m.moe_intermediate_size.unwrap_or(0) as f64 * h + h);
+    let heads = if cfg.tie_word_embeddings { 1.0 } else { 2.0 };
+    heads * v * h + h + cfg.num_hidden_layers as f64 * per_layer
+}
+
+/// Refuses configs whose parameters cannot be created in memory.
+pub fn check_init_size(cfg: &ModelConfig) -> Result<()> {
+    let n = parameter_count(cfg);
+    if n > MAX_INIT_PARAMETERS as f64 {
+        bail!(
+            "the model would have {n:.3e} parameters ({:.1} GiB in f32), over the cap of \
+             {MAX_INIT_PARAMETERS} ({} GiB): check --layers, --hidden-size, \
+             --intermediate-size, --heads, --head-dim and the vocabulary",
+            n * 4.0 / (1u64 << 30) as f64,
+            (MAX_INIT_PARAMETERS * 4) >> 30
+        );
+    }
+    check_rope(cfg)
 }

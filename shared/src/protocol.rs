@@ -218,6 +218,19 @@ pub struct SequenceScores {
 }
 
 impl SequenceScores {
+    /// Every id and value of the wire fields as bits, in a fixed order: equal vectors mean a
+    /// bit-identical answer (f32 equality would hide -0.0 vs 0.0 and NaN).
+    pub fn bits(&self) -> Vec<u32> {
+        let f = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+        [
+            self.topk_ids.clone(),
+            f(&self.topk_values),
+            f(&self.target_logprobs),
+            f(&self.logsumexp),
+            f(&self.ids_logprobs),
+        ]
+        .concat()
+    }
     /// Row `r` of the top-k ids, `[k]`.
     pub fn ids_row(&self, r: usize) -> &[u32] {
         &self.topk_ids[r * self.k..(r + 1) * self.k]

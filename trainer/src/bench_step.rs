@@ -1,23 +1,34 @@
-//! `trainer bench-step`: the time of one full student training step (forward, top-k forward KL
-//! with a tail bucket + 0.1 × cross-entropy, backward, gradient clipping, AdamW on the f32 masters,
-//! refresh of the compute copy) on a synthetic batch. Prints figures; not a test.
+//! `trainer bench-step`: the time of one full student training step as the training loop runs
+//! it — `micro_loss` (decoder forward, LM head on the trained rows, forward KL over the teacher's
+//! top-k with a tail bucket + 0.1 × cross-entropy), backward, gradient accumulation, global
+//! gradient-norm clipping at 1.0, AdamW on the f32 masters (lr 1e-4, weight decay 0.01 on every
+//! tensor, as `torch.optim.AdamW` does) and the refresh of the compute copy — on a synthetic
+//! batch. Prints figures; not a test.
 //!
-//! `--write-batch` saves the batch so `bench/torch_step.py` runs the same step in PyTorch.
+//! `--write-batch` saves the batch so `bench/torch_step.py` runs the same step in PyTorch;
+//! `--python` runs it in the same invocation (rounds alternating with ours, so that both see the
+//! same load) and compares the times and the losses.
 
-use crate::loss::{cross_entropy, kl::Divergence, topk_divergence, TailMode, TopkTargets};
-use crate::optim::{clip_grad_norm, AdamW, AdamWConfig};
+use crate::collate::Encoded;
+use crate::loss::{CeConfig, KdConfig, LossConfig, TailMode};
+use crate::optim::{clip_grad_norm, AdamWConfig, GradAccumulator, OptimConfig, ScheduleConfig};
 use crate::student::Student;
-use anyhow::{Context, Result};
-use candle_core::{DType, Tensor};
+use crate::train::prepare::Item;
+use crate::train::runner::Runner;
+use crate::train::step::{micro_loss, units, LossCtx, Pairing};
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Tensor};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::time::Instant;
+use xdistill_shared::protocol::SequenceScores;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct Args {
-    /// Student model directory (Hugging Face layout).
+    /// Student model directory (Hugging Face layout; `trainer init-model` makes random ones).
     #[arg(long)]
     pub model: PathBuf,
     /// cpu, cuda or cuda:N.
@@ -33,152 +44,385 @@ pub struct Args {
     /// Teacher top-k per position.
     #[arg(long, default_value_t = 64)]
     pub k: usize,
-    /// Timed steps (after one warm-up step).
+    /// Timed steps per round (after one warm-up step).
     #[arg(long, default_value_t = 10)]
     pub steps: usize,
+    /// Rounds, each from the initial weights (ours and PyTorch alternating with `--python`);
+    /// the medians are over every timed step of every round.
+    #[arg(long, default_value_t = 1)]
+    pub rounds: usize,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Also write the batch (ids, targets, mask, teacher_ids, teacher_logprobs) as safetensors.
     #[arg(long)]
     pub write_batch: Option<PathBuf>,
+    /// Python with torch + transformers + safetensors: also run `bench/torch_step.py` on the
+    /// same model and batch each round, and compare.
+    #[arg(long)]
+    pub python: Option<String>,
+    /// PyTorch's thread count with `--python` (default: $RAYON_NUM_THREADS, else every core).
+    /// Set RAYON_NUM_THREADS to the same for ours.
+    #[arg(long)]
+    pub threads: Option<usize>,
 }
 
-/// A synthetic batch: random tokens, and per position k distinct teacher ids holding 90 % of the
-/// mass in log-probs (the rest is the tail).
+/// The batch both implementations train on.
 struct Batch {
-    ids: Vec<u32>,
-    targets: Vec<u32>,
-    teacher_ids: Vec<u32>,
-    teacher_logprobs: Vec<f32>,
+    items: Vec<Item>,
+    scores: Vec<SequenceScores>,
 }
 
-fn make_batch(a: &Args, vocab: usize) -> Batch {
-    let mut rng = ChaCha8Rng::seed_from_u64(a.seed);
-    let n = a.batch * a.seq_len;
-    let ids: Vec<u32> = (0..n).map(|_| rng.random_range(0..vocab as u32)).collect();
-    let targets: Vec<u32> = (0..n).map(|_| rng.random_range(0..vocab as u32)).collect();
-    let (mut teacher_ids, mut teacher_logprobs) = (Vec::with_capacity(n * a.k), Vec::new());
-    for _ in 0..n {
-        // k ids from a random start with the prime stride 7919: distinct unless 7919 divides
-        // the vocabulary size.
-        let base = rng.random_range(0..vocab);
-        let row: Vec<u32> = (0..a.k)
-            .map(|j| ((base + j * 7919) % vocab) as u32)
+/// `b` sequences of `len` random ids (all positions after the first trained), and teacher top-k
+/// rows: k distinct ids (the true next token among them half the time) with Zipf-like
+/// log-probs whose mass in K is 0.80–0.97.
+fn make_batch(b: usize, len: usize, k: usize, vocab: usize, seed: u64) -> Batch {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut items = Vec::with_capacity(b);
+    let mut scores = Vec::with_capacity(b);
+    for _ in 0..b {
+        let ids: Vec<u32> = (0..len)
+            .map(|_| rng.random_range(0..vocab as u32))
             .collect();
-        let x: Vec<f64> = (0..a.k).map(|_| rng.random_range(-3.0..3.0)).collect();
-        let m = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-        let lse = m + x.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
-        teacher_ids.extend(row);
-        teacher_logprobs.extend(x.iter().map(|v| (v - lse + 0.9f64.ln()) as f32));
+        let rows = len - 1;
+        let mut topk_ids = Vec::with_capacity(rows * k);
+        let mut topk_values = Vec::with_capacity(rows * k);
+        for p in 0..rows {
+            let mut row: Vec<u32> = Vec::with_capacity(k);
+            if rng.random::<f64>() < 0.5 {
+                row.push(ids[p + 1]);
+            }
+            while row.len() < k {
+                let c = rng.random_range(0..vocab as u32);
+                if !row.contains(&c) {
+                    row.push(c);
+                }
+            }
+            let alpha = 0.8 + rng.random::<f64>();
+            let w: Vec<f64> = (0..k).map(|i| 1.0 / ((i + 1) as f64).powf(alpha)).collect();
+            let mass = 0.80 + 0.17 * rng.random::<f64>();
+            let s: f64 = w.iter().sum();
+            topk_ids.extend_from_slice(&row);
+            topk_values.extend(w.iter().map(|x| (x / s * mass).ln() as f32));
+        }
+        items.push(Item::Same(Encoded { ids, loss_from: 1 }));
+        scores.push(SequenceScores {
+            rows,
+            k,
+            topk_ids,
+            topk_values,
+            target_logprobs: vec![0.0; rows],
+            logsumexp: vec![0.0; rows],
+            ..Default::default()
+        });
     }
-    Batch {
-        ids,
-        targets,
-        teacher_ids,
-        teacher_logprobs,
+    Batch { items, scores }
+}
+
+/// Writes the batch as `[B, T]` / `[B, T, k]` tensors for `bench/torch_step.py` (the last
+/// position of each row is masked and gets uniform teacher rows).
+fn write_batch(batch: &Batch, len: usize, k: usize, path: &Path) -> Result<()> {
+    let b = batch.items.len();
+    let (mut ids, mut targets, mut mask) = (vec![], vec![], vec![]);
+    let (mut tids, mut tlps) = (vec![0i64; b * len * k], vec![-(k as f32).ln(); b * len * k]);
+    for (r, (it, s)) in batch.items.iter().zip(&batch.scores).enumerate() {
+        let Item::Same(e) = it else {
+            bail!("same-tokenizer items only")
+        };
+        for p in 0..len {
+            ids.push(e.ids[p] as i64);
+            targets.push(if p + 1 < len { e.ids[p + 1] as i64 } else { 0 });
+            mask.push(if p + 1 < len { 1f32 } else { 0.0 });
+        }
+        for p in 0..s.rows {
+            let dst = (r * len + p) * k;
+            for j in 0..k {
+                tids[dst + j] = s.ids_row(p)[j] as i64;
+                tlps[dst + j] = s.values_row(p)[j];
+            }
+        }
+    }
+    let dev = Device::Cpu;
+    let t: HashMap<String, Tensor> = [
+        ("ids", Tensor::from_vec(ids, (b, len), &dev)?),
+        ("targets", Tensor::from_vec(targets, (b, len), &dev)?),
+        ("mask", Tensor::from_vec(mask, (b, len), &dev)?),
+        ("teacher_ids", Tensor::from_vec(tids, (b, len, k), &dev)?),
+        (
+            "teacher_logprobs",
+            Tensor::from_vec(tlps, (b, len, k), &dev)?,
+        ),
+    ]
+    .into_iter()
+    .map(|(n, t)| (n.to_string(), t))
+    .collect();
+    candle_core::safetensors::save(&t, path)
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}
+
+/// Seconds of each phase of one step (the device is synchronised after each).
+#[derive(Default, Clone, Copy)]
+struct Phases {
+    forward: f64,
+    backward: f64,
+    accumulate: f64,
+    clip: f64,
+    adamw: f64,
+}
+
+impl Phases {
+    fn total(&self) -> f64 {
+        self.forward + self.backward + self.accumulate + self.clip + self.adamw
     }
 }
 
-/// Runs the benchmark and prints `bench-step device=.. dtype=.. median_ms=..`.
+/// One full training step as the training loop runs it; returns the loss and phase times.
+fn step(
+    runner: &mut Runner,
+    batch: &Batch,
+    k: usize,
+    cfg: &LossConfig,
+    device: &Device,
+) -> Result<(f64, Phases)> {
+    let mut ph = Phases::default();
+    let scores: Vec<&SequenceScores> = batch.scores.iter().collect();
+    let norm = units(&batch.items);
+    let t = Instant::now();
+    let ctx = LossCtx {
+        model: runner.student.model(),
+        k,
+        loss: cfg,
+        pairing: Pairing::Same,
+        device,
+        micro_batch: batch.items.len(),
+    };
+    let (loss, _) = micro_loss(&ctx, &batch.items, &scores, norm)?;
+    // Reading the loss waits for the device.
+    let loss_v = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    ph.forward = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    let grads = loss.backward()?;
+    device.synchronize()?;
+    ph.backward = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    let mut acc = GradAccumulator::new(runner.vars().to_vec());
+    acc.add(&grads)?;
+    drop(grads);
+    let mut grads = acc.take();
+    device.synchronize()?;
+    ph.accumulate = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    let vars = runner.vars().to_vec();
+    clip_grad_norm(&mut grads, &vars, runner.optim.max_grad_norm)?;
+    device.synchronize()?;
+    ph.clip = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    runner.opt.step(&grads)?;
+    runner.student.refresh()?;
+    runner.step += 1;
+    device.synchronize()?;
+    ph.adamw = t.elapsed().as_secs_f64();
+    Ok((loss_v, ph))
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n == 0 {
+        return f64::NAN;
+    }
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        0.5 * (v[n / 2 - 1] + v[n / 2])
+    }
+}
+
+/// What `bench/torch_step.py` reported for one round.
+struct TorchRound {
+    step_s: Vec<f64>,
+    first_loss: f64,
+    last_loss: f64,
+}
+
+fn torch_round(python: &str, a: &Args, batch_path: &Path, threads: usize) -> Result<TorchRound> {
+    let script = xdistill_shared::paths::repo_root().join("bench/torch_step.py");
+    let out = Command::new(python)
+        .arg(&script)
+        .arg(&a.model)
+        .arg(batch_path)
+        .arg(a.steps.to_string())
+        .arg(threads.to_string())
+        .arg(&a.device)
+        .arg(&a.dtype)
+        .output()
+        .with_context(|| format!("running {python} {}", script.display()))?;
+    if !out.status.success() {
+        bail!(
+            "bench/torch_step.py failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout
+        .lines()
+        .rev()
+        .find(|l| l.starts_with('{'))
+        .context("no JSON line from bench/torch_step.py")?;
+    let v: serde_json::Value = serde_json::from_str(line)?;
+    let step_s = v["step_s"]
+        .as_array()
+        .context("torch_step.py: no step_s")?
+        .iter()
+        .filter_map(|x| x.as_f64())
+        .collect();
+    Ok(TorchRound {
+        step_s,
+        first_loss: v["first_loss"].as_f64().unwrap_or(f64::NAN),
+        last_loss: v["last_loss"].as_f64().unwrap_or(f64::NAN),
+    })
+}
+
+/// Runs the benchmark and prints `bench-step device=.. dtype=.. median_ms=..`, the phases, and
+/// with `--python` PyTorch's figures and the ratio.
 pub fn run(a: Args) -> Result<()> {
     let device = xdistill_shared::device::parse_device(&a.device)?;
     let dtype = xdistill_shared::device::parse_dtype(&a.dtype)?;
-    anyhow::ensure!(a.batch > 0 && a.seq_len > 1 && a.k > 0, "empty batch");
-    let mut student = Student::load(&a.model, &device, dtype)?;
+    anyhow::ensure!(
+        a.batch > 0 && a.seq_len > 1 && a.k > 0 && a.rounds > 0,
+        "empty batch"
+    );
+    let student = Student::load(&a.model, &device, dtype)?;
     let vocab = student.config.vocab_size;
+    let params = student.num_parameters();
     anyhow::ensure!(a.k <= vocab, "k {} exceeds the vocabulary {vocab}", a.k);
-    let b = make_batch(&a, vocab);
+    drop(student);
     let (bs, t, k) = (a.batch, a.seq_len, a.k);
-    if let Some(path) = &a.write_batch {
-        let long = |v: &[u32], shape: &[usize]| -> Result<Tensor> {
-            Ok(Tensor::from_vec(
-                v.iter().map(|&x| x as i64).collect::<Vec<_>>(),
-                shape,
-                &candle_core::Device::Cpu,
-            )?)
-        };
-        let mut m = HashMap::new();
-        m.insert("ids".to_string(), long(&b.ids, &[bs, t])?);
-        m.insert("targets".to_string(), long(&b.targets, &[bs, t])?);
-        m.insert(
-            "mask".to_string(),
-            Tensor::ones((bs, t), DType::F32, &candle_core::Device::Cpu)?,
-        );
-        m.insert(
-            "teacher_ids".to_string(),
-            long(&b.teacher_ids, &[bs, t, k])?,
-        );
-        m.insert(
-            "teacher_logprobs".to_string(),
-            Tensor::from_vec(
-                b.teacher_logprobs.clone(),
-                (bs, t, k),
-                &candle_core::Device::Cpu,
-            )?,
-        );
-        candle_core::safetensors::save(&m, path)
-            .with_context(|| format!("writing {}", path.display()))?;
+    let batch = make_batch(bs, t, k, vocab, a.seed);
+    // PyTorch reads the batch from a file: the one asked for, else a temporary one.
+    let tmp_batch = match (&a.write_batch, &a.python) {
+        (None, Some(_)) => Some(tempfile_path()?),
+        _ => None,
+    };
+    let batch_path = a.write_batch.clone().or_else(|| tmp_batch.clone());
+    if let Some(path) = &batch_path {
+        write_batch(&batch, t, k, path)?;
     }
-    let mask = vec![1f32; bs * t];
-    let tk = TopkTargets::from_host(
-        bs,
-        t,
-        k,
-        &b.teacher_ids,
-        &b.teacher_logprobs,
-        &mask,
-        vocab,
-        &device,
-    )?;
-    let ids = Tensor::from_vec(b.ids.clone(), (bs, t), &device)?;
-    let targets = Tensor::from_vec(b.targets.clone(), (bs, t), &device)?;
-    let mask_t = Tensor::ones((bs, t), DType::F32, &device)?;
-    let mut opt = AdamW::from_varmap(
-        &student.varmap,
-        AdamWConfig {
+    let cfg = LossConfig {
+        kd: KdConfig::ForwardKl {},
+        tail: Some(TailMode::Bucket),
+        temperature: 1.0,
+        kd_weight: 1.0,
+        ce: CeConfig::Weight { weight: 0.1 },
+    };
+    let optim = OptimConfig {
+        adamw: AdamWConfig {
             lr: 1e-4,
             weight_decay: 0.01,
-            ..Default::default()
+            decay_1d: true, // torch.optim.AdamW decays every parameter
+            ..AdamWConfig::default()
         },
-    )?;
-    let vars = opt.vars();
-    let mut times = Vec::with_capacity(a.steps);
-    let mut last_loss = f64::NAN;
-    for step in 0..=a.steps {
-        let t0 = Instant::now();
-        let logits = student.model().forward(&ids)?; // [B, T, V]
-        let (kd, _) = topk_divergence(
-            &logits,
-            &tk,
-            Divergence::Forward,
-            TailMode::Bucket,
-            1.0,
-            None,
-        )?;
-        let (ce, _) = cross_entropy(&logits, &targets, &mask_t, None)?;
-        let loss = (kd + (ce * 0.1)?)?;
-        let mut grads = loss.backward()?;
-        clip_grad_norm(&mut grads, &vars, 1.0)?;
-        opt.step(&grads)?;
-        student.refresh()?;
-        // Reading the loss waits for the device.
-        last_loss = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-        device.synchronize()?;
-        if step > 0 {
-            times.push(t0.elapsed().as_secs_f64() * 1e3);
+        schedule: ScheduleConfig::Constant { warmup_steps: 0 },
+        max_grad_norm: 1.0,
+    };
+    let threads = a.threads.unwrap_or_else(|| {
+        std::env::var("RAYON_NUM_THREADS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(rayon::current_num_threads)
+    });
+    let (mut ours, mut torch) = (Vec::<Phases>::new(), Vec::<f64>::new());
+    let (mut first_loss, mut last_loss) = (None, None);
+    let (mut torch_first, mut torch_last) = (None, None);
+    for round in 0..a.rounds {
+        let student = Student::load(&a.model, &device, dtype)?;
+        let mut runner = Runner::new(student, optim.clone(), 1_000_000)?;
+        let (l0, _) = step(&mut runner, &batch, k, &cfg, &device)?; // warm-up
+        first_loss.get_or_insert(l0);
+        let mut times = vec![];
+        for _ in 0..a.steps {
+            let (l, ph) = step(&mut runner, &batch, k, &cfg, &device)?;
+            times.push(ph.total());
+            ours.push(ph);
+            if round == 0 {
+                last_loss = Some(l);
+            }
+        }
+        drop(runner);
+        if let (Some(python), Some(path)) = (&a.python, &batch_path) {
+            println!("round {round}: ours median {:.3} s", median(times));
+            let r = torch_round(python, &a, path, threads)?;
+            println!(
+                "round {round}: pytorch median {:.3} s",
+                median(r.step_s.clone())
+            );
+            torch.extend(r.step_s);
+            torch_first.get_or_insert(r.first_loss);
+            torch_last.get_or_insert(r.last_loss);
         }
     }
-    times.sort_by(f64::total_cmp);
-    let median = times.get(times.len() / 2).copied().unwrap_or(f64::NAN);
-    let min = times.first().copied().unwrap_or(f64::NAN);
+    if let Some(p) = &tmp_batch {
+        let _ = std::fs::remove_file(p);
+    }
+    let med = |f: fn(&Phases) -> f64| median(ours.iter().map(f).collect());
+    let ours_s = med(Phases::total);
+    let min_s = ours.iter().map(Phases::total).fold(f64::INFINITY, f64::min);
+    let last = last_loss.unwrap_or(f64::NAN);
     println!(
-        "bench-step device={} dtype={} params={} batch={bs} seq_len={t} k={k} steps={} \
-         median_ms={median:.2} min_ms={min:.2} tokens_per_s={:.0} loss={last_loss:.4}",
+        "bench-step device={} dtype={} params={params} batch={bs} seq_len={t} k={k} steps={} \
+         median_ms={:.2} min_ms={:.2} tokens_per_s={:.0} loss={last:.4}",
         a.device,
         a.dtype,
-        student.num_parameters(),
-        a.steps,
-        (bs * t) as f64 / (median / 1e3)
+        ours.len(),
+        ours_s * 1e3,
+        min_s * 1e3,
+        (bs * t) as f64 / ours_s
     );
+    println!(
+        "  phases (median s): forward+loss {:.3}  backward {:.3}  accumulate {:.3}  clip {:.3}  \
+         adamw {:.3}",
+        med(|p| p.forward),
+        med(|p| p.backward),
+        med(|p| p.accumulate),
+        med(|p| p.clip),
+        med(|p| p.adamw)
+    );
+    let first = first_loss.unwrap_or(f64::NAN);
+    println!(
+        "  loss: first step {first:.9}, step {} {last:.9}",
+        a.steps + 1
+    );
+    if !torch.is_empty() {
+        let ts = median(torch.clone());
+        let (t0, t1) = (
+            torch_first.unwrap_or(f64::NAN),
+            torch_last.unwrap_or(f64::NAN),
+        );
+        println!(
+            "pytorch eager (median of {} steps, {threads} threads): {ts:.3} s/step, {:.0} \
+             tokens/s",
+            torch.len(),
+            (bs * t) as f64 / ts
+        );
+        println!("  loss: first step {t0:.9}, step {} {t1:.9}", a.steps + 1);
+        println!(
+            "ratio ours/pytorch: {:.2}; loss differences: first step {:.2e}, step {} {:.2e}",
+            ours_s / ts,
+            (first - t0).abs(),
+            a.steps + 1,
+            (last - t1).abs()
+        );
+    }
     Ok(())
+}
+
+/// A fresh path for the batch file in the temporary directory.
+fn tempfile_path() -> Result<PathBuf> {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_nanos();
+    Ok(std::env::temp_dir().join(format!(
+        "xdistill-bench-step-{}-{nanos}.safetensors",
+        std::process::id()
+    )))
 }

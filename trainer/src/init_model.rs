@@ -1,11 +1,13 @@
 //! `trainer init-model`: a randomly initialised model of any architecture we serve, in Hugging
-//! Face layout (transformers loads it unchanged).
+//! Face layout (transformers loads it unchanged). The command-line front end of
+//! [`xdistill_shared::init`]: [`Args`] is an [`InitSpec`] with flags.
 
-use anyhow::{bail, Context, Result};
+use anyhow::Result;
 use candle_core::Tensor;
 use std::collections::HashMap;
 use std::path::PathBuf;
-use xdistill_shared::hf::{write_model_dir, Arch, LayerKind, ModelConfig, RopeParams};
+use xdistill_shared::hf::ModelConfig;
+use xdistill_shared::init::{init_model_dir, InitFeatures, InitSpec};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct Args {
@@ -93,135 +95,53 @@ pub struct Features {
     pub mlp_only_layers: Vec<usize>,
 }
 
-/// Vocabulary size including added tokens, and the BOS/EOS ids the tokenizer config names.
-pub fn tokenizer_facts(path: &std::path::Path) -> Result<(usize, Option<u32>, Vec<u32>)> {
-    let tok = xdistill_shared::hf::load_tokenizer(path)?;
-    let vocab = tok.get_vocab_size(true);
-    // tokenizer_config.json (beside tokenizer.json) names bos/eos as strings.
-    let mut bos = None;
-    let mut eos = Vec::new();
-    let cfg_path = path.with_file_name("tokenizer_config.json");
-    if let Ok(text) = std::fs::read(&cfg_path) {
-        if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&text) {
-            let name = |k: &str| -> Option<String> {
-                match v.get(k)? {
-                    serde_json::Value::String(s) => Some(s.clone()),
-                    serde_json::Value::Object(o) => o.get("content")?.as_str().map(String::from),
-                    _ => None,
-                }
-            };
-            bos = name("bos_token").and_then(|s| tok.token_to_id(&s));
-            if let Some(id) = name("eos_token").and_then(|s| tok.token_to_id(&s)) {
-                eos.push(id);
-            }
+pub use xdistill_shared::init::tokenizer_facts;
+
+impl From<&Features> for InitFeatures {
+    fn from(f: &Features) -> InitFeatures {
+        InitFeatures {
+            sliding_window: f.sliding_window,
+            max_window_layers: f.max_window_layers,
+            sliding_window_pattern: f.sliding_window_pattern,
+            rope_scaling: f.rope_scaling.clone(),
+            partial_rotary_factor: f.partial_rotary_factor,
+            original_max_position_embeddings: f.original_max_position_embeddings,
+            attention_bias: f.attention_bias,
+            experts: f.experts,
+            experts_per_tok: f.experts_per_tok,
+            moe_intermediate_size: f.moe_intermediate_size,
+            norm_topk_prob: f.norm_topk_prob,
+            decoder_sparse_step: f.decoder_sparse_step,
+            mlp_only_layers: f.mlp_only_layers.clone(),
         }
     }
-    Ok((vocab, bos, eos))
 }
 
+impl From<&Args> for InitSpec {
+    fn from(a: &Args) -> InitSpec {
+        InitSpec {
+            arch: a.arch.clone(),
+            tokenizer: a.tokenizer.clone(),
+            hidden_size: a.hidden_size,
+            layers: a.layers,
+            heads: a.heads,
+            kv_heads: a.kv_heads,
+            intermediate_size: a.intermediate_size,
+            head_dim: a.head_dim,
+            pad_vocab_to: a.pad_vocab_to,
+            max_position_embeddings: a.max_position_embeddings,
+            tie_embeddings: a.tie_embeddings,
+            init_std: a.init_std,
+            seed: a.seed,
+            out: a.out.clone(),
+            features: (&a.features).into(),
+        }
+    }
+}
+
+/// The config of the model `a` describes (see [`xdistill_shared::init::build_config`]).
 pub fn build_config(a: &Args) -> Result<ModelConfig> {
-    let arch = Arch::parse(&a.arch)?;
-    let (vocab, bos, eos) = tokenizer_facts(&a.tokenizer)?;
-    if a.pad_vocab_to == 0 {
-        bail!("--pad-vocab-to must be at least 1");
-    }
-    let vocab_size = vocab.div_ceil(a.pad_vocab_to) * a.pad_vocab_to;
-    let head_dim = a.head_dim.unwrap_or(a.hidden_size / a.heads.max(1));
-    let explicit_head_dim = matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3);
-    let f = &a.features;
-    let rope_scaling = match &f.rope_scaling {
-        Some(json) => Some(
-            serde_json::from_str::<RopeParams>(json)
-                .with_context(|| format!("--rope-scaling {json:?} is not a rope_scaling object"))?,
-        ),
-        None => None,
-    };
-    let mut cfg = ModelConfig {
-        model_type: arch.model_type().into(),
-        vocab_size,
-        hidden_size: a.hidden_size,
-        intermediate_size: a.intermediate_size,
-        num_hidden_layers: a.layers,
-        num_attention_heads: a.heads,
-        num_key_value_heads: Some(a.kv_heads),
-        head_dim: (explicit_head_dim || a.head_dim.is_some()).then_some(head_dim),
-        max_position_embeddings: a.max_position_embeddings,
-        rms_norm_eps: 1e-6,
-        rope_theta: Some(match arch {
-            Arch::Llama => 500_000.0,
-            Arch::Mistral | Arch::Phi3 => 10_000.0,
-            _ => 1_000_000.0,
-        }),
-        rope_scaling,
-        rope_parameters: None,
-        partial_rotary_factor: f.partial_rotary_factor,
-        original_max_position_embeddings: f.original_max_position_embeddings,
-        window: Default::default(),
-        moe: Default::default(),
-        gemma: Default::default(),
-        unimplemented: Default::default(),
-        tie_word_embeddings: a.tie_embeddings,
-        attention_bias: f.attention_bias,
-        hidden_act: (arch != Arch::Gemma3).then(|| "silu".into()),
-        bos_token_id: bos.map(|b| b.into()),
-        eos_token_id: match eos.as_slice() {
-            [] => None,
-            [one] => Some((*one).into()),
-            many => Some(many.to_vec().into()),
-        },
-        pad_token_id: Some(eos.first().copied().unwrap_or(0).into()),
-        weight_prefix: None,
-    };
-    match arch {
-        Arch::Gemma3 => {
-            let pattern = f.sliding_window_pattern.unwrap_or(6).max(1);
-            cfg.window.sliding_window = Some(Some(f.sliding_window.unwrap_or(4096)));
-            cfg.window.layer_types = Some(
-                (0..a.layers)
-                    .map(|i| {
-                        let kind = if (i + 1) % pattern != 0 {
-                            LayerKind::Sliding
-                        } else {
-                            LayerKind::Full
-                        };
-                        kind.name().to_string()
-                    })
-                    .collect(),
-            );
-            cfg.gemma.hidden_activation = Some("gelu_pytorch_tanh".into());
-            cfg.gemma.query_pre_attn_scalar = Some(head_dim as f64);
-            cfg.gemma.rope_local_base_freq = Some(10_000.0);
-        }
-        Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe => {
-            if let Some(w) = f.sliding_window {
-                cfg.window.sliding_window = Some(Some(w));
-                cfg.window.use_sliding_window = Some(true);
-                cfg.window.max_window_layers = Some(f.max_window_layers);
-            }
-        }
-        _ => cfg.window.sliding_window = f.sliding_window.map(Some),
-    }
-    if arch == Arch::Qwen3Moe {
-        cfg.moe.num_experts = Some(f.experts.unwrap_or(8));
-        cfg.moe.num_experts_per_tok = Some(f.experts_per_tok.unwrap_or(2));
-        cfg.moe.moe_intermediate_size = Some(
-            f.moe_intermediate_size
-                .unwrap_or((a.intermediate_size / 2).max(1)),
-        );
-        cfg.moe.norm_topk_prob = Some(f.norm_topk_prob);
-        cfg.moe.decoder_sparse_step = Some(f.decoder_sparse_step);
-        cfg.moe.mlp_only_layers = Some(f.mlp_only_layers.clone());
-    }
-    if !explicit_head_dim && a.head_dim.is_none() && !a.hidden_size.is_multiple_of(a.heads.max(1)) {
-        bail!(
-            "--hidden-size ({}) must be a multiple of --heads ({})",
-            a.hidden_size,
-            a.heads
-        );
-    }
-    cfg.validate()?;
-    crate::model_check::check_init_size(&cfg)?;
-    Ok(cfg)
+    xdistill_shared::init::build_config(&a.into())
 }
 
 /// Random parameters for `cfg`, reproducible from `seed` (see [`xdistill_shared::init`]).
@@ -234,11 +154,7 @@ pub fn random_params(
 }
 
 pub fn run(a: Args) -> Result<()> {
-    let cfg = build_config(&a)?;
-    let params = random_params(&cfg, a.init_std, a.seed)?;
-    let n: usize = params.values().map(|t| t.elem_count()).sum();
-    write_model_dir(&a.out, &cfg, &params, &a.tokenizer)
-        .with_context(|| format!("writing {}", a.out.display()))?;
+    let (cfg, n) = init_model_dir(&(&a).into())?;
     eprintln!(
         "wrote {} ({} {} layers, hidden {}, vocab {}, {:.2}M parameters)",
         a.out.display(),

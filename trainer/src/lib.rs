@@ -16,7 +16,6 @@ pub mod loss;
 pub mod metrics_log;
 pub mod model_check;
 pub mod optim;
-pub mod projection;
 pub mod student;
 pub mod task;
 pub mod train;

@@ -11,12 +11,9 @@ use std::path::{Path, PathBuf};
 use xdistill_shared::hf::{ModelConfig, ModelDir};
 use xdistill_shared::model::param_specs;
 
-/// Cap on `max_position_embeddings × head_dim / 2`: the size of each of the two RoPE tables the
-/// decoder precomputes (2^26 f32 = 256 MiB; a 1M-token context at head_dim 128 still fits).
-pub const MAX_ROPE_TABLE: u128 = 1 << 26;
-
-/// Cap on the parameter count `init-model` creates (f32 weights: 64 GiB).
-pub const MAX_INIT_PARAMETERS: u128 = 16 << 30;
+pub use xdistill_shared::init::{
+    check_init_size, check_rope, parameter_count, MAX_INIT_PARAMETERS, MAX_ROPE_TABLE,
+};
 
 /// Tensor name → (shape, file it is stored in), from the safetensors headers only.
 pub fn header_shapes(files: &[PathBuf]) -> Result<HashMap<String, (Vec<usize>, PathBuf)>> {
@@ -187,63 +184,6 @@ fn check_attention_rows(
         ));
     }
     Ok(())
-}
-
-/// Refuses a `max_position_embeddings` whose RoPE tables would not fit ([`MAX_ROPE_TABLE`]).
-pub fn check_rope(cfg: &ModelConfig) -> Result<()> {
-    let table = cfg.max_position_embeddings as u128 * (cfg.head_dim() as u128 / 2).max(1);
-    if table > MAX_ROPE_TABLE {
-        bail!(
-            "config key `max_position_embeddings` = {} is too large: its RoPE tables would hold \
-             {table} entries each (at most {MAX_ROPE_TABLE})",
-            cfg.max_position_embeddings
-        );
-    }
-    Ok(())
-}
-
-/// Parameter count of `cfg` (an upper bound, in f64 so that no product overflows), computed
-/// without listing the parameters (so an absurd layer count costs nothing).
-pub fn parameter_count(cfg: &ModelConfig) -> f64 {
-    let (h, i, v) = (
-        cfg.hidden_size as f64,
-        cfg.intermediate_size as f64,
-        cfg.vocab_size as f64,
-    );
-    let (hq, hkv, d) = (
-        cfg.num_attention_heads as f64,
-        cfg.kv_heads() as f64,
-        cfg.head_dim() as f64,
-    );
-    // Norms, q/k/v/o (with biases and q/k norms as an upper bound), gate/up/down.
-    let per_layer = 2.0 * h
-        + 2.0 * (hq * d) * h
-        + 2.0 * (hkv * d) * h
-        + 3.0 * i * h
-        + (hq * d + 2.0 * hkv * d + h)
-        + 2.0 * d;
-    // Qwen3-MoE: every expert and the router, on every layer (an upper bound).
-    let m = &cfg.moe;
-    let experts = m.num_experts.unwrap_or(0) as f64;
-    let per_layer =
-        per_layer + experts * (3.0 * m.moe_intermediate_size.unwrap_or(0) as f64 * h + h);
-    let heads = if cfg.tie_word_embeddings { 1.0 } else { 2.0 };
-    heads * v * h + h + cfg.num_hidden_layers as f64 * per_layer
-}
-
-/// Refuses configs whose parameters cannot be created in memory (`init-model`).
-pub fn check_init_size(cfg: &ModelConfig) -> Result<()> {
-    let n = parameter_count(cfg);
-    if n > MAX_INIT_PARAMETERS as f64 {
-        bail!(
-            "the model would have {n:.3e} parameters ({:.1} GiB in f32), over the cap of \
-             {MAX_INIT_PARAMETERS} ({} GiB): check --layers, --hidden-size, \
-             --intermediate-size, --heads, --head-dim and the vocabulary",
-            n * 4.0 / (1u64 << 30) as f64,
-            (MAX_INIT_PARAMETERS * 4) >> 30
-        );
-    }
-    check_rope(cfg)
 }
 
 #[cfg(test)]

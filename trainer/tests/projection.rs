@@ -3,8 +3,8 @@
 
 use std::collections::HashSet;
 use xdistill_shared::paths::tokenizer_json;
+use xdistill_trainer::align::projection::{Csr, ProjectionMaps};
 use xdistill_trainer::align::AlignTokenizer;
-use xdistill_trainer::projection::{Csr, Projection};
 
 /// Checks one direction against the two byte tables, with references computed here.
 fn check_direction(m: &Csr, src: &AlignTokenizer, dst: &AlignTokenizer, max: usize, what: &str) {
@@ -81,7 +81,7 @@ fn check_direction(m: &Csr, src: &AlignTokenizer, dst: &AlignTokenizer, max: usi
 fn cross_family_projection_is_sparse_and_spells_tokens() {
     let s = AlignTokenizer::from_file(&tokenizer_json("llama2")).unwrap();
     let t = AlignTokenizer::from_file(&tokenizer_json("llama3")).unwrap();
-    let p = Projection::build(&s, &t, 4, "s".into(), "t".into()).unwrap();
+    let p = ProjectionMaps::build(&s, &t, 4, "s".into(), "t".into()).unwrap();
     check_direction(&p.student_to_teacher, &s, &t, 4, "llama2->llama3");
     check_direction(&p.teacher_to_student, &t, &s, 4, "llama3->llama2");
     // A known row: Llama 2's "▁Hello" is " Hello", one Llama 3 token ("ĠHello").
@@ -99,9 +99,9 @@ fn cross_family_projection_is_sparse_and_spells_tokens() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("p.safetensors");
     p.save(&path).unwrap();
-    assert_eq!(Projection::load(&path).unwrap(), p);
+    assert_eq!(ProjectionMaps::load(&path).unwrap(), p);
     std::fs::write(&path, b"not a projection").unwrap();
-    assert!(Projection::load(&path).is_err());
+    assert!(ProjectionMaps::load(&path).is_err());
 }
 
 #[test]
@@ -115,9 +115,9 @@ fn cache_is_reused_only_for_the_same_tokenizers() {
     text.push(b'\n');
     std::fs::write(&b, &text).unwrap();
 
-    let (p1, built) = Projection::load_or_build(&cache, &a, &b, 2).unwrap();
+    let (p1, built) = ProjectionMaps::load_or_build(&cache, &a, &b, 2).unwrap();
     assert!(built);
-    let (p2, built) = Projection::load_or_build(&cache, &a, &b, 2).unwrap();
+    let (p2, built) = ProjectionMaps::load_or_build(&cache, &a, &b, 2).unwrap();
     assert!(!built, "second call must load from the cache");
     assert_eq!(p1, p2);
     // Same vocabulary on both sides: every ordinary row is exact.
@@ -125,14 +125,14 @@ fn cache_is_reused_only_for_the_same_tokenizers() {
     // Another teacher file: rebuilt, cached under another name.
     text.push(b'\n');
     std::fs::write(&b, &text).unwrap();
-    let (p3, built) = Projection::load_or_build(&cache, &a, &b, 2).unwrap();
+    let (p3, built) = ProjectionMaps::load_or_build(&cache, &a, &b, 2).unwrap();
     assert!(built);
     assert_ne!(p3.teacher_sha256, p1.teacher_sha256);
     assert_eq!(std::fs::read_dir(&cache).unwrap().count(), 2);
     // A corrupt cache file is rebuilt, not trusted.
-    let path = Projection::cache_path(&cache, &p3.student_sha256, &p3.teacher_sha256, 2);
+    let path = ProjectionMaps::cache_path(&cache, &p3.student_sha256, &p3.teacher_sha256, 2);
     std::fs::write(&path, b"garbage").unwrap();
-    let (p4, built) = Projection::load_or_build(&cache, &a, &b, 2).unwrap();
+    let (p4, built) = ProjectionMaps::load_or_build(&cache, &a, &b, 2).unwrap();
     assert!(built);
     assert_eq!(p4, p3);
 }

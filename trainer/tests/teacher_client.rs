@@ -36,6 +36,8 @@ struct Mock {
     api_key: Option<String>,
     /// Advertise this tokenizer hash instead of the real one.
     wrong_sha: bool,
+    /// Advertise this `tokenizer_sha256` verbatim (not a hash at all).
+    sha_text: Option<String>,
     topk_hits: AtomicUsize,
     tokenizer_hits: AtomicUsize,
     last_request: Mutex<Option<TopkRequest>>,
@@ -179,7 +181,9 @@ fn sha256_hex(b: &[u8]) -> String {
 }
 
 async fn info(State(m): State<Arc<Mock>>) -> Response {
-    let sha = if m.wrong_sha {
+    let sha = if let Some(text) = &m.sha_text {
+        text.clone()
+    } else if m.wrong_sha {
         "00".repeat(32)
     } else {
         sha256_hex(TOKENIZER)
@@ -481,6 +485,71 @@ async fn teacher_tokenizer_is_fetched_once_and_checked() {
         c.fetch_tokenizer(dir.path(), &info).await,
         Err(ClientError::TokenizerMismatch { .. })
     ));
+}
+
+/// `tokenizer_sha256` names the cache directory: a teacher advertising anything but 64 hex
+/// digits (a path, a traversal, a short or non-hex string) is refused with an error naming the
+/// value, before any download and without touching the file system.
+#[tokio::test]
+async fn a_tokenizer_sha256_that_is_not_hex_is_refused() {
+    let bad = [
+        "../../etc".to_string(),
+        "/etc/passwd".to_string(),
+        // 64 characters, the length of a SHA-256 in hex, that climb out of the cache.
+        format!("{}a", "../".repeat(21)),
+        "g".repeat(64),
+        sha256_hex(TOKENIZER)[..63].to_string(),
+        format!("{}/", &sha256_hex(TOKENIZER)[..63]),
+        String::new(),
+    ];
+    let root = tempfile::tempdir().unwrap();
+    let cache = root.path().join("cache");
+    let student = root.path().join("student.json");
+    std::fs::write(&student, b"{}").unwrap();
+    for text in bad {
+        let m = Arc::new(Mock {
+            sha_text: Some(text.clone()),
+            ..Default::default()
+        });
+        let c = TeacherClient::new(
+            vec![start(m.clone()).await],
+            opts(10, 20, Duration::from_secs(5)),
+        )
+        .unwrap();
+        let info = c.info().await.unwrap();
+        assert_eq!(info.tokenizer_sha256, text);
+        let direct = c.fetch_tokenizer(&cache, &info).await;
+        let via_run = c.teacher_tokenizer(&info, &student, None, &cache).await;
+        for got in [
+            direct.map(|p| format!("{p:?}")),
+            via_run.map(|t| format!("{t:?}")),
+        ] {
+            match got {
+                Err(ClientError::InvalidResponse { message, .. }) => {
+                    assert!(message.contains("is not a SHA-256 in hex"), "{message}");
+                    assert!(message.contains(&format!("{text:?}")), "{message}");
+                }
+                other => panic!("{text:?}: {other:?}"),
+            }
+        }
+        assert_eq!(m.tokenizer_hits.load(Ordering::SeqCst), 0, "{text:?}");
+        assert!(!cache.exists(), "{text:?}: the cache directory was created");
+        let entries: Vec<_> = std::fs::read_dir(root.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(entries, vec![std::ffi::OsString::from("student.json")]);
+    }
+    // The same client accepts a real hash (upper-case hex too) and downloads into the cache.
+    let m = Arc::new(Mock {
+        sha_text: Some(sha256_hex(TOKENIZER).to_ascii_uppercase()),
+        ..Default::default()
+    });
+    let c = TeacherClient::new(vec![start(m).await], opts(10, 20, Duration::from_secs(5))).unwrap();
+    let info = c.info().await.unwrap();
+    let p = c.fetch_tokenizer(&cache, &info).await.unwrap();
+    assert_eq!(p, cache.join(sha256_hex(TOKENIZER)).join("tokenizer.json"));
+    assert_eq!(std::fs::read(&p).unwrap(), TOKENIZER);
 }
 
 #[test]

@@ -6,10 +6,10 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
-use xdistill_server::testing::TeacherProcess;
 use xdistill_shared::codec::{self, Format};
 use xdistill_shared::hf::ModelDir;
 use xdistill_shared::model::{Decoder, Ops};
+use xdistill_shared::process::TeacherProcess;
 use xdistill_shared::protocol::{TopkRequest, TopkResponse, ValuesKind};
 
 /// A tiny random model (hidden 32, 2 layers) with a real tokenizer, made once per directory.
@@ -26,7 +26,7 @@ pub fn tiny_model(name: &str, arch: &str, tokenizer: &str, pad_to: usize) -> Pat
     if out.join("config.json").is_file() {
         return out;
     }
-    xdistill_trainer::init_model::run(xdistill_trainer::init_model::Args {
+    xdistill_shared::init::init_model_dir(&xdistill_shared::init::InitSpec {
         arch: arch.into(),
         tokenizer: xdistill_shared::paths::tokenizer_json(tokenizer),
         hidden_size: 32,
@@ -48,7 +48,7 @@ pub fn tiny_model(name: &str, arch: &str, tokenizer: &str, pad_to: usize) -> Pat
     out
 }
 
-/// A running `teacher` (see `xdistill_server::testing`).
+/// A running `teacher` (see `xdistill_shared::process`).
 pub type Teacher = TeacherProcess;
 
 /// The `teacher` of this build, or `$XDISTILL_TEACHER_BIN` (a test executable run away from its
@@ -62,6 +62,11 @@ pub fn teacher_bin() -> PathBuf {
 /// Starts this crate's `teacher` binary on `model` (port 0) and waits until it is healthy.
 pub fn start_teacher(model: &Path, extra: &[&str]) -> Teacher {
     TeacherProcess::start(&teacher_bin(), model, extra).expect("starting the teacher")
+}
+
+/// The status code of a blocking `GET url` (std only).
+pub fn get_status(url: &str) -> std::io::Result<u16> {
+    xdistill_shared::process::http_status(url)
 }
 
 pub fn client() -> reqwest::Client {
@@ -230,6 +235,11 @@ impl Reference {
             assert!((got.logsumexp[r] as f64 - lse).abs() < tol * lse.abs().max(1.0));
         }
     }
+}
+
+/// Every id and value of a sequence's scores as bits (see `SequenceScores::bits`).
+pub fn score_bits(s: &xdistill_shared::protocol::SequenceScores) -> Vec<u32> {
+    s.bits()
 }
 
 /// Deterministic pseudo-random ids below `vocab`.

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use super::pair::{align_text, canonical_text, AlignTokenizer, TokenizedPair};
-use crate::projection::Projection;
+use super::projection::ProjectionMaps;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct AlignArgs {
@@ -251,7 +251,7 @@ pub fn run_build_projection(a: BuildProjectionArgs) -> Result<()> {
     let th = xdistill_shared::hf::file_sha256(&a.teacher_tokenizer)?;
     let load = t0.elapsed();
     let t1 = Instant::now();
-    let p = Projection::build(&student, &teacher, a.max_entries, sh, th)?;
+    let p = ProjectionMaps::build(&student, &teacher, a.max_entries, sh, th)?;
     let build = t1.elapsed();
     p.save(&a.out)?;
     for (name, m, exact) in [

@@ -5,12 +5,16 @@
 //! - [`chunks`]: the linear walk over cumulative byte lengths ([`align`]).
 //! - [`pair`]: tokenize one text for both sides, truncating both at a common chunk boundary.
 //! - [`batch`]: dense padded `[B, T]` tensors for the loss, and their shifted view.
+//! - [`projection`]: the sparse vocabulary maps between two tokenizers ([`ProjectionMaps`]),
+//!   built from the token bytes, saved and cached; the cross-tokenizer losses read them as a
+//!   [`crate::loss::Projection`].
 //! - [`cli`]: `trainer align` and `trainer build-projection`.
 
 pub mod batch;
 pub mod chunks;
 pub mod cli;
 pub mod pair;
+pub mod projection;
 pub mod token_bytes;
 
 pub use batch::{AlignmentBatch, ShiftedAlignment};
@@ -18,6 +22,7 @@ pub use chunks::{align, align_known, textual_specials, Chunk, ChunkKind};
 pub use pair::{
     align_text, canonical_text, tokenize_pair, AlignTokenizer, PairOptions, TokenizedPair,
 };
+pub use projection::{Csr, ProjectionError, ProjectionMaps};
 pub use token_bytes::{DummyPrefix, Piece, TokenBytes, TokenizerKind, UnicodeNorm};
 
 /// Which tokenization an error is about.

@@ -3,12 +3,12 @@
 
 use super::prepare::{prepare, Limits, Tokenization};
 use super::step::{validation_sums, LossCtx, Pairing, ValSums};
+use crate::align::projection::{Csr, ProjectionMaps};
 use crate::align::AlignTokenizer;
 use crate::client::{BlockingClient, TeacherClient, TeacherTokenizer};
 use crate::config::Config;
 use crate::data::{self, Record};
-use crate::loss::{LossConfig, Projection as LossProjection};
-use crate::projection::Projection;
+use crate::loss::{LossConfig, Projection};
 use anyhow::{bail, Result};
 use candle_core::Device;
 use std::sync::Arc;
@@ -23,7 +23,7 @@ pub struct Setup {
     pub device: Device,
     pub client: Arc<BlockingClient>,
     pub tokenization: Arc<Tokenization>,
-    pub projection: Option<LossProjection>,
+    pub projection: Option<Projection>,
     pub limits: Limits,
 }
 
@@ -89,7 +89,7 @@ pub fn setup(cfg: Config) -> Result<Setup> {
                 );
             }
             let t0 = Instant::now();
-            let (p, built) = Projection::load_or_build(
+            let (p, built) = ProjectionMaps::load_or_build(
                 &cfg.teacher_tokenizer_cache(),
                 &student_tok,
                 &teacher_tok,
@@ -102,7 +102,7 @@ pub fn setup(cfg: Config) -> Result<Setup> {
             );
             let s2t = &p.student_to_teacher;
             let indptr: Vec<usize> = s2t.indptr.iter().map(|&x| x as usize).collect();
-            let lp = LossProjection::from_csr(
+            let lp = Projection::from_csr(
                 s2t.rows(),
                 info.vocab_size,
                 &indptr,
@@ -243,7 +243,7 @@ impl Summary {
 /// Teacher id → the first student token of its re-tokenisation (the first entry of its
 /// teacher→student row, which lists the pieces in order); `None` for empty rows and for ids past
 /// the map (a padded teacher vocabulary).
-fn teacher_first_tokens(t2s: &crate::projection::Csr, teacher_vocab: usize) -> Vec<Option<u32>> {
+fn teacher_first_tokens(t2s: &Csr, teacher_vocab: usize) -> Vec<Option<u32>> {
     (0..teacher_vocab)
         .map(|u| {
             (u < t2s.rows())

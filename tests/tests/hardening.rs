@@ -4,16 +4,12 @@
 //! fails before any teacher query, a corrupt newest checkpoint is passed over on resume, and
 //! non-finite steps abort the run.
 
-mod distill_common;
-
-use distill_common::{config, config_with, data_file, model, token_driven_teacher};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use xdistill_server::testing::{teacher_binary, TeacherProcess};
+use xdistill_tests::distill::{config, config_with, data_file, model, token_driven_teacher};
+use xdistill_tests::{teacher_binary, TeacherProcess};
 use xdistill_trainer::train::off_policy::{setup, train};
-
-const TRAINER: &str = env!("CARGO_BIN_EXE_trainer");
 
 /// Runs `trainer ARGS` with its address space capped at `cap_mb` MiB (`ulimit -v`): an attempt to
 /// allocate from an absurd config fails inside the cap instead of swapping the machine.
@@ -21,7 +17,7 @@ fn trainer_capped(cap_mb: u64, args: &[&std::ffi::OsStr]) -> Output {
     Command::new("sh")
         .arg("-c")
         .arg(format!("ulimit -v {}; exec \"$0\" \"$@\"", cap_mb * 1024))
-        .arg(TRAINER)
+        .arg(xdistill_tests::trainer_binary())
         .args(args)
         .env("RUST_LOG", "warn")
         .output()
@@ -174,7 +170,7 @@ fn long_record(i: usize, words: usize) -> String {
     serde_json::json!({"question": format!("question {i}?"), "answer": answer}).to_string()
 }
 
-/// Config file path `distill_common::config_with` wrote for output directory `out`.
+/// Config file path `xdistill_tests::distill::config_with` wrote for output directory `out`.
 fn config_path(dir: &Path, out: &Path) -> PathBuf {
     dir.join(format!(
         "{}.toml",

@@ -1,7 +1,7 @@
 //! Shared by the distillation end-to-end tests: tiny models and short-run configs.
-#![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
+use xdistill_shared::init::{init_model_dir, random_params, InitSpec};
 use xdistill_trainer::config::{Config, OffPolicyArgs};
 
 #[allow(clippy::too_many_arguments)]
@@ -16,7 +16,7 @@ pub fn model(
     seed: u64,
 ) -> PathBuf {
     let out = dir.join(name);
-    xdistill_trainer::init_model::run(xdistill_trainer::init_model::Args {
+    init_model_dir(&InitSpec {
         arch: arch.into(),
         tokenizer: xdistill_shared::paths::tokenizer_json(tokenizer),
         hidden_size: hidden,
@@ -41,7 +41,6 @@ pub fn model(
 /// LM head (peaked, token-specific distributions), small attention and MLP weights. A student can
 /// learn that from a few hundred records and generalise to held-out text.
 pub fn token_driven_teacher(dir: &Path, arch: &str, tokenizer: &str, seed: u64) -> PathBuf {
-    use xdistill_trainer::init_model::random_params;
     let (args, cfg) = teacher_args(dir, arch, tokenizer, seed);
     let out = args.out.clone();
     let mut params = random_params(&cfg, 0.02, seed).unwrap();
@@ -165,7 +164,6 @@ progress_bar = false
 /// reach from its own (initially random) samples.
 pub fn context_free_teacher(dir: &Path, arch: &str, tokenizer: &str, seed: u64) -> PathBuf {
     use candle_core::Tensor;
-    use xdistill_trainer::init_model::random_params;
     let (args, cfg) = teacher_args(dir, arch, tokenizer, seed);
     let out = args.out.clone();
     let mut params = random_params(&cfg, 0.02, seed).unwrap();
@@ -194,11 +192,8 @@ fn teacher_args(
     arch: &str,
     tokenizer: &str,
     seed: u64,
-) -> (
-    xdistill_trainer::init_model::Args,
-    xdistill_shared::hf::ModelConfig,
-) {
-    let args = xdistill_trainer::init_model::Args {
+) -> (InitSpec, xdistill_shared::hf::ModelConfig) {
+    let args = InitSpec {
         arch: arch.into(),
         tokenizer: xdistill_shared::paths::tokenizer_json(tokenizer),
         hidden_size: 64,
@@ -215,6 +210,6 @@ fn teacher_args(
         out: dir.join("teacher"),
         features: Default::default(),
     };
-    let cfg = xdistill_trainer::init_model::build_config(&args).unwrap();
+    let cfg = xdistill_shared::init::build_config(&args).unwrap();
     (args, cfg)
 }

@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use tokenizers::Tokenizer;
 
-use crate::align::{AlignError, AlignTokenizer, TokenBytes};
+use super::{AlignError, AlignTokenizer, TokenBytes};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ProjectionError {
@@ -99,7 +99,7 @@ impl Csr {
 
 /// Both directions of the projection and what they were built from.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Projection {
+pub struct ProjectionMaps {
     /// `[V_s, V_t]` sparse.
     pub student_to_teacher: Csr,
     /// `[V_t, V_s]` sparse.
@@ -249,7 +249,7 @@ fn meta_get<'a>(
     })
 }
 
-impl Projection {
+impl ProjectionMaps {
     /// Builds both directions from two tokenizers (`max_entries` per row, 4 by default).
     pub fn build(
         student: &AlignTokenizer,
@@ -257,13 +257,13 @@ impl Projection {
         max_entries: usize,
         student_sha256: String,
         teacher_sha256: String,
-    ) -> Result<Projection, ProjectionError> {
+    ) -> Result<ProjectionMaps, ProjectionError> {
         if max_entries == 0 {
             return Err(ProjectionError::NoEntries);
         }
         let (s2t, s2t_exact) = build_direction(&student.bytes, teacher, max_entries)?;
         let (t2s, t2s_exact) = build_direction(&teacher.bytes, student, max_entries)?;
-        Ok(Projection {
+        Ok(ProjectionMaps {
             student_to_teacher: s2t,
             teacher_to_student: t2s,
             student_sha256,
@@ -279,12 +279,12 @@ impl Projection {
         student_tokenizer: &Path,
         teacher_tokenizer: &Path,
         max_entries: usize,
-    ) -> Result<Projection, ProjectionError> {
+    ) -> Result<ProjectionMaps, ProjectionError> {
         let s = AlignTokenizer::from_file(student_tokenizer)?;
         let t = AlignTokenizer::from_file(teacher_tokenizer)?;
         let sh = xdistill_shared::hf::file_sha256(student_tokenizer)?;
         let th = xdistill_shared::hf::file_sha256(teacher_tokenizer)?;
-        Projection::build(&s, &t, max_entries, sh, th)
+        ProjectionMaps::build(&s, &t, max_entries, sh, th)
     }
 
     /// Writes the safetensors file (to a temporary name, then renamed into place).
@@ -338,8 +338,8 @@ impl Projection {
         std::fs::rename(&tmp, path).map_err(io)
     }
 
-    /// Reads a file written by [`Projection::save`], checking its structure.
-    pub fn load(path: &Path) -> Result<Projection, ProjectionError> {
+    /// Reads a file written by [`ProjectionMaps::save`], checking its structure.
+    pub fn load(path: &Path) -> Result<ProjectionMaps, ProjectionError> {
         let bytes = std::fs::read(path).map_err(|source| ProjectionError::Io {
             path: path.to_path_buf(),
             source,
@@ -399,7 +399,7 @@ impl Projection {
         }
         let t2s = dirs.pop().unwrap_or_default();
         let s2t = dirs.pop().unwrap_or_default();
-        Ok(Projection {
+        Ok(ProjectionMaps {
             student_to_teacher: s2t,
             teacher_to_student: t2s,
             student_sha256: meta_get(&meta, "student_sha256", path)?.clone(),
@@ -432,12 +432,12 @@ impl Projection {
         student_tokenizer: &Path,
         teacher_tokenizer: &Path,
         max_entries: usize,
-    ) -> Result<(Projection, bool), ProjectionError> {
+    ) -> Result<(ProjectionMaps, bool), ProjectionError> {
         let sh = xdistill_shared::hf::file_sha256(student_tokenizer)?;
         let th = xdistill_shared::hf::file_sha256(teacher_tokenizer)?;
-        let path = Projection::cache_path(cache_dir, &sh, &th, max_entries);
+        let path = ProjectionMaps::cache_path(cache_dir, &sh, &th, max_entries);
         if path.is_file() {
-            match Projection::load(&path) {
+            match ProjectionMaps::load(&path) {
                 Ok(p)
                     if p.student_sha256 == sh
                         && p.teacher_sha256 == th
@@ -453,7 +453,7 @@ impl Projection {
         }
         let s = AlignTokenizer::from_file(student_tokenizer)?;
         let t = AlignTokenizer::from_file(teacher_tokenizer)?;
-        let p = Projection::build(&s, &t, max_entries, sh, th)?;
+        let p = ProjectionMaps::build(&s, &t, max_entries, sh, th)?;
         p.save(&path)?;
         Ok((p, true))
     }

@@ -1,11 +1,9 @@
 //! Off-policy distillation end to end on loopback: a real `teacher` process on a tiny random
 //! model, a smaller student trained by `trainer off-policy`'s loop.
 
-mod distill_common;
-
-use distill_common::{config, model, token_driven_teacher};
 use std::path::Path;
-use xdistill_server::testing::{teacher_binary, TeacherProcess};
+use xdistill_tests::distill::{config, model, token_driven_teacher};
+use xdistill_tests::{teacher_binary, TeacherProcess};
 use xdistill_trainer::config::Config;
 use xdistill_trainer::train::off_policy::{setup, train, Summary};
 

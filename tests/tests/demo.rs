@@ -6,9 +6,9 @@ use std::process::Command;
 
 #[test]
 fn fast_demo_end_to_end() {
-    let trainer = env!("CARGO_BIN_EXE_trainer");
-    let teacher = xdistill_server::testing::teacher_binary();
-    let probe = Command::new(trainer)
+    let trainer = xdistill_tests::trainer_binary();
+    let teacher = xdistill_tests::teacher_binary();
+    let probe = Command::new(&trainer)
         .args(["on-policy", "--help"])
         .output()
         .unwrap();
@@ -19,7 +19,7 @@ fn fast_demo_end_to_end() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("demo");
     let run = || {
-        let o = Command::new(trainer)
+        let o = Command::new(&trainer)
             .args(["demo", "--fast", "--output"])
             .arg(&out)
             .arg("--teacher-bin")

@@ -3,11 +3,9 @@
 //! the tokens it trained on (the sum of its metrics lines), the config hash and its validation
 //! metric.
 
-mod distill_common;
-
-use distill_common::{config_with, model, token_driven_teacher};
 use std::path::Path;
-use xdistill_server::testing::{teacher_binary, TeacherProcess};
+use xdistill_tests::distill::{config_with, model, token_driven_teacher};
+use xdistill_tests::{teacher_binary, TeacherProcess};
 use xdistill_trainer::checkpoint::TrainerState;
 use xdistill_trainer::task::{make_splits, write_splits, TaskConfig};
 use xdistill_trainer::train::{off_policy, on_policy, sft};

@@ -5,13 +5,11 @@
 //! receiving its requests again. Needs `haproxy` (scripts/install-haproxy.sh, which
 //! scripts/test.sh runs).
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-use xdistill_server::testing::{get_status, score_bits};
-use xdistill_shared::protocol::TopkResponse;
+use xdistill_shared::protocol::{TopkRequest, TopkResponse, ValuesKind};
+use xdistill_tests::http_status as get_status;
 use xdistill_trainer::client::{ClientOptions, TeacherClient};
 
 /// A child process killed (SIGKILL) on drop.
@@ -41,7 +39,7 @@ fn wait_for(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) {
 }
 
 fn teacher_on(model: &Path, port: u16) -> Proc {
-    let child = Command::new(common::teacher_bin())
+    let child = Command::new(xdistill_tests::teacher_binary())
         .arg("--model")
         .arg(model)
         .args(["--port", &port.to_string()])
@@ -146,13 +144,40 @@ fn same_bits(a: &TopkResponse, b: &TopkResponse) -> bool {
         && a.results
             .iter()
             .zip(&b.results)
-            .all(|(x, y)| score_bits(x) == score_bits(y))
+            .all(|(x, y)| x.bits() == y.bits())
+}
+
+fn request(sequences: Vec<Vec<u32>>, k: usize) -> TopkRequest {
+    TopkRequest {
+        sequences,
+        k,
+        temperature: 1.0,
+        start: 0,
+        starts: None,
+        values: ValuesKind::Logprobs,
+        ids: None,
+    }
+}
+
+/// Deterministic pseudo-random ids below `vocab`.
+fn ids(seed: u64, len: usize, vocab: usize) -> Vec<u32> {
+    let mut s = seed.wrapping_mul(0x9E3779B97F4A7C15).wrapping_add(1);
+    (0..len)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 33) % vocab as u64) as u32
+        })
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicas_behind_haproxy_affinity_failover_restart() {
-    let dir = common::tiny_model("balancer-llama", "llama", "llama2", 1);
     let work = tempfile::tempdir().unwrap();
+    // A tiny random model (hidden 32, 2 layers) with a real tokenizer; spread logits (std 0.1).
+    let dir =
+        xdistill_tests::distill::model(work.path(), "llama", "llama", "llama2", 32, 2, 0.1, 7);
     // 1. The repository's config is valid as shipped, and with loopback addresses.
     check_config(&xdistill_shared::paths::repo_root().join("docker/haproxy.cfg"));
     let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
@@ -193,12 +218,7 @@ async fn replicas_behind_haproxy_affinity_failover_restart() {
     // its repeats answered by the same replica's cache.
     let v = 32_000;
     let reqs: Vec<_> = (0..6)
-        .map(|i| {
-            common::request(
-                vec![common::ids(40 + i, 12, v), common::ids(90 + i, 7, v)],
-                4,
-            )
-        })
+        .map(|i| request(vec![ids(40 + i, 12, v), ids(90 + i, 7, v)], 4))
         .collect();
     let mut first = Vec::new();
     for r in &reqs {
