@@ -304,8 +304,8 @@ pub fn parameter_count(cfg: &ModelConfig) -> f64 {
     // Qwen3-MoE: every expert and the router, on every layer (an upper bound).
     let m = &cfg.moe;
     let experts = m.num_experts.unwrap_or(0) as f64;
-    let per_layer = per_layer
-        + experts * (3.0 * m.moe_intermediate_size.unwrap_or(0) as f64 * h + h);
+    let per_layer =
+        per_layer + experts * (3.0 * m.moe_intermediate_size.unwrap_or(0) as f64 * h + h);
     let heads = if cfg.tie_word_embeddings { 1.0 } else { 2.0 };
     heads * v * h + h + cfg.num_hidden_layers as f64 * per_layer
 }
