@@ -288,3 +288,156 @@ async fn replicas_behind_haproxy_affinity_failover_restart() {
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
 }
+
+/// `metrics.jsonl`'s training steps, in the order they were logged.
+fn logged_steps(out: &Path) -> Vec<u64> {
+    std::fs::read_to_string(out.join("metrics.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["split"] == "train")
+        .filter_map(|v| v["step"].as_u64())
+        .collect()
+}
+
+/// `trainer off-policy --config CONFIG` as a child process.
+fn trainer_run(config: &Path) -> Child {
+    Command::new(xdistill_tests::trainer_binary())
+        .args(["off-policy", "--config"])
+        .arg(config)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn trainer")
+}
+
+/// Two trainers — one on the teacher's tokenizer, one on another (projected KL) — train through
+/// HAProxy in front of three replicas; one replica is killed (`kill -9`) in the middle of both
+/// runs. Both finish, every step is logged exactly once, and the final weights are bit-identical
+/// to runs against a single teacher where nothing died (the answers are deterministic wherever
+/// they are computed, and the client retries what the dead replica dropped).
+#[test]
+fn two_trainers_finish_through_a_replica_kill_with_identical_weights() {
+    let work = tempfile::tempdir().unwrap();
+    let w = work.path();
+    let teacher = xdistill_tests::distill::token_driven_teacher(w, "llama", "llama2", 11);
+    let same = xdistill_tests::distill::model(w, "same", "qwen3", "llama2", 32, 2, 0.02, 12);
+    let cross = xdistill_tests::distill::model(w, "cross", "llama", "qwen3", 32, 2, 0.02, 13);
+    let steps = 40;
+    let runs = [
+        (&same, r#"kd = { type = "forward_kl" }"#),
+        (&cross, r#"kd = { type = "pkl" }"#),
+    ];
+    // Config files (written by `config`) for a teacher URL and an output directory.
+    let configs = |url: &str, tag: &str| -> Vec<(PathBuf, PathBuf)> {
+        runs.iter()
+            .enumerate()
+            .map(|(i, (student, loss))| {
+                let out = w.join(format!("{tag}-{i}"));
+                xdistill_tests::distill::config(w, student, url, &out, steps, loss);
+                (w.join(format!("{tag}-{i}.toml")), out)
+            })
+            .collect()
+    };
+
+    // 1. The reference: one teacher, nothing dies.
+    let reference = {
+        let port = free_port();
+        let _t = teacher_on(&teacher, port);
+        let cfgs = configs(&format!("http://127.0.0.1:{port}"), "reference");
+        let mut children: Vec<Child> = cfgs.iter().map(|(c, _)| trainer_run(c)).collect();
+        for (child, (_, out)) in children.iter_mut().zip(&cfgs) {
+            let status = child.wait().unwrap();
+            assert!(status.success(), "reference run {}", out.display());
+        }
+        cfgs
+    };
+
+    // 2. Three replicas behind HAProxy; both trainers through it; one replica killed mid-run.
+    let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
+    let mut replicas: Vec<Option<Proc>> = ports
+        .iter()
+        .map(|&p| Some(teacher_on(&teacher, p)))
+        .collect();
+    let front = free_port();
+    let cfg = w.join("haproxy.cfg");
+    std::fs::write(&cfg, haproxy_config(front, &ports)).unwrap();
+    let _lb = Proc(
+        Command::new(haproxy())
+            .arg("-db")
+            .arg("-f")
+            .arg(&cfg)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn haproxy"),
+    );
+    let base = format!("http://127.0.0.1:{front}");
+    wait_for("balancer up", Duration::from_secs(30), || {
+        get_status(&format!("{base}/health")).ok() == Some(200)
+    });
+    std::thread::sleep(Duration::from_millis(2500)); // every replica marked up
+    let cfgs = configs(&base, "balanced");
+    // The cross-tokenizer run sets up longer (the teacher's tokenizer, the projection): start it
+    // first, the other once it is stepping, so the kill finds both in the middle of their runs.
+    let mut children = vec![trainer_run(&cfgs[1].0)];
+    wait_for(
+        "the cross-tokenizer run under way",
+        Duration::from_secs(120),
+        || !logged_steps(&cfgs[1].1).is_empty(),
+    );
+    children.insert(0, trainer_run(&cfgs[0].0));
+    // Kill the replica that has computed the most once both runs are a few steps in.
+    wait_for("both runs under way", Duration::from_secs(120), || {
+        cfgs.iter().all(|(_, out)| logged_steps(out).len() >= 3)
+    });
+    let busiest = (0..ports.len())
+        .max_by(|&a, &b| {
+            cache_counts(ports[a])
+                .1
+                .total_cmp(&cache_counts(ports[b]).1)
+        })
+        .unwrap();
+    drop(replicas[busiest].take()); // SIGKILL
+    let at_kill: Vec<usize> = cfgs
+        .iter()
+        .map(|(_, out)| logged_steps(out).len())
+        .collect();
+    assert!(
+        at_kill.iter().all(|&n| n < steps as usize),
+        "a run ended before the kill: {at_kill:?}"
+    );
+    for (child, (_, out)) in children.iter_mut().zip(&cfgs) {
+        let status = child.wait().unwrap();
+        let mut err = String::new();
+        if let Some(mut e) = child.stderr.take() {
+            use std::io::Read;
+            let _ = e.read_to_string(&mut err);
+        }
+        assert!(status.success(), "{}: {err}", out.display());
+    }
+
+    // 3. Every step once, and the weights of the runs where nothing died.
+    for ((_, out), (_, ref_out)) in cfgs.iter().zip(&reference) {
+        assert_eq!(
+            logged_steps(out),
+            (1..=steps).collect::<Vec<u64>>(),
+            "{}",
+            out.display()
+        );
+        let got = std::fs::read(out.join("final/model.safetensors")).unwrap();
+        let want = std::fs::read(ref_out.join("final/model.safetensors")).unwrap();
+        assert!(
+            got == want,
+            "{}: weights differ from the reference run",
+            out.display()
+        );
+    }
+    // The survivors took over the dead replica's share.
+    let survivors: f64 = (0..ports.len())
+        .filter(|&i| i != busiest)
+        .map(|i| cache_counts(ports[i]).1)
+        .sum();
+    assert!(survivors > 0.0);
+}
