@@ -102,6 +102,7 @@ impl AppState {
                 max_answer_bytes: c.max_answer_bytes,
             },
             batch_invariant: c.batch_invariant,
+            host_simd: crate::topk::Simd::current().name().into(),
             rope_theta: facts.rope_theta,
             rope_scaling: facts.rope_scaling.clone(),
             sliding_window: facts.sliding_window,

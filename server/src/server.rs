@@ -123,7 +123,7 @@ pub async fn run(args: Args) -> Result<()> {
                 Err(_) => Err("the worker thread died while loading".into()),
             };
             match outcome {
-                Ok(()) => tracing::info!("ready"),
+                Ok(()) => tracing::info!(host_simd = crate::topk::Simd::current().name(), "ready"),
                 Err(e) => {
                     let _ = load_error.set(e);
                     let _ = stop_tx.send(true);

@@ -127,6 +127,7 @@ const BLOCK: usize = 2048;
 /// Elements per segment of the candidate scan.
 const SEGMENT: usize = 64;
 
+#[inline(always)]
 fn block_max(x: &[f32]) -> f32 {
     let mut acc = [f32::NEG_INFINITY; LANES];
     let mut it = x.chunks_exact(LANES);
@@ -149,6 +150,7 @@ fn block_max(x: &[f32]) -> f32 {
 /// `Σ e^{(x - m)·scale}` over a block of at most [`BLOCK`] values. The exponentials are written
 /// to a scratch array first (a plain map loop, which the compiler vectorises), then summed in
 /// f32 lanes (each lane sums ≤ 256 terms ≤ 1) and the lanes in f64.
+#[inline(always)]
 fn block_sum_exp(x: &[f32], m: f32, scale: f32) -> f64 {
     let mut e = [0f32; BLOCK];
     let e = &mut e[..x.len().min(BLOCK)];
@@ -183,10 +185,124 @@ struct RowStats {
     rank: u32,
 }
 
+/// The instruction set the host scoring pass runs with, chosen once at start-up from what the
+/// CPU has (the build itself stays portable: baseline x86-64).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Simd {
+    Avx512,
+    Avx2,
+    Baseline,
+}
+
+impl Simd {
+    /// The widest level this CPU supports.
+    pub fn detect() -> Simd {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                return Simd::Avx512;
+            }
+            if std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma")
+            {
+                return Simd::Avx2;
+            }
+        }
+        Simd::Baseline
+    }
+
+    /// The level in use (detected on first use).
+    pub fn current() -> Simd {
+        static LEVEL: std::sync::OnceLock<Simd> = std::sync::OnceLock::new();
+        *LEVEL.get_or_init(Simd::detect)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Simd::Avx512 => "avx512",
+            Simd::Avx2 => "avx2",
+            Simd::Baseline => "baseline",
+        }
+    }
+}
+
 /// Scores of one logit row. `row`: [width] of which the first `valid` are real tokens (the rest
 /// is LM-head padding: excluded from the softmax and never returned). `cands`: [m] ids whose
 /// log-probs are written to `out.cand_lp`. `buf` is scratch space.
+///
+/// Runs [`score_row_body`] compiled for the CPU's widest [`Simd`] level. Every level computes
+/// the same arithmetic in the same order (no fused multiply-adds are introduced, the lane sums
+/// are fixed at [`LANES`]), so the answers are bit-identical whichever runs.
 fn score_row(
+    row: &[f32],
+    valid: usize,
+    ids: (u32, &[u32]),
+    p: &ScoreParams,
+    buf: &mut Vec<(f32, u32)>,
+    out: RowSlots<'_>,
+) -> RowStats {
+    score_row_at(Simd::current(), row, valid, ids, p, buf, out)
+}
+
+/// [`score_row`] at a given level (tests compare the levels).
+#[allow(clippy::too_many_arguments)]
+fn score_row_at(
+    level: Simd,
+    row: &[f32],
+    valid: usize,
+    ids: (u32, &[u32]),
+    p: &ScoreParams,
+    buf: &mut Vec<(f32, u32)>,
+    out: RowSlots<'_>,
+) -> RowStats {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // SAFETY: each level is used only when `Simd::detect` found its features on this CPU.
+        match level {
+            Simd::Avx512 if Simd::detect() == Simd::Avx512 => {
+                return unsafe { score_row_avx512(row, valid, ids, p, buf, out) }
+            }
+            Simd::Avx512 | Simd::Avx2 if Simd::detect() != Simd::Baseline => {
+                return unsafe { score_row_avx2(row, valid, ids, p, buf, out) }
+            }
+            _ => {}
+        }
+    }
+    let _ = level;
+    score_row_body(row, valid, ids, p, buf, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn score_row_avx2(
+    row: &[f32],
+    valid: usize,
+    ids: (u32, &[u32]),
+    p: &ScoreParams,
+    buf: &mut Vec<(f32, u32)>,
+    out: RowSlots<'_>,
+) -> RowStats {
+    score_row_body(row, valid, ids, p, buf, out)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn score_row_avx512(
+    row: &[f32],
+    valid: usize,
+    ids: (u32, &[u32]),
+    p: &ScoreParams,
+    buf: &mut Vec<(f32, u32)>,
+    out: RowSlots<'_>,
+) -> RowStats {
+    score_row_body(row, valid, ids, p, buf, out)
+}
+
+#[inline(always)]
+fn score_row_body(
     row: &[f32],
     valid: usize,
     (target, cands): (u32, &[u32]),
@@ -542,6 +658,53 @@ mod tests {
         }
     }
 
+    /// Every SIMD level gives the same bits (the levels differ in instruction width only), for
+    /// top-k, candidates, ranks and logsumexp; levels the CPU lacks fall back to one it has.
+    #[test]
+    fn simd_levels_agree_bit_for_bit() {
+        let (rows, width, valid) = (6, 5000, 4990);
+        let logits = pseudo_logits(rows, width);
+        let mut p = ScoreParams::native(17, 0.7, ValuesKind::Logprobs);
+        p.ranks = true;
+        let cands: Vec<u32> = vec![3, 4_000, 4_995, 17];
+        // Per row: ids, value bits, candidate log-prob bits, logsumexp, target, rank.
+        type RowBits = (Vec<u32>, Vec<u32>, Vec<u32>, u32, u32, u32);
+        let run = |level: Simd| -> Vec<RowBits> {
+            let mut buf = Vec::new();
+            (0..rows)
+                .map(|r| {
+                    let (mut ids, mut vals, mut lp) = (vec![0; 17], vec![0.0; 17], vec![0.0; 4]);
+                    let st = score_row_at(
+                        level,
+                        &logits[r * width..(r + 1) * width],
+                        valid,
+                        (r as u32 * 7, &cands),
+                        &p,
+                        &mut buf,
+                        RowSlots {
+                            ids: &mut ids,
+                            vals: &mut vals,
+                            cand_lp: &mut lp,
+                        },
+                    );
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    (
+                        ids,
+                        bits(&vals),
+                        bits(&lp),
+                        st.lse.to_bits(),
+                        st.target_lp.to_bits(),
+                        st.rank,
+                    )
+                })
+                .collect()
+        };
+        let base = run(Simd::Baseline);
+        for level in [Simd::Avx2, Simd::Avx512] {
+            assert!(run(level) == base, "{level:?} differs from the baseline");
+        }
+    }
+
     /// Speed figure, not a check: `cargo test --release -p xdistill-server --lib topk_speed --
     /// --ignored --nocapture`.
     #[test]
@@ -585,26 +748,33 @@ mod tests {
         );
         let mut buf = Vec::new();
         let (mut ids, mut vals) = (vec![0; 64], vec![0.0; 64]);
-        let t0 = std::time::Instant::now();
-        for _ in 0..50 {
-            let slots = RowSlots {
-                ids: &mut ids,
-                vals: &mut vals,
-                cand_lp: &mut [],
-            };
-            score_row(
-                std::hint::black_box(row),
-                width,
-                (0, &[]),
-                &p,
-                &mut buf,
-                slots,
-            );
+        println!("this CPU: {}", Simd::detect().name());
+        for round in 0..2 {
+            for level in [Simd::Baseline, Simd::Avx2, Simd::Avx512] {
+                let t0 = std::time::Instant::now();
+                for _ in 0..50 {
+                    let slots = RowSlots {
+                        ids: &mut ids,
+                        vals: &mut vals,
+                        cand_lp: &mut [],
+                    };
+                    score_row_at(
+                        level,
+                        std::hint::black_box(row),
+                        width,
+                        (0, &[]),
+                        &p,
+                        &mut buf,
+                        slots,
+                    );
+                }
+                println!(
+                    "round {round}: score_row ({}): {:.2} ns per logit",
+                    level.name(),
+                    t0.elapsed().as_secs_f64() * 1e9 / (50 * width) as f64
+                );
+            }
         }
-        println!(
-            "score_row: {:.2} ns per logit",
-            t0.elapsed().as_secs_f64() * 1e9 / (50 * width) as f64
-        );
     }
 
     #[test]

@@ -219,6 +219,8 @@ async fn info_health_tokenizer_and_metrics() {
         (1e6, "default")
     );
     assert_eq!(info.limits.max_sequences, 16_384);
+    // The scoring pass runs with the widest instruction set this CPU has.
+    assert_eq!(info.host_simd, xdistill_server::topk::Simd::detect().name());
     let tok = c.get(t.url("/tokenizer.json")).send().await.unwrap();
     assert_eq!(tok.status(), 200);
     let bytes = tok.bytes().await.unwrap();

@@ -366,6 +366,10 @@ pub struct InfoResponse {
     pub sliding_window: Option<usize>,
     #[serde(default)]
     pub sliding_layers: usize,
+    /// The instruction set of the host scoring pass (`avx512`, `avx2` or `baseline`), chosen at
+    /// start-up from the CPU; empty from older servers.
+    #[serde(default)]
+    pub host_simd: String,
     /// Whether a sequence's scores are bit-identical whatever it is batched with
     /// (`--batch-invariant`; false from servers older than protocol 2).
     #[serde(default)]

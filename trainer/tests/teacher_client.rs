@@ -219,6 +219,7 @@ fn mock_info(sha: String) -> InfoResponse {
         rope_scaling: "default".into(),
         sliding_window: None,
         sliding_layers: 0,
+        host_simd: "baseline".into(),
     }
 }
 
