@@ -319,6 +319,11 @@ pub fn write_model_dir(
             obj.insert("mlp_bias".into(), serde_json::json!(false));
         }
         obj.retain(|_, v| !v.is_null());
+        // An explicit `"sliding_window": null` means "no window"; absent would mean the
+        // architecture's default (4096 for Mistral), so the null is kept.
+        if config.window.sliding_window == Some(None) {
+            obj.insert("sliding_window".into(), serde_json::Value::Null);
+        }
     }
     let cfg_path = tmp.join("config.json");
     let text =

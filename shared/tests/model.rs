@@ -623,4 +623,16 @@ fn absent_and_null_windows_follow_transformers_defaults() {
     );
     assert_eq!(parse(base("llama")).sliding_window(), None);
     assert_eq!(parse(base("phi3")).sliding_window(), None);
+    // A saved model keeps an explicit null (absent would read back as a 4096 window).
+    let mut v = base("mistral");
+    v["sliding_window"] = serde_json::Value::Null;
+    let cfg = parse(v);
+    let dir = tempfile::tempdir().unwrap();
+    let tok = dir.path().join("src-tokenizer.json");
+    std::fs::write(&tok, "{}").unwrap();
+    let out = dir.path().join("saved");
+    xdistill_shared::hf::write_model_dir(&out, &cfg, &params(&cfg), &tok).unwrap();
+    let back = xdistill_shared::hf::ModelDir::open(&out).unwrap().config;
+    assert_eq!(back.sliding_window(), None);
+    assert_eq!(back.window.sliding_window, Some(None));
 }
