@@ -186,12 +186,12 @@ struct RowStats {
 }
 
 /// The instruction set the host scoring pass runs with, chosen once at start-up from what the
-/// CPU has (the build itself stays portable: baseline x86-64).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// CPU has (the build itself stays portable: baseline x86-64). Ordered narrow to wide.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Simd {
-    Avx512,
-    Avx2,
     Baseline,
+    Avx2,
+    Avx512,
 }
 
 impl Simd {
@@ -199,15 +199,12 @@ impl Simd {
     pub fn detect() -> Simd {
         #[cfg(target_arch = "x86_64")]
         {
-            if std::arch::is_x86_feature_detected!("avx512f")
-                && std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
+            let avx2 = std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma");
+            if avx2 && std::arch::is_x86_feature_detected!("avx512f") {
                 return Simd::Avx512;
             }
-            if std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma")
-            {
+            if avx2 {
                 return Simd::Avx2;
             }
         }
@@ -247,7 +244,8 @@ fn score_row(
     score_row_at(Simd::current(), row, valid, ids, p, buf, out)
 }
 
-/// [`score_row`] at a given level (tests compare the levels).
+/// [`score_row`] at `level`, or at the CPU's widest level when it lacks `level` (tests compare
+/// the levels).
 #[allow(clippy::too_many_arguments)]
 fn score_row_at(
     level: Simd,
@@ -260,46 +258,36 @@ fn score_row_at(
 ) -> RowStats {
     #[cfg(target_arch = "x86_64")]
     {
-        // SAFETY: each level is used only when `Simd::detect` found its features on this CPU.
-        match level {
-            Simd::Avx512 if Simd::detect() == Simd::Avx512 => {
-                return unsafe { score_row_avx512(row, valid, ids, p, buf, out) }
-            }
-            Simd::Avx512 | Simd::Avx2 if Simd::detect() != Simd::Baseline => {
-                return unsafe { score_row_avx2(row, valid, ids, p, buf, out) }
-            }
-            _ => {}
+        // SAFETY: never above `Simd::current()`, the level whose features the CPU has.
+        match level.min(Simd::current()) {
+            Simd::Avx512 => return unsafe { score_row_avx512(row, valid, ids, p, buf, out) },
+            Simd::Avx2 => return unsafe { score_row_avx2(row, valid, ids, p, buf, out) },
+            Simd::Baseline => {}
         }
     }
     let _ = level;
     score_row_body(row, valid, ids, p, buf, out)
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn score_row_avx2(
-    row: &[f32],
-    valid: usize,
-    ids: (u32, &[u32]),
-    p: &ScoreParams,
-    buf: &mut Vec<(f32, u32)>,
-    out: RowSlots<'_>,
-) -> RowStats {
-    score_row_body(row, valid, ids, p, buf, out)
+/// [`score_row_body`] compiled with the given target features.
+macro_rules! score_row_with {
+    ($name:ident, $features:literal) => {
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $features)]
+        unsafe fn $name(
+            row: &[f32],
+            valid: usize,
+            ids: (u32, &[u32]),
+            p: &ScoreParams,
+            buf: &mut Vec<(f32, u32)>,
+            out: RowSlots<'_>,
+        ) -> RowStats {
+            score_row_body(row, valid, ids, p, buf, out)
+        }
+    };
 }
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx2,fma")]
-unsafe fn score_row_avx512(
-    row: &[f32],
-    valid: usize,
-    ids: (u32, &[u32]),
-    p: &ScoreParams,
-    buf: &mut Vec<(f32, u32)>,
-    out: RowSlots<'_>,
-) -> RowStats {
-    score_row_body(row, valid, ids, p, buf, out)
-}
+score_row_with!(score_row_avx2, "avx2,fma");
+score_row_with!(score_row_avx512, "avx512f,avx2,fma");
 
 #[inline(always)]
 fn score_row_body(

@@ -111,6 +111,30 @@ fn check_config(file: &Path) {
     );
 }
 
+/// HAProxy running `docker/haproxy.cfg` (moved to loopback) in front of `replicas`, checked by
+/// `haproxy -c` and started; returns it and its base URL once it answers `/health`.
+fn start_balancer(work: &Path, replicas: &[u16]) -> (Proc, String) {
+    let front = free_port();
+    let cfg = work.join("haproxy.cfg");
+    std::fs::write(&cfg, haproxy_config(front, replicas)).unwrap();
+    check_config(&cfg);
+    let lb = Proc(
+        Command::new(haproxy())
+            .arg("-db")
+            .arg("-f")
+            .arg(&cfg)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn haproxy"),
+    );
+    let base = format!("http://127.0.0.1:{front}");
+    wait_for("balancer up", Duration::from_secs(30), || {
+        get_status(&format!("{base}/health")).ok() == Some(200)
+    });
+    (lb, base)
+}
+
 /// (cache hits, cache misses) of one replica.
 fn cache_counts(port: u16) -> (f64, f64) {
     let text = plain_http::metrics(port);
@@ -183,21 +207,7 @@ async fn replicas_behind_haproxy_affinity_failover_restart() {
     let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
     let mut replicas: Vec<Option<Proc>> =
         ports.iter().map(|&p| Some(teacher_on(&dir, p))).collect();
-    let front = free_port();
-    let cfg = work.path().join("haproxy.cfg");
-    std::fs::write(&cfg, haproxy_config(front, &ports)).unwrap();
-    check_config(&cfg);
-    let _lb = Proc(
-        Command::new(haproxy())
-            .arg("-db")
-            .arg("-f")
-            .arg(&cfg)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn haproxy"),
-    );
-    let base = format!("http://127.0.0.1:{front}");
+    let (_lb, base) = start_balancer(work.path(), &ports);
     let client = TeacherClient::new(
         vec![base.parse().unwrap()],
         ClientOptions {
@@ -209,9 +219,6 @@ async fn replicas_behind_haproxy_affinity_failover_restart() {
     )
     .unwrap();
     // Every replica marked up by the health checks (rise 2 × 1 s).
-    wait_for("balancer up", Duration::from_secs(30), || {
-        get_status(&format!("{base}/health")).ok() == Some(200)
-    });
     tokio::time::sleep(Duration::from_millis(2500)).await;
 
     // 2. Affinity: 6 different requests, each sent 3 times. Each is computed once (one miss),
@@ -360,23 +367,7 @@ fn two_trainers_finish_through_a_replica_kill_with_identical_weights() {
         .iter()
         .map(|&p| Some(teacher_on(&teacher, p)))
         .collect();
-    let front = free_port();
-    let cfg = w.join("haproxy.cfg");
-    std::fs::write(&cfg, haproxy_config(front, &ports)).unwrap();
-    let _lb = Proc(
-        Command::new(haproxy())
-            .arg("-db")
-            .arg("-f")
-            .arg(&cfg)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn haproxy"),
-    );
-    let base = format!("http://127.0.0.1:{front}");
-    wait_for("balancer up", Duration::from_secs(30), || {
-        get_status(&format!("{base}/health")).ok() == Some(200)
-    });
+    let (_lb, base) = start_balancer(w, &ports);
     std::thread::sleep(Duration::from_millis(2500)); // every replica marked up
     let cfgs = configs(&base, "balanced");
     // The cross-tokenizer run sets up longer (the teacher's tokenizer, the projection): start it
