@@ -418,6 +418,7 @@ mod tests {
             dtype: "f32".into(),
             max_batch_tokens: 64,
             topk: Default::default(),
+            lm_head: Default::default(),
             batch_invariant: false,
         }
     }

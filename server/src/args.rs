@@ -1,6 +1,6 @@
 //! Command line of `teacher` (every flag also reads an `XDISTILL_*` environment variable).
 
-use crate::topk::TopkPath;
+use crate::topk::{LmHead, TopkPath};
 use clap::Parser;
 use std::net::IpAddr;
 use std::path::PathBuf;
@@ -31,6 +31,11 @@ pub struct Args {
     /// host.
     #[arg(long, env = "XDISTILL_TOPK", value_enum, default_value_t = TopkPath::Auto)]
     pub topk: TopkPath,
+    /// On the host path: fused (the LM head a vocabulary tile at a time, each tile scored while
+    /// in cache; the `[N, V]` logits never exist) or full (the logits of a chunk of positions,
+    /// then scored). Same scores, bit for bit; fused is faster and smaller.
+    #[arg(long, env = "XDISTILL_LM_HEAD", value_enum, default_value_t = LmHead::Fused)]
+    pub lm_head: LmHead,
     /// Most padded tokens (batch size × longest input) per forward pass.
     #[arg(long, env = "XDISTILL_MAX_BATCH_TOKENS", default_value_t = 8192)]
     pub max_batch_tokens: usize,

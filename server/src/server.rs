@@ -73,6 +73,7 @@ pub async fn run(args: Args) -> Result<()> {
             dtype: args.dtype.clone(),
             max_batch_tokens: args.max_batch_tokens,
             topk: args.topk,
+            lm_head: args.lm_head,
             batch_invariant: args.batch_invariant,
         },
         metrics.clone(),

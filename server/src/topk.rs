@@ -30,6 +30,18 @@ impl TopkPath {
     }
 }
 
+/// How the host path turns hidden states into scores (`--lm-head`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum LmHead {
+    /// Logits a vocabulary tile of [`RowFolds::TILE`] columns at a time, each tile folded
+    /// into the rows' running scores while it is in cache: `[N, V]` is never materialised and
+    /// LM-head padding columns are never computed. Requests for ranks fall back to `full`.
+    #[default]
+    Fused,
+    /// The `[N, V]` logits of a chunk of positions, then [`score_rows`] over them.
+    Full,
+}
+
 /// What a request asks for, shared by all its sequences.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ScoreParams {
@@ -95,33 +107,37 @@ fn desc(a: &(f32, u32), b: &(f32, u32)) -> Ordering {
     b.0.total_cmp(&a.0).then(a.1.cmp(&b.1))
 }
 
-/// `e^x` for `x ≤ 0` in f32, branch-free so that it vectorises; relative error below 3e-7
-/// (checked against f64 in the tests). Inputs below -87 return `e^-87` (negligible in a sum).
+/// `2^t` for `t ≤ 0` in f32, branch-free so that it vectorises; relative error below 2.5e-7
+/// (checked against f64 in the tests). Inputs below -126 return `2^-126` (negligible in a sum).
+///
+/// `t = n + f` with `n = round(t)` and `|f| ≤ 1/2` exact, then `2^f` by a degree-5 polynomial
+/// fitted for relative error on that interval and `2^n` through the exponent bits: about 19
+/// vector operations per 16 values, against 28 for `e^x` with a two-part `ln 2` reduction.
 #[inline(always)]
-fn exp_nonpos(x: f32) -> f32 {
+fn exp2_nonpos(t: f32) -> f32 {
     const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23: adding and subtracting it rounds to integer
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    let x = if x < -87.0 { -87.0 } else { x };
-    // 1. x = n ln2 + r with |r| <= ln2 / 2 (Cody-Waite, two-part ln2).
-    let t = x * std::f32::consts::LOG2_E + MAGIC;
-    let n = t - MAGIC;
-    // The integer n sits in the low mantissa bits of t (no float-to-int conversion needed).
-    let ni = (t.to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32);
-    let r = (x - n * LN2_HI) - n * LN2_LO;
-    // 2. e^r by its Taylor polynomial of degree 7 (truncation error < 1e-8 on that interval).
-    let p = 1.0
-        + r * (1.0
-            + r * (0.5
-                + r * (1.0 / 6.0
-                    + r * (1.0 / 24.0
-                        + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
-    // 3. Scale by 2^n through the exponent bits (n >= -126, so the result is normal).
-    p * f32::from_bits((ni.wrapping_add(127) as u32) << 23)
+                                     // Coefficients of 2^f - 1 = f (c1 + f (c2 + …)) on [-1/2, 1/2] (relative-error fit).
+    const C1: f32 = 0.693_147;
+    const C2: f32 = 0.240_222_42;
+    const C3: f32 = 0.055_507_34;
+    const C4: f32 = 0.009_671_513;
+    const C5: f32 = 0.001_326_471_8;
+    let t = if t < -126.0 { -126.0 } else { t };
+    let r = t + MAGIC;
+    let n = r - MAGIC;
+    let f = t - n;
+    // The integer n sits in the low mantissa bits of r; adding the exponent bias to it gives
+    // 2^n's exponent field (n ≥ -126, so 2^n is normal).
+    let e = (r.to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32 - 127);
+    let p = 1.0 + f * (C1 + f * (C2 + f * (C3 + f * (C4 + f * C5))));
+    p * f32::from_bits((e as u32) << 23)
 }
 
-/// Lanes of the vectorisable reductions.
+/// Lanes of the vectorisable max.
 const LANES: usize = 8;
+/// Lanes of the exp-sum: one AVX-512 register (two AVX2 ones). Fixed whatever the level, so
+/// every level adds the same numbers in the same order.
+const SUM_LANES: usize = 16;
 /// Elements per block: small enough to stay in L1 between the passes over it.
 const BLOCK: usize = 2048;
 /// Elements per segment of the candidate scan.
@@ -147,42 +163,53 @@ fn block_max(x: &[f32]) -> f32 {
     m
 }
 
-/// `Σ e^{(x - m)·scale}` over a block of at most [`BLOCK`] values. The exponentials are written
-/// to a scratch array first (a plain map loop, which the compiler vectorises), then summed in
-/// f32 lanes (each lane sums ≤ 256 terms ≤ 1) and the lanes in f64.
+/// `Σ 2^{(x - m)·scale2}` over a block of at most [`BLOCK`] values (`scale2 = log2(e) / τ`),
+/// summed in [`SUM_LANES`] f32 lanes (each lane sums ≤ 128 terms ≤ 1) and the lanes in f64.
 #[inline(always)]
-fn block_sum_exp(x: &[f32], m: f32, scale: f32) -> f64 {
-    let mut e = [0f32; BLOCK];
-    let e = &mut e[..x.len().min(BLOCK)];
-    for (o, &v) in e.iter_mut().zip(x) {
-        *o = exp_nonpos((v - m) * scale);
-    }
-    let mut acc = [0f32; LANES];
-    let mut it = e.chunks_exact(LANES);
+fn block_sum_exp(x: &[f32], m: f32, scale2: f32) -> f64 {
+    let mut acc = [0f32; SUM_LANES];
+    let mut it = x.chunks_exact(SUM_LANES);
     for c in &mut it {
         for (a, &v) in acc.iter_mut().zip(c) {
-            *a += v;
+            *a += exp2_nonpos((v - m) * scale2);
         }
     }
-    let rest: f64 = it.remainder().iter().map(|&v| v as f64).sum();
+    let rest: f64 = it
+        .remainder()
+        .iter()
+        .map(|&v| exp2_nonpos((v - m) * scale2) as f64)
+        .sum();
     acc.iter().map(|&a| a as f64).sum::<f64>() + rest
 }
 
-/// Where [`score_row`] writes one row's results.
-struct RowSlots<'a> {
-    /// `[k]` top ids and values.
-    ids: &'a mut [u32],
-    vals: &'a mut [f32],
-    /// `[m]` log-probs at the row's candidate ids.
-    cand_lp: &'a mut [f32],
+/// The per-pass constants of [`RowFolds`], derived once from the request.
+#[derive(Debug, Clone, Copy)]
+struct FoldParams {
+    /// Top entries kept: `p.k` capped at the valid vocabulary.
+    k: usize,
+    /// Candidates are pruned back to k whenever a row's buffer reaches this size.
+    prune_at: usize,
+    inv_t: f64,
+    /// `log2(e) / τ`: scales `x - max` for [`exp2_nonpos`].
+    scale2: f32,
 }
 
-/// Per-row scalars computed by [`score_row`].
-struct RowStats {
-    target_lp: f32,
-    lse: f32,
-    /// 0 when ranks were not asked for.
-    rank: u32,
+/// One row's running scores while its logits arrive a block at a time, in column order.
+#[derive(Debug, Clone)]
+struct RowFold {
+    /// Online logsumexp: the running max and `Σ e^{(x - m)/τ}` relative to it.
+    m: f32,
+    sum: f64,
+    /// The k-th best value seen so far once `buf` was first pruned (+inf with k = 0, so that
+    /// nothing enters; a later equal value loses the tie to the earlier, smaller id, so it may
+    /// be skipped).
+    thr: f32,
+    /// Top-k candidates `(logit, id)` above `thr`.
+    buf: Vec<(f32, u32)>,
+    /// The target's logit, once its column was seen (`None` for an id past the valid columns).
+    target: Option<f32>,
+    /// `[m]` logits of the row's candidate ids, once seen (-inf until then).
+    cands: Vec<f32>,
 }
 
 /// The instruction set the host scoring pass runs with, chosen once at start-up from what the
@@ -226,161 +253,73 @@ impl Simd {
     }
 }
 
-/// Scores of one logit row. `row`: [width] of which the first `valid` are real tokens (the rest
-/// is LM-head padding: excluded from the softmax and never returned). `cands`: [m] ids whose
-/// log-probs are written to `out.cand_lp`. `buf` is scratch space.
+/// Folds `cols` (the row's logits at columns `col0..col0 + cols.len()`, all valid) into `st`:
+/// [`fold_body`] compiled for `level`, or for the CPU's widest level when it lacks `level`.
 ///
-/// Runs [`score_row_body`] compiled for the CPU's widest [`Simd`] level. Every level computes
-/// the same arithmetic in the same order (no fused multiply-adds are introduced, the lane sums
-/// are fixed at [`LANES`]), so the answers are bit-identical whichever runs.
-fn score_row(
-    row: &[f32],
-    valid: usize,
-    ids: (u32, &[u32]),
-    p: &ScoreParams,
-    buf: &mut Vec<(f32, u32)>,
-    out: RowSlots<'_>,
-) -> RowStats {
-    score_row_at(Simd::current(), row, valid, ids, p, buf, out)
-}
-
-/// [`score_row`] at `level`, or at the CPU's widest level when it lacks `level` (tests compare
-/// the levels).
-#[allow(clippy::too_many_arguments)]
-fn score_row_at(
-    level: Simd,
-    row: &[f32],
-    valid: usize,
-    ids: (u32, &[u32]),
-    p: &ScoreParams,
-    buf: &mut Vec<(f32, u32)>,
-    out: RowSlots<'_>,
-) -> RowStats {
+/// Every level computes the same arithmetic in the same order (no fused multiply-adds are
+/// introduced, the lane counts are fixed at [`LANES`] and [`SUM_LANES`]), so the answers are
+/// bit-identical whichever runs.
+#[inline(always)]
+fn fold_at(level: Simd, st: &mut RowFold, cols: &[f32], col0: usize, fp: &FoldParams) {
     #[cfg(target_arch = "x86_64")]
     {
         // SAFETY: never above `Simd::current()`, the level whose features the CPU has.
         match level.min(Simd::current()) {
-            Simd::Avx512 => return unsafe { score_row_avx512(row, valid, ids, p, buf, out) },
-            Simd::Avx2 => return unsafe { score_row_avx2(row, valid, ids, p, buf, out) },
+            Simd::Avx512 => return unsafe { fold_avx512(st, cols, col0, fp) },
+            Simd::Avx2 => return unsafe { fold_avx2(st, cols, col0, fp) },
             Simd::Baseline => {}
         }
     }
     let _ = level;
-    score_row_body(row, valid, ids, p, buf, out)
+    fold_body(st, cols, col0, fp)
 }
 
-/// [`score_row_body`] compiled with the given target features.
-macro_rules! score_row_with {
+/// [`fold_body`] compiled with the given target features.
+macro_rules! fold_with {
     ($name:ident, $features:literal) => {
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $features)]
-        unsafe fn $name(
-            row: &[f32],
-            valid: usize,
-            ids: (u32, &[u32]),
-            p: &ScoreParams,
-            buf: &mut Vec<(f32, u32)>,
-            out: RowSlots<'_>,
-        ) -> RowStats {
-            score_row_body(row, valid, ids, p, buf, out)
+        unsafe fn $name(st: &mut RowFold, cols: &[f32], col0: usize, fp: &FoldParams) {
+            fold_body(st, cols, col0, fp)
         }
     };
 }
-score_row_with!(score_row_avx2, "avx2,fma");
-score_row_with!(score_row_avx512, "avx512f,avx2,fma");
+fold_with!(fold_avx2, "avx2,fma");
+fold_with!(fold_avx512, "avx512f,avx2,fma");
 
+/// One pass over L1-sized blocks: the running max with a rescaled exp-sum (online
+/// logsumexp), and top-k candidates above the running threshold. Segments whose (vectorised)
+/// max is not above the threshold hold no candidate and are skipped.
 #[inline(always)]
-fn score_row_body(
-    row: &[f32],
-    valid: usize,
-    (target, cands): (u32, &[u32]),
-    p: &ScoreParams,
-    buf: &mut Vec<(f32, u32)>,
-    out: RowSlots<'_>,
-) -> RowStats {
-    let row = &row[..valid];
-    let inv_t = 1.0 / p.temperature as f64;
-    let scale = inv_t as f32;
-    let k = p.k.min(valid);
-    // Candidates are pruned back to k whenever the buffer reaches this size.
-    let prune_at = (4 * k).max(256);
-    // One pass over L1-sized blocks: running max with rescaled exp-sum (online logsumexp), and
-    // top-k candidates above a running threshold (the k-th best value seen so far; a later equal
-    // value loses the tie to the earlier, smaller id, so it may be skipped). With k = 0 no
-    // candidate is ever above the threshold of +inf.
-    let mut m = f32::NEG_INFINITY;
-    let mut sum = 0f64;
-    let mut thr = if k == 0 {
-        f32::INFINITY
-    } else {
-        f32::NEG_INFINITY
-    };
-    buf.clear();
-    for (b, block) in row.chunks(BLOCK).enumerate() {
+fn fold_body(st: &mut RowFold, cols: &[f32], col0: usize, fp: &FoldParams) {
+    for (b, block) in cols.chunks(BLOCK).enumerate() {
         let bm = block_max(block);
-        if bm > m {
-            if sum > 0.0 {
-                sum *= ((m as f64 - bm as f64) * inv_t).exp();
+        if bm > st.m {
+            if st.sum > 0.0 {
+                st.sum *= ((st.m as f64 - bm as f64) * fp.inv_t).exp();
             }
-            m = bm;
+            st.m = bm;
         }
-        sum += block_sum_exp(block, m, scale);
-        if bm > thr {
-            // Segments whose (vectorised) max is not above the threshold hold no candidate.
-            for (s, seg) in block.chunks(SEGMENT).enumerate() {
-                if block_max(seg) <= thr {
-                    continue;
-                }
-                let base = (b * BLOCK + s * SEGMENT) as u32;
-                for (j, &x) in seg.iter().enumerate() {
-                    if x > thr {
-                        buf.push((x, base + j as u32));
-                        if buf.len() >= prune_at {
-                            buf.select_nth_unstable_by(k - 1, desc);
-                            buf.truncate(k);
-                            thr = buf[k - 1].0;
-                        }
+        st.sum += block_sum_exp(block, st.m, fp.scale2);
+        if bm <= st.thr {
+            continue;
+        }
+        for (s, seg) in block.chunks(SEGMENT).enumerate() {
+            if block_max(seg) <= st.thr {
+                continue;
+            }
+            let base = (col0 + b * BLOCK + s * SEGMENT) as u32;
+            for (j, &x) in seg.iter().enumerate() {
+                if x > st.thr {
+                    st.buf.push((x, base + j as u32));
+                    if st.buf.len() >= fp.prune_at {
+                        st.buf.select_nth_unstable_by(fp.k - 1, desc);
+                        st.buf.truncate(fp.k);
+                        st.thr = st.buf[fp.k - 1].0;
                     }
                 }
             }
         }
-    }
-    let lse = m as f64 * inv_t + sum.ln();
-    if buf.len() > k {
-        buf.select_nth_unstable_by(k - 1, desc);
-        buf.truncate(k);
-    }
-    buf.sort_unstable_by(desc);
-    // Values in f64 before the final rounding.
-    let logprob = |x: f32| (x as f64 * inv_t - lse) as f32;
-    let value = |x: f32| -> f32 {
-        match p.values {
-            ValuesKind::Logprobs => logprob(x),
-            ValuesKind::Logits => (x as f64 * inv_t) as f32,
-        }
-    };
-    for (j, &(x, id)) in buf.iter().enumerate() {
-        out.ids[j] = id;
-        out.vals[j] = value(x);
-    }
-    for (o, &c) in out.cand_lp.iter_mut().zip(cands) {
-        *o = row
-            .get(c as usize)
-            .map_or(f32::NEG_INFINITY, |&x| logprob(x));
-    }
-    let zt = row.get(target as usize).copied();
-    let rank = match (p.ranks, zt) {
-        (false, _) => 0,
-        (true, None) => valid as u32,
-        (true, Some(zt)) => match buf.iter().position(|e| e.1 == target) {
-            Some(j) => j as u32 + 1,
-            None => rank_of(row, zt),
-        },
-    };
-    RowStats {
-        target_lp: zt.map_or(f32::NEG_INFINITY, logprob),
-        lse: lse as f32,
-        rank,
     }
 }
 
@@ -388,6 +327,198 @@ fn score_row_body(
 /// convention for a token outside the returned top k).
 pub fn rank_of(row: &[f32], zt: f32) -> u32 {
     row.iter().map(|&x| (x >= zt) as u32).sum()
+}
+
+/// Scores of a run of rows whose logits arrive a vocabulary tile at a time (the fused LM
+/// head) or all at once ([`score_rows`]): each tile is folded into per-row running scores, so
+/// the `[rows, V]` logits never need to exist together. Folding a row's columns in tiles of a
+/// multiple of [`BLOCK`] columns gives the same bits as folding the whole row.
+pub struct RowFolds<'a> {
+    params: ScoreParams,
+    fp: FoldParams,
+    valid: usize,
+    targets: &'a [u32],
+    cands: CandidateRows<'a>,
+    rows: Vec<RowFold>,
+    /// The first column not folded yet (tiles come in order).
+    next_col: usize,
+    level: Simd,
+}
+
+impl<'a> RowFolds<'a> {
+    /// Columns per tile of [`RowFolds::fold`] (the last tile may be shorter): one fold block.
+    pub const TILE: usize = BLOCK;
+
+    /// Running scores of `targets.len()` rows, for logits folded in a tile at a time; `None`
+    /// when ranks are asked for (a rank counts over the whole row: those rows are scored from
+    /// materialised logits by [`score_rows`]).
+    pub fn tiled(
+        layout: RowLayout,
+        targets: &'a [u32],
+        cands: CandidateRows<'a>,
+        p: &ScoreParams,
+    ) -> Option<RowFolds<'a>> {
+        (!p.ranks).then(|| RowFolds::new(layout, targets, cands, p))
+    }
+
+    fn new(
+        layout: RowLayout,
+        targets: &'a [u32],
+        cands: CandidateRows<'a>,
+        p: &ScoreParams,
+    ) -> RowFolds<'a> {
+        debug_assert_eq!(cands.ids.len(), targets.len() * cands.m);
+        let valid = layout.valid.min(layout.width);
+        let k = p.k.min(valid);
+        let inv_t = 1.0 / p.temperature as f64;
+        let fp = FoldParams {
+            k,
+            prune_at: (4 * k).max(256),
+            inv_t,
+            scale2: (inv_t * std::f64::consts::LOG2_E) as f32,
+        };
+        let empty = RowFold {
+            m: f32::NEG_INFINITY,
+            sum: 0.0,
+            thr: if k == 0 {
+                f32::INFINITY
+            } else {
+                f32::NEG_INFINITY
+            },
+            buf: Vec::with_capacity(fp.prune_at + 1),
+            target: None,
+            cands: vec![f32::NEG_INFINITY; cands.m],
+        };
+        RowFolds {
+            params: *p,
+            fp,
+            valid,
+            targets,
+            cands,
+            rows: vec![empty; targets.len()],
+            next_col: 0,
+            level: Simd::current(),
+        }
+    }
+
+    /// Folds in the logits of columns `cols` of every row: `tile` is `[rows, cols.len()]`
+    /// row-major. Tiles come in column order, each starting at a multiple of
+    /// [`RowFolds::TILE`]; columns past the valid vocabulary (LM-head padding) are skipped.
+    pub fn fold(&mut self, tile: &[f32], cols: std::ops::Range<usize>) {
+        let width = cols.len();
+        debug_assert_eq!(cols.start, self.next_col, "tiles must come in column order");
+        debug_assert_eq!(cols.start % BLOCK, 0, "a tile must start on a fold block");
+        debug_assert_eq!(tile.len(), self.rows.len() * width);
+        self.next_col = cols.end;
+        let col0 = cols.start;
+        let n = self.valid.saturating_sub(col0).min(width);
+        if n == 0 || width == 0 {
+            return;
+        }
+        let (fp, level, m) = (self.fp, self.level, self.cands.m);
+        let cand_ids = self.cands.ids;
+        let in_tile = |id: u32| (id as usize).checked_sub(col0).filter(|&j| j < n);
+        self.rows
+            .par_iter_mut()
+            .zip(tile.par_chunks(width))
+            .zip(self.targets.par_iter())
+            .enumerate()
+            .for_each(|(r, ((st, row), &target))| {
+                let row = &row[..n];
+                fold_at(level, st, row, col0, &fp);
+                if let Some(j) = in_tile(target) {
+                    st.target = Some(row[j]);
+                }
+                for (l, &c) in st.cands.iter_mut().zip(&cand_ids[r * m..(r + 1) * m]) {
+                    if let Some(j) = in_tile(c) {
+                        *l = row[j];
+                    }
+                }
+            });
+    }
+
+    /// The scores, once every tile was folded.
+    pub fn finish(self) -> SequenceScores {
+        self.finish_with(None)
+    }
+
+    /// The scores; `full` ([rows, width], the whole logits) ranks targets outside the top k.
+    fn finish_with(self, full: Option<(&[f32], usize)>) -> SequenceScores {
+        debug_assert!(
+            self.next_col >= self.valid,
+            "every valid column must be folded"
+        );
+        let p = self.params;
+        let (rows, k, m, valid) = (self.rows.len(), p.k, self.cands.m, self.valid);
+        let inv_t = self.fp.inv_t;
+        // Output buffers with at least one column per row, so that `par_chunks_mut` works for
+        // k = 0 / m = 0 too; the extra column is dropped below.
+        let (kk, mm) = (k.max(1), m.max(1));
+        let mut ids_buf = vec![0u32; rows * kk];
+        let mut vals_buf = vec![0f32; rows * kk];
+        let mut cand_buf = vec![0f32; rows * mm];
+        let mut stats: Vec<(f32, f32, u32)> = Vec::with_capacity(rows);
+        let fk = self.fp.k;
+        self.rows
+            .into_par_iter()
+            .zip(self.targets.par_iter())
+            .zip(ids_buf.par_chunks_mut(kk))
+            .zip(vals_buf.par_chunks_mut(kk))
+            .zip(cand_buf.par_chunks_mut(mm))
+            .enumerate()
+            .map(|(r, ((((mut st, &target), ids), vals), cand_lp))| {
+                let lse = st.m as f64 * inv_t + st.sum.ln();
+                if st.buf.len() > fk {
+                    st.buf.select_nth_unstable_by(fk - 1, desc);
+                    st.buf.truncate(fk);
+                }
+                st.buf.sort_unstable_by(desc);
+                // Values in f64 before the final rounding.
+                let logprob = |x: f32| (x as f64 * inv_t - lse) as f32;
+                for (j, &(x, id)) in st.buf.iter().enumerate() {
+                    ids[j] = id;
+                    vals[j] = match p.values {
+                        ValuesKind::Logprobs => logprob(x),
+                        ValuesKind::Logits => (x as f64 * inv_t) as f32,
+                    };
+                }
+                for (o, &x) in cand_lp[..m].iter_mut().zip(&st.cands) {
+                    *o = logprob(x);
+                }
+                let rank = match (p.ranks, st.target) {
+                    (false, _) => 0,
+                    (true, None) => valid as u32,
+                    (true, Some(zt)) => match st.buf.iter().position(|e| e.1 == target) {
+                        Some(j) => j as u32 + 1,
+                        None => full.map_or(0, |(logits, width)| {
+                            rank_of(&logits[r * width..r * width + valid], zt)
+                        }),
+                    },
+                };
+                let target_lp = st.target.map_or(f32::NEG_INFINITY, logprob);
+                (target_lp, lse as f32, rank)
+            })
+            .collect_into_vec(&mut stats);
+        if k == 0 {
+            (ids_buf, vals_buf) = (Vec::new(), Vec::new());
+        }
+        SequenceScores {
+            rows,
+            k,
+            topk_ids: ids_buf,
+            topk_values: vals_buf,
+            target_logprobs: stats.iter().map(|s| s.0).collect(),
+            logsumexp: stats.iter().map(|s| s.1).collect(),
+            m,
+            ids_logprobs: if m == 0 { Vec::new() } else { cand_buf },
+            target_ranks: if p.ranks {
+                stats.iter().map(|s| s.2).collect()
+            } else {
+                Vec::new()
+            },
+            next_token: None,
+        }
+    }
 }
 
 /// Scores logit rows. `logits`: [rows, width] row-major; `targets`: [rows], the actual next
@@ -399,59 +530,22 @@ pub fn score_rows(
     cands: CandidateRows<'_>,
     p: &ScoreParams,
 ) -> SequenceScores {
-    let rows = targets.len();
-    let width = layout.width;
-    debug_assert_eq!(logits.len(), rows * width);
-    debug_assert_eq!(cands.ids.len(), rows * cands.m);
-    let valid = layout.valid.min(width);
-    let (k, m) = (p.k, cands.m);
-    // Output buffers with at least one column per row, so that `par_chunks_mut` works for
-    // k = 0 / m = 0 too; the extra column is dropped below.
-    let (kk, mm) = (k.max(1), m.max(1));
-    let mut ids_buf = vec![0u32; rows * kk];
-    let mut vals_buf = vec![0f32; rows * kk];
-    let mut cand_buf = vec![0f32; rows * mm];
-    let cand_ids = |r: usize| &cands.ids[r * m..(r + 1) * m];
-    // Per row: (logits, target, candidate ids) in; (ids, values, candidate log-probs) out.
-    let mut stats: Vec<RowStats> = Vec::with_capacity(rows);
-    logits
-        .par_chunks(width)
-        .zip(targets.par_iter())
-        .zip(ids_buf.par_chunks_mut(kk))
-        .zip(vals_buf.par_chunks_mut(kk))
-        .zip(cand_buf.par_chunks_mut(mm))
-        .enumerate()
-        .map_init(
-            || Vec::with_capacity((4 * k).max(256) + 1),
-            |buf, (r, ((((row, &target), ids), vals), cand_lp))| {
-                let slots = RowSlots {
-                    ids: &mut ids[..k],
-                    vals: &mut vals[..k],
-                    cand_lp: &mut cand_lp[..m],
-                };
-                score_row(row, valid, (target, cand_ids(r)), p, buf, slots)
-            },
-        )
-        .collect_into_vec(&mut stats);
-    if k == 0 {
-        (ids_buf, vals_buf) = (Vec::new(), Vec::new());
-    }
-    SequenceScores {
-        rows,
-        k,
-        topk_ids: ids_buf,
-        topk_values: vals_buf,
-        target_logprobs: stats.iter().map(|s| s.target_lp).collect(),
-        logsumexp: stats.iter().map(|s| s.lse).collect(),
-        m,
-        ids_logprobs: if m == 0 { Vec::new() } else { cand_buf },
-        target_ranks: if p.ranks {
-            stats.iter().map(|s| s.rank).collect()
-        } else {
-            Vec::new()
-        },
-        next_token: None,
-    }
+    score_rows_at(Simd::current(), logits, layout, (targets, cands), p)
+}
+
+/// [`score_rows`] with the fold at `level`.
+fn score_rows_at(
+    level: Simd,
+    logits: &[f32],
+    layout: RowLayout,
+    (targets, cands): (&[u32], CandidateRows<'_>),
+    p: &ScoreParams,
+) -> SequenceScores {
+    debug_assert_eq!(logits.len(), targets.len() * layout.width);
+    let mut folds = RowFolds::new(layout, targets, cands, p);
+    folds.level = level;
+    folds.fold(logits, 0..layout.width);
+    folds.finish_with(Some((logits, layout.width)))
 }
 
 /// The first non-finite value among the scores a client receives: `(row, field)`.
@@ -609,15 +703,16 @@ mod tests {
     #[test]
     fn fast_exp_matches_f64() {
         let mut worst = 0f64;
-        let mut x = -90.0f32;
+        let mut x = -130.0f32;
         while x <= 0.0 {
-            let want = (x as f64).max(-87.0).exp();
-            let got = exp_nonpos(x) as f64;
+            let want = (x as f64).max(-126.0).exp2();
+            let got = exp2_nonpos(x) as f64;
             worst = worst.max((got - want).abs() / want);
             x += 0.000_37;
         }
-        assert!(worst < 3e-7, "worst relative error {worst}");
-        assert_eq!(exp_nonpos(0.0), 1.0);
+        assert!(worst < 2.5e-7, "worst relative error {worst}");
+        assert_eq!(exp2_nonpos(0.0), 1.0);
+        assert_eq!(exp2_nonpos(-3.0), 0.125);
     }
 
     /// Many rows, k larger than a block's worth of pruning, and rows with long runs of equal
@@ -646,6 +741,20 @@ mod tests {
         }
     }
 
+    /// Bits of every score, for bit-for-bit comparisons.
+    fn bits(s: &SequenceScores) -> Vec<u32> {
+        let f = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        [
+            s.topk_ids.clone(),
+            f(&s.topk_values),
+            f(&s.target_logprobs),
+            f(&s.logsumexp),
+            f(&s.ids_logprobs),
+            s.target_ranks.clone(),
+        ]
+        .concat()
+    }
+
     /// Every SIMD level gives the same bits (the levels differ in instruction width only), for
     /// top-k, candidates, ranks and logsumexp; levels the CPU lacks fall back to one it has.
     #[test]
@@ -654,43 +763,62 @@ mod tests {
         let logits = pseudo_logits(rows, width);
         let mut p = ScoreParams::native(17, 0.7, ValuesKind::Logprobs);
         p.ranks = true;
-        let cands: Vec<u32> = vec![3, 4_000, 4_995, 17];
-        // Per row: ids, value bits, candidate log-prob bits, logsumexp, target, rank.
-        type RowBits = (Vec<u32>, Vec<u32>, Vec<u32>, u32, u32, u32);
-        let run = |level: Simd| -> Vec<RowBits> {
-            let mut buf = Vec::new();
-            (0..rows)
-                .map(|r| {
-                    let (mut ids, mut vals, mut lp) = (vec![0; 17], vec![0.0; 17], vec![0.0; 4]);
-                    let st = score_row_at(
-                        level,
-                        &logits[r * width..(r + 1) * width],
-                        valid,
-                        (r as u32 * 7, &cands),
-                        &p,
-                        &mut buf,
-                        RowSlots {
-                            ids: &mut ids,
-                            vals: &mut vals,
-                            cand_lp: &mut lp,
-                        },
-                    );
-                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                    (
-                        ids,
-                        bits(&vals),
-                        bits(&lp),
-                        st.lse.to_bits(),
-                        st.target_lp.to_bits(),
-                        st.rank,
-                    )
-                })
-                .collect()
+        let targets: Vec<u32> = (0..rows as u32).map(|r| r * 7).collect();
+        let cands: Vec<u32> = [3, 4_000, 4_995, 17].repeat(rows);
+        let cands = CandidateRows { ids: &cands, m: 4 };
+        let run = |level: Simd| {
+            bits(&score_rows_at(
+                level,
+                &logits,
+                layout(width, valid),
+                (&targets, cands),
+                &p,
+            ))
         };
         let base = run(Simd::Baseline);
         for level in [Simd::Avx2, Simd::Avx512] {
             assert!(run(level) == base, "{level:?} differs from the baseline");
         }
+    }
+
+    /// The fused LM head's contract: folding the logits a tile at a time (padding columns in
+    /// the last tiles, targets and candidates in any tile, ties, temperature, both value kinds,
+    /// k = 0) gives the same bits as scoring the whole rows, and ranks refuse the tiled path.
+    #[test]
+    fn tiles_fold_to_the_same_bits_as_whole_rows() {
+        let (rows, width, valid) = (5, 3 * RowFolds::TILE + 700, 3 * RowFolds::TILE + 300);
+        let mut logits = pseudo_logits(rows, width);
+        // Ties across tile borders: equal maxima in the first and the last tile of row 1.
+        logits[width + 5] = 40.0;
+        logits[width + 3 * RowFolds::TILE + 10] = 40.0;
+        let targets: Vec<u32> = vec![0, 2 * RowFolds::TILE as u32 + 3, 1, valid as u32 - 1, 9];
+        let cands: Vec<u32> = [5, RowFolds::TILE as u32, valid as u32 - 1].repeat(rows);
+        let cands = CandidateRows { ids: &cands, m: 3 };
+        for (k, t, values) in [
+            (8, 1.0, ValuesKind::Logprobs),
+            (64, 0.6, ValuesKind::Logits),
+            (0, 2.0, ValuesKind::Logprobs),
+        ] {
+            let p = ScoreParams::native(k, t, values);
+            let whole = score_rows(&logits, layout(width, valid), &targets, cands, &p);
+            let mut folds =
+                RowFolds::tiled(layout(width, valid), &targets, cands, &p).expect("no ranks asked");
+            for c0 in (0..width).step_by(RowFolds::TILE) {
+                let c1 = (c0 + RowFolds::TILE).min(width);
+                let tile: Vec<f32> = (0..rows)
+                    .flat_map(|r| logits[r * width + c0..r * width + c1].to_vec())
+                    .collect();
+                folds.fold(&tile, c0..c1);
+            }
+            let tiled = folds.finish();
+            assert_eq!(bits(&tiled), bits(&whole), "k {k} t {t}");
+            if k > 0 {
+                assert_eq!(&tiled.ids_row(1)[..2], &[5, 3 * RowFolds::TILE as u32 + 10]);
+            }
+        }
+        let mut p = ScoreParams::native(8, 1.0, ValuesKind::Logprobs);
+        p.ranks = true;
+        assert!(RowFolds::tiled(layout(width, valid), &targets, cands, &p).is_none());
     }
 
     /// Speed figure, not a check: `cargo test --release -p xdistill-server --lib topk_speed --
@@ -727,37 +855,30 @@ mod tests {
         let t0 = std::time::Instant::now();
         for _ in 0..50 {
             for b in std::hint::black_box(row).chunks(BLOCK) {
-                acc += block_sum_exp(b, 6.0, 1.0);
+                acc += block_sum_exp(b, 6.0, std::f32::consts::LOG2_E);
             }
         }
         println!(
             "sum_exp: {:.2} ns per logit ({acc})",
             t0.elapsed().as_secs_f64() * 1e9 / (50 * width) as f64
         );
-        let mut buf = Vec::new();
-        let (mut ids, mut vals) = (vec![0; 64], vec![0.0; 64]);
         println!("this CPU: {}", Simd::detect().name());
+        let one = NONE;
         for round in 0..2 {
             for level in [Simd::Baseline, Simd::Avx2, Simd::Avx512] {
                 let t0 = std::time::Instant::now();
                 for _ in 0..50 {
-                    let slots = RowSlots {
-                        ids: &mut ids,
-                        vals: &mut vals,
-                        cand_lp: &mut [],
-                    };
-                    score_row_at(
+                    let s = score_rows_at(
                         level,
                         std::hint::black_box(row),
-                        width,
-                        (0, &[]),
+                        layout(width, width),
+                        (&[0], one),
                         &p,
-                        &mut buf,
-                        slots,
                     );
+                    assert_eq!(s.rows, 1);
                 }
                 println!(
-                    "round {round}: score_row ({}): {:.2} ns per logit",
+                    "round {round}: one row ({}): {:.2} ns per logit",
                     level.name(),
                     t0.elapsed().as_secs_f64() * 1e9 / (50 * width) as f64
                 );

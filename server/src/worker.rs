@@ -14,14 +14,17 @@
 //! a KV cache; which path a sequence takes depends only on its own length. A result with a
 //! non-finite value is never returned: the sequence fails with the cause named.
 //!
-//! Scoring takes one of two paths ([`TopkPath`]): on the host (logits copied out, the fast Rust
-//! loop of [`topk::score_rows`]) or on the model's device ([`xdistill_shared::topk::topk_rows`]:
-//! only the `[N, k]` results are copied back; the default on a GPU).
+//! Scoring takes one of two paths ([`TopkPath`]): on the host or on the model's device
+//! ([`xdistill_shared::topk::topk_rows`]: only the `[N, k]` results are copied back; the default
+//! on a GPU). On the host the LM head is fused with scoring by default ([`LmHead::Fused`]): the
+//! logits of a chunk of positions come a vocabulary tile at a time and each tile is folded into
+//! the rows' running scores ([`topk::RowFolds`]) while in cache; `full` materialises `[c, V]`
+//! and scores it with [`topk::score_rows`].
 
 use crate::batcher::{Batch, Job};
 use crate::metrics::Metrics;
 use crate::model::{self, ModelFacts};
-use crate::topk::{self, CandidateRows, RowLayout, ScoreParams, TopkPath};
+use crate::topk::{self, CandidateRows, LmHead, RowFolds, RowLayout, ScoreParams, TopkPath};
 use crate::validation::Candidates;
 use candle_core::Device;
 use candle_core::{DType, Storage, Tensor};
@@ -36,6 +39,9 @@ use xdistill_shared::protocol::SequenceScores;
 
 /// Most logits (f32) materialised at once: 16 Mi elements = 64 MiB, ≈110 positions of Qwen3.
 const LOGIT_CHUNK_ELEMS: usize = 16 << 20;
+/// Positions per chunk of the fused LM head: one `[256, TILE]` f32 tile is 2 MiB (it stays in
+/// the cores' L2/L3), and the head's weights are read once per 256 positions.
+const FUSED_CHUNK_ROWS: usize = 256;
 
 /// What the worker thread needs to load its model.
 #[derive(Debug, Clone)]
@@ -47,6 +53,8 @@ pub struct WorkerConfig {
     pub max_batch_tokens: usize,
     /// Where top-k runs (auto: on the device for a GPU, on the host for the CPU).
     pub topk: TopkPath,
+    /// On the host path: the LM head fused with scoring, or the full logits first.
+    pub lm_head: LmHead,
     /// One forward per sequence (no padding, no neighbours) instead of one per batch.
     pub batch_invariant: bool,
 }
@@ -101,16 +109,31 @@ pub struct Scorer {
     pub chunk_rows: usize,
     /// Top-k on the device (true) or on the host.
     pub on_device: bool,
+    /// On the host: the LM head a vocabulary tile at a time, folded into the scores.
+    pub lm_head: LmHead,
 }
 
 impl Scorer {
-    /// Chunks of [`LOGIT_CHUNK_ELEMS`] logits; device scoring where `path` resolves to it.
-    pub fn new(vocab: usize, logits_size: usize, path: TopkPath, device: &Device) -> Scorer {
+    /// Chunks of [`LOGIT_CHUNK_ELEMS`] logits (of [`FUSED_CHUNK_ROWS`] positions when fused);
+    /// device scoring where `path` resolves to it.
+    pub fn new(
+        vocab: usize,
+        logits_size: usize,
+        path: TopkPath,
+        lm_head: LmHead,
+        device: &Device,
+    ) -> Scorer {
+        let on_device = path.on_device(device);
+        let chunk_rows = match (on_device, lm_head) {
+            (false, LmHead::Fused) => FUSED_CHUNK_ROWS,
+            _ => (LOGIT_CHUNK_ELEMS / logits_size.max(1)).max(1),
+        };
         Scorer {
             vocab,
             logits_size,
-            chunk_rows: (LOGIT_CHUNK_ELEMS / logits_size.max(1)).max(1),
-            on_device: path.on_device(device),
+            chunk_rows,
+            on_device,
+            lm_head,
         }
     }
 }
@@ -143,10 +166,12 @@ pub fn spawn(
                 facts.vocab_size,
                 facts.logits_size,
                 cfg.topk,
+                cfg.lm_head,
                 decoder.device(),
             );
             tracing::info!(
                 on_device = scorer.on_device,
+                lm_head = ?scorer.lm_head,
                 chunk_rows = scorer.chunk_rows,
                 batch_invariant = cfg.batch_invariant,
                 "scoring path"
@@ -419,6 +444,15 @@ impl Worker {
     }
 }
 
+/// What is asked of a run of rows: their targets `[c]`, candidate ids `[c, m]` and the
+/// request's parameters.
+#[derive(Clone, Copy)]
+struct RowsAsked<'a> {
+    targets: &'a [u32],
+    cands: CandidateRows<'a>,
+    params: &'a ScoreParams,
+}
+
 /// Hidden states `[n, H]` of positions `first..first + n` of one sequence.
 #[derive(Clone, Copy)]
 pub struct HiddenSpan<'a> {
@@ -448,23 +482,17 @@ impl Scorer {
         let mut c0 = lo;
         while c0 < known {
             let c1 = (c0 + self.chunk_rows).min(known);
-            let f0 = Instant::now();
-            // [c, H] -> [c, V] in the model dtype.
-            let logits = decoder.logits(&hidden.narrow(0, c0 - first, c1 - c0)?)?;
-            timing.forward += f0.elapsed();
-            let targets = &seq.ids[c0 + 1..c1 + 1];
-            let cands = seq.candidates(c0, c1);
-            let t0 = Instant::now();
-            let s = if self.on_device && device_topk_fits(params.k) {
-                self.score_on_device(&logits, targets, cands, params)?
-            } else {
-                let host = logits.to_dtype(DType::F32)?.contiguous()?;
-                with_host_f32(&host, |rows| {
-                    topk::score_rows(rows, self.layout(), targets, cands, params)
-                })?
+            let rows = hidden.narrow(0, c0 - first, c1 - c0)?; // [c, H]
+            let asked = RowsAsked {
+                targets: &seq.ids[c0 + 1..c1 + 1],
+                cands: seq.candidates(c0, c1),
+                params,
             };
-            timing.topk += t0.elapsed();
-            self.check_finite(&s, &logits, c0, params.temperature)?;
+            let s = match self.fused_folds(asked) {
+                Some(folds) => self.score_fused(decoder, &rows, folds, timing)?,
+                None => self.score_full(decoder, &rows, asked, timing)?,
+            };
+            self.check_finite(&s, decoder, &rows, c0, params.temperature)?;
             append(acc, s);
             c0 = c1;
         }
@@ -484,7 +512,8 @@ impl Scorer {
                     (s, token)
                 })?;
                 timing.topk += t0.elapsed();
-                self.check_finite(&s, &logits, last, params.temperature)?;
+                let row = hidden.narrow(0, last - first, 1)?;
+                self.check_finite(&s, decoder, &row, last, params.temperature)?;
                 append(acc, s);
                 acc.next_token = Some(token);
             }
@@ -492,13 +521,83 @@ impl Scorer {
         Ok(())
     }
 
+    /// Running scores for the fused LM head, when it applies: host scoring, `--lm-head fused`,
+    /// no ranks asked for (a rank counts over the whole row).
+    fn fused_folds<'a>(&self, q: RowsAsked<'a>) -> Option<RowFolds<'a>> {
+        if self.scores_on_device(q.params) || self.lm_head != LmHead::Fused {
+            return None;
+        }
+        RowFolds::tiled(self.layout(), q.targets, q.cands, q.params)
+    }
+
+    fn scores_on_device(&self, params: &ScoreParams) -> bool {
+        self.on_device && device_topk_fits(params.k)
+    }
+
+    /// Scores of `rows` [c, H] by the fused LM head: the logits of one vocabulary tile at a time
+    /// ([c, TILE]), folded into `folds` before the next is computed. Tiles past the valid
+    /// vocabulary (LM-head padding) are never computed.
+    fn score_fused(
+        &self,
+        decoder: &Decoder,
+        rows: &Tensor,
+        mut folds: RowFolds<'_>,
+        timing: &mut Timing,
+    ) -> Result<SequenceScores, JobError> {
+        let valid = self.vocab.min(self.logits_size);
+        for c0 in (0..valid).step_by(RowFolds::TILE) {
+            let cols = c0..(c0 + RowFolds::TILE).min(self.logits_size);
+            let f0 = Instant::now();
+            let tile = decoder
+                .logits_cols(rows, cols.clone())?
+                .to_dtype(DType::F32)?
+                .contiguous()?;
+            timing.forward += f0.elapsed();
+            let t0 = Instant::now();
+            with_host_f32(&tile, |t| folds.fold(t, cols))?;
+            timing.topk += t0.elapsed();
+        }
+        Ok(folds.finish())
+    }
+
+    /// Scores of `rows` [c, H] from their whole `[c, V]` logits, on the device or the host.
+    fn score_full(
+        &self,
+        decoder: &Decoder,
+        rows: &Tensor,
+        q: RowsAsked<'_>,
+        timing: &mut Timing,
+    ) -> Result<SequenceScores, JobError> {
+        let RowsAsked {
+            targets,
+            cands,
+            params,
+        } = q;
+        let f0 = Instant::now();
+        // [c, H] -> [c, V] in the model dtype.
+        let logits = decoder.logits(rows)?;
+        timing.forward += f0.elapsed();
+        let t0 = Instant::now();
+        let s = if self.scores_on_device(params) {
+            self.score_on_device(&logits, targets, cands, params)?
+        } else {
+            let host = logits.to_dtype(DType::F32)?.contiguous()?;
+            with_host_f32(&host, |rows| {
+                topk::score_rows(rows, self.layout(), targets, cands, params)
+            })?
+        };
+        timing.topk += t0.elapsed();
+        Ok(s)
+    }
+
     /// Refuses scores with a non-finite value, naming the cause ([`topk::first_non_finite`]).
-    /// `logits`: the `[c, V]` rows they came from, of positions `p0..p0 + c`; read only when
-    /// something is wrong.
+    /// `rows`: the `[c, H]` hidden states of positions `p0..p0 + c` they came from; the failing
+    /// row's logits are recomputed from them only when something is wrong.
     fn check_finite(
         &self,
         s: &SequenceScores,
-        logits: &Tensor,
+        decoder: &Decoder,
+        rows: &Tensor,
         p0: usize,
         temperature: f32,
     ) -> Result<(), JobError> {
@@ -506,8 +605,9 @@ impl Scorer {
             return Ok(());
         };
         let valid = self.vocab.min(self.logits_size);
-        let row: Vec<f32> = logits
-            .get(r)?
+        let row: Vec<f32> = decoder
+            .logits(&rows.narrow(0, r, 1)?)?
+            .get(0)?
             .narrow(0, 0, valid)?
             .to_dtype(DType::F32)?
             .to_vec1()?;
@@ -639,28 +739,38 @@ mod tests {
             .map(|i| (i * 997 % VALID) as u32)
             .collect();
         let full: Vec<Vec<f32>> = dec.logits(&hidden).unwrap().to_vec2().unwrap();
-        let p = ScoreParams {
-            ranks: true,
-            ..ScoreParams::native(6, 0.8, ValuesKind::Logprobs)
-        };
         // Candidate ids: 3 per requested row, spread over the valid vocabulary.
         let rows = first + n - start;
         let cands = Candidates {
             m: 3,
             ids: (0..rows * 3).map(|i| (i * 2011 % VALID) as u32).collect(),
         };
-        for on_device in [false, true] {
+        // The host paths' bits without ranks: the fused head must equal the full logits'.
+        let mut host_bits: Vec<(LmHead, Vec<u32>)> = Vec::new();
+        let paths = [
+            (false, LmHead::Full),
+            (false, LmHead::Fused),
+            (true, LmHead::Full),
+        ];
+        for ((on_device, lm_head), ranks) in paths.into_iter().flat_map(|x| [(x, true), (x, false)])
+        {
+            let p = ScoreParams {
+                ranks,
+                ..ScoreParams::native(6, 0.8, ValuesKind::Logprobs)
+            };
+            let p = &p;
             for chunk_rows in [1, 3, 64] {
                 let scorer = Scorer {
                     vocab: VALID,
                     logits_size: V,
                     chunk_rows,
                     on_device,
+                    lm_head,
                 };
                 let seq = SeqRef {
                     ids: &ids,
                     start,
-                    params: &p,
+                    params: p,
                     candidates: Some(&cands),
                 };
                 let mut acc = seq.empty();
@@ -678,7 +788,9 @@ mod tests {
                 for (r, pos) in (start..first + n).enumerate() {
                     let row = &full[pos - first];
                     let (top, tl, lse) = reference(row, ids[pos + 1] as usize, p.k, 0.8);
-                    let what = format!("device {on_device} chunk {chunk_rows} row {r}");
+                    let what = format!(
+                        "device {on_device} {lm_head:?} ranks {ranks} chunk {chunk_rows} row {r}"
+                    );
                     let got_ids: Vec<u32> = top.iter().map(|e| e.0).collect();
                     assert_eq!(acc.ids_row(r), got_ids.as_slice(), "{what}");
                     for (v, want) in acc.values_row(r).iter().zip(&top) {
@@ -697,11 +809,24 @@ mod tests {
                         assert!((got - want).abs() < 1e-4, "{what} cand {j}");
                     }
                     // Rank: 1 + the number of valid ids with a larger logit (no ties here).
-                    let zt = row[ids[pos + 1] as usize];
-                    let want_rank = 1 + row[..VALID].iter().filter(|&&x| x > zt).count();
-                    assert_eq!(acc.target_ranks[r] as usize, want_rank, "{what}");
+                    if ranks {
+                        let zt = row[ids[pos + 1] as usize];
+                        let want_rank = 1 + row[..VALID].iter().filter(|&&x| x > zt).count();
+                        assert_eq!(acc.target_ranks[r] as usize, want_rank, "{what}");
+                    } else {
+                        assert!(acc.target_ranks.is_empty());
+                    }
+                }
+                if !on_device && !ranks {
+                    host_bits.push((lm_head, bits(&acc)));
                 }
             }
+        }
+        let (full_bits, fused_bits): (Vec<_>, Vec<_>) =
+            host_bits.into_iter().partition(|(h, _)| *h == LmHead::Full);
+        assert_eq!(full_bits.len(), 3);
+        for ((_, a), (_, b)) in full_bits.iter().zip(&fused_bits) {
+            assert!(a == b, "the fused LM head differs from the full logits");
         }
     }
 
@@ -731,6 +856,7 @@ mod tests {
                 logits_size: V,
                 chunk_rows,
                 on_device,
+                lm_head: LmHead::Fused,
             };
             let seq = SeqRef {
                 ids: &ids,
@@ -805,7 +931,7 @@ mod tests {
     fn worker(batch_invariant: bool, max_batch_tokens: usize) -> Worker {
         Worker {
             decoder: decoder(),
-            scorer: Scorer::new(VALID, V, TopkPath::Host, &Device::Cpu),
+            scorer: Scorer::new(VALID, V, TopkPath::Host, LmHead::Fused, &Device::Cpu),
             max_batch_tokens,
             batch_invariant,
             metrics: Arc::new(Metrics::default()),
@@ -903,7 +1029,7 @@ mod tests {
         let mut h = vec![0.5f32; 3 * 16];
         h[20] = f32::NAN;
         let hidden = Tensor::from_vec(h, (3, 16), &Device::Cpu).unwrap();
-        let scorer = Scorer::new(VALID, V, TopkPath::Host, &Device::Cpu);
+        let scorer = Scorer::new(VALID, V, TopkPath::Host, LmHead::Fused, &Device::Cpu);
         let seq = mk_seq(&ids[..4], &fine);
         let mut acc = seq.empty();
         let span = HiddenSpan {

@@ -336,6 +336,14 @@ impl Decoder {
         out.reshape(shape)
     }
 
+    /// Logits of `hidden` [c, H] at the head's rows `cols` only: [c, cols.len()] (in the model
+    /// dtype). The fused scoring pass calls it a vocabulary tile at a time, so that `[c, V]`
+    /// never exists at once; like [`Decoder::logits`] it reads the head in place.
+    pub fn logits_cols(&self, hidden: &Tensor, cols: std::ops::Range<usize>) -> Result<Tensor> {
+        let head = self.w.lm_head.narrow(0, cols.start, cols.len())?; // [n, H]
+        hidden.matmul(&head.t()?)
+    }
+
     /// Convenience: logits for all positions, [B, T] → [B, T, V].
     pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
         self.logits(&self.forward_hidden(ids, None, None, None)?)
