@@ -4,7 +4,9 @@
 //! `log_softmax` over a 150k-column vocabulary is the hottest op of a distillation step after the
 //! LM-head matmul. candle's composed version materialises ~6 full `[N, V]` intermediates forward and
 //! more backward; the fused CPU kernel below makes one pass to read and one to write, and its
-//! backward (`g − softmax · Σg`) is fused too. Other devices use the composed ops.
+//! backward (`g − softmax · Σg`) is fused too. Other devices use the composed ops. In f32 the row
+//! passes (max, Σexp, the softmax of the backward) are vectorised ([`vmath`]) and run at the
+//! CPU's widest instruction set ([`xdistill_shared::simd::Simd`]), chosen once.
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
@@ -25,9 +27,8 @@ fn rows_fwd<T: num_like::Float>(src: &[T], dim: usize) -> Vec<T> {
     out.par_chunks_mut(dim)
         .zip(src.par_chunks(dim))
         .for_each(|(o, x)| {
-            let m = x.iter().fold(T::neg_inf(), |a, &b| a.max(b));
-            let s: f64 = x.iter().map(|&v| (v - m).to_f64().exp()).sum();
-            let lse = m + T::from_f64(s.ln());
+            let m = T::row_max(x);
+            let lse = m + T::from_f64(T::sum_exp(x, m).ln());
             for (o, &v) in o.iter_mut().zip(x) {
                 *o = v - lse;
             }
@@ -42,9 +43,10 @@ fn rows_bwd<T: num_like::Float>(g: &[T], y: &[T], dim: usize) -> Vec<T> {
         .zip(g.par_chunks(dim).zip(y.par_chunks(dim)))
         .for_each(|(o, (g, y))| {
             let s: f64 = g.iter().map(|v| v.to_f64()).sum();
-            let s = T::from_f64(s);
-            for ((o, &g), &y) in o.iter_mut().zip(g).zip(y) {
-                *o = g - y.exp() * s;
+            // o = e^y · s, then g − o.
+            T::exp_scaled(y, T::zero(), T::from_f64(s), o);
+            for (o, &g) in o.iter_mut().zip(g) {
+                *o = g - *o;
             }
         });
     out
@@ -141,10 +143,8 @@ struct GatherLogSoftmax;
 
 /// `log Σ exp(x)` of one row, accumulated in f64.
 fn row_lse<T: num_like::Float>(x: &[T]) -> f64 {
-    let m = x.iter().fold(T::neg_inf(), |a, &b| a.max(b));
-    // exp in the input's precision (f32 exp is several times cheaper), summed in f64.
-    let s: f64 = x.iter().map(|&v| (v - m).exp().to_f64()).sum();
-    m.to_f64() + s.ln()
+    let m = T::row_max(x);
+    m.to_f64() + T::sum_exp(x, m).ln()
 }
 
 fn check_ids(idx: &[u32], dim: usize) -> Result<()> {
@@ -184,10 +184,9 @@ fn gather_lsm_bwd<T: num_like::Float>(
         )
         .for_each(|(o, (x, (ids, g)))| {
             let lse = T::from_f64(row_lse(x));
-            let s = T::from_f64(g.iter().map(|v| v.to_f64()).sum::<f64>());
-            for (o, &v) in o.iter_mut().zip(x) {
-                *o = T::zero() - (v - lse).exp() * s;
-            }
+            let s = g.iter().map(|v| v.to_f64()).sum::<f64>();
+            // −softmax(x) · Σg (lse ≥ max, so every exponent is ≤ 0).
+            T::exp_scaled(x, lse, T::from_f64(-s), o);
             for (&i, &gi) in ids.iter().zip(g) {
                 o[i as usize] = o[i as usize] + gi;
             }
@@ -525,7 +524,82 @@ impl candle_core::InplaceOp3 for Apply {
     }
 }
 
-/// The little float abstraction the kernels need (f32 and f64).
+/// Vectorisable f32 row passes, run at the CPU's widest [`Simd`] level (the same bits at every
+/// level: no fused multiply-adds, fixed lane counts).
+pub mod vmath {
+    use xdistill_shared::simd::{exp_nonpos, Simd};
+    use xdistill_shared::simd_dispatch;
+
+    /// Lanes of the reductions: one AVX-512 register.
+    const LANES: usize = 16;
+    /// Values per f32 partial sum of [`sum_exp`] (each lane then adds ≤ 128 terms ≤ 1).
+    const BLOCK: usize = 2048;
+
+    /// The largest value of `x` (NaNs ignored; -inf for an empty row).
+    pub fn max(x: &[f32]) -> f32 {
+        max_at(Simd::current(), x)
+    }
+
+    /// `Σ e^{x_i − m}` for `m ≥ max(x)`: f32 lanes within a block of [`BLOCK`], f64 across.
+    pub fn sum_exp(x: &[f32], m: f32) -> f64 {
+        sum_exp_at(Simd::current(), x, m)
+    }
+
+    /// `out_i = scale · e^{x_i − shift}` for `shift ≥ max(x)`.
+    pub fn exp_scaled(x: &[f32], shift: f32, scale: f32, out: &mut [f32]) {
+        exp_scaled_at(Simd::current(), x, shift, scale, out)
+    }
+
+    simd_dispatch!(pub(crate) fn max_at(x: &[f32]) -> f32 = max_body);
+    simd_dispatch!(pub(crate) fn sum_exp_at(x: &[f32], m: f32) -> f64 = sum_exp_body);
+    simd_dispatch!(pub(crate) fn exp_scaled_at(x: &[f32], shift: f32, scale: f32, out: &mut [f32]) = exp_scaled_body);
+
+    #[inline(always)]
+    fn max_body(x: &[f32]) -> f32 {
+        let mut acc = [f32::NEG_INFINITY; LANES];
+        let mut it = x.chunks_exact(LANES);
+        for c in &mut it {
+            for (a, &v) in acc.iter_mut().zip(c) {
+                *a = if v > *a { v } else { *a };
+            }
+        }
+        let rest = it.remainder().iter().copied();
+        acc.into_iter()
+            .chain(rest)
+            .fold(f32::NEG_INFINITY, f32::max)
+    }
+
+    #[inline(always)]
+    fn sum_exp_body(x: &[f32], m: f32) -> f64 {
+        let mut total = 0f64;
+        for block in x.chunks(BLOCK) {
+            let mut acc = [0f32; LANES];
+            let mut it = block.chunks_exact(LANES);
+            for c in &mut it {
+                for (a, &v) in acc.iter_mut().zip(c) {
+                    *a += exp_nonpos(v - m);
+                }
+            }
+            let rest: f64 = it
+                .remainder()
+                .iter()
+                .map(|&v| exp_nonpos(v - m) as f64)
+                .sum();
+            total += acc.iter().map(|&a| a as f64).sum::<f64>() + rest;
+        }
+        total
+    }
+
+    #[inline(always)]
+    fn exp_scaled_body(x: &[f32], shift: f32, scale: f32, out: &mut [f32]) {
+        for (o, &v) in out.iter_mut().zip(x) {
+            *o = exp_nonpos(v - shift) * scale;
+        }
+    }
+}
+
+/// The little float abstraction the kernels need (f32 and f64): f64 rows use the exact libm
+/// exp (the gradient checks run in f64), f32 rows the vectorised passes of [`vmath`].
 mod num_like {
     pub trait Float:
         Copy
@@ -537,44 +611,99 @@ mod num_like {
         + std::ops::Mul<Output = Self>
     {
         fn zero() -> Self;
-        fn neg_inf() -> Self;
-        fn max(self, o: Self) -> Self;
-        fn exp(self) -> Self;
         fn to_f64(self) -> f64;
         fn from_f64(v: f64) -> Self;
+        /// The row's largest value.
+        fn row_max(x: &[Self]) -> Self;
+        /// `Σ e^{x_i − m}` (m ≥ every x_i), accumulated in f64.
+        fn sum_exp(x: &[Self], m: Self) -> f64;
+        /// `out_i = scale · e^{x_i − shift}` (shift ≥ every x_i).
+        fn exp_scaled(x: &[Self], shift: Self, scale: Self, out: &mut [Self]);
     }
-    macro_rules! float {
-        ($t:ty) => {
-            impl Float for $t {
-                fn zero() -> Self {
-                    0.0
-                }
-                fn neg_inf() -> Self {
-                    <$t>::NEG_INFINITY
-                }
-                fn max(self, o: Self) -> Self {
-                    <$t>::max(self, o)
-                }
-                fn exp(self) -> Self {
-                    <$t>::exp(self)
-                }
-                fn to_f64(self) -> f64 {
-                    self as f64
-                }
-                fn from_f64(v: f64) -> Self {
-                    v as $t
-                }
+
+    impl Float for f64 {
+        fn zero() -> Self {
+            0.0
+        }
+        fn to_f64(self) -> f64 {
+            self
+        }
+        fn from_f64(v: f64) -> Self {
+            v
+        }
+        fn row_max(x: &[Self]) -> Self {
+            x.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b))
+        }
+        fn sum_exp(x: &[Self], m: Self) -> f64 {
+            x.iter().map(|&v| (v - m).exp()).sum()
+        }
+        fn exp_scaled(x: &[Self], shift: Self, scale: Self, out: &mut [Self]) {
+            for (o, &v) in out.iter_mut().zip(x) {
+                *o = (v - shift).exp() * scale;
             }
-        };
+        }
     }
-    float!(f32);
-    float!(f64);
+
+    impl Float for f32 {
+        fn zero() -> Self {
+            0.0
+        }
+        fn to_f64(self) -> f64 {
+            self as f64
+        }
+        fn from_f64(v: f64) -> Self {
+            v as f32
+        }
+        fn row_max(x: &[Self]) -> Self {
+            super::vmath::max(x)
+        }
+        fn sum_exp(x: &[Self], m: Self) -> f64 {
+            super::vmath::sum_exp(x, m)
+        }
+        fn exp_scaled(x: &[Self], shift: Self, scale: Self, out: &mut [Self]) {
+            super::vmath::exp_scaled(x, shift, scale, out)
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use candle_core::{Device, Var};
+
+    /// The vectorised f32 passes against f64 sums, and the same bits at every SIMD level.
+    #[test]
+    fn vmath_matches_f64_at_every_level() {
+        use xdistill_shared::simd::Simd;
+        // A vocabulary-sized row with a remainder past the lanes and blocks.
+        let x: Vec<f32> = (0..151_669)
+            .map(|i| ((i as u64 * 2_654_435_761 % 10_007) as f32 / 500.0) - 12.0)
+            .collect();
+        let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let want: f64 = x.iter().map(|&v| (v as f64 - m as f64).exp()).sum();
+        let mut out = vec![0f32; x.len()];
+        let mut outs = Vec::new();
+        for level in [Simd::Baseline, Simd::Avx2, Simd::Avx512] {
+            assert_eq!(vmath::max_at(level, &x), m);
+            let got = vmath::sum_exp_at(level, &x, m);
+            assert!(
+                (got / want - 1.0).abs() < 1e-6,
+                "{level:?}: {got} vs {want}"
+            );
+            assert_eq!(
+                got.to_bits(),
+                vmath::sum_exp_at(Simd::Baseline, &x, m).to_bits()
+            );
+            vmath::exp_scaled_at(level, &x, m + 0.5, -3.0, &mut out);
+            for (&o, &v) in out.iter().zip(&x).step_by(97) {
+                let w = -3.0 * (v as f64 - (m + 0.5) as f64).exp();
+                assert!((o as f64 / w - 1.0).abs() < 2e-6, "{level:?}: {o} vs {w}");
+            }
+            outs.push(out.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+        }
+        assert!(outs.windows(2).all(|w| w[0] == w[1]), "levels differ");
+        assert_eq!(vmath::max(&[]), f32::NEG_INFINITY);
+    }
 
     fn data(n: usize, dtype: DType) -> Tensor {
         let v: Vec<f64> = (0..n)

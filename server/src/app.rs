@@ -103,6 +103,7 @@ impl AppState {
             },
             batch_invariant: c.batch_invariant,
             host_simd: crate::topk::Simd::current().name().into(),
+            lm_head: facts.lm_head.into(),
             rope_theta: facts.rope_theta,
             rope_scaling: facts.rope_scaling.clone(),
             sliding_window: facts.sliding_window,

@@ -41,6 +41,9 @@ pub struct ModelFacts {
     pub device: String,
     pub tokenizer_sha256: String,
     pub fingerprint: String,
+    /// How logits become scores (`/v1/info` `lm_head`): `fused`, `full` or `device`; set by the
+    /// worker once it has chosen its scoring path.
+    pub lm_head: &'static str,
     /// The teacher's `tokenizer.json`, served at `GET /tokenizer.json`.
     pub tokenizer_json: bytes::Bytes,
     /// The tokenizer and every id's text, for the compatible routes.
@@ -78,6 +81,7 @@ pub fn read_facts(dir: &ModelDir, dtype: DType, device: &Device) -> Result<Model
         device: device_name(device),
         tokenizer_sha256: dir.tokenizer_sha256()?,
         fingerprint: dir.fingerprint()?,
+        lm_head: "full",
         tokenizer_json: tokenizer_json.into(),
         vocab: Arc::new(Vocab::build(tok, tok_vocab.min(logits_size))),
     })

@@ -118,13 +118,21 @@ pub async fn run(args: Args) -> Result<()> {
         let state = state.clone();
         let load_error = load_error.clone();
         tokio::spawn(async move {
+            let mut lm_head = "";
             let outcome = match ready_rx.await {
-                Ok(Ok(facts)) => state.set_ready(facts),
+                Ok(Ok(facts)) => {
+                    lm_head = facts.lm_head;
+                    state.set_ready(facts)
+                }
                 Ok(Err(e)) => Err(e),
                 Err(_) => Err("the worker thread died while loading".into()),
             };
             match outcome {
-                Ok(()) => tracing::info!(host_simd = crate::topk::Simd::current().name(), "ready"),
+                Ok(()) => tracing::info!(
+                    host_simd = crate::topk::Simd::current().name(),
+                    lm_head,
+                    "ready"
+                ),
                 Err(e) => {
                     let _ = load_error.set(e);
                     let _ = stop_tx.send(true);

@@ -5,6 +5,9 @@
 use rayon::prelude::*;
 use std::cmp::Ordering;
 use xdistill_shared::protocol::{SequenceScores, ValuesKind};
+use xdistill_shared::simd::exp2_nonpos;
+pub use xdistill_shared::simd::Simd;
+use xdistill_shared::simd_dispatch;
 
 /// Where the scores of logit rows are computed (`--topk`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -107,32 +110,6 @@ fn desc(a: &(f32, u32), b: &(f32, u32)) -> Ordering {
     b.0.total_cmp(&a.0).then(a.1.cmp(&b.1))
 }
 
-/// `2^t` for `t ≤ 0` in f32, branch-free so that it vectorises; relative error below 2.5e-7
-/// (checked against f64 in the tests). Inputs below -126 return `2^-126` (negligible in a sum).
-///
-/// `t = n + f` with `n = round(t)` and `|f| ≤ 1/2` exact, then `2^f` by a degree-5 polynomial
-/// fitted for relative error on that interval and `2^n` through the exponent bits: about 19
-/// vector operations per 16 values, against 28 for `e^x` with a two-part `ln 2` reduction.
-#[inline(always)]
-fn exp2_nonpos(t: f32) -> f32 {
-    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23: adding and subtracting it rounds to integer
-                                     // Coefficients of 2^f - 1 = f (c1 + f (c2 + …)) on [-1/2, 1/2] (relative-error fit).
-    const C1: f32 = 0.693_147;
-    const C2: f32 = 0.240_222_42;
-    const C3: f32 = 0.055_507_34;
-    const C4: f32 = 0.009_671_513;
-    const C5: f32 = 0.001_326_471_8;
-    let t = if t < -126.0 { -126.0 } else { t };
-    let r = t + MAGIC;
-    let n = r - MAGIC;
-    let f = t - n;
-    // The integer n sits in the low mantissa bits of r; adding the exponent bias to it gives
-    // 2^n's exponent field (n ≥ -126, so 2^n is normal).
-    let e = (r.to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32 - 127);
-    let p = 1.0 + f * (C1 + f * (C2 + f * (C3 + f * (C4 + f * C5))));
-    p * f32::from_bits((e as u32) << 23)
-}
-
 /// Lanes of the vectorisable max.
 const LANES: usize = 8;
 /// Lanes of the exp-sum: one AVX-512 register (two AVX2 ones). Fixed whatever the level, so
@@ -212,80 +189,11 @@ struct RowFold {
     cands: Vec<f32>,
 }
 
-/// The instruction set the host scoring pass runs with, chosen once at start-up from what the
-/// CPU has (the build itself stays portable: baseline x86-64). Ordered narrow to wide.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Simd {
-    Baseline,
-    Avx2,
-    Avx512,
-}
-
-impl Simd {
-    /// The widest level this CPU supports.
-    pub fn detect() -> Simd {
-        #[cfg(target_arch = "x86_64")]
-        {
-            let avx2 = std::arch::is_x86_feature_detected!("avx2")
-                && std::arch::is_x86_feature_detected!("fma");
-            if avx2 && std::arch::is_x86_feature_detected!("avx512f") {
-                return Simd::Avx512;
-            }
-            if avx2 {
-                return Simd::Avx2;
-            }
-        }
-        Simd::Baseline
-    }
-
-    /// The level in use (detected on first use).
-    pub fn current() -> Simd {
-        static LEVEL: std::sync::OnceLock<Simd> = std::sync::OnceLock::new();
-        *LEVEL.get_or_init(Simd::detect)
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Simd::Avx512 => "avx512",
-            Simd::Avx2 => "avx2",
-            Simd::Baseline => "baseline",
-        }
-    }
-}
-
-/// Folds `cols` (the row's logits at columns `col0..col0 + cols.len()`, all valid) into `st`:
-/// [`fold_body`] compiled for `level`, or for the CPU's widest level when it lacks `level`.
-///
-/// Every level computes the same arithmetic in the same order (no fused multiply-adds are
-/// introduced, the lane counts are fixed at [`LANES`] and [`SUM_LANES`]), so the answers are
-/// bit-identical whichever runs.
-#[inline(always)]
-fn fold_at(level: Simd, st: &mut RowFold, cols: &[f32], col0: usize, fp: &FoldParams) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        // SAFETY: never above `Simd::current()`, the level whose features the CPU has.
-        match level.min(Simd::current()) {
-            Simd::Avx512 => return unsafe { fold_avx512(st, cols, col0, fp) },
-            Simd::Avx2 => return unsafe { fold_avx2(st, cols, col0, fp) },
-            Simd::Baseline => {}
-        }
-    }
-    let _ = level;
-    fold_body(st, cols, col0, fp)
-}
-
-/// [`fold_body`] compiled with the given target features.
-macro_rules! fold_with {
-    ($name:ident, $features:literal) => {
-        #[cfg(target_arch = "x86_64")]
-        #[target_feature(enable = $features)]
-        unsafe fn $name(st: &mut RowFold, cols: &[f32], col0: usize, fp: &FoldParams) {
-            fold_body(st, cols, col0, fp)
-        }
-    };
-}
-fold_with!(fold_avx2, "avx2,fma");
-fold_with!(fold_avx512, "avx512f,avx2,fma");
+// `fold_at(level, …)`: [`fold_body`] compiled for `level`, or for the CPU's widest level when it
+// lacks `level`. Every level computes the same arithmetic in the same order (no fused
+// multiply-adds, lane counts fixed at [`LANES`] and [`SUM_LANES`]), so the answers are
+// bit-identical whichever runs.
+simd_dispatch!(fn fold_at(st: &mut RowFold, cols: &[f32], col0: usize, fp: &FoldParams) = fold_body);
 
 /// One pass over L1-sized blocks: the running max with a rescaled exp-sum (online
 /// logsumexp), and top-k candidates above the running threshold. Segments whose (vectorised)
@@ -700,21 +608,6 @@ mod tests {
         assert!((s.target_logprobs[0] as f64 - (-1.0 - lse)).abs() < 1e-6);
     }
 
-    #[test]
-    fn fast_exp_matches_f64() {
-        let mut worst = 0f64;
-        let mut x = -130.0f32;
-        while x <= 0.0 {
-            let want = (x as f64).max(-126.0).exp2();
-            let got = exp2_nonpos(x) as f64;
-            worst = worst.max((got - want).abs() / want);
-            x += 0.000_37;
-        }
-        assert!(worst < 2.5e-7, "worst relative error {worst}");
-        assert_eq!(exp2_nonpos(0.0), 1.0);
-        assert_eq!(exp2_nonpos(-3.0), 0.125);
-    }
-
     /// Many rows, k larger than a block's worth of pruning, and rows with long runs of equal
     /// values: the one-pass selection equals a full sort.
     #[test]
@@ -741,18 +634,9 @@ mod tests {
         }
     }
 
-    /// Bits of every score, for bit-for-bit comparisons.
+    /// Bits of every score and rank, for bit-for-bit comparisons.
     fn bits(s: &SequenceScores) -> Vec<u32> {
-        let f = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        [
-            s.topk_ids.clone(),
-            f(&s.topk_values),
-            f(&s.target_logprobs),
-            f(&s.logsumexp),
-            f(&s.ids_logprobs),
-            s.target_ranks.clone(),
-        ]
-        .concat()
+        [s.bits(), s.target_ranks.clone()].concat()
     }
 
     /// Every SIMD level gives the same bits (the levels differ in instruction width only), for

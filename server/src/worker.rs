@@ -150,7 +150,7 @@ pub fn spawn(
         .name("xdistill-worker".into())
         .spawn(move || {
             let t0 = Instant::now();
-            let (decoder, facts) = match model::load(&cfg.model, &cfg.device, &cfg.dtype) {
+            let (decoder, mut facts) = match model::load(&cfg.model, &cfg.device, &cfg.dtype) {
                 Ok(x) => x,
                 Err(e) => {
                     let _ = ready.send(Err(e.to_string()));
@@ -169,6 +169,7 @@ pub fn spawn(
                 cfg.lm_head,
                 decoder.device(),
             );
+            facts.lm_head = scorer.path_name();
             tracing::info!(
                 on_device = scorer.on_device,
                 lm_head = ?scorer.lm_head,
@@ -519,6 +520,15 @@ impl Scorer {
             }
         }
         Ok(())
+    }
+
+    /// The scoring path as `/v1/info` reports it: `device`, or on the host `fused` / `full`.
+    pub fn path_name(&self) -> &'static str {
+        match (self.on_device, self.lm_head) {
+            (true, _) => "device",
+            (false, LmHead::Fused) => "fused",
+            (false, LmHead::Full) => "full",
+        }
     }
 
     /// Running scores for the fused LM head, when it applies: host scoring, `--lm-head fused`,

@@ -40,6 +40,72 @@ fn llama() -> &'static (Teacher, Reference) {
     })
 }
 
+/// The fused LM head (the default: logits a vocabulary tile at a time, folded into the scores)
+/// returns the same bits as `--lm-head full` (the whole logits, then scored) through the real
+/// server, on the Qwen3 vocabulary with a padded head: several tiles, the padding tile, long
+/// sequences in KV-cache chunks, candidate ids, k = 0, temperature and both value kinds.
+#[tokio::test]
+async fn fused_lm_head_equals_full_logits_bit_for_bit() {
+    let (_, reference) = qwen3();
+    let dir = common::tiny_model("scores-qwen3", "qwen3", "qwen3", 64);
+    // Both uncached, with a batch budget that sends the 40-token sequence through KV-cache chunks.
+    let start = |lm_head| {
+        let flags = [
+            "--cache-bytes",
+            "0",
+            "--max-batch-tokens",
+            "16",
+            "--lm-head",
+            lm_head,
+        ];
+        common::start_teacher(&dir, &flags)
+    };
+    let (fused, full) = (&start("fused"), &start("full"));
+    let c = client();
+    for (t, want) in [(fused, "fused"), (full, "full")] {
+        let info: InfoResponse = c
+            .get(t.url("/v1/info"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(info.lm_head, want);
+    }
+    let v = reference.vocab();
+    let seqs = vec![ids(31, 40, v), ids(32, 6, v), ids(33, 17, v)];
+    for (k, temperature, values, with_ids) in [
+        (64usize, 1.0f32, ValuesKind::Logprobs, true),
+        (0, 0.7, ValuesKind::Logprobs, true),
+        (5, 1.3, ValuesKind::Logits, false),
+    ] {
+        let mut req = request(seqs.clone(), k);
+        req.temperature = temperature;
+        req.values = values;
+        // Candidates spread over every tile, the last valid id included.
+        req.ids = with_ids.then(|| {
+            seqs.iter()
+                .map(|s| {
+                    (1..s.len())
+                        .map(|p| vec![(p * 7919 % v) as u32, (v - 1) as u32, 2048])
+                        .collect()
+                })
+                .collect()
+        });
+        let a = score(&c, fused, &req, Format::Msgpack).await;
+        let b = score(&c, full, &req, Format::Msgpack).await;
+        for (s, (x, y)) in seqs.iter().zip(a.results.iter().zip(&b.results)) {
+            reference.check(x, s, 0, temperature as f64, values, TOL);
+            assert_eq!(
+                common::score_bits(x),
+                common::score_bits(y),
+                "k {k} t {temperature}"
+            );
+        }
+    }
+}
+
 #[tokio::test]
 async fn qwen3_topk_equals_f64_reference() {
     let (t, reference) = qwen3();
@@ -219,8 +285,10 @@ async fn info_health_tokenizer_and_metrics() {
         (1e6, "default")
     );
     assert_eq!(info.limits.max_sequences, 16_384);
-    // The scoring pass runs with the widest instruction set this CPU has.
+    // The scoring pass runs with the widest instruction set this CPU has, through the fused
+    // LM head (the default on the CPU).
     assert_eq!(info.host_simd, xdistill_server::topk::Simd::detect().name());
+    assert_eq!(info.lm_head, "fused");
     let tok = c.get(t.url("/tokenizer.json")).send().await.unwrap();
     assert_eq!(tok.status(), 200);
     let bytes = tok.bytes().await.unwrap();

@@ -16,6 +16,7 @@ pub mod model;
 pub mod paths;
 pub mod process;
 pub mod protocol;
+pub mod simd;
 pub mod topk;
 
 pub use hf::{HfError, ModelConfig, ModelDir};

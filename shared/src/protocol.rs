@@ -370,6 +370,11 @@ pub struct InfoResponse {
     /// start-up from the CPU; empty from older servers.
     #[serde(default)]
     pub host_simd: String,
+    /// How logits become scores: `fused` (on the host, the LM head a vocabulary tile at a time,
+    /// each tile scored in cache), `full` (the whole logits, then scored on the host) or
+    /// `device` (scored where the model runs); empty from older servers.
+    #[serde(default)]
+    pub lm_head: String,
     /// Whether a sequence's scores are bit-identical whatever it is batched with
     /// (`--batch-invariant`; false from servers older than protocol 2).
     #[serde(default)]

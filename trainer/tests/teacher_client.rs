@@ -220,6 +220,7 @@ fn mock_info(sha: String) -> InfoResponse {
         sliding_window: None,
         sliding_layers: 0,
         host_simd: "baseline".into(),
+        lm_head: "fused".into(),
     }
 }
 

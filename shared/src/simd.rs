@@ -1,0 +1,157 @@
+//! The host's vector instruction set, chosen once at start-up, and the vectorisable exp both
+//! sides' hot loops use: the teacher's scoring pass (top-k, logsumexp) and the trainer's fused
+//! log-softmax kernels. The build stays portable (baseline x86-64); [`simd_dispatch!`] compiles
+//! one body for each [`Simd`] level and runs the widest the CPU has.
+
+/// An instruction-set level of the host, ordered narrow to wide.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Simd {
+    Baseline,
+    Avx2,
+    Avx512,
+}
+
+impl Simd {
+    /// The widest level this CPU supports.
+    pub fn detect() -> Simd {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx2 = std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma");
+            if avx2 && std::arch::is_x86_feature_detected!("avx512f") {
+                return Simd::Avx512;
+            }
+            if avx2 {
+                return Simd::Avx2;
+            }
+        }
+        Simd::Baseline
+    }
+
+    /// The level in use (detected on first use).
+    pub fn current() -> Simd {
+        static LEVEL: std::sync::OnceLock<Simd> = std::sync::OnceLock::new();
+        *LEVEL.get_or_init(Simd::detect)
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Simd::Avx512 => "avx512",
+            Simd::Avx2 => "avx2",
+            Simd::Baseline => "baseline",
+        }
+    }
+}
+
+/// Defines `fn $name(level: Simd, args…) -> ret` that runs `$body(args…)` compiled for `level`
+/// (at most the CPU's own [`Simd::current`]). `$body` should be `#[inline(always)]` so that it
+/// is compiled inside each level's wrapper. The bodies must not use `mul_add`: every level then
+/// computes the same operations in the same order and the results are bit-identical.
+#[macro_export]
+macro_rules! simd_dispatch {
+    ($vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? = $body:path) => {
+        $vis fn $name(level: $crate::simd::Simd, $($arg: $ty),*) $(-> $ret)? {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,avx2,fma")]
+                unsafe fn avx512($($arg: $ty),*) $(-> $ret)? {
+                    $body($($arg),*)
+                }
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn avx2($($arg: $ty),*) $(-> $ret)? {
+                    $body($($arg),*)
+                }
+                // SAFETY: never above `Simd::current()`, the level whose features the CPU has.
+                match level.min($crate::simd::Simd::current()) {
+                    $crate::simd::Simd::Avx512 => return unsafe { avx512($($arg),*) },
+                    $crate::simd::Simd::Avx2 => return unsafe { avx2($($arg),*) },
+                    $crate::simd::Simd::Baseline => {}
+                }
+            }
+            let _ = level;
+            $body($($arg),*)
+        }
+    };
+}
+
+/// `2^t` for `t ≤ 0` in f32, branch-free so that it vectorises; relative error below 2.5e-7
+/// (checked against f64 in the tests). Inputs below -126 return `2^-126` (negligible in a sum).
+///
+/// `t = n + f` with `n = round(t)` and `|f| ≤ 1/2` exact, then `2^f` by a degree-5 polynomial
+/// fitted for relative error on that interval and `2^n` through the exponent bits: about 19
+/// vector operations per 16 values, against 28 for `e^x` with a two-part `ln 2` reduction.
+#[inline(always)]
+pub fn exp2_nonpos(t: f32) -> f32 {
+    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23: adding and subtracting it rounds to integer
+                                     // Coefficients of 2^f - 1 = f (c1 + f (c2 + …)) on [-1/2, 1/2] (relative-error fit).
+    const C1: f32 = 0.693_147;
+    const C2: f32 = 0.240_222_42;
+    const C3: f32 = 0.055_507_34;
+    const C4: f32 = 0.009_671_513;
+    const C5: f32 = 0.001_326_471_8;
+    let t = if t < -126.0 { -126.0 } else { t };
+    let r = t + MAGIC;
+    let n = r - MAGIC;
+    let f = t - n;
+    // The integer n sits in the low mantissa bits of r; adding the exponent bias to it gives
+    // 2^n's exponent field (n ≥ -126, so 2^n is normal).
+    let e = (r.to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32 - 127);
+    let p = 1.0 + f * (C1 + f * (C2 + f * (C3 + f * (C4 + f * C5))));
+    p * f32::from_bits((e as u32) << 23)
+}
+
+/// `e^x` for `x ≤ 0` through [`exp2_nonpos`] (one more rounding, of `x · log2 e`).
+#[inline(always)]
+pub fn exp_nonpos(x: f32) -> f32 {
+    exp2_nonpos(x * std::f32::consts::LOG2_E)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp2_matches_f64() {
+        let mut worst = 0f64;
+        let mut x = -130.0f32;
+        while x <= 0.0 {
+            let want = (x as f64).max(-126.0).exp2();
+            let got = exp2_nonpos(x) as f64;
+            worst = worst.max((got - want).abs() / want);
+            x += 0.000_37;
+        }
+        assert!(worst < 2.5e-7, "worst relative error {worst}");
+        assert_eq!(exp2_nonpos(0.0), 1.0);
+        assert_eq!(exp2_nonpos(-3.0), 0.125);
+        // e^x: within the f32 rounding of x·log2(e) (≤ |x| · 6e-8 relative) of the f64 value.
+        for x in [-0.0f32, -1e-3, -0.5, -1.0, -7.25, -30.0, -80.0] {
+            let want = (x as f64).exp();
+            let err = (exp_nonpos(x) as f64 - want).abs() / want;
+            assert!(err < 2.5e-7 + x.abs() as f64 * 1.2e-7, "e^{x}: {err}");
+        }
+    }
+
+    simd_dispatch!(fn sum_at(x: &[f32]) -> f32 = sum_body);
+
+    #[inline(always)]
+    fn sum_body(x: &[f32]) -> f32 {
+        let mut acc = [0f32; 16];
+        for c in x.chunks_exact(16) {
+            for (a, &v) in acc.iter_mut().zip(c) {
+                *a += exp_nonpos(-v);
+            }
+        }
+        acc.iter().sum()
+    }
+
+    /// The dispatched levels give the same bits, and a level the CPU lacks falls back.
+    #[test]
+    fn levels_agree() {
+        let x: Vec<f32> = (0..4096).map(|i| (i % 97) as f32 * 0.37).collect();
+        let base = sum_at(Simd::Baseline, &x);
+        for level in [Simd::Avx2, Simd::Avx512] {
+            assert_eq!(sum_at(level, &x).to_bits(), base.to_bits(), "{level:?}");
+        }
+        assert!(Simd::current() <= Simd::Avx512 && Simd::detect() == Simd::current());
+    }
+}
