@@ -671,6 +671,60 @@ mod tests {
     use super::*;
     use candle_core::{Device, Var};
 
+    /// Speed figure, not a check: the f32 row passes of the fused log-softmax (forward: max +
+    /// Σexp; backward: the softmax write) against the scalar libm loops they replaced, side by
+    /// side. `cargo test --release -p xdistill-kernels --lib kernel_speed -- --ignored --nocapture`
+    #[test]
+    #[ignore]
+    fn kernel_speed() {
+        let (rows, v) = (64, 151_669);
+        let x: Vec<f32> = (0..rows * v)
+            .map(|i| ((i as u64 * 2_654_435_761 % 10_007) as f32 / 500.0) - 12.0)
+            .collect();
+        let mut out = vec![0f32; x.len()];
+        let per = |t: std::time::Instant| t.elapsed().as_secs_f64() * 1e9 / (rows * v) as f64;
+        println!(
+            "SIMD level: {}",
+            xdistill_shared::simd::Simd::current().name()
+        );
+        for round in 0..2 {
+            let t = std::time::Instant::now();
+            let old: f64 = x
+                .par_chunks(v)
+                .map(|r| {
+                    let m = r.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+                    let s: f64 = r.iter().map(|&y| (y - m).exp() as f64).sum();
+                    m as f64 + s.ln()
+                })
+                .sum();
+            let old_t = per(t);
+            let t = std::time::Instant::now();
+            let new: f64 = x.par_chunks(v).map(row_lse::<f32>).sum();
+            let new_t = per(t);
+            println!(
+                "round {round}: logsumexp  libm {old_t:.2} ns/logit, vectorised {new_t:.2} ({:.1e})",
+                (old - new).abs() / old.abs()
+            );
+            let t = std::time::Instant::now();
+            out.par_chunks_mut(v)
+                .zip(x.par_chunks(v))
+                .for_each(|(o, r)| {
+                    for (o, &y) in o.iter_mut().zip(r) {
+                        *o = (y - 8.0).exp() * -0.5;
+                    }
+                });
+            let old_t = per(t);
+            let t = std::time::Instant::now();
+            out.par_chunks_mut(v)
+                .zip(x.par_chunks(v))
+                .for_each(|(o, r)| vmath::exp_scaled(r, 8.0, -0.5, o));
+            println!(
+                "round {round}: softmax write  libm {old_t:.2} ns/logit, vectorised {:.2}",
+                per(t)
+            );
+        }
+    }
+
     /// The vectorised f32 passes against f64 sums, and the same bits at every SIMD level.
     #[test]
     fn vmath_matches_f64_at_every_level() {
