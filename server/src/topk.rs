@@ -1,6 +1,8 @@
-//! Per-position top-k, target log-prob and logsumexp of logit rows on the host ([`score_rows`]),
-//! the choice between that and the device path ([`TopkPath`]; the device path itself is
-//! `worker.rs`'s `score_on_device`), and the next-token helpers built on the same row maths.
+//! Per-position top-k, target log-prob and logsumexp of logit rows on the host: folded in a
+//! vocabulary tile at a time as the fused LM head produces them ([`RowFolds`]) or from whole
+//! rows ([`score_rows`]); the choice between the host and the device path ([`TopkPath`]; the
+//! device path itself is `worker.rs`'s `score_on_device`) and between the fused and the full LM
+//! head ([`LmHead`]); and the next-token helpers built on the same row maths.
 
 use rayon::prelude::*;
 use std::cmp::Ordering;
