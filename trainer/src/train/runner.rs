@@ -257,6 +257,11 @@ impl Session {
             crate::data::load_train_val(&cfg.data, cfg.distillation.seed)?;
         let dtype = xdistill_shared::device::parse_dtype(&cfg.policy.precision)?;
         let student = Student::load(&cfg.policy.model_name, device, dtype)?;
+        tracing::info!(
+            device = %xdistill_shared::device::device_name(device),
+            kernels_simd = xdistill_shared::simd::Simd::current().name(),
+            "student loaded"
+        );
         if let Some(f) = objective.open(&student)? {
             let before = train_set.records.len();
             train_set.drop_where(&*f.too_long);
