@@ -30,12 +30,35 @@ pub struct TrainSpec {
     pub warmup_steps: u64,
 }
 
+/// What the teacher is trained on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum TeacherData {
+    /// The task's correct worked solutions only.
+    Plain,
+    /// The same, plus one corrected-prefix record per training problem: a prompt ending in a
+    /// solution with one wrong computed digit, the correct rest as the completion
+    /// (`demo::mistakes`), so that the teacher keeps giving correct advice on a student's
+    /// mistaken samples.
+    Corrected,
+}
+
+/// The scarce-label scenario: the student has worked solutions for a few training prompts, the
+/// rest of the prompts without any answer.
+#[derive(Debug, Clone, Serialize)]
+pub struct ScarceSpec {
+    /// Training problems whose worked solution the student has (drawn by `seed`).
+    pub labelled: usize,
+    pub seed: u64,
+}
+
 /// Everything that determines the demo's result.
 #[derive(Debug, Clone, Serialize)]
 pub struct DemoSettings {
     pub task: TaskConfig,
     pub teacher: ModelSpec,
     pub teacher_training: TrainSpec,
+    pub teacher_data: TeacherData,
     pub student: ModelSpec,
     /// A short SFT on the task that turns the random student into the common starting point of
     /// the three methods (`student_init`), as in the published comparisons, which distil a
@@ -55,6 +78,10 @@ pub struct DemoSettings {
     pub kl_records: usize,
     /// Sampling temperature of the on-policy rollouts.
     pub rollout_temperature: f64,
+    /// The headline scenario's labels.
+    pub scarce: ScarceSpec,
+    /// Held-out problems on which the teacher's advice after a mistake is measured.
+    pub mistake_records: usize,
 }
 
 impl DemoSettings {
@@ -86,6 +113,7 @@ impl DemoSettings {
                 min_lr: 3e-4,
                 warmup_steps: 10,
             },
+            teacher_data: TeacherData::Corrected,
             student: ModelSpec {
                 arch: "llama".into(),
                 tokenizer: "llama2".into(),
@@ -119,6 +147,11 @@ impl DemoSettings {
             max_new_tokens: 40,
             kl_records: 32,
             rollout_temperature: 0.5,
+            scarce: ScarceSpec {
+                labelled: 100,
+                seed: 16,
+            },
+            mistake_records: 200,
         }
     }
 
@@ -148,13 +181,20 @@ impl DemoSettings {
         s.eval_every = 2;
         s.max_new_tokens = 6;
         s.kl_records = 4;
+        s.scarce.labelled = 8;
+        s.mistake_records = 8;
         s
     }
 
     /// Key of the cached teacher: a hash of everything the teacher depends on.
     pub fn teacher_key(&self) -> String {
-        let bytes = serde_json::to_vec(&(&self.task, &self.teacher, &self.teacher_training))
-            .unwrap_or_default();
+        let bytes = serde_json::to_vec(&(
+            &self.task,
+            &self.teacher,
+            &self.teacher_training,
+            self.teacher_data,
+        ))
+        .unwrap_or_default();
         hex::encode(&Sha256::digest(&bytes)[..8])
     }
 }
@@ -170,6 +210,11 @@ mod tests {
         b.student_training.steps += 1;
         b.student.hidden_size *= 2;
         assert_eq!(a.teacher_key(), b.teacher_key());
+        b.scarce.labelled += 1;
+        assert_eq!(a.teacher_key(), b.teacher_key());
+        b.teacher_data = TeacherData::Plain;
+        assert_ne!(a.teacher_key(), b.teacher_key());
+        b.teacher_data = a.teacher_data;
         b.teacher_training.lr *= 2.0;
         assert_ne!(a.teacher_key(), b.teacher_key());
     }

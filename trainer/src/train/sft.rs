@@ -272,6 +272,12 @@ pub struct Sft<'a> {
 
 impl<'a> Sft<'a> {
     pub fn new(cfg: &'a Config, task: Option<&'a TaskEval>) -> Result<Sft<'a>> {
+        if cfg.data.prompts_only {
+            bail!(
+                "data.prompts_only = true: SFT trains on completions, and a prompts-only file has \
+                 none (name the completion field and drop prompts_only, or run `trainer on-policy`)"
+            );
+        }
         Ok(Sft {
             cfg,
             task,
