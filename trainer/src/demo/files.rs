@@ -2,14 +2,15 @@
 //!
 //! - `train_demo.jsonl` / `test_demo.jsonl`: the task's splits with the end-of-answer blank line
 //!   appended to every completion (the control scenario's data; the evaluation's stop string);
-//! - `teacher_train.jsonl`: what the teacher is trained on (`train_demo.jsonl`, plus with
-//!   [`TeacherData::Corrected`] one corrected-prefix record per problem, shuffled in);
+//! - `teacher_corrected.jsonl`: the corrected teacher's fine-tune data (`train_demo.jsonl` with
+//!   one corrected-prefix record per problem shuffled in; the plain teacher trains on
+//!   `train_demo.jsonl`);
 //! - `labelled.jsonl`: the scarce scenario's labels, a seeded sample of `train_demo.jsonl`;
 //! - `prompts.jsonl`: every training prompt and nothing else (no completion, no answer), what
 //!   on-policy distillation samples from in the scarce scenario.
 
 use super::mistakes;
-use super::settings::{ScarceSpec, TeacherData};
+use super::settings::ScarceSpec;
 use crate::task::{self, TaskConfig, TaskRecord};
 use anyhow::{bail, Context, Result};
 use rand::seq::SliceRandom;
@@ -22,7 +23,7 @@ use std::path::{Path, PathBuf};
 pub struct TaskFiles {
     pub train: PathBuf,
     pub test: PathBuf,
-    pub teacher_train: PathBuf,
+    pub teacher_corrected: PathBuf,
     pub labelled: PathBuf,
     pub prompts: PathBuf,
     /// Held-out records with the end marker (for the after-mistake measurement).
@@ -68,31 +69,24 @@ pub fn sample(records: &[TaskRecord], n: usize, seed: u64) -> Result<Vec<TaskRec
     Ok(keep.into_iter().map(|i| records[i].clone()).collect())
 }
 
-/// The teacher's training records: the task's, plus corrected-prefix ones when asked for,
-/// shuffled together by `seed`.
-pub fn teacher_records(train: &[TaskRecord], data: TeacherData, seed: u64) -> Vec<TaskRecord> {
+/// The corrected teacher's fine-tune records: the task's and one corrected-prefix record per
+/// problem, shuffled together by `seed`.
+pub fn corrected_mix(train: &[TaskRecord], seed: u64) -> Vec<TaskRecord> {
     let mut out = train.to_vec();
-    if data == TeacherData::Corrected {
-        out.extend(mistakes::corrected_records(train, seed ^ 0xc0de));
-        out.shuffle(&mut ChaCha8Rng::seed_from_u64(seed));
-    }
+    out.extend(mistakes::corrected_records(train, seed ^ 0xc0de));
+    out.shuffle(&mut ChaCha8Rng::seed_from_u64(seed));
     out
 }
 
 /// Writes every data file of the demo into `dir`.
-pub fn write(
-    dir: &Path,
-    cfg: &TaskConfig,
-    scarce: &ScarceSpec,
-    teacher: TeacherData,
-) -> Result<TaskFiles> {
+pub fn write(dir: &Path, cfg: &TaskConfig, scarce: &ScarceSpec) -> Result<TaskFiles> {
     let splits = task::make_splits(cfg)?;
     task::write_splits(dir, cfg, &splits)?;
     let (train, test) = (with_marker(&splits.train), with_marker(&splits.test));
     let files = TaskFiles {
         train: dir.join("train_demo.jsonl"),
         test: dir.join("test_demo.jsonl"),
-        teacher_train: dir.join("teacher_train.jsonl"),
+        teacher_corrected: dir.join("teacher_corrected.jsonl"),
         labelled: dir.join("labelled.jsonl"),
         prompts: dir.join("prompts.jsonl"),
         test_records: test.clone(),
@@ -100,10 +94,7 @@ pub fn write(
     };
     write_jsonl(&files.train, &train)?;
     write_jsonl(&files.test, &test)?;
-    write_jsonl(
-        &files.teacher_train,
-        &teacher_records(&train, teacher, cfg.seed),
-    )?;
+    write_jsonl(&files.teacher_corrected, &corrected_mix(&train, cfg.seed))?;
     write_jsonl(
         &files.labelled,
         &sample(&train, scarce.labelled, scarce.seed)?,
@@ -135,7 +126,7 @@ mod tests {
             labelled: 6,
             seed: 1,
         };
-        let f = write(dir.path(), &cfg(), &scarce, TeacherData::Corrected).unwrap();
+        let f = write(dir.path(), &cfg(), &scarce).unwrap();
         let read = |p: &Path| -> Vec<serde_json::Value> {
             std::fs::read_to_string(p)
                 .unwrap()
@@ -159,17 +150,15 @@ mod tests {
             assert_eq!(p.as_object().unwrap().len(), 1);
             assert_eq!(p["prompt"], t["prompt"]);
         }
-        // Teacher: the training records plus one corrected-prefix record per problem (none has
-        // its wrong digit last: the marker follows every answer).
-        let teacher = read(&f.teacher_train);
+        // Teacher's fine-tune: the training records plus one corrected-prefix record per
+        // problem (none has its wrong digit last: the marker follows every answer).
+        let teacher = read(&f.teacher_corrected);
         assert_eq!(teacher.len(), 80);
         assert_eq!(
             teacher.iter().filter(|r| train.contains(r)).count(),
             40,
             "all training records are in"
         );
-        let plain = teacher_records(&with_marker(&task::make_splits(&cfg()).unwrap().train), TeacherData::Plain, 0);
-        assert_eq!(plain.len(), 40);
     }
 
     #[test]

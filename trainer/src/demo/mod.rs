@@ -489,9 +489,17 @@ pub fn run(a: DemoArgs) -> Result<()> {
     Ok(())
 }
 
-/// The teacher: from the cache when its settings match, else trained by SFT on
-/// `files.teacher_train`. Returns its row and whether it was cached.
-fn teacher(out: &Path, s: &DemoSettings, f: &files::TaskFiles, rebuild: bool, eval_records: &[EvalRecord]) -> Result<(Row, PathBuf, bool)> {
+/// A built (or cached) teacher.
+struct Teacher {
+    row: Row,
+    model: PathBuf,
+    cached: bool,
+}
+
+/// The teacher: from the cache when its settings match, else trained by SFT: the plain teacher
+/// on the task (`files.train`), the corrected one by a short SFT of the plain one (itself from
+/// the cache or trained first) on `files.teacher_corrected`. Its row counts both stages.
+fn teacher(out: &Path, s: &DemoSettings, f: &files::TaskFiles, rebuild: bool, eval_records: &[EvalRecord]) -> Result<Teacher> {
     let tdir = out.join("teacher").join(s.teacher_key());
     let model = tdir.join("run").join("final");
     let info_path = tdir.join("teacher.json");
@@ -506,23 +514,37 @@ fn teacher(out: &Path, s: &DemoSettings, f: &files::TaskFiles, rebuild: bool, ev
             seconds: seconds_of(&v),
             curve: vec![],
         };
-        return Ok((row, model, true));
+        return Ok(Teacher { row, model, cached: true });
     }
     if tdir.exists() {
         std::fs::remove_dir_all(&tdir)?;
     }
-    let init = tdir.join("init");
-    init_model(&s.teacher, &init)?;
-    let r = sft_run(&tdir, &init, &f.teacher_train, &s.teacher_training, s.task.seed)?;
+    let (init, data, spec, before) = match s.teacher_data {
+        TeacherData::Plain => {
+            let init = tdir.join("init");
+            init_model(&s.teacher, &init)?;
+            (init, &f.train, &s.teacher_training, None)
+        }
+        TeacherData::Corrected => {
+            let plain = teacher(out, &s.plain_teacher(), f, rebuild, eval_records)?;
+            eprintln!(
+                "   plain teacher: held-out accuracy {:.3}; fine-tuning it on corrected prefixes",
+                plain.row.accuracy
+            );
+            (plain.model, &f.teacher_corrected, &s.teacher_correction, Some(plain.row))
+        }
+    };
+    std::fs::create_dir_all(&tdir)?;
+    let r = sft_run(&tdir, &init, data, spec, s.task.seed)?;
     let row = Row {
         accuracy: accuracy(&model, eval_records, s.max_new_tokens)?,
         kl: 0.0,
-        steps: steps_of(&r),
-        seconds: seconds_of(&r),
+        steps: steps_of(&r) + before.as_ref().map_or(0, |b| b.steps),
+        seconds: seconds_of(&r) + before.as_ref().map_or(0.0, |b| b.seconds),
         curve: vec![],
     };
     std::fs::write(&info_path, serde_json::to_string_pretty(&row)?)?;
-    Ok((row, model, false))
+    Ok(Teacher { row, model, cached: false })
 }
 
 /// The demo with explicit settings (tests use [`DemoSettings::fast`]).
@@ -535,7 +557,7 @@ pub fn run_with(out: &Path, s: &DemoSettings, o: RunOptions) -> Result<Summary> 
 
     stage("task", "2-digit addition with worked steps");
     let task_dir = out.join("task");
-    let f = files::write(&task_dir, &s.task, &s.scarce, s.teacher_data)?;
+    let f = files::write(&task_dir, &s.task, &s.scarce)?;
     let eval_records = eval::load_records(&task_dir.join("test.jsonl"), Some(s.eval_prompts))?;
     eprintln!(
         "   {} training and {} held-out problems in {}; {} labelled for the scarce scenario",
@@ -546,7 +568,11 @@ pub fn run_with(out: &Path, s: &DemoSettings, o: RunOptions) -> Result<Summary> 
     );
 
     stage("teacher", "SFT on the whole task (cached)");
-    let (teacher_row, teacher_model, cached) = teacher(out, s, &f, o.rebuild_teacher, &eval_records)?;
+    let Teacher {
+        row: teacher_row,
+        model: teacher_model,
+        cached,
+    } = teacher(out, s, &f, o.rebuild_teacher, &eval_records)?;
     let mistake_records: Vec<_> = f.test_records.iter().take(s.mistake_records).cloned().collect();
     let after = mistakes::after_mistake(&teacher_model, &mistake_records, s.task.seed ^ 0x3157)?;
     eprintln!(
