@@ -4,7 +4,7 @@
     python3 bench/demo_probes.py [TRAINER] [--only NAME ...] [--table-only]
 
 TRAINER defaults to target/release/trainer (`teacher` must sit beside it). Every probe is a
-`trainer demo --scenario scarce` run with its own flags, written to runs/probes/NAME/; all probes
+`trainer demo` run (scarce scenario only, unless it says otherwise) with its own flags, written to runs/probes/NAME/; all probes
 share the teacher cached in runs/probes/teacher (built by the first probe that needs it, so
 the first run takes the teacher's build time too). A probe whose summary.json exists is not run
 again (delete its folder to redo it). The table printed at the end is what docs/demo.md quotes.
@@ -18,14 +18,15 @@ import subprocess
 import sys
 import time
 
-# name: flags of `trainer demo` beyond --scenario scarce (each probe changes one thing from
-# the default: 100 labelled problems, 150 steps per method, teacher with corrected prefixes).
+# name: flags of `trainer demo` (--scenario scarce unless a probe names its scenarios). Each
+# probe changes one thing from the default (100 labelled problems, 150 steps per method, the
+# teacher fine-tuned on corrected prefixes); "demo" is the default run itself, both scenarios.
 PROBES = {
-    "default": [],
+    "demo": ["--scenario", "both"],
     "plain_teacher": ["--teacher-data", "plain"],
+    "steps_450": ["--steps", "450"],
     "labelled_50": ["--labelled", "50"],
     "labelled_200": ["--labelled", "200"],
-    "steps_450": ["--steps", "450"],
 }
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,7 +43,8 @@ def run(trainer, name, flags):
     link = os.path.join(out, "teacher")
     if not os.path.islink(link):
         os.symlink(shared, link)
-    cmd = [trainer, "demo", "--scenario", "scarce", "--output", out] + flags
+    scenario = [] if "--scenario" in flags else ["--scenario", "scarce"]
+    cmd = [trainer, "demo", "--output", out] + scenario + flags
     print("$", " ".join(cmd), file=sys.stderr, flush=True)
     t0 = time.time()
     with open(os.path.join(out, "stdout.txt"), "w") as f:

@@ -107,8 +107,15 @@ fn fast_demo_end_to_end() {
             .is_file());
         for name in ["sft", "off_policy", "on_policy"] {
             let row = &sc[name];
-            assert_eq!(row["steps"].as_u64(), Some(steps), "{key}.{name}: same budget");
-            assert!(row["seconds"].as_f64().unwrap() > 0.0, "{key}.{name}: seconds");
+            assert_eq!(
+                row["steps"].as_u64(),
+                Some(steps),
+                "{key}.{name}: same budget"
+            );
+            assert!(
+                row["seconds"].as_f64().unwrap() > 0.0,
+                "{key}.{name}: seconds"
+            );
             // The curve starts at the initial student and ends at the final model.
             let curve = row["curve"].as_array().unwrap();
             assert!(curve.len() >= 2, "{key}.{name}: curve {curve:?}");
@@ -134,7 +141,10 @@ fn fast_demo_end_to_end() {
     }
     for name in ["curves.svg", "curves_control.svg"] {
         let svg = std::fs::read_to_string(out.join(name)).unwrap();
-        assert!(svg.starts_with("<svg") && svg.matches("<polyline").count() == 3, "{name}");
+        assert!(
+            svg.starts_with("<svg") && svg.matches("<polyline").count() == 3,
+            "{name}"
+        );
     }
     assert_eq!(summary["teacher_cached"].as_bool(), Some(false));
 

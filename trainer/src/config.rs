@@ -1034,7 +1034,10 @@ mod tests {
             "data.prompt_field"
         );
         // A prompt field alone is a prompts-only file.
-        let ok = MINIMAL.replace("[data]", "[data]\nprompt_field = \"q\"\nprompts_only = true");
+        let ok = MINIMAL.replace(
+            "[data]",
+            "[data]\nprompt_field = \"q\"\nprompts_only = true",
+        );
         let dir = tempfile::tempdir().unwrap();
         let c = Config::from_file(&write(dir.path(), &ok)).unwrap();
         assert!(c.data.prompts_only && c.data.completion_field.is_none());

@@ -312,7 +312,13 @@ progress_bar = true
 
 /// `trainer sft` from `init` on `train` with `dir/sft.toml` (written here), checkpoints and the
 /// final model under `dir/run/`; returns the trainer's JSON summary.
-fn sft_run(dir: &Path, init: &Path, train: &Path, t: &TrainSpec, seed: u64) -> Result<serde_json::Value> {
+fn sft_run(
+    dir: &Path,
+    init: &Path,
+    train: &Path,
+    t: &TrainSpec,
+    seed: u64,
+) -> Result<serde_json::Value> {
     let cfg = dir.join("sft.toml");
     // `trainer sft` ignores `[teacher]`; a placeholder URL keeps the file in the shared format.
     let text = RunConfig {
@@ -499,7 +505,13 @@ struct Teacher {
 /// The teacher: from the cache when its settings match, else trained by SFT: the plain teacher
 /// on the task (`files.train`), the corrected one by a short SFT of the plain one (itself from
 /// the cache or trained first) on `files.teacher_corrected`. Its row counts both stages.
-fn teacher(out: &Path, s: &DemoSettings, f: &files::TaskFiles, rebuild: bool, eval_records: &[EvalRecord]) -> Result<Teacher> {
+fn teacher(
+    out: &Path,
+    s: &DemoSettings,
+    f: &files::TaskFiles,
+    rebuild: bool,
+    eval_records: &[EvalRecord],
+) -> Result<Teacher> {
     let tdir = out.join("teacher").join(s.teacher_key());
     let model = tdir.join("run").join("final");
     let info_path = tdir.join("teacher.json");
@@ -514,7 +526,11 @@ fn teacher(out: &Path, s: &DemoSettings, f: &files::TaskFiles, rebuild: bool, ev
             seconds: seconds_of(&v),
             curve: vec![],
         };
-        return Ok(Teacher { row, model, cached: true });
+        return Ok(Teacher {
+            row,
+            model,
+            cached: true,
+        });
     }
     if tdir.exists() {
         std::fs::remove_dir_all(&tdir)?;
@@ -531,7 +547,12 @@ fn teacher(out: &Path, s: &DemoSettings, f: &files::TaskFiles, rebuild: bool, ev
                 "   plain teacher: held-out accuracy {:.3}; fine-tuning it on corrected prefixes",
                 plain.row.accuracy
             );
-            (plain.model, &f.teacher_corrected, &s.teacher_correction, Some(plain.row))
+            (
+                plain.model,
+                &f.teacher_corrected,
+                &s.teacher_correction,
+                Some(plain.row),
+            )
         }
     };
     std::fs::create_dir_all(&tdir)?;
@@ -544,7 +565,11 @@ fn teacher(out: &Path, s: &DemoSettings, f: &files::TaskFiles, rebuild: bool, ev
         curve: vec![],
     };
     std::fs::write(&info_path, serde_json::to_string_pretty(&row)?)?;
-    Ok(Teacher { row, model, cached: false })
+    Ok(Teacher {
+        row,
+        model,
+        cached: false,
+    })
 }
 
 /// The demo with explicit settings (tests use [`DemoSettings::fast`]).
@@ -573,13 +598,23 @@ pub fn run_with(out: &Path, s: &DemoSettings, o: RunOptions) -> Result<Summary> 
         model: teacher_model,
         cached,
     } = teacher(out, s, &f, o.rebuild_teacher, &eval_records)?;
-    let mistake_records: Vec<_> = f.test_records.iter().take(s.mistake_records).cloned().collect();
+    let mistake_records: Vec<_> = f
+        .test_records
+        .iter()
+        .take(s.mistake_records)
+        .cloned()
+        .collect();
     let after = mistakes::after_mistake(&teacher_model, &mistake_records, s.task.seed ^ 0x3157)?;
     eprintln!(
         "   teacher ({} tokenizer, hidden {}, {} layers, {:?} data): held-out accuracy {:.3}; \
          top-1 on computed digits after a mistake {:.3} (without it {:.3})",
-        s.teacher.tokenizer, s.teacher.hidden_size, s.teacher.layers, s.teacher_data,
-        teacher_row.accuracy, after.after_mistake_top1, after.clean_top1
+        s.teacher.tokenizer,
+        s.teacher.hidden_size,
+        s.teacher.layers,
+        s.teacher_data,
+        teacher_row.accuracy,
+        after.after_mistake_top1,
+        after.clean_top1
     );
 
     stage("server", "teacher server on loopback");
@@ -651,13 +686,20 @@ fn write_outputs(out: &Path, summary: &Summary) -> Result<()> {
     });
     write("curves.json", serde_json::to_string_pretty(&curves)?)?;
     let budget = summary.settings.student_training.steps;
-    for (name, sc) in [("curves.svg", &summary.scarce), ("curves_control.svg", &summary.control)] {
+    for (name, sc) in [
+        ("curves.svg", &summary.scarce),
+        ("curves_control.svg", &summary.control),
+    ] {
         let Some(sc) = sc else { continue };
         let c = sc.curves();
         write(
             name,
             svg(
-                &[("SFT", c.sft), ("off-policy", c.off_policy), ("on-policy", c.on_policy)],
+                &[
+                    ("SFT", c.sft),
+                    ("off-policy", c.off_policy),
+                    ("on-policy", c.on_policy),
+                ],
                 summary.teacher.accuracy,
                 budget,
             ),

@@ -266,7 +266,10 @@ mod tests {
         };
         let g = goal(0.8, &c(&sft_weak), 100, 2.0);
         assert!((g.on_policy_over_sft - 2.0).abs() < 1e-12 && g.met, "{g:?}");
-        assert!(!goal(0.8, &c(&sft_half_way), 100, 2.0).met, "0.8 / 0.41 < 2");
+        assert!(
+            !goal(0.8, &c(&sft_half_way), 100, 2.0).met,
+            "0.8 / 0.41 < 2"
+        );
         assert!(goal(0.8, &c(&sft_half_way), 100, 1.0).met);
         let g = goal(0.8, &c(&zero), 100, 2.0);
         assert!(g.on_policy_over_sft.is_infinite() && g.met);

@@ -98,7 +98,13 @@ fn warm_up(ctx: &Ctx, plan: &Plan, dir: &Path) -> Result<(PathBuf, serde_json::V
         s.student_warmup.steps, plan.labelled_records
     );
     let seed = s.task.seed ^ 0x5717;
-    let r = sft_run(&wdir, ctx.student_random, plan.labelled, &s.student_warmup, seed)?;
+    let r = sft_run(
+        &wdir,
+        ctx.student_random,
+        plan.labelled,
+        &s.student_warmup,
+        seed,
+    )?;
     Ok((wdir.join("run").join("final"), r))
 }
 
@@ -109,11 +115,13 @@ fn kl_records(probe_cfg: &Path, test: &Path, n: usize) -> Result<Vec<Record>> {
         ..Default::default()
     })?
     .data;
-    Ok(data::Dataset::load(test, &data::LoadOptions::from_config(&d))?
-        .records
-        .into_iter()
-        .take(n)
-        .collect())
+    Ok(
+        data::Dataset::load(test, &data::LoadOptions::from_config(&d))?
+            .records
+            .into_iter()
+            .take(n)
+            .collect(),
+    )
 }
 
 /// The `[on_policy]` section of the on-policy runs.
@@ -162,7 +170,11 @@ pub fn run(ctx: &Ctx, plan: &Plan) -> Result<Scenario> {
         let path = runs.join(format!("{name}.toml"));
         let text = RunConfig {
             model: &student_init,
-            data: if on_policy { plan.prompts } else { plan.labelled },
+            data: if on_policy {
+                plan.prompts
+            } else {
+                plan.labelled
+            },
             out: &runs.join(name),
             train: &s.student_training,
             teacher_url: ctx.teacher_url,
@@ -173,7 +185,11 @@ pub fn run(ctx: &Ctx, plan: &Plan) -> Result<Scenario> {
             prompts_only: on_policy && plan.prompts_only,
         }
         .text()
-            + if on_policy { on_policy_extra.as_str() } else { "" };
+            + if on_policy {
+                on_policy_extra.as_str()
+            } else {
+                ""
+            };
         std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
         Ok(path)
     };

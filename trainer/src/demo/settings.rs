@@ -242,7 +242,10 @@ mod tests {
         b.teacher_correction.steps += 1;
         assert_ne!(a.teacher_key(), b.teacher_key());
         // The plain teacher does not depend on the correction.
-        assert_eq!(a.plain_teacher().teacher_key(), b.plain_teacher().teacher_key());
+        assert_eq!(
+            a.plain_teacher().teacher_key(),
+            b.plain_teacher().teacher_key()
+        );
         b.teacher_training.lr *= 2.0;
         assert_ne!(a.teacher_key(), b.teacher_key());
     }
