@@ -19,14 +19,13 @@ import sys
 import time
 
 # name: flags of `trainer demo` (--scenario scarce unless a probe names its scenarios). Each
-# probe changes one thing from the default (100 labelled problems, 150 steps per method, the
-# teacher fine-tuned on corrected prefixes); "demo" is the default run itself, both scenarios.
+# probe changes one or two things from the default (100 labelled problems, 150 steps per
+# method, the teacher fine-tuned on corrected prefixes); "demo" is the default run itself, both
+# scenarios.
 PROBES = {
     "demo": ["--scenario", "both"],
-    "plain_teacher": ["--teacher-data", "plain"],
     "steps_450": ["--steps", "450"],
-    "labelled_50": ["--labelled", "50"],
-    "labelled_200": ["--labelled", "200"],
+    "plain_teacher_450": ["--teacher-data", "plain", "--steps", "450"],
 }
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -58,7 +58,7 @@ fn with_marker(records: &[TaskRecord]) -> Vec<TaskRecord> {
 pub fn sample(records: &[TaskRecord], n: usize, seed: u64) -> Result<Vec<TaskRecord>> {
     if n == 0 || n > records.len() {
         bail!(
-            "scarce.labelled = {n}: must be between 1 and the {} training problems",
+            "labelled problems (--labelled) = {n}: must be between 1 and the {} training problems",
             records.len()
         );
     }
@@ -150,15 +150,30 @@ mod tests {
             assert_eq!(p.as_object().unwrap().len(), 1);
             assert_eq!(p["prompt"], t["prompt"]);
         }
-        // Teacher's fine-tune: the training records plus one corrected-prefix record per
-        // problem (none has its wrong digit last: the marker follows every answer).
+        // Teacher's fine-tune: the training records plus a corrected-prefix record for each
+        // problem whose wrong digit is not the last one (after it only the blank marker is
+        // left, which no SFT record may be).
         let teacher = read(&f.teacher_corrected);
-        assert_eq!(teacher.len(), 80);
+        assert!(
+            teacher.len() > 60 && teacher.len() < 80,
+            "{}",
+            teacher.len()
+        );
         assert_eq!(
             teacher.iter().filter(|r| train.contains(r)).count(),
             40,
             "all training records are in"
         );
+        for r in teacher.iter().filter(|r| !train.contains(r)) {
+            let completion = r["completion"].as_str().unwrap();
+            assert!(!completion.trim().is_empty());
+            let prompt = r["prompt"].as_str().unwrap();
+            let source = train
+                .iter()
+                .find(|t| prompt.starts_with(t["prompt"].as_str().unwrap()))
+                .unwrap();
+            assert!(source["completion"].as_str().unwrap().ends_with(completion));
+        }
     }
 
     #[test]

@@ -79,8 +79,8 @@ pub fn corrupt(completion: &str, rng: &mut ChaCha8Rng) -> Option<Mistake> {
 
 /// Teacher records that start from a mistaken prefix: prompt = the question and the completion
 /// up to and including one wrong digit, completion = the correct rest. One per record of
-/// `records` (seeded); records whose wrong digit is the completion's last are skipped (nothing
-/// to continue).
+/// `records` (seeded); a record whose wrong digit leaves only whitespace after it (the last
+/// answer digit before the end marker) is skipped: SFT data needs a non-blank completion.
 pub fn corrected_records(records: &[TaskRecord], seed: u64) -> Vec<TaskRecord> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     records
@@ -233,7 +233,7 @@ mod tests {
             b: 38,
         }
         .record();
-        let out = corrected_records(std::slice::from_ref(&r).repeat(20).as_slice(), 3);
+        let out = corrected_records(&vec![r.clone(); 20], 3);
         assert!(!out.is_empty() && out.len() <= 20);
         for x in &out {
             // The question is kept, the prompt ends in the wrong digit, and prompt + completion

@@ -225,6 +225,16 @@ pub fn svg(curves: &[(&str, &[(u64, f64)])], teacher_acc: f64, budget: u64) -> S
 mod tests {
     use super::*;
 
+    type Curve = [(u64, f64)];
+
+    fn curves<'a>(sft: &'a Curve, off_policy: &'a Curve, on_policy: &'a Curve) -> Curves<'a> {
+        Curves {
+            sft,
+            off_policy,
+            on_policy,
+        }
+    }
+
     #[test]
     fn goal_compares_steps_to_ninety_percent_of_the_teacher() {
         // Teacher 0.8: target 0.72.
@@ -232,11 +242,7 @@ mod tests {
         let sft_slow = [(0, 0.0), (50, 0.3), (100, 0.73)];
         let sft_fast = [(0, 0.0), (50, 0.72), (100, 0.8)];
         let never = [(0, 0.0), (100, 0.7)];
-        let c = |sft: &'static [(u64, f64)], on: &'static [(u64, f64)]| Curves {
-            sft,
-            off_policy: &never,
-            on_policy: on,
-        };
+        let c = |sft, on| curves(sft, &never, on);
         let g = goal(0.8, &c(&sft_slow, &on), 100, 1.0);
         assert!((g.target_accuracy - 0.72).abs() < 1e-12);
         assert_eq!(
@@ -259,11 +265,7 @@ mod tests {
         let sft_weak = [(0, 0.0), (100, 0.4)];
         let sft_half_way = [(0, 0.0), (100, 0.41)];
         let zero = [(0, 0.0), (100, 0.0)];
-        let c = |sft: &'static [(u64, f64)]| Curves {
-            sft,
-            off_policy: &zero,
-            on_policy: &on,
-        };
+        let c = |sft| curves(sft, &zero, &on);
         let g = goal(0.8, &c(&sft_weak), 100, 2.0);
         assert!((g.on_policy_over_sft - 2.0).abs() < 1e-12 && g.met, "{g:?}");
         assert!(
