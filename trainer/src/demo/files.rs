@@ -3,7 +3,7 @@
 //! - `train_demo.jsonl` / `test_demo.jsonl`: the task's splits with the end-of-answer blank line
 //!   appended to every completion (the control scenario's data; the evaluation's stop string);
 //! - `teacher_corrected.jsonl`: the corrected teacher's fine-tune data (`train_demo.jsonl` with
-//!   one corrected-prefix record per problem shuffled in; the plain teacher trains on
+//!   a corrected-prefix record for each problem shuffled in; the plain teacher trains on
 //!   `train_demo.jsonl`);
 //! - `labelled.jsonl`: the scarce scenario's labels, a seeded sample of `train_demo.jsonl`;
 //! - `prompts.jsonl`: every training prompt and nothing else (no completion, no answer), what
@@ -69,7 +69,7 @@ pub fn sample(records: &[TaskRecord], n: usize, seed: u64) -> Result<Vec<TaskRec
     Ok(keep.into_iter().map(|i| records[i].clone()).collect())
 }
 
-/// The corrected teacher's fine-tune records: the task's and one corrected-prefix record per
+/// The corrected teacher's fine-tune records: the task's and a corrected-prefix record per
 /// problem, shuffled together by `seed`.
 pub fn corrected_mix(train: &[TaskRecord], seed: u64) -> Vec<TaskRecord> {
     let mut out = train.to_vec();

@@ -37,7 +37,7 @@ pub enum TeacherData {
     /// The task's correct worked solutions only.
     Plain,
     /// The plain teacher, then a short SFT (`teacher_correction`) on the task's records mixed
-    /// with one corrected-prefix record per training problem: a prompt ending in a solution with
+    /// with a corrected-prefix record per training problem: a prompt ending in a solution with
     /// one wrong computed digit, the correct rest as the completion (`demo::mistakes`), so that
     /// the teacher keeps giving correct advice on a student's mistaken samples. (Mixing them in
     /// from the start delayed the plain teacher's learning: 0.17 held-out accuracy after the
