@@ -435,3 +435,23 @@ pub fn train(
         final_dir: o.final_dir,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_prompts_only_file_is_refused_before_anything_is_loaded() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(
+            &path,
+            "[policy]\nmodel_name = \"no-such-model\"\n[teacher]\nurls = [\"http://x.invalid\"]\n\
+             [data]\ntrain_path = \"p.jsonl\"\nprompt_field = \"prompt\"\nprompts_only = true\n",
+        )
+        .unwrap();
+        let cfg = Config::from_file(&path).unwrap();
+        let err = Sft::new(&cfg, None).err().unwrap().to_string();
+        assert!(err.contains("data.prompts_only"), "{err}");
+    }
+}
