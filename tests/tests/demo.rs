@@ -1,6 +1,7 @@
-//! `trainer demo --fast`: the whole pipeline (task, teacher SFT, teacher server, cross-tokenizer
-//! student, SFT / off-policy / on-policy runs, evaluation, summary) through the real binaries,
-//! on tiny models; checks the summary's shape and the sanity of its values.
+//! `trainer demo --fast`: the whole pipeline (task and its scarce-label files, teacher SFT with
+//! corrected prefixes, its after-mistake measurement, teacher server, cross-tokenizer student,
+//! both scenarios' warm-ups and SFT / off-policy / on-policy runs, evaluation, summary) through
+//! the real binaries, on tiny models; checks the summary's shape and the sanity of its values.
 
 use std::process::Command;
 
@@ -36,52 +37,115 @@ fn fast_demo_end_to_end() {
         stdout
     };
     let stdout = run();
-    for name in ["teacher", "student_init", "sft", "off_policy", "on_policy"] {
+    for name in [
+        "teacher",
+        "student_init",
+        "sft",
+        "off_policy",
+        "on_policy",
+        "scarce labels",
+        "all labels",
+    ] {
         assert!(stdout.contains(name), "table lacks {name}:\n{stdout}");
     }
     let summary: serde_json::Value =
         serde_json::from_slice(&std::fs::read(out.join("summary.json")).unwrap()).unwrap();
-    let steps = summary["settings"]["student_training"]["steps"]
-        .as_u64()
-        .unwrap();
-    for name in ["teacher", "student_init", "sft", "off_policy", "on_policy"] {
-        let row = &summary[name];
-        for key in ["accuracy", "kl", "steps", "seconds"] {
-            assert!(row[key].is_number(), "{name}.{key} missing: {row}");
-        }
-        let acc = row["accuracy"].as_f64().unwrap();
-        assert!((0.0..=1.0).contains(&acc), "{name}: accuracy {acc}");
-        assert!(row["kl"].as_f64().unwrap().is_finite(), "{name}: kl");
-        assert!(row["seconds"].as_f64().unwrap() >= 0.0);
-    }
+    let settings = &summary["settings"];
+    let steps = settings["student_training"]["steps"].as_u64().unwrap();
+    let labelled = settings["scarce"]["labelled"].as_u64().unwrap();
+    let train = settings["task"]["train"].as_u64().unwrap();
+    assert!(0 < labelled && labelled < train, "{labelled} of {train}");
     assert_eq!(summary["teacher"]["kl"].as_f64(), Some(0.0));
-    // The common starting point is the random student after the warm-up SFT.
-    assert_eq!(
-        summary["student_init"]["steps"].as_u64(),
-        summary["settings"]["student_warmup"]["steps"].as_u64()
-    );
-    assert!(
-        summary["settings"]["student_warmup"]["steps"]
-            .as_u64()
-            .unwrap()
-            > 0
-    );
-    assert!(out.join("student_warmup/run/final/config.json").is_file());
-    for name in ["sft", "off_policy", "on_policy"] {
-        let row = &summary[name];
-        assert_eq!(row["steps"].as_u64(), Some(steps), "{name}: same budget");
-        assert!(row["seconds"].as_f64().unwrap() > 0.0, "{name}: seconds");
-        // The curve starts at the initial student and ends at the final model.
-        let curve = row["curve"].as_array().unwrap();
-        assert!(curve.len() >= 2, "{name}: curve {curve:?}");
-        assert_eq!(curve[0][0].as_u64(), Some(0));
-        assert_eq!(curve[0][1], summary["student_init"]["accuracy"]);
-        assert_eq!(curve.last().unwrap()[0].as_u64(), Some(steps));
-        assert_eq!(curve.last().unwrap()[1], row["accuracy"]);
+    let acc = summary["teacher"]["accuracy"].as_f64().unwrap();
+    assert!((0.0..=1.0).contains(&acc), "teacher accuracy {acc}");
+    // The teacher's advice after a mistake: shares of the digits scored.
+    let m = &summary["teacher_after_mistake"];
+    assert!(m["digits"].as_u64().unwrap() > 0, "{m}");
+    for key in ["after_mistake_top1", "clean_top1"] {
+        let v = m[key].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&v), "{key} {v}");
     }
-    assert!(out.join("curves.json").is_file());
-    let svg = std::fs::read_to_string(out.join("curves.svg")).unwrap();
-    assert!(svg.starts_with("<svg") && svg.contains("polyline"));
+    let task = out.join("task");
+    let lines = |name: &str| -> Vec<serde_json::Value> {
+        std::fs::read_to_string(task.join(name))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    assert_eq!(lines("labelled.jsonl").len() as u64, labelled);
+    // On-policy's prompts in the scarce scenario carry no solution.
+    let prompts = lines("prompts.jsonl");
+    assert_eq!(prompts.len() as u64, train);
+    assert!(prompts.iter().all(|p| p.as_object().unwrap().len() == 1));
+    let on_cfg = std::fs::read_to_string(out.join("scarce/runs/on_policy.toml")).unwrap();
+    assert!(on_cfg.contains("prompts_only = true") && on_cfg.contains("prompts.jsonl"));
+    for (key, records, prompts_only) in [("scarce", labelled, true), ("control", train, false)] {
+        let sc = &summary[key];
+        assert_eq!(sc["labelled_records"].as_u64(), Some(records), "{key}");
+        assert_eq!(sc["prompts"].as_u64(), Some(train), "{key}");
+        assert_eq!(sc["prompts_only"].as_bool(), Some(prompts_only), "{key}");
+        for name in ["student_init", "sft", "off_policy", "on_policy"] {
+            let row = &sc[name];
+            for k in ["accuracy", "kl", "steps", "seconds"] {
+                assert!(row[k].is_number(), "{key}.{name}.{k} missing: {row}");
+            }
+            let acc = row["accuracy"].as_f64().unwrap();
+            assert!((0.0..=1.0).contains(&acc), "{key}.{name}: accuracy {acc}");
+            assert!(row["kl"].as_f64().unwrap().is_finite(), "{key}.{name}: kl");
+            assert!(row["seconds"].as_f64().unwrap() >= 0.0);
+        }
+        // The common starting point is the random student after the warm-up SFT on the
+        // scenario's labels.
+        assert_eq!(
+            sc["student_init"]["steps"].as_u64(),
+            settings["student_warmup"]["steps"].as_u64()
+        );
+        assert!(out
+            .join(key)
+            .join("student_warmup/run/final/config.json")
+            .is_file());
+        for name in ["sft", "off_policy", "on_policy"] {
+            let row = &sc[name];
+            assert_eq!(
+                row["steps"].as_u64(),
+                Some(steps),
+                "{key}.{name}: same budget"
+            );
+            assert!(
+                row["seconds"].as_f64().unwrap() > 0.0,
+                "{key}.{name}: seconds"
+            );
+            // The curve starts at the initial student and ends at the final model.
+            let curve = row["curve"].as_array().unwrap();
+            assert!(curve.len() >= 2, "{key}.{name}: curve {curve:?}");
+            assert_eq!(curve[0][0].as_u64(), Some(0));
+            assert_eq!(curve[0][1], sc["student_init"]["accuracy"]);
+            assert_eq!(curve.last().unwrap()[0].as_u64(), Some(steps));
+            assert_eq!(curve.last().unwrap()[1], row["accuracy"]);
+        }
+        let g = &sc["goal"];
+        assert!((g["target_accuracy"].as_f64().unwrap() - 0.9 * acc).abs() < 1e-9);
+        assert!(g["met"].is_boolean());
+    }
+    assert_eq!(summary["scarce"]["goal"]["min_ratio"].as_f64(), Some(2.0));
+    let curves: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("curves.json")).unwrap()).unwrap();
+    for key in ["scarce", "control"] {
+        for name in ["sft", "off_policy", "on_policy"] {
+            assert_eq!(
+                curves[key][name], summary[key][name]["curve"],
+                "curves.json {key}.{name}"
+            );
+        }
+    }
+    for name in ["curves.svg", "curves_control.svg"] {
+        let svg = std::fs::read_to_string(out.join(name)).unwrap();
+        assert!(
+            svg.starts_with("<svg") && svg.matches("<polyline").count() == 3,
+            "{name}"
+        );
+    }
     assert_eq!(summary["teacher_cached"].as_bool(), Some(false));
 
     // A second run reuses the cached teacher.

@@ -267,6 +267,10 @@ pub struct DataConfig {
     /// JSONL prompt and completion fields; when both are set they replace `text_field`.
     pub prompt_field: Option<String>,
     pub completion_field: Option<String>,
+    /// Records are prompts alone (`prompt_field`; a completion field is not read even when the
+    /// file has one): unlabelled prompts for `trainer on-policy` with `lambda = 1`, the only
+    /// objective that needs no completion. SFT and off-policy refuse it.
+    pub prompts_only: bool,
     /// Appended to the prompt, between prompt and completion (e.g. "\n").
     pub separator: String,
     /// With prompt/completion records: loss on the completion's tokens only.
@@ -294,6 +298,7 @@ impl Default for DataConfig {
             text_field: "text".into(),
             prompt_field: None,
             completion_field: None,
+            prompts_only: false,
             separator: String::new(),
             completion_only_loss: true,
             val_fraction: 0.0,
@@ -765,6 +770,13 @@ impl Validate for DataConfig {
             ));
         }
         match (&d.prompt_field, &d.completion_field) {
+            (None, _) if d.prompts_only => {
+                return Err(invalid(
+                    "data.prompt_field",
+                    "required with data.prompts_only = true",
+                ))
+            }
+            (Some(_), None) if d.prompts_only => {}
             (Some(_), None) => {
                 return Err(invalid(
                     "data.completion_field",
@@ -1017,6 +1029,18 @@ mod tests {
             err_key(&MINIMAL.replace("[data]", "[data]\nprompt_field = \"q\"")),
             "data.completion_field"
         );
+        assert_eq!(
+            err_key(&MINIMAL.replace("[data]", "[data]\nprompts_only = true")),
+            "data.prompt_field"
+        );
+        // A prompt field alone is a prompts-only file.
+        let ok = MINIMAL.replace(
+            "[data]",
+            "[data]\nprompt_field = \"q\"\nprompts_only = true",
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let c = Config::from_file(&write(dir.path(), &ok)).unwrap();
+        assert!(c.data.prompts_only && c.data.completion_field.is_none());
         assert_eq!(
             err_key(&with("[distillation]\nval_period = 10")),
             "distillation.val_period"

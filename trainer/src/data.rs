@@ -139,6 +139,8 @@ pub struct LoadOptions {
     pub text_field: String,
     /// Prompt and completion fields (both or neither).
     pub pair_fields: Option<(String, String)>,
+    /// Read only the prompt field: every record is a prompt with an empty completion.
+    pub prompts_only: bool,
     pub separator: String,
     pub completion_only_loss: bool,
     pub max_record_bytes: usize,
@@ -149,7 +151,12 @@ impl LoadOptions {
         LoadOptions {
             format: d.format,
             text_field: d.text_field.clone(),
-            pair_fields: d.prompt_field.clone().zip(d.completion_field.clone()),
+            pair_fields: d.prompt_field.clone().zip(
+                d.completion_field
+                    .clone()
+                    .or_else(|| d.prompts_only.then(String::new)),
+            ),
+            prompts_only: d.prompts_only,
             separator: d.separator.clone(),
             completion_only_loss: d.completion_only_loss,
             max_record_bytes: d.max_record_bytes,
@@ -398,6 +405,16 @@ fn parse_jsonl(bytes: &[u8], line: usize, opts: &LoadOptions) -> Result<Record, 
             .ok_or(SkipReason::MissingField)
     };
     let content = match &opts.pair_fields {
+        Some((p, _)) if opts.prompts_only => {
+            let prompt = field(p)?;
+            if prompt.trim().is_empty() {
+                return Err(SkipReason::Empty);
+            }
+            Content::Pair {
+                prompt: format!("{prompt}{}", opts.separator),
+                completion: String::new(),
+            }
+        }
         Some((p, c)) => {
             let (prompt, completion) = (field(p)?, field(c)?);
             if completion.trim().is_empty()
@@ -682,6 +699,42 @@ mod tests {
         let ds = Dataset::load(&p, &LoadOptions::default()).unwrap();
         let texts: Vec<String> = ds.records.iter().map(Record::text).collect();
         assert_eq!(texts, ["one", "two"]);
+    }
+
+    #[test]
+    fn prompts_only_records_never_carry_the_completion() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = write(
+            dir.path(),
+            "p.jsonl",
+            b"{\"q\": \"2+2?\", \"a\": \"4\"}\n{\"q\": \"3+3?\"}\n{\"q\": \" \"}\n{\"a\": \"5\"}\n",
+        );
+        let o = LoadOptions {
+            pair_fields: Some(("q".into(), "a".into())),
+            prompts_only: true,
+            separator: "\n".into(),
+            ..LoadOptions::default()
+        };
+        let ds = Dataset::load(&p, &o).unwrap();
+        // The answer of line 1 is not read; line 2 has none and still counts; line 3 is an
+        // empty prompt, line 4 has no prompt.
+        let contents: Vec<&Content> = ds.records.iter().map(|r| &r.content).collect();
+        let pair = |prompt: &str| Content::Pair {
+            prompt: prompt.into(),
+            completion: String::new(),
+        };
+        assert_eq!(contents, [&pair("2+2?\n"), &pair("3+3?\n")]);
+        assert_eq!((ds.skipped.empty, ds.skipped.missing_field), (1, 1));
+        // The same file read with completions keeps only the labelled record.
+        let labelled = Dataset::load(
+            &p,
+            &LoadOptions {
+                prompts_only: false,
+                ..o
+            },
+        )
+        .unwrap();
+        assert_eq!(labelled.records.len(), 1);
     }
 
     #[test]

@@ -1,32 +1,40 @@
-//! `trainer demo`: the end-to-end comparison on the synthetic arithmetic task.
+//! `trainer demo`: the end-to-end comparison on the synthetic arithmetic task, in two
+//! scenarios.
 //!
-//! 1. Writes the task (seeded).
-//! 2. Builds a teacher by SFT on it, cached under `OUTPUT/teacher/<hash of the teacher
-//!    settings>/` and reused by later runs.
+//! 1. Writes the task (seeded) and the files each side may see ([`files`]).
+//! 2. Builds a teacher by SFT on the whole task (with corrected-prefix records, see
+//!    [`mistakes`]), cached under `OUTPUT/teacher/<hash of the teacher settings>/` and reused by
+//!    later runs; measures its advice after a mistake.
 //! 3. Starts the real `teacher` binary on loopback (port 0).
 //! 4. Initialises a smaller student **with a different tokenizer**.
-//! 5. Gives it the same budget (steps × prompts per step) under (a) SFT, (b) off-policy and
-//!    (c) on-policy distillation, each run as a subprocess of this executable (`trainer sft`,
+//! 5. Runs each scenario ([`scenario`]): a warm-up SFT on the scenario's labels gives the
+//!    common starting point, then the same budget (steps × prompts per step) under (a) SFT and
+//!    (b) off-policy distillation on the labels and (c) on-policy distillation on the
+//!    scenario's prompts, each run as a subprocess of this executable (`trainer sft`,
 //!    `trainer off-policy`, `trainer on-policy`) with a generated config file, so the demo
-//!    exercises the real CLIs.
-//! 6. Evaluates every checkpoint (greedy held-out accuracy: the curve) and the final models
-//!    (accuracy and KL to the teacher).
-//! 7. Prints the table and writes `OUTPUT/summary.json`, `OUTPUT/curves.json`, `OUTPUT/curves.svg`.
+//!    exercises the real CLIs. Every checkpoint is evaluated (the curve).
+//!    - **scarce** (the headline): worked solutions for a few training problems, every
+//!      training prompt without its answer for on-policy;
+//!    - **control**: every training problem with its worked solution.
+//! 6. Prints a table per scenario and writes `OUTPUT/summary.json`, `OUTPUT/curves.json`,
+//!    `OUTPUT/curves.svg` (scarce) and `OUTPUT/curves_control.svg`.
 //!
 //! The task's completions get a blank line appended (`"\n\n"`, the evaluation's default stop
 //! string): every method then learns the same end-of-answer marker, whatever each tokenizer's
 //! EOS and however the cross-tokenizer alignment treats special tokens.
 
 use crate::config::{Config, OffPolicyArgs};
-use crate::data::{self, Record};
+use crate::data::Record;
 use crate::eval::{self, EvalConfig, EvalRecord};
-use crate::task::{self, TaskConfig};
 use crate::train::off_policy;
+pub mod files;
+pub mod mistakes;
 mod report;
+mod scenario;
 mod settings;
 
-pub use report::{goal, steps_to, svg, table, Goal, Row, Summary};
-pub use settings::{DemoSettings, ModelSpec, TrainSpec};
+pub use report::{goal, steps_to, svg, table, Curves, Goal, Row, Scenario, Summary};
+pub use settings::{DemoSettings, ModelSpec, ScarceSpec, TeacherData, TrainSpec};
 
 use anyhow::{bail, Context, Result};
 use candle_core::DType;
@@ -34,6 +42,28 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Instant;
 use xdistill_shared::process::TeacherProcess;
+
+/// Which scenarios a run measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Scenarios {
+    /// The scarce-label headline and the full-label control.
+    Both,
+    /// Only the scarce-label scenario (probe runs).
+    Scarce,
+    /// Only the full-label control.
+    Control,
+    /// Neither: build (or reuse) the teacher and measure its advice after a mistake.
+    Teacher,
+}
+
+impl Scenarios {
+    fn scarce(self) -> bool {
+        matches!(self, Scenarios::Both | Scenarios::Scarce)
+    }
+    fn control(self) -> bool {
+        matches!(self, Scenarios::Both | Scenarios::Control)
+    }
+}
 
 /// `trainer demo`.
 #[derive(clap::Args, Debug, Clone)]
@@ -48,12 +78,29 @@ pub struct DemoArgs {
     /// Training steps per method (default: the preset's).
     #[arg(long)]
     pub steps: Option<u64>,
+    /// Labelled training problems of the scarce scenario (default: the preset's).
+    #[arg(long)]
+    pub labelled: Option<usize>,
+    /// Which scenarios to run.
+    #[arg(long, value_enum, default_value_t = Scenarios::Both)]
+    pub scenario: Scenarios,
+    /// What the teacher is trained on (default: the preset's, `corrected`).
+    #[arg(long, value_enum)]
+    pub teacher_data: Option<TeacherData>,
     /// Build the teacher again even when a cached one matches the settings.
     #[arg(long)]
     pub rebuild_teacher: bool,
     /// The `teacher` server binary (default: beside this executable).
     #[arg(long)]
     pub teacher_bin: Option<PathBuf>,
+}
+
+/// How [`run_with`] runs, besides the settings.
+#[derive(Debug, Clone, Copy)]
+pub struct RunOptions<'a> {
+    pub rebuild_teacher: bool,
+    pub teacher_bin: Option<&'a Path>,
+    pub scenarios: Scenarios,
 }
 
 /// The `teacher` binary: `--teacher-bin`, else beside the running executable.
@@ -106,8 +153,9 @@ fn trainer_binary() -> Result<PathBuf> {
         })
 }
 
-fn stage(n: usize, text: &str) {
-    eprintln!("\n== [{n}/8] {text}");
+/// A stage heading on stderr.
+fn stage(label: &str, text: &str) {
+    eprintln!("\n== [{label}] {text}");
 }
 
 /// Runs `trainer SUB --config CONFIG [EXTRA]`, the child's progress on our stderr; returns the
@@ -182,22 +230,34 @@ fn init_model(spec: &ModelSpec, out: &Path) -> Result<()> {
     })
 }
 
-/// The config file text shared by the three methods (and the teacher's SFT).
-#[allow(clippy::too_many_arguments)]
-fn config_text(
-    model: &Path,
-    data: &Path,
-    out: &Path,
-    t: &TrainSpec,
-    teacher_url: &str,
-    loss: &str,
-    save_period: u64,
-    seed: u64,
-    k: usize,
-) -> String {
-    let q = |p: &Path| toml::Value::String(p.display().to_string()).to_string();
-    format!(
-        r#"# Generated by `trainer demo`.
+/// One generated training config: what `trainer sft` / `off-policy` / `on-policy` is run with.
+pub struct RunConfig<'a> {
+    pub model: &'a Path,
+    pub data: &'a Path,
+    pub out: &'a Path,
+    pub train: &'a TrainSpec,
+    pub teacher_url: &'a str,
+    /// The `[loss]` section's body (empty for SFT).
+    pub loss: &'a str,
+    pub save_period: u64,
+    pub seed: u64,
+    pub k: usize,
+    /// The data file holds prompts only (`data.prompts_only`, on-policy with `lambda = 1`).
+    pub prompts_only: bool,
+}
+
+impl RunConfig<'_> {
+    /// The config file text shared by the methods (and the teacher's SFT).
+    pub fn text(&self) -> String {
+        let q = |p: &Path| toml::Value::String(p.display().to_string()).to_string();
+        let t = self.train;
+        let fields = if self.prompts_only {
+            "prompt_field = \"prompt\"\nprompts_only = true"
+        } else {
+            "prompt_field = \"prompt\"\ncompletion_field = \"completion\""
+        };
+        format!(
+            r#"# Generated by `trainer demo`.
 [policy]
 model_name = {model}
 max_total_sequence_length = 128
@@ -217,8 +277,7 @@ max_wait_s = 120.0
 {loss}
 [data]
 train_path = {data}
-prompt_field = "prompt"
-completion_field = "completion"
+{fields}
 [distillation]
 num_prompts_per_step = {b}
 max_num_steps = {steps}
@@ -233,16 +292,22 @@ keep_top_k = 1000000
 log_every = 10
 progress_bar = true
 "#,
-        model = q(model),
-        data = q(data),
-        out = q(out),
-        mb = t.micro_batch,
-        lr = t.lr,
-        min_lr = t.min_lr,
-        warmup = t.warmup_steps,
-        b = t.prompts_per_step,
-        steps = t.steps,
-    )
+            model = q(self.model),
+            data = q(self.data),
+            out = q(self.out),
+            mb = t.micro_batch,
+            lr = t.lr,
+            min_lr = t.min_lr,
+            warmup = t.warmup_steps,
+            teacher_url = self.teacher_url,
+            k = self.k,
+            loss = self.loss,
+            b = t.prompts_per_step,
+            steps = t.steps,
+            seed = self.seed,
+            save_period = self.save_period,
+        )
+    }
 }
 
 /// `trainer sft` from `init` on `train` with `dir/sft.toml` (written here), checkpoints and the
@@ -253,46 +318,24 @@ fn sft_run(
     train: &Path,
     t: &TrainSpec,
     seed: u64,
-    k: usize,
 ) -> Result<serde_json::Value> {
     let cfg = dir.join("sft.toml");
     // `trainer sft` ignores `[teacher]`; a placeholder URL keeps the file in the shared format.
-    let text = config_text(
-        init,
-        train,
-        &dir.join("run"),
-        t,
-        "http://unused.invalid",
-        "",
-        t.steps,
+    let text = RunConfig {
+        model: init,
+        data: train,
+        out: &dir.join("run"),
+        train: t,
+        teacher_url: "http://unused.invalid",
+        loss: "",
+        save_period: t.steps,
         seed,
-        k,
-    );
+        k: 1,
+        prompts_only: false,
+    }
+    .text();
     std::fs::write(&cfg, text).with_context(|| format!("writing {}", cfg.display()))?;
     run_trainer("sft", &cfg, &[])
-}
-
-/// Writes the task files: the standard splits plus `train_demo.jsonl` / `test_demo.jsonl`, whose
-/// completions end with the blank line every method learns to stop at.
-fn write_task(dir: &Path, cfg: &TaskConfig) -> Result<(PathBuf, PathBuf)> {
-    let splits = task::make_splits(cfg)?;
-    task::write_splits(dir, cfg, &splits)?;
-    let write = |name: &str, records: &[task::TaskRecord]| -> Result<PathBuf> {
-        let path = dir.join(name);
-        let mut text = String::new();
-        for r in records {
-            let mut r = r.clone();
-            r.completion.push_str("\n\n");
-            text.push_str(&serde_json::to_string(&r)?);
-            text.push('\n');
-        }
-        std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
-        Ok(path)
-    };
-    Ok((
-        write("train_demo.jsonl", &splits.train)?,
-        write("test_demo.jsonl", &splits.test)?,
-    ))
 }
 
 /// Greedy held-out accuracy of a model directory.
@@ -405,17 +448,45 @@ pub fn run(a: DemoArgs) -> Result<()> {
         }
         settings.student_training.steps = n;
     }
-    let summary = run_with(
-        &a.output,
-        &settings,
-        a.rebuild_teacher,
-        a.teacher_bin.as_deref(),
-    )?;
-    println!("\n{}", table(&summary));
+    if let Some(n) = a.labelled {
+        settings.scarce.labelled = n;
+    }
+    if let Some(d) = a.teacher_data {
+        settings.teacher_data = d;
+    }
+    let opts = RunOptions {
+        rebuild_teacher: a.rebuild_teacher,
+        teacher_bin: a.teacher_bin.as_deref(),
+        scenarios: a.scenario,
+    };
+    let summary = run_with(&a.output, &settings, opts)?;
+    let m = &summary.teacher_after_mistake;
     println!(
-        "goal (on-policy ≥ 90% of the teacher in ≤ 1/5 of SFT's steps): {}",
-        if summary.goal.met { "met" } else { "not met" }
+        "\nteacher: accuracy {:.3}; top-1 on the computed digits after a mistake {:.3} \
+         (same digits without it {:.3}; {} digits)",
+        summary.teacher.accuracy, m.after_mistake_top1, m.clean_top1, m.digits
     );
+    for (name, sc, ask) in [
+        (
+            "scarce labels (headline)",
+            &summary.scarce,
+            "on-policy ≥ 90% of the teacher in ≤ 1/5 of SFT's steps and ≥ 2× SFT's accuracy",
+        ),
+        (
+            "all labels (control)",
+            &summary.control,
+            "on-policy ≥ 90% of the teacher in ≤ 1/5 of SFT's steps",
+        ),
+    ] {
+        let Some(sc) = sc else { continue };
+        println!(
+            "\n{name}: {} labelled problems, on-policy on {} prompts\n{}goal ({ask}): {}",
+            sc.labelled_records,
+            sc.prompts,
+            table(&summary.teacher, sc),
+            if sc.goal.met { "met" } else { "not met" }
+        );
+    }
     println!(
         "wrote {} ({:.0} s in all)",
         a.output.join("summary.json").display(),
@@ -424,261 +495,215 @@ pub fn run(a: DemoArgs) -> Result<()> {
     Ok(())
 }
 
-/// The demo with explicit settings (tests use [`DemoSettings::fast`]).
-pub fn run_with(
+/// A built (or cached) teacher.
+struct Teacher {
+    row: Row,
+    model: PathBuf,
+    cached: bool,
+}
+
+/// The teacher: from the cache when its settings match, else trained by SFT: the plain teacher
+/// on the task (`files.train`), the corrected one by a short SFT of the plain one (itself from
+/// the cache or trained first) on `files.teacher_corrected`. Its row counts both stages.
+fn teacher(
     out: &Path,
     s: &DemoSettings,
-    rebuild_teacher: bool,
-    teacher_bin: Option<&Path>,
-) -> Result<Summary> {
-    let t0 = Instant::now();
-    let teacher_bin = teacher_binary(teacher_bin)?;
-    trainer_binary()?;
-    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-    let out = &std::path::absolute(out)?;
-
-    stage(1, "task: 2-digit addition with worked steps");
-    let task_dir = out.join("task");
-    let (train, test) = write_task(&task_dir, &s.task)?;
-    let eval_records = eval::load_records(&task_dir.join("test.jsonl"), Some(s.eval_prompts))?;
-    eprintln!(
-        "   {} training and {} held-out problems in {}",
-        s.task.train,
-        s.task.test,
-        task_dir.display()
-    );
-
-    stage(2, "teacher: SFT on the task (cached)");
+    f: &files::TaskFiles,
+    rebuild: bool,
+    eval_records: &[EvalRecord],
+) -> Result<Teacher> {
     let tdir = out.join("teacher").join(s.teacher_key());
-    let teacher_model = tdir.join("run").join("final");
+    let model = tdir.join("run").join("final");
     let info_path = tdir.join("teacher.json");
-    let cached =
-        !rebuild_teacher && info_path.is_file() && teacher_model.join("config.json").is_file();
-    let teacher_row: Row = if cached {
-        eprintln!("   reusing {}", teacher_model.display());
-        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&info_path)?)?;
-        Row {
+    if !rebuild && info_path.is_file() && model.join("config.json").is_file() {
+        eprintln!("   reusing {}", model.display());
+        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&info_path)?)
+            .with_context(|| format!("reading {}", info_path.display()))?;
+        let row = Row {
             accuracy: v["accuracy"].as_f64().unwrap_or(0.0),
             kl: 0.0,
             steps: steps_of(&v),
             seconds: seconds_of(&v),
             curve: vec![],
-        }
-    } else {
-        if tdir.exists() {
-            std::fs::remove_dir_all(&tdir)?;
-        }
-        let init = tdir.join("init");
-        init_model(&s.teacher, &init)?;
-        let r = sft_run(&tdir, &init, &train, &s.teacher_training, s.task.seed, s.k)?;
-        let acc = accuracy(&teacher_model, &eval_records, s.max_new_tokens)?;
-        let row = Row {
-            accuracy: acc,
-            kl: 0.0,
-            steps: steps_of(&r),
-            seconds: seconds_of(&r),
-            curve: vec![],
         };
-        std::fs::write(&info_path, serde_json::to_string_pretty(&row)?)?;
-        row
+        return Ok(Teacher {
+            row,
+            model,
+            cached: true,
+        });
+    }
+    if tdir.exists() {
+        std::fs::remove_dir_all(&tdir)?;
+    }
+    let (init, data, spec, before) = match s.teacher_data {
+        TeacherData::Plain => {
+            let init = tdir.join("init");
+            init_model(&s.teacher, &init)?;
+            (init, &f.train, &s.teacher_training, None)
+        }
+        TeacherData::Corrected => {
+            let plain = teacher(out, &s.plain_teacher(), f, rebuild, eval_records)?;
+            eprintln!(
+                "   plain teacher: held-out accuracy {:.3}; fine-tuning it on corrected prefixes",
+                plain.row.accuracy
+            );
+            (
+                plain.model,
+                &f.teacher_corrected,
+                &s.teacher_correction,
+                Some(plain.row),
+            )
+        }
     };
+    std::fs::create_dir_all(&tdir)?;
+    let r = sft_run(&tdir, &init, data, spec, s.task.seed)?;
+    let row = Row {
+        accuracy: accuracy(&model, eval_records, s.max_new_tokens)?,
+        kl: 0.0,
+        steps: steps_of(&r) + before.as_ref().map_or(0, |b| b.steps),
+        seconds: seconds_of(&r) + before.as_ref().map_or(0.0, |b| b.seconds),
+        curve: vec![],
+    };
+    std::fs::write(&info_path, serde_json::to_string_pretty(&row)?)?;
+    Ok(Teacher {
+        row,
+        model,
+        cached: false,
+    })
+}
+
+/// The demo with explicit settings (tests use [`DemoSettings::fast`]).
+pub fn run_with(out: &Path, s: &DemoSettings, o: RunOptions) -> Result<Summary> {
+    let t0 = Instant::now();
+    let teacher_bin = teacher_binary(o.teacher_bin)?;
+    trainer_binary()?;
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let out = &std::path::absolute(out)?;
+
+    stage("task", "2-digit addition with worked steps");
+    let task_dir = out.join("task");
+    let f = files::write(&task_dir, &s.task, &s.scarce)?;
+    let eval_records = eval::load_records(&task_dir.join("test.jsonl"), Some(s.eval_prompts))?;
     eprintln!(
-        "   teacher ({} tokenizer, hidden {}, {} layers): held-out accuracy {:.3}",
-        s.teacher.tokenizer, s.teacher.hidden_size, s.teacher.layers, teacher_row.accuracy
+        "   {} training and {} held-out problems in {}; {} labelled for the scarce scenario",
+        s.task.train,
+        s.task.test,
+        task_dir.display(),
+        s.scarce.labelled
     );
 
-    stage(3, "teacher server on loopback");
+    stage("teacher", "SFT on the whole task (cached)");
+    let Teacher {
+        row: teacher_row,
+        model: teacher_model,
+        cached,
+    } = teacher(out, s, &f, o.rebuild_teacher, &eval_records)?;
+    let mistake_records: Vec<_> = f
+        .test_records
+        .iter()
+        .take(s.mistake_records)
+        .cloned()
+        .collect();
+    let after = mistakes::after_mistake(&teacher_model, &mistake_records, s.task.seed ^ 0x3157)?;
+    eprintln!(
+        "   teacher ({} tokenizer, hidden {}, {} layers, {:?} data): held-out accuracy {:.3}; \
+         top-1 on computed digits after a mistake {:.3} (without it {:.3})",
+        s.teacher.tokenizer,
+        s.teacher.hidden_size,
+        s.teacher.layers,
+        s.teacher_data,
+        teacher_row.accuracy,
+        after.after_mistake_top1,
+        after.clean_top1
+    );
+
+    stage("server", "teacher server on loopback");
     let server = TeacherProcess::start(&teacher_bin, &teacher_model, &[])
         .with_context(|| format!("starting {}", teacher_bin.display()))?;
     eprintln!("   {} serving {}", server.base, teacher_model.display());
 
-    stage(4, "student with a different tokenizer");
+    stage("student", "random student with a different tokenizer");
     let student_random = out.join("student_random");
-    for d in [&student_random, &out.join("student_warmup")] {
-        if d.exists() {
-            std::fs::remove_dir_all(d)?;
-        }
+    if student_random.exists() {
+        std::fs::remove_dir_all(&student_random)?;
     }
     init_model(&s.student, &student_random)?;
-    let mut warmup = serde_json::Value::Null;
-    let student_init = if s.student_warmup.steps == 0 {
-        student_random
+    let ctx = scenario::Ctx {
+        out,
+        settings: s,
+        teacher_url: &server.base,
+        student_random: &student_random,
+        eval_records: &eval_records,
+        test: &f.test,
+        teacher_accuracy: teacher_row.accuracy,
+    };
+    let scarce = if o.scenarios.scarce() {
+        Some(scenario::run(&ctx, &scenario::Plan::scarce(&f, s))?)
     } else {
-        let dir = out.join("student_warmup");
-        std::fs::create_dir_all(&dir)?;
-        eprintln!(
-            "   warm-up: {} SFT steps from the random init (the common starting point)",
-            s.student_warmup.steps
-        );
-        let seed = s.task.seed ^ 0x5717;
-        warmup = sft_run(&dir, &student_random, &train, &s.student_warmup, seed, s.k)?;
-        dir.join("run").join("final")
+        None
     };
-    let runs = out.join("runs");
-    if runs.exists() {
-        std::fs::remove_dir_all(&runs)?;
-    }
-    std::fs::create_dir_all(&runs)?;
-    let kd_loss = format!("kd = {{ type = \"{}\" }}", s.kd);
-    let method_cfg = |name: &str, extra: &str| -> Result<PathBuf> {
-        let path = runs.join(format!("{name}.toml"));
-        let text = config_text(
-            &student_init,
-            &train,
-            &runs.join(name),
-            &s.student_training,
-            &server.base,
-            if name == "sft" { "" } else { &kd_loss },
-            s.eval_every,
-            s.task.seed,
-            s.k,
-        ) + extra;
-        std::fs::write(&path, text)?;
-        Ok(path)
+    let control = if o.scenarios.control() {
+        Some(scenario::run(&ctx, &scenario::Plan::control(&f))?)
+    } else {
+        None
     };
-    // KL probe: the off-policy config, validation records from the held-out split.
-    let kl_cfg = method_cfg("kl_probe", "")?;
-    let kl_records: Vec<Record> = {
-        let d = Config::load(&OffPolicyArgs {
-            config: kl_cfg.clone(),
-            ..Default::default()
-        })?
-        .data;
-        data::Dataset::load(&test, &data::LoadOptions::from_config(&d))?
-            .records
-            .into_iter()
-            .take(s.kl_records)
-            .collect()
-    };
-    let probe = KlProbe::new(&kl_cfg, kl_records)?;
-    let init_acc = accuracy(&student_init, &eval_records, s.max_new_tokens)?;
-    let student_row = Row {
-        accuracy: init_acc,
-        kl: probe.kl(&student_init)?,
-        steps: steps_of(&warmup),
-        seconds: seconds_of(&warmup),
-        curve: vec![],
-    };
-    eprintln!(
-        "   student ({} tokenizer, hidden {}, {} layers): accuracy {:.3}, KL to teacher {:.4}",
-        s.student.tokenizer, s.student.hidden_size, s.student.layers, init_acc, student_row.kl
-    );
-
-    let budget = s.student_training.steps;
-    let on_policy_extra = format!(
-        r#"[on_policy]
-lambda = 1.0
-include_prompt = false
-[on_policy.generation]
-max_new_tokens = {}
-temperature = {}
-num_generations = 1
-stop_strings = ["\n\n", "\nQ:"]
-"#,
-        s.max_new_tokens, s.rollout_temperature
-    );
-    let methods = [
-        (
-            "sft",
-            "sft",
-            "(a) SFT on the task data".to_string(),
-            String::new(),
-        ),
-        (
-            "off_policy",
-            "off-policy",
-            format!(
-                "(b) off-policy distillation (cross-tokenizer {} on the task data)",
-                s.kd
-            ),
-            String::new(),
-        ),
-        (
-            "on_policy",
-            "on-policy",
-            format!(
-                "(c) on-policy distillation (cross-tokenizer {} on the student's own samples)",
-                s.kd
-            ),
-            on_policy_extra,
-        ),
-    ];
-    let mut rows = Vec::new();
-    for (i, (name, sub, title, extra)) in methods.iter().enumerate() {
-        stage(5 + i, &format!("{title}: {budget} steps"));
-        let cfg = method_cfg(name, extra)?;
-        if *name != "sft" {
-            // The probe already fetched the teacher tokenizer and built the projection map.
-            copy_dir(
-                &runs.join("kl_probe").join("teacher_tokenizer"),
-                &runs.join(name).join("teacher_tokenizer"),
-            )?;
-        }
-        let r = run_trainer(sub, &cfg, &[])?;
-        let dir = runs.join(name);
-        let c = curve(&dir, budget, init_acc, &eval_records, s.max_new_tokens)?;
-        let row = Row {
-            accuracy: c.last().map(|p| p.1).unwrap_or(0.0),
-            kl: probe.kl(&dir.join("final"))?,
-            steps: steps_of(&r),
-            seconds: seconds_of(&r),
-            curve: c,
-        };
-        eprintln!(
-            "   {name}: accuracy {:.3}, KL {:.4}, {} steps in {:.1}s",
-            row.accuracy, row.kl, row.steps, row.seconds
-        );
-        rows.push(row);
-    }
     drop(server);
 
-    stage(8, "summary");
-    let on = rows.pop().context("on-policy row")?;
-    let off = rows.pop().context("off-policy row")?;
-    let sft = rows.pop().context("sft row")?;
-    let g = goal(
-        teacher_row.accuracy,
-        &sft.curve,
-        &off.curve,
-        &on.curve,
-        budget,
-    );
+    stage("summary", "summary.json, curves.json, curves.svg");
     let summary = Summary {
         teacher: teacher_row,
-        student_init: student_row,
-        sft,
-        off_policy: off,
-        on_policy: on,
-        goal: g,
+        teacher_after_mistake: after,
+        scarce,
+        control,
         settings: s.clone(),
         wall_seconds: t0.elapsed().as_secs_f64(),
         teacher_cached: cached,
     };
-    std::fs::write(
-        out.join("summary.json"),
-        serde_json::to_string_pretty(&summary)?,
-    )?;
+    write_outputs(out, &summary)?;
+    Ok(summary)
+}
+
+/// `summary.json`, `curves.json` and one SVG per scenario (`curves.svg`: the headline).
+fn write_outputs(out: &Path, summary: &Summary) -> Result<()> {
+    let write = |name: &str, text: String| -> Result<()> {
+        let p = out.join(name);
+        std::fs::write(&p, text).with_context(|| format!("writing {}", p.display()))
+    };
+    write("summary.json", serde_json::to_string_pretty(summary)?)?;
+    let curves_of = |sc: &Option<Scenario>| {
+        sc.as_ref().map(|sc| {
+            serde_json::json!({
+                "sft": sc.sft.curve,
+                "off_policy": sc.off_policy.curve,
+                "on_policy": sc.on_policy.curve,
+            })
+        })
+    };
     let curves = serde_json::json!({
         "teacher_accuracy": summary.teacher.accuracy,
-        "sft": summary.sft.curve,
-        "off_policy": summary.off_policy.curve,
-        "on_policy": summary.on_policy.curve,
+        "scarce": curves_of(&summary.scarce),
+        "control": curves_of(&summary.control),
     });
-    std::fs::write(
-        out.join("curves.json"),
-        serde_json::to_string_pretty(&curves)?,
-    )?;
-    std::fs::write(
-        out.join("curves.svg"),
-        svg(
-            &[
-                ("SFT", &summary.sft.curve),
-                ("off-policy", &summary.off_policy.curve),
-                ("on-policy", &summary.on_policy.curve),
-            ],
-            summary.teacher.accuracy,
-            budget,
-        ),
-    )?;
-    Ok(summary)
+    write("curves.json", serde_json::to_string_pretty(&curves)?)?;
+    let budget = summary.settings.student_training.steps;
+    for (name, sc) in [
+        ("curves.svg", &summary.scarce),
+        ("curves_control.svg", &summary.control),
+    ] {
+        let Some(sc) = sc else { continue };
+        let c = sc.curves();
+        write(
+            name,
+            svg(
+                &[
+                    ("SFT", c.sft),
+                    ("off-policy", c.off_policy),
+                    ("on-policy", c.on_policy),
+                ],
+                summary.teacher.accuracy,
+                budget,
+            ),
+        )?;
+    }
+    Ok(())
 }

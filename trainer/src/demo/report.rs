@@ -1,5 +1,6 @@
 //! The demo's report: the table, whether the goal was met, and the accuracy curves as SVG.
 
+use super::mistakes::AfterMistake;
 use super::settings::DemoSettings;
 use serde::Serialize;
 
@@ -15,7 +16,7 @@ pub struct Row {
     pub curve: Vec<(u64, f64)>,
 }
 
-/// Whether the run reached the goal of the issue.
+/// Whether a scenario reached the goal of the issue.
 #[derive(Debug, Clone, Serialize)]
 pub struct Goal {
     /// 90% of the teacher's accuracy.
@@ -24,24 +25,65 @@ pub struct Goal {
     pub on_policy_steps: Option<u64>,
     pub off_policy_steps: Option<u64>,
     pub sft_steps: Option<u64>,
-    /// On-policy reached the target, in at most a fifth of the steps SFT needed (or SFT did not
-    /// reach it within the budget and on-policy did within a fifth of it).
+    /// On-policy's final accuracy over SFT's (infinite when SFT ends at 0 and on-policy above).
+    pub on_policy_over_sft: f64,
+    /// The final-accuracy ratio the goal asks for (1: none).
+    pub min_ratio: f64,
+    /// On-policy reached the target in at most a fifth of the steps SFT needed (or SFT did not
+    /// reach it within the budget and on-policy did within a fifth of it), and ended at least
+    /// `min_ratio` × SFT's accuracy.
     pub met: bool,
+}
+
+/// One scenario's rows: the common starting point and the methods, with its goal.
+#[derive(Debug, Clone, Serialize)]
+pub struct Scenario {
+    /// Training records with a worked solution (SFT, off-policy and the warm-up train on them).
+    pub labelled_records: usize,
+    /// Training prompts on-policy samples from (with or without their solutions).
+    pub prompts: usize,
+    /// Whether on-policy read its prompts from a file without solutions.
+    pub prompts_only: bool,
+    pub student_init: Row,
+    pub sft: Row,
+    pub off_policy: Row,
+    pub on_policy: Row,
+    pub goal: Goal,
+}
+
+impl Scenario {
+    /// The methods' curves, for the SVG and `curves.json`.
+    pub fn curves(&self) -> Curves<'_> {
+        Curves {
+            sft: &self.sft.curve,
+            off_policy: &self.off_policy.curve,
+            on_policy: &self.on_policy.curve,
+        }
+    }
 }
 
 /// `OUTPUT/summary.json`.
 #[derive(Debug, Clone, Serialize)]
 pub struct Summary {
     pub teacher: Row,
-    pub student_init: Row,
-    pub sft: Row,
-    pub off_policy: Row,
-    pub on_policy: Row,
-    pub goal: Goal,
+    /// The teacher's next-digit accuracy after a mistake in the text (`demo::mistakes`).
+    pub teacher_after_mistake: AfterMistake,
+    /// The headline: few labels, all prompts, a teacher that knows the task.
+    pub scarce: Option<Scenario>,
+    /// Every training problem labelled (the data itself is a perfect teacher).
+    pub control: Option<Scenario>,
     pub settings: DemoSettings,
     /// Wall time of the whole demo, and whether the teacher came from the cache.
     pub wall_seconds: f64,
     pub teacher_cached: bool,
+}
+
+/// The three methods' accuracy curves of one scenario.
+#[derive(Debug, Clone, Copy)]
+pub struct Curves<'a> {
+    pub sft: &'a [(u64, f64)],
+    pub off_policy: &'a [(u64, f64)],
+    pub on_policy: &'a [(u64, f64)],
 }
 
 /// First evaluated step whose accuracy reaches `target`.
@@ -55,45 +97,56 @@ pub fn steps_to(curve: &[(u64, f64)], target: f64) -> Option<u64> {
 
 /// The issue's goal: on-policy reaches 90% of the teacher's accuracy in at most a fifth of the
 /// steps SFT needs to get as far (SFT not reaching it within the budget counts as needing more
-/// than the budget).
-pub fn goal(
-    teacher_acc: f64,
-    sft: &[(u64, f64)],
-    off: &[(u64, f64)],
-    on: &[(u64, f64)],
-    budget: u64,
-) -> Goal {
+/// than the budget), and ends at `min_ratio` × SFT's final accuracy or more.
+pub fn goal(teacher_acc: f64, c: &Curves, budget: u64, min_ratio: f64) -> Goal {
     let target = 0.9 * teacher_acc;
-    let (on_s, sft_s) = (steps_to(on, target), steps_to(sft, target));
-    let met = match (on_s, sft_s) {
+    let (on_s, sft_s) = (steps_to(c.on_policy, target), steps_to(c.sft, target));
+    let last = |c: &[(u64, f64)]| c.last().map(|p| p.1).unwrap_or(0.0);
+    let (on_end, sft_end) = (last(c.on_policy), last(c.sft));
+    let ratio = if sft_end > 0.0 {
+        on_end / sft_end
+    } else if on_end > 0.0 {
+        f64::INFINITY
+    } else {
+        0.0
+    };
+    let fast = match (on_s, sft_s) {
         (Some(o), Some(s)) => 5 * o <= s,
         (Some(o), None) => 5 * o <= budget,
         _ => false,
-    } && target > 0.0;
+    };
     Goal {
         target_accuracy: target,
         on_policy_steps: on_s,
-        off_policy_steps: steps_to(off, target),
+        off_policy_steps: steps_to(c.off_policy, target),
         sft_steps: sft_s,
-        met,
+        on_policy_over_sft: ratio,
+        min_ratio,
+        met: fast && ratio >= min_ratio - 1e-9 && target > 0.0,
     }
 }
 
-/// The printed table.
-pub fn table(s: &Summary) -> String {
+/// The printed table of one scenario (the teacher first).
+pub fn table(teacher: &Row, s: &Scenario) -> String {
     let mut t = format!(
-        "{:<14} {:>9} {:>9} {:>7} {:>9}\n",
-        "method", "accuracy", "KL", "steps", "seconds"
+        "{:<14} {:>9} {:>9} {:>7} {:>9} {:>12}\n",
+        "method", "accuracy", "KL", "steps", "seconds", "to 90% of T"
     );
+    let target = s.goal.target_accuracy;
     for (name, r) in [
-        ("teacher", &s.teacher),
+        ("teacher", teacher),
         ("student_init", &s.student_init),
         ("sft", &s.sft),
         ("off_policy", &s.off_policy),
         ("on_policy", &s.on_policy),
     ] {
+        let reached = if r.curve.is_empty() {
+            String::new()
+        } else {
+            steps_to(&r.curve, target).map_or("never".into(), |s| s.to_string())
+        };
         t += &format!(
-            "{name:<14} {:>9.3} {:>9.4} {:>7} {:>9.1}\n",
+            "{name:<14} {:>9.3} {:>9.4} {:>7} {:>9.1} {reached:>12}\n",
             r.accuracy, r.kl, r.steps, r.seconds
         );
     }
@@ -172,6 +225,16 @@ pub fn svg(curves: &[(&str, &[(u64, f64)])], teacher_acc: f64, budget: u64) -> S
 mod tests {
     use super::*;
 
+    type Curve = [(u64, f64)];
+
+    fn curves<'a>(sft: &'a Curve, off_policy: &'a Curve, on_policy: &'a Curve) -> Curves<'a> {
+        Curves {
+            sft,
+            off_policy,
+            on_policy,
+        }
+    }
+
     #[test]
     fn goal_compares_steps_to_ninety_percent_of_the_teacher() {
         // Teacher 0.8: target 0.72.
@@ -179,20 +242,39 @@ mod tests {
         let sft_slow = [(0, 0.0), (50, 0.3), (100, 0.73)];
         let sft_fast = [(0, 0.0), (50, 0.72), (100, 0.8)];
         let never = [(0, 0.0), (100, 0.7)];
-        let g = goal(0.8, &sft_slow, &never, &on, 100);
+        let c = |sft, on| curves(sft, &never, on);
+        let g = goal(0.8, &c(&sft_slow, &on), 100, 1.0);
         assert!((g.target_accuracy - 0.72).abs() < 1e-12);
         assert_eq!(
             (g.on_policy_steps, g.sft_steps, g.off_policy_steps),
             (Some(20), Some(100), None)
         );
         assert!(g.met, "20 * 5 <= 100");
-        assert!(!goal(0.8, &sft_fast, &never, &on, 100).met, "20 * 5 > 50");
+        assert!(!goal(0.8, &c(&sft_fast, &on), 100, 1.0).met, "20 * 5 > 50");
         // SFT never gets there: judged against the budget.
-        assert!(goal(0.8, &never, &never, &on, 100).met);
-        assert!(!goal(0.8, &never, &never, &on, 99).met);
+        assert!(goal(0.8, &c(&never, &on), 100, 1.0).met);
+        assert!(!goal(0.8, &c(&never, &on), 99, 1.0).met);
         // On-policy never gets there, or a teacher at 0: not met.
-        assert!(!goal(0.8, &sft_slow, &never, &never, 100).met);
-        assert!(!goal(0.0, &never, &never, &on, 100).met);
+        assert!(!goal(0.8, &c(&sft_slow, &never), 100, 1.0).met);
+        assert!(!goal(0.0, &c(&never, &on), 100, 1.0).met);
+    }
+
+    #[test]
+    fn goal_asks_for_the_final_ratio_over_sft() {
+        let on = [(0, 0.0), (20, 0.75), (100, 0.8)];
+        let sft_weak = [(0, 0.0), (100, 0.4)];
+        let sft_half_way = [(0, 0.0), (100, 0.41)];
+        let zero = [(0, 0.0), (100, 0.0)];
+        let c = |sft| curves(sft, &zero, &on);
+        let g = goal(0.8, &c(&sft_weak), 100, 2.0);
+        assert!((g.on_policy_over_sft - 2.0).abs() < 1e-12 && g.met, "{g:?}");
+        assert!(
+            !goal(0.8, &c(&sft_half_way), 100, 2.0).met,
+            "0.8 / 0.41 < 2"
+        );
+        assert!(goal(0.8, &c(&sft_half_way), 100, 1.0).met);
+        let g = goal(0.8, &c(&zero), 100, 2.0);
+        assert!(g.on_policy_over_sft.is_infinite() && g.met);
     }
 
     #[test]

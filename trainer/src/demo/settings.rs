@@ -30,12 +30,39 @@ pub struct TrainSpec {
     pub warmup_steps: u64,
 }
 
+/// What the teacher is trained on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum TeacherData {
+    /// The task's correct worked solutions only.
+    Plain,
+    /// The plain teacher, then a short SFT (`teacher_correction`) on the task's records mixed
+    /// with a corrected-prefix record per training problem: a prompt ending in a solution with
+    /// one wrong computed digit, the correct rest as the completion (`demo::mistakes`), so that
+    /// the teacher keeps giving correct advice on a student's mistaken samples. (Mixing them in
+    /// from the start delayed the plain teacher's learning: 0.17 held-out accuracy after the
+    /// same 600 steps, measured.)
+    Corrected,
+}
+
+/// The scarce-label scenario: the student has worked solutions for a few training prompts, the
+/// rest of the prompts without any answer.
+#[derive(Debug, Clone, Serialize)]
+pub struct ScarceSpec {
+    /// Training problems whose worked solution the student has (drawn by `seed`).
+    pub labelled: usize,
+    pub seed: u64,
+}
+
 /// Everything that determines the demo's result.
 #[derive(Debug, Clone, Serialize)]
 pub struct DemoSettings {
     pub task: TaskConfig,
     pub teacher: ModelSpec,
     pub teacher_training: TrainSpec,
+    pub teacher_data: TeacherData,
+    /// The corrected-prefix fine-tune of [`TeacherData::Corrected`], from the plain teacher.
+    pub teacher_correction: TrainSpec,
     pub student: ModelSpec,
     /// A short SFT on the task that turns the random student into the common starting point of
     /// the three methods (`student_init`), as in the published comparisons, which distil a
@@ -55,6 +82,10 @@ pub struct DemoSettings {
     pub kl_records: usize,
     /// Sampling temperature of the on-policy rollouts.
     pub rollout_temperature: f64,
+    /// The headline scenario's labels.
+    pub scarce: ScarceSpec,
+    /// Held-out problems on which the teacher's advice after a mistake is measured.
+    pub mistake_records: usize,
 }
 
 impl DemoSettings {
@@ -84,6 +115,15 @@ impl DemoSettings {
                 micro_batch: 16,
                 lr: 3e-3,
                 min_lr: 3e-4,
+                warmup_steps: 10,
+            },
+            teacher_data: TeacherData::Corrected,
+            teacher_correction: TrainSpec {
+                steps: 150,
+                prompts_per_step: 16,
+                micro_batch: 16,
+                lr: 1e-3,
+                min_lr: 1e-4,
                 warmup_steps: 10,
             },
             student: ModelSpec {
@@ -119,6 +159,11 @@ impl DemoSettings {
             max_new_tokens: 40,
             kl_records: 32,
             rollout_temperature: 0.5,
+            scarce: ScarceSpec {
+                labelled: 100,
+                seed: 16,
+            },
+            mistake_records: 200,
         }
     }
 
@@ -135,6 +180,10 @@ impl DemoSettings {
         s.teacher_training.steps = 3;
         s.teacher_training.prompts_per_step = 4;
         s.teacher_training.micro_batch = 4;
+        s.teacher_correction.steps = 2;
+        s.teacher_correction.prompts_per_step = 4;
+        s.teacher_correction.micro_batch = 4;
+        s.teacher_correction.warmup_steps = 1;
         s.student_warmup.steps = 2;
         s.student_warmup.prompts_per_step = 4;
         s.student_warmup.micro_batch = 4;
@@ -148,14 +197,29 @@ impl DemoSettings {
         s.eval_every = 2;
         s.max_new_tokens = 6;
         s.kl_records = 4;
+        s.scarce.labelled = 8;
+        s.mistake_records = 8;
         s
     }
 
     /// Key of the cached teacher: a hash of everything the teacher depends on.
     pub fn teacher_key(&self) -> String {
-        let bytes = serde_json::to_vec(&(&self.task, &self.teacher, &self.teacher_training))
-            .unwrap_or_default();
+        let plain = (&self.task, &self.teacher, &self.teacher_training);
+        let bytes = match self.teacher_data {
+            // The plain teacher's key is the one it had before corrected data existed.
+            TeacherData::Plain => serde_json::to_vec(&plain),
+            TeacherData::Corrected => serde_json::to_vec(&(plain, &self.teacher_correction)),
+        }
+        .unwrap_or_default();
         hex::encode(&Sha256::digest(&bytes)[..8])
+    }
+
+    /// The same settings with the plain teacher (the corrected one's first stage).
+    pub fn plain_teacher(&self) -> DemoSettings {
+        DemoSettings {
+            teacher_data: TeacherData::Plain,
+            ..self.clone()
+        }
     }
 }
 
@@ -170,6 +234,18 @@ mod tests {
         b.student_training.steps += 1;
         b.student.hidden_size *= 2;
         assert_eq!(a.teacher_key(), b.teacher_key());
+        b.scarce.labelled += 1;
+        assert_eq!(a.teacher_key(), b.teacher_key());
+        b.teacher_data = TeacherData::Plain;
+        assert_ne!(a.teacher_key(), b.teacher_key());
+        b.teacher_data = a.teacher_data;
+        b.teacher_correction.steps += 1;
+        assert_ne!(a.teacher_key(), b.teacher_key());
+        // The plain teacher does not depend on the correction.
+        assert_eq!(
+            a.plain_teacher().teacher_key(),
+            b.plain_teacher().teacher_key()
+        );
         b.teacher_training.lr *= 2.0;
         assert_ne!(a.teacher_key(), b.teacher_key());
     }

@@ -31,6 +31,9 @@ impl<'a> OffPolicy<'a> {
         if s.loss.kd.is_sampled() {
             bail!("loss.kd = sampled_kl scores the student's own samples: run `trainer on-policy`, or pick a top-k loss for off-policy training");
         }
+        if s.cfg.data.prompts_only {
+            bail!("data.prompts_only = true: off-policy distillation scores the data's completions, and a prompts-only file has none (run `trainer on-policy` with lambda = 1)");
+        }
         Ok(OffPolicy { s })
     }
 }

@@ -62,6 +62,13 @@ impl<'a> OnPolicy<'a> {
             bail!("on_policy.lambda = {} must be in [0, 1]", op.lambda);
         }
         op.generation.validate()?;
+        if s.cfg.data.prompts_only && op.lambda < 1.0 {
+            bail!(
+                "on_policy.lambda = {} trains some steps on the data's completions, and \
+                 data.prompts_only = true has none: set lambda = 1",
+                op.lambda
+            );
+        }
         Ok(OnPolicy {
             s,
             off_loss: off_policy_loss(&s.loss, s.tokenization.is_cross()),

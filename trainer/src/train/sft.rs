@@ -272,6 +272,12 @@ pub struct Sft<'a> {
 
 impl<'a> Sft<'a> {
     pub fn new(cfg: &'a Config, task: Option<&'a TaskEval>) -> Result<Sft<'a>> {
+        if cfg.data.prompts_only {
+            bail!(
+                "data.prompts_only = true: SFT trains on completions, and a prompts-only file has \
+                 none (name the completion field and drop prompts_only, or run `trainer on-policy`)"
+            );
+        }
         Ok(Sft {
             cfg,
             task,
@@ -428,4 +434,24 @@ pub fn train(
         skipped_records: o.skipped_records,
         final_dir: o.final_dir,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_prompts_only_file_is_refused_before_anything_is_loaded() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(
+            &path,
+            "[policy]\nmodel_name = \"no-such-model\"\n[teacher]\nurls = [\"http://x.invalid\"]\n\
+             [data]\ntrain_path = \"p.jsonl\"\nprompt_field = \"prompt\"\nprompts_only = true\n",
+        )
+        .unwrap();
+        let cfg = Config::from_file(&path).unwrap();
+        let err = Sft::new(&cfg, None).err().unwrap().to_string();
+        assert!(err.contains("data.prompts_only"), "{err}");
+    }
 }

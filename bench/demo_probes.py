@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""The scarce-label scenario's probe runs (issue 16), one after another, and their table.
+
+    python3 bench/demo_probes.py [TRAINER] [--only NAME ...] [--table-only]
+
+TRAINER defaults to target/release/trainer (`teacher` must sit beside it). Every probe is a
+`trainer demo` run (scarce scenario only, unless it says otherwise) with its own flags, written to runs/probes/NAME/; all probes
+share the teacher cached in runs/probes/teacher (built by the first probe that needs it, so
+the first run takes the teacher's build time too). A probe whose summary.json exists is not run
+again (delete its folder to redo it). The table printed at the end is what docs/demo.md quotes.
+
+The list is the whole search: the issue bounds it to a few dozen runs, scripted here.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+# name: flags of `trainer demo` (--scenario scarce unless a probe names its scenarios). Each
+# probe changes one or two things from the default (100 labelled problems, 150 steps per
+# method, the teacher fine-tuned on corrected prefixes); "demo" is the default run itself, both
+# scenarios.
+PROBES = {
+    "demo": ["--scenario", "both"],
+    "steps_450": ["--steps", "450"],
+    "plain_teacher_450": ["--teacher-data", "plain", "--steps", "450"],
+}
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT = os.path.join(ROOT, "runs", "probes")
+
+
+def run(trainer, name, flags):
+    out = os.path.join(OUT, name)
+    if os.path.isfile(os.path.join(out, "summary.json")):
+        return
+    os.makedirs(out, exist_ok=True)
+    shared = os.path.join(OUT, "teacher")
+    os.makedirs(shared, exist_ok=True)
+    link = os.path.join(out, "teacher")
+    if not os.path.islink(link):
+        os.symlink(shared, link)
+    scenario = [] if "--scenario" in flags else ["--scenario", "scarce"]
+    cmd = [trainer, "demo", "--output", out] + scenario + flags
+    print("$", " ".join(cmd), file=sys.stderr, flush=True)
+    t0 = time.time()
+    with open(os.path.join(out, "stdout.txt"), "w") as f:
+        subprocess.run(cmd, check=True, stdout=f)
+    print(f"   {name}: {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+
+
+def fmt(x):
+    return "never" if x is None else str(x)
+
+
+def table(names):
+    head = (
+        "| probe | flags | teacher | after mistake (clean) | init | SFT | off-policy | on-policy "
+        "| steps to 90% T: SFT / off / on | on / SFT | goal |"
+    )
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    for name in names:
+        path = os.path.join(OUT, name, "summary.json")
+        if not os.path.isfile(path):
+            continue
+        s = json.load(open(path))
+        sc = s["scarce"]
+        g = sc["goal"]
+        m = s["teacher_after_mistake"]
+        ratio = g["on_policy_over_sft"]
+        print(
+            f"| {name} | {' '.join(PROBES[name]) or '(defaults)'} "
+            f"| {s['teacher']['accuracy']:.3f} "
+            f"| {m['after_mistake_top1']:.3f} ({m['clean_top1']:.3f}) "
+            f"| {sc['student_init']['accuracy']:.2f} | {sc['sft']['accuracy']:.2f} "
+            f"| {sc['off_policy']['accuracy']:.2f} | {sc['on_policy']['accuracy']:.2f} "
+            f"| {fmt(g['sft_steps'])} / {fmt(g['off_policy_steps'])} / {fmt(g['on_policy_steps'])} "
+            f"| {'∞' if ratio is None else f'{ratio:.2f}'} | {'met' if g['met'] else 'not met'} |"
+        )
+
+
+def main():
+    args = sys.argv[1:]
+    trainer = os.path.join(ROOT, "target", "release", "trainer")
+    if args and not args[0].startswith("--"):
+        trainer = args.pop(0)
+    names = list(PROBES)
+    if "--only" in args:
+        names = [a for a in args[args.index("--only") + 1 :] if not a.startswith("--")]
+        unknown = [n for n in names if n not in PROBES]
+        if unknown:
+            sys.exit(f"unknown probe(s) {unknown}; known: {list(PROBES)}")
+    if "--table-only" not in args:
+        if not os.path.isfile(trainer):
+            sys.exit(f"{trainer}: not found (cargo build --release first)")
+        for name in names:
+            run(trainer, name, PROBES[name])
+    table(names)
+
+
+if __name__ == "__main__":
+    main()
