@@ -527,11 +527,9 @@ impl candle_core::InplaceOp3 for Apply {
 /// Vectorisable f32 row passes, run at the CPU's widest [`Simd`] level (the same bits at every
 /// level: no fused multiply-adds, fixed lane counts).
 pub mod vmath {
-    use xdistill_shared::simd::{exp_nonpos, Simd};
+    use xdistill_shared::simd::{self, exp_nonpos, Simd};
     use xdistill_shared::simd_dispatch;
 
-    /// Lanes of the reductions: one AVX-512 register.
-    const LANES: usize = 16;
     /// Values per f32 partial sum of [`sum_exp`] (each lane then adds ≤ 128 terms ≤ 1).
     const BLOCK: usize = 2048;
 
@@ -556,38 +554,14 @@ pub mod vmath {
 
     #[inline(always)]
     fn max_body(x: &[f32]) -> f32 {
-        let mut acc = [f32::NEG_INFINITY; LANES];
-        let mut it = x.chunks_exact(LANES);
-        for c in &mut it {
-            for (a, &v) in acc.iter_mut().zip(c) {
-                *a = if v > *a { v } else { *a };
-            }
-        }
-        let rest = it.remainder().iter().copied();
-        acc.into_iter()
-            .chain(rest)
-            .fold(f32::NEG_INFINITY, f32::max)
+        simd::max(x)
     }
 
     #[inline(always)]
     fn sum_exp_body(x: &[f32], m: f32) -> f64 {
-        let mut total = 0f64;
-        for block in x.chunks(BLOCK) {
-            let mut acc = [0f32; LANES];
-            let mut it = block.chunks_exact(LANES);
-            for c in &mut it {
-                for (a, &v) in acc.iter_mut().zip(c) {
-                    *a += exp_nonpos(v - m);
-                }
-            }
-            let rest: f64 = it
-                .remainder()
-                .iter()
-                .map(|&v| exp_nonpos(v - m) as f64)
-                .sum();
-            total += acc.iter().map(|&a| a as f64).sum::<f64>() + rest;
-        }
-        total
+        x.chunks(BLOCK)
+            .map(|block| simd::sum_exp2(block, m, std::f32::consts::LOG2_E))
+            .sum()
     }
 
     #[inline(always)]

@@ -129,7 +129,7 @@ pub async fn run(args: Args) -> Result<()> {
             };
             match outcome {
                 Ok(()) => tracing::info!(
-                    host_simd = crate::topk::Simd::current().name(),
+                    host_simd = xdistill_shared::simd::Simd::current().name(),
                     lm_head,
                     "ready"
                 ),

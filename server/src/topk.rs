@@ -7,8 +7,7 @@
 use rayon::prelude::*;
 use std::cmp::Ordering;
 use xdistill_shared::protocol::{SequenceScores, ValuesKind};
-use xdistill_shared::simd::exp2_nonpos;
-pub use xdistill_shared::simd::Simd;
+use xdistill_shared::simd::{self, Simd};
 use xdistill_shared::simd_dispatch;
 
 /// Where the scores of logit rows are computed (`--topk`).
@@ -112,54 +111,11 @@ fn desc(a: &(f32, u32), b: &(f32, u32)) -> Ordering {
     b.0.total_cmp(&a.0).then(a.1.cmp(&b.1))
 }
 
-/// Lanes of the vectorisable max.
-const LANES: usize = 8;
-/// Lanes of the exp-sum: one AVX-512 register (two AVX2 ones). Fixed whatever the level, so
-/// every level adds the same numbers in the same order.
-const SUM_LANES: usize = 16;
-/// Elements per block: small enough to stay in L1 between the passes over it.
+/// Elements per block (`simd::sum_exp2` calls): small enough to stay in L1 between the passes
+/// over it, and each f32 lane adds 128 terms.
 const BLOCK: usize = 2048;
 /// Elements per segment of the candidate scan.
 const SEGMENT: usize = 64;
-
-#[inline(always)]
-fn block_max(x: &[f32]) -> f32 {
-    let mut acc = [f32::NEG_INFINITY; LANES];
-    let mut it = x.chunks_exact(LANES);
-    for c in &mut it {
-        for (a, &v) in acc.iter_mut().zip(c) {
-            *a = if v > *a { v } else { *a };
-        }
-    }
-    let mut m = it
-        .remainder()
-        .iter()
-        .copied()
-        .fold(f32::NEG_INFINITY, f32::max);
-    for a in acc {
-        m = m.max(a);
-    }
-    m
-}
-
-/// `Σ 2^{(x - m)·scale2}` over a block of at most [`BLOCK`] values (`scale2 = log2(e) / τ`),
-/// summed in [`SUM_LANES`] f32 lanes (each lane sums ≤ 128 terms ≤ 1) and the lanes in f64.
-#[inline(always)]
-fn block_sum_exp(x: &[f32], m: f32, scale2: f32) -> f64 {
-    let mut acc = [0f32; SUM_LANES];
-    let mut it = x.chunks_exact(SUM_LANES);
-    for c in &mut it {
-        for (a, &v) in acc.iter_mut().zip(c) {
-            *a += exp2_nonpos((v - m) * scale2);
-        }
-    }
-    let rest: f64 = it
-        .remainder()
-        .iter()
-        .map(|&v| exp2_nonpos((v - m) * scale2) as f64)
-        .sum();
-    acc.iter().map(|&a| a as f64).sum::<f64>() + rest
-}
 
 /// The per-pass constants of [`RowFolds`], derived once from the request.
 #[derive(Debug, Clone, Copy)]
@@ -193,7 +149,7 @@ struct RowFold {
 
 // `fold_at(level, …)`: [`fold_body`] compiled for `level`, or for the CPU's widest level when it
 // lacks `level`. Every level computes the same arithmetic in the same order (no fused
-// multiply-adds, lane counts fixed at [`LANES`] and [`SUM_LANES`]), so the answers are
+// multiply-adds, lane counts fixed at [`simd::LANES`]), so the answers are
 // bit-identical whichever runs.
 simd_dispatch!(fn fold_at(st: &mut RowFold, cols: &[f32], col0: usize, fp: &FoldParams) = fold_body);
 
@@ -203,19 +159,19 @@ simd_dispatch!(fn fold_at(st: &mut RowFold, cols: &[f32], col0: usize, fp: &Fold
 #[inline(always)]
 fn fold_body(st: &mut RowFold, cols: &[f32], col0: usize, fp: &FoldParams) {
     for (b, block) in cols.chunks(BLOCK).enumerate() {
-        let bm = block_max(block);
+        let bm = simd::max(block);
         if bm > st.m {
             if st.sum > 0.0 {
                 st.sum *= ((st.m as f64 - bm as f64) * fp.inv_t).exp();
             }
             st.m = bm;
         }
-        st.sum += block_sum_exp(block, st.m, fp.scale2);
+        st.sum += simd::sum_exp2(block, st.m, fp.scale2);
         if bm <= st.thr {
             continue;
         }
         for (s, seg) in block.chunks(SEGMENT).enumerate() {
-            if block_max(seg) <= st.thr {
+            if simd::max(seg) <= st.thr {
                 continue;
             }
             let base = (col0 + b * BLOCK + s * SEGMENT) as u32;
@@ -732,7 +688,7 @@ mod tests {
         let t0 = std::time::Instant::now();
         let mut acc = 0.0;
         for _ in 0..50 {
-            acc += block_max(std::hint::black_box(row)) as f64;
+            acc += simd::max(std::hint::black_box(row)) as f64;
         }
         println!(
             "max: {:.2} ns per logit",
@@ -741,7 +697,7 @@ mod tests {
         let t0 = std::time::Instant::now();
         for _ in 0..50 {
             for b in std::hint::black_box(row).chunks(BLOCK) {
-                acc += block_sum_exp(b, 6.0, std::f32::consts::LOG2_E);
+                acc += simd::sum_exp2(b, 6.0, std::f32::consts::LOG2_E);
             }
         }
         println!(

@@ -96,14 +96,7 @@ async fn device_path_equals_f64_reference_and_host_path() {
 #[tokio::test]
 async fn info_reports_the_device() {
     let (dev, _, _) = teachers();
-    let info: xdistill_shared::protocol::InfoResponse = client()
-        .get(dev.url("/v1/info"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let info = common::info(&client(), dev).await;
     let want = if device() == "cuda" {
         "cuda:0".to_string()
     } else {

@@ -432,14 +432,7 @@ async fn gemma3_teacher_reports_its_window_and_scores_in_chunks() {
     let whole = common::start_teacher(&dir, &[]);
     let chunked = common::start_teacher(&dir, &["--max-batch-tokens", "16"]);
     let c = client();
-    let info: xdistill_shared::protocol::InfoResponse = c
-        .get(whole.url("/v1/info"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let info = common::info(&c, &whole).await;
     assert_eq!(info.architecture, "Gemma3ForCausalLM");
     assert_eq!(info.model_type, "gemma3_text");
     assert_eq!(

@@ -6,7 +6,7 @@ mod common;
 use common::{client, ids, metric, request, score, Reference, Teacher};
 use std::sync::OnceLock;
 use xdistill_shared::codec::Format;
-use xdistill_shared::protocol::{InfoResponse, ValuesKind};
+use xdistill_shared::protocol::ValuesKind;
 
 const TOL: f64 = 1e-5;
 
@@ -63,14 +63,7 @@ async fn fused_lm_head_equals_full_logits_bit_for_bit() {
     let (fused, full) = (&start("fused"), &start("full"));
     let c = client();
     for (t, want) in [(fused, "fused"), (full, "full")] {
-        let info: InfoResponse = c
-            .get(t.url("/v1/info"))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let info = common::info(&c, t).await;
         assert_eq!(info.lm_head, want);
     }
     let v = reference.vocab();
@@ -262,14 +255,7 @@ async fn info_health_tokenizer_and_metrics() {
     let (t, reference) = qwen3();
     let c = client();
     assert_eq!(c.get(t.url("/health")).send().await.unwrap().status(), 200);
-    let info: InfoResponse = c
-        .get(t.url("/v1/info"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let info = common::info(&c, t).await;
     assert_eq!(info.architecture, "Qwen3ForCausalLM");
     assert_eq!(info.vocab_size, reference.vocab());
     assert_eq!(info.vocab_size, 151_669);
@@ -287,7 +273,7 @@ async fn info_health_tokenizer_and_metrics() {
     assert_eq!(info.limits.max_sequences, 16_384);
     // The scoring pass runs with the widest instruction set this CPU has, through the fused
     // LM head (the default on the CPU).
-    assert_eq!(info.host_simd, xdistill_server::topk::Simd::detect().name());
+    assert_eq!(info.host_simd, xdistill_shared::simd::Simd::detect().name());
     assert_eq!(info.lm_head, "fused");
     let tok = c.get(t.url("/tokenizer.json")).send().await.unwrap();
     assert_eq!(tok.status(), 200);

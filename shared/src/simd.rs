@@ -107,6 +107,47 @@ pub fn exp_nonpos(x: f32) -> f32 {
     exp2_nonpos(x * std::f32::consts::LOG2_E)
 }
 
+/// Lanes of [`max`] and [`sum_exp2`]: one AVX-512 register (two AVX2 ones). Fixed whatever the
+/// level, so every level adds the same numbers in the same order.
+pub const LANES: usize = 16;
+
+/// The largest value of `x` (NaNs ignored; -inf when empty), in [`LANES`] lanes. Inline: it is
+/// compiled at the SIMD level of the caller's [`simd_dispatch!`] body.
+#[inline(always)]
+pub fn max(x: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; LANES];
+    let mut it = x.chunks_exact(LANES);
+    for c in &mut it {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a = if v > *a { v } else { *a };
+        }
+    }
+    let rest = it.remainder().iter().copied();
+    acc.into_iter()
+        .chain(rest)
+        .fold(f32::NEG_INFINITY, f32::max)
+}
+
+/// `Σ 2^{(x_i − m)·scale2}` over `x` (every x_i ≤ m), in [`LANES`] f32 lanes, the lanes and the
+/// remainder added in f64. Callers keep `x` to a few thousand values so that each lane adds at
+/// most a few hundred terms ≤ 1 in f32. Inline, like [`max`].
+#[inline(always)]
+pub fn sum_exp2(x: &[f32], m: f32, scale2: f32) -> f64 {
+    let mut acc = [0f32; LANES];
+    let mut it = x.chunks_exact(LANES);
+    for c in &mut it {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a += exp2_nonpos((v - m) * scale2);
+        }
+    }
+    let rest: f64 = it
+        .remainder()
+        .iter()
+        .map(|&v| exp2_nonpos((v - m) * scale2) as f64)
+        .sum();
+    acc.iter().map(|&a| a as f64).sum::<f64>() + rest
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -76,6 +76,17 @@ pub fn client() -> reqwest::Client {
         .expect("client")
 }
 
+/// The teacher's `GET /v1/info`.
+pub async fn info(c: &reqwest::Client, t: &Teacher) -> xdistill_shared::protocol::InfoResponse {
+    c.get(t.url("/v1/info"))
+        .send()
+        .await
+        .expect("GET /v1/info")
+        .json()
+        .await
+        .expect("an info body")
+}
+
 pub fn request(sequences: Vec<Vec<u32>>, k: usize) -> TopkRequest {
     TopkRequest {
         sequences,
