@@ -126,6 +126,27 @@ fn check_args_accepts_and_refuses() {
         .output()
         .unwrap();
     assert!(!bad.status.success());
+    // --lm-head: both values accepted; another is refused naming the flag and its values.
+    for (value, accepted) in [("full", true), ("fused", true), ("tiled", false)] {
+        let out = teacher_bin()
+            .arg("--model")
+            .arg(&dir)
+            .args(["--lm-head", value, "--check-args"])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(
+            out.status.success(),
+            accepted,
+            "--lm-head {value}: {stderr}"
+        );
+        if !accepted {
+            assert!(
+                stderr.contains("--lm-head") && stderr.contains("fused"),
+                "{stderr}"
+            );
+        }
+    }
 }
 
 /// Replaces `${VAR:-default}` by `default`, as compose does with an empty environment.
