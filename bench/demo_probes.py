@@ -20,12 +20,21 @@ import time
 
 # name: flags of `trainer demo` (--scenario scarce unless a probe names its scenarios). Each
 # probe changes one or two things from the default (100 labelled problems, 150 steps per
-# method, the teacher fine-tuned on corrected prefixes); "demo" is the default run itself, both
+# method at lr 1e-3, a 300-step warm-up, the plain teacher); "demo" is round 1's default run, both
 # scenarios.
 PROBES = {
-    "demo": ["--scenario", "both"],
-    "steps_450": ["--steps", "450"],
+    # Round 1 (the corrected teacher was the default then).
+    "demo": ["--scenario", "both", "--teacher-data", "corrected"],
+    "steps_450": ["--steps", "450", "--teacher-data", "corrected"],
     "plain_teacher_450": ["--teacher-data", "plain", "--steps", "450"],
+    # Round 2: the plain teacher is the default; what limits on-policy's climb.
+    "lr_2e-3": ["--lr", "2e-3"],
+    "lr_3e-3": ["--lr", "3e-3"],
+    "lr_5e-3": ["--lr", "5e-3"],
+    "warmup_100": ["--warmup-steps", "100"],
+    "warmup_0": ["--warmup-steps", "0"],
+    "labelled_50": ["--labelled", "50"],
+    "labelled_200": ["--labelled", "200"],
 }
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -329,6 +329,7 @@ fn truncation_cuts_both_tokenizations_at_one_chunk_boundary() {
             completion: text,
         },
         completion_only_loss: true,
+        teacher: None,
     };
     let lim = Limits {
         max_student_tokens: 50,
@@ -369,6 +370,7 @@ fn truncation_cuts_both_tokenizations_at_one_chunk_boundary() {
             text: "short text".into(),
         },
         completion_only_loss: true,
+        teacher: None,
     };
     assert!(!too_long(&short, &tok, lim));
     assert!(prepare_record(&short, &tok, lim).is_some());

@@ -890,6 +890,7 @@ mod tests {
                     text: format!("record number {i}"),
                 },
                 completion_only_loss: false,
+                teacher: None,
             })
             .collect();
         let opts = BatchOptions {

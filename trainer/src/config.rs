@@ -41,9 +41,22 @@ pub struct Config {
     pub policy: PolicyConfig,
     #[serde(default)]
     pub teacher: TeacherConfig,
+    /// `[[teachers]]`: several teacher services, each with a `name` (routed per record or
+    /// mixed, `distillation.teachers`); `[teacher]` is the one-teacher shorthand.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub teachers: Vec<TeacherConfig>,
     /// `[loss]`, required by the distillation objectives (SFT has none; an empty table is none).
     #[serde(default, deserialize_with = "loss_section")]
     pub loss: Option<LossConfig>,
+    /// `[loss_cross]`: the loss of teachers whose tokenizer differs from the student's, when
+    /// `[loss]` is a same-tokenizer loss (routing among same- and cross-tokenizer teachers);
+    /// absent: `[loss]` for every teacher.
+    #[serde(
+        default,
+        deserialize_with = "loss_section",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub loss_cross: Option<LossConfig>,
     #[serde(default)]
     pub data: DataConfig,
     #[serde(default)]
@@ -172,6 +185,12 @@ impl Default for OptimizerConfig {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TeacherConfig {
+    /// The teacher's name: records name it in `data.teacher_field`, its metrics carry it
+    /// (`teacher/<name>/kd`). Required in `[[teachers]]`; `[teacher]` is named `teacher`.
+    pub name: Option<String>,
+    /// Its share of an ensemble's mixture (`distillation.teachers = "ensemble"`; the weights
+    /// are normalised over the teachers).
+    pub weight: f64,
     /// Base URLs of teacher replicas, used round-robin (`--teacher-url` replaces the list).
     pub urls: Vec<String>,
     /// Top-k entries per position.
@@ -200,6 +219,8 @@ pub struct TeacherConfig {
 impl Default for TeacherConfig {
     fn default() -> Self {
         TeacherConfig {
+            name: None,
+            weight: 1.0,
             urls: Vec::new(),
             k: 64,
             temperature: 1.0,
@@ -285,6 +306,14 @@ pub struct DataConfig {
     /// their alignment) instead of skipping them.
     pub truncate: bool,
     pub shuffle: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    /// JSONL field naming each record's teacher (a `[[teachers]]` name) when
+    /// `distillation.teachers = "route"`.
+    pub teacher_field: Option<String>,
+    /// The teacher of records without `teacher_field` (or naming no configured teacher); absent:
+    /// such records are an error at start.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub default_teacher: Option<String>,
     /// Drop an epoch's last batch when it is smaller than `num_prompts_per_step`.
     pub drop_last: bool,
 }
@@ -306,6 +335,8 @@ impl Default for DataConfig {
             max_record_bytes: 1 << 20,
             truncate: false,
             shuffle: true,
+            teacher_field: None,
+            default_teacher: None,
             drop_last: false,
         }
     }
@@ -328,6 +359,21 @@ pub struct DistillationConfig {
     pub val_at_end: bool,
     /// Cap on validation records used per validation (absent: all).
     pub max_val_samples: Option<usize>,
+    /// With several `[[teachers]]`: each record learns from the teacher it names (`route`), or
+    /// from the weighted mixture of all of them (`ensemble`).
+    pub teachers: TeacherMode,
+}
+
+/// How a student learns from several teachers (`distillation.teachers`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum TeacherMode {
+    /// Each record from the teacher named by `data.teacher_field` (or `data.default_teacher`).
+    #[default]
+    Route,
+    /// Every record from the weighted mixture of the teachers' distributions
+    /// (docs/losses.md, "Ensembles").
+    Ensemble,
 }
 
 impl Default for DistillationConfig {
@@ -341,6 +387,7 @@ impl Default for DistillationConfig {
             val_at_start: false,
             val_at_end: false,
             max_val_samples: None,
+            teachers: TeacherMode::Route,
         }
     }
 }
@@ -442,7 +489,7 @@ impl Config {
     /// Reads the file named by `args.config`, applies `--set` then the other flags, validates.
     pub fn load(args: &OffPolicyArgs) -> Result<Config, ConfigError> {
         let mut c = Self::read_unvalidated(&args.config, &args.set)?;
-        c.apply_overrides(args);
+        c.apply_overrides(args)?;
         c.validate()?;
         Ok(c)
     }
@@ -485,8 +532,10 @@ impl Config {
         if let Some(t) = &mut self.policy.tokenizer {
             fix(t);
         }
-        if let Some(t) = &mut self.teacher.tokenizer {
-            fix(t);
+        for t in std::iter::once(&mut self.teacher).chain(self.teachers.iter_mut()) {
+            if let Some(tok) = &mut t.tokenizer {
+                fix(tok);
+            }
         }
         fix(&mut self.data.train_path);
         if let Some(v) = &mut self.data.val_path {
@@ -496,8 +545,15 @@ impl Config {
     }
 
     /// Applies the command-line flags (paths relative to the working directory).
-    pub fn apply_overrides(&mut self, a: &OffPolicyArgs) {
+    pub fn apply_overrides(&mut self, a: &OffPolicyArgs) -> Result<(), ConfigError> {
         if !a.teacher_url.is_empty() {
+            if !self.teachers.is_empty() {
+                return Err(invalid(
+                    "teachers",
+                    "--teacher-url sets the one teacher of [teacher]; with [[teachers]], set \
+                     each entry's urls in the config (or with --set)",
+                ));
+            }
             self.teacher.urls = a.teacher_url.clone();
         }
         if let Some(s) = &a.student {
@@ -512,20 +568,44 @@ impl Config {
         if let Some(n) = a.max_steps {
             self.distillation.max_num_steps = n;
         }
+        Ok(())
     }
 
     /// Checks every constraint: each section its own ([`Validate`]), then the ones that span
     /// sections. The error names the offending key.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.policy.validate()?;
-        self.teacher.validate()?;
-        if let Some(loss) = &self.loss {
-            loss.validate().map_err(|e| match e {
-                crate::loss::LossError::Config { field, message } => {
-                    invalid(&format!("loss.{field}"), message)
-                }
-                other => invalid("loss", other.to_string()),
-            })?;
+        self.validate_teachers()?;
+        for (name, loss) in [("loss", &self.loss), ("loss_cross", &self.loss_cross)] {
+            if let Some(loss) = loss {
+                loss.validate().map_err(|e| match e {
+                    crate::loss::LossError::Config { field, message } => {
+                        invalid(&format!("{name}.{field}"), message)
+                    }
+                    other => invalid(name, other.to_string()),
+                })?;
+            }
+        }
+        if let Some(lc) = &self.loss_cross {
+            if self.loss.is_none() {
+                return Err(invalid("loss_cross", "needs a [loss] section beside it"));
+            }
+            if !lc.kd.works_across_tokenizers() {
+                return Err(invalid(
+                    "loss_cross.kd",
+                    format!("{:?} does not work across tokenizers (first_kl, pkl, gold, alm, sampled_kl do)", lc.kd),
+                ));
+            }
+            if self
+                .loss
+                .as_ref()
+                .is_some_and(|l| (l.temperature - lc.temperature).abs() > 1e-6)
+            {
+                return Err(invalid(
+                    "loss_cross.temperature",
+                    "must equal loss.temperature (one teacher temperature)",
+                ));
+            }
         }
         self.data.validate()?;
         self.distillation.validate()?;
@@ -534,16 +614,113 @@ impl Config {
         self.check_across_sections()
     }
 
+    /// `[teacher]` or `[[teachers]]` (not both), each entry valid, names unique, and the routing
+    /// keys naming teachers that exist.
+    fn validate_teachers(&self) -> Result<(), ConfigError> {
+        if self.teachers.is_empty() {
+            self.teacher.validate()?;
+        } else if self.teacher != TeacherConfig::default() {
+            return Err(invalid(
+                "teacher",
+                "both [teacher] and [[teachers]] are set: list every teacher under [[teachers]] \
+                 ([teacher] is the one-teacher shorthand)",
+            ));
+        }
+        let mut names = std::collections::BTreeSet::new();
+        for (i, t) in self.teachers.iter().enumerate() {
+            let at = |e: ConfigError| match e {
+                ConfigError::Invalid { key, message } => ConfigError::Invalid {
+                    key: key.replacen("teacher", &format!("teachers[{i}]"), 1),
+                    message,
+                },
+                other => other,
+            };
+            match t.name.as_deref() {
+                None | Some("") => {
+                    return Err(invalid(
+                        &format!("teachers[{i}].name"),
+                        "every [[teachers]] entry needs a name",
+                    ))
+                }
+                Some(n) if !names.insert(n) => {
+                    return Err(invalid(
+                        &format!("teachers[{i}].name"),
+                        format!("duplicate teacher name {n:?}"),
+                    ))
+                }
+                Some(_) => {}
+            }
+            t.validate().map_err(at)?;
+        }
+        let list = self.teacher_list();
+        let known = || {
+            list.iter()
+                .map(|(n, _)| format!("{n:?}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        if let Some(d) = &self.data.default_teacher {
+            if !list.iter().any(|(n, _)| n == d) {
+                return Err(invalid(
+                    "data.default_teacher",
+                    format!("no teacher is named {d:?} (teachers: {})", known()),
+                ));
+            }
+        }
+        if self.data.teacher_field.as_deref() == Some("") {
+            return Err(invalid("data.teacher_field", "must not be empty"));
+        }
+        let routed = self.distillation.teachers == TeacherMode::Route && list.len() > 1;
+        if routed && self.data.teacher_field.is_none() && self.data.default_teacher.is_none() {
+            return Err(invalid(
+                "data.teacher_field",
+                format!(
+                    "distillation.teachers = \"route\" with {} teachers needs the field that \
+                     names each record's teacher (or data.default_teacher)",
+                    list.len()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The run's teachers with their names: the `[[teachers]]` entries, or `[teacher]` (named
+    /// `teacher` unless it says otherwise).
+    pub fn teacher_list(&self) -> Vec<(String, &TeacherConfig)> {
+        if self.teachers.is_empty() {
+            let name = self
+                .teacher
+                .name
+                .clone()
+                .unwrap_or_else(|| "teacher".into());
+            vec![(name, &self.teacher)]
+        } else {
+            self.teachers
+                .iter()
+                .map(|t| (t.name.clone().unwrap_or_default(), t))
+                .collect()
+        }
+    }
+
     /// The constraints between sections.
     fn check_across_sections(&self) -> Result<(), ConfigError> {
-        // The loss divides the student's logits by its temperature; the teacher's must match.
-        let t = &self.teacher;
-        if let Some(lt) = self.loss.as_ref().map(|l| l.temperature) {
-            if (lt - t.temperature as f64).abs() > 1e-6 {
-                return Err(invalid(
-                    "teacher.temperature",
-                    format!("{} differs from loss.temperature = {lt}", t.temperature),
-                ));
+        // The loss divides the student's logits by its temperature; every teacher's must match.
+        for (i, (name, t)) in self.teacher_list().into_iter().enumerate() {
+            if let Some(lt) = self.loss.as_ref().map(|l| l.temperature) {
+                if (lt - t.temperature as f64).abs() > 1e-6 {
+                    let key = if self.teachers.is_empty() {
+                        "teacher.temperature".to_string()
+                    } else {
+                        format!("teachers[{i}].temperature")
+                    };
+                    return Err(invalid(
+                        &key,
+                        format!(
+                            "{} (teacher {name:?}) differs from loss.temperature = {lt}",
+                            t.temperature
+                        ),
+                    ));
+                }
             }
         }
         let (d, r) = (&self.data, &self.distillation);
@@ -590,6 +767,8 @@ impl Config {
     /// can warn when the config changed. Excludes run length, output location, validation
     /// cadence, logging and teacher connection settings.
     pub fn training_hash(&self) -> String {
+        /// Name, k, temperature, weight.
+        type HashedTeacher<'a> = (&'a Option<String>, usize, f32, f64);
         #[derive(Serialize)]
         struct Hashed<'a> {
             policy: &'a PolicyConfig,
@@ -599,6 +778,10 @@ impl Config {
             data: &'a DataConfig,
             num_prompts_per_step: usize,
             seed: u64,
+            /// Several teachers: names, k, temperatures, weights and the mode (absent with one
+            /// `[teacher]`, so its hash is unchanged).
+            #[serde(skip_serializing_if = "Option::is_none")]
+            teachers: Option<(TeacherMode, Vec<HashedTeacher<'a>>)>,
         }
         let h = Hashed {
             policy: &self.policy,
@@ -608,6 +791,13 @@ impl Config {
             data: &self.data,
             num_prompts_per_step: self.distillation.num_prompts_per_step,
             seed: self.distillation.seed,
+            teachers: (!self.teachers.is_empty()).then(|| {
+                let list = self.teachers.iter();
+                let t = list
+                    .map(|t| (&t.name, t.k, t.temperature, t.weight))
+                    .collect();
+                (self.distillation.teachers, t)
+            }),
         };
         let bytes = serde_json::to_vec(&h).unwrap_or_default();
         hex::encode(Sha256::digest(&bytes))
@@ -755,6 +945,9 @@ impl Validate for TeacherConfig {
         }
         if t.prefetch == 0 {
             return Err(invalid("teacher.prefetch", "must be at least 1"));
+        }
+        if !(t.weight.is_finite() && t.weight > 0.0) {
+            return Err(invalid("teacher.weight", "must be a positive number"));
         }
         Ok(())
     }
@@ -1146,5 +1339,149 @@ mod tests {
         assert_eq!(a.training_hash(), h0);
         a.policy.optimizer.lr *= 2.0;
         assert_ne!(a.training_hash(), h0);
+    }
+}
+
+#[cfg(test)]
+mod teachers_tests {
+    use super::*;
+
+    const TWO: &str = r#"
+        [policy]
+        model_name = "student"
+        [data]
+        train_path = "data/train.jsonl"
+        teacher_field = "domain"
+        [[teachers]]
+        name = "math"
+        urls = ["http://127.0.0.1:8000"]
+        k = 16
+        [[teachers]]
+        name = "code"
+        urls = ["http://127.0.0.1:8001"]
+        weight = 3.0
+    "#;
+
+    fn load(text: &str) -> Result<Config, ConfigError> {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("c.toml");
+        std::fs::write(&p, text).unwrap();
+        Config::from_file(&p)
+    }
+
+    fn err(text: &str) -> (String, String) {
+        match load(text) {
+            Err(ConfigError::Invalid { key, message }) => (key, message),
+            other => panic!("expected an Invalid error, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn teachers_list_names_weights_and_the_shorthand() {
+        let c = load(TWO).unwrap();
+        let list = c.teacher_list();
+        assert_eq!(list.len(), 2);
+        assert_eq!((list[0].0.as_str(), list[0].1.k), ("math", 16));
+        assert_eq!(
+            (list[1].0.as_str(), list[1].1.k, list[1].1.weight),
+            ("code", 64, 3.0)
+        );
+        assert_eq!(c.distillation.teachers, TeacherMode::Route);
+        // `[teacher]` is one teacher named `teacher`, and its training hash is the one it had
+        // before `[[teachers]]` existed (the new keys are not serialised when unset).
+        let one = load(
+            "[policy]\nmodel_name = \"s\"\n[teacher]\nurls = [\"http://a:1\"]\n[data]\ntrain_path = \"t.jsonl\"\n",
+        )
+        .unwrap();
+        assert_eq!(one.teacher_list()[0].0, "teacher");
+        let json = serde_json::to_string(&one.data).unwrap();
+        assert!(
+            !json.contains("teacher_field") && !json.contains("default_teacher"),
+            "{json}"
+        );
+        assert_ne!(
+            c.training_hash(),
+            load(&TWO.replace("weight = 3.0", "weight = 2.0"))
+                .unwrap()
+                .training_hash()
+        );
+    }
+
+    #[test]
+    fn bad_teacher_configs_name_the_key() {
+        let cases: Vec<(String, &str, &str)> = vec![
+            (
+                TWO.replace("name = \"code\"", "name = \"math\""),
+                "teachers[1].name",
+                "duplicate",
+            ),
+            (
+                TWO.replace("name = \"code\"\n", ""),
+                "teachers[1].name",
+                "needs a name",
+            ),
+            (
+                TWO.replace("k = 16", "k = 0"),
+                "teachers[0].k",
+                "at least 1",
+            ),
+            (
+                TWO.replace("weight = 3.0", "weight = -1.0"),
+                "teachers[1].weight",
+                "positive",
+            ),
+            (
+                TWO.replace("[data]", "[teacher]\nurls = [\"http://x:1\"]\n[data]"),
+                "teacher",
+                "both [teacher] and [[teachers]]",
+            ),
+            (
+                TWO.replace("teacher_field = \"domain\"", ""),
+                "data.teacher_field",
+                "needs the field",
+            ),
+            (
+                TWO.replace("teacher_field = \"domain\"", "default_teacher = \"chem\""),
+                "data.default_teacher",
+                "no teacher is named \"chem\"",
+            ),
+            (
+                format!("{TWO}\n[loss]\nkd = {{ type = \"forward_kl\" }}\ntemperature = 2.0\n"),
+                "teachers[0].temperature",
+                "differs from loss.temperature",
+            ),
+        ];
+        for (text, key, msg) in cases {
+            let (k, m) = err(&text);
+            assert_eq!(k, key, "{m}");
+            assert!(m.contains(msg), "{key}: {m}");
+        }
+        // An ensemble needs no routing field; a default alone routes everything.
+        let ens = TWO.replace("teacher_field = \"domain\"", "")
+            + "\n[distillation]\nteachers = \"ensemble\"\n";
+        assert_eq!(
+            load(&ens).unwrap().distillation.teachers,
+            TeacherMode::Ensemble
+        );
+        load(&TWO.replace("teacher_field = \"domain\"", "default_teacher = \"code\"")).unwrap();
+    }
+
+    #[test]
+    fn teacher_url_flag_is_refused_with_several_teachers() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("c.toml");
+        std::fs::write(&p, TWO).unwrap();
+        let args = OffPolicyArgs {
+            config: p,
+            teacher_url: vec!["http://a:1".into()],
+            ..Default::default()
+        };
+        match Config::load(&args) {
+            Err(ConfigError::Invalid { key, message }) => {
+                assert_eq!(key, "teachers");
+                assert!(message.contains("--teacher-url"), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
     }
 }

@@ -44,6 +44,9 @@ pub struct Record {
     pub content: Content,
     /// With [`Content::Pair`]: the loss covers only the completion's tokens.
     pub completion_only_loss: bool,
+    /// The teacher this record names (`data.teacher_field`), when it names one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub teacher: Option<String>,
 }
 
 impl Record {
@@ -144,6 +147,8 @@ pub struct LoadOptions {
     pub separator: String,
     pub completion_only_loss: bool,
     pub max_record_bytes: usize,
+    /// JSONL field naming the record's teacher.
+    pub teacher_field: Option<String>,
 }
 
 impl LoadOptions {
@@ -160,6 +165,7 @@ impl LoadOptions {
             separator: d.separator.clone(),
             completion_only_loss: d.completion_only_loss,
             max_record_bytes: d.max_record_bytes,
+            teacher_field: d.teacher_field.clone(),
         }
     }
 }
@@ -437,10 +443,16 @@ fn parse_jsonl(bytes: &[u8], line: usize, opts: &LoadOptions) -> Result<Record, 
             }
         }
     };
+    let teacher = match opts.teacher_field.as_deref().and_then(|f| obj.get(f)) {
+        None | Some(serde_json::Value::Null) => None,
+        Some(serde_json::Value::String(name)) => Some(name.clone()),
+        Some(_) => return Err(SkipReason::MissingField),
+    };
     let rec = Record {
         line,
         content,
         completion_only_loss: opts.completion_only_loss && opts.pair_fields.is_some(),
+        teacher,
     };
     if rec.len_bytes() > opts.max_record_bytes {
         return Err(SkipReason::TooLongBytes);
@@ -459,6 +471,7 @@ fn text_record(doc: &[u8], line: usize, opts: &LoadOptions) -> Result<Record, Sk
             text: text.to_string(),
         },
         completion_only_loss: false,
+        teacher: None,
     })
 }
 
@@ -808,6 +821,7 @@ mod tests {
                         text: t.to_string(),
                     },
                     completion_only_loss: false,
+                    teacher: None,
                 })
                 .collect(),
             skipped: SkipCounts::default(),
@@ -826,6 +840,7 @@ mod tests {
                     text: format!("r{i}"),
                 },
                 completion_only_loss: false,
+                teacher: None,
             })
             .collect()
     }

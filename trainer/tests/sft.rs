@@ -219,6 +219,7 @@ fn loss_covers_exactly_the_completion_and_eos() {
                 completion: completion.into(),
             },
             completion_only_loss: true,
+            teacher: None,
         };
         let e = encode_record(&tok, &record, Some(eos), 128).unwrap();
         // Independently: the prompt's own encoding is a prefix (both tokenizers split before the

@@ -2,8 +2,8 @@
 //! scenarios.
 //!
 //! 1. Writes the task (seeded) and the files each side may see ([`files`]).
-//! 2. Builds a teacher by SFT on the whole task (with corrected-prefix records, see
-//!    [`mistakes`]), cached under `OUTPUT/teacher/<hash of the teacher settings>/` and reused by
+//! 2. Builds a teacher by SFT on the whole task (optionally fine-tuned on corrected-prefix
+//!    records, `--teacher-data corrected`, see [`mistakes`]), cached under `OUTPUT/teacher/<hash of the teacher settings>/` and reused by
 //!    later runs; measures its advice after a mistake.
 //! 3. Starts the real `teacher` binary on loopback (port 0).
 //! 4. Initialises a smaller student **with a different tokenizer**.
@@ -78,13 +78,21 @@ pub struct DemoArgs {
     /// Training steps per method (default: the preset's).
     #[arg(long)]
     pub steps: Option<u64>,
+    /// Peak learning rate of every method's training (default: the preset's); the floor of
+    /// its cosine decay stays a tenth of it.
+    #[arg(long)]
+    pub lr: Option<f64>,
+    /// SFT steps of the student's warm-up on its labels (default: the preset's; 0 starts every
+    /// method from the random student).
+    #[arg(long)]
+    pub warmup_steps: Option<u64>,
     /// Labelled training problems of the scarce scenario (default: the preset's).
     #[arg(long)]
     pub labelled: Option<usize>,
     /// Which scenarios to run.
     #[arg(long, value_enum, default_value_t = Scenarios::Both)]
     pub scenario: Scenarios,
-    /// What the teacher is trained on (default: the preset's, `corrected`).
+    /// What the teacher is trained on (default: the preset's, `plain`).
     #[arg(long, value_enum)]
     pub teacher_data: Option<TeacherData>,
     /// Build the teacher again even when a cached one matches the settings.
@@ -374,7 +382,7 @@ impl KlProbe {
     pub fn kl(&self, model_dir: &Path) -> Result<f64> {
         let s = &self.setup;
         let (model, _) = eval::load_model(model_dir, &s.device, DType::F32)?;
-        let sums = off_policy::kl_to_teacher(s, &model, &self.records, 8)?;
+        let (sums, _) = off_policy::kl_to_teacher(s, &model, &self.records, 8)?;
         Ok(sums.kl / sums.kl_units.max(1.0))
     }
 }
@@ -447,6 +455,16 @@ pub fn run(a: DemoArgs) -> Result<()> {
             bail!("--steps must be at least 1");
         }
         settings.student_training.steps = n;
+    }
+    if let Some(lr) = a.lr {
+        if !(lr.is_finite() && lr > 0.0) {
+            bail!("--lr must be a positive number, got {lr}");
+        }
+        settings.student_training.lr = lr;
+        settings.student_training.min_lr = lr / 10.0;
+    }
+    if let Some(n) = a.warmup_steps {
+        settings.student_warmup.steps = n;
     }
     if let Some(n) = a.labelled {
         settings.scarce.labelled = n;

@@ -1,189 +1,217 @@
 //! What the two distillation objectives share: the connection to the teacher (same or cross
 //! tokenizer, decided once), held-out KL to the teacher, and the run summary.
 
-use super::prepare::{prepare, Limits, Tokenization};
-use super::step::{validation_sums, LossCtx, Pairing, ValSums};
-use crate::align::projection::{Csr, ProjectionMaps};
-use crate::align::AlignTokenizer;
-use crate::client::{BlockingClient, TeacherClient, TeacherTokenizer};
+use super::prepare::{prepare, Item};
+use super::step::{validation_sums, LossCtx, StepSums, Units, ValSums};
+use super::teachers::{Source, Teachers};
 use crate::config::Config;
 use crate::data::{self, Record};
-use crate::loss::{LossConfig, Projection};
-use anyhow::{bail, Result};
+use crate::loss::LossConfig;
+use anyhow::Result;
 use candle_core::Device;
+use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Instant;
 use xdistill_shared::model::Decoder;
-use xdistill_shared::protocol::{SequenceScores, TopkResponse};
+use xdistill_shared::protocol::SequenceScores;
 
 /// Everything a run needs that does not change while it trains.
 pub struct Setup {
     pub cfg: Config,
+    /// `[loss]`: the loss of teachers sharing the student's tokenizer (and of the others unless
+    /// `[loss_cross]` is set).
     pub loss: LossConfig,
+    /// The loss of teachers with a different tokenizer (`[loss_cross]`, else `[loss]`).
+    pub loss_cross: LossConfig,
     pub device: Device,
-    pub client: Arc<BlockingClient>,
-    pub tokenization: Arc<Tokenization>,
-    pub projection: Option<Projection>,
-    pub limits: Limits,
+    /// Every teacher, connected, with its tokenizer relation and projection.
+    pub teachers: Arc<Teachers>,
 }
 
-/// Connects to the teacher, decides same vs cross tokenizer, builds the projection if needed.
+/// Connects to every teacher (each decides same vs cross tokenizer and builds its projection).
 pub fn setup(cfg: Config) -> Result<Setup> {
     let loss: LossConfig = cfg.loss()?.clone();
     loss.validate()?;
+    let loss_cross = cfg.loss_cross.clone().unwrap_or_else(|| loss.clone());
     let device = xdistill_shared::device::parse_device(&cfg.policy.device)?;
-    let client = Arc::new(BlockingClient::new(TeacherClient::from_config(
-        &cfg.teacher,
-    )?)?);
-    let url = client.wait_ready(cfg.teacher.max_wait())?;
-    tracing::info!("teacher ready at {url}");
-    let infos: Vec<_> = client
-        .info_all()
-        .into_iter()
-        .filter_map(|(u, r)| match r {
-            Ok(i) => Some((u, i)),
-            Err(e) => {
-                tracing::warn!("{u}: /v1/info failed: {e}");
-                None
-            }
-        })
-        .collect();
-    let info = crate::client::check_replicas(&infos).map_err(anyhow::Error::msg)?;
-    client.client().pin_model(&info.model_fingerprint);
-    if cfg.teacher.k > info.limits.max_k {
-        bail!(
-            "teacher.k = {} exceeds the teacher's max_k {}",
-            cfg.teacher.k,
-            info.limits.max_k
-        );
-    }
-    let student_tok = cfg.student_tokenizer();
-    // A tokenizer that does not parse is named as such, not taken for a different tokenizer.
-    xdistill_shared::hf::load_tokenizer(&student_tok)?;
-    if let Some(local) = &cfg.teacher.tokenizer {
-        xdistill_shared::hf::load_tokenizer(local)?;
-    }
-    let which = client.teacher_tokenizer(
-        &info,
-        &student_tok,
-        cfg.teacher.tokenizer.as_deref(),
-        &cfg.teacher_tokenizer_cache(),
-    )?;
-    let max_student = cfg.policy.max_total_sequence_length;
-    let max_teacher = info.max_seq_len.min(info.limits.max_seq_len);
-    let (tokenization, projection) = match which {
-        TeacherTokenizer::Same => {
-            if loss.kd.is_cross_tokenizer() {
-                bail!("loss.kd = {:?} is a cross-tokenizer loss but student and teacher share a tokenizer", loss.kd);
-            }
-            let tok = xdistill_shared::hf::load_tokenizer(&student_tok)?;
-            (Tokenization::Same(tok), None)
-        }
-        TeacherTokenizer::Different(teacher_tok) => {
-            if !loss.kd.works_across_tokenizers() {
-                bail!(
-                    "student and teacher tokenizers differ: use a cross-tokenizer loss \
-                     (loss.kd = {{ type = \"first_kl\" }}, \"pkl\", \"gold\", \"alm\", or \
-                     \"sampled_kl\" on-policy), not {:?}",
-                    loss.kd
-                );
-            }
-            let t0 = Instant::now();
-            let (p, built) = ProjectionMaps::load_or_build(
-                &cfg.teacher_tokenizer_cache(),
-                &student_tok,
-                &teacher_tok,
-                4,
-            )?;
-            tracing::info!(
-                "projection map {} in {:.1}s",
-                if built { "built" } else { "loaded" },
-                t0.elapsed().as_secs_f64()
-            );
-            let s2t = &p.student_to_teacher;
-            let indptr: Vec<usize> = s2t.indptr.iter().map(|&x| x as usize).collect();
-            let lp = Projection::from_csr(
-                s2t.rows(),
-                info.vocab_size,
-                &indptr,
-                &s2t.indices,
-                &s2t.weights,
-            )?
-            .with_teacher_first(teacher_first_tokens(&p.teacher_to_student, info.vocab_size))?;
-            let student = AlignTokenizer::from_file(&student_tok)?;
-            let teacher = AlignTokenizer::from_file(&teacher_tok)?;
-            (Tokenization::Cross { student, teacher }, Some(lp))
-        }
-    };
+    let teachers = Arc::new(Teachers::connect(&cfg, &loss, &loss_cross)?);
     Ok(Setup {
-        limits: Limits {
-            max_student_tokens: max_student,
-            max_teacher_tokens: max_teacher,
-            truncate: cfg.data.truncate,
-        },
         cfg,
         loss,
+        loss_cross,
         device,
-        client,
-        tokenization: Arc::new(tokenization),
-        projection,
+        teachers,
     })
 }
 
 impl Setup {
+    /// The loss of `source`'s records: `[loss]`, or `[loss_cross]` for a teacher with a different
+    /// tokenizer.
+    pub fn loss_of(&self, source: Source) -> &LossConfig {
+        if self.teachers.of(source).tokenization.is_cross() {
+            &self.loss_cross
+        } else {
+            &self.loss
+        }
+    }
+
     /// The loss context of `model` under `loss` (the run's `[loss]`, or an objective's variant
-    /// of it).
-    pub fn loss_ctx<'a>(&'a self, model: &'a Decoder, loss: &'a LossConfig) -> LossCtx<'a> {
+    /// of it) for records scored by `source`, whose answers have `k` entries per row (the
+    /// teacher's k; an ensemble's union width).
+    pub fn loss_ctx<'a>(
+        &'a self,
+        source: Source,
+        k: usize,
+        model: &'a Decoder,
+        loss: &'a LossConfig,
+    ) -> LossCtx<'a> {
         LossCtx {
             model,
-            k: self.cfg.teacher.k,
+            k,
             loss,
-            pairing: match &self.projection {
-                Some(p) => Pairing::Cross(p),
-                None => Pairing::Same,
-            },
+            pairing: self.teachers.of(source).pairing(),
             device: &self.device,
             micro_batch: self.cfg.policy.train_micro_batch_size.max(1),
         }
     }
+
+    /// The student tokenizer (every teacher's tokenization holds the same one).
+    pub fn student_tokenizer(&self) -> &tokenizers::Tokenizer {
+        self.teachers.list[0].tokenization.student_tokenizer()
+    }
 }
 
-/// Teacher answers of a prepared batch, in item order.
-pub fn scores_of(resp: &TopkResponse) -> Vec<&SequenceScores> {
-    resp.results.iter().collect()
+/// The width of a group's answers (its teacher's k, or an ensemble's union).
+pub fn answer_k(s: &Setup, source: Source, scores: &[SequenceScores]) -> usize {
+    match source {
+        Source::One(i) => s.teachers.list[i].cfg.k,
+        Source::Mixture => scores.first().map_or(s.teachers.list[0].cfg.k, |x| x.k),
+    }
 }
 
-/// KL to the teacher and cross-entropy of `model` on `records`, in batches of `batch` (sums
-/// with their counts; see [`validation_sums`]). Also used by the demo to probe saved models.
+/// The losses of a step's groups (each source's records against its answers), every one
+/// normalised by the whole step's units; adds per-teacher figures (`teacher/<name>/kd`, `/kl`,
+/// `/tokens`) to `parts` when the run has several teachers.
+pub struct GroupLoss<'a> {
+    pub s: &'a Setup,
+    /// The loss of records whose teacher shares the student's tokenizer, and of the others.
+    pub same: &'a LossConfig,
+    pub cross: &'a LossConfig,
+}
+
+impl GroupLoss<'_> {
+    /// The loss for `source`'s records.
+    pub fn loss_of(&self, source: Source) -> &LossConfig {
+        if self.s.teachers.of(source).tokenization.is_cross() {
+            self.cross
+        } else {
+            self.same
+        }
+    }
+
+    /// Trains `groups` (`(source, items, answers)`) into `acc`; returns the step's sums and units.
+    pub fn accumulate(
+        &self,
+        model: &Decoder,
+        acc: &mut crate::optim::GradAccumulator,
+        groups: &[(Source, &[Item], &[SequenceScores])],
+        parts: &mut BTreeMap<String, f64>,
+    ) -> Result<(StepSums, Units)> {
+        let s = self.s;
+        let mut norm = Units::default();
+        for (_, items, _) in groups {
+            norm += super::step::units(items);
+        }
+        let mut total = StepSums {
+            kd_scale: 1.0,
+            ..Default::default()
+        };
+        for &(source, items, scores) in groups {
+            if items.is_empty() {
+                continue;
+            }
+            let refs: Vec<&SequenceScores> = scores.iter().collect();
+            let loss = self.loss_of(source);
+            let lc = s.loss_ctx(source, answer_k(s, source, scores), model, loss);
+            let sums = super::step::accumulate(&lc, acc, items, &refs, norm)?;
+            let u = super::step::units(items);
+            let tokens: usize = items.iter().map(|i| i.teacher_ids().len()).sum();
+            let f = TeacherFigures {
+                kd: sums.kd_sum / u.kd.max(1.0),
+                temperature: loss.temperature,
+                sequences: items.len(),
+                tokens,
+            };
+            teacher_parts(s, source, f, parts);
+            total += sums;
+        }
+        Ok((total, norm))
+    }
+}
+
+/// What one teacher did in a step: its records' mean KD loss, and the sequences and tokens
+/// sent to it.
+pub struct TeacherFigures {
+    pub kd: f64,
+    pub temperature: f64,
+    pub sequences: usize,
+    pub tokens: usize,
+}
+
+/// A teacher's figures of a step in `parts` (`teacher/<name>/kd`, `/kl` with τ² removed,
+/// `/sequences`, `/tokens`), when the run has several teachers.
+pub fn teacher_parts(
+    s: &Setup,
+    source: Source,
+    f: TeacherFigures,
+    parts: &mut BTreeMap<String, f64>,
+) {
+    if s.teachers.list.len() > 1 {
+        let name = s.teachers.name(source);
+        parts.insert(format!("teacher/{name}/kd"), f.kd);
+        parts.insert(
+            format!("teacher/{name}/kl"),
+            f.kd / (f.temperature * f.temperature),
+        );
+        parts.insert(format!("teacher/{name}/sequences"), f.sequences as f64);
+        parts.insert(format!("teacher/{name}/tokens"), f.tokens as f64);
+    }
+}
+
+/// KL to the teacher(s) and cross-entropy of `model` on `records`, in batches of `batch` (sums
+/// with their counts; see [`validation_sums`]), overall and per teacher name. Also used by the
+/// demo to probe saved models.
 pub fn kl_to_teacher(
     s: &Setup,
-    model: &xdistill_shared::model::Decoder,
+    model: &Decoder,
     records: &[Record],
     batch: usize,
-) -> Result<ValSums> {
-    let mb = batch.max(1);
-    let val = records;
+) -> Result<(ValSums, BTreeMap<String, ValSums>)> {
     let mut sums = ValSums::default();
-    for chunk in val.chunks(mb) {
+    let mut per: BTreeMap<String, ValSums> = BTreeMap::new();
+    for chunk in records.chunks(batch.max(1)) {
         let batch = data::Batch {
             records: chunk.to_vec(),
             start: Default::default(),
             next: Default::default(),
         };
-        let p = prepare(
-            batch,
-            &s.tokenization,
-            s.limits,
-            s.cfg.teacher.k,
-            s.cfg.teacher.temperature,
-        );
-        if p.items.is_empty() {
-            continue;
+        let p = prepare(batch, &s.teachers);
+        let reqs = p.requests(&s.teachers);
+        let answers = s.teachers.score_all(&reqs)?;
+        for (g, scores) in p.groups.iter().zip(&answers) {
+            let refs: Vec<&SequenceScores> = scores.iter().collect();
+            let lc = s.loss_ctx(
+                g.source,
+                answer_k(s, g.source, scores),
+                model,
+                s.loss_of(g.source),
+            );
+            let v = validation_sums(&lc, &g.items, &refs)?;
+            sums += v;
+            *per.entry(s.teachers.name(g.source).to_string())
+                .or_default() += v;
         }
-        let resp = s.client.topk(&p.request)?;
-        sums += validation_sums(&s.loss_ctx(model, &s.loss), &p.items, &scores_of(&resp))?;
     }
-    Ok(sums)
+    Ok((sums, per))
 }
 
 /// What a finished run reports.
@@ -238,17 +266,4 @@ impl Summary {
             val_teacher_logprob_end: part(&o.val_end, "teacher_logprob"),
         }
     }
-}
-
-/// Teacher id → the first student token of its re-tokenisation (the first entry of its
-/// teacher→student row, which lists the pieces in order); `None` for empty rows and for ids past
-/// the map (a padded teacher vocabulary).
-fn teacher_first_tokens(t2s: &Csr, teacher_vocab: usize) -> Vec<Option<u32>> {
-    (0..teacher_vocab)
-        .map(|u| {
-            (u < t2s.rows())
-                .then(|| t2s.row(u).0.first().copied())
-                .flatten()
-        })
-        .collect()
 }

@@ -7,9 +7,11 @@
 //! checkpoint).
 
 pub mod distill;
+pub mod ensemble;
 pub mod off_policy;
 pub mod on_policy;
 pub mod prepare;
 pub mod runner;
 pub mod sft;
 pub mod step;
+pub mod teachers;

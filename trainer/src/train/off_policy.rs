@@ -6,20 +6,19 @@
 //! normalised by the whole step's count. The loop itself (clip, schedule, AdamW, validation,
 //! checkpoints) is [`runner::run`].
 
-use super::distill::scores_of;
+use super::distill::GroupLoss;
 pub use super::distill::{kl_to_teacher, setup, Setup, Summary};
 use super::prepare::{prepare, too_long, Prepared};
 use super::runner::{
     self, Batches, Objective, RecordFilter, RunOptions, StepCtx, StepReport, ValReport,
 };
-use super::step::{accumulate, units};
-use crate::client::{ClientError, Fetched, Prefetcher};
+use crate::client::{Fetched, Prefetcher};
 use crate::config::OffPolicyArgs;
 use crate::data::Record;
 use crate::student::Student;
 use anyhow::{bail, Result};
 use std::collections::BTreeMap;
-use xdistill_shared::protocol::TopkResponse;
+use xdistill_shared::protocol::SequenceScores;
 
 /// Off-policy distillation on the data's own text; owns the teacher prefetcher.
 pub struct OffPolicy<'a> {
@@ -28,7 +27,7 @@ pub struct OffPolicy<'a> {
 
 impl<'a> OffPolicy<'a> {
     pub fn new(s: &'a Setup) -> Result<OffPolicy<'a>> {
-        if s.loss.kd.is_sampled() {
+        if s.loss.kd.is_sampled() || s.loss_cross.kd.is_sampled() {
             bail!("loss.kd = sampled_kl scores the student's own samples: run `trainer on-policy`, or pick a top-k loss for off-policy training");
         }
         if s.cfg.data.prompts_only {
@@ -38,11 +37,15 @@ impl<'a> OffPolicy<'a> {
     }
 }
 
-/// The records over the teacher's or the student's token limits (unless `data.truncate` cuts
-/// them), for both distillation objectives.
+/// The records over their teacher's or the student's token limits (unless `data.truncate` cuts
+/// them), for both distillation objectives; also checks that every record has a teacher.
 pub fn distill_filter(s: &Setup) -> Option<RecordFilter<'_>> {
+    let t = &s.teachers;
     (!s.cfg.data.truncate).then(|| RecordFilter {
-        too_long: Box::new(|r: &Record| too_long(r, &s.tokenization, s.limits)),
+        too_long: Box::new(|r: &Record| match t.source_of(r) {
+            Ok(src) => too_long(r, &t.of(src).tokenization, t.limits(src)),
+            Err(_) => false,
+        }),
         limits: format!(
             "the token limits (policy.max_total_sequence_length = {}, or the teacher's \
              max_seq_len); raise the limit or set data.truncate = true",
@@ -52,31 +55,30 @@ pub fn distill_filter(s: &Setup) -> Option<RecordFilter<'_>> {
 }
 
 impl Objective for OffPolicy<'_> {
-    type Input = Fetched<Prepared, TopkResponse>;
+    type Input = Fetched<Prepared, Vec<Vec<SequenceScores>>>;
 
     fn open(&mut self, _: &Student) -> Result<Option<RecordFilter<'_>>> {
         Ok(distill_filter(self.s))
     }
 
+    fn check_records(&self, records: &[Record], what: &str) -> Result<()> {
+        self.s.teachers.check_records(records, what)
+    }
+
     fn feed(&mut self, batches: Batches) -> Box<dyn Iterator<Item = Result<Self::Input>>> {
-        let s = self.s;
-        let tokenization = s.tokenization.clone();
-        let (limits, k, temperature) = (s.limits, s.cfg.teacher.k, s.cfg.teacher.temperature);
-        let client = s.client.clone();
-        let batches = batches.map(move |b| prepare(b, &tokenization, limits, k, temperature));
-        let mut prefetch = Prefetcher::spawn(
-            batches,
-            s.cfg.teacher.prefetch.max(1),
-            move |p: &Prepared| -> Result<TopkResponse, ClientError> {
-                if p.items.is_empty() {
-                    return Ok(TopkResponse {
-                        k,
-                        ..Default::default()
-                    });
-                }
-                client.topk(&p.request)
-            },
-        );
+        let teachers = self.s.teachers.clone();
+        let depth = teachers
+            .list
+            .iter()
+            .map(|t| t.cfg.prefetch)
+            .max()
+            .unwrap_or(1);
+        let t = teachers.clone();
+        let batches = batches.map(move |b| prepare(b, &t));
+        // Every group's teacher is asked at once: the step waits for the slowest, not the sum.
+        let mut prefetch = Prefetcher::spawn(batches, depth.max(1), move |p: &Prepared| {
+            teachers.score_all(&p.requests(&teachers))
+        });
         Box::new(std::iter::from_fn(move || {
             Some(
                 prefetch
@@ -88,14 +90,23 @@ impl Objective for OffPolicy<'_> {
 
     fn step(&mut self, ctx: &mut StepCtx, fetched: Self::Input) -> Result<StepReport> {
         let (s, p) = (self.s, fetched.batch);
-        if p.items.is_empty() {
+        if p.groups.is_empty() {
             tracing::warn!("step {}: every record of the batch was skipped", ctx.step);
         }
-        let norm = units(&p.items);
-        let lc = s.loss_ctx(ctx.student.model(), &s.loss);
-        let sums = accumulate(&lc, ctx.acc, &p.items, &scores_of(&fetched.result), norm)?;
-        let kd_mean = sums.kd_mean(norm);
+        let groups: Vec<_> = p
+            .groups
+            .iter()
+            .zip(&fetched.result)
+            .map(|(g, a)| (g.source, g.items.as_slice(), a.as_slice()))
+            .collect();
         let mut parts = BTreeMap::new();
+        let gl = GroupLoss {
+            s,
+            same: &s.loss,
+            cross: &s.loss_cross,
+        };
+        let (sums, norm) = gl.accumulate(ctx.student.model(), ctx.acc, &groups, &mut parts)?;
+        let kd_mean = sums.kd_mean(norm);
         parts.insert("kd".to_string(), kd_mean);
         if let Some(ce) = sums.ce_mean() {
             parts.insert("ce".to_string(), ce);
@@ -107,7 +118,7 @@ impl Objective for OffPolicy<'_> {
             loss: kd_mean * sums.kd_scale + sums.ce_mean().unwrap_or(0.0),
             loss_parts: parts,
             kl: Some(kd_mean / (s.loss.temperature * s.loss.temperature)),
-            tokens: p.items.iter().map(|i| i.teacher_ids().len() as u64).sum(),
+            tokens: p.items().map(|i| i.teacher_ids().len() as u64).sum(),
             loss_tokens: norm.ce as u64,
             teacher_latency_s: fetched.fetch_time.as_secs_f64(),
             teacher_wait_s: fetched.wait_time.as_secs_f64(),
@@ -120,12 +131,18 @@ impl Objective for OffPolicy<'_> {
             return Ok(None);
         }
         let mb = self.s.cfg.policy.train_micro_batch_size;
-        let v = kl_to_teacher(self.s, student.model(), val, mb)?;
+        let (v, per) = kl_to_teacher(self.s, student.model(), val, mb)?;
         let (kl, ce) = (v.kl / v.kl_units.max(1.0), v.ce / v.ce_tokens.max(1.0));
+        let mut parts = BTreeMap::from([("ce".to_string(), ce)]);
+        if per.len() > 1 {
+            for (name, v) in per {
+                parts.insert(format!("teacher/{name}/kl"), v.kl / v.kl_units.max(1.0));
+            }
+        }
         Ok(Some(ValReport {
             loss: kl,
             kl: Some(kl),
-            parts: BTreeMap::from([("ce".to_string(), ce)]),
+            parts,
             records: val.len() as u64,
             loss_tokens: v.ce_tokens as u64,
             metric: "val_kl",

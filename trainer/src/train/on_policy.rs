@@ -12,13 +12,16 @@
 //! - `[on_policy] lambda`: the share of steps that sample; the others train off-policy on the
 //!   data's own prompt + completion, so one run can mix both (TRL GKD's λ).
 
-use super::distill::{Setup, Summary};
+use super::distill::{answer_k, teacher_parts, GroupLoss, Setup, Summary, TeacherFigures};
 use super::off_policy::distill_filter;
-use super::prepare::{prepare, prepare_record, Item, Tokenization};
+use super::prepare::{prepare, prepare_record, Item};
 use super::runner::{
     self, Batches, Objective, RecordFilter, RunOptions, StepCtx, StepReport, ValReport,
 };
-use super::step::{accumulate, trained_teacher_rows, units, validation_sums, LossCtx, Units};
+use super::step::{
+    accumulate, trained_teacher_rows, units, validation_sums, LossCtx, Units, ValSums,
+};
+use super::teachers::Source;
 use crate::collate::Encoded;
 use crate::config::OffPolicyArgs;
 use crate::data::{Batch, Content, Record};
@@ -31,7 +34,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::collections::BTreeMap;
 use std::time::Instant;
-use xdistill_shared::protocol::{SequenceScores, TopkRequest, ValuesKind};
+use xdistill_shared::protocol::SequenceScores;
 
 /// `trainer on-policy` (the off-policy flags; `--prompts` is an alias of `--data`).
 pub fn run(args: OffPolicyArgs) -> Result<()> {
@@ -50,8 +53,9 @@ pub fn train(s: &Setup, resume: bool, stop_after: Option<u64>) -> Result<Summary
 /// and the λ draws.
 pub struct OnPolicy<'a> {
     s: &'a Setup,
-    /// The loss of the off-policy steps.
-    off_loss: LossConfig,
+    /// The loss of the off-policy steps, for same- and cross-tokenizer teachers.
+    off_same: LossConfig,
+    off_cross: LossConfig,
     tok: tokenizers::Tokenizer,
 }
 
@@ -71,12 +75,14 @@ impl<'a> OnPolicy<'a> {
         }
         Ok(OnPolicy {
             s,
-            off_loss: off_policy_loss(&s.loss, s.tokenization.is_cross()),
-            tok: student_tokenizer(s).clone(),
+            off_same: off_policy_loss(&s.loss, false),
+            off_cross: off_policy_loss(&s.loss_cross, true),
+            tok: s.student_tokenizer().clone(),
         })
     }
 
-    /// Samples completions of `batch`'s prompts, scores them and accumulates the loss.
+    /// Samples completions of `batch`'s prompts, scores them (each prompt's samples by its
+    /// teacher) and accumulates the loss.
     fn on_step(&self, ctx: &mut StepCtx, batch: &Batch, r: &mut StepReport) -> Result<()> {
         let (s, mb) = (self.s, self.s.cfg.policy.train_micro_batch_size.max(1));
         let mut stats = SampleStats::default();
@@ -86,53 +92,63 @@ impl<'a> OnPolicy<'a> {
         let gens = sample(s, &model, &self.tok, &batch.records, ctx.rng)?;
         let gen_s = t0.elapsed().as_secs_f64();
         gens.iter().for_each(|g| stats.add_generation(g));
+        // 2. Every source's samples scored at once.
         let t1 = Instant::now();
-        let lc = s.loss_ctx(ctx.student.model(), &s.loss);
-        let (mut kd_sum, mut norm) = (0.0, Units::default());
-        match s.tokenization.as_ref() {
-            Tokenization::Same(_) => {
-                let (samples, scores) = score_same(s, &gens)?;
-                r.teacher_latency_s = t1.elapsed().as_secs_f64();
-                stats.add_same(&samples, &scores);
-                r.tokens = samples.iter().map(|x| x.ids.len() as u64).sum::<u64>();
-                let refs: Vec<&SequenceScores> = scores.iter().collect();
-                if s.loss.kd.is_sampled() {
-                    norm.kd = stats.tokens;
-                    for (xs, sc) in samples.chunks(mb).zip(refs.chunks(mb)) {
-                        let (l, v) = sampled_loss(&lc, xs, sc, norm.kd.max(1.0))?;
-                        ctx.acc.add(&l.backward()?)?;
-                        kd_sum += v * norm.kd;
-                    }
-                } else {
-                    let include_prompt = s.cfg.on_policy.include_prompt;
-                    let items: Vec<Item> = samples
-                        .iter()
-                        .map(|x| {
-                            Item::Same(Encoded {
-                                ids: x.ids.clone(),
-                                loss_from: if include_prompt { 1 } else { x.completion_from },
-                            })
-                        })
-                        .collect();
-                    norm = units(&items);
-                    kd_sum += accumulate(&lc, ctx.acc, &items, &refs, norm)?.kd_sum;
-                }
-            }
-            Tokenization::Cross { .. } => {
-                let (items, used) = cross_items(s, &batch.records, &gens);
-                stats.add_student_lps(used.iter().map(|&i| &gens[i]));
-                r.skipped += (gens.len() - items.len()) as u64;
-                if !items.is_empty() {
-                    let resp = s.client.topk(&request_of(s, &items))?;
-                    r.teacher_latency_s = t1.elapsed().as_secs_f64();
-                    let refs: Vec<&SequenceScores> = resp.results.iter().collect();
-                    stats.add_teacher_scores(&items, &refs);
-                    norm = units(&items);
-                    r.tokens = items.iter().map(|i| i.teacher_ids().len() as u64).sum();
-                    kd_sum += accumulate(&lc, ctx.acc, &items, &refs, norm)?.kd_sum;
-                }
-            }
+        let scored = score_samples(s, &batch.records, &gens)?;
+        r.teacher_latency_s = t1.elapsed().as_secs_f64();
+        // 3. The step's units over every source, then each source's loss.
+        let mut norm = Units::default();
+        for g in &scored {
+            norm += g.units(s);
         }
+        let mut kd_sum = 0.0;
+        for g in &scored {
+            let (source, scores) = (g.source, &g.scores);
+            let refs: Vec<&SequenceScores> = scores.iter().collect();
+            let loss = s.loss_of(source);
+            let lc = s.loss_ctx(
+                source,
+                answer_k(s, source, scores),
+                ctx.student.model(),
+                loss,
+            );
+            let (sum, tokens, sequences) = match &g.samples {
+                Scored::Same(samples) => {
+                    stats.add_same(samples, scores);
+                    let tokens = samples.iter().map(|x| x.ids.len()).sum::<usize>();
+                    let sum = if s.loss.kd.is_sampled() {
+                        let mut sum = 0.0;
+                        for (xs, sc) in samples.chunks(mb).zip(refs.chunks(mb)) {
+                            let (l, v) = sampled_loss(&lc, xs, sc, norm.kd.max(1.0))?;
+                            ctx.acc.add(&l.backward()?)?;
+                            sum += v * norm.kd;
+                        }
+                        sum
+                    } else {
+                        accumulate(&lc, ctx.acc, &same_items(s, samples), &refs, norm)?.kd_sum
+                    };
+                    (sum, tokens, samples.len())
+                }
+                Scored::Cross(items, used) => {
+                    stats.add_student_lps(used.iter().map(|&i| &gens[i]));
+                    stats.add_teacher_scores(items, &refs);
+                    let tokens = items.iter().map(|i| i.teacher_ids().len()).sum::<usize>();
+                    let sum = accumulate(&lc, ctx.acc, items, &refs, norm)?.kd_sum;
+                    (sum, tokens, items.len())
+                }
+            };
+            let u = g.units(s);
+            let f = TeacherFigures {
+                kd: sum / u.kd.max(1.0),
+                temperature: loss.temperature,
+                sequences,
+                tokens,
+            };
+            teacher_parts(s, source, f, &mut r.loss_parts);
+            r.tokens += tokens as u64;
+            kd_sum += sum;
+        }
+        r.skipped += scored.iter().map(|g| g.dropped).sum::<u64>();
         stats.into_parts(&mut r.loss_parts);
         r.loss_parts.insert("generation_s".into(), gen_s);
         r.kl = Some(stats.reverse_kl());
@@ -143,26 +159,26 @@ impl<'a> OnPolicy<'a> {
     /// An off-policy step on the data's own prompt + completion.
     fn off_step(&self, ctx: &mut StepCtx, batch: &Batch, r: &mut StepReport) -> Result<()> {
         let s = self.s;
-        let p = prepare(
-            batch.clone(),
-            &s.tokenization,
-            s.limits,
-            s.cfg.teacher.k,
-            s.cfg.teacher.temperature,
-        );
+        let p = prepare(batch.clone(), &s.teachers);
         r.skipped += p.skipped;
-        let (mut kd_sum, mut norm) = (0.0, Units::default());
-        if !p.items.is_empty() {
-            let t1 = Instant::now();
-            let resp = s.client.topk(&p.request)?;
-            r.teacher_latency_s = t1.elapsed().as_secs_f64();
-            let refs: Vec<&SequenceScores> = resp.results.iter().collect();
-            norm = units(&p.items);
-            r.tokens = p.items.iter().map(|i| i.teacher_ids().len() as u64).sum();
-            let lc = s.loss_ctx(ctx.student.model(), &self.off_loss);
-            kd_sum += accumulate(&lc, ctx.acc, &p.items, &refs, norm)?.kd_sum;
-        }
-        self.finish(r, kd_sum, norm);
+        let t1 = Instant::now();
+        let answers = s.teachers.score_all(&p.requests(&s.teachers))?;
+        r.teacher_latency_s = t1.elapsed().as_secs_f64();
+        let groups: Vec<_> = p
+            .groups
+            .iter()
+            .zip(&answers)
+            .map(|(g, a)| (g.source, g.items.as_slice(), a.as_slice()))
+            .collect();
+        r.tokens = p.items().map(|i| i.teacher_ids().len() as u64).sum();
+        let gl = GroupLoss {
+            s,
+            same: &self.off_same,
+            cross: &self.off_cross,
+        };
+        let (sums, norm) =
+            gl.accumulate(ctx.student.model(), ctx.acc, &groups, &mut r.loss_parts)?;
+        self.finish(r, sums.kd_sum, norm);
         Ok(())
     }
 
@@ -355,19 +371,109 @@ fn sample(
     Ok(generate(model, tok, &prompts, gen, rng)?)
 }
 
-fn student_tokenizer(s: &Setup) -> &tokenizers::Tokenizer {
-    match s.tokenization.as_ref() {
-        Tokenization::Same(t) => t,
-        Tokenization::Cross { student, .. } => &student.tokenizer,
+/// One source's scored samples of a step.
+struct ScoredGroup {
+    source: Source,
+    samples: Scored,
+    /// `start = 0` rows (same tokenizer: prompt rows zero, never trained on).
+    scores: Vec<SequenceScores>,
+    /// Samples that could not be tokenized for the teacher (cross tokenizer).
+    dropped: u64,
+}
+
+/// What a source's teacher was asked to score.
+enum Scored {
+    /// Same tokenizer: the student's own ids.
+    Same(Vec<Sample>),
+    /// Different tokenizers: prompt + completion text aligned for both sides, and the
+    /// generations they came from.
+    Cross(Vec<Item>, Vec<usize>),
+}
+
+impl ScoredGroup {
+    /// The group's loss units: sampled tokens for `sampled_kl` on one tokenizer, else the top-k
+    /// losses' tokens or chunks.
+    fn units(&self, s: &Setup) -> Units {
+        match &self.samples {
+            Scored::Same(samples) if s.loss.kd.is_sampled() => Units {
+                kd: samples
+                    .iter()
+                    .map(|x| (x.ids.len() - x.completion_from) as f64)
+                    .sum(),
+                ce: 0.0,
+            },
+            Scored::Same(samples) => units(&same_items(s, samples)),
+            Scored::Cross(items, _) => units(items),
+        }
     }
 }
 
-/// Same tokenizer: one teacher request with `starts` at the completions.
-fn score_same(s: &Setup, gens: &[Generation]) -> Result<(Vec<Sample>, Vec<SequenceScores>)> {
-    let include_prompt = s.cfg.on_policy.include_prompt;
-    let samples: Vec<Sample> = gens
-        .iter()
-        .filter(|g| !g.completion_ids.is_empty())
+/// Groups the generations by their prompt's source and scores every group at once.
+fn score_samples(s: &Setup, records: &[Record], gens: &[Generation]) -> Result<Vec<ScoredGroup>> {
+    let t = &s.teachers;
+    let mut by: BTreeMap<Source, Vec<usize>> = BTreeMap::new();
+    for (i, g) in gens.iter().enumerate() {
+        let r = &records[g.prompt_index];
+        let src = t
+            .source_of(r)
+            .map_err(|e| anyhow::anyhow!("record at line {} {e}", r.line))?;
+        by.entry(src).or_default().push(i);
+    }
+    let mut groups = vec![];
+    let mut reqs = vec![];
+    for (source, idx) in by {
+        let picked = idx.iter().map(|&i| &gens[i]);
+        if t.of(source).tokenization.is_cross() {
+            let (items, used) = cross_items(s, source, records, gens, &idx);
+            let seqs = items.iter().map(|i| i.teacher_ids().to_vec()).collect();
+            reqs.push((source, t.request(source, seqs, None)));
+            let dropped = (idx.len() - items.len()) as u64;
+            groups.push((source, Scored::Cross(items, used), dropped));
+        } else {
+            let samples = same_samples(picked);
+            let include_prompt = s.cfg.on_policy.include_prompt;
+            let starts = samples
+                .iter()
+                .map(|x| {
+                    if include_prompt {
+                        0
+                    } else {
+                        x.completion_from - 1
+                    }
+                })
+                .collect();
+            let seqs = samples.iter().map(|x| x.ids.clone()).collect();
+            reqs.push((source, t.request(source, seqs, Some(starts))));
+            groups.push((source, Scored::Same(samples), 0));
+        }
+    }
+    let answers = t.score_all(&reqs)?;
+    Ok(groups
+        .into_iter()
+        .zip(answers.into_iter().zip(reqs))
+        .map(|((source, samples, dropped), (scores, (_, req)))| {
+            // Lay the rows out as a `start = 0` answer so the shared step code can be used.
+            let scores = match &samples {
+                Scored::Same(_) => scores
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, sc)| pad_front(sc, req.start_of(i)))
+                    .collect(),
+                Scored::Cross(..) => scores,
+            };
+            ScoredGroup {
+                source,
+                samples,
+                scores,
+                dropped,
+            }
+        })
+        .collect())
+}
+
+/// Same tokenizer: the non-empty samples with the student's own ids.
+fn same_samples<'a>(gens: impl Iterator<Item = &'a Generation>) -> Vec<Sample> {
+    gens.filter(|g| !g.completion_ids.is_empty())
         .map(|g| {
             let mut ids = g.prompt_ids.clone();
             ids.extend_from_slice(&g.completion_ids);
@@ -377,39 +483,21 @@ fn score_same(s: &Setup, gens: &[Generation]) -> Result<(Vec<Sample>, Vec<Sequen
                 old_lp: g.sampled_logprobs.clone(),
             }
         })
-        .collect();
-    if samples.is_empty() {
-        return Ok((samples, vec![]));
-    }
-    let starts: Vec<usize> = samples
+        .collect()
+}
+
+/// Same tokenizer, a top-k loss: the samples as items (completion only unless `include_prompt`).
+fn same_items(s: &Setup, samples: &[Sample]) -> Vec<Item> {
+    let include_prompt = s.cfg.on_policy.include_prompt;
+    samples
         .iter()
         .map(|x| {
-            if include_prompt {
-                0
-            } else {
-                x.completion_from - 1
-            }
+            Item::Same(Encoded {
+                ids: x.ids.clone(),
+                loss_from: if include_prompt { 1 } else { x.completion_from },
+            })
         })
-        .collect();
-    let req = TopkRequest {
-        sequences: samples.iter().map(|x| x.ids.clone()).collect(),
-        k: s.cfg.teacher.k,
-        temperature: s.cfg.teacher.temperature,
-        start: 0,
-        starts: Some(starts.clone()),
-        values: ValuesKind::Logprobs,
-        ids: None,
-    };
-    let resp = s.client.topk(&req)?;
-    // Lay the rows out as a `start = 0` answer (prompt rows zero, never trained on) so the
-    // shared step code can be used.
-    let scores = resp
-        .results
-        .into_iter()
-        .zip(&starts)
-        .map(|(sc, &st)| pad_front(sc, st))
-        .collect();
-    Ok((samples, scores))
+        .collect()
 }
 
 /// Prepends `start` zero rows, turning a `start = st` answer into a `start = 0` one.
@@ -480,7 +568,8 @@ fn sampled_loss(
 }
 
 /// Validation on held-out prompts: samples with a fixed seed, teacher log-prob of the samples and
-/// the reverse KL estimate (same tokenizer), or P-KL on the samples (different tokenizers).
+/// the reverse KL estimate (same tokenizer), or P-KL on the samples (when every teacher has a
+/// different tokenizer).
 fn validation_pass(
     s: &Setup,
     student: &Student,
@@ -490,38 +579,60 @@ fn validation_pass(
         return Ok(None);
     }
     let model = student.inference_model()?;
-    let tok = student_tokenizer(s);
+    let tok = s.student_tokenizer();
     let mut rng = ChaCha8Rng::seed_from_u64(s.cfg.distillation.seed ^ 0x5eed);
     let gens = sample(s, &model, tok, val, &mut rng)?;
     let mut st = SampleStats::default();
     gens.iter().for_each(|g| st.add_generation(g));
-    match s.tokenization.as_ref() {
-        Tokenization::Same(_) => {
-            let (samples, scores) = score_same(s, &gens)?;
-            st.add_same(&samples, &scores);
-            Ok(Some((st.reverse_kl(), st)))
-        }
-        Tokenization::Cross { .. } => {
-            let (items, used) = cross_items(s, val, &gens);
-            st.add_student_lps(used.iter().map(|&i| &gens[i]));
-            if items.is_empty() {
-                return Ok(Some((f64::NAN, st)));
+    let scored = score_samples(s, val, &gens)?;
+    let mut pkl = ValSums::default();
+    let mut any_same = false;
+    for g in &scored {
+        let refs: Vec<&SequenceScores> = g.scores.iter().collect();
+        match &g.samples {
+            Scored::Same(samples) => {
+                any_same = true;
+                st.add_same(samples, &g.scores);
             }
-            let req = request_of(s, &items);
-            let resp = s.client.topk(&req)?;
-            let scores: Vec<&SequenceScores> = resp.results.iter().collect();
-            st.add_teacher_scores(&items, &scores);
-            let v = validation_sums(&s.loss_ctx(student.model(), &s.loss), &items, &scores)?;
-            Ok(Some((v.kl / v.kl_units.max(1.0), st)))
+            Scored::Cross(items, used) => {
+                st.add_student_lps(used.iter().map(|&i| &gens[i]));
+                if items.is_empty() {
+                    continue;
+                }
+                st.add_teacher_scores(items, &refs);
+                let k = answer_k(s, g.source, &g.scores);
+                let lc = s.loss_ctx(g.source, k, student.model(), s.loss_of(g.source));
+                pkl += validation_sums(&lc, items, &refs)?;
+            }
         }
     }
+    if any_same {
+        return Ok(Some((st.reverse_kl(), st)));
+    }
+    if pkl.kl_units == 0.0 {
+        return Ok(Some((f64::NAN, st)));
+    }
+    Ok(Some((pkl.kl / pkl.kl_units, st)))
 }
 
-/// Different tokenizers: prompt + completion text of each generation, tokenized for both sides,
-/// with the indices of the generations they came from (empty or unusable ones are dropped).
-fn cross_items(s: &Setup, records: &[Record], gens: &[Generation]) -> (Vec<Item>, Vec<usize>) {
-    gens.iter()
-        .enumerate()
+/// Different tokenizers: prompt + completion text of the generations `idx`, tokenized for both
+/// sides of `source`'s teacher, with the indices of the generations they came from (empty or
+/// unusable ones are dropped).
+fn cross_items(
+    s: &Setup,
+    source: Source,
+    records: &[Record],
+    gens: &[Generation],
+    idx: &[usize],
+) -> (Vec<Item>, Vec<usize>) {
+    let t = s.teachers.of(source);
+    // Rollouts are not dataset records: one over the limits is truncated, not skipped.
+    let lim = super::prepare::Limits {
+        truncate: true,
+        ..s.teachers.limits(source)
+    };
+    idx.iter()
+        .map(|&i| (i, &gens[i]))
         .filter(|(_, g)| !g.completion_text.is_empty())
         .filter_map(|(i, g)| {
             let r = Record {
@@ -536,25 +647,9 @@ fn cross_items(s: &Setup, records: &[Record], gens: &[Generation]) -> (Vec<Item>
                     ),
                 },
                 completion_only_loss: !s.cfg.on_policy.include_prompt,
+                teacher: records[g.prompt_index].teacher.clone(),
             };
-            // Rollouts are not dataset records: one over the limits is truncated, not skipped.
-            let lim = super::prepare::Limits {
-                truncate: true,
-                ..s.limits
-            };
-            prepare_record(&r, &s.tokenization, lim).map(|it| (it, i))
+            prepare_record(&r, &t.tokenization, lim).map(|it| (it, i))
         })
         .unzip()
-}
-
-fn request_of(s: &Setup, items: &[Item]) -> TopkRequest {
-    TopkRequest {
-        sequences: items.iter().map(|i| i.teacher_ids().to_vec()).collect(),
-        k: s.cfg.teacher.k,
-        temperature: s.cfg.teacher.temperature,
-        start: 0,
-        starts: None,
-        values: ValuesKind::Logprobs,
-        ids: None,
-    }
 }

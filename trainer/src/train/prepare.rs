@@ -2,11 +2,12 @@
 //!
 //! Runs on the prefetch thread, so tokenization and alignment overlap the training step.
 
+use super::teachers::{Source, Teachers};
 use crate::align::{canonical_text, tokenize_pair, AlignTokenizer, PairOptions, TokenizedPair};
 use crate::collate::{encode, Encoded};
 use crate::data::{Batch, Record};
 use tokenizers::Tokenizer;
-use xdistill_shared::protocol::{TopkRequest, ValuesKind};
+use xdistill_shared::protocol::TopkRequest;
 
 /// How records are tokenized: one tokenizer for both sides, or two aligned ones.
 #[allow(clippy::large_enum_variant)] // one value per run
@@ -21,6 +22,13 @@ pub enum Tokenization {
 impl Tokenization {
     pub fn is_cross(&self) -> bool {
         matches!(self, Tokenization::Cross { .. })
+    }
+    /// The student's tokenizer.
+    pub fn student_tokenizer(&self) -> &Tokenizer {
+        match self {
+            Tokenization::Same(t) => t,
+            Tokenization::Cross { student, .. } => &student.tokenizer,
+        }
     }
 }
 
@@ -47,14 +55,38 @@ impl Item {
     }
 }
 
-/// A batch of records, tokenized, with its teacher request.
+/// The records of a batch that one source (a teacher, or the ensemble) scores, tokenized for it.
+#[derive(Debug)]
+pub struct Group {
+    pub source: Source,
+    pub items: Vec<Item>,
+}
+
+/// A batch of records, tokenized and split by teacher.
 #[derive(Debug)]
 pub struct Prepared {
     pub batch: Batch,
-    pub items: Vec<Item>,
-    pub request: TopkRequest,
+    /// One group per source with records, in source order.
+    pub groups: Vec<Group>,
     /// Records of this batch that could not be tokenized (counted, never fatal).
     pub skipped: u64,
+}
+
+impl Prepared {
+    /// Every group's items, in group order.
+    pub fn items(&self) -> impl Iterator<Item = &Item> {
+        self.groups.iter().flat_map(|g| &g.items)
+    }
+    /// The teacher request of each group (`start = 0`: every position).
+    pub fn requests(&self, teachers: &Teachers) -> Vec<(Source, TopkRequest)> {
+        self.groups
+            .iter()
+            .map(|g| {
+                let seqs = g.items.iter().map(|i| i.teacher_ids().to_vec()).collect();
+                (g.source, teachers.request(g.source, seqs, None))
+            })
+            .collect()
+    }
 }
 
 /// Length limits, in tokens, per side.
@@ -165,35 +197,36 @@ pub fn prepare_record(r: &Record, tok: &Tokenization, lim: Limits) -> Option<Ite
     }
 }
 
-/// Tokenizes a batch and builds its teacher request (`start = 0`: every position).
-pub fn prepare(
-    batch: Batch,
-    tok: &Tokenization,
-    lim: Limits,
-    k: usize,
-    temperature: f32,
-) -> Prepared {
-    let mut items = Vec::with_capacity(batch.records.len());
+/// Splits a batch by teacher and tokenizes each record for its teacher. A record without a
+/// teacher (only possible for records not checked at start) is skipped with its reason.
+pub fn prepare(batch: Batch, teachers: &Teachers) -> Prepared {
     let mut skipped = 0;
+    let mut groups: Vec<Group> = vec![];
     for r in &batch.records {
-        match prepare_record(r, tok, lim) {
-            Some(i) => items.push(i),
+        let source = match teachers.source_of(r) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!("record at line {} skipped: it {e}", r.line);
+                skipped += 1;
+                continue;
+            }
+        };
+        let t = teachers.of(source);
+        match prepare_record(r, &t.tokenization, teachers.limits(source)) {
+            Some(item) => match groups.iter_mut().find(|g| g.source == source) {
+                Some(g) => g.items.push(item),
+                None => groups.push(Group {
+                    source,
+                    items: vec![item],
+                }),
+            },
             None => skipped += 1,
         }
     }
-    let request = TopkRequest {
-        sequences: items.iter().map(|i| i.teacher_ids().to_vec()).collect(),
-        k,
-        temperature,
-        start: 0,
-        starts: None,
-        values: ValuesKind::Logprobs,
-        ids: None,
-    };
+    groups.sort_by_key(|g| g.source);
     Prepared {
         batch,
-        items,
-        request,
+        groups,
         skipped,
     }
 }

@@ -262,6 +262,8 @@ impl Session {
             kernels_simd = xdistill_shared::simd::Simd::current().name(),
             "student loaded"
         );
+        objective.check_records(&train_set.records, "training")?;
+        objective.check_records(&val_set.records, "validation")?;
         if let Some(f) = objective.open(&student)? {
             let before = train_set.records.len();
             train_set.drop_where(&*f.too_long);
@@ -364,6 +366,12 @@ pub trait Objective {
     /// token limits, dropped before the first step (`None`: keep every record, e.g. when
     /// `data.truncate` cuts them instead).
     fn open(&mut self, student: &Student) -> Result<Option<RecordFilter<'_>>>;
+
+    /// Checks the loaded records (`what`: "training" or "validation") before anything trains:
+    /// the distillation objectives fail here on a record that names no teacher.
+    fn check_records(&self, _records: &[Record], _what: &str) -> Result<()> {
+        Ok(())
+    }
 
     /// Turns the run's remaining batches into step inputs (off-policy: tokenized and scored by
     /// the teacher on a prefetch thread while the previous step trains).

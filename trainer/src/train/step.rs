@@ -477,6 +477,16 @@ pub struct StepSums {
     pub kd_scale: f64,
 }
 
+impl std::ops::AddAssign for StepSums {
+    /// Sums add; `kd_scale` is the last one's.
+    fn add_assign(&mut self, o: StepSums) {
+        self.kd_sum += o.kd_sum;
+        self.ce_sum += o.ce_sum;
+        self.ce_n += o.ce_n;
+        self.kd_scale = o.kd_scale;
+    }
+}
+
 impl StepSums {
     pub fn kd_mean(&self, norm: Units) -> f64 {
         self.kd_sum / norm.kd.max(1.0)

@@ -1,0 +1,421 @@
+//! Several teachers end to end on loopback, with real `teacher` processes: records routed by a
+//! field to three teachers (one sharing the student's tokenizer, two with their own), off- and
+//! on-policy, checked against each server's own `/metrics`; an ensemble's target against an
+//! f64 mixture of the teachers' full distributions; an ensemble of one teacher against
+//! single-teacher training, bit for bit.
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use xdistill_tests::distill::{config, config_with, data_file, model, token_driven_teacher};
+use xdistill_tests::{teacher_binary, TeacherProcess};
+use xdistill_trainer::config::{Config, TeacherConfig, TeacherMode};
+use xdistill_trainer::train::teachers::Source;
+use xdistill_trainer::train::{off_policy, on_policy};
+
+const NAMES: [&str; 3] = ["same", "qwen", "llama3"];
+
+/// The GSM8K sample with a `domain` field naming a teacher: record i names `NAMES[i % 3]`,
+/// except every 7th, which names none (it goes to `data.default_teacher`).
+fn routed_data(dir: &Path) -> PathBuf {
+    let text = std::fs::read_to_string(data_file()).unwrap();
+    let mut out = String::new();
+    for (i, line) in text.lines().filter(|l| !l.trim().is_empty()).enumerate() {
+        let mut v: serde_json::Value = serde_json::from_str(line).unwrap();
+        if i % 7 != 6 {
+            v["domain"] = NAMES[i % 3].into();
+        }
+        out.push_str(&v.to_string());
+        out.push('\n');
+    }
+    let path = dir.join("routed.jsonl");
+    std::fs::write(&path, out).unwrap();
+    path
+}
+
+/// `[[teachers]]` entries for running servers, named `names`.
+fn teachers(names: &[&str], servers: &[&TeacherProcess], k: usize) -> Vec<TeacherConfig> {
+    names
+        .iter()
+        .zip(servers)
+        .map(|(n, t)| TeacherConfig {
+            name: Some(n.to_string()),
+            urls: vec![t.base.clone()],
+            k,
+            max_wait_s: 60.0,
+            ..Default::default()
+        })
+        .collect()
+}
+
+/// A counter of a server's Prometheus `/metrics`.
+fn counter(t: &TeacherProcess, name: &str) -> f64 {
+    let url = t.url("/metrics");
+    let rest = url.trim_start_matches("http://");
+    let (host, path) = rest.split_once('/').unwrap();
+    let mut s = std::net::TcpStream::connect(host).unwrap();
+    write!(
+        s,
+        "GET /{path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).unwrap();
+    buf.lines()
+        .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{name} not in {url}"))
+}
+
+/// Per teacher name: (sequences, tokens) summed over the run's train lines.
+type Sums = BTreeMap<String, (f64, f64)>;
+/// Per teacher name: its KL at each step that had its records.
+type Series = BTreeMap<String, Vec<f64>>;
+
+/// Per teacher, the sums over the run's train lines of `teacher/<name>/sequences` and
+/// `/tokens`, and the per-step KL series.
+fn per_teacher(out: &Path) -> (Sums, Series) {
+    let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let mut sums: BTreeMap<String, (f64, f64)> = BTreeMap::new();
+    let mut kl: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    for line in text.lines().filter(|l| l.contains("\"split\":\"train\"")) {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        for n in NAMES {
+            let part = |w: &str| v["loss_parts"][format!("teacher/{n}/{w}")].as_f64();
+            if let (Some(seqs), Some(tokens)) = (part("sequences"), part("tokens")) {
+                let e = sums.entry(n.to_string()).or_default();
+                e.0 += seqs;
+                e.1 += tokens;
+                kl.entry(n.to_string())
+                    .or_default()
+                    .push(part("kl").unwrap());
+            }
+        }
+    }
+    (sums, kl)
+}
+
+fn mean(x: &[f64]) -> f64 {
+    x.iter().sum::<f64>() / x.len() as f64
+}
+
+/// Three teacher processes of different tokenizers behind one student.
+struct Three {
+    _dir: tempfile::TempDir,
+    dir: PathBuf,
+    student: PathBuf,
+    servers: Vec<TeacherProcess>,
+}
+
+fn three() -> Three {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path().to_path_buf();
+    let student = model(&dir, "student", "qwen3", "llama2", 32, 2, 0.02, 2);
+    let specs = [
+        ("llama", "llama2", 1),
+        ("qwen3", "qwen3", 2),
+        ("llama", "llama3", 3),
+    ];
+    let servers = specs
+        .iter()
+        .enumerate()
+        .map(|(i, (arch, tok, seed))| {
+            let sub = dir.join(format!("t{i}"));
+            std::fs::create_dir_all(&sub).unwrap();
+            let m = token_driven_teacher(&sub, arch, tok, *seed);
+            TeacherProcess::start(&teacher_binary(), &m, &[]).expect("starting a teacher")
+        })
+        .collect();
+    Three {
+        _dir: d,
+        dir,
+        student,
+        servers,
+    }
+}
+
+/// A routed run's config: `[loss]` for the teacher sharing the student's tokenizer, `[loss_cross]`
+/// for the others; no validation, so the servers see exactly the training steps' sequences.
+fn routed_config(t: &Three, out: &Path, steps: u64, loss: &str, extra: &str) -> Config {
+    let data = routed_data(&t.dir);
+    let mut cfg = config_with(
+        &t.dir,
+        &t.student,
+        &t.servers[0].base,
+        out,
+        steps,
+        loss,
+        &data,
+        "question",
+        "answer",
+        extra,
+    );
+    cfg.teacher = TeacherConfig::default();
+    let refs: Vec<&TeacherProcess> = t.servers.iter().collect();
+    cfg.teachers = teachers(&NAMES, &refs, 16);
+    cfg.data.teacher_field = Some("domain".into());
+    cfg.data.default_teacher = Some("qwen".into());
+    cfg.distillation.num_prompts_per_step = 6;
+    cfg.distillation.val_at_start = false;
+    cfg.distillation.val_at_end = false;
+    cfg.validate().unwrap();
+    cfg
+}
+
+/// Each server received exactly the sequences its records made (its own counters, less
+/// `before`, against the trainer's per-teacher figures) and every teacher had records; with
+/// `whole`, every position but the last of each was scored (start = 0; on-policy asks only
+/// for the completions).
+fn check_servers(
+    t: &Three,
+    out: &Path,
+    before: &[(f64, f64)],
+    whole: bool,
+) -> BTreeMap<String, Vec<f64>> {
+    let (sums, kl) = per_teacher(out);
+    for (i, n) in NAMES.iter().enumerate() {
+        let (seqs, tokens) = sums
+            .get(*n)
+            .copied()
+            .unwrap_or_else(|| panic!("no figures for {n}: {sums:?}"));
+        let s = &t.servers[i];
+        let got_seqs = counter(s, "xdistill_request_sequences_total") - before[i].0;
+        let got_rows = counter(s, "xdistill_request_tokens_scored_total") - before[i].1;
+        eprintln!(
+            "{n}: trainer {seqs} sequences / {tokens} tokens; server {got_seqs} / {got_rows} rows"
+        );
+        assert!(seqs > 0.0, "{n} got no records");
+        assert_eq!(got_seqs, seqs, "{n}: sequences the server received");
+        if whole {
+            assert_eq!(got_rows, tokens - seqs, "{n}: rows the server scored");
+        }
+    }
+    kl
+}
+
+fn counts(t: &Three) -> Vec<(f64, f64)> {
+    t.servers
+        .iter()
+        .map(|s| {
+            (
+                counter(s, "xdistill_request_sequences_total"),
+                counter(s, "xdistill_request_tokens_scored_total"),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn routing_sends_each_record_to_its_teacher_off_and_on_policy() {
+    let t = three();
+    // 1. Off-policy: forward KL against the same-tokenizer teacher, first_kl across tokenizers.
+    let out = t.dir.join("off");
+    let loss = "kd = { type = \"forward_kl\" }\ntail = \"bucket\"\n[loss_cross]\nkd = { type = \"first_kl\" }";
+    let cfg = routed_config(&t, &out, 24, loss, "");
+    let s = off_policy::setup(cfg).expect("setup");
+    assert!(s.teachers.routed());
+    assert_eq!(
+        s.teachers
+            .list
+            .iter()
+            .map(|x| x.tokenization.is_cross())
+            .collect::<Vec<_>>(),
+        [false, true, true]
+    );
+    let before = counts(&t);
+    let sum = off_policy::train(&s, false, None).expect("train");
+    assert_eq!(sum.steps, 24);
+    let kl = check_servers(&t, &out, &before, true);
+    // The student's loss against each teacher falls.
+    for (n, series) in &kl {
+        let (a, b) = (mean(&series[..4]), mean(&series[series.len() - 4..]));
+        eprintln!(
+            "off-policy {n}: KL {a:.4} -> {b:.4} over {} steps",
+            series.len()
+        );
+        assert!(b < 0.8 * a, "{n}: KL {a} -> {b}");
+    }
+
+    // 2. On-policy: the student's samples of each prompt go to the prompt's teacher.
+    let out = t.dir.join("on");
+    let extra = "[on_policy]\nlambda = 1.0\n[on_policy.generation]\nmax_new_tokens = 8\ntemperature = 1.0\nstop_strings = []\n";
+    let cfg = routed_config(&t, &out, 6, "kd = { type = \"sampled_kl\" }", extra);
+    let s = off_policy::setup(cfg).expect("setup");
+    let before = counts(&t);
+    let sum = on_policy::train(&s, false, None).expect("on-policy train");
+    assert_eq!(sum.steps, 6);
+    check_servers(&t, &out, &before, false);
+}
+
+#[test]
+fn routing_errors_are_reported_at_start() {
+    let t = three();
+    let loss = "kd = { type = \"forward_kl\" }\n[loss_cross]\nkd = { type = \"first_kl\" }";
+    // A record naming no configured teacher, without a default: the start fails naming it.
+    let mut cfg = routed_config(&t, &t.dir.join("bad"), 2, loss, "");
+    cfg.data.default_teacher = None;
+    cfg.teachers.truncate(2);
+    let s = off_policy::setup(cfg).expect("setup");
+    let err = format!("{:#}", off_policy::train(&s, false, None).unwrap_err());
+    assert!(
+        err.contains("names teacher \"llama3\", which is not configured"),
+        "{err}"
+    );
+    assert!(
+        !t.dir.join("bad/metrics.jsonl").exists(),
+        "nothing was trained"
+    );
+    // An unreachable teacher: the setup fails naming it.
+    let mut cfg = routed_config(&t, &t.dir.join("dead"), 2, loss, "");
+    cfg.teachers[1].urls = vec!["http://127.0.0.1:9".into()];
+    cfg.teachers[1].max_wait_s = 1.0;
+    let err = format!(
+        "{:#}",
+        off_policy::setup(cfg).err().expect("a dead teacher")
+    );
+    assert!(err.contains("teacher \"qwen\""), "{err}");
+    // An ensemble across tokenizers is refused at start.
+    let mut cfg = routed_config(&t, &t.dir.join("ens"), 2, loss, "");
+    cfg.distillation.teachers = TeacherMode::Ensemble;
+    let err = format!(
+        "{:#}",
+        off_policy::setup(cfg)
+            .err()
+            .expect("cross-tokenizer ensemble")
+    );
+    assert!(err.contains("different tokenizer"), "{err}");
+}
+
+/// Full log-softmax rows `[S-1][V]` of a model directory, in f64 (loaded here, one sequence).
+fn full_rows(dir: &Path, ids: &[u32]) -> Vec<Vec<f64>> {
+    let st = xdistill_trainer::student::Student::load(
+        dir,
+        &candle_core::Device::Cpu,
+        candle_core::DType::F32,
+    )
+    .unwrap();
+    let x = candle_core::Tensor::new(ids, &candle_core::Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    let logits: Vec<Vec<f32>> = st
+        .model()
+        .forward(&x)
+        .unwrap()
+        .squeeze(0)
+        .unwrap()
+        .to_vec2()
+        .unwrap();
+    logits[..ids.len() - 1]
+        .iter()
+        .map(|row| {
+            let m = row
+                .iter()
+                .map(|&v| v as f64)
+                .fold(f64::NEG_INFINITY, f64::max);
+            let lse = m + row.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln();
+            row.iter().map(|&v| v as f64 - lse).collect()
+        })
+        .collect()
+}
+
+#[test]
+fn ensemble_target_is_the_f64_mixture_and_one_teacher_ensemble_is_single_teacher_training() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    let student = model(dir, "student", "qwen3", "llama2", 32, 2, 0.02, 2);
+    let models: Vec<PathBuf> = (0..2)
+        .map(|i| {
+            let sub = dir.join(format!("t{i}"));
+            std::fs::create_dir_all(&sub).unwrap();
+            token_driven_teacher(&sub, "llama", "llama2", 5 + i)
+        })
+        .collect();
+    let servers: Vec<TeacherProcess> = models
+        .iter()
+        .map(|m| TeacherProcess::start(&teacher_binary(), m, &[]).expect("teacher"))
+        .collect();
+    let loss = "kd = { type = \"forward_kl\" }\ntail = \"bucket\"";
+
+    // 1. The target of a two-teacher ensemble (weights 3:1), from the real servers, against the
+    //    mixture of the two models' full distributions computed here in f64.
+    let mut cfg = config(dir, &student, &servers[0].base, &dir.join("mix"), 8, loss);
+    cfg.teacher = TeacherConfig::default();
+    cfg.teachers = teachers(&["a", "b"], &[&servers[0], &servers[1]], 8);
+    cfg.teachers[0].weight = 3.0;
+    cfg.distillation.teachers = TeacherMode::Ensemble;
+    cfg.validate().unwrap();
+    let s = off_policy::setup(cfg).expect("setup");
+    let seqs: Vec<Vec<u32>> = vec![
+        vec![1, 450, 4996, 17354, 1701, 432, 29889],
+        vec![1, 29871, 29906, 29974, 29906],
+    ];
+    let req = s.teachers.request(Source::Mixture, seqs.clone(), None);
+    let got = s
+        .teachers
+        .score(Source::Mixture, &req)
+        .expect("ensemble scores");
+    let w = [0.75, 0.25];
+    for (seq, out) in seqs.iter().zip(&got) {
+        let full: Vec<Vec<Vec<f64>>> = models.iter().map(|m| full_rows(m, seq)).collect();
+        assert_eq!(out.rows, seq.len() - 1);
+        assert!(out.k >= 8 && out.k <= 16, "union width {}", out.k);
+        for r in 0..out.rows {
+            let p = |i: usize| w[0] * full[0][r][i].exp() + w[1] * full[1][r][i].exp();
+            let mut inside = 0.0;
+            for (&id, &lp) in out.ids_row(r).iter().zip(out.values_row(r)) {
+                assert!(
+                    (lp as f64 - p(id as usize).ln()).abs() < 2e-4,
+                    "row {r} id {id}: {lp} vs {}",
+                    p(id as usize).ln()
+                );
+                inside += p(id as usize);
+            }
+            // Both teachers' top-8 are in the set.
+            for f in &full {
+                let mut order: Vec<usize> = (0..f[r].len()).collect();
+                order.sort_by(|&a, &b| f[r][b].total_cmp(&f[r][a]));
+                for &i in &order[..7] {
+                    assert!(
+                        out.ids_row(r).contains(&(i as u32)),
+                        "row {r}: top id {i} missing"
+                    );
+                }
+            }
+            let tail = 1.0
+                - out
+                    .values_row(r)
+                    .iter()
+                    .map(|&x| (x as f64).exp())
+                    .sum::<f64>();
+            assert!(
+                (tail - (1.0 - inside)).abs() < 2e-4,
+                "tail {tail} vs {}",
+                1.0 - inside
+            );
+            let target = seq[r + 1] as usize;
+            assert!((out.target_logprobs[r] as f64 - p(target).ln()).abs() < 2e-4);
+        }
+    }
+    // The ensemble trains: held-out KL to the mixture falls.
+    let sum = off_policy::train(&s, false, None).expect("ensemble train");
+    let (a, b) = (sum.val_kl_start.unwrap(), sum.val_kl_end.unwrap());
+    eprintln!("two-teacher ensemble: held-out KL {a:.4} -> {b:.4}");
+    assert!(b < a, "{a} -> {b}");
+
+    // 2. An ensemble of one teacher trains exactly as that teacher alone.
+    let single = dir.join("single");
+    let cfg = config(dir, &student, &servers[0].base, &single, 6, loss);
+    off_policy::train(&off_policy::setup(cfg).unwrap(), false, None).unwrap();
+    let ens = dir.join("ensemble1");
+    let mut cfg = config(dir, &student, &servers[0].base, &ens, 6, loss);
+    cfg.teacher = TeacherConfig::default();
+    cfg.teachers = teachers(&["only"], &[&servers[0]], 16);
+    cfg.distillation.teachers = TeacherMode::Ensemble;
+    cfg.validate().unwrap();
+    let s = off_policy::setup(cfg).unwrap();
+    assert_eq!(s.teachers.name(Source::Mixture), "ensemble");
+    off_policy::train(&s, false, None).unwrap();
+    let a = std::fs::read(single.join("final/model.safetensors")).unwrap();
+    let b = std::fs::read(ens.join("final/model.safetensors")).unwrap();
+    assert!(a == b, "a one-teacher ensemble changed the trained weights");
+}
