@@ -1,8 +1,9 @@
 //! Several teachers end to end on loopback, with real `teacher` processes: records routed by a
 //! field to three teachers (one sharing the student's tokenizer, two with their own), off- and
-//! on-policy, checked against each server's own `/metrics`; an ensemble's target against an
-//! f64 mixture of the teachers' full distributions; an ensemble of one teacher against
-//! single-teacher training, bit for bit.
+//! on-policy, checked against each server's own `/metrics`; a same-tokenizer ensemble's target
+//! against an f64 mixture of the teachers' full distributions, and an ensemble of one teacher
+//! against single-teacher training, bit for bit; a chunk-level ensemble across tokenizers
+//! against first_kl and against an f64 first-token mixture.
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
@@ -418,4 +419,204 @@ fn ensemble_target_is_the_f64_mixture_and_one_teacher_ensemble_is_single_teacher
     let a = std::fs::read(single.join("final/model.safetensors")).unwrap();
     let b = std::fs::read(ens.join("final/model.safetensors")).unwrap();
     assert!(a == b, "a one-teacher ensemble changed the trained weights");
+}
+
+/// The first `n` GSM8K records as prompt/completion pairs (completion-only loss).
+fn records(n: usize) -> Vec<xdistill_trainer::data::Record> {
+    use xdistill_trainer::data::{Content, Record};
+    std::fs::read_to_string(data_file())
+        .unwrap()
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .take(n)
+        .enumerate()
+        .map(|(i, l)| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            Record {
+                line: i + 1,
+                content: Content::Pair {
+                    prompt: v["question"].as_str().unwrap().into(),
+                    completion: v["answer"].as_str().unwrap().into(),
+                },
+                completion_only_loss: true,
+                teacher: None,
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn chunk_level_ensemble_across_tokenizers() {
+    use xdistill_trainer::data::Batch;
+    use xdistill_trainer::train::prepare::{prepare, Item};
+    use xdistill_trainer::train::step::{micro_loss, units, Pairing};
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path();
+    let student = model(dir, "student", "qwen3", "llama2", 32, 2, 0.02, 2);
+    let specs = [("qwen3", "qwen3", 21), ("llama", "llama3", 22)];
+    let models: Vec<PathBuf> = specs
+        .iter()
+        .enumerate()
+        .map(|(i, (arch, tok, seed))| {
+            let sub = dir.join(format!("t{i}"));
+            std::fs::create_dir_all(&sub).unwrap();
+            token_driven_teacher(&sub, arch, tok, *seed)
+        })
+        .collect();
+    let servers: Vec<TeacherProcess> = models
+        .iter()
+        .map(|m| TeacherProcess::start(&teacher_binary(), m, &[]).expect("teacher"))
+        .collect();
+    let loss = "kd = { type = \"first_kl\" }";
+    let ensemble = |out: &str, names: &[&str], on: &[&TeacherProcess], w: &[f64]| {
+        let mut cfg = config(dir, &student, &servers[0].base, &dir.join(out), 8, loss);
+        cfg.teacher = TeacherConfig::default();
+        cfg.teachers = teachers(names, on, 16);
+        for (t, w) in cfg.teachers.iter_mut().zip(w) {
+            t.weight = *w;
+        }
+        cfg.distillation.teachers = TeacherMode::Ensemble;
+        cfg.validate().unwrap();
+        off_policy::setup(cfg).expect("setup")
+    };
+    let batch = Batch {
+        records: records(6),
+        start: Default::default(),
+        next: Default::default(),
+    };
+    let st = xdistill_trainer::student::Student::load(
+        &student,
+        &candle_core::Device::Cpu,
+        candle_core::DType::F32,
+    )
+    .unwrap();
+
+    // 1. The same teacher twice (equal weights) mixes to itself: the chunk-level ensemble's
+    //    first_kl on its virtual teacher equals first_kl against that teacher directly.
+    let single = off_policy::setup(config(
+        dir,
+        &student,
+        &servers[0].base,
+        &dir.join("single"),
+        8,
+        loss,
+    ))
+    .unwrap();
+    let twice = ensemble(
+        "twice",
+        &["a", "a2"],
+        &[&servers[0], &servers[0]],
+        &[1.0, 1.0],
+    );
+    assert!(matches!(
+        twice.teachers.pairing(Source::Mixture),
+        Pairing::Mixture(_)
+    ));
+    let kd = |s: &off_policy::Setup| {
+        let p = prepare(batch.clone(), &s.teachers);
+        assert_eq!(p.groups.len(), 1);
+        let g = &p.groups[0];
+        let answers = s.teachers.score_group(g).unwrap();
+        let refs: Vec<_> = answers.iter().collect();
+        let k = answers[0].k;
+        let lc = s.loss_ctx(g.source, k, st.model(), s.loss_of(g.source));
+        let (_, out) = micro_loss(&lc, &g.items, &refs, units(&g.items)).unwrap();
+        (out.kd.loss, units(&g.items).kd)
+    };
+    let (direct, n1) = kd(&single);
+    let (mixed, n2) = kd(&twice);
+    eprintln!(
+        "first_kl {direct:.6} over {n1} chunks; the teacher mixed with itself {mixed:.6} over {n2}"
+    );
+    assert_eq!(n1, n2, "the same chunks");
+    assert!(
+        (direct - mixed).abs() < 1e-5 * direct.abs().max(1.0),
+        "{direct} vs {mixed}"
+    );
+
+    // 2. Two teachers of two tokenizers (weights 2:1): at every distilled student position the
+    //    virtual teacher's distribution is the mixture of each teacher's top-k, grouped by first
+    //    student token, computed here from the models' full distributions in f64.
+    let two = ensemble(
+        "two",
+        &["qwen", "llama3"],
+        &[&servers[0], &servers[1]],
+        &[2.0, 1.0],
+    );
+    let p = prepare(batch.clone(), &two.teachers);
+    let g = &p.groups[0];
+    assert_eq!(g.parts.len(), 2);
+    let answers = two.teachers.score_group(g).unwrap();
+    let w = [2.0 / 3.0, 1.0 / 3.0];
+    let mut checked = 0;
+    for (r, (item, virt)) in g.items.iter().zip(&answers).enumerate() {
+        let Item::Cross { pair, .. } = item else {
+            panic!("virtual items are aligned")
+        };
+        let full: Vec<Vec<Vec<f64>>> = (0..2)
+            .map(|t| full_rows(&models[t], g.parts[t][r].teacher_ids()))
+            .collect();
+        for c in pair.chunks.iter().filter(|c| c.student.start > 0) {
+            let j = c.student.start;
+            let mut want: BTreeMap<u32, f64> = BTreeMap::new();
+            for t in 0..2 {
+                let Item::Cross { pair: tp, .. } = &g.parts[t][r] else {
+                    panic!()
+                };
+                let a = tp
+                    .chunks
+                    .iter()
+                    .find(|x| x.student.start == j)
+                    .expect("a common start")
+                    .teacher
+                    .start;
+                let row = &full[t][a - 1];
+                let mut order: Vec<usize> = (0..row.len()).collect();
+                order.sort_by(|&x, &y| row[y].total_cmp(&row[x]));
+                let proj = two.teachers.list[t].projection.as_ref().unwrap();
+                for &u in &order[..16] {
+                    if let Some(f) = proj.teacher_first(u) {
+                        *want.entry(f).or_default() += w[t] * row[u].exp();
+                    }
+                }
+            }
+            let got: BTreeMap<u32, f64> = virt
+                .ids_row(j - 1)
+                .iter()
+                .zip(virt.values_row(j - 1))
+                .filter(|(_, &v)| v > f32::NEG_INFINITY)
+                .map(|(&id, &v)| (id, (v as f64).exp()))
+                .collect();
+            assert_eq!(
+                got.keys().collect::<Vec<_>>(),
+                want.keys().collect::<Vec<_>>(),
+                "row {j}"
+            );
+            for (id, p) in &want {
+                assert!(
+                    (got[id] - p).abs() < 2e-4,
+                    "row {j} id {id}: {} vs {p}",
+                    got[id]
+                );
+            }
+            checked += 1;
+        }
+    }
+    assert!(checked > 20, "only {checked} positions checked");
+
+    // 3. It trains, off-policy and on-policy: held-out first-token KL to the mixture falls.
+    let sum = off_policy::train(&two, false, None).expect("train");
+    let (a, b) = (sum.val_kl_start.unwrap(), sum.val_kl_end.unwrap());
+    eprintln!("chunk-level ensemble: held-out KL {a:.4} -> {b:.4}");
+    assert!(b < a, "{a} -> {b}");
+    let mut cfg = config(dir, &student, &servers[0].base, &dir.join("on"), 3, loss);
+    cfg.teacher = TeacherConfig::default();
+    cfg.teachers = teachers(&["qwen", "llama3"], &[&servers[0], &servers[1]], 16);
+    cfg.distillation.teachers = TeacherMode::Ensemble;
+    cfg.on_policy.generation.max_new_tokens = 8;
+    let s = off_policy::setup(cfg).unwrap();
+    assert_eq!(
+        on_policy::train(&s, false, None).expect("on-policy").steps,
+        3
+    );
 }

@@ -47,7 +47,7 @@ impl Setup {
     /// The loss of `source`'s records: `[loss]`, or `[loss_cross]` for a teacher with a different
     /// tokenizer.
     pub fn loss_of(&self, source: Source) -> &LossConfig {
-        if self.teachers.of(source).tokenization.is_cross() {
+        if self.teachers.is_cross(source) {
             &self.loss_cross
         } else {
             &self.loss
@@ -68,15 +68,15 @@ impl Setup {
             model,
             k,
             loss,
-            pairing: self.teachers.of(source).pairing(),
+            pairing: self.teachers.pairing(source),
             device: &self.device,
             micro_batch: self.cfg.policy.train_micro_batch_size.max(1),
         }
     }
 
-    /// The student tokenizer (every teacher's tokenization holds the same one).
+    /// The student tokenizer.
     pub fn student_tokenizer(&self) -> &tokenizers::Tokenizer {
-        self.teachers.list[0].tokenization.student_tokenizer()
+        self.teachers.student_tokenizer()
     }
 }
 
@@ -101,7 +101,7 @@ pub struct GroupLoss<'a> {
 impl GroupLoss<'_> {
     /// The loss for `source`'s records.
     pub fn loss_of(&self, source: Source) -> &LossConfig {
-        if self.s.teachers.of(source).tokenization.is_cross() {
+        if self.s.teachers.is_cross(source) {
             self.cross
         } else {
             self.same
@@ -195,8 +195,7 @@ pub fn kl_to_teacher(
             next: Default::default(),
         };
         let p = prepare(batch, &s.teachers);
-        let reqs = p.requests(&s.teachers);
-        let answers = s.teachers.score_all(&reqs)?;
+        let answers = s.teachers.score_all(&p.groups.iter().collect::<Vec<_>>())?;
         for (g, scores) in p.groups.iter().zip(&answers) {
             let refs: Vec<&SequenceScores> = scores.iter().collect();
             let lc = s.loss_ctx(

@@ -11,7 +11,18 @@
 //!
 //! The result is laid out as a top-k answer with `k = m` (sorted by descending value), so the
 //! same-tokenizer loss code trains on it unchanged.
+//!
+//! Teachers with other tokenizers are mixed at the chunk level instead ([`chunk_item`],
+//! [`mix_first_tokens`]): at every student position where a chunk starts for *every* teacher,
+//! each teacher's top-k at the row predicting its chunk's first token is grouped by the first
+//! student token of each teacher token (first_kl's projection; the identity for a teacher that
+//! shares the student's tokenizer), and the groups' probabilities are mixed,
+//! `P_mix[g] = Σ_t w_t P_t[g]`, the rest `Σ_t w_t T_t` being the tail. That target is written as
+//! a virtual teacher in the student's own tokenization (identity projection) with one chunk per
+//! common chunk, and trained with first_kl.
 
+use crate::align::{Chunk, TokenizedPair};
+use std::collections::BTreeMap;
 use xdistill_shared::protocol::SequenceScores;
 
 /// Step 1: per sequence and row, the union of the teachers' top-k ids (in order of first
@@ -101,6 +112,139 @@ pub fn mix(
             out
         })
         .collect()
+}
+
+/// One teacher's side of a record in a chunk-level ensemble: for each student token index where
+/// one of its chunks starts, the index of its first teacher token (a same-tokenizer teacher: the
+/// same index).
+pub fn chunk_starts(pair: Option<&TokenizedPair>, student_len: usize) -> BTreeMap<usize, usize> {
+    match pair {
+        Some(p) => p
+            .chunks
+            .iter()
+            .map(|c| (c.student.start, c.teacher.start))
+            .collect(),
+        None => (0..student_len).map(|j| (j, j)).collect(),
+    }
+}
+
+/// The virtual teacher's record: the student's tokens on both sides, one chunk per run of
+/// `reference`'s chunks between consecutive common starts (student indices where a chunk
+/// starts for every teacher, `starts[t]`), kept only where every teacher has a row predicting
+/// the chunk's first token (its first teacher token is not at index 0) — the BOS-like first
+/// chunk is kept for the cross-entropy's start and never distilled. Returns the pair and, per
+/// kept chunk with a start > 0, that start.
+pub fn chunk_item(
+    reference: &TokenizedPair,
+    starts: &[BTreeMap<usize, usize>],
+) -> (TokenizedPair, Vec<usize>) {
+    let common = |j: usize| starts.iter().all(|s| s.contains_key(&j));
+    let has_rows = |j: usize| starts.iter().all(|s| s.get(&j).is_some_and(|&a| a > 0));
+    let mut merged: Vec<Chunk> = vec![];
+    for c in &reference.chunks {
+        match merged.last_mut() {
+            Some(m) if !common(c.student.start) => {
+                m.student.end = c.student.end;
+                m.teacher.end = c.student.end;
+                m.bytes.end = m.bytes.end.max(c.bytes.end);
+            }
+            _ => merged.push(Chunk {
+                student: c.student.clone(),
+                teacher: c.student.clone(),
+                bytes: c.bytes.clone(),
+                kind: c.kind,
+            }),
+        }
+    }
+    merged
+        .retain(|c| c.student.start == 0 || (common(c.student.start) && has_rows(c.student.start)));
+    let rows = merged
+        .iter()
+        .map(|c| c.student.start)
+        .filter(|&j| j > 0)
+        .collect();
+    let pair = TokenizedPair {
+        text: reference.text.clone(),
+        student_ids: reference.student_ids.clone(),
+        teacher_ids: reference.student_ids.clone(),
+        chunks: merged,
+        truncated: reference.truncated,
+    };
+    (pair, rows)
+}
+
+/// The virtual teacher's rows to fill: the starts (> 0) of its chunks.
+pub fn chunk_rows(pair: &TokenizedPair) -> Vec<usize> {
+    pair.chunks
+        .iter()
+        .map(|c| c.student.start)
+        .filter(|&j| j > 0)
+        .collect()
+}
+
+/// The first-token mixture at student index `j` (a chunk start for every teacher): teacher `t`'s
+/// top-k at its row `starts[t][j] − 1`, each id's probability added to the group of its first
+/// student token (`first[t]`; ids without one go to the tail), the groups mixed with `weights`.
+/// Returns the groups `(student id, P_mix)` in order of first appearance.
+pub fn mix_first_tokens(
+    j: usize,
+    starts: &[BTreeMap<usize, usize>],
+    answers: &[&SequenceScores],
+    first: &[&dyn Fn(u32) -> Option<u32>],
+    weights: &[f64],
+) -> Vec<(u32, f64)> {
+    let mut groups: Vec<(u32, f64)> = vec![];
+    for t in 0..answers.len() {
+        let row = starts[t][&j] - 1;
+        for (&u, &lp) in answers[t]
+            .ids_row(row)
+            .iter()
+            .zip(answers[t].values_row(row))
+        {
+            let Some(g) = first[t](u) else { continue };
+            let p = weights[t] * (lp as f64).exp();
+            match groups.iter_mut().find(|e| e.0 == g) {
+                Some(e) => e.1 += p,
+                None => groups.push((g, p)),
+            }
+        }
+    }
+    groups
+}
+
+/// The virtual teacher's answer over `student_len` tokens: at row `j − 1` of each mixed start
+/// the groups sorted by descending probability as log-probs, padded to `m` with the first
+/// group's id at probability 0 (first_kl merges repeated ids, so padding changes nothing);
+/// every other row is never read (id 0, log-prob 0).
+pub fn virtual_answer(
+    student_len: usize,
+    rows: &[(usize, Vec<(u32, f64)>)],
+    m: usize,
+) -> SequenceScores {
+    let n = student_len.saturating_sub(1);
+    let mut out = SequenceScores {
+        rows: n,
+        k: m,
+        topk_ids: vec![0; n * m],
+        topk_values: vec![0.0; n * m],
+        target_logprobs: vec![0.0; n],
+        logsumexp: vec![0.0; n],
+        ..Default::default()
+    };
+    for (j, groups) in rows {
+        let mut g = groups.clone();
+        g.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        let pad = g.first().map_or(0, |e| e.0);
+        let dst = (j - 1) * m;
+        for i in 0..m {
+            let (id, lp) = g
+                .get(i)
+                .map_or((pad, f32::NEG_INFINITY), |e| (e.0, e.1.ln() as f32));
+            out.topk_ids[dst + i] = id;
+            out.topk_values[dst + i] = lp;
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -230,5 +374,124 @@ mod tests {
                 assert!((out.target_logprobs[r] as f64 - p_mix[t].ln()).abs() < 1e-5);
             }
         }
+    }
+
+    fn chunk(
+        s: std::ops::Range<usize>,
+        t: std::ops::Range<usize>,
+        b: std::ops::Range<usize>,
+    ) -> Chunk {
+        Chunk {
+            student: s,
+            teacher: t,
+            bytes: b,
+            kind: crate::align::ChunkKind::Text,
+        }
+    }
+
+    /// Two teachers whose chunks start at different student tokens: the virtual record keeps
+    /// the starts common to both (and to a same-tokenizer teacher, which starts everywhere), one
+    /// chunk per run between them; its rows hold the first-token mixture computed in f64 by hand.
+    #[test]
+    fn chunk_mixture_keeps_common_starts_and_mixes_first_tokens() {
+        // Student tokens 0..6 (0 = BOS), bytes: 1 → 0..1, 2 → 1..3, 3 → 3..4, 4 → 4..6, 5 → 6..7.
+        let a = TokenizedPair {
+            text: "abcdefg".into(),
+            student_ids: vec![1, 10, 11, 12, 13, 14],
+            teacher_ids: vec![0, 100, 101, 102, 103],
+            chunks: vec![
+                chunk(0..1, 0..1, 0..0),
+                chunk(1..3, 1..2, 0..3),
+                chunk(3..4, 2..3, 3..4),
+                chunk(4..6, 3..5, 4..7),
+            ],
+            truncated: false,
+        };
+        // Teacher b: chunks start at student 1, 3 and 5 (no BOS of its own: first token at 0).
+        let b = TokenizedPair {
+            teacher_ids: vec![200, 201, 202],
+            chunks: vec![
+                chunk(1..3, 0..1, 0..3),
+                chunk(3..5, 1..2, 3..6),
+                chunk(5..6, 2..3, 6..7),
+            ],
+            ..a.clone()
+        };
+        let starts = vec![
+            chunk_starts(Some(&a), 6),
+            chunk_starts(Some(&b), 6),
+            chunk_starts(None, 6),
+        ];
+        let (v, rows) = chunk_item(&a, &starts);
+        // Common starts: 1 (b's first token is at index 0: no row, dropped), 3; 4 and 5 are not
+        // common; the BOS chunk stays for the cross-entropy.
+        let spans: Vec<_> = v
+            .chunks
+            .iter()
+            .map(|c| (c.student.clone(), c.bytes.clone()))
+            .collect();
+        assert_eq!(spans, [(0..1, 0..0), (3..6, 3..7)]);
+        assert!(v.chunks.iter().all(|c| c.student == c.teacher));
+        assert_eq!(v.teacher_ids, v.student_ids);
+        assert_eq!(rows, [3]);
+        assert_eq!(chunk_rows(&v), [3]);
+        // Answers: a's row 1 (predicting its token 2), b's row 0, the same teacher's row 2.
+        let answer = |rows: usize, k: usize, at: usize, ids: &[u32], lps: &[f32]| {
+            let mut s = SequenceScores {
+                rows,
+                k,
+                topk_ids: vec![0; rows * k],
+                topk_values: vec![0.0; rows * k],
+                target_logprobs: vec![0.0; rows],
+                logsumexp: vec![0.0; rows],
+                ..Default::default()
+            };
+            s.topk_ids[at * k..at * k + k].copy_from_slice(ids);
+            s.topk_values[at * k..at * k + k].copy_from_slice(lps);
+            s
+        };
+        let (la, lb, ls) = (
+            [0.5f32.ln(), 0.3f32.ln(), 0.1f32.ln()],
+            [0.6f32.ln(), 0.4f32.ln(), 0.0f32.ln() - 9.0],
+            [0.7f32.ln(), 0.2f32.ln(), 0.05f32.ln()],
+        );
+        let ans_a = answer(4, 3, 1, &[101, 102, 103], &la);
+        let ans_b = answer(2, 3, 0, &[201, 200, 202], &lb);
+        let ans_s = answer(5, 3, 2, &[12, 13, 14], &ls);
+        // First student tokens: a's 101 → 12, 102 → 12, 103 → none; b's 201 → 12, 200 → 13, 202 → 14.
+        let fa = |u: u32| match u {
+            101 | 102 => Some(12),
+            _ => None,
+        };
+        let fb = |u: u32| match u {
+            201 => Some(12),
+            200 => Some(13),
+            202 => Some(14),
+            _ => None,
+        };
+        let id = |u: u32| Some(u);
+        let first: Vec<&dyn Fn(u32) -> Option<u32>> = vec![&fa, &fb, &id];
+        let w = [0.5, 0.3, 0.2];
+        let got = mix_first_tokens(3, &starts, &[&ans_a, &ans_b, &ans_s], &first, &w);
+        let p = |x: f32| (x as f64).exp();
+        let want: Vec<(u32, f64)> = vec![
+            (
+                12,
+                w[0] * (p(la[0]) + p(la[1])) + w[1] * p(lb[0]) + w[2] * p(ls[0]),
+            ),
+            (13, w[1] * p(lb[1]) + w[2] * p(ls[1])),
+            (14, w[1] * p(lb[2]) + w[2] * p(ls[2])),
+        ];
+        assert_eq!(got.len(), 3);
+        for ((g, x), (h, y)) in got.iter().zip(&want) {
+            assert_eq!(g, h);
+            assert!((x - y).abs() < 1e-12, "{g}: {x} vs {y}");
+        }
+        // Laid out at row 2 (predicting student token 3), sorted, padded with a zero-mass repeat.
+        let out = virtual_answer(6, &[(3, got)], 4);
+        assert_eq!((out.rows, out.k), (5, 4));
+        assert_eq!(out.ids_row(2), [12, 13, 14, 12]);
+        assert!((out.values_row(2)[0] as f64 - want[0].1.ln()).abs() < 1e-6);
+        assert_eq!(out.values_row(2)[3], f32::NEG_INFINITY);
     }
 }

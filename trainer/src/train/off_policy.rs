@@ -8,7 +8,7 @@
 
 use super::distill::GroupLoss;
 pub use super::distill::{kl_to_teacher, setup, Setup, Summary};
-use super::prepare::{prepare, too_long, Prepared};
+use super::prepare::{prepare, Prepared};
 use super::runner::{
     self, Batches, Objective, RecordFilter, RunOptions, StepCtx, StepReport, ValReport,
 };
@@ -42,10 +42,7 @@ impl<'a> OffPolicy<'a> {
 pub fn distill_filter(s: &Setup) -> Option<RecordFilter<'_>> {
     let t = &s.teachers;
     (!s.cfg.data.truncate).then(|| RecordFilter {
-        too_long: Box::new(|r: &Record| match t.source_of(r) {
-            Ok(src) => too_long(r, &t.of(src).tokenization, t.limits(src)),
-            Err(_) => false,
-        }),
+        too_long: Box::new(|r: &Record| t.too_long(r)),
         limits: format!(
             "the token limits (policy.max_total_sequence_length = {}, or the teacher's \
              max_seq_len); raise the limit or set data.truncate = true",
@@ -77,7 +74,7 @@ impl Objective for OffPolicy<'_> {
         let batches = batches.map(move |b| prepare(b, &t));
         // Every group's teacher is asked at once: the step waits for the slowest, not the sum.
         let mut prefetch = Prefetcher::spawn(batches, depth.max(1), move |p: &Prepared| {
-            teachers.score_all(&p.requests(&teachers))
+            teachers.score_all(&p.groups.iter().collect::<Vec<_>>())
         });
         Box::new(std::iter::from_fn(move || {
             Some(

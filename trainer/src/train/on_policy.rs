@@ -14,7 +14,7 @@
 
 use super::distill::{answer_k, teacher_parts, GroupLoss, Setup, Summary, TeacherFigures};
 use super::off_policy::distill_filter;
-use super::prepare::{prepare, prepare_record, Item};
+use super::prepare::{prepare, Group, Item};
 use super::runner::{
     self, Batches, Objective, RecordFilter, RunOptions, StepCtx, StepReport, ValReport,
 };
@@ -34,7 +34,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::collections::BTreeMap;
 use std::time::Instant;
-use xdistill_shared::protocol::SequenceScores;
+use xdistill_shared::protocol::{SequenceScores, TopkRequest};
 
 /// `trainer on-policy` (the off-policy flags; `--prompts` is an alias of `--data`).
 pub fn run(args: OffPolicyArgs) -> Result<()> {
@@ -162,7 +162,7 @@ impl<'a> OnPolicy<'a> {
         let p = prepare(batch.clone(), &s.teachers);
         r.skipped += p.skipped;
         let t1 = Instant::now();
-        let answers = s.teachers.score_all(&p.requests(&s.teachers))?;
+        let answers = s.teachers.score_all(&p.groups.iter().collect::<Vec<_>>())?;
         r.teacher_latency_s = t1.elapsed().as_secs_f64();
         let groups: Vec<_> = p
             .groups
@@ -408,6 +408,13 @@ impl ScoredGroup {
     }
 }
 
+/// What a source's samples are scored as: same-tokenizer samples with `starts` at their
+/// completions, or aligned records (a teacher of another tokenizer, a chunk-level ensemble).
+enum Job {
+    Same(Source, TopkRequest),
+    Aligned(Group),
+}
+
 /// Groups the generations by their prompt's source and scores every group at once.
 fn score_samples(s: &Setup, records: &[Record], gens: &[Generation]) -> Result<Vec<ScoredGroup>> {
     let t = &s.teachers;
@@ -420,17 +427,15 @@ fn score_samples(s: &Setup, records: &[Record], gens: &[Generation]) -> Result<V
         by.entry(src).or_default().push(i);
     }
     let mut groups = vec![];
-    let mut reqs = vec![];
+    let mut jobs = vec![];
     for (source, idx) in by {
-        let picked = idx.iter().map(|&i| &gens[i]);
-        if t.of(source).tokenization.is_cross() {
-            let (items, used) = cross_items(s, source, records, gens, &idx);
-            let seqs = items.iter().map(|i| i.teacher_ids().to_vec()).collect();
-            reqs.push((source, t.request(source, seqs, None)));
-            let dropped = (idx.len() - items.len()) as u64;
-            groups.push((source, Scored::Cross(items, used), dropped));
+        if t.is_cross(source) {
+            let (group, used) = cross_group(s, source, records, gens, &idx);
+            let dropped = (idx.len() - used.len()) as u64;
+            groups.push((source, Scored::Cross(group.items.clone(), used), dropped));
+            jobs.push(Job::Aligned(group));
         } else {
-            let samples = same_samples(picked);
+            let samples = same_samples(idx.iter().map(|&i| &gens[i]));
             let include_prompt = s.cfg.on_policy.include_prompt;
             let starts = samples
                 .iter()
@@ -443,23 +448,42 @@ fn score_samples(s: &Setup, records: &[Record], gens: &[Generation]) -> Result<V
                 })
                 .collect();
             let seqs = samples.iter().map(|x| x.ids.clone()).collect();
-            reqs.push((source, t.request(source, seqs, Some(starts))));
+            jobs.push(Job::Same(source, t.request(source, seqs, Some(starts))));
             groups.push((source, Scored::Same(samples), 0));
         }
     }
-    let answers = t.score_all(&reqs)?;
+    // Every source at once: the step waits for the slowest teacher, not the sum.
+    let answers: Vec<Vec<SequenceScores>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = jobs
+            .iter()
+            .map(|job| {
+                scope.spawn(move || match job {
+                    Job::Same(source, req) => t.score(*source, req),
+                    Job::Aligned(g) => t.score_group(g),
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .map_err(|_| anyhow::anyhow!("teacher request thread panicked"))?
+                    .map_err(anyhow::Error::from)
+            })
+            .collect::<Result<_>>()
+    })?;
     Ok(groups
         .into_iter()
-        .zip(answers.into_iter().zip(reqs))
-        .map(|((source, samples, dropped), (scores, (_, req)))| {
+        .zip(answers.into_iter().zip(&jobs))
+        .map(|((source, samples, dropped), (scores, job))| {
             // Lay the rows out as a `start = 0` answer so the shared step code can be used.
-            let scores = match &samples {
-                Scored::Same(_) => scores
+            let scores = match job {
+                Job::Same(_, req) => scores
                     .into_iter()
                     .enumerate()
                     .map(|(i, sc)| pad_front(sc, req.start_of(i)))
                     .collect(),
-                Scored::Cross(..) => scores,
+                Job::Aligned(_) => scores,
             };
             ScoredGroup {
                 source,
@@ -615,26 +639,21 @@ fn validation_pass(
     Ok(Some((pkl.kl / pkl.kl_units, st)))
 }
 
-/// Different tokenizers: prompt + completion text of the generations `idx`, tokenized for both
-/// sides of `source`'s teacher, with the indices of the generations they came from (empty or
-/// unusable ones are dropped).
-fn cross_items(
+/// Different tokenizers: prompt + completion text of the generations `idx`, tokenized for
+/// `source` (both sides of its teacher; a chunk-level ensemble: every teacher's), with the
+/// indices of the generations they came from (empty or unusable ones are dropped).
+fn cross_group(
     s: &Setup,
     source: Source,
     records: &[Record],
     gens: &[Generation],
     idx: &[usize],
-) -> (Vec<Item>, Vec<usize>) {
-    let t = s.teachers.of(source);
-    // Rollouts are not dataset records: one over the limits is truncated, not skipped.
-    let lim = super::prepare::Limits {
-        truncate: true,
-        ..s.teachers.limits(source)
-    };
-    idx.iter()
+) -> (Group, Vec<usize>) {
+    let (texts, from): (Vec<Record>, Vec<usize>) = idx
+        .iter()
         .map(|&i| (i, &gens[i]))
         .filter(|(_, g)| !g.completion_text.is_empty())
-        .filter_map(|(i, g)| {
+        .map(|(i, g)| {
             let r = Record {
                 line: records[g.prompt_index].line,
                 content: Content::Pair {
@@ -649,7 +668,16 @@ fn cross_items(
                 completion_only_loss: !s.cfg.on_policy.include_prompt,
                 teacher: records[g.prompt_index].teacher.clone(),
             };
-            prepare_record(&r, &t.tokenization, lim).map(|it| (it, i))
+            (r, i)
         })
-        .unzip()
+        .unzip();
+    // Rollouts are not dataset records: one over the limits is truncated, not skipped.
+    let lim = super::prepare::Limits {
+        truncate: true,
+        ..s.teachers.limits(source)
+    };
+    let refs: Vec<&Record> = texts.iter().collect();
+    let (group, used) = s.teachers.prepare_group(source, &refs, lim);
+    let used = used.into_iter().map(|u| from[u]).collect();
+    (group, used)
 }

@@ -7,7 +7,6 @@ use crate::align::{canonical_text, tokenize_pair, AlignTokenizer, PairOptions, T
 use crate::collate::{encode, Encoded};
 use crate::data::{Batch, Record};
 use tokenizers::Tokenizer;
-use xdistill_shared::protocol::TopkRequest;
 
 /// How records are tokenized: one tokenizer for both sides, or two aligned ones.
 #[allow(clippy::large_enum_variant)] // one value per run
@@ -59,7 +58,11 @@ impl Item {
 #[derive(Debug)]
 pub struct Group {
     pub source: Source,
+    /// What the loss trains on (a chunk-level ensemble: its virtual teacher's records).
     pub items: Vec<Item>,
+    /// A chunk-level ensemble: each teacher's own tokenization of the same records
+    /// (`[teacher][record]`), which the teachers score; empty otherwise.
+    pub parts: Vec<Vec<Item>>,
 }
 
 /// A batch of records, tokenized and split by teacher.
@@ -76,16 +79,6 @@ impl Prepared {
     /// Every group's items, in group order.
     pub fn items(&self) -> impl Iterator<Item = &Item> {
         self.groups.iter().flat_map(|g| &g.items)
-    }
-    /// The teacher request of each group (`start = 0`: every position).
-    pub fn requests(&self, teachers: &Teachers) -> Vec<(Source, TopkRequest)> {
-        self.groups
-            .iter()
-            .map(|g| {
-                let seqs = g.items.iter().map(|i| i.teacher_ids().to_vec()).collect();
-                (g.source, teachers.request(g.source, seqs, None))
-            })
-            .collect()
     }
 }
 
@@ -201,29 +194,24 @@ pub fn prepare_record(r: &Record, tok: &Tokenization, lim: Limits) -> Option<Ite
 /// teacher (only possible for records not checked at start) is skipped with its reason.
 pub fn prepare(batch: Batch, teachers: &Teachers) -> Prepared {
     let mut skipped = 0;
-    let mut groups: Vec<Group> = vec![];
+    let mut by: std::collections::BTreeMap<Source, Vec<&Record>> = Default::default();
     for r in &batch.records {
-        let source = match teachers.source_of(r) {
-            Ok(s) => s,
+        match teachers.source_of(r) {
+            Ok(s) => by.entry(s).or_default().push(r),
             Err(e) => {
                 tracing::warn!("record at line {} skipped: it {e}", r.line);
                 skipped += 1;
-                continue;
             }
-        };
-        let t = teachers.of(source);
-        match prepare_record(r, &t.tokenization, teachers.limits(source)) {
-            Some(item) => match groups.iter_mut().find(|g| g.source == source) {
-                Some(g) => g.items.push(item),
-                None => groups.push(Group {
-                    source,
-                    items: vec![item],
-                }),
-            },
-            None => skipped += 1,
         }
     }
-    groups.sort_by_key(|g| g.source);
+    let mut groups = vec![];
+    for (source, records) in by {
+        let (g, used) = teachers.prepare_group(source, &records, teachers.limits(source));
+        skipped += (records.len() - used.len()) as u64;
+        if !g.items.is_empty() {
+            groups.push(g);
+        }
+    }
     Prepared {
         batch,
         groups,

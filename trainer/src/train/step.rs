@@ -35,6 +35,10 @@ impl std::ops::AddAssign for Units {
 pub enum Pairing<'a> {
     Same,
     Cross(&'a Projection),
+    /// A chunk-level ensemble's virtual teacher in the student's own tokenization (identity
+    /// projection, one chunk per chunk common to every teacher): trained like `Cross`,
+    /// validated with first-token KL (its rows exist only at chunk starts).
+    Mixture(&'a Projection),
 }
 
 /// Everything the loss of a micro-batch needs besides the batch itself.
@@ -166,7 +170,9 @@ pub fn micro_loss(
     }
     let (loss, mut out) = match ctx.pairing {
         Pairing::Same => same_tokenizer(ctx, items, scores, norm)?,
-        Pairing::Cross(projection) => cross_tokenizer(ctx, projection, items, scores, norm)?,
+        Pairing::Cross(projection) | Pairing::Mixture(projection) => {
+            cross_tokenizer(ctx, projection, items, scores, norm)?
+        }
     };
     out.units = units(items);
     Ok((loss, out))
@@ -426,12 +432,15 @@ pub fn validation_sums(
             )?;
             sums(&kl, m.count, &logits, &tb)
         }
-        Pairing::Cross(proj) => {
+        Pairing::Cross(proj) | Pairing::Mixture(proj) => {
             let (xb, enc) = xtoken_batch(items, scores, k)?;
             let tb = pad_batch(&enc, 0, device)?;
             let logits = model.forward(&tb.ids)?;
-            let cfg = ones_cfg(crate::loss::KdConfig::Pkl {
-                anchor: Default::default(),
+            let cfg = ones_cfg(match ctx.pairing {
+                Pairing::Mixture(_) => crate::loss::KdConfig::FirstKl {},
+                _ => crate::loss::KdConfig::Pkl {
+                    anchor: Default::default(),
+                },
             });
             let (kl, m) = kd_loss(
                 &cfg,

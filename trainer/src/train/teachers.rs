@@ -4,13 +4,14 @@
 //! (`ensemble`, same tokenizer).
 
 use super::ensemble;
-use super::prepare::{Limits, Tokenization};
+use super::prepare::{prepare_record, too_long, Group, Item, Limits, Tokenization};
 use super::step::Pairing;
 use crate::align::projection::{Csr, ProjectionMaps};
 use crate::align::AlignTokenizer;
 use crate::client::{BlockingClient, TeacherClient, TeacherTokenizer};
 use crate::config::{Config, TeacherConfig, TeacherMode};
 use crate::data::Record;
+use crate::loss::KdConfig;
 use crate::loss::{LossConfig, Projection};
 use anyhow::{bail, Context, Result};
 use std::collections::{BTreeMap, HashMap};
@@ -184,6 +185,9 @@ pub enum Source {
 pub struct Teachers {
     pub list: Vec<Teacher>,
     pub mode: TeacherMode,
+    /// An ensemble with a teacher of another tokenizer: the identity projection of its virtual
+    /// teacher in the student's tokenization (mixed at the chunk level, trained with first_kl).
+    chunk_projection: Option<Projection>,
     by_name: HashMap<String, usize>,
     default: Option<usize>,
 }
@@ -200,18 +204,26 @@ impl Teachers {
             t.weight /= total;
         }
         let mode = cfg.distillation.teachers;
-        if mode == TeacherMode::Ensemble && list.len() > 1 {
-            if let Some(t) = list.iter().find(|t| t.tokenization.is_cross()) {
-                bail!(
-                    "distillation.teachers = \"ensemble\": teacher {:?} has a different tokenizer \
-                     from the student; ensembles mix teachers that share the student's tokenizer \
-                     (route records to a cross-tokenizer teacher with distillation.teachers = \
-                     \"route\" instead, docs/losses.md)",
-                    t.name
-                );
+        let ensemble = mode == TeacherMode::Ensemble;
+        let cross = list.iter().find(|t| t.tokenization.is_cross());
+        let chunk_projection = match cross {
+            // An ensemble of one teacher is that teacher (same or cross tokenizer).
+            Some(t) if ensemble && list.len() > 1 => {
+                if !matches!(loss_cross.kd, KdConfig::FirstKl {}) {
+                    bail!(
+                        "distillation.teachers = \"ensemble\" with teacher {:?} of another \
+                         tokenizer mixes the teachers at the chunk level and trains with first_kl: \
+                         set loss_cross.kd (or loss.kd) = {{ type = \"first_kl\" }}, not {:?}",
+                        t.name,
+                        loss_cross.kd
+                    );
+                }
+                let v = t.projection.as_ref().map_or(0, |p| p.student_vocab());
+                Some(identity_projection(v)?)
             }
-        }
-        if mode == TeacherMode::Ensemble && list.len() > 1 {
+            _ => None,
+        };
+        if ensemble && list.len() > 1 && chunk_projection.is_none() {
             // Every teacher scores the union of all top-k sets as candidate ids.
             let union: usize = list.iter().map(|t| t.cfg.k).sum();
             if let Some(t) = list.iter().find(|t| t.max_k < union) {
@@ -238,6 +250,7 @@ impl Teachers {
         Ok(Teachers {
             list,
             mode,
+            chunk_projection,
             by_name,
             default,
         })
@@ -332,13 +345,174 @@ impl Teachers {
         Ok(g.into_iter().collect())
     }
 
-    /// The teacher whose tokenization, limits and pairing a source's records use (the mixture's
-    /// teachers all share the first one's tokenizer).
-    pub fn of(&self, s: Source) -> &Teacher {
+    /// The teacher of a source (the mixture: the first).
+    fn of(&self, s: Source) -> &Teacher {
         match s {
             Source::One(i) => &self.list[i],
             Source::Mixture => &self.list[0],
         }
+    }
+
+    /// How a source's answers lie against the student's tokens: the same tokenizer, another
+    /// one (with its projection), or a chunk-level ensemble's virtual teacher.
+    pub fn pairing(&self, s: Source) -> Pairing<'_> {
+        match (s, &self.chunk_projection) {
+            (Source::Mixture, Some(p)) => Pairing::Mixture(p),
+            (Source::Mixture, None) if self.list.len() == 1 => self.list[0].pairing(),
+            (Source::Mixture, None) => Pairing::Same,
+            (Source::One(i), _) => self.list[i].pairing(),
+        }
+    }
+
+    /// Whether a source's records are aligned across tokenizers (its loss is `[loss_cross]`).
+    pub fn is_cross(&self, s: Source) -> bool {
+        !matches!(self.pairing(s), Pairing::Same)
+    }
+
+    /// Whether `r` is over its teacher's or the student's token limits (an ensemble: any
+    /// teacher's); records without a teacher are not (they fail the start's check).
+    pub fn too_long(&self, r: &Record) -> bool {
+        match self.source_of(r) {
+            Ok(Source::Mixture) => self
+                .list
+                .iter()
+                .any(|t| too_long(r, &t.tokenization, t.limits)),
+            Ok(s) => too_long(r, &self.of(s).tokenization, self.limits(s)),
+            Err(_) => false,
+        }
+    }
+
+    /// The student tokenizer (every teacher's tokenization holds the same one).
+    pub fn student_tokenizer(&self) -> &tokenizers::Tokenizer {
+        self.list[0].tokenization.student_tokenizer()
+    }
+
+    /// Tokenizes `records` for `source` (the chunk-level ensemble: for every teacher, and the
+    /// virtual teacher's record from them); returns the group and the indices of the records it
+    /// holds (the others could not be tokenized, or their tokenizations disagree on the
+    /// student's tokens; each is logged).
+    pub fn prepare_group(
+        &self,
+        source: Source,
+        records: &[&Record],
+        lim: Limits,
+    ) -> (Group, Vec<usize>) {
+        let mut g = Group {
+            source,
+            items: vec![],
+            parts: vec![],
+        };
+        let mut used = vec![];
+        if self.chunk_projection.is_none() || source != Source::Mixture {
+            let tok = &self.of(source).tokenization;
+            for (i, r) in records.iter().enumerate() {
+                if let Some(item) = prepare_record(r, tok, lim) {
+                    g.items.push(item);
+                    used.push(i);
+                }
+            }
+            return (g, used);
+        }
+        g.parts = vec![vec![]; self.list.len()];
+        for (i, r) in records.iter().enumerate() {
+            let each: Option<Vec<Item>> = self
+                .list
+                .iter()
+                .map(|t| {
+                    prepare_record(
+                        r,
+                        &t.tokenization,
+                        Limits {
+                            max_teacher_tokens: t.limits.max_teacher_tokens,
+                            ..lim
+                        },
+                    )
+                })
+                .collect();
+            let Some(each) = each else { continue };
+            match virtual_item(&each) {
+                Ok(item) => {
+                    g.items.push(item);
+                    for (p, it) in g.parts.iter_mut().zip(each) {
+                        p.push(it);
+                    }
+                    used.push(i);
+                }
+                Err(e) => tracing::warn!("record at line {} skipped: {e}", r.line),
+            }
+        }
+        (g, used)
+    }
+
+    /// A group's answers, one per item: its teacher's, or the ensemble's target ([`Self::score`]
+    /// for the same-tokenizer mixture; the chunk-level mixture from each teacher's answers for
+    /// its own tokenization of the records).
+    pub fn score_group(&self, g: &Group) -> Scores {
+        if g.items.is_empty() {
+            return Ok(vec![]);
+        }
+        if g.parts.is_empty() {
+            let seqs = g.items.iter().map(|i| i.teacher_ids().to_vec()).collect();
+            return self.score(g.source, &self.request(g.source, seqs, None));
+        }
+        let answers: Vec<Vec<SequenceScores>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = g
+                .parts
+                .iter()
+                .enumerate()
+                .map(|(i, items)| {
+                    let seqs = items.iter().map(|it| it.teacher_ids().to_vec()).collect();
+                    let req = self.request(Source::One(i), seqs, None);
+                    scope.spawn(move || self.ask(i, &req))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(join)
+                .collect::<std::result::Result<_, _>>()
+        })?;
+        let weights: Vec<f64> = self.list.iter().map(|t| t.weight).collect();
+        let firsts: Vec<Box<dyn Fn(u32) -> Option<u32> + '_>> = self
+            .list
+            .iter()
+            .map(|t| -> Box<dyn Fn(u32) -> Option<u32> + '_> {
+                match &t.projection {
+                    Some(p) => Box::new(move |u| p.teacher_first(u as usize)),
+                    None => Box::new(Some),
+                }
+            })
+            .collect();
+        let first_refs: Vec<&dyn Fn(u32) -> Option<u32>> =
+            firsts.iter().map(|f| f.as_ref()).collect();
+        let mut rows_per_item = vec![];
+        for (r, item) in g.items.iter().enumerate() {
+            let Item::Cross { pair, .. } = item else {
+                unreachable!("a chunk-level ensemble's items are aligned")
+            };
+            let starts: Vec<BTreeMap<usize, usize>> =
+                g.parts.iter().map(|p| item_starts(&p[r])).collect();
+            let scored: Vec<&SequenceScores> = answers.iter().map(|a| &a[r]).collect();
+            let rows: Vec<(usize, Vec<(u32, f64)>)> = ensemble::chunk_rows(pair)
+                .into_iter()
+                .map(|j| {
+                    (
+                        j,
+                        ensemble::mix_first_tokens(j, &starts, &scored, &first_refs, &weights),
+                    )
+                })
+                .collect();
+            rows_per_item.push((pair.student_ids.len(), rows));
+        }
+        let m = rows_per_item
+            .iter()
+            .flat_map(|(_, rows)| rows.iter().map(|(_, g)| g.len()))
+            .max()
+            .unwrap_or(1)
+            .max(1);
+        Ok(rows_per_item
+            .iter()
+            .map(|(n, rows)| ensemble::virtual_answer(*n, rows, m))
+            .collect())
     }
 
     /// Limits of a source's records (the mixture: the tightest teacher's).
@@ -437,23 +611,64 @@ impl Teachers {
         }
     }
 
-    /// Several sources' answers at once (one thread per source: a step waits for the slowest
+    /// Several groups' answers at once (one thread per group: a step waits for the slowest
     /// teacher, not the sum).
     pub fn score_all(
         &self,
-        reqs: &[(Source, TopkRequest)],
+        groups: &[&Group],
     ) -> std::result::Result<Vec<Vec<SequenceScores>>, ScoreError> {
-        if reqs.len() == 1 {
-            return Ok(vec![self.score(reqs[0].0, &reqs[0].1)?]);
+        if groups.len() == 1 {
+            return Ok(vec![self.score_group(groups[0])?]);
         }
         std::thread::scope(|scope| {
-            let handles: Vec<_> = reqs
+            let handles: Vec<_> = groups
                 .iter()
-                .map(|(s, r)| scope.spawn(move || self.score(*s, r)))
+                .map(|g| scope.spawn(move || self.score_group(g)))
                 .collect();
             handles.into_iter().map(join).collect()
         })
     }
+}
+
+/// A teacher's chunk starts in its item (student token index → first teacher token index).
+fn item_starts(item: &Item) -> BTreeMap<usize, usize> {
+    match item {
+        Item::Cross { pair, .. } => ensemble::chunk_starts(Some(pair), pair.student_ids.len()),
+        Item::Same(e) => ensemble::chunk_starts(None, e.ids.len()),
+    }
+}
+
+/// The chunk-level ensemble's record from every teacher's tokenization of it: the first aligned
+/// one is the reference; all must agree on the student's tokens.
+fn virtual_item(each: &[Item]) -> std::result::Result<Item, String> {
+    let student_ids = |it: &Item| -> Vec<u32> {
+        match it {
+            Item::Cross { pair, .. } => pair.student_ids.clone(),
+            Item::Same(e) => e.ids.clone(),
+        }
+    };
+    let Some((pair, loss_start)) = each.iter().find_map(|it| match it {
+        Item::Cross { pair, loss_start } => Some((pair, *loss_start)),
+        Item::Same(_) => None,
+    }) else {
+        return Err("no teacher of the ensemble has another tokenizer".into());
+    };
+    if each.iter().any(|it| student_ids(it) != pair.student_ids) {
+        return Err("the teachers' alignments disagree on the student's tokens (special tokens or truncation)".into());
+    }
+    let starts: Vec<BTreeMap<usize, usize>> = each.iter().map(item_starts).collect();
+    let (pair, _) = ensemble::chunk_item(pair, &starts);
+    Ok(Item::Cross { pair, loss_start })
+}
+
+/// The identity projection of a vocabulary (`v × v`, each token its own first token).
+fn identity_projection(v: usize) -> Result<Projection> {
+    let indptr: Vec<usize> = (0..=v).collect();
+    let indices: Vec<u32> = (0..v as u32).collect();
+    Ok(
+        Projection::from_csr(v, v, &indptr, &indices, &vec![1.0; v])?
+            .with_teacher_first((0..v as u32).map(Some).collect())?,
+    )
 }
 
 /// Teacher id → the first student token of its re-tokenisation (the first entry of its
