@@ -333,18 +333,6 @@ impl Teachers {
         Ok(())
     }
 
-    /// `records` split by source, in source order; each group keeps the records' order.
-    pub fn groups<'r>(&self, records: &'r [Record]) -> Result<Vec<(Source, Vec<&'r Record>)>> {
-        let mut g: BTreeMap<Source, Vec<&Record>> = BTreeMap::new();
-        for r in records {
-            let s = self
-                .source_of(r)
-                .map_err(|e| anyhow::anyhow!("record at line {} {e}", r.line))?;
-            g.entry(s).or_default().push(r);
-        }
-        Ok(g.into_iter().collect())
-    }
-
     /// The teacher of a source (the mixture: the first).
     fn of(&self, s: Source) -> &Teacher {
         match s {
