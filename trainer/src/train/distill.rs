@@ -1,5 +1,6 @@
-//! What the two distillation objectives share: the connection to the teacher (same or cross
-//! tokenizer, decided once), held-out KL to the teacher, and the run summary.
+//! What the two distillation objectives share: the connected teachers ([`Teachers`]: each with
+//! its tokenizer relation, decided once), the loss of a step's groups of records (one per
+//! teacher, or the ensemble), held-out KL to the teachers, and the run summary.
 
 use super::prepare::{prepare, Item};
 use super::step::{validation_sums, LossCtx, StepSums, Units, ValSums};
