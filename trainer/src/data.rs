@@ -657,6 +657,36 @@ mod tests {
     }
 
     #[test]
+    fn teacher_field_names_each_records_teacher() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = b"{\"text\": \"a\", \"domain\": \"math\"}\n{\"text\": \"b\"}\n{\"text\": \"c\", \"domain\": null}\n{\"text\": \"d\", \"domain\": 3}\n";
+        let p = write(dir.path(), "d.jsonl", f);
+        let o = LoadOptions {
+            teacher_field: Some("domain".into()),
+            ..opts(100)
+        };
+        let ds = Dataset::load(&p, &o).unwrap();
+        let got: Vec<_> = ds
+            .records
+            .iter()
+            .map(|r| (r.text(), r.teacher.clone()))
+            .collect();
+        // A missing or null field names no teacher; a non-string one skips the record.
+        assert_eq!(
+            got,
+            [
+                ("a".to_string(), Some("math".to_string())),
+                ("b".to_string(), None),
+                ("c".to_string(), None)
+            ]
+        );
+        assert_eq!(ds.skipped.missing_field, 1);
+        // Without teacher_field the field is not read.
+        let ds = Dataset::load(&p, &opts(100)).unwrap();
+        assert!(ds.records.iter().all(|r| r.teacher.is_none()) && ds.records.len() == 4);
+    }
+
+    #[test]
     fn jsonl_bad_records_are_skipped_and_counted() {
         let dir = tempfile::tempdir().unwrap();
         let mut f = Vec::new();
