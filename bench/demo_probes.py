@@ -35,6 +35,9 @@ PROBES = {
     "warmup_0": ["--warmup-steps", "0"],
     "labelled_50": ["--labelled", "50"],
     "labelled_200": ["--labelled", "200"],
+    # Round 3: the best learning rate of round 2 with a longer budget.
+    "lr_3e-3_steps_300": ["--lr", "3e-3", "--steps", "300"],
+    "lr_3e-3_steps_450": ["--lr", "3e-3", "--steps", "450"],
 }
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
