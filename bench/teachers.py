@@ -4,7 +4,7 @@ teacher asked at once (the step should wait for the slowest teacher, not the sum
     cargo build --release -p xdistill-server -p xdistill-trainer
     python3 bench/teachers.py target/release "$(scripts/get-tokenizers.sh)"
 
-Standard library only. Teachers: random Llama-2-vocabulary models (hidden 256 × 2 layers, each
+Standard library only (STEPS=N in the environment changes the run length). Teachers: random Llama-2-vocabulary models (hidden 256 × 2 layers, each
 its own seed) served with --cache-bytes 0, so every request is computed; the student: hidden 64 ×
 2 layers on the same tokenizer. Each run trains STEPS steps of 8 GSM8K prompts × ≤ 128 tokens
 with k = 16, in two modes:
@@ -19,7 +19,7 @@ bench/teachers.md.
 import json, os, re, socket, statistics, subprocess, sys, tempfile, time, urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS, K, PROMPTS = 24, 16, 8
+STEPS, K, PROMPTS = int(os.environ.get("STEPS", 24)), 16, 8
 NAMES = ["a", "b", "c"]
 
 
