@@ -234,7 +234,16 @@ mod tests {
 
     #[test]
     fn teacher_key_follows_the_teacher_settings_only() {
-        let a = DemoSettings::full();
+        // The default teacher is the plain one: the correction's settings do not reach its key.
+        let plain = DemoSettings::full();
+        assert_eq!(plain.teacher_data, TeacherData::Plain);
+        let mut p2 = plain.clone();
+        p2.teacher_correction.steps += 1;
+        assert_eq!(plain.teacher_key(), p2.teacher_key());
+        let a = DemoSettings {
+            teacher_data: TeacherData::Corrected,
+            ..DemoSettings::full()
+        };
         let mut b = a.clone();
         b.student_training.steps += 1;
         b.student.hidden_size *= 2;
@@ -243,6 +252,7 @@ mod tests {
         assert_eq!(a.teacher_key(), b.teacher_key());
         b.teacher_data = TeacherData::Plain;
         assert_ne!(a.teacher_key(), b.teacher_key());
+        assert_eq!(b.teacher_key(), plain.teacher_key());
         b.teacher_data = a.teacher_data;
         b.teacher_correction.steps += 1;
         assert_ne!(a.teacher_key(), b.teacher_key());
