@@ -274,16 +274,18 @@ fn routing_errors_are_reported_at_start() {
         off_policy::setup(cfg).err().expect("a dead teacher")
     );
     assert!(err.contains("teacher \"qwen\""), "{err}");
-    // An ensemble across tokenizers is refused at start.
-    let mut cfg = routed_config(&t, &t.dir.join("ens"), 2, loss, "");
+    // An ensemble across tokenizers mixes at the chunk level with first_kl: another
+    // cross-tokenizer loss is refused at start.
+    let pkl = "kd = { type = \"forward_kl\" }\n[loss_cross]\nkd = { type = \"pkl\" }";
+    let mut cfg = routed_config(&t, &t.dir.join("ens"), 2, pkl, "");
     cfg.distillation.teachers = TeacherMode::Ensemble;
     let err = format!(
         "{:#}",
         off_policy::setup(cfg)
             .err()
-            .expect("cross-tokenizer ensemble")
+            .expect("a chunk-level ensemble without first_kl")
     );
-    assert!(err.contains("different tokenizer"), "{err}");
+    assert!(err.contains("first_kl"), "{err}");
 }
 
 /// Full log-softmax rows `[S-1][V]` of a model directory, in f64 (loaded here, one sequence).
