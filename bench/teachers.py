@@ -151,6 +151,8 @@ def main():
         print(f"{os.cpu_count()} cores; teachers Llama hidden 256 × 2 layers (32k vocabulary, f32, "
               f"--cache-bytes 0); student hidden 64 × 2; {STEPS} steps of {PROMPTS} prompts × ≤ 128 "
               f"tokens, k = {K}; medians over steps 3..{STEPS}\n")
+        # One untimed run first: the first run of a session measured 30-50% slower (cold caches).
+        run(bins, tmp, teachers[:1], student, "route", 1)
         print("| mode | teachers | step | teacher round trip | slowest server | sum of servers |")
         print("|---|---|---|---|---|---|")
         for mode in ("ensemble", "route"):
