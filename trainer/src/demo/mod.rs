@@ -89,6 +89,12 @@ pub struct DemoArgs {
     /// Labelled training problems of the scarce scenario (default: the preset's).
     #[arg(long)]
     pub labelled: Option<usize>,
+    /// Seed of the draw of the scarce scenario's labelled problems (default: the preset's).
+    #[arg(long)]
+    pub label_seed: Option<u64>,
+    /// Sampling temperature of the on-policy rollouts (default: the preset's).
+    #[arg(long)]
+    pub rollout_temperature: Option<f64>,
     /// Which scenarios to run.
     #[arg(long, value_enum, default_value_t = Scenarios::Both)]
     pub scenario: Scenarios,
@@ -468,6 +474,15 @@ pub fn run(a: DemoArgs) -> Result<()> {
     }
     if let Some(n) = a.labelled {
         settings.scarce.labelled = n;
+    }
+    if let Some(seed) = a.label_seed {
+        settings.scarce.seed = seed;
+    }
+    if let Some(t) = a.rollout_temperature {
+        if !(t.is_finite() && t > 0.0) {
+            bail!("--rollout-temperature must be a positive number, got {t}");
+        }
+        settings.rollout_temperature = t;
     }
     if let Some(d) = a.teacher_data {
         settings.teacher_data = d;
