@@ -740,3 +740,66 @@ fn write_outputs(out: &Path, summary: &Summary) -> Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(out: &Path) -> DemoArgs {
+        DemoArgs {
+            output: out.to_path_buf(),
+            fast: true,
+            steps: None,
+            lr: None,
+            warmup_steps: None,
+            labelled: None,
+            label_seed: None,
+            rollout_temperature: None,
+            scenario: Scenarios::Both,
+            teacher_data: None,
+            rebuild_teacher: false,
+            teacher_bin: None,
+        }
+    }
+
+    /// Bad values of the probe flags are refused before anything runs, naming the flag.
+    #[test]
+    fn bad_flag_values_are_refused_naming_the_flag() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("demo");
+        for (a, flag) in [
+            (
+                DemoArgs {
+                    steps: Some(0),
+                    ..args(&out)
+                },
+                "--steps",
+            ),
+            (
+                DemoArgs {
+                    lr: Some(0.0),
+                    ..args(&out)
+                },
+                "--lr",
+            ),
+            (
+                DemoArgs {
+                    lr: Some(f64::NAN),
+                    ..args(&out)
+                },
+                "--lr",
+            ),
+            (
+                DemoArgs {
+                    rollout_temperature: Some(-1.0),
+                    ..args(&out)
+                },
+                "--rollout-temperature",
+            ),
+        ] {
+            let err = run(a).unwrap_err().to_string();
+            assert!(err.contains(flag), "{err}");
+        }
+        assert!(!out.exists(), "nothing was written");
+    }
+}
