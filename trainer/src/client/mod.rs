@@ -638,6 +638,20 @@ pub fn check_response(req: &TopkRequest, resp: &TopkResponse) -> Result<(), Stri
             ));
         }
         s.check_shapes().map_err(|m| format!("results[{i}]: {m}"))?;
+        // Candidate ids: one log-prob per asked id of every row.
+        let asked = req
+            .ids
+            .as_ref()
+            .and_then(|ids| ids.get(i))
+            .and_then(|rows| rows.first());
+        if let Some(m) = asked.map(Vec::len) {
+            if s.m != m {
+                return Err(format!(
+                    "results[{i}]: {} candidate log-probs per row where {m} ids were asked",
+                    s.m
+                ));
+            }
+        }
     }
     Ok(())
 }
@@ -746,6 +760,21 @@ mod tests {
             .contains("results[0]"));
         resp.results.pop();
         assert!(check_response(&req, &resp).is_err());
+        // Candidate ids: every row answers as many ids as were asked.
+        let req = TopkRequest {
+            ids: Some(vec![vec![vec![5, 6, 7]; 2], vec![vec![5, 6, 7]; 1]]),
+            ..req
+        };
+        let with_m = |rows: usize, m: usize| SequenceScores {
+            m,
+            ids_logprobs: vec![-1.0; rows * m],
+            ..seq(rows)
+        };
+        resp.results = vec![with_m(2, 3), with_m(1, 3)];
+        check_response(&req, &resp).unwrap();
+        resp.results[1] = with_m(1, 2);
+        let err = check_response(&req, &resp).unwrap_err();
+        assert!(err.contains("results[1]") && err.contains("3 ids"), "{err}");
     }
 
     #[test]

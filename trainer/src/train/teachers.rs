@@ -1,7 +1,8 @@
 //! The run's teachers: one connection per `[[teachers]]` entry (or `[teacher]`), each with its
 //! own tokenizer relation to the student (same, or cross with its own projection), and which of
 //! them scores each record: the teacher a record names (`route`) or the mixture of all of them
-//! (`ensemble`, same tokenizer).
+//! (`ensemble`: exact on the union of their top-k when they share the student's tokenizer, at the
+//! chunk level otherwise; the math is in [`ensemble`]).
 
 use super::ensemble;
 use super::prepare::{prepare_record, too_long, Group, Item, Limits, Tokenization};
