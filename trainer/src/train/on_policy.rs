@@ -19,7 +19,7 @@ use super::runner::{
     self, Batches, Objective, RecordFilter, RunOptions, StepCtx, StepReport, ValReport,
 };
 use super::step::{
-    accumulate, trained_teacher_rows, units, validation_sums, LossCtx, Units, ValSums,
+    accumulate, trained_teacher_rows, units, validation_sums, LossCtx, Pairing, Units, ValSums,
 };
 use super::teachers::Source;
 use crate::collate::Encoded;
@@ -130,8 +130,11 @@ impl<'a> OnPolicy<'a> {
                     (sum, tokens, samples.len())
                 }
                 Scored::Cross(items, used) => {
-                    stats.add_student_lps(used.iter().map(|&i| &gens[i]));
-                    stats.add_teacher_scores(items, &refs);
+                    // A chunk-level ensemble has no per-token teacher log-probs to compare.
+                    if !matches!(lc.pairing, Pairing::Mixture(_)) {
+                        stats.add_student_lps(used.iter().map(|&i| &gens[i]));
+                        stats.add_teacher_scores(items, &refs);
+                    }
                     let tokens = items.iter().map(|i| i.teacher_ids().len()).sum::<usize>();
                     let sum = accumulate(&lc, ctx.acc, items, &refs, norm)?.kd_sum;
                     (sum, tokens, items.len())
@@ -151,7 +154,7 @@ impl<'a> OnPolicy<'a> {
         r.skipped += scored.iter().map(|g| g.dropped).sum::<u64>();
         stats.into_parts(&mut r.loss_parts);
         r.loss_parts.insert("generation_s".into(), gen_s);
-        r.kl = Some(stats.reverse_kl());
+        r.kl = (stats.tokens > 0.0).then(|| stats.reverse_kl());
         self.finish(r, kd_sum, norm);
         Ok(())
     }
@@ -332,10 +335,14 @@ impl SampleStats {
     fn reverse_kl(&self) -> f64 {
         (self.student_lp - self.teacher_lp) / self.student_tokens.max(1.0)
     }
+    /// The figures as metrics; the log-prob comparisons only when some teacher scored tokens
+    /// (a chunk-level ensemble has no per-token log-probs).
     fn into_parts(self, parts: &mut BTreeMap<String, f64>) {
-        parts.insert("reverse_kl".into(), self.reverse_kl());
-        parts.insert("teacher_logprob".into(), self.mean_teacher_lp());
-        parts.insert("student_logprob".into(), self.mean_student_lp());
+        if self.tokens > 0.0 {
+            parts.insert("reverse_kl".into(), self.reverse_kl());
+            parts.insert("teacher_logprob".into(), self.mean_teacher_lp());
+            parts.insert("student_logprob".into(), self.mean_student_lp());
+        }
         parts.insert(
             "completion_len".into(),
             self.completion_tokens as f64 / self.completions.max(1) as f64,
@@ -619,13 +626,15 @@ fn validation_pass(
                 st.add_same(samples, &g.scores);
             }
             Scored::Cross(items, used) => {
-                st.add_student_lps(used.iter().map(|&i| &gens[i]));
+                let k = answer_k(s, g.source, &g.scores);
+                let lc = s.loss_ctx(g.source, k, student.model(), s.loss_of(g.source));
                 if items.is_empty() {
                     continue;
                 }
-                st.add_teacher_scores(items, &refs);
-                let k = answer_k(s, g.source, &g.scores);
-                let lc = s.loss_ctx(g.source, k, student.model(), s.loss_of(g.source));
+                if !matches!(lc.pairing, Pairing::Mixture(_)) {
+                    st.add_student_lps(used.iter().map(|&i| &gens[i]));
+                    st.add_teacher_scores(items, &refs);
+                }
                 pkl += validation_sums(&lc, items, &refs)?;
             }
         }
