@@ -12,35 +12,16 @@ Prints, per (replicas, trainers): the teachers' scored positions/s over the run,
 median step time and median teacher round trip; then the round-trip p50/p99 of one small cached
 request sent 300 times directly to a replica and through HAProxy. Record it in bench/teacher.md.
 """
-import json, os, re, socket, statistics, subprocess, sys, tempfile, time, urllib.request
+import json, os, re, statistics, subprocess, sys, tempfile, time, urllib.request
+
+from servers import free_port, healthy, start_teacher, wait
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, K = 20, 20
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def get(url, timeout=5):
     return urllib.request.urlopen(url, timeout=timeout).read().decode()
-
-
-def wait(pred, limit=120):
-    t0 = time.time()
-    while not pred():
-        if time.time() - t0 > limit:
-            raise RuntimeError("timed out")
-        time.sleep(0.1)
-
-
-def healthy(url):
-    try:
-        return urllib.request.urlopen(url + "/health", timeout=2).status == 200
-    except Exception:
-        return False
 
 
 def haproxy_config(front, ports):
@@ -101,9 +82,7 @@ def run(bins, tmp, teacher, student, replicas, trainers):
     procs, ports = [], [free_port() for _ in range(replicas)]
     try:
         for p in ports:
-            procs.append(subprocess.Popen([f"{bins}/teacher", "--model", teacher, "--port", str(p),
-                                           "--cache-bytes", "0"], stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.DEVNULL))
+            procs.append(start_teacher(bins, teacher, p, "--cache-bytes", "0"))
         for p in ports:
             wait(lambda: healthy(f"http://127.0.0.1:{p}"))
         front = free_port()
@@ -175,8 +154,7 @@ def main():
                       f"teacher round trip {rtt * 1e3:.0f} ms", file=sys.stderr)
         # Balancer latency: one replica, cached request, direct vs through HAProxy.
         port = free_port()
-        t = subprocess.Popen([f"{bins}/teacher", "--model", teacher, "--port", str(port)],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        t = start_teacher(bins, teacher, port)
         lb = None
         try:
             direct = f"http://127.0.0.1:{port}"

@@ -16,32 +16,13 @@ round trip (all its requests), and from each server's own /metrics the mean time
 requests: the round trip against the slowest server's and against their sum. Record it in
 bench/teachers.md.
 """
-import json, os, re, socket, statistics, subprocess, sys, tempfile, time, urllib.request
+import json, os, re, statistics, subprocess, sys, tempfile, time, urllib.request
+
+from servers import free_port, healthy, start_teacher, wait
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, K, PROMPTS = int(os.environ.get("STEPS", 24)), 16, 8
 NAMES = ["a", "b", "c"]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def healthy(url):
-    try:
-        return urllib.request.urlopen(url + "/health", timeout=2).status == 200
-    except Exception:
-        return False
-
-
-def wait(pred, limit=120):
-    t0 = time.time()
-    while not pred():
-        if time.time() - t0 > limit:
-            raise RuntimeError("timed out")
-        time.sleep(0.1)
 
 
 def duration(port):
@@ -108,9 +89,7 @@ def run(bins, tmp, teachers, student, mode, n):
     procs = []
     try:
         for t, p in zip(teachers, ports):
-            procs.append(subprocess.Popen([f"{bins}/teacher", "--model", t, "--port", str(p),
-                                           "--cache-bytes", "0"], stdout=subprocess.DEVNULL,
-                                          stderr=subprocess.DEVNULL))
+            procs.append(start_teacher(bins, t, p, "--cache-bytes", "0"))
         for p in ports:
             wait(lambda: healthy(f"http://127.0.0.1:{p}"))
         out = os.path.join(tmp, f"run-{mode}-{n}")

@@ -31,6 +31,22 @@ pub fn start_teacher(model: &Path, extra: &[&str]) -> TeacherProcess {
         .unwrap_or_else(|e| panic!("starting the teacher {}: {e}", bin.display()))
 }
 
+/// The response (status line, headers and body) of `GET url` on an `http://` URL (std only).
+pub fn get_body(url: &str) -> String {
+    use std::io::{Read, Write};
+    let rest = url.trim_start_matches("http://");
+    let (host, path) = rest.split_once('/').unwrap_or((rest, ""));
+    let mut s = std::net::TcpStream::connect(host).expect("connecting");
+    write!(
+        s,
+        "GET /{path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+    )
+    .expect("writing");
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).expect("reading");
+    buf
+}
+
 /// `$env`, or `name` in the calling test executable's profile directory; panics with what to
 /// build when it is not there.
 fn binary(name: &str, env: &str) -> PathBuf {

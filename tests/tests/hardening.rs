@@ -4,11 +4,10 @@
 //! fails before any teacher query, a corrupt newest checkpoint is passed over on resume, and
 //! non-finite steps abort the run.
 
-use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use xdistill_tests::distill::{config, config_with, data_file, model, token_driven_teacher};
-use xdistill_tests::{teacher_binary, TeacherProcess};
+use xdistill_tests::{get_body, teacher_binary, TeacherProcess};
 use xdistill_trainer::train::off_policy::{setup, train};
 
 /// Runs `trainer ARGS` with its address space capped at `cap_mb` MiB (`ulimit -v`): an attempt to
@@ -135,21 +134,6 @@ fn absurd_config_json_is_refused_before_allocating() {
         "{err}"
     );
     assert!(!out.exists());
-}
-
-/// The body of `GET url` (std only).
-fn get_body(url: &str) -> String {
-    let rest = url.trim_start_matches("http://");
-    let (host, path) = rest.split_once('/').unwrap_or((rest, ""));
-    let mut s = std::net::TcpStream::connect(host).unwrap();
-    write!(
-        s,
-        "GET /{path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut buf = String::new();
-    s.read_to_string(&mut buf).unwrap();
-    buf
 }
 
 /// `/topk_logits` requests the teacher has answered, by its Prometheus counter.

@@ -6,10 +6,9 @@
 //! against first_kl and against an f64 first-token mixture.
 
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use xdistill_tests::distill::{config, config_with, data_file, model, token_driven_teacher};
-use xdistill_tests::{teacher_binary, TeacherProcess};
+use xdistill_tests::{get_body, teacher_binary, TeacherProcess};
 use xdistill_trainer::config::{Config, TeacherConfig, TeacherMode};
 use xdistill_trainer::train::teachers::Source;
 use xdistill_trainer::train::{off_policy, on_policy};
@@ -51,20 +50,10 @@ fn teachers(names: &[&str], servers: &[&TeacherProcess], k: usize) -> Vec<Teache
 
 /// A counter of a server's Prometheus `/metrics`.
 fn counter(t: &TeacherProcess, name: &str) -> f64 {
-    let url = t.url("/metrics");
-    let rest = url.trim_start_matches("http://");
-    let (host, path) = rest.split_once('/').unwrap();
-    let mut s = std::net::TcpStream::connect(host).unwrap();
-    write!(
-        s,
-        "GET /{path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut buf = String::new();
-    s.read_to_string(&mut buf).unwrap();
-    buf.lines()
+    get_body(&t.url("/metrics"))
+        .lines()
         .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
-        .unwrap_or_else(|| panic!("{name} not in {url}"))
+        .unwrap_or_else(|| panic!("{name} not in {}", t.url("/metrics")))
 }
 
 /// Per teacher name: (sequences, tokens) summed over the run's train lines.
