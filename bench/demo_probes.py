@@ -47,6 +47,12 @@ PROBES = {
     "rollout_t_0.7": ["--lr", "3e-3", "--rollout-temperature", "0.7"],
     "labelled_50_lr3": ["--lr", "3e-3", "--labelled", "50"],
     "labelled_200_lr3": ["--lr", "3e-3", "--labelled", "200"],
+    # Round 4: more draws of the labels (round 3 found them to matter most), and the budget at
+    # 300 steps for the default draw and for the best one.
+    "label_seed_4": ["--lr", "3e-3", "--label-seed", "4"],
+    "label_seed_5": ["--lr", "3e-3", "--label-seed", "5"],
+    "lr_3e-3_steps_300": ["--lr", "3e-3", "--steps", "300"],
+    "label_seed_1_steps_300": ["--lr", "3e-3", "--label-seed", "1", "--steps", "300"],
 }
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
