@@ -263,6 +263,27 @@ fn routing_errors_are_reported_at_start() {
         off_policy::setup(cfg).err().expect("a dead teacher")
     );
     assert!(err.contains("teacher \"qwen\""), "{err}");
+    // A same-tokenizer ensemble whose union of top-k sets (16 + 16) can exceed what a server
+    // scores per row (--max-k 20) is refused at start, naming the teacher.
+    let small = TeacherProcess::start(
+        &teacher_binary(),
+        &t.dir.join("t0").join("teacher"),
+        &["--max-k", "20"],
+    )
+    .expect("a teacher with --max-k 20");
+    let mut cfg = routed_config(&t, &t.dir.join("union"), 2, loss, "");
+    cfg.teachers = teachers(&["same", "small"], &[&t.servers[0], &small], 16);
+    cfg.distillation.teachers = TeacherMode::Ensemble;
+    let err = format!(
+        "{:#}",
+        off_policy::setup(cfg)
+            .err()
+            .expect("a union wider than max_k")
+    );
+    assert!(
+        err.contains("teacher \"small\"") && err.contains("max_k 20"),
+        "{err}"
+    );
     // An ensemble across tokenizers mixes at the chunk level with first_kl: another
     // cross-tokenizer loss is refused at start.
     let pkl = "kd = { type = \"forward_kl\" }\n[loss_cross]\nkd = { type = \"pkl\" }";
