@@ -132,12 +132,9 @@ pub fn chunk_starts(pair: Option<&TokenizedPair>, student_len: usize) -> BTreeMa
 /// `reference`'s chunks between consecutive common starts (student indices where a chunk
 /// starts for every teacher, `starts[t]`), kept only where every teacher has a row predicting
 /// the chunk's first token (its first teacher token is not at index 0) — the BOS-like first
-/// chunk is kept for the cross-entropy's start and never distilled. Returns the pair and, per
-/// kept chunk with a start > 0, that start.
-pub fn chunk_item(
-    reference: &TokenizedPair,
-    starts: &[BTreeMap<usize, usize>],
-) -> (TokenizedPair, Vec<usize>) {
+/// chunk is kept for the cross-entropy's start and never distilled ([`chunk_rows`] lists the
+/// distilled starts).
+pub fn chunk_item(reference: &TokenizedPair, starts: &[BTreeMap<usize, usize>]) -> TokenizedPair {
     let common = |j: usize| starts.iter().all(|s| s.contains_key(&j));
     let has_rows = |j: usize| starts.iter().all(|s| s.get(&j).is_some_and(|&a| a > 0));
     let mut merged: Vec<Chunk> = vec![];
@@ -158,19 +155,13 @@ pub fn chunk_item(
     }
     merged
         .retain(|c| c.student.start == 0 || (common(c.student.start) && has_rows(c.student.start)));
-    let rows = merged
-        .iter()
-        .map(|c| c.student.start)
-        .filter(|&j| j > 0)
-        .collect();
-    let pair = TokenizedPair {
+    TokenizedPair {
         text: reference.text.clone(),
         student_ids: reference.student_ids.clone(),
         teacher_ids: reference.student_ids.clone(),
         chunks: merged,
         truncated: reference.truncated,
-    };
-    (pair, rows)
+    }
 }
 
 /// The virtual teacher's rows to fill: the starts (> 0) of its chunks.
@@ -422,7 +413,7 @@ mod tests {
             chunk_starts(Some(&b), 6),
             chunk_starts(None, 6),
         ];
-        let (v, rows) = chunk_item(&a, &starts);
+        let v = chunk_item(&a, &starts);
         // Common starts: 1 (b's first token is at index 0: no row, dropped), 3; 4 and 5 are not
         // common; the BOS chunk stays for the cross-entropy.
         let spans: Vec<_> = v
@@ -433,7 +424,6 @@ mod tests {
         assert_eq!(spans, [(0..1, 0..0), (3..6, 3..7)]);
         assert!(v.chunks.iter().all(|c| c.student == c.teacher));
         assert_eq!(v.teacher_ids, v.student_ids);
-        assert_eq!(rows, [3]);
         assert_eq!(chunk_rows(&v), [3]);
         // Answers: a's row 1 (predicting its token 2), b's row 0, the same teacher's row 2.
         let answer = |rows: usize, k: usize, at: usize, ids: &[u32], lps: &[f32]| {

@@ -21,7 +21,7 @@ use super::runner::{
 use super::step::{
     accumulate, trained_teacher_rows, units, validation_sums, LossCtx, Pairing, Units, ValSums,
 };
-use super::teachers::Source;
+use super::teachers::{in_parallel, Source};
 use crate::collate::Encoded;
 use crate::config::OffPolicyArgs;
 use crate::data::{Batch, Content, Record};
@@ -415,11 +415,20 @@ impl ScoredGroup {
     }
 }
 
-/// What a source's samples are scored as: same-tokenizer samples with `starts` at their
-/// completions, or aligned records (a teacher of another tokenizer, a chunk-level ensemble).
+/// A source's samples and how they are scored: same-tokenizer samples with `starts` at their
+/// completions, or aligned records (a teacher of another tokenizer, a chunk-level ensemble)
+/// with the generations they came from.
 enum Job {
-    Same(Source, TopkRequest),
-    Aligned(Group),
+    Same {
+        source: Source,
+        req: TopkRequest,
+        samples: Vec<Sample>,
+    },
+    Aligned {
+        group: Group,
+        used: Vec<usize>,
+        dropped: u64,
+    },
 }
 
 /// Groups the generations by their prompt's source and scores every group at once.
@@ -433,14 +442,16 @@ fn score_samples(s: &Setup, records: &[Record], gens: &[Generation]) -> Result<V
             .map_err(|e| anyhow::anyhow!("record at line {} {e}", r.line))?;
         by.entry(src).or_default().push(i);
     }
-    let mut groups = vec![];
     let mut jobs = vec![];
     for (source, idx) in by {
         if t.is_cross(source) {
             let (group, used) = cross_group(s, source, records, gens, &idx);
             let dropped = (idx.len() - used.len()) as u64;
-            groups.push((source, Scored::Cross(group.items.clone(), used), dropped));
-            jobs.push(Job::Aligned(group));
+            jobs.push(Job::Aligned {
+                group,
+                used,
+                dropped,
+            });
         } else {
             let samples = same_samples(idx.iter().map(|&i| &gens[i]));
             let include_prompt = s.cfg.on_policy.include_prompt;
@@ -455,49 +466,48 @@ fn score_samples(s: &Setup, records: &[Record], gens: &[Generation]) -> Result<V
                 })
                 .collect();
             let seqs = samples.iter().map(|x| x.ids.clone()).collect();
-            jobs.push(Job::Same(source, t.request(source, seqs, Some(starts))));
-            groups.push((source, Scored::Same(samples), 0));
+            let req = t.request(source, seqs, Some(starts));
+            jobs.push(Job::Same {
+                source,
+                req,
+                samples,
+            });
         }
     }
     // Every source at once: the step waits for the slowest teacher, not the sum.
-    let answers: Vec<Vec<SequenceScores>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = jobs
-            .iter()
-            .map(|job| {
-                scope.spawn(move || match job {
-                    Job::Same(source, req) => t.score(*source, req),
-                    Job::Aligned(g) => t.score_group(g),
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .map_err(|_| anyhow::anyhow!("teacher request thread panicked"))?
-                    .map_err(anyhow::Error::from)
-            })
-            .collect::<Result<_>>()
+    let answers = in_parallel(&jobs, |job| match job {
+        Job::Same { source, req, .. } => t.score(*source, req),
+        Job::Aligned { group, .. } => t.score_group(group),
     })?;
-    Ok(groups
+    Ok(jobs
         .into_iter()
-        .zip(answers.into_iter().zip(&jobs))
-        .map(|((source, samples, dropped), (scores, job))| {
+        .zip(answers)
+        .map(|(job, scores)| match job {
             // Lay the rows out as a `start = 0` answer so the shared step code can be used.
-            let scores = match job {
-                Job::Same(_, req) => scores
+            Job::Same {
+                source,
+                req,
+                samples,
+            } => ScoredGroup {
+                source,
+                samples: Scored::Same(samples),
+                scores: scores
                     .into_iter()
                     .enumerate()
                     .map(|(i, sc)| pad_front(sc, req.start_of(i)))
                     .collect(),
-                Job::Aligned(_) => scores,
-            };
-            ScoredGroup {
-                source,
-                samples,
+                dropped: 0,
+            },
+            Job::Aligned {
+                group,
+                used,
+                dropped,
+            } => ScoredGroup {
+                source: group.source,
+                samples: Scored::Cross(group.items, used),
                 scores,
                 dropped,
-            }
+            },
         })
         .collect())
 }

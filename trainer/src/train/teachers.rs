@@ -30,14 +30,29 @@ pub struct ScoreError {
 
 type Scores = std::result::Result<Vec<SequenceScores>, ScoreError>;
 
-fn join<T>(
-    h: std::thread::ScopedJoinHandle<'_, std::result::Result<T, ScoreError>>,
-) -> std::result::Result<T, ScoreError> {
-    h.join().unwrap_or_else(|_| {
-        Err(ScoreError {
-            teacher: String::new(),
-            message: "request thread panicked".into(),
-        })
+/// `f` of every job, one thread each (one job runs here): teacher requests go out at once, so
+/// the caller waits for the slowest, not the sum. The first error (in job order) is returned.
+pub fn in_parallel<J: Sync, R: Send>(
+    jobs: &[J],
+    f: impl Fn(&J) -> std::result::Result<R, ScoreError> + Sync,
+) -> std::result::Result<Vec<R>, ScoreError> {
+    if let [one] = jobs {
+        return Ok(vec![f(one)?]);
+    }
+    std::thread::scope(|scope| {
+        let f = &f;
+        let handles: Vec<_> = jobs.iter().map(|j| scope.spawn(move || f(j))).collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(ScoreError {
+                        teacher: String::new(),
+                        message: "request thread panicked".into(),
+                    })
+                })
+            })
+            .collect()
     })
 }
 
@@ -444,22 +459,13 @@ impl Teachers {
             let seqs = g.items.iter().map(|i| i.teacher_ids().to_vec()).collect();
             return self.score(g.source, &self.request(g.source, seqs, None));
         }
-        let answers: Vec<Vec<SequenceScores>> = std::thread::scope(|scope| {
-            let handles: Vec<_> = g
-                .parts
-                .iter()
-                .enumerate()
-                .map(|(i, items)| {
-                    let seqs = items.iter().map(|it| it.teacher_ids().to_vec()).collect();
-                    let req = self.request(Source::One(i), seqs, None);
-                    scope.spawn(move || self.ask(i, &req))
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(join)
-                .collect::<std::result::Result<_, _>>()
-        })?;
+        let reqs: Vec<(usize, TopkRequest)> = (g.parts.iter().enumerate())
+            .map(|(i, items)| {
+                let seqs = items.iter().map(|it| it.teacher_ids().to_vec()).collect();
+                (i, self.request(Source::One(i), seqs, None))
+            })
+            .collect();
+        let answers = in_parallel(&reqs, |(i, req)| self.ask(*i, req))?;
         let weights: Vec<f64> = self.list.iter().map(|t| t.weight).collect();
         let firsts: Vec<Box<dyn Fn(u32) -> Option<u32> + '_>> = self
             .list
@@ -557,19 +563,11 @@ impl Teachers {
             Source::One(i) => self.ask(i, req),
             Source::Mixture if self.list.len() == 1 => self.ask(0, req),
             Source::Mixture => {
-                let each = |make: &dyn Fn(&Teacher) -> TopkRequest| -> std::result::Result<Vec<Vec<SequenceScores>>, ScoreError> {
-                    std::thread::scope(|scope| {
-                        let handles: Vec<_> = self
-                            .list
-                            .iter()
-                            .enumerate()
-                            .map(|(i, t)| {
-                                let r = make(t);
-                                scope.spawn(move || self.ask(i, &r))
-                            })
-                            .collect();
-                        handles.into_iter().map(join).collect()
-                    })
+                // Each teacher asked with its own request, all at once.
+                let each = |make: &dyn Fn(&Teacher) -> TopkRequest| {
+                    let reqs: Vec<(usize, TopkRequest)> =
+                        self.list.iter().map(make).enumerate().collect();
+                    in_parallel(&reqs, |(i, req)| self.ask(*i, req))
                 };
                 let topk = each(&|t: &Teacher| TopkRequest {
                     k: t.cfg.k,
@@ -606,16 +604,7 @@ impl Teachers {
         &self,
         groups: &[&Group],
     ) -> std::result::Result<Vec<Vec<SequenceScores>>, ScoreError> {
-        if groups.len() == 1 {
-            return Ok(vec![self.score_group(groups[0])?]);
-        }
-        std::thread::scope(|scope| {
-            let handles: Vec<_> = groups
-                .iter()
-                .map(|g| scope.spawn(move || self.score_group(g)))
-                .collect();
-            handles.into_iter().map(join).collect()
-        })
+        in_parallel(groups, |g| self.score_group(g))
     }
 }
 
@@ -646,7 +635,7 @@ fn virtual_item(each: &[Item]) -> std::result::Result<Item, String> {
         return Err("the teachers' alignments disagree on the student's tokens (special tokens or truncation)".into());
     }
     let starts: Vec<BTreeMap<usize, usize>> = each.iter().map(item_starts).collect();
-    let (pair, _) = ensemble::chunk_item(pair, &starts);
+    let pair = ensemble::chunk_item(pair, &starts);
     Ok(Item::Cross { pair, loss_start })
 }
 
