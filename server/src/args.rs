@@ -33,7 +33,9 @@ pub struct Args {
     pub topk: TopkPath,
     /// On the host path: fused (the LM head a vocabulary tile at a time, each tile scored while
     /// in cache; the `[N, V]` logits never exist) or full (the logits of a chunk of positions,
-    /// then scored). Same scores, bit for bit; fused is faster and smaller.
+    /// then scored). The same scores to f32 rounding (bit for bit where candle makes the fused
+    /// tiles; the AVX-512 kernel sums each dot product in its own order); fused is faster and
+    /// smaller.
     #[arg(long, env = "XDISTILL_LM_HEAD", value_enum, default_value_t = LmHead::Fused)]
     pub lm_head: LmHead,
     /// Most padded tokens (batch size × longest input) per forward pass.

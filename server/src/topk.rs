@@ -4,6 +4,9 @@
 //! device path itself is `worker.rs`'s `score_on_device`) and between the fused and the full LM
 //! head ([`LmHead`]); and the next-token helpers built on the same row maths.
 
+mod head;
+
+pub use head::HeadTiming;
 use rayon::prelude::*;
 use std::cmp::Ordering;
 use xdistill_shared::protocol::{SequenceScores, ValuesKind};
@@ -37,9 +40,11 @@ impl TopkPath {
 /// How the host path turns hidden states into scores (`--lm-head`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum LmHead {
-    /// Logits a vocabulary tile of [`RowFolds::TILE`] columns at a time, each tile folded
-    /// into the rows' running scores while it is in cache: `[N, V]` is never materialised and
-    /// LM-head padding columns are never computed. Requests for ranks fall back to `full`.
+    /// Logits a vocabulary tile at a time, each tile folded into the rows' running scores
+    /// while it is in cache: `[N, V]` is never materialised and LM-head padding columns are
+    /// never computed. With AVX-512 and an f32 head the server's kernel makes and folds the
+    /// tiles ([`RowFolds::fold_head`]); otherwise candle's matmul makes tiles of
+    /// [`RowFolds::TILE`] columns (and requests for ranks fall back to `full`).
     #[default]
     Fused,
     /// The `[N, V]` logits of a chunk of positions, then [`score_rows`] over them.
@@ -145,6 +150,38 @@ struct RowFold {
     target: Option<f32>,
     /// `[m]` logits of the row's candidate ids, once seen (-inf until then).
     cands: Vec<f32>,
+    /// Logits ≥ the target's, counted by the LM-head kernel when ranks are asked for.
+    ge: u32,
+}
+
+impl RowFold {
+    /// Adds the scores of another run of the same row's columns (disjoint from this one's).
+    fn merge(&mut self, o: RowFold, fp: &FoldParams) {
+        let m = self.m.max(o.m);
+        // Relative to the common max; a zero sum stays zero (its max may be -inf), a NaN stays.
+        let rescale = |mi: f32, s: f64| {
+            if s == 0.0 {
+                0.0
+            } else {
+                s * ((mi as f64 - m as f64) * fp.inv_t).exp()
+            }
+        };
+        self.sum = rescale(self.m, self.sum) + rescale(o.m, o.sum);
+        self.m = m;
+        self.thr = self.thr.max(o.thr);
+        self.buf.extend(o.buf);
+        if self.buf.len() >= fp.prune_at {
+            self.buf.select_nth_unstable_by(fp.k - 1, desc);
+            self.buf.truncate(fp.k);
+        }
+        self.target = self.target.or(o.target);
+        for (a, b) in self.cands.iter_mut().zip(o.cands) {
+            if b != f32::NEG_INFINITY {
+                *a = b;
+            }
+        }
+        self.ge += o.ge;
+    }
 }
 
 // `fold_at(level, …)`: [`fold_body`] compiled for `level`, or for the CPU's widest level when it
@@ -209,6 +246,8 @@ pub struct RowFolds<'a> {
     /// The first column not folded yet (tiles come in order).
     next_col: usize,
     level: Simd,
+    /// Ranks come from the kernel's counts ([`RowFold::ge`]), not from whole logit rows.
+    ranks_counted: bool,
 }
 
 impl<'a> RowFolds<'a> {
@@ -225,6 +264,30 @@ impl<'a> RowFolds<'a> {
         p: &ScoreParams,
     ) -> Option<RowFolds<'a>> {
         (!p.ranks).then(|| RowFolds::new(layout, targets, cands, p))
+    }
+
+    /// Running scores of `targets.len()` rows for [`RowFolds::fold_head`] (ranks included).
+    pub fn for_head(
+        layout: RowLayout,
+        targets: &'a [u32],
+        cands: CandidateRows<'a>,
+        p: &ScoreParams,
+    ) -> RowFolds<'a> {
+        RowFolds::new(layout, targets, cands, p)
+    }
+
+    /// Whether this CPU runs [`RowFolds::fold_head`] (AVX-512).
+    pub fn head_kernel_available() -> bool {
+        head::available()
+    }
+
+    /// Folds in every valid column of the logits `hidden · headᵀ`, computed here by the
+    /// AVX-512 LM-head kernel a tile at a time (`head.rs`): `hidden` `[rows, h]`, `head`
+    /// `[≥ valid, h]`, row-major. Only when [`RowFolds::head_kernel_available`] and no tile
+    /// was folded yet. Returns the CPU time of its matmul and fold halves.
+    pub fn fold_head(&mut self, hidden: &[f32], head: &[f32], h: usize) -> HeadTiming {
+        debug_assert_eq!(self.next_col, 0, "fold_head folds every column");
+        head::fold_head(self, hidden, head, h)
     }
 
     fn new(
@@ -254,6 +317,7 @@ impl<'a> RowFolds<'a> {
             buf: Vec::with_capacity(fp.prune_at + 1),
             target: None,
             cands: vec![f32::NEG_INFINITY; cands.m],
+            ge: 0,
         };
         RowFolds {
             params: *p,
@@ -264,6 +328,7 @@ impl<'a> RowFolds<'a> {
             rows: vec![empty; targets.len()],
             next_col: 0,
             level: Simd::current(),
+            ranks_counted: false,
         }
     }
 
@@ -325,6 +390,7 @@ impl<'a> RowFolds<'a> {
         let mut cand_buf = vec![0f32; rows * mm];
         let mut stats: Vec<(f32, f32, u32)> = Vec::with_capacity(rows);
         let fk = self.fp.k;
+        let counted = self.ranks_counted;
         self.rows
             .into_par_iter()
             .zip(self.targets.par_iter())
@@ -356,6 +422,7 @@ impl<'a> RowFolds<'a> {
                     (true, None) => valid as u32,
                     (true, Some(zt)) => match st.buf.iter().position(|e| e.1 == target) {
                         Some(j) => j as u32 + 1,
+                        None if counted => st.ge,
                         None => full.map_or(0, |(logits, width)| {
                             rank_of(&logits[r * width..r * width + valid], zt)
                         }),

@@ -111,6 +111,9 @@ pub struct Scorer {
     pub on_device: bool,
     /// On the host: the LM head a vocabulary tile at a time, folded into the scores.
     pub lm_head: LmHead,
+    /// With `lm_head` fused: the AVX-512 kernel computes and folds the tiles (where the CPU
+    /// has it and the head is f32); otherwise candle's matmul makes them.
+    pub head_kernel: bool,
 }
 
 impl Scorer {
@@ -134,6 +137,7 @@ impl Scorer {
             chunk_rows,
             on_device,
             lm_head,
+            head_kernel: RowFolds::head_kernel_available(),
         }
     }
 }
@@ -170,9 +174,18 @@ pub fn spawn(
                 decoder.device(),
             );
             facts.lm_head = scorer.path_name();
+            // The AVX-512 kernel runs on an f32 head in host memory; otherwise candle's matmul
+            // makes the fused head's tiles.
+            let head = decoder.lm_head();
+            let kernel = scorer.head_kernel
+                && head.dtype() == DType::F32
+                && head.device().is_cpu()
+                && !scorer.on_device
+                && scorer.lm_head == LmHead::Fused;
             tracing::info!(
                 on_device = scorer.on_device,
                 lm_head = ?scorer.lm_head,
+                lm_head_kernel = if kernel { "avx512" } else { "candle" },
                 chunk_rows = scorer.chunk_rows,
                 batch_invariant = cfg.batch_invariant,
                 "scoring path"
@@ -489,10 +502,7 @@ impl Scorer {
                 cands: seq.candidates(c0, c1),
                 params,
             };
-            let s = match self.fused_folds(asked) {
-                Some(folds) => self.score_fused(decoder, &rows, folds, timing)?,
-                None => self.score_full(decoder, &rows, asked, timing)?,
-            };
+            let s = self.score_rows(decoder, &rows, asked, timing)?;
             self.check_finite(&s, decoder, &rows, c0, params.temperature)?;
             append(acc, s);
             c0 = c1;
@@ -531,17 +541,66 @@ impl Scorer {
         }
     }
 
-    /// Running scores for the fused LM head, when it applies: host scoring, `--lm-head fused`,
-    /// no ranks asked for (a rank counts over the whole row).
-    fn fused_folds<'a>(&self, q: RowsAsked<'a>) -> Option<RowFolds<'a>> {
+    /// Scores of `rows` [c, H] on the path this scorer takes: the AVX-512 LM-head kernel when
+    /// it applies, else the head a tile at a time through candle (no ranks), else the full
+    /// logits.
+    fn score_rows(
+        &self,
+        decoder: &Decoder,
+        rows: &Tensor,
+        q: RowsAsked<'_>,
+        timing: &mut Timing,
+    ) -> Result<SequenceScores, JobError> {
         if self.scores_on_device(q.params) || self.lm_head != LmHead::Fused {
-            return None;
+            return self.score_full(decoder, rows, q, timing);
         }
-        RowFolds::tiled(self.layout(), q.targets, q.cands, q.params)
+        if self.head_kernel {
+            if let Some(s) = self.score_head_kernel(decoder, rows, q, timing)? {
+                return Ok(s);
+            }
+        }
+        match RowFolds::tiled(self.layout(), q.targets, q.cands, q.params) {
+            Some(folds) => self.score_fused(decoder, rows, folds, timing),
+            None => self.score_full(decoder, rows, q, timing),
+        }
     }
 
     fn scores_on_device(&self, params: &ScoreParams) -> bool {
         self.on_device && device_topk_fits(params.k)
+    }
+
+    /// Scores of `rows` [c, H] by the AVX-512 LM-head kernel ([`RowFolds::fold_head`]), which
+    /// reads the f32 head in place; `None` when the head or the rows are not f32 host memory.
+    /// Its wall time is split between `forward` and `topk` in proportion to the kernel's own
+    /// matmul and fold times.
+    fn score_head_kernel(
+        &self,
+        decoder: &Decoder,
+        rows: &Tensor,
+        q: RowsAsked<'_>,
+        timing: &mut Timing,
+    ) -> Result<Option<SequenceScores>, JobError> {
+        let head = decoder.lm_head();
+        let host_f32 = |t: &Tensor| t.dtype() == DType::F32 && t.device().is_cpu();
+        if !host_f32(head) || !host_f32(rows) || !head.is_contiguous() {
+            return Ok(None);
+        }
+        let h = head.dim(1)?;
+        let t0 = Instant::now();
+        let mut folds = RowFolds::for_head(self.layout(), q.targets, q.cands, q.params);
+        let split = with_host_f32(head, |w| {
+            with_host_f32(rows, |x| folds.fold_head(x, &w[..self.logits_size * h], h))
+        })??;
+        let wall = t0.elapsed();
+        let total = (split.matmul + split.fold).as_secs_f64();
+        let fold_share = if total > 0.0 {
+            split.fold.as_secs_f64() / total
+        } else {
+            0.0
+        };
+        timing.topk += wall.mul_f64(fold_share);
+        timing.forward += wall.mul_f64(1.0 - fold_share);
+        Ok(Some(folds.finish()))
     }
 
     /// Scores of `rows` [c, H] by the fused LM head: the logits of one vocabulary tile at a time
@@ -755,14 +814,18 @@ mod tests {
             m: 3,
             ids: (0..rows * 3).map(|i| (i * 2011 % VALID) as u32).collect(),
         };
-        // The host paths' bits without ranks: the fused head must equal the full logits'.
-        let mut host_bits: Vec<(LmHead, Vec<u32>)> = Vec::new();
+        // The host paths' bits without ranks: the head a tile at a time through candle must
+        // equal the full logits'; the AVX-512 kernel's must not depend on the chunking.
+        let mut host_bits: Vec<((LmHead, bool), Vec<u32>)> = Vec::new();
+        let kernel = RowFolds::head_kernel_available();
         let paths = [
-            (false, LmHead::Full),
-            (false, LmHead::Fused),
-            (true, LmHead::Full),
+            (false, LmHead::Full, false),
+            (false, LmHead::Fused, false),
+            (false, LmHead::Fused, kernel),
+            (true, LmHead::Full, false),
         ];
-        for ((on_device, lm_head), ranks) in paths.into_iter().flat_map(|x| [(x, true), (x, false)])
+        for ((on_device, lm_head, head_kernel), ranks) in
+            paths.into_iter().flat_map(|x| [(x, true), (x, false)])
         {
             let p = ScoreParams {
                 ranks,
@@ -776,6 +839,7 @@ mod tests {
                     chunk_rows,
                     on_device,
                     lm_head,
+                    head_kernel,
                 };
                 let seq = SeqRef {
                     ids: &ids,
@@ -799,7 +863,7 @@ mod tests {
                     let row = &full[pos - first];
                     let (top, tl, lse) = reference(row, ids[pos + 1] as usize, p.k, 0.8);
                     let what = format!(
-                        "device {on_device} {lm_head:?} ranks {ranks} chunk {chunk_rows} row {r}"
+                        "device {on_device} {lm_head:?} kernel {head_kernel} ranks {ranks} chunk {chunk_rows} row {r}"
                     );
                     let got_ids: Vec<u32> = top.iter().map(|e| e.0).collect();
                     assert_eq!(acc.ids_row(r), got_ids.as_slice(), "{what}");
@@ -828,15 +892,29 @@ mod tests {
                     }
                 }
                 if !on_device && !ranks {
-                    host_bits.push((lm_head, bits(&acc)));
+                    host_bits.push(((lm_head, head_kernel), bits(&acc)));
                 }
             }
         }
-        let (full_bits, fused_bits): (Vec<_>, Vec<_>) =
-            host_bits.into_iter().partition(|(h, _)| *h == LmHead::Full);
-        assert_eq!(full_bits.len(), 3);
-        for ((_, a), (_, b)) in full_bits.iter().zip(&fused_bits) {
-            assert!(a == b, "the fused LM head differs from the full logits");
+        let with = |path: (LmHead, bool)| -> Vec<&Vec<u32>> {
+            host_bits
+                .iter()
+                .filter(|(p, _)| *p == path)
+                .map(|(_, b)| b)
+                .collect()
+        };
+        let (full, tiled) = (with((LmHead::Full, false)), with((LmHead::Fused, false)));
+        assert_eq!(full.len(), 3);
+        assert!(
+            full == tiled,
+            "the fused LM head differs from the full logits"
+        );
+        if kernel {
+            let k = with((LmHead::Fused, true));
+            assert!(
+                k.iter().all(|b| *b == k[0]),
+                "the kernel's bits depend on the chunking"
+            );
         }
     }
 
@@ -867,6 +945,7 @@ mod tests {
                 chunk_rows,
                 on_device,
                 lm_head: LmHead::Fused,
+                head_kernel: RowFolds::head_kernel_available(),
             };
             let seq = SeqRef {
                 ids: &ids,

@@ -40,12 +40,14 @@ fn llama() -> &'static (Teacher, Reference) {
     })
 }
 
-/// The fused LM head (the default: logits a vocabulary tile at a time, folded into the scores)
-/// returns the same bits as `--lm-head full` (the whole logits, then scored) through the real
-/// server, on the Qwen3 vocabulary with a padded head: several tiles, the padding tile, long
-/// sequences in KV-cache chunks, candidate ids, k = 0, temperature and both value kinds.
+/// The fused LM head (the default: logits a vocabulary tile at a time, folded into the scores;
+/// on an AVX-512 CPU by the server's own kernel) agrees with `--lm-head full` (the whole logits
+/// from candle's matmul, then scored) and with the f64 reference through the real server, on
+/// the Qwen3 vocabulary with a padded head: several tiles, the padding tile, long sequences in
+/// KV-cache chunks, candidate ids, k = 0, temperature and both value kinds. The two paths sum
+/// each dot product in a different order, so they agree to f32 rounding, not bit for bit.
 #[tokio::test]
-async fn fused_lm_head_equals_full_logits_bit_for_bit() {
+async fn fused_lm_head_agrees_with_full_logits_and_the_f64_reference() {
     let (_, reference) = qwen3();
     let dir = common::tiny_model("scores-qwen3", "qwen3", "qwen3", 64);
     // Both uncached, with a batch budget that sends the 40-token sequence through KV-cache chunks.
@@ -89,12 +91,20 @@ async fn fused_lm_head_equals_full_logits_bit_for_bit() {
         let a = score(&c, fused, &req, Format::Msgpack).await;
         let b = score(&c, full, &req, Format::Msgpack).await;
         for (s, (x, y)) in seqs.iter().zip(a.results.iter().zip(&b.results)) {
+            let what = format!("k {k} t {temperature}");
             reference.check(x, s, 0, temperature as f64, values, TOL);
-            assert_eq!(
-                common::score_bits(x),
-                common::score_bits(y),
-                "k {k} t {temperature}"
-            );
+            reference.check(y, s, 0, temperature as f64, values, TOL);
+            // Rank by rank (a near-tie may swap two ids), and every per-row figure.
+            let close = |a: &[f32], b: &[f32]| {
+                a.len() == b.len()
+                    && a.iter()
+                        .zip(b)
+                        .all(|(p, q)| (p - q).abs() <= 2e-6 * p.abs().max(1.0))
+            };
+            assert!(close(&x.topk_values, &y.topk_values), "{what}");
+            assert!(close(&x.target_logprobs, &y.target_logprobs), "{what}");
+            assert!(close(&x.logsumexp, &y.logsumexp), "{what}");
+            assert!(close(&x.ids_logprobs, &y.ids_logprobs), "{what}");
         }
     }
 }

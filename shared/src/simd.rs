@@ -74,6 +74,17 @@ macro_rules! simd_dispatch {
     };
 }
 
+/// Coefficients `[c1, …, c5]` of `2^f - 1 = f (c1 + f (c2 + …))` on `[-1/2, 1/2]` (a
+/// relative-error fit), shared by [`exp2_nonpos`] and the teacher's AVX-512 LM-head kernel.
+#[allow(clippy::approx_constant)] // c1 is fitted with the others: 3 ulps below ln 2
+pub const EXP2_COEFFS: [f32; 5] = [
+    0.693_147,
+    0.240_222_42,
+    0.055_507_34,
+    0.009_671_513,
+    0.001_326_471_8,
+];
+
 /// `2^t` for `t ≤ 0` in f32, branch-free so that it vectorises; relative error below 2.5e-7
 /// (checked against f64 in the tests). Inputs below -126 return `2^-126` (negligible in a sum).
 ///
@@ -83,13 +94,7 @@ macro_rules! simd_dispatch {
 #[inline(always)]
 pub fn exp2_nonpos(t: f32) -> f32 {
     const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23: adding and subtracting it rounds to integer
-                                     // Coefficients of 2^f - 1 = f (c1 + f (c2 + …)) on [-1/2, 1/2] (relative-error fit).
-    #[allow(clippy::approx_constant)] // fitted with the others: 3 ulps below ln 2
-    const C1: f32 = 0.693_147;
-    const C2: f32 = 0.240_222_42;
-    const C3: f32 = 0.055_507_34;
-    const C4: f32 = 0.009_671_513;
-    const C5: f32 = 0.001_326_471_8;
+    let [c1, c2, c3, c4, c5] = EXP2_COEFFS;
     let t = if t < -126.0 { -126.0 } else { t };
     let r = t + MAGIC;
     let n = r - MAGIC;
@@ -97,7 +102,7 @@ pub fn exp2_nonpos(t: f32) -> f32 {
     // The integer n sits in the low mantissa bits of r; adding the exponent bias to it gives
     // 2^n's exponent field (n ≥ -126, so 2^n is normal).
     let e = (r.to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32 - 127);
-    let p = 1.0 + f * (C1 + f * (C2 + f * (C3 + f * (C4 + f * C5))));
+    let p = 1.0 + f * (c1 + f * (c2 + f * (c3 + f * (c4 + f * c5))));
     p * f32::from_bits((e as u32) << 23)
 }
 

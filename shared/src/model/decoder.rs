@@ -336,6 +336,11 @@ impl Decoder {
         out.reshape(shape)
     }
 
+    /// The LM head `[V, H]` (the embedding itself when tied), for kernels that read it in place.
+    pub fn lm_head(&self) -> &Tensor {
+        &self.w.lm_head
+    }
+
     /// Logits of `hidden` [c, H] at the head's rows `cols` only: [c, cols.len()] (in the model
     /// dtype). The fused scoring pass calls it a vocabulary tile at a time, so that `[c, V]`
     /// never exists at once; like [`Decoder::logits`] it reads the head in place.

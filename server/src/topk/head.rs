@@ -1,0 +1,684 @@
+//! The fused LM head on AVX-512: the logits `hidden · headᵀ` of a panel of 32 positions are
+//! computed a vocabulary tile at a time into an L1-sized buffer and folded into the panel's
+//! running scores before the next tile overwrites it, so that `[N, V]` never exists and each
+//! logit is read once, from L1, right after it is made.
+//!
+//! The tile is laid out `[vocab, position]`: every 16-lane vector holds one vocabulary id's
+//! logits for 16 positions, so the fold is vertical (lane = position) — running max, exp-sum
+//! and top-k threshold per lane, no horizontal reductions. The head is read in place (`[V, H]`
+//! row-major, no packed copy); the panel's hidden states are transposed once (`[H, 32]`).
+//!
+//! A position's scores do not depend on its neighbours, the chunking or the thread count: its
+//! lane computes the same operations in the same order whatever else is in the panel, and the
+//! vocabulary is folded in [`SEGMENTS`] fixed segments merged in order.
+
+use super::{desc, FoldParams, RowFold, RowFolds};
+use rayon::prelude::*;
+use std::time::{Duration, Instant};
+use xdistill_shared::simd::Simd;
+
+/// Positions per panel: two 16-lane vectors.
+const NP: usize = 32;
+/// Head rows per micro-tile: `MR × 2` accumulators stay in registers.
+const MR: usize = 8;
+/// Panels per job: each vocabulary tile of the head, once in cache, serves this many panels.
+const GROUP: usize = 4;
+/// Fixed vocabulary segments, folded independently (in parallel) and merged in order.
+const SEGMENTS: usize = 8;
+/// Segment boundaries are multiples of this (the widest tile).
+const ALIGN: usize = 128;
+
+/// CPU time of the kernel's two halves, summed over threads.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct HeadTiming {
+    /// Computing logits (the LM head's matmul).
+    pub matmul: Duration,
+    /// Folding them into the scores.
+    pub fold: Duration,
+}
+
+/// Whether this CPU runs the kernel (AVX-512F).
+pub fn available() -> bool {
+    Simd::current() == Simd::Avx512
+}
+
+/// Vocabulary rows per tile for hidden size `h`: the head's tile (`vt × h` f32) stays in L2.
+fn tile_rows(h: usize) -> usize {
+    match h {
+        0..=512 => 128,
+        513..=2048 => 64,
+        _ => 32,
+    }
+}
+
+/// A target or candidate id of one lane, to be read from the tile holding its column.
+#[derive(Debug, Clone, Copy)]
+struct Pick {
+    id: u32,
+    lane: u8,
+    /// Index into the row's candidates, or [`TARGET`].
+    slot: u32,
+}
+const TARGET: u32 = u32::MAX;
+
+/// Folds every valid column of `hidden · headᵀ` into `f`'s rows. `hidden`: `[rows, h]`;
+/// `head`: `[≥ valid, h]`, both row-major f32. Call only when [`available`].
+pub(super) fn fold_head(
+    f: &mut RowFolds<'_>,
+    hidden: &[f32],
+    head: &[f32],
+    h: usize,
+) -> HeadTiming {
+    let (n, valid) = (f.rows.len(), f.valid);
+    assert!(available(), "the LM-head kernel needs AVX-512");
+    assert_eq!(hidden.len(), n * h, "hidden states are [rows, h]");
+    assert!(head.len() >= valid * h, "the head has a row per valid id");
+    f.next_col = f.next_col.max(valid);
+    f.ranks_counted = f.params.ranks;
+    if n == 0 || valid == 0 || h == 0 {
+        return HeadTiming::default();
+    }
+    let panels = n.div_ceil(NP);
+    // [panels, h, NP], zeros past the last row.
+    let mut at = vec![0f32; panels * h * NP];
+    for (r, row) in hidden.chunks_exact(h).enumerate() {
+        let base = (r / NP) * h * NP + r % NP;
+        for (j, &x) in row.iter().enumerate() {
+            at[base + j * NP] = x;
+        }
+    }
+    // Each panel's target and candidate ids, sorted by id.
+    let m = f.cands.m;
+    let picks: Vec<Vec<Pick>> = (0..panels)
+        .map(|q| {
+            let mut v = Vec::new();
+            for r in q * NP..((q + 1) * NP).min(n) {
+                let lane = (r % NP) as u8;
+                v.push(Pick {
+                    id: f.targets[r],
+                    lane,
+                    slot: TARGET,
+                });
+                for (slot, &id) in f.cands.ids[r * m..(r + 1) * m].iter().enumerate() {
+                    v.push(Pick {
+                        id,
+                        lane,
+                        slot: slot as u32,
+                    });
+                }
+            }
+            v.retain(|p| (p.id as usize) < valid);
+            v.sort_unstable_by_key(|p| p.id);
+            v
+        })
+        .collect();
+    // The target's logit per row, for ranks: the same fused multiply-adds in the same order as
+    // its lane in the kernel, so the target counts itself among the logits ≥ it.
+    let zt: Vec<f32> = (0..panels * NP)
+        .map(|r| match (f.params.ranks, f.targets.get(r)) {
+            (true, Some(&t)) if (t as usize) < valid => {
+                let w = &head[t as usize * h..(t as usize + 1) * h];
+                let a = &hidden[r * h..(r + 1) * h];
+                w.iter()
+                    .zip(a)
+                    .fold(0f32, |acc, (&w, &a)| w.mul_add(a, acc))
+            }
+            _ => f32::NAN,
+        })
+        .collect();
+    let seg_len = valid.div_ceil(SEGMENTS).next_multiple_of(ALIGN);
+    let shared = Shared {
+        at: &at,
+        head,
+        h,
+        vt: tile_rows(h),
+        n,
+        fp: f.fp,
+        ranks: f.params.ranks,
+        picks: &picks,
+        zt: &zt,
+    };
+    // Jobs: (group of panels, segment), each on fresh copies of its rows' states with the
+    // given top-k thresholds, results in job order.
+    let fresh = f.rows.clone();
+    let run = |segs: std::ops::Range<usize>, thr: &[f32]| {
+        let jobs: Vec<(usize, usize)> = (0..panels.div_ceil(GROUP))
+            .flat_map(|g| segs.clone().map(move |s| (g, s)))
+            .collect();
+        let done: Vec<(usize, Vec<RowFold>, HeadTiming)> = jobs
+            .par_iter()
+            .map(|&(g, s)| {
+                let (q0, q1) = (g * GROUP, (g * GROUP + GROUP).min(panels));
+                let rows = q0 * NP..(q1 * NP).min(n);
+                let seg = s * seg_len..((s + 1) * seg_len).min(valid);
+                let mut states = fresh[rows.clone()].to_vec();
+                for (st, &t) in states.iter_mut().zip(&thr[rows]) {
+                    st.thr = st.thr.max(t);
+                }
+                // SAFETY: `available()` was checked above: the CPU has AVX-512F.
+                let t = unsafe { run_job(&shared, q0..q1, seg, &mut states) };
+                (g, states, t)
+            })
+            .collect();
+        done
+    };
+    // The first segment alone, then the others in parallel from its exact k-th best value:
+    // a later segment's value equal to it has a larger id and loses the tie, so only values
+    // above it can enter the top k. Without the seed every segment would start from -inf and
+    // push its own first hundreds of candidates.
+    let mut timing = HeadTiming::default();
+    let no_seed = vec![f32::NEG_INFINITY; n];
+    let first = run(0..1, &no_seed);
+    let mut merge = |done: Vec<(usize, Vec<RowFold>, HeadTiming)>, rows: &mut [RowFold]| {
+        for (g, states, t) in done {
+            for (row, st) in rows[g * GROUP * NP..].iter_mut().zip(states) {
+                row.merge(st, &f.fp);
+            }
+            timing.matmul += t.matmul;
+            timing.fold += t.fold;
+        }
+    };
+    merge(first, &mut f.rows);
+    let k = f.fp.k;
+    let seed: Vec<f32> = f
+        .rows
+        .iter_mut()
+        .map(|st| {
+            if k == 0 || st.buf.len() < k {
+                return st.thr;
+            }
+            st.buf.select_nth_unstable_by(k - 1, desc);
+            st.buf[k - 1].0
+        })
+        .collect();
+    let rest = run(1..valid.div_ceil(seg_len), &seed);
+    merge(rest, &mut f.rows);
+    timing
+}
+
+/// What every job reads.
+struct Shared<'a> {
+    /// Transposed hidden states `[panels, h, NP]`.
+    at: &'a [f32],
+    head: &'a [f32],
+    h: usize,
+    /// Vocabulary rows per tile.
+    vt: usize,
+    /// Real rows (lanes past it are padding).
+    n: usize,
+    fp: FoldParams,
+    ranks: bool,
+    picks: &'a [Vec<Pick>],
+    /// `[panels · NP]` target logits for ranks (NaN: none).
+    zt: &'a [f32],
+}
+
+/// Candidates of one tile's 16 lanes before they are pushed: values and `lane | v << 4`
+/// (room for every value of a tile, plus one vector's overhang).
+struct Stage {
+    vals: Vec<f32>,
+    codes: Vec<u32>,
+}
+
+/// The running scores of one panel's lanes during a job.
+struct Lanes {
+    m: [f32; NP],
+    sum: [f64; NP],
+    thr: [f32; NP],
+    ge: [u32; NP],
+    /// Real rows among the lanes, one bit each.
+    live: u32,
+    /// The next of the panel's picks to read.
+    cursor: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+/// Folds vocabulary segment `seg` of panels `panels` into `states` (their rows, fresh).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn run_job(
+    s: &Shared<'_>,
+    panels: std::ops::Range<usize>,
+    seg: std::ops::Range<usize>,
+    states: &mut [RowFold],
+) -> HeadTiming {
+    let (h, vt) = (s.h, s.vt);
+    let mut lanes: Vec<Lanes> = panels
+        .clone()
+        .map(|q| {
+            let real = s.n.saturating_sub(q * NP).min(NP);
+            let i0 = (q - panels.start) * NP;
+            let first = &states[i0];
+            Lanes {
+                m: [first.m; NP],
+                sum: [first.sum; NP],
+                thr: std::array::from_fn(|j| states.get(i0 + j).map_or(f32::INFINITY, |s| s.thr)),
+                ge: [0; NP],
+                live: if real == NP {
+                    u32::MAX
+                } else {
+                    (1u32 << real) - 1
+                },
+                cursor: s.picks[q].partition_point(|p| (p.id as usize) < seg.start),
+            }
+        })
+        .collect();
+    // [vt + MR, NP]: the last micro-tile may write up to MR - 1 rows past the tile.
+    let mut tile = vec![0f32; (vt + MR) * NP];
+    let mut stage = Stage {
+        vals: vec![0.0; (vt + 1) * 16],
+        codes: vec![0; (vt + 1) * 16],
+    };
+    let mut timing = HeadTiming::default();
+    let last = seg.end - 1;
+    for v0 in seg.clone().step_by(vt) {
+        let vn = (v0 + vt).min(seg.end) - v0;
+        for (i, q) in panels.clone().enumerate() {
+            let t0 = Instant::now();
+            let at = &s.at[q * h * NP..(q + 1) * h * NP];
+            for mv in (0..vn).step_by(MR) {
+                let rows: [usize; MR] = std::array::from_fn(|r| (v0 + mv + r).min(last));
+                micro_tile(at, s.head, rows, h, &mut tile[mv * NP..(mv + MR) * NP]);
+            }
+            let t1 = Instant::now();
+            let end = ((i + 1) * NP).min(states.len());
+            let st = &mut states[i * NP..end];
+            let zt = &s.zt[q * NP..(q + 1) * NP];
+            fold_tile(s, &mut lanes[i], st, (&tile[..vn * NP], v0), zt, &mut stage);
+            read_picks(&mut lanes[i], st, &s.picks[q], &tile[..vn * NP], v0);
+            let t2 = Instant::now();
+            timing.matmul += t1 - t0;
+            timing.fold += t2 - t1;
+        }
+    }
+    for (i, l) in lanes.iter().enumerate() {
+        for (j, st) in states[i * NP..].iter_mut().take(NP).enumerate() {
+            (st.m, st.sum, st.thr, st.ge) = (l.m[j], l.sum[j], l.thr[j], l.ge[j]);
+        }
+    }
+    timing
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+unsafe fn run_job(
+    _: &Shared<'_>,
+    _: std::ops::Range<usize>,
+    _: std::ops::Range<usize>,
+    _: &mut [RowFold],
+) -> HeadTiming {
+    unreachable!("`available()` is false off x86-64")
+}
+
+/// `out[r, p] = Σ_j head[rows[r], j] · at[j, p]` for `MR` head rows and the panel's `NP`
+/// positions (`at`: `[h, NP]`, `out`: `[MR, NP]`), one fused multiply-add per `j` in order.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn micro_tile(at: &[f32], head: &[f32], rows: [usize; MR], h: usize, out: &mut [f32]) {
+    debug_assert!(at.len() >= h * NP && out.len() >= MR * NP);
+    debug_assert!(rows.iter().all(|&r| (r + 1) * h <= head.len()));
+    let w: [*const f32; MR] = rows.map(|r| head.as_ptr().add(r * h));
+    let a = at.as_ptr();
+    let mut acc = [_mm512_setzero_ps(); 2 * MR];
+    for j in 0..h {
+        let a0 = _mm512_loadu_ps(a.add(j * NP));
+        let a1 = _mm512_loadu_ps(a.add(j * NP + 16));
+        for r in 0..MR {
+            let b = _mm512_set1_ps(*w[r].add(j));
+            acc[2 * r] = _mm512_fmadd_ps(b, a0, acc[2 * r]);
+            acc[2 * r + 1] = _mm512_fmadd_ps(b, a1, acc[2 * r + 1]);
+        }
+    }
+    let o = out.as_mut_ptr();
+    for (r, pair) in acc.chunks_exact(2).enumerate() {
+        _mm512_storeu_ps(o.add(r * NP), pair[0]);
+        _mm512_storeu_ps(o.add(r * NP + 16), pair[1]);
+    }
+}
+
+/// Folds a tile `[vn, NP]` of logits (columns `v0..v0 + vn`) into one panel's lanes: per
+/// 16-lane half, the tile's max (rescaling sums whose max rose), `Σ 2^{(x - m)·scale2}`, the
+/// candidates above each lane's threshold and, with ranks, the count of logits ≥ the target's.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn fold_tile(
+    s: &Shared<'_>,
+    l: &mut Lanes,
+    st: &mut [RowFold],
+    (tile, v0): (&[f32], usize),
+    zt: &[f32],
+    stage: &mut Stage,
+) {
+    let fp = &s.fp;
+    let vn = tile.len() / NP;
+    let [c1, c2, c3, c4, c5] = xdistill_shared::simd::EXP2_COEFFS.map(|c| _mm512_set1_ps(c));
+    let (one, lo, s2) = (
+        _mm512_set1_ps(1.0),
+        _mm512_set1_ps(-126.0),
+        _mm512_set1_ps(fp.scale2),
+    );
+    let t = tile.as_ptr();
+    let lane_ids = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for o in [0, 16] {
+        let live = (l.live >> o) as u16;
+        if live == 0 {
+            continue;
+        }
+        // The tile's max per lane (NaNs ignored: `max(x, acc)` keeps `acc` for a NaN `x`).
+        let mut mx = _mm512_set1_ps(f32::NEG_INFINITY);
+        for v in 0..vn {
+            mx = _mm512_max_ps(_mm512_loadu_ps(t.add(v * NP + o)), mx);
+        }
+        let m_old = _mm512_loadu_ps(l.m.as_ptr().add(o));
+        let m = _mm512_max_ps(mx, m_old);
+        let rising = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(m, m_old) & live;
+        _mm512_storeu_ps(l.m.as_mut_ptr().add(o), m);
+        if rising != 0 {
+            let old: [f32; 16] = std::mem::transmute(m_old);
+            for i in bits(rising) {
+                if l.sum[o + i] > 0.0 {
+                    l.sum[o + i] *= ((old[i] as f64 - l.m[o + i] as f64) * fp.inv_t).exp();
+                }
+            }
+        }
+        // Σ 2^t, t = (x - m)·scale2 ≥ -126 (`max(lo, t)` keeps a NaN t), by 2^n · p(t - n).
+        let mut acc = _mm512_setzero_ps();
+        for v in 0..vn {
+            let x = _mm512_loadu_ps(t.add(v * NP + o));
+            let e = _mm512_max_ps(lo, _mm512_mul_ps(_mm512_sub_ps(x, m), s2));
+            let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(e);
+            let f = _mm512_sub_ps(e, n);
+            let mut p = _mm512_fmadd_ps(c5, f, c4);
+            p = _mm512_fmadd_ps(p, f, c3);
+            p = _mm512_fmadd_ps(p, f, c2);
+            p = _mm512_fmadd_ps(p, f, c1);
+            p = _mm512_fmadd_ps(p, f, one);
+            acc = _mm512_add_ps(acc, _mm512_scalef_ps(p, n));
+        }
+        let acc: [f32; 16] = std::mem::transmute(acc);
+        for i in bits(live) {
+            l.sum[o + i] += acc[i] as f64;
+        }
+        // Candidates: only when some lane's tile max passes its threshold. The values above
+        // the (tile-start) thresholds are compressed into a staging list without branching,
+        // then pushed in order, each checked against its lane's current threshold.
+        let thr = _mm512_loadu_ps(l.thr.as_ptr().add(o));
+        if _mm512_cmp_ps_mask::<_CMP_GT_OQ>(mx, thr) & live != 0 {
+            let mut staged = 0;
+            for v in 0..vn {
+                let x = _mm512_loadu_ps(t.add(v * NP + o));
+                let hit = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(x, thr) & live;
+                let code = _mm512_add_epi32(lane_ids, _mm512_set1_epi32((v << 4) as i32));
+                let vals = _mm512_maskz_compress_ps(hit, x);
+                let codes = _mm512_maskz_compress_epi32(hit, code);
+                _mm512_storeu_ps(stage.vals.as_mut_ptr().add(staged), vals);
+                _mm512_storeu_si512(stage.codes.as_mut_ptr().add(staged) as *mut _, codes);
+                staged += hit.count_ones() as usize;
+            }
+            for (&x, &code) in stage.vals[..staged].iter().zip(&stage.codes[..staged]) {
+                let (i, v) = ((code & 15) as usize, (code >> 4) as usize);
+                if x <= l.thr[o + i] {
+                    continue;
+                }
+                let row = &mut st[o + i];
+                row.buf.push((x, (v0 + v) as u32));
+                if row.buf.len() >= fp.prune_at {
+                    row.buf.select_nth_unstable_by(fp.k - 1, desc);
+                    row.buf.truncate(fp.k);
+                    l.thr[o + i] = row.buf[fp.k - 1].0;
+                }
+            }
+        }
+        if s.ranks {
+            let z = _mm512_loadu_ps(zt.as_ptr().add(o));
+            let mut ge = _mm512_loadu_si512(l.ge.as_ptr().add(o) as *const _);
+            let inc = _mm512_set1_epi32(1);
+            for v in 0..vn {
+                let x = _mm512_loadu_ps(t.add(v * NP + o));
+                let k = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, z);
+                ge = _mm512_mask_add_epi32(ge, k, ge, inc);
+            }
+            _mm512_storeu_si512(l.ge.as_mut_ptr().add(o) as *mut _, ge);
+        }
+    }
+}
+
+/// Reads the panel's targets and candidates whose columns are in this tile.
+fn read_picks(l: &mut Lanes, st: &mut [RowFold], picks: &[Pick], tile: &[f32], v0: usize) {
+    let end = v0 + tile.len() / NP;
+    while let Some(p) = picks.get(l.cursor).filter(|p| (p.id as usize) < end) {
+        let x = tile[(p.id as usize - v0) * NP + p.lane as usize];
+        let row = &mut st[p.lane as usize];
+        match p.slot {
+            TARGET => row.target = Some(x),
+            c => row.cands[c as usize] = x,
+        }
+        l.cursor += 1;
+    }
+}
+
+/// The indices of the set bits of `mask`, lowest first.
+fn bits(mut mask: u16) -> impl Iterator<Item = usize> {
+    std::iter::from_fn(move || {
+        (mask != 0).then(|| {
+            let i = mask.trailing_zeros() as usize;
+            mask &= mask - 1;
+            i
+        })
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{CandidateRows, RowLayout, ScoreParams};
+    use super::*;
+    use xdistill_shared::protocol::{SequenceScores, ValuesKind};
+
+    fn noise(seed: u64, n: usize, scale: f32) -> Vec<f32> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
+            })
+            .collect()
+    }
+
+    fn kernel(
+        hidden: &[f32],
+        head: &[f32],
+        h: usize,
+        layout: RowLayout,
+        (targets, cands): (&[u32], CandidateRows<'_>),
+        p: &ScoreParams,
+    ) -> SequenceScores {
+        let mut f = RowFolds::for_head(layout, targets, cands, p);
+        f.fold_head(hidden, head, h);
+        f.finish()
+    }
+
+    /// The kernel's logits are the in-order fused multiply-add dot products (so the reference
+    /// below sees the same f32 logits); everything computed from them is checked in f64
+    /// against a full sort: top-k ids (ties by id) and values, logsumexp, target and candidate
+    /// log-probs, ranks — over panels, groups, segments, tile tails and head padding.
+    #[test]
+    fn kernel_matches_f64_reference() {
+        if !available() {
+            eprintln!("skipped: this CPU has no AVX-512");
+            return;
+        }
+        let (width, valid) = (3000, 2900);
+        for (h, rows) in [(16usize, 1usize), (37, 33), (64, 130), (600, 5)] {
+            let hidden = noise(h as u64, rows * h, 2.0);
+            let mut head = noise(7 + h as u64, width * h, 2.0 / (h as f32).sqrt());
+            // Head padding rows with huge weights must never be computed.
+            for x in &mut head[valid * h..] {
+                *x = 1e4;
+            }
+            let logits: Vec<f32> = (0..rows * valid)
+                .map(|i| {
+                    let (r, v) = (i / valid, i % valid);
+                    let w = &head[v * h..(v + 1) * h];
+                    let a = &hidden[r * h..(r + 1) * h];
+                    w.iter()
+                        .zip(a)
+                        .fold(0f32, |acc, (&w, &a)| w.mul_add(a, acc))
+                })
+                .collect();
+            // Ties: one row's top values repeated at larger ids.
+            let targets: Vec<u32> = (0..rows).map(|r| (r * 977 % valid) as u32).collect();
+            let m = 3;
+            let cand_ids: Vec<u32> = (0..rows * m)
+                .map(|i| [(i * 131 % valid) as u32, valid as u32 - 1, 0][i % m])
+                .collect();
+            let cands = CandidateRows { ids: &cand_ids, m };
+            for (k, t, values, ranks) in [
+                (7usize, 1.0f32, ValuesKind::Logprobs, true),
+                (0, 0.7, ValuesKind::Logprobs, false),
+                (300, 1.3, ValuesKind::Logits, true),
+            ] {
+                let p = ScoreParams {
+                    ranks,
+                    ..ScoreParams::native(k, t, values)
+                };
+                let lay = RowLayout { width, valid };
+                let s = kernel(&hidden, &head, h, lay, (&targets, cands), &p);
+                s.check_shapes().unwrap();
+                for r in 0..rows {
+                    let what = format!("h {h} rows {rows} k {k} row {r}");
+                    let row = &logits[r * valid..(r + 1) * valid];
+                    let z: Vec<f64> = row.iter().map(|&x| x as f64 / t as f64).collect();
+                    let mx = z.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                    let lse = mx + z.iter().map(|x| (x - mx).exp()).sum::<f64>().ln();
+                    assert!(
+                        (s.logsumexp[r] as f64 - lse).abs() < 2e-6 * lse.abs().max(1.0),
+                        "{what}"
+                    );
+                    let mut order: Vec<usize> = (0..valid).collect();
+                    order.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+                    let want: Vec<u32> = order[..k].iter().map(|&i| i as u32).collect();
+                    assert_eq!(s.ids_row(r), want.as_slice(), "{what}");
+                    for (&v, &i) in s.values_row(r).iter().zip(&order) {
+                        let w = match values {
+                            ValuesKind::Logprobs => z[i] - lse,
+                            ValuesKind::Logits => z[i],
+                        };
+                        assert!((v as f64 - w).abs() < 1e-5, "{what}: {v} vs {w}");
+                    }
+                    let target = targets[r] as usize;
+                    assert!(
+                        (s.target_logprobs[r] as f64 - (z[target] - lse)).abs() < 1e-5,
+                        "{what}"
+                    );
+                    for (j, &c) in cand_ids[r * m..(r + 1) * m].iter().enumerate() {
+                        let got = s.ids_logprobs_row(r)[j] as f64;
+                        assert!(
+                            (got - (z[c as usize] - lse)).abs() < 1e-5,
+                            "{what} cand {j}"
+                        );
+                    }
+                    if ranks {
+                        let ge = row.iter().filter(|&&x| x >= row[target]).count() as u32;
+                        let rank = order.iter().position(|&i| i == target).unwrap() as u32 + 1;
+                        let want = if (rank as usize) <= k { rank } else { ge };
+                        assert_eq!(s.target_ranks[r], want, "{what}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// A row's scores are the same bits alone, in any chunk and beside any neighbours; a NaN
+    /// in one row's hidden state makes that row's scores NaN and no other's.
+    #[test]
+    fn rows_are_independent_of_their_neighbours() {
+        if !available() {
+            eprintln!("skipped: this CPU has no AVX-512");
+            return;
+        }
+        let (h, rows, width) = (24, 70, 2100);
+        let mut hidden = noise(3, rows * h, 2.0);
+        let head = noise(4, width * h, 0.5);
+        let targets: Vec<u32> = (0..rows).map(|r| (r * 31 % width) as u32).collect();
+        let lay = RowLayout {
+            width,
+            valid: width,
+        };
+        let none = CandidateRows { ids: &[], m: 0 };
+        let p = ScoreParams {
+            ranks: true,
+            ..ScoreParams::native(9, 0.9, ValuesKind::Logprobs)
+        };
+        // Row r's fields as bits.
+        let row_bits = |s: &SequenceScores, r: usize| -> Vec<u32> {
+            let vals = s.values_row(r).iter().map(|x| x.to_bits());
+            let stats = [s.target_logprobs[r], s.logsumexp[r]].map(f32::to_bits);
+            let ids = s.ids_row(r).iter().copied();
+            vals.chain(stats)
+                .chain(ids)
+                .chain([s.target_ranks[r]])
+                .collect()
+        };
+        let all = kernel(&hidden, &head, h, lay, (&targets, none), &p);
+        for chunk in [1usize, 7, 33] {
+            for c0 in (0..rows).step_by(chunk) {
+                let c1 = (c0 + chunk).min(rows);
+                let part = &hidden[c0 * h..c1 * h];
+                let s = kernel(part, &head, h, lay, (&targets[c0..c1], none), &p);
+                for r in c0..c1 {
+                    assert_eq!(
+                        row_bits(&s, r - c0),
+                        row_bits(&all, r),
+                        "chunks of {chunk}, row {r}"
+                    );
+                }
+            }
+        }
+        hidden[40 * h + 5] = f32::NAN;
+        let s = kernel(&hidden, &head, h, lay, (&targets, none), &p);
+        for r in 0..rows {
+            assert_eq!(s.logsumexp[r].is_nan(), r == 40, "row {r}");
+        }
+        assert_eq!(s.logsumexp[41].to_bits(), all.logsumexp[41].to_bits());
+    }
+
+    /// Speed figure, not a check: `cargo test --release -p xdistill-server --lib head_speed --
+    /// --ignored --nocapture`. The kernel on 256 positions of the Qwen3 vocabulary (best of 5).
+    #[test]
+    #[ignore]
+    fn head_speed() {
+        let (width, valid) = (151_936, 151_669);
+        for (h, rows) in [(128usize, 256usize), (1024, 256)] {
+            let hidden = noise(1, rows * h, 2.0);
+            let head = noise(2, width * h, 2.0 / (h as f32).sqrt());
+            let targets = vec![5u32; rows];
+            let none = CandidateRows { ids: &[], m: 0 };
+            let lay = RowLayout { width, valid };
+            for k in [64, 0] {
+                let p = ScoreParams::native(k, 1.0, ValuesKind::Logprobs);
+                let (mut wall, mut fold) = (f64::INFINITY, f64::INFINITY);
+                for _ in 0..5 {
+                    let t0 = Instant::now();
+                    let mut f = RowFolds::for_head(lay, &targets, none, &p);
+                    let t = f.fold_head(&hidden, &head, h);
+                    assert_eq!(f.finish().rows, rows);
+                    let w = t0.elapsed().as_secs_f64();
+                    wall = wall.min(w);
+                    fold = fold.min(w * t.fold.as_secs_f64() / (t.fold + t.matmul).as_secs_f64());
+                }
+                let logits = (rows * valid) as f64;
+                println!(
+                    "h {h}, {rows} rows, k {k}: {:.1} ms, {:.0} GFLOP/s, fold {:.3} ns per logit ({:.1}% of the wall), {} threads",
+                    wall * 1e3,
+                    2.0 * logits * h as f64 / wall / 1e9,
+                    fold * 1e9 / logits,
+                    fold / wall * 100.0,
+                    rayon::current_num_threads()
+                );
+            }
+        }
+    }
+}
