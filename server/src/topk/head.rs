@@ -24,7 +24,7 @@ const MR: usize = 8;
 /// Panels per job: each vocabulary tile of the head, once in cache, serves this many panels.
 const GROUP: usize = 4;
 /// Fixed vocabulary segments, folded independently (in parallel) and merged in order.
-const SEGMENTS: usize = 8;
+const SEGMENTS: usize = 16;
 /// Segment boundaries are multiples of this (the widest tile).
 const ALIGN: usize = 128;
 
@@ -141,14 +141,14 @@ pub(super) fn fold_head(
     // Jobs: (group of panels, segment), each on fresh copies of its rows' states with the
     // given top-k thresholds, results in job order.
     let fresh = f.rows.clone();
-    let run = |segs: std::ops::Range<usize>, thr: &[f32]| {
-        let jobs: Vec<(usize, usize)> = (0..panels.div_ceil(GROUP))
-            .flat_map(|g| segs.clone().map(move |s| (g, s)))
+    let run = |segs: std::ops::Range<usize>, group: usize, thr: &[f32]| {
+        let jobs: Vec<(usize, usize)> = (0..panels.div_ceil(group))
+            .flat_map(|g| segs.clone().map(move |s| (g * group, s)))
             .collect();
         let done: Vec<(usize, Vec<RowFold>, HeadTiming)> = jobs
             .par_iter()
-            .map(|&(g, s)| {
-                let (q0, q1) = (g * GROUP, (g * GROUP + GROUP).min(panels));
+            .map(|&(q0, s)| {
+                let q1 = (q0 + group).min(panels);
                 let rows = q0 * NP..(q1 * NP).min(n);
                 let seg = s * seg_len..((s + 1) * seg_len).min(valid);
                 let mut states = fresh[rows.clone()].to_vec();
@@ -157,7 +157,7 @@ pub(super) fn fold_head(
                 }
                 // SAFETY: `available()` was checked above: the CPU has AVX-512F.
                 let t = unsafe { run_job(&shared, q0..q1, seg, &mut states) };
-                (g, states, t)
+                (q0, states, t)
             })
             .collect();
         done
@@ -168,10 +168,11 @@ pub(super) fn fold_head(
     // push its own first hundreds of candidates.
     let mut timing = HeadTiming::default();
     let no_seed = vec![f32::NEG_INFINITY; n];
-    let first = run(0..1, &no_seed);
+    // One job per panel here (this segment is the serial part), a group per job after.
+    let first = run(0..1, 1, &no_seed);
     let mut merge = |done: Vec<(usize, Vec<RowFold>, HeadTiming)>, rows: &mut [RowFold]| {
-        for (g, states, t) in done {
-            for (row, st) in rows[g * GROUP * NP..].iter_mut().zip(states) {
+        for (q0, states, t) in done {
+            for (row, st) in rows[q0 * NP..].iter_mut().zip(states) {
                 row.merge(st, &f.fp);
             }
             timing.matmul += t.matmul;
@@ -191,7 +192,7 @@ pub(super) fn fold_head(
             st.buf[k - 1].0
         })
         .collect();
-    let rest = run(1..valid.div_ceil(seg_len), &seed);
+    let rest = run(1..valid.div_ceil(seg_len), GROUP, &seed);
     merge(rest, &mut f.rows);
     timing
 }
@@ -213,11 +214,11 @@ struct Shared<'a> {
     zt: &'a [f32],
 }
 
-/// Candidates of one tile's 16 lanes before they are pushed: values and `lane | v << 4`
-/// (room for every value of a tile, plus one vector's overhang).
+/// Candidates of one tile's 16 lanes before they are pushed: per tile row, the mask of lanes
+/// above their threshold, and the rows with any.
 struct Stage {
-    vals: Vec<f32>,
-    codes: Vec<u32>,
+    masks: Vec<u16>,
+    rows: Vec<u16>,
 }
 
 /// The running scores of one panel's lanes during a job.
@@ -268,8 +269,8 @@ unsafe fn run_job(
     // [vt + MR, NP]: the last micro-tile may write up to MR - 1 rows past the tile.
     let mut tile = vec![0f32; (vt + MR) * NP];
     let mut stage = Stage {
-        vals: vec![0.0; (vt + 1) * 16],
-        codes: vec![0; (vt + 1) * 16],
+        masks: vec![0; vt],
+        rows: vec![0; vt],
     };
     let mut timing = HeadTiming::default();
     let last = seg.end - 1;
@@ -359,17 +360,18 @@ unsafe fn fold_tile(
         _mm512_set1_ps(fp.scale2),
     );
     let t = tile.as_ptr();
-    let lane_ids = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for o in [0, 16] {
         let live = (l.live >> o) as u16;
         if live == 0 {
             continue;
         }
-        // The tile's max per lane (NaNs ignored: `max(x, acc)` keeps `acc` for a NaN `x`).
-        let mut mx = _mm512_set1_ps(f32::NEG_INFINITY);
+        // The tile's max per lane (NaNs ignored: `max(x, acc)` keeps `acc` for a NaN `x`), in
+        // four chains so that the max's latency is hidden.
+        let mut mx4 = [_mm512_set1_ps(f32::NEG_INFINITY); 4];
         for v in 0..vn {
-            mx = _mm512_max_ps(_mm512_loadu_ps(t.add(v * NP + o)), mx);
+            mx4[v % 4] = _mm512_max_ps(_mm512_loadu_ps(t.add(v * NP + o)), mx4[v % 4]);
         }
+        let mx = _mm512_max_ps(_mm512_max_ps(mx4[0], mx4[1]), _mm512_max_ps(mx4[2], mx4[3]));
         let m_old = _mm512_loadu_ps(l.m.as_ptr().add(o));
         let m = _mm512_max_ps(mx, m_old);
         let rising = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(m, m_old) & live;
@@ -382,10 +384,8 @@ unsafe fn fold_tile(
                 }
             }
         }
-        // Σ 2^t, t = (x - m)·scale2 ≥ -126 (`max(lo, t)` keeps a NaN t), by 2^n · p(t - n).
-        let mut acc = _mm512_setzero_ps();
-        for v in 0..vn {
-            let x = _mm512_loadu_ps(t.add(v * NP + o));
+        // 2^t, t = (x - m)·scale2 ≥ -126 (`max(lo, t)` keeps a NaN t), as 2^n · p(t - n).
+        let exp2 = |x: __m512| {
             let e = _mm512_max_ps(lo, _mm512_mul_ps(_mm512_sub_ps(x, m), s2));
             let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(e);
             let f = _mm512_sub_ps(e, n);
@@ -394,30 +394,37 @@ unsafe fn fold_tile(
             p = _mm512_fmadd_ps(p, f, c2);
             p = _mm512_fmadd_ps(p, f, c1);
             p = _mm512_fmadd_ps(p, f, one);
-            acc = _mm512_add_ps(acc, _mm512_scalef_ps(p, n));
+            _mm512_scalef_ps(p, n)
+        };
+        let mut acc = _mm512_setzero_ps();
+        // Candidates, when some lane's tile max passes its threshold: the same loop records
+        // each row's lanes above the (tile-start) thresholds — a mask per row and the list of
+        // rows with any — branch-free, beside the exp's vector work; they are pushed after,
+        // each checked against its lane's current threshold.
+        let thr = _mm512_loadu_ps(l.thr.as_ptr().add(o));
+        let mut hits = 0;
+        if _mm512_cmp_ps_mask::<_CMP_GT_OQ>(mx, thr) & live != 0 {
+            for v in 0..vn {
+                let x = _mm512_loadu_ps(t.add(v * NP + o));
+                acc = _mm512_add_ps(acc, exp2(x));
+                let hit = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(x, thr) & live;
+                stage.masks[v] = hit;
+                stage.rows[hits] = v as u16;
+                hits += (hit != 0) as usize;
+            }
+        } else {
+            for v in 0..vn {
+                acc = _mm512_add_ps(acc, exp2(_mm512_loadu_ps(t.add(v * NP + o))));
+            }
         }
         let acc: [f32; 16] = std::mem::transmute(acc);
         for i in bits(live) {
             l.sum[o + i] += acc[i] as f64;
         }
-        // Candidates: only when some lane's tile max passes its threshold. The values above
-        // the (tile-start) thresholds are compressed into a staging list without branching,
-        // then pushed in order, each checked against its lane's current threshold.
-        let thr = _mm512_loadu_ps(l.thr.as_ptr().add(o));
-        if _mm512_cmp_ps_mask::<_CMP_GT_OQ>(mx, thr) & live != 0 {
-            let mut staged = 0;
-            for v in 0..vn {
-                let x = _mm512_loadu_ps(t.add(v * NP + o));
-                let hit = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(x, thr) & live;
-                let code = _mm512_add_epi32(lane_ids, _mm512_set1_epi32((v << 4) as i32));
-                let vals = _mm512_maskz_compress_ps(hit, x);
-                let codes = _mm512_maskz_compress_epi32(hit, code);
-                _mm512_storeu_ps(stage.vals.as_mut_ptr().add(staged), vals);
-                _mm512_storeu_si512(stage.codes.as_mut_ptr().add(staged) as *mut _, codes);
-                staged += hit.count_ones() as usize;
-            }
-            for (&x, &code) in stage.vals[..staged].iter().zip(&stage.codes[..staged]) {
-                let (i, v) = ((code & 15) as usize, (code >> 4) as usize);
+        for &v in &stage.rows[..hits] {
+            let v = v as usize;
+            for i in bits(stage.masks[v]) {
+                let x = tile[v * NP + o + i];
                 if x <= l.thr[o + i] {
                     continue;
                 }
@@ -651,7 +658,7 @@ mod tests {
     #[ignore]
     fn head_speed() {
         let (width, valid) = (151_936, 151_669);
-        for (h, rows) in [(128usize, 256usize), (1024, 256)] {
+        for (h, rows) in [(128usize, 256usize), (128, 127), (1024, 256)] {
             let hidden = noise(1, rows * h, 2.0);
             let head = noise(2, width * h, 2.0 / (h as f32).sqrt());
             let targets = vec![5u32; rows];
