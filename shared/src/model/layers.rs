@@ -6,6 +6,10 @@ use super::config::{Activation, LayerKind, ModelConfig};
 use candle_core::{DType, Module, Result, Tensor, D};
 use candle_nn::{Linear, VarBuilder};
 
+/// Queries per block of inference attention: bounds the scores held at once to
+/// `[B, heads, QUERY_CHUNK, S]` (256 MiB → 32 MiB for 16 heads over 2048 keys).
+const QUERY_CHUNK: usize = 256;
+
 /// Which kernels to use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ops {
@@ -250,22 +254,63 @@ impl Attention {
         } else {
             (repeat_kv(&k, rep)?, repeat_kv(&v, rep)?)
         };
-        // 5. Scores [B, Hq, T, S] in f32, masked softmax, weighted sum -> [B, Hq, T, D].
-        let acc = accum_dtype(q.dtype());
-        let mut att = (q.matmul(&k.t()?)? * self.scale)?.to_dtype(acc)?;
-        if let Some(m) = inp.mask {
-            att = att.broadcast_add(&m.to_dtype(acc)?)?;
-        }
-        let att = match inp.ops {
-            Ops::Fused => candle_nn::ops::softmax_last_dim(&att)?,
-            Ops::Differentiable => candle_nn::ops::softmax(&att, D::Minus1)?,
-        }
-        .to_dtype(v.dtype())?;
-        let out = att.matmul(&v)?;
+        // 5. Masked softmax attention -> [B, Hq, T, D]; at inference [`QUERY_CHUNK`] queries
+        // at a time, so that at most [B, Hq, QUERY_CHUNK, S] scores exist at once.
+        let out = match inp.ops {
+            Ops::Fused => attend_in_chunks(&q, &k, &v, inp.mask, self.scale, QUERY_CHUNK)?,
+            Ops::Differentiable => attend(&q, &k, &v, inp.mask, self.scale, inp.ops)?,
+        };
         // 6. Merge heads: [B, T, Hq*D] -> o_proj.
         let out = out.transpose(1, 2)?.reshape((b, t, self.n_heads * d))?;
         self.o.forward(&out)
     }
+}
+
+/// Softmax attention of queries `q` [B, Hq, Tq, D] over keys and values [B, Hq, S, D] with
+/// the additive `mask` [B|1, 1, Tq, S]: [B, Hq, Tq, D]. Scores in f32 (f64 for f64 inputs).
+fn attend(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    scale: f64,
+    ops: Ops,
+) -> Result<Tensor> {
+    let acc = accum_dtype(q.dtype());
+    let mut att = (q.matmul(&k.t()?)? * scale)?.to_dtype(acc)?;
+    if let Some(m) = mask {
+        att = att.broadcast_add(&m.to_dtype(acc)?)?;
+    }
+    let att = match ops {
+        Ops::Fused => candle_nn::ops::softmax_last_dim(&att)?,
+        Ops::Differentiable => candle_nn::ops::softmax(&att, D::Minus1)?,
+    }
+    .to_dtype(v.dtype())?;
+    att.matmul(v)
+}
+
+/// [`attend`] with fused ops, `chunk` queries at a time (each query row is computed alone
+/// either way): at most `[B, Hq, chunk, S]` scores exist at once.
+fn attend_in_chunks(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    scale: f64,
+    chunk: usize,
+) -> Result<Tensor> {
+    let t = q.dim(2)?;
+    if t <= chunk {
+        return attend(q, k, v, mask, scale, Ops::Fused);
+    }
+    let mut parts = Vec::with_capacity(t.div_ceil(chunk));
+    for c0 in (0..t).step_by(chunk) {
+        let c = chunk.min(t - c0);
+        let mask = mask.map(|m| m.narrow(2, c0, c)).transpose()?;
+        let q = q.narrow(2, c0, c)?.contiguous()?;
+        parts.push(attend(&q, k, v, mask.as_ref(), scale, Ops::Fused)?);
+    }
+    Tensor::cat(&parts, 2)
 }
 
 /// [B, Hkv, S, D] -> [B, Hkv*rep, S, D], each kv head repeated `rep` times consecutively.
@@ -313,5 +358,64 @@ impl GatedMlp {
             }
         };
         self.down.forward(&(activate(&gate, self.act)? * up)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// Queries in chunks (uneven last one, a causal mask with -inf) give the attention of all
+    /// queries at once, to f32 rounding: the matmuls' kernels differ with the number of rows
+    /// (a one-row chunk is a matrix-vector product), so the bits may not.
+    #[test]
+    fn chunked_attention_equals_whole() {
+        let dev = Device::Cpu;
+        let (b, h, t, d) = (2usize, 3usize, 23usize, 8usize);
+        let r = |seed: u64| {
+            let mut s = seed;
+            let v: Vec<f32> = (0..b * h * t * d)
+                .map(|_| {
+                    s = s
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 3.0
+                })
+                .collect();
+            Tensor::from_vec(v, (b, h, t, d), &dev).unwrap()
+        };
+        let (q, k, v) = (r(1), r(2), r(3));
+        let mask: Vec<f32> = (0..t * t)
+            .map(|i| {
+                if i % t > i / t {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let mask = Tensor::from_vec(mask, (1, 1, t, t), &dev).unwrap();
+        let flat = |x: &Tensor| x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        for m in [Some(&mask), None] {
+            let whole = flat(&attend(&q, &k, &v, m, 0.35, Ops::Fused).unwrap());
+            for chunk in [1, 5, 22, 23, 64] {
+                let got = attend_in_chunks(&q, &k, &v, m, 0.35, chunk).unwrap();
+                assert_eq!(got.dims(), &[b, h, t, d]);
+                let worst = flat(&got)
+                    .iter()
+                    .zip(&whole)
+                    .map(|(x, y)| (x - y).abs())
+                    .fold(0f32, f32::max);
+                assert!(worst < 2e-6, "chunk {chunk}: {worst}");
+                if chunk >= t {
+                    assert_eq!(flat(&got), whole, "one chunk is the whole");
+                }
+            }
+        }
+        // The mask is applied per chunk: query 0 sees only key 0, so it returns v[.., 0, ..].
+        let got = flat(&attend_in_chunks(&q, &k, &v, Some(&mask), 0.35, 5).unwrap());
+        let v0 = flat(&v.narrow(2, 0, 1).unwrap().contiguous().unwrap());
+        assert_eq!(&got[..d], &v0[..d]);
     }
 }
