@@ -16,8 +16,9 @@ Qwen3 vocabulary (151,669 ids), f32, written by `trainer init-model`.
 Reported per model: positions/s of each side (medians of alternating rounds) and their ratios;
 from the teacher's own /metrics, the share of the worker's time outside the forward (the scoring
 pass; with the fused head the tile matmuls count as forward) and the scoring pass's ns per logit
-(scoring seconds / (positions × vocabulary)). `--rss`: the teacher's peak RSS (VmHWM) after one
-request of 8 × 2048 tokens, fused vs full, each in a fresh process. Prints a Markdown table;
+(scoring seconds / (positions × vocabulary)). `--rss` (`--rss-only`: nothing else): the teacher's
+RSS once loaded, and its peak RSS (VmHWM, reset after loading) while it scores one request of
+8 × 2048 tokens, fused vs full, each in a fresh process. Prints a Markdown table;
 record it in bench/teacher.md.
 """
 import argparse, json, os, socket, statistics, subprocess, sys, tempfile, time, urllib.request
@@ -90,11 +91,18 @@ class Teacher:
         return (val["xdistill_batch_forward_duration_seconds_sum"],
                 val["xdistill_batch_topk_duration_seconds_sum"])
 
-    def peak_rss_mib(self):
+    def status_mib(self, field):
+        """`VmRSS` / `VmHWM` (the peak since start or since `reset_peak`) in MiB."""
         with open(f"/proc/{self.proc.pid}/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) / 1024
+
+    def reset_peak(self):
+        """Lower VmHWM to the current RSS (Linux `clear_refs` 5): the load's own peak (the file
+        read beside the weights being built) is then left out."""
+        with open(f"/proc/{self.proc.pid}/clear_refs", "w") as f:
+            f.write("5")
 
     def close(self):
         self.proc.terminate()
@@ -158,10 +166,13 @@ def bench_model(a, name, model_dir, b, t, vocab):
 
 
 def peak_rss(a, model_dir, vocab, lm_head):
+    """(RSS once loaded, peak RSS while scoring one 8 × 2048-token request) in MiB."""
     s = Teacher(a.bin, model_dir, lm_head, a.threads)
     try:
+        loaded = s.status_mib("VmRSS")
+        s.reset_peak()
         s.score(torch.randint(0, vocab, (8, 2048), generator=torch.Generator().manual_seed(1)))
-        return s.peak_rss_mib()
+        return loaded, s.status_mib("VmHWM")
     finally:
         s.close()
 
@@ -174,6 +185,7 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--requests", type=int, default=3)
     p.add_argument("--rss", action="store_true", help="peak RSS at an 8 × 2048-token batch")
+    p.add_argument("--rss-only", action="store_true", help="only the RSS figures")
     p.add_argument("--only", help="run only the model whose name contains this")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
@@ -189,17 +201,23 @@ def main():
                             "--seed", "1", "--tokenizer", tok, "--out", d],
                            check=True, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
             vocab = 151_669
+            rss = None
+            if a.rss or a.rss_only:
+                rss = {n: peak_rss(a, d, vocab, n) for n in ("full", "fused")}
+                print(f"{name}: RSS loaded, peak scoring 8 x 2048 (MiB): {rss}", file=sys.stderr)
+            if a.rss_only:
+                continue
             med, split = bench_model(a, name, d, b, t, vocab)
-            rss = {n: peak_rss(a, d, vocab, n) for n in ("full", "fused")} if a.rss else None
             table.append((name, b, t, med, split, rss))
     print(f"\n{a.threads} threads each, {a.rounds} alternating rounds of {a.requests} requests "
           f"(medians), k = {K}, f32, Qwen3 vocabulary\n")
     print("| model | batch | teacher fused (pos/s) | teacher full | PyTorch | fused / PyTorch "
           "| full / PyTorch | scoring share fused / full | scoring ns per logit fused / full "
-          "| peak RSS 8 × 2048 full → fused |")
+          "| RSS loaded; peak scoring 8 × 2048, full → fused |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, b, t, med, split, rss in table:
-        r = f"{rss['full']:.0f} → {rss['fused']:.0f} MiB" if rss else "—"
+        r = (f"{rss['fused'][0]:.0f}; {rss['full'][1]:.0f} → {rss['fused'][1]:.0f} MiB"
+             if rss else "—")
         print(f"| {name} | {b} × {t} | {med['fused']:.0f} | {med['full']:.0f} | {med['torch']:.0f} "
               f"| **{med['fused'] / med['torch']:.2f}×** | {med['full'] / med['torch']:.2f}× "
               f"| {split['fused'][0]:.1%} / {split['full'][0]:.1%} "
