@@ -155,6 +155,16 @@ struct RowFold {
 }
 
 impl RowFold {
+    /// The exact k-th best value among the candidates (its threshold when there are fewer);
+    /// reorders them.
+    fn kth_best(&mut self, k: usize) -> f32 {
+        if k == 0 || self.buf.len() < k {
+            return self.thr;
+        }
+        self.buf.select_nth_unstable_by(k - 1, desc);
+        self.buf[k - 1].0
+    }
+
     /// Adds the scores of another run of the same row's columns (disjoint from this one's).
     fn merge(&mut self, o: RowFold, fp: &FoldParams) {
         let m = self.m.max(o.m);

@@ -79,41 +79,10 @@ pub(super) fn fold_head(
         return HeadTiming::default();
     }
     let panels = n.div_ceil(NP);
-    // [panels, h, NP], zeros past the last row.
-    let mut at = vec![0f32; panels * h * NP];
-    for (r, row) in hidden.chunks_exact(h).enumerate() {
-        let base = (r / NP) * h * NP + r % NP;
-        for (j, &x) in row.iter().enumerate() {
-            at[base + j * NP] = x;
-        }
-    }
-    // Each panel's target and candidate ids, sorted by id.
-    let m = f.cands.m;
-    let picks: Vec<Vec<Pick>> = (0..panels)
-        .map(|q| {
-            let mut v = Vec::new();
-            for r in q * NP..((q + 1) * NP).min(n) {
-                let lane = (r % NP) as u8;
-                v.push(Pick {
-                    id: f.targets[r],
-                    lane,
-                    slot: TARGET,
-                });
-                for (slot, &id) in f.cands.ids[r * m..(r + 1) * m].iter().enumerate() {
-                    v.push(Pick {
-                        id,
-                        lane,
-                        slot: slot as u32,
-                    });
-                }
-            }
-            v.retain(|p| (p.id as usize) < valid);
-            v.sort_unstable_by_key(|p| p.id);
-            v
-        })
-        .collect();
-    // The target's logit per row, for ranks: the same fused multiply-adds in the same order as
-    // its lane in the kernel, so the target counts itself among the logits ≥ it.
+    let at = transpose_panels(hidden, h, panels);
+    let picks = panel_picks(f, panels);
+    // For ranks, each row's target logit: the same fused multiply-adds in the same order as its
+    // lane in the kernel, so the target counts itself among the logits ≥ it.
     let zt: Vec<f32> = (0..panels * NP)
         .map(|r| match (f.params.ranks, f.targets.get(r)) {
             (true, Some(&t)) if (t as usize) < valid => {
@@ -180,21 +149,43 @@ pub(super) fn fold_head(
         }
     };
     merge(first, &mut f.rows);
-    let k = f.fp.k;
-    let seed: Vec<f32> = f
-        .rows
-        .iter_mut()
-        .map(|st| {
-            if k == 0 || st.buf.len() < k {
-                return st.thr;
-            }
-            st.buf.select_nth_unstable_by(k - 1, desc);
-            st.buf[k - 1].0
-        })
-        .collect();
+    let seed: Vec<f32> = f.rows.iter_mut().map(|st| st.kth_best(f.fp.k)).collect();
     let rest = run(1..valid.div_ceil(seg_len), GROUP, &seed);
     merge(rest, &mut f.rows);
     timing
+}
+
+/// The hidden states `[rows, h]` as panels `[panels, h, NP]`, zeros past the last row.
+fn transpose_panels(hidden: &[f32], h: usize, panels: usize) -> Vec<f32> {
+    let mut at = vec![0f32; panels * h * NP];
+    for (r, row) in hidden.chunks_exact(h).enumerate() {
+        let base = (r / NP) * h * NP + r % NP;
+        for (j, &x) in row.iter().enumerate() {
+            at[base + j * NP] = x;
+        }
+    }
+    at
+}
+
+/// Each panel's valid target and candidate ids, sorted by id.
+fn panel_picks(f: &RowFolds<'_>, panels: usize) -> Vec<Vec<Pick>> {
+    let (n, m) = (f.rows.len(), f.cands.m);
+    (0..panels)
+        .map(|q| {
+            let mut v = Vec::new();
+            for r in q * NP..((q + 1) * NP).min(n) {
+                let lane = (r % NP) as u8;
+                let cands = f.cands.ids[r * m..(r + 1) * m].iter().enumerate();
+                let slots = [(TARGET, f.targets[r])].into_iter();
+                for (slot, id) in slots.chain(cands.map(|(c, &id)| (c as u32, id))) {
+                    v.push(Pick { id, lane, slot });
+                }
+            }
+            v.retain(|p| (p.id as usize) < f.valid);
+            v.sort_unstable_by_key(|p| p.id);
+            v
+        })
+        .collect()
 }
 
 /// What every job reads.
