@@ -256,8 +256,6 @@ pub struct RowFolds<'a> {
     /// The first column not folded yet (tiles come in order).
     next_col: usize,
     level: Simd,
-    /// Ranks come from the kernel's counts ([`RowFold::ge`]), not from whole logit rows.
-    ranks_counted: bool,
 }
 
 impl<'a> RowFolds<'a> {
@@ -338,7 +336,6 @@ impl<'a> RowFolds<'a> {
             rows: vec![empty; targets.len()],
             next_col: 0,
             level: Simd::current(),
-            ranks_counted: false,
         }
     }
 
@@ -383,7 +380,8 @@ impl<'a> RowFolds<'a> {
         self.finish_with(None)
     }
 
-    /// The scores; `full` ([rows, width], the whole logits) ranks targets outside the top k.
+    /// The scores; `full` ([rows, width], the whole logits) ranks targets outside the top k
+    /// (without it, ranks come from the kernel's counts: tiles never ask for ranks).
     fn finish_with(self, full: Option<(&[f32], usize)>) -> SequenceScores {
         debug_assert!(
             self.next_col >= self.valid,
@@ -400,7 +398,6 @@ impl<'a> RowFolds<'a> {
         let mut cand_buf = vec![0f32; rows * mm];
         let mut stats: Vec<(f32, f32, u32)> = Vec::with_capacity(rows);
         let fk = self.fp.k;
-        let counted = self.ranks_counted;
         self.rows
             .into_par_iter()
             .zip(self.targets.par_iter())
@@ -432,8 +429,8 @@ impl<'a> RowFolds<'a> {
                     (true, None) => valid as u32,
                     (true, Some(zt)) => match st.buf.iter().position(|e| e.1 == target) {
                         Some(j) => j as u32 + 1,
-                        None if counted => st.ge,
-                        None => full.map_or(0, |(logits, width)| {
+                        // Without the whole rows, the LM-head kernel counted them.
+                        None => full.map_or(st.ge, |(logits, width)| {
                             rank_of(&logits[r * width..r * width + valid], zt)
                         }),
                     },

@@ -174,12 +174,9 @@ pub fn spawn(
                 decoder.device(),
             );
             facts.lm_head = scorer.path_name();
-            // The AVX-512 kernel runs on an f32 head in host memory; otherwise candle's matmul
-            // makes the fused head's tiles.
-            let head = decoder.lm_head();
+            // Otherwise candle's matmul makes the fused head's tiles.
             let kernel = scorer.head_kernel
-                && head.dtype() == DType::F32
-                && head.device().is_cpu()
+                && kernel_reads(decoder.lm_head())
                 && !scorer.on_device
                 && scorer.lm_head == LmHead::Fused;
             tracing::info!(
@@ -209,6 +206,11 @@ pub fn spawn(
 
 /// Runs `f` on the f32 data of a contiguous tensor: borrowed in place on the CPU, copied to
 /// the host from other devices.
+/// Whether the AVX-512 LM-head kernel can read `head` in place: f32, contiguous, host memory.
+fn kernel_reads(head: &Tensor) -> bool {
+    head.dtype() == DType::F32 && head.device().is_cpu() && head.is_contiguous()
+}
+
 fn with_host_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> candle_core::Result<R> {
     {
         let (storage, layout) = t.storage_and_layout();
@@ -581,8 +583,7 @@ impl Scorer {
         timing: &mut Timing,
     ) -> Result<Option<SequenceScores>, JobError> {
         let head = decoder.lm_head();
-        let host_f32 = |t: &Tensor| t.dtype() == DType::F32 && t.device().is_cpu();
-        if !host_f32(head) || !host_f32(rows) || !head.is_contiguous() {
+        if !kernel_reads(head) || rows.dtype() != DType::F32 {
             return Ok(None);
         }
         let h = head.dim(1)?;

@@ -74,7 +74,6 @@ pub(super) fn fold_head(
     assert_eq!(hidden.len(), n * h, "hidden states are [rows, h]");
     assert!(head.len() >= valid * h, "the head has a row per valid id");
     f.next_col = f.next_col.max(valid);
-    f.ranks_counted = f.params.ranks;
     if n == 0 || valid == 0 || h == 0 {
         return HeadTiming::default();
     }
