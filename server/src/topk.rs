@@ -155,7 +155,28 @@ struct RowFold {
 }
 
 impl RowFold {
-    /// The exact k-th best value among the candidates (its threshold when there are fewer);
+    /// Keeps the best `k` candidates (`k ≥ 1`, in no particular order).
+    fn prune(&mut self, k: usize) {
+        if self.buf.len() > k {
+            self.buf.select_nth_unstable_by(k - 1, desc);
+            self.buf.truncate(k);
+        }
+    }
+
+    /// Adds a candidate above the threshold; once `prune_at` are held, keeps the best k and
+    /// raises the threshold to the k-th (returns true then).
+    #[inline]
+    fn push_candidate(&mut self, x: f32, id: u32, fp: &FoldParams) -> bool {
+        self.buf.push((x, id));
+        if self.buf.len() < fp.prune_at {
+            return false;
+        }
+        self.prune(fp.k);
+        self.thr = self.buf[fp.k - 1].0;
+        true
+    }
+
+    /// The exact k-th best value among the candidates (the threshold when there are fewer);
     /// reorders them.
     fn kth_best(&mut self, k: usize) -> f32 {
         if k == 0 || self.buf.len() < k {
@@ -181,8 +202,7 @@ impl RowFold {
         self.thr = self.thr.max(o.thr);
         self.buf.extend(o.buf);
         if self.buf.len() >= fp.prune_at {
-            self.buf.select_nth_unstable_by(fp.k - 1, desc);
-            self.buf.truncate(fp.k);
+            self.prune(fp.k);
         }
         self.target = self.target.or(o.target);
         for (a, b) in self.cands.iter_mut().zip(o.cands) {
@@ -224,12 +244,7 @@ fn fold_body(st: &mut RowFold, cols: &[f32], col0: usize, fp: &FoldParams) {
             let base = (col0 + b * BLOCK + s * SEGMENT) as u32;
             for (j, &x) in seg.iter().enumerate() {
                 if x > st.thr {
-                    st.buf.push((x, base + j as u32));
-                    if st.buf.len() >= fp.prune_at {
-                        st.buf.select_nth_unstable_by(fp.k - 1, desc);
-                        st.buf.truncate(fp.k);
-                        st.thr = st.buf[fp.k - 1].0;
-                    }
+                    st.push_candidate(x, base + j as u32, fp);
                 }
             }
         }
@@ -407,9 +422,8 @@ impl<'a> RowFolds<'a> {
             .enumerate()
             .map(|(r, ((((mut st, &target), ids), vals), cand_lp))| {
                 let lse = st.m as f64 * inv_t + st.sum.ln();
-                if st.buf.len() > fk {
-                    st.buf.select_nth_unstable_by(fk - 1, desc);
-                    st.buf.truncate(fk);
+                if fk > 0 {
+                    st.prune(fk);
                 }
                 st.buf.sort_unstable_by(desc);
                 // Values in f64 before the final rounding.

@@ -204,13 +204,13 @@ pub fn spawn(
         })
 }
 
-/// Runs `f` on the f32 data of a contiguous tensor: borrowed in place on the CPU, copied to
-/// the host from other devices.
 /// Whether the AVX-512 LM-head kernel can read `head` in place: f32, contiguous, host memory.
 fn kernel_reads(head: &Tensor) -> bool {
     head.dtype() == DType::F32 && head.device().is_cpu() && head.is_contiguous()
 }
 
+/// Runs `f` on the f32 data of a contiguous tensor: borrowed in place on the CPU, copied to
+/// the host from other devices.
 fn with_host_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> candle_core::Result<R> {
     {
         let (storage, layout) = t.storage_and_layout();

@@ -12,7 +12,7 @@
 //! lane computes the same operations in the same order whatever else is in the panel, and the
 //! vocabulary is folded in [`SEGMENTS`] fixed segments merged in order.
 
-use super::{desc, FoldParams, RowFold, RowFolds};
+use super::{FoldParams, RowFold, RowFolds};
 use rayon::prelude::*;
 use std::time::{Duration, Instant};
 use xdistill_shared::simd::Simd;
@@ -419,11 +419,8 @@ unsafe fn fold_tile(
                     continue;
                 }
                 let row = &mut st[o + i];
-                row.buf.push((x, (v0 + v) as u32));
-                if row.buf.len() >= fp.prune_at {
-                    row.buf.select_nth_unstable_by(fp.k - 1, desc);
-                    row.buf.truncate(fp.k);
-                    l.thr[o + i] = row.buf[fp.k - 1].0;
+                if row.push_candidate(x, (v0 + v) as u32, fp) {
+                    l.thr[o + i] = row.thr;
                 }
             }
         }

@@ -289,8 +289,8 @@ fn attend(
     att.matmul(v)
 }
 
-/// [`attend`] with fused ops, `chunk` queries at a time (each query row is computed alone
-/// either way): at most `[B, Hq, chunk, S]` scores exist at once.
+/// [`attend`] with fused ops, `chunk` queries at a time (a query's softmax needs only its own
+/// row of scores): at most `[B, Hq, chunk, S]` scores exist at once.
 fn attend_in_chunks(
     q: &Tensor,
     k: &Tensor,
