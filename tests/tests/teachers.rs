@@ -236,6 +236,14 @@ fn routing_sends_each_record_to_its_teacher_off_and_on_policy() {
     check_servers(&t, &out, &before, false);
 }
 
+/// The error (with its causes) of a setup that must fail for the reason `why`.
+fn setup_error(cfg: Config, why: &str) -> String {
+    match off_policy::setup(cfg) {
+        Ok(_) => panic!("the setup succeeded; expected it to fail: {why}"),
+        Err(e) => format!("{e:#}"),
+    }
+}
+
 #[test]
 fn routing_errors_are_reported_at_start() {
     let t = three();
@@ -258,10 +266,7 @@ fn routing_errors_are_reported_at_start() {
     let mut cfg = routed_config(&t, &t.dir.join("dead"), 2, loss, "");
     cfg.teachers[1].urls = vec!["http://127.0.0.1:9".into()];
     cfg.teachers[1].max_wait_s = 1.0;
-    let err = format!(
-        "{:#}",
-        off_policy::setup(cfg).err().expect("a dead teacher")
-    );
+    let err = setup_error(cfg, "a dead teacher");
     assert!(err.contains("teacher \"qwen\""), "{err}");
     // A same-tokenizer ensemble whose union of top-k sets (16 + 16) can exceed what a server
     // scores per row (--max-k 20) is refused at start, naming the teacher.
@@ -274,12 +279,7 @@ fn routing_errors_are_reported_at_start() {
     let mut cfg = routed_config(&t, &t.dir.join("union"), 2, loss, "");
     cfg.teachers = teachers(&["same", "small"], &[&t.servers[0], &small], 16);
     cfg.distillation.teachers = TeacherMode::Ensemble;
-    let err = format!(
-        "{:#}",
-        off_policy::setup(cfg)
-            .err()
-            .expect("a union wider than max_k")
-    );
+    let err = setup_error(cfg, "a union wider than max_k");
     assert!(
         err.contains("teacher \"small\"") && err.contains("max_k 20"),
         "{err}"
@@ -289,12 +289,7 @@ fn routing_errors_are_reported_at_start() {
     let pkl = "kd = { type = \"forward_kl\" }\n[loss_cross]\nkd = { type = \"pkl\" }";
     let mut cfg = routed_config(&t, &t.dir.join("ens"), 2, pkl, "");
     cfg.distillation.teachers = TeacherMode::Ensemble;
-    let err = format!(
-        "{:#}",
-        off_policy::setup(cfg)
-            .err()
-            .expect("a chunk-level ensemble without first_kl")
-    );
+    let err = setup_error(cfg, "a chunk-level ensemble without first_kl");
     assert!(err.contains("first_kl"), "{err}");
 }
 
