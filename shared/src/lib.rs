@@ -6,12 +6,14 @@
 //! - [`model`]: the Llama-family decoder (Llama, Qwen2, Qwen3) used by both sides.
 //! - [`process`]: a `teacher` server as a child process (the demo, cross-process tests).
 //! - [`init`]: random parameters for a model config, reproducible from a seed.
+//! - [`matmul`]: `x · Wᵀ` on AVX-512 (inference linear layers, the teacher's fused LM head).
 
 pub mod alloc;
 pub mod codec;
 pub mod device;
 pub mod hf;
 pub mod init;
+pub mod matmul;
 pub mod model;
 pub mod paths;
 pub mod process;

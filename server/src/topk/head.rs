@@ -15,12 +15,8 @@
 use super::{FoldParams, RowFold, RowFolds};
 use rayon::prelude::*;
 use std::time::{Duration, Instant};
-use xdistill_shared::simd::Simd;
+use xdistill_shared::matmul::{self, transpose_panels, MR, NP};
 
-/// Positions per panel: two 16-lane vectors.
-const NP: usize = 32;
-/// Head rows per micro-tile: `MR × 2` accumulators stay in registers.
-const MR: usize = 8;
 /// Panels per job: each vocabulary tile of the head, once in cache, serves this many panels.
 const GROUP: usize = 4;
 /// Fixed vocabulary segments, folded independently (in parallel) and merged in order.
@@ -39,16 +35,7 @@ pub struct HeadTiming {
 
 /// Whether this CPU runs the kernel (AVX-512F).
 pub fn available() -> bool {
-    Simd::current() == Simd::Avx512
-}
-
-/// Vocabulary rows per tile for hidden size `h`: the head's tile (`vt × h` f32) stays in L2.
-fn tile_rows(h: usize) -> usize {
-    match h {
-        0..=512 => 128,
-        513..=2048 => 64,
-        _ => 32,
-    }
+    matmul::available()
 }
 
 /// A target or candidate id of one lane, to be read from the tile holding its column.
@@ -99,7 +86,7 @@ pub(super) fn fold_head(
         at: &at,
         head,
         h,
-        vt: tile_rows(h),
+        vt: matmul::tile_rows(h),
         n,
         fp: f.fp,
         ranks: f.params.ranks,
@@ -152,18 +139,6 @@ pub(super) fn fold_head(
     let rest = run(1..valid.div_ceil(seg_len), GROUP, &seed);
     merge(rest, &mut f.rows);
     timing
-}
-
-/// The hidden states `[rows, h]` as panels `[panels, h, NP]`, zeros past the last row.
-fn transpose_panels(hidden: &[f32], h: usize, panels: usize) -> Vec<f32> {
-    let mut at = vec![0f32; panels * h * NP];
-    for (r, row) in hidden.chunks_exact(h).enumerate() {
-        let base = (r / NP) * h * NP + r % NP;
-        for (j, &x) in row.iter().enumerate() {
-            at[base + j * NP] = x;
-        }
-    }
-    at
 }
 
 /// Each panel's valid target and candidate ids, sorted by id.
@@ -271,7 +246,7 @@ unsafe fn run_job(
             let at = &s.at[q * h * NP..(q + 1) * h * NP];
             for mv in (0..vn).step_by(MR) {
                 let rows: [usize; MR] = std::array::from_fn(|r| (v0 + mv + r).min(last));
-                micro_tile(at, s.head, rows, h, &mut tile[mv * NP..(mv + MR) * NP]);
+                matmul::micro_tile(at, s.head, rows, h, &mut tile[mv * NP..(mv + MR) * NP]);
             }
             let t1 = Instant::now();
             let end = ((i + 1) * NP).min(states.len());
@@ -302,32 +277,6 @@ unsafe fn run_job(
     unreachable!("`available()` is false off x86-64")
 }
 
-/// `out[r, p] = Σ_j head[rows[r], j] · at[j, p]` for `MR` head rows and the panel's `NP`
-/// positions (`at`: `[h, NP]`, `out`: `[MR, NP]`), one fused multiply-add per `j` in order.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn micro_tile(at: &[f32], head: &[f32], rows: [usize; MR], h: usize, out: &mut [f32]) {
-    debug_assert!(at.len() >= h * NP && out.len() >= MR * NP);
-    debug_assert!(rows.iter().all(|&r| (r + 1) * h <= head.len()));
-    let w: [*const f32; MR] = rows.map(|r| head.as_ptr().add(r * h));
-    let a = at.as_ptr();
-    let mut acc = [_mm512_setzero_ps(); 2 * MR];
-    for j in 0..h {
-        let a0 = _mm512_loadu_ps(a.add(j * NP));
-        let a1 = _mm512_loadu_ps(a.add(j * NP + 16));
-        for r in 0..MR {
-            let b = _mm512_set1_ps(*w[r].add(j));
-            acc[2 * r] = _mm512_fmadd_ps(b, a0, acc[2 * r]);
-            acc[2 * r + 1] = _mm512_fmadd_ps(b, a1, acc[2 * r + 1]);
-        }
-    }
-    let o = out.as_mut_ptr();
-    for (r, pair) in acc.chunks_exact(2).enumerate() {
-        _mm512_storeu_ps(o.add(r * NP), pair[0]);
-        _mm512_storeu_ps(o.add(r * NP + 16), pair[1]);
-    }
-}
-
 /// Folds a tile `[vn, NP]` of logits (columns `v0..v0 + vn`) into one panel's lanes: per
 /// 16-lane half, the tile's max (rescaling sums whose max rose), `Σ 2^{(x - m)·scale2}`, the
 /// candidates above each lane's threshold and, with ranks, the count of logits ≥ the target's.
@@ -356,12 +305,22 @@ unsafe fn fold_tile(
             continue;
         }
         // The tile's max per lane (NaNs ignored: `max(x, acc)` keeps `acc` for a NaN `x`), in
-        // four chains so that the max's latency is hidden.
-        let mut mx4 = [_mm512_set1_ps(f32::NEG_INFINITY); 4];
-        for v in 0..vn {
-            mx4[v % 4] = _mm512_max_ps(_mm512_loadu_ps(t.add(v * NP + o)), mx4[v % 4]);
+        // four chains held in registers so that the max's latency is hidden.
+        let ninf = _mm512_set1_ps(f32::NEG_INFINITY);
+        let (mut m0, mut m1, mut m2, mut m3) = (ninf, ninf, ninf, ninf);
+        let mut v = 0;
+        while v + 4 <= vn {
+            m0 = _mm512_max_ps(_mm512_loadu_ps(t.add(v * NP + o)), m0);
+            m1 = _mm512_max_ps(_mm512_loadu_ps(t.add((v + 1) * NP + o)), m1);
+            m2 = _mm512_max_ps(_mm512_loadu_ps(t.add((v + 2) * NP + o)), m2);
+            m3 = _mm512_max_ps(_mm512_loadu_ps(t.add((v + 3) * NP + o)), m3);
+            v += 4;
         }
-        let mx = _mm512_max_ps(_mm512_max_ps(mx4[0], mx4[1]), _mm512_max_ps(mx4[2], mx4[3]));
+        while v < vn {
+            m0 = _mm512_max_ps(_mm512_loadu_ps(t.add(v * NP + o)), m0);
+            v += 1;
+        }
+        let mx = _mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3));
         let m_old = _mm512_loadu_ps(l.m.as_ptr().add(o));
         let m = _mm512_max_ps(mx, m_old);
         let rising = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(m, m_old) & live;

@@ -22,10 +22,10 @@ pub(crate) enum Ffn {
 }
 
 impl Ffn {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor, ops: Ops) -> Result<Tensor> {
         match self {
-            Ffn::Dense(m) => m.forward(x),
-            Ffn::Moe(m) => m.forward(x),
+            Ffn::Dense(m) => m.forward(x, ops),
+            Ffn::Moe(m) => m.forward(x, ops),
         }
     }
 }
@@ -286,7 +286,7 @@ impl Decoder {
             x = (residual + h)?;
             let residual = x.clone();
             let mut h = block.ffn_norm.forward(&x, self.ops)?;
-            h = block.ffn.forward(&h)?;
+            h = block.ffn.forward(&h, self.ops)?;
             if let Some(n) = &block.post_ffn_norm {
                 h = n.forward(&h, self.ops)?;
             }

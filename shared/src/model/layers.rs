@@ -3,8 +3,9 @@
 //! sliding-window masks, and the gated MLP. Each runs in two modes ([`Ops`]).
 
 use super::config::{Activation, LayerKind, ModelConfig};
-use candle_core::{DType, Module, Result, Tensor, D};
-use candle_nn::{Linear, VarBuilder};
+use crate::matmul;
+use candle_core::{CpuStorage, DType, Layout, Module, Result, Shape, Tensor, D};
+use candle_nn::VarBuilder;
 
 /// Queries per block of inference attention: bounds the scores held at once to
 /// `[B, heads, QUERY_CHUNK, S]` (256 MiB → 32 MiB for 16 heads over 2048 keys).
@@ -72,6 +73,73 @@ impl Norm {
                 }
             }
         }
+    }
+}
+
+/// A linear layer `x · Wᵀ (+ b)` with `W` `[out, in]`. At inference (fused ops) on an AVX-512
+/// CPU, f32 runs [`matmul::matmul_nt`] (W read in place, each row's result independent of the
+/// batch); otherwise candle's matmul, which has a backward pass.
+pub(crate) struct Linear {
+    inner: candle_nn::Linear,
+}
+
+impl Linear {
+    pub fn new(weight: Tensor, bias: Option<Tensor>) -> Linear {
+        Linear {
+            inner: candle_nn::Linear::new(weight, bias),
+        }
+    }
+
+    /// `x`: `[..., in]` → `[..., out]`.
+    pub fn forward(&self, x: &Tensor, ops: Ops) -> Result<Tensor> {
+        let w = self.inner.weight();
+        let kernel = ops == Ops::Fused
+            && matmul::available()
+            && x.device().is_cpu()
+            && (x.dtype(), w.dtype()) == (DType::F32, DType::F32);
+        if !kernel {
+            return self.inner.forward(x);
+        }
+        let y = x.contiguous()?.apply_op2_no_bwd(w, &MatmulNt)?;
+        match self.inner.bias() {
+            Some(b) => y.broadcast_add(b),
+            None => Ok(y),
+        }
+    }
+}
+
+/// [`matmul::matmul_nt`] as a candle op: `(x [..., k], w [o, k])` → `[..., o]`.
+struct MatmulNt;
+
+impl candle_core::CustomOp2 for MatmulNt {
+    fn name(&self) -> &'static str {
+        "matmul-nt-avx512"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (CpuStorage::F32(x), CpuStorage::F32(w)) = (s1, s2) else {
+            candle_core::bail!("matmul-nt-avx512 takes f32");
+        };
+        let (Some((x0, x1)), Some((w0, w1))) = (l1.contiguous_offsets(), l2.contiguous_offsets())
+        else {
+            candle_core::bail!("matmul-nt-avx512 takes contiguous tensors");
+        };
+        let (&k, &[o, wk]) = (l1.dims().last().unwrap_or(&0), l2.dims()) else {
+            candle_core::bail!("matmul-nt-avx512: the weight is [out, in]");
+        };
+        if k != wk || k == 0 {
+            candle_core::bail!("matmul-nt-avx512: input width {k}, weight [{o}, {wk}]");
+        }
+        let mut dims = l1.dims().to_vec();
+        *dims.last_mut().unwrap_or(&mut 0) = o;
+        let y = matmul::matmul_nt(&x[x0..x1], &w[w0..w1], k, o);
+        Ok((CpuStorage::F32(y), Shape::from(dims)))
     }
 }
 
@@ -213,9 +281,13 @@ impl Attention {
         let d = self.head_dim;
         // 1. Project: [B, T, H] -> [B, T, heads, D]
         let (q, k, v) = match &self.qkv {
-            Qkv::Separate { q, k, v } => (q.forward(x)?, k.forward(x)?, v.forward(x)?),
+            Qkv::Separate { q, k, v } => (
+                q.forward(x, inp.ops)?,
+                k.forward(x, inp.ops)?,
+                v.forward(x, inp.ops)?,
+            ),
             Qkv::Fused(qkv) => {
-                let all = qkv.forward(x)?;
+                let all = qkv.forward(x, inp.ops)?;
                 let (nq, nkv) = (self.n_heads * d, self.n_kv * d);
                 (
                     all.narrow(D::Minus1, 0, nq)?,
@@ -262,7 +334,7 @@ impl Attention {
         };
         // 6. Merge heads: [B, T, Hq*D] -> o_proj.
         let out = out.transpose(1, 2)?.reshape((b, t, self.n_heads * d))?;
-        self.o.forward(&out)
+        self.o.forward(&out, inp.ops)
     }
 }
 
@@ -348,16 +420,16 @@ impl GatedMlp {
     }
 
     /// `x`: [..., H] → [..., H].
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    pub fn forward(&self, x: &Tensor, ops: Ops) -> Result<Tensor> {
         let (gate, up) = match &self.gate_up {
-            GateUp::Separate { gate, up } => (gate.forward(x)?, up.forward(x)?),
+            GateUp::Separate { gate, up } => (gate.forward(x, ops)?, up.forward(x, ops)?),
             GateUp::Fused(gu) => {
-                let both = gu.forward(x)?;
+                let both = gu.forward(x, ops)?;
                 let i = both.dim(D::Minus1)? / 2;
                 (both.narrow(D::Minus1, 0, i)?, both.narrow(D::Minus1, i, i)?)
             }
         };
-        self.down.forward(&(activate(&gate, self.act)? * up)?)
+        self.down.forward(&(activate(&gate, self.act)? * up)?, ops)
     }
 }
 

@@ -9,9 +9,9 @@
 
 use super::config::{LayerKind, ModelConfig};
 use super::decoder::{Block, Ffn};
-use super::layers::{linear, GateUp, GatedMlp};
-use candle_core::{DType, Module, Result, Tensor};
-use candle_nn::{Linear, VarBuilder};
+use super::layers::{linear, GateUp, GatedMlp, Linear, Ops};
+use candle_core::{DType, Result, Tensor};
+use candle_nn::VarBuilder;
 
 /// The sparse MLP of one layer.
 pub(crate) struct SparseMoe {
@@ -56,14 +56,15 @@ impl SparseMoe {
     }
 
     /// `x`: [B, T, H] → [B, T, H].
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    pub fn forward(&self, x: &Tensor, ops: Ops) -> Result<Tensor> {
         let dims = x.dims().to_vec();
         let h = *dims.last().unwrap_or(&0);
         let flat = x.reshape(((), h))?; // [N, H]
                                         // 1. Route: softmax over experts in f32, top-k per token (on the host: [N, E] is small).
-        let probs =
-            candle_nn::ops::softmax_last_dim(&self.router.forward(&flat)?.to_dtype(DType::F32)?)?
-                .to_vec2::<f32>()?;
+        let probs = candle_nn::ops::softmax_last_dim(
+            &self.router.forward(&flat, ops)?.to_dtype(DType::F32)?,
+        )?
+        .to_vec2::<f32>()?;
         let mut routed: Vec<(Vec<u32>, Vec<f32>)> = vec![(vec![], vec![]); self.experts.len()];
         for (tok, row) in probs.iter().enumerate() {
             let mut order: Vec<usize> = (0..row.len()).collect();
@@ -89,7 +90,7 @@ impl SparseMoe {
             let n = tokens.len();
             let idx = Tensor::from_vec(tokens, n, x.device())?;
             let w = Tensor::from_vec(weights, (n, 1), x.device())?.to_dtype(x.dtype())?;
-            let y = expert.forward(&flat.index_select(&idx, 0)?)?; // [n, H]
+            let y = expert.forward(&flat.index_select(&idx, 0)?, ops)?; // [n, H]
             out = out.index_add(&idx, &y.broadcast_mul(&w)?, 0)?;
         }
         out.reshape(dims)
