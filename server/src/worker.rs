@@ -34,7 +34,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot};
-use xdistill_shared::model::{Decoder, KvCache};
+use xdistill_shared::model::{linear_kernel, Decoder, KvCache};
 use xdistill_shared::protocol::SequenceScores;
 
 /// Most logits (f32) materialised at once: 16 Mi elements = 64 MiB, ≈110 positions of Qwen3.
@@ -183,6 +183,11 @@ pub fn spawn(
                 on_device = scorer.on_device,
                 lm_head = ?scorer.lm_head,
                 lm_head_kernel = if kernel { "avx512" } else { "candle" },
+                linear_kernel = if linear_kernel(decoder.device(), decoder.lm_head().dtype()) {
+                    "avx512"
+                } else {
+                    "candle"
+                },
                 chunk_rows = scorer.chunk_rows,
                 batch_invariant = cfg.batch_invariant,
                 "scoring path"

@@ -93,11 +93,10 @@ impl Linear {
     /// `x`: `[..., in]` → `[..., out]`.
     pub fn forward(&self, x: &Tensor, ops: Ops) -> Result<Tensor> {
         let w = self.inner.weight();
-        let kernel = ops == Ops::Fused
-            && matmul::available()
-            && x.device().is_cpu()
-            && (x.dtype(), w.dtype()) == (DType::F32, DType::F32);
-        if !kernel {
+        if ops == Ops::Differentiable
+            || !linear_kernel(x.device(), x.dtype())
+            || w.dtype() != DType::F32
+        {
             return self.inner.forward(x);
         }
         let y = x.contiguous()?.apply_op2_no_bwd(w, &MatmulNt)?;
@@ -106,6 +105,12 @@ impl Linear {
             None => Ok(y),
         }
     }
+}
+
+/// Whether inference (fused ops) runs linear layers on `device` in `dtype` through
+/// [`matmul::matmul_nt`]: f32 on a CPU with AVX-512.
+pub fn linear_kernel(device: &candle_core::Device, dtype: DType) -> bool {
+    device.is_cpu() && dtype == DType::F32 && matmul::available()
 }
 
 /// [`matmul::matmul_nt`] as a candle op: `(x [..., k], w [o, k])` → `[..., o]`.

@@ -16,5 +16,5 @@ mod qwen3_moe;
 pub mod rope;
 
 pub use decoder::{Decoder, KvCache};
-pub use layers::Ops;
+pub use layers::{linear_kernel, Ops};
 pub use params::{param_specs, Init, ParamSpec};
