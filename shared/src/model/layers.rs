@@ -77,8 +77,9 @@ impl Norm {
 }
 
 /// A linear layer `x · Wᵀ (+ b)` with `W` `[out, in]`. At inference (fused ops) on an AVX-512
-/// CPU, f32 runs [`matmul::matmul_nt`] (W read in place, each row's result independent of the
-/// batch); otherwise candle's matmul, which has a backward pass.
+/// CPU, f32 inputs of at least a panel of rows run [`matmul::matmul_nt`] (W read in place, each
+/// row's result independent of the others); otherwise candle's matmul, which has a backward
+/// pass and a matrix-vector path that a decoding step's few rows want (up to 7× faster there).
 pub(crate) struct Linear {
     inner: candle_nn::Linear,
 }
@@ -93,9 +94,11 @@ impl Linear {
     /// `x`: `[..., in]` → `[..., out]`.
     pub fn forward(&self, x: &Tensor, ops: Ops) -> Result<Tensor> {
         let w = self.inner.weight();
+        let rows = x.elem_count() / w.dim(1)?.max(1);
         if ops == Ops::Differentiable
             || !linear_kernel(x.device(), x.dtype())
             || w.dtype() != DType::F32
+            || rows < matmul::NP
         {
             return self.inner.forward(x);
         }
@@ -108,7 +111,8 @@ impl Linear {
 }
 
 /// Whether inference (fused ops) runs linear layers on `device` in `dtype` through
-/// [`matmul::matmul_nt`]: f32 on a CPU with AVX-512.
+/// [`matmul::matmul_nt`] (for inputs of at least [`matmul::NP`] rows): f32 on a CPU with
+/// AVX-512.
 pub fn linear_kernel(device: &candle_core::Device, dtype: DType) -> bool {
     device.is_cpu() && dtype == DType::F32 && matmul::available()
 }
@@ -442,6 +446,57 @@ impl GatedMlp {
 mod tests {
     use super::*;
     use candle_core::Device;
+
+    /// Inference runs inputs of a panel of rows or more through the AVX-512 kernel: each
+    /// output is the in-order f32 fused multiply-adds plus the bias, whatever the batch shape;
+    /// fewer rows, or the differentiable ops, keep candle's matmul bit for bit (at this input
+    /// width candle's gemm sums in blocks, so the two paths' bits differ).
+    #[test]
+    fn linear_takes_the_kernel_for_a_panel_of_rows_at_inference() {
+        let dev = Device::Cpu;
+        let (k, o) = (1100usize, 70usize);
+        let noise = |seed: u64, n: usize| {
+            let mut s = seed;
+            (0..n)
+                .map(|_| {
+                    s = s
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+                })
+                .collect::<Vec<f32>>()
+        };
+        let (wv, bv) = (noise(1, o * k), noise(2, o));
+        let w = Tensor::from_vec(wv.clone(), (o, k), &dev).unwrap();
+        let b = Tensor::from_vec(bv.clone(), o, &dev).unwrap();
+        let lin = Linear::new(w.clone(), Some(b.clone()));
+        let reference = candle_nn::Linear::new(w, Some(b));
+        let flat = |x: &Tensor| x.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        for (batch, t) in [(2usize, 20usize), (1, 5), (1, 32)] {
+            let xv = noise(3 + t as u64, batch * t * k);
+            let x = Tensor::from_vec(xv.clone(), (batch, t, k), &dev).unwrap();
+            let candle = flat(&reference.forward(&x).unwrap());
+            let diff = lin.forward(&x, Ops::Differentiable).unwrap();
+            assert_eq!(diff.dims(), &[batch, t, o]);
+            assert_eq!(flat(&diff), candle, "differentiable ops: candle's matmul");
+            let fused = flat(&lin.forward(&x, Ops::Fused).unwrap());
+            if batch * t < matmul::NP || !matmul::available() {
+                assert_eq!(fused, candle, "{batch} x {t} rows: candle's matmul");
+                continue;
+            }
+            for r in 0..batch * t {
+                for c in 0..o {
+                    let (xr, wc) = (&xv[r * k..(r + 1) * k], &wv[c * k..(c + 1) * k]);
+                    let dot = wc.iter().zip(xr).fold(0f32, |s, (&w, &x)| w.mul_add(x, s));
+                    assert_eq!(fused[r * o + c].to_bits(), (dot + bv[c]).to_bits());
+                    // Both are f32 sums of k products: within the standard rounding bound.
+                    let scale: f32 = wc.iter().zip(xr).map(|(&w, &x)| (w * x).abs()).sum();
+                    let bound = 2.0 * k as f32 * f32::EPSILON * scale;
+                    assert!((fused[r * o + c] - candle[r * o + c]).abs() <= bound);
+                }
+            }
+        }
+    }
 
     /// Queries in chunks (uneven last one, a causal mask with -inf) give the attention of all
     /// queries at once, to f32 rounding: the matmuls' kernels differ with the number of rows
