@@ -14,8 +14,8 @@ use rayon::prelude::*;
 pub const NP: usize = 32;
 /// Rows of `W` per micro-tile: `MR × 2` accumulators stay in registers.
 pub const MR: usize = 8;
-/// Panels per job: each tile of `W`, once in cache, serves this many panels.
-const GROUP: usize = 4;
+/// Panels per job: each tile of `W` (or of the LM head), once in cache, serves this many panels.
+pub const GROUP: usize = 4;
 
 /// Whether this CPU runs the kernels (AVX-512F).
 pub fn available() -> bool {

@@ -15,10 +15,8 @@
 use super::{FoldParams, RowFold, RowFolds};
 use rayon::prelude::*;
 use std::time::{Duration, Instant};
-use xdistill_shared::matmul::{self, transpose_panels, MR, NP};
+use xdistill_shared::matmul::{self, transpose_panels, GROUP, MR, NP};
 
-/// Panels per job: each vocabulary tile of the head, once in cache, serves this many panels.
-const GROUP: usize = 4;
 /// Fixed vocabulary segments, folded independently (in parallel) and merged in order. The first
 /// runs alone (it seeds the others' thresholds); 16 others keep 2, 4, 8 or 16 threads evenly
 /// busy on a chunk of up to 4 panels.

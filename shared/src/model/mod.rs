@@ -2,8 +2,9 @@
 //! `llama.rs` (Llama, Mistral, Qwen2, Qwen3), `gemma3.rs`, `phi3.rs`, `qwen3_moe.rs`. What they
 //! truly share lives beside them: `config.rs` (reading `config.json`), `rope.rs` (every RoPE
 //! scaling type), `layers.rs` (norms, attention, MLP) and `decoder.rs` (the one forward loop).
-//! Each runs in two modes ([`Ops`]): fused candle kernels for serving, and ops that all have a
-//! backward pass for training.
+//! Each runs in two modes ([`Ops`]): fused kernels for serving (candle's, and on an AVX-512 CPU
+//! the linear layers through [`crate::matmul`]), and ops that all have a backward pass for
+//! training.
 
 pub mod config;
 mod decoder;
