@@ -159,18 +159,7 @@ unsafe fn run_job(_: &Job<'_>, _: *mut f32) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn noise(seed: u64, n: usize, scale: f32) -> Vec<f32> {
-        let mut s = seed;
-        (0..n)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
-            })
-            .collect()
-    }
+    use crate::init::lcg_noise as noise;
 
     /// Against an f64 naive loop, over shapes with partial panels, partial micro-tiles and
     /// tiles, every tile width; each row's bits equal that row computed alone and the in-order

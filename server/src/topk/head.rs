@@ -426,19 +426,8 @@ fn bits(mut mask: u16) -> impl Iterator<Item = usize> {
 mod tests {
     use super::super::{CandidateRows, RowLayout, ScoreParams};
     use super::*;
+    use xdistill_shared::init::lcg_noise as noise;
     use xdistill_shared::protocol::{SequenceScores, ValuesKind};
-
-    fn noise(seed: u64, n: usize, scale: f32) -> Vec<f32> {
-        let mut s = seed;
-        (0..n)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
-            })
-            .collect()
-    }
 
     fn kernel(
         hidden: &[f32],

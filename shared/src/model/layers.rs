@@ -445,6 +445,7 @@ impl GatedMlp {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::init::lcg_noise;
     use candle_core::Device;
 
     /// Inference runs inputs of a panel of rows or more through the AVX-512 kernel: each
@@ -455,17 +456,7 @@ mod tests {
     fn linear_takes_the_kernel_for_a_panel_of_rows_at_inference() {
         let dev = Device::Cpu;
         let (k, o) = (1100usize, 70usize);
-        let noise = |seed: u64, n: usize| {
-            let mut s = seed;
-            (0..n)
-                .map(|_| {
-                    s = s
-                        .wrapping_mul(6364136223846793005)
-                        .wrapping_add(1442695040888963407);
-                    (s >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-                })
-                .collect::<Vec<f32>>()
-        };
+        let noise = |seed: u64, n: usize| lcg_noise(seed, n, 1.0);
         let (wv, bv) = (noise(1, o * k), noise(2, o));
         let w = Tensor::from_vec(wv.clone(), (o, k), &dev).unwrap();
         let b = Tensor::from_vec(bv.clone(), o, &dev).unwrap();
@@ -506,15 +497,7 @@ mod tests {
         let dev = Device::Cpu;
         let (b, h, t, d) = (2usize, 3usize, 23usize, 8usize);
         let r = |seed: u64| {
-            let mut s = seed;
-            let v: Vec<f32> = (0..b * h * t * d)
-                .map(|_| {
-                    s = s
-                        .wrapping_mul(6364136223846793005)
-                        .wrapping_add(1442695040888963407);
-                    ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 3.0
-                })
-                .collect();
+            let v = lcg_noise(seed, b * h * t * d, 3.0);
             Tensor::from_vec(v, (b, h, t, d), &dev).unwrap()
         };
         let (q, k, v) = (r(1), r(2), r(3));
