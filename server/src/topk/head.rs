@@ -117,14 +117,14 @@ pub(super) fn fold_head(
             .collect();
         done
     };
-    // The first segment alone, then the others in parallel from its exact k-th best value:
-    // a later segment's value equal to it has a larger id and loses the tie, so only values
-    // above it can enter the top k. Without the seed every segment would start from -inf and
-    // push its own first hundreds of candidates.
+    // Segments run in waves, each from the exact k-th best value of every segment folded
+    // before it: a later value equal to it has a larger id and loses the tie, so only values
+    // above it can enter the top k. Against the bound of `d` segments a segment pushes about
+    // k / d candidates, so the waves grow as the bound improves — as large as the segments
+    // done so far, in whole rounds of jobs for the threads ([`wave_step`]). The first runs alone,
+    // one job per panel. Waves change only which candidates are kept on the way, never the
+    // results (the sums are merged in segment order whatever the waves).
     let mut timing = HeadTiming::default();
-    let no_seed = vec![f32::NEG_INFINITY; n];
-    // One job per panel here (this segment is the serial part), a group per job after.
-    let first = run(0..1, 1, &no_seed);
     let mut merge = |done: Vec<(usize, Vec<RowFold>, HeadTiming)>, rows: &mut [RowFold]| {
         for (q0, states, t) in done {
             for (row, st) in rows[q0 * NP..].iter_mut().zip(states) {
@@ -134,11 +134,32 @@ pub(super) fn fold_head(
             timing.fold += t.fold;
         }
     };
-    merge(first, &mut f.rows);
-    let seed: Vec<f32> = f.rows.iter_mut().map(|st| st.kth_best(f.fp.k)).collect();
-    let rest = run(1..valid.div_ceil(seg_len), GROUP, &seed);
-    merge(rest, &mut f.rows);
+    let segments = valid.div_ceil(seg_len);
+    let step = wave_step(rayon::current_num_threads(), panels.div_ceil(GROUP));
+    let mut seed = vec![f32::NEG_INFINITY; n];
+    let mut done = 0;
+    while done < segments {
+        let (wave, group) = match done {
+            0 => (0..1, 1),
+            d => (d..(d + d.next_multiple_of(step)).min(segments), GROUP),
+        };
+        done = wave.end;
+        merge(run(wave, group, &seed), &mut f.rows);
+        if done < segments {
+            seed = f.rows.iter_mut().map(|st| st.kth_best(f.fp.k)).collect();
+        }
+    }
     timing
+}
+
+/// Segments per wave step so that a wave's jobs (segments × groups of panels) come in whole
+/// rounds for `threads`: `threads / gcd(threads, groups)`.
+fn wave_step(threads: usize, groups: usize) -> usize {
+    let (mut a, mut b) = (threads.max(1), groups.max(1));
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    threads.max(1) / a
 }
 
 /// Each panel's valid target and candidate ids, sorted by id.
@@ -533,8 +554,9 @@ mod tests {
         }
     }
 
-    /// A row's scores are the same bits alone, in any chunk and beside any neighbours; a NaN
-    /// in one row's hidden state makes that row's scores NaN and no other's.
+    /// A row's scores are the same bits alone, in any chunk, beside any neighbours and on any
+    /// number of threads; a NaN in one row's hidden state makes that row's scores NaN and no
+    /// other's.
     #[test]
     fn rows_are_independent_of_their_neighbours() {
         if !available() {
@@ -565,6 +587,17 @@ mod tests {
                 .collect()
         };
         let all = kernel(&hidden, &head, h, lay, (&targets, none), &p);
+        // Thread counts give other waves of segments (other candidates kept on the way).
+        for threads in [1, 3, 4] {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .expect("a thread pool");
+            let s = pool.install(|| kernel(&hidden, &head, h, lay, (&targets, none), &p));
+            for r in 0..rows {
+                assert_eq!(row_bits(&s, r), row_bits(&all, r), "{threads} threads, row {r}");
+            }
+        }
         for chunk in [1usize, 7, 33] {
             for c0 in (0..rows).step_by(chunk) {
                 let c1 = (c0 + chunk).min(rows);
