@@ -268,6 +268,11 @@ unsafe fn run_job(
             for mv in (0..vn).step_by(MR) {
                 let rows: [usize; MR] = std::array::from_fn(|r| (v0 + mv + r).min(last));
                 matmul::micro_tile(at, s.head, rows, h, &mut tile[mv * NP..(mv + MR) * NP]);
+                // The first panel brings the next tile of the head to L2 meanwhile.
+                if i == 0 {
+                    let next = (v0 + vt + mv).min(seg.end)..(v0 + vt + mv + MR).min(seg.end);
+                    matmul::prefetch_rows(s.head, next, h);
+                }
             }
             let t1 = Instant::now();
             let end = ((i + 1) * NP).min(states.len());
