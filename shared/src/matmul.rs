@@ -127,6 +127,17 @@ struct Job<'a> {
     panels: std::ops::Range<usize>,
 }
 
+/// The L2 size the prefetch is planned for: 1 MiB a core on Zen 4, 1–2 MiB on recent Intel
+/// server cores.
+const L2_BYTES: usize = 1 << 20;
+
+/// Whether a job may bring the next tile of `W` (`rows × k`) into L2 beside the current tile
+/// and its group's panels: all three within half the L2 (true at k = 128 and 256; at
+/// k = 1024, two tiles and four panels would fill it and push the panels out).
+pub fn next_tile_fits_l2(rows: usize, k: usize) -> bool {
+    (2 * rows + GROUP * NP) * k * std::mem::size_of::<f32>() <= L2_BYTES / 2
+}
+
 /// Asks the L2 for rows `rows` of `w` (`[_, k]` row-major) ahead of their first use, a cache
 /// line at a time. The LM-head kernel reads each tile of the head from memory with its first
 /// panel, eight rows at once, which the hardware prefetcher follows only after each row's

@@ -260,6 +260,7 @@ unsafe fn run_job(
     };
     let mut timing = HeadTiming::default();
     let last = seg.end - 1;
+    let prefetch = matmul::next_tile_fits_l2(vt, h);
     for v0 in seg.clone().step_by(vt) {
         let vn = (v0 + vt).min(seg.end) - v0;
         for (i, q) in panels.clone().enumerate() {
@@ -269,7 +270,7 @@ unsafe fn run_job(
                 let rows: [usize; MR] = std::array::from_fn(|r| (v0 + mv + r).min(last));
                 matmul::micro_tile(at, s.head, rows, h, &mut tile[mv * NP..(mv + MR) * NP]);
                 // The first panel brings the next tile of the head to L2 meanwhile.
-                if i == 0 {
+                if i == 0 && prefetch {
                     let next = (v0 + vt + mv).min(seg.end)..(v0 + vt + mv + MR).min(seg.end);
                     matmul::prefetch_rows(s.head, next, h);
                 }
