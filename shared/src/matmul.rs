@@ -141,7 +141,7 @@ pub fn next_tile_fits_l2(rows: usize, k: usize) -> bool {
 /// Asks the L2 for rows `rows` of `w` (`[_, k]` row-major) ahead of their first use, a cache
 /// line at a time. The LM-head kernel reads each tile of the head from memory with its first
 /// panel, eight rows at once, which the hardware prefetcher follows only after each row's
-/// first misses (H = 128: the kernel 84% → 91% of the FMA peak).
+/// first misses (H = 128: the head's matmul 84% → 97% of the FMA peak, without the fold).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub fn prefetch_rows(w: &[f32], rows: std::ops::Range<usize>, k: usize) {
