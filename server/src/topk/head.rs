@@ -601,7 +601,11 @@ mod tests {
                 .expect("a thread pool");
             let s = pool.install(|| kernel(&hidden, &head, h, lay, (&targets, none), &p));
             for r in 0..rows {
-                assert_eq!(row_bits(&s, r), row_bits(&all, r), "{threads} threads, row {r}");
+                assert_eq!(
+                    row_bits(&s, r),
+                    row_bits(&all, r),
+                    "{threads} threads, row {r}"
+                );
             }
         }
         for chunk in [1usize, 7, 33] {
