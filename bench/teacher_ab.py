@@ -9,35 +9,23 @@ never hits) on `/topk_logits` with MessagePack answers, one request at a time af
 Prints per round and build the positions/s and the share of the worker's time outside the
 forward (the scoring pass, from `/metrics`), then the medians as a Markdown table.
 """
-import argparse, json, os, random, socket, statistics, subprocess, time, urllib.request
+import argparse, json, os, random, statistics, sys, time, urllib.request
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from servers import free_port, healthy, start_teacher, wait
 
 
 def run_once(binary, args):
-    """(positions/s, scoring share) of one fresh `binary` process."""
+    """(positions/s, scoring share) of one fresh `binary` process (a build's `teacher`)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, RAYON_NUM_THREADS=str(args.threads))
-    proc = subprocess.Popen(
-        [binary, "--model", args.model, "--port", str(port), "--cache-bytes", "0",
-         "--max-queue-tokens", "65536", "--max-batch-tokens", "16384"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = start_teacher(os.path.dirname(binary), args.model, port, "--cache-bytes", "0",
+                         "--max-queue-tokens", "65536", "--max-batch-tokens", "16384")
     try:
-        deadline = time.time() + 300
-        while True:
-            try:
-                info = json.loads(urllib.request.urlopen(url + "/v1/info", timeout=2).read())
-                vocab = info["vocab_size"]
-                break
-            except OSError:
-                if proc.poll() is not None or time.time() > deadline:
-                    raise SystemExit(f"{binary} did not start")
-                time.sleep(0.3)
+        wait(lambda: healthy(url) or proc.poll() is not None, limit=300)
+        if proc.poll() is not None:
+            raise SystemExit(f"{binary} exited with {proc.returncode}")
+        vocab = json.loads(urllib.request.urlopen(url + "/v1/info").read())["vocab_size"]
 
         def request():
             ids = [[random.randrange(vocab) for _ in range(args.tokens)]
@@ -72,7 +60,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--bin", action="append", required=True,
-                    help="a teacher binary; give it once per build, in the order to alternate")
+                    help="a build's `teacher` binary; once per build, in the order to alternate")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--requests", type=int, default=5)
@@ -80,6 +68,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--k", type=int, default=64)
     args = ap.parse_args()
+    os.environ["RAYON_NUM_THREADS"] = str(args.threads)  # the teachers inherit it
     results = [[] for _ in args.bin]
     for r in range(args.rounds):
         for b, rs in zip(args.bin, results):
