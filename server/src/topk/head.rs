@@ -18,8 +18,8 @@ use std::time::{Duration, Instant};
 use xdistill_shared::matmul::{self, transpose_panels, GROUP, MR, NP};
 
 /// Fixed vocabulary segments, folded independently (in parallel) and merged in order. The first
-/// runs alone (it seeds the others' thresholds); 16 others keep 2, 4, 8 or 16 threads evenly
-/// busy on a chunk of up to 4 panels.
+/// runs alone, the others in waves seeded by the segments before them (see [`fold_head`]); 16
+/// of them divide evenly among 2, 4, 8 or 16 threads.
 const SEGMENTS: usize = 17;
 /// Segment boundaries are multiples of this (the widest tile).
 const ALIGN: usize = 128;
