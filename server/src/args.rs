@@ -49,8 +49,11 @@ pub struct Args {
           action = clap::ArgAction::Set, value_name = "BOOL")]
     pub batch_invariant: bool,
     /// How long the batcher waits for more work before running a batch that is not full.
-    #[arg(long, env = "XDISTILL_MAX_WAIT_MS", default_value_t = 5)]
-    pub max_wait_ms: u64,
+    /// Default: 0 with `--batch-invariant true` (each sequence runs its own forward, so company
+    /// saves nothing and waiting is only latency), 5 with `false` (a batch shares one forward).
+    /// Either way, work that arrives while the worker is busy joins the next batch.
+    #[arg(long, env = "XDISTILL_MAX_WAIT_MS")]
+    pub max_wait_ms: Option<u64>,
     /// Most tokens admitted (queued or running) at once; beyond it requests get 503 + Retry-After.
     #[arg(long, env = "XDISTILL_MAX_QUEUE_TOKENS", default_value_t = 262_144)]
     pub max_queue_tokens: usize,
@@ -119,6 +122,12 @@ impl Args {
         }
     }
 
+    /// `--max-wait-ms`, or its default for the batch mode.
+    pub fn max_wait_ms(&self) -> u64 {
+        self.max_wait_ms
+            .unwrap_or(if self.batch_invariant { 0 } else { 5 })
+    }
+
     /// `--served-model-name`, or the model directory's name.
     pub fn model_name(&self) -> String {
         self.served_model_name.clone().unwrap_or_else(|| {
@@ -185,10 +194,14 @@ mod tests {
         assert_eq!(a.host.to_string(), "127.0.0.1");
         assert_eq!(a.port, 8000);
         assert!(a.batch_invariant);
+        assert_eq!(a.max_wait_ms(), 0, "invariant batches gain nothing by waiting");
         a.check().unwrap();
         let a = Args::try_parse_from(["teacher", "--model", "m", "--batch-invariant", "false"])
             .unwrap();
         assert!(!a.batch_invariant);
+        assert_eq!(a.max_wait_ms(), 5);
+        let a = Args::try_parse_from(["teacher", "--model", "m", "--max-wait-ms", "7"]).unwrap();
+        assert_eq!(a.max_wait_ms(), 7);
         assert!(
             Args::try_parse_from(["teacher", "--model", "m", "--batch-invariant", "x"]).is_err()
         );

@@ -84,7 +84,7 @@ pub async fn run(args: Args) -> Result<()> {
     let batcher = Batcher::start(
         BatchConfig {
             max_batch_tokens: args.max_batch_tokens,
-            max_wait: Duration::from_millis(args.max_wait_ms),
+            max_wait: Duration::from_millis(args.max_wait_ms()),
             max_queue_tokens: args.max_queue_tokens,
         },
         batch_tx,
@@ -99,7 +99,7 @@ pub async fn run(args: Args) -> Result<()> {
             max_sequences: args.max_sequences,
             max_answer_bytes: args.max_answer_bytes,
             max_body_bytes: args.max_body_bytes,
-            max_wait_ms: args.max_wait_ms,
+            max_wait_ms: args.max_wait_ms(),
             body_timeout: Duration::from_secs_f64(args.body_timeout_secs),
             api_key: args.resolve_api_key().map_err(|e| anyhow!(e))?,
             served_model_name: args.model_name(),
