@@ -261,10 +261,11 @@ unsafe fn run_job(
     let mut timing = HeadTiming::default();
     let last = seg.end - 1;
     let prefetch = matmul::next_tile_fits_l2(vt, h);
+    // Each step's end is the next one's start: two clock reads per (tile, panel).
+    let mut t0 = Instant::now();
     for v0 in seg.clone().step_by(vt) {
         let vn = (v0 + vt).min(seg.end) - v0;
         for (i, q) in panels.clone().enumerate() {
-            let t0 = Instant::now();
             let at = &s.at[q * h * NP..(q + 1) * h * NP];
             for mv in (0..vn).step_by(MR) {
                 let rows: [usize; MR] = std::array::from_fn(|r| (v0 + mv + r).min(last));
@@ -284,6 +285,7 @@ unsafe fn run_job(
             let t2 = Instant::now();
             timing.matmul += t1 - t0;
             timing.fold += t2 - t1;
+            t0 = t2;
         }
     }
     for (i, l) in lanes.iter().enumerate() {

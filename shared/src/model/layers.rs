@@ -3,6 +3,7 @@
 //! sliding-window masks, and the gated MLP. Each runs in two modes ([`Ops`]).
 
 use super::config::{Activation, LayerKind, ModelConfig};
+use super::host_ops;
 use crate::matmul;
 use candle_core::{CpuStorage, DType, Layout, Module, Result, Shape, Tensor, D};
 use candle_nn::VarBuilder;
@@ -14,7 +15,8 @@ const QUERY_CHUNK: usize = 256;
 /// Which kernels to use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ops {
-    /// candle's fused rms_norm / softmax / rope: fast, but they have no backward pass.
+    /// Fused kernels — candle's rms_norm and rope; on f32 host tensors the SIMD softmax and
+    /// `silu · up` of `host_ops` and, with AVX-512, the linear kernel: fast, no backward pass.
     Fused,
     /// Ops composed of differentiable primitives, so gradients reach every parameter.
     Differentiable,
@@ -363,7 +365,7 @@ fn attend(
         att = att.broadcast_add(&m.to_dtype(acc)?)?;
     }
     let att = match ops {
-        Ops::Fused => candle_nn::ops::softmax_last_dim(&att)?,
+        Ops::Fused => host_ops::softmax_last_dim(&att)?,
         Ops::Differentiable => candle_nn::ops::softmax(&att, D::Minus1)?,
     }
     .to_dtype(v.dtype())?;
@@ -438,7 +440,11 @@ impl GatedMlp {
                 (both.narrow(D::Minus1, 0, i)?, both.narrow(D::Minus1, i, i)?)
             }
         };
-        self.down.forward(&(activate(&gate, self.act)? * up)?, ops)
+        let act = match (ops, self.act) {
+            (Ops::Fused, Activation::Silu) => host_ops::silu_mul(&gate, &up)?,
+            _ => (activate(&gate, self.act)? * up)?,
+        };
+        self.down.forward(&act, ops)
     }
 }
 
