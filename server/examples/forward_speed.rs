@@ -29,7 +29,9 @@ fn main() -> anyhow::Result<()> {
     let t: usize = args.next().map_or(Ok(127), |s| s.parse())?;
     let (dec, facts) = xdistill_server::model::load(std::path::Path::new(&dir), "cpu", "f32")?;
     let vocab = facts.vocab_size as u32;
-    let ids: Vec<u32> = (0..t as u32).map(|i| i.wrapping_mul(7919) % vocab).collect();
+    let ids: Vec<u32> = (0..t as u32)
+        .map(|i| i.wrapping_mul(7919) % vocab)
+        .collect();
     let ids = Tensor::new(ids.as_slice(), dec.device())?.unsqueeze(0)?;
     round(&dec, &ids, t)?; // warm-up
     let (mut inside, mut outside) = (vec![], vec![]);

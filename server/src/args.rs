@@ -194,7 +194,11 @@ mod tests {
         assert_eq!(a.host.to_string(), "127.0.0.1");
         assert_eq!(a.port, 8000);
         assert!(a.batch_invariant);
-        assert_eq!(a.max_wait_ms(), 0, "invariant batches gain nothing by waiting");
+        assert_eq!(
+            a.max_wait_ms(),
+            0,
+            "invariant batches gain nothing by waiting"
+        );
         a.check().unwrap();
         let a = Args::try_parse_from(["teacher", "--model", "m", "--batch-invariant", "false"])
             .unwrap();

@@ -174,7 +174,10 @@ mod tests {
                     if v == f32::NEG_INFINITY {
                         assert_eq!(g, 0.0, "n {n} row {r} col {j}");
                     } else {
-                        assert!((g as f64 - want).abs() < 1e-6, "n {n} row {r}: {g} vs {want}");
+                        assert!(
+                            (g as f64 - want).abs() < 1e-6,
+                            "n {n} row {r}: {g} vs {want}"
+                        );
                     }
                 }
                 let mut alone = vec![0f32; n];
@@ -185,6 +188,14 @@ mod tests {
                 }
             }
         }
+        // A row with every key masked has no softmax: NaNs, as candle's op gives.
+        let masked = Tensor::new(&[[f32::NEG_INFINITY; 5]], &dev).unwrap();
+        let ours = host(&softmax_last_dim(&masked).unwrap());
+        let candle = host(&candle_nn::ops::softmax_last_dim(&masked).unwrap());
+        assert!(
+            ours.iter().chain(&candle).all(|v| v.is_nan()),
+            "{ours:?} {candle:?}"
+        );
     }
 
     /// Against f64 over a wide range of gates (the two branches of σ, large |g|), odd lengths,
@@ -205,8 +216,15 @@ mod tests {
             let (gi, ui) = (g[i] as f64, u[i] as f64);
             let want = gi / (1.0 + (-gi).exp()) * ui;
             let tol = 1e-6 * want.abs() + 1e-30;
-            assert!((got[i] as f64 - want).abs() <= tol, "g {gi}: {} vs {want}", got[i]);
-            assert!((got[i] - candle[i]).abs() <= 2e-6 * candle[i].abs() + 1e-30, "g {gi}");
+            assert!(
+                (got[i] as f64 - want).abs() <= tol,
+                "g {gi}: {} vs {want}",
+                got[i]
+            );
+            assert!(
+                (got[i] - candle[i]).abs() <= 2e-6 * candle[i].abs() + 1e-30,
+                "g {gi}"
+            );
         }
         // Past the exp's range: σ(-100) ≈ 4e-44 is below f32's normals, σ(100) = 1.
         let edge = silu_mul(
@@ -218,7 +236,10 @@ mod tests {
         for level in [Simd::Baseline, Simd::Avx2, Simd::Avx512] {
             let mut y = vec![0f32; n];
             silu_mul_slice(level, &g, &u, &mut y);
-            assert!(y.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()), "{level:?}");
+            assert!(
+                y.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{level:?}"
+            );
         }
     }
 }
