@@ -30,8 +30,8 @@ pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
         .apply_op2_no_bwd(&up.contiguous()?, &SiluMul)
 }
 
-/// The contiguous f32 values of a host tensor.
-fn values<'a>(s: &'a CpuStorage, l: &Layout, op: &str) -> Result<&'a [f32]> {
+/// The contiguous f32 values of a host tensor, for a custom op's `cpu_fwd` (`op`: its name).
+pub(super) fn values<'a>(s: &'a CpuStorage, l: &Layout, op: &str) -> Result<&'a [f32]> {
     let CpuStorage::F32(x) = s else {
         candle_core::bail!("{op} takes f32");
     };

@@ -134,13 +134,10 @@ impl candle_core::CustomOp2 for MatmulNt {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (CpuStorage::F32(x), CpuStorage::F32(w)) = (s1, s2) else {
-            candle_core::bail!("matmul-nt-avx512 takes f32");
-        };
-        let (Some((x0, x1)), Some((w0, w1))) = (l1.contiguous_offsets(), l2.contiguous_offsets())
-        else {
-            candle_core::bail!("matmul-nt-avx512 takes contiguous tensors");
-        };
+        let (x, w) = (
+            host_ops::values(s1, l1, self.name())?,
+            host_ops::values(s2, l2, self.name())?,
+        );
         let (&k, &[o, wk]) = (l1.dims().last().unwrap_or(&0), l2.dims()) else {
             candle_core::bail!("matmul-nt-avx512: the weight is [out, in]");
         };
@@ -149,7 +146,7 @@ impl candle_core::CustomOp2 for MatmulNt {
         }
         let mut dims = l1.dims().to_vec();
         *dims.last_mut().unwrap_or(&mut 0) = o;
-        let y = matmul::matmul_nt(&x[x0..x1], &w[w0..w1], k, o);
+        let y = matmul::matmul_nt(x, w, k, o);
         Ok((CpuStorage::F32(y), Shape::from(dims)))
     }
 }
