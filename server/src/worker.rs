@@ -582,7 +582,7 @@ impl Scorer {
     /// Scores of `rows` [c, H] by the AVX-512 LM-head kernel ([`RowFolds::fold_head`]), which
     /// reads the f32 head in place; `None` when the head or the rows are not f32 host memory.
     /// Its wall time is split between `forward` and `topk` in proportion to the kernel's own
-    /// matmul and fold times.
+    /// matmul and fold times; the rows' final top-k and log-probs count as `topk`.
     fn score_head_kernel(
         &self,
         decoder: &Decoder,
@@ -607,9 +607,11 @@ impl Scorer {
         } else {
             0.0
         };
-        timing.topk += wall.mul_f64(fold_share);
         timing.forward += wall.mul_f64(1.0 - fold_share);
-        Ok(Some(folds.finish()))
+        let f0 = Instant::now();
+        let scores = folds.finish();
+        timing.topk += wall.mul_f64(fold_share) + f0.elapsed();
+        Ok(Some(scores))
     }
 
     /// Scores of `rows` [c, H] by the fused LM head: the logits of one vocabulary tile at a time
@@ -635,7 +637,10 @@ impl Scorer {
             with_host_f32(&tile, |t| folds.fold(t, cols))?;
             timing.topk += t0.elapsed();
         }
-        Ok(folds.finish())
+        let t0 = Instant::now();
+        let scores = folds.finish();
+        timing.topk += t0.elapsed();
+        Ok(scores)
     }
 
     /// Scores of `rows` [c, H] from their whole `[c, V]` logits, on the device or the host.
