@@ -206,13 +206,15 @@ impl RowFold {
         true
     }
 
-    /// The exact k-th best value among the candidates (the threshold when there are fewer);
-    /// reorders them.
+    /// The exact k-th best value among the candidates (the threshold when there are fewer).
+    /// Keeps only the best k (those below can no longer enter) and raises the threshold to it,
+    /// so that the next call selects among k plus the newcomers.
     fn kth_best(&mut self, k: usize) -> f32 {
         if k == 0 || self.buf.len() < k {
             return self.thr;
         }
-        self.buf.select_nth_unstable_by(k - 1, best_first);
+        self.prune(k);
+        self.thr = self.thr.max(self.buf[k - 1].x());
         self.buf[k - 1].x()
     }
 

@@ -24,13 +24,16 @@ const SEGMENTS: usize = 17;
 /// Segment boundaries are multiples of this (the widest tile).
 const ALIGN: usize = 128;
 
-/// CPU time of the kernel's two halves, summed over threads.
+/// Where the kernel's time goes.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct HeadTiming {
-    /// Computing logits (the LM head's matmul).
+    /// Computing logits (the LM head's matmul): CPU time, summed over threads.
     pub matmul: Duration,
-    /// Folding them into the scores.
+    /// Folding them into the scores: CPU time, summed over threads.
     pub fold: Duration,
+    /// Merging the segments' scores and seeding the next wave between the parallel jobs: wall
+    /// time (scoring work, none of it matmul).
+    pub merge: Duration,
 }
 
 /// Whether this CPU runs the kernel (AVX-512F).
@@ -123,17 +126,10 @@ pub(super) fn fold_head(
     // k / d candidates, so the waves grow as the bound improves — as large as the segments
     // done so far, in whole rounds of jobs for the threads ([`wave_step`]). The first runs alone,
     // one job per panel. Waves change only which candidates are kept on the way, never the
-    // results (the sums are merged in segment order whatever the waves).
+    // results (the sums are merged in segment order whatever the waves). Between waves the
+    // rows are merged and seeded panel by panel in parallel, each row's buffer cut to its best
+    // k, so that the next seed selects among k plus the wave's newcomers.
     let mut timing = HeadTiming::default();
-    let mut merge = |done: Vec<(usize, Vec<RowFold>, HeadTiming)>, rows: &mut [RowFold]| {
-        for (q0, states, t) in done {
-            for (row, st) in rows[q0 * NP..].iter_mut().zip(states) {
-                row.merge(st, &f.fp);
-            }
-            timing.matmul += t.matmul;
-            timing.fold += t.fold;
-        }
-    };
     let segments = valid.div_ceil(seg_len);
     let step = wave_step(rayon::current_num_threads(), panels.div_ceil(GROUP));
     let mut seed = vec![f32::NEG_INFINITY; n];
@@ -144,10 +140,58 @@ pub(super) fn fold_head(
             d => (d..(d + d.next_multiple_of(step)).min(segments), GROUP),
         };
         done = wave.end;
-        merge(run(wave, group, &seed), &mut f.rows);
-        if done < segments {
-            seed = f.rows.iter_mut().map(|st| st.kth_best(f.fp.k)).collect();
+        let results = run(wave, group, &seed);
+        let m0 = Instant::now();
+        let next = (done < segments).then_some(&mut seed[..]);
+        let t = merge_wave(results, &mut f.rows, &f.fp, next);
+        (timing.matmul, timing.fold) = (timing.matmul + t.matmul, timing.fold + t.fold);
+        timing.merge += m0.elapsed();
+    }
+    timing
+}
+
+/// Merges a wave's results (in job order: groups of panels, each in segment order) into
+/// `rows`, panels in parallel, each row's runs in segment order; then, for a next wave, writes
+/// each row's k-th best value so far to `seed`. Returns the jobs' times.
+fn merge_wave(
+    done: Vec<(usize, Vec<RowFold>, HeadTiming)>,
+    rows: &mut [RowFold],
+    fp: &FoldParams,
+    seed: Option<&mut [f32]>,
+) -> HeadTiming {
+    let mut timing = HeadTiming::default();
+    // Each job's states (rows of panels q0, q0 + 1, …) cut into panels.
+    let mut by_panel: Vec<Vec<Vec<RowFold>>> = vec![Vec::new(); rows.len().div_ceil(NP)];
+    for (q0, states, t) in done {
+        let mut states = states.into_iter();
+        for runs in &mut by_panel[q0..] {
+            let part: Vec<RowFold> = states.by_ref().take(NP).collect();
+            if part.is_empty() {
+                break;
+            }
+            runs.push(part);
         }
+        timing.matmul += t.matmul;
+        timing.fold += t.fold;
+    }
+    let merge = |rows: &mut [RowFold], runs: Vec<Vec<RowFold>>| {
+        for states in runs {
+            for (row, st) in rows.iter_mut().zip(states) {
+                row.merge(st, fp);
+            }
+        }
+    };
+    let panels = rows.par_chunks_mut(NP).zip(by_panel);
+    match seed {
+        Some(seed) => panels
+            .zip(seed.par_chunks_mut(NP))
+            .for_each(|((rows, runs), seed)| {
+                merge(rows, runs);
+                for (s, row) in seed.iter_mut().zip(rows) {
+                    *s = row.kth_best(fp.k);
+                }
+            }),
+        None => panels.for_each(|(rows, runs)| merge(rows, runs)),
     }
     timing
 }
@@ -646,7 +690,7 @@ mod tests {
             let lay = RowLayout { width, valid };
             for k in [64, 0] {
                 let p = ScoreParams::native(k, 1.0, ValuesKind::Logprobs);
-                let (mut wall, mut fold) = (f64::INFINITY, f64::INFINITY);
+                let (mut wall, mut fold, mut merge) = (f64::INFINITY, f64::INFINITY, f64::INFINITY);
                 for _ in 0..5 {
                     let t0 = Instant::now();
                     let mut f = RowFolds::for_head(lay, &targets, none, &p);
@@ -654,15 +698,21 @@ mod tests {
                     assert_eq!(f.finish().rows, rows);
                     let w = t0.elapsed().as_secs_f64();
                     wall = wall.min(w);
-                    fold = fold.min(w * t.fold.as_secs_f64() / (t.fold + t.matmul).as_secs_f64());
+                    // As the server splits it: the jobs' wall in proportion to their matmul
+                    // and fold times, the merges all scoring.
+                    let (jobs, m) = (w - t.merge.as_secs_f64(), t.merge.as_secs_f64());
+                    let share = t.fold.as_secs_f64() / (t.fold + t.matmul).as_secs_f64();
+                    fold = fold.min(jobs * share + m);
+                    merge = merge.min(m);
                 }
                 let logits = (rows * valid) as f64;
                 println!(
-                    "h {h}, {rows} rows, k {k}: {:.1} ms, {:.0} GFLOP/s, fold {:.3} ns per logit ({:.1}% of the wall), {} threads",
+                    "h {h}, {rows} rows, k {k}: {:.1} ms, {:.0} GFLOP/s, fold {:.3} ns per logit ({:.1}% of the wall; merges {:.2} ms), {} threads",
                     wall * 1e3,
                     2.0 * logits * h as f64 / wall / 1e9,
                     fold * 1e9 / logits,
                     fold / wall * 100.0,
+                    merge * 1e3,
                     rayon::current_num_threads()
                 );
             }
