@@ -213,7 +213,8 @@ impl RowFold {
         if k == 0 || self.buf.len() < k {
             return self.thr;
         }
-        self.prune(k);
+        self.buf.select_nth_unstable_by(k - 1, best_first);
+        self.buf.truncate(k);
         self.thr = self.thr.max(self.buf[k - 1].x());
         self.buf[k - 1].x()
     }
@@ -343,7 +344,7 @@ impl<'a> RowFolds<'a> {
     /// Folds in every valid column of the logits `hidden · headᵀ`, computed here by the
     /// AVX-512 LM-head kernel a tile at a time (`head.rs`): `hidden` `[rows, h]`, `head`
     /// `[≥ valid, h]`, row-major. Only when [`RowFolds::head_kernel_available`] and no tile
-    /// was folded yet. Returns the CPU time of its matmul and fold halves.
+    /// was folded yet. Returns where its time went.
     pub fn fold_head(&mut self, hidden: &[f32], head: &[f32], h: usize) -> HeadTiming {
         debug_assert_eq!(self.next_col, 0, "fold_head folds every column");
         head::fold_head(self, hidden, head, h)
@@ -651,6 +652,47 @@ mod tests {
             for b in &pairs {
                 let cb = Cand::new(b.0, b.1);
                 assert_eq!(best_first(&ca, &cb), desc(a, b), "{a:?} vs {b:?}");
+            }
+        }
+    }
+
+    /// `kth_best` gives the k-th of a full sort (ties by smaller id) while the row holds k or
+    /// more candidates, keeps exactly the best k and raises the threshold to it; a later seed
+    /// over those k plus newcomers still matches the sort of everything pushed.
+    #[test]
+    fn kth_best_matches_a_sort_and_keeps_the_best_k() {
+        let mut rng = 0x2545_f491_4f6c_dd1du64;
+        let mut next = || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        for (k, n) in [(1usize, 1usize), (3, 2), (5, 40), (64, 300), (64, 64)] {
+            let p = ScoreParams::native(k, 1.0, ValuesKind::Logprobs);
+            let targets = [0u32];
+            let mut f = RowFolds::new(layout(1000, 1000), &targets, NONE, &p);
+            let row = &mut f.rows[0];
+            let mut all: Vec<(f32, u32)> = Vec::new();
+            for round in 0..2 {
+                for i in 0..n {
+                    // Values from few levels, so that ties are common.
+                    let x = (next() % 17) as f32 * 0.5 - 4.0;
+                    let id = (round * n + i) as u32;
+                    all.push((x, id));
+                    row.buf.push(Cand::new(x, id));
+                }
+                all.sort_by(desc);
+                let got = row.kth_best(k);
+                if all.len() < k {
+                    assert_eq!(got, f32::NEG_INFINITY, "fewer than k: the threshold");
+                    continue;
+                }
+                assert_eq!(got.to_bits(), all[k - 1].0.to_bits(), "k {k}, n {n}");
+                assert_eq!(row.thr.to_bits(), got.to_bits());
+                let mut kept: Vec<(f32, u32)> = row.buf.iter().map(|c| (c.x(), c.id())).collect();
+                kept.sort_by(desc);
+                assert_eq!(kept, all[..k], "the best k, ties to the smaller id");
             }
         }
     }

@@ -144,7 +144,8 @@ pub(super) fn fold_head(
         let m0 = Instant::now();
         let next = (done < segments).then_some(&mut seed[..]);
         let t = merge_wave(results, &mut f.rows, &f.fp, next);
-        (timing.matmul, timing.fold) = (timing.matmul + t.matmul, timing.fold + t.fold);
+        timing.matmul += t.matmul;
+        timing.fold += t.fold;
         timing.merge += m0.elapsed();
     }
     timing
