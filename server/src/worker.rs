@@ -581,9 +581,8 @@ impl Scorer {
 
     /// Scores of `rows` [c, H] by the AVX-512 LM-head kernel ([`RowFolds::fold_head`]), which
     /// reads the f32 head in place; `None` when the head or the rows are not f32 host memory.
-    /// The wall time of its parallel jobs is split between `forward` and `topk` in proportion to
-    /// their own matmul and fold times; its merges and the rows' final top-k and log-probs count
-    /// as `topk`.
+    /// Its wall time is split between `forward` and `topk` by [`topk::HeadTiming::split`]; the rows'
+    /// final top-k and log-probs count as `topk`.
     fn score_head_kernel(
         &self,
         decoder: &Decoder,
@@ -601,17 +600,11 @@ impl Scorer {
         let split = with_host_f32(head, |w| {
             with_host_f32(rows, |x| folds.fold_head(x, &w[..self.logits_size * h], h))
         })??;
-        let jobs = t0.elapsed().saturating_sub(split.merge);
-        let total = (split.matmul + split.fold).as_secs_f64();
-        let fold_share = if total > 0.0 {
-            split.fold.as_secs_f64() / total
-        } else {
-            0.0
-        };
-        timing.forward += jobs.mul_f64(1.0 - fold_share);
+        let (forward, scoring) = split.split(t0.elapsed());
+        timing.forward += forward;
         let f0 = Instant::now();
         let scores = folds.finish();
-        timing.topk += jobs.mul_f64(fold_share) + split.merge + f0.elapsed();
+        timing.topk += scoring + f0.elapsed();
         Ok(Some(scores))
     }
 

@@ -36,6 +36,24 @@ pub struct HeadTiming {
     pub merge: Duration,
 }
 
+impl HeadTiming {
+    /// The kernel's `wall` time as `(forward, scoring)`: the parallel jobs' share in proportion
+    /// to their own matmul and fold times, the merges all scoring.
+    pub fn split(&self, wall: Duration) -> (Duration, Duration) {
+        let jobs = wall.saturating_sub(self.merge);
+        let total = (self.matmul + self.fold).as_secs_f64();
+        let fold_share = if total > 0.0 {
+            self.fold.as_secs_f64() / total
+        } else {
+            0.0
+        };
+        (
+            jobs.mul_f64(1.0 - fold_share),
+            jobs.mul_f64(fold_share) + self.merge,
+        )
+    }
+}
+
 /// Whether this CPU runs the kernel (AVX-512F).
 pub fn available() -> bool {
     matmul::available()
@@ -697,14 +715,11 @@ mod tests {
                     let mut f = RowFolds::for_head(lay, &targets, none, &p);
                     let t = f.fold_head(&hidden, &head, h);
                     assert_eq!(f.finish().rows, rows);
-                    let w = t0.elapsed().as_secs_f64();
-                    wall = wall.min(w);
-                    // As the server splits it: the jobs' wall in proportion to their matmul
-                    // and fold times, the merges all scoring.
-                    let (jobs, m) = (w - t.merge.as_secs_f64(), t.merge.as_secs_f64());
-                    let share = t.fold.as_secs_f64() / (t.fold + t.matmul).as_secs_f64();
-                    fold = fold.min(jobs * share + m);
-                    merge = merge.min(m);
+                    let w = t0.elapsed();
+                    wall = wall.min(w.as_secs_f64());
+                    // As the server splits it.
+                    fold = fold.min(t.split(w).1.as_secs_f64());
+                    merge = merge.min(t.merge.as_secs_f64());
                 }
                 let logits = (rows * valid) as f64;
                 println!(
