@@ -13,9 +13,17 @@ venv="$root/target/pyenv"
 py="$venv/bin/python"
 
 # 1. The venv: reinstalled only when the requirements or the client changed since last time.
+#    The stamp is a SHA-256 computed by python3, the same on Linux and macOS (which has no
+#    sha256sum).
 stamp_of() {
-  cat python/requirements-test.txt python/pyproject.toml python/README.md python/xdistill/*.py \
-    | sha256sum | cut -d' ' -f1
+  python3 -c 'import hashlib, sys
+h = hashlib.sha256()
+for p in sys.argv[1:]:
+    with open(p, "rb") as f:
+        h.update(f.read())
+print(h.hexdigest())' \
+    python/requirements-test.txt python/pyproject.toml python/README.md python/xdistill/*.py \
+    python/xdistill/py.typed
 }
 if [ ! -x "$py" ]; then
   rm -rf "$venv"
@@ -45,4 +53,5 @@ export XDISTILL_TOKENIZERS
 
 # 4. The tests. They import the installed package (python/ itself is not on sys.path), so the
 #    packaging is tested too.
-exec "$py" -m pytest -q -p no:cacheprovider python/tests "$@"
+#    (`${1+"$@"}`: no arguments pass `set -u` on old bash versions too, such as macOS's 3.2.)
+exec "$py" -m pytest -q -p no:cacheprovider python/tests ${1+"$@"}

@@ -14,9 +14,15 @@ Example::
     scores.topk_ids.shape   # (3, 5): rows = len(sequence) - 1 - start
 """
 
-from .client import (AFFINITY_HEADER, PROTOCOL_VERSION, SequenceScores, TeacherClient,
-                     TeacherError, affinity_key)
+from .client import (AFFINITY_HEADER, DEFAULT_BACKOFF_INITIAL_S, DEFAULT_BACKOFF_MAX_S,
+                     DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_MAX_RETRY_WAIT_S, DEFAULT_TIMEOUT_S,
+                     MAX_RETRY_AFTER_S, PROTOCOL_VERSION, RETRYABLE_STATUSES, InfoLimits,
+                     RetriesExhausted, SequenceScores, TeacherClient, TeacherError, TeacherInfo,
+                     TorchSequenceScores, affinity_key, backoff_delay, parse_retry_after)
 
-__all__ = ["TeacherClient", "SequenceScores", "TeacherError", "PROTOCOL_VERSION",
-           "AFFINITY_HEADER", "affinity_key"]
+__all__ = ["TeacherClient", "SequenceScores", "TorchSequenceScores", "TeacherInfo", "InfoLimits",
+           "TeacherError", "RetriesExhausted", "PROTOCOL_VERSION", "AFFINITY_HEADER",
+           "RETRYABLE_STATUSES", "MAX_RETRY_AFTER_S", "DEFAULT_TIMEOUT_S",
+           "DEFAULT_CONNECT_TIMEOUT_S", "DEFAULT_MAX_RETRY_WAIT_S", "DEFAULT_BACKOFF_INITIAL_S",
+           "DEFAULT_BACKOFF_MAX_S", "affinity_key", "backoff_delay", "parse_retry_after"]
 __version__ = "0.1.0"
