@@ -3,6 +3,9 @@
 //! accepted by clap and by the `teacher` binary itself, and the pieces fit together (probes on
 //! `/health` at the container's port, the model volume read-only at `--model`, a GPU per
 //! replica, a grace period longer than the longest request, the Service selecting the pods).
+//! The pods run unprivileged with resource requests, a disruption budget covers the teacher's,
+//! and the trainer Job restarts into `--resume` against the teacher's Service. (The images
+//! these manifests name, and the trainer Job actually training, are server/tests/images.rs'.)
 
 mod common;
 
@@ -14,10 +17,28 @@ fn k8s_dir() -> PathBuf {
     xdistill_shared::paths::repo_root().join("deploy/k8s")
 }
 
-fn load(name: &str) -> serde_yaml::Value {
+/// Every document of a (possibly multi-document) YAML file.
+fn load_all(name: &str) -> Vec<serde_yaml::Value> {
+    use serde::Deserialize;
     let path = k8s_dir().join(name);
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{name}: {e}"));
-    serde_yaml::from_str(&text).unwrap_or_else(|e| panic!("{name}: {e}"))
+    serde_yaml::Deserializer::from_str(&text)
+        .map(|d| serde_yaml::Value::deserialize(d).unwrap_or_else(|e| panic!("{name}: {e}")))
+        .collect()
+}
+
+/// The one document of a YAML file.
+fn load(name: &str) -> serde_yaml::Value {
+    let mut docs = load_all(name);
+    assert_eq!(docs.len(), 1, "{name}: one document");
+    docs.remove(0)
+}
+
+/// The document of `kind` in a multi-document file (the only one of that kind).
+fn doc_of_kind(docs: &[serde_yaml::Value], kind: &str) -> serde_yaml::Value {
+    let found: Vec<&serde_yaml::Value> = docs.iter().filter(|d| d["kind"] == kind).collect();
+    assert_eq!(found.len(), 1, "one {kind}");
+    found[0].clone()
 }
 
 fn strings(v: &serde_yaml::Value) -> Vec<String> {
@@ -34,7 +55,7 @@ fn kubernetes_manifests_fit_together_and_the_teacher_accepts_its_command() {
     for entry in std::fs::read_dir(k8s_dir()).unwrap() {
         let name = entry.unwrap().file_name().to_string_lossy().to_string();
         if name.ends_with(".yaml") {
-            load(&name);
+            assert!(!load_all(&name).is_empty(), "{name}");
         }
     }
     let kustomization = load("kustomization.yaml");
@@ -74,7 +95,7 @@ fn kubernetes_manifests_fit_together_and_the_teacher_accepts_its_command() {
         .collect();
     for (name, _) in &env {
         assert!(
-            name.starts_with("XDISTILL_") || name == "RUST_LOG",
+            name.starts_with("XDISTILL_") || name == "RUST_LOG" || name == "CUDA_CACHE_PATH",
             "unknown variable {name}"
         );
     }
@@ -160,5 +181,237 @@ fn kubernetes_manifests_fit_together_and_the_teacher_accepts_its_command() {
     assert_eq!(
         ing["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]["name"],
         svc["metadata"]["name"]
+    );
+}
+
+/// A Kubernetes quantity (`4`, `500m`, `24Gi`, `8G`) in base units.
+fn quantity(v: &serde_yaml::Value) -> f64 {
+    let s = match v {
+        serde_yaml::Value::Number(n) => return n.as_f64().expect("a number"),
+        serde_yaml::Value::String(s) => s.as_str(),
+        other => panic!("not a quantity: {other:?}"),
+    };
+    let units = [
+        ("Ki", 1024f64),
+        ("Mi", 1024f64.powi(2)),
+        ("Gi", 1024f64.powi(3)),
+        ("Ti", 1024f64.powi(4)),
+        ("k", 1e3),
+        ("M", 1e6),
+        ("G", 1e9),
+        ("T", 1e12),
+        ("m", 1e-3),
+    ];
+    for (suffix, scale) in units {
+        if let Some(n) = s.strip_suffix(suffix) {
+            return n.parse::<f64>().unwrap_or_else(|_| panic!("quantity {s}")) * scale;
+        }
+    }
+    s.parse().unwrap_or_else(|_| panic!("quantity {s}"))
+}
+
+/// The pod and container security settings both workloads share: a non-root user, no
+/// privilege escalation, no capabilities, a read-only root file system with `/tmp` (what they
+/// may write besides their volumes) on an emptyDir.
+fn check_unprivileged(what: &str, pod: &serde_yaml::Value) {
+    let psc = &pod["spec"]["securityContext"];
+    assert_eq!(psc["runAsNonRoot"].as_bool(), Some(true), "{what}");
+    let uid = psc["runAsUser"].as_u64().expect("runAsUser");
+    assert!(uid > 0, "{what}: runAsUser {uid}");
+    assert_eq!(
+        psc["seccompProfile"]["type"].as_str(),
+        Some("RuntimeDefault"),
+        "{what}"
+    );
+    for c in pod["spec"]["containers"].as_sequence().expect("containers") {
+        let sc = &c["securityContext"];
+        assert_eq!(
+            sc["allowPrivilegeEscalation"].as_bool(),
+            Some(false),
+            "{what}"
+        );
+        assert_eq!(sc["readOnlyRootFilesystem"].as_bool(), Some(true), "{what}");
+        let drop = strings(&sc["capabilities"]["drop"]);
+        assert!(drop.iter().any(|d| d == "ALL"), "{what}: drop {drop:?}");
+        assert!(
+            sc["capabilities"]["add"].is_null(),
+            "{what}: adds capabilities"
+        );
+        let tmp = c["volumeMounts"]
+            .as_sequence()
+            .expect("mounts")
+            .iter()
+            .find(|m| m["mountPath"] == "/tmp")
+            .unwrap_or_else(|| panic!("{what}: a read-only root needs a writable /tmp"));
+        let vol = pod["spec"]["volumes"]
+            .as_sequence()
+            .expect("volumes")
+            .iter()
+            .find(|v| v["name"] == tmp["name"])
+            .expect("the /tmp volume");
+        assert!(vol["emptyDir"].is_mapping(), "{what}: /tmp on an emptyDir");
+        // The scheduler needs requests to place the pod.
+        let req = &c["resources"]["requests"];
+        assert!(quantity(&req["cpu"]) >= 1.0, "{what}: cpu request");
+        assert!(
+            quantity(&req["memory"]) >= f64::from(1u32 << 30),
+            "{what}: memory request"
+        );
+    }
+}
+
+#[test]
+fn teacher_pods_are_unprivileged_requested_and_covered_by_a_disruption_budget() {
+    let dep = load("deployment.yaml");
+    let pod = &dep["spec"]["template"];
+    check_unprivileged("deployment.yaml", pod);
+    let c = &pod["spec"]["containers"][0];
+    // The model is large: at least as much memory as a small model's weights, and the GPU.
+    assert!(quantity(&c["resources"]["requests"]["memory"]) >= 8.0 * f64::from(1u32 << 30));
+    assert_eq!(c["resources"]["limits"]["nvidia.com/gpu"].as_u64(), Some(1));
+    // The budget: applied with the rest, selecting exactly these pods, and leaving room for a
+    // drain (a budget that allows no disruption blocks node maintenance forever).
+    let resources = strings(&load("kustomization.yaml")["resources"]);
+    assert!(resources.contains(&"pdb.yaml".to_string()), "{resources:?}");
+    let pdb = load("pdb.yaml");
+    assert_eq!(pdb["apiVersion"].as_str(), Some("policy/v1"));
+    assert_eq!(pdb["kind"].as_str(), Some("PodDisruptionBudget"));
+    let selector = pdb["spec"]["selector"]["matchLabels"]
+        .as_mapping()
+        .expect("matchLabels");
+    assert!(!selector.is_empty());
+    for (k, v) in selector {
+        assert_eq!(
+            &pod["metadata"]["labels"][k], v,
+            "the budget selects the teacher's pods"
+        );
+    }
+    assert_eq!(pdb["spec"]["selector"], dep["spec"]["selector"]);
+    let replicas = dep["spec"]["replicas"].as_u64().expect("replicas");
+    let allowed = match (
+        pdb["spec"]["maxUnavailable"].as_u64(),
+        pdb["spec"]["minAvailable"].as_u64(),
+    ) {
+        (Some(n), None) => n,
+        (None, Some(min)) => replicas.saturating_sub(min),
+        other => panic!("one of maxUnavailable and minAvailable, as a number: {other:?}"),
+    };
+    assert!(
+        allowed >= 1 && allowed < replicas,
+        "{allowed} of {replicas} replicas may be down"
+    );
+    // No more than the rolling update takes down.
+    let surge = &dep["spec"]["strategy"]["rollingUpdate"];
+    assert!(allowed <= surge["maxUnavailable"].as_u64().expect("maxUnavailable"));
+}
+
+/// A `key = "value"` line of a TOML text (enough for the Job's flat config).
+fn toml_string(text: &str, key: &str) -> String {
+    text.lines()
+        .find_map(|l| {
+            let (k, v) = l.split_once('=')?;
+            (k.trim() == key).then(|| v.trim().trim_matches('"').to_string())
+        })
+        .unwrap_or_else(|| panic!("no {key} in the config"))
+}
+
+#[test]
+fn the_trainer_job_resumes_into_its_output_volume_and_reaches_the_teacher_service() {
+    let docs = load_all("trainer-job.yaml");
+    // Optional: applied on its own, not with the teacher's kustomization.
+    let resources = strings(&load("kustomization.yaml")["resources"]);
+    assert!(!resources.contains(&"trainer-job.yaml".to_string()));
+    let job = doc_of_kind(&docs, "Job");
+    assert_eq!(job["apiVersion"].as_str(), Some("batch/v1"));
+    let pod = &job["spec"]["template"];
+    check_unprivileged("trainer-job.yaml", pod);
+    let backoff = job["spec"]["backoffLimit"].as_u64().expect("backoffLimit");
+    assert!((1..=10).contains(&backoff), "backoffLimit {backoff}");
+    let restart = pod["spec"]["restartPolicy"].as_str();
+    assert!(
+        matches!(restart, Some("OnFailure") | Some("Never")),
+        "{restart:?}"
+    );
+    let c = &pod["spec"]["containers"][0];
+    let args = strings(&c["args"]);
+    assert!(
+        matches!(args[0].as_str(), "off-policy" | "on-policy"),
+        "{args:?}"
+    );
+    // Every (re)start continues from the newest checkpoint: restarts lose no finished steps.
+    assert!(args.iter().any(|a| a == "--resume"), "{args:?}");
+    let value = |flag: &str| {
+        let i = args
+            .iter()
+            .position(|a| a == flag)
+            .unwrap_or_else(|| panic!("{flag}"));
+        args[i + 1].clone()
+    };
+    // The teacher is the Service, by its name in the namespace and its port.
+    let svc = load("service.yaml");
+    assert_eq!(
+        value("--teacher-url"),
+        format!(
+            "http://{}:{}",
+            svc["metadata"]["name"].as_str().unwrap(),
+            svc["spec"]["ports"][0]["port"].as_u64().unwrap()
+        )
+    );
+    // Mounts: the config from the ConfigMap (read-only), inputs read-only, the output on a
+    // persistent claim of this file.
+    let mounts = c["volumeMounts"].as_sequence().expect("mounts");
+    let volume = |path: &str| {
+        let m = mounts
+            .iter()
+            .filter(|m| {
+                let mp = m["mountPath"].as_str().unwrap();
+                path == mp || path.starts_with(&format!("{mp}/"))
+            })
+            .max_by_key(|m| m["mountPath"].as_str().unwrap().len())
+            .unwrap_or_else(|| panic!("{path} is on no volume"));
+        let v = pod["spec"]["volumes"]
+            .as_sequence()
+            .unwrap()
+            .iter()
+            .find(|v| v["name"] == m["name"])
+            .expect("the mount's volume")
+            .clone();
+        (m.clone(), v)
+    };
+    let config_path = value("--config");
+    let (m, v) = volume(&config_path);
+    assert_eq!(m["readOnly"].as_bool(), Some(true));
+    let cm = doc_of_kind(&docs, "ConfigMap");
+    assert_eq!(v["configMap"]["name"], cm["metadata"]["name"]);
+    let key = config_path.rsplit('/').next().unwrap();
+    let config = cm["data"][key]
+        .as_str()
+        .unwrap_or_else(|| panic!("the ConfigMap holds {key}"));
+    let claims: Vec<String> = docs
+        .iter()
+        .filter(|d| d["kind"] == "PersistentVolumeClaim")
+        .map(|d| d["metadata"]["name"].as_str().unwrap().to_string())
+        .collect();
+    for (key, writable) in [
+        ("model_name", false),
+        ("train_path", false),
+        ("checkpoint_dir", true),
+    ] {
+        let path = toml_string(config, key);
+        let (m, v) = volume(&path);
+        let claim = v["persistentVolumeClaim"]["claimName"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{key} = {path}: not on a persistent volume"));
+        assert!(claims.iter().any(|c| c == claim), "{claim} is defined here");
+        assert_eq!(
+            m["readOnly"].as_bool() != Some(true),
+            writable,
+            "{key} = {path}"
+        );
+    }
+    // The config names no teacher of its own: the Job's --teacher-url is the one.
+    assert!(
+        !config.contains("urls"),
+        "teacher.urls would be overridden anyway"
     );
 }
