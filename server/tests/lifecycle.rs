@@ -394,6 +394,119 @@ fn unservable_models_are_refused_at_start() {
     }
 }
 
+/// A copy of the model directory `src` with `edit` applied to its config.json.
+fn copy_with_config(
+    src: &std::path::Path,
+    edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>),
+) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    for f in std::fs::read_dir(src).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, dir.path().join(f.file_name().unwrap())).unwrap();
+    }
+    let p = dir.path().join("config.json");
+    let mut cfg: serde_json::Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+    edit(cfg.as_object_mut().unwrap());
+    std::fs::write(&p, serde_json::to_vec_pretty(&cfg).unwrap()).unwrap();
+    dir
+}
+
+/// The outcome of `teacher --model DIR` with `extra`: success, and stderr.
+fn teacher_on(dir: &std::path::Path, extra: &[&str]) -> (bool, String) {
+    let out = teacher_bin()
+        .arg("--model")
+        .arg(dir)
+        .args(extra)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// A Qwen3-MoE checkpoint loads whether its expert count is `num_experts` (transformers ≤ 5.23)
+/// or `num_local_experts` (5.24 and later). Where config.json and the weights disagree about
+/// the experts — the count lost (so dense MLPs would be built, and the load would stop on a
+/// missing `mlp.gate_proj.weight`), or a MoE config over dense weights — `--check-args` and a
+/// real start refuse it before loading weights, naming the config key and the tensors.
+#[test]
+fn moe_config_and_weights_must_agree_on_the_experts() {
+    let moe = common::tiny_model("lifecycle-qwen3-moe", "qwen3-moe", "llama2", 1);
+    let renamed = copy_with_config(&moe, |c| {
+        let n = c
+            .remove("num_experts")
+            .expect("init-model writes num_experts");
+        c.insert("num_local_experts".into(), n);
+    });
+    for dir in [moe.as_path(), renamed.path()] {
+        let (ok, err) = teacher_on(dir, &["--check-args"]);
+        assert!(ok, "{}: {err}", dir.display());
+    }
+    let (decoder, facts) = xdistill_server::model::load(renamed.path(), "cpu", "f32").unwrap();
+    assert_eq!(facts.architecture, "Qwen3MoeForCausalLM");
+    let x = candle_core::Tensor::new(&ids(3, 6, 32_000)[..], &candle_core::Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    let (want, _) = xdistill_server::model::load(&moe, "cpu", "f32").unwrap();
+    let diff = (want.forward(&x).unwrap() - decoder.forward(&x).unwrap())
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    assert_eq!(diff, 0.0, "either key gives the same model");
+
+    let lost = copy_with_config(&moe, |c| {
+        c.remove("num_experts");
+    });
+    let dense = common::tiny_model("lifecycle-qwen3", "qwen3", "llama2", 1);
+    let moe_over_dense = copy_with_config(&dense, |c| {
+        c.insert("model_type".into(), "qwen3_moe".into());
+        c.insert("num_local_experts".into(), 4.into());
+        c.insert("num_experts_per_tok".into(), 2.into());
+        c.insert("moe_intermediate_size".into(), 16.into());
+    });
+    for (dir, needles) in [
+        (
+            &lost,
+            &[
+                "config.json: the config sets no expert count (neither `num_experts` nor \
+                 `num_local_experts`)",
+                "model.layers.0.mlp.experts.*, e.g. model.layers.0.mlp.experts.0.down_proj.weight",
+                "set `num_local_experts`",
+                "(8 in the weights)",
+            ][..],
+        ),
+        (
+            &moe_over_dense,
+            &[
+                "config key `num_local_experts` = 4",
+                "makes layer 0 a mixture-of-experts layer",
+                "e.g. model.layers.0.mlp.down_proj.weight",
+                "no model.layers.0.mlp.experts.* tensor",
+            ][..],
+        ),
+    ] {
+        for extra in [&["--check-args"][..], &["--port", "0"][..]] {
+            let (ok, err) = teacher_on(dir.path(), extra);
+            assert!(!ok, "{extra:?}: {err}");
+            for needle in needles {
+                assert!(err.contains(needle), "{extra:?}: {needle:?} in {err}");
+            }
+            assert!(
+                !err.contains("cannot find tensor"),
+                "refused before loading: {err}"
+            );
+        }
+    }
+}
+
 /// The API key can come from a file (so it need not show in `ps`), and the `Bearer` scheme is
 /// matched case-insensitively.
 #[tokio::test]

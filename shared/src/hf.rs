@@ -27,6 +27,9 @@ pub enum HfError {
     Config(#[from] ConfigError),
     #[error("invalid config: {0}")]
     InvalidConfig(String),
+    /// `config.json` and the safetensors headers disagree (said before any weight is loaded).
+    #[error("{}: {message}", path.display())]
+    ConfigVsWeights { path: PathBuf, message: String },
     #[error("tokenizer: {0}")]
     Tokenizer(String),
 }
@@ -54,7 +57,9 @@ pub struct ModelDir {
 }
 
 impl ModelDir {
-    /// Opens `dir`, parsing `config.json` and locating weights and tokenizer.
+    /// Opens `dir`: parses and validates `config.json`, locates the weights and the tokenizer,
+    /// and checks the config against the safetensors headers ([`check_experts`]); no tensor
+    /// data is read.
     pub fn open(dir: impl AsRef<Path>) -> Result<ModelDir, HfError> {
         let path = dir.as_ref().to_path_buf();
         let cfg_path = path.join("config.json");
@@ -72,9 +77,14 @@ impl ModelDir {
             })?;
         config.validate()?;
         let weights = weight_files(&path)?;
-        if multimodal {
-            config.weight_prefix = Some(text_tower_prefix(&weights)?);
+        let mut tensors = Vec::new();
+        for w in &weights {
+            tensors.extend(safetensors_header(w)?);
         }
+        if multimodal {
+            config.weight_prefix = Some(text_tower_prefix(&tensors)?);
+        }
+        check_experts(&config, &cfg_path, &tensors)?;
         let tokenizer = path.join("tokenizer.json");
         if !tokenizer.is_file() {
             return Err(HfError::NoTokenizer(path));
@@ -97,9 +107,18 @@ impl ModelDir {
         load_tokenizer(&self.tokenizer)
     }
 
-    /// A stable fingerprint of the weights and config: sha256 over `config.json`, every
-    /// safetensors header (names, dtypes, shapes, offsets) and the first 1 MiB of tensor data of
-    /// each file. Cheap for 100 GB checkpoints, and changes whenever training changed the weights.
+    /// A cheap fingerprint of the config and weights: the first 16 bytes (32 hex digits) of a
+    /// sha256 over, in order, the bytes of `config.json`, then for each safetensors file in
+    /// [`ModelDir::weights`] order (the single file, or the shards sorted by name) its first
+    /// `8 + n + 1 MiB` bytes: the 8-byte header length `n`, the raw header JSON (every
+    /// tensor's name, dtype, shape and offsets, and `__metadata__` if any) and the first 1 MiB
+    /// of the tensor data (less where the file is shorter; `n` is capped at 100 MiB).
+    ///
+    /// It reads at most about 1 MiB per file, whatever the checkpoint's size, so it is a
+    /// fingerprint and not a checksum: `tokenizer.json` is not part of it (see
+    /// [`ModelDir::tokenizer_sha256`]), and an edit confined to tensor data past a file's first
+    /// MiB leaves it unchanged. A training step updates every (unfrozen) parameter, those stored
+    /// first included, so each saved step of a training run has its own fingerprint.
     pub fn fingerprint(&self) -> Result<String, HfError> {
         let mut h = Sha256::new();
         let cfg = self.path.join("config.json");
@@ -150,20 +169,155 @@ fn text_config(mut json: serde_json::Value) -> (serde_json::Value, bool) {
 
 /// Where a multimodal checkpoint keeps its text model's weights: `model.language_model.`
 /// (transformers ≥ 4.52) or `language_model.model.` (earlier), found from the headers.
-fn text_tower_prefix(weights: &[PathBuf]) -> Result<String, HfError> {
-    for w in weights {
-        for (name, _) in safetensors_header(w)? {
-            for prefix in ["model.language_model.", "language_model.model."] {
-                if name.starts_with(prefix) {
-                    return Ok(prefix.into());
-                }
+fn text_tower_prefix(tensors: &[(String, Vec<usize>)]) -> Result<String, HfError> {
+    for (name, _) in tensors {
+        for prefix in ["model.language_model.", "language_model.model."] {
+            if name.starts_with(prefix) {
+                return Ok(prefix.into());
             }
         }
     }
     Err(HfError::InvalidConfig(
-        "config.json has a text_config, but no weight is named model.language_model.* or          language_model.model.*"
+        "config.json has a text_config, but no weight is named model.language_model.* or \
+         language_model.model.*"
             .into(),
     ))
+}
+
+/// What one layer's MLP tensors say, from the safetensors headers.
+#[derive(Default)]
+struct LayerMlp {
+    /// The first (by name) `mlp.experts.*` or `mlp.gate.weight` tensor: a sparse MoE block.
+    sparse: Option<String>,
+    /// The first (by name) other `mlp.*` tensor: a dense MLP.
+    dense: Option<String>,
+    /// Experts the tensors hold: per-expert `mlp.experts.N.*` (largest N + 1) or the first
+    /// dimension of the fused `mlp.experts.gate_up_proj`.
+    experts: Option<usize>,
+}
+
+/// Checks, from the safetensors headers alone (before any weight is loaded), that `config`
+/// (read from `cfg_path`) and the weights agree on which layers hold a mixture-of-experts MLP
+/// and on the expert count, and says where they disagree by config key and tensor name.
+/// Without it a Qwen3-MoE `config.json` that lost its expert count (e.g. written with a key name
+/// this reader did not know) builds dense MLPs and stops on a missing `mlp.gate_proj.weight`.
+///
+/// [`ModelDir::open`] calls it, so the teacher, the trainer and the evaluator all refuse such
+/// a directory with the same message.
+pub fn check_experts(
+    config: &ModelConfig,
+    cfg_path: &Path,
+    tensors: &[(String, Vec<usize>)],
+) -> Result<(), HfError> {
+    let fail = |message: String| {
+        Err(HfError::ConfigVsWeights {
+            path: cfg_path.to_path_buf(),
+            message,
+        })
+    };
+    let prefix = config.weight_prefix.as_deref().unwrap_or("model.");
+    let mut layers: std::collections::BTreeMap<usize, LayerMlp> = Default::default();
+    for (name, shape) in tensors {
+        let Some(rest) = name
+            .strip_prefix(prefix)
+            .and_then(|r| r.strip_prefix("layers."))
+        else {
+            continue;
+        };
+        let Some((l, rest)) = rest.split_once('.') else {
+            continue;
+        };
+        let (Ok(l), Some(mlp)) = (l.parse::<usize>(), rest.strip_prefix("mlp.")) else {
+            continue;
+        };
+        let layer = layers.entry(l).or_default();
+        let first = |slot: &mut Option<String>| {
+            if slot.as_ref().is_none_or(|s| name < s) {
+                *slot = Some(name.clone());
+            }
+        };
+        if let Some(e) = mlp.strip_prefix("experts.") {
+            first(&mut layer.sparse);
+            let held = match e.split_once('.') {
+                Some((n, _)) => n.parse::<usize>().ok().map(|n| n + 1),
+                None if e == "gate_up_proj" => shape.first().copied(),
+                None => None,
+            };
+            layer.experts = layer.experts.max(held);
+        } else if mlp == "gate.weight" {
+            first(&mut layer.sparse);
+        } else {
+            first(&mut layer.dense);
+        }
+    }
+    let arch = config.arch()?;
+    let m = &config.moe;
+    let key = m.experts_key();
+    let experts = m.experts();
+    // The keys that pick the MoE layers, as set (for messages).
+    let layer_keys = || {
+        let only = m.mlp_only_layers.as_deref().unwrap_or(&[]);
+        format!(
+            "`mlp_only_layers` = {only:?}, `decoder_sparse_step` = {}",
+            m.decoder_sparse_step.unwrap_or(1)
+        )
+    };
+    for (&l, layer) in &layers {
+        let said_moe = config.is_moe_layer(l);
+        match (&layer.sparse, said_moe) {
+            (Some(t), false) if arch != Arch::Qwen3Moe => {
+                return fail(format!(
+                    "model_type {:?} has dense MLPs, but the weights hold mixture-of-experts \
+                     tensors ({prefix}layers.{l}.mlp.experts.*, e.g. {t}): a Qwen3-MoE checkpoint \
+                     needs model_type \"qwen3_moe\" and its expert count in `num_experts` or \
+                     `num_local_experts`",
+                    config.model_type
+                ));
+            }
+            (Some(t), false) if experts == 0 => {
+                let held = layer
+                    .experts
+                    .map_or(String::new(), |n| format!(" ({n} in the weights)"));
+                return fail(format!(
+                    "the config sets no expert count (neither `num_experts` nor \
+                     `num_local_experts`), so every layer would be built as a dense MLP, but the \
+                     weights hold mixture-of-experts tensors ({prefix}layers.{l}.mlp.experts.*, \
+                     e.g. {t}): set `num_local_experts` (the name transformers ≥ 5.24 writes) or \
+                     `num_experts` (≤ 5.23) to the number of experts{held}"
+                ));
+            }
+            (Some(t), false) => {
+                return fail(format!(
+                    "config keys {} make layer {l} a dense MLP, but the weights hold \
+                     mixture-of-experts tensors there ({prefix}layers.{l}.mlp.experts.*, e.g. \
+                     {t}): fix `mlp_only_layers` or `decoder_sparse_step`",
+                    layer_keys()
+                ));
+            }
+            (None, true) => {
+                if let Some(t) = &layer.dense {
+                    return fail(format!(
+                        "config key `{key}` = {experts} (with {}) makes layer {l} a \
+                         mixture-of-experts layer, but the weights hold a dense MLP there (e.g. \
+                         {t}) and no {prefix}layers.{l}.mlp.experts.* tensor: fix \
+                         `mlp_only_layers` or `decoder_sparse_step`, or remove `{key}` if the \
+                         model is dense",
+                        layer_keys()
+                    ));
+                }
+            }
+            (Some(_), true) => {
+                if let Some(n) = layer.experts.filter(|&n| n != experts) {
+                    return fail(format!(
+                        "config key `{key}` = {experts} does not match the weights: \
+                         {prefix}layers.{l}.mlp.experts.* hold {n} experts"
+                    ));
+                }
+            }
+            (None, false) => {}
+        }
+    }
+    Ok(())
 }
 
 /// The largest safetensors header read (the format's own limit is 100 MB).

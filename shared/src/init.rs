@@ -250,6 +250,8 @@ pub fn build_config(a: &InitSpec) -> Result<ModelConfig> {
         _ => cfg.window.sliding_window = f.sliding_window.map(Some),
     }
     if arch == Arch::Qwen3Moe {
+        // `num_experts`: the name every transformers version reads (5.24 maps it onto its
+        // `num_local_experts`; 5.23 and earlier know no other).
         cfg.moe.num_experts = Some(f.experts.unwrap_or(8));
         cfg.moe.num_experts_per_tok = Some(f.experts_per_tok.unwrap_or(2));
         cfg.moe.moe_intermediate_size = Some(
@@ -318,7 +320,7 @@ pub fn parameter_count(cfg: &ModelConfig) -> f64 {
         + 2.0 * d;
     // Qwen3-MoE: every expert and the router, on every layer (an upper bound).
     let m = &cfg.moe;
-    let experts = m.num_experts.unwrap_or(0) as f64;
+    let experts = m.experts() as f64;
     let per_layer =
         per_layer + experts * (3.0 * m.moe_intermediate_size.unwrap_or(0) as f64 * h + h);
     let heads = if cfg.tie_word_embeddings { 1.0 } else { 2.0 };

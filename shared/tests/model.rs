@@ -636,3 +636,188 @@ fn absent_and_null_windows_follow_transformers_defaults() {
     assert_eq!(back.sliding_window(), None);
     assert_eq!(back.window.sliding_window, Some(None));
 }
+
+/// The Qwen3-MoE test model (experts on layers 0 and 2, a dense MLP on layer 1) written as a
+/// model directory, with `edit` applied to its config.json.
+fn moe_dir(
+    edit: impl FnOnce(&mut serde_json::Map<String, serde_json::Value>),
+) -> tempfile::TempDir {
+    let (_, cfg) = arch_configs()
+        .into_iter()
+        .find(|(a, _)| *a == "qwen3_moe")
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let tok = dir.path().join("src-tokenizer.json");
+    std::fs::write(&tok, "{}").unwrap();
+    let out = dir.path().join("m");
+    xdistill_shared::hf::write_model_dir(&out, &cfg, &params(&cfg), &tok).unwrap();
+    let p = out.join("config.json");
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+    edit(v.as_object_mut().unwrap());
+    std::fs::write(&p, serde_json::to_vec_pretty(&v).unwrap()).unwrap();
+    dir
+}
+
+/// transformers ≤ 5.23 writes the expert count as `num_experts`, 5.24 and later as
+/// `num_local_experts`: a directory with either (or both, equal) opens as the same MoE model and
+/// scores the same; written back, it keeps its key. Both keys set and disagreeing are refused,
+/// naming both.
+#[test]
+fn either_expert_count_key_loads_as_moe() {
+    let rename = |m: &mut serde_json::Map<String, serde_json::Value>| {
+        let n = m.remove("num_experts").unwrap();
+        m.insert("num_local_experts".into(), n);
+    };
+    let old = moe_dir(|m| assert_eq!(m["num_experts"], 4));
+    let new = moe_dir(rename);
+    let both = moe_dir(|m| {
+        m.insert("num_local_experts".into(), serde_json::json!(4));
+    });
+    let mut logits = Vec::new();
+    for (dir, key) in [
+        (&old, "num_experts"),
+        (&new, "num_local_experts"),
+        (&both, "num_local_experts"),
+    ] {
+        let md = xdistill_shared::hf::ModelDir::open(dir.path().join("m")).unwrap();
+        let c = &md.config;
+        assert_eq!((c.moe.experts(), c.moe.experts_key()), (4, key));
+        assert_eq!(
+            (0..3).map(|l| c.is_moe_layer(l)).collect::<Vec<_>>(),
+            [true, false, true]
+        );
+        assert!(param_specs(c, 0.0)
+            .iter()
+            .any(|s| s.name == "model.layers.2.mlp.experts.3.down_proj.weight"));
+        // SAFETY: written by this test, not modified while mapped.
+        let vb = unsafe { VarBuilder::from_mmaped_safetensors(&md.weights, DType::F32, &dev()) }
+            .unwrap();
+        logits.push(
+            Decoder::new(c, vb, Ops::Fused)
+                .unwrap()
+                .forward(&ids(&SEQ))
+                .unwrap(),
+        );
+    }
+    assert_eq!(max_abs_diff(&logits[0], &logits[1]), 0.0);
+    assert_eq!(max_abs_diff(&logits[0], &logits[2]), 0.0);
+    // Saved again, a 5.24 config keeps its key (and gains no other).
+    let md = xdistill_shared::hf::ModelDir::open(new.path().join("m")).unwrap();
+    let cfg = serde_json::to_value(&md.config).unwrap();
+    assert_eq!(cfg["num_local_experts"], 4);
+    assert!(cfg.get("num_experts").is_none(), "{cfg}");
+    // Disagreeing keys: refused by validate, naming both.
+    let bad = moe_dir(|m| {
+        m.insert("num_local_experts".into(), serde_json::json!(8));
+    });
+    let e = xdistill_shared::hf::ModelDir::open(bad.path().join("m"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("num_experts (4) and num_local_experts (8) disagree"),
+        "{e}"
+    );
+}
+
+/// Where config.json and the safetensors headers disagree about the experts, opening the
+/// directory (before any weight is loaded) says so by config key and tensor name.
+#[test]
+fn config_and_weights_disagreeing_on_experts_are_refused_by_name() {
+    use xdistill_shared::hf::{HfError, ModelDir};
+    let open_err = |dir: &tempfile::TempDir| -> String {
+        let e = ModelDir::open(dir.path().join("m")).unwrap_err();
+        assert!(matches!(e, HfError::ConfigVsWeights { .. }), "{e:?}");
+        let e = e.to_string();
+        assert!(e.contains("config.json: "), "the file is named: {e}");
+        e
+    };
+    // 1. The expert count lost (a key name this reader did not know): dense MLPs would be built.
+    let e = open_err(&moe_dir(|m| {
+        m.remove("num_experts");
+    }));
+    for needle in [
+        "neither `num_experts` nor `num_local_experts`",
+        "model.layers.0.mlp.experts.*",
+        "e.g. model.layers.0.mlp.experts.0.down_proj.weight",
+        "number of experts (4 in the weights)",
+    ] {
+        assert!(e.contains(needle), "{needle:?} in {e}");
+    }
+    // 2. A dense model_type over MoE weights.
+    let e = open_err(&moe_dir(|m| {
+        m.insert("model_type".into(), serde_json::json!("qwen3"));
+    }));
+    assert!(
+        e.contains("model_type \"qwen3\" has dense MLPs") && e.contains("mlp.experts."),
+        "{e}"
+    );
+    // 3. Layer 1 is dense in the weights; the config makes it MoE.
+    let e = open_err(&moe_dir(|m| {
+        m.insert("mlp_only_layers".into(), serde_json::json!([]));
+    }));
+    assert!(
+        e.contains("`num_experts` = 4 (with `mlp_only_layers` = [], `decoder_sparse_step` = 1)")
+            && e.contains("makes layer 1 a mixture-of-experts layer")
+            && e.contains("e.g. model.layers.1.mlp.down_proj.weight")
+            && e.contains("no model.layers.1.mlp.experts.* tensor"),
+        "{e}"
+    );
+    // 4. Layer 2 holds experts in the weights; the config makes it dense.
+    let e = open_err(&moe_dir(|m| {
+        m.insert("mlp_only_layers".into(), serde_json::json!([1, 2]));
+    }));
+    assert!(
+        e.contains("`mlp_only_layers` = [1, 2], `decoder_sparse_step` = 1 make layer 2 a dense")
+            && e.contains("model.layers.2.mlp.experts.*"),
+        "{e}"
+    );
+    // 5. The count: 8 said, 4 held (`num_experts_per_tok` stays valid).
+    let e = open_err(&moe_dir(|m| {
+        m.remove("num_experts");
+        m.insert("num_local_experts".into(), serde_json::json!(8));
+    }));
+    assert!(
+        e.contains(
+            "config key `num_local_experts` = 8 does not match the weights: \
+             model.layers.0.mlp.experts.* hold 4 experts"
+        ),
+        "{e}"
+    );
+}
+
+/// The same checks read transformers 5's fused expert tensors (`mlp.experts.gate_up_proj`
+/// `[E, 2I, H]`): the count comes from their first dimension.
+#[test]
+fn fused_expert_tensors_are_counted_from_their_shape() {
+    use xdistill_shared::hf::check_experts;
+    let (_, cfg) = arch_configs()
+        .into_iter()
+        .find(|(a, _)| *a == "qwen3_moe")
+        .unwrap();
+    let mut names: Vec<(String, Vec<usize>)> = Vec::new();
+    for l in [0, 2] {
+        let pre = format!("model.layers.{l}.mlp");
+        names.push((format!("{pre}.gate.weight"), vec![4, 16]));
+        names.push((format!("{pre}.experts.gate_up_proj"), vec![4, 16, 16]));
+        names.push((format!("{pre}.experts.down_proj"), vec![4, 16, 8]));
+    }
+    names.push(("model.layers.1.mlp.gate_proj.weight".into(), vec![24, 16]));
+    let p = std::path::Path::new("m/config.json");
+    check_experts(&cfg, p, &names).unwrap();
+    let mut six = cfg.clone();
+    six.moe.num_experts = Some(6);
+    let e = check_experts(&six, p, &names).unwrap_err().to_string();
+    assert!(
+        e.contains("`num_experts` = 6 does not match the weights") && e.contains("hold 4 experts"),
+        "{e}"
+    );
+    let mut none = cfg.clone();
+    none.moe.num_experts = None;
+    let e = check_experts(&none, p, &names).unwrap_err().to_string();
+    assert!(
+        e.starts_with("m/config.json: ")
+            && e.contains("e.g. model.layers.0.mlp.experts.down_proj")
+            && e.contains("(4 in the weights)"),
+        "{e}"
+    );
+}

@@ -179,10 +179,18 @@ impl RopeParams {
 }
 
 /// Qwen3-MoE's sparse MLP settings (absent for dense models).
+///
+/// The expert count has two names: transformers ≤ 5.23 writes `num_experts`, 5.24 and later
+/// `num_local_experts` (and reads either). Both are kept as read, so a config is written back
+/// under the name it came with; read the count through [`MoeConfig::experts`].
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct MoeConfig {
+    /// The expert count as transformers ≤ 5.23 writes it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub num_experts: Option<usize>,
+    /// The expert count as transformers ≥ 5.24 writes it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub num_local_experts: Option<usize>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub num_experts_per_tok: Option<usize>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -193,6 +201,25 @@ pub struct MoeConfig {
     pub decoder_sparse_step: Option<usize>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mlp_only_layers: Option<Vec<usize>>,
+}
+
+impl MoeConfig {
+    /// The expert count: `num_local_experts` or `num_experts`, 0 when neither is set (a dense
+    /// model). When both are set and disagree [`ModelConfig::validate`] refuses the config;
+    /// before that, `num_local_experts` wins, as in transformers ≥ 5.24.
+    pub fn experts(&self) -> usize {
+        self.num_local_experts.or(self.num_experts).unwrap_or(0)
+    }
+
+    /// The key the expert count was read from, for messages (`num_experts` when neither is
+    /// set: the name every transformers version reads).
+    pub fn experts_key(&self) -> &'static str {
+        if self.num_local_experts.is_some() {
+            "num_local_experts"
+        } else {
+            "num_experts"
+        }
+    }
 }
 
 /// Window and layer-type keys (Mistral, Phi-3, Gemma 3, the Qwen families).
@@ -554,7 +581,7 @@ impl ModelConfig {
     pub fn is_moe_layer(&self, l: usize) -> bool {
         let m = &self.moe;
         matches!(self.arch(), Ok(Arch::Qwen3Moe))
-            && m.num_experts.unwrap_or(0) > 0
+            && m.experts() > 0
             && !m.mlp_only_layers.as_deref().unwrap_or(&[]).contains(&l)
             && (l + 1).is_multiple_of(m.decoder_sparse_step.unwrap_or(1).max(1))
     }
@@ -695,11 +722,22 @@ impl ModelConfig {
             return Ok(());
         }
         let m = &self.moe;
-        let experts = m.num_experts.unwrap_or(0);
+        if let (Some(old), Some(new)) = (m.num_experts, m.num_local_experts) {
+            if old != new {
+                return invalid(format!(
+                    "num_experts ({old}) and num_local_experts ({new}) disagree: both name the \
+                     expert count (transformers ≤ 5.23 writes num_experts, 5.24 and later \
+                     num_local_experts); keep one of them, set to the number of experts the \
+                     weights hold"
+                ));
+            }
+        }
+        let experts = m.experts();
         let top_k = m.num_experts_per_tok.unwrap_or(0);
         if experts > 0 && !(1..=experts).contains(&top_k) {
             return invalid(format!(
-                "num_experts_per_tok ({top_k}) must be in 1..=num_experts ({experts})"
+                "num_experts_per_tok ({top_k}) must be in 1..={} ({experts})",
+                m.experts_key()
             ));
         }
         if experts > 0 && m.moe_intermediate_size.unwrap_or(0) == 0 {

@@ -25,7 +25,7 @@ pub(crate) struct SparseMoe {
 impl SparseMoe {
     fn load(cfg: &ModelConfig, vb: &VarBuilder) -> Result<SparseMoe> {
         let m = &cfg.moe;
-        let (h, e) = (cfg.hidden_size, m.num_experts.unwrap_or(0));
+        let (h, e) = (cfg.hidden_size, m.experts());
         let inter = m.moe_intermediate_size.unwrap_or(0);
         let act = cfg.activation().map_err(candle_core::Error::wrap)?;
         let router = linear(vb, "gate", (h, e), false)?;
