@@ -9,7 +9,12 @@ use std::path::PathBuf;
 #[command(
     name = "teacher",
     version,
-    about = "xdistill teacher server: batched, cached top-k log-probs of a Llama/Qwen model over HTTP"
+    about = "xdistill teacher server: batched, cached per-position top-k log-probs over HTTP",
+    long_about = "xdistill teacher server: batched, cached per-position top-k log-probs over HTTP \
+(its own /topk_logits, and vLLM's and SGLang's scoring routes).\n\n\
+Serves a Hugging Face model directory of these architectures (config.json's model_type): \
+Llama (llama), Mistral (mistral), Qwen2 (qwen2), Qwen3 (qwen3), Qwen3-MoE (qwen3_moe), \
+Gemma 3 (gemma3_text, gemma3), Phi-3 (phi3)."
 )]
 pub struct Args {
     /// Hugging Face model directory: config.json, model.safetensors (or sharded + index), tokenizer.json.
@@ -33,9 +38,9 @@ pub struct Args {
     pub topk: TopkPath,
     /// On the host path: fused (the LM head a vocabulary tile at a time, each tile scored while
     /// in cache; the `[N, V]` logits never exist) or full (the logits of a chunk of positions,
-    /// then scored). The same scores to f32 rounding (bit for bit where candle makes the fused
-    /// tiles; the AVX-512 kernel sums each dot product in its own order); fused is faster and
-    /// smaller.
+    /// then scored). The same scores to f32 rounding; bit for bit where candle makes the fused
+    /// tiles (CPUs without AVX-512, or `XDISTILL_SIMD=avx2`), while the AVX-512 kernel sums each
+    /// dot product in its own fixed order. Fused is faster and smaller.
     #[arg(long, env = "XDISTILL_LM_HEAD", value_enum, default_value_t = LmHead::Fused)]
     pub lm_head: LmHead,
     /// Most padded tokens (batch size × longest input) per forward pass.
@@ -187,6 +192,31 @@ impl Args {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::CommandFactory;
+    use xdistill_shared::model::config::Arch;
+
+    /// `teacher --help` names every architecture the decoders serve (the match is exhaustive:
+    /// a new architecture does not compile until it is named here, and then in the help).
+    #[test]
+    fn help_names_every_architecture() {
+        let help = Args::command().render_long_help().to_string();
+        for arch in Arch::ALL {
+            let (name, model_type) = match arch {
+                Arch::Llama => ("Llama", "llama"),
+                Arch::Mistral => ("Mistral", "mistral"),
+                Arch::Qwen2 => ("Qwen2", "qwen2"),
+                Arch::Qwen3 => ("Qwen3", "qwen3"),
+                Arch::Qwen3Moe => ("Qwen3-MoE", "qwen3_moe"),
+                Arch::Gemma3 => ("Gemma 3", "gemma3_text"),
+                Arch::Phi3 => ("Phi-3", "phi3"),
+            };
+            assert!(
+                help.contains(&format!("{name} ({model_type}")),
+                "--help lacks {name} ({model_type}):\n{help}"
+            );
+            assert_eq!(Arch::parse(model_type).ok(), Some(arch), "{model_type}");
+        }
+    }
 
     #[test]
     fn defaults_and_constraints() {

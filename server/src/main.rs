@@ -12,6 +12,9 @@ fn main() -> Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
+    // `$XDISTILL_SIMD` caps the SIMD level of the hot loops: refuse a bad value up front.
+    let simd = xdistill_shared::simd::Simd::from_env()?;
+    tracing::debug!(simd = simd.name(), "host SIMD level");
     if args.check_args {
         server::check_args(&args)?;
         println!("arguments ok");

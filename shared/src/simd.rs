@@ -28,10 +28,40 @@ impl Simd {
         Simd::Baseline
     }
 
-    /// The level in use (detected on first use).
+    /// The level in use: the CPU's widest, capped by `$XDISTILL_SIMD` when that is set (fixed
+    /// on first use). An unreadable `$XDISTILL_SIMD` is ignored here; the binaries call
+    /// [`Simd::from_env`] first so that it is refused with a clear error instead.
     pub fn current() -> Simd {
         static LEVEL: std::sync::OnceLock<Simd> = std::sync::OnceLock::new();
-        *LEVEL.get_or_init(Simd::detect)
+        *LEVEL.get_or_init(|| {
+            let cap = Simd::requested().ok().flatten();
+            Simd::detect().min(cap.unwrap_or(Simd::Avx512))
+        })
+    }
+
+    /// The cap `$XDISTILL_SIMD` asks for (`avx512`, `avx2` or `baseline`), if set. It can only
+    /// lower the level — to run or measure the narrower paths on a wider CPU, e.g. the
+    /// AVX-512 LM-head and linear kernels off with `XDISTILL_SIMD=avx2`.
+    pub fn requested() -> Result<Option<Simd>, SimdError> {
+        match std::env::var(SIMD_ENV) {
+            Err(std::env::VarError::NotPresent) => Ok(None),
+            Err(std::env::VarError::NotUnicode(v)) => Err(SimdError(format!("{v:?}"))),
+            Ok(v) if v.trim().is_empty() => Ok(None),
+            Ok(v) => Simd::parse(v.trim()).map(Some).ok_or(SimdError(v)),
+        }
+    }
+
+    /// Checks `$XDISTILL_SIMD` and returns the level in use: what the binaries call at start.
+    pub fn from_env() -> Result<Simd, SimdError> {
+        Simd::requested()?;
+        Ok(Simd::current())
+    }
+
+    /// The level named `name` (as [`Simd::name`] writes it).
+    pub fn parse(name: &str) -> Option<Simd> {
+        [Simd::Avx512, Simd::Avx2, Simd::Baseline]
+            .into_iter()
+            .find(|l| l.name().eq_ignore_ascii_case(name))
     }
 
     pub fn name(self) -> &'static str {
@@ -42,6 +72,14 @@ impl Simd {
         }
     }
 }
+
+/// The environment variable that caps the SIMD level ([`Simd::requested`]).
+pub const SIMD_ENV: &str = "XDISTILL_SIMD";
+
+/// `$XDISTILL_SIMD` names no level.
+#[derive(Debug, thiserror::Error)]
+#[error("XDISTILL_SIMD={0} names no SIMD level: use avx512, avx2 or baseline (it caps the CPU's own level), or unset it")]
+pub struct SimdError(String);
 
 /// Defines `fn $name(level: Simd, args…) -> ret` that runs `$body(args…)` compiled for `level`
 /// (at most the CPU's own [`Simd::current`]). `$body` should be `#[inline(always)]` so that it
@@ -158,6 +196,18 @@ mod tests {
     use super::*;
 
     #[test]
+    fn levels_parse_by_name_and_order_narrow_to_wide() {
+        for l in [Simd::Baseline, Simd::Avx2, Simd::Avx512] {
+            assert_eq!(Simd::parse(l.name()), Some(l));
+        }
+        assert_eq!(Simd::parse("AVX2"), Some(Simd::Avx2));
+        assert_eq!(Simd::parse("sse2"), None);
+        assert!(Simd::Baseline < Simd::Avx2 && Simd::Avx2 < Simd::Avx512);
+        // The level in use never exceeds the CPU's.
+        assert!(Simd::current() <= Simd::detect());
+    }
+
+    #[test]
     fn exp2_matches_f64() {
         let mut worst = 0f64;
         let mut x = -130.0f32;
@@ -199,6 +249,8 @@ mod tests {
         for level in [Simd::Avx2, Simd::Avx512] {
             assert_eq!(sum_at(level, &x).to_bits(), base.to_bits(), "{level:?}");
         }
-        assert!(Simd::current() <= Simd::Avx512 && Simd::detect() == Simd::current());
+        // The level in use is the CPU's, capped by $XDISTILL_SIMD when the suite sets it.
+        let cap = Simd::requested().unwrap().unwrap_or(Simd::Avx512);
+        assert_eq!(Simd::current(), Simd::detect().min(cap));
     }
 }

