@@ -116,11 +116,18 @@ pub fn tokenizer_json(name: &str) -> PathBuf {
     dir.join(name).join("tokenizer.json")
 }
 
-/// A `shared/data` folder beside the checkout (real text: GSM8K), if present. Optional: what
+/// The environment variable naming a folder of real text (`gsm8k/train.jsonl`, …).
+pub const DATA_ENV: &str = "XDISTILL_DATA";
+
+/// Real text (GSM8K) for the alignment benchmark and an optional evaluation test:
+/// `$XDISTILL_DATA`, else a `shared/data` folder beside the checkout, if present. Optional: what
 /// uses it skips or says so without it.
 pub fn shared_data_dir() -> Option<PathBuf> {
-    let d = repo_root().join("..").join("shared").join("data");
-    d.is_dir().then_some(d)
+    let from_env = std::env::var_os(DATA_ENV)
+        .filter(|d| !d.is_empty())
+        .map(PathBuf::from);
+    let beside = repo_root().parent().map(|p| p.join("shared").join("data"));
+    [from_env, beside].into_iter().flatten().find(|d| d.is_dir())
 }
 
 #[cfg(test)]

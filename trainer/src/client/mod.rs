@@ -84,7 +84,8 @@ pub enum ClientError {
     NoUrls,
     #[error("building the HTTP client: {0}")]
     Build(String),
-    /// The server refused the request (4xx other than 408/429, or 500/501): not retried.
+    /// The server answered a status that is not retried: every one but 408, 429, 502, 503 and
+    /// 504 (which are, as are transport errors).
     #[error("{url}: HTTP {status} ({kind}): {message}{}", field.as_ref().map(|f| format!(" [field {f}]")).unwrap_or_default())]
     Rejected {
         url: String,

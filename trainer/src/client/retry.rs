@@ -7,7 +7,7 @@ const MAX_RETRY_AFTER: Duration = Duration::from_secs(86_400);
 
 /// Delay before the retry that follows `failures` earlier failures (0 for the first retry):
 /// `min(initial · 2^failures, max)`, scaled by `0.5 + 0.5 · u` for jitter (`u` uniform in
-/// [0, 1]), so that many trainers do not retry in lockstep.
+/// [0, 1)), so that many trainers do not retry in lockstep.
 pub fn backoff_delay(failures: u32, initial: Duration, max: Duration, u: f64) -> Duration {
     let exp = initial.as_secs_f64() * 2f64.powi(failures.min(62) as i32);
     let capped = exp.min(max.as_secs_f64());
