@@ -350,8 +350,14 @@ impl Worker {
         m.batch_topk_duration.observe(timing.topk.as_secs_f64());
         drop(seqs);
         for (job, r) in jobs.into_iter().zip(results) {
+            // The job's queue budget goes back before its answer, so that a caller who has read
+            // the answer finds the budget returned (it came back just after, a race under load).
+            let Job {
+                reply, admission, ..
+            } = job;
+            drop(admission);
             // A caller that left meanwhile is not an error.
-            let _ = job.reply.send(r);
+            let _ = reply.send(r);
         }
         m.batch_duration.observe(t0.elapsed().as_secs_f64());
     }

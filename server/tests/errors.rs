@@ -292,13 +292,14 @@ async fn queue_full_and_request_too_large() {
         let body =
             codec::encode_request(Format::Json, &request(vec![ids(1, 31, VOCAB)], 3)).unwrap();
         tokio::spawn(async move {
-            client()
+            let r = client()
                 .post(url)
                 .header("content-type", "application/json")
                 .body(body)
                 .send()
-                .await
-                .map(|r| r.status().as_u16())
+                .await?;
+            let status = r.status().as_u16();
+            Ok::<_, reqwest::Error>((status, r.text().await?))
         })
     };
     // Wait until the first request is queued (it then waits out the 3 s window).
@@ -362,7 +363,8 @@ async fn queue_full_and_request_too_large() {
     assert_eq!(r.status(), 413);
     let e: ErrorBody = r.json().await.unwrap();
     assert_eq!(e.error.kind, "request_too_large");
-    assert_eq!(first.await.unwrap().unwrap(), 200);
+    let (status, body) = first.await.unwrap().unwrap();
+    assert_eq!(status, 200, "the queued request: {body}");
     // The budget came back: the same request is admitted now.
     let (status, _) =
         common::post(&c, &t, &request(vec![ids(2, 21, VOCAB)], 3), Format::Json).await;
