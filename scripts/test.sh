@@ -44,7 +44,17 @@ XDISTILL_SIMD="$simd" run_cargo_tests "XDISTILL_SIMD=$simd: shared, kernels, ser
   --locked --no-fail-fast -p xdistill-shared -p xdistill-kernels -p xdistill-server "$@"
 
 echo "=== python client" >&2
-scripts/python-tests.sh || failed+=("python client: scripts/python-tests.sh failed (see above)")
+# The binaries `cargo test --workspace` built (a `cargo build` of two packages alone would
+# resolve features differently and rebuild the dependencies).
+export XDISTILL_BIN_DIR="$PWD/target/debug"
+scripts/python-tests.sh -rs || failed+=("python client: scripts/python-tests.sh failed (see above)")
+
+skipped="$(cat "$logs"/*.log 2>/dev/null | grep -E '^SKIPPED ' | sort -u || true)"
+if [ -n "$skipped" ]; then
+  echo >&2
+  echo "Skipped (Rust):" >&2
+  echo "$skipped" | sed 's/^/  /' >&2
+fi
 
 if [ "${#failed[@]}" -gt 0 ]; then
   echo >&2

