@@ -127,7 +127,10 @@ pub fn shared_data_dir() -> Option<PathBuf> {
         .filter(|d| !d.is_empty())
         .map(PathBuf::from);
     let beside = repo_root().parent().map(|p| p.join("shared").join("data"));
-    [from_env, beside].into_iter().flatten().find(|d| d.is_dir())
+    [from_env, beside]
+        .into_iter()
+        .flatten()
+        .find(|d| d.is_dir())
 }
 
 #[cfg(test)]

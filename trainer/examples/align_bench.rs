@@ -17,7 +17,11 @@ fn main() -> anyhow::Result<()> {
     let s = AlignTokenizer::from_file(&tokenizer_json(sn))?;
     let t = AlignTokenizer::from_file(&tokenizer_json(tn))?;
     let data = shared_data_dir()
-        .ok_or_else(|| anyhow::anyhow!("no real text found: set XDISTILL_DATA to a folder holding gsm8k/train.jsonl"))?
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "no real text found: set XDISTILL_DATA to a folder holding gsm8k/train.jsonl"
+            )
+        })?
         .join("gsm8k/train.jsonl");
     let docs = xdistill_trainer::align::cli::read_documents(&data, &["question", "answer"])?;
     let text = docs[..40].join("\n\n");
