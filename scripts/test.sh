@@ -37,11 +37,11 @@ run_cargo_tests() {
   fi
 }
 
-run_cargo_tests "cargo test --workspace" --workspace --locked --no-fail-fast "$@"
+run_cargo_tests "cargo test --workspace" --workspace --locked --no-fail-fast ${1+"$@"}
 
 simd="$(grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo avx2 || echo baseline)"
 XDISTILL_SIMD="$simd" run_cargo_tests "XDISTILL_SIMD=$simd: shared, kernels, server" \
-  --locked --no-fail-fast -p xdistill-shared -p xdistill-kernels -p xdistill-server "$@"
+  --locked --no-fail-fast -p xdistill-shared -p xdistill-kernels -p xdistill-server ${1+"$@"}
 
 echo "=== python client" >&2
 # The binaries `cargo test --workspace` built (a `cargo build` of two packages alone would
