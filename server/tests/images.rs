@@ -1257,26 +1257,11 @@ fn teacher_args(argv: &[String], env: &BTreeMap<String, String>) -> Result<Args,
     Ok(args)
 }
 
-/// `${VAR:-default}` → `default`, `${VAR}` → empty: compose with no such variable set.
-fn compose_defaults(s: &str) -> String {
-    let mut out = String::new();
-    let mut rest = s;
-    while let Some(i) = rest.find("${") {
-        out.push_str(&rest[..i]);
-        let Some(j) = rest[i..].find('}') else { break };
-        let inner = &rest[i + 2..i + j];
-        out.push_str(inner.split_once(":-").map(|(_, d)| d).unwrap_or(""));
-        rest = &rest[i + j + 1..];
-    }
-    out.push_str(rest);
-    out
-}
-
 fn str_list(v: &serde_yaml::Value) -> Vec<String> {
     v.as_sequence()
         .map(|s| {
             s.iter()
-                .map(|x| compose_defaults(x.as_str().expect("a string")))
+                .map(|x| common::compose_defaults(x.as_str().expect("a string")))
                 .collect()
         })
         .unwrap_or_default()
@@ -1415,7 +1400,7 @@ fn the_teacher_image_accepts_every_command_line_it_is_started_with() {
         for (k, v) in svc["environment"].as_mapping().into_iter().flatten() {
             env.insert(
                 k.as_str().expect("a name").to_string(),
-                compose_defaults(v.as_str().unwrap_or("")),
+                common::compose_defaults(v.as_str().unwrap_or("")),
             );
         }
         // The published container port, or (replicas behind the balancer) the exposed one.
@@ -1781,7 +1766,7 @@ fn the_trainer_image_runs_the_job_and_the_compose_service_against_a_teacher() {
     let (df, target) = &images[svc["image"].as_str().expect("an image")];
     assert_eq!(target, "trainer");
     let stage = df.stage(target);
-    let user = compose_defaults(svc["user"].as_str().unwrap_or(""));
+    let user = common::compose_defaults(svc["user"].as_str().unwrap_or(""));
     assert_eq!(
         user.split(':').next(),
         Some(df.uid(stage).to_string().as_str())
@@ -1796,7 +1781,7 @@ fn the_trainer_image_runs_the_job_and_the_compose_service_against_a_teacher() {
     for (k, v) in svc["environment"].as_mapping().into_iter().flatten() {
         env.insert(
             k.as_str().expect("a name").into(),
-            compose_defaults(v.as_str().unwrap_or("")),
+            common::compose_defaults(v.as_str().unwrap_or("")),
         );
     }
     let root = tmp.path().join("compose");

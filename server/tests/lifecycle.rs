@@ -149,21 +149,6 @@ fn check_args_accepts_and_refuses() {
     }
 }
 
-/// Replaces `${VAR:-default}` by `default`, as compose does with an empty environment.
-fn compose_defaults(s: &str) -> String {
-    let mut out = String::new();
-    let mut rest = s;
-    while let Some(i) = rest.find("${") {
-        out.push_str(&rest[..i]);
-        let Some(j) = rest[i..].find('}') else { break };
-        let inner = &rest[i + 2..i + j];
-        out.push_str(inner.split_once(":-").map(|(_, d)| d).unwrap_or(""));
-        rest = &rest[i + j + 1..];
-    }
-    out.push_str(rest);
-    out
-}
-
 /// No Docker engine runs here: read the compose file and prove each teacher service's command
 /// line (with its environment) is accepted by `teacher`: the CPU one, and the GPU one with its
 /// NVIDIA device reservation.
@@ -215,7 +200,7 @@ fn check_compose_service(svc: &serde_yaml::Value) -> Args {
         .as_sequence()
         .expect("command is a list")
         .iter()
-        .map(|v| compose_defaults(v.as_str().expect("command entries are strings")))
+        .map(|v| common::compose_defaults(v.as_str().expect("command entries are strings")))
         .collect();
     let env: Vec<(String, String)> = svc["environment"]
         .as_mapping()
@@ -224,7 +209,7 @@ fn check_compose_service(svc: &serde_yaml::Value) -> Args {
                 .map(|(k, v)| {
                     (
                         k.as_str().unwrap().to_string(),
-                        compose_defaults(v.as_str().unwrap_or("")),
+                        common::compose_defaults(v.as_str().unwrap_or("")),
                     )
                 })
                 .collect()

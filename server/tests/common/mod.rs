@@ -265,3 +265,18 @@ pub fn ids(seed: u64, len: usize, vocab: usize) -> Vec<u32> {
         })
         .collect()
 }
+
+/// `${VAR:-default}` → `default`, `${VAR}` → empty: compose with no such variable set.
+pub fn compose_defaults(s: &str) -> String {
+    let mut out = String::new();
+    let mut rest = s;
+    while let Some(i) = rest.find("${") {
+        out.push_str(&rest[..i]);
+        let Some(j) = rest[i..].find('}') else { break };
+        let inner = &rest[i + 2..i + j];
+        out.push_str(inner.split_once(":-").map(|(_, d)| d).unwrap_or(""));
+        rest = &rest[i + j + 1..];
+    }
+    out.push_str(rest);
+    out
+}
