@@ -22,7 +22,7 @@ pub(crate) enum Ffn {
 }
 
 impl Ffn {
-    fn forward(&self, x: &Tensor, ops: Ops) -> Result<Tensor> {
+    pub(super) fn forward(&self, x: &Tensor, ops: Ops) -> Result<Tensor> {
         match self {
             Ffn::Dense(m) => m.forward(x, ops),
             Ffn::Moe(m) => m.forward(x, ops),
@@ -128,20 +128,20 @@ impl Weights {
 
 /// The decoder. Cheap to clone (tensors are reference counted).
 pub struct Decoder {
-    cfg: ModelConfig,
-    arch: Arch,
-    ops: Ops,
-    w: Weights,
+    pub(super) cfg: ModelConfig,
+    pub(super) arch: Arch,
+    pub(super) ops: Ops,
+    pub(super) w: Weights,
     /// Gemma: the embedding is multiplied by √hidden (rounded to the model dtype).
-    embed_scale: Option<f64>,
+    pub(super) embed_scale: Option<f64>,
     /// RoPE of full-attention layers, and of sliding ones when there are any (Gemma 3's local
     /// base differs; the others repeat the full one).
-    rope_full: Rope,
-    rope_sliding: Option<Rope>,
+    pub(super) rope_full: Rope,
+    pub(super) rope_sliding: Option<Rope>,
     /// The layer kind of each block.
-    kinds: Vec<LayerKind>,
-    dtype: DType,
-    device: Device,
+    pub(super) kinds: Vec<LayerKind>,
+    pub(super) dtype: DType,
+    pub(super) device: Device,
 }
 
 impl Decoder {
@@ -297,7 +297,7 @@ impl Decoder {
 
     /// The cos/sin rows of this forward: `past..past+T` for every row, or gathered per row from
     /// `positions` ([B, T] → [B, T, R/2]).
-    fn rope_slice(
+    pub(super) fn rope_slice(
         &self,
         rope: &Rope,
         total: usize,

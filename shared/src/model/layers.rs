@@ -285,6 +285,39 @@ impl Attention {
         inp: &AttnInputs<'_>,
         kv: Option<&mut Option<(Tensor, Tensor)>>,
     ) -> Result<Tensor> {
+        let (q, k, v) = self.project(x, inp)?;
+        // 3. Append to the cache: [B, Hkv, past+T, D]. The cache holds detached tensors, so a
+        // rollout's earlier versions never stay alive through a gradient graph.
+        let (k, v) = match kv {
+            Some(slot) => {
+                let (k, v) = match slot.take() {
+                    Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 2)?, Tensor::cat(&[&pv, &v], 2)?),
+                    None => (k, v),
+                };
+                *slot = Some((k.detach(), v.detach()));
+                (k, v)
+            }
+            None => (k, v),
+        };
+        // 4. Grouped-query: repeat kv heads to [B, Hq, S, D].
+        let rep = self.n_heads / self.n_kv;
+        let (k, v) = if rep == 1 {
+            (k, v)
+        } else {
+            (repeat_kv(&k, rep)?, repeat_kv(&v, rep)?)
+        };
+        // 5. Masked softmax attention -> [B, Hq, T, D]; at inference [`QUERY_CHUNK`] queries
+        // at a time, so that at most [B, Hq, QUERY_CHUNK, S] scores exist at once.
+        let out = match inp.ops {
+            Ops::Fused => attend_in_chunks(&q, &k, &v, inp.mask, self.scale, QUERY_CHUNK)?,
+            Ops::Differentiable => attend(&q, &k, &v, inp.mask, self.scale, inp.ops)?,
+        };
+        self.output(&out, inp.ops)
+    }
+
+    /// Steps 1–2 of the attention: `x` [B, T, H] → q [B, Hq, T, D], k and v [B, Hkv, T, D],
+    /// projected, normed (Qwen3, Gemma 3) and rotated.
+    pub fn project(&self, x: &Tensor, inp: &AttnInputs<'_>) -> Result<(Tensor, Tensor, Tensor)> {
         let (b, t, _) = x.dims3()?;
         let d = self.head_dim;
         // 1. Project: [B, T, H] -> [B, T, heads, D]
@@ -315,34 +348,17 @@ impl Attention {
         let q = rope(&q.transpose(1, 2)?.contiguous()?, inp.cos, inp.sin, inp.ops)?;
         let k = rope(&k.transpose(1, 2)?.contiguous()?, inp.cos, inp.sin, inp.ops)?;
         let v = v.transpose(1, 2)?.contiguous()?;
-        // 3. Append to the cache: [B, Hkv, past+T, D].
-        let (k, v) = match kv {
-            Some(slot) => {
-                let (k, v) = match slot.take() {
-                    Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 2)?, Tensor::cat(&[&pv, &v], 2)?),
-                    None => (k, v),
-                };
-                *slot = Some((k.clone(), v.clone()));
-                (k, v)
-            }
-            None => (k, v),
-        };
-        // 4. Grouped-query: repeat kv heads to [B, Hq, S, D].
-        let rep = self.n_heads / self.n_kv;
-        let (k, v) = if rep == 1 {
-            (k, v)
-        } else {
-            (repeat_kv(&k, rep)?, repeat_kv(&v, rep)?)
-        };
-        // 5. Masked softmax attention -> [B, Hq, T, D]; at inference [`QUERY_CHUNK`] queries
-        // at a time, so that at most [B, Hq, QUERY_CHUNK, S] scores exist at once.
-        let out = match inp.ops {
-            Ops::Fused => attend_in_chunks(&q, &k, &v, inp.mask, self.scale, QUERY_CHUNK)?,
-            Ops::Differentiable => attend(&q, &k, &v, inp.mask, self.scale, inp.ops)?,
-        };
-        // 6. Merge heads: [B, T, Hq*D] -> o_proj.
-        let out = out.transpose(1, 2)?.reshape((b, t, self.n_heads * d))?;
-        self.o.forward(&out, inp.ops)
+        Ok((q, k, v))
+    }
+
+    /// Step 6: merge the heads of the attention's result `out` [B, Hq, T, D] into [B, T, Hq·D]
+    /// and apply `o_proj`.
+    pub fn output(&self, out: &Tensor, ops: Ops) -> Result<Tensor> {
+        let (b, _, t, _) = out.dims4()?;
+        let out = out
+            .transpose(1, 2)?
+            .reshape((b, t, self.n_heads * self.head_dim))?;
+        self.o.forward(&out, ops)
     }
 }
 

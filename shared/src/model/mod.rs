@@ -9,6 +9,7 @@
 
 pub mod config;
 mod decoder;
+mod flash;
 mod gemma3;
 mod host_ops;
 mod layers;
@@ -17,7 +18,11 @@ mod params;
 mod phi3;
 mod qwen3_moe;
 pub mod rope;
+mod train;
 
 pub use decoder::{Decoder, KvCache};
+#[doc(hidden)]
+pub use flash::override_block as override_attention_block;
 pub use layers::{linear_kernel, Ops};
 pub use params::{param_specs, Init, ParamSpec};
+pub use train::{kept_activation_bytes, Activations, TrainPass};

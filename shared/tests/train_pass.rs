@@ -1,0 +1,224 @@
+//! The training pass: a checkpointed forward and backward (layers recomputed, attention in query
+//! blocks) gives the hidden states and every parameter's gradient of the plain autograd pass, for
+//! every dense architecture, in f64 (to 1e-10 relative) and f32 (to 2e-5 relative).
+
+use candle_core::{DType, Device, Tensor, Var};
+use candle_nn::{VarBuilder, VarMap};
+use xdistill_shared::hf::ModelConfig;
+use xdistill_shared::model::{
+    override_attention_block, param_specs, Activations, Decoder, Init, Ops,
+};
+
+fn config(model_type: &str, extra: serde_json::Value) -> ModelConfig {
+    let mut v = serde_json::json!({
+        "model_type": model_type, "vocab_size": 40, "hidden_size": 16, "intermediate_size": 24,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 4,
+        "max_position_embeddings": 64, "rope_theta": 10000.0, "tie_word_embeddings": false,
+        "attention_bias": false
+    });
+    for (k, x) in extra.as_object().unwrap() {
+        v[k] = x.clone();
+    }
+    let cfg: ModelConfig = serde_json::from_value(v).unwrap();
+    cfg.validate().unwrap();
+    cfg
+}
+
+/// Every dense architecture a student may be, each feature on: GQA and q/k norms (Qwen3),
+/// biases (Qwen2), tied heads (Llama), sliding windows shorter than the sequence (Mistral, a
+/// windowed Qwen3), Gemma 3's local/global layers, post norms and embedding scale, and Phi-3's
+/// fused projections with partial rotary.
+fn archs() -> Vec<(&'static str, ModelConfig)> {
+    use serde_json::json;
+    vec![
+        ("qwen3", config("qwen3", json!({}))),
+        ("qwen2", config("qwen2", json!({"attention_bias": true}))),
+        (
+            "llama",
+            config("llama", json!({"tie_word_embeddings": true})),
+        ),
+        ("mistral", config("mistral", json!({"sliding_window": 3}))),
+        (
+            "qwen3 window",
+            config(
+                "qwen3",
+                json!({"sliding_window": 4, "use_sliding_window": true, "max_window_layers": 1}),
+            ),
+        ),
+        (
+            "gemma3",
+            config(
+                "gemma3_text",
+                json!({"num_hidden_layers": 3, "sliding_window": 3, "sliding_window_pattern": 3,
+                    "query_pre_attn_scalar": 8, "rope_local_base_freq": 100.0,
+                    "tie_word_embeddings": true}),
+            ),
+        ),
+        (
+            "phi3",
+            config(
+                "phi3",
+                json!({"head_dim": null, "hidden_size": 32, "partial_rotary_factor": 0.5,
+                    "sliding_window": 5}),
+            ),
+        ),
+    ]
+}
+
+/// `n` values in [-0.5, 0.5) from an LCG.
+fn noise(seed: u64, n: usize) -> Vec<f64> {
+    xdistill_shared::init::lcg_noise(seed, n, 1.0)
+        .into_iter()
+        .map(f64::from)
+        .collect()
+}
+
+/// Trainable parameters for `cfg` in `dtype` (non-trivial norms so their paths matter).
+fn varmap(cfg: &ModelConfig, dtype: DType) -> VarMap {
+    let vm = VarMap::new();
+    {
+        let mut data = vm.data().lock().unwrap();
+        for (i, s) in param_specs(cfg, 0.2).into_iter().enumerate() {
+            let n: usize = s.shape.iter().product();
+            let v: Vec<f64> = match s.init {
+                Init::Normal(_) => noise(100 + i as u64, n).iter().map(|x| x * 0.6).collect(),
+                _ => noise(100 + i as u64, n)
+                    .iter()
+                    .map(|x| 1.0 + x * 0.5)
+                    .collect(),
+            };
+            let t = Tensor::from_vec(v, s.shape, &Device::Cpu)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            data.insert(s.name, Var::from_tensor(&t).unwrap());
+        }
+    }
+    vm
+}
+
+/// Hidden states and all gradients of `Σ hidden ∘ r` for one way of keeping activations.
+fn pass(model: &Decoder, vm: &VarMap, ids: &Tensor, act: Activations) -> (Vec<f64>, Vec<Vec<f64>>) {
+    let flat = |t: &Tensor| -> Vec<f64> {
+        t.to_dtype(DType::F64)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    };
+    let p = model.train_forward(ids, act).unwrap();
+    let hidden = flat(p.hidden());
+    let r = Tensor::from_vec(noise(7, hidden.len()), p.hidden().shape(), &Device::Cpu)
+        .unwrap()
+        .to_dtype(p.hidden().dtype())
+        .unwrap();
+    let grads = p.backward(&r).unwrap();
+    // The head is the loss's (applied to the hidden states by the caller).
+    let mut names: Vec<_> = vm.data().lock().unwrap().keys().cloned().collect();
+    names.retain(|n| n != "lm_head.weight");
+    names.sort();
+    let data = vm.data().lock().unwrap();
+    let g = names
+        .iter()
+        .map(|n| {
+            let v = &data[n];
+            flat(
+                grads
+                    .get(v.as_tensor())
+                    .unwrap_or_else(|| panic!("{n}: no gradient")),
+            )
+        })
+        .collect();
+    (hidden, g)
+}
+
+fn worst_relative(a: &[f64], b: &[f64]) -> f64 {
+    let scale = b.iter().fold(1e-30f64, |m, x| m.max(x.abs()));
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max)
+        / scale
+}
+
+#[test]
+fn checkpointed_pass_equals_the_plain_pass() {
+    let rows: [[u32; 11]; 2] = [
+        [3, 17, 2, 8, 8, 1, 39, 0, 23, 5, 11],
+        [9, 4, 4, 30, 1, 2, 6, 7, 12, 0, 3],
+    ];
+    let ids = Tensor::new(&rows, &Device::Cpu).unwrap();
+    for (name, cfg) in archs() {
+        for (dtype, tol) in [(DType::F64, 1e-10), (DType::F32, 2e-5)] {
+            for block in [0usize, 1, 4] {
+                override_attention_block(block);
+                let vm = varmap(&cfg, dtype);
+                let vb = VarBuilder::from_varmap(&vm, dtype, &Device::Cpu);
+                let model = Decoder::new(&cfg, vb, Ops::Differentiable).unwrap();
+                let (h0, g0) = pass(&model, &vm, &ids, Activations::Keep);
+                let (h1, g1) = pass(&model, &vm, &ids, Activations::Checkpoint);
+                let case = format!("{name} {dtype:?} block {block}");
+                assert!(worst_relative(&h1, &h0) <= tol, "{case}: hidden states");
+                assert_eq!(g0.len(), g1.len());
+                for (i, (a, b)) in g1.iter().zip(&g0).enumerate() {
+                    let w = worst_relative(a, b);
+                    assert!(w <= tol, "{case}: gradient {i} differs by {w:e} (relative)");
+                    assert!(
+                        b.iter().any(|x| *x != 0.0),
+                        "{case}: gradient {i} is all zero"
+                    );
+                }
+            }
+        }
+    }
+    override_attention_block(0);
+}
+
+/// The checkpointed pass reads a bf16 copy of f32 master weights (as the trainer does on a GPU)
+/// and its gradients reach the f32 masters, within bf16 rounding of the plain pass's.
+#[test]
+fn checkpointed_pass_through_a_cast_reaches_the_masters() {
+    let cfg = config("qwen3", serde_json::json!({}));
+    let vm = varmap(&cfg, DType::F32);
+    let names: Vec<String> = vm.data().lock().unwrap().keys().cloned().collect();
+    let vb = VarBuilder::from_tensors(
+        names
+            .iter()
+            .map(|n| {
+                let v = vm.data().lock().unwrap()[n].clone();
+                (n.clone(), v.as_tensor().to_dtype(DType::BF16).unwrap())
+            })
+            .collect(),
+        DType::BF16,
+        &Device::Cpu,
+    );
+    let model = Decoder::new(&cfg, vb, Ops::Differentiable).unwrap();
+    let ids = Tensor::new(&[[3u32, 17, 2, 8, 8, 1, 39, 0]], &Device::Cpu).unwrap();
+    override_attention_block(3);
+    let (h0, g0) = pass(&model, &vm, &ids, Activations::Keep);
+    let (h1, g1) = pass(&model, &vm, &ids, Activations::Checkpoint);
+    override_attention_block(0);
+    assert!(worst_relative(&h1, &h0) < 2e-2);
+    for (a, b) in g1.iter().zip(&g0) {
+        assert!(worst_relative(a, b) < 5e-2, "{}", worst_relative(a, b));
+    }
+}
+
+/// Auto checkpoints where keeping everything is big, not for tiny models.
+#[test]
+fn auto_checkpoints_only_where_it_saves_memory() {
+    let tiny = config("qwen3", serde_json::json!({}));
+    let vm = varmap(&tiny, DType::F32);
+    let model = Decoder::new(
+        &tiny,
+        VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu),
+        Ops::Differentiable,
+    )
+    .unwrap();
+    assert_eq!(Activations::auto(&model, 4, 64), Activations::Keep);
+    assert_eq!(
+        Activations::auto(&model, 4, 1 << 16),
+        Activations::Checkpoint
+    );
+}
