@@ -29,8 +29,9 @@ pub struct Args {
     /// cpu, cuda or cuda:N.
     #[arg(long, env = "XDISTILL_DEVICE", default_value = "cpu")]
     pub device: String,
-    /// Compute dtype of the weights: f32, bf16 or f16 (top-k is always computed in f32/f64).
-    #[arg(long, env = "XDISTILL_DTYPE", default_value = "f32")]
+    /// Compute dtype of the weights: auto (bf16 on a GPU, f32 on the CPU), f32, bf16 or f16
+    /// (top-k is always computed in f32/f64).
+    #[arg(long, env = "XDISTILL_DTYPE", default_value = "auto")]
     pub dtype: String,
     /// Where top-k runs: auto (on the GPU when the model is on one, else on the host), device or
     /// host.
@@ -183,7 +184,7 @@ impl Args {
         if matches!(&self.api_key, Some(k) if k.trim().is_empty()) {
             return Err("--api-key must not be empty".into());
         }
-        xdistill_shared::device::parse_dtype(&self.dtype).map_err(|e| e.to_string())?;
+        xdistill_shared::device::check_dtype(&self.dtype).map_err(|e| e.to_string())?;
         self.resolve_api_key()?;
         Ok(())
     }

@@ -5,7 +5,7 @@ use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
 use std::path::Path;
 use std::sync::Arc;
-use xdistill_shared::device::{device_name, dtype_name, parse_device, parse_dtype};
+use xdistill_shared::device::{device_name, dtype_for, dtype_name, parse_device};
 use xdistill_shared::hf::{HfError, ModelDir};
 use xdistill_shared::model::{Decoder, Ops};
 
@@ -113,7 +113,7 @@ pub fn check_dir(dir: &ModelDir, tok: &tokenizers::Tokenizer) -> Result<usize, L
 /// Opens the device and the directory and memory-maps the weights.
 pub fn load(path: &Path, device: &str, dtype: &str) -> Result<(Decoder, ModelFacts), LoadError> {
     let device = parse_device(device)?;
-    let dtype = parse_dtype(dtype)?;
+    let dtype = dtype_for(dtype, &device)?;
     let dir = ModelDir::open(path)?;
     let facts = read_facts(&dir, dtype, &device)?;
     // SAFETY: the safetensors files are memory-mapped read-only; undefined behaviour would need

@@ -12,7 +12,7 @@ pub enum DeviceError {
     NotCompiled(String),
     #[error("cannot open {device:?}: {message} (is an NVIDIA GPU and driver present?)")]
     Open { device: String, message: String },
-    #[error("unknown dtype {0:?}: expected f32, bf16 or f16")]
+    #[error("unknown dtype {0:?}: expected auto, f32, bf16 or f16")]
     DType(String),
 }
 
@@ -46,6 +46,25 @@ pub fn parse_dtype(s: &str) -> Result<DType, DeviceError> {
         "f16" | "float16" => Ok(DType::F16),
         other => Err(DeviceError::DType(other.to_string())),
     }
+}
+
+/// Parses a dtype name for `device`: `auto` is bf16 on a GPU (its tensor cores; f32 there is
+/// about ten times slower) and f32 on the CPU (no bf16 kernels worth having); otherwise as
+/// [`parse_dtype`].
+pub fn dtype_for(s: &str, device: &Device) -> Result<DType, DeviceError> {
+    if s.trim().eq_ignore_ascii_case("auto") {
+        return Ok(if device.is_cpu() {
+            DType::F32
+        } else {
+            DType::BF16
+        });
+    }
+    parse_dtype(s)
+}
+
+/// Checks a dtype name without a device (`auto` or one [`parse_dtype`] reads).
+pub fn check_dtype(s: &str) -> Result<(), DeviceError> {
+    dtype_for(s, &Device::Cpu).map(|_| ())
 }
 
 /// Human-readable name of a device (`cpu`, `cuda:0`).
@@ -84,5 +103,22 @@ mod tests {
         ));
         assert_eq!(parse_dtype("bf16").unwrap(), DType::BF16);
         assert!(parse_dtype("int8").is_err());
+    }
+}
+
+#[cfg(test)]
+mod dtype_tests {
+    use super::*;
+
+    /// `auto` is f32 on the CPU; names are read as before; anything else is refused by name.
+    #[test]
+    fn auto_is_f32_on_the_cpu_and_names_parse() {
+        assert_eq!(dtype_for("auto", &Device::Cpu).unwrap(), DType::F32);
+        assert_eq!(dtype_for(" AUTO ", &Device::Cpu).unwrap(), DType::F32);
+        assert_eq!(dtype_for("bf16", &Device::Cpu).unwrap(), DType::BF16);
+        assert_eq!(dtype_for("float16", &Device::Cpu).unwrap(), DType::F16);
+        check_dtype("auto").unwrap();
+        let e = check_dtype("int4").unwrap_err().to_string();
+        assert!(e.contains("\"int4\"") && e.contains("auto"), "{e}");
     }
 }

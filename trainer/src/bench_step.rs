@@ -34,8 +34,9 @@ pub struct Args {
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     pub device: String,
-    /// Compute dtype: f32, bf16 or f16 (master weights stay f32).
-    #[arg(long, default_value = "f32")]
+    /// Compute dtype: auto (bf16 on a GPU, f32 on the CPU), f32, bf16 or f16 (master weights
+    /// stay f32).
+    #[arg(long, default_value = "auto")]
     pub dtype: String,
     #[arg(long, default_value_t = 4)]
     pub batch: usize,
@@ -287,7 +288,7 @@ fn torch_round(python: &str, a: &Args, batch_path: &Path, threads: usize) -> Res
 /// with `--python` PyTorch's figures and the ratio.
 pub fn run(a: Args) -> Result<()> {
     let device = xdistill_shared::device::parse_device(&a.device)?;
-    let dtype = xdistill_shared::device::parse_dtype(&a.dtype)?;
+    let dtype = xdistill_shared::device::dtype_for(&a.dtype, &device)?;
     anyhow::ensure!(
         a.batch > 0 && a.seq_len > 1 && a.k > 0 && a.rounds > 0,
         "empty batch"

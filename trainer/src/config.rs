@@ -108,7 +108,8 @@ pub struct PolicyConfig {
     /// Longest tokenized sequence (student tokens); longer records are skipped (or truncated
     /// with `data.truncate`).
     pub max_total_sequence_length: usize,
-    /// Weight dtype: f32, bf16 or f16 (master weights stay f32 either way).
+    /// Compute dtype: `auto` (bf16 on a GPU, f32 on the CPU), f32, bf16 or f16 (master weights
+    /// stay f32 either way).
     pub precision: String,
     /// `cpu`, `cuda` or `cuda:N`.
     pub device: String,
@@ -127,7 +128,7 @@ impl Default for PolicyConfig {
             model_name: PathBuf::new(),
             tokenizer: None,
             max_total_sequence_length: 1024,
-            precision: "f32".into(),
+            precision: "auto".into(),
             device: "cpu".into(),
             train_micro_batch_size: 4,
             max_nonfinite_steps: 10,
@@ -862,7 +863,7 @@ impl Validate for PolicyConfig {
                 "must be at least 2",
             ));
         }
-        xdistill_shared::device::parse_dtype(&p.precision)
+        xdistill_shared::device::check_dtype(&p.precision)
             .map_err(|e| invalid("policy.precision", e.to_string()))?;
         if !is_device_name(&p.device) {
             return Err(invalid(

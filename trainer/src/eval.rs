@@ -386,8 +386,8 @@ pub struct Args {
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     pub device: String,
-    /// f32, bf16 or f16.
-    #[arg(long, default_value = "f32")]
+    /// auto (bf16 on a GPU, f32 on the CPU), f32, bf16 or f16.
+    #[arg(long, default_value = "auto")]
     pub dtype: String,
     /// Write per-example results (JSONL) here.
     #[arg(long)]
@@ -450,7 +450,7 @@ pub fn summary(r: &EvalReport) -> String {
 pub fn run(a: Args) -> anyhow::Result<EvalReport> {
     let cfg = a.config();
     let device = xdistill_shared::device::parse_device(&a.device)?;
-    let dtype = xdistill_shared::device::parse_dtype(&a.dtype)?;
+    let dtype = xdistill_shared::device::dtype_for(&a.dtype, &device)?;
     let (model, tok) = load_model(&a.model, &device, dtype)?;
     let records = load_records(&a.prompts, a.limit)?;
     tracing::info!(

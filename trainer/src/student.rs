@@ -106,16 +106,27 @@ impl Student {
     }
 
     /// A decoder on the same weights with the fused (inference-only) kernels, for generation.
-    /// In f32 it reads the master vars directly, so it sees every optimizer update.
+    /// Its weights are untracked (autograd records nothing during a rollout, so no step's
+    /// activations stay alive through a graph). In f32 they share the master vars' storage, so
+    /// it sees every optimizer update; in bf16 they are the current compute copy.
     pub fn inference_model(&self) -> Result<Decoder> {
-        let vb = compute_vars(&self.varmap, self.compute_dtype, &self.device);
-        Ok(Decoder::new(&self.config, vb, Ops::Fused)?)
+        let vb = VarBuilder::from_backend(
+            Box::new(CastVars {
+                vars: self.varmap.clone(),
+                detach: true,
+            }),
+            self.compute_dtype,
+            self.device.clone(),
+        );
+        Ok(self.model.with_weights(vb, Ops::Fused)?)
     }
 
-    /// Re-derives the compute-dtype copy after an optimizer step (no-op in f32).
+    /// Re-derives the compute-dtype copy after an optimizer step (no-op in f32); the RoPE
+    /// tables are kept.
     pub fn refresh(&mut self) -> Result<()> {
         if self.compute_dtype != self.master_dtype() {
-            self.model = build(&self.config, &self.varmap, self.compute_dtype, &self.device)?;
+            let vb = compute_vars(&self.varmap, self.compute_dtype, &self.device);
+            self.model = self.model.with_weights(vb, Ops::Differentiable)?;
         }
         Ok(())
     }
@@ -197,13 +208,21 @@ fn build(config: &ModelConfig, varmap: &VarMap, dtype: DType, device: &Device) -
 /// A builder reading the master vars in `dtype` (use this, not `VarBuilder::from_varmap`, for
 /// any decoder over the student's weights: see [`CastVars`]).
 pub fn compute_vars(varmap: &VarMap, dtype: DType, device: &Device) -> VarBuilder<'static> {
-    VarBuilder::from_backend(Box::new(CastVars(varmap.clone())), dtype, device.clone())
+    let vars = CastVars {
+        vars: varmap.clone(),
+        detach: false,
+    };
+    VarBuilder::from_backend(Box::new(vars), dtype, device.clone())
 }
 
 /// The master `Var`s seen in the compute dtype. A `VarMap` alone hands out its vars in their own
 /// dtype whatever the builder asks for; this converts them (a no-op when the dtypes agree, so an
 /// f32 decoder still reads the vars in place).
-struct CastVars(VarMap);
+struct CastVars {
+    vars: VarMap,
+    /// Hand out untracked tensors (generation): same storage, no gradient graph.
+    detach: bool,
+}
 
 impl SimpleBackend for CastVars {
     fn get(
@@ -214,7 +233,8 @@ impl SimpleBackend for CastVars {
         dtype: DType,
         dev: &Device,
     ) -> candle_core::Result<Tensor> {
-        self.0.get(s, name, init, dtype, dev)?.to_dtype(dtype)
+        let t = self.vars.get(s, name, init, dtype, dev)?.to_dtype(dtype)?;
+        Ok(if self.detach { t.detach() } else { t })
     }
 
     fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> candle_core::Result<Tensor> {
@@ -222,6 +242,6 @@ impl SimpleBackend for CastVars {
     }
 
     fn contains_tensor(&self, name: &str) -> bool {
-        self.0.data().lock().is_ok_and(|d| d.contains_key(name))
+        self.vars.data().lock().is_ok_and(|d| d.contains_key(name))
     }
 }

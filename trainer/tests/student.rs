@@ -397,3 +397,41 @@ fn student_directories_of_every_architecture_load() {
         }
     }
 }
+
+/// The generation decoder records no gradient graph (a rollout keeps no activations alive),
+/// reads the f32 masters in place (an optimizer update made after it was built is seen), and
+/// gives the training decoder's outputs.
+#[test]
+fn inference_model_is_untracked_and_reads_the_masters() {
+    let cfg = config("qwen3", false);
+    let s = student(&cfg, DType::F32, 9);
+    let ids = Tensor::new(&IDS, &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    let gen = s.inference_model().unwrap();
+    let trained = s.model().forward(&ids).unwrap();
+    let before = gen.forward(&ids).unwrap();
+    assert!(trained.track_op(), "the training decoder is tracked");
+    assert!(!before.track_op(), "the generation decoder must not be");
+    let worst = scalar(
+        &(&before - &trained)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap(),
+    );
+    assert!(worst < 1e-4, "fused and differentiable ops agree: {worst}");
+    // An in-place update of one master, as AdamW makes it.
+    let (_, embed) = s
+        .named_vars()
+        .into_iter()
+        .find(|(n, _)| n == "model.embed_tokens.weight")
+        .unwrap();
+    embed.set(&(embed.as_tensor() * 1.5).unwrap()).unwrap();
+    let after = gen.forward(&ids).unwrap();
+    let want = s.inference_model().unwrap().forward(&ids).unwrap();
+    assert_eq!(flat(&after), flat(&want), "the update is seen in place");
+    assert_ne!(flat(&after), flat(&before));
+}

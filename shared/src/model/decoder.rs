@@ -147,6 +147,25 @@ pub struct Decoder {
 impl Decoder {
     /// Builds the decoder from `vb` (safetensors or a `VarMap`); names as in transformers.
     pub fn new(cfg: &ModelConfig, vb: VarBuilder, ops: Ops) -> Result<Decoder> {
+        Self::build(cfg, vb, ops, None)
+    }
+
+    /// A decoder of the same model over other weights (`vb`, e.g. the trainer's compute copy
+    /// after an optimizer step, or untracked weights for generation), reusing this one's RoPE
+    /// tables when device and dtype agree: they depend on the config only, and rebuilding them
+    /// on the host costs `max_position_embeddings × head_dim` f64 work each time.
+    pub fn with_weights(&self, vb: VarBuilder, ops: Ops) -> Result<Decoder> {
+        let same = vb.dtype() == self.dtype && vb.device().same_device(&self.device);
+        let ropes = same.then(|| (self.rope_full.clone(), self.rope_sliding.clone()));
+        Self::build(&self.cfg, vb, ops, ropes)
+    }
+
+    fn build(
+        cfg: &ModelConfig,
+        vb: VarBuilder,
+        ops: Ops,
+        ropes: Option<(Rope, Option<Rope>)>,
+    ) -> Result<Decoder> {
         let arch = cfg.arch().map_err(candle_core::Error::wrap)?;
         cfg.validate().map_err(candle_core::Error::wrap)?;
         let vb = match cfg.weight_prefix.clone() {
@@ -166,18 +185,25 @@ impl Decoder {
                 _ => s,
             }
         });
+        let (rope_full, rope_sliding) = match ropes {
+            Some(r) => r,
+            None => (
+                Rope::new(cfg, LayerKind::Full, dtype, &device)?,
+                if kinds.contains(&LayerKind::Sliding) {
+                    Some(Rope::new(cfg, LayerKind::Sliding, dtype, &device)?)
+                } else {
+                    None
+                },
+            ),
+        };
         Ok(Decoder {
             cfg: cfg.clone(),
             arch,
             ops,
             w,
             embed_scale,
-            rope_full: Rope::new(cfg, LayerKind::Full, dtype, &device)?,
-            rope_sliding: if kinds.contains(&LayerKind::Sliding) {
-                Some(Rope::new(cfg, LayerKind::Sliding, dtype, &device)?)
-            } else {
-                None
-            },
+            rope_full,
+            rope_sliding,
             kinds,
             dtype,
             device,

@@ -255,7 +255,7 @@ impl Session {
         let out = &cfg.checkpointing.checkpoint_dir;
         let (mut train_set, mut val_set) =
             crate::data::load_train_val(&cfg.data, cfg.distillation.seed)?;
-        let dtype = xdistill_shared::device::parse_dtype(&cfg.policy.precision)?;
+        let dtype = xdistill_shared::device::dtype_for(&cfg.policy.precision, device)?;
         let student = Student::load(&cfg.policy.model_name, device, dtype)?;
         tracing::info!(
             device = %xdistill_shared::device::device_name(device),
