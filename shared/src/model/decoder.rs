@@ -392,11 +392,12 @@ pub(crate) fn stored_name(prefix: &str, name: &str) -> String {
     }
 }
 
-/// Additive attention bias [B|1, 1, T, past+T] (0 or -inf), or None when nothing is masked.
+/// Additive attention bias [B|1, 1, T, past+T] (0 or -inf, f32), or None when nothing is masked.
 ///
 /// Query `i` (absolute position `past + i`) sees key `j` when `j <= past + i`, the key is valid
 /// (`key_valid`) or is the query itself, and, with a window `w`, `past + i - j < w` (as
-/// transformers' `sliding_window_overlay`: `kv_idx > q_idx - w`).
+/// transformers' `sliding_window_overlay`: `kv_idx > q_idx - w`). Built on `device` from
+/// position ranges and `key_valid` itself: no host round trip per decoding step.
 fn attention_bias(
     b: usize,
     t: usize,
@@ -406,28 +407,28 @@ fn attention_bias(
     device: &Device,
 ) -> Result<Option<Tensor>> {
     let s = past + t;
-    let valid: Option<Vec<Vec<f32>>> = match key_valid {
-        Some(kv) => Some(kv.to_dtype(DType::F32)?.to_vec2::<f32>()?),
-        None => None,
-    };
     let window_masks_something = window.is_some_and(|w| s > w);
-    if t == 1 && valid.is_none() && !window_masks_something {
+    if t == 1 && key_valid.is_none() && !window_masks_something {
         return Ok(None); // one new token attends to everything cached
     }
-    let rows = if valid.is_some() { b } else { 1 };
-    let mut bias = vec![0f32; rows * t * s];
-    for r in 0..rows {
-        for i in 0..t {
-            let q = past + i;
-            for j in 0..s {
-                let causal_ok = j <= q;
-                let in_window = window.is_none_or(|w| q - j.min(q) < w);
-                let key_ok = j == q || valid.as_ref().map(|v| v[r][j] != 0.0).unwrap_or(true);
-                if !(causal_ok && in_window && key_ok) {
-                    bias[(r * t + i) * s + j] = f32::NEG_INFINITY;
-                }
+    let visible = super::flash::visible((past, s), (0, s), window, device)?; // [T, S] u8
+    let visible = match key_valid {
+        Some(kv) => {
+            let (kb, ks) = kv.dims2()?;
+            if kb != b || ks != s {
+                candle_core::bail!("key_valid is [{kb}, {ks}], expected [{b}, {s}]");
             }
+            // A key counts when valid, or when it is the query itself (pad rows stay finite).
+            let valid = kv.to_device(device)?.to_dtype(DType::F32)?.ne(0f32)?; // [B, S]
+            let qi = Tensor::arange(past as f32, s as f32, device)?.unsqueeze(1)?; // [T, 1]
+            let kj = Tensor::arange(0f32, s as f32, device)?.unsqueeze(0)?; // [1, S]
+            let own = kj.broadcast_eq(&qi)?; // [T, S]
+            let key_ok = valid.unsqueeze(1)?.broadcast_maximum(&own.unsqueeze(0)?)?; // [B, T, S]
+            key_ok.broadcast_mul(&visible.unsqueeze(0)?)?
         }
-    }
-    Ok(Some(Tensor::from_vec(bias, (rows, 1, t, s), device)?))
+        None => visible.unsqueeze(0)?, // [1, T, S]
+    };
+    let zero = Tensor::zeros(visible.shape(), DType::F32, device)?;
+    let ninf = Tensor::full(f32::NEG_INFINITY, visible.shape(), device)?;
+    Ok(Some(visible.where_cond(&zero, &ninf)?.unsqueeze(1)?))
 }

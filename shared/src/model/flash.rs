@@ -63,26 +63,37 @@ impl Causal {
     }
 
     /// Additive bias `[1, 1, q1-q0, k1-k0]`: 0 where query `i` sees key `j`, −∞ elsewhere.
-    /// Built on `device` from position ranges (no host round trip).
     fn bias(
         &self,
-        (q0, q1): (usize, usize),
-        (k0, k1): (usize, usize),
+        q: (usize, usize),
+        k: (usize, usize),
         dtype: DType,
         device: &Device,
     ) -> Result<Tensor> {
-        // Positions as f32 are exact up to 2^24, far beyond any context.
-        let qi = Tensor::arange(q0 as f32, q1 as f32, device)?.unsqueeze(1)?; // [bq, 1]
-        let kj = Tensor::arange(k0 as f32, k1 as f32, device)?.unsqueeze(0)?; // [1, kn]
-        let mut visible = kj.broadcast_le(&qi)?;
-        if let Some(w) = self.window {
-            // q − j < w  ⇔  j > q − w
-            let lo = (qi - w as f64)?;
-            visible = (visible * kj.broadcast_gt(&lo)?)?;
-        }
+        let visible = visible(q, k, self.window, device)?;
         let zero = Tensor::zeros(visible.shape(), dtype, device)?;
         let ninf = Tensor::full(f32::NEG_INFINITY, visible.shape(), device)?.to_dtype(dtype)?;
         visible.where_cond(&zero, &ninf)?.unsqueeze(0)?.unsqueeze(0)
+    }
+}
+
+/// `[q1-q0, k1-k0]` u8: 1 where query position `i` may see key position `j` (`j ≤ i`, and with a
+/// window `w`, `i − j < w` as transformers' `kv_idx > q_idx - w`). Built on `device` from
+/// position ranges: no host round trip.
+pub(crate) fn visible(
+    (q0, q1): (usize, usize),
+    (k0, k1): (usize, usize),
+    window: Option<usize>,
+    device: &Device,
+) -> Result<Tensor> {
+    // Positions as f32 are exact up to 2^24, far beyond any context.
+    let qi = Tensor::arange(q0 as f32, q1 as f32, device)?.unsqueeze(1)?; // [bq, 1]
+    let kj = Tensor::arange(k0 as f32, k1 as f32, device)?.unsqueeze(0)?; // [1, kn]
+    let visible = kj.broadcast_le(&qi)?;
+    match window {
+        // q − j < w  ⇔  j > q − w
+        Some(w) => visible * kj.broadcast_gt(&(qi - w as f64)?)?,
+        None => Ok(visible),
     }
 }
 

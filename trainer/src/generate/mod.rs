@@ -13,11 +13,13 @@
 //!   knows, **before** top-k/top-p truncation (τ = 1 when greedy): the `lp_S_old` of on-policy
 //!   distillation. See [`sampling`].
 
+pub mod on_device;
 pub mod sampling;
 
 use candle_core::{DType, Tensor};
 use indicatif::{ProgressBar, ProgressStyle};
-use rand::{RngCore, SeedableRng};
+use on_device::Draw;
+use rand::{Rng, RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde::{Deserialize, Serialize};
 use tokenizers::Tokenizer;
@@ -245,9 +247,8 @@ impl Row {
         decode_after_head(tok, head, &self.prompt, &self.ids[..n])
     }
 
-    /// Samples from this row's logits `[V]`, appends the token and updates the stop state.
-    fn step(&mut self, logits: &[f32], ctx: &Ctx) -> Result<u32, GenerateError> {
-        let s = sample_token(&logits[..ctx.support], &ctx.params, &mut self.rng)?;
+    /// Appends the sampled token and updates the stop state.
+    fn record(&mut self, s: Sampled, ctx: &Ctx) -> Result<u32, GenerateError> {
         self.ids.push(s.id);
         self.logprobs.push(s.logprob);
         if ctx.eos.contains(&s.id) {
@@ -432,14 +433,54 @@ pub fn generate_seeded(
     generate(model, tokenizer, prompts, cfg, &mut cfg.rng())
 }
 
-/// Logits of the last position as CPU rows: `hidden` [B, T, H] → `B` rows of `V` f32.
-fn last_logits(model: &Decoder, hidden: &Tensor) -> Result<Vec<Vec<f32>>, GenerateError> {
+/// Logits of the last position over the supported vocabulary, on the model's device:
+/// `hidden` [B, T, H] → [B, support].
+fn last_logits(model: &Decoder, hidden: &Tensor, ctx: &Ctx) -> Result<Tensor, GenerateError> {
     let t = hidden.dim(1)?;
     // [B, 1, H] -> [B, H]: a rank-2 product multiplies by the transposed LM head in place,
     // where the rank-3 broadcast would copy the whole [H, V] head every step.
     let last = hidden.narrow(1, t - 1, 1)?.squeeze(1)?.contiguous()?;
-    let logits = model.logits(&last)?; // [B, V]
-    Ok(logits.to_dtype(DType::F32)?.to_vec2::<f32>()?)
+    Ok(model.logits(&last)?.narrow(1, 0, ctx.support)?) // [B, support]
+}
+
+/// Samples the next token of every live row of the batch from `logits` [B, support]: greedy
+/// and untruncated sampling on the logits' device ([`on_device`]; a few floats per row reach
+/// the host), top-k/top-p on the host. Each row draws from its own RNG. Finished rows get 0.
+fn sample_live(rows: &mut [Row], logits: &Tensor, ctx: &Ctx) -> Result<Vec<u32>, GenerateError> {
+    let mut next = vec![0u32; rows.len()];
+    if on_device::supported(&ctx.params) {
+        let u: Vec<f64> = rows
+            .iter_mut()
+            .map(|r| match r.finished() || ctx.params.is_greedy() {
+                true => 0.0,
+                false => r.rng.random::<f64>(),
+            })
+            .collect();
+        let draws = on_device::sample_rows(logits, &ctx.params, &u)?;
+        for (r, (row, d)) in rows.iter_mut().zip(draws).enumerate() {
+            if row.finished() {
+                continue;
+            }
+            let s = match d {
+                Draw::Token(s) => s,
+                // NaN, +inf or nothing finite: the host sampler says which.
+                Draw::Host => {
+                    let host: Vec<f32> = logits.get(r)?.to_dtype(DType::F32)?.to_vec1()?;
+                    sample_token(&host, &ctx.params, &mut row.rng)?
+                }
+            };
+            next[r] = row.record(s, ctx)?;
+        }
+    } else {
+        let host: Vec<Vec<f32>> = logits.to_dtype(DType::F32)?.to_vec2()?;
+        for (r, row) in rows.iter_mut().enumerate() {
+            if !row.finished() {
+                let s = sample_token(&host[r], &ctx.params, &mut row.rng)?;
+                next[r] = row.record(s, ctx)?;
+            }
+        }
+    }
+    Ok(next)
 }
 
 /// Runs one left-padded batch to completion.
@@ -468,32 +509,36 @@ fn generate_batch(
             valid[r * p + off + j] = 1.0;
         }
     }
-    // `valid_cols[r]` grows by one key per step.
-    let mut valid_rows: Vec<Vec<f32>> = valid.chunks(p).map(|c| c.to_vec()).collect();
+    // Which keys are real, [B, S] on the device; grows by one column per step.
+    let mut valid = Tensor::from_vec(valid, (b, p), dev)?;
     let mut cache = KvCache::new(model.config().num_hidden_layers);
     let hidden = model.forward_hidden(
         &Tensor::from_vec(ids, (b, p), dev)?,
         Some(&mut cache),
         Some(&Tensor::from_vec(pos, (b, p), dev)?),
-        Some(&Tensor::from_vec(valid, (b, p), dev)?),
+        Some(&valid),
     )?;
-    let mut logits = last_logits(model, &hidden)?;
+    let mut logits = last_logits(model, &hidden, ctx)?;
     pb.inc(rows.iter().filter(|r| r.finished()).count() as u64);
 
     // 2. Decode: sample for every live row, then feed all rows one token.
     loop {
-        let mut next = vec![0u32; b];
-        let mut next_pos = vec![0u32; b];
-        for (r, row) in rows.iter_mut().enumerate() {
-            if row.finished() {
-                continue;
-            }
-            next[r] = row.step(&logits[r], ctx)?;
-            next_pos[r] = (row.prompt.len() + row.ids.len() - 1) as u32;
-            if row.finished() {
-                pb.inc(1);
-            }
-        }
+        let was_live: Vec<bool> = rows.iter().map(|r| !r.finished()).collect();
+        let next = sample_live(rows, &logits, ctx)?;
+        // Rows finished before this step keep position 0 (their key is masked anyway).
+        let next_pos: Vec<u32> = rows
+            .iter()
+            .zip(&was_live)
+            .map(|(row, &live)| match live {
+                true => (row.prompt.len() + row.ids.len() - 1) as u32,
+                false => 0,
+            })
+            .collect();
+        let ended = was_live
+            .iter()
+            .zip(rows.iter())
+            .filter(|(&l, r)| l && r.finished());
+        pb.inc(ended.count() as u64);
         if rows.iter().all(Row::finished) {
             return Ok(());
         }
@@ -505,20 +550,20 @@ fn generate_batch(
             }
             return Ok(());
         }
-        for (r, row) in rows.iter().enumerate() {
-            // A finished row's new key is masked, so it never disturbs anything (it only
-            // attends to itself).
-            valid_rows[r].push(if row.finished() { 0.0 } else { 1.0 });
-        }
-        let s = valid_rows[0].len();
-        let flat: Vec<f32> = valid_rows.iter().flatten().copied().collect();
+        // A finished row's new key is masked, so it never disturbs anything (it only attends
+        // to itself).
+        let col: Vec<f32> = rows
+            .iter()
+            .map(|r| f32::from(u8::from(!r.finished())))
+            .collect();
+        valid = Tensor::cat(&[&valid, &Tensor::from_vec(col, (b, 1), dev)?], 1)?;
         let hidden = model.forward_hidden(
             &Tensor::from_vec(next, (b, 1), dev)?,
             Some(&mut cache),
             Some(&Tensor::from_vec(next_pos, (b, 1), dev)?),
-            Some(&Tensor::from_vec(flat, (b, s), dev)?),
+            Some(&valid),
         )?;
-        logits = last_logits(model, &hidden)?;
+        logits = last_logits(model, &hidden, ctx)?;
     }
 }
 
@@ -540,8 +585,8 @@ pub fn generate_no_cache(
             let n = seq.len();
             let ids = Tensor::from_vec(seq, (1, n), model.device())?;
             let hidden = model.forward_hidden(&ids, None, None, None)?;
-            let logits = last_logits(model, &hidden)?;
-            row.step(&logits[0], &ctx)?;
+            let logits = last_logits(model, &hidden, &ctx)?;
+            sample_live(std::slice::from_mut(&mut row), &logits, &ctx)?;
         }
         out.push(row.finish(tokenizer)?);
     }
