@@ -60,7 +60,10 @@ pub enum CheckpointError {
          --set checkpointing.start_fresh=true",
         list_paths(.leftovers)
     )]
-    NothingToResume { dir: PathBuf, leftovers: Vec<PathBuf> },
+    NothingToResume {
+        dir: PathBuf,
+        leftovers: Vec<PathBuf>,
+    },
 }
 
 fn list_paths(paths: &[PathBuf]) -> String {

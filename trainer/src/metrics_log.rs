@@ -324,7 +324,10 @@ mod tests {
         let mut log = MetricsLog::open(dir.path(), None).unwrap();
         log.append(&line(1)).unwrap();
         let steps = |p: &Path| -> Vec<u64> {
-            read(p).iter().map(|v| v["step"].as_u64().unwrap()).collect()
+            read(p)
+                .iter()
+                .map(|v| v["step"].as_u64().unwrap())
+                .collect()
         };
         assert_eq!(steps(log.path()), [1]);
         assert_eq!(steps(&dir.path().join("metrics.prev-1.jsonl")), [1, 2]);
