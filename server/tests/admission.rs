@@ -207,6 +207,21 @@ async fn compat_bodies_are_counted_before_work() {
     .await;
     assert_eq!(status, 413, "{err}");
     assert_eq!(err["error"]["param"], "input_ids", "{err}");
+    // /detokenize: at most --max-queue-tokens ids (262,144 by default), so its text is bounded.
+    let ids = vec![1u32; 300_000];
+    let (status, err) = post(
+        &t,
+        "/detokenize",
+        serde_json::to_vec(&json!({"tokens": ids})).unwrap(),
+    )
+    .await;
+    assert_eq!(status, 413, "{err}");
+    assert_eq!(err["error"]["type"], "input_too_large", "{err}");
+    assert_eq!(err["error"]["param"], "tokens", "{err}");
+    assert!(err["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("300000 token ids exceed --max-queue-tokens 262144"));
     served(&t).await;
 }
 

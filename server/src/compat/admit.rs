@@ -49,6 +49,8 @@ pub enum IdsAre {
     Sequence,
     /// Candidate ids of a row: past `--max-k`, 422.
     Candidates,
+    /// Ids to detokenize: past `--max-queue-tokens`, 413.
+    Detokenize,
 }
 
 impl Admission {
@@ -124,16 +126,17 @@ pub fn inputs(raw: &RawValue, field: &str, adm: &Admission) -> Result<Inputs, Ap
     }
 }
 
-/// A list of token ids alone (`/detokenize`'s `tokens`), with no limit but the body's.
-pub fn id_list(raw: &RawValue, field: &str) -> Result<Vec<u32>, ApiError> {
+/// A list of token ids alone (`/detokenize`'s `tokens`): at most `--max-queue-tokens` of them,
+/// so that the text decoded from them stays bounded too.
+pub fn id_list(raw: &RawValue, field: &str, lim: &RequestLimits) -> Result<Vec<u32>, ApiError> {
     let adm = Admission {
         max_inputs: 1,
-        max_ids: usize::MAX,
+        max_ids: lim.max_queue_tokens,
         max_total_ids: usize::MAX,
         max_text_bytes: 0,
         max_total_text_bytes: 0,
         bytes_per_token: 1,
-        ids_are: IdsAre::Sequence,
+        ids_are: IdsAre::Detokenize,
     };
     let mut st = State {
         field,
@@ -490,15 +493,21 @@ impl<'de> IdsSeed<'_, '_> {
                     n += 1;
                 }
                 if n > max {
-                    let message = match st.adm.ids_are {
-                        IdsAre::Sequence => {
-                            format!("sequence of {n} tokens exceeds max-seq-len {max}")
-                        }
-                        IdsAre::Candidates => {
-                            format!("{n} candidate ids exceed the server's max-k {max}")
-                        }
+                    let e = match st.adm.ids_are {
+                        IdsAre::Sequence => ApiError::invalid(
+                            path.clone(),
+                            format!("sequence of {n} tokens exceeds max-seq-len {max}"),
+                        ),
+                        IdsAre::Candidates => ApiError::invalid(
+                            path.clone(),
+                            format!("{n} candidate ids exceed the server's max-k {max}"),
+                        ),
+                        IdsAre::Detokenize => ApiError::InputTooLarge {
+                            field: path.clone(),
+                            message: format!("{n} token ids exceed --max-queue-tokens {max}"),
+                        },
                     };
-                    return Err(st.fail(ApiError::invalid(path.clone(), message)));
+                    return Err(st.fail(e));
                 }
                 return Ok(ids);
             }

@@ -613,7 +613,7 @@ pub async fn detokenize(State(st): State<Shared>, headers: HeaderMap, body: Body
             let req: DetokenizeRequest = decode(&bytes)?;
             check_model(&st, req.model.as_deref())?;
             let ids = match req.tokens {
-                Some(raw) => admit::id_list(raw, "tokens")?,
+                Some(raw) => admit::id_list(raw, "tokens", &ready.limits)?,
                 None => {
                     return Err(ApiError::invalid(
                         "tokens",
