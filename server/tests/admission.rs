@@ -226,9 +226,9 @@ async fn compat_bodies_are_counted_before_work() {
 }
 
 /// `--max-answer-bytes` counts the answer as the route sends it, estimated before scoring: a
-/// vLLM request whose scores fit but whose JSON would not is a 413 `answer_too_large` naming
-/// `prompt`; the native route refuses in JSON what it sends in MessagePack; and an admitted
-/// answer's real size is near its estimate.
+/// vLLM or SGLang request whose scores fit but whose JSON would not is a 413 `answer_too_large`
+/// naming the route's input field; the native route refuses in JSON what it sends in
+/// MessagePack; and an admitted answer's real size is near its estimate.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn answers_are_counted_as_sent() {
     let dir = common::tiny_model("admission-llama", "llama", "llama2", 1);
@@ -290,4 +290,16 @@ async fn answers_are_counted_as_sent() {
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
+
+    // SGLang: 4 × 60 positions × 201 triples, about 1.7 MB of JSON; at 20 it is admitted.
+    let sglang = |n: u32| {
+        json!({"input_ids": prompts, "return_logprob": true, "logprob_start_len": 0,
+               "top_logprobs_num": n})
+    };
+    let (status, err) = post(&t, "/generate", serde_json::to_vec(&sglang(200)).unwrap()).await;
+    assert_eq!(status, 413, "{err}");
+    assert_eq!(err["error"]["type"], "answer_too_large", "{err}");
+    assert_eq!(err["error"]["param"], "input_ids", "{err}");
+    let (status, body) = post(&t, "/generate", serde_json::to_vec(&sglang(20)).unwrap()).await;
+    assert_eq!(status, 200, "{body}");
 }
