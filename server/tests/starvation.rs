@@ -282,3 +282,31 @@ async fn slow_bodies_cannot_starve_other_clients() {
     assert_eq!(statuses.get("503"), Some(&84), "{statuses:?}");
     assert!(t0.elapsed() < Duration::from_secs(30));
 }
+
+/// The listen backlog is sized to the connection cap (connections past the cap wait there), as
+/// the kernel reports it for the listening socket (`ss -ltn`: Send-Q), up to `somaxconn`.
+#[test]
+fn listen_backlog_is_sized_to_the_connection_cap() {
+    if Command::new("ss").arg("-V").output().is_err() {
+        eprintln!("SKIPPED: ss (iproute2) is not installed");
+        return;
+    }
+    let somaxconn: u64 = std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(4096);
+    let dir = common::tiny_model("starvation-llama", "llama", "llama2", 1);
+    let t = Limited::start(&dir, "true", &["--max-connections", "1000"]);
+    let port = t.addr.rsplit(':').next().unwrap().to_string();
+    let out = Command::new("ss")
+        .args(["-ltnH", &format!("sport = :{port}")])
+        .output()
+        .expect("ss");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let backlog: u64 = text
+        .split_whitespace()
+        .nth(2)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no listening socket in {text:?}"));
+    assert_eq!(backlog, 1000.min(somaxconn), "{text}");
+}
