@@ -38,11 +38,35 @@ pub struct ServerConfig {
     pub max_wait_ms: u64,
     /// Longest a request may take to send its body (408 beyond).
     pub body_timeout: std::time::Duration,
+    /// Slowest a body may arrive (408 below).
+    pub body_pace: BodyPace,
     pub api_key: Option<String>,
     /// Scores do not depend on batching (`--batch-invariant`), reported by `/v1/info`.
     pub batch_invariant: bool,
     /// The model name of the compatible routes (`/v1/models`, the `model` field).
     pub served_model_name: String,
+}
+
+/// The slowest a body may arrive: `min_rate` bytes per second on average from its start, once
+/// `grace` has passed (`min_rate` 0: no minimum).
+#[derive(Debug, Clone, Copy)]
+pub struct BodyPace {
+    pub min_rate: u64,
+    pub grace: std::time::Duration,
+}
+
+impl BodyPace {
+    pub const NONE: BodyPace = BodyPace {
+        min_rate: 0,
+        grace: std::time::Duration::ZERO,
+    };
+
+    /// How long after the body's start `received` bytes may take to arrive (None: no bound).
+    fn allowed(&self, received: usize) -> Option<std::time::Duration> {
+        (self.min_rate > 0).then(|| {
+            self.grace + std::time::Duration::from_secs_f64(received as f64 / self.min_rate as f64)
+        })
+    }
 }
 
 /// What exists only once the model is loaded.
@@ -139,6 +163,7 @@ pub fn router(state: Shared) -> Router {
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(state.clone(), auth))
+        .layer(middleware::from_fn(framing))
         .layer(middleware::from_fn_with_state(state.clone(), count))
         .with_state(state)
 }
@@ -172,6 +197,42 @@ async fn count(State(st): State<Shared>, req: Request, next: Next) -> Response {
     st.metrics
         .record_request(&route, outcome, t0.elapsed().as_secs_f64());
     resp
+}
+
+/// HTTP/1.1 framing rules that hyper leaves to the server (RFC 9112), checked before anything
+/// else: an HTTP/1.1 request needs `Host` (§3.2: 400); `Transfer-Encoding` may only be a lone
+/// final `chunked` — another coding is not implemented (§6.1: 501), `chunked` twice is a 400.
+/// (A coding list that does not end in `chunked` never gets here: hyper answers it with 400.)
+async fn framing(req: Request, next: Next) -> Response {
+    match check_framing(req.version(), req.headers()) {
+        Ok(()) => next.run(req).await,
+        Err(e) => error_response(e),
+    }
+}
+
+fn check_framing(version: axum::http::Version, headers: &HeaderMap) -> Result<(), ApiError> {
+    if version == axum::http::Version::HTTP_11 && !headers.contains_key(header::HOST) {
+        return Err(ApiError::BadFraming(
+            "an HTTP/1.1 request needs a Host header (RFC 9112 §3.2)".into(),
+        ));
+    }
+    let mut chunked = 0;
+    for v in headers.get_all(header::TRANSFER_ENCODING) {
+        let v = String::from_utf8_lossy(v.as_bytes());
+        for coding in v.split(',').map(str::trim).filter(|c| !c.is_empty()) {
+            if coding.eq_ignore_ascii_case("chunked") {
+                chunked += 1;
+            } else {
+                return Err(ApiError::TransferCodingNotImplemented(coding.to_string()));
+            }
+        }
+    }
+    if chunked > 1 {
+        return Err(ApiError::BadFraming(
+            "Transfer-Encoding applies chunked more than once (RFC 9112 §6.1)".into(),
+        ));
+    }
+    Ok(())
 }
 
 /// Constant-time comparison, so the key cannot be guessed byte by byte from timings.
@@ -257,34 +318,64 @@ async fn metrics(State(st): State<Shared>) -> Response {
         .into_response()
 }
 
-/// Reads the body within `--body-timeout-secs` (408 beyond) and `--max-body-bytes` (413).
+/// Reads the body within `--body-timeout-secs` (408 beyond) and `--max-body-bytes` (413). A
+/// `Content-Encoding` other than `identity` is refused with 415 before the body is read: the
+/// server decodes none, and would otherwise parse compressed bytes as JSON.
 pub(crate) async fn read_body(
     st: &AppState,
     headers: &HeaderMap,
     body: Body,
 ) -> Result<Vec<u8>, ApiError> {
+    for v in headers.get_all(header::CONTENT_ENCODING) {
+        let v = String::from_utf8_lossy(v.as_bytes());
+        for coding in v.split(',').map(str::trim).filter(|c| !c.is_empty()) {
+            if !coding.eq_ignore_ascii_case("identity") {
+                return Err(ApiError::UnsupportedEncoding(coding.to_string()));
+            }
+        }
+    }
     let t = st.config.body_timeout;
-    tokio::time::timeout(t, read_body_within(headers, body, st.config.max_body_bytes))
+    let within = read_body_within(headers, body, st.config.max_body_bytes, st.config.body_pace);
+    tokio::time::timeout(t, within)
         .await
         .map_err(|_| ApiError::BodyTimeout(t.as_secs_f64()))?
 }
 
-/// Reads at most `limit` bytes of body; more is a 413 (checked on Content-Length first).
+/// Reads at most `limit` bytes of body; more is a 413, refused on the declared Content-Length
+/// before a byte of the body is read. The buffer grows with what arrives, never with what is
+/// declared: a client that declares 64 MiB and sends one byte costs one byte, not an
+/// allocation of 64 MiB that thousands of such connections would multiply.
+///
+/// Each chunk must arrive while the body's average rate since its start is at least
+/// `pace.min_rate` (after `pace.grace`): a trickling client is answered 408 in seconds.
 async fn read_body_within(
     headers: &HeaderMap,
     body: Body,
     limit: usize,
+    pace: BodyPace,
 ) -> Result<Vec<u8>, ApiError> {
     let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
+        .and_then(|v| v.trim().parse::<u64>().ok());
     if declared.is_some_and(|n| n > limit as u64) {
         return Err(ApiError::PayloadTooLarge { limit });
     }
-    let mut buf = Vec::with_capacity(declared.unwrap_or(0) as usize);
+    let mut buf = Vec::new();
     let mut stream = body.into_data_stream();
-    while let Some(chunk) = stream.next().await {
+    let start = tokio::time::Instant::now();
+    loop {
+        let next = match pace.allowed(buf.len()) {
+            None => stream.next().await,
+            Some(allowed) => tokio::time::timeout_at(start + allowed, stream.next())
+                .await
+                .map_err(|_| ApiError::BodyTooSlow {
+                    received: buf.len(),
+                    seconds: start.elapsed().as_secs_f64(),
+                    min_rate: pace.min_rate,
+                })?,
+        };
+        let Some(chunk) = next else { break };
         let chunk = chunk.map_err(|e| ApiError::Malformed(format!("reading the body: {e}")))?;
         if buf.len() + chunk.len() > limit {
             return Err(ApiError::PayloadTooLarge { limit });
@@ -292,6 +383,32 @@ async fn read_body_within(
         buf.extend_from_slice(&chunk);
     }
     Ok(buf)
+}
+
+/// A request is a map of named fields: a JSON object or a MessagePack map. A positional array
+/// (`[[[1,2,3]],2]`, which serde would otherwise take as the fields in order) is refused.
+pub(crate) fn require_map(format: Format, bytes: &[u8]) -> Result<(), ApiError> {
+    let is_map = match format {
+        Format::Json => bytes
+            .iter()
+            .find(|b| !b.is_ascii_whitespace())
+            .is_some_and(|&b| b == b'{'),
+        // fixmap, map 16, map 32.
+        Format::Msgpack => bytes
+            .first()
+            .is_some_and(|&b| (0x80..=0x8f).contains(&b) || b == 0xde || b == 0xdf),
+    };
+    if is_map {
+        Ok(())
+    } else {
+        Err(ApiError::Malformed(format!(
+            "expected a {} with named fields (positional arrays are not accepted)",
+            match format {
+                Format::Json => "JSON object",
+                Format::Msgpack => "MessagePack map",
+            }
+        )))
+    }
 }
 
 /// Format of the request body: JSON when no Content-Type is given.
@@ -323,10 +440,18 @@ async fn score(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Respons
     let in_format = body_format(headers)?;
     let out_format = Format::from_accept(headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()));
     let bytes = read_body(st, headers, body).await?;
+    require_map(in_format, &bytes)?;
     let req =
         codec::decode_request(in_format, &bytes).map_err(|e| ApiError::Malformed(e.to_string()))?;
     let with_ids = req.ids.is_some();
     let valid = validate(req, &ready.limits)?;
+    let json = out_format == Format::Json;
+    crate::validation::check_answer_size(
+        valid.native_answer_bytes(json),
+        if json { "of JSON" } else { "of MessagePack" },
+        "sequences",
+        &ready.limits,
+    )?;
     let results = engine::score(st, &valid).await?;
     let p = valid.params;
     // Encode off the async threads (large answers take milliseconds).
@@ -388,6 +513,7 @@ mod tests {
                 max_body_bytes: 1 << 20,
                 max_wait_ms: 1,
                 body_timeout: Duration::from_secs(5),
+                body_pace: BodyPace::NONE,
                 api_key: None,
                 batch_invariant: false,
                 served_model_name: "m".into(),
@@ -400,7 +526,10 @@ mod tests {
     }
 
     /// Status and JSON body of `req` through the router.
-    async fn call(st: &Shared, req: Request) -> (u16, serde_json::Value) {
+    async fn call(st: &Shared, mut req: Request) -> (u16, serde_json::Value) {
+        // An HTTP/1.1 request needs a Host (the framing layer refuses it otherwise).
+        req.headers_mut()
+            .insert(header::HOST, HeaderValue::from_static("test"));
         let r = router(st.clone()).oneshot(req).await.unwrap();
         let status = r.status().as_u16();
         let body = axum::body::to_bytes(r.into_body(), 1 << 20).await.unwrap();
@@ -504,6 +633,39 @@ mod tests {
         let (status, body) = call(&st, topk).await;
         assert_eq!(status, 503, "{body}");
         assert_eq!(body["error"]["type"], "worker_stopped", "{body}");
+    }
+
+    #[test]
+    fn framing_rules() {
+        use axum::http::Version;
+        let h = |pairs: &[(&str, &str)]| {
+            let mut m = HeaderMap::new();
+            for (k, v) in pairs {
+                m.append(
+                    axum::http::HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                    HeaderValue::from_str(v).unwrap(),
+                );
+            }
+            m
+        };
+        let label = |v, m: &HeaderMap| check_framing(v, m).err().map(|e| e.label());
+        assert_eq!(label(Version::HTTP_11, &h(&[("host", "x")])), None);
+        assert_eq!(label(Version::HTTP_11, &h(&[])), Some("bad_framing"));
+        assert_eq!(label(Version::HTTP_10, &h(&[])), None);
+        let te = |v: &str| {
+            label(
+                Version::HTTP_11,
+                &h(&[("host", "x"), ("transfer-encoding", v)]),
+            )
+        };
+        assert_eq!(te("chunked"), None);
+        assert_eq!(te("Chunked"), None);
+        assert_eq!(
+            te("identity, chunked"),
+            Some("transfer_coding_not_implemented")
+        );
+        assert_eq!(te("gzip, chunked"), Some("transfer_coding_not_implemented"));
+        assert_eq!(te("chunked, chunked"), Some("bad_framing"));
     }
 
     #[test]

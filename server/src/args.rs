@@ -78,10 +78,27 @@ pub struct Args {
     /// Seconds a request may take to send its whole body (beyond it: 408).
     #[arg(long, env = "XDISTILL_BODY_TIMEOUT_SECS", default_value_t = 60.0)]
     pub body_timeout_secs: f64,
+    /// Slowest a body may arrive, in bytes per second averaged from its start, once
+    /// `--min-rate-grace-secs` have passed (slower: 408 and the connection closed), so a client
+    /// trickling bytes holds its slot seconds, not the whole body timeout (0: no minimum).
+    #[arg(long, env = "XDISTILL_MIN_BODY_RATE", default_value_t = 1024)]
+    pub min_body_rate: u64,
+    /// Seconds a body may take before `--min-body-rate` applies.
+    #[arg(long, env = "XDISTILL_MIN_RATE_GRACE_SECS", default_value_t = 5.0)]
+    pub min_rate_grace_secs: f64,
     /// Most connections open at once (also capped by the open-files limit, which is raised to
     /// its hard limit at start); beyond it new connections wait until one closes.
     #[arg(long, env = "XDISTILL_MAX_CONNECTIONS", default_value_t = 4096)]
     pub max_connections: usize,
+    /// Most connections open at once from one client address; past it a new connection gets 503
+    /// and is closed (0: no limit). Behind a load balancer or proxy every connection comes from
+    /// its address: raise this (or set 0) there.
+    #[arg(
+        long,
+        env = "XDISTILL_MAX_CONNECTIONS_PER_CLIENT",
+        default_value_t = 512
+    )]
+    pub max_connections_per_client: usize,
     /// Size of the result cache in bytes (0 disables it).
     #[arg(long, env = "XDISTILL_CACHE_BYTES", default_value_t = 1 << 30)]
     pub cache_bytes: u64,
@@ -158,6 +175,7 @@ impl Args {
         for (name, secs) in [
             ("--header-timeout-secs", self.header_timeout_secs),
             ("--body-timeout-secs", self.body_timeout_secs),
+            ("--min-rate-grace-secs", self.min_rate_grace_secs),
         ] {
             if !(secs.is_finite() && secs > 0.0 && secs <= 86_400.0) {
                 return Err(format!("{name} must be in (0, 86400], got {secs}"));

@@ -16,17 +16,43 @@ pub enum ApiError {
     /// The body did not arrive within `--body-timeout-secs`.
     #[error("the request body did not arrive within {0} s")]
     BodyTimeout(f64),
+    /// The body arrives slower than `--min-body-rate`.
+    #[error("the request body arrives too slowly: {received} bytes in {seconds:.1} s, under --min-body-rate {min_rate} bytes/s")]
+    BodyTooSlow {
+        received: usize,
+        seconds: f64,
+        min_rate: u64,
+    },
     #[error("body larger than the limit of {limit} bytes")]
     PayloadTooLarge { limit: usize },
     /// The request alone needs more tokens than the queue may ever hold.
+    /// `field` is the route's name for its inputs (`sequences`, `prompt`, `input_ids`).
     #[error("request of {tokens} tokens exceeds --max-queue-tokens {limit}")]
-    RequestTooLarge { tokens: usize, limit: usize },
+    RequestTooLarge {
+        field: String,
+        tokens: usize,
+        limit: usize,
+    },
     /// More sequences than `--max-sequences` in one request.
     #[error("{sequences} sequences exceed --max-sequences {limit}; split the request")]
-    TooManySequences { sequences: usize, limit: usize },
-    /// The answer would hold more than `--max-answer-bytes` of scores.
-    #[error("the answer would hold {bytes} bytes of scores, over --max-answer-bytes {limit}; lower k or split the request")]
-    AnswerTooLarge { bytes: usize, limit: usize },
+    TooManySequences {
+        field: String,
+        sequences: usize,
+        limit: usize,
+    },
+    /// The answer, as the route encodes it, would exceed `--max-answer-bytes` (`what` says
+    /// which estimate: "of scores", "of JSON").
+    #[error("the answer would take {bytes} bytes {what}, over --max-answer-bytes {limit}; lower k or split the request")]
+    AnswerTooLarge {
+        field: String,
+        bytes: usize,
+        limit: usize,
+        what: &'static str,
+    },
+    /// An input refused while it was read, before any work: more text or ids than any
+    /// admissible request can hold, or a small field of outsized JSON.
+    #[error("{field}: {message}")]
+    InputTooLarge { field: String, message: String },
     #[error("queue full ({queued} of {limit} tokens admitted); retry later")]
     QueueFull {
         queued: usize,
@@ -35,6 +61,9 @@ pub enum ApiError {
     },
     #[error("unsupported content type {0:?}: send application/json or application/msgpack")]
     UnsupportedMediaType(String),
+    /// A `Content-Encoding` the server does not decode (it decodes none).
+    #[error("unsupported content encoding {0:?}: send the body uncompressed (identity)")]
+    UnsupportedEncoding(String),
     /// The request asks for something this server does not do (e.g. `max_tokens: 2`: it
     /// scores, it does not generate), or over a limit phrased as vLLM phrases it.
     #[error("{field}: {message}")]
@@ -48,11 +77,28 @@ pub enum ApiError {
     NotReady,
     #[error("server is shutting down")]
     ShuttingDown,
+    /// The client already holds `--max-connections-per-client` connections.
+    #[error("this client address already has {limit} connections open (--max-connections-per-client); reuse them or retry later")]
+    TooManyConnections { limit: usize },
     /// The model worker thread has ended: nothing can be scored until the server restarts.
     #[error("the model worker has stopped (the server log says why); this server cannot score until it is restarted")]
     WorkerStopped,
     #[error("no route {0}")]
     NotFound(String),
+    /// The request line or headers could not be parsed (answered by the connection layer).
+    #[error("the request line or headers could not be parsed")]
+    BadRequestHead,
+    /// A request head that breaks HTTP/1.1 framing rules (RFC 9112), e.g. no `Host` or
+    /// `chunked` twice.
+    #[error("{0}")]
+    BadFraming(String),
+    /// A transfer coding the server does not implement (RFC 9112 §6.1: 501).
+    #[error("transfer coding {0:?} is not implemented: send the body with Content-Length or as a lone `chunked`")]
+    TransferCodingNotImplemented(String),
+    #[error("the request target is too long")]
+    UriTooLong,
+    #[error("the request headers are too large")]
+    HeadersTooLarge,
     #[error("method not allowed")]
     MethodNotAllowed,
     #[error("internal error: {0}")]
@@ -74,21 +120,42 @@ impl ApiError {
         }
     }
 
+    /// The error a status written by the connection layer itself stands for (hyper answers
+    /// unparsable heads on its own, with an empty body; [`crate::serve`] gives them this one's).
+    pub fn of_connection_status(status: u16) -> Option<ApiError> {
+        match status {
+            400 => Some(ApiError::BadRequestHead),
+            414 => Some(ApiError::UriTooLong),
+            431 => Some(ApiError::HeadersTooLarge),
+            _ => None,
+        }
+    }
+
     pub fn status(&self) -> StatusCode {
         match self {
-            ApiError::Malformed(_) | ApiError::Unsupported { .. } => StatusCode::BAD_REQUEST,
+            ApiError::Malformed(_)
+            | ApiError::Unsupported { .. }
+            | ApiError::BadRequestHead
+            | ApiError::BadFraming(_) => StatusCode::BAD_REQUEST,
+            ApiError::TransferCodingNotImplemented(_) => StatusCode::NOT_IMPLEMENTED,
+            ApiError::UriTooLong => StatusCode::URI_TOO_LONG,
+            ApiError::HeadersTooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
             ApiError::ModelNotFound(_) => StatusCode::NOT_FOUND,
-            ApiError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
+            ApiError::BodyTimeout(_) | ApiError::BodyTooSlow { .. } => StatusCode::REQUEST_TIMEOUT,
             ApiError::Invalid { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::PayloadTooLarge { .. }
+            | ApiError::InputTooLarge { .. }
             | ApiError::RequestTooLarge { .. }
             | ApiError::TooManySequences { .. }
             | ApiError::AnswerTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::QueueFull { .. }
             | ApiError::NotReady
+            | ApiError::TooManyConnections { .. }
             | ApiError::ShuttingDown
             | ApiError::WorkerStopped => StatusCode::SERVICE_UNAVAILABLE,
-            ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            ApiError::UnsupportedMediaType(_) | ApiError::UnsupportedEncoding(_) => {
+                StatusCode::UNSUPPORTED_MEDIA_TYPE
+            }
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
@@ -103,18 +170,27 @@ impl ApiError {
             ApiError::Unsupported { .. } => "unsupported_request",
             ApiError::ModelNotFound(_) => "model_not_found",
             ApiError::BodyTimeout(_) => "body_timeout",
+            ApiError::BodyTooSlow { .. } => "body_too_slow",
             ApiError::Invalid { .. } => "invalid_request",
             ApiError::PayloadTooLarge { .. } => "payload_too_large",
             ApiError::RequestTooLarge { .. } => "request_too_large",
             ApiError::TooManySequences { .. } => "too_many_sequences",
             ApiError::AnswerTooLarge { .. } => "answer_too_large",
+            ApiError::InputTooLarge { .. } => "input_too_large",
             ApiError::QueueFull { .. } => "queue_full",
             ApiError::UnsupportedMediaType(_) => "unsupported_media_type",
+            ApiError::UnsupportedEncoding(_) => "unsupported_encoding",
             ApiError::Unauthorized => "unauthorized",
             ApiError::NotReady => "not_ready",
             ApiError::ShuttingDown => "shutting_down",
+            ApiError::TooManyConnections { .. } => "too_many_connections",
             ApiError::WorkerStopped => "worker_stopped",
             ApiError::NotFound(_) => "not_found",
+            ApiError::BadRequestHead => "malformed_request",
+            ApiError::BadFraming(_) => "bad_framing",
+            ApiError::TransferCodingNotImplemented(_) => "transfer_coding_not_implemented",
+            ApiError::UriTooLong => "uri_too_long",
+            ApiError::HeadersTooLarge => "headers_too_large",
             ApiError::MethodNotAllowed => "method_not_allowed",
             ApiError::Internal(_) => "internal_error",
         }
@@ -122,19 +198,19 @@ impl ApiError {
 
     pub fn body(&self) -> ErrorBody {
         let field = match self {
-            ApiError::Invalid { field, .. } | ApiError::Unsupported { field, .. } => {
-                Some(field.clone())
-            }
-            ApiError::RequestTooLarge { .. }
-            | ApiError::TooManySequences { .. }
-            | ApiError::AnswerTooLarge { .. } => Some("sequences".into()),
+            ApiError::Invalid { field, .. }
+            | ApiError::Unsupported { field, .. }
+            | ApiError::InputTooLarge { field, .. }
+            | ApiError::RequestTooLarge { field, .. }
+            | ApiError::TooManySequences { field, .. }
+            | ApiError::AnswerTooLarge { field, .. } => Some(field.clone()),
             ApiError::ModelNotFound(_) => Some("model".into()),
             _ => None,
         };
         let message = match self {
-            ApiError::Invalid { message, .. } | ApiError::Unsupported { message, .. } => {
-                message.clone()
-            }
+            ApiError::Invalid { message, .. }
+            | ApiError::Unsupported { message, .. }
+            | ApiError::InputTooLarge { message, .. } => message.clone(),
             other => other.to_string(),
         };
         ErrorBody {
@@ -168,6 +244,20 @@ impl IntoResponse for ApiError {
             }
             ApiError::Unauthorized => {
                 h.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            }
+            ApiError::BadFraming(_)
+            | ApiError::TransferCodingNotImplemented(_)
+            | ApiError::BodyTimeout(_)
+            | ApiError::BodyTooSlow { .. } => {
+                // The body's framing cannot be trusted: nothing more is read on this connection.
+                h.insert(header::CONNECTION, HeaderValue::from_static("close"));
+            }
+            ApiError::UnsupportedEncoding(_) => {
+                // RFC 7694: the codings the server accepts.
+                h.insert(
+                    header::ACCEPT_ENCODING,
+                    HeaderValue::from_static("identity"),
+                );
             }
             _ => {}
         }

@@ -8,19 +8,28 @@
 //!   connection is closed. So it is also the keep-alive idle timeout.
 //! - Body timeout: applied where bodies are read ([`crate::app`]), answered with 408.
 //! - Connection cap: at most `max_connections` open at once; beyond it new connections wait in
-//!   the kernel's backlog until one closes.
+//!   the kernel's backlog (sized to the cap, [`bind`]) until one closes.
+//! - Per-client cap: at most `max_per_client` open at once from one client address; a client
+//!   past it gets a 503 JSON answer and its connection is closed, so one careless or hostile
+//!   client cannot take every slot from the others (0: no per-client cap; behind a proxy every
+//!   connection has the proxy's address).
+//! - Answers hyper writes itself (unparsable heads) get JSON bodies ([`crate::head_errors`]).
 //! - File descriptors: the soft limit is raised to the hard one at start ([`raise_fd_limit`]);
 //!   an accept that fails for lack of descriptors (EMFILE, ENFILE) or memory is retried after a
 //!   short pause instead of ending the server.
 
+use crate::error::ApiError;
+use crate::head_errors::HeadErrors;
 use axum::Router;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
+use std::collections::HashMap;
 use std::future::Future;
-use std::sync::Arc;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpSocket};
 use tokio::sync::Semaphore;
 
 /// Connection limits (`teacher --header-timeout-secs --max-connections`).
@@ -28,6 +37,8 @@ use tokio::sync::Semaphore;
 pub struct ConnLimits {
     pub header_timeout: Duration,
     pub max_connections: usize,
+    /// Most connections open at once from one client address (0: no limit).
+    pub max_per_client: usize,
     /// How long in-flight requests may take to finish after a shutdown signal.
     pub drain_timeout: Duration,
 }
@@ -41,6 +52,7 @@ pub async fn serve(
     shutdown: impl Future<Output = ()>,
 ) {
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let clients = Clients::new(limits.max_per_client);
     let graceful = GracefulShutdown::new();
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
@@ -57,10 +69,10 @@ pub async fn serve(
             },
         };
         // 2. A connection; out of descriptors is a pause, not the end.
-        let stream = tokio::select! {
+        let (stream, peer) = tokio::select! {
             _ = &mut shutdown => break,
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
+                Ok(pair) => pair,
                 Err(e) => {
                     if is_resource_exhaustion(&e) {
                         tracing::warn!("accept failed ({e}); retrying in 50 ms");
@@ -73,13 +85,20 @@ pub async fn serve(
             },
         };
         let _ = stream.set_nodelay(true);
-        // 3. Serve it on its own task; the slot is freed when the connection ends.
+        // 3. Within its client's share, or answered 503 and closed (the slot is freed at once).
+        let Some(share) = clients.enter(peer.ip()) else {
+            refuse_over_share(stream, peer, limits.max_per_client);
+            continue;
+        };
+        // 4. Serve it on its own task; the slots are freed when the connection ends.
         let svc = TowerToHyperService::new(router.clone());
-        let conn = graceful.watch(http.serve_connection(TokioIo::new(stream), svc));
+        let io = HeadErrors::new(TokioIo::new(stream));
+        let conn = graceful.watch(http.serve_connection(io, svc));
         tokio::spawn(async move {
             if let Err(e) = conn.await {
                 tracing::debug!("connection ended: {e}");
             }
+            drop(share);
             drop(slot);
         });
     }
@@ -93,6 +112,106 @@ pub async fn serve(
             limits.drain_timeout
         );
     }
+}
+
+/// Binds `addr` with a listen backlog of `backlog` connections (the connection cap: beyond it,
+/// new connections wait there; the kernel may lower it to `net.core.somaxconn`).
+pub fn bind(addr: SocketAddr, backlog: usize) -> std::io::Result<TcpListener> {
+    let socket = match addr {
+        SocketAddr::V4(_) => TcpSocket::new_v4()?,
+        SocketAddr::V6(_) => TcpSocket::new_v6()?,
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(
+        u32::try_from(backlog)
+            .unwrap_or(u32::MAX)
+            .clamp(128, i32::MAX as u32),
+    )
+}
+
+/// Open connections per client address, for the per-client cap.
+#[derive(Clone)]
+struct Clients {
+    cap: usize,
+    open: Arc<Mutex<HashMap<IpAddr, usize>>>,
+}
+
+/// One connection's place in its client's share; given back on drop.
+struct Share {
+    ip: IpAddr,
+    open: Arc<Mutex<HashMap<IpAddr, usize>>>,
+}
+
+impl Clients {
+    fn new(cap: usize) -> Clients {
+        Clients {
+            cap,
+            open: Arc::default(),
+        }
+    }
+
+    /// A place for one more connection from `ip`, or `None` when it already has `cap`.
+    fn enter(&self, ip: IpAddr) -> Option<Share> {
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        let n = open.entry(ip).or_insert(0);
+        if self.cap > 0 && *n >= self.cap {
+            return None;
+        }
+        *n += 1;
+        Some(Share {
+            ip,
+            open: self.open.clone(),
+        })
+    }
+}
+
+impl Drop for Share {
+    fn drop(&mut self) {
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = open.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                open.remove(&self.ip);
+            }
+        }
+    }
+}
+
+/// Answers a connection past its client's share with a 503 and closes it. The close lingers
+/// (what the client sends meanwhile is read and dropped, for at most a second and 64 KiB) so
+/// that unread request bytes do not turn the close into a reset that loses the answer.
+fn refuse_over_share(stream: tokio::net::TcpStream, peer: SocketAddr, cap: usize) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    tracing::debug!("{peer}: over the per-client cap of {cap} connections");
+    let e = ApiError::TooManyConnections { limit: cap };
+    let body = serde_json::to_vec(&e.body()).unwrap_or_default();
+    let mut out = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: {}\r\ncontent-length: {}\r\n\
+         retry-after: 1\r\nconnection: close\r\n\r\n",
+        xdistill_shared::codec::JSON,
+        body.len()
+    )
+    .into_bytes();
+    out.extend_from_slice(&body);
+    tokio::spawn(async move {
+        let mut stream = stream;
+        let linger = async {
+            stream.write_all(&out).await?;
+            stream.shutdown().await?;
+            let mut sink = [0u8; 4096];
+            let mut left = 64 * 1024usize;
+            while left > 0 {
+                let n = stream.read(&mut sink).await?;
+                if n == 0 {
+                    break;
+                }
+                left = left.saturating_sub(n);
+            }
+            Ok::<_, std::io::Error>(())
+        };
+        let _ = tokio::time::timeout(Duration::from_secs(1), linger).await;
+    });
 }
 
 /// Errors after which accepting again soon may succeed (descriptors or memory freed).
@@ -131,6 +250,24 @@ pub fn raise_fd_limit() -> std::io::Result<libc::rlim_t> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn per_client_shares() {
+        let c = Clients::new(2);
+        let a: IpAddr = "127.0.0.1".parse().unwrap();
+        let b: IpAddr = "127.0.0.2".parse().unwrap();
+        let (s1, s2) = (c.enter(a).unwrap(), c.enter(a).unwrap());
+        assert!(c.enter(a).is_none());
+        let other = c.enter(b);
+        assert!(other.is_some());
+        drop(s1);
+        assert!(c.enter(a).is_some());
+        drop((s2, other));
+        assert!(c.open.lock().unwrap().get(&b).is_none());
+        let unlimited = Clients::new(0);
+        let all: Vec<_> = (0..10).map(|_| unlimited.enter(a).unwrap()).collect();
+        assert_eq!(all.len(), 10);
+    }
 
     #[test]
     fn exhaustion_is_recognised() {

@@ -1,7 +1,7 @@
 //! Wiring: bind, start the worker (which loads the model), the batcher and the HTTP server;
 //! stop gracefully on SIGTERM / ctrl-c.
 
-use crate::app::{router, AppState, ServerConfig};
+use crate::app::{router, AppState, BodyPace, ServerConfig};
 use crate::args::Args;
 use crate::batcher::{BatchConfig, Batcher};
 use crate::cache::ScoreCache;
@@ -54,9 +54,8 @@ pub async fn run(args: Args) -> Result<()> {
 
     // 1. Bind first, so health checks see "loading" rather than "connection refused".
     let addr = std::net::SocketAddr::new(args.host, args.port);
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("binding {addr}"))?;
+    let max_connections = args.max_connections.min(conn_cap);
+    let listener = serve::bind(addr, max_connections).with_context(|| format!("binding {addr}"))?;
     let local = listener.local_addr()?;
     tracing::info!("listening on {local}");
     // A parseable line for scripts and tests that start the server on port 0.
@@ -101,6 +100,10 @@ pub async fn run(args: Args) -> Result<()> {
             max_body_bytes: args.max_body_bytes,
             max_wait_ms: args.max_wait_ms(),
             body_timeout: Duration::from_secs_f64(args.body_timeout_secs),
+            body_pace: BodyPace {
+                min_rate: args.min_body_rate,
+                grace: Duration::from_secs_f64(args.min_rate_grace_secs),
+            },
             api_key: args.resolve_api_key().map_err(|e| anyhow!(e))?,
             served_model_name: args.model_name(),
             batch_invariant: args.batch_invariant,
@@ -144,7 +147,8 @@ pub async fn run(args: Args) -> Result<()> {
     // 4. Serve until a signal (or a load failure); in-flight requests finish first.
     let limits = ConnLimits {
         header_timeout: Duration::from_secs_f64(args.header_timeout_secs),
-        max_connections: args.max_connections.min(conn_cap),
+        max_connections,
+        max_per_client: args.max_connections_per_client,
         drain_timeout: Duration::from_secs(600),
     };
     serve::serve(

@@ -90,6 +90,44 @@ impl ValidTopkRequest {
     }
 }
 
+/// Bytes of JSON one 4-byte score takes at most in the native JSON answer: a shortest f32
+/// (`-1.17549435e-38`, 15 characters) and its separator.
+pub const JSON_BYTES_PER_SCORE: usize = 16;
+
+impl ValidTopkRequest {
+    /// The native answer's size as sent: MessagePack carries the scores as blobs
+    /// ([`ValidTopkRequest::answer_bytes`]); JSON writes each as a number of up to
+    /// [`JSON_BYTES_PER_SCORE`] bytes, plus 128 bytes of keys per sequence.
+    pub fn native_answer_bytes(&self, json: bool) -> usize {
+        let raw = self.answer_bytes();
+        if !json {
+            return raw;
+        }
+        let n = self.sequences.len();
+        let scores = (raw - 64 * n) / 4;
+        scores.saturating_mul(JSON_BYTES_PER_SCORE) + 128 * n
+    }
+}
+
+/// Refuses an answer whose size as the route sends it, estimated before scoring, is over
+/// `--max-answer-bytes` (413 `answer_too_large`, naming the route's input field).
+pub fn check_answer_size(
+    bytes: usize,
+    what: &'static str,
+    field: &str,
+    lim: &RequestLimits,
+) -> Result<(), ApiError> {
+    if bytes > lim.max_answer_bytes {
+        return Err(ApiError::AnswerTooLarge {
+            field: field.to_string(),
+            bytes,
+            limit: lim.max_answer_bytes,
+            what,
+        });
+    }
+    Ok(())
+}
+
 /// The request fields of one route, for error messages.
 #[derive(Debug, Clone, Copy)]
 pub struct FieldNames {
@@ -192,6 +230,7 @@ pub fn validate_spec(spec: ScoreSpec, lim: &RequestLimits) -> Result<ValidTopkRe
     }
     if spec.sequences.len() > lim.max_sequences {
         return Err(ApiError::TooManySequences {
+            field: f.sequences.into(),
             sequences: spec.sequences.len(),
             limit: lim.max_sequences,
         });
@@ -239,6 +278,7 @@ pub fn validate_spec(spec: ScoreSpec, lim: &RequestLimits) -> Result<ValidTopkRe
     let tokens = valid.cost();
     if tokens > lim.max_queue_tokens {
         return Err(ApiError::RequestTooLarge {
+            field: f.sequences.into(),
             tokens,
             limit: lim.max_queue_tokens,
         });
@@ -246,8 +286,10 @@ pub fn validate_spec(spec: ScoreSpec, lim: &RequestLimits) -> Result<ValidTopkRe
     let bytes = valid.answer_bytes();
     if bytes > lim.max_answer_bytes {
         return Err(ApiError::AnswerTooLarge {
+            field: f.sequences.into(),
             bytes,
             limit: lim.max_answer_bytes,
+            what: "of scores",
         });
     }
     Ok(valid)
@@ -526,7 +568,8 @@ mod tests {
             validate(req(vec![vec![1]; 7]), &lim()),
             Err(ApiError::TooManySequences {
                 sequences: 7,
-                limit: 6
+                limit: 6,
+                ..
             })
         ));
         let many = RequestLimits {

@@ -11,6 +11,13 @@ pub struct Vocab {
     pub tokenizer: Arc<Tokenizer>,
     /// `texts[id]`: `decode([id])` with special tokens kept; invalid UTF-8 pieces become U+FFFD.
     texts: Vec<Box<str>>,
+    /// Most bytes of text one token can stand for: the longest single-token text plus one (a
+    /// leading space that decoding a token alone drops). Bounds text prompts before they are
+    /// tokenized ([`crate::compat::admit`]).
+    bytes_per_token: usize,
+    /// Mean length of a token's text as a JSON string (quotes and escapes included), rounded
+    /// up: the per-entry size the compatible routes' answer estimates use.
+    mean_text_json: usize,
 }
 
 impl std::fmt::Debug for Vocab {
@@ -37,10 +44,28 @@ impl Vocab {
                     .into_boxed_str()
             })
             .collect();
+        let texts: Vec<Box<str>> = texts;
+        let longest = texts.iter().map(|t| t.len()).max().unwrap_or(0);
+        let json_total: usize = texts
+            .par_iter()
+            .map(|t| serde_json::to_string(&**t).map_or(2, |j| j.len()))
+            .sum();
         Vocab {
             tokenizer: Arc::new(tokenizer),
+            bytes_per_token: longest + 1,
+            mean_text_json: json_total.div_ceil(texts.len().max(1)).max(2),
             texts,
         }
+    }
+
+    /// Mean length of a token's text as a JSON string (see the field).
+    pub fn mean_text_json(&self) -> usize {
+        self.mean_text_json
+    }
+
+    /// Most bytes of text one token can stand for (see the field).
+    pub fn bytes_per_token(&self) -> usize {
+        self.bytes_per_token
     }
 
     /// The text of one id decoded alone ("" for an id outside the table).

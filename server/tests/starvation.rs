@@ -176,3 +176,137 @@ async fn half_sent_body_times_out_with_408() {
     assert!(t0.elapsed() < Duration::from_secs(5));
     served(&t, Duration::from_secs(10)).await;
 }
+
+/// `n` connections from this address that each start a 100 kB body and send one byte of it.
+fn slow_bodies(addr: &str, n: usize) -> Vec<TcpStream> {
+    (0..n)
+        .filter_map(|_| {
+            let mut s = TcpStream::connect(addr).ok()?;
+            s.write_all(
+                b"POST /topk_logits HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+                  Content-Length: 100000\r\n\r\n{",
+            )
+            .ok()?;
+            Some(s)
+        })
+        .collect()
+}
+
+/// How many of `n` normal requests from another client address (127.0.0.2) are answered 200
+/// within `each` apiece.
+async fn served_from_elsewhere(t: &Limited, n: usize, each: Duration) -> usize {
+    let c = reqwest::Client::builder()
+        .local_address("127.0.0.2".parse::<std::net::IpAddr>().unwrap())
+        .timeout(each)
+        .build()
+        .unwrap();
+    let mut ok = 0;
+    for _ in 0..n {
+        let r = c
+            .post(t.url("/topk_logits"))
+            .json(&serde_json::json!({"sequences": [[1, 2, 3]], "k": 2}))
+            .send()
+            .await;
+        if r.is_ok_and(|r| r.status() == 200) {
+            ok += 1;
+        }
+    }
+    ok
+}
+
+/// Slow bodies cannot starve other clients: 100 connections from one address trickling their
+/// bodies against a 64-connection teacher. Without a per-client cap or a minimum rate (the old
+/// behaviour, `--max-connections-per-client 0 --min-body-rate 0`) they hold every slot for the
+/// whole body timeout and no other client is served; with them, that client holds at most its
+/// share (the rest get 503 `too_many_connections` and are closed), its slow bodies get 408
+/// `body_too_slow` after the grace, and every normal request from another address is served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_bodies_cannot_starve_other_clients() {
+    let dir = common::tiny_model("starvation-llama", "llama", "llama2", 1);
+    let common_flags = ["--max-connections", "64", "--body-timeout-secs", "60"];
+
+    // Before: no per-client cap, no minimum rate.
+    let mut flags = common_flags.to_vec();
+    flags.extend(["--max-connections-per-client", "0", "--min-body-rate", "0"]);
+    let t = Limited::start(&dir, "true", &flags);
+    let held = slow_bodies(&t.addr, 100);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before = served_from_elsewhere(&t, 5, Duration::from_secs(1)).await;
+    drop(held);
+    drop(t);
+
+    // After: a share of 16 per client, bodies at least 1000 bytes/s after 1 s.
+    let mut flags = common_flags.to_vec();
+    flags.extend([
+        "--max-connections-per-client",
+        "16",
+        "--min-body-rate",
+        "1000",
+        "--min-rate-grace-secs",
+        "1",
+    ]);
+    let t = Limited::start(&dir, "true", &flags);
+    let t0 = Instant::now();
+    let mut held = slow_bodies(&t.addr, 100);
+    let after = served_from_elsewhere(&t, 20, Duration::from_secs(5)).await;
+    eprintln!(
+        "100 slow bodies from one address, 64 slots: normal requests from another address \
+         served: before {before}/5, after {after}/20 ({:.1} s)",
+        t0.elapsed().as_secs_f64()
+    );
+    assert_eq!(before, 0, "the old behaviour should starve other clients");
+    assert_eq!(after, 20);
+
+    // The connections past the share were answered 503 and closed; the others 408 once the
+    // grace had passed.
+    let mut statuses = std::collections::BTreeMap::<String, usize>::new();
+    for s in held.iter_mut() {
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut out = Vec::new();
+        let _ = s.read_to_end(&mut out);
+        let text = String::from_utf8_lossy(&out);
+        let status = text.split_whitespace().nth(1).unwrap_or("none").to_string();
+        if status == "503" {
+            assert!(text.contains("too_many_connections"), "{text}");
+        }
+        if status == "408" {
+            assert!(text.contains("body_too_slow"), "{text}");
+        }
+        *statuses.entry(status).or_default() += 1;
+    }
+    eprintln!(
+        "slow connections answered: {statuses:?} in {:.1} s",
+        t0.elapsed().as_secs_f64()
+    );
+    assert_eq!(statuses.get("408"), Some(&16), "{statuses:?}");
+    assert_eq!(statuses.get("503"), Some(&84), "{statuses:?}");
+    assert!(t0.elapsed() < Duration::from_secs(30));
+}
+
+/// The listen backlog is sized to the connection cap (connections past the cap wait there), as
+/// the kernel reports it for the listening socket (`ss -ltn`: Send-Q), up to `somaxconn`.
+#[test]
+fn listen_backlog_is_sized_to_the_connection_cap() {
+    if Command::new("ss").arg("-V").output().is_err() {
+        eprintln!("SKIPPED: ss (iproute2) is not installed");
+        return;
+    }
+    let somaxconn: u64 = std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(4096);
+    let dir = common::tiny_model("starvation-llama", "llama", "llama2", 1);
+    let t = Limited::start(&dir, "true", &["--max-connections", "1000"]);
+    let port = t.addr.rsplit(':').next().unwrap().to_string();
+    let out = Command::new("ss")
+        .args(["-ltnH", &format!("sport = :{port}")])
+        .output()
+        .expect("ss");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let backlog: u64 = text
+        .split_whitespace()
+        .nth(2)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no listening socket in {text:?}"));
+    assert_eq!(backlog, 1000.min(somaxconn), "{text}");
+}

@@ -52,6 +52,23 @@ pub enum CheckpointError {
     State { path: PathBuf, message: String },
     #[error("{path}: corrupt checkpoint: {message}")]
     Corrupt { path: PathBuf, message: String },
+    /// `--resume` found no valid checkpoint but a previous run's traces: starting from step 0
+    /// would silently lose that run (a restart loop would repeat it forever).
+    #[error(
+        "{dir}: --resume found no valid checkpoint, but a previous run left {}; refusing to start \
+         over silently: remove them, or start from step 0 on purpose with \
+         --set checkpointing.start_fresh=true",
+        list_paths(.leftovers)
+    )]
+    NothingToResume {
+        dir: PathBuf,
+        leftovers: Vec<PathBuf>,
+    },
+}
+
+fn list_paths(paths: &[PathBuf]) -> String {
+    let names: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
+    names.join(", ")
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
@@ -459,6 +476,29 @@ pub fn list(output_dir: &Path) -> Result<Vec<(u64, PathBuf)>, CheckpointError> {
     }
     out.sort();
     Ok(out)
+}
+
+/// Checkpoints set aside as corrupt (`step_N.corrupt/`) by an earlier resume, oldest first.
+pub fn corrupt_dirs(output_dir: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
+    let entries = match std::fs::read_dir(output_dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(io_err(output_dir)(e)),
+    };
+    let mut out = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(io_err(output_dir))?;
+        let name = entry.file_name();
+        let step = name
+            .to_str()
+            .and_then(|n| n.strip_suffix(CORRUPT_SUFFIX))
+            .and_then(parse_step_dir);
+        if let Some(step) = step {
+            out.push((step, entry.path()));
+        }
+    }
+    out.sort();
+    Ok(out.into_iter().map(|(_, p)| p).collect())
 }
 
 /// The newest complete checkpoint.

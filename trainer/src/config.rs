@@ -407,6 +407,11 @@ pub struct CheckpointingConfig {
     /// Rank checkpoints by this metric (from `trainer_state.json`'s `metrics`) instead of by step.
     pub metric_name: Option<String>,
     pub higher_is_better: bool,
+    /// With `--resume`, start over from step 0 on purpose when nothing valid is left to resume
+    /// from although a previous run left traces (`step_N.corrupt/`, a non-empty
+    /// `metrics.jsonl`); without it such a resume is an error. The old `metrics.jsonl` is set
+    /// aside, never appended to (`--set checkpointing.start_fresh=true`).
+    pub start_fresh: bool,
 }
 
 impl Default for CheckpointingConfig {
@@ -418,6 +423,7 @@ impl Default for CheckpointingConfig {
             keep_top_k: Some(3),
             metric_name: None,
             higher_is_better: false,
+            start_fresh: false,
         }
     }
 }

@@ -90,6 +90,10 @@ impl MetricsLog {
     /// resumed from the checkpoint of step `s`), lines of later steps — written by the
     /// interrupted run after its last checkpoint, and about to be written again — are removed
     /// first, as is a torn last line; so the file ends with one line per step.
+    ///
+    /// A fresh run (`None`) never appends to an earlier run's lines: a non-empty file is
+    /// renamed to `metrics.prev-N.jsonl` (the first free N) with a warning naming both, so the
+    /// file describes one run whose steps start at 1.
     pub fn open(output_dir: &Path, resume_step: Option<u64>) -> Result<MetricsLog, MetricsError> {
         let path = output_dir.join(METRICS_FILE);
         let io = |source| MetricsError::Io {
@@ -99,9 +103,16 @@ impl MetricsLog {
         std::fs::create_dir_all(output_dir).map_err(io)?;
         match resume_step {
             Some(step) if path.is_file() => truncate_after(&path, step).map_err(io)?,
-            None if path.is_file() => {
-                // A fresh run into a directory with old metrics: keep them, but say so.
-                tracing::warn!("{} exists; appending to it", path.display());
+            None => {
+                if let Some(old) = previous(output_dir) {
+                    let aside = free_aside_name(output_dir);
+                    std::fs::rename(&old, &aside).map_err(io)?;
+                    tracing::warn!(
+                        "{} holds an earlier run's metrics; moved to {} (a fresh run starts a new file)",
+                        old.display(),
+                        aside.display()
+                    );
+                }
             }
             _ => {}
         }
@@ -129,6 +140,22 @@ impl MetricsLog {
                 source,
             })
     }
+}
+
+/// `output_dir/metrics.jsonl` when it exists and is not empty (an earlier run's lines).
+pub fn previous(output_dir: &Path) -> Option<PathBuf> {
+    let path = output_dir.join(METRICS_FILE);
+    std::fs::metadata(&path)
+        .is_ok_and(|m| m.is_file() && m.len() > 0)
+        .then_some(path)
+}
+
+/// `metrics.prev-N.jsonl` for the first N that does not exist yet.
+fn free_aside_name(output_dir: &Path) -> PathBuf {
+    (1u64..)
+        .map(|n| output_dir.join(format!("metrics.prev-{n}.jsonl")))
+        .find(|p| !p.exists())
+        .unwrap_or_else(|| output_dir.join("metrics.prev.jsonl"))
 }
 
 /// Rewrites `path` keeping the lines whose `step` is at most `step` (unparsable lines dropped).
@@ -281,6 +308,33 @@ mod tests {
         assert_eq!(back, line(2));
         assert_eq!(v[0]["grad_norm"], serde_json::Value::Null);
         assert_eq!(v[2]["loss_parts"]["forward_kl"], 0.5);
+    }
+
+    /// A fresh run never appends to an earlier run's lines: they are set aside, numbered.
+    #[test]
+    fn fresh_run_sets_earlier_metrics_aside() {
+        let dir = tempfile::tempdir().unwrap();
+        for run in 1..=2u64 {
+            let mut log = MetricsLog::open(dir.path(), None).unwrap();
+            for s in 1..=run + 1 {
+                log.append(&line(s)).unwrap();
+            }
+        }
+        assert!(previous(dir.path()).is_some());
+        let mut log = MetricsLog::open(dir.path(), None).unwrap();
+        log.append(&line(1)).unwrap();
+        let steps = |p: &Path| -> Vec<u64> {
+            read(p)
+                .iter()
+                .map(|v| v["step"].as_u64().unwrap())
+                .collect()
+        };
+        assert_eq!(steps(log.path()), [1]);
+        assert_eq!(steps(&dir.path().join("metrics.prev-1.jsonl")), [1, 2]);
+        assert_eq!(steps(&dir.path().join("metrics.prev-2.jsonl")), [1, 2, 3]);
+        // An empty file is no earlier run.
+        std::fs::write(log.path(), b"").unwrap();
+        assert!(previous(dir.path()).is_none());
     }
 
     #[test]

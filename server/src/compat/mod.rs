@@ -3,7 +3,10 @@
 //! `/generate` ([`sglang`]). Each decodes its body into a [`ScoreSpec`](crate::validation::ScoreSpec),
 //! runs the one engine (same batcher, cache, limits and auth as `/topk_logits`) and encodes the
 //! answer in that API's shape. Unknown fields are accepted and ignored, as those servers do.
+//! Bodies are decoded into typed requests whose inputs stay raw JSON until [`admit`] has
+//! counted them against the limits: nothing is tokenized or copied before it is admitted.
 
+mod admit;
 pub mod sglang;
 pub mod vllm;
 
@@ -16,9 +19,10 @@ use axum::http::{header, HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use serde::de::DeserializeOwned;
-use serde_json::Value;
+use serde::Deserialize;
+use serde_json::value::RawValue;
 use std::sync::Arc;
+use xdistill_shared::codec::Format;
 
 /// Paths of the compatible routes (for metrics labels).
 pub const ROUTES: &[&str] = &[
@@ -44,12 +48,8 @@ fn respond(r: Result<Response, ApiError>) -> Response {
     r.unwrap_or_else(error_response)
 }
 
-/// Reads a JSON body (these APIs speak only JSON) into `T`.
-async fn read_json<T: DeserializeOwned>(
-    st: &AppState,
-    headers: &HeaderMap,
-    body: Body,
-) -> Result<T, ApiError> {
+/// Reads a JSON body (these APIs speak only JSON); [`decode`] then reads its fields.
+async fn read_json(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Vec<u8>, ApiError> {
     if let Some(ct) = headers.get(header::CONTENT_TYPE) {
         let mime = ct.to_str().unwrap_or("").split(';').next().unwrap_or("");
         let mime = mime.trim();
@@ -57,8 +57,25 @@ async fn read_json<T: DeserializeOwned>(
             return Err(ApiError::UnsupportedMediaType(mime.to_string()));
         }
     }
-    let bytes = read_body(st, headers, body).await?;
-    serde_json::from_slice(&bytes).map_err(|e| ApiError::Malformed(format!("invalid JSON: {e}")))
+    read_body(st, headers, body).await
+}
+
+/// The request's fields, borrowed from `bytes`: a JSON object with named fields (a positional
+/// array is refused), its large inputs left as raw JSON for [`admit`] to count.
+fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, ApiError> {
+    crate::app::require_map(Format::Json, bytes)?;
+    serde_json::from_slice(bytes).map_err(|e| ApiError::Malformed(format!("invalid JSON: {e}")))
+}
+
+/// `messages` (chat) is refused on every route, whether or not a prompt comes with it.
+fn refuse_messages(messages: Option<&RawValue>) -> Result<(), ApiError> {
+    match messages {
+        Some(_) => Err(ApiError::unsupported(
+            "messages",
+            "chat messages are not supported (no chat template): send `prompt`",
+        )),
+        None => Ok(()),
+    }
 }
 
 /// A JSON answer from already-encoded bytes.
@@ -95,79 +112,6 @@ enum Input {
 struct Inputs {
     items: Vec<Input>,
     batch: bool,
-}
-
-/// Parses ids or text given as JSON, naming `field` (and the index) in every error.
-fn parse_inputs(v: &Value, field: &str) -> Result<Inputs, ApiError> {
-    let single = |items: Vec<Input>| Inputs {
-        items,
-        batch: false,
-    };
-    match v {
-        Value::String(s) => Ok(single(vec![Input::Text(s.clone())])),
-        Value::Array(a) if a.is_empty() => Err(ApiError::invalid(field, "empty prompt")),
-        Value::Array(a) => match &a[0] {
-            Value::Number(_) => Ok(single(vec![Input::Ids(parse_ids(a, field)?)])),
-            Value::String(_) => {
-                let texts = a
-                    .iter()
-                    .enumerate()
-                    .map(|(i, t)| match t {
-                        Value::String(s) => Ok(Input::Text(s.clone())),
-                        _ => Err(ApiError::invalid(
-                            format!("{field}[{i}]"),
-                            "expected a string like the other items",
-                        )),
-                    })
-                    .collect::<Result<_, _>>()?;
-                Ok(Inputs {
-                    items: texts,
-                    batch: true,
-                })
-            }
-            Value::Array(_) => {
-                let seqs = a
-                    .iter()
-                    .enumerate()
-                    .map(|(i, s)| match s {
-                        Value::Array(ids) => {
-                            Ok(Input::Ids(parse_ids(ids, &format!("{field}[{i}]"))?))
-                        }
-                        _ => Err(ApiError::invalid(
-                            format!("{field}[{i}]"),
-                            "expected a list of token ids like the other items",
-                        )),
-                    })
-                    .collect::<Result<_, _>>()?;
-                Ok(Inputs {
-                    items: seqs,
-                    batch: true,
-                })
-            }
-            _ => Err(ApiError::invalid(
-                format!("{field}[0]"),
-                "expected token ids, a list of token-id lists, text or a list of texts",
-            )),
-        },
-        _ => Err(ApiError::invalid(
-            field,
-            "expected token ids, a list of token-id lists, text or a list of texts",
-        )),
-    }
-}
-
-/// A JSON list of token ids (non-negative integers that fit in u32).
-fn parse_ids(a: &[Value], field: &str) -> Result<Vec<u32>, ApiError> {
-    a.iter()
-        .enumerate()
-        .map(|(j, v)| {
-            v.as_u64()
-                .and_then(|x| u32::try_from(x).ok())
-                .ok_or_else(|| {
-                    ApiError::invalid(format!("{field}[{j}]"), format!("{v} is not a token id"))
-                })
-        })
-        .collect()
 }
 
 /// Token ids of every input (text is tokenized off the async threads).
@@ -257,52 +201,6 @@ fn request_id(prefix: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
-
-    fn ids_of(inputs: Inputs) -> Vec<Vec<u32>> {
-        inputs
-            .items
-            .into_iter()
-            .map(|i| match i {
-                Input::Ids(v) => v,
-                Input::Text(t) => panic!("text {t}"),
-            })
-            .collect()
-    }
-
-    #[test]
-    fn inputs_in_every_shape() {
-        let one = parse_inputs(&json!([1, 2, 3]), "prompt").unwrap();
-        assert!(!one.batch);
-        assert_eq!(ids_of(one), vec![vec![1, 2, 3]]);
-        let two = parse_inputs(&json!([[1], [2, 3]]), "prompt").unwrap();
-        assert!(two.batch);
-        assert_eq!(ids_of(two), vec![vec![1], vec![2, 3]]);
-        let t = parse_inputs(&json!("hi"), "prompt").unwrap();
-        assert_eq!(t.items, vec![Input::Text("hi".into())]);
-        let ts = parse_inputs(&json!(["a", "b"]), "prompt").unwrap();
-        assert!(ts.batch && ts.items.len() == 2);
-    }
-
-    fn field_of(e: ApiError) -> String {
-        match e {
-            ApiError::Invalid { field, .. } => field,
-            other => panic!("expected Invalid, got {other:?}"),
-        }
-    }
-
-    #[test]
-    fn bad_inputs_name_the_field() {
-        let f = |v: Value| field_of(parse_inputs(&v, "prompt").unwrap_err());
-        assert_eq!(f(json!([])), "prompt");
-        assert_eq!(f(json!(7)), "prompt");
-        assert_eq!(f(json!([1, -2])), "prompt[1]");
-        assert_eq!(f(json!([1, 5_000_000_000u64])), "prompt[1]");
-        assert_eq!(f(json!([[1], [2, 1.5]])), "prompt[1][1]");
-        assert_eq!(f(json!([[1], 2])), "prompt[1]");
-        assert_eq!(f(json!(["a", 2])), "prompt[1]");
-        assert_eq!(f(json!([{}])), "prompt[0]");
-    }
 
     #[test]
     fn temperature_zero_is_greedy_and_unscaled() {

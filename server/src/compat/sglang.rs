@@ -6,15 +6,16 @@
 //! engine row `N + i - 1`, the distribution that predicted `ids[N + i]`. Every entry is a
 //! `[logprob, token_id, text_or_null]` triple.
 
+use super::admit::{self, Admission};
 use super::{
-    encode_json, next_token_mode, parse_inputs, read_json, request_id, respond, temperature_of,
+    decode, encode_json, next_token_mode, read_json, request_id, respond, temperature_of,
     tokenize_inputs, wire_logprob,
 };
 use crate::app::AppState;
 use crate::engine;
 use crate::error::ApiError;
 use crate::topk::ScoreParams;
-use crate::validation::{validate_spec, CandidateSpec, FieldNames, ScoreSpec};
+use crate::validation::{check_answer_size, validate_spec, CandidateSpec, FieldNames, ScoreSpec};
 use crate::vocab::Vocab;
 use axum::body::Body;
 use axum::extract::State;
@@ -22,6 +23,7 @@ use axum::http::HeaderMap;
 use axum::response::Response;
 use serde::ser::{SerializeMap, SerializeSeq};
 use serde::{Deserialize, Serialize, Serializer};
+use serde_json::value::RawValue;
 use serde_json::{json, Value};
 use std::sync::Arc;
 use std::time::Instant;
@@ -29,6 +31,7 @@ use xdistill_shared::protocol::{SequenceScores, ValuesKind};
 
 type Shared = Arc<AppState>;
 
+/// Field names for errors when the inputs came as `input_ids` ([`TEXT_FIELDS`]: as `text`).
 const FIELDS: FieldNames = FieldNames {
     sequences: "input_ids",
     k: "top_logprobs_num",
@@ -37,20 +40,34 @@ const FIELDS: FieldNames = FieldNames {
     ids: "token_ids_logprob",
 };
 
+const TEXT_FIELDS: FieldNames = FieldNames {
+    sequences: "text",
+    ..FIELDS
+};
+
 /// The fields of a generate request that this server reads; every other field is ignored.
-/// Per-input fields take one value for every input or a list with one per input.
+/// Per-input fields take one value for every input or a list with one per input. Every field
+/// that can be large stays raw JSON until it is counted ([`admit`]).
 #[derive(Debug, Deserialize)]
-struct GenerateRequest {
-    text: Option<Value>,
-    input_ids: Option<Value>,
-    return_logprob: Option<Value>,
-    logprob_start_len: Option<Value>,
-    top_logprobs_num: Option<Value>,
-    token_ids_logprob: Option<Value>,
+struct GenerateRequest<'a> {
+    #[serde(borrow)]
+    text: Option<&'a RawValue>,
+    #[serde(borrow)]
+    input_ids: Option<&'a RawValue>,
+    #[serde(borrow)]
+    return_logprob: Option<&'a RawValue>,
+    #[serde(borrow)]
+    logprob_start_len: Option<&'a RawValue>,
+    #[serde(borrow)]
+    top_logprobs_num: Option<&'a RawValue>,
+    #[serde(borrow)]
+    token_ids_logprob: Option<&'a RawValue>,
     return_text_in_logprobs: Option<bool>,
-    sampling_params: Option<Value>,
+    #[serde(borrow)]
+    sampling_params: Option<&'a RawValue>,
     stream: Option<bool>,
-    rid: Option<Value>,
+    #[serde(borrow)]
+    rid: Option<&'a RawValue>,
 }
 
 /// One value per input from a scalar (repeated) or a list of `n`; `default` when absent.
@@ -150,30 +167,41 @@ fn sampling_of(v: Option<&Value>, n: usize) -> Result<Sampling, ApiError> {
     }
 }
 
-/// `token_ids_logprob`: one list for every input, or one list per input.
-fn candidate_lists(v: Option<&Value>, n: usize) -> Result<Option<Vec<Vec<u32>>>, ApiError> {
+/// `token_ids_logprob`: one list for every input, or one list per input; counted as it is
+/// read (at most `--max-k` ids a list, one list per input).
+fn candidate_lists(
+    raw: Option<&RawValue>,
+    n: usize,
+    lim: &crate::validation::RequestLimits,
+) -> Result<Option<Vec<Vec<u32>>>, ApiError> {
     let field = "token_ids_logprob";
-    match v {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::Array(a)) if a.iter().all(Value::is_array) && !a.is_empty() => {
-            if a.len() != n {
-                return Err(ApiError::invalid(
-                    field,
-                    format!("{} lists for {n} inputs", a.len()),
-                ));
-            }
-            let lists = a
-                .iter()
-                .enumerate()
-                .map(|(i, l)| {
-                    super::parse_ids(l.as_array().map_or(&[], |v| v), &format!("{field}[{i}]"))
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            Ok(Some(lists))
-        }
-        Some(Value::Array(a)) => Ok(Some(vec![super::parse_ids(a, field)?; n])),
-        Some(_) => Err(ApiError::invalid(field, "expected a list of token ids")),
+    let Some(raw) = raw else {
+        return Ok(None);
+    };
+    if raw.get().trim() == "[]" {
+        return Ok(Some(vec![Vec::new(); n]));
     }
+    let lists = admit::inputs(raw, field, &Admission::candidates(lim)).map_err(|e| match e {
+        ApiError::Invalid { field, message } if message.starts_with("expected token ids") => {
+            ApiError::invalid(field, "expected a list of token ids")
+        }
+        other => other,
+    })?;
+    let ids = |i: super::Input| match i {
+        super::Input::Ids(v) => v,
+        super::Input::Text(_) => Vec::new(),
+    };
+    if !lists.batch {
+        let one = lists.items.into_iter().next().map(ids).unwrap_or_default();
+        return Ok(Some(vec![one; n]));
+    }
+    if lists.items.len() != n {
+        return Err(ApiError::invalid(
+            field,
+            format!("{} lists for {n} inputs", lists.items.len()),
+        ));
+    }
+    Ok(Some(lists.items.into_iter().map(ids).collect()))
 }
 
 /// What each input asks for.
@@ -193,16 +221,19 @@ pub async fn generate(State(st): State<Shared>, headers: HeaderMap, body: Body) 
 async fn run(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Response, ApiError> {
     let t0 = Instant::now();
     let ready = st.ready()?;
-    let req: GenerateRequest = read_json(st, headers, body).await?;
+    let bytes = read_json(st, headers, body).await?;
+    let req: GenerateRequest = decode(&bytes)?;
     if req.stream == Some(true) {
         return Err(ApiError::unsupported(
             "stream",
             "streaming is not supported",
         ));
     }
-    let inputs = match (&req.input_ids, &req.text) {
-        (Some(ids), None) => parse_inputs(ids, "input_ids")?,
-        (None, Some(text)) => parse_inputs(text, "text")?,
+    let vocab = &ready.facts.vocab;
+    let adm = Admission::scoring(&ready.limits, vocab.bytes_per_token());
+    let (inputs, names) = match (req.input_ids, req.text) {
+        (Some(ids), None) => (admit::inputs(ids, "input_ids", &adm)?, FIELDS),
+        (None, Some(text)) => (admit::inputs(text, "text", &adm)?, TEXT_FIELDS),
         _ => {
             return Err(ApiError::invalid(
                 "input_ids",
@@ -211,17 +242,29 @@ async fn run(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Response,
         }
     };
     let batch = inputs.batch;
-    let vocab = &ready.facts.vocab;
     let sequences = tokenize_inputs(vocab, inputs, true).await?;
     let n = sequences.len();
     if let Some(i) = sequences.iter().position(Vec::is_empty) {
-        return Err(ApiError::invalid(format!("input_ids[{i}]"), "empty input"));
+        let field = if batch {
+            format!("{}[{i}]", names.sequences)
+        } else {
+            names.sequences.to_string()
+        };
+        return Err(ApiError::invalid(field, "empty input"));
     }
-    let sampling = sampling_of(req.sampling_params.as_ref(), n)?;
+    // The small per-input fields, each bounded in bytes before it is parsed.
+    let cap = admit::small_field_bytes(&ready.limits);
+    let small = |raw: Option<&RawValue>, field: &str| admit::small(raw, field, cap);
+    let sampling_params = small(req.sampling_params, "sampling_params")?;
+    let return_logprob = small(req.return_logprob, "return_logprob")?;
+    let logprob_start_len = small(req.logprob_start_len, "logprob_start_len")?;
+    let top_logprobs_num = small(req.top_logprobs_num, "top_logprobs_num")?;
+    let rid = small(req.rid, "rid")?;
+    let sampling = sampling_of(Some(&sampling_params), n)?;
     let (temperature, greedy) = temperature_of(sampling.temperature, FIELDS.temperature)?;
     let per = PerInput {
         return_logprob: per_input(
-            req.return_logprob.as_ref(),
+            Some(&return_logprob),
             n,
             "return_logprob",
             false,
@@ -229,7 +272,7 @@ async fn run(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Response,
         )?,
         start: {
             let raw = per_input(
-                req.logprob_start_len.as_ref(),
+                Some(&logprob_start_len),
                 n,
                 "logprob_start_len",
                 -1,
@@ -242,7 +285,7 @@ async fn run(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Response,
                     -1 => Ok(seq.len() - 1),
                     s if s >= 0 && (s as usize) < seq.len() => Ok(s as usize),
                     s => Err(ApiError::invalid(
-                        if matches!(req.logprob_start_len, Some(Value::Array(_))) {
+                        if matches!(logprob_start_len, Value::Array(_)) {
                             format!("logprob_start_len[{i}]")
                         } else {
                             "logprob_start_len".into()
@@ -257,17 +300,21 @@ async fn run(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Response,
                 })
                 .collect::<Result<Vec<_>, _>>()?
         },
-        top_n: per_input(
-            req.top_logprobs_num.as_ref(),
-            n,
-            "top_logprobs_num",
-            0,
-            |v| v.as_u64().map(|x| x as usize),
-        )?,
-        candidates: candidate_lists(req.token_ids_logprob.as_ref(), n)?,
+        top_n: per_input(Some(&top_logprobs_num), n, "top_logprobs_num", 0, |v| {
+            v.as_u64().map(|x| x as usize)
+        })?,
+        candidates: candidate_lists(req.token_ids_logprob, n, &ready.limits)?,
     };
     let next = sampling.max_new_tokens == 1;
     let any_logprob = per.return_logprob.iter().any(|&b| b);
+    // The answer as sent is estimated before anything is copied or scored.
+    let with_text = req.return_text_in_logprobs.unwrap_or(false);
+    check_answer_size(
+        answer_estimate(&per, &sequences, next, with_text, vocab.mean_text_json()),
+        "of JSON",
+        names.sequences,
+        &ready.limits,
+    )?;
 
     // Score the requested input rows (and the next row), or nothing at all (the inputs are
     // still checked).
@@ -307,7 +354,7 @@ async fn run(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Response,
             ranks: false,
             next: next.then(|| next_token_mode(greedy, None, &sequences)),
         },
-        names: FIELDS,
+        names,
         sequences: sequences.clone(),
     };
     let valid = validate_spec(spec, &ready.limits)?;
@@ -316,8 +363,8 @@ async fn run(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Response,
     } else {
         None
     };
-    let rid = match &req.rid {
-        Some(Value::String(s)) => Some(s.clone()),
+    let rid = match rid {
+        Value::String(s) => Some(s),
         _ => None,
     };
     let answer = Answer {
@@ -326,12 +373,44 @@ async fn run(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Response,
         per,
         scores,
         batch,
-        with_text: req.return_text_in_logprobs.unwrap_or(false),
+        with_text,
         max_new_tokens: sampling.max_new_tokens,
         rid,
         seconds: t0.elapsed().as_secs_f64(),
     };
     encode_json(answer).await
+}
+
+/// Bytes of one `[logprob, token_id, text_or_null]` triple besides its text:
+/// `[-1.17549435e-38,151935,…],`.
+const TRIPLE_JSON: usize = 32;
+
+/// The answer's size as sent, estimated before scoring: per input 320 bytes (text and
+/// meta_info); with `return_logprob`, per input row (and the generated token's) one triple for
+/// the token, `top_logprobs_num` triples and one per candidate id. A triple is [`TRIPLE_JSON`]
+/// bytes plus, with `return_text_in_logprobs`, a token text of `text_json` bytes (the
+/// vocabulary's mean JSON length): an estimate, not a bound.
+fn answer_estimate(
+    per: &PerInput,
+    sequences: &[Vec<u32>],
+    next: bool,
+    with_text: bool,
+    text_json: usize,
+) -> usize {
+    let triple = TRIPLE_JSON + if with_text { text_json } else { 4 };
+    sequences
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            if !per.return_logprob[i] {
+                return 320;
+            }
+            let rows = s.len() - per.start[i] + next as usize;
+            let m = per.candidates.as_ref().map_or(0, |c| c[i].len());
+            let per_row = (1 + per.top_n[i] + m).saturating_mul(triple);
+            320usize.saturating_add(rows.saturating_mul(per_row))
+        })
+        .fold(0usize, usize::saturating_add)
 }
 
 /// Everything the answer is written from.
@@ -532,15 +611,29 @@ mod tests {
 
     #[test]
     fn candidate_lists_shared_or_per_input() {
+        let lim = crate::validation::RequestLimits {
+            vocab_size: 100,
+            max_k: 2,
+            max_seq_len: 16,
+            max_queue_tokens: 64,
+            max_sequences: 4,
+            max_answer_bytes: 1 << 20,
+        };
+        let raw = |j: &str| -> Box<RawValue> { serde_json::from_str(j).unwrap() };
+        let lists = |j: &str| candidate_lists(Some(&raw(j)), 2, &lim);
+        assert_eq!(lists("[3, 4]").unwrap(), Some(vec![vec![3, 4], vec![3, 4]]));
         assert_eq!(
-            candidate_lists(Some(&json!([3, 4])), 2).unwrap(),
-            Some(vec![vec![3, 4], vec![3, 4]])
-        );
-        assert_eq!(
-            candidate_lists(Some(&json!([[3], [4, 5]])), 2).unwrap(),
+            lists("[[3], [4, 5]]").unwrap(),
             Some(vec![vec![3], vec![4, 5]])
         );
-        assert!(candidate_lists(Some(&json!([[3]])), 2).is_err());
-        assert_eq!(candidate_lists(None, 2).unwrap(), None);
+        assert_eq!(lists("[]").unwrap(), Some(vec![vec![], vec![]]));
+        assert!(lists("[[3]]").is_err());
+        // Past --max-k ids in one list: refused while reading, naming the list.
+        let e = lists("[[3], [4, 5, 6]]").unwrap_err();
+        assert_eq!(
+            e.body().error.field.as_deref(),
+            Some("token_ids_logprob[1]")
+        );
+        assert_eq!(candidate_lists(None, 2, &lim).unwrap(), None);
     }
 }

@@ -5,15 +5,16 @@
 //! token p): its top K by rank, then the actual token with its true rank when it is not among
 //! them. Entry 0 is null. `max_tokens` is 0 or 1: this server scores, it does not generate.
 
+use super::admit::{self, Admission};
 use super::{
-    encode_json, next_token_mode, parse_inputs, read_json, request_id, respond, temperature_of,
-    tokenize_inputs, unix_now, wire_logprob,
+    decode, encode_json, next_token_mode, read_json, refuse_messages, request_id, respond,
+    temperature_of, tokenize_inputs, unix_now, wire_logprob,
 };
 use crate::app::{AppState, Ready};
 use crate::engine;
 use crate::error::ApiError;
 use crate::topk::ScoreParams;
-use crate::validation::{validate_spec, CandidateSpec, FieldNames, ScoreSpec};
+use crate::validation::{check_answer_size, validate_spec, CandidateSpec, FieldNames, ScoreSpec};
 use crate::vocab::Vocab;
 use axum::body::Body;
 use axum::extract::State;
@@ -21,6 +22,7 @@ use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use serde::ser::{SerializeMap, SerializeSeq};
 use serde::{Deserialize, Serialize, Serializer};
+use serde_json::value::RawValue;
 use serde_json::{json, Value};
 use std::sync::Arc;
 use xdistill_shared::protocol::{SequenceScores, ValuesKind};
@@ -37,10 +39,15 @@ const FIELDS: FieldNames = FieldNames {
 };
 
 /// The fields of a completion request that this server reads; every other field is ignored.
+/// The prompt stays raw JSON until [`admit`] has counted it.
 #[derive(Debug, Deserialize)]
-struct CompletionRequest {
+struct CompletionRequest<'a> {
     model: Option<String>,
-    prompt: Option<Value>,
+    #[serde(borrow)]
+    prompt: Option<&'a RawValue>,
+    /// Chat messages: refused (no chat template), with or without a prompt.
+    #[serde(borrow)]
+    messages: Option<&'a RawValue>,
     /// 0 or 1 (default 1; vLLM's default of 16 would be generation).
     max_tokens: Option<i64>,
     temperature: Option<f64>,
@@ -136,8 +143,10 @@ pub async fn completions(State(st): State<Shared>, headers: HeaderMap, body: Bod
 
 async fn complete(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Response, ApiError> {
     let ready = st.ready()?;
-    let req: CompletionRequest = read_json(st, headers, body).await?;
+    let bytes = read_json(st, headers, body).await?;
+    let req: CompletionRequest = decode(&bytes)?;
     check_model(st, req.model.as_deref())?;
+    refuse_messages(req.messages)?;
     if req.n.is_some_and(|n| n != 1) {
         return Err(ApiError::unsupported(
             "n",
@@ -178,9 +187,10 @@ async fn complete(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Resp
     let (temperature, greedy) = temperature_of(req.temperature, "temperature")?;
     let prompt = req
         .prompt
-        .as_ref()
         .ok_or_else(|| ApiError::invalid("prompt", "a prompt is required"))?;
-    let inputs = parse_inputs(prompt, "prompt")?;
+    let vocab = &ready.facts.vocab;
+    let adm = Admission::scoring(&ready.limits, vocab.bytes_per_token());
+    let inputs = admit::inputs(prompt, "prompt", &adm)?;
     let texts: Vec<Option<String>> = inputs
         .items
         .iter()
@@ -189,12 +199,23 @@ async fn complete(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Resp
             super::Input::Ids(_) => None,
         })
         .collect();
-    let vocab = &ready.facts.vocab;
     let add_special = req.add_special_tokens.unwrap_or(true);
     let sequences = tokenize_inputs(vocab, inputs, add_special).await?;
     if let Some(i) = sequences.iter().position(Vec::is_empty) {
         return Err(ApiError::invalid(format!("prompt[{i}]"), "empty prompt"));
     }
+    check_context(&sequences, max_tokens, ready.limits.max_seq_len)?;
+    // The answer as sent is estimated before anything is scored.
+    check_answer_size(
+        answer_estimate(
+            &plan,
+            sequences.iter().map(Vec::len),
+            vocab.mean_text_json(),
+        ),
+        "of JSON",
+        "prompt",
+        &ready.limits,
+    )?;
 
     // Score: the prompt rows when log-probs of them are asked for, the next row for a token;
     // nothing at all for `max_tokens: 0` without log-probs (the prompt is still checked).
@@ -233,6 +254,64 @@ async fn complete(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Resp
         scores,
     };
     encode_json(answer).await
+}
+
+/// The prompt and the completion together must fit the model's context, as vLLM counts them
+/// (`max_model_len`): a prompt of `max_model_len` tokens with `max_tokens: 1` is a 400.
+fn check_context(
+    sequences: &[Vec<u32>],
+    max_tokens: usize,
+    max_model_len: usize,
+) -> Result<(), ApiError> {
+    for (i, s) in sequences.iter().enumerate() {
+        let total = s.len() + max_tokens;
+        if total > max_model_len {
+            let field = if sequences.len() == 1 {
+                "prompt".to_string()
+            } else {
+                format!("prompt[{i}]")
+            };
+            return Err(ApiError::unsupported(
+                field,
+                format!(
+                    "This model's maximum context length is {max_model_len} tokens. However, you \
+                     requested {total} tokens ({} in the messages, {max_tokens} in the \
+                     completion). Please reduce the length of the messages or completion.",
+                    s.len()
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Bytes of JSON of one `prompt_logprobs` entry besides its token text:
+/// `"31999":{"logprob":-1.17549435e-38,"rank":31999,"decoded_token":…},`.
+const ENTRY_JSON: usize = 64;
+
+/// The answer's size as sent, estimated before scoring from the prompts' lengths: per choice
+/// 256 bytes and its text; per `prompt_logprobs` position `k + 1` entries of [`ENTRY_JSON`]
+/// bytes plus a token text; per legacy `logprobs` position the token, its log-prob, its
+/// offset and `k + 1` `"text": logprob` pairs. Token texts count `text_json` bytes each (the
+/// vocabulary's mean JSON length): an estimate, not a bound.
+fn answer_estimate(plan: &Plan, sizes: impl Iterator<Item = usize>, text_json: usize) -> usize {
+    let t = text_json;
+    sizes
+        .map(|s| {
+            let text = if plan.echo { s * t } else { t };
+            let prompt = plan
+                .prompt_k
+                .map_or(0, |k| s.saturating_sub(1) * (k + 1) * (ENTRY_JSON + t));
+            let legacy = plan.legacy_k.map_or(0, |k| {
+                let rows = if plan.echo { s } else { 0 } + plan.max_tokens;
+                rows * (t + 1 + 16 + 8 + (k + 1) * (t + 16))
+            });
+            256usize
+                .saturating_add(text)
+                .saturating_add(prompt)
+                .saturating_add(legacy)
+        })
+        .fold(0usize, usize::saturating_add)
 }
 
 /// Everything the response is written from (serialised off the async threads).
@@ -468,10 +547,12 @@ impl Serialize for Legacy<'_> {
 }
 
 #[derive(Debug, Deserialize)]
-struct TokenizeRequest {
+struct TokenizeRequest<'a> {
     model: Option<String>,
-    prompt: Option<String>,
-    messages: Option<Value>,
+    #[serde(borrow)]
+    prompt: Option<&'a RawValue>,
+    #[serde(borrow)]
+    messages: Option<&'a RawValue>,
     add_special_tokens: Option<bool>,
     return_token_strs: Option<bool>,
 }
@@ -481,30 +562,24 @@ pub async fn tokenize(State(st): State<Shared>, headers: HeaderMap, body: Body) 
     respond(
         async {
             let ready = st.ready()?;
-            let req: TokenizeRequest = read_json(&st, &headers, body).await?;
+            let bytes = read_json(&st, &headers, body).await?;
+            let req: TokenizeRequest = decode(&bytes)?;
             check_model(&st, req.model.as_deref())?;
-            let Some(prompt) = req.prompt else {
-                return Err(match req.messages {
-                    Some(_) => ApiError::unsupported(
-                        "messages",
-                        "chat messages are not supported (no chat template): send `prompt`",
-                    ),
-                    None => ApiError::invalid("prompt", "a prompt is required"),
-                });
-            };
+            refuse_messages(req.messages)?;
+            let prompt = req
+                .prompt
+                .ok_or_else(|| ApiError::invalid("prompt", "a prompt is required"))?;
             let vocab = ready.facts.vocab.clone();
+            let adm = Admission::scoring(&ready.limits, vocab.bytes_per_token());
+            let inputs = admit::inputs(prompt, "prompt", &adm)?;
+            if inputs.batch || !matches!(inputs.items[..], [super::Input::Text(_)]) {
+                return Err(ApiError::invalid("prompt", "expected one text"));
+            }
             let add = req.add_special_tokens.unwrap_or(true);
-            let ids = tokenize_inputs(
-                &vocab,
-                super::Inputs {
-                    items: vec![super::Input::Text(prompt)],
-                    batch: false,
-                },
-                add,
-            )
-            .await?
-            .pop()
-            .unwrap_or_default();
+            let ids = tokenize_inputs(&vocab, inputs, add)
+                .await?
+                .pop()
+                .unwrap_or_default();
             let strs = req.return_token_strs.unwrap_or(false).then(|| {
                 ids.iter()
                     .map(|&id| vocab.token_str(id).unwrap_or_default())
@@ -523,9 +598,10 @@ pub async fn tokenize(State(st): State<Shared>, headers: HeaderMap, body: Body) 
 }
 
 #[derive(Debug, Deserialize)]
-struct DetokenizeRequest {
+struct DetokenizeRequest<'a> {
     model: Option<String>,
-    tokens: Option<Value>,
+    #[serde(borrow)]
+    tokens: Option<&'a RawValue>,
 }
 
 /// `POST /detokenize`: `{"tokens": [ids]}` → `{"prompt": TEXT}`.
@@ -533,11 +609,12 @@ pub async fn detokenize(State(st): State<Shared>, headers: HeaderMap, body: Body
     respond(
         async {
             let ready = st.ready()?;
-            let req: DetokenizeRequest = read_json(&st, &headers, body).await?;
+            let bytes = read_json(&st, &headers, body).await?;
+            let req: DetokenizeRequest = decode(&bytes)?;
             check_model(&st, req.model.as_deref())?;
-            let ids = match &req.tokens {
-                Some(Value::Array(a)) => super::parse_ids(a, "tokens")?,
-                _ => {
+            let ids = match req.tokens {
+                Some(raw) => admit::id_list(raw, "tokens", &ready.limits)?,
+                None => {
                     return Err(ApiError::invalid(
                         "tokens",
                         "a list of token ids is required",

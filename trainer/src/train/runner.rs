@@ -329,10 +329,29 @@ impl Session {
                 tracing::info!("resumed from {} (step {step})", path.display());
                 resumed_from = Some(step);
             } else {
-                tracing::info!(
-                    "--resume: no checkpoint in {}, starting fresh",
-                    out.display()
-                );
+                // Nothing to resume from. An empty folder is a first start; a previous run's
+                // traces mean its progress would be lost, so that needs saying so on purpose.
+                let mut leftovers = checkpoint::corrupt_dirs(out)?;
+                leftovers.extend(crate::metrics_log::previous(out));
+                if !leftovers.is_empty() && !cfg.checkpointing.start_fresh {
+                    return Err(checkpoint::CheckpointError::NothingToResume {
+                        dir: out.clone(),
+                        leftovers,
+                    }
+                    .into());
+                }
+                if leftovers.is_empty() {
+                    tracing::info!(
+                        "--resume: no checkpoint in {}, starting fresh",
+                        out.display()
+                    );
+                } else {
+                    tracing::warn!(
+                        "--resume: no valid checkpoint in {}; starting from step 0 as \
+                         checkpointing.start_fresh asks",
+                        out.display()
+                    );
+                }
             }
         }
         let log = MetricsLog::open(out, resumed_from)?;
