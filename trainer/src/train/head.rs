@@ -318,3 +318,22 @@ pub fn row_pieces(rows: &[u32], per: usize) -> Vec<Piece> {
         })
         .collect()
 }
+
+/// Runs the head over `pieces` of `hidden` `[B, T, H]` without gradients, one chunk at a time
+/// (validation): `each(i, logits)` sees piece `i`'s logits `[shape.0, shape.1, V]`.
+pub fn forward_only<F>(model: &Decoder, hidden: &Tensor, pieces: &[Piece], mut each: F) -> Result<()>
+where
+    F: FnMut(usize, &Tensor) -> Result<()>,
+{
+    let (b, t, h) = hidden.dims3()?;
+    let flat = hidden.detach().reshape((b * t, h))?;
+    for (i, p) in pieces.iter().enumerate() {
+        if p.rows.is_empty() {
+            continue;
+        }
+        let idx = Tensor::from_vec(p.rows.clone(), p.rows.len(), hidden.device())?;
+        let rows = flat.index_select(&idx, 0)?.reshape((p.shape.0, p.shape.1, h))?;
+        each(i, &model.logits(&rows)?)?;
+    }
+    Ok(())
+}

@@ -553,8 +553,127 @@ pub fn xtoken_batch(
 /// Validation figures of one micro-batch, without gradients: forward KL to the teacher over its
 /// top-k with a tail bucket (same tokenizer) or chunk-level P-KL in NeMo's renormalised form
 /// (cross tokenizer), and the student's cross-entropy, at `ctx.loss`'s temperature. Returns sums
-/// (not means) with their counts.
+/// (not means) with their counts. The head runs in forward-only row chunks (`ctx.head`), cut as
+/// the training path cuts them.
 pub fn validation_sums(
+    ctx: &LossCtx,
+    items: &[Item],
+    scores: &[&SequenceScores],
+) -> Result<ValSums> {
+    let (model, k, device, temperature) = (ctx.model, ctx.k, ctx.device, ctx.loss.temperature);
+    let tau2 = temperature * temperature;
+    let vocab = model.lm_head().dim(0)?;
+    let per = ctx.head.rows(vocab);
+    let mut out = ValSums::default();
+    // Adds a chunk's mean CE over its `n` targets (mean: no normalizer given).
+    let add_ce = |out: &mut ValSums, logits: &Tensor, tg: Tensor, mask: Tensor| -> Result<()> {
+        let (ce, n) = cross_entropy(logits, &tg, &mask, None)?;
+        if n > 0.0 {
+            out.ce += ce.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()? * n;
+            out.ce_tokens += n;
+        }
+        Ok(())
+    };
+    match ctx.pairing {
+        Pairing::Same => {
+            let enc = same_encodings(items, scores, k)?;
+            let tb = pad_batch(&enc, 0, device)?;
+            if tb.n_targets == 0 {
+                return Ok(out);
+            }
+            let rows = TrainedRows::new(&tb, scores, k)?;
+            let hidden = model.forward_hidden(&tb.ids, None, None, None)?;
+            let pieces = head::row_pieces(&rows.sel, per);
+            let ones = vec![1f32; per];
+            head::forward_only(model, &hidden, &pieces, |i, logits| {
+                let (a, n) = (i * per, pieces[i].rows.len());
+                let tk = TopkTargets::from_host(
+                    1,
+                    n,
+                    k,
+                    &rows.ids[a * k..(a + n) * k],
+                    &rows.lps[a * k..(a + n) * k],
+                    &ones[..n],
+                    vocab,
+                    device,
+                )?;
+                let (kl, m) = topk_divergence(
+                    logits,
+                    &tk,
+                    Divergence::Forward,
+                    TailMode::Bucket,
+                    temperature,
+                    None,
+                )?;
+                out.kl += kl.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()? / tau2
+                    * m.count;
+                out.kl_units += m.count;
+                let tg = Tensor::from_vec(rows.targets[a..a + n].to_vec(), (1, n), device)?;
+                let mask = Tensor::ones((1, n), candle_core::DType::F32, device)?;
+                add_ce(&mut out, logits, tg, mask)
+            })?;
+        }
+        Pairing::Cross(proj) | Pairing::Mixture(proj) => {
+            let (xb, enc) = xtoken_batch(items, scores, k)?;
+            let tb = pad_batch(&enc, 0, device)?;
+            let ts = tb.ids.dim(1)?;
+            let targets: Vec<u32> = tb.targets.flatten_all()?.to_vec1()?;
+            let mask: Vec<f32> = tb.mask.flatten_all()?.to_vec1()?;
+            let wanted: Vec<bool> = (0..mask.len())
+                .map(|i| xb.student_chunk[i] != -1 || mask[i] > 0.0)
+                .collect();
+            let plan = super::xpieces::plan(&xb, per, &wanted);
+            let pieces: Vec<head::Piece> = plan
+                .iter()
+                .map(|p| head::Piece {
+                    rows: p.rows(ts),
+                    shape: (p.segments.len(), p.student_len),
+                })
+                .collect();
+            // Same tokenizer: a tail bucket; P-KL: NeMo's renormalised form, whose validation
+            // figures are comparable with theirs (the bucket adds a floor wherever K holds a
+            // teacher token no student token spells, docs/losses.md).
+            let cfg = LossConfig {
+                kd: match ctx.pairing {
+                    Pairing::Mixture(_) => crate::loss::KdConfig::FirstKl {},
+                    _ => crate::loss::KdConfig::Pkl {
+                        anchor: Default::default(),
+                    },
+                },
+                tail: None,
+                temperature,
+                kd_weight: 1.0,
+                ce: CeConfig::None {},
+            };
+            let hidden = model.forward_hidden(&tb.ids, None, None, None)?;
+            head::forward_only(model, &hidden, &pieces, |i, logits| {
+                let sub = super::xpieces::batch(&xb, &plan[i]);
+                let inputs = KdInputs::XToken {
+                    batch: &sub,
+                    projection: proj,
+                };
+                let (kl, m) = kd_loss(&cfg, logits, inputs, None)?;
+                if m.count > 0.0 {
+                    out.kl += kl.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()? / tau2
+                        * m.count;
+                    out.kl_units += m.count;
+                }
+                let rows = &pieces[i].rows;
+                let shape = pieces[i].shape;
+                let tg: Vec<u32> = rows.iter().map(|&r| targets[r as usize]).collect();
+                let m: Vec<f32> = rows.iter().map(|&r| mask[r as usize]).collect();
+                let tg = Tensor::from_vec(tg, shape, device)?;
+                let m = Tensor::from_vec(m, shape, device)?;
+                add_ce(&mut out, logits, tg, m)
+            })?;
+        }
+    }
+    Ok(out)
+}
+
+/// The unchunked [`validation_sums`] (`[B, T, V]` logits at once): the reference of its tests.
+#[cfg(test)]
+pub fn validation_sums_whole(
     ctx: &LossCtx,
     items: &[Item],
     scores: &[&SequenceScores],

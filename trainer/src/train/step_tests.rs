@@ -276,3 +276,41 @@ fn cross_pieces_cut_between_chunks() {
         assert!(seen.iter().all(|&n| n == 1), "{per}: {seen:?}");
     }
 }
+
+/// Validation in forward-only head chunks equals the whole-batch figures.
+#[test]
+fn chunked_validation_equals_the_whole_batch() {
+    let (items, scores) = same_batch(5);
+    let (xitems, xscores, proj) = cross_batch(6);
+    let loss = cfg(KdConfig::ForwardKl {}, None, CeConfig::None {});
+    for (dtype, tol) in [(DType::F64, 1e-9), (DType::F32, 1e-5)] {
+        let (model, _) = tiny(false, dtype, 7);
+        let cases: [(Pairing, &[Item], &[SequenceScores]); 3] = [
+            (Pairing::Same, &items, &scores),
+            (Pairing::Cross(&proj), &xitems, &xscores),
+            (Pairing::Mixture(&proj), &xitems, &xscores),
+        ];
+        for (pairing, items, scores) in cases {
+            let refs: Vec<&SequenceScores> = scores.iter().collect();
+            let mut ctx = LossCtx {
+                model: &model,
+                k: K,
+                loss: &loss,
+                pairing,
+                device: &Device::Cpu,
+                micro_batch: items.len(),
+                head: HeadOpts::default(),
+            };
+            let want = validation_sums_whole(&ctx, items, &refs).unwrap();
+            for chunk_rows in [1, 3, 0] {
+                ctx.head.chunk_rows = chunk_rows;
+                let got = validation_sums(&ctx, items, &refs).unwrap();
+                let case = format!("{dtype:?} rows {chunk_rows}");
+                assert_rel(got.kl, want.kl, tol, &format!("{case}: kl"));
+                assert_rel(got.ce, want.ce, tol, &format!("{case}: ce"));
+                assert_eq!(got.kl_units, want.kl_units, "{case}");
+                assert_eq!(got.ce_tokens, want.ce_tokens, "{case}");
+            }
+        }
+    }
+}
