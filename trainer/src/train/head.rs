@@ -238,7 +238,9 @@ where
         }
         let idx = Tensor::from_vec(p.rows.clone(), p.rows.len(), dev)?;
         // [n, H] -> leaf [b', t', H] -> logits [b', t', V].
-        let rows = flat.index_select(&idx, 0)?.reshape((p.shape.0, p.shape.1, h))?;
+        let rows = flat
+            .index_select(&idx, 0)?
+            .reshape((p.shape.0, p.shape.1, h))?;
         let leaf = Var::from_tensor(&rows)?;
         let logits = model.logits(leaf.as_tensor())?;
         let c = loss(i, &logits)?;
@@ -251,8 +253,8 @@ where
             e.0 += value(l)?;
             e.1 += n;
         }
-        match (mix, &mut kd_acc) {
-            (Mix::Linear { kd, ce: w_ce }, _) => {
+        match mix {
+            Mix::Linear { kd, ce: w_ce } => {
                 let mut total: Option<Tensor> = None;
                 let mut add = |t: Tensor| -> Result<()> {
                     total = Some(match total.take() {
@@ -271,20 +273,19 @@ where
                     main.absorb(&total, &leaf, &idx)?;
                 }
             }
-            (Mix::Dynamic { .. }, Some(kd_acc)) => {
-                if let Some((l, _)) = &c.kd {
-                    kd_acc.absorb(l, &leaf, &idx)?;
+            Mix::Dynamic { .. } => {
+                if let (Some((l, _)), Some(acc)) = (&c.kd, kd_acc.as_mut()) {
+                    acc.absorb(l, &leaf, &idx)?;
                 }
                 if let Some((l, _)) = &c.ce {
                     main.absorb(l, &leaf, &idx)?;
                 }
             }
-            (Mix::Dynamic { .. }, None) => unreachable!("dynamic mix without its KD accumulator"),
         }
     }
     // Combine: the dynamic factor from the totals, as `loss::combine` computes it.
     let kd_scale = match (mix, kd_acc) {
-        (Mix::Linear { kd, .. }, _) => kd,
+        (Mix::Linear { kd, .. }, _) | (Mix::Dynamic { kd_weight: kd }, None) => kd,
         (Mix::Dynamic { kd_weight }, Some(k)) => {
             if ce.is_none() {
                 bail!("invalid loss input `ce`: the config's `ce` term needs the CE loss");
@@ -296,7 +297,6 @@ where
             main.head.extend(scaled(k.head, f)?)?;
             f
         }
-        (Mix::Dynamic { .. }, None) => unreachable!("dynamic mix without its KD accumulator"),
     };
     Ok(HeadOut {
         grad_hidden: main.hidden.reshape((b, t, h))?,
@@ -321,7 +321,12 @@ pub fn row_pieces(rows: &[u32], per: usize) -> Vec<Piece> {
 
 /// Runs the head over `pieces` of `hidden` `[B, T, H]` without gradients, one chunk at a time
 /// (validation): `each(i, logits)` sees piece `i`'s logits `[shape.0, shape.1, V]`.
-pub fn forward_only<F>(model: &Decoder, hidden: &Tensor, pieces: &[Piece], mut each: F) -> Result<()>
+pub fn forward_only<F>(
+    model: &Decoder,
+    hidden: &Tensor,
+    pieces: &[Piece],
+    mut each: F,
+) -> Result<()>
 where
     F: FnMut(usize, &Tensor) -> Result<()>,
 {
@@ -332,7 +337,9 @@ where
             continue;
         }
         let idx = Tensor::from_vec(p.rows.clone(), p.rows.len(), hidden.device())?;
-        let rows = flat.index_select(&idx, 0)?.reshape((p.shape.0, p.shape.1, h))?;
+        let rows = flat
+            .index_select(&idx, 0)?
+            .reshape((p.shape.0, p.shape.1, h))?;
         each(i, &model.logits(&rows)?)?;
     }
     Ok(())

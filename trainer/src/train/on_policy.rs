@@ -13,6 +13,7 @@
 //!   data's own prompt + completion, so one run can mix both (TRL GKD's λ).
 
 use super::distill::{answer_k, teacher_parts, GroupLoss, Setup, Summary, TeacherFigures};
+use super::head;
 use super::off_policy::distill_filter;
 use super::prepare::{prepare, Group, Item};
 use super::runner::{
@@ -21,7 +22,6 @@ use super::runner::{
 use super::step::{
     accumulate, trained_teacher_rows, units, validation_sums, LossCtx, Pairing, Units, ValSums,
 };
-use super::head;
 use super::teachers::{in_parallel, Source};
 use crate::collate::Encoded;
 use crate::config::OffPolicyArgs;

@@ -11,10 +11,10 @@
 //! cross-entropy (`[distillation] val_*`) and, with `--eval-prompts`, greedy task accuracy.
 //! Checkpoints record the data position after the last trained batch, so `--resume` is exact.
 
+use super::head::{self, HeadOpts};
 use super::runner::{
     self, Batches, EvalCtx, Objective, RecordFilter, RunOptions, StepCtx, StepReport, ValReport,
 };
-use super::head::{self, HeadOpts};
 use crate::collate::{encode, pad_batch, Encoded};
 use crate::config::{Config, OffPolicyArgs};
 use crate::data::{Batch, Record};
@@ -243,7 +243,12 @@ pub fn sft_grads(
 
 /// The summed next-token NLL of `examples`' trained positions and their count, without
 /// gradients: the head in row chunks of `per` (so `[N, V]` is never whole).
-fn nll_sum(model: &Decoder, examples: &[Encoded], device: &Device, per: usize) -> Result<(f64, f64)> {
+fn nll_sum(
+    model: &Decoder,
+    examples: &[Encoded],
+    device: &Device,
+    per: usize,
+) -> Result<(f64, f64)> {
     let tb = pad_batch(examples, 0, device)?;
     let (b, t) = tb.ids.dims2()?;
     let (rows, targets) = trained_rows(examples, t)?;

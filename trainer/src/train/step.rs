@@ -605,8 +605,8 @@ pub fn validation_sums(
                     temperature,
                     None,
                 )?;
-                out.kl += kl.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()? / tau2
-                    * m.count;
+                out.kl +=
+                    kl.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()? / tau2 * m.count;
                 out.kl_units += m.count;
                 let tg = Tensor::from_vec(rows.targets[a..a + n].to_vec(), (1, n), device)?;
                 let mask = Tensor::ones((1, n), candle_core::DType::F32, device)?;
@@ -654,8 +654,8 @@ pub fn validation_sums(
                 };
                 let (kl, m) = kd_loss(&cfg, logits, inputs, None)?;
                 if m.count > 0.0 {
-                    out.kl += kl.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()? / tau2
-                        * m.count;
+                    out.kl +=
+                        kl.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()? / tau2 * m.count;
                     out.kl_units += m.count;
                 }
                 let rows = &pieces[i].rows;
