@@ -1,6 +1,8 @@
 //! `trainer bench-step`: the time of one full student training step as the training loop runs
-//! it — `micro_loss` (decoder forward, LM head on the trained rows, forward KL over the teacher's
-//! top-k with a tail bucket + 0.1 × cross-entropy), backward, gradient accumulation, global
+//! it — `micro_grads` (decoder training forward, kept or checkpointed as
+//! `--activation-checkpointing` says; LM head in row chunks on the trained rows, forward KL over
+//! the teacher's top-k with a tail bucket + 0.1 × cross-entropy, each chunk's backward; the
+//! decoder's backward), gradient accumulation, global
 //! gradient-norm clipping at 1.0, AdamW on the f32 masters (lr 1e-4, weight decay 0.01 on every
 //! tensor, as `torch.optim.AdamW` does) and the refresh of the compute copy — on a synthetic
 //! batch. Prints figures; not a test.
@@ -10,14 +12,16 @@
 //! same load) and compares the times and the losses.
 
 use crate::collate::Encoded;
+use crate::config::ActivationCheckpointing;
 use crate::loss::{CeConfig, KdConfig, LossConfig, TailMode};
 use crate::optim::{clip_grad_norm, AdamWConfig, GradAccumulator, OptimConfig, ScheduleConfig};
 use crate::student::Student;
+use crate::train::head::HeadOpts;
 use crate::train::prepare::Item;
 use crate::train::runner::Runner;
-use crate::train::step::{micro_loss, units, LossCtx, Pairing};
+use crate::train::step::{micro_grads, units, LossCtx, Pairing};
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::collections::HashMap;
@@ -65,6 +69,13 @@ pub struct Args {
     /// Set RAYON_NUM_THREADS to the same for ours.
     #[arg(long)]
     pub threads: Option<usize>,
+    /// auto, on or off: keep only each layer's input and recompute layers in the backward
+    /// (`policy.activation_checkpointing`).
+    #[arg(long, default_value = "auto", value_parser = ActivationCheckpointing::parse)]
+    pub activation_checkpointing: ActivationCheckpointing,
+    /// Rows per LM-head chunk; 0: as many as fit 256 MiB of f32 logits.
+    #[arg(long, default_value_t = 0)]
+    pub head_chunk_rows: usize,
 }
 
 /// The batch both implementations train on.
@@ -164,8 +175,8 @@ fn write_batch(batch: &Batch, len: usize, k: usize, path: &Path) -> Result<()> {
 /// Seconds of each phase of one step (the device is synchronised after each).
 #[derive(Default, Clone, Copy)]
 struct Phases {
-    forward: f64,
-    backward: f64,
+    /// Forward, chunked head + loss with each chunk's backward, and the decoder's backward.
+    grads: f64,
     accumulate: f64,
     clip: f64,
     adamw: f64,
@@ -173,18 +184,22 @@ struct Phases {
 
 impl Phases {
     fn total(&self) -> f64 {
-        self.forward + self.backward + self.accumulate + self.clip + self.adamw
+        self.grads + self.accumulate + self.clip + self.adamw
     }
 }
 
 /// One full training step as the training loop runs it; returns the loss and phase times.
-fn step(
-    runner: &mut Runner,
-    batch: &Batch,
+/// What one step runs on.
+struct StepSetup<'a> {
+    batch: &'a Batch,
     k: usize,
-    cfg: &LossConfig,
-    device: &Device,
-) -> Result<(f64, Phases)> {
+    cfg: &'a LossConfig,
+    device: &'a Device,
+    head: HeadOpts,
+}
+
+fn step(runner: &mut Runner, s: &StepSetup) -> Result<(f64, Phases)> {
+    let (batch, k, cfg, device) = (s.batch, s.k, s.cfg, s.device);
     let mut ph = Phases::default();
     let scores: Vec<&SequenceScores> = batch.scores.iter().collect();
     let norm = units(&batch.items);
@@ -196,15 +211,13 @@ fn step(
         pairing: Pairing::Same,
         device,
         micro_batch: batch.items.len(),
+        head: s.head,
     };
-    let (loss, _) = micro_loss(&ctx, &batch.items, &scores, norm)?;
-    // Reading the loss waits for the device.
-    let loss_v = loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-    ph.forward = t.elapsed().as_secs_f64();
-    let t = Instant::now();
-    let grads = loss.backward()?;
+    let (grads, m) = micro_grads(&ctx, &batch.items, &scores, norm)?;
+    // The whole micro-batch is the step: the loss is kd_scale·KD + 0.1·CE (its mean).
+    let loss_v = m.kd.loss * m.kd_scale + 0.1 * m.ce.unwrap_or(0.0);
     device.synchronize()?;
-    ph.backward = t.elapsed().as_secs_f64();
+    ph.grads = t.elapsed().as_secs_f64();
     let t = Instant::now();
     let mut acc = GradAccumulator::new(runner.vars().to_vec());
     acc.add(&grads)?;
@@ -335,14 +348,24 @@ pub fn run(a: Args) -> Result<()> {
     let (mut ours, mut torch) = (Vec::<Phases>::new(), Vec::<f64>::new());
     let (mut first_loss, mut last_loss) = (None, None);
     let (mut torch_first, mut torch_last) = (None, None);
+    let setup = StepSetup {
+        batch: &batch,
+        k,
+        cfg: &cfg,
+        device: &device,
+        head: HeadOpts {
+            activations: a.activation_checkpointing,
+            chunk_rows: a.head_chunk_rows,
+        },
+    };
     for round in 0..a.rounds {
         let student = Student::load(&a.model, &device, dtype)?;
         let mut runner = Runner::new(student, optim.clone(), 1_000_000)?;
-        let (l0, _) = step(&mut runner, &batch, k, &cfg, &device)?; // warm-up
+        let (l0, _) = step(&mut runner, &setup)?; // warm-up
         first_loss.get_or_insert(l0);
         let mut times = vec![];
         for _ in 0..a.steps {
-            let (l, ph) = step(&mut runner, &batch, k, &cfg, &device)?;
+            let (l, ph) = step(&mut runner, &setup)?;
             times.push(ph.total());
             ours.push(ph);
             if round == 0 {
@@ -380,10 +403,9 @@ pub fn run(a: Args) -> Result<()> {
         (bs * t) as f64 / ours_s
     );
     println!(
-        "  phases (median s): forward+loss {:.3}  backward {:.3}  accumulate {:.3}  clip {:.3}  \
+        "  phases (median s): forward+head+backward {:.3}  accumulate {:.3}  clip {:.3}  \
          adamw {:.3}",
-        med(|p| p.forward),
-        med(|p| p.backward),
+        med(|p| p.grads),
         med(|p| p.accumulate),
         med(|p| p.clip),
         med(|p| p.adamw)

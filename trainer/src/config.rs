@@ -11,6 +11,7 @@ use serde::{Deserialize, Deserializer, Serialize};
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
+use xdistill_shared::model::{Activations, Decoder};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -119,6 +120,9 @@ pub struct PolicyConfig {
     /// Abort the run after this many consecutive steps with a non-finite gradient norm (each
     /// is skipped); 0: never abort.
     pub max_nonfinite_steps: u64,
+    /// Whether the training forward keeps every activation or only each layer's input
+    /// (recomputing layers in the backward): `"auto"`, `true` or `false`.
+    pub activation_checkpointing: ActivationCheckpointing,
     pub optimizer: OptimizerConfig,
 }
 
@@ -132,8 +136,85 @@ impl Default for PolicyConfig {
             device: "cpu".into(),
             train_micro_batch_size: 4,
             max_nonfinite_steps: 10,
+            activation_checkpointing: ActivationCheckpointing::Auto,
             optimizer: OptimizerConfig::default(),
         }
+    }
+}
+
+/// `policy.activation_checkpointing`: how the student's training forward keeps what its
+/// backward needs. Checkpointing keeps each decoder layer's input only and recomputes the layer
+/// in the backward (memory linear in the sequence, about one extra forward of compute).
+/// TOML: `true`, `false` or `"auto"` (the default).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ActivationCheckpointing {
+    /// Checkpoint a micro-batch when plain autograd would keep more than 1 GiB
+    /// ([`Activations::auto`]); tiny models keep everything.
+    #[default]
+    Auto,
+    /// Always checkpoint.
+    On,
+    /// Never: plain autograd (every intermediate lives until the backward).
+    Off,
+}
+
+impl ActivationCheckpointing {
+    /// The way `model` keeps activations for a micro-batch of `b` rows of `t` tokens.
+    pub fn resolve(self, model: &Decoder, b: usize, t: usize) -> Activations {
+        match self {
+            ActivationCheckpointing::Auto => Activations::auto(model, b, t),
+            ActivationCheckpointing::On => Activations::Checkpoint,
+            ActivationCheckpointing::Off => Activations::Keep,
+        }
+    }
+
+    /// From the command line's `auto`, `on`/`true` or `off`/`false`.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "on" | "true" => Ok(Self::On),
+            "off" | "false" => Ok(Self::Off),
+            _ => Err(format!(
+                "activation checkpointing must be auto, on or off, got {s:?}"
+            )),
+        }
+    }
+}
+
+impl Serialize for ActivationCheckpointing {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            ActivationCheckpointing::Auto => s.serialize_str("auto"),
+            ActivationCheckpointing::On => s.serialize_bool(true),
+            ActivationCheckpointing::Off => s.serialize_bool(false),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for ActivationCheckpointing {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        const WANT: &str = "policy.activation_checkpointing must be true, false or \"auto\"";
+        impl serde::de::Visitor<'_> for V {
+            type Value = ActivationCheckpointing;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str(WANT)
+            }
+            fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<Self::Value, E> {
+                Ok(if v {
+                    ActivationCheckpointing::On
+                } else {
+                    ActivationCheckpointing::Off
+                })
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                match v {
+                    "auto" => Ok(ActivationCheckpointing::Auto),
+                    _ => Err(E::custom(format!("{WANT}, got {v:?}"))),
+                }
+            }
+        }
+        d.deserialize_any(V)
     }
 }
 
@@ -1132,6 +1213,38 @@ mod tests {
         let p = dir.join("c.toml");
         std::fs::write(&p, text).unwrap();
         p
+    }
+
+    #[test]
+    fn activation_checkpointing_takes_a_bool_or_auto() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = Config::from_file(&write(dir.path(), MINIMAL)).unwrap();
+        assert_eq!(
+            c.policy.activation_checkpointing,
+            ActivationCheckpointing::Auto
+        );
+        for (v, want) in [
+            ("true", ActivationCheckpointing::On),
+            ("false", ActivationCheckpointing::Off),
+            ("\"auto\"", ActivationCheckpointing::Auto),
+        ] {
+            let text = MINIMAL.replace(
+                "[policy]\n",
+                &format!("[policy]\nactivation_checkpointing = {v}\n"),
+            );
+            let c = Config::from_file(&write(dir.path(), &text)).unwrap();
+            assert_eq!(c.policy.activation_checkpointing, want, "{v}");
+        }
+        for bad in ["\"yes\"", "1"] {
+            let text = MINIMAL.replace(
+                "[policy]\n",
+                &format!("[policy]\nactivation_checkpointing = {bad}\n"),
+            );
+            let e = Config::from_file(&write(dir.path(), &text))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("activation_checkpointing"), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -72,6 +72,10 @@ impl Setup {
             pairing: self.teachers.pairing(source),
             device: &self.device,
             micro_batch: self.cfg.policy.train_micro_batch_size.max(1),
+            head: super::head::HeadOpts {
+                activations: self.cfg.policy.activation_checkpointing,
+                chunk_rows: 0,
+            },
         }
     }
 

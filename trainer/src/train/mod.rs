@@ -3,11 +3,12 @@
 //! [`runner::run`] is the one loop (session, validation cadence, metrics, checkpoints, final
 //! save); [`off_policy`], [`on_policy`] and [`sft`] implement [`runner::Objective`]. Data flows
 //! one way: dataset → [`prepare`] (tokenize, align, teacher request) → teacher client
-//! (prefetched) → [`step`] (loss on the student) → [`runner::Runner`] (clip, schedule, AdamW,
+//! (prefetched) → [`step`] (loss on the student, its LM head in chunks: [`head`]) → [`runner::Runner`] (clip, schedule, AdamW,
 //! checkpoint).
 
 pub mod distill;
 pub mod ensemble;
+pub mod head;
 pub mod off_policy;
 pub mod on_policy;
 pub mod prepare;
@@ -15,3 +16,6 @@ pub mod runner;
 pub mod sft;
 pub mod step;
 pub mod teachers;
+#[cfg(test)]
+pub(crate) mod testutil;
+pub mod xpieces;

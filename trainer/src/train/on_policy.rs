@@ -13,6 +13,7 @@
 //!   data's own prompt + completion, so one run can mix both (TRL GKD's λ).
 
 use super::distill::{answer_k, teacher_parts, GroupLoss, Setup, Summary, TeacherFigures};
+use super::head;
 use super::off_policy::distill_filter;
 use super::prepare::{prepare, Group, Item};
 use super::runner::{
@@ -29,6 +30,7 @@ use crate::generate::{generate, Generation};
 use crate::loss::{sampled_token_loss, KdConfig, LossConfig, SampledTargets};
 use crate::student::Student;
 use anyhow::{bail, Result};
+use candle_core::backprop::GradStore;
 use candle_core::Tensor;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -119,8 +121,8 @@ impl<'a> OnPolicy<'a> {
                     let sum = if s.loss.kd.is_sampled() {
                         let mut sum = 0.0;
                         for (xs, sc) in samples.chunks(mb).zip(refs.chunks(mb)) {
-                            let (l, v) = sampled_loss(&lc, xs, sc, norm.kd.max(1.0))?;
-                            ctx.acc.add(&l.backward()?)?;
+                            let (g, v) = sampled_grads(&lc, xs, sc, norm.kd.max(1.0))?;
+                            ctx.acc.add(&g)?;
                             sum += v * norm.kd;
                         }
                         sum
@@ -563,8 +565,95 @@ fn pad_front(sc: SequenceScores, start: usize) -> SequenceScores {
     out
 }
 
-/// Sampled-token loss on the completion positions of same-tokenizer samples; the LM head runs
-/// only on those rows.
+/// The completion positions of same-tokenizer samples: flat indices into `[B·T]` with the
+/// sampled token each predicts and the teacher's log-prob of it.
+struct SampledRows {
+    sel: Vec<u32>,
+    tokens: Vec<u32>,
+    teacher: Vec<f32>,
+}
+
+impl SampledRows {
+    fn new(samples: &[Sample], scores: &[&SequenceScores], t: usize) -> Result<SampledRows> {
+        let mut r = SampledRows {
+            sel: vec![],
+            tokens: vec![],
+            teacher: vec![],
+        };
+        for (b, (x, sc)) in samples.iter().zip(scores).enumerate() {
+            if x.completion_from == 0 || sc.target_logprobs.len() + 1 < x.ids.len() {
+                bail!(
+                    "a sample of {} tokens scored with {} target log-probs (completion from {})",
+                    x.ids.len(),
+                    sc.target_logprobs.len(),
+                    x.completion_from
+                );
+            }
+            for p in x.completion_from - 1..x.ids.len() - 1 {
+                r.sel.push((b * t + p) as u32);
+                r.tokens.push(x.ids[p + 1]);
+                r.teacher.push(sc.target_logprobs[p]);
+            }
+        }
+        Ok(r)
+    }
+
+    /// The loss inputs of rows `a..a + n`, as `[1, n]`.
+    fn targets(&self, a: usize, n: usize, device: &candle_core::Device) -> Result<SampledTargets> {
+        Ok(SampledTargets {
+            tokens: Tensor::from_vec(self.tokens[a..a + n].to_vec(), (1, n), device)?,
+            teacher_logprobs: Tensor::from_vec(self.teacher[a..a + n].to_vec(), (1, n), device)?,
+            old_logprobs: None, // one update per rollout: the ratio is exactly 1 (REINFORCE)
+            mask: Tensor::ones((1, n), candle_core::DType::F32, device)?,
+        })
+    }
+}
+
+/// The gradients of the sampled-token loss (× `kd_weight`) on the completion positions of
+/// same-tokenizer samples, and its value before `kd_weight`: the LM head runs only on those
+/// rows, in chunks (`ctx.head`), after the training pass.
+fn sampled_grads(
+    ctx: &LossCtx,
+    samples: &[Sample],
+    scores: &[&SequenceScores],
+    normalizer: f64,
+) -> Result<(GradStore, f64)> {
+    let (device, loss) = (ctx.device, ctx.loss);
+    let tb = crate::collate::pad_batch(&encoded(samples), 0, device)?;
+    let rows = SampledRows::new(samples, scores, tb.ids.dim(1)?)?;
+    let pass = ctx.head.forward(ctx.model, &tb.ids)?;
+    let per = ctx.head.rows(ctx.model.lm_head().dim(0)?);
+    let pieces = head::row_pieces(&rows.sel, per);
+    let chunk = |i: usize, logits: &Tensor| -> Result<head::ChunkLoss> {
+        let targets = rows.targets(i * per, pieces[i].rows.len(), device)?;
+        let kd = sampled_token_loss(logits, &targets, loss.temperature, Some(normalizer))?;
+        Ok(head::ChunkLoss {
+            kd: Some(kd),
+            ce: None,
+        })
+    };
+    let mix = head::Mix::Linear {
+        kd: loss.kd_weight,
+        ce: 0.0,
+    };
+    let out = head::run(ctx.model, pass.hidden(), &pieces, mix, chunk)?;
+    let (g, sums) = out.finish(pass)?;
+    Ok((g, sums.kd.loss))
+}
+
+/// The samples as the student's training inputs (trained from their first completion token).
+fn encoded(samples: &[Sample]) -> Vec<Encoded> {
+    samples
+        .iter()
+        .map(|x| Encoded {
+            ids: x.ids.clone(),
+            loss_from: x.completion_from,
+        })
+        .collect()
+}
+
+/// The unchunked reference of [`sampled_grads`]: the loss as one scalar (call `backward`).
+#[cfg(test)]
 fn sampled_loss(
     ctx: &LossCtx,
     samples: &[Sample],
@@ -572,38 +661,18 @@ fn sampled_loss(
     normalizer: f64,
 ) -> Result<(Tensor, f64)> {
     let (device, loss) = (ctx.device, ctx.loss);
-    let enc: Vec<Encoded> = samples
-        .iter()
-        .map(|x| Encoded {
-            ids: x.ids.clone(),
-            loss_from: x.completion_from,
-        })
-        .collect();
-    let tb = crate::collate::pad_batch(&enc, 0, device)?;
+    let tb = crate::collate::pad_batch(&encoded(samples), 0, device)?;
     let (b, t) = tb.ids.dims2()?;
-    let mut sel = Vec::new();
-    let (mut tokens, mut tlp) = (Vec::new(), Vec::new());
-    for (r, (x, sc)) in samples.iter().zip(scores).enumerate() {
-        for p in x.completion_from - 1..x.ids.len() - 1 {
-            sel.push((r * t + p) as u32);
-            tokens.push(x.ids[p + 1]);
-            tlp.push(sc.target_logprobs[p]);
-        }
-    }
-    let n = sel.len();
+    let rows = SampledRows::new(samples, scores, t)?;
+    let n = rows.sel.len();
     let hidden = ctx.model.forward_hidden(&tb.ids, None, None, None)?;
     let h = hidden.dim(2)?;
-    let rows = hidden
+    let picked = hidden
         .reshape((b * t, h))?
-        .index_select(&Tensor::from_vec(sel, n, device)?, 0)?
+        .index_select(&Tensor::from_vec(rows.sel.clone(), n, device)?, 0)?
         .unsqueeze(0)?;
-    let logits = ctx.model.logits(&rows)?;
-    let targets = SampledTargets {
-        tokens: Tensor::from_vec(tokens, (1, n), device)?,
-        teacher_logprobs: Tensor::from_vec(tlp, (1, n), device)?,
-        old_logprobs: None, // one update per rollout: the ratio is exactly 1 (REINFORCE)
-        mask: Tensor::ones((1, n), candle_core::DType::F32, device)?,
-    };
+    let logits = ctx.model.logits(&picked)?;
+    let targets = rows.targets(0, n, device)?;
     let (l, m) = sampled_token_loss(&logits, &targets, loss.temperature, Some(normalizer))?;
     Ok((l.affine(loss.kd_weight, 0.0)?, m.loss))
 }
@@ -699,4 +768,68 @@ fn cross_group(
     let (group, used) = s.teachers.prepare_group(source, &refs, lim);
     let used = used.into_iter().map(|u| from[u]).collect();
     (group, used)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ActivationCheckpointing;
+    use crate::loss::CeConfig;
+    use crate::train::head::HeadOpts;
+    use crate::train::testutil::{answer, assert_rel, assert_same_grads, ids, tiny, V};
+    use candle_core::{DType, Device};
+
+    /// The chunked sampled-token gradients ([`sampled_grads`]) equal the unchunked loss's
+    /// (`sampled_loss` + `backward`) for every parameter: 1- and 3-row chunks and the budget,
+    /// kept and checkpointed activations, tied and untied heads; f64 to 1e-9, f32 to 1e-5.
+    #[test]
+    fn sampled_chunks_equal_the_whole_loss() {
+        let mut rng = ChaCha8Rng::seed_from_u64(3);
+        let mut samples = vec![];
+        let mut scores = vec![];
+        for (len, from) in [(10, 4), (7, 2), (12, 6)] {
+            samples.push(Sample {
+                ids: ids(&mut rng, len),
+                completion_from: from,
+                old_lp: vec![],
+            });
+            scores.push(answer(&mut rng, len - 1, 1, V));
+        }
+        let refs: Vec<&SequenceScores> = scores.iter().collect();
+        let loss = LossConfig {
+            kd: KdConfig::SampledKl {},
+            tail: None,
+            temperature: 0.8,
+            kd_weight: 0.6,
+            ce: CeConfig::None {},
+        };
+        for (dtype, tol) in [(DType::F64, 1e-9), (DType::F32, 1e-5)] {
+            for tied in [false, true] {
+                let (model, vm) = tiny(tied, dtype, 9);
+                let mut ctx = LossCtx {
+                    model: &model,
+                    k: 1,
+                    loss: &loss,
+                    pairing: Pairing::Same,
+                    device: &Device::Cpu,
+                    micro_batch: 3,
+                    head: HeadOpts::default(),
+                };
+                let (l, want) = sampled_loss(&ctx, &samples, &refs, 40.0).unwrap();
+                let want_grads = l.backward().unwrap();
+                for activations in [ActivationCheckpointing::Off, ActivationCheckpointing::On] {
+                    for chunk_rows in [1, 3, 0] {
+                        ctx.head = HeadOpts {
+                            activations,
+                            chunk_rows,
+                        };
+                        let case = format!("{dtype:?} tied {tied} {:?}", ctx.head);
+                        let (g, got) = sampled_grads(&ctx, &samples, &refs, 40.0).unwrap();
+                        assert_rel(got, want, tol, &case);
+                        assert_same_grads(&vm, &g, &want_grads, tol, &case);
+                    }
+                }
+            }
+        }
+    }
 }

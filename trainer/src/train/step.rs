@@ -1,6 +1,10 @@
 //! The loss of one micro-batch: student forward, teacher rows laid against it, distillation loss
-//! (+ cross-entropy), as one scalar to call `backward` on.
+//! (+ cross-entropy). [`micro_grads`] returns its gradients with the LM head and loss run in row
+//! chunks ([`super::head`]); [`micro_loss`] is the same loss as one scalar over the whole
+//! micro-batch (every `[N, V]` logit at once), kept as the reference the chunked path is tested
+//! against.
 
+use super::head::{self, ChunkLoss, HeadOpts, HeadSums, Mix};
 use super::prepare::Item;
 use crate::collate::{pad_batch, Encoded, TokenBatch};
 use crate::loss::{
@@ -8,6 +12,7 @@ use crate::loss::{
     KdMetrics, LossConfig, Projection, TailMode, TopkTargets, XTokenBatch,
 };
 use anyhow::{bail, Result};
+use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor};
 use xdistill_shared::model::Decoder;
 use xdistill_shared::protocol::SequenceScores;
@@ -52,6 +57,8 @@ pub struct LossCtx<'a> {
     pub device: &'a Device,
     /// Sequences per forward/backward pass in [`accumulate`].
     pub micro_batch: usize,
+    /// Activation checkpointing and the head's chunk size.
+    pub head: HeadOpts,
 }
 
 /// What a micro-batch's loss evaluation measured (detached).
@@ -154,7 +161,9 @@ fn check_rows(s: &SequenceScores, len: usize, k: usize) -> Result<()> {
     Ok(())
 }
 
-/// The loss of one micro-batch. `scores[i]` is the teacher's answer for `items[i]`.
+/// The loss of one micro-batch as one scalar, `[N, V]` logits at once and the decoder through
+/// plain autograd (call `backward` on it): the reference for [`micro_grads`]. `scores[i]` is
+/// the teacher's answer for `items[i]`.
 pub fn micro_loss(
     ctx: &LossCtx,
     items: &[Item],
@@ -176,6 +185,121 @@ pub fn micro_loss(
     };
     out.units = units(items);
     Ok((loss, out))
+}
+
+/// The gradients of one micro-batch's loss (every parameter's, the head's included) and what
+/// it measured: the loss of [`micro_loss`], with the decoder run by `ctx.head`'s training pass
+/// and the LM head + loss in row chunks (`[N, V]` exists for one chunk at a time).
+pub fn micro_grads(
+    ctx: &LossCtx,
+    items: &[Item],
+    scores: &[&SequenceScores],
+    norm: Units,
+) -> Result<(GradStore, MicroOut)> {
+    if items.is_empty() || items.len() != scores.len() {
+        bail!(
+            "micro-batch of {} items with {} teacher answers",
+            items.len(),
+            scores.len()
+        );
+    }
+    let (grads, sums) = match ctx.pairing {
+        Pairing::Same => same_tokenizer_grads(ctx, items, scores, norm)?,
+        Pairing::Cross(projection) | Pairing::Mixture(projection) => {
+            cross_tokenizer_grads(ctx, projection, items, scores, norm)?
+        }
+    };
+    let out = MicroOut {
+        kd: sums.kd,
+        ce: sums.ce.filter(|c| c.1 > 0.0).map(|(v, n)| v * norm.ce / n),
+        kd_scale: sums.kd_scale,
+        units: units(items),
+    };
+    Ok((grads, out))
+}
+
+/// Same tokenizer, chunked: the trained rows in chunks of `ctx.head.rows(V)`.
+fn same_tokenizer_grads(
+    ctx: &LossCtx,
+    items: &[Item],
+    scores: &[&SequenceScores],
+    norm: Units,
+) -> Result<(GradStore, HeadSums)> {
+    let (model, k, device) = (ctx.model, ctx.k, ctx.device);
+    let enc = same_encodings(items, scores, k)?;
+    let tb = pad_batch(&enc, 0, device)?;
+    let rows = TrainedRows::new(&tb, scores, k)?;
+    let pass = ctx.head.forward(model, &tb.ids)?;
+    let vocab = model.lm_head().dim(0)?;
+    let per = ctx.head.rows(vocab);
+    let pieces = head::row_pieces(&rows.sel, per);
+    let ones = vec![1f32; per];
+    let loss = |i: usize, logits: &Tensor| -> Result<ChunkLoss> {
+        let (a, n) = (i * per, pieces[i].rows.len());
+        let tk = TopkTargets::from_host(
+            1,
+            n,
+            k,
+            &rows.ids[a * k..(a + n) * k],
+            &rows.lps[a * k..(a + n) * k],
+            &ones[..n],
+            logits.dim(2)?,
+            device,
+        )?;
+        let kd = kd_loss(ctx.loss, logits, KdInputs::Topk(&tk), Some(norm.kd))?;
+        let ce = if wants_ce(ctx.loss) {
+            let tg = Tensor::from_vec(rows.targets[a..a + n].to_vec(), (1, n), device)?;
+            let mask = Tensor::ones((1, n), candle_core::DType::F32, device)?;
+            let (ce, count) = cross_entropy(logits, &tg, &mask, Some(norm.ce))?;
+            Some((ce, count))
+        } else {
+            None
+        };
+        Ok(ChunkLoss { kd: Some(kd), ce })
+    };
+    let out = head::run(model, pass.hidden(), &pieces, Mix::of(ctx.loss), loss)?;
+    out.finish(pass)
+}
+
+/// The trained positions of a same-tokenizer batch (row-major over `[B, T]`) with their
+/// targets and teacher top-k rows.
+struct TrainedRows {
+    /// `[N]` flat indices into `[B·T]`.
+    sel: Vec<u32>,
+    /// `[N]` the token each trained position predicts.
+    targets: Vec<u32>,
+    /// `[N, k]` teacher top-k ids and log-probs.
+    ids: Vec<u32>,
+    lps: Vec<f32>,
+}
+
+impl TrainedRows {
+    fn new(tb: &TokenBatch, scores: &[&SequenceScores], k: usize) -> Result<TrainedRows> {
+        let (b, t) = tb.ids.dims2()?;
+        let mask: Vec<f32> = tb.mask.flatten_all()?.to_vec1()?;
+        let all_targets: Vec<u32> = tb.targets.flatten_all()?.to_vec1()?;
+        let sel: Vec<u32> = (0..b * t)
+            .filter(|&i| mask[i] > 0.0)
+            .map(|i| i as u32)
+            .collect();
+        if sel.is_empty() {
+            bail!("micro-batch has no trained tokens");
+        }
+        let mut ids = Vec::with_capacity(sel.len() * k);
+        let mut lps = Vec::with_capacity(sel.len() * k);
+        for &i in &sel {
+            let (r, p) = (i as usize / t, i as usize % t);
+            ids.extend_from_slice(scores[r].ids_row(p));
+            lps.extend_from_slice(scores[r].values_row(p));
+        }
+        let targets = sel.iter().map(|&i| all_targets[i as usize]).collect();
+        Ok(TrainedRows {
+            sel,
+            targets,
+            ids,
+            lps,
+        })
+    }
 }
 
 /// Same tokenizer: the LM head runs only on trained positions (`[N, H] -> [N, V]`), which is
@@ -309,6 +433,60 @@ fn cross_tokenizer(
     finish(ctx.loss, &logits, kd, ce_inputs, norm)
 }
 
+/// Cross tokenizer, chunked: pieces of the batch cut at alignment-chunk boundaries
+/// ([`super::xpieces`]), each with its own chunk losses and cross-entropy.
+fn cross_tokenizer_grads(
+    ctx: &LossCtx,
+    projection: &Projection,
+    items: &[Item],
+    scores: &[&SequenceScores],
+    norm: Units,
+) -> Result<(GradStore, HeadSums)> {
+    let (model, device) = (ctx.model, ctx.device);
+    let (xb, enc) = xtoken_batch(items, scores, ctx.k)?;
+    let tb = pad_batch(&enc, 0, device)?;
+    let ts = tb.ids.dim(1)?;
+    let targets: Vec<u32> = tb.targets.flatten_all()?.to_vec1()?;
+    let mask: Vec<f32> = tb.mask.flatten_all()?.to_vec1()?;
+    let ce_on = wants_ce(ctx.loss);
+    let wanted: Vec<bool> = (0..mask.len())
+        .map(|i| xb.student_chunk[i] != -1 || (ce_on && mask[i] > 0.0))
+        .collect();
+    let pass = ctx.head.forward(model, &tb.ids)?;
+    let per = ctx.head.rows(model.lm_head().dim(0)?);
+    let plan = super::xpieces::plan(&xb, per, &wanted);
+    let pieces: Vec<head::Piece> = plan
+        .iter()
+        .map(|p| head::Piece {
+            rows: p.rows(ts),
+            shape: (p.segments.len(), p.student_len),
+        })
+        .collect();
+    let loss = |i: usize, logits: &Tensor| -> Result<ChunkLoss> {
+        let sub = super::xpieces::batch(&xb, &plan[i]);
+        let inputs = KdInputs::XToken {
+            batch: &sub,
+            projection,
+        };
+        let kd = kd_loss(ctx.loss, logits, inputs, Some(norm.kd))?;
+        let rows = &pieces[i].rows;
+        let n = rows.iter().filter(|&&r| mask[r as usize] > 0.0).count();
+        let ce = if ce_on && n > 0 {
+            let shape = pieces[i].shape;
+            let tg: Vec<u32> = rows.iter().map(|&r| targets[r as usize]).collect();
+            let m: Vec<f32> = rows.iter().map(|&r| mask[r as usize]).collect();
+            let tg = Tensor::from_vec(tg, shape, device)?;
+            let m = Tensor::from_vec(m, shape, device)?;
+            Some(cross_entropy(logits, &tg, &m, Some(norm.ce))?)
+        } else {
+            None
+        };
+        Ok(ChunkLoss { kd: Some(kd), ce })
+    };
+    let out = head::run(model, pass.hidden(), &pieces, Mix::of(ctx.loss), loss)?;
+    out.finish(pass)
+}
+
 /// The cross-tokenizer loss input for aligned items, plus the student side as `Encoded`s.
 pub fn xtoken_batch(
     items: &[Item],
@@ -375,8 +553,127 @@ pub fn xtoken_batch(
 /// Validation figures of one micro-batch, without gradients: forward KL to the teacher over its
 /// top-k with a tail bucket (same tokenizer) or chunk-level P-KL in NeMo's renormalised form
 /// (cross tokenizer), and the student's cross-entropy, at `ctx.loss`'s temperature. Returns sums
-/// (not means) with their counts.
+/// (not means) with their counts. The head runs in forward-only row chunks (`ctx.head`), cut as
+/// the training path cuts them.
 pub fn validation_sums(
+    ctx: &LossCtx,
+    items: &[Item],
+    scores: &[&SequenceScores],
+) -> Result<ValSums> {
+    let (model, k, device, temperature) = (ctx.model, ctx.k, ctx.device, ctx.loss.temperature);
+    let tau2 = temperature * temperature;
+    let vocab = model.lm_head().dim(0)?;
+    let per = ctx.head.rows(vocab);
+    let mut out = ValSums::default();
+    // Adds a chunk's mean CE over its `n` targets (mean: no normalizer given).
+    let add_ce = |out: &mut ValSums, logits: &Tensor, tg: Tensor, mask: Tensor| -> Result<()> {
+        let (ce, n) = cross_entropy(logits, &tg, &mask, None)?;
+        if n > 0.0 {
+            out.ce += ce.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()? * n;
+            out.ce_tokens += n;
+        }
+        Ok(())
+    };
+    match ctx.pairing {
+        Pairing::Same => {
+            let enc = same_encodings(items, scores, k)?;
+            let tb = pad_batch(&enc, 0, device)?;
+            if tb.n_targets == 0 {
+                return Ok(out);
+            }
+            let rows = TrainedRows::new(&tb, scores, k)?;
+            let hidden = model.forward_hidden(&tb.ids, None, None, None)?;
+            let pieces = head::row_pieces(&rows.sel, per);
+            let ones = vec![1f32; per];
+            head::forward_only(model, &hidden, &pieces, |i, logits| {
+                let (a, n) = (i * per, pieces[i].rows.len());
+                let tk = TopkTargets::from_host(
+                    1,
+                    n,
+                    k,
+                    &rows.ids[a * k..(a + n) * k],
+                    &rows.lps[a * k..(a + n) * k],
+                    &ones[..n],
+                    vocab,
+                    device,
+                )?;
+                let (kl, m) = topk_divergence(
+                    logits,
+                    &tk,
+                    Divergence::Forward,
+                    TailMode::Bucket,
+                    temperature,
+                    None,
+                )?;
+                out.kl +=
+                    kl.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()? / tau2 * m.count;
+                out.kl_units += m.count;
+                let tg = Tensor::from_vec(rows.targets[a..a + n].to_vec(), (1, n), device)?;
+                let mask = Tensor::ones((1, n), candle_core::DType::F32, device)?;
+                add_ce(&mut out, logits, tg, mask)
+            })?;
+        }
+        Pairing::Cross(proj) | Pairing::Mixture(proj) => {
+            let (xb, enc) = xtoken_batch(items, scores, k)?;
+            let tb = pad_batch(&enc, 0, device)?;
+            let ts = tb.ids.dim(1)?;
+            let targets: Vec<u32> = tb.targets.flatten_all()?.to_vec1()?;
+            let mask: Vec<f32> = tb.mask.flatten_all()?.to_vec1()?;
+            let wanted: Vec<bool> = (0..mask.len())
+                .map(|i| xb.student_chunk[i] != -1 || mask[i] > 0.0)
+                .collect();
+            let plan = super::xpieces::plan(&xb, per, &wanted);
+            let pieces: Vec<head::Piece> = plan
+                .iter()
+                .map(|p| head::Piece {
+                    rows: p.rows(ts),
+                    shape: (p.segments.len(), p.student_len),
+                })
+                .collect();
+            // Same tokenizer: a tail bucket; P-KL: NeMo's renormalised form, whose validation
+            // figures are comparable with theirs (the bucket adds a floor wherever K holds a
+            // teacher token no student token spells, docs/losses.md).
+            let cfg = LossConfig {
+                kd: match ctx.pairing {
+                    Pairing::Mixture(_) => crate::loss::KdConfig::FirstKl {},
+                    _ => crate::loss::KdConfig::Pkl {
+                        anchor: Default::default(),
+                    },
+                },
+                tail: None,
+                temperature,
+                kd_weight: 1.0,
+                ce: CeConfig::None {},
+            };
+            let hidden = model.forward_hidden(&tb.ids, None, None, None)?;
+            head::forward_only(model, &hidden, &pieces, |i, logits| {
+                let sub = super::xpieces::batch(&xb, &plan[i]);
+                let inputs = KdInputs::XToken {
+                    batch: &sub,
+                    projection: proj,
+                };
+                let (kl, m) = kd_loss(&cfg, logits, inputs, None)?;
+                if m.count > 0.0 {
+                    out.kl +=
+                        kl.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()? / tau2 * m.count;
+                    out.kl_units += m.count;
+                }
+                let rows = &pieces[i].rows;
+                let shape = pieces[i].shape;
+                let tg: Vec<u32> = rows.iter().map(|&r| targets[r as usize]).collect();
+                let m: Vec<f32> = rows.iter().map(|&r| mask[r as usize]).collect();
+                let tg = Tensor::from_vec(tg, shape, device)?;
+                let m = Tensor::from_vec(m, shape, device)?;
+                add_ce(&mut out, logits, tg, m)
+            })?;
+        }
+    }
+    Ok(out)
+}
+
+/// The unchunked [`validation_sums`] (`[B, T, V]` logits at once): the reference of its tests.
+#[cfg(test)]
+pub fn validation_sums_whole(
     ctx: &LossCtx,
     items: &[Item],
     scores: &[&SequenceScores],
@@ -525,8 +822,8 @@ pub fn accumulate(
         if u.kd == 0.0 {
             continue;
         }
-        let (loss, m) = micro_loss(ctx, it, sc, norm)?;
-        acc.add(&loss.backward()?)?;
+        let (grads, m) = micro_grads(ctx, it, sc, norm)?;
+        acc.add(&grads)?;
         s.kd_sum += m.kd.loss * norm.kd;
         if let Some(ce) = m.ce {
             s.ce_sum += ce * u.ce;
@@ -536,3 +833,7 @@ pub fn accumulate(
     }
     Ok(s)
 }
+
+#[cfg(test)]
+#[path = "step_tests.rs"]
+mod tests;

@@ -1,0 +1,346 @@
+//! The LM head and its loss in row chunks, so that `[N, V]` logits exist for one chunk at a time.
+//!
+//! A training pass ([`Decoder::train_forward`]) hands back the final hidden states detached. Here
+//! the trained rows of those states are cut into chunks of at most [`CHUNK_BYTES`] of f32 logits;
+//! each chunk becomes a leaf, goes through the head (`[n, H] -> [n, V]`) and the loss, and is
+//! backpropagated at once. Three things are accumulated across chunks: the loss values, the
+//! gradient of the hidden rows (scattered back into a `[B, T, H]` zero tensor) and the head's
+//! parameter gradients. [`HeadOut::finish`] then pulls the hidden-state gradient through the
+//! decoder and adds the head's: the micro-batch's gradients, equal to those of the whole loss
+//! computed at once (chunk losses are normalised by the whole step's units, so they sum to it).
+//!
+//! The distillation (KD) and cross-entropy (CE) terms are kept apart when `[loss] ce` is
+//! `dynamic`: its factor `|CE|/|KD|` is a function of the micro-batch's totals, known only after
+//! the last chunk, so the two gradients are scaled and added at the end.
+
+use crate::config::ActivationCheckpointing;
+use crate::loss::{CeConfig, KdMetrics, LossConfig};
+use anyhow::{bail, Result};
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Tensor, Var};
+use xdistill_shared::model::{Decoder, TrainPass};
+
+/// The most f32 logits bytes one chunk holds when the row count is not forced (256 MiB: 441
+/// rows of Qwen3's 151,936-entry vocabulary).
+pub const CHUNK_BYTES: usize = 256 << 20;
+
+/// How a training pass keeps activations and how many rows one head chunk takes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HeadOpts {
+    /// `policy.activation_checkpointing`.
+    pub activations: ActivationCheckpointing,
+    /// Rows per head chunk; 0: as many as fit [`CHUNK_BYTES`].
+    pub chunk_rows: usize,
+}
+
+impl HeadOpts {
+    /// Rows per chunk for a head of `vocab` logits per row (at least 1).
+    pub fn rows(&self, vocab: usize) -> usize {
+        if self.chunk_rows > 0 {
+            self.chunk_rows
+        } else {
+            (CHUNK_BYTES / (vocab.max(1) * 4)).max(1)
+        }
+    }
+
+    /// The training forward of `ids` `[B, T]` with this policy's way of keeping activations.
+    pub fn forward<'m>(&self, model: &'m Decoder, ids: &Tensor) -> Result<TrainPass<'m>> {
+        let (b, t) = ids.dims2()?;
+        let act = self.activations.resolve(model, b, t);
+        Ok(model.train_forward(ids, act)?)
+    }
+}
+
+/// How a micro-batch's KD and CE totals combine into the loss whose gradient is taken.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Mix {
+    /// `kd·KD + ce·CE`.
+    Linear { kd: f64, ce: f64 },
+    /// NeMo's dynamic scaling: `kd_weight·sg(|CE|/|KD|)·KD + CE`, the factor from the
+    /// micro-batch's totals (as [`crate::loss::combine`] computes it from the whole loss).
+    Dynamic { kd_weight: f64 },
+}
+
+impl Mix {
+    /// The mix `[loss]` asks for.
+    pub fn of(cfg: &LossConfig) -> Mix {
+        match cfg.ce {
+            CeConfig::None {} => Mix::Linear {
+                kd: cfg.kd_weight,
+                ce: 0.0,
+            },
+            CeConfig::Weight { weight } => Mix::Linear {
+                kd: cfg.kd_weight,
+                ce: weight,
+            },
+            CeConfig::Dynamic {} => Mix::Dynamic {
+                kd_weight: cfg.kd_weight,
+            },
+        }
+    }
+}
+
+/// One chunk of rows to run the head on: flat indices into the `[B·T, H]` hidden states, whose
+/// logits the loss reads as `[shape.0, shape.1, V]`.
+#[derive(Debug, Clone)]
+pub struct Piece {
+    pub rows: Vec<u32>,
+    pub shape: (usize, usize),
+}
+
+/// The loss terms of one chunk (scalars, each normalised by the whole step's units).
+#[derive(Default)]
+pub struct ChunkLoss {
+    /// The distillation term and its metrics.
+    pub kd: Option<(Tensor, KdMetrics)>,
+    /// The cross-entropy term and the chunk's count of trained tokens.
+    pub ce: Option<(Tensor, f64)>,
+}
+
+/// The detached values of a micro-batch's loss, summed over its chunks.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct HeadSums {
+    /// Summed KD values and counts; masses averaged over the units (weighted by count).
+    pub kd: KdMetrics,
+    /// Summed CE value (normalised by the step's tokens) and the trained tokens, when any chunk
+    /// computed it.
+    pub ce: Option<(f64, f64)>,
+    /// The effective KD multiplier (`kd_weight`, times `|CE|/|KD|` under dynamic scaling).
+    pub kd_scale: f64,
+}
+
+/// What [`run`] computed: the gradients still to be pulled through the decoder.
+pub struct HeadOut {
+    /// `[B, T, H]` gradient of the loss at the hidden states (zero at rows no chunk held).
+    pub grad_hidden: Tensor,
+    /// The head parameters' gradients (keyed by their `Var`s).
+    pub head: GradStore,
+    pub sums: HeadSums,
+}
+
+impl HeadOut {
+    /// The micro-batch's gradients: the decoder's (through `pass`) plus the head's.
+    pub fn finish(self, pass: TrainPass<'_>) -> Result<(GradStore, HeadSums)> {
+        let mut g = pass.backward(&self.grad_hidden)?;
+        g.extend(self.head)?;
+        Ok((g, self.sums))
+    }
+}
+
+/// The gradient of one loss term accumulated over chunks.
+struct Acc {
+    /// `[B·T, H]`.
+    hidden: Tensor,
+    head: GradStore,
+}
+
+impl Acc {
+    fn new(rows: usize, h: usize, dtype: DType, dev: &candle_core::Device) -> Result<Acc> {
+        Ok(Acc {
+            hidden: Tensor::zeros((rows, h), dtype, dev)?,
+            head: GradStore::default(),
+        })
+    }
+
+    /// Backpropagates `loss` (a scalar of one chunk) and adds its gradients: the leaf's rows
+    /// into the hidden-state gradient at `idx` `[n]`, everything else to the head's.
+    fn absorb(&mut self, loss: &Tensor, leaf: &Var, idx: &Tensor) -> Result<()> {
+        if !loss.track_op() {
+            return Ok(()); // a constant (a chunk with nothing to train): no gradient
+        }
+        let mut g = loss.backward()?;
+        if let Some(gl) = g.remove(leaf.as_tensor()) {
+            let h = self.hidden.dim(1)?;
+            let gl = gl.to_dtype(self.hidden.dtype())?.reshape(((), h))?;
+            self.hidden = self.hidden.index_add(idx, &gl, 0)?;
+        }
+        self.head.extend(g)?;
+        Ok(())
+    }
+}
+
+/// A GradStore with every entry multiplied by `c`.
+fn scaled(g: GradStore, c: f64) -> Result<GradStore> {
+    let mut out = GradStore::default();
+    let ids: Vec<_> = g.get_ids().copied().collect();
+    for id in ids {
+        if let Some(t) = g.get_id(id) {
+            out.insert_id(id, t.affine(c, 0.0)?);
+        }
+    }
+    Ok(out)
+}
+
+/// Adds `m` to the running sums `s` (masses as count-weighted sums until [`finish_metrics`]).
+fn add_metrics(s: &mut KdMetrics, m: &KdMetrics) {
+    s.loss += m.loss;
+    s.count += m.count;
+    let add = |acc: &mut Option<f64>, v: Option<f64>| {
+        if let Some(v) = v {
+            *acc = Some(acc.unwrap_or(0.0) + v * m.count);
+        }
+    };
+    add(&mut s.teacher_topk_mass, m.teacher_topk_mass);
+    add(&mut s.student_topk_mass, m.student_topk_mass);
+}
+
+fn finish_metrics(mut s: KdMetrics) -> KdMetrics {
+    let n = s.count.max(f64::MIN_POSITIVE);
+    s.teacher_topk_mass = s.teacher_topk_mass.map(|v| v / n);
+    s.student_topk_mass = s.student_topk_mass.map(|v| v / n);
+    s
+}
+
+fn value(t: &Tensor) -> Result<f64> {
+    Ok(t.to_dtype(DType::F64)?.to_scalar::<f64>()?)
+}
+
+/// Runs the head and `loss` over `pieces` of `hidden` `[B, T, H]` (detached), one chunk at a
+/// time, and returns the hidden-state and head gradients of the loss `mix` combines.
+/// `loss(i, logits)` computes piece `i`'s terms from its logits `[shape.0, shape.1, V]`.
+pub fn run<F>(
+    model: &Decoder,
+    hidden: &Tensor,
+    pieces: &[Piece],
+    mix: Mix,
+    mut loss: F,
+) -> Result<HeadOut>
+where
+    F: FnMut(usize, &Tensor) -> Result<ChunkLoss>,
+{
+    let (b, t, h) = hidden.dims3()?;
+    let dev = hidden.device();
+    // Gradients are summed in f32 (f64 for f64 models) whatever the compute dtype.
+    let acc_dt = if hidden.dtype() == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    let flat = hidden.reshape((b * t, h))?;
+    let mut main = Acc::new(b * t, h, acc_dt, dev)?;
+    // Dynamic scaling: the KD term's gradient apart from the CE term's (in `main`).
+    let mut kd_acc = match mix {
+        Mix::Dynamic { .. } => Some(Acc::new(b * t, h, acc_dt, dev)?),
+        Mix::Linear { .. } => None,
+    };
+    let mut kd_m = KdMetrics::default();
+    let mut ce: Option<(f64, f64)> = None;
+    for (i, p) in pieces.iter().enumerate() {
+        if p.rows.is_empty() {
+            continue;
+        }
+        if p.rows.len() != p.shape.0 * p.shape.1 {
+            bail!(
+                "head chunk of {} rows laid out as {:?}",
+                p.rows.len(),
+                p.shape
+            );
+        }
+        let idx = Tensor::from_vec(p.rows.clone(), p.rows.len(), dev)?;
+        // [n, H] -> leaf [b', t', H] -> logits [b', t', V].
+        let rows = flat
+            .index_select(&idx, 0)?
+            .reshape((p.shape.0, p.shape.1, h))?;
+        let leaf = Var::from_tensor(&rows)?;
+        let logits = model.logits(leaf.as_tensor())?;
+        let c = loss(i, &logits)?;
+        drop(logits);
+        if let Some((_, m)) = &c.kd {
+            add_metrics(&mut kd_m, m);
+        }
+        if let Some((l, n)) = &c.ce {
+            let e = ce.get_or_insert((0.0, 0.0));
+            e.0 += value(l)?;
+            e.1 += n;
+        }
+        match mix {
+            Mix::Linear { kd, ce: w_ce } => {
+                let mut total: Option<Tensor> = None;
+                let mut add = |t: Tensor| -> Result<()> {
+                    total = Some(match total.take() {
+                        Some(s) => (s + t)?,
+                        None => t,
+                    });
+                    Ok(())
+                };
+                if let Some((l, _)) = &c.kd {
+                    add(l.affine(kd, 0.0)?)?;
+                }
+                if let Some((l, _)) = c.ce.as_ref().filter(|_| w_ce != 0.0) {
+                    add(l.affine(w_ce, 0.0)?)?;
+                }
+                if let Some(total) = total {
+                    main.absorb(&total, &leaf, &idx)?;
+                }
+            }
+            Mix::Dynamic { .. } => {
+                if let (Some((l, _)), Some(acc)) = (&c.kd, kd_acc.as_mut()) {
+                    acc.absorb(l, &leaf, &idx)?;
+                }
+                if let Some((l, _)) = &c.ce {
+                    main.absorb(l, &leaf, &idx)?;
+                }
+            }
+        }
+    }
+    // Combine: the dynamic factor from the totals, as `loss::combine` computes it.
+    let kd_scale = match (mix, kd_acc) {
+        (Mix::Linear { kd, .. }, _) | (Mix::Dynamic { kd_weight: kd }, None) => kd,
+        (Mix::Dynamic { kd_weight }, Some(k)) => {
+            if ce.is_none() {
+                bail!("invalid loss input `ce`: the config's `ce` term needs the CE loss");
+            }
+            let (kd_v, ce_v) = (kd_m.loss.abs(), ce.map_or(0.0, |c| c.0).abs());
+            let s = if kd_v > 1e-12 { ce_v / kd_v } else { 1.0 };
+            let f = kd_weight * s;
+            main.hidden = (main.hidden + k.hidden.affine(f, 0.0)?)?;
+            main.head.extend(scaled(k.head, f)?)?;
+            f
+        }
+    };
+    Ok(HeadOut {
+        grad_hidden: main.hidden.reshape((b, t, h))?,
+        head: main.head,
+        sums: HeadSums {
+            kd: finish_metrics(kd_m),
+            ce,
+            kd_scale,
+        },
+    })
+}
+
+/// `rows` cut into pieces of at most `per` rows, each laid out as `[1, n]`.
+pub fn row_pieces(rows: &[u32], per: usize) -> Vec<Piece> {
+    rows.chunks(per.max(1))
+        .map(|c| Piece {
+            rows: c.to_vec(),
+            shape: (1, c.len()),
+        })
+        .collect()
+}
+
+/// Runs the head over `pieces` of `hidden` `[B, T, H]` without gradients, one chunk at a time
+/// (validation): `each(i, logits)` sees piece `i`'s logits `[shape.0, shape.1, V]`.
+pub fn forward_only<F>(
+    model: &Decoder,
+    hidden: &Tensor,
+    pieces: &[Piece],
+    mut each: F,
+) -> Result<()>
+where
+    F: FnMut(usize, &Tensor) -> Result<()>,
+{
+    let (b, t, h) = hidden.dims3()?;
+    let flat = hidden.detach().reshape((b * t, h))?;
+    for (i, p) in pieces.iter().enumerate() {
+        if p.rows.is_empty() {
+            continue;
+        }
+        let idx = Tensor::from_vec(p.rows.clone(), p.rows.len(), hidden.device())?;
+        let rows = flat
+            .index_select(&idx, 0)?
+            .reshape((p.shape.0, p.shape.1, h))?;
+        each(i, &model.logits(&rows)?)?;
+    }
+    Ok(())
+}

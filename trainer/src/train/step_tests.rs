@@ -1,0 +1,325 @@
+//! The chunked micro-batch gradients ([`micro_grads`]) against the unchunked reference
+//! ([`micro_loss`] + `backward`, plain autograd): loss values and every parameter's gradient,
+//! for each same- and cross-tokenizer loss, with tiny forced head chunks (1 and 3 rows) and the
+//! budget, kept and checkpointed activations, tied and untied heads; f64 to 1e-9 and f32 to
+//! 1e-5 (relative).
+
+use super::*;
+use crate::align::{Chunk, ChunkKind, TokenizedPair};
+use crate::config::ActivationCheckpointing;
+use crate::loss::{Anchor, KdConfig};
+use crate::train::testutil::{answer, assert_rel, assert_same_grads, ids, tiny, V};
+use candle_core::DType;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+const K: usize = 5;
+
+fn cfg(kd: KdConfig, tail: Option<TailMode>, ce: CeConfig) -> LossConfig {
+    LossConfig {
+        kd,
+        tail,
+        temperature: 1.5,
+        kd_weight: 0.7,
+        ce,
+    }
+}
+
+/// Every way the head may be cut and the decoder may keep activations.
+fn head_opts() -> Vec<HeadOpts> {
+    let mut v = vec![];
+    for activations in [ActivationCheckpointing::Off, ActivationCheckpointing::On] {
+        for chunk_rows in [1, 3, 0] {
+            v.push(HeadOpts {
+                activations,
+                chunk_rows,
+            });
+        }
+    }
+    v
+}
+
+/// Compares [`micro_grads`] with the reference for `items` under every head option.
+fn check(pairing: Pairing, loss: &LossConfig, items: &[Item], scores: &[SequenceScores], k: usize) {
+    let refs: Vec<&SequenceScores> = scores.iter().collect();
+    let norm = {
+        let mut u = units(items);
+        // A step bigger than this micro-batch (the losses are normalised by the step's units).
+        u.kd *= 1.5;
+        u.ce *= 2.0;
+        u
+    };
+    for (dtype, tol) in [(DType::F64, 1e-9), (DType::F32, 1e-5)] {
+        for tied in [false, true] {
+            let (model, vm) = tiny(tied, dtype, 5);
+            let mut ctx = LossCtx {
+                model: &model,
+                k,
+                loss,
+                pairing,
+                device: &Device::Cpu,
+                micro_batch: items.len(),
+                head: HeadOpts::default(),
+            };
+            let (l, want) = micro_loss(&ctx, items, &refs, norm).unwrap();
+            let want_grads = l.backward().unwrap();
+            for opts in head_opts() {
+                ctx.head = opts;
+                let case = format!("{:?} {dtype:?} tied {tied} {opts:?}", loss.kd);
+                let (grads, got) = micro_grads(&ctx, items, &refs, norm).unwrap();
+                assert_rel(got.kd.loss, want.kd.loss, tol, &format!("{case}: kd"));
+                assert_eq!(got.kd.count, want.kd.count, "{case}: kd count");
+                for (a, b) in [
+                    (got.kd.teacher_topk_mass, want.kd.teacher_topk_mass),
+                    (got.kd.student_topk_mass, want.kd.student_topk_mass),
+                ] {
+                    assert_eq!(a.is_some(), b.is_some(), "{case}: masses");
+                    if let (Some(a), Some(b)) = (a, b) {
+                        assert_rel(a, b, tol, &format!("{case}: mass"));
+                    }
+                }
+                assert_eq!(got.ce.is_some(), want.ce.is_some(), "{case}: ce");
+                if let (Some(a), Some(b)) = (got.ce, want.ce) {
+                    assert_rel(a, b, tol, &format!("{case}: ce"));
+                }
+                assert_rel(got.kd_scale, want.kd_scale, tol, &format!("{case}: scale"));
+                assert_eq!(got.units, want.units);
+                assert_same_grads(&vm, &grads, &want_grads, tol, &case);
+            }
+        }
+    }
+}
+
+/// Three same-tokenizer sequences of different lengths (padding, prompts not trained).
+fn same_batch(seed: u64) -> (Vec<Item>, Vec<SequenceScores>) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut items = vec![];
+    let mut scores = vec![];
+    for (len, loss_from) in [(9, 1), (6, 3), (11, 4)] {
+        items.push(Item::Same(Encoded {
+            ids: ids(&mut rng, len),
+            loss_from,
+        }));
+        scores.push(answer(&mut rng, len - 1, K, V));
+    }
+    (items, scores)
+}
+
+#[test]
+fn same_tokenizer_chunks_equal_the_whole_loss() {
+    let (items, scores) = same_batch(1);
+    let losses = [
+        cfg(
+            KdConfig::ForwardKl {},
+            Some(TailMode::Bucket),
+            CeConfig::Weight { weight: 0.3 },
+        ),
+        cfg(KdConfig::ReverseKl {}, None, CeConfig::Dynamic {}),
+        cfg(KdConfig::Jsd { beta: 0.3 }, Some(TailMode::Renormalize), {
+            CeConfig::None {}
+        }),
+        cfg(
+            KdConfig::ForwardKl {},
+            Some(TailMode::Ignore),
+            CeConfig::Dynamic {},
+        ),
+    ];
+    for loss in &losses {
+        check(Pairing::Same, loss, &items, &scores, K);
+    }
+}
+
+/// Teacher vocabulary of the cross-tokenizer fixtures.
+const VT: usize = 30;
+
+/// A projection from the student's [`V`] ids to [`VT`] teacher ids: every third student id maps
+/// exactly (one-hot, weight 1), the others to two teacher ids; each teacher id's first student
+/// token is known for most ids.
+fn projection(rng: &mut ChaCha8Rng) -> Projection {
+    let (mut indptr, mut indices, mut weights) = (vec![0usize], vec![], vec![]);
+    for s in 0..V {
+        let a = (s * 7 % VT) as u32;
+        if s % 3 == 0 {
+            indices.push(a);
+            weights.push(1.0);
+        } else {
+            let b = ((s * 7 + 1 + s % 5) % VT) as u32;
+            let w = rng.random_range(0.2..0.8f32);
+            indices.extend([a, b]);
+            weights.extend([w, 1.0 - w]);
+        }
+        indptr.push(indices.len());
+    }
+    let first: Vec<Option<u32>> = (0..VT)
+        .map(|u| (u % 4 != 3).then(|| ((u * 3) % V) as u32))
+        .collect();
+    Projection::from_csr(V, VT, &indptr, &indices, &weights)
+        .unwrap()
+        .with_teacher_first(first)
+        .unwrap()
+}
+
+/// An aligned pair whose chunks have these (student, teacher) token counts; the text is a byte
+/// per chunk. `loss_start` bytes are context.
+fn pair(rng: &mut ChaCha8Rng, sizes: &[(usize, usize)], loss_start: usize) -> Item {
+    let (mut s, mut t) = (0, 0);
+    let mut chunks = vec![];
+    for (i, &(a, b)) in sizes.iter().enumerate() {
+        chunks.push(Chunk {
+            student: s..s + a,
+            teacher: t..t + b,
+            bytes: i..i + 1,
+            kind: ChunkKind::Text,
+        });
+        s += a;
+        t += b;
+    }
+    let teacher_ids = (0..t).map(|_| rng.random_range(0..VT as u32)).collect();
+    Item::Cross {
+        pair: TokenizedPair {
+            text: "x".repeat(sizes.len()),
+            student_ids: ids(rng, s),
+            teacher_ids,
+            chunks,
+            truncated: false,
+        },
+        loss_start,
+    }
+}
+
+/// Three aligned pairs of different lengths, with one-to-one, many-to-one, one-to-many and long
+/// chunks, and a prompt on one of them.
+fn cross_batch(seed: u64) -> (Vec<Item>, Vec<SequenceScores>, Projection) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let proj = projection(&mut rng);
+    let shapes: [(&[(usize, usize)], usize); 3] = [
+        (&[(1, 1), (2, 1), (1, 2), (1, 1), (4, 2), (1, 1), (2, 3)], 0),
+        (&[(1, 1), (1, 1), (3, 1), (1, 1), (1, 2)], 2),
+        (
+            &[
+                (1, 1),
+                (1, 1),
+                (1, 1),
+                (2, 2),
+                (1, 1),
+                (5, 3),
+                (1, 1),
+                (1, 1),
+            ],
+            0,
+        ),
+    ];
+    let mut items = vec![];
+    let mut scores = vec![];
+    for (sizes, start) in shapes {
+        let it = pair(&mut rng, sizes, start);
+        let tt = it.teacher_ids().len();
+        scores.push(answer(&mut rng, tt - 1, K, VT));
+        items.push(it);
+    }
+    (items, scores, proj)
+}
+
+#[test]
+fn cross_tokenizer_chunks_equal_the_whole_loss() {
+    let (items, scores, proj) = cross_batch(2);
+    let losses = [
+        cfg(
+            KdConfig::Pkl {
+                anchor: Anchor::First,
+            },
+            None,
+            CeConfig::Weight { weight: 0.2 },
+        ),
+        cfg(
+            KdConfig::Pkl {
+                anchor: Anchor::Last,
+            },
+            Some(TailMode::Bucket),
+            CeConfig::Dynamic {},
+        ),
+        cfg(KdConfig::FirstKl {}, None, CeConfig::None {}),
+        cfg(
+            KdConfig::Gold {
+                matched_weight: 1.0,
+                unmatched_weight: 0.5,
+            },
+            None,
+            CeConfig::Weight { weight: 0.1 },
+        ),
+        cfg(KdConfig::Alm { tau: 3.0 }, None, CeConfig::Dynamic {}),
+        cfg(KdConfig::SampledKl {}, None, CeConfig::None {}),
+    ];
+    for loss in &losses {
+        check(Pairing::Cross(&proj), loss, &items, &scores, K);
+    }
+    check(Pairing::Mixture(&proj), &losses[2], &items, &scores, K);
+}
+
+/// Pieces cut inside a row never split an alignment chunk and cover every wanted position.
+#[test]
+fn cross_pieces_cut_between_chunks() {
+    let (items, scores, _) = cross_batch(3);
+    let refs: Vec<&SequenceScores> = scores.iter().collect();
+    let (xb, _) = xtoken_batch(&items, &refs, K).unwrap();
+    let wanted = vec![true; xb.batch * xb.student_len];
+    for per in [1, 2, 3, 5, 100] {
+        let plan = super::super::xpieces::plan(&xb, per, &wanted);
+        let mut seen = vec![0; xb.batch * xb.student_len];
+        for p in &plan {
+            for r in p.rows(xb.student_len) {
+                seen[r as usize] += 1;
+            }
+            for seg in &p.segments {
+                for c in seg.chunks.clone() {
+                    let ts = xb.student_len;
+                    let row = &xb.student_chunk[seg.row * ts..(seg.row + 1) * ts];
+                    for (q, &x) in row.iter().enumerate() {
+                        if x == c {
+                            assert!(seg.student.contains(&q), "chunk {c} cut at {per}");
+                        }
+                    }
+                }
+            }
+        }
+        assert!(seen.iter().all(|&n| n == 1), "{per}: {seen:?}");
+    }
+}
+
+/// Validation in forward-only head chunks equals the whole-batch figures.
+#[test]
+fn chunked_validation_equals_the_whole_batch() {
+    let (items, scores) = same_batch(5);
+    let (xitems, xscores, proj) = cross_batch(6);
+    let loss = cfg(KdConfig::ForwardKl {}, None, CeConfig::None {});
+    for (dtype, tol) in [(DType::F64, 1e-9), (DType::F32, 1e-5)] {
+        let (model, _) = tiny(false, dtype, 7);
+        let cases: [(Pairing, &[Item], &[SequenceScores]); 3] = [
+            (Pairing::Same, &items, &scores),
+            (Pairing::Cross(&proj), &xitems, &xscores),
+            (Pairing::Mixture(&proj), &xitems, &xscores),
+        ];
+        for (pairing, items, scores) in cases {
+            let refs: Vec<&SequenceScores> = scores.iter().collect();
+            let mut ctx = LossCtx {
+                model: &model,
+                k: K,
+                loss: &loss,
+                pairing,
+                device: &Device::Cpu,
+                micro_batch: items.len(),
+                head: HeadOpts::default(),
+            };
+            let want = validation_sums_whole(&ctx, items, &refs).unwrap();
+            for chunk_rows in [1, 3, 0] {
+                ctx.head.chunk_rows = chunk_rows;
+                let got = validation_sums(&ctx, items, &refs).unwrap();
+                let case = format!("{dtype:?} rows {chunk_rows}");
+                assert_rel(got.kl, want.kl, tol, &format!("{case}: kl"));
+                assert_rel(got.ce, want.ce, tol, &format!("{case}: ce"));
+                assert_eq!(got.kl_units, want.kl_units, "{case}");
+                assert_eq!(got.ce_tokens, want.ce_tokens, "{case}");
+            }
+        }
+    }
+}
