@@ -153,6 +153,7 @@ progress_bar = false
         output: None,
         max_steps: None,
         resume: false,
+        start_fresh: false,
         set: vec![],
     };
     Config::load(&args).expect("config")

@@ -56,8 +56,8 @@ pub enum CheckpointError {
     /// would silently lose that run (a restart loop would repeat it forever).
     #[error(
         "{dir}: --resume found no valid checkpoint, but a previous run left {}; refusing to start \
-         over silently: remove them, or start from step 0 on purpose with \
-         --set checkpointing.start_fresh=true",
+         over silently: remove them, or start from step 0 on purpose with --start-fresh \
+         (checkpointing.start_fresh = true)",
         list_paths(.leftovers)
     )]
     NothingToResume {

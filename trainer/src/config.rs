@@ -491,7 +491,7 @@ pub struct CheckpointingConfig {
     /// With `--resume`, start over from step 0 on purpose when nothing valid is left to resume
     /// from although a previous run left traces (`step_N.corrupt/`, a non-empty
     /// `metrics.jsonl`); without it such a resume is an error. The old `metrics.jsonl` is set
-    /// aside, never appended to (`--set checkpointing.start_fresh=true`).
+    /// aside, never appended to (`--start-fresh`, or `--set checkpointing.start_fresh=true`).
     pub start_fresh: bool,
 }
 
@@ -552,6 +552,11 @@ pub struct OffPolicyArgs {
     /// Continue from the newest checkpoint in the output directory.
     #[arg(long)]
     pub resume: bool,
+    /// With `--resume`: start from step 0 on purpose when the output directory holds only a
+    /// previous run's traces (corrupt checkpoints, old metrics) and nothing valid to resume
+    /// (`checkpointing.start_fresh`).
+    #[arg(long, requires = "resume")]
+    pub start_fresh: bool,
     /// Set any key: `--set policy.optimizer.lr=3e-5` (value in TOML syntax; bare words are
     /// strings). Applied after the file, before the other flags.
     #[arg(long = "set", value_name = "KEY=VALUE")]
@@ -655,6 +660,9 @@ impl Config {
         }
         if let Some(n) = a.max_steps {
             self.distillation.max_num_steps = n;
+        }
+        if a.start_fresh {
+            self.checkpointing.start_fresh = true;
         }
         Ok(())
     }
@@ -1284,6 +1292,7 @@ mod tests {
             output: Some("out".into()),
             max_steps: Some(7),
             resume: true,
+            start_fresh: false,
             set: vec![
                 "policy.optimizer.lr=3e-5".into(),
                 "loss.kd.type=forward_kl".into(),

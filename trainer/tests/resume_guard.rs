@@ -122,20 +122,17 @@ fn resume_with_nothing_valid_never_restarts_silently() {
     for name in aside.iter().map(String::as_str).chain(["metrics.jsonl"]) {
         assert!(err.contains(name), "{name} not named: {err}");
     }
-    assert!(err.contains("checkpointing.start_fresh=true"), "{err}");
+    assert!(err.contains("--start-fresh"), "{err}");
     assert!(!err.contains("starting fresh"), "{err}");
     assert_eq!(std::fs::read(&metrics).unwrap(), before);
     assert!(steps.iter().all(|s| !out.join(s).exists()));
 
-    // 4. Starting over on purpose: trains from step 0; the old lines are set aside.
-    let o = trainer(&[
-        "sft",
-        "--config",
-        cfg,
-        "--resume",
-        "--set",
-        "checkpointing.start_fresh=true",
-    ]);
+    // 4. Starting over on purpose: trains from step 0; the old lines are set aside. The flag
+    //    only makes sense with --resume.
+    let o = trainer(&["sft", "--config", cfg, "--start-fresh"]);
+    assert_eq!(o.status.code(), Some(2), "{}", stderr(&o));
+    assert!(stderr(&o).contains("--resume"), "{}", stderr(&o));
+    let o = trainer(&["sft", "--config", cfg, "--resume", "--start-fresh"]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(train_steps(&metrics), [1, 2, 3, 4]);
     assert_eq!(

@@ -55,6 +55,10 @@ pub struct SftArgs {
     /// Continue from the newest checkpoint in the output directory.
     #[arg(long)]
     pub resume: bool,
+    /// With `--resume`: start from step 0 on purpose when only a previous run's traces are left
+    /// (`checkpointing.start_fresh`).
+    #[arg(long, requires = "resume")]
+    pub start_fresh: bool,
     /// Set any key: `--set policy.optimizer.lr=3e-3` (TOML value syntax).
     #[arg(long = "set", value_name = "KEY=VALUE")]
     pub set: Vec<String>,
@@ -82,6 +86,7 @@ impl SftArgs {
             output: self.output.clone(),
             max_steps: self.max_steps,
             resume: self.resume,
+            start_fresh: self.start_fresh,
             set: self.set.clone(),
         }
     }
