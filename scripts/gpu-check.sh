@@ -114,6 +114,24 @@ for shape in "4 512" "8 1024"; do
   check env PYTHONUNBUFFERED=1 "$py" bench/torch_step.py "$model" "$work/batch.safetensors" 10 16 cuda bf16
 done
 
+step "5. a real-size student: Qwen3-1.7B's shape at 4096 tokens, checkpointed, vs PyTorch careful"
+# hidden 2048, 28 layers, 16 heads, 8 KV heads, head dim 128, intermediate 6144, tied: 1.72 B.
+big="$work/qwen3-1.7b-random"
+check "$work/trainer" init-model --arch qwen3 --tokenizer "$work/tokenizers/qwen3/tokenizer.json" \
+  --hidden-size 2048 --layers 28 --heads 16 --kv-heads 8 --head-dim 128 --intermediate-size 6144 \
+  --tie-embeddings --max-position-embeddings 40960 --out "$big"
+# Peak device memory: nvidia-smi sampled every 100 ms while each step runs.
+peak_mib() { sort -n "$1" | tail -n 1; }
+for shape in "1 4096" "4 4096"; do
+  set -- $shape
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$work/mem.log" &
+  smi=$!
+  check "$work/trainer" bench-step --model "$big" --device cuda --dtype bf16 --batch "$1" \
+    --seq-len "$2" --k 64 --steps 3 --activation-checkpointing on --write-batch "$work/big.safetensors"
+  kill $smi; echo "ours $1 x $2: peak device memory $(peak_mib "$work/mem.log") MiB (nvidia-smi)"
+  check env PYTHONUNBUFFERED=1 "$py" bench/torch_step.py "$big" "$work/big.safetensors" 3 16 cuda bf16 careful
+done
+
 step "done"
 [ $fail = 0 ] && echo "ALL CHECKS PASSED" || echo "SOME CHECKS FAILED"
 rm -rf "$work"
