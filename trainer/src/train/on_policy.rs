@@ -15,13 +15,12 @@
 use super::distill::{answer_k, teacher_parts, GroupLoss, Setup, Summary, TeacherFigures};
 use super::head;
 use super::off_policy::distill_filter;
+use super::pairing::cross::trained_teacher_rows;
 use super::prepare::{prepare, Group, Item};
 use super::runner::{
     self, Batches, Objective, RecordFilter, RunOptions, StepCtx, StepReport, ValReport,
 };
-use super::step::{
-    accumulate, trained_teacher_rows, units, validation_sums, LossCtx, Pairing, Units, ValSums,
-};
+use super::step::{accumulate, units, validation_sums, LossCtx, Units, ValSums};
 use super::teachers::{in_parallel, Source};
 use crate::collate::Encoded;
 use crate::config::OffPolicyArgs;
@@ -115,7 +114,7 @@ impl<'a> OnPolicy<'a> {
                 loss,
             );
             let (sum, tokens, sequences) = match &g.samples {
-                Scored::Same(samples) => {
+                Scored::Same { samples, .. } => {
                     stats.add_same(samples, scores);
                     let tokens = samples.iter().map(|x| x.ids.len()).sum::<usize>();
                     let sum = if s.loss.kd.is_sampled() {
@@ -131,9 +130,10 @@ impl<'a> OnPolicy<'a> {
                     };
                     (sum, tokens, samples.len())
                 }
-                Scored::Cross(items, used) => {
+                Scored::Cross { group, used } => {
+                    let items = &group.items;
                     // A chunk-level ensemble has no per-token teacher log-probs to compare.
-                    if !matches!(lc.pairing, Pairing::Mixture(_)) {
+                    if lc.pairing.scores_tokens() {
                         stats.add_student_lps(used.iter().map(|&i| &gens[i]));
                         stats.add_teacher_scores(items, &refs);
                     }
@@ -313,10 +313,10 @@ impl SampleStats {
     /// completion unless `include_prompt`), per teacher token.
     fn add_teacher_scores(&mut self, items: &[Item], scores: &[&SequenceScores]) {
         for (it, sc) in items.iter().zip(scores) {
-            let Item::Cross { pair, loss_start } = it else {
+            let Some((pair, loss_start)) = it.aligned() else {
                 continue;
             };
-            for p in trained_teacher_rows(pair, *loss_start) {
+            for p in trained_teacher_rows(pair, loss_start) {
                 self.teacher_lp += sc.target_logprobs[p] as f64;
                 self.tokens += 1.0;
             }
@@ -390,13 +390,16 @@ struct ScoredGroup {
     dropped: u64,
 }
 
-/// What a source's teacher was asked to score.
+/// What a source's teacher is asked to score, by its pairing.
 enum Scored {
-    /// Same tokenizer: the student's own ids.
-    Same(Vec<Sample>),
-    /// Different tokenizers: prompt + completion text aligned for both sides, and the
-    /// generations they came from.
-    Cross(Vec<Item>, Vec<usize>),
+    /// Same tokenizer: the student's own ids, asked with `starts` at their completions.
+    Same {
+        samples: Vec<Sample>,
+        req: TopkRequest,
+    },
+    /// Different tokenizers (a teacher of another tokenizer, a chunk-level ensemble):
+    /// prompt + completion text aligned for both sides, and the generations they came from.
+    Cross { group: Group, used: Vec<usize> },
 }
 
 impl ScoredGroup {
@@ -404,33 +407,17 @@ impl ScoredGroup {
     /// losses' tokens or chunks.
     fn units(&self, s: &Setup) -> Units {
         match &self.samples {
-            Scored::Same(samples) if s.loss.kd.is_sampled() => Units {
+            Scored::Same { samples, .. } if s.loss.kd.is_sampled() => Units {
                 kd: samples
                     .iter()
                     .map(|x| (x.ids.len() - x.completion_from) as f64)
                     .sum(),
                 ce: 0.0,
             },
-            Scored::Same(samples) => units(&same_items(s, samples)),
-            Scored::Cross(items, _) => units(items),
+            Scored::Same { samples, .. } => units(&same_items(s, samples)),
+            Scored::Cross { group, .. } => units(&group.items),
         }
     }
-}
-
-/// A source's samples and how they are scored: same-tokenizer samples with `starts` at their
-/// completions, or aligned records (a teacher of another tokenizer, a chunk-level ensemble)
-/// with the generations they came from.
-enum Job {
-    Same {
-        source: Source,
-        req: TopkRequest,
-        samples: Vec<Sample>,
-    },
-    Aligned {
-        group: Group,
-        used: Vec<usize>,
-        dropped: u64,
-    },
 }
 
 /// Groups the generations by their prompt's source and scores every group at once.
@@ -449,11 +436,7 @@ fn score_samples(s: &Setup, records: &[Record], gens: &[Generation]) -> Result<V
         if t.is_cross(source) {
             let (group, used) = cross_group(s, source, records, gens, &idx);
             let dropped = (idx.len() - used.len()) as u64;
-            jobs.push(Job::Aligned {
-                group,
-                used,
-                dropped,
-            });
+            jobs.push((source, Scored::Cross { group, used }, dropped));
         } else {
             let samples = same_samples(idx.iter().map(|&i| &gens[i]));
             let include_prompt = s.cfg.on_policy.include_prompt;
@@ -469,47 +452,31 @@ fn score_samples(s: &Setup, records: &[Record], gens: &[Generation]) -> Result<V
                 .collect();
             let seqs = samples.iter().map(|x| x.ids.clone()).collect();
             let req = t.request(source, seqs, Some(starts));
-            jobs.push(Job::Same {
-                source,
-                req,
-                samples,
-            });
+            jobs.push((source, Scored::Same { samples, req }, 0));
         }
     }
     // Every source at once: the step waits for the slowest teacher, not the sum.
-    let answers = in_parallel(&jobs, |job| match job {
-        Job::Same { source, req, .. } => t.score(*source, req),
-        Job::Aligned { group, .. } => t.score_group(group),
+    let answers = in_parallel(&jobs, |(source, job, _)| match job {
+        Scored::Same { req, .. } => t.score(*source, req),
+        Scored::Cross { group, .. } => t.score_group(group),
     })?;
     Ok(jobs
         .into_iter()
         .zip(answers)
-        .map(|(job, scores)| match job {
-            // Lay the rows out as a `start = 0` answer so the shared step code can be used.
-            Job::Same {
-                source,
-                req,
-                samples,
-            } => ScoredGroup {
-                source,
-                samples: Scored::Same(samples),
-                scores: scores
-                    .into_iter()
-                    .enumerate()
+        .map(|((source, samples, dropped), scores)| {
+            let scores = match &samples {
+                // Lay the rows out as a `start = 0` answer so the shared step code can be used.
+                Scored::Same { req, .. } => (scores.into_iter().enumerate())
                     .map(|(i, sc)| pad_front(sc, req.start_of(i)))
                     .collect(),
-                dropped: 0,
-            },
-            Job::Aligned {
-                group,
-                used,
-                dropped,
-            } => ScoredGroup {
-                source: group.source,
-                samples: Scored::Cross(group.items, used),
+                Scored::Cross { .. } => scores,
+            };
+            ScoredGroup {
+                source,
+                samples,
                 scores,
                 dropped,
-            },
+            }
         })
         .collect())
 }
@@ -700,17 +667,18 @@ fn validation_pass(
     for g in &scored {
         let refs: Vec<&SequenceScores> = g.scores.iter().collect();
         match &g.samples {
-            Scored::Same(samples) => {
+            Scored::Same { samples, .. } => {
                 any_same = true;
                 st.add_same(samples, &g.scores);
             }
-            Scored::Cross(items, used) => {
+            Scored::Cross { group, used } => {
+                let items = &group.items;
                 let k = answer_k(s, g.source, &g.scores);
                 let lc = s.loss_ctx(g.source, k, student.model(), s.loss_of(g.source));
                 if items.is_empty() {
                     continue;
                 }
-                if !matches!(lc.pairing, Pairing::Mixture(_)) {
+                if lc.pairing.scores_tokens() {
                     st.add_student_lps(used.iter().map(|&i| &gens[i]));
                     st.add_teacher_scores(items, &refs);
                 }
@@ -776,6 +744,7 @@ mod tests {
     use crate::config::ActivationCheckpointing;
     use crate::loss::CeConfig;
     use crate::train::head::HeadOpts;
+    use crate::train::pairing::Pairing;
     use crate::train::testutil::{answer, assert_rel, assert_same_grads, ids, tiny, V};
     use candle_core::{DType, Device};
 
