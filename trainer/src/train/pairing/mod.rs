@@ -1,6 +1,7 @@
 //! How a source's answers lie against the student's tokens, in one place: the same tokenizer
 //! ([`same`]), another tokenizer through aligned chunks and a projection ([`cross`]), or a
-//! chunk-level ensemble's virtual teacher ([`mixture`]). The [`Pairing`] is decided once per
+//! chunk-level ensemble's virtual teacher ([`mixture`]); on-policy samples of the same
+//! tokenizer train with the sampled-token loss ([`sampled`]). The [`Pairing`] is decided once per
 //! source when the run connects to its teachers; each pairing owns turning a record into its
 //! training [`Item`], collating a micro-batch (student ids, teacher rows laid against them, the
 //! chunk layout) and its loss and validation figures ([`Collation`]). The training loop
@@ -9,6 +10,7 @@
 pub mod cross;
 pub mod mixture;
 pub mod same;
+pub mod sampled;
 
 use super::head::HeadSums;
 use super::step::{LossCtx, MicroOut, Units, ValSums};
