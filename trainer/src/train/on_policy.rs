@@ -16,11 +16,12 @@ use super::distill::{answer_k, teacher_parts, GroupLoss, Setup, Summary, Teacher
 use super::off_policy::distill_filter;
 use super::pairing::cross::trained_teacher_rows;
 use super::pairing::sampled::{sampled_grads, Sample};
-use super::prepare::{prepare, Group, Item};
+use super::pairing::{units, Item};
+use super::prepare::{prepare, Group};
 use super::runner::{
     self, Batches, Objective, RecordFilter, RunOptions, StepCtx, StepReport, ValReport,
 };
-use super::step::{accumulate, units, validation_sums, Units, ValSums};
+use super::step::{accumulate, validation_sums, Units, ValSums};
 use super::teachers::{in_parallel, Source};
 use crate::collate::Encoded;
 use crate::config::OffPolicyArgs;

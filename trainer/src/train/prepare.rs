@@ -2,7 +2,7 @@
 //!
 //! Runs on the prefetch thread, so tokenization and alignment overlap the training step.
 
-pub use super::pairing::{Item, Tokenization};
+use super::pairing::{Item, Tokenization};
 use super::teachers::{Source, Teachers};
 use crate::data::{Batch, Record};
 

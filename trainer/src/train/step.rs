@@ -5,7 +5,7 @@
 //! against.
 
 use super::head::HeadOpts;
-pub use super::pairing::{units, Item, Pairing};
+use super::pairing::{units, Item, Pairing};
 use crate::loss::{KdMetrics, LossConfig};
 use anyhow::{bail, Result};
 use candle_core::backprop::GradStore;

@@ -7,7 +7,8 @@
 use super::ensemble;
 use super::pairing::mixture::{identity_projection, item_starts, virtual_item};
 use super::pairing::Pairing;
-use super::prepare::{prepare_record, too_long, Group, Item, Limits, Tokenization};
+use super::pairing::{Item, Tokenization};
+use super::prepare::{prepare_record, too_long, Group, Limits};
 use crate::align::projection::{Csr, ProjectionMaps};
 use crate::align::AlignTokenizer;
 use crate::client::{BlockingClient, TeacherClient, TeacherTokenizer};
