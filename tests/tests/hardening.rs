@@ -298,7 +298,8 @@ fn sft_with_every_record_too_long_is_an_error() {
 fn truncation_cuts_both_tokenizations_at_one_chunk_boundary() {
     use xdistill_trainer::align::AlignTokenizer;
     use xdistill_trainer::data::{Content, Record};
-    use xdistill_trainer::train::prepare::{prepare_record, too_long, Item, Limits, Tokenization};
+    use xdistill_trainer::train::pairing::{Item, Tokenization};
+    use xdistill_trainer::train::prepare::{prepare_record, too_long, Limits};
     let tok = Tokenization::Cross {
         student: AlignTokenizer::from_file(&xdistill_shared::paths::tokenizer_json("llama3"))
             .unwrap(),

@@ -455,8 +455,9 @@ fn records(n: usize) -> Vec<xdistill_trainer::data::Record> {
 #[test]
 fn chunk_level_ensemble_across_tokenizers() {
     use xdistill_trainer::data::Batch;
-    use xdistill_trainer::train::prepare::{prepare, Item};
-    use xdistill_trainer::train::step::{micro_loss, units, Pairing};
+    use xdistill_trainer::train::pairing::{units, Item, Pairing};
+    use xdistill_trainer::train::prepare::prepare;
+    use xdistill_trainer::train::step::micro_loss;
     let d = tempfile::tempdir().unwrap();
     let dir = d.path();
     let student = model(dir, "student", "qwen3", "llama2", 32, 2, 0.02, 2);

@@ -4,9 +4,7 @@
 mod align_common;
 
 use align_common::{check_pair, get, pairs, tokenizers};
-use xdistill_trainer::align::{
-    align, tokenize_pair, AlignmentBatch, ChunkKind, PairOptions, TokenizerKind,
-};
+use xdistill_trainer::align::{align, tokenize_pair, ChunkKind, PairOptions, TokenizerKind};
 
 /// One text per quirk the alignment must be exact on.
 const TEXTS: &[&str] = &[
@@ -158,44 +156,5 @@ fn truncation_cuts_both_sides_at_the_same_text_offset() {
             assert!(full.text.starts_with(&p.text), "{ctx}");
             check_pair(&p, s, t, &ctx);
         }
-    }
-}
-
-#[test]
-fn padded_batch_matches_the_chunks() {
-    let (s, t) = (get("qwen3"), get("llama2"));
-    let rows: Vec<_> = TEXTS[..6]
-        .iter()
-        .map(|x| {
-            let p = tokenize_pair(x, s, t, PairOptions::default()).unwrap();
-            (p.chunks, p.student_ids.len(), p.teacher_ids.len())
-        })
-        .collect();
-    let ts = rows.iter().map(|r| r.1).max().unwrap() + 3;
-    let tt = rows.iter().map(|r| r.2).max().unwrap() + 5;
-    let b = AlignmentBatch::new(&rows, ts, tt).unwrap();
-    for (r, (chunks, sl, tl)) in rows.iter().enumerate() {
-        assert_eq!(b.num_chunks[r] as usize, chunks.len());
-        // Pad positions belong to no chunk.
-        assert!(b.student_chunk_id[r * ts + sl..(r + 1) * ts]
-            .iter()
-            .all(|&c| c == -1));
-        assert!(b.teacher_chunk_id[r * tt + tl..(r + 1) * tt]
-            .iter()
-            .all(|&c| c == -1));
-        for (k, c) in chunks.iter().enumerate() {
-            for i in c.student.clone() {
-                assert_eq!(b.student_chunk_id[r * ts + i], k as i32);
-            }
-            for i in c.teacher.clone() {
-                assert_eq!(b.teacher_chunk_id[r * tt + i], k as i32);
-            }
-            let kk = r * b.max_chunks + k;
-            assert_eq!(b.chunk_byte_start[kk] as usize, c.bytes.start);
-            assert_eq!(b.chunk_byte_end[kk] as usize, c.bytes.end);
-            assert!(b.chunk_valid[kk]);
-        }
-        // Llama 2's BOS (student side here is Qwen3, teacher Llama 2) is masked.
-        assert_eq!(b.teacher_chunk_id[r * tt], -1);
     }
 }

@@ -4,20 +4,17 @@
 //! - [`token_bytes`]: every vocabulary id → its bytes (built once per tokenizer).
 //! - [`chunks`]: the linear walk over cumulative byte lengths ([`align`]).
 //! - [`pair`]: tokenize one text for both sides, truncating both at a common chunk boundary.
-//! - [`batch`]: dense padded `[B, T]` tensors for the loss, and their shifted view.
 //! - [`projection`]: the sparse vocabulary maps between two tokenizers ([`ProjectionMaps`]),
 //!   built from the token bytes, saved and cached; the cross-tokenizer losses read them as a
 //!   [`crate::loss::Projection`].
 //! - [`cli`]: `trainer align` and `trainer build-projection`.
 
-pub mod batch;
 pub mod chunks;
 pub mod cli;
 pub mod pair;
 pub mod projection;
 pub mod token_bytes;
 
-pub use batch::{AlignmentBatch, ShiftedAlignment};
 pub use chunks::{align, align_known, textual_specials, Chunk, ChunkKind};
 pub use pair::{
     align_text, canonical_text, tokenize_pair, AlignTokenizer, PairOptions, TokenizedPair,

@@ -2,7 +2,8 @@
 //! its tokenizer relation, decided once), the loss of a step's groups of records (one per
 //! teacher, or the ensemble), held-out KL to the teachers, and the run summary.
 
-use super::prepare::{prepare, Item};
+use super::pairing::{units, Item};
+use super::prepare::prepare;
 use super::step::{validation_sums, LossCtx, StepSums, Units, ValSums};
 use super::teachers::{Source, Teachers};
 use crate::config::Config;
@@ -124,7 +125,7 @@ impl GroupLoss<'_> {
         let s = self.s;
         let mut norm = Units::default();
         for (_, items, _) in groups {
-            norm += super::step::units(items);
+            norm += units(items);
         }
         let mut total = StepSums {
             kd_scale: 1.0,
@@ -138,7 +139,7 @@ impl GroupLoss<'_> {
             let loss = self.loss_of(source);
             let lc = s.loss_ctx(source, answer_k(s, source, scores), model, loss);
             let sums = super::step::accumulate(&lc, acc, items, &refs, norm)?;
-            let u = super::step::units(items);
+            let u = units(items);
             let tokens: usize = items.iter().map(|i| i.teacher_ids().len()).sum();
             let f = TeacherFigures {
                 kd: sums.kd_sum / u.kd.max(1.0),

@@ -3,14 +3,17 @@
 //! [`runner::run`] is the one loop (session, validation cadence, metrics, checkpoints, final
 //! save); [`off_policy`], [`on_policy`] and [`sft`] implement [`runner::Objective`]. Data flows
 //! one way: dataset → [`prepare`] (tokenize, align, teacher request) → teacher client
-//! (prefetched) → [`step`] (loss on the student, its LM head in chunks: [`head`]) → [`runner::Runner`] (clip, schedule, AdamW,
-//! checkpoint).
+//! (prefetched) → [`step`] (loss on the student, its LM head in chunks: [`head`]) →
+//! [`runner::Runner`] (clip, schedule, AdamW, checkpoint). Same vs cross-tokenizer vs
+//! chunk-mixture pairing is decided once per source and lives in [`pairing`], which owns each
+//! pairing's items, collation, losses and validation figures.
 
 pub mod distill;
 pub mod ensemble;
 pub mod head;
 pub mod off_policy;
 pub mod on_policy;
+pub mod pairing;
 pub mod prepare;
 pub mod runner;
 pub mod sft;

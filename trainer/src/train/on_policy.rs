@@ -13,25 +13,23 @@
 //!   data's own prompt + completion, so one run can mix both (TRL GKD's λ).
 
 use super::distill::{answer_k, teacher_parts, GroupLoss, Setup, Summary, TeacherFigures};
-use super::head;
 use super::off_policy::distill_filter;
-use super::prepare::{prepare, Group, Item};
+use super::pairing::cross::trained_teacher_rows;
+use super::pairing::sampled::{sampled_grads, Sample};
+use super::pairing::{units, Item};
+use super::prepare::{prepare, Group};
 use super::runner::{
     self, Batches, Objective, RecordFilter, RunOptions, StepCtx, StepReport, ValReport,
 };
-use super::step::{
-    accumulate, trained_teacher_rows, units, validation_sums, LossCtx, Pairing, Units, ValSums,
-};
+use super::step::{accumulate, validation_sums, Units, ValSums};
 use super::teachers::{in_parallel, Source};
 use crate::collate::Encoded;
 use crate::config::OffPolicyArgs;
 use crate::data::{Batch, Content, Record};
 use crate::generate::{generate, Generation};
-use crate::loss::{sampled_token_loss, KdConfig, LossConfig, SampledTargets};
+use crate::loss::{KdConfig, LossConfig};
 use crate::student::Student;
 use anyhow::{bail, Result};
-use candle_core::backprop::GradStore;
-use candle_core::Tensor;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::collections::BTreeMap;
@@ -115,7 +113,7 @@ impl<'a> OnPolicy<'a> {
                 loss,
             );
             let (sum, tokens, sequences) = match &g.samples {
-                Scored::Same(samples) => {
+                Scored::Same { samples, .. } => {
                     stats.add_same(samples, scores);
                     let tokens = samples.iter().map(|x| x.ids.len()).sum::<usize>();
                     let sum = if s.loss.kd.is_sampled() {
@@ -131,9 +129,10 @@ impl<'a> OnPolicy<'a> {
                     };
                     (sum, tokens, samples.len())
                 }
-                Scored::Cross(items, used) => {
+                Scored::Cross { group, used } => {
+                    let items = &group.items;
                     // A chunk-level ensemble has no per-token teacher log-probs to compare.
-                    if !matches!(lc.pairing, Pairing::Mixture(_)) {
+                    if lc.pairing.scores_tokens() {
                         stats.add_student_lps(used.iter().map(|&i| &gens[i]));
                         stats.add_teacher_scores(items, &refs);
                     }
@@ -313,10 +312,10 @@ impl SampleStats {
     /// completion unless `include_prompt`), per teacher token.
     fn add_teacher_scores(&mut self, items: &[Item], scores: &[&SequenceScores]) {
         for (it, sc) in items.iter().zip(scores) {
-            let Item::Cross { pair, loss_start } = it else {
+            let Some((pair, loss_start)) = it.aligned() else {
                 continue;
             };
-            for p in trained_teacher_rows(pair, *loss_start) {
+            for p in trained_teacher_rows(pair, loss_start) {
                 self.teacher_lp += sc.target_logprobs[p] as f64;
                 self.tokens += 1.0;
             }
@@ -356,14 +355,6 @@ impl SampleStats {
     }
 }
 
-/// A sampled completion ready for the teacher: same tokenizer keeps the student's own ids.
-struct Sample {
-    ids: Vec<u32>,
-    /// First completion token index.
-    completion_from: usize,
-    old_lp: Vec<f32>,
-}
-
 /// Generates for `records`, returns the generations and the time it took.
 fn sample(
     s: &Setup,
@@ -390,13 +381,16 @@ struct ScoredGroup {
     dropped: u64,
 }
 
-/// What a source's teacher was asked to score.
+/// What a source's teacher is asked to score, by its pairing.
 enum Scored {
-    /// Same tokenizer: the student's own ids.
-    Same(Vec<Sample>),
-    /// Different tokenizers: prompt + completion text aligned for both sides, and the
-    /// generations they came from.
-    Cross(Vec<Item>, Vec<usize>),
+    /// Same tokenizer: the student's own ids, asked with `starts` at their completions.
+    Same {
+        samples: Vec<Sample>,
+        req: TopkRequest,
+    },
+    /// Different tokenizers (a teacher of another tokenizer, a chunk-level ensemble):
+    /// prompt + completion text aligned for both sides, and the generations they came from.
+    Cross { group: Group, used: Vec<usize> },
 }
 
 impl ScoredGroup {
@@ -404,33 +398,17 @@ impl ScoredGroup {
     /// losses' tokens or chunks.
     fn units(&self, s: &Setup) -> Units {
         match &self.samples {
-            Scored::Same(samples) if s.loss.kd.is_sampled() => Units {
+            Scored::Same { samples, .. } if s.loss.kd.is_sampled() => Units {
                 kd: samples
                     .iter()
                     .map(|x| (x.ids.len() - x.completion_from) as f64)
                     .sum(),
                 ce: 0.0,
             },
-            Scored::Same(samples) => units(&same_items(s, samples)),
-            Scored::Cross(items, _) => units(items),
+            Scored::Same { samples, .. } => units(&same_items(s, samples)),
+            Scored::Cross { group, .. } => units(&group.items),
         }
     }
-}
-
-/// A source's samples and how they are scored: same-tokenizer samples with `starts` at their
-/// completions, or aligned records (a teacher of another tokenizer, a chunk-level ensemble)
-/// with the generations they came from.
-enum Job {
-    Same {
-        source: Source,
-        req: TopkRequest,
-        samples: Vec<Sample>,
-    },
-    Aligned {
-        group: Group,
-        used: Vec<usize>,
-        dropped: u64,
-    },
 }
 
 /// Groups the generations by their prompt's source and scores every group at once.
@@ -449,11 +427,7 @@ fn score_samples(s: &Setup, records: &[Record], gens: &[Generation]) -> Result<V
         if t.is_cross(source) {
             let (group, used) = cross_group(s, source, records, gens, &idx);
             let dropped = (idx.len() - used.len()) as u64;
-            jobs.push(Job::Aligned {
-                group,
-                used,
-                dropped,
-            });
+            jobs.push((source, Scored::Cross { group, used }, dropped));
         } else {
             let samples = same_samples(idx.iter().map(|&i| &gens[i]));
             let include_prompt = s.cfg.on_policy.include_prompt;
@@ -469,47 +443,31 @@ fn score_samples(s: &Setup, records: &[Record], gens: &[Generation]) -> Result<V
                 .collect();
             let seqs = samples.iter().map(|x| x.ids.clone()).collect();
             let req = t.request(source, seqs, Some(starts));
-            jobs.push(Job::Same {
-                source,
-                req,
-                samples,
-            });
+            jobs.push((source, Scored::Same { samples, req }, 0));
         }
     }
     // Every source at once: the step waits for the slowest teacher, not the sum.
-    let answers = in_parallel(&jobs, |job| match job {
-        Job::Same { source, req, .. } => t.score(*source, req),
-        Job::Aligned { group, .. } => t.score_group(group),
+    let answers = in_parallel(&jobs, |(source, job, _)| match job {
+        Scored::Same { req, .. } => t.score(*source, req),
+        Scored::Cross { group, .. } => t.score_group(group),
     })?;
     Ok(jobs
         .into_iter()
         .zip(answers)
-        .map(|(job, scores)| match job {
-            // Lay the rows out as a `start = 0` answer so the shared step code can be used.
-            Job::Same {
-                source,
-                req,
-                samples,
-            } => ScoredGroup {
-                source,
-                samples: Scored::Same(samples),
-                scores: scores
-                    .into_iter()
-                    .enumerate()
+        .map(|((source, samples, dropped), scores)| {
+            let scores = match &samples {
+                // Lay the rows out as a `start = 0` answer so the shared step code can be used.
+                Scored::Same { req, .. } => (scores.into_iter().enumerate())
                     .map(|(i, sc)| pad_front(sc, req.start_of(i)))
                     .collect(),
-                dropped: 0,
-            },
-            Job::Aligned {
-                group,
-                used,
-                dropped,
-            } => ScoredGroup {
-                source: group.source,
-                samples: Scored::Cross(group.items, used),
+                Scored::Cross { .. } => scores,
+            };
+            ScoredGroup {
+                source,
+                samples,
                 scores,
                 dropped,
-            },
+            }
         })
         .collect())
 }
@@ -565,118 +523,6 @@ fn pad_front(sc: SequenceScores, start: usize) -> SequenceScores {
     out
 }
 
-/// The completion positions of same-tokenizer samples: flat indices into `[B·T]` with the
-/// sampled token each predicts and the teacher's log-prob of it.
-struct SampledRows {
-    sel: Vec<u32>,
-    tokens: Vec<u32>,
-    teacher: Vec<f32>,
-}
-
-impl SampledRows {
-    fn new(samples: &[Sample], scores: &[&SequenceScores], t: usize) -> Result<SampledRows> {
-        let mut r = SampledRows {
-            sel: vec![],
-            tokens: vec![],
-            teacher: vec![],
-        };
-        for (b, (x, sc)) in samples.iter().zip(scores).enumerate() {
-            if x.completion_from == 0 || sc.target_logprobs.len() + 1 < x.ids.len() {
-                bail!(
-                    "a sample of {} tokens scored with {} target log-probs (completion from {})",
-                    x.ids.len(),
-                    sc.target_logprobs.len(),
-                    x.completion_from
-                );
-            }
-            for p in x.completion_from - 1..x.ids.len() - 1 {
-                r.sel.push((b * t + p) as u32);
-                r.tokens.push(x.ids[p + 1]);
-                r.teacher.push(sc.target_logprobs[p]);
-            }
-        }
-        Ok(r)
-    }
-
-    /// The loss inputs of rows `a..a + n`, as `[1, n]`.
-    fn targets(&self, a: usize, n: usize, device: &candle_core::Device) -> Result<SampledTargets> {
-        Ok(SampledTargets {
-            tokens: Tensor::from_vec(self.tokens[a..a + n].to_vec(), (1, n), device)?,
-            teacher_logprobs: Tensor::from_vec(self.teacher[a..a + n].to_vec(), (1, n), device)?,
-            old_logprobs: None, // one update per rollout: the ratio is exactly 1 (REINFORCE)
-            mask: Tensor::ones((1, n), candle_core::DType::F32, device)?,
-        })
-    }
-}
-
-/// The gradients of the sampled-token loss (× `kd_weight`) on the completion positions of
-/// same-tokenizer samples, and its value before `kd_weight`: the LM head runs only on those
-/// rows, in chunks (`ctx.head`), after the training pass.
-fn sampled_grads(
-    ctx: &LossCtx,
-    samples: &[Sample],
-    scores: &[&SequenceScores],
-    normalizer: f64,
-) -> Result<(GradStore, f64)> {
-    let (device, loss) = (ctx.device, ctx.loss);
-    let tb = crate::collate::pad_batch(&encoded(samples), 0, device)?;
-    let rows = SampledRows::new(samples, scores, tb.ids.dim(1)?)?;
-    let pass = ctx.head.forward(ctx.model, &tb.ids)?;
-    let per = ctx.head.rows(ctx.model.lm_head().dim(0)?);
-    let pieces = head::row_pieces(&rows.sel, per);
-    let chunk = |i: usize, logits: &Tensor| -> Result<head::ChunkLoss> {
-        let targets = rows.targets(i * per, pieces[i].rows.len(), device)?;
-        let kd = sampled_token_loss(logits, &targets, loss.temperature, Some(normalizer))?;
-        Ok(head::ChunkLoss {
-            kd: Some(kd),
-            ce: None,
-        })
-    };
-    let mix = head::Mix::Linear {
-        kd: loss.kd_weight,
-        ce: 0.0,
-    };
-    let out = head::run(ctx.model, pass.hidden(), &pieces, mix, chunk)?;
-    let (g, sums) = out.finish(pass)?;
-    Ok((g, sums.kd.loss))
-}
-
-/// The samples as the student's training inputs (trained from their first completion token).
-fn encoded(samples: &[Sample]) -> Vec<Encoded> {
-    samples
-        .iter()
-        .map(|x| Encoded {
-            ids: x.ids.clone(),
-            loss_from: x.completion_from,
-        })
-        .collect()
-}
-
-/// The unchunked reference of [`sampled_grads`]: the loss as one scalar (call `backward`).
-#[cfg(test)]
-fn sampled_loss(
-    ctx: &LossCtx,
-    samples: &[Sample],
-    scores: &[&SequenceScores],
-    normalizer: f64,
-) -> Result<(Tensor, f64)> {
-    let (device, loss) = (ctx.device, ctx.loss);
-    let tb = crate::collate::pad_batch(&encoded(samples), 0, device)?;
-    let (b, t) = tb.ids.dims2()?;
-    let rows = SampledRows::new(samples, scores, t)?;
-    let n = rows.sel.len();
-    let hidden = ctx.model.forward_hidden(&tb.ids, None, None, None)?;
-    let h = hidden.dim(2)?;
-    let picked = hidden
-        .reshape((b * t, h))?
-        .index_select(&Tensor::from_vec(rows.sel.clone(), n, device)?, 0)?
-        .unsqueeze(0)?;
-    let logits = ctx.model.logits(&picked)?;
-    let targets = rows.targets(0, n, device)?;
-    let (l, m) = sampled_token_loss(&logits, &targets, loss.temperature, Some(normalizer))?;
-    Ok((l.affine(loss.kd_weight, 0.0)?, m.loss))
-}
-
 /// Validation on held-out prompts: samples with a fixed seed, teacher log-prob of the samples and
 /// the reverse KL estimate (same tokenizer), or P-KL on the samples (when every teacher has a
 /// different tokenizer).
@@ -700,17 +546,18 @@ fn validation_pass(
     for g in &scored {
         let refs: Vec<&SequenceScores> = g.scores.iter().collect();
         match &g.samples {
-            Scored::Same(samples) => {
+            Scored::Same { samples, .. } => {
                 any_same = true;
                 st.add_same(samples, &g.scores);
             }
-            Scored::Cross(items, used) => {
+            Scored::Cross { group, used } => {
+                let items = &group.items;
                 let k = answer_k(s, g.source, &g.scores);
                 let lc = s.loss_ctx(g.source, k, student.model(), s.loss_of(g.source));
                 if items.is_empty() {
                     continue;
                 }
-                if !matches!(lc.pairing, Pairing::Mixture(_)) {
+                if lc.pairing.scores_tokens() {
                     st.add_student_lps(used.iter().map(|&i| &gens[i]));
                     st.add_teacher_scores(items, &refs);
                 }
@@ -776,6 +623,9 @@ mod tests {
     use crate::config::ActivationCheckpointing;
     use crate::loss::CeConfig;
     use crate::train::head::HeadOpts;
+    use crate::train::pairing::sampled::sampled_loss;
+    use crate::train::pairing::Pairing;
+    use crate::train::step::LossCtx;
     use crate::train::testutil::{answer, assert_rel, assert_same_grads, ids, tiny, V};
     use candle_core::{DType, Device};
 

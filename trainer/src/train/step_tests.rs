@@ -6,8 +6,11 @@
 
 use super::*;
 use crate::align::{Chunk, ChunkKind, TokenizedPair};
+use crate::collate::Encoded;
 use crate::config::ActivationCheckpointing;
 use crate::loss::{Anchor, KdConfig};
+use crate::loss::{CeConfig, Projection, TailMode};
+use crate::train::pairing::cross::xtoken_batch;
 use crate::train::testutil::{answer, assert_rel, assert_same_grads, ids, tiny, V};
 use candle_core::DType;
 use rand::{Rng, SeedableRng};

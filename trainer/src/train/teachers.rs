@@ -5,8 +5,10 @@
 //! chunk level otherwise; the math is in [`ensemble`]).
 
 use super::ensemble;
-use super::prepare::{prepare_record, too_long, Group, Item, Limits, Tokenization};
-use super::step::Pairing;
+use super::pairing::mixture::{identity_projection, item_starts, virtual_item};
+use super::pairing::Pairing;
+use super::pairing::{Item, Tokenization};
+use super::prepare::{prepare_record, too_long, Group, Limits};
 use crate::align::projection::{Csr, ProjectionMaps};
 use crate::align::AlignTokenizer;
 use crate::client::{BlockingClient, TeacherClient, TeacherTokenizer};
@@ -370,7 +372,7 @@ impl Teachers {
 
     /// Whether a source's records are aligned across tokenizers (its loss is `[loss_cross]`).
     pub fn is_cross(&self, s: Source) -> bool {
-        !matches!(self.pairing(s), Pairing::Same)
+        self.pairing(s).is_cross()
     }
 
     /// Whether `r` is over its teacher's or the student's token limits (an ensemble: any
@@ -481,7 +483,7 @@ impl Teachers {
             firsts.iter().map(|f| f.as_ref()).collect();
         let mut rows_per_item = vec![];
         for (r, item) in g.items.iter().enumerate() {
-            let Item::Cross { pair, .. } = item else {
+            let Some((pair, _)) = item.aligned() else {
                 unreachable!("a chunk-level ensemble's items are aligned")
             };
             let starts: Vec<BTreeMap<usize, usize>> =
@@ -606,47 +608,6 @@ impl Teachers {
     ) -> std::result::Result<Vec<Vec<SequenceScores>>, ScoreError> {
         in_parallel(groups, |g| self.score_group(g))
     }
-}
-
-/// A teacher's chunk starts in its item (student token index → first teacher token index).
-fn item_starts(item: &Item) -> BTreeMap<usize, usize> {
-    match item {
-        Item::Cross { pair, .. } => ensemble::chunk_starts(Some(pair), pair.student_ids.len()),
-        Item::Same(e) => ensemble::chunk_starts(None, e.ids.len()),
-    }
-}
-
-/// The chunk-level ensemble's record from every teacher's tokenization of it: the first aligned
-/// one is the reference; all must agree on the student's tokens.
-fn virtual_item(each: &[Item]) -> std::result::Result<Item, String> {
-    let student_ids = |it: &Item| -> Vec<u32> {
-        match it {
-            Item::Cross { pair, .. } => pair.student_ids.clone(),
-            Item::Same(e) => e.ids.clone(),
-        }
-    };
-    let Some((pair, loss_start)) = each.iter().find_map(|it| match it {
-        Item::Cross { pair, loss_start } => Some((pair, *loss_start)),
-        Item::Same(_) => None,
-    }) else {
-        return Err("no teacher of the ensemble has another tokenizer".into());
-    };
-    if each.iter().any(|it| student_ids(it) != pair.student_ids) {
-        return Err("the teachers' alignments disagree on the student's tokens (special tokens or truncation)".into());
-    }
-    let starts: Vec<BTreeMap<usize, usize>> = each.iter().map(item_starts).collect();
-    let pair = ensemble::chunk_item(pair, &starts);
-    Ok(Item::Cross { pair, loss_start })
-}
-
-/// The identity projection of a vocabulary (`v × v`, each token its own first token).
-fn identity_projection(v: usize) -> Result<Projection> {
-    let indptr: Vec<usize> = (0..=v).collect();
-    let indices: Vec<u32> = (0..v as u32).collect();
-    Ok(
-        Projection::from_csr(v, v, &indptr, &indices, &vec![1.0; v])?
-            .with_teacher_first((0..v as u32).map(Some).collect())?,
-    )
 }
 
 /// Teacher id → the first student token of its re-tokenisation (the first entry of its

@@ -1,0 +1,419 @@
+//! Different tokenizers on the two sides: a record is tokenized for both and aligned into
+//! byte-exact chunks ([`crate::align`]); the teacher's rows lie against the student's through
+//! the chunks and the projection of the student's vocabulary onto the teacher's. The LM head is
+//! cut at alignment-chunk boundaries ([`crate::train::xpieces`]).
+
+use super::{check_rows, finish, val_ce, wants_ce, Collation, Item, Limits};
+use crate::align::{canonical_text, tokenize_pair, AlignTokenizer, PairOptions, TokenizedPair};
+use crate::collate::{pad_batch, Encoded};
+use crate::data::Record;
+use crate::loss::{
+    cross_entropy, kd_loss, CeConfig, KdConfig, KdInputs, LossConfig, Projection, XTokenBatch,
+};
+use crate::train::head::{self, ChunkLoss, HeadSums, Mix};
+use crate::train::step::{LossCtx, MicroOut, Units, ValSums};
+use anyhow::{bail, Result};
+use candle_core::backprop::GradStore;
+use candle_core::Tensor;
+use xdistill_shared::protocol::SequenceScores;
+
+/// Whether `r` exceeds a token limit on either side (without truncation). Texts short enough in
+/// bytes are not tokenized; a record that cannot be tokenized is not "too long".
+pub fn too_long(
+    student: &AlignTokenizer,
+    teacher: &AlignTokenizer,
+    r: &Record,
+    lim: Limits,
+) -> bool {
+    let (max_s, max_t) = (lim.max_student_tokens, lim.max_teacher_tokens);
+    if r.len_bytes() + super::same::SPECIAL_TOKEN_MARGIN <= max_s.min(max_t) {
+        return false;
+    }
+    let opts = PairOptions {
+        add_special_tokens: true,
+        max_student_tokens: None,
+        max_teacher_tokens: None,
+    };
+    tokenize_pair(&r.text(), student, teacher, opts)
+        .is_ok_and(|p| p.student_ids.len() > max_s || p.teacher_ids.len() > max_t)
+}
+
+/// Tokenizes one record for both sides and aligns it (both sides truncated at one chunk
+/// boundary when `lim.truncate`, else refused over the limits).
+pub fn item(
+    student: &AlignTokenizer,
+    teacher: &AlignTokenizer,
+    r: &Record,
+    lim: Limits,
+) -> std::result::Result<Item, String> {
+    let text = r.text();
+    let loss_start = r.loss_start_byte();
+    let (max_s, max_t) = (lim.max_student_tokens, lim.max_teacher_tokens);
+    let opts = PairOptions {
+        add_special_tokens: true,
+        max_student_tokens: lim.truncate.then_some(max_s),
+        max_teacher_tokens: lim.truncate.then_some(max_t),
+    };
+    // Canonicalisation (e.g. Unicode normalisation) may move bytes: locate the loss start in
+    // the canonical text through the canonical prompt.
+    let ls = if loss_start == 0 {
+        0
+    } else {
+        canonical_text(
+            &text[..loss_start.min(text.len())],
+            &student.bytes,
+            &teacher.bytes,
+        )
+        .map(|p| p.len())
+        .map_err(|e| e.to_string())?
+    };
+    let pair = tokenize_pair(&text, student, teacher, opts).map_err(|e| e.to_string())?;
+    if pair.student_ids.len() > max_s || pair.teacher_ids.len() > max_t {
+        Err(format!(
+            "{} student / {} teacher tokens exceed the limits of {max_s} / {max_t}",
+            pair.student_ids.len(),
+            pair.teacher_ids.len()
+        ))
+    } else if pair.student_ids.len() < 2 || pair.teacher_ids.len() < 2 {
+        Err("fewer than 2 tokens on a side".to_string())
+    } else {
+        Ok(Item::Cross {
+            pair,
+            loss_start: ls,
+        })
+    }
+}
+
+/// Trained chunks (the distillation loss) and trained student tokens (cross-entropy).
+pub fn units(pair: &TokenizedPair, loss_start: usize) -> Units {
+    let layout = cross_layout(pair, loss_start);
+    Units {
+        kd: layout.chunks as f64,
+        ce: layout.student_loss_tokens as f64,
+    }
+}
+
+/// The cross-tokenizer pairing: its projection, and the divergence its validation reports.
+pub struct Cross<'a> {
+    pub projection: &'a Projection,
+    /// P-KL in NeMo's renormalised form, whose validation figures are comparable with theirs
+    /// (a tail bucket adds a floor wherever K holds a teacher token no student token spells,
+    /// docs/losses.md); a chunk-level ensemble: first-token KL ([`super::mixture`]).
+    pub validation_kd: KdConfig,
+}
+
+impl<'a> Cross<'a> {
+    pub fn new(projection: &'a Projection) -> Cross<'a> {
+        Cross {
+            projection,
+            validation_kd: KdConfig::Pkl {
+                anchor: Default::default(),
+            },
+        }
+    }
+
+    /// The loss configuration validation measures with (no CE term: it is summed apart).
+    fn validation_cfg(&self, temperature: f64) -> LossConfig {
+        LossConfig {
+            kd: self.validation_kd.clone(),
+            tail: None,
+            temperature,
+            kd_weight: 1.0,
+            ce: CeConfig::None {},
+        }
+    }
+}
+
+impl Collation for Cross<'_> {
+    fn loss(
+        &self,
+        ctx: &LossCtx,
+        items: &[Item],
+        scores: &[&SequenceScores],
+        norm: Units,
+    ) -> Result<(Tensor, MicroOut)> {
+        cross_tokenizer(ctx, self.projection, items, scores, norm)
+    }
+
+    fn grads(
+        &self,
+        ctx: &LossCtx,
+        items: &[Item],
+        scores: &[&SequenceScores],
+        norm: Units,
+    ) -> Result<(GradStore, HeadSums)> {
+        cross_tokenizer_grads(ctx, self.projection, items, scores, norm)
+    }
+
+    /// Chunk-level divergence ([`Cross::validation_kd`]) and the student's CE.
+    fn validation(
+        &self,
+        ctx: &LossCtx,
+        items: &[Item],
+        scores: &[&SequenceScores],
+    ) -> Result<ValSums> {
+        let (model, k, device, temperature) = (ctx.model, ctx.k, ctx.device, ctx.loss.temperature);
+        let tau2 = temperature * temperature;
+        let per = ctx.head.rows(model.lm_head().dim(0)?);
+        let mut out = ValSums::default();
+        let (xb, enc) = xtoken_batch(items, scores, k)?;
+        let tb = pad_batch(&enc, 0, device)?;
+        let ts = tb.ids.dim(1)?;
+        let targets: Vec<u32> = tb.targets.flatten_all()?.to_vec1()?;
+        let mask: Vec<f32> = tb.mask.flatten_all()?.to_vec1()?;
+        let wanted: Vec<bool> = (0..mask.len())
+            .map(|i| xb.student_chunk[i] != -1 || mask[i] > 0.0)
+            .collect();
+        let plan = crate::train::xpieces::plan(&xb, per, &wanted);
+        let pieces: Vec<head::Piece> = plan
+            .iter()
+            .map(|p| head::Piece {
+                rows: p.rows(ts),
+                shape: (p.segments.len(), p.student_len),
+            })
+            .collect();
+        let cfg = self.validation_cfg(temperature);
+        let hidden = model.forward_hidden(&tb.ids, None, None, None)?;
+        head::forward_only(model, &hidden, &pieces, |i, logits| {
+            let sub = crate::train::xpieces::batch(&xb, &plan[i]);
+            let inputs = KdInputs::XToken {
+                batch: &sub,
+                projection: self.projection,
+            };
+            let (kl, m) = kd_loss(&cfg, logits, inputs, None)?;
+            if m.count > 0.0 {
+                out.kl +=
+                    kl.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()? / tau2 * m.count;
+                out.kl_units += m.count;
+            }
+            let rows = &pieces[i].rows;
+            let shape = pieces[i].shape;
+            let tg: Vec<u32> = rows.iter().map(|&r| targets[r as usize]).collect();
+            let m: Vec<f32> = rows.iter().map(|&r| mask[r as usize]).collect();
+            let tg = Tensor::from_vec(tg, shape, device)?;
+            let m = Tensor::from_vec(m, shape, device)?;
+            val_ce(&mut out, logits, tg, m)
+        })?;
+        Ok(out)
+    }
+
+    #[cfg(test)]
+    fn validation_whole(
+        &self,
+        ctx: &LossCtx,
+        items: &[Item],
+        scores: &[&SequenceScores],
+    ) -> Result<ValSums> {
+        let (model, k, device, temperature) = (ctx.model, ctx.k, ctx.device, ctx.loss.temperature);
+        let (xb, enc) = xtoken_batch(items, scores, k)?;
+        let tb = pad_batch(&enc, 0, device)?;
+        let logits = model.forward(&tb.ids)?;
+        let inputs = KdInputs::XToken {
+            batch: &xb,
+            projection: self.projection,
+        };
+        let (kl, m) = kd_loss(&self.validation_cfg(temperature), &logits, inputs, None)?;
+        super::whole_sums(temperature, &kl, m.count, &logits, &tb)
+    }
+}
+
+/// Per-position chunk ids in the shifted view for one aligned pair.
+struct CrossLayout {
+    /// `[Ts]` chunk of token t+1 (−1: none).
+    student_chunk: Vec<i64>,
+    /// `[Tt]`.
+    teacher_chunk: Vec<i64>,
+    chunks: usize,
+    /// First student token index that is trained.
+    student_loss_from: usize,
+    student_loss_tokens: usize,
+}
+
+/// Chunks count when both sides have a logit predicting their first token (not at position 0)
+/// and they hold trained bytes (end after `loss_start`). Ids are renumbered densely.
+fn cross_layout(pair: &crate::align::TokenizedPair, loss_start: usize) -> CrossLayout {
+    let (ts, tt) = (pair.student_ids.len(), pair.teacher_ids.len());
+    let mut student_chunk = vec![-1i64; ts];
+    let mut teacher_chunk = vec![-1i64; tt];
+    let mut next = 0i64;
+    let mut student_loss_from = ts;
+    for c in &pair.chunks {
+        let trained = c.bytes.end > loss_start || (loss_start == 0 && c.bytes.is_empty());
+        if !trained {
+            continue;
+        }
+        student_loss_from = student_loss_from.min(c.student.start.max(1));
+        if c.student.start == 0 || c.teacher.start == 0 {
+            continue;
+        }
+        for j in c.student.clone() {
+            student_chunk[j - 1] = next;
+        }
+        for j in c.teacher.clone() {
+            teacher_chunk[j - 1] = next;
+        }
+        next += 1;
+    }
+    let student_loss_tokens = ts.saturating_sub(student_loss_from);
+    CrossLayout {
+        student_chunk,
+        teacher_chunk,
+        chunks: next as usize,
+        student_loss_from,
+        student_loss_tokens,
+    }
+}
+
+/// Across tokenizers, the teacher rows a pair is trained on (row p scores token p + 1): those of
+/// the chunks in the loss region.
+pub fn trained_teacher_rows(
+    pair: &crate::align::TokenizedPair,
+    loss_start: usize,
+) -> impl Iterator<Item = usize> {
+    cross_layout(pair, loss_start)
+        .teacher_chunk
+        .into_iter()
+        .enumerate()
+        .filter(|&(_, c)| c != -1)
+        .map(|(p, _)| p)
+}
+
+fn cross_tokenizer(
+    ctx: &LossCtx,
+    projection: &Projection,
+    items: &[Item],
+    scores: &[&SequenceScores],
+    norm: Units,
+) -> Result<(Tensor, MicroOut)> {
+    let (xb, enc) = xtoken_batch(items, scores, ctx.k)?;
+    let tb = pad_batch(&enc, 0, ctx.device)?;
+    let logits = ctx.model.forward(&tb.ids)?; // [B, Ts, V]
+    let kd = kd_loss(
+        ctx.loss,
+        &logits,
+        KdInputs::XToken {
+            batch: &xb,
+            projection,
+        },
+        Some(norm.kd),
+    )?;
+    let ce_inputs = wants_ce(ctx.loss).then(|| (tb.targets.clone(), tb.mask.clone(), tb.n_targets));
+    finish(ctx.loss, &logits, kd, ce_inputs, norm)
+}
+
+/// Cross tokenizer, chunked: pieces of the batch cut at alignment-chunk boundaries
+/// ([`crate::train::xpieces`]), each with its own chunk losses and cross-entropy.
+fn cross_tokenizer_grads(
+    ctx: &LossCtx,
+    projection: &Projection,
+    items: &[Item],
+    scores: &[&SequenceScores],
+    norm: Units,
+) -> Result<(GradStore, HeadSums)> {
+    let (model, device) = (ctx.model, ctx.device);
+    let (xb, enc) = xtoken_batch(items, scores, ctx.k)?;
+    let tb = pad_batch(&enc, 0, device)?;
+    let ts = tb.ids.dim(1)?;
+    let targets: Vec<u32> = tb.targets.flatten_all()?.to_vec1()?;
+    let mask: Vec<f32> = tb.mask.flatten_all()?.to_vec1()?;
+    let ce_on = wants_ce(ctx.loss);
+    let wanted: Vec<bool> = (0..mask.len())
+        .map(|i| xb.student_chunk[i] != -1 || (ce_on && mask[i] > 0.0))
+        .collect();
+    let pass = ctx.head.forward(model, &tb.ids)?;
+    let per = ctx.head.rows(model.lm_head().dim(0)?);
+    let plan = crate::train::xpieces::plan(&xb, per, &wanted);
+    let pieces: Vec<head::Piece> = plan
+        .iter()
+        .map(|p| head::Piece {
+            rows: p.rows(ts),
+            shape: (p.segments.len(), p.student_len),
+        })
+        .collect();
+    let loss = |i: usize, logits: &Tensor| -> Result<ChunkLoss> {
+        let sub = crate::train::xpieces::batch(&xb, &plan[i]);
+        let inputs = KdInputs::XToken {
+            batch: &sub,
+            projection,
+        };
+        let kd = kd_loss(ctx.loss, logits, inputs, Some(norm.kd))?;
+        let rows = &pieces[i].rows;
+        let n = rows.iter().filter(|&&r| mask[r as usize] > 0.0).count();
+        let ce = if ce_on && n > 0 {
+            let shape = pieces[i].shape;
+            let tg: Vec<u32> = rows.iter().map(|&r| targets[r as usize]).collect();
+            let m: Vec<f32> = rows.iter().map(|&r| mask[r as usize]).collect();
+            let tg = Tensor::from_vec(tg, shape, device)?;
+            let m = Tensor::from_vec(m, shape, device)?;
+            Some(cross_entropy(logits, &tg, &m, Some(norm.ce))?)
+        } else {
+            None
+        };
+        Ok(ChunkLoss { kd: Some(kd), ce })
+    };
+    let out = head::run(model, pass.hidden(), &pieces, Mix::of(ctx.loss), loss)?;
+    out.finish(pass)
+}
+
+/// The cross-tokenizer loss input for aligned items, plus the student side as `Encoded`s.
+pub fn xtoken_batch(
+    items: &[Item],
+    scores: &[&SequenceScores],
+    k: usize,
+) -> Result<(XTokenBatch, Vec<Encoded>)> {
+    let b = items.len();
+    let mut layouts = Vec::with_capacity(b);
+    let mut enc = Vec::with_capacity(b);
+    for (it, s) in items.iter().zip(scores) {
+        let Item::Cross { pair, loss_start } = it else {
+            bail!("mixed same/cross-tokenizer micro-batch")
+        };
+        check_rows(s, pair.teacher_ids.len(), k)?;
+        let l = cross_layout(pair, *loss_start);
+        enc.push(Encoded {
+            ids: pair.student_ids.clone(),
+            loss_from: l.student_loss_from,
+        });
+        layouts.push((pair, l));
+    }
+    let ts = layouts
+        .iter()
+        .map(|(p, _)| p.student_ids.len())
+        .max()
+        .unwrap_or(1);
+    let tt = layouts
+        .iter()
+        .map(|(p, _)| p.teacher_ids.len())
+        .max()
+        .unwrap_or(1);
+    let mut x = XTokenBatch {
+        batch: b,
+        student_len: ts,
+        teacher_len: tt,
+        k,
+        student_chunk: vec![-1; b * ts],
+        teacher_chunk: vec![-1; b * tt],
+        num_chunks: vec![0; b],
+        student_targets: vec![0; b * ts],
+        teacher_targets: vec![0; b * tt],
+        teacher_topk_ids: vec![0; b * tt * k],
+        teacher_topk_logprobs: vec![0.0; b * tt * k],
+        teacher_target_logprobs: vec![0.0; b * tt],
+    };
+    for (r, ((pair, l), s)) in layouts.iter().zip(scores).enumerate() {
+        x.num_chunks[r] = l.chunks;
+        x.student_chunk[r * ts..r * ts + l.student_chunk.len()].copy_from_slice(&l.student_chunk);
+        x.teacher_chunk[r * tt..r * tt + l.teacher_chunk.len()].copy_from_slice(&l.teacher_chunk);
+        for p in 0..pair.student_ids.len() - 1 {
+            x.student_targets[r * ts + p] = pair.student_ids[p + 1];
+        }
+        for p in 0..s.rows {
+            x.teacher_targets[r * tt + p] = pair.teacher_ids[p + 1];
+            let dst = (r * tt + p) * k;
+            x.teacher_topk_ids[dst..dst + k].copy_from_slice(s.ids_row(p));
+            x.teacher_topk_logprobs[dst..dst + k].copy_from_slice(s.values_row(p));
+            x.teacher_target_logprobs[r * tt + p] = s.target_logprobs[p];
+        }
+    }
+    Ok((x, enc))
+}
