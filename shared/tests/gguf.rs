@@ -306,7 +306,25 @@ fn unimplemented_and_malformed_files_are_refused_by_name() {
         set(m, "llama.block_count", Value::U32(3))
     });
     let e = err(&f);
-    assert!(e.contains("blk.2.") && e.contains("missing"), "{e}");
+    assert!(e.contains("llama.block_count") && e.contains("3 layers"), "{e}");
+
+    let f = write_with(&root, "huge", |m, _| {
+        set(m, "llama.block_count", Value::U32(u32::MAX))
+    });
+    let e = err(&f);
+    assert!(
+        e.contains("llama.block_count") && e.contains("holds tensors of 2"),
+        "{e}"
+    );
+
+    let f = write_with(&root, "context", |m, _| {
+        set(m, "llama.context_length", Value::U64(u64::MAX >> 1))
+    });
+    let e = err(&f);
+    assert!(
+        e.contains("llama.context_length") && e.contains("too large"),
+        "{e}"
+    );
 
     let f = write_with(&root, "shape", |m, _| {
         set(m, "llama.embedding_length", Value::U32(64))

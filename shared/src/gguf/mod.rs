@@ -169,6 +169,7 @@ impl GgufModel {
             embed_rows,
         };
         let config = config::model_config(&meta, &architecture, Some(tok.tokens), &facts)?;
+        check_sizes(&path, &architecture, &config, &content)?;
         let tensors = map_tensors(&path, &architecture, &config, &content)?;
         let mut counts: BTreeMap<&'static str, usize> = BTreeMap::new();
         for info in infos.values().filter(|i| i.shape.rank() >= 2) {
@@ -269,6 +270,45 @@ impl GgufModel {
             device,
         ))
     }
+}
+
+/// Refuses sizes that would allocate before the tensors are checked: a layer count above the
+/// layers the file holds (the parameter list is built per layer) and a context whose RoPE tables
+/// would not fit ([`crate::init::check_rope`]).
+fn check_sizes(
+    path: &Path,
+    arch: &str,
+    config: &ModelConfig,
+    content: &Content,
+) -> Result<(), GgufError> {
+    let key = |k: &str, message: String| GgufError::Key {
+        path: path.to_path_buf(),
+        key: format!("{arch}.{k}"),
+        message,
+    };
+    let held = content
+        .tensor_infos
+        .keys()
+        .filter_map(|n| {
+            n.strip_prefix("blk.")?
+                .split('.')
+                .next()?
+                .parse::<usize>()
+                .ok()
+        })
+        .max()
+        .map_or(0, |l| l + 1);
+    if config.num_hidden_layers > held {
+        return Err(key(
+            "block_count",
+            format!(
+                "{} layers, but the file holds tensors of {held} (blk.0..blk.{})",
+                config.num_hidden_layers,
+                held.saturating_sub(1)
+            ),
+        ));
+    }
+    crate::init::check_rope(config).map_err(|e| key("context_length", e.to_string()))
 }
 
 /// Maps every tensor of the file to its transformers name and checks the set and the shapes
