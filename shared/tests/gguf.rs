@@ -306,7 +306,10 @@ fn unimplemented_and_malformed_files_are_refused_by_name() {
         set(m, "llama.block_count", Value::U32(3))
     });
     let e = err(&f);
-    assert!(e.contains("llama.block_count") && e.contains("3 layers"), "{e}");
+    assert!(
+        e.contains("llama.block_count") && e.contains("3 layers"),
+        "{e}"
+    );
 
     let f = write_with(&root, "huge", |m, _| {
         set(m, "llama.block_count", Value::U32(u32::MAX))
@@ -425,5 +428,49 @@ fn gguf_tokenizer_gives_the_ids_of_its_tokenizer_json() {
             n += got.len();
         }
         eprintln!("{name}: {} texts, {n} tokens, ids equal", texts.len());
+    }
+}
+
+/// BOS/EOS on encode and added tokens as transformers 5.24 builds them from the same metadata
+/// (the expected ids were printed by `AutoTokenizer.from_pretrained(dir, gguf_file=...)` on a
+/// file written by the `gguf` Python package with these keys).
+#[test]
+fn bos_eos_and_user_defined_tokens_follow_transformers() {
+    let mut tokens: Vec<Value> = (33u8..127)
+        .map(|c| Value::String(char::from(c).into()))
+        .collect();
+    let mut types = vec![Value::I32(1); tokens.len()];
+    for (t, ty) in [("<s>", 3), ("</s>", 3), ("<|u|>", 4), ("hi", 1)] {
+        tokens.push(Value::String(t.into()));
+        types.push(Value::I32(ty));
+    }
+    for (bos, eos, want) in [
+        (true, false, vec![94, 97, 96, 71]),
+        (false, true, vec![97, 96, 71, 95]),
+        (true, true, vec![94, 97, 96, 71, 95]),
+        (false, false, vec![97, 96, 71]),
+    ] {
+        let meta: HashMap<String, Value> = [
+            ("tokenizer.ggml.model", Value::String("gpt2".into())),
+            ("tokenizer.ggml.pre", Value::String("default".into())),
+            ("tokenizer.ggml.tokens", Value::Array(tokens.clone())),
+            ("tokenizer.ggml.token_type", Value::Array(types.clone())),
+            (
+                "tokenizer.ggml.merges",
+                Value::Array(vec![Value::String("h i".into())]),
+            ),
+            ("tokenizer.ggml.bos_token_id", Value::U32(94)),
+            ("tokenizer.ggml.eos_token_id", Value::U32(95)),
+            ("tokenizer.ggml.add_bos_token", Value::Bool(bos)),
+            ("tokenizer.ggml.add_eos_token", Value::Bool(eos)),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        let built =
+            xdistill_shared::gguf::tokenizer::from_metadata(Path::new("t.gguf"), &meta).unwrap();
+        let tok: tokenizers::Tokenizer = built.json.parse().unwrap();
+        let got = tok.encode("hi<|u|>h", true).unwrap().get_ids().to_vec();
+        assert_eq!(got, want, "add_bos {bos}, add_eos {eos}");
     }
 }
