@@ -132,6 +132,7 @@ impl AppState {
             rope_scaling: facts.rope_scaling.clone(),
             sliding_window: facts.sliding_window,
             sliding_layers: facts.sliding_layers,
+            weights: facts.weights.clone(),
         };
         self.ready
             .set(Ready {

@@ -14,10 +14,12 @@ use std::path::PathBuf;
 (its own /topk_logits, and vLLM's and SGLang's scoring routes).\n\n\
 Serves a Hugging Face model directory of these architectures (config.json's model_type): \
 Llama (llama), Mistral (mistral), Qwen2 (qwen2), Qwen3 (qwen3), Qwen3-MoE (qwen3_moe), \
-Gemma 3 (gemma3_text, gemma3), Phi-3 (phi3)."
+Gemma 3 (gemma3_text, gemma3), Phi-3 (phi3); or a GGUF file (llama, qwen2, qwen3; weights \
+dequantized at load, tokenizer rebuilt from its metadata: docs/gguf.md)."
 )]
 pub struct Args {
-    /// Hugging Face model directory: config.json, model.safetensors (or sharded + index), tokenizer.json.
+    /// Hugging Face model directory (config.json, model.safetensors or sharded + index,
+    /// tokenizer.json), or a GGUF file (FILE.gguf).
     #[arg(long, env = "XDISTILL_MODEL")]
     pub model: PathBuf,
     /// Address to bind. Loopback by default; use 0.0.0.0 only behind a firewall or with --api-key.

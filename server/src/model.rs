@@ -1,4 +1,5 @@
-//! Loading the teacher: a Hugging Face directory → a [`Decoder`] plus the facts `/v1/info` reports.
+//! Loading the teacher: a Hugging Face directory or a GGUF file → a [`Decoder`] plus the facts
+//! `/v1/info` reports.
 
 use crate::vocab::Vocab;
 use candle_core::{DType, Device};
@@ -6,13 +7,16 @@ use candle_nn::VarBuilder;
 use std::path::Path;
 use std::sync::Arc;
 use xdistill_shared::device::{device_name, dtype_for, dtype_name, parse_device};
-use xdistill_shared::hf::{HfError, ModelDir};
+use xdistill_shared::gguf::{GgufError, GgufModel};
+use xdistill_shared::hf::{HfError, ModelConfig, ModelDir};
 use xdistill_shared::model::{Decoder, Ops};
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
     #[error(transparent)]
     Hf(#[from] xdistill_shared::hf::HfError),
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
     #[error(transparent)]
     Device(#[from] xdistill_shared::device::DeviceError),
     #[error("loading weights: {0}")]
@@ -41,6 +45,9 @@ pub struct ModelFacts {
     pub device: String,
     pub tokenizer_sha256: String,
     pub fingerprint: String,
+    /// Where the weights came from (`/v1/info` `weights`): `safetensors`, or `gguf` with the
+    /// file's quantization (`gguf Q4_1+Q6_K`), dequantized at load to `dtype`.
+    pub weights: String,
     /// How logits become scores (`/v1/info` `lm_head`): `fused`, `full` or `device`; set by the
     /// worker once it has chosen its scoring path.
     pub lm_head: &'static str,
@@ -81,6 +88,7 @@ pub fn read_facts(dir: &ModelDir, dtype: DType, device: &Device) -> Result<Model
         device: device_name(device),
         tokenizer_sha256: dir.tokenizer_sha256()?,
         fingerprint: dir.fingerprint()?,
+        weights: "safetensors".into(),
         lm_head: "full",
         tokenizer_json: tokenizer_json.into(),
         vocab: Arc::new(Vocab::build(tok, tok_vocab.min(logits_size))),
@@ -91,29 +99,99 @@ pub fn read_facts(dir: &ModelDir, dtype: DType, device: &Device) -> Result<Model
 /// with a message naming the file and key. Returns the tokenizer's vocabulary size.
 pub fn check_dir(dir: &ModelDir, tok: &tokenizers::Tokenizer) -> Result<usize, LoadError> {
     let cfg_file = dir.path.join("config.json");
+    let where_ = format!("in {}", cfg_file.display());
+    check_sizes(
+        &dir.config,
+        tok,
+        &dir.tokenizer.display().to_string(),
+        &where_,
+    )
+}
+
+/// The checks of [`check_dir`] for any source: `tok_name` names the tokenizer, `where_` where
+/// the config was read.
+fn check_sizes(
+    config: &ModelConfig,
+    tok: &tokenizers::Tokenizer,
+    tok_name: &str,
+    where_: &str,
+) -> Result<usize, LoadError> {
     let tok_vocab = tok.get_vocab_size(true);
-    let rows = dir.config.vocab_size;
+    let rows = config.vocab_size;
     if tok_vocab > rows {
         return Err(LoadError::Config(format!(
-            "{} has {tok_vocab} ids but the model's embedding has {rows} rows (vocab_size in {}): \
-             the tokenizer does not belong to this model",
-            dir.tokenizer.display(),
-            cfg_file.display()
+            "{tok_name} has {tok_vocab} ids but the model's embedding has {rows} rows (vocab_size \
+             {where_}): the tokenizer does not belong to this model"
         )));
     }
-    if dir.config.max_position_embeddings == 0 {
+    if config.max_position_embeddings == 0 {
         return Err(LoadError::Config(format!(
-            "max_position_embeddings is 0 in {}: no sequence could be scored",
-            cfg_file.display()
+            "max_position_embeddings is 0 {where_}: no sequence could be scored"
         )));
     }
     Ok(tok_vocab)
 }
 
-/// Opens the device and the directory and memory-maps the weights.
+/// The facts of a GGUF file (see [`read_facts`]): the tokenizer is the one rebuilt from its
+/// metadata, served as `tokenizer.json`.
+pub fn gguf_facts(g: &GgufModel, dtype: DType, device: &Device) -> Result<ModelFacts, LoadError> {
+    let arch = g.config.arch().map_err(HfError::from)?;
+    let tok = g.load_tokenizer()?;
+    let where_ = format!("from the metadata of {}", g.path.display());
+    let tok_vocab = check_sizes(&g.config, &tok, "the GGUF tokenizer", &where_)?;
+    let logits_size = g.config.vocab_size;
+    Ok(ModelFacts {
+        architecture: arch.hf_class().into(),
+        rope_theta: g.config.rope_theta(),
+        rope_scaling: "default".into(),
+        sliding_window: None,
+        sliding_layers: 0,
+        model_type: arch.model_type().into(),
+        vocab_size: tok_vocab.min(logits_size),
+        logits_size,
+        max_position_embeddings: g.config.max_position_embeddings,
+        dtype: dtype_name(dtype).into(),
+        device: device_name(device),
+        tokenizer_sha256: g.tokenizer_sha256(),
+        fingerprint: g.fingerprint()?,
+        weights: format!("gguf {}", g.quantization()),
+        lm_head: "full",
+        tokenizer_json: g.tokenizer_json.clone().into_bytes().into(),
+        vocab: Arc::new(Vocab::build(tok, tok_vocab.min(logits_size))),
+    })
+}
+
+/// `--check-args`: opens `path` (a model directory or a GGUF file) and runs the start-up checks
+/// without loading weights; returns the model's `max_position_embeddings`.
+pub fn check_model(path: &Path) -> Result<usize, LoadError> {
+    if xdistill_shared::gguf::is_gguf(path) {
+        let g = GgufModel::open(path)?;
+        let tok = g.load_tokenizer()?;
+        check_sizes(
+            &g.config,
+            &tok,
+            "the GGUF tokenizer",
+            "in the GGUF metadata",
+        )?;
+        return Ok(g.config.max_position_embeddings);
+    }
+    let dir = ModelDir::open(path)?;
+    let tok = dir.load_tokenizer()?;
+    check_dir(&dir, &tok)?;
+    Ok(dir.config.max_position_embeddings)
+}
+
+/// Opens the device and the model: a directory (weights memory-mapped) or a GGUF file (weights
+/// dequantized to `dtype` at load).
 pub fn load(path: &Path, device: &str, dtype: &str) -> Result<(Decoder, ModelFacts), LoadError> {
     let device = parse_device(device)?;
     let dtype = dtype_for(dtype, &device)?;
+    if xdistill_shared::gguf::is_gguf(path) {
+        let g = GgufModel::open(path)?;
+        let facts = gguf_facts(&g, dtype, &device)?;
+        let decoder = Decoder::new(&g.config, g.var_builder(dtype, &device)?, Ops::Fused)?;
+        return Ok((decoder, facts));
+    }
     let dir = ModelDir::open(path)?;
     let facts = read_facts(&dir, dtype, &device)?;
     // SAFETY: the safetensors files are memory-mapped read-only; undefined behaviour would need

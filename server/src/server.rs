@@ -18,16 +18,11 @@ use tokio::sync::{mpsc, oneshot, watch};
 /// `--check-args`: flags and model directory are valid (weights are not loaded).
 pub fn check_args(args: &Args) -> Result<()> {
     args.check().map_err(|e| anyhow!(e))?;
-    let dir = xdistill_shared::hf::ModelDir::open(&args.model)
+    let max_pos = crate::model::check_model(&args.model)
         .with_context(|| format!("opening {}", args.model.display()))?;
-    let tok = dir.load_tokenizer()?;
-    crate::model::check_dir(&dir, &tok)?;
     if let Some(n) = args.max_seq_len {
-        if n > dir.config.max_position_embeddings {
-            bail!(
-                "--max-seq-len {n} exceeds the model's max_position_embeddings {}",
-                dir.config.max_position_embeddings
-            );
+        if n > max_pos {
+            bail!("--max-seq-len {n} exceeds the model's max_position_embeddings {max_pos}");
         }
     }
     Ok(())

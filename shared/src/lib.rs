@@ -3,6 +3,7 @@
 //! - [`protocol`]: the `/topk_logits` request/response types and error bodies.
 //! - [`codec`]: JSON and MessagePack encodings of those types (content negotiation helpers).
 //! - [`hf`]: Hugging Face model directories: `config.json`, safetensors, `tokenizer.json`.
+//! - [`gguf`]: GGUF files (llama.cpp's format) read as they are, for inference.
 //! - [`model`]: the Llama-family decoder (Llama, Qwen2, Qwen3) used by both sides.
 //! - [`process`]: a `teacher` server as a child process (the demo, cross-process tests).
 //! - [`init`]: random parameters for a model config, reproducible from a seed.
@@ -11,6 +12,7 @@
 pub mod alloc;
 pub mod codec;
 pub mod device;
+pub mod gguf;
 pub mod hf;
 pub mod init;
 pub mod matmul;

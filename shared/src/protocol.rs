@@ -379,6 +379,10 @@ pub struct InfoResponse {
     /// (`--batch-invariant`; false from servers older than protocol 2).
     #[serde(default)]
     pub batch_invariant: bool,
+    /// Where the weights came from: `safetensors`, or `gguf` and the file's quantization types
+    /// (`gguf Q4_1+Q6_K`), dequantized at load to `dtype`; empty from older servers.
+    #[serde(default)]
+    pub weights: String,
 }
 
 #[cfg(test)]

@@ -952,6 +952,17 @@ impl Validate for PolicyConfig {
                 "the student model directory is required (or --student)",
             ));
         }
+        if xdistill_shared::gguf::is_gguf(&p.model_name) {
+            return Err(invalid(
+                "policy.model_name",
+                format!(
+                    "{} is a GGUF file: a student is trained from a Hugging Face model directory \
+                     (config.json, safetensors, tokenizer.json); GGUF files load for inference \
+                     only (the teacher, `trainer eval`)",
+                    p.model_name.display()
+                ),
+            ));
+        }
         if p.max_total_sequence_length < 2 {
             return Err(invalid(
                 "policy.max_total_sequence_length",

@@ -312,12 +312,20 @@ pub fn evaluate(
     })
 }
 
-/// Loads a model directory for inference: fused kernels, weights memory-mapped.
+/// Loads a model for inference: a directory (fused kernels, weights memory-mapped) or a GGUF
+/// file (weights dequantized to `dtype`, the tokenizer rebuilt from its metadata).
 pub fn load_model(
     dir: &Path,
     device: &Device,
     dtype: DType,
 ) -> anyhow::Result<(Decoder, Tokenizer)> {
+    if xdistill_shared::gguf::is_gguf(dir) {
+        let g = xdistill_shared::gguf::GgufModel::open(dir)?;
+        let vb = g.var_builder(dtype, device)?;
+        let model = Decoder::new(&g.config, vb, Ops::Fused)
+            .with_context(|| format!("building the model of {}", dir.display()))?;
+        return Ok((model, g.load_tokenizer()?));
+    }
     let md = ModelDir::open(dir).with_context(|| format!("opening model {}", dir.display()))?;
     crate::model_check::check_model_dir(&md)?;
     // SAFETY: the files are memory-mapped read-only; nothing in this process writes them.
@@ -353,7 +361,7 @@ fn unescape(s: &str) -> String {
 /// `trainer eval`: accuracy of a model on a prompts file.
 #[derive(clap::Args, Debug, Clone)]
 pub struct Args {
-    /// Model directory (config.json, safetensors, tokenizer.json).
+    /// Model directory (config.json, safetensors, tokenizer.json) or GGUF file.
     #[arg(long)]
     pub model: PathBuf,
     /// JSONL with `prompt` (or `question`) and `answer`.

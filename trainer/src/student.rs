@@ -28,7 +28,17 @@ pub struct Student {
 
 impl Student {
     /// Loads a Hugging Face directory as trainable f32 master weights.
+    /// A GGUF file is refused: its weights are quantized (and stored for inference), and a
+    /// student trains f32 master weights from a Hugging Face directory.
     pub fn load(dir: &Path, device: &Device, compute_dtype: DType) -> Result<Student> {
+        if xdistill_shared::gguf::is_gguf(dir) {
+            bail!(
+                "student {} is a GGUF file: a student is trained from a Hugging Face model \
+                 directory (config.json, safetensors, tokenizer.json); GGUF files load for \
+                 inference only (the teacher, `trainer eval`)",
+                dir.display()
+            );
+        }
         let md =
             ModelDir::open(dir).with_context(|| format!("opening student {}", dir.display()))?;
         refuse_unsupported(&md.config)?;

@@ -215,6 +215,7 @@ fn mock_info(sha: String) -> InfoResponse {
             max_answer_bytes: 1 << 30,
         },
         batch_invariant: true,
+        weights: "safetensors".into(),
         rope_theta: 1e6,
         rope_scaling: "default".into(),
         sliding_window: None,

@@ -1,0 +1,476 @@
+//! GGUF files load as they are: a tiny random model written here as llama.cpp's converter would
+//! (q/k permuted for Llama, matrices F32 or quantized) scores exactly as the same weights in a
+//! Hugging Face directory; the tokenizer rebuilt from GGUF metadata gives the ids of the
+//! `tokenizer.json` it came from on real text; what is not implemented is refused by name.
+
+use candle_core::quantized::gguf_file::Value;
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use xdistill_shared::gguf::write::{bpe_tokenizer_metadata, config_metadata, write_gguf};
+use xdistill_shared::gguf::{GgufError, GgufModel};
+use xdistill_shared::hf::{write_model_dir, ModelConfig, ModelDir};
+use xdistill_shared::model::{Decoder, Ops};
+
+/// A byte-level BPE vocabulary of 260 tokens: the 256 bytes, three merges and a control token.
+fn tiny_tokenizer_json() -> serde_json::Value {
+    // GPT-2's byte alphabet.
+    let mut alphabet = Vec::new();
+    let mut n = 0u32;
+    for b in 0..=255u8 {
+        let printable = (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || b >= 0xAE;
+        alphabet.push(if printable {
+            char::from(b)
+        } else {
+            n += 1;
+            char::from_u32(255 + n).unwrap()
+        });
+    }
+    let mut vocab = serde_json::Map::new();
+    for (i, c) in alphabet.iter().enumerate() {
+        vocab.insert(c.to_string(), i.into());
+    }
+    for (i, t) in ["Ġt", "he", "Ġthe"].iter().enumerate() {
+        vocab.insert(t.to_string(), (256 + i).into());
+    }
+    serde_json::json!({
+        "model": {"type": "BPE", "vocab": vocab, "merges": ["Ġ t", "h e", "Ġt he"]},
+        "added_tokens": [{"id": 259, "content": "<|endoftext|>", "special": true}],
+    })
+}
+
+fn tiny_config(arch: &str, tied: bool) -> ModelConfig {
+    serde_json::from_value(serde_json::json!({
+        "model_type": arch,
+        "vocab_size": 260,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "max_position_embeddings": 128,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": tied,
+        "hidden_act": "silu",
+        "bos_token_id": 259,
+        "eos_token_id": 259,
+    }))
+    .unwrap()
+}
+
+fn metadata(arch: &str, cfg: &ModelConfig) -> Vec<(String, Value)> {
+    let mut m = config_metadata(arch, cfg);
+    m.extend(bpe_tokenizer_metadata(&tiny_tokenizer_json(), "qwen2").unwrap());
+    m.push(("tokenizer.ggml.bos_token_id".into(), Value::U32(259)));
+    m.push(("tokenizer.ggml.eos_token_id".into(), Value::U32(259)));
+    m.push((
+        "tokenizer.chat_template".into(),
+        Value::String("{{ messages }}".into()),
+    ));
+    m
+}
+
+/// The decoder of a Hugging Face directory holding `params`, with the GGUF's own tokenizer.
+fn hf_decoder(
+    dir: &Path,
+    cfg: &ModelConfig,
+    params: &HashMap<String, Tensor>,
+    tok: &str,
+) -> Decoder {
+    let tok_path = dir.with_extension("tokenizer.json");
+    std::fs::write(&tok_path, tok).unwrap();
+    write_model_dir(dir, cfg, params, &tok_path).unwrap();
+    let md = ModelDir::open(dir).unwrap();
+    // SAFETY: written above, not modified while mapped.
+    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&md.weights, DType::F32, &Device::Cpu) }
+        .unwrap();
+    Decoder::new(&md.config, vb, Ops::Fused).unwrap()
+}
+
+fn gguf_decoder(path: &Path) -> (GgufModel, Decoder) {
+    let g = GgufModel::open(path).unwrap();
+    let vb = g.var_builder(DType::F32, &Device::Cpu).unwrap();
+    let d = Decoder::new(&g.config, vb, Ops::Fused).unwrap();
+    (g, d)
+}
+
+const IDS: [u32; 12] = [3, 17, 256, 42, 8, 8, 258, 1, 200, 0, 23, 259];
+
+fn logits(d: &Decoder) -> Tensor {
+    let x = Tensor::new(&IDS[..], &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    d.forward(&x).unwrap()
+}
+
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .max(0)
+        .unwrap()
+        .to_scalar()
+        .unwrap()
+}
+
+/// `w` as stored in `ty` and read back (each row's blocks quantized on their own, so the row
+/// permutation of q/k does not change it).
+fn roundtrip(w: &Tensor, ty: GgmlDType) -> Tensor {
+    if w.rank() < 2 {
+        return w.clone();
+    }
+    QTensor::quantize(w, ty)
+        .unwrap()
+        .dequantize(&Device::Cpu)
+        .unwrap()
+}
+
+fn tmp() -> PathBuf {
+    PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("gguf-tests")
+}
+
+/// F32 and quantized files of Llama (q/k permuted) and Qwen3 (not permuted, q/k norms), tied
+/// and untied: the GGUF model's logits equal those of the same (dequantized) weights loaded
+/// from a Hugging Face directory.
+#[test]
+fn gguf_scores_equal_the_same_weights_from_a_model_dir() {
+    let root = tmp().join("scores");
+    std::fs::create_dir_all(&root).unwrap();
+    let cases = [
+        ("llama", GgmlDType::F32, false),
+        ("llama", GgmlDType::Q8_0, true),
+        ("llama", GgmlDType::Q4_0, false),
+        ("llama", GgmlDType::Q4_1, true),
+        ("llama", GgmlDType::F16, false),
+        ("qwen3", GgmlDType::F32, true),
+        ("qwen3", GgmlDType::Q8_0, false),
+        ("qwen2", GgmlDType::Q5_0, false),
+    ];
+    for (arch, ty, tied) in cases {
+        let name = format!("{arch}-{ty:?}-{tied}");
+        let cfg = tiny_config(arch, tied);
+        let params = xdistill_shared::init::random_params(&cfg, 0.2, 11).unwrap();
+        let file = root.join(format!("{name}.gguf"));
+        write_gguf(&file, arch, &cfg, &params, ty, &metadata(arch, &cfg)).unwrap();
+        let (g, got) = gguf_decoder(&file);
+        assert_eq!(g.architecture, arch);
+        assert_eq!(g.config.vocab_size, 260, "{name}");
+        assert_eq!(g.config.num_key_value_heads, Some(2), "{name}");
+        assert_eq!(g.config.head_dim(), 8, "{name}");
+        assert_eq!(g.config.tie_word_embeddings, tied, "{name}");
+        assert_eq!(g.config.max_position_embeddings, 128, "{name}");
+        assert_eq!(
+            g.quant_types,
+            vec![xdistill_shared::gguf::dtype_name(ty)],
+            "{name}"
+        );
+        assert_eq!(g.chat_template.as_deref(), Some("{{ messages }}"));
+        let stored: HashMap<String, Tensor> = params
+            .iter()
+            .map(|(k, v)| (k.clone(), roundtrip(v, ty)))
+            .collect();
+        let want = hf_decoder(&root.join(&name), &cfg, &stored, &g.tokenizer_json);
+        let (want, got) = (logits(&want), logits(&got));
+        let diff = max_abs_diff(&want, &got);
+        assert!(diff <= 1e-5, "{name}: logits differ by {diff}");
+        if ty != GgmlDType::F32 {
+            // The quantized file is its own model: it differs from the f32 weights.
+            let f32_model = hf_decoder(
+                &root.join(format!("{name}-f32")),
+                &cfg,
+                &params,
+                &g.tokenizer_json,
+            );
+            let gap = max_abs_diff(&logits(&f32_model), &got);
+            assert!(gap > 0.0, "{name}: quantization changed nothing");
+            eprintln!("{name}: vs dequantized weights {diff:.2e}, vs f32 weights {gap:.2e}");
+        }
+    }
+}
+
+/// The permutation is undone exactly: without it a Llama file would score differently.
+#[test]
+fn llama_qk_permutation_matters() {
+    let root = tmp().join("perm");
+    std::fs::create_dir_all(&root).unwrap();
+    let cfg = tiny_config("llama", false);
+    let params = xdistill_shared::init::random_params(&cfg, 0.2, 5).unwrap();
+    let file = root.join("m.gguf");
+    // Written as if it were Qwen3 (no permutation) but labelled llama: the loader un-permutes
+    // rows that were never permuted, so the scores must change.
+    let mut meta = metadata("llama", &cfg);
+    write_gguf(&file, "qwen3", &cfg, &params, GgmlDType::F32, &meta).unwrap();
+    let (_, wrong) = gguf_decoder(&file);
+    let want = hf_decoder(
+        &root.join("m"),
+        &cfg,
+        &params,
+        &GgufModel::open(&file).unwrap().tokenizer_json,
+    );
+    assert!(max_abs_diff(&logits(&want), &logits(&wrong)) > 1e-3);
+    meta.retain(|(k, _)| k != "x");
+    write_gguf(&file, "llama", &cfg, &params, GgmlDType::F32, &meta).unwrap();
+    let (_, right) = gguf_decoder(&file);
+    assert!(max_abs_diff(&logits(&want), &logits(&right)) <= 1e-5);
+}
+
+fn write_with(
+    root: &Path,
+    name: &str,
+    edit: impl FnOnce(&mut Vec<(String, Value)>, &mut HashMap<String, Tensor>),
+) -> PathBuf {
+    std::fs::create_dir_all(root).unwrap();
+    let cfg = tiny_config("llama", false);
+    let mut params = xdistill_shared::init::random_params(&cfg, 0.2, 3).unwrap();
+    let mut meta = metadata("llama", &cfg);
+    edit(&mut meta, &mut params);
+    let file = root.join(format!("{name}.gguf"));
+    write_gguf(&file, "llama", &cfg, &params, GgmlDType::Q8_0, &meta).unwrap();
+    file
+}
+
+fn set(meta: &mut Vec<(String, Value)>, key: &str, v: Value) {
+    meta.retain(|(k, _)| k != key);
+    meta.push((key.into(), v));
+}
+
+/// What is not implemented, and what is malformed, is refused with an error naming it.
+#[test]
+fn unimplemented_and_malformed_files_are_refused_by_name() {
+    let root = tmp().join("refused");
+    let err = |f: &Path| GgufModel::open(f).unwrap_err().to_string();
+
+    let f = write_with(&root, "arch", |m, _| {
+        set(m, "general.architecture", Value::String("gemma3".into()))
+    });
+    let e = err(&f);
+    assert!(
+        e.contains("\"gemma3\"") && e.contains("not implemented"),
+        "{e}"
+    );
+
+    let f = write_with(&root, "spm", |m, _| {
+        set(m, "tokenizer.ggml.model", Value::String("llama".into()))
+    });
+    let e = err(&f);
+    assert!(
+        e.contains("tokenizer.ggml.model \"llama\" is not implemented"),
+        "{e}"
+    );
+
+    let f = write_with(&root, "rope", |_, p| {
+        p.insert(
+            "rope_freqs.weight".into(),
+            Tensor::ones(4, DType::F32, &Device::Cpu).unwrap(),
+        );
+    });
+    let e = err(&f);
+    assert!(
+        e.contains("rope_freqs.weight") && e.contains("Llama 3"),
+        "{e}"
+    );
+
+    let f = write_with(&root, "scaling", |m, _| {
+        set(m, "llama.rope.scaling.type", Value::String("yarn".into()))
+    });
+    let e = err(&f);
+    assert!(
+        e.contains("llama.rope.scaling.type") && e.contains("yarn"),
+        "{e}"
+    );
+
+    let f = write_with(&root, "nokey", |m, _| {
+        m.retain(|(k, _)| k != "llama.attention.head_count")
+    });
+    let e = err(&f);
+    assert!(
+        e.contains("llama.attention.head_count") && e.contains("missing"),
+        "{e}"
+    );
+
+    let f = write_with(&root, "badtype", |m, _| {
+        set(m, "llama.block_count", Value::String("two".into()))
+    });
+    let e = err(&f);
+    assert!(e.contains("llama.block_count"), "{e}");
+
+    let f = write_with(&root, "layers", |m, _| {
+        set(m, "llama.block_count", Value::U32(3))
+    });
+    let e = err(&f);
+    assert!(
+        e.contains("llama.block_count") && e.contains("3 layers"),
+        "{e}"
+    );
+
+    let f = write_with(&root, "huge", |m, _| {
+        set(m, "llama.block_count", Value::U32(u32::MAX))
+    });
+    let e = err(&f);
+    assert!(
+        e.contains("llama.block_count") && e.contains("holds tensors of 2"),
+        "{e}"
+    );
+
+    let f = write_with(&root, "context", |m, _| {
+        set(m, "llama.context_length", Value::U64(u64::MAX >> 1))
+    });
+    let e = err(&f);
+    assert!(
+        e.contains("llama.context_length") && e.contains("too large"),
+        "{e}"
+    );
+
+    let f = write_with(&root, "shape", |m, _| {
+        set(m, "llama.embedding_length", Value::U32(64))
+    });
+    let e = err(&f);
+    assert!(e.contains("shape"), "{e}");
+
+    let f = write_with(&root, "extra", |_, p| {
+        p.remove("lm_head.weight");
+        p.insert(
+            "model.layers.0.mlp.gate_proj.bias".into(),
+            Tensor::zeros(64, DType::F32, &Device::Cpu).unwrap(),
+        );
+    });
+    let e = err(&f);
+    assert!(e.contains("blk.0.ffn_gate.bias"), "{e}");
+
+    // Truncated anywhere: an error, never a panic.
+    let good = std::fs::read(write_with(&root, "good", |_, _| {})).unwrap();
+    assert!(GgufModel::open(root.join("good.gguf")).is_ok());
+    for cut in [0, 3, 8, 30, 200, 5000, good.len() / 2, good.len() - 1] {
+        let f = root.join("cut.gguf");
+        std::fs::write(&f, &good[..cut]).unwrap();
+        match GgufModel::open(&f) {
+            Err(_) => {}
+            Ok(g) => {
+                let e = g.tensors(DType::F32, &Device::Cpu).unwrap_err();
+                assert!(matches!(e, GgufError::Tensor { .. }), "{e}");
+            }
+        }
+    }
+    // Flipped bytes in the header: an error or a model, never a panic.
+    for at in (0..good.len().min(4000)).step_by(97) {
+        let mut bad = good.clone();
+        bad[at] ^= 0xA5;
+        let f = root.join("flip.gguf");
+        std::fs::write(&f, &bad).unwrap();
+        if let Ok(g) = GgufModel::open(&f) {
+            let _ = g.tensors(DType::F32, &Device::Cpu);
+        }
+    }
+}
+
+/// Real text from the GSM8K file, a few hundred lines.
+fn real_text() -> Vec<String> {
+    let data = std::env::var_os("XDISTILL_DATA")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/work/shared/data"));
+    let text = std::fs::read_to_string(data.join("gsm8k/train.jsonl"))
+        .expect("GSM8K at $XDISTILL_DATA/gsm8k/train.jsonl (default /work/shared/data)");
+    let mut out = Vec::new();
+    for line in text.lines().take(300) {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        out.push(v["question"].as_str().unwrap().to_string());
+        out.push(v["answer"].as_str().unwrap().to_string());
+    }
+    out.push("  leading spaces, tabs\tand\nnew lines\n\n  ".into());
+    out.push("Ünïcödé — “quotes”, emoji 🙂, 日本語のテキスト, 1234567 + 89".into());
+    out
+}
+
+/// A GGUF tokenizer made from the vocabulary, merges and added tokens of a real `tokenizer.json`
+/// (as llama.cpp's converter stores them) gives that tokenizer's ids on real text.
+#[test]
+fn gguf_tokenizer_gives_the_ids_of_its_tokenizer_json() {
+    for (name, pre, specials) in [
+        (
+            "qwen3",
+            "qwen2",
+            "<|im_start|>user\nhi<|im_end|><|endoftext|>",
+        ),
+        ("llama3", "llama-bpe", "<|begin_of_text|>hi<|eot_id|>"),
+    ] {
+        let path = xdistill_shared::paths::tokenizer_json(name);
+        let json: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        let reference = tokenizers::Tokenizer::from_file(&path).unwrap();
+        let meta: HashMap<String, Value> = bpe_tokenizer_metadata(&json, pre)
+            .unwrap()
+            .into_iter()
+            .collect();
+        let built =
+            xdistill_shared::gguf::tokenizer::from_metadata(Path::new(name), &meta).unwrap();
+        let tok: tokenizers::Tokenizer = built.json.parse().unwrap();
+        assert_eq!(
+            tok.get_vocab_size(true),
+            reference.get_vocab_size(true),
+            "{name}"
+        );
+        let mut texts = real_text();
+        texts.push(specials.into());
+        let mut n = 0;
+        for t in &texts {
+            let want = reference.encode(t.as_str(), false).unwrap();
+            let got = tok.encode(t.as_str(), false).unwrap();
+            assert_eq!(got.get_ids(), want.get_ids(), "{name}: {t:?}");
+            assert_eq!(tok.decode(got.get_ids(), false).unwrap(), *t, "{name}");
+            n += got.len();
+        }
+        eprintln!("{name}: {} texts, {n} tokens, ids equal", texts.len());
+    }
+}
+
+/// BOS/EOS on encode and added tokens as transformers 5.24 builds them from the same metadata
+/// (the expected ids were printed by `AutoTokenizer.from_pretrained(dir, gguf_file=...)` on a
+/// file written by the `gguf` Python package with these keys).
+#[test]
+fn bos_eos_and_user_defined_tokens_follow_transformers() {
+    let mut tokens: Vec<Value> = (33u8..127)
+        .map(|c| Value::String(char::from(c).into()))
+        .collect();
+    let mut types = vec![Value::I32(1); tokens.len()];
+    for (t, ty) in [("<s>", 3), ("</s>", 3), ("<|u|>", 4), ("hi", 1)] {
+        tokens.push(Value::String(t.into()));
+        types.push(Value::I32(ty));
+    }
+    for (bos, eos, want) in [
+        (true, false, vec![94, 97, 96, 71]),
+        (false, true, vec![97, 96, 71, 95]),
+        (true, true, vec![94, 97, 96, 71, 95]),
+        (false, false, vec![97, 96, 71]),
+    ] {
+        let meta: HashMap<String, Value> = [
+            ("tokenizer.ggml.model", Value::String("gpt2".into())),
+            ("tokenizer.ggml.pre", Value::String("default".into())),
+            ("tokenizer.ggml.tokens", Value::Array(tokens.clone())),
+            ("tokenizer.ggml.token_type", Value::Array(types.clone())),
+            (
+                "tokenizer.ggml.merges",
+                Value::Array(vec![Value::String("h i".into())]),
+            ),
+            ("tokenizer.ggml.bos_token_id", Value::U32(94)),
+            ("tokenizer.ggml.eos_token_id", Value::U32(95)),
+            ("tokenizer.ggml.add_bos_token", Value::Bool(bos)),
+            ("tokenizer.ggml.add_eos_token", Value::Bool(eos)),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        let built =
+            xdistill_shared::gguf::tokenizer::from_metadata(Path::new("t.gguf"), &meta).unwrap();
+        let tok: tokenizers::Tokenizer = built.json.parse().unwrap();
+        let got = tok.encode("hi<|u|>h", true).unwrap().get_ids().to_vec();
+        assert_eq!(got, want, "add_bos {bos}, add_eos {eos}");
+    }
+}
