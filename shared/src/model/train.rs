@@ -226,6 +226,20 @@ fn pull(out: &Tensor, grad: &Tensor) -> Result<GradStore> {
     (out * grad)?.sum_all()?.backward()
 }
 
+/// The parameters' entries of `g`: vectors and matrices. candle's `backward` also returns
+/// gradients for constant operands (RoPE tables broadcast to `[1, 1, T, D]`), each under its own
+/// key; summed over the layers they would grow with the sequence for nothing.
+fn params_only(g: GradStore) -> GradStore {
+    let mut out = GradStore::default();
+    let ids: Vec<_> = g.get_ids().copied().collect();
+    for id in ids {
+        if let Some(t) = g.get_id(id).filter(|t| t.rank() <= 2) {
+            out.insert_id(id, t.clone());
+        }
+    }
+    out
+}
+
 /// Removes and returns the gradient of leaf `v` from `g` (zeros if nothing reached it).
 fn take(g: &mut GradStore, v: &Var) -> Result<Tensor> {
     match g.remove(v.as_tensor()) {
@@ -257,8 +271,8 @@ impl Decoder {
             let surrogate = ((&q * dq)?.sum_all()? + (&k * dk)?.sum_all()?)?;
             let mut before = (surrogate + (&v * dv)?.sum_all()?)?.backward()?;
             g = (gx_residual + take(&mut before, &x)?)?;
-            total.extend(after)?;
-            total.extend(before)?;
+            total.extend(params_only(after))?;
+            total.extend(params_only(before))?;
         }
         // 3. The embedding (for tied heads the caller adds the head's own gradient).
         let embedded = self.embed(&s.ids)?;

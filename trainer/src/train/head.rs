@@ -143,8 +143,21 @@ impl Acc {
     }
 
     /// Backpropagates `loss` (a scalar of one chunk) and adds its gradients: the leaf's rows
-    /// into the hidden-state gradient at `idx` `[n]`, everything else to the head's.
-    fn absorb(&mut self, loss: &Tensor, leaf: &Var, idx: &Tensor) -> Result<()> {
+    /// into the hidden-state gradient at `idx` `[n]`, the head's (`head_dims`, `[V, H]`) to the
+    /// head's sum.
+    ///
+    /// The head weight is the only parameter a chunk's loss reaches. candle's `backward` also
+    /// returns gradients for the loss's constant operands (teacher probabilities, masks: up to
+    /// `[n, V]` each), with keys of their own; kept, they would pile up one chunk after another
+    /// (measured: one `[n, V]` f32 per chunk, linear in the sequence), so only `[V, H]` entries
+    /// are kept.
+    fn absorb(
+        &mut self,
+        loss: &Tensor,
+        leaf: &Var,
+        idx: &Tensor,
+        head_dims: &[usize],
+    ) -> Result<()> {
         if !loss.track_op() {
             return Ok(()); // a constant (a chunk with nothing to train): no gradient
         }
@@ -154,7 +167,14 @@ impl Acc {
             let gl = gl.to_dtype(self.hidden.dtype())?.reshape(((), h))?;
             self.hidden = self.hidden.index_add(idx, &gl, 0)?;
         }
-        self.head.extend(g)?;
+        let mut head = GradStore::default();
+        let ids: Vec<_> = g.get_ids().copied().collect();
+        for id in ids {
+            if let Some(t) = g.get_id(id).filter(|t| t.dims() == head_dims) {
+                head.insert_id(id, t.clone());
+            }
+        }
+        self.head.extend(head)?;
         Ok(())
     }
 }
@@ -217,6 +237,7 @@ where
         DType::F32
     };
     let flat = hidden.reshape((b * t, h))?;
+    let head_dims = model.lm_head().dims().to_vec();
     let mut main = Acc::new(b * t, h, acc_dt, dev)?;
     // Dynamic scaling: the KD term's gradient apart from the CE term's (in `main`).
     let mut kd_acc = match mix {
@@ -270,15 +291,15 @@ where
                     add(l.affine(w_ce, 0.0)?)?;
                 }
                 if let Some(total) = total {
-                    main.absorb(&total, &leaf, &idx)?;
+                    main.absorb(&total, &leaf, &idx, &head_dims)?;
                 }
             }
             Mix::Dynamic { .. } => {
                 if let (Some((l, _)), Some(acc)) = (&c.kd, kd_acc.as_mut()) {
-                    acc.absorb(l, &leaf, &idx)?;
+                    acc.absorb(l, &leaf, &idx, &head_dims)?;
                 }
                 if let Some((l, _)) = &c.ce {
-                    main.absorb(l, &leaf, &idx)?;
+                    main.absorb(l, &leaf, &idx, &head_dims)?;
                 }
             }
         }
