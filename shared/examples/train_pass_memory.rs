@@ -15,19 +15,9 @@ use std::time::Instant;
 use xdistill_shared::hf::ModelDir;
 use xdistill_shared::model::{Activations, Decoder, Ops};
 
-/// `VmHWM` or `VmRSS` of this process in MiB.
+/// `VmRSS` or `VmHWM` of this process in MiB.
 fn status_mib(key: &str) -> Result<f64> {
-    let s = std::fs::read_to_string("/proc/self/status")?;
-    let line = s
-        .lines()
-        .find(|l| l.starts_with(key))
-        .with_context(|| format!("{key} not in /proc/self/status"))?;
-    let kb: f64 = line
-        .split_whitespace()
-        .nth(1)
-        .context("no value")?
-        .parse()?;
-    Ok(kb / 1024.0)
+    Ok(xdistill_shared::process::status_mib("self", key)?)
 }
 
 fn main() -> Result<()> {

@@ -130,3 +130,16 @@ pub fn http_status(url: &str) -> std::io::Result<u16> {
         .and_then(|c| c.parse().ok())
         .ok_or_else(|| std::io::Error::other("bad HTTP status line"))
 }
+
+/// A memory figure of a process from `/proc/PID/status` in MiB (`key`: `VmRSS`, `VmHWM` (the
+/// high-water mark), `VmSize`); `pid` is a number or `self`. Linux only: an error elsewhere.
+pub fn status_mib(pid: &str, key: &str) -> std::io::Result<f64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let missing = || std::io::Error::other(format!("{key} not in /proc/{pid}/status"));
+    let kb: f64 = s
+        .lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .ok_or_else(missing)?;
+    Ok(kb / 1024.0)
+}

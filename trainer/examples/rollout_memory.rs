@@ -11,18 +11,9 @@ use tokenizers::Tokenizer;
 use xdistill_trainer::generate::{generate_seeded, GenerationConfig};
 use xdistill_trainer::student::Student;
 
+/// `VmRSS` or `VmHWM` of this process in MiB.
 fn status_mib(key: &str) -> Result<f64> {
-    let s = std::fs::read_to_string("/proc/self/status")?;
-    let line = s
-        .lines()
-        .find(|l| l.starts_with(key))
-        .with_context(|| format!("{key} not in /proc/self/status"))?;
-    let kb: f64 = line
-        .split_whitespace()
-        .nth(1)
-        .context("no value")?
-        .parse()?;
-    Ok(kb / 1024.0)
+    Ok(xdistill_shared::process::status_mib("self", key)?)
 }
 
 fn main() -> Result<()> {
