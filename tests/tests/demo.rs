@@ -1,4 +1,11 @@
-//! `trainer demo --fast`: the whole pipeline (task and its scarce-label files, teacher SFT with
+//! `trainer demo --fast`, both tasks.
+//!
+//! The pretrained task on a tiny GGUF teacher written here (a real tokenizer with ChatML turns
+//! and a chat template in its metadata, as SmolLM2's file has): fetch bypassed, pruning,
+//! chat-formatted data, the teacher binary serving the GGUF, SFT and distillation runs, the
+//! held-out measurements and the report.
+//!
+//! The arithmetic task: the whole pipeline (task and its scarce-label files, teacher SFT with
 //! corrected prefixes, its after-mistake measurement, teacher server, cross-tokenizer student,
 //! both scenarios' warm-ups and SFT / off-policy / on-policy runs, evaluation, summary) through
 //! the real binaries, on tiny models; checks the summary's shape and the sanity of its values.
@@ -21,7 +28,7 @@ fn fast_demo_end_to_end() {
     let out = dir.path().join("demo");
     let run = || {
         let o = Command::new(&trainer)
-            .args(["demo", "--fast", "--output"])
+            .args(["demo", "--task", "arithmetic", "--fast", "--output"])
             .arg(&out)
             .arg("--teacher-bin")
             .arg(&teacher)
@@ -154,4 +161,144 @@ fn fast_demo_end_to_end() {
         serde_json::from_slice(&std::fs::read(out.join("summary.json")).unwrap()).unwrap();
     assert_eq!(again["teacher_cached"].as_bool(), Some(true));
     assert_eq!(again["teacher"]["accuracy"], summary["teacher"]["accuracy"]);
+}
+
+/// A 3-layer random llama with the Qwen3 tokenizer as a GGUF file: the shape of SmolLM2's
+/// (ChatML turns, `<|im_end|>` as EOS, the chat template in the metadata).
+fn tiny_chat_gguf(dir: &std::path::Path) -> std::path::PathBuf {
+    use candle_core::quantized::gguf_file::Value;
+    use xdistill_shared::gguf::write::{bpe_tokenizer_metadata, config_metadata, write_gguf};
+    let tok = xdistill_shared::paths::tokenizer_json("qwen3");
+    let model = dir.join("teacher_dir");
+    xdistill_trainer::init_model::run(xdistill_trainer::init_model::Args {
+        arch: "llama".into(),
+        tokenizer: tok.clone(),
+        hidden_size: 32,
+        layers: 3,
+        heads: 4,
+        kv_heads: 2,
+        intermediate_size: 64,
+        head_dim: None,
+        pad_vocab_to: 1,
+        max_position_embeddings: 512,
+        tie_embeddings: true,
+        init_std: 0.1,
+        seed: 5,
+        out: model.clone(),
+        features: Default::default(),
+    })
+    .unwrap();
+    let md = xdistill_shared::hf::ModelDir::open(&model).unwrap();
+    let mut params = std::collections::HashMap::new();
+    for w in &md.weights {
+        params.extend(candle_core::safetensors::load(w, &candle_core::Device::Cpu).unwrap());
+    }
+    let tok_json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&tok).unwrap()).unwrap();
+    let id = |t: &str| {
+        let added = tok_json["added_tokens"].as_array().unwrap();
+        let a = added.iter().find(|a| a["content"] == t).unwrap();
+        Value::U32(a["id"].as_u64().unwrap() as u32)
+    };
+    let mut meta = config_metadata("llama", &md.config);
+    meta.extend(bpe_tokenizer_metadata(&tok_json, "qwen2").unwrap());
+    meta.push(("tokenizer.ggml.bos_token_id".into(), id("<|im_start|>")));
+    meta.push(("tokenizer.ggml.eos_token_id".into(), id("<|im_end|>")));
+    meta.push((
+        "tokenizer.chat_template".into(),
+        Value::String(
+            "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + \
+             message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt \
+             %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+                .into(),
+        ),
+    ));
+    let file = dir.join("teacher.gguf");
+    write_gguf(
+        &file,
+        "llama",
+        &md.config,
+        &params,
+        candle_core::quantized::GgmlDType::Q8_0,
+        &meta,
+    )
+    .unwrap();
+    file
+}
+
+#[test]
+fn fast_pretrained_demo_end_to_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let gguf = tiny_chat_gguf(dir.path());
+    let out = dir.path().join("demo");
+    let o = Command::new(xdistill_tests::trainer_binary())
+        .args(["demo", "--fast", "--output"])
+        .arg(&out)
+        .arg("--teacher-gguf")
+        .arg(&gguf)
+        .arg("--teacher-bin")
+        .arg(xdistill_tests::teacher_binary())
+        .env("CI", "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout).to_string();
+    assert!(
+        o.status.success(),
+        "demo failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    for name in ["teacher (3 layers)", "student_init", "sft", "distill"] {
+        assert!(stdout.contains(name), "table lacks {name}:\n{stdout}");
+    }
+    let s: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("summary.json")).unwrap()).unwrap();
+    let steps = s["preset"]["steps"].as_u64().unwrap();
+    assert_eq!(
+        s["kept_layers"],
+        serde_json::json!([0]),
+        "--fast keeps one layer"
+    );
+    let ppl = s["teacher_perplexity"].as_f64().unwrap();
+    assert!(ppl.is_finite() && ppl > 1.0, "teacher perplexity {ppl}");
+    let init_kl = s["student_init"]["kl"][0][1].as_f64().unwrap();
+    assert!(
+        init_kl > 0.0 && init_kl.is_finite(),
+        "a pruned student differs: {init_kl}"
+    );
+    for m in ["sft", "distill"] {
+        for key in ["kl", "perplexity"] {
+            let c = s[m][key].as_array().unwrap();
+            assert_eq!(
+                c[0], s["student_init"][key][0],
+                "{m}.{key} starts at the pruned student"
+            );
+            assert_eq!(
+                c.last().unwrap()[0].as_u64(),
+                Some(steps),
+                "{m}.{key} ends at the budget"
+            );
+            assert!(
+                c.iter().all(|p| p[1].as_f64().is_some_and(f64::is_finite)),
+                "{m}.{key}: {c:?}"
+            );
+        }
+        assert!(out.join(m).join("run/final/config.json").is_file());
+        assert_eq!(s[m]["answers"].as_array().unwrap().len(), 2);
+    }
+    // The records went through the chat template; the held-out ones are not trained on.
+    let lines = |f: &str| std::fs::read_to_string(out.join("data").join(f)).unwrap();
+    let (train, held) = (lines("train.jsonl"), lines("held_out.jsonl"));
+    let first: serde_json::Value = serde_json::from_str(held.lines().next().unwrap()).unwrap();
+    let prompt = first["prompt"].as_str().unwrap();
+    assert!(
+        prompt.starts_with("<|im_start|>user\n") && prompt.ends_with("<|im_start|>assistant\n")
+    );
+    assert!(first["completion"]
+        .as_str()
+        .unwrap()
+        .ends_with("<|im_end|>"));
+    assert!(held.lines().all(|h| !train.contains(h)));
+    for f in ["curves.svg", "perplexity.svg", "answers.md"] {
+        assert!(out.join(f).is_file(), "{f}");
+    }
 }

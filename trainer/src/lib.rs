@@ -3,6 +3,7 @@
 pub mod align;
 pub mod answer;
 pub mod bench_step;
+pub mod chat;
 pub mod checkpoint;
 pub mod client;
 pub mod collate;
@@ -16,6 +17,7 @@ pub mod loss;
 pub mod metrics_log;
 pub mod model_check;
 pub mod optim;
+pub mod prune;
 pub mod student;
 pub mod task;
 pub mod train;

@@ -3,7 +3,7 @@
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 
-use xdistill_trainer::{align, bench_step, config, demo, eval, init_model, task, train};
+use xdistill_trainer::{align, bench_step, config, demo, eval, init_model, prune, task, train};
 
 #[derive(Parser)]
 #[command(
@@ -20,6 +20,8 @@ struct Cli {
 enum Command {
     /// Write a randomly initialised model as a Hugging Face directory.
     InitModel(init_model::Args),
+    /// Write a depth-pruned copy of a model (directory or GGUF): a student started from its teacher.
+    Prune(prune::Args),
     /// Distil a student from a teacher server on dataset text (off-policy).
     OffPolicy(config::OffPolicyArgs),
     /// Distil on the student's own samples scored by the teacher (on-policy, mixable with off-policy).
@@ -54,6 +56,7 @@ fn main() -> Result<()> {
     tracing::debug!(simd = simd.name(), "host SIMD level");
     match Cli::parse().command {
         Command::InitModel(a) => init_model::run(a),
+        Command::Prune(a) => prune::run(a),
         Command::OffPolicy(a) => train::off_policy::run(a),
         Command::OnPolicy(a) => train::on_policy::run(a),
         Command::Sft(a) => train::sft::run(a),

@@ -1,5 +1,6 @@
-//! `trainer demo`: the end-to-end comparison on the synthetic arithmetic task, in two
-//! scenarios.
+//! `trainer demo`: by default a real pretrained teacher distilled into a depth-pruned copy of
+//! itself ([`pretrained`]); with `--task arithmetic`, the end-to-end comparison on the synthetic
+//! arithmetic task, in two scenarios, described below.
 //!
 //! 1. Writes the task (seeded) and the files each side may see ([`files`]).
 //! 2. Builds a teacher by SFT on the whole task (optionally fine-tuned on corrected-prefix
@@ -31,12 +32,16 @@ use crate::eval::{self, EvalConfig, EvalRecord};
 use crate::train::off_policy;
 pub mod files;
 pub mod mistakes;
+pub mod pretrained;
+pub mod pypi;
 mod report;
 mod scenario;
 mod settings;
 pub mod tokenizers;
 
-pub use report::{goal, steps_to, svg, table, Curves, Goal, Row, Scenario, Summary};
+pub use report::{
+    goal, plot, steps_to, svg, table, Curves, Goal, PlotAxis, Row, Scenario, Summary,
+};
 pub use settings::{DemoSettings, ModelSpec, ScarceSpec, TeacherData, TrainSpec};
 
 use anyhow::{bail, Context, Result};
@@ -68,19 +73,41 @@ impl Scenarios {
     }
 }
 
+/// What the demo distils.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Task {
+    /// A real pretrained teacher (SmolLM2-135M-Instruct, GGUF from PyPI) into a depth-pruned
+    /// copy of itself, on real text.
+    #[default]
+    Pretrained,
+    /// The synthetic 2-digit-addition task: a teacher trained here, SFT vs off- and on-policy
+    /// distillation with scarce labels.
+    Arithmetic,
+}
+
 /// `trainer demo`.
 #[derive(clap::Args, Debug, Clone)]
 pub struct DemoArgs {
-    /// Output directory (task, teacher cache, runs, summary.json, curves).
+    /// Output directory (runs, summary.json, curves; the arithmetic task's teacher cache).
     #[arg(long, default_value = "runs/demo")]
     pub output: PathBuf,
-    /// Tiny models and a handful of steps: checks the whole pipeline in well under a minute
+    /// What to distil.
+    #[arg(long, value_enum, default_value_t = Task::Pretrained)]
+    pub task: Task,
+    /// The pretrained task's teacher: this GGUF file instead of fetching SmolLM2 (offline).
+    #[arg(long)]
+    pub teacher_gguf: Option<PathBuf>,
+    /// The pretrained task: keep these teacher layers in the student (e.g. `0-4,25-29`;
+    /// default: 10 evenly spaced).
+    #[arg(long)]
+    pub keep_layers: Option<String>,
+    /// A handful of steps on tiny data (arithmetic: tiny models): checks the whole pipeline
     /// (the numbers mean nothing).
     #[arg(long, conflicts_with = "full")]
     pub fast: bool,
-    /// The calibrated comparison (docs/demo.md): a teacher with the Qwen3 tokenizer, a student
-    /// with Llama 2's (cross-tokenizer), both scenarios — 15–25 min on 2 cores. Without it (or
-    /// --fast) the demo runs its quick preset: one tokenizer, the scarce scenario, a few minutes.
+    /// The longer run. Pretrained: 4× the steps and problems per step. Arithmetic: the
+    /// calibrated comparison (docs/demo.md), a teacher with the Qwen3 tokenizer, a student with
+    /// Llama 2's (cross-tokenizer), both scenarios — 15–25 min on 2 cores.
     #[arg(long)]
     pub full: bool,
     /// Training steps per method (default: the preset's).
@@ -443,6 +470,74 @@ fn steps_of(v: &serde_json::Value) -> u64 {
 
 /// `trainer demo`.
 pub fn run(a: DemoArgs) -> Result<()> {
+    match a.task {
+        Task::Pretrained => run_pretrained(a),
+        Task::Arithmetic => run_arithmetic(a),
+    }
+}
+
+/// `trainer demo` on the pretrained teacher.
+fn run_pretrained(a: DemoArgs) -> Result<()> {
+    let arithmetic_only = [
+        ("--warmup-steps", a.warmup_steps.is_some()),
+        ("--labelled", a.labelled.is_some()),
+        ("--label-seed", a.label_seed.is_some()),
+        ("--rollout-temperature", a.rollout_temperature.is_some()),
+        ("--scenario", a.scenario.is_some()),
+        ("--teacher-data", a.teacher_data.is_some()),
+        ("--rebuild-teacher", a.rebuild_teacher),
+    ];
+    if let Some((flag, _)) = arithmetic_only.iter().find(|(_, set)| *set) {
+        bail!("{flag} belongs to the arithmetic task: add --task arithmetic");
+    }
+    let mut p = if a.fast {
+        pretrained::Preset::fast()
+    } else if a.full {
+        pretrained::Preset::full()
+    } else {
+        pretrained::Preset::quick()
+    };
+    if let Some(n) = a.steps {
+        if n == 0 {
+            bail!("--steps must be at least 1");
+        }
+        p.steps = n;
+    }
+    if let Some(lr) = a.lr {
+        if !(lr.is_finite() && lr > 0.0) {
+            bail!("--lr must be a positive number, got {lr}");
+        }
+        p.lr = lr;
+    }
+    if let Some(list) = &a.keep_layers {
+        p.keep_layers = Some(crate::prune::parse_layers(list)?);
+    }
+    let o = pretrained::Options {
+        teacher_gguf: a.teacher_gguf.as_deref(),
+        teacher_bin: a.teacher_bin.as_deref(),
+    };
+    let s = pretrained::run(&a.output, &p, &o)?;
+    println!(
+        "\n{} problems per step × {} steps for each method, the same records in the same order; \
+         measured on {} held-out problems:\n\n{}",
+        p.prompts_per_step,
+        p.steps,
+        p.held_out,
+        pretrained::table(&s)
+    );
+    println!(
+        "wrote {} (curves.svg, perplexity.svg, answers.md beside it; {:.0} s in all)",
+        a.output.join("summary.json").display(),
+        s.wall_seconds
+    );
+    Ok(())
+}
+
+/// `trainer demo --task arithmetic`.
+fn run_arithmetic(a: DemoArgs) -> Result<()> {
+    if a.teacher_gguf.is_some() || a.keep_layers.is_some() {
+        bail!("--teacher-gguf and --keep-layers belong to the pretrained task (the default)");
+    }
     let (mut settings, default_scenarios) = if a.fast {
         (DemoSettings::fast(), Scenarios::Both)
     } else if a.full {
@@ -523,7 +618,7 @@ pub fn run(a: DemoArgs) -> Result<()> {
     if !a.fast && !a.full {
         println!(
             "\nThis was the quick preset: one tokenizer and {} steps per method, a budget too small \
-             for the students to catch up with the teacher. `trainer demo --full` runs the \
+             for the students to catch up with the teacher. `trainer demo --task arithmetic --full` runs the \
              calibrated comparison (cross-tokenizer, both scenarios, 15–25 min on 2 cores; \
              docs/demo.md).",
             settings_steps
@@ -763,6 +858,9 @@ mod tests {
     fn args(out: &Path) -> DemoArgs {
         DemoArgs {
             output: out.to_path_buf(),
+            task: Task::Arithmetic,
+            teacher_gguf: None,
+            keep_layers: None,
             fast: true,
             full: false,
             steps: None,
@@ -817,5 +915,50 @@ mod tests {
             assert!(err.contains(flag), "{err}");
         }
         assert!(!out.exists(), "nothing was written");
+    }
+
+    /// Each task refuses the other's flags, and the pretrained task its own bad values, before
+    /// anything runs.
+    #[test]
+    fn flags_of_the_other_task_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("demo");
+        let pretrained = |a: DemoArgs| DemoArgs {
+            task: Task::Pretrained,
+            ..a
+        };
+        for (a, says) in [
+            (
+                pretrained(DemoArgs {
+                    labelled: Some(3),
+                    ..args(&out)
+                }),
+                "--labelled belongs to the arithmetic task",
+            ),
+            (
+                pretrained(DemoArgs {
+                    keep_layers: Some("3,1".into()),
+                    ..args(&out)
+                }),
+                "strictly increasing",
+            ),
+            (
+                pretrained(DemoArgs {
+                    teacher_gguf: Some(dir.path().join("missing.gguf")),
+                    ..args(&out)
+                }),
+                "missing.gguf: no such file",
+            ),
+            (
+                DemoArgs {
+                    teacher_gguf: Some(dir.path().join("x.gguf")),
+                    ..args(&out)
+                },
+                "belong to the pretrained task",
+            ),
+        ] {
+            let err = run(a).unwrap_err().to_string();
+            assert!(err.contains(says), "{err}");
+        }
     }
 }

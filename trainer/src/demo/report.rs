@@ -153,20 +153,47 @@ pub fn table(teacher: &Row, s: &Scenario) -> String {
     t
 }
 
+/// The y axis of [`plot`]: its label, its top (the bottom is 0), and a dashed reference line.
+pub struct PlotAxis<'a> {
+    pub label: &'a str,
+    pub max: f64,
+    pub reference: Option<(&'a str, f64)>,
+}
+
 /// A small SVG line plot of the accuracy curves (no plotting dependency).
 pub fn svg(curves: &[(&str, &[(u64, f64)])], teacher_acc: f64, budget: u64) -> String {
+    let axis = PlotAxis {
+        label: "held-out accuracy (greedy)",
+        max: 1.0,
+        reference: Some(("teacher", teacher_acc)),
+    };
+    plot(curves, &axis, budget)
+}
+
+/// A small SVG line plot of curves over training steps `0..=budget` (no plotting dependency).
+pub fn plot(curves: &[(&str, &[(u64, f64)])], axis: &PlotAxis, budget: u64) -> String {
     let (w, h, l, r, top, bot) = (560.0, 340.0, 50.0, 130.0, 20.0, 40.0);
     let (pw, ph) = (w - l - r, h - top - bot);
+    let max = if axis.max > 0.0 && axis.max.is_finite() {
+        axis.max
+    } else {
+        1.0
+    };
     let x = |s: u64| l + pw * s as f64 / budget.max(1) as f64;
-    let y = |a: f64| top + ph * (1.0 - a.clamp(0.0, 1.0));
+    let y = |a: f64| top + ph * (1.0 - (a / max).clamp(0.0, 1.0));
     let mut o = format!(
         "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
          <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
     );
+    let digits = if max >= 10.0 {
+        0
+    } else {
+        1 + usize::from(max < 1.0)
+    };
     for i in 0..=5 {
-        let a = i as f64 / 5.0;
+        let a = max * i as f64 / 5.0;
         o += &format!(
-            "<line x1=\"{l}\" x2=\"{}\" y1=\"{y:.1}\" y2=\"{y:.1}\" stroke=\"#ddd\"/><text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{a:.1}</text>\n",
+            "<line x1=\"{l}\" x2=\"{}\" y1=\"{y:.1}\" y2=\"{y:.1}\" stroke=\"#ddd\"/><text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{a:.digits$}</text>\n",
             l + pw,
             l - 6.0,
             y(a) + 4.0,
@@ -183,23 +210,26 @@ pub fn svg(curves: &[(&str, &[(u64, f64)])], teacher_acc: f64, budget: u64) -> S
     }
     o += &format!(
         "<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">training step</text>\n\
-         <text x=\"14\" y=\"{:.1}\" transform=\"rotate(-90 14 {:.1})\" text-anchor=\"middle\">held-out accuracy (greedy)</text>\n",
+         <text x=\"14\" y=\"{:.1}\" transform=\"rotate(-90 14 {:.1})\" text-anchor=\"middle\">{}</text>\n",
         l + pw / 2.0,
         h - 6.0,
         top + ph / 2.0,
-        top + ph / 2.0
+        top + ph / 2.0,
+        axis.label
     );
-    o += &format!(
-        "<line x1=\"{l}\" x2=\"{}\" y1=\"{t:.1}\" y2=\"{t:.1}\" stroke=\"black\" stroke-dasharray=\"5,4\"/>\n\
-         <text x=\"{}\" y=\"{:.1}\">teacher</text>\n",
-        l + pw,
-        l + pw + 8.0,
-        y(teacher_acc) + 4.0,
-        t = y(teacher_acc)
-    );
+    let reference_y = axis.reference.map(|(_, v)| y(v));
+    if let (Some((name, _)), Some(t)) = (axis.reference, reference_y) {
+        o += &format!(
+            "<line x1=\"{l}\" x2=\"{}\" y1=\"{t:.1}\" y2=\"{t:.1}\" stroke=\"black\" stroke-dasharray=\"5,4\"/>\n\
+             <text x=\"{}\" y=\"{:.1}\">{name}</text>\n",
+            l + pw,
+            l + pw + 8.0,
+            t + 4.0,
+        );
+    }
     let colors = ["#1f77b4", "#ff7f0e", "#2ca02c"];
-    // The legend sits in the right margin, in the half the teacher's label is not in.
-    let legend_top = if y(teacher_acc) < top + ph / 2.0 {
+    // The legend sits in the right margin, in the half the reference's label is not in.
+    let legend_top = if reference_y.is_some_and(|t| t < top + ph / 2.0) {
         top + ph / 2.0
     } else {
         top + 20.0
@@ -285,5 +315,22 @@ mod tests {
         assert!(s.contains(">teacher<"));
         // Step 100 of 100 at accuracy 1.0 is the plot's top-right corner (x = 50 + 380, y = 20).
         assert!(s.contains("430.0,20.0"), "{s}");
+    }
+
+    #[test]
+    fn plot_scales_to_its_axis() {
+        let c: Vec<(u64, f64)> = vec![(0, 8.0), (10, 2.0)];
+        let axis = PlotAxis {
+            label: "KL",
+            max: 8.0,
+            reference: None,
+        };
+        let s = plot(&[("a", &c)], &axis, 10);
+        // (0, 8.0) is the top-left corner; (10, 2.0) a quarter up at the right: y = 20 + 280 * 0.75.
+        assert!(s.contains("50.0,20.0 430.0,230.0"), "{s}");
+        assert!(
+            !s.contains("stroke-dasharray"),
+            "no reference line asked for"
+        );
     }
 }
