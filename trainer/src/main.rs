@@ -21,9 +21,9 @@ enum Command {
     /// Write a randomly initialised model as a Hugging Face directory.
     InitModel(init_model::Args),
     /// Distil a student from a teacher server on dataset text (off-policy).
-    OffPolicy(config::OffPolicyArgs),
+    OffPolicy(config::DistillArgs),
     /// Distil on the student's own samples scored by the teacher (on-policy, mixable with off-policy).
-    OnPolicy(config::OffPolicyArgs),
+    OnPolicy(config::DistillArgs),
     /// Supervised fine-tuning on prompt + completion data (loss on the completion).
     Sft(train::sft::SftArgs),
     /// The end-to-end demo: teacher by SFT, then SFT vs off-policy vs on-policy distillation.
