@@ -47,7 +47,8 @@ pub struct DistillArgs {
     #[command(flatten)]
     pub common: CommonArgs,
     /// Teacher server base URL; repeat for several replicas (replaces `teacher.urls`).
-    #[arg(long = "teacher-url")]
+    // Listed in --help right after --config (same order, then by name), as before the split.
+    #[arg(long = "teacher-url", display_order = 0)]
     pub teacher_url: Vec<String>,
 }
 
