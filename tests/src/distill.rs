@@ -2,7 +2,7 @@
 
 use std::path::{Path, PathBuf};
 use xdistill_shared::init::{init_model_dir, random_params, InitSpec};
-use xdistill_trainer::config::{Config, OffPolicyArgs};
+use xdistill_trainer::config::{CommonArgs, Config, DistillArgs, ObjectiveKind};
 
 #[allow(clippy::too_many_arguments)]
 pub fn model(
@@ -145,18 +145,11 @@ progress_bar = false
         out.file_name().unwrap().to_string_lossy()
     ));
     std::fs::write(&path, &text).unwrap();
-    let args = OffPolicyArgs {
-        config: path,
+    let args = DistillArgs {
+        common: CommonArgs::with_config(path),
         teacher_url: vec![],
-        student: None,
-        data: None,
-        output: None,
-        max_steps: None,
-        resume: false,
-        start_fresh: false,
-        set: vec![],
     };
-    Config::load(&args).expect("config")
+    args.load_config(ObjectiveKind::OffPolicy).expect("config")
 }
 
 /// A teacher whose next-token distribution barely depends on the context: every embedding is

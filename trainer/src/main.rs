@@ -23,9 +23,9 @@ enum Command {
     /// Write a depth-pruned copy of a model (directory or GGUF): a student started from its teacher.
     Prune(prune::Args),
     /// Distil a student from a teacher server on dataset text (off-policy).
-    OffPolicy(config::OffPolicyArgs),
+    OffPolicy(config::DistillArgs),
     /// Distil on the student's own samples scored by the teacher (on-policy, mixable with off-policy).
-    OnPolicy(config::OffPolicyArgs),
+    OnPolicy(config::DistillArgs),
     /// Supervised fine-tuning on prompt + completion data (loss on the completion).
     Sft(train::sft::SftArgs),
     /// The end-to-end demo: teacher by SFT, then SFT vs off-policy vs on-policy distillation.

@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Device};
 use std::path::{Path, PathBuf};
-use xdistill_trainer::config::Config;
+use xdistill_trainer::config::{CommonArgs, Config};
 use xdistill_trainer::data::{Content, Record};
 use xdistill_trainer::train::sft::{encode_record, sft_loss, train, SftArgs, Summary, TaskEval};
 
@@ -83,7 +83,7 @@ progress_bar = false
     ));
     std::fs::write(&path, text).unwrap();
     SftArgs {
-        config: path,
+        common: CommonArgs::with_config(path),
         ..Default::default()
     }
     .load_config()

@@ -26,7 +26,7 @@
 //! string): every method then learns the same end-of-answer marker, whatever each tokenizer's
 //! EOS and however the cross-tokenizer alignment treats special tokens.
 
-use crate::config::{Config, OffPolicyArgs};
+use crate::config::Config;
 use crate::data::Record;
 use crate::eval::{self, EvalConfig, EvalRecord};
 use crate::train::off_policy;
@@ -393,10 +393,7 @@ pub struct KlProbe {
 
 impl KlProbe {
     pub fn new(config_path: &Path, records: Vec<Record>) -> Result<KlProbe> {
-        let cfg = Config::load(&OffPolicyArgs {
-            config: config_path.to_path_buf(),
-            ..Default::default()
-        })?;
+        let cfg = Config::from_file(config_path)?;
         Ok(KlProbe {
             setup: off_policy::setup(cfg)?,
             records,

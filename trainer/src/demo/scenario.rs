@@ -9,7 +9,7 @@ use super::{
     accuracy, copy_dir, curve, run_trainer, seconds_of, sft_run, stage, steps_of, KlProbe,
     RunConfig,
 };
-use crate::config::{Config, OffPolicyArgs};
+use crate::config::Config;
 use crate::data::{self, Record};
 use crate::eval::EvalRecord;
 use anyhow::{Context, Result};
@@ -110,11 +110,7 @@ fn warm_up(ctx: &Ctx, plan: &Plan, dir: &Path) -> Result<(PathBuf, serde_json::V
 
 /// Held-out records for the KL probe, read as the methods' configs read data.
 fn kl_records(probe_cfg: &Path, test: &Path, n: usize) -> Result<Vec<Record>> {
-    let d = Config::load(&OffPolicyArgs {
-        config: probe_cfg.to_path_buf(),
-        ..Default::default()
-    })?
-    .data;
+    let d = Config::from_file(probe_cfg)?.data;
     Ok(
         data::Dataset::load(test, &data::LoadOptions::from_config(&d))?
             .records

@@ -239,15 +239,16 @@ pub struct Summary {
 /// A distillation command (`trainer off-policy`, `trainer on-policy`): loads the config,
 /// connects to the teacher, runs `train` and prints its summary as one JSON line.
 pub fn run_command(
-    args: &crate::config::OffPolicyArgs,
+    args: &crate::config::DistillArgs,
+    objective: crate::config::ObjectiveKind,
     train: fn(&Setup, bool, Option<u64>) -> Result<Summary>,
 ) -> Result<()> {
     use anyhow::Context;
-    let cfg = Config::load(args)?;
+    let cfg = args.load_config(objective)?;
     let out = &cfg.checkpointing.checkpoint_dir;
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
     let s = setup(cfg)?;
-    let summary = train(&s, args.resume, None)?;
+    let summary = train(&s, args.common.resume, None)?;
     println!("{}", serde_json::to_string(&summary)?);
     Ok(())
 }

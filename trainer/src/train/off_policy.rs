@@ -13,7 +13,7 @@ use super::runner::{
     self, Batches, Objective, RecordFilter, RunOptions, StepCtx, StepReport, ValReport,
 };
 use crate::client::{Fetched, Prefetcher};
-use crate::config::OffPolicyArgs;
+use crate::config::{DistillArgs, ObjectiveKind};
 use crate::data::Record;
 use crate::student::Student;
 use anyhow::{bail, Result};
@@ -149,8 +149,8 @@ impl Objective for OffPolicy<'_> {
 }
 
 /// `trainer off-policy`.
-pub fn run(args: OffPolicyArgs) -> Result<()> {
-    super::distill::run_command(&args, train)
+pub fn run(args: DistillArgs) -> Result<()> {
+    super::distill::run_command(&args, ObjectiveKind::OffPolicy, train)
 }
 
 /// The off-policy run (also used by tests and the demo with a ready [`Setup`]); `stop_after`

@@ -24,7 +24,7 @@ use super::runner::{
 use super::step::{accumulate, validation_sums, Units, ValSums};
 use super::teachers::{in_parallel, Source};
 use crate::collate::Encoded;
-use crate::config::OffPolicyArgs;
+use crate::config::{DistillArgs, ObjectiveKind};
 use crate::data::{Batch, Content, Record};
 use crate::generate::{generate, Generation};
 use crate::loss::{KdConfig, LossConfig};
@@ -37,8 +37,8 @@ use std::time::Instant;
 use xdistill_shared::protocol::{SequenceScores, TopkRequest};
 
 /// `trainer on-policy` (the off-policy flags; `--prompts` is an alias of `--data`).
-pub fn run(args: OffPolicyArgs) -> Result<()> {
-    super::distill::run_command(&args, train)
+pub fn run(args: DistillArgs) -> Result<()> {
+    super::distill::run_command(&args, ObjectiveKind::OnPolicy, train)
 }
 
 /// The on-policy run (also used by tests and the demo); `stop_after` as in [`RunOptions`].

@@ -47,7 +47,7 @@ pub fn optim_config(o: &OptimizerConfig) -> OptimConfig {
                 min_lr: o.min_lr,
             },
         },
-        max_grad_norm: o.max_grad_norm.unwrap_or(0.0),
+        max_grad_norm: o.max_grad_norm,
     }
 }
 

@@ -16,7 +16,7 @@ use super::runner::{
     self, Batches, EvalCtx, Objective, RecordFilter, RunOptions, StepCtx, StepReport, ValReport,
 };
 use crate::collate::{encode, pad_batch, Encoded};
-use crate::config::{Config, OffPolicyArgs};
+use crate::config::{CommonArgs, Config, ObjectiveKind};
 use crate::data::{Batch, Record};
 use crate::eval::{self, EvalConfig, EvalRecord};
 use crate::loss::cross_entropy;
@@ -31,37 +31,14 @@ use std::time::Instant;
 use tokenizers::Tokenizer;
 use xdistill_shared::model::Decoder;
 
-/// Placeholder teacher URL: the shared config validation asks for one, SFT never calls it.
-const UNUSED_TEACHER_URL: &str = "http://sft-uses-no-teacher.invalid";
-
 /// `trainer sft`: flags override the config file.
 #[derive(clap::Args, Debug, Clone, Default)]
+#[command(mut_arg("config", |a| a.help(
+    "TOML configuration file (the off-policy format; `[teacher]` and `[loss]` are ignored)"
+)))]
 pub struct SftArgs {
-    /// TOML configuration file (the off-policy format; `[teacher]` and `[loss]` are ignored).
-    #[arg(long)]
-    pub config: PathBuf,
-    /// Model directory to train (replaces `policy.model_name`).
-    #[arg(long)]
-    pub student: Option<PathBuf>,
-    /// Training data file (replaces `data.train_path`).
-    #[arg(long)]
-    pub data: Option<PathBuf>,
-    /// Output directory (replaces `checkpointing.checkpoint_dir`).
-    #[arg(long)]
-    pub output: Option<PathBuf>,
-    /// Replaces `distillation.max_num_steps`.
-    #[arg(long)]
-    pub max_steps: Option<u64>,
-    /// Continue from the newest checkpoint in the output directory.
-    #[arg(long)]
-    pub resume: bool,
-    /// With `--resume`: start from step 0 on purpose when only a previous run's traces are left
-    /// (`checkpointing.start_fresh`).
-    #[arg(long, requires = "resume")]
-    pub start_fresh: bool,
-    /// Set any key: `--set policy.optimizer.lr=3e-3` (TOML value syntax).
-    #[arg(long = "set", value_name = "KEY=VALUE")]
-    pub set: Vec<String>,
+    #[command(flatten)]
+    pub common: CommonArgs,
     /// Prompts file (JSONL with `prompt` and `answer`) for periodic greedy task accuracy.
     #[arg(long)]
     pub eval_prompts: Option<PathBuf>,
@@ -76,24 +53,9 @@ pub struct SftArgs {
 }
 
 impl SftArgs {
-    /// The shared loader's arguments (with a placeholder teacher URL, which SFT never uses).
-    fn as_off_policy(&self) -> OffPolicyArgs {
-        OffPolicyArgs {
-            config: self.config.clone(),
-            teacher_url: vec![UNUSED_TEACHER_URL.into()],
-            student: self.student.clone(),
-            data: self.data.clone(),
-            output: self.output.clone(),
-            max_steps: self.max_steps,
-            resume: self.resume,
-            start_fresh: self.start_fresh,
-            set: self.set.clone(),
-        }
-    }
-
-    /// Reads and validates the configuration.
+    /// Reads and validates the configuration (for SFT: no teacher needed).
     pub fn load_config(&self) -> Result<Config> {
-        Ok(Config::load(&self.as_off_policy())?)
+        Ok(Config::load(&self.common, &[], ObjectiveKind::Sft)?)
     }
 
     /// The task-accuracy settings, when `--eval-prompts` is given.
@@ -294,7 +256,7 @@ fn validation_ce(model: &Decoder, val: &[Encoded], mb: usize, device: &Device) -
 pub fn run(args: SftArgs) -> Result<()> {
     let cfg = args.load_config()?;
     let task = args.task_eval()?;
-    let summary = train(&cfg, task.as_ref(), args.resume, None)?;
+    let summary = train(&cfg, task.as_ref(), args.common.resume, None)?;
     println!("{}", serde_json::to_string(&summary)?);
     Ok(())
 }

@@ -1,0 +1,248 @@
+//! `[policy]` and `[policy.optimizer]`: the student model and how it is trained.
+
+use super::{invalid, ConfigError, Validate};
+use serde::{Deserialize, Deserializer, Serialize};
+use std::path::PathBuf;
+use xdistill_shared::model::{Activations, Decoder};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PolicyConfig {
+    /// Student model directory in Hugging Face layout (`trainer init-model` makes one).
+    pub model_name: PathBuf,
+    /// Student tokenizer; default `<model_name>/tokenizer.json`.
+    pub tokenizer: Option<PathBuf>,
+    /// Longest tokenized sequence (student tokens); longer records are skipped (or truncated
+    /// with `data.truncate`).
+    pub max_total_sequence_length: usize,
+    /// Compute dtype: `auto` (bf16 on a GPU, f32 on the CPU), f32, bf16 or f16 (master weights
+    /// stay f32 either way).
+    pub precision: String,
+    /// `cpu`, `cuda` or `cuda:N`.
+    pub device: String,
+    /// Sequences per forward/backward pass; a step accumulates gradients over
+    /// `ceil(num_prompts_per_step / train_micro_batch_size)` micro-batches.
+    pub train_micro_batch_size: usize,
+    /// Abort the run after this many consecutive steps with a non-finite gradient norm (each
+    /// is skipped); 0: never abort.
+    pub max_nonfinite_steps: u64,
+    /// Whether the training forward keeps every activation or only each layer's input
+    /// (recomputing layers in the backward): `"auto"`, `true` or `false`.
+    pub activation_checkpointing: ActivationCheckpointing,
+    pub optimizer: OptimizerConfig,
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        PolicyConfig {
+            model_name: PathBuf::new(),
+            tokenizer: None,
+            max_total_sequence_length: 1024,
+            precision: "auto".into(),
+            device: "cpu".into(),
+            train_micro_batch_size: 4,
+            max_nonfinite_steps: 10,
+            activation_checkpointing: ActivationCheckpointing::Auto,
+            optimizer: OptimizerConfig::default(),
+        }
+    }
+}
+
+/// `policy.activation_checkpointing`: how the student's training forward keeps what its
+/// backward needs. Checkpointing keeps each decoder layer's input only and recomputes the layer
+/// in the backward (memory linear in the sequence, about one extra forward of compute).
+/// TOML: `true`, `false` or `"auto"` (the default).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ActivationCheckpointing {
+    /// Checkpoint a micro-batch when plain autograd would keep more than 1 GiB
+    /// ([`Activations::auto`]); tiny models keep everything.
+    #[default]
+    Auto,
+    /// Always checkpoint.
+    On,
+    /// Never: plain autograd (every intermediate lives until the backward).
+    Off,
+}
+
+impl ActivationCheckpointing {
+    /// The way `model` keeps activations for a micro-batch of `b` rows of `t` tokens.
+    pub fn resolve(self, model: &Decoder, b: usize, t: usize) -> Activations {
+        match self {
+            ActivationCheckpointing::Auto => Activations::auto(model, b, t),
+            ActivationCheckpointing::On => Activations::Checkpoint,
+            ActivationCheckpointing::Off => Activations::Keep,
+        }
+    }
+
+    /// From the command line's `auto`, `on`/`true` or `off`/`false`.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "on" | "true" => Ok(Self::On),
+            "off" | "false" => Ok(Self::Off),
+            _ => Err(format!(
+                "activation checkpointing must be auto, on or off, got {s:?}"
+            )),
+        }
+    }
+}
+
+impl Serialize for ActivationCheckpointing {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            ActivationCheckpointing::Auto => s.serialize_str("auto"),
+            ActivationCheckpointing::On => s.serialize_bool(true),
+            ActivationCheckpointing::Off => s.serialize_bool(false),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for ActivationCheckpointing {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        const WANT: &str = "policy.activation_checkpointing must be true, false or \"auto\"";
+        impl serde::de::Visitor<'_> for V {
+            type Value = ActivationCheckpointing;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str(WANT)
+            }
+            fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<Self::Value, E> {
+                Ok(if v {
+                    ActivationCheckpointing::On
+                } else {
+                    ActivationCheckpointing::Off
+                })
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                match v {
+                    "auto" => Ok(ActivationCheckpointing::Auto),
+                    _ => Err(E::custom(format!("{WANT}, got {v:?}"))),
+                }
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// Shape of the learning rate after warm-up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum LrSchedule {
+    Constant,
+    Linear,
+    /// Cosine decay from `lr` to `min_lr` at `max_num_steps`.
+    #[default]
+    Cosine,
+}
+
+/// `[policy.optimizer]`: AdamW with warm-up, decay and gradient clipping.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OptimizerConfig {
+    pub lr: f64,
+    pub min_lr: f64,
+    pub weight_decay: f64,
+    pub betas: [f64; 2],
+    pub eps: f64,
+    /// Linear warm-up from 0 to `lr` over this many steps.
+    pub warmup_steps: u64,
+    pub schedule: LrSchedule,
+    /// Clip the global gradient L2 norm to this; 0 disables clipping.
+    pub max_grad_norm: f64,
+    /// Also apply weight decay to 1-D parameters (norm weights, biases).
+    pub decay_1d: bool,
+}
+
+impl Default for OptimizerConfig {
+    fn default() -> Self {
+        OptimizerConfig {
+            lr: 1e-4,
+            min_lr: 0.0,
+            weight_decay: 0.01,
+            betas: [0.9, 0.999],
+            eps: 1e-8,
+            warmup_steps: 0,
+            schedule: LrSchedule::Cosine,
+            max_grad_norm: 1.0,
+            decay_1d: false,
+        }
+    }
+}
+
+impl Validate for PolicyConfig {
+    fn validate_at(&self, at: &str) -> Result<(), ConfigError> {
+        let p = self;
+        let key = |name: &str| format!("{at}.{name}");
+        if p.model_name.as_os_str().is_empty() {
+            return Err(invalid(
+                &key("model_name"),
+                "the student model directory is required (or --student)",
+            ));
+        }
+        if xdistill_shared::gguf::is_gguf(&p.model_name) {
+            return Err(invalid(
+                &key("model_name"),
+                format!(
+                    "{} is a GGUF file: a student is trained from a Hugging Face model directory \
+                     (config.json, safetensors, tokenizer.json); GGUF files load for inference \
+                     only (the teacher, `trainer eval`)",
+                    p.model_name.display()
+                ),
+            ));
+        }
+        if p.max_total_sequence_length < 2 {
+            return Err(invalid(
+                &key("max_total_sequence_length"),
+                "must be at least 2",
+            ));
+        }
+        xdistill_shared::device::check_dtype(&p.precision)
+            .map_err(|e| invalid(&key("precision"), e.to_string()))?;
+        if !is_device_name(&p.device) {
+            return Err(invalid(
+                &key("device"),
+                format!("{:?} is not cpu, cuda or cuda:N", p.device),
+            ));
+        }
+        if p.train_micro_batch_size == 0 {
+            return Err(invalid(
+                &key("train_micro_batch_size"),
+                "must be at least 1",
+            ));
+        }
+        p.optimizer.validate_at(&key("optimizer"))
+    }
+}
+
+impl Validate for OptimizerConfig {
+    fn validate_at(&self, at: &str) -> Result<(), ConfigError> {
+        let o = self;
+        let key = |name: &str| format!("{at}.{name}");
+        if !(o.lr.is_finite() && o.lr > 0.0) {
+            return Err(invalid(&key("lr"), "must be positive"));
+        }
+        if !(o.min_lr.is_finite() && o.min_lr >= 0.0 && o.min_lr <= o.lr) {
+            return Err(invalid(&key("min_lr"), "must be in [0, lr]"));
+        }
+        if !(o.weight_decay.is_finite() && o.weight_decay >= 0.0) {
+            return Err(invalid(&key("weight_decay"), "must be >= 0"));
+        }
+        if o.betas.iter().any(|b| !(0.0..1.0).contains(b)) {
+            return Err(invalid(&key("betas"), "each beta must be in [0, 1)"));
+        }
+        if !(o.eps.is_finite() && o.eps > 0.0) {
+            return Err(invalid(&key("eps"), "must be positive"));
+        }
+        if !(o.max_grad_norm.is_finite() && o.max_grad_norm >= 0.0) {
+            return Err(invalid(&key("max_grad_norm"), "must be >= 0"));
+        }
+        Ok(())
+    }
+}
+
+fn is_device_name(s: &str) -> bool {
+    s == "cpu"
+        || s == "cuda"
+        || s.strip_prefix("cuda:")
+            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+}

@@ -1,0 +1,435 @@
+use super::args::apply_set;
+use super::*;
+
+const MINIMAL: &str = r#"
+        [policy]
+        model_name = "student"
+        [teacher]
+        urls = ["http://127.0.0.1:8000"]
+        [data]
+        train_path = "data/train.jsonl"
+    "#;
+
+fn write(dir: &Path, text: &str) -> PathBuf {
+    let p = dir.join("c.toml");
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+#[test]
+fn activation_checkpointing_takes_a_bool_or_auto() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = Config::from_file(&write(dir.path(), MINIMAL)).unwrap();
+    assert_eq!(
+        c.policy.activation_checkpointing,
+        ActivationCheckpointing::Auto
+    );
+    for (v, want) in [
+        ("true", ActivationCheckpointing::On),
+        ("false", ActivationCheckpointing::Off),
+        ("\"auto\"", ActivationCheckpointing::Auto),
+    ] {
+        let text = MINIMAL.replace(
+            "[policy]\n",
+            &format!("[policy]\nactivation_checkpointing = {v}\n"),
+        );
+        let c = Config::from_file(&write(dir.path(), &text)).unwrap();
+        assert_eq!(c.policy.activation_checkpointing, want, "{v}");
+    }
+    for bad in ["\"yes\"", "1"] {
+        let text = MINIMAL.replace(
+            "[policy]\n",
+            &format!("[policy]\nactivation_checkpointing = {bad}\n"),
+        );
+        let e = Config::from_file(&write(dir.path(), &text))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("activation_checkpointing"), "{bad}: {e}");
+    }
+}
+
+#[test]
+fn defaults_fill_everything_else() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = Config::from_file(&write(dir.path(), MINIMAL)).unwrap();
+    assert_eq!(c.teacher.k, 64);
+    assert_eq!(c.distillation, DistillationConfig::default());
+    assert_eq!(c.policy.optimizer, OptimizerConfig::default());
+    assert!(c.loss.is_none());
+    // Relative paths resolve against the config's directory.
+    assert_eq!(c.policy.model_name, dir.path().join("student"));
+    assert_eq!(c.data.train_path, dir.path().join("data/train.jsonl"));
+    assert_eq!(
+        c.checkpointing.checkpoint_dir,
+        dir.path().join("runs/off_policy")
+    );
+    assert_eq!(
+        c.student_tokenizer(),
+        dir.path().join("student/tokenizer.json")
+    );
+    assert_eq!(
+        c.data.resolved_format(&c.data.train_path),
+        DataFormat::Jsonl
+    );
+    assert_eq!(c.data.resolved_format(Path::new("a.txt")), DataFormat::Text);
+}
+
+#[test]
+fn flags_override_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = DistillArgs {
+        common: CommonArgs {
+            config: write(dir.path(), MINIMAL),
+            student: Some("cli_student".into()),
+            data: Some("cli.txt".into()),
+            output: Some("out".into()),
+            max_steps: Some(7),
+            resume: true,
+            start_fresh: false,
+            set: vec![
+                "policy.optimizer.lr=3e-5".into(),
+                "loss.kd.type=forward_kl".into(),
+            ],
+        },
+        teacher_url: vec!["http://a:1".into(), "http://b:2/".into()],
+    };
+    let c = args.load_config(ObjectiveKind::OffPolicy).unwrap();
+    assert_eq!(c.teacher.urls, ["http://a:1", "http://b:2/"]);
+    assert_eq!(c.teacher.parsed_urls().unwrap().len(), 2);
+    assert_eq!(c.policy.model_name, PathBuf::from("cli_student"));
+    assert_eq!(c.data.train_path, PathBuf::from("cli.txt"));
+    assert_eq!(c.checkpointing.checkpoint_dir, PathBuf::from("out"));
+    assert_eq!(c.distillation.max_num_steps, 7);
+    assert_eq!(c.policy.optimizer.lr, 3e-5);
+    assert_eq!(
+        c.loss.as_ref().map(|l| &l.kd),
+        Some(&crate::loss::KdConfig::ForwardKl {})
+    );
+}
+
+fn err_key(text: &str) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    match Config::from_file(&write(dir.path(), text)) {
+        Err(ConfigError::Invalid { key, .. }) => key,
+        other => panic!("expected an Invalid error, got {other:?}"),
+    }
+}
+
+#[test]
+fn validation_errors_name_the_key() {
+    let with = |extra: &str| format!("{MINIMAL}\n{extra}");
+    assert_eq!(
+        err_key(&with("[distillation]\nnum_prompts_per_step = 0")),
+        "distillation.num_prompts_per_step"
+    );
+    assert_eq!(
+        err_key(&MINIMAL.replace("[teacher]", "[teacher]\nk = 0")),
+        "teacher.k"
+    );
+    assert_eq!(
+        err_key(&MINIMAL.replace("http://127.0.0.1:8000", "ftp://x")),
+        "teacher.urls[0]"
+    );
+    assert_eq!(
+        err_key(&MINIMAL.replace("urls = [\"http://127.0.0.1:8000\"]", "")),
+        "teacher.urls"
+    );
+    assert_eq!(
+        err_key(&MINIMAL.replace("[policy]", "[policy]\ndevice = \"tpu\"")),
+        "policy.device"
+    );
+    assert_eq!(
+        err_key(&MINIMAL.replace("[policy]", "[policy]\nprecision = \"f8\"")),
+        "policy.precision"
+    );
+    assert_eq!(
+        err_key(&MINIMAL.replace("[data]", "[data]\nprompt_field = \"q\"")),
+        "data.completion_field"
+    );
+    assert_eq!(
+        err_key(&MINIMAL.replace("[data]", "[data]\nprompts_only = true")),
+        "data.prompt_field"
+    );
+    // A prompt field alone is a prompts-only file.
+    let ok = MINIMAL.replace(
+        "[data]",
+        "[data]\nprompt_field = \"q\"\nprompts_only = true",
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let c = Config::from_file(&write(dir.path(), &ok)).unwrap();
+    assert!(c.data.prompts_only && c.data.completion_field.is_none());
+    assert_eq!(
+        err_key(&with("[distillation]\nval_period = 10")),
+        "distillation.val_period"
+    );
+    assert_eq!(
+        err_key(&with("[policy.optimizer]\nbetas = [0.9, 1.0]")),
+        "policy.optimizer.betas"
+    );
+    assert_eq!(
+        err_key(&with("[checkpointing]\nkeep_top_k = 0")),
+        "checkpointing.keep_top_k"
+    );
+}
+
+#[test]
+fn unknown_keys_are_rejected_with_their_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = MINIMAL.replace("[teacher]", "[teacher]\ntopk = 3");
+    match Config::from_file(&write(dir.path(), &text)) {
+        Err(ConfigError::Parse { message, .. }) => {
+            assert!(message.contains("topk"), "{message}")
+        }
+        other => panic!("expected a parse error, got {other:?}"),
+    }
+}
+
+#[test]
+fn set_parses_toml_values_and_strings() {
+    let mut t = toml::Table::new();
+    apply_set(&mut t, "a.b=3").unwrap();
+    apply_set(&mut t, "a.c=hello").unwrap();
+    apply_set(&mut t, "a.d=[1, 2]").unwrap();
+    assert_eq!(t["a"]["b"].as_integer(), Some(3));
+    assert_eq!(t["a"]["c"].as_str(), Some("hello"));
+    assert_eq!(t["a"]["d"].as_array().map(|a| a.len()), Some(2));
+    assert!(apply_set(&mut t, "a.b.c=1").is_err());
+    assert!(apply_set(&mut t, "novalue").is_err());
+}
+
+#[test]
+fn temperatures_of_teacher_and_loss_must_agree() {
+    let with = |extra: &str| format!("{MINIMAL}\n{extra}");
+    assert_eq!(
+        err_key(&with(
+            "[loss]\nkd = { type = \"forward_kl\" }\ntemperature = 2.0"
+        )),
+        "teacher.temperature"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let ok = MINIMAL.replace("[teacher]", "[teacher]\ntemperature = 2.0");
+    Config::from_file(&write(
+        dir.path(),
+        &with_loss(&ok, "kd = { type = \"forward_kl\" }\ntemperature = 2"),
+    ))
+    .unwrap();
+}
+
+fn with_loss(text: &str, loss: &str) -> String {
+    format!("{text}\n[loss]\n{loss}\n")
+}
+
+/// Every example in `configs/` parses, validates, and names a data file that exists.
+#[test]
+fn every_shipped_config_parses() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("..")
+        .join("configs");
+    let mut n = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().and_then(|e| e.to_str()) != Some("toml") {
+            continue;
+        }
+        let c = Config::from_file(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        assert!(
+            c.data.train_path.is_file(),
+            "{}: {}",
+            path.display(),
+            c.data.train_path.display()
+        );
+        assert!(c.loss.is_some(), "{}: no [loss]", path.display());
+        // The [loss] table must be a valid loss config, not just TOML.
+        let loss = c
+            .loss()
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        loss.validate()
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        c.on_policy
+            .generation
+            .validate()
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+        n += 1;
+    }
+    assert!(n >= 3, "expected the example configs in {}", dir.display());
+}
+
+#[test]
+fn training_hash_ignores_run_length_but_not_lr() {
+    let mut a = Config::default();
+    let h0 = a.training_hash();
+    a.distillation.max_num_steps += 10;
+    a.checkpointing.checkpoint_dir = "elsewhere".into();
+    assert_eq!(a.training_hash(), h0);
+    a.policy.optimizer.lr *= 2.0;
+    assert_ne!(a.training_hash(), h0);
+}
+
+/// A config without any teacher section: enough for SFT, not for distillation.
+const NO_TEACHER: &str = r#"
+        [policy]
+        model_name = "student"
+        [data]
+        train_path = "data/train.jsonl"
+    "#;
+
+#[test]
+fn sft_needs_no_teacher_and_distillation_names_the_missing_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = CommonArgs::with_config(write(dir.path(), NO_TEACHER));
+    let c = Config::load(&args, &[], ObjectiveKind::Sft).unwrap();
+    assert!(c.teacher.urls.is_empty());
+    c.validate_for(ObjectiveKind::Sft).unwrap();
+    for objective in [ObjectiveKind::OffPolicy, ObjectiveKind::OnPolicy] {
+        match Config::load(&args, &[], objective) {
+            Err(ConfigError::Invalid { key, message }) => {
+                assert_eq!(key, "teacher.urls", "{objective:?}");
+                assert!(message.contains("teacher URL"), "{objective:?}: {message}");
+            }
+            other => panic!("{objective:?}: expected an Invalid error, got {other:?}"),
+        }
+    }
+    // The distillation commands take the URL from the flag instead.
+    let distill = DistillArgs {
+        common: args.clone(),
+        teacher_url: vec!["http://127.0.0.1:8000".into()],
+    };
+    distill.load_config(ObjectiveKind::OffPolicy).unwrap();
+    // SFT reads no teacher key: a [[teachers]] list without routing, or a teacher temperature
+    // that is not the loss's, is no error for it.
+    let routed = format!(
+        "{NO_TEACHER}\n[[teachers]]\nname = \"a\"\nurls = [\"http://a:1\"]\n\
+         [[teachers]]\nname = \"b\"\nurls = [\"http://b:1\"]\n"
+    );
+    let args = CommonArgs::with_config(write(dir.path(), &routed));
+    Config::load(&args, &[], ObjectiveKind::Sft).unwrap();
+    match Config::load(&args, &[], ObjectiveKind::OffPolicy) {
+        Err(ConfigError::Invalid { key, .. }) => assert_eq!(key, "data.teacher_field"),
+        other => panic!("expected an Invalid error, got {other:?}"),
+    }
+    let hot = with_loss(MINIMAL, "kd = { type = \"forward_kl\" }\ntemperature = 2.0");
+    let args = CommonArgs::with_config(write(dir.path(), &hot));
+    Config::load(&args, &[], ObjectiveKind::Sft).unwrap();
+    assert_eq!(err_key(&hot), "teacher.temperature");
+}
+
+/// A config with a non-default value in every section, paths absolute.
+fn everything_set(dir: &Path) -> Config {
+    let mut c = Config::default();
+    c.policy.model_name = dir.join("student");
+    c.policy.tokenizer = Some(dir.join("student_tokenizer.json"));
+    c.policy.max_total_sequence_length = 512;
+    c.policy.precision = "bf16".into();
+    c.policy.train_micro_batch_size = 2;
+    c.policy.activation_checkpointing = ActivationCheckpointing::On;
+    c.policy.optimizer.lr = 3e-5;
+    c.policy.optimizer.schedule = LrSchedule::Linear;
+    c.policy.optimizer.max_grad_norm = 0.0;
+    c.policy.optimizer.betas = [0.8, 0.95];
+    c.teacher.urls = vec![
+        "http://127.0.0.1:8000".into(),
+        "https://t.example/v1/".into(),
+    ];
+    c.teacher.k = 16;
+    c.teacher.temperature = 2.0;
+    c.teacher.max_attempts = Some(5);
+    c.teacher.api_key_env = Some("TEACHER_KEY".into());
+    c.teacher.tokenizer = Some(dir.join("teacher_tokenizer.json"));
+    c.loss = Some(
+        toml::from_str(
+            "kd = { type = \"jsd\", beta = 0.25 }\ntemperature = 2.0\nkd_weight = 0.5\n\
+             ce = { type = \"weight\", weight = 0.1 }",
+        )
+        .unwrap(),
+    );
+    c.data.train_path = dir.join("train.jsonl");
+    c.data.val_path = Some(dir.join("val.jsonl"));
+    c.data.format = DataFormat::Jsonl;
+    c.data.prompt_field = Some("q".into());
+    c.data.completion_field = Some("a".into());
+    c.data.separator = "\n".into();
+    c.data.val_count = Some(5);
+    c.data.truncate = true;
+    c.distillation.num_prompts_per_step = 3;
+    c.distillation.max_num_steps = 50;
+    c.distillation.seed = 7;
+    c.distillation.val_period = 10;
+    c.distillation.max_val_samples = Some(20);
+    c.checkpointing.checkpoint_dir = dir.join("out");
+    c.checkpointing.keep_top_k = None;
+    c.checkpointing.metric_name = Some("val_kl".into());
+    c.logger.log_every = 3;
+    c.logger.progress_bar = false;
+    c.on_policy.lambda = 0.5;
+    c.on_policy.include_prompt = true;
+    c.on_policy.generation.temperature = 0.8;
+    c.on_policy.generation.eos_ids = Some(vec![2]);
+    c
+}
+
+/// What `Config` serialises to, `Config::load` reads back to an equal value (so configs can be
+/// written from `Config` values rather than by formatting TOML text).
+#[test]
+fn a_serialised_config_loads_back_equal() {
+    let dir = tempfile::tempdir().unwrap();
+    let one = everything_set(dir.path());
+    let mut several = everything_set(dir.path());
+    several.teachers = vec![
+        TeacherConfig {
+            name: Some("math".into()),
+            temperature: 2.0,
+            ..std::mem::take(&mut several.teacher)
+        },
+        TeacherConfig {
+            name: Some("code".into()),
+            urls: vec!["http://127.0.0.1:8001".into()],
+            weight: 3.0,
+            temperature: 2.0,
+            ..Default::default()
+        },
+    ];
+    several.data.teacher_field = Some("domain".into());
+    several.data.default_teacher = Some("code".into());
+    several.distillation.teachers = TeacherMode::Ensemble;
+    several.loss_cross =
+        Some(toml::from_str("kd = { type = \"pkl\" }\ntemperature = 2.0").unwrap());
+    for (i, c) in [one, several].into_iter().enumerate() {
+        c.validate().unwrap();
+        let text = c.to_toml_string().unwrap();
+        let path = dir.path().join(format!("c{i}.toml"));
+        std::fs::write(&path, &text).unwrap();
+        let back = Config::load(
+            &CommonArgs::with_config(&path),
+            &[],
+            ObjectiveKind::OffPolicy,
+        )
+        .unwrap_or_else(|e| panic!("{e}\n{text}"));
+        assert_eq!(back, c, "{text}");
+        assert_eq!(Config::from_toml_str(&text, &path).unwrap(), c);
+    }
+    // The defaults too (not a valid run: no student, no data).
+    let text = Config::default().to_toml_string().unwrap();
+    assert_eq!(
+        Config::from_toml_str(&text, Path::new("d.toml")).unwrap(),
+        Config::default()
+    );
+}
+
+/// `keep_top_k`'s `None` (keep every checkpoint) is `"all"` in TOML, since an absent key is
+/// the default (3).
+#[test]
+fn keep_top_k_takes_a_count_or_all() {
+    let dir = tempfile::tempdir().unwrap();
+    let load = |v: &str| {
+        let text = format!("{MINIMAL}\n[checkpointing]\nkeep_top_k = {v}\n");
+        Config::from_file(&write(dir.path(), &text))
+    };
+    assert_eq!(load("2").unwrap().checkpointing.keep_top_k, Some(2));
+    assert_eq!(load("\"all\"").unwrap().checkpointing.keep_top_k, None);
+    let c = Config::from_file(&write(dir.path(), MINIMAL)).unwrap();
+    assert_eq!(c.checkpointing.keep_top_k, Some(3));
+    for bad in ["\"some\"", "-1", "1.5"] {
+        let e = load(bad).unwrap_err().to_string();
+        assert!(e.contains("keep_top_k"), "{bad}: {e}");
+    }
+}
