@@ -13,7 +13,7 @@
 
 use super::{run_trainer, stage, teacher_binary, trainer_binary, PlotAxis};
 use crate::chat::{ChatTemplate, Message};
-use crate::config::{Config, OffPolicyArgs};
+use crate::config::{Config, LrSchedule, ObjectiveKind};
 use crate::data::{Content, Record};
 use crate::eval::{self, EvalConfig, EvalRecord};
 use crate::train::{off_policy, step::ValSums};
@@ -242,7 +242,7 @@ pub fn run(out: &Path, p: &Preset, o: &Options) -> Result<Summary> {
             preset: p,
         };
         let path = dir.join("config.toml");
-        std::fs::write(&path, toml::to_string(&spec.config())?)?;
+        std::fs::write(&path, spec.config()?.to_toml_string()?)?;
         eprintln!(
             "   {name}: {} steps × {} problems",
             p.steps, p.prompts_per_step
@@ -460,7 +460,7 @@ fn write_jsonl(path: &Path, problems: &[Problem]) -> Result<()> {
     std::fs::write(path, text).with_context(|| format!("writing {}", path.display()))
 }
 
-/// One run's config, built as a value and serialised (the fields the CLI reads).
+/// One run's config, built as a [`Config`] value, validated for its command and serialised.
 struct RunSpec<'a> {
     model: &'a Path,
     train: &'a Path,
@@ -472,54 +472,45 @@ struct RunSpec<'a> {
 }
 
 impl RunSpec<'_> {
-    fn config(&self) -> toml::Value {
+    fn config(&self) -> Result<Config> {
         let p = self.preset;
-        let path = |x: &Path| x.display().to_string();
-        let save_period = (p.steps / p.curve_points.max(1)).max(1);
-        let loss = if self.kd {
-            serde_json::json!({ "kd": { "type": "forward_kl" }, "tail": "bucket" })
+        let mut c = Config::default();
+        c.policy.model_name = self.model.to_path_buf();
+        c.policy.max_total_sequence_length = p.max_seq_len;
+        c.policy.train_micro_batch_size = p.micro_batch;
+        let o = &mut c.policy.optimizer;
+        (o.lr, o.min_lr, o.weight_decay) = (p.lr, p.lr / 10.0, 0.0);
+        (o.warmup_steps, o.max_grad_norm) = ((p.steps / 8).max(1), 1.0);
+        o.schedule = LrSchedule::Cosine;
+        if self.kd {
+            c.teacher.urls = vec![self.teacher_url.to_string()];
+            c.teacher.k = p.k;
+            c.teacher.max_wait_s = 300.0;
+            c.loss = Some(toml::from_str("kd = { type = \"forward_kl\" }\ntail = \"bucket\"")?);
+        }
+        c.data.train_path = self.train.to_path_buf();
+        c.data.val_path = Some(self.val.to_path_buf());
+        c.data.prompt_field = Some("prompt".into());
+        c.data.completion_field = Some("completion".into());
+        c.data.separator = String::new();
+        c.data.shuffle = true;
+        let d = &mut c.distillation;
+        (d.num_prompts_per_step, d.max_num_steps) = (p.prompts_per_step, p.steps);
+        (d.max_num_epochs, d.seed) = (100, 7);
+        // The demo measures the checkpoints itself, the same way for both runs.
+        (d.val_period, d.val_at_start, d.val_at_end) = (0, false, false);
+        c.checkpointing.enabled = true;
+        c.checkpointing.checkpoint_dir = self.out.to_path_buf();
+        c.checkpointing.save_period = (p.steps / p.curve_points.max(1)).max(1);
+        c.checkpointing.keep_top_k = None;
+        c.logger.log_every = 5;
+        c.logger.progress_bar = true;
+        c.validate_for(if self.kd {
+            ObjectiveKind::OffPolicy
         } else {
-            serde_json::json!({})
-        };
-        let v = serde_json::json!({
-            "policy": {
-                "model_name": path(self.model),
-                "max_total_sequence_length": p.max_seq_len,
-                "train_micro_batch_size": p.micro_batch,
-                "optimizer": {
-                    "lr": p.lr, "min_lr": p.lr / 10.0, "weight_decay": 0.0,
-                    "warmup_steps": (p.steps / 8).max(1), "schedule": "cosine", "max_grad_norm": 1.0,
-                },
-            },
-            // `trainer sft` reads no teacher; the section keeps one file format for both runs.
-            "teacher": { "urls": [self.teacher_url], "k": p.k, "max_wait_s": 300.0 },
-            "loss": loss,
-            "data": {
-                "train_path": path(self.train),
-                "val_path": path(self.val),
-                "prompt_field": "prompt",
-                "completion_field": "completion",
-                "separator": "",
-                "shuffle": true,
-            },
-            "distillation": {
-                "num_prompts_per_step": p.prompts_per_step,
-                "max_num_steps": p.steps,
-                "max_num_epochs": 100,
-                "seed": 7,
-                "val_period": 0,
-                "val_at_start": false,
-                "val_at_end": false,
-            },
-            "checkpointing": {
-                "enabled": true,
-                "checkpoint_dir": path(self.out),
-                "save_period": save_period,
-                "keep_top_k": 1_000_000,
-            },
-            "logger": { "log_every": 5, "progress_bar": true },
-        });
-        toml::Value::try_from(v).unwrap_or(toml::Value::Table(Default::default()))
+            ObjectiveKind::Sft
+        })?;
+        Ok(c)
     }
 }
 
@@ -531,12 +522,8 @@ struct Probe {
 
 impl Probe {
     fn new(config: &Path, records: Vec<Record>) -> Result<Probe> {
-        let cfg = Config::load(&OffPolicyArgs {
-            config: config.to_path_buf(),
-            ..Default::default()
-        })?;
         Ok(Probe {
-            setup: off_policy::setup(cfg)?,
+            setup: off_policy::setup(Config::from_file(config)?)?,
             records,
         })
     }
