@@ -65,6 +65,11 @@ pub enum GgufError {
     },
     #[error("{}: tokenizer: {message}", path.display())]
     Tokenizer { path: PathBuf, message: String },
+    #[error("{}: building the decoder: {source}", path.display())]
+    Decoder {
+        path: PathBuf,
+        source: candle_core::Error,
+    },
 }
 
 /// Whether `path` names a GGUF file (a file whose first four bytes are `GGUF`), as opposed to a
@@ -409,10 +414,9 @@ impl GgufModel {
         dtype: DType,
         device: &Device,
     ) -> Result<crate::model::Decoder, GgufError> {
-        let fail = |e: candle_core::Error| GgufError::Tensor {
+        let fail = |source| GgufError::Decoder {
             path: self.path.clone(),
-            tensor: "(building the decoder)".into(),
-            message: e.to_string(),
+            source,
         };
         let ops = crate::model::Ops::Fused;
         match mode {
