@@ -551,6 +551,7 @@ mod tests {
             topk: Default::default(),
             lm_head: Default::default(),
             batch_invariant: false,
+            gguf_weights: Default::default(),
         }
     }
 

@@ -5,6 +5,26 @@ use clap::Parser;
 use std::net::IpAddr;
 use std::path::PathBuf;
 
+/// How a GGUF file's weights are held (`--gguf-weights`); see
+/// [`xdistill_shared::gguf::WeightMode`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum GgufWeights {
+    /// Every weight dequantized at load to the serving dtype.
+    #[default]
+    Dequantize,
+    /// The projections kept quantized, scored with quantized matmuls.
+    Quantized,
+}
+
+impl From<GgufWeights> for xdistill_shared::gguf::WeightMode {
+    fn from(w: GgufWeights) -> Self {
+        match w {
+            GgufWeights::Dequantize => xdistill_shared::gguf::WeightMode::Dequantize,
+            GgufWeights::Quantized => xdistill_shared::gguf::WeightMode::Quantized,
+        }
+    }
+}
+
 #[derive(Parser, Debug, Clone)]
 #[command(
     name = "teacher",
@@ -46,6 +66,13 @@ pub struct Args {
     /// dot product in its own fixed order. Fused is faster and smaller.
     #[arg(long, env = "XDISTILL_LM_HEAD", value_enum, default_value_t = LmHead::Fused)]
     pub lm_head: LmHead,
+    /// A GGUF file's weights: dequantize (every weight dequantized at load to --dtype: the
+    /// scores of the dequantized weights, as transformers gives them) or quantized (the
+    /// attention and MLP projections kept in their block format and run through candle's
+    /// quantized matmuls, activations quantized per block as llama.cpp does: the quantized
+    /// model's own scores; the embedding, LM head and norms stay dequantized). docs/models.md.
+    #[arg(long, env = "XDISTILL_GGUF_WEIGHTS", value_enum, default_value_t = GgufWeights::Dequantize)]
+    pub gguf_weights: GgufWeights,
     /// Most padded tokens (batch size × longest input) per forward pass.
     #[arg(long, env = "XDISTILL_MAX_BATCH_TOKENS", default_value_t = 8192)]
     pub max_batch_tokens: usize,

@@ -7,7 +7,7 @@ use candle_nn::VarBuilder;
 use std::path::Path;
 use std::sync::Arc;
 use xdistill_shared::device::{device_name, dtype_for, dtype_name, parse_device};
-use xdistill_shared::gguf::{GgufError, GgufModel};
+use xdistill_shared::gguf::{GgufError, GgufModel, WeightMode};
 use xdistill_shared::hf::{HfError, ModelConfig, ModelDir};
 use xdistill_shared::model::{Decoder, Ops};
 
@@ -46,7 +46,8 @@ pub struct ModelFacts {
     pub tokenizer_sha256: String,
     pub fingerprint: String,
     /// Where the weights came from (`/v1/info` `weights`): `safetensors`, or `gguf` with the
-    /// file's quantization (`gguf Q4_1+Q6_K`), dequantized at load to `dtype`.
+    /// file's quantization (`gguf Q4_1+Q6_K`), dequantized at load to `dtype`, or
+    /// `gguf Q4_1+Q6_K (quantized matmuls)` with `--gguf-weights quantized`.
     pub weights: String,
     /// How logits become scores (`/v1/info` `lm_head`): `fused`, `full` or `device`; set by the
     /// worker once it has chosen its scoring path.
@@ -184,13 +185,32 @@ pub fn check_model(path: &Path) -> Result<usize, LoadError> {
 /// Opens the device and the model: a directory (weights memory-mapped) or a GGUF file (weights
 /// dequantized to `dtype` at load).
 pub fn load(path: &Path, device: &str, dtype: &str) -> Result<(Decoder, ModelFacts), LoadError> {
+    load_with(path, device, dtype, WeightMode::Dequantize)
+}
+
+/// [`load`], with a GGUF file's weights held as `gguf` says (dequantized, or the projections
+/// kept quantized for candle's quantized matmuls). [`WeightMode::Quantized`] is refused for a
+/// model directory: its weights are not quantized.
+pub fn load_with(
+    path: &Path,
+    device: &str,
+    dtype: &str,
+    gguf: WeightMode,
+) -> Result<(Decoder, ModelFacts), LoadError> {
     let device = parse_device(device)?;
     let dtype = dtype_for(dtype, &device)?;
     if xdistill_shared::gguf::is_gguf(path) {
         let g = GgufModel::open(path)?;
-        let facts = gguf_facts(&g, dtype, &device)?;
-        let decoder = Decoder::new(&g.config, g.var_builder(dtype, &device)?, Ops::Fused)?;
+        let mut facts = gguf_facts(&g, dtype, &device)?;
+        facts.weights = g.weights_label(gguf);
+        let decoder = g.decoder(gguf, dtype, &device)?;
         return Ok((decoder, facts));
+    }
+    if gguf == WeightMode::Quantized {
+        return Err(LoadError::Config(format!(
+            "--gguf-weights quantized needs a GGUF file; {} is a model directory",
+            path.display()
+        )));
     }
     let dir = ModelDir::open(path)?;
     let facts = read_facts(&dir, dtype, &device)?;

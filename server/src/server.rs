@@ -69,6 +69,7 @@ pub async fn run(args: Args) -> Result<()> {
             topk: args.topk,
             lm_head: args.lm_head,
             batch_invariant: args.batch_invariant,
+            gguf_weights: args.gguf_weights.into(),
         },
         metrics.clone(),
         batch_rx,

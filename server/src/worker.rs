@@ -57,6 +57,8 @@ pub struct WorkerConfig {
     pub lm_head: LmHead,
     /// One forward per sequence (no padding, no neighbours) instead of one per batch.
     pub batch_invariant: bool,
+    /// A GGUF file's weights: dequantized, or the projections kept quantized.
+    pub gguf_weights: xdistill_shared::gguf::WeightMode,
 }
 
 /// Time spent per batch in the model and in top-k.
@@ -154,13 +156,14 @@ pub fn spawn(
         .name("xdistill-worker".into())
         .spawn(move || {
             let t0 = Instant::now();
-            let (decoder, mut facts) = match model::load(&cfg.model, &cfg.device, &cfg.dtype) {
-                Ok(x) => x,
-                Err(e) => {
-                    let _ = ready.send(Err(e.to_string()));
-                    return;
-                }
-            };
+            let (decoder, mut facts) =
+                match model::load_with(&cfg.model, &cfg.device, &cfg.dtype, cfg.gguf_weights) {
+                    Ok(x) => x,
+                    Err(e) => {
+                        let _ = ready.send(Err(e.to_string()));
+                        return;
+                    }
+                };
             tracing::info!(
                 model = %cfg.model.display(),
                 seconds = t0.elapsed().as_secs_f64(),

@@ -16,13 +16,14 @@ pub mod write;
 
 use crate::hf::ModelConfig;
 use candle_core::quantized::gguf_file::Content;
-use candle_core::quantized::GgmlDType;
+use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::{DType, Device, Tensor};
 use meta::Meta;
 use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, HashMap};
 use std::io::Read;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// Why a GGUF file cannot be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -64,6 +65,11 @@ pub enum GgufError {
     },
     #[error("{}: tokenizer: {message}", path.display())]
     Tokenizer { path: PathBuf, message: String },
+    #[error("{}: building the decoder: {source}", path.display())]
+    Decoder {
+        path: PathBuf,
+        source: candle_core::Error,
+    },
 }
 
 /// Whether `path` names a GGUF file (a file whose first four bytes are `GGUF`), as opposed to a
@@ -104,6 +110,65 @@ pub fn dtype_name(t: GgmlDType) -> &'static str {
 /// intermediate dot-product types, never stored by llama.cpp's tools).
 fn dequantizable(t: GgmlDType) -> bool {
     !matches!(t, GgmlDType::Q8_1 | GgmlDType::Q8K)
+}
+
+/// How a GGUF file's matrices are held for serving (`teacher --gguf-weights`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WeightMode {
+    /// Every weight dequantized at load to the serving dtype: the scores are those of the
+    /// dequantized weights (transformers' GGUF loader scores the same).
+    #[default]
+    Dequantize,
+    /// The attention and MLP projections kept in their block format and run through candle's
+    /// quantized matmuls (activations quantized to 8 bits per block, as llama.cpp does): the
+    /// scores are the quantized model's own, as llama.cpp computes them, not the dequantized
+    /// weights'. The embedding, the LM head (tied or not) and the norms stay dequantized.
+    Quantized,
+}
+
+/// The weights of a GGUF file with the projections kept quantized
+/// ([`GgufModel::quantized_tensors`]).
+pub struct QuantizedWeights {
+    /// Every weight by transformers' name, for [`candle_nn::VarBuilder::from_tensors`]:
+    /// dequantized, except that each entry of `quantized` has a broadcast-zero placeholder of
+    /// its shape here (one element of memory), replaced by
+    /// [`crate::model::Decoder::quantize_linears`].
+    pub dense: HashMap<String, Tensor>,
+    /// The projections' `[out, in]` matrices in their stored block format.
+    pub quantized: HashMap<String, Arc<QTensor>>,
+}
+
+/// Whether transformers parameter `name` is an attention or MLP projection's weight (a linear
+/// layer [`crate::model::Decoder::quantize_linears`] can run quantized).
+fn is_projection(name: &str) -> bool {
+    name.starts_with("model.layers.") && name.ends_with("_proj.weight")
+}
+
+/// Whether `t` is a block-quantized type (F32, F16 and BF16 are plain floats: candle's
+/// `QMatMul` would dequantize them anyway).
+fn is_block_quantized(t: GgmlDType) -> bool {
+    !matches!(t, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16)
+}
+
+/// A block-quantized `[out, in]` matrix with llama.cpp's q/k row permutation over `heads` undone
+/// ([`names::reverse_permute_rows`]), moving whole rows of blocks; on `device`.
+fn permute_block_rows(q: &QTensor, heads: usize, device: &Device) -> candle_core::Result<QTensor> {
+    let (rows, cols) = q.shape().dims2()?;
+    let row_bytes = cols / q.dtype().block_size() * q.dtype().type_size();
+    let data = q.data()?;
+    if data.len() != rows * row_bytes {
+        candle_core::bail!(
+            "{} bytes of {} data for [{rows}, {cols}]",
+            data.len(),
+            dtype_name(q.dtype())
+        );
+    }
+    let mut out = Vec::with_capacity(data.len());
+    for r in names::reverse_permute_rows(rows, heads)? {
+        out.extend_from_slice(&data[r * row_bytes..(r + 1) * row_bytes]);
+    }
+    let storage = QStorage::from_data(std::borrow::Cow::Owned(out), device, q.dtype())?;
+    QTensor::new(storage, (rows, cols))
 }
 
 /// One weight: its GGUF name, where it goes, and the RoPE permutation to undo.
@@ -233,12 +298,36 @@ impl GgufModel {
         dtype: DType,
         device: &Device,
     ) -> Result<HashMap<String, Tensor>, GgufError> {
-        let mut f = std::fs::File::open(&self.path).map_err(|source| GgufError::Io {
-            path: self.path.clone(),
-            source,
-        })?;
+        let mut f = self.reader()?;
         let mut out = HashMap::with_capacity(self.tensors.len());
         for m in &self.tensors {
+            out.insert(m.hf.clone(), self.dense(&mut f, m, dtype, device)?);
+        }
+        Ok(out)
+    }
+
+    /// The weights with the attention and MLP projections kept in their block format for
+    /// candle's quantized matmuls ([`WeightMode::Quantized`]): the projections stored in a
+    /// block-quantized type (Q4_0 … Q6_K) go to [`QuantizedWeights::quantized`], q/k rows
+    /// un-permuted block row by block row (exact: a row permutation moves whole rows of blocks);
+    /// everything else (embedding, LM head, norms, biases, and projections stored as
+    /// F32/F16/BF16) is dequantized to `dtype` as by [`GgufModel::tensors`].
+    pub fn quantized_tensors(
+        &self,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<QuantizedWeights, GgufError> {
+        let mut f = self.reader()?;
+        let mut out = QuantizedWeights {
+            dense: HashMap::with_capacity(self.tensors.len()),
+            quantized: HashMap::new(),
+        };
+        for m in &self.tensors {
+            if !self.keeps_quantized(m) {
+                out.dense
+                    .insert(m.hf.clone(), self.dense(&mut f, m, dtype, device)?);
+                continue;
+            }
             let fail = |e: candle_core::Error| GgufError::Tensor {
                 path: self.path.clone(),
                 tensor: m.gguf.clone(),
@@ -248,14 +337,116 @@ impl GgufModel {
                 .content
                 .tensor(&mut f, &m.gguf, &Device::Cpu)
                 .map_err(fail)?;
-            let mut t = q.dequantize(&Device::Cpu).map_err(fail)?;
-            if let Some(heads) = m.unpermute {
-                t = names::reverse_permute(&t, heads).map_err(fail)?;
-            }
-            let t = t.to_dtype(dtype).and_then(|t| t.to_device(device));
-            out.insert(m.hf.clone(), t.map_err(fail)?);
+            let shape = q.shape().clone(); // [out, in]
+            let q = match m.unpermute {
+                Some(heads) => permute_block_rows(&q, heads, device).map_err(fail)?,
+                None if device.is_cpu() => q,
+                None => {
+                    let data = q.data().map_err(fail)?;
+                    let storage = QStorage::from_data(data, device, q.dtype()).map_err(fail)?;
+                    QTensor::new(storage, shape.clone()).map_err(fail)?
+                }
+            };
+            // A placeholder of the right shape for the decoder's dense build, replaced by
+            // `Decoder::quantize_linears`: a broadcast zero holds one element.
+            let placeholder = Tensor::zeros((), dtype, device)
+                .and_then(|z| z.broadcast_as(shape))
+                .map_err(fail)?;
+            out.dense.insert(m.hf.clone(), placeholder);
+            out.quantized.insert(m.hf.clone(), Arc::new(q));
         }
         Ok(out)
+    }
+
+    /// Whether [`WeightMode::Quantized`] keeps tensor `m` in its block format: an attention or
+    /// MLP projection stored block-quantized whose rows candle's kernels take. Q4_1, Q5_0 and
+    /// Q5_1 rows of an odd number of 32-element blocks stay dense: candle's dot products for
+    /// them assert an even count (llama.cpp's legacy kernels work on block pairs).
+    fn keeps_quantized(&self, m: &Mapped) -> bool {
+        let info = &self.content.tensor_infos[&m.gguf];
+        let t = info.ggml_dtype;
+        let cols = info.shape.dims().last().copied().unwrap_or(0);
+        let blocks = cols / t.block_size();
+        let pairs_only = matches!(t, GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1);
+        let kernel_takes = !pairs_only || blocks.is_multiple_of(2);
+        is_projection(&m.hf) && is_block_quantized(t) && kernel_takes
+    }
+
+    /// The file, opened for reading tensor data.
+    fn reader(&self) -> Result<std::fs::File, GgufError> {
+        std::fs::File::open(&self.path).map_err(|source| GgufError::Io {
+            path: self.path.clone(),
+            source,
+        })
+    }
+
+    /// Tensor `m`, dequantized to `dtype` on `device`, its q/k permutation undone.
+    fn dense(
+        &self,
+        f: &mut std::fs::File,
+        m: &Mapped,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Tensor, GgufError> {
+        let fail = |e: candle_core::Error| GgufError::Tensor {
+            path: self.path.clone(),
+            tensor: m.gguf.clone(),
+            message: e.to_string(),
+        };
+        let q = self
+            .content
+            .tensor(f, &m.gguf, &Device::Cpu)
+            .map_err(fail)?;
+        let mut t = q.dequantize(&Device::Cpu).map_err(fail)?;
+        if let Some(heads) = m.unpermute {
+            t = names::reverse_permute(&t, heads).map_err(fail)?;
+        }
+        t.to_dtype(dtype)
+            .and_then(|t| t.to_device(device))
+            .map_err(fail)
+    }
+
+    /// The decoder of this file on `device`: weights dequantized to `dtype`, or with the
+    /// attention and MLP projections kept quantized ([`WeightMode`]).
+    pub fn decoder(
+        &self,
+        mode: WeightMode,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<crate::model::Decoder, GgufError> {
+        let fail = |source| GgufError::Decoder {
+            path: self.path.clone(),
+            source,
+        };
+        let ops = crate::model::Ops::Fused;
+        match mode {
+            WeightMode::Dequantize => {
+                crate::model::Decoder::new(&self.config, self.var_builder(dtype, device)?, ops)
+                    .map_err(fail)
+            }
+            WeightMode::Quantized => {
+                let w = self.quantized_tensors(dtype, device)?;
+                let vb = candle_nn::VarBuilder::from_tensors(w.dense, dtype, device);
+                let mut decoder =
+                    crate::model::Decoder::new(&self.config, vb, ops).map_err(fail)?;
+                decoder.quantize_linears(w.quantized).map_err(fail)?;
+                Ok(decoder)
+            }
+        }
+    }
+
+    /// What `/v1/info` reports as `weights` for `mode`: `gguf Q4_1+Q8_0`, and with
+    /// [`WeightMode::Quantized`] `gguf Q4_1+Q8_0 (quantized matmuls)` when at least one
+    /// projection is stored block-quantized (an all-F32/F16 file has none to keep).
+    pub fn weights_label(&self, mode: WeightMode) -> String {
+        let quantized =
+            mode == WeightMode::Quantized && self.tensors.iter().any(|m| self.keeps_quantized(m));
+        let suffix = if quantized {
+            " (quantized matmuls)"
+        } else {
+            ""
+        };
+        format!("gguf {}{suffix}", self.quantization())
     }
 
     /// A [`candle_nn::VarBuilder`] over [`GgufModel::tensors`].

@@ -72,6 +72,25 @@ pub fn reverse_permute(w: &Tensor, n_head: usize) -> Result<Tensor> {
         .reshape(dims)
 }
 
+/// [`reverse_permute`] as a row order: row `r` of the result is row `order[r]` of the stored
+/// tensor. Quantized weights are undone with it block row by block row (a row permutation moves
+/// whole rows of blocks, so the stored blocks stay exact).
+pub fn reverse_permute_rows(rows: usize, n_head: usize) -> Result<Vec<usize>> {
+    if n_head == 0 || !rows.is_multiple_of(2 * n_head) {
+        candle_core::bail!(
+            "{rows} rows cannot be split into {n_head} heads of rotary pairs (the q/k permutation)"
+        );
+    }
+    let dim = rows / n_head / 2;
+    // Result row (h, j, d) of [n_head, 2, dim] is stored row (h, d, j) of [n_head, dim, 2].
+    Ok((0..rows)
+        .map(|r| {
+            let (h, j, d) = (r / (2 * dim), (r / dim) % 2, r % dim);
+            h * 2 * dim + d * 2 + j
+        })
+        .collect())
+}
+
 /// llama.cpp's converter permutation (`LlamaModel.permute`), the inverse of
 /// [`reverse_permute`]: tests write GGUF files with it as llama.cpp would.
 pub fn permute(w: &Tensor, n_head: usize) -> Result<Tensor> {
@@ -136,6 +155,27 @@ mod tests {
         }
         assert_eq!(hf_name("rope_freqs.weight"), None);
         assert_eq!(hf_name("blk.x.attn_q.weight"), None);
+    }
+
+    #[test]
+    fn reverse_permute_rows_is_reverse_permute() {
+        let dev = candle_core::Device::Cpu;
+        for (rows, heads) in [(16usize, 2usize), (16, 4), (24, 3), (8, 1)] {
+            let w = Tensor::arange(0f32, (rows * 3) as f32, &dev)
+                .unwrap()
+                .reshape((rows, 3))
+                .unwrap();
+            let want = reverse_permute(&w, heads)
+                .unwrap()
+                .to_vec2::<f32>()
+                .unwrap();
+            let stored = w.to_vec2::<f32>().unwrap();
+            let order = reverse_permute_rows(rows, heads).unwrap();
+            let got: Vec<Vec<f32>> = order.iter().map(|&r| stored[r].clone()).collect();
+            assert_eq!(got, want, "{rows} rows, {heads} heads");
+        }
+        assert!(reverse_permute_rows(10, 3).is_err());
+        assert!(reverse_permute_rows(8, 0).is_err());
     }
 
     #[test]

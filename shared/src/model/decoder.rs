@@ -12,6 +12,7 @@ use super::params::param_specs;
 use super::qwen3_moe::SparseMoe;
 use super::rope::Rope;
 use super::{gemma3, llama, phi3, qwen3_moe};
+use candle_core::quantized::QTensor;
 use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::VarBuilder;
 
@@ -225,6 +226,40 @@ impl Decoder {
     pub fn ops(&self) -> Ops {
         self.ops
     }
+    /// Runs the linear layers named in `quantized` (weight names as transformers spells them,
+    /// `model.layers.N.self_attn.q_proj.weight` → `[out, in]` in a block format) with candle's
+    /// quantized matmuls instead of their dense weights: a GGUF teacher whose matrices stay
+    /// quantized (`--gguf-weights quantized`). The dense weights built first may be placeholders
+    /// (a broadcast zero: [`crate::gguf::GgufModel::quantized_tensors`]), so every entry must
+    /// replace exactly one layer; one that matches none is an error. Only the attention and MLP
+    /// projections can be quantized: the embedding, the norms and the LM head stay dense, and so
+    /// do Qwen3-MoE's experts. The decoder then serves inference only (no backward pass).
+    pub fn quantize_linears(
+        &mut self,
+        mut quantized: std::collections::HashMap<String, std::sync::Arc<QTensor>>,
+    ) -> Result<()> {
+        for block in &mut self.w.layers {
+            let mut linears = block.attn.linears_mut();
+            if let Ffn::Dense(mlp) = &mut block.ffn {
+                linears.extend(mlp.linears_mut());
+            }
+            for lin in linears {
+                if let Some(q) = quantized.remove(lin.name()) {
+                    lin.quantize(q)?;
+                }
+            }
+        }
+        let mut left: Vec<&String> = quantized.keys().collect();
+        left.sort();
+        if let Some(name) = left.first() {
+            candle_core::bail!(
+                "{name}: not a linear layer this decoder can quantize ({} left in all)",
+                left.len()
+            );
+        }
+        Ok(())
+    }
+
     /// Names of all parameters this decoder reads (for checks that every one gets a gradient).
     pub fn param_names(&self) -> Vec<String> {
         param_specs(&self.cfg, 0.0)

@@ -5,6 +5,7 @@
 use super::config::{Activation, LayerKind, ModelConfig};
 use super::host_ops;
 use crate::matmul;
+use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{CpuStorage, DType, Layout, Module, Result, Shape, Tensor, D};
 use candle_nn::VarBuilder;
 
@@ -78,34 +79,105 @@ impl Norm {
     }
 }
 
-/// A linear layer `x · Wᵀ (+ b)` with `W` `[out, in]`. At inference (fused ops) on an AVX-512
-/// CPU, f32 inputs of at least a panel of rows run [`matmul::matmul_nt`] (W read in place, each
-/// row's result independent of the others); otherwise candle's matmul, which has a backward
-/// pass and a matrix-vector path that a decoding step's few rows want (up to 7× faster there).
+/// A linear layer `x · Wᵀ (+ b)` with `W` `[out, in]`, dense or quantized.
+///
+/// Dense: at inference (fused ops) on an AVX-512 CPU, f32 inputs of at least a panel of rows
+/// run [`matmul::matmul_nt`] (W read in place, each row's result independent of the others);
+/// otherwise candle's matmul, which has a backward pass and a matrix-vector path that a decoding
+/// step's few rows want (up to 7× faster there).
+///
+/// Quantized (a GGUF teacher with `--gguf-weights quantized`, see
+/// [`crate::model::Decoder::quantize_linears`]): `W` stays in its block format (Q4_1, Q8_0, …)
+/// and candle's quantized kernels compute `x · Wᵀ`, quantizing each row of `x` to the format's
+/// dot-product type (Q8_0/Q8_1/Q8_K) as llama.cpp does. Inference only: no backward pass.
 pub(crate) struct Linear {
-    inner: candle_nn::Linear,
+    /// The weight's name (`model.layers.0.self_attn.q_proj.weight`): how
+    /// [`crate::model::Decoder::quantize_linears`] finds the quantized matrix that replaces it.
+    name: String,
+    weight: LinearWeight,
+}
+
+/// The weight of a [`Linear`].
+enum LinearWeight {
+    Dense(candle_nn::Linear),
+    Quantized {
+        /// `[out, in]` in a block format.
+        w: QMatMul,
+        /// `[out]`.
+        bias: Option<Tensor>,
+    },
 }
 
 impl Linear {
     pub fn new(weight: Tensor, bias: Option<Tensor>) -> Linear {
+        Linear::named(String::new(), weight, bias)
+    }
+
+    /// A dense layer whose weight is called `name`.
+    pub fn named(name: String, weight: Tensor, bias: Option<Tensor>) -> Linear {
         Linear {
-            inner: candle_nn::Linear::new(weight, bias),
+            name,
+            weight: LinearWeight::Dense(candle_nn::Linear::new(weight, bias)),
         }
+    }
+
+    /// The weight's name (empty for layers built from a tensor, e.g. MoE experts).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Replaces the dense weight by the quantized `w` (same `[out, in]` shape), keeping the
+    /// bias. The shape is checked, so a placeholder weight can never survive silently.
+    pub fn quantize(&mut self, w: std::sync::Arc<QTensor>) -> Result<()> {
+        let LinearWeight::Dense(dense) = &self.weight else {
+            candle_core::bail!("{}: already quantized", self.name);
+        };
+        if w.shape() != dense.weight().shape() {
+            candle_core::bail!(
+                "{}: quantized weight {:?}, the layer is {:?}",
+                self.name,
+                w.shape(),
+                dense.weight().shape()
+            );
+        }
+        let bias = dense.bias().cloned();
+        self.weight = LinearWeight::Quantized {
+            w: QMatMul::from_arc(w)?,
+            bias,
+        };
+        Ok(())
     }
 
     /// `x`: `[..., in]` → `[..., out]`.
     pub fn forward(&self, x: &Tensor, ops: Ops) -> Result<Tensor> {
-        let w = self.inner.weight();
+        let inner = match &self.weight {
+            LinearWeight::Dense(inner) => inner,
+            LinearWeight::Quantized { w, bias } => {
+                if ops == Ops::Differentiable {
+                    candle_core::bail!(
+                        "{}: a quantized linear layer has no backward pass (training uses dense \
+                         weights)",
+                        self.name
+                    );
+                }
+                let y = w.forward(&x.contiguous()?)?;
+                return match bias {
+                    Some(b) => y.broadcast_add(b),
+                    None => Ok(y),
+                };
+            }
+        };
+        let w = inner.weight();
         let rows = x.elem_count() / w.dim(1)?.max(1);
         if ops == Ops::Differentiable
             || !linear_kernel(x.device(), x.dtype())
             || w.dtype() != DType::F32
             || rows < matmul::NP
         {
-            return self.inner.forward(x);
+            return inner.forward(x);
         }
         let y = x.contiguous()?.apply_op2_no_bwd(w, &MatmulNt)?;
-        match self.inner.bias() {
+        match inner.bias() {
             Some(b) => y.broadcast_add(b),
             None => Ok(y),
         }
@@ -164,7 +236,11 @@ pub(crate) fn linear(
     } else {
         None
     };
-    Ok(Linear::new(w, b))
+    let full = match vb.prefix() {
+        p if p.is_empty() => format!("{name}.weight"),
+        p => format!("{p}.{name}.weight"),
+    };
+    Ok(Linear::named(full, w, b))
 }
 
 pub(crate) fn activate(x: &Tensor, act: Activation) -> Result<Tensor> {
@@ -276,6 +352,16 @@ impl Attention {
             scale: cfg.attention_scale(),
             window: cfg.layer_window(kind),
         })
+    }
+
+    /// The projections, for [`crate::model::Decoder::quantize_linears`].
+    pub fn linears_mut(&mut self) -> Vec<&mut Linear> {
+        let mut out: Vec<&mut Linear> = match &mut self.qkv {
+            Qkv::Separate { q, k, v } => vec![q, k, v],
+            Qkv::Fused(qkv) => vec![qkv],
+        };
+        out.push(&mut self.o);
+        out
     }
 
     /// `x`: [B, T, H] → [B, T, H]; `kv` is this layer's cache slot, appended to.
@@ -441,6 +527,16 @@ impl GatedMlp {
             down: linear(vb, "down_proj", (inter, hidden), false)?,
             act,
         })
+    }
+
+    /// The projections, for [`crate::model::Decoder::quantize_linears`].
+    pub fn linears_mut(&mut self) -> Vec<&mut Linear> {
+        let mut out: Vec<&mut Linear> = match &mut self.gate_up {
+            GateUp::Separate { gate, up } => vec![gate, up],
+            GateUp::Fused(gu) => vec![gu],
+        };
+        out.push(&mut self.down);
+        out
     }
 
     /// `x`: [..., H] → [..., H].
