@@ -24,9 +24,9 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 use xdistill_shared::process::TeacherProcess;
 
-/// GSM8K's first 1,200 training problems (MIT, `configs/data/LICENSE-gsm8k`), in the binary so
+/// GSM8K's first 1,200 training problems (MIT, `trainer/data/LICENSE-gsm8k`), in the binary so
 /// the demo runs from any folder.
-const GSM8K: &str = include_str!("../../../configs/data/gsm8k_1200.jsonl");
+const GSM8K: &str = include_str!("../../data/gsm8k_1200.jsonl");
 
 /// What one run of the demo does.
 #[derive(Debug, Clone, Serialize)]
