@@ -23,6 +23,9 @@ fn round(dec: &Decoder, ids: &Tensor, t: usize) -> anyhow::Result<f64> {
     Ok(t0.elapsed().as_secs_f64() * 1e3 / REPS as f64)
 }
 
+// The allocator of every xdistill binary: jemalloc with transparent huge pages.
+xdistill_shared::global_allocator!();
+
 fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
     let dir = args.next().context("usage: forward_speed MODEL_DIR [T]")?;

@@ -237,6 +237,9 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
+// The allocator of every xdistill binary: jemalloc with transparent huge pages.
+xdistill_shared::global_allocator!();
+
 #[tokio::main]
 async fn main() -> Result<()> {
     let mut args = Args::parse();

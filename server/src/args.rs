@@ -1,6 +1,6 @@
 //! Command line of `teacher` (every flag also reads an `XDISTILL_*` environment variable).
 
-use crate::topk::{LmHead, TopkPath};
+use crate::scoring::{LmHead, TopkPath};
 use clap::Parser;
 use std::net::IpAddr;
 use std::path::PathBuf;

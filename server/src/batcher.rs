@@ -9,7 +9,7 @@
 
 use crate::error::ApiError;
 use crate::metrics::Metrics;
-use crate::topk::ScoreParams;
+use crate::scoring::{ScoreParams, ScoringError};
 use crate::validation::{Candidates, ValidSequence};
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering::Relaxed;
@@ -20,7 +20,7 @@ use tokio::time::Instant;
 use xdistill_shared::protocol::SequenceScores;
 
 /// Reply of the worker for one sequence.
-pub type JobResult = Result<SequenceScores, String>;
+pub type JobResult = Result<SequenceScores, ScoringError>;
 
 /// Admitted tokens of one sequence; returned to the queue budget when dropped.
 pub struct Admission {
@@ -242,10 +242,10 @@ async fn collect(mut rx: mpsc::Receiver<Job>, worker: mpsc::Sender<Batch>, cfg: 
         let Ok(slot) = slot else {
             // The worker is gone: fail everything still queued.
             for j in pending.drain(..) {
-                let _ = j.reply.send(Err("model worker stopped".into()));
+                let _ = j.reply.send(Err(ScoringError::WorkerStopped));
             }
             while let Ok(j) = rx.try_recv() {
-                let _ = j.reply.send(Err("model worker stopped".into()));
+                let _ = j.reply.send(Err(ScoringError::WorkerStopped));
             }
             return;
         };

@@ -1,6 +1,6 @@
 //! Result cache: one entry per scored sequence, weighted by its size in bytes.
 
-use crate::topk::{NextToken, ScoreParams};
+use crate::scoring::{NextToken, ScoreParams};
 use crate::validation::ValidSequence;
 use moka::future::Cache;
 use sha2::{Digest, Sha256};

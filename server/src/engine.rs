@@ -69,7 +69,7 @@ pub async fn score(
             let scores = rx
                 .await
                 .map_err(|_| ApiError::Internal("the model worker dropped the request".into()))?
-                .map_err(ApiError::Internal)?;
+                .map_err(ApiError::Scoring)?;
             let scores = Arc::new(scores);
             st.cache.insert(key, scores.clone()).await;
             results[i] = Some(scores);

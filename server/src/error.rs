@@ -1,6 +1,7 @@
 //! The one error type of the HTTP layer: each variant maps to a status, a JSON [`ErrorBody`]
 //! and a short label reused in metrics.
 
+use crate::scoring::ScoringError;
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use xdistill_shared::protocol::{ErrorBody, ErrorDetail};
@@ -103,6 +104,10 @@ pub enum ApiError {
     MethodNotAllowed,
     #[error("internal error: {0}")]
     Internal(String),
+    /// A sequence got no scores: the request's fault (4xx) or the model's or the server's
+    /// (5xx); [`ApiError::status`] and [`ApiError::label`] tell them apart.
+    #[error("{0}")]
+    Scoring(ScoringError),
 }
 
 impl ApiError {
@@ -160,6 +165,15 @@ impl ApiError {
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            ApiError::Scoring(e) => match e {
+                // The request's: the same request fails the same way.
+                ScoringError::TemperatureOverflow { .. } => StatusCode::UNPROCESSABLE_ENTITY,
+                ScoringError::WorkerStopped => StatusCode::SERVICE_UNAVAILABLE,
+                // The model's or the server's.
+                ScoringError::NonFiniteLogits { .. }
+                | ScoringError::Forward(_)
+                | ScoringError::Panicked(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            },
         }
     }
 
@@ -193,6 +207,13 @@ impl ApiError {
             ApiError::HeadersTooLarge => "headers_too_large",
             ApiError::MethodNotAllowed => "method_not_allowed",
             ApiError::Internal(_) => "internal_error",
+            ApiError::Scoring(e) => match e {
+                ScoringError::TemperatureOverflow { .. } => "temperature_overflow",
+                ScoringError::NonFiniteLogits { .. } => "non_finite_logits",
+                ScoringError::Forward(_) => "forward_failed",
+                ScoringError::Panicked(_) => "worker_panicked",
+                ScoringError::WorkerStopped => "worker_stopped",
+            },
         }
     }
 
@@ -205,6 +226,9 @@ impl ApiError {
             | ApiError::TooManySequences { field, .. }
             | ApiError::AnswerTooLarge { field, .. } => Some(field.clone()),
             ApiError::ModelNotFound(_) => Some("model".into()),
+            ApiError::Scoring(ScoringError::TemperatureOverflow { .. }) => {
+                Some("temperature".into())
+            }
             _ => None,
         };
         let message = match self {
@@ -299,5 +323,46 @@ mod tests {
         .into_response();
         assert_eq!(q.status(), StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(q.headers()[header::RETRY_AFTER], "2");
+    }
+
+    /// A scoring failure the request caused is a 4xx naming the field; the model's or the
+    /// server's are 5xx (503 once the worker is gone); each has its own label.
+    #[test]
+    fn scoring_failures_are_told_apart() {
+        let client = ApiError::Scoring(ScoringError::TemperatureOverflow {
+            temperature: 1e-45,
+            field: "logsumexp",
+            position: 3,
+        });
+        assert_eq!(client.status(), StatusCode::UNPROCESSABLE_ENTITY);
+        let b = client.body();
+        assert_eq!(b.error.kind, "temperature_overflow");
+        assert_eq!(b.error.field.as_deref(), Some("temperature"));
+        assert!(b
+            .error
+            .message
+            .starts_with("temperature 1e-45 overflows the scaled logits"));
+        for (e, status, label) in [
+            (
+                ScoringError::NonFiniteLogits {
+                    id: 7,
+                    position: 1,
+                    value: f32::NAN,
+                },
+                500,
+                "non_finite_logits",
+            ),
+            (ScoringError::Forward("oom".into()), 500, "forward_failed"),
+            (
+                ScoringError::Panicked("boom".into()),
+                500,
+                "worker_panicked",
+            ),
+            (ScoringError::WorkerStopped, 503, "worker_stopped"),
+        ] {
+            let e = ApiError::Scoring(e);
+            assert_eq!((e.status().as_u16(), e.label()), (status, label), "{e}");
+            assert_eq!(e.body().error.field, None);
+        }
     }
 }

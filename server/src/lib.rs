@@ -2,7 +2,7 @@
 //!
 //! Request path: [`app`] (HTTP, auth, the native route) or [`compat`] (the vLLM- and
 //! SGLang-compatible routes) → [`validation`] → [`engine`]: [`cache`] → [`batcher`] (admission,
-//! coalescing) → [`worker`] (the model, on its own thread) → [`topk`].
+//! coalescing) → [`worker`] (the model, on its own thread) → [`scoring`] → the route's encoder.
 
 pub mod app;
 pub mod args;
@@ -14,10 +14,10 @@ pub mod error;
 pub mod head_errors;
 pub mod metrics;
 pub mod model;
+pub mod scoring;
 pub mod serve;
 pub mod server;
 pub mod shutdown;
-pub mod topk;
 pub mod validation;
 pub mod vocab;
 pub mod worker;

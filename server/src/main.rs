@@ -4,6 +4,9 @@ use anyhow::Result;
 use clap::Parser;
 use xdistill_server::{server, Args};
 
+// The allocator of every xdistill binary: jemalloc with transparent huge pages.
+xdistill_shared::global_allocator!();
+
 fn main() -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(

@@ -3,7 +3,7 @@
 //! route's own field names for errors); [`validate_spec`] checks it. Every error names the field.
 
 use crate::error::ApiError;
-use crate::topk::ScoreParams;
+use crate::scoring::ScoreParams;
 use std::sync::Arc;
 use xdistill_shared::protocol::TopkRequest;
 
@@ -427,7 +427,7 @@ fn per_row_candidates(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::topk::NextToken;
+    use crate::scoring::NextToken;
     use xdistill_shared::protocol::ValuesKind;
 
     fn lim() -> RequestLimits {

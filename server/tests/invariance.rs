@@ -180,3 +180,75 @@ async fn an_overflowing_temperature_is_an_error_and_not_cached() {
         .chain(&s.logsumexp)
         .all(|v| v.is_finite()));
 }
+
+/// A temperature that passes validation (`1 / τ` is finite) but whose scaled logits overflow for
+/// this model is the client's fault, found only after scoring: `422 temperature_overflow` naming
+/// the field, counted under its own label, not cached; the server keeps serving.
+#[tokio::test]
+async fn a_temperature_overflowing_after_scoring_is_a_client_error() {
+    // The tiny model's logits stay within ±5; one initialised 10× louder reaches |z| > 10.
+    static T: OnceLock<Teacher> = OnceLock::new();
+    let t = T.get_or_init(|| common::start_teacher(&loud_model(), &[]));
+    let c = client();
+    let seq = ids(11, 12, VOCAB);
+    // Just above the validation floor (1 / f32::MAX): z / τ overflows once |z| ≳ 10.
+    let bad = TopkRequest {
+        temperature: 3e-38,
+        ..request(vec![seq.clone()], 4)
+    };
+    let (status, body) = post(&c, t, &bad, Format::Json).await;
+    let text = String::from_utf8_lossy(&body).to_string();
+    assert_eq!(status, 422, "{text}");
+    let e = error_of(&body);
+    assert_eq!(e.error.kind, "temperature_overflow", "{text}");
+    assert_eq!(e.error.field.as_deref(), Some("temperature"));
+    assert_eq!(e.error.code, Some(422));
+    assert!(
+        e.error.message.contains("overflows the scaled logits"),
+        "{text}"
+    );
+    // Not cached (only answers are): asked again, it is refused again.
+    let (again, _) = post(&c, t, &bad, Format::Json).await;
+    assert_eq!(again, 422);
+    let metrics = c
+        .get(t.url("/metrics"))
+        .send()
+        .await
+        .expect("metrics")
+        .text()
+        .await
+        .expect("text");
+    assert!(
+        metrics.contains("outcome=\"temperature_overflow\""),
+        "{metrics}"
+    );
+    let (status, _) = post(&c, t, &request(vec![seq], 4), Format::Json).await;
+    assert_eq!(status, 200);
+}
+
+/// [`model`]'s shape with weights of standard deviation 1 (instead of 0.1): logits beyond ±10.
+fn loud_model() -> std::path::PathBuf {
+    let tmp = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let out = tmp.join("teacher-models").join("invariance-loud-qwen3");
+    if !out.join("config.json").is_file() {
+        xdistill_shared::init::init_model_dir(&xdistill_shared::init::InitSpec {
+            arch: "qwen3".into(),
+            tokenizer: xdistill_shared::paths::tokenizer_json("llama2"),
+            hidden_size: 32,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            intermediate_size: 64,
+            head_dim: None,
+            pad_vocab_to: 64,
+            max_position_embeddings: 256,
+            tie_embeddings: false,
+            init_std: 1.0,
+            seed: 7,
+            out: out.clone(),
+            features: Default::default(),
+        })
+        .expect("init-model");
+    }
+    out
+}

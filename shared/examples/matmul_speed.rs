@@ -20,6 +20,9 @@ fn best_of(reps: usize, mut f: impl FnMut()) -> f64 {
         .fold(f64::MAX, f64::min)
 }
 
+// The allocator of every xdistill binary: jemalloc with transparent huge pages.
+xdistill_shared::global_allocator!();
+
 fn main() -> anyhow::Result<()> {
     anyhow::ensure!(
         matmul::available(),

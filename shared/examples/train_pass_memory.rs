@@ -20,6 +20,9 @@ fn status_mib(key: &str) -> Result<f64> {
     Ok(xdistill_shared::process::status_mib("self", key)?)
 }
 
+// The allocator of every xdistill binary: jemalloc with transparent huge pages.
+xdistill_shared::global_allocator!();
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     if args.len() < 4 {

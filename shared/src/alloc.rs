@@ -1,5 +1,7 @@
-//! The process-wide allocator of every binary that links this crate: jemalloc with transparent
-//! huge pages.
+//! The allocator of the workspace's binaries: jemalloc with transparent huge pages. Each binary
+//! (the `teacher`, the `trainer`, the examples) installs it in its own crate root with
+//! [`global_allocator!`](crate::global_allocator); linking this library installs nothing, so a
+//! crate that uses it as a library keeps its own allocator.
 //!
 //! Why: a training or scoring step allocates a few large buffers (`[N, V]` logits, their
 //! log-softmax and gradients: hundreds of MB with a 151k vocabulary) and frees them again. glibc
@@ -10,14 +12,29 @@
 //! ~4k per step and the step from 1.6 s to 0.5 s on 2 cores (bench/README.md).
 
 #[cfg(not(target_env = "msvc"))]
-#[global_allocator]
-static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+pub use tikv_jemallocator::Jemalloc;
 
-/// jemalloc's compile-time options (read before `main`; `_RJEM_MALLOC_CONF` in the environment
-/// still overrides them).
+/// jemalloc's compile-time options, for the `_rjem_malloc_conf` symbol that
+/// [`global_allocator!`](crate::global_allocator) defines (read before `main`;
+/// `_RJEM_MALLOC_CONF` in the environment still overrides them).
 #[cfg(not(target_env = "msvc"))]
-#[allow(non_upper_case_globals)]
-#[export_name = "_rjem_malloc_conf"]
-pub static malloc_conf: Option<&'static std::ffi::c_char> =
-    // SAFETY: a NUL-terminated static string, as jemalloc expects.
-    Some(unsafe { &*c"thp:always".as_ptr() });
+pub const MALLOC_CONF: &std::ffi::CStr = c"thp:always";
+
+/// Installs jemalloc ([`Jemalloc`]) with [`MALLOC_CONF`] as the global allocator of the
+/// binary whose crate root invokes it (once, at the top level).
+#[macro_export]
+macro_rules! global_allocator {
+    () => {
+        #[cfg(not(target_env = "msvc"))]
+        #[global_allocator]
+        static GLOBAL: $crate::alloc::Jemalloc = $crate::alloc::Jemalloc;
+
+        /// jemalloc's compile-time options ([`xdistill_shared::alloc::MALLOC_CONF`]).
+        #[cfg(not(target_env = "msvc"))]
+        #[allow(non_upper_case_globals)]
+        #[export_name = "_rjem_malloc_conf"]
+        pub static malloc_conf: Option<&'static std::ffi::c_char> =
+            // SAFETY: a NUL-terminated static string, as jemalloc expects.
+            Some(unsafe { &*$crate::alloc::MALLOC_CONF.as_ptr() });
+    };
+}

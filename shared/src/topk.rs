@@ -1,10 +1,15 @@
-//! Top-k and log-softmax statistics of logit rows, computed with tensor ops on the rows' device.
+//! Top-k of rows with tensor ops on the rows' device: the one chunked device top-k of the
+//! workspace.
 //!
-//! This is the GPU scoring path: only `[N, k]` results leave the device. candle has no top-k and
-//! its CUDA `arg_sort` fails above 8192 columns (shared memory), so the vocabulary is cut into
-//! chunks of at most [`SORT_CHUNK`] columns, each chunk contributes its own top-k candidates, and the
-//! candidates are reduced the same way until one sort of ≤ `SORT_CHUNK` columns remains. The same
-//! code runs on the CPU, which is how its results are checked without a GPU.
+//! candle has no top-k and its CUDA `arg_sort` fails above 8192 columns (shared memory), so a row
+//! is cut into chunks of at most [`SORT_CHUNK`] columns, each chunk contributes its own top-k
+//! candidates, and the candidates are reduced the same way until one sort of ≤ `SORT_CHUNK`
+//! columns remains. Two users:
+//! - [`topk_rows`], the server's GPU scoring path: top-k and log-softmax statistics of logit
+//!   rows, of which only `[N, k]` results leave the device;
+//! - [`topk_indices`], the trainer's losses: the indices of each row's k largest entries.
+//!
+//! The same code runs on the CPU, which is how its results are checked without a GPU.
 
 use crate::protocol::ValuesKind;
 use candle_core::{DType, Result, Tensor, D};
@@ -111,25 +116,45 @@ pub fn topk_rows_chunked(
     })
 }
 
-/// Top `q.k` (ids, values) of scaled logits `z` [N, Vv] with logsumexp `lse` [N, 1].
-fn top_k(z: &Tensor, lse: &Tensor, q: &RowQuery, chunk: usize) -> Result<(Tensor, Tensor)> {
-    let (n, valid) = z.dims2()?;
+/// Indices `[N, k]` (u32, by descending value) of the `k` largest entries of each row of
+/// `x` `[N, V]`, sorting at most `chunk` columns at once. No gradient flows through indices:
+/// gather the values with them. Requires `1 ≤ k ≤ V` and `chunk ≥ 2k`.
+pub fn topk_indices(x: &Tensor, k: usize, chunk: usize) -> Result<Tensor> {
+    let (_, v) = x.dims2()?;
+    if k == 0 || k > v || chunk < 2 * k {
+        candle_core::bail!("topk_indices: need 1 <= k ({k}) <= V ({v}) and chunk ({chunk}) >= 2k");
+    }
+    let x = x.detach().to_dtype(DType::F32)?;
+    Ok(select(&x, k, chunk)?.1)
+}
+
+/// The `k` largest entries of each row of `z` `[N, W]` (f32), by descending value: their
+/// values and their column ids, both `[N, k]`. Requires `chunk ≥ 2k`.
+fn select(z: &Tensor, k: usize, chunk: usize) -> Result<(Tensor, Tensor)> {
+    let (n, w) = z.dims2()?;
     // Candidates: (values, ids) [N, W], reduced until one sort suffices.
-    let ids = Tensor::arange(0u32, valid as u32, z.device())?
+    let ids = Tensor::arange(0u32, w as u32, z.device())?
         .unsqueeze(0)?
-        .broadcast_as((n, valid))?
+        .broadcast_as((n, w))?
         .contiguous()?;
     let (mut vals, mut cand) = (z.contiguous()?, ids);
     while vals.dim(1)? > chunk {
-        (vals, cand) = reduce_chunks(&vals, &cand, q.k, chunk)?;
+        (vals, cand) = reduce_chunks(&vals, &cand, k, chunk)?;
     }
     // Final sort of ≤ chunk columns, keep k.
     let order = vals
         .arg_sort_last_dim(false)?
-        .narrow(1, 0, q.k)?
+        .narrow(1, 0, k)?
         .contiguous()?;
-    let top_vals = vals.gather(&order, D::Minus1)?;
-    let top_ids = cand.gather(&order, D::Minus1)?;
+    Ok((
+        vals.gather(&order, D::Minus1)?,
+        cand.gather(&order, D::Minus1)?,
+    ))
+}
+
+/// Top `q.k` (ids, values) of scaled logits `z` [N, Vv] with logsumexp `lse` [N, 1].
+fn top_k(z: &Tensor, lse: &Tensor, q: &RowQuery, chunk: usize) -> Result<(Tensor, Tensor)> {
+    let (top_vals, top_ids) = select(z, q.k, chunk)?;
     let top_vals = match q.values {
         ValuesKind::Logprobs => top_vals.broadcast_sub(lse)?,
         ValuesKind::Logits => top_vals,
@@ -289,5 +314,31 @@ mod tests {
         };
         assert!(topk_rows(&l, &t, None, &q(11, 10)).is_err());
         assert!(topk_rows(&l, &t, None, &q(3, 12)).is_err());
+        assert!(topk_indices(&l, 0, 16).is_err());
+        assert!(topk_indices(&l, 11, 64).is_err());
+        assert!(topk_indices(&l, 9, 16).is_err());
+    }
+
+    /// The indices of the k largest entries, through several reductions and none, equal a
+    /// full sort's (distinct values: the order is unique).
+    #[test]
+    fn indices_match_a_full_sort() {
+        for (n, v, k, chunk) in [(3, 5000, 5, 16), (2, 200, 8, 256), (4, 1000, 1, 2)] {
+            let data: Vec<f32> = (0..n * v)
+                .map(|i| ((i % v) * 7919 % v + (i / v) * 13) as f32 / v as f32)
+                .collect();
+            let x = Tensor::from_vec(data.clone(), (n, v), &Device::Cpu).unwrap();
+            let got: Vec<Vec<u32>> = topk_indices(&x, k, chunk).unwrap().to_vec2().unwrap();
+            for (r, g) in got.iter().enumerate() {
+                let row = &data[r * v..(r + 1) * v];
+                let mut idx: Vec<u32> = (0..v as u32).collect();
+                idx.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]));
+                assert_eq!(
+                    g.as_slice(),
+                    &idx[..k],
+                    "n {n} v {v} k {k} chunk {chunk} row {r}"
+                );
+            }
+        }
     }
 }

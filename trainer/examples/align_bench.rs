@@ -8,6 +8,9 @@ use std::time::Instant;
 use xdistill_shared::paths::{shared_data_dir, tokenizer_json};
 use xdistill_trainer::align::{align, align_text, tokenize_pair, AlignTokenizer, PairOptions};
 
+// The allocator of every xdistill binary: jemalloc with transparent huge pages.
+xdistill_shared::global_allocator!();
+
 fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let sn = args.first().map_or("qwen3", String::as_str);

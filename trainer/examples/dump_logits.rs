@@ -7,6 +7,9 @@ use candle_nn::VarBuilder;
 use xdistill_shared::hf::ModelDir;
 use xdistill_shared::model::{Decoder, Ops};
 
+// The allocator of every xdistill binary: jemalloc with transparent huge pages.
+xdistill_shared::global_allocator!();
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let (dir, out, ids) = match args.as_slice() {

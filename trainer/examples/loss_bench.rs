@@ -47,6 +47,9 @@ fn time(name: &str, repeats: usize, mut f: impl FnMut() -> Result<Tensor>) -> Re
     Ok(())
 }
 
+// The allocator of every xdistill binary: jemalloc with transparent huge pages.
+xdistill_shared::global_allocator!();
+
 fn main() -> Result<()> {
     let a = Args::parse();
     let dev = xdistill_shared::device::parse_device(&a.device)?;

@@ -44,6 +44,9 @@ enum Command {
     FetchTokenizers(demo::tokenizers::FetchArgs),
 }
 
+// The allocator of every xdistill binary: jemalloc with transparent huge pages.
+xdistill_shared::global_allocator!();
+
 fn main() -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(

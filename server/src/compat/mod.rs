@@ -12,7 +12,7 @@ pub mod vllm;
 
 use crate::app::{error_response, read_body, AppState};
 use crate::error::ApiError;
-use crate::topk::NextToken;
+use crate::scoring::NextToken;
 use crate::vocab::Vocab;
 use axum::body::Body;
 use axum::http::{header, HeaderMap, HeaderValue};

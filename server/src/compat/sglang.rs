@@ -14,7 +14,7 @@ use super::{
 use crate::app::AppState;
 use crate::engine;
 use crate::error::ApiError;
-use crate::topk::ScoreParams;
+use crate::scoring::ScoreParams;
 use crate::validation::{check_answer_size, validate_spec, CandidateSpec, FieldNames, ScoreSpec};
 use crate::vocab::Vocab;
 use axum::body::Body;

@@ -13,7 +13,7 @@ use super::{
 use crate::app::{AppState, Ready};
 use crate::engine;
 use crate::error::ApiError;
-use crate::topk::ScoreParams;
+use crate::scoring::ScoreParams;
 use crate::validation::{check_answer_size, validate_spec, CandidateSpec, FieldNames, ScoreSpec};
 use crate::vocab::Vocab;
 use axum::body::Body;

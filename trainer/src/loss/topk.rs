@@ -1,10 +1,11 @@
-//! Row-wise top-k indices over a wide last dimension.
+//! Row-wise top-k indices over a wide last dimension: the workspace's one chunked device top-k
+//! ([`xdistill_shared::topk::topk_indices`]), with the loss's argument checks.
 //!
 //! candle has no top-k op and its CUDA `arg_sort_last_dim` fails above 8192 columns, so wide rows
 //! are sorted in blocks of [`BLOCK`] columns, the best `k` of every block kept, and the
 //! candidates reduced again until one block remains.
 
-use candle_core::{DType, Tensor, D};
+use candle_core::Tensor;
 
 use super::{LossError, Result};
 
@@ -14,46 +15,21 @@ pub const BLOCK: usize = 4096;
 /// Indices `[R, k]` (u32, descending by value) of the `k` largest entries of each row of
 /// `x: [R, V]`. No gradient flows through indices; gather the values with them.
 pub fn topk_indices(x: &Tensor, k: usize) -> Result<Tensor> {
-    let (rows, v) = x.dims2()?;
+    let (_, v) = x.dims2()?;
     if k == 0 || k > v || k > BLOCK / 2 {
         return Err(LossError::input(
             "k",
             format!("top-k needs 1 <= k <= min(columns = {v}, {})", BLOCK / 2),
         ));
     }
-    let x = x.detach().to_dtype(DType::F32)?;
-    if v <= BLOCK {
-        return Ok(x.arg_sort_last_dim(false)?.narrow(1, 0, k)?.contiguous()?);
-    }
-    // 1. Pad to whole blocks with −∞: [R, nb, BLOCK].
-    let nb = v.div_ceil(BLOCK);
-    let pad = nb * BLOCK - v;
-    let x = if pad > 0 {
-        let fill = Tensor::full(f32::NEG_INFINITY, (rows, pad), x.device())?;
-        Tensor::cat(&[&x, &fill], 1)?
-    } else {
-        x
-    };
-    let x3 = x.reshape((rows, nb, BLOCK))?;
-    // 2. Best k per block, as global column indices: [R, nb·k].
-    let local = x3
-        .arg_sort_last_dim(false)?
-        .narrow(D::Minus1, 0, k)?
-        .contiguous()?;
-    let vals = x3.gather(&local, D::Minus1)?.reshape((rows, nb * k))?;
-    let offsets: Vec<u32> = (0..nb).map(|b| (b * BLOCK) as u32).collect();
-    let offsets = Tensor::from_vec(offsets, (1, nb, 1), x.device())?;
-    let global = local.broadcast_add(&offsets)?.reshape((rows, nb * k))?;
-    // 3. Reduce the candidates (nb·k ≤ V/2, so this terminates).
-    let best = topk_indices(&vals, k)?;
-    Ok(global.gather(&best, 1)?)
+    Ok(xdistill_shared::topk::topk_indices(x, k, BLOCK)?)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::loss::testutil::{rng, topk, uniform};
-    use candle_core::Device;
+    use candle_core::{DType, Device};
 
     #[test]
     fn matches_a_host_sort_on_wide_and_narrow_rows() {

@@ -1,0 +1,382 @@
+//! Scoring: hidden states of a sequence's positions in, the rows a client receives out (top-k,
+//! target log-probs, logsumexp, candidate log-probs, ranks, the next token). The worker
+//! (`worker.rs`) decides which positions run through the model together; everything after the
+//! model's hidden states happens here.
+//!
+//! [`Scorer::score`] runs the LM head a chunk of positions at a time (so memory stays bounded
+//! for large vocabularies) and takes one of these paths ([`TopkPath`], [`LmHead`]):
+//! - on the model's device ([`device`]: [`xdistill_shared::topk::topk_rows`], only the `[N, k]`
+//!   results are copied back; the default on a GPU);
+//! - on the host, with the LM head fused with scoring (the default on the CPU): the logits of a
+//!   chunk come a vocabulary tile at a time and each tile is folded into the rows' running
+//!   scores ([`RowFolds`]) while in cache; on AVX-512 with an f32 head the head kernel
+//!   ([`RowFolds::fold_head`]) makes and folds the tiles itself;
+//! - on the host from the full `[c, V]` logits ([`score_rows`]; `--lm-head full`, and requests
+//!   for ranks when the fused head goes through candle).
+//!
+//! The row after the last token, when a next token is asked for, chooses its own target
+//! ([`next`]). No result with a non-finite value is returned ([`finite`]): the sequence fails
+//! with a [`ScoringError`] that names the cause and says whose fault it is.
+
+mod device;
+mod error;
+mod finite;
+mod host;
+mod next;
+mod params;
+#[cfg(test)]
+pub(crate) mod tests;
+
+pub use device::device_topk_fits;
+pub use error::ScoringError;
+pub use finite::{first_non_finite, non_finite_cause};
+pub use host::{rank_of, score_rows, HeadTiming, RowFolds};
+pub use next::choose_next;
+pub use params::{CandidateRows, LmHead, NextToken, RowLayout, ScoreParams, TopkPath};
+
+use crate::validation::Candidates;
+use candle_core::{DType, Device, Storage, Tensor};
+use std::time::{Duration, Instant};
+use xdistill_shared::model::Decoder;
+use xdistill_shared::protocol::SequenceScores;
+
+/// Most logits (f32) materialised at once: 16 Mi elements = 64 MiB, ≈110 positions of Qwen3.
+const LOGIT_CHUNK_ELEMS: usize = 16 << 20;
+/// Positions per chunk of the fused LM head: one `[256, TILE]` f32 tile is 2 MiB (it stays in
+/// the cores' L2/L3), and the head's weights are read once per 256 positions.
+const FUSED_CHUNK_ROWS: usize = 256;
+
+/// Time spent in the model (the forward and the LM head's matmul) and in top-k.
+#[derive(Debug, Default)]
+pub struct Timing {
+    pub forward: Duration,
+    pub topk: Duration,
+}
+
+impl Timing {
+    /// Runs `f`, adding its time to `forward`.
+    pub fn in_forward<R>(&mut self, f: impl FnOnce() -> R) -> R {
+        let t0 = Instant::now();
+        let r = f();
+        self.forward += t0.elapsed();
+        r
+    }
+
+    /// Runs `f`, adding its time to `topk`.
+    pub fn in_topk<R>(&mut self, f: impl FnOnce() -> R) -> R {
+        let t0 = Instant::now();
+        let r = f();
+        self.topk += t0.elapsed();
+        r
+    }
+}
+
+/// Turns hidden states into scores: the LM head a chunk of positions at a time, then top-k.
+#[derive(Debug, Clone, Copy)]
+pub struct Scorer {
+    /// Valid ids (the tokenizer's vocabulary); LM-head rows at or above are padding.
+    pub vocab: usize,
+    /// Rows of the LM head.
+    pub logits_size: usize,
+    /// Positions per LM-head chunk (bounds the `[c, V]` logits held at once).
+    pub chunk_rows: usize,
+    /// Top-k on the device (true) or on the host.
+    pub on_device: bool,
+    /// On the host: the LM head a vocabulary tile at a time, folded into the scores.
+    pub lm_head: LmHead,
+    /// With `lm_head` fused: the AVX-512 kernel computes and folds the tiles (where the CPU
+    /// has it and the head is f32); otherwise candle's matmul makes them.
+    pub head_kernel: bool,
+}
+
+/// What the scorer needs of one sequence (a [`crate::batcher::Job`] without its reply channel).
+#[derive(Clone, Copy)]
+pub struct SeqRef<'a> {
+    pub ids: &'a [u32],
+    pub start: usize,
+    pub params: &'a ScoreParams,
+    pub candidates: Option<&'a Candidates>,
+}
+
+impl SeqRef<'_> {
+    /// Tokens the model reads (as [`crate::batcher::Job::input_tokens`]): `S - 1`, or `S` with
+    /// a next row.
+    pub fn input_tokens(&self) -> usize {
+        self.end()
+    }
+    /// Positions scored are `start..end()`: up to `S - 1`, or `S` with a next row.
+    fn end(&self) -> usize {
+        self.ids.len() - 1 + self.params.next.is_some() as usize
+    }
+    /// Candidate ids of positions `p0..p1`.
+    fn candidates(&self, p0: usize, p1: usize) -> CandidateRows<'_> {
+        match self.candidates {
+            Some(c) => CandidateRows {
+                ids: &c.ids,
+                m: c.m,
+            }
+            .rows(p0 - self.start, p1 - self.start),
+            None => CandidateRows::default(),
+        }
+    }
+    /// An empty result to append rows to.
+    pub fn empty(&self) -> SequenceScores {
+        SequenceScores {
+            k: self.params.k,
+            m: self.candidates.map_or(0, |c| c.m),
+            ..Default::default()
+        }
+    }
+}
+
+/// Hidden states `[n, H]` of positions `first..first + n` of one sequence.
+#[derive(Clone, Copy)]
+pub struct HiddenSpan<'a> {
+    pub states: &'a Tensor,
+    pub first: usize,
+}
+
+/// What is asked of a run of rows: their targets `[c]`, candidate ids `[c, m]` and the
+/// request's parameters.
+#[derive(Clone, Copy)]
+struct RowsAsked<'a> {
+    targets: &'a [u32],
+    cands: CandidateRows<'a>,
+    params: &'a ScoreParams,
+}
+
+impl Scorer {
+    /// Chunks of [`LOGIT_CHUNK_ELEMS`] logits (of [`FUSED_CHUNK_ROWS`] positions when fused);
+    /// device scoring where `path` resolves to it.
+    pub fn new(
+        vocab: usize,
+        logits_size: usize,
+        path: TopkPath,
+        lm_head: LmHead,
+        device: &Device,
+    ) -> Scorer {
+        let on_device = path.on_device(device);
+        let chunk_rows = match (on_device, lm_head) {
+            (false, LmHead::Fused) => FUSED_CHUNK_ROWS,
+            _ => (LOGIT_CHUNK_ELEMS / logits_size.max(1)).max(1),
+        };
+        Scorer {
+            vocab,
+            logits_size,
+            chunk_rows,
+            on_device,
+            lm_head,
+            head_kernel: RowFolds::head_kernel_available(),
+        }
+    }
+
+    /// The scoring path as `/v1/info` reports it: `device`, or on the host `fused` / `full`.
+    pub fn path_name(&self) -> &'static str {
+        match (self.on_device, self.lm_head) {
+            (true, _) => "device",
+            (false, LmHead::Fused) => "fused",
+            (false, LmHead::Full) => "full",
+        }
+    }
+
+    /// Whether the AVX-512 head kernel scores with `head` (the decoder's LM head): the CPU has
+    /// it, the path is the fused host one, and it can read the head in place.
+    pub fn uses_head_kernel(&self, head: &Tensor) -> bool {
+        self.head_kernel && kernel_reads(head) && !self.on_device && self.lm_head == LmHead::Fused
+    }
+
+    /// Appends to `acc` the rows of `seq`'s requested positions (`start..end`) that fall in
+    /// `span`, a chunk of [`Scorer::chunk_rows`] positions at a time (row p predicts `ids[p + 1]`).
+    /// The next row (position `S - 1`, with a next token asked for) chooses its own target.
+    pub fn score(
+        &self,
+        decoder: &Decoder,
+        span: HiddenSpan<'_>,
+        seq: SeqRef<'_>,
+        acc: &mut SequenceScores,
+        timing: &mut Timing,
+    ) -> Result<(), ScoringError> {
+        let (hidden, first) = (span.states, span.first);
+        let n = hidden.dim(0)?;
+        let lo = first.max(seq.start);
+        let hi = (first + n).min(seq.end());
+        // Rows with a known target: positions before S - 1.
+        let known = hi.min(seq.ids.len() - 1);
+        let params = seq.params;
+        let mut c0 = lo;
+        while c0 < known {
+            let c1 = (c0 + self.chunk_rows).min(known);
+            let rows = hidden.narrow(0, c0 - first, c1 - c0)?; // [c, H]
+            let asked = RowsAsked {
+                targets: &seq.ids[c0 + 1..c1 + 1],
+                cands: seq.candidates(c0, c1),
+                params,
+            };
+            let s = self.score_rows(decoder, &rows, asked, timing)?;
+            self.check_finite(&s, decoder, &rows, c0, params.temperature)?;
+            append(acc, s);
+            c0 = c1;
+        }
+        let last = seq.ids.len() - 1;
+        if params.next.is_some() && (lo..hi).contains(&last) {
+            let row = hidden.narrow(0, last - first, 1)?; // [1, H]
+            let (s, token) = self.score_next(
+                decoder,
+                &row,
+                seq.candidates(last, last + 1),
+                params,
+                timing,
+            )?;
+            self.check_finite(&s, decoder, &row, last, params.temperature)?;
+            append(acc, s);
+            acc.next_token = Some(token);
+        }
+        Ok(())
+    }
+
+    /// Scores of `rows` [c, H] on the path this scorer takes: on the device, else the AVX-512
+    /// LM-head kernel when it applies, else the head a tile at a time through candle (no
+    /// ranks), else the full logits.
+    fn score_rows(
+        &self,
+        decoder: &Decoder,
+        rows: &Tensor,
+        q: RowsAsked<'_>,
+        timing: &mut Timing,
+    ) -> Result<SequenceScores, ScoringError> {
+        if self.scores_on_device(q.params) || self.lm_head != LmHead::Fused {
+            return self.score_full(decoder, rows, q, timing);
+        }
+        if self.head_kernel {
+            if let Some(s) = self.score_head_kernel(decoder, rows, q, timing)? {
+                return Ok(s);
+            }
+        }
+        match RowFolds::tiled(self.layout(), q.targets, q.cands, q.params) {
+            Some(folds) => self.score_fused(decoder, rows, folds, timing),
+            None => self.score_full(decoder, rows, q, timing),
+        }
+    }
+
+    fn scores_on_device(&self, params: &ScoreParams) -> bool {
+        self.on_device && device_topk_fits(params.k)
+    }
+
+    /// Scores of `rows` [c, H] by the AVX-512 LM-head kernel ([`RowFolds::fold_head`]), which
+    /// reads the f32 head in place; `None` when the head or the rows are not f32 host memory.
+    /// Its wall time is split between `forward` and `topk` by [`HeadTiming::split`]; the rows'
+    /// final top-k and log-probs count as `topk`.
+    fn score_head_kernel(
+        &self,
+        decoder: &Decoder,
+        rows: &Tensor,
+        q: RowsAsked<'_>,
+        timing: &mut Timing,
+    ) -> Result<Option<SequenceScores>, ScoringError> {
+        let head = decoder.lm_head();
+        if !kernel_reads(head) || rows.dtype() != DType::F32 {
+            return Ok(None);
+        }
+        let h = head.dim(1)?;
+        let t0 = Instant::now();
+        let mut folds = RowFolds::for_head(self.layout(), q.targets, q.cands, q.params);
+        let split = with_host_f32(head, |w| {
+            with_host_f32(rows, |x| folds.fold_head(x, &w[..self.logits_size * h], h))
+        })??;
+        let (forward, scoring) = split.split(t0.elapsed());
+        timing.forward += forward;
+        timing.topk += scoring;
+        Ok(Some(timing.in_topk(|| folds.finish())))
+    }
+
+    /// Scores of `rows` [c, H] by the fused LM head: the logits of one vocabulary tile at a time
+    /// ([c, TILE]), folded into `folds` before the next is computed. Tiles past the valid
+    /// vocabulary (LM-head padding) are never computed.
+    fn score_fused(
+        &self,
+        decoder: &Decoder,
+        rows: &Tensor,
+        mut folds: RowFolds<'_>,
+        timing: &mut Timing,
+    ) -> Result<SequenceScores, ScoringError> {
+        for c0 in (0..self.valid()).step_by(RowFolds::TILE) {
+            let cols = c0..(c0 + RowFolds::TILE).min(self.logits_size);
+            let tile = timing.in_forward(|| {
+                decoder
+                    .logits_cols(rows, cols.clone())?
+                    .to_dtype(DType::F32)?
+                    .contiguous()
+            })?;
+            timing.in_topk(|| with_host_f32(&tile, |t| folds.fold(t, cols)))?;
+        }
+        Ok(timing.in_topk(|| folds.finish()))
+    }
+
+    /// Scores of `rows` [c, H] from their whole `[c, V]` logits, on the device or the host.
+    fn score_full(
+        &self,
+        decoder: &Decoder,
+        rows: &Tensor,
+        q: RowsAsked<'_>,
+        timing: &mut Timing,
+    ) -> Result<SequenceScores, ScoringError> {
+        let RowsAsked {
+            targets,
+            cands,
+            params,
+        } = q;
+        // [c, H] -> [c, V] in the model dtype.
+        let logits = timing.in_forward(|| decoder.logits(rows))?;
+        let s = timing.in_topk(|| {
+            if self.scores_on_device(params) {
+                device::score_on_device(&logits, targets, cands, params, self.valid())
+            } else {
+                let host = logits.to_dtype(DType::F32)?.contiguous()?;
+                with_host_f32(&host, |rows| {
+                    score_rows(rows, self.layout(), targets, cands, params)
+                })
+            }
+        })?;
+        Ok(s)
+    }
+
+    fn layout(&self) -> RowLayout {
+        RowLayout {
+            width: self.logits_size,
+            valid: self.vocab,
+        }
+    }
+
+    /// Columns of the logits that are real tokens.
+    fn valid(&self) -> usize {
+        self.vocab.min(self.logits_size)
+    }
+}
+
+/// Whether the AVX-512 LM-head kernel can read `head` in place: f32, contiguous, host memory.
+fn kernel_reads(head: &Tensor) -> bool {
+    head.dtype() == DType::F32 && head.device().is_cpu() && head.is_contiguous()
+}
+
+/// Runs `f` on the f32 data of a contiguous tensor: borrowed in place on the CPU, copied to
+/// the host from other devices.
+fn with_host_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> candle_core::Result<R> {
+    {
+        let (storage, layout) = t.storage_and_layout();
+        if let (Storage::Cpu(cpu), Some((a, b))) = (&*storage, layout.contiguous_offsets()) {
+            return Ok(f(&cpu.as_slice::<f32>()?[a..b]));
+        }
+    }
+    let host = t.flatten_all()?.to_vec1::<f32>()?;
+    Ok(f(&host))
+}
+
+fn append(acc: &mut SequenceScores, s: SequenceScores) {
+    acc.rows += s.rows;
+    acc.topk_ids.extend(s.topk_ids);
+    acc.topk_values.extend(s.topk_values);
+    acc.target_logprobs.extend(s.target_logprobs);
+    acc.logsumexp.extend(s.logsumexp);
+    acc.ids_logprobs.extend(s.ids_logprobs);
+    acc.target_ranks.extend(s.target_ranks);
+}
