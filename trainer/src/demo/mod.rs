@@ -97,15 +97,15 @@ pub struct DemoArgs {
     /// The pretrained task's teacher: this GGUF file instead of fetching SmolLM2 (offline).
     #[arg(long)]
     pub teacher_gguf: Option<PathBuf>,
-    /// The pretrained task: keep these teacher layers in the student (e.g. `0-4,25-29`;
-    /// default: 10 evenly spaced).
+    /// The pretrained task: keep these teacher layers in the student (default `0-1,8-29`:
+    /// layers 2–7 dropped).
     #[arg(long)]
     pub keep_layers: Option<String>,
     /// A handful of steps on tiny data (arithmetic: tiny models): checks the whole pipeline
     /// (the numbers mean nothing).
     #[arg(long, conflicts_with = "full")]
     pub fast: bool,
-    /// The longer run. Pretrained: 4× the steps and problems per step. Arithmetic: the
+    /// The longer run. Pretrained: 6× the steps, 2× the problems per step. Arithmetic: the
     /// calibrated comparison (docs/demo.md), a teacher with the Qwen3 tokenizer, a student with
     /// Llama 2's (cross-tokenizer), both scenarios — 15–25 min on 2 cores.
     #[arg(long)]
