@@ -402,10 +402,22 @@ impl KlProbe {
 
     /// Mean KL per unit of `model_dir` (whose tokenizer must be the probe's student tokenizer).
     pub fn kl(&self, model_dir: &Path) -> Result<f64> {
-        let s = &self.setup;
-        let (model, _) = eval::load_model(model_dir, &s.device, DType::F32)?;
-        let (sums, _) = off_policy::kl_to_teacher(s, &model, &self.records, 8)?;
+        let (model, _) = eval::load_model(model_dir, &self.setup.device, DType::F32)?;
+        let sums = self.sums(&model)?;
         Ok(sums.kl / sums.kl_units.max(1.0))
+    }
+
+    /// KL and cross-entropy sums of a loaded `model` on the probe's records.
+    pub fn sums(
+        &self,
+        model: &xdistill_shared::model::Decoder,
+    ) -> Result<crate::train::step::ValSums> {
+        Ok(off_policy::kl_to_teacher(&self.setup, model, &self.records, 8)?.0)
+    }
+
+    /// The device models are measured on.
+    pub fn device(&self) -> &candle_core::Device {
+        &self.setup.device
     }
 }
 

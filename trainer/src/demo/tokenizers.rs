@@ -46,10 +46,22 @@ fn checksum(name: &str) -> Option<&'static str> {
     CHECKSUMS.iter().find(|(n, _)| *n == name).map(|(_, c)| *c)
 }
 
-/// Lower-case hex SHA-256 of the file at `path`.
+/// Lower-case hex SHA-256 of the file at `path`, streamed (the demo's model is 98 MB).
 pub fn sha256_file(path: &Path) -> Result<String> {
-    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-    Ok(hex::encode(Sha256::digest(&bytes)))
+    use std::io::Read;
+    let mut f = std::fs::File::open(path).with_context(|| format!("reading {}", path.display()))?;
+    let mut hash = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f
+            .read(&mut buf)
+            .with_context(|| format!("reading {}", path.display()))?;
+        if n == 0 {
+            break;
+        }
+        hash.update(&buf[..n]);
+    }
+    Ok(hex::encode(hash.finalize()))
 }
 
 /// `NAME/tokenizer.json`: found, or fetched into the user cache (a progress line on stderr).
