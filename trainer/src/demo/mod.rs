@@ -105,7 +105,7 @@ pub struct DemoArgs {
     /// (the numbers mean nothing).
     #[arg(long, conflicts_with = "full")]
     pub fast: bool,
-    /// The longer run. Pretrained: 6× the steps, 2× the problems per step. Arithmetic: the
+    /// The longer run. Pretrained: 48 steps × 8 problems instead of 5 × 4. Arithmetic: the
     /// calibrated comparison (docs/demo.md), a teacher with the Qwen3 tokenizer, a student with
     /// Llama 2's (cross-tokenizer), both scenarios — 15–25 min on 2 cores.
     #[arg(long)]
