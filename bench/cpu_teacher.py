@@ -2,7 +2,7 @@
 same model directory and batches, same thread count, alternating rounds (the CPU twin of
 bench/gpu_teacher.py).
 
-    cargo build --release -p xdistill-server -p xdistill-trainer
+    cargo build --release -p xdistill-server -p xdistill-trainer-cli
     python bench/cpu_teacher.py target/release "$(scripts/get-tokenizers.sh)" [--threads 2]
         [--rounds 3] [--requests 3] [--rss]
 

@@ -1,7 +1,7 @@
 """Teacher positions/s on CPU: a Qwen3-MoE-shaped model (8 experts, top-2) vs the dense Qwen3 with
 the same active parameters, and each vs transformers on the same model, in one run.
 
-    cargo build --release -p xdistill-server -p xdistill-trainer
+    cargo build --release -p xdistill-server -p xdistill-trainer-cli
     python bench/moe_cpu.py target/release "$(scripts/get-tokenizers.sh)" [THREADS]
 
 Needs torch and transformers (a venv). For each model: `trainer init-model` writes it, the

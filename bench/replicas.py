@@ -1,7 +1,7 @@
 """Students per replica: N concurrent off-policy trainers against 1 and 3 teacher replicas behind
 HAProxy (docker/haproxy.cfg with loopback addresses), and the latency the balancer adds.
 
-    cargo build --release -p xdistill-server -p xdistill-trainer
+    cargo build --release -p xdistill-server -p xdistill-trainer-cli
     python3 bench/replicas.py target/release "$(scripts/get-tokenizers.sh)"
 
 Standard library only (HAProxy from scripts/install-haproxy.sh). The teacher is a random Qwen3 of

@@ -12,7 +12,7 @@ Two harnesses, each process reporting its own high-water mark:
 
 Prints a markdown table and the slopes (MiB per 1k tokens) between consecutive lengths.
 
-    cargo build --release -p xdistill-trainer
+    cargo build --release -p xdistill-trainer-cli
     python bench/step_memory.py MODEL_DIR --python target/hfenv/bin/python \
         --trainer before=/tmp/trainer-before --trainer after=target/release/trainer:--activation-checkpointing=on
 """

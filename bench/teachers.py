@@ -1,7 +1,7 @@
 """Step time with 1, 2 and 3 teachers: an off-policy trainer against N teacher servers, every
 teacher asked at once (the step should wait for the slowest teacher, not the sum).
 
-    cargo build --release -p xdistill-server -p xdistill-trainer
+    cargo build --release -p xdistill-server -p xdistill-trainer-cli
     python3 bench/teachers.py target/release "$(scripts/get-tokenizers.sh)"
 
 Standard library only (STEPS=N in the environment changes the run length). Teachers: random Llama-2-vocabulary models (hidden 256 × 2 layers, each

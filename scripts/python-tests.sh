@@ -40,7 +40,7 @@ fi
 
 # 2. The binaries (a no-op when they are up to date).
 if [ -z "${XDISTILL_BIN_DIR:-}" ]; then
-  cargo build --locked -p xdistill-server --bin teacher -p xdistill-trainer --bin trainer
+  cargo build --locked -p xdistill-server --bin teacher -p xdistill-trainer-cli --bin trainer
   XDISTILL_BIN_DIR="$root/target/debug"
 fi
 export XDISTILL_BIN_DIR

@@ -37,7 +37,7 @@ def _binary(name: str) -> Path:
     if not path.is_file():
         pytest.fail(
             f"{path} not found: build it (cargo build -p xdistill-server --bin teacher "
-            f"-p xdistill-trainer --bin trainer) or set XDISTILL_BIN_DIR",
+            f"-p xdistill-trainer-cli --bin trainer) or set XDISTILL_BIN_DIR",
             pytrace=False,
         )
     return path

@@ -5,7 +5,7 @@ one sequence much longer than the sliding windows and original context lengths w
 transformers (eager attention, f32) and with xdistill's decoder (`dump_logits`), and reports
 max |Δ| of the log-probs. Exits non-zero above 1e-4.
 
-    cargo build -p xdistill-trainer --bin trainer --example dump_logits
+    cargo build -p xdistill-trainer-cli --bin trainer -p xdistill-trainer --example dump_logits
     python scripts/checks/hf_parity.py target/debug/trainer target/debug/examples/dump_logits \
         "$(scripts/get-tokenizers.sh)" [SEQ_LEN]
 """

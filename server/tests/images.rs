@@ -1518,7 +1518,7 @@ fn trainer_bin() -> PathBuf {
         p.is_file(),
         "no `trainer` at {}: this test runs the workspace's trainer binary, which `cargo test \
          --workspace` builds but `cargo test -p xdistill-server` does not; run `cargo build \
-         -p xdistill-trainer` first, or set $XDISTILL_TRAINER_BIN",
+         -p xdistill-trainer-cli` first, or set $XDISTILL_TRAINER_BIN",
         p.display()
     );
     p

@@ -5,8 +5,8 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
+use xdistill_demo::tokenizers::{package, sha256_file, CHECKSUMS};
 use xdistill_shared::paths::{tokenizer_json, TOKENIZERS_ENV};
-use xdistill_trainer::demo::tokenizers::{package, sha256_file, CHECKSUMS};
 
 /// `trainer` copied into `dir/bin/`, outside any checkout.
 fn moved_trainer(dir: &Path) -> PathBuf {

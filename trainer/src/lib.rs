@@ -1,15 +1,15 @@
-//! xdistill trainer library: everything the `trainer` binary does, importable by tests and benches.
+//! xdistill training core: the student, its data, the losses and the SFT, off-policy and
+//! on-policy training loops against teacher servers. The `trainer` binary's command-line fronts
+//! live in `trainer/cli` (package `xdistill-trainer-cli`); the synthetic task and the demo in
+//! `trainer/demo` (package `xdistill-demo`).
 
 pub mod align;
-pub mod answer;
-pub mod bench_step;
 pub mod chat;
 pub mod checkpoint;
 pub mod client;
 pub mod collate;
 pub mod config;
 pub mod data;
-pub mod demo;
 pub mod eval;
 pub mod generate;
 pub mod init_model;
@@ -19,5 +19,4 @@ pub mod model_check;
 pub mod optim;
 pub mod prune;
 pub mod student;
-pub mod task;
 pub mod train;

@@ -11,15 +11,6 @@
 //! `--python` runs it in the same invocation (rounds alternating with ours, so that both see the
 //! same load) and compares the times and the losses.
 
-use crate::collate::Encoded;
-use crate::config::ActivationCheckpointing;
-use crate::loss::{CeConfig, KdConfig, LossConfig, TailMode};
-use crate::optim::{clip_grad_norm, AdamWConfig, GradAccumulator, OptimConfig, ScheduleConfig};
-use crate::student::Student;
-use crate::train::head::HeadOpts;
-use crate::train::pairing::{units, Item, Pairing};
-use crate::train::runner::Runner;
-use crate::train::step::{micro_grads, LossCtx};
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
 use rand::{Rng, SeedableRng};
@@ -29,6 +20,17 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 use xdistill_shared::protocol::SequenceScores;
+use xdistill_trainer::collate::Encoded;
+use xdistill_trainer::config::ActivationCheckpointing;
+use xdistill_trainer::loss::{CeConfig, KdConfig, LossConfig, TailMode};
+use xdistill_trainer::optim::{
+    clip_grad_norm, AdamWConfig, GradAccumulator, OptimConfig, ScheduleConfig,
+};
+use xdistill_trainer::student::Student;
+use xdistill_trainer::train::head::HeadOpts;
+use xdistill_trainer::train::pairing::{units, Item, Pairing};
+use xdistill_trainer::train::runner::Runner;
+use xdistill_trainer::train::step::{micro_grads, LossCtx};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct Args {

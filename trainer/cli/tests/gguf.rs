@@ -1,6 +1,7 @@
 //! GGUF files in the trainer: `trainer eval` (and every inference load, the local teacher of the
 //! demo included) reads one as it reads a model directory; a GGUF student is refused by name.
 
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 use candle_core::quantized::GgmlDType;

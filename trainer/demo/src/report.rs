@@ -1,7 +1,7 @@
 //! The demo's report: the table, whether the goal was met, and the accuracy curves as SVG.
 
-use super::mistakes::AfterMistake;
-use super::settings::DemoSettings;
+use crate::mistakes::AfterMistake;
+use crate::settings::DemoSettings;
 use serde::Serialize;
 
 /// One row of the table.
@@ -66,7 +66,7 @@ impl Scenario {
 #[derive(Debug, Clone, Serialize)]
 pub struct Summary {
     pub teacher: Row,
-    /// The teacher's next-digit accuracy after a mistake in the text (`demo::mistakes`).
+    /// The teacher's next-digit accuracy after a mistake in the text (`xdistill_demo::mistakes`).
     pub teacher_after_mistake: AfterMistake,
     /// The headline: few labels, all prompts, a teacher that knows the task.
     pub scarce: Option<Scenario>,

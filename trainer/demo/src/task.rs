@@ -1,4 +1,4 @@
-//! A synthetic arithmetic task with worked, digit-by-digit steps (`trainer make-task`).
+//! A synthetic arithmetic task with worked, digit-by-digit steps (written by `trainer make-task`).
 //!
 //! ```text
 //! prompt:     "Q: 47+38=?\nA:"
@@ -11,7 +11,7 @@
 //! regular pattern (one column, right to left, carry/borrow spelled out) whose inputs are digits
 //! already in the context, and the answer after `#### ` is read off the steps, so every token is
 //! derivable from the tokens before it. The answer follows `#### ` as in GSM8K, so one extractor
-//! ([`crate::answer`]) serves both.
+//! ([`xdistill_trainer::eval::answer`]) serves both.
 //!
 //! Splits are disjoint by construction: test problems are drawn first, then train problems are
 //! drawn excluding every test problem *and its commutative twin* (`38+47` is the same problem as
@@ -385,49 +385,10 @@ pub fn write_splits(dir: &Path, cfg: &TaskConfig, splits: &Splits) -> Result<(),
     })
 }
 
-/// `trainer make-task`: write a synthetic arithmetic task with disjoint train/test splits.
-#[derive(clap::Args, Debug, Clone)]
-pub struct Args {
-    /// Output directory (gets train.jsonl, test.jsonl, task.json).
-    #[arg(long)]
-    pub out: PathBuf,
-    #[arg(long, default_value_t = 2000)]
-    pub train: usize,
-    #[arg(long, default_value_t = 200)]
-    pub test: usize,
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
-    /// Digits of each operand.
-    #[arg(long, default_value_t = 2)]
-    pub digits: u32,
-    /// Operations, comma separated.
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "add")]
-    pub ops: Vec<Op>,
-}
-
-pub fn run(a: Args) -> Result<(), TaskError> {
-    let cfg = TaskConfig {
-        digits: a.digits,
-        ops: a.ops,
-        train: a.train,
-        test: a.test,
-        seed: a.seed,
-    };
-    let splits = make_splits(&cfg)?;
-    write_splits(&a.out, &cfg, &splits)?;
-    tracing::info!(
-        "wrote {} train and {} test problems to {}",
-        splits.train.len(),
-        splits.test.len(),
-        a.out.display()
-    );
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::answer::extract_answer;
+    use xdistill_trainer::eval::answer::extract_answer;
 
     /// Independent reference: parse `Q: a?b=?` and compute with i128.
     fn solve_prompt(prompt: &str) -> i128 {

@@ -1,9 +1,10 @@
 //! `evaluate` and `trainer eval` / `trainer make-task` end to end on a tiny random model.
 
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 use common::{byte_tokenizer_json, load, model_args, tiny};
-use xdistill_trainer::answer::{answers_match, extract_answer};
+use xdistill_trainer::eval::answer::{answers_match, extract_answer};
 use xdistill_trainer::eval::{evaluate, load_records, EvalConfig, EvalRecord};
 use xdistill_trainer::generate::{generate_seeded, GenerationConfig};
 

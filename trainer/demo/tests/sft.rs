@@ -32,14 +32,14 @@ fn model(dir: &Path, name: &str, arch: &str, tokenizer: &str, seed: u64) -> Path
 
 /// The synthetic task's train and test files in `dir`.
 fn task(dir: &Path, train: usize) -> PathBuf {
-    let cfg = xdistill_trainer::task::TaskConfig {
+    let cfg = xdistill_demo::task::TaskConfig {
         train,
         test: 16,
         ..Default::default()
     };
-    let splits = xdistill_trainer::task::make_splits(&cfg).unwrap();
+    let splits = xdistill_demo::task::make_splits(&cfg).unwrap();
     let out = dir.join("task");
-    xdistill_trainer::task::write_splits(&out, &cfg, &splits).unwrap();
+    xdistill_demo::task::write_splits(&out, &cfg, &splits).unwrap();
     out
 }
 

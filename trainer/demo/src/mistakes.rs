@@ -139,8 +139,9 @@ fn top1_at(
 /// Measures [`AfterMistake`] of the model in `model_dir` on `records` (one seeded mistake per
 /// record; only the computed digits after it are scored).
 pub fn after_mistake(model_dir: &Path, records: &[TaskRecord], seed: u64) -> Result<AfterMistake> {
-    let (model, tok) = crate::eval::load_model(model_dir, &Device::Cpu, candle_core::DType::F32)
-        .with_context(|| format!("loading {}", model_dir.display()))?;
+    let (model, tok) =
+        xdistill_trainer::eval::load_model(model_dir, &Device::Cpu, candle_core::DType::F32)
+            .with_context(|| format!("loading {}", model_dir.display()))?;
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let (mut hits_after, mut hits_clean, mut n, mut used) = (0usize, 0usize, 0usize, 0usize);
     for r in records {

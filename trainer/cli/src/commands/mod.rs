@@ -1,0 +1,11 @@
+//! One front per `trainer` subcommand that has no home in the libraries: its flags (clap
+//! `Args`) and the glue that calls the library and prints the result. The training commands'
+//! flags live with their configuration (`xdistill_trainer::config`, `train::sft::SftArgs`) and
+//! the alignment tools' in `xdistill_trainer::align::cli`.
+
+pub mod bench_step;
+pub mod demo;
+pub mod eval;
+pub mod fetch_tokenizers;
+pub mod make_task;
+pub mod prune;
