@@ -10,6 +10,7 @@ pub mod client;
 pub mod collate;
 pub mod config;
 pub mod data;
+pub mod dist;
 pub mod eval;
 pub mod generate;
 pub mod init_model;
