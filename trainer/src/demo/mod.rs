@@ -29,7 +29,7 @@
 use crate::config::Config;
 use crate::data::Record;
 use crate::eval::{self, EvalConfig, EvalRecord};
-use crate::train::off_policy;
+use crate::train::distill;
 pub mod files;
 pub mod mistakes;
 pub mod pretrained;
@@ -387,7 +387,7 @@ fn accuracy(dir: &Path, records: &[EvalRecord], max_new_tokens: usize) -> Result
 /// validation does (chunk-level P-KL across tokenizers, forward KL over the top-k with a tail
 /// bucket on a shared one).
 pub struct KlProbe {
-    setup: off_policy::Setup,
+    setup: distill::Setup,
     records: Vec<Record>,
 }
 
@@ -395,7 +395,7 @@ impl KlProbe {
     pub fn new(config_path: &Path, records: Vec<Record>) -> Result<KlProbe> {
         let cfg = Config::from_file(config_path)?;
         Ok(KlProbe {
-            setup: off_policy::setup(cfg)?,
+            setup: distill::setup(cfg)?,
             records,
         })
     }
@@ -412,7 +412,7 @@ impl KlProbe {
         &self,
         model: &xdistill_shared::model::Decoder,
     ) -> Result<crate::train::step::ValSums> {
-        Ok(off_policy::kl_to_teacher(&self.setup, model, &self.records, 8)?.0)
+        Ok(distill::kl_to_teacher(&self.setup, model, &self.records, 8)?.0)
     }
 
     /// The device models are measured on.
