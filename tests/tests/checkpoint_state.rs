@@ -8,7 +8,7 @@ use xdistill_demo::task::{make_splits, write_splits, TaskConfig};
 use xdistill_tests::distill::{config_with, model, token_driven_teacher};
 use xdistill_tests::{teacher_binary, TeacherProcess};
 use xdistill_trainer::checkpoint::TrainerState;
-use xdistill_trainer::train::{off_policy, on_policy, sft};
+use xdistill_trainer::train::{distill, off_policy, on_policy, sft};
 
 const ON_POLICY: &str = r#"
 [on_policy]
@@ -78,11 +78,11 @@ fn every_objective_checkpoints_the_same_trainer_state() {
         let (steps, val_metric) = match name {
             "sft" => (sft::train(&cfg, None, false, None).unwrap().steps, "val_ce"),
             "off_policy" => {
-                let s = off_policy::setup(cfg).unwrap();
+                let s = distill::setup(cfg).unwrap();
                 (off_policy::train(&s, false, None).unwrap().steps, "val_kl")
             }
             _ => {
-                let s = off_policy::setup(cfg).unwrap();
+                let s = distill::setup(cfg).unwrap();
                 (on_policy::train(&s, false, None).unwrap().steps, "val_kl")
             }
         };

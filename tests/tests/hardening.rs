@@ -8,7 +8,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use xdistill_tests::distill::{config, config_with, data_file, model, token_driven_teacher};
 use xdistill_tests::{get_body, teacher_binary, TeacherProcess};
-use xdistill_trainer::train::off_policy::{setup, train};
+use xdistill_trainer::train::distill::setup;
+use xdistill_trainer::train::off_policy::train;
 
 /// Runs `trainer ARGS` with its address space capped at `cap_mb` MiB (`ulimit -v`): an attempt to
 /// allocate from an absurd config fails inside the cap instead of swapping the machine.

@@ -5,7 +5,8 @@ use std::path::Path;
 use xdistill_tests::distill::{config, model, token_driven_teacher};
 use xdistill_tests::{teacher_binary, TeacherProcess};
 use xdistill_trainer::config::Config;
-use xdistill_trainer::train::off_policy::{setup, train, Summary};
+use xdistill_trainer::train::distill::{setup, Summary};
+use xdistill_trainer::train::off_policy::train;
 
 fn run(cfg: Config, resume: bool, stop_after: Option<u64>) -> Summary {
     let s = setup(cfg).expect("setup");

@@ -11,7 +11,7 @@ use xdistill_tests::distill::{config, config_with, data_file, model, token_drive
 use xdistill_tests::{get_body, teacher_binary, TeacherProcess};
 use xdistill_trainer::config::{Config, TeacherConfig, TeacherMode};
 use xdistill_trainer::train::teachers::Source;
-use xdistill_trainer::train::{off_policy, on_policy};
+use xdistill_trainer::train::{distill, off_policy, on_policy};
 
 const NAMES: [&str; 3] = ["same", "qwen", "llama3"];
 
@@ -201,7 +201,7 @@ fn routing_sends_each_record_to_its_teacher_off_and_on_policy() {
     let out = t.dir.join("off");
     let loss = "kd = { type = \"forward_kl\" }\ntail = \"bucket\"\n[loss_cross]\nkd = { type = \"first_kl\" }";
     let cfg = routed_config(&t, &out, 24, loss, "");
-    let s = off_policy::setup(cfg).expect("setup");
+    let s = distill::setup(cfg).expect("setup");
     assert!(s.teachers.routed());
     assert_eq!(
         s.teachers
@@ -229,7 +229,7 @@ fn routing_sends_each_record_to_its_teacher_off_and_on_policy() {
     let out = t.dir.join("on");
     let extra = "[on_policy]\nlambda = 1.0\n[on_policy.generation]\nmax_new_tokens = 8\ntemperature = 1.0\nstop_strings = []\n";
     let cfg = routed_config(&t, &out, 6, "kd = { type = \"sampled_kl\" }", extra);
-    let s = off_policy::setup(cfg).expect("setup");
+    let s = distill::setup(cfg).expect("setup");
     let before = counts(&t);
     let sum = on_policy::train(&s, false, None).expect("on-policy train");
     assert_eq!(sum.steps, 6);
@@ -238,7 +238,7 @@ fn routing_sends_each_record_to_its_teacher_off_and_on_policy() {
 
 /// The error (with its causes) of a setup that must fail for the reason `why`.
 fn setup_error(cfg: Config, why: &str) -> String {
-    match off_policy::setup(cfg) {
+    match distill::setup(cfg) {
         Ok(_) => panic!("the setup succeeded; expected it to fail: {why}"),
         Err(e) => format!("{e:#}"),
     }
@@ -252,7 +252,7 @@ fn routing_errors_are_reported_at_start() {
     let mut cfg = routed_config(&t, &t.dir.join("bad"), 2, loss, "");
     cfg.data.default_teacher = None;
     cfg.teachers.truncate(2);
-    let s = off_policy::setup(cfg).expect("setup");
+    let s = distill::setup(cfg).expect("setup");
     let err = format!("{:#}", off_policy::train(&s, false, None).unwrap_err());
     assert!(
         err.contains("names teacher \"llama3\", which is not configured"),
@@ -352,7 +352,7 @@ fn ensemble_target_is_the_f64_mixture_and_one_teacher_ensemble_is_single_teacher
     cfg.teachers[0].weight = 3.0;
     cfg.distillation.teachers = TeacherMode::Ensemble;
     cfg.validate().unwrap();
-    let s = off_policy::setup(cfg).expect("setup");
+    let s = distill::setup(cfg).expect("setup");
     let seqs: Vec<Vec<u32>> = vec![
         vec![1, 450, 4996, 17354, 1701, 432, 29889],
         vec![1, 29871, 29906, 29974, 29906],
@@ -413,14 +413,14 @@ fn ensemble_target_is_the_f64_mixture_and_one_teacher_ensemble_is_single_teacher
     // 2. An ensemble of one teacher trains exactly as that teacher alone.
     let single = dir.join("single");
     let cfg = config(dir, &student, &servers[0].base, &single, 6, loss);
-    off_policy::train(&off_policy::setup(cfg).unwrap(), false, None).unwrap();
+    off_policy::train(&distill::setup(cfg).unwrap(), false, None).unwrap();
     let ens = dir.join("ensemble1");
     let mut cfg = config(dir, &student, &servers[0].base, &ens, 6, loss);
     cfg.teacher = TeacherConfig::default();
     cfg.teachers = teachers(&["only"], &[&servers[0]], 16);
     cfg.distillation.teachers = TeacherMode::Ensemble;
     cfg.validate().unwrap();
-    let s = off_policy::setup(cfg).unwrap();
+    let s = distill::setup(cfg).unwrap();
     assert_eq!(s.teachers.name(Source::Mixture), "ensemble");
     off_policy::train(&s, false, None).unwrap();
     let a = std::fs::read(single.join("final/model.safetensors")).unwrap();
@@ -485,7 +485,7 @@ fn chunk_level_ensemble_across_tokenizers() {
         }
         cfg.distillation.teachers = TeacherMode::Ensemble;
         cfg.validate().unwrap();
-        off_policy::setup(cfg).expect("setup")
+        distill::setup(cfg).expect("setup")
     };
     let batch = Batch {
         records: records(6),
@@ -501,7 +501,7 @@ fn chunk_level_ensemble_across_tokenizers() {
 
     // 1. The same teacher twice (equal weights) mixes to itself: the chunk-level ensemble's
     //    first_kl on its virtual teacher equals first_kl against that teacher directly.
-    let single = off_policy::setup(config(
+    let single = distill::setup(config(
         dir,
         &student,
         &servers[0].base,
@@ -520,7 +520,7 @@ fn chunk_level_ensemble_across_tokenizers() {
         twice.teachers.pairing(Source::Mixture),
         Pairing::Mixture(_)
     ));
-    let kd = |s: &off_policy::Setup| {
+    let kd = |s: &distill::Setup| {
         let p = prepare(batch.clone(), &s.teachers);
         assert_eq!(p.groups.len(), 1);
         let g = &p.groups[0];
@@ -622,7 +622,7 @@ fn chunk_level_ensemble_across_tokenizers() {
     cfg.teachers = teachers(&["qwen", "llama3"], &[&servers[0], &servers[1]], 16);
     cfg.distillation.teachers = TeacherMode::Ensemble;
     cfg.on_policy.generation.max_new_tokens = 8;
-    let s = off_policy::setup(cfg).unwrap();
+    let s = distill::setup(cfg).unwrap();
     assert_eq!(
         on_policy::train(&s, false, None).expect("on-policy").steps,
         3

@@ -1,6 +1,6 @@
 //! The teacher client against small mock servers on 127.0.0.1: retries and `Retry-After`,
 //! round-robin, fail-over, 4xx surfacing, waiting for a late teacher, MessagePack on the wire,
-//! the tokenizer cache, and the blocking client feeding a prefetcher.
+//! the tokenizer cache, and the teacher pool feeding a prefetcher.
 
 use axum::body::Bytes;
 use axum::extract::State;
@@ -18,7 +18,7 @@ use xdistill_shared::protocol::{
     InfoResponse, Limits, SequenceScores, TopkRequest, TopkResponse, ValuesKind,
 };
 use xdistill_trainer::client::{
-    check_replicas, BlockingClient, ClientError, ClientOptions, Prefetcher, TeacherClient,
+    check_replicas, ClientError, ClientOptions, Prefetcher, TeacherClient, TeacherPool,
     TeacherTokenizer,
 };
 
@@ -556,7 +556,7 @@ async fn a_tokenizer_sha256_that_is_not_hex_is_refused() {
 }
 
 #[test]
-fn blocking_client_feeds_the_prefetcher() {
+fn the_pool_feeds_the_prefetcher() {
     // The mock runs on its own runtime thread; the client side is fully synchronous.
     let m = Arc::new(Mock::default());
     let (tx, rx) = std::sync::mpsc::channel();
@@ -574,11 +574,14 @@ fn blocking_client_feeds_the_prefetcher() {
     });
     let addr = rx.recv().unwrap();
     let url = Url::parse(&format!("http://{addr}")).unwrap();
-    let client = BlockingClient::new(
+    let mut pool = TeacherPool::new().unwrap();
+    let mock = pool.add(
+        "mock",
         TeacherClient::new(vec![url], opts(10, 20, Duration::from_secs(5))).unwrap(),
-    )
-    .unwrap();
-    client.wait_ready(Duration::from_secs(5)).unwrap();
+    );
+    let pool = Arc::new(pool);
+    pool.block_on(pool.client(mock).wait_ready(Duration::from_secs(5)))
+        .unwrap();
     let batches: Vec<TopkRequest> = (0..4u32)
         .map(|i| TopkRequest {
             sequences: vec![vec![i, i + 1, i + 2, i + 3]],
@@ -590,8 +593,10 @@ fn blocking_client_feeds_the_prefetcher() {
             ids: None,
         })
         .collect();
-    let c2 = client.clone();
-    let mut p = Prefetcher::spawn(batches.clone(), 1, move |req: &TopkRequest| c2.topk(req));
+    let p2 = pool.clone();
+    let mut p = Prefetcher::spawn(batches.clone(), 1, move |req: &TopkRequest| {
+        p2.block_on(p2.client(mock).topk(req))
+    });
     let mut n = 0;
     while let Some(item) = p.next() {
         let f = item.unwrap();

@@ -7,7 +7,7 @@ use std::path::Path;
 use xdistill_trainer::config::Config;
 use xdistill_trainer::data::Record;
 use xdistill_trainer::eval::{self, EvalConfig, EvalRecord};
-use xdistill_trainer::train::off_policy;
+use xdistill_trainer::train::distill;
 
 /// Greedy held-out accuracy of a model directory.
 pub(crate) fn accuracy(dir: &Path, records: &[EvalRecord], max_new_tokens: usize) -> Result<f64> {
@@ -25,7 +25,7 @@ pub(crate) fn accuracy(dir: &Path, records: &[EvalRecord], max_new_tokens: usize
 /// validation does (chunk-level P-KL across tokenizers, forward KL over the top-k with a tail
 /// bucket on a shared one).
 pub struct KlProbe {
-    setup: off_policy::Setup,
+    setup: distill::Setup,
     records: Vec<Record>,
 }
 
@@ -34,7 +34,7 @@ impl KlProbe {
     pub fn new(config_path: &Path, records: Vec<Record>) -> Result<KlProbe> {
         let cfg = Config::from_file(config_path)?;
         Ok(KlProbe {
-            setup: off_policy::setup(cfg)?,
+            setup: distill::setup(cfg)?,
             records,
         })
     }
@@ -51,7 +51,7 @@ impl KlProbe {
         &self,
         model: &xdistill_shared::model::Decoder,
     ) -> Result<xdistill_trainer::train::step::ValSums> {
-        Ok(off_policy::kl_to_teacher(&self.setup, model, &self.records, 8)?.0)
+        Ok(distill::kl_to_teacher(&self.setup, model, &self.records, 8)?.0)
     }
 
     /// The device models are measured on.

@@ -54,7 +54,7 @@ where
     E: Send + std::error::Error + 'static,
 {
     /// Starts the producer thread. `fetch` runs on that thread, one batch at a time, in order
-    /// (give it a [`super::BlockingClient`] clone).
+    /// (e.g. blocking on a shared [`super::TeacherPool`]).
     pub fn spawn<I, F>(batches: I, depth: usize, mut fetch: F) -> Prefetcher<B, R, E>
     where
         I: IntoIterator<Item = B>,

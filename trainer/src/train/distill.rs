@@ -1,9 +1,11 @@
 //! What the two distillation objectives share: the connected teachers ([`Teachers`]: each with
 //! its tokenizer relation, decided once), the loss of a step's groups of records (one per
-//! teacher, or the ensemble), held-out KL to the teachers, and the run summary.
+//! teacher, or the ensemble), held-out KL to the teachers, the record filter and the run
+//! summary.
 
 use super::pairing::{units, Item};
 use super::prepare::prepare;
+use super::runner::RecordFilter;
 use super::step::{validation_sums, LossCtx, StepSums, Units, ValSums};
 use super::teachers::{Source, Teachers};
 use crate::config::Config;
@@ -272,4 +274,18 @@ impl Summary {
             val_teacher_logprob_end: part(&o.val_end, "teacher_logprob"),
         }
     }
+}
+
+/// The records over their teacher's or the student's token limits (unless `data.truncate` cuts
+/// them), for both distillation objectives; also checks that every record has a teacher.
+pub fn distill_filter(s: &Setup) -> Option<RecordFilter<'_>> {
+    let t = &s.teachers;
+    (!s.cfg.data.truncate).then(|| RecordFilter {
+        too_long: Box::new(|r: &Record| t.too_long(r)),
+        limits: format!(
+            "the token limits (policy.max_total_sequence_length = {}, or the teacher's \
+             max_seq_len); raise the limit or set data.truncate = true",
+            s.cfg.policy.max_total_sequence_length
+        ),
+    })
 }

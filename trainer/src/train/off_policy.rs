@@ -4,10 +4,10 @@
 //! tokenizers differ) and scored by the teacher on the prefetch thread while the previous step
 //! trains; the step runs micro-batches of `train_micro_batch_size`, accumulating gradients
 //! normalised by the whole step's count. The loop itself (clip, schedule, AdamW, validation,
-//! checkpoints) is [`runner::run`].
+//! checkpoints) is [`runner::run`]; what it shares with `on-policy` ([`Setup`], the record
+//! filter, the group loss, held-out KL) is in [`super::distill`].
 
-use super::distill::GroupLoss;
-pub use super::distill::{kl_to_teacher, setup, Setup, Summary};
+use super::distill::{distill_filter, kl_to_teacher, GroupLoss, Setup, Summary};
 use super::prepare::{prepare, Prepared};
 use super::runner::{
     self, Batches, Objective, RecordFilter, RunOptions, StepCtx, StepReport, ValReport,
@@ -35,20 +35,6 @@ impl<'a> OffPolicy<'a> {
         }
         Ok(OffPolicy { s })
     }
-}
-
-/// The records over their teacher's or the student's token limits (unless `data.truncate` cuts
-/// them), for both distillation objectives; also checks that every record has a teacher.
-pub fn distill_filter(s: &Setup) -> Option<RecordFilter<'_>> {
-    let t = &s.teachers;
-    (!s.cfg.data.truncate).then(|| RecordFilter {
-        too_long: Box::new(|r: &Record| t.too_long(r)),
-        limits: format!(
-            "the token limits (policy.max_total_sequence_length = {}, or the teacher's \
-             max_seq_len); raise the limit or set data.truncate = true",
-            s.cfg.policy.max_total_sequence_length
-        ),
-    })
 }
 
 impl Objective for OffPolicy<'_> {

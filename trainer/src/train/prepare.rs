@@ -2,6 +2,7 @@
 //!
 //! Runs on the prefetch thread, so tokenization and alignment overlap the training step.
 
+use super::pairing::mixture::virtual_item;
 use super::pairing::{Item, Tokenization};
 use super::teachers::{Source, Teachers};
 use crate::data::{Batch, Record};
@@ -77,7 +78,7 @@ pub fn prepare(batch: Batch, teachers: &Teachers) -> Prepared {
     }
     let mut groups = vec![];
     for (source, records) in by {
-        let (g, used) = teachers.prepare_group(source, &records, teachers.limits(source));
+        let (g, used) = prepare_group(teachers, source, &records, teachers.limits(source));
         skipped += (records.len() - used.len()) as u64;
         if !g.items.is_empty() {
             groups.push(g);
@@ -88,4 +89,61 @@ pub fn prepare(batch: Batch, teachers: &Teachers) -> Prepared {
         groups,
         skipped,
     }
+}
+
+/// Tokenizes `records` for `source` (the chunk-level ensemble: for every teacher, and the
+/// virtual teacher's record from them); returns the group and the indices of the records it
+/// holds (the others could not be tokenized, or their tokenizations disagree on the
+/// student's tokens; each is logged).
+pub fn prepare_group(
+    teachers: &Teachers,
+    source: Source,
+    records: &[&Record],
+    lim: Limits,
+) -> (Group, Vec<usize>) {
+    let mut g = Group {
+        source,
+        items: vec![],
+        parts: vec![],
+    };
+    let mut used = vec![];
+    if !teachers.is_chunk_mixture(source) {
+        let tok = &teachers.of(source).tokenization;
+        for (i, r) in records.iter().enumerate() {
+            if let Some(item) = prepare_record(r, tok, lim) {
+                g.items.push(item);
+                used.push(i);
+            }
+        }
+        return (g, used);
+    }
+    g.parts = vec![vec![]; teachers.list.len()];
+    for (i, r) in records.iter().enumerate() {
+        let each: Option<Vec<Item>> = teachers
+            .list
+            .iter()
+            .map(|t| {
+                prepare_record(
+                    r,
+                    &t.tokenization,
+                    Limits {
+                        max_teacher_tokens: t.limits.max_teacher_tokens,
+                        ..lim
+                    },
+                )
+            })
+            .collect();
+        let Some(each) = each else { continue };
+        match virtual_item(&each) {
+            Ok(item) => {
+                g.items.push(item);
+                for (p, it) in g.parts.iter_mut().zip(each) {
+                    p.push(it);
+                }
+                used.push(i);
+            }
+            Err(e) => tracing::warn!("record at line {} skipped: {e}", r.line),
+        }
+    }
+    (g, used)
 }

@@ -1,13 +1,14 @@
 //! A chunk-level ensemble's virtual teacher: teachers of different tokenizers mixed at the
-//! chunks common to all of them ([`crate::train::ensemble`]), laid out in the student's own
-//! tokenization. Its record is built from every teacher's aligned record ([`virtual_item`]); it
-//! trains like [`super::cross`] through the identity projection ([`identity_projection`]) and
-//! validates with first-token KL (its rows exist only at chunk starts).
+//! chunks common to all of them ([`crate::train::teachers::ensemble`]), laid out in the
+//! student's own tokenization. Its record is built from every teacher's aligned record
+//! ([`virtual_item`]); it trains like [`super::cross`] through the identity projection
+//! ([`identity_projection`]) and validates with first-token KL (its rows exist only at chunk
+//! starts).
 
 use super::cross::Cross;
 use super::Item;
 use crate::loss::{KdConfig, Projection};
-use crate::train::ensemble;
+use crate::train::teachers::ensemble;
 use anyhow::Result;
 use std::collections::BTreeMap;
 

@@ -20,10 +20,113 @@
 //! `P_mix[g] = Σ_t w_t P_t[g]`, the rest `Σ_t w_t T_t` being the tail. That target is written as
 //! a virtual teacher in the student's own tokenization (identity projection) with one chunk per
 //! common chunk, and trained with first_kl.
+//!
+//! [`Teachers::score_mixture`] and [`Teachers::score_chunk_mixture`] ask the teachers (all at
+//! once, on the pool) and apply these steps.
 
+use super::score::Scores;
+use super::{Source, Teachers};
 use crate::align::{Chunk, TokenizedPair};
+use crate::train::pairing::mixture::item_starts;
+use crate::train::prepare::Group;
 use std::collections::BTreeMap;
-use xdistill_shared::protocol::SequenceScores;
+use xdistill_shared::protocol::{SequenceScores, TopkRequest};
+
+impl Teachers {
+    /// The same-tokenizer mixture's answers to `req`: every teacher's top-k (each with its own
+    /// k) together, then every teacher's log-probs at the union together, mixed ([`mix`]).
+    pub(super) async fn score_mixture(&self, req: &TopkRequest) -> Scores {
+        let topk = self
+            .ask_every_teacher(|i| TopkRequest {
+                k: self.list[i].cfg.k,
+                ..req.clone()
+            })
+            .await?;
+        let refs: Vec<&[SequenceScores]> = topk.iter().map(Vec::as_slice).collect();
+        let ids = union_ids(&refs);
+        let scored = self
+            .ask_every_teacher(|_| TopkRequest {
+                k: 0,
+                ids: Some(ids.clone()),
+                ..req.clone()
+            })
+            .await?;
+        let refs: Vec<&[SequenceScores]> = scored.iter().map(Vec::as_slice).collect();
+        Ok(mix(&ids, &refs, &self.weights()))
+    }
+
+    /// The chunk-level mixture's answers for group `g`: every teacher scores its own
+    /// tokenization of the records (`g.parts`), all together; then, per item, the teachers'
+    /// first-token groups are mixed at every common chunk ([`mix_first_tokens`]) and written as
+    /// the virtual teacher's answer ([`virtual_answer`]).
+    pub(super) async fn score_chunk_mixture(&self, g: &Group) -> Scores {
+        let answers = self
+            .ask_every_teacher(|i| {
+                let seqs = g.parts[i]
+                    .iter()
+                    .map(|it| it.teacher_ids().to_vec())
+                    .collect();
+                self.request(Source::One(i), seqs, None)
+            })
+            .await?;
+        let weights = self.weights();
+        let firsts: Vec<Box<dyn Fn(u32) -> Option<u32> + '_>> = self
+            .list
+            .iter()
+            .map(|t| -> Box<dyn Fn(u32) -> Option<u32> + '_> {
+                match &t.projection {
+                    Some(p) => Box::new(move |u| p.teacher_first(u as usize)),
+                    None => Box::new(Some),
+                }
+            })
+            .collect();
+        let first_refs: Vec<&dyn Fn(u32) -> Option<u32>> =
+            firsts.iter().map(|f| f.as_ref()).collect();
+        let mut rows_per_item = vec![];
+        for (r, item) in g.items.iter().enumerate() {
+            let Some((pair, _)) = item.aligned() else {
+                unreachable!("a chunk-level ensemble's items are aligned")
+            };
+            let starts: Vec<BTreeMap<usize, usize>> =
+                g.parts.iter().map(|p| item_starts(&p[r])).collect();
+            let scored: Vec<&SequenceScores> = answers.iter().map(|a| &a[r]).collect();
+            let rows: Vec<(usize, Vec<(u32, f64)>)> = chunk_rows(pair)
+                .into_iter()
+                .map(|j| {
+                    (
+                        j,
+                        mix_first_tokens(j, &starts, &scored, &first_refs, &weights),
+                    )
+                })
+                .collect();
+            rows_per_item.push((pair.student_ids.len(), rows));
+        }
+        let m = rows_per_item
+            .iter()
+            .flat_map(|(_, rows)| rows.iter().map(|(_, g)| g.len()))
+            .max()
+            .unwrap_or(1)
+            .max(1);
+        Ok(rows_per_item
+            .iter()
+            .map(|(n, rows)| virtual_answer(*n, rows, m))
+            .collect())
+    }
+
+    /// Every teacher asked its own request (`make(i)` for teacher `i`), all at once.
+    async fn ask_every_teacher(
+        &self,
+        make: impl Fn(usize) -> TopkRequest,
+    ) -> std::result::Result<Vec<Vec<SequenceScores>>, super::ScoreError> {
+        let reqs: Vec<(usize, TopkRequest)> = (0..self.list.len()).map(|i| (i, make(i))).collect();
+        self.pool.ask_each(&reqs).await
+    }
+
+    /// The teachers' normalised weights, in teacher order.
+    fn weights(&self) -> Vec<f64> {
+        self.list.iter().map(|t| t.weight).collect()
+    }
+}
 
 /// Step 1: per sequence and row, the union of the teachers' top-k ids (in order of first
 /// appearance), padded to the request's widest union with the smallest ids outside it.

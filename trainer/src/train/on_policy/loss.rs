@@ -1,0 +1,229 @@
+//! The loss paths of a step: the student's own samples (the sampled-token loss, or a top-k loss
+//! on them; cross-tokenizer samples through their alignment), and the off-policy steps of a
+//! mixed run (`lambda < 1`) on the data's own prompt + completion.
+
+use super::rollout::{same_items, sample};
+use super::scoring::{score_samples, Scored};
+use super::stats::SampleStats;
+use super::OnPolicy;
+use crate::data::Batch;
+use crate::loss::{KdConfig, LossConfig};
+use crate::train::distill::{answer_k, teacher_parts, GroupLoss, TeacherFigures};
+use crate::train::pairing::sampled::sampled_grads;
+use crate::train::prepare::prepare;
+use crate::train::runner::{StepCtx, StepReport};
+use crate::train::step::{accumulate, Units};
+use anyhow::Result;
+use std::time::Instant;
+use xdistill_shared::protocol::SequenceScores;
+
+impl OnPolicy<'_> {
+    /// Samples completions of `batch`'s prompts, scores them (each prompt's samples by its
+    /// teacher) and accumulates the loss.
+    pub(super) fn on_step(
+        &self,
+        ctx: &mut StepCtx,
+        batch: &Batch,
+        r: &mut StepReport,
+    ) -> Result<()> {
+        let (s, mb) = (self.s, self.s.cfg.policy.train_micro_batch_size.max(1));
+        let mut stats = SampleStats::default();
+        // 1. Sample with the current weights (fused kernels, same vars).
+        let t0 = Instant::now();
+        let model = ctx.student.inference_model()?;
+        let gens = sample(s, &model, &self.tok, &batch.records, ctx.rng)?;
+        let gen_s = t0.elapsed().as_secs_f64();
+        gens.iter().for_each(|g| stats.add_generation(g));
+        // 2. Every source's samples scored at once.
+        let t1 = Instant::now();
+        let scored = score_samples(s, &batch.records, &gens)?;
+        r.teacher_latency_s = t1.elapsed().as_secs_f64();
+        // 3. The step's units over every source, then each source's loss.
+        let mut norm = Units::default();
+        for g in &scored {
+            norm += g.units(s);
+        }
+        let mut kd_sum = 0.0;
+        for g in &scored {
+            let (source, scores) = (g.source, &g.scores);
+            let refs: Vec<&SequenceScores> = scores.iter().collect();
+            let loss = s.loss_of(source);
+            let lc = s.loss_ctx(
+                source,
+                answer_k(s, source, scores),
+                ctx.student.model(),
+                loss,
+            );
+            let (sum, tokens, sequences) = match &g.samples {
+                Scored::Same { samples, .. } => {
+                    stats.add_same(samples, scores);
+                    let tokens = samples.iter().map(|x| x.ids.len()).sum::<usize>();
+                    let sum = if s.loss.kd.is_sampled() {
+                        let mut sum = 0.0;
+                        for (xs, sc) in samples.chunks(mb).zip(refs.chunks(mb)) {
+                            let (g, v) = sampled_grads(&lc, xs, sc, norm.kd.max(1.0))?;
+                            ctx.acc.add(&g)?;
+                            sum += v * norm.kd;
+                        }
+                        sum
+                    } else {
+                        accumulate(&lc, ctx.acc, &same_items(s, samples), &refs, norm)?.kd_sum
+                    };
+                    (sum, tokens, samples.len())
+                }
+                Scored::Cross { group, used } => {
+                    let items = &group.items;
+                    // A chunk-level ensemble has no per-token teacher log-probs to compare.
+                    if lc.pairing.scores_tokens() {
+                        stats.add_student_lps(used.iter().map(|&i| &gens[i]));
+                        stats.add_teacher_scores(items, &refs);
+                    }
+                    let tokens = items.iter().map(|i| i.teacher_ids().len()).sum::<usize>();
+                    let sum = accumulate(&lc, ctx.acc, items, &refs, norm)?.kd_sum;
+                    (sum, tokens, items.len())
+                }
+            };
+            let u = g.units(s);
+            let f = TeacherFigures {
+                kd: sum / u.kd.max(1.0),
+                temperature: loss.temperature,
+                sequences,
+                tokens,
+            };
+            teacher_parts(s, source, f, &mut r.loss_parts);
+            r.tokens += tokens as u64;
+            kd_sum += sum;
+        }
+        r.skipped += scored.iter().map(|g| g.dropped).sum::<u64>();
+        stats.into_parts(&mut r.loss_parts);
+        r.loss_parts.insert("generation_s".into(), gen_s);
+        r.kl = (stats.tokens > 0.0).then(|| stats.reverse_kl());
+        self.finish(r, kd_sum, norm);
+        Ok(())
+    }
+
+    /// An off-policy step on the data's own prompt + completion.
+    pub(super) fn off_step(
+        &self,
+        ctx: &mut StepCtx,
+        batch: &Batch,
+        r: &mut StepReport,
+    ) -> Result<()> {
+        let s = self.s;
+        let p = prepare(batch.clone(), &s.teachers);
+        r.skipped += p.skipped;
+        let t1 = Instant::now();
+        let answers = s.teachers.score_all(&p.groups.iter().collect::<Vec<_>>())?;
+        r.teacher_latency_s = t1.elapsed().as_secs_f64();
+        let groups: Vec<_> = p
+            .groups
+            .iter()
+            .zip(&answers)
+            .map(|(g, a)| (g.source, g.items.as_slice(), a.as_slice()))
+            .collect();
+        r.tokens = p.items().map(|i| i.teacher_ids().len() as u64).sum();
+        let gl = GroupLoss {
+            s,
+            same: &self.off_same,
+            cross: &self.off_cross,
+        };
+        let (sums, norm) =
+            gl.accumulate(ctx.student.model(), ctx.acc, &groups, &mut r.loss_parts)?;
+        self.finish(r, sums.kd_sum, norm);
+        Ok(())
+    }
+
+    /// The step's loss figures from the summed KD and its units.
+    fn finish(&self, r: &mut StepReport, kd_sum: f64, norm: Units) {
+        let kd_mean = kd_sum / norm.kd.max(1.0);
+        r.loss_parts.insert("scoring_s".into(), r.teacher_latency_s);
+        r.loss_parts.insert("kd".into(), kd_mean);
+        r.loss = kd_mean;
+        r.loss_tokens = norm.ce.max(norm.kd) as u64;
+        r.teacher_wait_s = r.teacher_latency_s;
+    }
+}
+
+/// The loss for off-policy steps of a mixed run: `[loss]` itself, or, when `[loss]` is the
+/// sampled-token loss (which needs samples), forward KL over the top-k (same tail and
+/// temperature), or `first_kl` across tokenizers.
+pub(super) fn off_policy_loss(l: &LossConfig, cross: bool) -> LossConfig {
+    let mut o = l.clone();
+    if l.kd.is_sampled() {
+        o.kd = if cross {
+            KdConfig::FirstKl {}
+        } else {
+            KdConfig::ForwardKl {}
+        };
+    }
+    o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ActivationCheckpointing;
+    use crate::loss::CeConfig;
+    use crate::train::head::HeadOpts;
+    use crate::train::pairing::sampled::{sampled_loss, Sample};
+    use crate::train::pairing::Pairing;
+    use crate::train::step::LossCtx;
+    use crate::train::testutil::{answer, assert_rel, assert_same_grads, ids, tiny, V};
+    use candle_core::{DType, Device};
+    use rand::SeedableRng;
+    use rand_chacha::ChaCha8Rng;
+
+    /// The chunked sampled-token gradients ([`sampled_grads`]) equal the unchunked loss's
+    /// (`sampled_loss` + `backward`) for every parameter: 1- and 3-row chunks and the budget,
+    /// kept and checkpointed activations, tied and untied heads; f64 to 1e-9, f32 to 1e-5.
+    #[test]
+    fn sampled_chunks_equal_the_whole_loss() {
+        let mut rng = ChaCha8Rng::seed_from_u64(3);
+        let mut samples = vec![];
+        let mut scores = vec![];
+        for (len, from) in [(10, 4), (7, 2), (12, 6)] {
+            samples.push(Sample {
+                ids: ids(&mut rng, len),
+                completion_from: from,
+                old_lp: vec![],
+            });
+            scores.push(answer(&mut rng, len - 1, 1, V));
+        }
+        let refs: Vec<&SequenceScores> = scores.iter().collect();
+        let loss = LossConfig {
+            kd: KdConfig::SampledKl {},
+            tail: None,
+            temperature: 0.8,
+            kd_weight: 0.6,
+            ce: CeConfig::None {},
+        };
+        for (dtype, tol) in [(DType::F64, 1e-9), (DType::F32, 1e-5)] {
+            for tied in [false, true] {
+                let (model, vm) = tiny(tied, dtype, 9);
+                let mut ctx = LossCtx {
+                    model: &model,
+                    k: 1,
+                    loss: &loss,
+                    pairing: Pairing::Same,
+                    device: &Device::Cpu,
+                    micro_batch: 3,
+                    head: HeadOpts::default(),
+                };
+                let (l, want) = sampled_loss(&ctx, &samples, &refs, 40.0).unwrap();
+                let want_grads = l.backward().unwrap();
+                for activations in [ActivationCheckpointing::Off, ActivationCheckpointing::On] {
+                    for chunk_rows in [1, 3, 0] {
+                        ctx.head = HeadOpts {
+                            activations,
+                            chunk_rows,
+                        };
+                        let case = format!("{dtype:?} tied {tied} {:?}", ctx.head);
+                        let (g, got) = sampled_grads(&ctx, &samples, &refs, 40.0).unwrap();
+                        assert_rel(got, want, tol, &case);
+                        assert_same_grads(&vm, &g, &want_grads, tol, &case);
+                    }
+                }
+            }
+        }
+    }
+}
