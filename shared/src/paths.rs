@@ -108,7 +108,9 @@ pub fn tokenizers_dir() -> Option<PathBuf> {
 }
 
 /// Path of `NAME/tokenizer.json`, panicking with the fix when the tokenizers are missing.
-/// For tests and benchmarks only.
+/// Superseded by `xdistill_testkit::tokenizer_json` (tests use the kit); kept only until the
+/// demo's checksum test (`trainer/src/demo/tokenizers.rs`) calls the kit too, then removed.
+#[doc(hidden)]
 pub fn tokenizer_json(name: &str) -> PathBuf {
     let dir = tokenizers_dir().unwrap_or_else(|| {
         panic!("tokenizers not found: run scripts/get-tokenizers.sh (or set XDISTILL_TOKENIZERS)")

@@ -2,8 +2,9 @@
 //! prompts, a real `teacher` process scores them, the student trains on its own samples.
 
 use std::path::{Path, PathBuf};
-use xdistill_tests::distill::{config_with, context_free_teacher, model, token_driven_teacher};
-use xdistill_tests::{teacher_binary, TeacherProcess};
+use xdistill_testkit::models::{context_free_teacher, model, token_driven_teacher};
+use xdistill_testkit::{teacher_binary, TeacherProcess};
+use xdistill_tests::distill::config_with;
 use xdistill_trainer::task::{make_splits, write_splits, TaskConfig};
 use xdistill_trainer::train::off_policy::setup;
 use xdistill_trainer::train::on_policy::train;

@@ -5,7 +5,8 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use xdistill_shared::paths::{tokenizer_json, TOKENIZERS_ENV};
+use xdistill_shared::paths::TOKENIZERS_ENV;
+use xdistill_testkit::tokenizer_json;
 use xdistill_trainer::demo::tokenizers::{package, sha256_file, CHECKSUMS};
 
 /// `trainer` copied into `dir/bin/`, outside any checkout.
@@ -13,7 +14,7 @@ fn moved_trainer(dir: &Path) -> PathBuf {
     let bin = dir.join("bin");
     std::fs::create_dir_all(&bin).unwrap();
     let to = bin.join("trainer");
-    std::fs::copy(xdistill_tests::trainer_binary(), &to).unwrap();
+    std::fs::copy(xdistill_testkit::trainer_binary(), &to).unwrap();
     to
 }
 

@@ -2,7 +2,8 @@
 
 mod common;
 
-use common::{byte_tokenizer_json, load, model_args, tiny};
+use common::model_args;
+use xdistill_testkit::{byte_tokenizer_json, load_tokenizer as load, tiny_decoder as tiny};
 use xdistill_trainer::answer::{answers_match, extract_answer};
 use xdistill_trainer::eval::{evaluate, load_records, EvalConfig, EvalRecord};
 use xdistill_trainer::generate::{generate_seeded, GenerationConfig};
