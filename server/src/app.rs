@@ -592,7 +592,7 @@ mod tests {
         let model = dir.path().join("m");
         xdistill_shared::init::init_model_dir(&xdistill_shared::init::InitSpec {
             arch: "llama".into(),
-            tokenizer: xdistill_shared::paths::tokenizer_json("llama2"),
+            tokenizer: xdistill_testkit::tokenizer_json("llama2"),
             hidden_size: 16,
             layers: 1,
             heads: 2,

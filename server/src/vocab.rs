@@ -103,7 +103,7 @@ mod tests {
     /// round trips agree with the tokenizer itself.
     #[test]
     fn prompts_are_never_truncated() {
-        let path = xdistill_shared::paths::tokenizer_json("llama2");
+        let path = xdistill_testkit::tokenizer_json("llama2");
         let mut tok = Tokenizer::from_file(&path).unwrap();
         tok.with_truncation(Some(TruncationParams {
             max_length: 4,

@@ -165,8 +165,7 @@ async fn generation_beyond_one_token_is_refused() {
 #[tokio::test]
 async fn text_prompts_are_tokenized_by_the_teacher() {
     let (t, _, reference) = teachers();
-    let tok =
-        tokenizers::Tokenizer::from_file(xdistill_shared::paths::tokenizer_json("llama2")).unwrap();
+    let tok = tokenizers::Tokenizer::from_file(xdistill_testkit::tokenizer_json("llama2")).unwrap();
     let texts = ["Hello world, how are you?", "x = 1 + 2"];
     for add_special in [true, false] {
         let body = json!({"prompt": texts, "max_tokens": 0, "prompt_logprobs": 2,

@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use xdistill_server::Args;
 
 fn k8s_dir() -> PathBuf {
-    xdistill_shared::paths::repo_root().join("deploy/k8s")
+    xdistill_testkit::repo_root().join("deploy/k8s")
 }
 
 /// Every document of a (possibly multi-document) YAML file.
@@ -150,7 +150,7 @@ fn kubernetes_manifests_fit_together_and_the_teacher_accepts_its_command() {
     );
     assert_eq!(c["resources"]["limits"]["nvidia.com/gpu"].as_u64(), Some(1));
     let compose: serde_yaml::Value = serde_yaml::from_str(
-        &std::fs::read_to_string(xdistill_shared::paths::repo_root().join("docker/compose.yaml"))
+        &std::fs::read_to_string(xdistill_testkit::repo_root().join("docker/compose.yaml"))
             .unwrap(),
     )
     .unwrap();

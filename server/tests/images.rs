@@ -1529,7 +1529,7 @@ fn tiny(dir: &Path, name: &str, seed: u64) -> PathBuf {
     let out = dir.join(name);
     xdistill_shared::init::init_model_dir(&xdistill_shared::init::InitSpec {
         arch: "llama".into(),
-        tokenizer: xdistill_shared::paths::tokenizer_json("llama2"),
+        tokenizer: xdistill_testkit::tokenizer_json("llama2"),
         hidden_size: 32,
         layers: 2,
         heads: 4,

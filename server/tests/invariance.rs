@@ -233,7 +233,7 @@ fn loud_model() -> std::path::PathBuf {
     if !out.join("config.json").is_file() {
         xdistill_shared::init::init_model_dir(&xdistill_shared::init::InitSpec {
             arch: "qwen3".into(),
-            tokenizer: xdistill_shared::paths::tokenizer_json("llama2"),
+            tokenizer: xdistill_testkit::tokenizer_json("llama2"),
             hidden_size: 32,
             layers: 2,
             heads: 4,

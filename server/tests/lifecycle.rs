@@ -154,7 +154,7 @@ fn check_args_accepts_and_refuses() {
 /// NVIDIA device reservation.
 #[test]
 fn compose_teacher_command_is_accepted() {
-    let path = xdistill_shared::paths::repo_root().join("docker/compose.yaml");
+    let path = xdistill_testkit::repo_root().join("docker/compose.yaml");
     let text = std::fs::read_to_string(&path).unwrap();
     let doc: serde_yaml::Value = serde_yaml::from_str(&text).unwrap();
     let args = check_compose_service(&doc["services"]["teacher"]);
@@ -186,8 +186,7 @@ fn compose_teacher_command_is_accepted() {
     assert!(format!("{:?}", lb["volumes"]).contains("./haproxy.cfg:"));
     assert!(format!("{:?}", lb["profiles"]).contains("scale"));
     let cfg =
-        std::fs::read_to_string(xdistill_shared::paths::repo_root().join("docker/haproxy.cfg"))
-            .unwrap();
+        std::fs::read_to_string(xdistill_testkit::repo_root().join("docker/haproxy.cfg")).unwrap();
     assert!(
         cfg.contains("teacher-replica:8000"),
         "the config names the compose service"
@@ -332,7 +331,7 @@ fn broken_copy(edit: impl FnOnce(&std::path::Path)) -> tempfile::TempDir {
 /// architecture or feature.
 #[test]
 fn unservable_models_are_refused_at_start() {
-    let qwen_tokenizer = xdistill_shared::paths::tokenizer_json("qwen3");
+    let qwen_tokenizer = xdistill_testkit::tokenizer_json("qwen3");
     let too_big = broken_copy(|d| {
         std::fs::copy(&qwen_tokenizer, d.join("tokenizer.json")).unwrap();
     });
@@ -527,7 +526,7 @@ async fn gemma3_teacher_reports_its_window_and_scores_in_chunks() {
     let dir = models.path().join("gemma3");
     xdistill_shared::init::init_model_dir(&xdistill_shared::init::InitSpec {
         arch: "gemma3".into(),
-        tokenizer: xdistill_shared::paths::tokenizer_json("gemma3"),
+        tokenizer: xdistill_testkit::tokenizer_json("gemma3"),
         hidden_size: 32,
         layers: 3,
         heads: 4,

@@ -292,7 +292,7 @@ async fn info_health_tokenizer_and_metrics() {
     let tok = c.get(t.url("/tokenizer.json")).send().await.unwrap();
     assert_eq!(tok.status(), 200);
     let bytes = tok.bytes().await.unwrap();
-    let expected = std::fs::read(xdistill_shared::paths::tokenizer_json("qwen3")).unwrap();
+    let expected = std::fs::read(xdistill_testkit::tokenizer_json("qwen3")).unwrap();
     assert_eq!(bytes.as_ref(), expected.as_slice());
     let sha = hex::encode(<sha2::Sha256 as sha2::Digest>::digest(&bytes));
     assert_eq!(sha, info.tokenizer_sha256);

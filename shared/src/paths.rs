@@ -107,15 +107,6 @@ pub fn tokenizers_dir() -> Option<PathBuf> {
     })
 }
 
-/// Path of `NAME/tokenizer.json`, panicking with the fix when the tokenizers are missing.
-/// For tests and benchmarks only.
-pub fn tokenizer_json(name: &str) -> PathBuf {
-    let dir = tokenizers_dir().unwrap_or_else(|| {
-        panic!("tokenizers not found: run scripts/get-tokenizers.sh (or set XDISTILL_TOKENIZERS)")
-    });
-    dir.join(name).join("tokenizer.json")
-}
-
 /// The environment variable naming a folder of real text (`gsm8k/train.jsonl`, …).
 pub const DATA_ENV: &str = "XDISTILL_DATA";
 

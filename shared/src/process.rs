@@ -1,6 +1,7 @@
-//! A `teacher` server as a child process on loopback: what the demo runs and what the
-//! cross-process tests start. It runs under a small shell guard that stops it (SIGTERM) when our
-//! end of the guard's stdin closes, so a teacher never outlives the process that started it.
+//! A `teacher` server as a child process on loopback: what the demo runs and what the tests
+//! start (through `xdistill_testkit`). It runs under a small shell guard that stops it (SIGTERM)
+//! when our end of the guard's stdin closes, so a teacher never outlives the process that
+//! started it.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::path::Path;

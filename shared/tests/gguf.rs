@@ -401,7 +401,7 @@ fn gguf_tokenizer_gives_the_ids_of_its_tokenizer_json() {
         ),
         ("llama3", "llama-bpe", "<|begin_of_text|>hi<|eot_id|>"),
     ] {
-        let path = xdistill_shared::paths::tokenizer_json(name);
+        let path = xdistill_testkit::tokenizer_json(name);
         let json: serde_json::Value =
             serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
         let reference = tokenizers::Tokenizer::from_file(&path).unwrap();

@@ -1,60 +1,9 @@
-//! Shared by the distillation end-to-end tests: tiny models and short-run configs.
+//! Short-run trainer configs of the distillation end-to-end tests (the models and data they
+//! train on come from `xdistill_testkit`).
 
-use std::path::{Path, PathBuf};
-use xdistill_shared::init::{init_model_dir, random_params, InitSpec};
+use std::path::Path;
+use xdistill_testkit::data_file;
 use xdistill_trainer::config::{CommonArgs, Config, DistillArgs, ObjectiveKind};
-
-#[allow(clippy::too_many_arguments)]
-pub fn model(
-    dir: &Path,
-    name: &str,
-    arch: &str,
-    tokenizer: &str,
-    hidden: usize,
-    layers: usize,
-    std: f64,
-    seed: u64,
-) -> PathBuf {
-    let out = dir.join(name);
-    init_model_dir(&InitSpec {
-        arch: arch.into(),
-        tokenizer: xdistill_shared::paths::tokenizer_json(tokenizer),
-        hidden_size: hidden,
-        layers,
-        heads: 4,
-        kv_heads: 2,
-        intermediate_size: 2 * hidden,
-        head_dim: None,
-        pad_vocab_to: 1,
-        max_position_embeddings: 512,
-        tie_embeddings: false,
-        init_std: std,
-        seed,
-        out: out.clone(),
-        features: Default::default(),
-    })
-    .expect("init-model");
-    out
-}
-
-/// A teacher whose predictions mostly depend on the current token: large random embedding and
-/// LM head (peaked, token-specific distributions), small attention and MLP weights. A student can
-/// learn that from a few hundred records and generalise to held-out text.
-pub fn token_driven_teacher(dir: &Path, arch: &str, tokenizer: &str, seed: u64) -> PathBuf {
-    let (args, cfg) = teacher_args(dir, arch, tokenizer, seed);
-    let out = args.out.clone();
-    let mut params = random_params(&cfg, 0.02, seed).unwrap();
-    let big = random_params(&cfg, 0.5, seed + 100).unwrap();
-    for name in ["model.embed_tokens.weight", "lm_head.weight"] {
-        params.insert(name.into(), big[name].clone());
-    }
-    xdistill_shared::hf::write_model_dir(&out, &cfg, &params, &args.tokenizer).unwrap();
-    out
-}
-
-pub fn data_file() -> PathBuf {
-    xdistill_shared::paths::repo_root().join("configs/data/gsm8k_sample.jsonl")
-}
 
 /// A config for a short run on `data` (default: the GSM8K sample); `loss` is the `[loss]` table's
 /// body; `extra` is appended (e.g. an `[on_policy]` section).
@@ -150,60 +99,4 @@ progress_bar = false
         teacher_url: vec![],
     };
     args.load_config(ObjectiveKind::OffPolicy).expect("config")
-}
-
-/// A teacher whose next-token distribution barely depends on the context: every embedding is
-/// one shared random vector plus small noise, so the hidden state is nearly constant, and a large
-/// LM head makes the distribution peaked. On-policy learning then has a target the student can
-/// reach from its own (initially random) samples.
-pub fn context_free_teacher(dir: &Path, arch: &str, tokenizer: &str, seed: u64) -> PathBuf {
-    use candle_core::Tensor;
-    let (args, cfg) = teacher_args(dir, arch, tokenizer, seed);
-    let out = args.out.clone();
-    let mut params = random_params(&cfg, 0.02, seed).unwrap();
-    let noise = random_params(&cfg, 0.05, seed + 300).unwrap();
-    let c = Tensor::from_vec(
-        (0..cfg.hidden_size)
-            .map(|i| ((i as f32) * 1.7 + seed as f32).sin())
-            .collect::<Vec<f32>>(),
-        cfg.hidden_size,
-        &candle_core::Device::Cpu,
-    )
-    .unwrap();
-    let embed = noise["model.embed_tokens.weight"]
-        .broadcast_add(&c)
-        .unwrap();
-    params.insert("model.embed_tokens.weight".into(), embed);
-    let big = random_params(&cfg, 0.5, seed + 100).unwrap();
-    params.insert("lm_head.weight".into(), big["lm_head.weight"].clone());
-    xdistill_shared::hf::write_model_dir(&out, &cfg, &params, &args.tokenizer).unwrap();
-    out
-}
-
-/// The shape both test teachers share: hidden 64, one layer, written to `dir/teacher`.
-fn teacher_args(
-    dir: &Path,
-    arch: &str,
-    tokenizer: &str,
-    seed: u64,
-) -> (InitSpec, xdistill_shared::hf::ModelConfig) {
-    let args = InitSpec {
-        arch: arch.into(),
-        tokenizer: xdistill_shared::paths::tokenizer_json(tokenizer),
-        hidden_size: 64,
-        layers: 1,
-        heads: 4,
-        kv_heads: 2,
-        intermediate_size: 128,
-        head_dim: None,
-        pad_vocab_to: 1,
-        max_position_embeddings: 512,
-        tie_embeddings: false,
-        init_std: 0.02,
-        seed,
-        out: dir.join("teacher"),
-        features: Default::default(),
-    };
-    let cfg = xdistill_shared::init::build_config(&args).unwrap();
-    (args, cfg)
 }

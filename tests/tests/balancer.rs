@@ -10,7 +10,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use xdistill_shared::protocol::{TopkRequest, TopkResponse, ValuesKind};
-use xdistill_tests::http_status as get_status;
+use xdistill_testkit::free_port;
+use xdistill_testkit::http_status as get_status;
 use xdistill_trainer::client::{ClientOptions, TeacherClient};
 
 /// A child process killed (SIGKILL) on drop.
@@ -23,14 +24,6 @@ impl Drop for Proc {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 fn wait_for(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) {
     let t0 = Instant::now();
     while !ok() {
@@ -40,7 +33,7 @@ fn wait_for(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) {
 }
 
 fn teacher_on(model: &Path, port: u16) -> Proc {
-    let child = Command::new(xdistill_tests::teacher_binary())
+    let child = Command::new(xdistill_testkit::teacher_binary())
         .arg("--model")
         .arg(model)
         .args(["--port", &port.to_string()])
@@ -59,7 +52,7 @@ fn teacher_on(model: &Path, port: u16) -> Proc {
 
 /// `docker/haproxy.cfg` with its front port and its upstreams moved to loopback.
 fn haproxy_config(front: u16, replicas: &[u16]) -> String {
-    let path = xdistill_shared::paths::repo_root().join("docker/haproxy.cfg");
+    let path = xdistill_testkit::repo_root().join("docker/haproxy.cfg");
     let text = std::fs::read_to_string(path).unwrap();
     assert!(text.contains("bind :8000") && text.contains("server-template teacher"));
     text.lines()
@@ -226,9 +219,9 @@ async fn replicas_behind_haproxy_affinity_failover_restart() {
     let work = tempfile::tempdir().unwrap();
     // A tiny random model (hidden 32, 2 layers) with a real tokenizer; spread logits (std 0.1).
     let dir =
-        xdistill_tests::distill::model(work.path(), "llama", "llama", "llama2", 32, 2, 0.1, 7);
+        xdistill_testkit::models::model(work.path(), "llama", "llama", "llama2", 32, 2, 0.1, 7);
     // 1. The repository's config is valid as shipped, and with loopback addresses.
-    check_config(&xdistill_shared::paths::repo_root().join("docker/haproxy.cfg"));
+    check_config(&xdistill_testkit::repo_root().join("docker/haproxy.cfg"));
     let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
     let mut replicas: Vec<Option<Proc>> =
         ports.iter().map(|&p| Some(teacher_on(&dir, p))).collect();
@@ -334,7 +327,7 @@ fn logged_steps(out: &Path) -> Vec<u64> {
 
 /// `trainer off-policy --config CONFIG` as a child process.
 fn trainer_run(config: &Path) -> Child {
-    Command::new(xdistill_tests::trainer_binary())
+    Command::new(xdistill_testkit::trainer_binary())
         .args(["off-policy", "--config"])
         .arg(config)
         .env("RUST_LOG", "warn")
@@ -356,9 +349,9 @@ fn two_trainers_finish_through_a_replica_kill_with_identical_weights() {
     }
     let work = tempfile::tempdir().unwrap();
     let w = work.path();
-    let teacher = xdistill_tests::distill::token_driven_teacher(w, "llama", "llama2", 11);
-    let same = xdistill_tests::distill::model(w, "same", "qwen3", "llama2", 32, 2, 0.02, 12);
-    let cross = xdistill_tests::distill::model(w, "cross", "llama", "qwen3", 32, 2, 0.02, 13);
+    let teacher = xdistill_testkit::models::token_driven_teacher(w, "llama", "llama2", 11);
+    let same = xdistill_testkit::models::model(w, "same", "qwen3", "llama2", 32, 2, 0.02, 12);
+    let cross = xdistill_testkit::models::model(w, "cross", "llama", "qwen3", 32, 2, 0.02, 13);
     let steps = 40;
     let runs = [
         (&same, r#"kd = { type = "forward_kl" }"#),

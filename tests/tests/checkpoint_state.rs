@@ -5,8 +5,9 @@
 
 use std::path::Path;
 use xdistill_demo::task::{make_splits, write_splits, TaskConfig};
-use xdistill_tests::distill::{config_with, model, token_driven_teacher};
-use xdistill_tests::{teacher_binary, TeacherProcess};
+use xdistill_testkit::models::{model, token_driven_teacher};
+use xdistill_testkit::{teacher_binary, TeacherProcess};
+use xdistill_tests::distill::config_with;
 use xdistill_trainer::checkpoint::TrainerState;
 use xdistill_trainer::train::{distill, off_policy, on_policy, sft};
 

@@ -14,8 +14,8 @@ use std::process::Command;
 
 #[test]
 fn fast_demo_end_to_end() {
-    let trainer = xdistill_tests::trainer_binary();
-    let teacher = xdistill_tests::teacher_binary();
+    let trainer = xdistill_testkit::trainer_binary();
+    let teacher = xdistill_testkit::teacher_binary();
     let probe = Command::new(&trainer)
         .args(["on-policy", "--help"])
         .output()
@@ -168,7 +168,7 @@ fn fast_demo_end_to_end() {
 fn tiny_chat_gguf(dir: &std::path::Path) -> std::path::PathBuf {
     use candle_core::quantized::gguf_file::Value;
     use xdistill_shared::gguf::write::{bpe_tokenizer_metadata, config_metadata, write_gguf};
-    let tok = xdistill_shared::paths::tokenizer_json("qwen3");
+    let tok = xdistill_testkit::tokenizer_json("qwen3");
     let model = dir.join("teacher_dir");
     xdistill_trainer::init_model::run(xdistill_trainer::init_model::Args {
         arch: "llama".into(),
@@ -231,13 +231,13 @@ fn fast_pretrained_demo_end_to_end() {
     let dir = tempfile::tempdir().unwrap();
     let gguf = tiny_chat_gguf(dir.path());
     let out = dir.path().join("demo");
-    let o = Command::new(xdistill_tests::trainer_binary())
+    let o = Command::new(xdistill_testkit::trainer_binary())
         .args(["demo", "--fast", "--output"])
         .arg(&out)
         .arg("--teacher-gguf")
         .arg(&gguf)
         .arg("--teacher-bin")
-        .arg(xdistill_tests::teacher_binary())
+        .arg(xdistill_testkit::teacher_binary())
         .env("CI", "1")
         .output()
         .unwrap();

@@ -6,8 +6,9 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use xdistill_tests::distill::{config, config_with, data_file, model, token_driven_teacher};
-use xdistill_tests::{get_body, teacher_binary, TeacherProcess};
+use xdistill_testkit::models::{model, token_driven_teacher};
+use xdistill_testkit::{data_file, get_body, teacher_binary, TeacherProcess};
+use xdistill_tests::distill::{config, config_with};
 use xdistill_trainer::train::distill::setup;
 use xdistill_trainer::train::off_policy::train;
 
@@ -17,7 +18,7 @@ fn trainer_capped(cap_mb: u64, args: &[&std::ffi::OsStr]) -> Output {
     Command::new("sh")
         .arg("-c")
         .arg(format!("ulimit -v {}; exec \"$0\" \"$@\"", cap_mb * 1024))
-        .arg(xdistill_tests::trainer_binary())
+        .arg(xdistill_testkit::trainer_binary())
         .args(args)
         .env("RUST_LOG", "warn")
         .output()
@@ -110,7 +111,7 @@ fn absurd_config_json_is_refused_before_allocating() {
     assert!(o.status.success(), "{}", stderr(&o));
 
     // init-model refuses a model that cannot fit in memory, before allocating it.
-    let tok = xdistill_shared::paths::tokenizer_json("llama2");
+    let tok = xdistill_testkit::tokenizer_json("llama2");
     let out = dir.path().join("huge");
     let o = trainer_capped(
         4096,
@@ -302,10 +303,8 @@ fn truncation_cuts_both_tokenizations_at_one_chunk_boundary() {
     use xdistill_trainer::train::pairing::{Item, Tokenization};
     use xdistill_trainer::train::prepare::{prepare_record, too_long, Limits};
     let tok = Tokenization::Cross {
-        student: AlignTokenizer::from_file(&xdistill_shared::paths::tokenizer_json("llama3"))
-            .unwrap(),
-        teacher: AlignTokenizer::from_file(&xdistill_shared::paths::tokenizer_json("qwen3"))
-            .unwrap(),
+        student: AlignTokenizer::from_file(&xdistill_testkit::tokenizer_json("llama3")).unwrap(),
+        teacher: AlignTokenizer::from_file(&xdistill_testkit::tokenizer_json("qwen3")).unwrap(),
     };
     let text: String = (0..200).map(|i| format!("Ünïcode wörd{i}, ")).collect();
     let r = Record {

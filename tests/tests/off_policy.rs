@@ -2,8 +2,9 @@
 //! model, a smaller student trained by `trainer off-policy`'s loop.
 
 use std::path::Path;
-use xdistill_tests::distill::{config, model, token_driven_teacher};
-use xdistill_tests::{teacher_binary, TeacherProcess};
+use xdistill_testkit::models::{model, token_driven_teacher};
+use xdistill_testkit::{teacher_binary, TeacherProcess};
+use xdistill_tests::distill::config;
 use xdistill_trainer::config::Config;
 use xdistill_trainer::train::distill::{setup, Summary};
 use xdistill_trainer::train::off_policy::train;

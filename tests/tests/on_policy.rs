@@ -3,8 +3,9 @@
 
 use std::path::{Path, PathBuf};
 use xdistill_demo::task::{make_splits, write_splits, TaskConfig};
-use xdistill_tests::distill::{config_with, context_free_teacher, model, token_driven_teacher};
-use xdistill_tests::{teacher_binary, TeacherProcess};
+use xdistill_testkit::models::{context_free_teacher, model, token_driven_teacher};
+use xdistill_testkit::{teacher_binary, TeacherProcess};
+use xdistill_tests::distill::config_with;
 use xdistill_trainer::train::distill::setup;
 use xdistill_trainer::train::on_policy::train;
 

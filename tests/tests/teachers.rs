@@ -7,8 +7,9 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use xdistill_tests::distill::{config, config_with, data_file, model, token_driven_teacher};
-use xdistill_tests::{get_body, teacher_binary, TeacherProcess};
+use xdistill_testkit::models::{model, token_driven_teacher};
+use xdistill_testkit::{data_file, get_body, teacher_binary, TeacherProcess};
+use xdistill_tests::distill::{config, config_with};
 use xdistill_trainer::config::{Config, TeacherConfig, TeacherMode};
 use xdistill_trainer::train::teachers::Source;
 use xdistill_trainer::train::{distill, off_policy, on_policy};

@@ -6,14 +6,15 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use xdistill_demo::tokenizers::{package, sha256_file, CHECKSUMS};
-use xdistill_shared::paths::{tokenizer_json, TOKENIZERS_ENV};
+use xdistill_shared::paths::TOKENIZERS_ENV;
+use xdistill_testkit::tokenizer_json;
 
 /// `trainer` copied into `dir/bin/`, outside any checkout.
 fn moved_trainer(dir: &Path) -> PathBuf {
     let bin = dir.join("bin");
     std::fs::create_dir_all(&bin).unwrap();
     let to = bin.join("trainer");
-    std::fs::copy(xdistill_tests::trainer_binary(), &to).unwrap();
+    std::fs::copy(xdistill_testkit::trainer_binary(), &to).unwrap();
     to
 }
 

@@ -5,7 +5,8 @@
 //! `cargo run --release -p xdistill-trainer --example align_bench [-- STUDENT TEACHER]`
 
 use std::time::Instant;
-use xdistill_shared::paths::{shared_data_dir, tokenizer_json};
+use xdistill_shared::paths::shared_data_dir;
+use xdistill_testkit::tokenizer_json;
 use xdistill_trainer::align::{align, align_text, tokenize_pair, AlignTokenizer, PairOptions};
 
 // The allocator of every xdistill binary: jemalloc with transparent huge pages.

@@ -111,7 +111,7 @@ mod tests {
     use super::*;
 
     fn tok(name: &str) -> Tokenizer {
-        Tokenizer::from_file(xdistill_shared::paths::tokenizer_json(name)).unwrap()
+        Tokenizer::from_file(xdistill_testkit::tokenizer_json(name)).unwrap()
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! `trainer align` through its library entry point: JSONL and plain-text input, `--output`
 //! lines whose chunks spell the same bytes on both sides.
 
-use xdistill_shared::paths::tokenizer_json;
+use xdistill_testkit::tokenizer_json;
 use xdistill_trainer::align::cli::{read_documents, run_align, AlignArgs};
 use xdistill_trainer::align::{AlignTokenizer, Piece};
 

@@ -1,12 +1,11 @@
 //! Generation with the KV cache against the no-cache reference, sampling reproducibility and
 //! stop rules, on tiny random models with the real Qwen3 tokenizer.
 
-mod common;
-
-use common::{byte_tokenizer_json, load, tiny};
 use tokenizers::Tokenizer;
 use xdistill_shared::model::Decoder;
-use xdistill_shared::paths::tokenizer_json;
+use xdistill_testkit::{
+    byte_tokenizer_json, load_tokenizer as load, tiny_decoder as tiny, tokenizer_json,
+};
 use xdistill_trainer::generate::{
     decode_after, generate, generate_no_cache, generate_seeded, GenerateError, Generation,
     GenerationConfig, StopReason,

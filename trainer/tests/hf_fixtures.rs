@@ -60,7 +60,7 @@ fn fixtures() -> serde_json::Value {
 
 /// Makes the model of fixture case `case` again in `dir`, with init-model's config.json.
 fn make_case(fx: &serde_json::Value, case: &serde_json::Value, dir: &std::path::Path) {
-    let tok = xdistill_shared::paths::tokenizer_json(case["tokenizer"].as_str().unwrap());
+    let tok = xdistill_testkit::tokenizer_json(case["tokenizer"].as_str().unwrap());
     let mut argv = vec!["init-model".to_string()];
     argv.extend(strings(&fx["common_args"]));
     argv.extend(strings(&case["args"]));

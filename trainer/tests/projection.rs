@@ -2,7 +2,7 @@
 //! weights follow 0.9·0.1^i, save/load round trip, cache keyed by both tokenizer hashes.
 
 use std::collections::HashSet;
-use xdistill_shared::paths::tokenizer_json;
+use xdistill_testkit::tokenizer_json;
 use xdistill_trainer::align::projection::{Csr, ProjectionMaps};
 use xdistill_trainer::align::AlignTokenizer;
 

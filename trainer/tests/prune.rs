@@ -7,11 +7,12 @@ mod common;
 
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
-use common::{byte_tokenizer_json, model_args};
+use common::model_args;
 use std::collections::HashMap;
 use std::path::Path;
 use xdistill_shared::gguf::write::{bpe_tokenizer_metadata, config_metadata, write_gguf};
 use xdistill_shared::hf::ModelDir;
+use xdistill_testkit::byte_tokenizer_json;
 
 fn params(dir: &Path) -> HashMap<String, Tensor> {
     let md = ModelDir::open(dir).unwrap();

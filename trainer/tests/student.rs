@@ -172,7 +172,7 @@ fn every_parameter_gets_a_nonzero_gradient() {
 #[test]
 fn saved_student_serves_identical_logits() {
     let dir = tempfile::tempdir().unwrap();
-    let tok = xdistill_shared::paths::tokenizer_json("llama2");
+    let tok = xdistill_testkit::tokenizer_json("llama2");
     let cfg = config("qwen3", false);
     let mut s = student(&cfg, DType::F32, 11);
     s.tokenizer_json = tok;
@@ -358,7 +358,7 @@ fn student_directories_of_every_architecture_load() {
         let out = tmp.path().join(arch);
         xdistill_trainer::init_model::run(xdistill_trainer::init_model::Args {
             arch: arch.into(),
-            tokenizer: xdistill_shared::paths::tokenizer_json("llama2"),
+            tokenizer: xdistill_testkit::tokenizer_json("llama2"),
             hidden_size: 32,
             layers: 2,
             heads: 4,

@@ -3,7 +3,8 @@
 #[path = "../../tests/common/mod.rs"]
 mod common;
 
-use common::{byte_tokenizer_json, load, model_args, tiny};
+use common::model_args;
+use xdistill_testkit::{byte_tokenizer_json, load_tokenizer as load, tiny_decoder as tiny};
 use xdistill_trainer::eval::answer::{answers_match, extract_answer};
 use xdistill_trainer::eval::{evaluate, load_records, EvalConfig, EvalRecord};
 use xdistill_trainer::generate::{generate_seeded, GenerationConfig};

@@ -6,11 +6,12 @@ mod common;
 
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
-use common::{byte_tokenizer_json, model_args};
+use common::model_args;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use xdistill_shared::gguf::write::{bpe_tokenizer_metadata, config_metadata, write_gguf};
 use xdistill_shared::hf::ModelDir;
+use xdistill_testkit::byte_tokenizer_json;
 
 /// A tiny Llama model directory (init-model) and the same weights as an F32 GGUF file.
 fn model_and_gguf(root: &Path) -> (PathBuf, PathBuf) {

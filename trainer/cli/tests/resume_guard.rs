@@ -36,7 +36,7 @@ fn setup(dir: &Path, out: &Path) -> PathBuf {
     let student = dir.join("student");
     xdistill_trainer::init_model::run(xdistill_trainer::init_model::Args {
         arch: "llama".into(),
-        tokenizer: xdistill_shared::paths::tokenizer_json("llama2"),
+        tokenizer: xdistill_testkit::tokenizer_json("llama2"),
         hidden_size: 16,
         layers: 1,
         heads: 2,

@@ -213,7 +213,7 @@ mod tests {
     fn pinned_checksums_match_the_tokenizers_in_use() {
         assert_eq!(CHECKSUMS.len(), paths::TOKENIZER_NAMES.len());
         for name in paths::TOKENIZER_NAMES {
-            let got = sha256_file(&paths::tokenizer_json(name)).unwrap();
+            let got = sha256_file(&xdistill_testkit::tokenizer_json(name)).unwrap();
             assert_eq!(Some(got.as_str()), checksum(name), "{name}");
         }
     }

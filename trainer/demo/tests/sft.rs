@@ -11,7 +11,7 @@ fn model(dir: &Path, name: &str, arch: &str, tokenizer: &str, seed: u64) -> Path
     let out = dir.join(name);
     xdistill_trainer::init_model::run(xdistill_trainer::init_model::Args {
         arch: arch.into(),
-        tokenizer: xdistill_shared::paths::tokenizer_json(tokenizer),
+        tokenizer: xdistill_testkit::tokenizer_json(tokenizer),
         hidden_size: 32,
         layers: 1,
         heads: 4,

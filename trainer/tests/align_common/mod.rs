@@ -5,7 +5,8 @@
 
 use std::collections::BTreeSet;
 use std::sync::OnceLock;
-use xdistill_shared::paths::{tokenizer_json, TOKENIZER_NAMES};
+use xdistill_shared::paths::TOKENIZER_NAMES;
+use xdistill_testkit::tokenizer_json;
 use xdistill_trainer::align::{AlignTokenizer, ChunkKind, Piece, TokenizedPair};
 
 /// `(name, tokenizer)` for qwen3, llama3, llama2, gemma3, deepseek_v3, loaded in parallel once.

@@ -1,0 +1,122 @@
+//! The independent reference a teacher's answers are checked against (the model loaded here,
+//! one sequence at a time, in f64), and deterministic test inputs.
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use std::path::Path;
+use xdistill_shared::hf::ModelDir;
+use xdistill_shared::model::{Decoder, Ops};
+use xdistill_shared::protocol::ValuesKind;
+
+/// The independent reference: the model loaded here, one sequence at a time (no batching, no
+/// padding), full logits [S, V], log-softmax over the tokenizer's vocabulary in f64.
+pub struct Reference {
+    decoder: Decoder,
+    vocab: usize,
+}
+
+impl Reference {
+    pub fn load(dir: &Path) -> Reference {
+        let md = ModelDir::open(dir).expect("open model");
+        let vocab = md
+            .load_tokenizer()
+            .expect("tokenizer")
+            .get_vocab_size(true)
+            .min(md.config.vocab_size);
+        let vb = unsafe {
+            VarBuilder::from_mmaped_safetensors(&md.weights, DType::F32, &Device::Cpu).expect("vb")
+        };
+        Reference {
+            decoder: Decoder::new(&md.config, vb, Ops::Fused).expect("decoder"),
+            vocab,
+        }
+    }
+
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+
+    /// Rows `start..S-1` of `(logits / t)[..vocab]` and their log-softmax, in f64.
+    pub fn rows(&self, ids: &[u32], start: usize, t: f64) -> Vec<(Vec<f64>, Vec<f64>)> {
+        let x = Tensor::new(ids, &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        let logits = self.decoder.forward(&x).unwrap().squeeze(0).unwrap();
+        let logits: Vec<Vec<f32>> = logits.to_vec2().unwrap();
+        logits[start..ids.len() - 1]
+            .iter()
+            .map(|row| {
+                let y: Vec<f64> = row[..self.vocab].iter().map(|&v| v as f64 / t).collect();
+                let m = y.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                let lse = m + y.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
+                let lp = y.iter().map(|v| v - lse).collect();
+                (y, lp)
+            })
+            .collect()
+    }
+
+    /// Checks one sequence's answer against the reference to `tol`: every returned id carries
+    /// its reference value, values descend, no better id was left out (ties allowed), the
+    /// target log-prob and the logsumexp agree.
+    pub fn check(
+        &self,
+        got: &xdistill_shared::protocol::SequenceScores,
+        ids: &[u32],
+        start: usize,
+        t: f64,
+        values: ValuesKind,
+        tol: f64,
+    ) {
+        let rows = self.rows(ids, start, t);
+        assert_eq!(got.rows, rows.len(), "row count");
+        for (r, (y, lp)) in rows.iter().enumerate() {
+            let vals = if values == ValuesKind::Logits { y } else { lp };
+            let mut sorted = vals.clone();
+            sorted.sort_by(|a, b| b.partial_cmp(a).unwrap());
+            let (gi, gv) = (got.ids_row(r), got.values_row(r));
+            for j in 0..got.k {
+                let id = gi[j] as usize;
+                assert!(id < self.vocab, "row {r}: id {id} >= vocab {}", self.vocab);
+                assert!(
+                    (gv[j] as f64 - vals[id]).abs() < tol,
+                    "row {r} entry {j}: id {id} value {} vs reference {}",
+                    gv[j],
+                    vals[id]
+                );
+                assert!(
+                    (gv[j] as f64 - sorted[j]).abs() < tol,
+                    "row {r} entry {j}: value {} but the reference's {j}-th largest is {}",
+                    gv[j],
+                    sorted[j]
+                );
+                if j > 0 {
+                    assert!(gv[j] <= gv[j - 1], "row {r}: values not descending");
+                    assert!(!gi[..j].contains(&gi[j]), "row {r}: duplicate id");
+                }
+            }
+            let target = ids[start + r + 1] as usize;
+            assert!((got.target_logprobs[r] as f64 - lp[target]).abs() < tol);
+            let lse = y[0] - lp[0];
+            assert!((got.logsumexp[r] as f64 - lse).abs() < tol * lse.abs().max(1.0));
+        }
+    }
+}
+
+/// Every id and value of a sequence's scores as bits (see `SequenceScores::bits`).
+pub fn score_bits(s: &xdistill_shared::protocol::SequenceScores) -> Vec<u32> {
+    s.bits()
+}
+
+/// Deterministic pseudo-random ids below `vocab`.
+pub fn ids(seed: u64, len: usize, vocab: usize) -> Vec<u32> {
+    let mut s = seed.wrapping_mul(0x9E3779B97F4A7C15).wrapping_add(1);
+    (0..len)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 33) % vocab as u64) as u32
+        })
+        .collect()
+}
