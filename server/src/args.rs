@@ -267,21 +267,6 @@ mod tests {
         }
     }
 
-    /// The description the architectures' facts make is the one written out before they
-    /// made it (temporary check).
-    #[test]
-    fn long_about_unchanged() {
-        assert_eq!(
-            long_about(),
-            "xdistill teacher server: batched, cached per-position top-k log-probs over HTTP \
-(its own /topk_logits, and vLLM's and SGLang's scoring routes).\n\n\
-Serves a Hugging Face model directory of these architectures (config.json's model_type): \
-Llama (llama), Mistral (mistral), Qwen2 (qwen2), Qwen3 (qwen3), Qwen3-MoE (qwen3_moe), \
-Gemma 3 (gemma3_text, gemma3), Phi-3 (phi3); or a GGUF file (llama, qwen2, qwen3; weights \
-dequantized at load, tokenizer rebuilt from its metadata: docs/gguf.md)."
-        );
-    }
-
     #[test]
     fn defaults_and_constraints() {
         let a = Args::try_parse_from(["teacher", "--model", "m"]).unwrap();

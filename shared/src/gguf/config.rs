@@ -14,6 +14,11 @@ pub(crate) fn arch_of(meta: &Meta, name: &str) -> Result<Arch, GgufError> {
     })
 }
 
+/// The GGUF architectures implemented (as the architectures' facts name them), for messages.
+pub(crate) fn gguf_names() -> String {
+    crate::model::arch::list_names(|f| f.gguf.map(|g| g.name.to_string()))
+}
+
 /// Facts the config needs from outside the `{arch}.*` keys.
 pub(crate) struct TensorFacts {
     /// `output.weight` is absent: the LM head is the embedding (transformers' rule).

@@ -5,7 +5,7 @@
 //!
 //! Adding an architecture touches exactly these files:
 //! 1. its own file, `shared/src/model/<name>.rs`: a `pub(crate) const FACTS: ArchFacts`
-//!    (starting from [`BASE`]) and, when its layer differs from the ones already written, the
+//!    (starting from `BASE`) and, when its layer differs from the ones already written, the
 //!    `block` function the facts name (a Llama-shaped family instead adds a const to
 //!    `llama.rs`);
 //! 2. `shared/src/model/mod.rs`: `mod <name>;` (not for a const in an existing file);
@@ -14,8 +14,8 @@
 //!    may be a student, in `trainer/tests/student.rs`;
 //! 5. docs: its row in `docs/models.md`'s table.
 //!
-//! Names follow from the facts: `config.json`'s `model_type`, `init-model --arch`, the
-//! `architectures` written, `teacher --help` and the messages that list architectures.
+//! `init-model --arch`, `teacher --help`, the refusals of unknown `model_type`s and GGUF
+//! architectures, and the student's list of dense architectures all read this table.
 
 use super::config::{ConfigError, LayerKind, ModelConfig};
 use super::decoder::Block;
