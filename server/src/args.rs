@@ -4,6 +4,7 @@ use crate::scoring::{LmHead, TopkPath};
 use clap::Parser;
 use std::net::IpAddr;
 use std::path::PathBuf;
+use xdistill_shared::model::arch::list_names;
 
 /// How a GGUF file's weights are held (`--gguf-weights`); see
 /// [`xdistill_shared::gguf::WeightMode`].
@@ -25,17 +26,25 @@ impl From<GgufWeights> for xdistill_shared::gguf::WeightMode {
     }
 }
 
+/// `teacher --help`'s description, naming every architecture served (as their facts name them).
+fn long_about() -> String {
+    let hf = list_names(|f| Some(format!("{} ({})", f.name, f.model_types.join(", "))));
+    let gguf = list_names(|f| f.gguf.map(|g| g.name.to_string()));
+    format!(
+        "xdistill teacher server: batched, cached per-position top-k log-probs over HTTP (its \
+         own /topk_logits, and vLLM's and SGLang's scoring routes).\n\n\
+         Serves a Hugging Face model directory of these architectures (config.json's \
+         model_type): {hf}; or a GGUF file ({gguf}; weights dequantized at load, tokenizer \
+         rebuilt from its metadata: docs/gguf.md)."
+    )
+}
+
 #[derive(Parser, Debug, Clone)]
 #[command(
     name = "teacher",
     version,
     about = "xdistill teacher server: batched, cached per-position top-k log-probs over HTTP",
-    long_about = "xdistill teacher server: batched, cached per-position top-k log-probs over HTTP \
-(its own /topk_logits, and vLLM's and SGLang's scoring routes).\n\n\
-Serves a Hugging Face model directory of these architectures (config.json's model_type): \
-Llama (llama), Mistral (mistral), Qwen2 (qwen2), Qwen3 (qwen3), Qwen3-MoE (qwen3_moe), \
-Gemma 3 (gemma3_text, gemma3), Phi-3 (phi3); or a GGUF file (llama, qwen2, qwen3; weights \
-dequantized at load, tokenizer rebuilt from its metadata: docs/gguf.md)."
+    long_about = long_about()
 )]
 pub struct Args {
     /// Hugging Face model directory (config.json, model.safetensors or sharded + index,
@@ -243,21 +252,13 @@ mod tests {
     use clap::CommandFactory;
     use xdistill_shared::model::config::Arch;
 
-    /// `teacher --help` names every architecture the decoders serve (the match is exhaustive:
-    /// a new architecture does not compile until it is named here, and then in the help).
+    /// `teacher --help` names every architecture the decoders serve, with the `model_type` that
+    /// reads as it.
     #[test]
     fn help_names_every_architecture() {
         let help = Args::command().render_long_help().to_string();
         for arch in Arch::ALL {
-            let (name, model_type) = match arch {
-                Arch::Llama => ("Llama", "llama"),
-                Arch::Mistral => ("Mistral", "mistral"),
-                Arch::Qwen2 => ("Qwen2", "qwen2"),
-                Arch::Qwen3 => ("Qwen3", "qwen3"),
-                Arch::Qwen3Moe => ("Qwen3-MoE", "qwen3_moe"),
-                Arch::Gemma3 => ("Gemma 3", "gemma3_text"),
-                Arch::Phi3 => ("Phi-3", "phi3"),
-            };
+            let (name, model_type) = (arch.facts().name, arch.model_type());
             assert!(
                 help.contains(&format!("{name} ({model_type}")),
                 "--help lacks {name} ({model_type}):\n{help}"

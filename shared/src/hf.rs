@@ -41,6 +41,7 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> HfError + '_ {
     }
 }
 
+use crate::model::arch::WindowSwitch;
 pub use crate::model::config::{
     Activation, Arch, ConfigError, GemmaConfig, LayerKind, ModelConfig, MoeConfig, RopeParams,
     UnimplementedKeys, WindowConfig,
@@ -155,9 +156,10 @@ fn text_config(mut json: serde_json::Value) -> (serde_json::Value, bool) {
     let Some(serde_json::Value::Object(mut text)) = top.remove("text_config") else {
         return (json, false);
     };
-    if top.get("model_type").and_then(|m| m.as_str()) == Some("gemma3") {
+    let wrapper = top.get("model_type").and_then(|m| m.as_str());
+    if let Some(arch) = wrapper.and_then(Arch::from_multimodal) {
         text.entry("model_type")
-            .or_insert_with(|| serde_json::json!("gemma3_text"));
+            .or_insert_with(|| serde_json::json!(arch.model_type()));
     }
     for key in ["bos_token_id", "eos_token_id", "tie_word_embeddings"] {
         if let Some(v) = top.get(key) {
@@ -250,7 +252,7 @@ pub fn check_experts(
             first(&mut layer.dense);
         }
     }
-    let arch = config.arch()?;
+    let moe_arch = config.facts()?.moe;
     let m = &config.moe;
     let key = m.experts_key();
     let experts = m.experts();
@@ -265,7 +267,7 @@ pub fn check_experts(
     for (&l, layer) in &layers {
         let said_moe = config.is_moe_layer(l);
         match (&layer.sparse, said_moe) {
-            (Some(t), false) if arch != Arch::Qwen3Moe => {
+            (Some(t), false) if !moe_arch => {
                 return fail(format!(
                     "model_type {:?} has dense MLPs, but the weights hold mixture-of-experts \
                      tensors ({prefix}layers.{l}.mlp.experts.*, e.g. {t}): a Qwen3-MoE checkpoint \
@@ -415,6 +417,7 @@ pub fn write_model_dir(
     tokenizer_json: &Path,
 ) -> Result<(), HfError> {
     let arch = config.arch()?;
+    let facts = arch.facts();
     let parent = dir
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
@@ -450,26 +453,18 @@ pub fn write_model_dir(
         obj.insert("torch_dtype".into(), serde_json::json!(dtype));
         obj.retain(|_, v| !v.is_null());
         // The config's own values win; these fill what transformers would otherwise default.
-        let act_key = if arch == Arch::Gemma3 {
-            "hidden_activation"
-        } else {
-            "hidden_act"
-        };
-        let act = if arch == Arch::Gemma3 {
-            "gelu_pytorch_tanh"
-        } else {
-            "silu"
-        };
-        obj.entry(act_key).or_insert_with(|| serde_json::json!(act));
+        let act = facts.activation;
+        obj.entry(act.key)
+            .or_insert_with(|| serde_json::json!(act.default));
         obj.insert("attention_dropout".into(), serde_json::json!(0.0));
         obj.insert("use_cache".into(), serde_json::json!(true));
-        if matches!(arch, Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe) {
+        if facts.window.switch == WindowSwitch::UseSlidingWindow {
             obj.entry("use_sliding_window")
                 .or_insert_with(|| serde_json::json!(false));
             obj.entry("max_window_layers")
                 .or_insert_with(|| serde_json::json!(config.num_hidden_layers));
         }
-        if arch == Arch::Llama {
+        if facts.has_mlp_bias_key {
             obj.insert("mlp_bias".into(), serde_json::json!(false));
         }
         obj.retain(|_, v| !v.is_null());

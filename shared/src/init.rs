@@ -2,6 +2,7 @@
 //! [`InitSpec`]) and what tests build tiny models from.
 
 use crate::hf::{write_model_dir, Arch, LayerKind, ModelConfig, RopeParams};
+use crate::model::arch::{SlidingLayers, WindowSwitch};
 use crate::model::{param_specs, Init};
 use anyhow::{bail, Context, Result};
 use candle_core::{Device, Tensor};
@@ -63,7 +64,7 @@ pub const MAX_ROPE_TABLE: u128 = 1 << 26;
 /// a command-line front end to this), without the command-line parser.
 #[derive(Debug, Clone)]
 pub struct InitSpec {
-    /// qwen3, qwen2, llama, mistral, gemma3, phi3 or qwen3-moe.
+    /// An architecture's `init-model --arch` name ([`Arch::cli_name`]) or `model_type`.
     pub arch: String,
     /// tokenizer.json whose vocabulary sets the embedding size; copied into the model directory.
     pub tokenizer: PathBuf,
@@ -169,13 +170,14 @@ pub fn tokenizer_facts(path: &Path) -> Result<(usize, Option<u32>, Vec<u32>)> {
 /// validated and refused when its parameters could not be created in memory.
 pub fn build_config(a: &InitSpec) -> Result<ModelConfig> {
     let arch = Arch::parse(&a.arch)?;
+    let facts = arch.facts();
     let (vocab, bos, eos) = tokenizer_facts(&a.tokenizer)?;
     if a.pad_vocab_to == 0 {
         bail!("--pad-vocab-to must be at least 1");
     }
     let vocab_size = vocab.div_ceil(a.pad_vocab_to) * a.pad_vocab_to;
     let head_dim = a.head_dim.unwrap_or(a.hidden_size / a.heads.max(1));
-    let explicit_head_dim = matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3);
+    let explicit_head_dim = facts.init.explicit_head_dim;
     let f = &a.features;
     let rope_scaling = match &f.rope_scaling {
         Some(json) => Some(
@@ -195,11 +197,7 @@ pub fn build_config(a: &InitSpec) -> Result<ModelConfig> {
         head_dim: (explicit_head_dim || a.head_dim.is_some()).then_some(head_dim),
         max_position_embeddings: a.max_position_embeddings,
         rms_norm_eps: 1e-6,
-        rope_theta: Some(match arch {
-            Arch::Llama => 500_000.0,
-            Arch::Mistral | Arch::Phi3 => 10_000.0,
-            _ => 1_000_000.0,
-        }),
+        rope_theta: Some(facts.init.rope_theta),
         rope_scaling,
         rope_parameters: None,
         partial_rotary_factor: f.partial_rotary_factor,
@@ -210,7 +208,7 @@ pub fn build_config(a: &InitSpec) -> Result<ModelConfig> {
         unimplemented: Default::default(),
         tie_word_embeddings: a.tie_embeddings,
         attention_bias: f.attention_bias,
-        hidden_act: (arch != Arch::Gemma3).then(|| "silu".into()),
+        hidden_act: None,
         bos_token_id: bos.map(|b| b.into()),
         eos_token_id: match eos.as_slice() {
             [] => None,
@@ -220,10 +218,17 @@ pub fn build_config(a: &InitSpec) -> Result<ModelConfig> {
         pad_token_id: Some(eos.first().copied().unwrap_or(0).into()),
         weight_prefix: None,
     };
-    match arch {
-        Arch::Gemma3 => {
-            let pattern = f.sliding_window_pattern.unwrap_or(6).max(1);
-            cfg.window.sliding_window = Some(Some(f.sliding_window.unwrap_or(4096)));
+    // The activation under the key the architecture's config class reads.
+    let act = Some(facts.activation.default.to_string());
+    match facts.activation.key {
+        "hidden_activation" => cfg.gemma.hidden_activation = act,
+        _ => cfg.hidden_act = act,
+    }
+    let w = facts.window;
+    match (w.layers, w.switch) {
+        (SlidingLayers::AllButEveryNth(default), _) => {
+            let pattern = f.sliding_window_pattern.unwrap_or(default).max(1);
+            cfg.window.sliding_window = Some(f.sliding_window.or(w.default));
             cfg.window.layer_types = Some(
                 (0..a.layers)
                     .map(|i| {
@@ -236,11 +241,8 @@ pub fn build_config(a: &InitSpec) -> Result<ModelConfig> {
                     })
                     .collect(),
             );
-            cfg.gemma.hidden_activation = Some("gelu_pytorch_tanh".into());
-            cfg.gemma.query_pre_attn_scalar = Some(head_dim as f64);
-            cfg.gemma.rope_local_base_freq = Some(10_000.0);
         }
-        Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe => {
+        (_, WindowSwitch::UseSlidingWindow) => {
             if let Some(w) = f.sliding_window {
                 cfg.window.sliding_window = Some(Some(w));
                 cfg.window.use_sliding_window = Some(true);
@@ -249,7 +251,11 @@ pub fn build_config(a: &InitSpec) -> Result<ModelConfig> {
         }
         _ => cfg.window.sliding_window = f.sliding_window.map(Some),
     }
-    if arch == Arch::Qwen3Moe {
+    if facts.query_pre_attn_scalar.is_some() {
+        cfg.gemma.query_pre_attn_scalar = Some(head_dim as f64);
+    }
+    cfg.gemma.rope_local_base_freq = facts.rope.local_base;
+    if facts.moe {
         // `num_experts`: the name every transformers version reads (5.24 maps it onto its
         // `num_local_experts`; 5.23 and earlier know no other).
         cfg.moe.num_experts = Some(f.experts.unwrap_or(8));

@@ -6,13 +6,13 @@ use anyhow::Result;
 use candle_core::Tensor;
 use std::collections::HashMap;
 use std::path::PathBuf;
-use xdistill_shared::hf::ModelConfig;
+use xdistill_shared::hf::{Arch, ModelConfig};
 use xdistill_shared::init::{init_model_dir, InitFeatures, InitSpec};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct Args {
-    /// Architecture: qwen3, qwen2, llama, mistral, gemma3, phi3 or qwen3-moe.
-    #[arg(long, value_parser = ["qwen3", "qwen2", "llama", "mistral", "gemma3", "phi3", "qwen3-moe"])]
+    /// Architecture (its `init-model` name; the architectures' facts list them).
+    #[arg(long, value_parser = Arch::ALL.map(Arch::cli_name))]
     pub arch: String,
     /// tokenizer.json whose vocabulary sets the embedding size; copied into the model directory.
     #[arg(long)]

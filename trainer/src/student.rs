@@ -11,7 +11,8 @@ use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, VarBuilder, VarMap};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use xdistill_shared::hf::{Arch, ModelConfig, ModelDir};
+use xdistill_shared::hf::{ModelConfig, ModelDir};
+use xdistill_shared::model::arch::list_names;
 use xdistill_shared::model::{param_specs, Decoder, Ops};
 
 pub struct Student {
@@ -188,14 +189,17 @@ impl Student {
     }
 }
 
-/// Students may be any architecture the teacher serves except Qwen3-MoE (the router's top-k
-/// has no gradient here, and the expert loop is written for scoring), and not the text tower of
-/// a multimodal checkpoint (it would be saved under names transformers does not expect).
+/// Students may be any architecture the teacher serves except mixture-of-experts ones (the
+/// router's top-k has no gradient here, and the expert loop is written for scoring), and not the
+/// text tower of a multimodal checkpoint (it would be saved under names transformers does not expect).
 fn refuse_unsupported(config: &ModelConfig) -> Result<()> {
-    if config.arch()? == Arch::Qwen3Moe {
+    let facts = config.facts()?;
+    if facts.moe {
+        let dense = list_names(|f| (!f.moe).then(|| f.cli_name.to_string()));
         bail!(
-            "Qwen3-MoE students are not supported (MoE models can be teachers only): distil \
-             into a dense architecture (qwen3, qwen2, llama, mistral, gemma3, phi3)"
+            "{} students are not supported (MoE models can be teachers only): distil into a \
+             dense architecture ({dense})",
+            facts.name
         );
     }
     if let Some(prefix) = &config.weight_prefix {

@@ -6,23 +6,17 @@ use super::meta::Meta;
 use super::GgufError;
 use crate::hf::{Arch, ModelConfig};
 
-/// The GGUF architectures implemented, with the decoder each maps onto.
-pub const ARCHITECTURES: [(&str, Arch); 3] = [
-    ("llama", Arch::Llama),
-    ("qwen2", Arch::Qwen2),
-    ("qwen3", Arch::Qwen3),
-];
-
-/// The decoder of GGUF architecture `name`, or a refusal naming it.
+/// The decoder of GGUF architecture `name` (the one whose facts name it), or a refusal naming it.
 pub(crate) fn arch_of(meta: &Meta, name: &str) -> Result<Arch, GgufError> {
-    ARCHITECTURES
-        .iter()
-        .find(|(n, _)| *n == name)
-        .map(|(_, a)| *a)
-        .ok_or_else(|| GgufError::UnsupportedArch {
-            path: meta.path.to_path_buf(),
-            arch: name.to_string(),
-        })
+    Arch::from_gguf(name).ok_or_else(|| GgufError::UnsupportedArch {
+        path: meta.path.to_path_buf(),
+        arch: name.to_string(),
+    })
+}
+
+/// The GGUF architectures implemented (as the architectures' facts name them), for messages.
+pub(crate) fn gguf_names() -> String {
+    crate::model::arch::list_names(|f| f.gguf.map(|g| g.name.to_string()))
 }
 
 /// Facts the config needs from outside the `{arch}.*` keys.
@@ -44,6 +38,7 @@ pub(crate) fn model_config(
     t: &TensorFacts,
 ) -> Result<ModelConfig, GgufError> {
     let arch = arch_of(meta, gguf_arch)?;
+    let facts = arch.facts().gguf;
     let k = |s: &str| format!("{gguf_arch}.{s}");
     // RoPE scaling is stored under other keys (and for Llama 3 as a `rope_freqs` tensor); none is
     // mapped yet, so a file that sets one is refused rather than served with plain RoPE.
@@ -61,7 +56,9 @@ pub(crate) fn model_config(
     let hidden = meta.usize(&k("embedding_length"))?;
     let head_dim = match meta.opt_usize(&k("attention.key_length"))? {
         Some(d) => Some(d),
-        None if arch == Arch::Llama => meta.opt_usize(&k("rope.dimension_count"))?,
+        None if facts.is_some_and(|g| g.head_dim_from_rope) => {
+            meta.opt_usize(&k("rope.dimension_count"))?
+        }
         None => None,
     };
     let vocab = match meta.opt_usize(&k("vocab_size"))? {
@@ -92,7 +89,7 @@ pub(crate) fn model_config(
         // llama.cpp's and transformers' default base when the key is absent.
         "rope_theta": meta.opt_f64(&k("rope.freq_base"))?.unwrap_or(10_000.0),
         "tie_word_embeddings": t.tied,
-        "attention_bias": arch == Arch::Llama && t.attn_bias,
+        "attention_bias": facts.is_some_and(|g| g.attention_bias_from_tensors) && t.attn_bias,
         "hidden_act": "silu",
         "bos_token_id": bos,
         "eos_token_id": eos,

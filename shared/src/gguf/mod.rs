@@ -42,9 +42,9 @@ pub enum GgufError {
         message: String,
     },
     #[error(
-        "{}: GGUF architecture {arch:?} (general.architecture) is not implemented (llama, qwen2, \
-         qwen3 are)",
-        path.display()
+        "{}: GGUF architecture {arch:?} (general.architecture) is not implemented ({known} are)",
+        path.display(),
+        known = config::gguf_names()
     )]
     UnsupportedArch { path: PathBuf, arch: String },
     #[error(

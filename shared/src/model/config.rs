@@ -1,102 +1,36 @@
 //! `config.json` of the decoders we implement, read as transformers reads it: both RoPE
 //! conventions (`rope_theta`/`rope_scaling` and transformers 5's `rope_parameters`, flat or per
 //! layer type), the layer types (full or sliding-window attention), and the keys of each
-//! architecture. Every setting that would change the math and is not implemented is refused by
-//! name in [`ModelConfig::validate`]: never a silent wrong answer.
+//! architecture, with the defaults its facts ([`Arch::facts`]) give. Every setting that would
+//! change the math and is not implemented is refused by name in [`ModelConfig::validate`]:
+//! never a silent wrong answer.
 
+use super::arch::{list_names, ArchFacts, SlidingLayers, WindowSwitch};
 use serde::{Deserialize, Serialize};
+
+pub use super::arch::Arch;
+pub use super::rope::RopeParams;
 
 /// Why a `config.json` cannot be served.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error(
-        "unsupported model_type {0:?} (supported: llama, mistral, qwen2, qwen3, qwen3_moe, \
-         gemma3_text, phi3)"
+        "unsupported model_type {0:?} (supported: {supported})",
+        supported = supported_model_types()
     )]
     UnsupportedArch(String),
     #[error("invalid config: {0}")]
     Invalid(String),
 }
 
-fn invalid<T>(m: impl Into<String>) -> Result<T, ConfigError> {
+/// Every architecture's `model_type`, for [`ConfigError::UnsupportedArch`].
+fn supported_model_types() -> String {
+    list_names(|f| Some(f.model_types[0].into()))
+}
+
+/// A [`ConfigError::Invalid`] saying `m`.
+pub(super) fn invalid<T>(m: impl Into<String>) -> Result<T, ConfigError> {
     Err(ConfigError::Invalid(m.into()))
-}
-
-/// The decoder families we implement, one file each under `model/` (Llama, Mistral, Qwen2 and
-/// Qwen3 share `llama.rs`: they differ in biases, q/k norms and sliding windows only).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Arch {
-    Qwen3,
-    Qwen2,
-    Llama,
-    Mistral,
-    Gemma3,
-    Phi3,
-    Qwen3Moe,
-}
-
-impl Arch {
-    /// Every architecture, in the order `init-model --arch` lists them.
-    pub const ALL: [Arch; 7] = [
-        Arch::Qwen3,
-        Arch::Qwen2,
-        Arch::Llama,
-        Arch::Mistral,
-        Arch::Gemma3,
-        Arch::Phi3,
-        Arch::Qwen3Moe,
-    ];
-
-    /// From `config.json`'s `model_type` (or the `init-model --arch` name).
-    pub fn parse(s: &str) -> Result<Arch, ConfigError> {
-        match s {
-            "qwen3" => Ok(Arch::Qwen3),
-            "qwen2" => Ok(Arch::Qwen2),
-            "llama" => Ok(Arch::Llama),
-            "mistral" => Ok(Arch::Mistral),
-            "gemma3_text" | "gemma3" => Ok(Arch::Gemma3),
-            "phi3" => Ok(Arch::Phi3),
-            "qwen3_moe" | "qwen3-moe" => Ok(Arch::Qwen3Moe),
-            other => Err(ConfigError::UnsupportedArch(other.to_string())),
-        }
-    }
-    /// The `model_type` transformers writes.
-    pub fn model_type(self) -> &'static str {
-        match self {
-            Arch::Qwen3 => "qwen3",
-            Arch::Qwen2 => "qwen2",
-            Arch::Llama => "llama",
-            Arch::Mistral => "mistral",
-            Arch::Gemma3 => "gemma3_text",
-            Arch::Phi3 => "phi3",
-            Arch::Qwen3Moe => "qwen3_moe",
-        }
-    }
-    /// The name `init-model --arch` takes.
-    pub fn cli_name(self) -> &'static str {
-        match self {
-            Arch::Gemma3 => "gemma3",
-            Arch::Qwen3Moe => "qwen3-moe",
-            other => other.model_type(),
-        }
-    }
-    /// The `architectures[0]` transformers expects.
-    pub fn hf_class(self) -> &'static str {
-        match self {
-            Arch::Qwen3 => "Qwen3ForCausalLM",
-            Arch::Qwen2 => "Qwen2ForCausalLM",
-            Arch::Llama => "LlamaForCausalLM",
-            Arch::Mistral => "MistralForCausalLM",
-            Arch::Gemma3 => "Gemma3ForCausalLM",
-            Arch::Phi3 => "Phi3ForCausalLM",
-            Arch::Qwen3Moe => "Qwen3MoeForCausalLM",
-        }
-    }
-    /// The Qwen families switch their window on with `use_sliding_window`.
-    fn window_needs_switch(self) -> bool {
-        matches!(self, Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe)
-    }
 }
 
 /// The attention of one layer: over every earlier position, or over the last `sliding_window`.
@@ -124,58 +58,6 @@ pub enum Activation {
     GeluTanh,
     /// `gelu`: the exact (erf) form.
     GeluErf,
-}
-
-/// RoPE settings of one layer type, as transformers standardises them: the base, the scaling
-/// type and every parameter a type reads (absent ones take transformers' defaults).
-#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
-pub struct RopeParams {
-    /// `default`, `linear`, `dynamic`, `llama3`, `yarn` or `longrope` (`su` is longrope's
-    /// old name).
-    #[serde(alias = "type", default = "default_rope_type")]
-    pub rope_type: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub rope_theta: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub factor: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub low_freq_factor: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub high_freq_factor: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub original_max_position_embeddings: Option<usize>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub attention_factor: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub beta_fast: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub beta_slow: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mscale: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mscale_all_dim: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub truncate: Option<bool>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub short_factor: Option<Vec<f64>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub long_factor: Option<Vec<f64>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub partial_rotary_factor: Option<f64>,
-}
-
-fn default_rope_type() -> String {
-    "default".into()
-}
-
-impl RopeParams {
-    /// `su` is what early Phi-3 configs call `longrope`.
-    pub fn kind(&self) -> &str {
-        match self.rope_type.as_str() {
-            "su" => "longrope",
-            other => other,
-        }
-    }
 }
 
 /// Qwen3-MoE's sparse MLP settings (absent for dense models).
@@ -363,6 +245,10 @@ impl ModelConfig {
     pub fn arch(&self) -> Result<Arch, ConfigError> {
         Arch::parse(&self.model_type)
     }
+    /// The facts of the architecture `model_type` names.
+    pub fn facts(&self) -> Result<&'static ArchFacts, ConfigError> {
+        Ok(self.arch()?.facts())
+    }
     pub fn kv_heads(&self) -> usize {
         self.num_key_value_heads.unwrap_or(self.num_attention_heads)
     }
@@ -380,12 +266,11 @@ impl ModelConfig {
 
     /// The MLP activation.
     pub fn activation(&self) -> Result<Activation, ConfigError> {
-        let arch = self.arch()?;
+        let default = self.facts()?.activation;
         let (key, name) = match (&self.gemma.hidden_activation, &self.hidden_act) {
             (Some(a), _) => ("hidden_activation", a.as_str()),
             (None, Some(a)) => ("hidden_act", a.as_str()),
-            (None, None) if arch == Arch::Gemma3 => ("hidden_activation", "gelu_pytorch_tanh"),
-            (None, None) => ("hidden_act", "silu"),
+            (None, None) => (default.key, default.default),
         };
         match name {
             "silu" | "swish" => Ok(Activation::Silu),
@@ -398,35 +283,28 @@ impl ModelConfig {
     }
 
     /// `sliding_window` as transformers reads it: the key's value, or when absent the
-    /// architecture's default (4096 for Mistral, Gemma 3 and the Qwen families, none else).
+    /// architecture's default.
     fn window_setting(&self) -> Option<usize> {
         match self.window.sliding_window {
             Some(w) => w,
-            None => match self.arch().ok()? {
-                Arch::Mistral | Arch::Gemma3 | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe => {
-                    Some(4096)
-                }
-                Arch::Llama | Arch::Phi3 => None,
-            },
+            None => self.facts().ok()?.window.default,
         }
     }
 
     /// The sliding window in force, if any (the Qwen families need `use_sliding_window: true`).
     pub fn sliding_window(&self) -> Option<usize> {
-        let arch = self.arch().ok()?;
-        if arch == Arch::Llama
-            || (arch.window_needs_switch() && self.window.use_sliding_window != Some(true))
-        {
-            return None;
+        match self.facts().ok()?.window.switch {
+            WindowSwitch::Never => None,
+            WindowSwitch::UseSlidingWindow if self.window.use_sliding_window != Some(true) => None,
+            WindowSwitch::UseSlidingWindow | WindowSwitch::WhenSet => self.window_setting(),
         }
-        self.window_setting()
     }
 
     /// The attention kind of every layer, as transformers decides it: `layer_types` when given,
     /// else the architecture's rule (Gemma 3's pattern, Qwen's `max_window_layers`, or every
     /// layer when a window is set).
     pub fn layer_kinds(&self) -> Result<Vec<LayerKind>, ConfigError> {
-        let arch = self.arch()?;
+        let rule = self.facts()?.window.layers;
         let n = self.num_hidden_layers;
         if let Some(types) = &self.window.layer_types {
             if types.len() != n {
@@ -450,15 +328,15 @@ impl ModelConfig {
         let window = self.sliding_window().is_some();
         Ok((0..n)
             .map(|i| {
-                let sliding = match arch {
-                    Arch::Gemma3 => {
-                        let p = self.window.sliding_window_pattern.unwrap_or(6).max(1);
-                        !(i + 1).is_multiple_of(p)
+                let sliding = match rule {
+                    SlidingLayers::AllButEveryNth(default) => {
+                        let p = self.window.sliding_window_pattern.unwrap_or(default);
+                        !(i + 1).is_multiple_of(p.max(1))
                     }
-                    Arch::Qwen2 | Arch::Qwen3 => {
-                        window && i >= self.window.max_window_layers.unwrap_or(28)
+                    SlidingLayers::FromMaxWindowLayers(default) => {
+                        window && i >= self.window.max_window_layers.unwrap_or(default)
                     }
-                    _ => window,
+                    SlidingLayers::All => window,
                 };
                 if sliding {
                     LayerKind::Sliding
@@ -472,10 +350,9 @@ impl ModelConfig {
     /// The window of one layer: `Some` only on sliding layers when a window is set.
     pub fn layer_window(&self, kind: LayerKind) -> Option<usize> {
         match kind {
-            LayerKind::Sliding => self.window_setting().filter(|_| {
-                // Gemma 3's sliding layers always use the window; the others as switched.
-                matches!(self.arch(), Ok(Arch::Gemma3)) || self.sliding_window().is_some()
-            }),
+            LayerKind::Sliding => self
+                .window_setting()
+                .filter(|_| self.sliding_window().is_some()),
             LayerKind::Full => None,
         }
     }
@@ -490,8 +367,8 @@ impl ModelConfig {
     /// `rope_parameters` or `rope_theta` (Gemma 3's sliding layers: `rope_local_base_freq`),
     /// `partial_rotary_factor` and `original_max_position_embeddings` filled in.
     pub fn rope(&self, kind: LayerKind) -> Result<RopeParams, ConfigError> {
-        let arch = self.arch()?;
-        let gemma_local = arch == Arch::Gemma3 && kind == LayerKind::Sliding;
+        let rope = self.facts()?.rope;
+        let local = rope.local_base.filter(|_| kind == LayerKind::Sliding);
         let parse = |v: &serde_json::Value, what: &str| {
             serde_json::from_value::<RopeParams>(v.clone())
                 .map_err(|e| ConfigError::Invalid(format!("{what}: {e}")))
@@ -499,7 +376,7 @@ impl ModelConfig {
         let mut p = if let Some(nested) = self.nested_rope() {
             match nested.get(kind.name()) {
                 Some(v) if v.is_object() => parse(v, &format!("rope_parameters.{}", kind.name()))?,
-                _ if kind == LayerKind::Sliding && arch != Arch::Gemma3 => {
+                _ if kind == LayerKind::Sliding && rope.local_base.is_none() => {
                     // A model without sliding layers needs no entry for them.
                     match nested.get(LayerKind::Full.name()) {
                         Some(v) => parse(v, "rope_parameters.full_attention")?,
@@ -515,12 +392,12 @@ impl ModelConfig {
             if !v.is_object() {
                 return invalid("rope_parameters must be an object");
             }
-            if gemma_local {
+            if local.is_some() {
                 RopeParams::default()
             } else {
                 parse(v, "rope_parameters")?
             }
-        } else if gemma_local {
+        } else if local.is_some() {
             RopeParams::default()
         } else {
             self.rope_scaling.clone().unwrap_or_default()
@@ -529,14 +406,9 @@ impl ModelConfig {
             p.rope_type = "default".into();
         }
         if p.rope_theta.is_none() {
-            p.rope_theta = Some(if gemma_local {
-                self.gemma.rope_local_base_freq.unwrap_or(10_000.0)
-            } else {
-                self.rope_theta.unwrap_or(if arch == Arch::Gemma3 {
-                    1_000_000.0
-                } else {
-                    10_000.0
-                })
+            p.rope_theta = Some(match local {
+                Some(base) => self.gemma.rope_local_base_freq.unwrap_or(base),
+                None => self.rope_theta.unwrap_or(rope.default_theta),
             });
         }
         if p.partial_rotary_factor.is_none() {
@@ -546,7 +418,7 @@ impl ModelConfig {
             // Phi-3 keeps it at the top level, and there it wins (as in transformers).
             if let Some(o) = self
                 .original_max_position_embeddings
-                .filter(|_| arch == Arch::Phi3)
+                .filter(|_| rope.top_level_original_max)
             {
                 p.original_max_position_embeddings = Some(o);
             }
@@ -580,7 +452,7 @@ impl ModelConfig {
     /// `mlp_only_layers`).
     pub fn is_moe_layer(&self, l: usize) -> bool {
         let m = &self.moe;
-        matches!(self.arch(), Ok(Arch::Qwen3Moe))
+        self.facts().is_ok_and(|f| f.moe)
             && m.experts() > 0
             && !m.mlp_only_layers.as_deref().unwrap_or(&[]).contains(&l)
             && (l + 1).is_multiple_of(m.decoder_sparse_step.unwrap_or(1).max(1))
@@ -588,81 +460,16 @@ impl ModelConfig {
 
     /// The attention scale: Gemma 3's `query_pre_attn_scalar^-1/2`, else `head_dim^-1/2`.
     pub fn attention_scale(&self) -> f64 {
-        match (self.arch(), self.gemma.query_pre_attn_scalar) {
-            (Ok(Arch::Gemma3), Some(s)) => 1.0 / s.sqrt(),
-            (Ok(Arch::Gemma3), None) => 1.0 / 256f64.sqrt(),
-            _ => 1.0 / (self.head_dim() as f64).sqrt(),
+        match self.facts().ok().and_then(|f| f.query_pre_attn_scalar) {
+            Some(default) => 1.0 / self.gemma.query_pre_attn_scalar.unwrap_or(default).sqrt(),
+            None => 1.0 / (self.head_dim() as f64).sqrt(),
         }
     }
 
     /// Checks one layer type's RoPE: an implemented type with the parameters it needs.
     fn validate_rope_kind(&self, kind: LayerKind) -> Result<(), ConfigError> {
-        let p = self.rope(kind)?;
-        let theta = p.rope_theta.unwrap_or(0.0);
-        if !(theta.is_finite() && theta > 0.0) {
-            return invalid(format!("rope_theta must be > 0, got {theta}"));
-        }
-        let partial = p.partial_rotary_factor.unwrap_or(1.0);
         let rot = self.rotary_dim(kind)?;
-        if !(partial > 0.0 && partial <= 1.0) || rot == 0 || !rot.is_multiple_of(2) {
-            return invalid(format!(
-                "partial_rotary_factor {partial} gives {rot} rotated dimensions of head_dim {}: \
-                 it must be in (0, 1] and give an even number",
-                self.head_dim()
-            ));
-        }
-        let need = |name: &str, v: Option<f64>, ok: fn(f64) -> bool| -> Result<(), ConfigError> {
-            match v {
-                Some(x) if ok(x) => Ok(()),
-                other => invalid(format!(
-                    "rope scaling {:?} needs a valid {name}, got {other:?}",
-                    p.rope_type
-                )),
-            }
-        };
-        match p.kind() {
-            "default" => {}
-            "linear" | "dynamic" => need("factor", p.factor, |f| f > 0.0)?,
-            "llama3" => {
-                need("factor", p.factor, |f| f > 0.0)?;
-                need("low_freq_factor", p.low_freq_factor, |f| f > 0.0)?;
-                need("high_freq_factor", p.high_freq_factor, |f| f > 0.0)?;
-                if p.high_freq_factor <= p.low_freq_factor {
-                    return invalid("rope scaling llama3 needs low_freq_factor < high_freq_factor");
-                }
-            }
-            "yarn" => {
-                need("factor", p.factor, |f| f >= 1.0)?;
-            }
-            "longrope" => {
-                for (name, f) in [
-                    ("short_factor", &p.short_factor),
-                    ("long_factor", &p.long_factor),
-                ] {
-                    match f {
-                        Some(v) if v.len() == rot / 2 && v.iter().all(|x| *x > 0.0) => {}
-                        other => {
-                            return invalid(format!(
-                                "rope scaling longrope needs {name} of {} positive numbers, got \
-                                 {:?} entries",
-                                rot / 2,
-                                other.as_ref().map(Vec::len)
-                            ))
-                        }
-                    }
-                }
-            }
-            other => {
-                return invalid(format!(
-                    "rope scaling type {other:?} (rope_scaling / rope_parameters.rope_type) is \
-                     not implemented: default, linear, dynamic, llama3, yarn and longrope are"
-                ))
-            }
-        }
-        if p.original_max_position_embeddings == Some(0) {
-            return invalid("original_max_position_embeddings must be > 0");
-        }
-        Ok(())
+        self.rope(kind)?.validate(rot, self.head_dim())
     }
 
     /// Checks the RoPE settings: the conventions agree, and each layer type's is implemented.
@@ -718,7 +525,7 @@ impl ModelConfig {
     }
 
     fn validate_moe(&self) -> Result<(), ConfigError> {
-        if self.arch()? != Arch::Qwen3Moe {
+        if !self.facts()?.moe {
             return Ok(());
         }
         let m = &self.moe;

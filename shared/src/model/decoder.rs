@@ -11,7 +11,6 @@ use super::layers::{Attention, AttnInputs, GatedMlp, Norm, Ops};
 use super::params::param_specs;
 use super::qwen3_moe::SparseMoe;
 use super::rope::Rope;
-use super::{gemma3, llama, phi3, qwen3_moe};
 use candle_core::quantized::QTensor;
 use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::VarBuilder;
@@ -87,31 +86,21 @@ pub(crate) struct Weights {
 impl Weights {
     /// Reads every parameter of `cfg` from `vb`, named as transformers names them.
     pub fn load(cfg: &ModelConfig, vb: &VarBuilder) -> Result<Weights> {
-        let arch = cfg.arch().map_err(candle_core::Error::wrap)?;
+        let facts = cfg.facts().map_err(candle_core::Error::wrap)?;
         let kinds = cfg.layer_kinds().map_err(candle_core::Error::wrap)?;
         let h = cfg.hidden_size;
         let embed = vb.get((cfg.vocab_size, h), "model.embed_tokens.weight")?;
         let layers = kinds
             .iter()
             .enumerate()
-            .map(|(l, &kind)| {
-                let lv = vb.pp(format!("model.layers.{l}"));
-                match arch {
-                    Arch::Gemma3 => gemma3::block(cfg, &lv, kind),
-                    Arch::Phi3 => phi3::block(cfg, &lv, kind),
-                    Arch::Qwen3Moe => qwen3_moe::block(cfg, &lv, l, kind),
-                    Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Qwen3 => {
-                        llama::block(cfg, &lv, kind)
-                    }
-                }
-            })
+            .map(|(l, &kind)| (facts.block)(cfg, &vb.pp(format!("model.layers.{l}")), l, kind))
             .collect::<Result<Vec<_>>>()?;
         let norm = Norm::load(
             &vb.pp("model"),
             "norm",
             h,
             cfg.rms_norm_eps,
-            arch == Arch::Gemma3,
+            facts.norm_plus_one,
         )?;
         let lm_head = if cfg.tie_word_embeddings {
             embed.clone()
@@ -177,7 +166,7 @@ impl Decoder {
         let kinds = cfg.layer_kinds().map_err(candle_core::Error::wrap)?;
         let device = vb.device().clone();
         let dtype = vb.dtype();
-        let embed_scale = (arch == Arch::Gemma3).then(|| {
+        let embed_scale = arch.facts().embed_scale.then(|| {
             let s = (cfg.hidden_size as f64).sqrt();
             match dtype {
                 DType::BF16 => half::bf16::from_f64(s).to_f64(),

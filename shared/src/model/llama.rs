@@ -1,28 +1,132 @@
-//! Llama, Mistral, Qwen2 and Qwen3: one block shape. They differ only in attention biases
-//! (`attention_bias`; Qwen2's fixed q/k/v bias; none in Mistral), Qwen3's per-head q/k RMSNorm, and
-//! sliding windows (Mistral on every layer, Qwen2/3 above `max_window_layers`).
+//! Llama, Mistral, Qwen2 and Qwen3: one block shape, and the facts of each. They differ only in
+//! attention biases (`attention_bias`; Qwen2's fixed q/k/v bias; none in Mistral), Qwen3's
+//! per-head q/k RMSNorm, and sliding windows (Mistral on every layer, Qwen2/3 above
+//! `max_window_layers`).
 
-use super::config::{Arch, LayerKind, ModelConfig};
+use super::arch::{
+    ArchFacts, AttentionBias, AttentionFacts, GgufFacts, InitDefaults, SlidingLayers, WindowFacts,
+    WindowSwitch, BASE,
+};
+use super::config::{LayerKind, ModelConfig};
 use super::decoder::{Block, Ffn};
 use super::layers::{Attention, GatedMlp, Norm};
 use candle_core::Result;
 use candle_nn::VarBuilder;
 
-/// The attention of layer `vb` (`…layers.N`): `self_attn.{q,k,v,o}_proj` (+ Qwen3's q/k norms).
+/// Llama: no window, `attention_bias` on all four projections.
+pub(crate) const LLAMA: ArchFacts = ArchFacts {
+    name: "Llama",
+    model_types: &["llama"],
+    cli_name: "llama",
+    hf_class: "LlamaForCausalLM",
+    window: WindowFacts {
+        default: None,
+        switch: WindowSwitch::Never,
+        layers: SlidingLayers::All,
+    },
+    init: InitDefaults {
+        rope_theta: 500_000.0,
+        explicit_head_dim: false,
+    },
+    has_mlp_bias_key: true,
+    gguf: Some(GgufFacts {
+        name: "llama",
+        head_dim_from_rope: true,
+        attention_bias_from_tensors: true,
+    }),
+    ..BASE
+};
+
+/// Mistral: a window on every layer (4096 unless set), no biases.
+pub(crate) const MISTRAL: ArchFacts = ArchFacts {
+    name: "Mistral",
+    model_types: &["mistral"],
+    cli_name: "mistral",
+    hf_class: "MistralForCausalLM",
+    attention: AttentionFacts {
+        bias: AttentionBias::Fixed {
+            qkv: false,
+            o: false,
+        },
+        qk_norm: false,
+    },
+    init: InitDefaults {
+        rope_theta: 10_000.0,
+        explicit_head_dim: false,
+    },
+    ..BASE
+};
+
+/// Qwen2: q/k/v always biased (o never), the window switched on by `use_sliding_window` above
+/// `max_window_layers`.
+pub(crate) const QWEN2: ArchFacts = ArchFacts {
+    name: "Qwen2",
+    model_types: &["qwen2"],
+    cli_name: "qwen2",
+    hf_class: "Qwen2ForCausalLM",
+    window: QWEN_WINDOW,
+    attention: AttentionFacts {
+        bias: AttentionBias::Fixed {
+            qkv: true,
+            o: false,
+        },
+        qk_norm: false,
+    },
+    gguf: Some(GgufFacts {
+        name: "qwen2",
+        head_dim_from_rope: false,
+        attention_bias_from_tensors: false,
+    }),
+    ..BASE
+};
+
+/// Qwen3: Qwen2's window, `attention_bias` on all four projections, per-head q/k norms.
+pub(crate) const QWEN3: ArchFacts = ArchFacts {
+    name: "Qwen3",
+    model_types: &["qwen3"],
+    cli_name: "qwen3",
+    hf_class: "Qwen3ForCausalLM",
+    window: QWEN_WINDOW,
+    attention: AttentionFacts {
+        bias: AttentionBias::FromConfig,
+        qk_norm: true,
+    },
+    init: InitDefaults {
+        rope_theta: 1_000_000.0,
+        explicit_head_dim: true,
+    },
+    gguf: Some(GgufFacts {
+        name: "qwen3",
+        head_dim_from_rope: false,
+        attention_bias_from_tensors: false,
+    }),
+    ..BASE
+};
+
+/// The Qwen families' window: switched on by `use_sliding_window`, 4096 unless set, on the
+/// layers from `max_window_layers` (default 28).
+const QWEN_WINDOW: WindowFacts = WindowFacts {
+    default: Some(4096),
+    switch: WindowSwitch::UseSlidingWindow,
+    layers: SlidingLayers::FromMaxWindowLayers(28),
+};
+
+/// The attention of layer `vb` (`…layers.N`): `self_attn.{q,k,v,o}_proj` with the biases the
+/// architecture's facts say, and its q/k norms when it has them.
 pub(crate) fn attention(cfg: &ModelConfig, vb: &VarBuilder, kind: LayerKind) -> Result<Attention> {
-    let arch = cfg.arch().map_err(candle_core::Error::wrap)?;
-    // Qwen2: q/k/v always biased, o never; Mistral: none; the rest: `attention_bias` on all four.
-    let biases = match arch {
-        Arch::Qwen2 => (true, false),
-        Arch::Mistral => (false, false),
-        _ => (cfg.attention_bias, cfg.attention_bias),
-    };
-    let qk_norm = matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe).then_some(false);
+    let facts = cfg.facts().map_err(candle_core::Error::wrap)?;
+    let biases = facts.attention.bias.of(cfg);
+    let qk_norm = facts.attention.qk_norm.then_some(facts.norm_plus_one);
     Attention::load(cfg, &vb.pp("self_attn"), kind, biases, qk_norm)
 }
 
 /// One block: pre-norm attention, then a pre-norm SwiGLU MLP.
-pub(crate) fn block(cfg: &ModelConfig, vb: &VarBuilder, kind: LayerKind) -> Result<Block> {
+pub(crate) fn block(
+    cfg: &ModelConfig,
+    vb: &VarBuilder,
+    _: usize,
+    kind: LayerKind,
+) -> Result<Block> {
     block_with(cfg, vb, kind, |cfg, mv| dense_mlp(cfg, mv).map(Ffn::Dense))
 }
 

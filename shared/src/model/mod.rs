@@ -1,12 +1,15 @@
 //! The decoders we serve and train, one file per architecture in candle's manner:
-//! `llama.rs` (Llama, Mistral, Qwen2, Qwen3), `gemma3.rs`, `phi3.rs`, `qwen3_moe.rs`. What they
-//! truly share lives beside them: `config.rs` (reading `config.json`), `rope.rs` (every RoPE
-//! scaling type), `layers.rs` (norms, attention, MLP) and `decoder.rs` (the one forward loop).
+//! `llama.rs` (Llama, Mistral, Qwen2, Qwen3), `gemma3.rs`, `phi3.rs`, `qwen3_moe.rs`, each with
+//! its facts (names, defaults, window rule, layer shape) behind `arch.rs` (the one table every
+//! other module asks; it says what adding an architecture touches). What they truly share lives
+//! beside them: `config.rs` (reading `config.json`), `rope.rs` (every RoPE scaling type),
+//! `layers.rs` (norms, attention, MLP) and `decoder.rs` (the one forward loop).
 //! Each runs in two modes ([`Ops`]): fused kernels for serving (candle's, on an AVX-512 CPU
 //! the linear layers through [`crate::matmul`], and on the CPU the attention's softmax and the
 //! MLP's `silu(gate) · up` with the SIMD exp, `host_ops.rs`), and ops that all have a backward
 //! pass for training.
 
+pub mod arch;
 pub mod config;
 mod decoder;
 mod flash;

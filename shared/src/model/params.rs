@@ -5,7 +5,7 @@
 //! `init-model` writes, the checks compare with safetensors headers, and the decoder reads can
 //! never disagree.
 
-use super::config::{Arch, ModelConfig};
+use super::config::ModelConfig;
 use super::decoder::{stored_name, Weights};
 use candle_core::{DType, Device, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
@@ -63,7 +63,7 @@ pub fn param_specs(cfg: &ModelConfig, init_std: f64) -> Vec<ParamSpec> {
     let vb = VarBuilder::from_backend(Box::new(Recorder(seen.clone())), DType::F32, Device::Cpu);
     // A config `validate` refuses lists what could be read before the refusal.
     let _ = Weights::load(cfg, &vb);
-    let gemma = cfg.arch().is_ok_and(|a| a == Arch::Gemma3);
+    let plus_one = cfg.facts().is_ok_and(|f| f.norm_plus_one);
     let list = seen.lock().map(|s| s.clone()).unwrap_or_default();
     list.into_iter()
         .map(|(name, shape)| {
@@ -71,7 +71,7 @@ pub fn param_specs(cfg: &ModelConfig, init_std: f64) -> Vec<ParamSpec> {
                 Init::Zeros
             } else if name.ends_with("norm.weight") {
                 // Gemma scales by 1 + weight: zero is the identity.
-                if gemma {
+                if plus_one {
                     Init::Zeros
                 } else {
                     Init::Ones

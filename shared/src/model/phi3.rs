@@ -2,13 +2,49 @@
 //! (`partial_rotary_factor`), a sliding window on every layer when configured, and LongRoPE
 //! (`longrope`/`su`) for the long-context variants (the RoPE module handles both).
 
+use super::arch::{
+    ArchFacts, AttentionBias, AttentionFacts, InitDefaults, RopeFacts, SlidingLayers, WindowFacts,
+    WindowSwitch, BASE,
+};
 use super::config::{LayerKind, ModelConfig};
 use super::decoder::{Block, Ffn};
 use super::layers::{linear, Attention, GateUp, GatedMlp, Norm, Qkv};
 use candle_core::Result;
 use candle_nn::VarBuilder;
 
-pub(crate) fn block(cfg: &ModelConfig, vb: &VarBuilder, kind: LayerKind) -> Result<Block> {
+/// Phi-3's facts: a window on every layer only when set, a top-level
+/// `original_max_position_embeddings` that wins over the scaling's own, no attention biases.
+pub(crate) const FACTS: ArchFacts = ArchFacts {
+    name: "Phi-3",
+    model_types: &["phi3"],
+    cli_name: "phi3",
+    hf_class: "Phi3ForCausalLM",
+    window: WindowFacts {
+        default: None,
+        switch: WindowSwitch::WhenSet,
+        layers: SlidingLayers::All,
+    },
+    rope: RopeFacts {
+        default_theta: 10_000.0,
+        local_base: None,
+        top_level_original_max: true,
+    },
+    attention: AttentionFacts {
+        bias: AttentionBias::Fixed {
+            qkv: false,
+            o: false,
+        },
+        qk_norm: false,
+    },
+    init: InitDefaults {
+        rope_theta: 10_000.0,
+        explicit_head_dim: false,
+    },
+    block,
+    ..BASE
+};
+
+fn block(cfg: &ModelConfig, vb: &VarBuilder, _: usize, kind: LayerKind) -> Result<Block> {
     let (h, hq, hkv, d) = (
         cfg.hidden_size,
         cfg.num_attention_heads,

@@ -7,11 +7,40 @@
 //! transformers 5's fused tensors (`mlp.experts.gate_up_proj` `[E, 2I, H]`, `down_proj`
 //! `[E, H, I]`).
 
+use super::arch::{
+    ArchFacts, AttentionBias, AttentionFacts, InitDefaults, SlidingLayers, WindowFacts,
+    WindowSwitch, BASE,
+};
 use super::config::{LayerKind, ModelConfig};
 use super::decoder::{Block, Ffn};
 use super::layers::{linear, GateUp, GatedMlp, Linear, Ops};
 use candle_core::{DType, Result, Tensor};
 use candle_nn::VarBuilder;
+
+/// Qwen3-MoE's facts: Qwen3's attention; the window, when `use_sliding_window` switches it on,
+/// on every layer.
+pub(crate) const FACTS: ArchFacts = ArchFacts {
+    name: "Qwen3-MoE",
+    model_types: &["qwen3_moe"],
+    cli_name: "qwen3-moe",
+    hf_class: "Qwen3MoeForCausalLM",
+    window: WindowFacts {
+        default: Some(4096),
+        switch: WindowSwitch::UseSlidingWindow,
+        layers: SlidingLayers::All,
+    },
+    attention: AttentionFacts {
+        bias: AttentionBias::FromConfig,
+        qk_norm: true,
+    },
+    moe: true,
+    init: InitDefaults {
+        rope_theta: 1_000_000.0,
+        explicit_head_dim: true,
+    },
+    block,
+    ..BASE
+};
 
 /// The sparse MLP of one layer.
 pub(crate) struct SparseMoe {
@@ -98,12 +127,7 @@ impl SparseMoe {
 }
 
 /// One block: Qwen3's, with the sparse MLP on MoE layers.
-pub(crate) fn block(
-    cfg: &ModelConfig,
-    vb: &VarBuilder,
-    l: usize,
-    kind: LayerKind,
-) -> Result<Block> {
+fn block(cfg: &ModelConfig, vb: &VarBuilder, l: usize, kind: LayerKind) -> Result<Block> {
     super::llama::block_with(cfg, vb, kind, |cfg, mv| {
         Ok(if cfg.is_moe_layer(l) {
             Ffn::Moe(SparseMoe::load(cfg, mv)?)

@@ -1,9 +1,138 @@
-//! Rotary position embeddings: inverse frequencies for every scaling type transformers
-//! implements (`default`, `linear`, `dynamic`, `llama3`, `yarn`, `longrope`), computed as
-//! `transformers.modeling_rope_utils` computes them (in f64 here), and the cos/sin tables.
+//! Rotary position embeddings: the settings of one layer type ([`RopeParams`], checked here),
+//! inverse frequencies for every scaling type transformers implements (`default`, `linear`,
+//! `dynamic`, `llama3`, `yarn`, `longrope`), computed as `transformers.modeling_rope_utils`
+//! computes them (in f64 here), and the cos/sin tables.
 
-use super::config::{LayerKind, ModelConfig, RopeParams};
+use super::config::{invalid, ConfigError, LayerKind, ModelConfig};
 use candle_core::{DType, Device, Result, Tensor};
+use serde::{Deserialize, Serialize};
+
+/// RoPE settings of one layer type, as transformers standardises them: the base, the scaling
+/// type and every parameter a type reads (absent ones take transformers' defaults).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct RopeParams {
+    /// `default`, `linear`, `dynamic`, `llama3`, `yarn` or `longrope` (`su` is longrope's
+    /// old name).
+    #[serde(alias = "type", default = "default_rope_type")]
+    pub rope_type: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_theta: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub factor: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub low_freq_factor: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub high_freq_factor: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub original_max_position_embeddings: Option<usize>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention_factor: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub beta_fast: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub beta_slow: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mscale: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mscale_all_dim: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub truncate: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub short_factor: Option<Vec<f64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub long_factor: Option<Vec<f64>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub partial_rotary_factor: Option<f64>,
+}
+
+fn default_rope_type() -> String {
+    "default".into()
+}
+
+impl RopeParams {
+    /// `su` is what early Phi-3 configs call `longrope`.
+    pub fn kind(&self) -> &str {
+        match self.rope_type.as_str() {
+            "su" => "longrope",
+            other => other,
+        }
+    }
+
+    /// Checks an implemented type with the parameters it needs, for `rot` rotated dimensions
+    /// of each `head_dim`-wide head.
+    pub(super) fn validate(
+        &self,
+        rot: usize,
+        head_dim: usize,
+    ) -> std::result::Result<(), ConfigError> {
+        let theta = self.rope_theta.unwrap_or(0.0);
+        if !(theta.is_finite() && theta > 0.0) {
+            return invalid(format!("rope_theta must be > 0, got {theta}"));
+        }
+        let partial = self.partial_rotary_factor.unwrap_or(1.0);
+        if !(partial > 0.0 && partial <= 1.0) || rot == 0 || !rot.is_multiple_of(2) {
+            return invalid(format!(
+                "partial_rotary_factor {partial} gives {rot} rotated dimensions of head_dim \
+                 {head_dim}: it must be in (0, 1] and give an even number"
+            ));
+        }
+        let need = |name: &str,
+                    v: Option<f64>,
+                    ok: fn(f64) -> bool|
+         -> std::result::Result<(), ConfigError> {
+            match v {
+                Some(x) if ok(x) => Ok(()),
+                other => invalid(format!(
+                    "rope scaling {:?} needs a valid {name}, got {other:?}",
+                    self.rope_type
+                )),
+            }
+        };
+        match self.kind() {
+            "default" => {}
+            "linear" | "dynamic" => need("factor", self.factor, |f| f > 0.0)?,
+            "llama3" => {
+                need("factor", self.factor, |f| f > 0.0)?;
+                need("low_freq_factor", self.low_freq_factor, |f| f > 0.0)?;
+                need("high_freq_factor", self.high_freq_factor, |f| f > 0.0)?;
+                if self.high_freq_factor <= self.low_freq_factor {
+                    return invalid("rope scaling llama3 needs low_freq_factor < high_freq_factor");
+                }
+            }
+            "yarn" => {
+                need("factor", self.factor, |f| f >= 1.0)?;
+            }
+            "longrope" => {
+                for (name, f) in [
+                    ("short_factor", &self.short_factor),
+                    ("long_factor", &self.long_factor),
+                ] {
+                    match f {
+                        Some(v) if v.len() == rot / 2 && v.iter().all(|x| *x > 0.0) => {}
+                        other => {
+                            return invalid(format!(
+                                "rope scaling longrope needs {name} of {} positive numbers, got \
+                                 {:?} entries",
+                                rot / 2,
+                                other.as_ref().map(Vec::len)
+                            ))
+                        }
+                    }
+                }
+            }
+            other => {
+                return invalid(format!(
+                    "rope scaling type {other:?} (rope_scaling / rope_parameters.rope_type) is \
+                     not implemented: default, linear, dynamic, llama3, yarn and longrope are"
+                ))
+            }
+        }
+        if self.original_max_position_embeddings == Some(0) {
+            return invalid("original_max_position_embeddings must be > 0");
+        }
+        Ok(())
+    }
+}
 
 /// Inverse frequencies `[rot/2]` and the attention factor that scales cos and sin.
 ///
