@@ -50,6 +50,14 @@ fn arch_configs() -> Vec<(&'static str, ModelConfig)> {
             with("mistral", serde_json::json!({"sliding_window": 3})),
         ),
         (
+            "ministral",
+            with(
+                "ministral",
+                serde_json::json!({"sliding_window": 3,
+                    "layer_types": ["sliding_attention", "full_attention"]}),
+            ),
+        ),
+        (
             "qwen3 window",
             with(
                 "qwen3",

@@ -34,6 +34,15 @@ fn student_configs() -> Vec<(&'static str, ModelConfig)> {
             with("mistral", false, serde_json::json!({"sliding_window": 3})),
         ),
         (
+            "ministral",
+            with(
+                "ministral",
+                false,
+                serde_json::json!({"sliding_window": 3,
+                    "layer_types": ["full_attention", "sliding_attention"]}),
+            ),
+        ),
+        (
             "gemma3",
             with(
                 "gemma3_text",

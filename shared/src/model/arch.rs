@@ -10,7 +10,8 @@
 //!    `llama.rs`);
 //! 2. `shared/src/model/mod.rs`: `mod <name>;` (not for a const in an existing file);
 //! 3. this file: one line in the `registry!` call below;
-//! 4. tests: a tiny model of it in `shared/tests/model.rs` (transformers parity) and, when it
+//! 4. tests: a transformers parity case in `trainer/tests/fixtures/hf/make_fixtures.py` (rerun
+//!    it to refresh `fixtures.json`), a tiny model of it in `shared/tests/model.rs` and, when it
 //!    may be a student, in `trainer/tests/student.rs`;
 //! 5. docs: its row in `docs/models.md`'s table.
 //!
@@ -241,6 +242,7 @@ macro_rules! registry {
 registry! {
     Llama => llama::LLAMA,
     Mistral => llama::MISTRAL,
+    Ministral => llama::MINISTRAL,
     Qwen2 => llama::QWEN2,
     Qwen3 => llama::QWEN3,
     Qwen3Moe => qwen3_moe::FACTS,

@@ -1,7 +1,7 @@
-//! Llama, Mistral, Qwen2 and Qwen3: one block shape, and the facts of each. They differ only in
-//! attention biases (`attention_bias`; Qwen2's fixed q/k/v bias; none in Mistral), Qwen3's
-//! per-head q/k RMSNorm, and sliding windows (Mistral on every layer, Qwen2/3 above
-//! `max_window_layers`).
+//! Llama, Mistral, Ministral, Qwen2 and Qwen3: one block shape, and the facts of each. They
+//! differ only in attention biases (`attention_bias`; Qwen2's fixed q/k/v bias; none in
+//! Mistral and Ministral), Qwen3's per-head q/k RMSNorm, and sliding windows (Mistral on every
+//! layer, Ministral on the layers `layer_types` names, Qwen2/3 above `max_window_layers`).
 
 use super::arch::{
     ArchFacts, AttentionBias, AttentionFacts, GgufFacts, InitDefaults, SlidingLayers, WindowFacts,
@@ -55,6 +55,21 @@ pub(crate) const MISTRAL: ArchFacts = ArchFacts {
         explicit_head_dim: false,
     },
     ..BASE
+};
+
+/// Ministral (`MinistralForCausalLM`): Mistral's layer with a window per layer from
+/// `layer_types` (every layer when it is absent and `sliding_window` is set). transformers
+/// 5.24's Ministral does not derive `head_dim` (it fails on `None`), so `init-model` writes it.
+pub(crate) const MINISTRAL: ArchFacts = ArchFacts {
+    name: "Ministral",
+    model_types: &["ministral"],
+    cli_name: "ministral",
+    hf_class: "MinistralForCausalLM",
+    init: InitDefaults {
+        rope_theta: 10_000.0,
+        explicit_head_dim: true,
+    },
+    ..MISTRAL
 };
 
 /// Qwen2: q/k/v always biased (o never), the window switched on by `use_sliding_window` above
