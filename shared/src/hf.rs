@@ -396,8 +396,24 @@ pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, HfError> {
 }
 
 pub fn file_sha256(path: &Path) -> Result<String, HfError> {
-    let bytes = std::fs::read(path).map_err(io_err(path))?;
-    Ok(hex::encode(Sha256::digest(&bytes)))
+    std::fs::File::open(path)
+        .and_then(sha256_hex)
+        .map_err(io_err(path))
+}
+
+/// SHA-256 of everything `reader` yields, hex; read in 1 MiB blocks, so a multi-gigabyte
+/// checkpoint or model file is never held in memory. The one checksum of the project
+/// (checkpoint manifests, model fingerprints, the demo's downloads).
+pub fn sha256_hex(mut reader: impl std::io::Read) -> std::io::Result<String> {
+    let mut hash = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = reader.read(&mut buf)?;
+        if n == 0 {
+            return Ok(hex::encode(hash.finalize()));
+        }
+        hash.update(&buf[..n]);
+    }
 }
 
 pub fn load_tokenizer(path: &Path) -> Result<tokenizers::Tokenizer, HfError> {

@@ -4,7 +4,6 @@
 //! checked against the SHA-256 of each `tokenizer.json`.
 
 use anyhow::{bail, Context, Result};
-use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
@@ -49,20 +48,9 @@ pub fn checksum(name: &str) -> Option<&'static str> {
 
 /// Lower-case hex SHA-256 of the file at `path`, streamed (the demo's model is 98 MB).
 pub fn sha256_file(path: &Path) -> Result<String> {
-    use std::io::Read;
-    let mut f = std::fs::File::open(path).with_context(|| format!("reading {}", path.display()))?;
-    let mut hash = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = f
-            .read(&mut buf)
-            .with_context(|| format!("reading {}", path.display()))?;
-        if n == 0 {
-            break;
-        }
-        hash.update(&buf[..n]);
-    }
-    Ok(hex::encode(hash.finalize()))
+    std::fs::File::open(path)
+        .and_then(xdistill_shared::hf::sha256_hex)
+        .with_context(|| format!("reading {}", path.display()))
 }
 
 /// `NAME/tokenizer.json`: found, or fetched into the user cache (a progress line on stderr).

@@ -5,19 +5,9 @@ use std::path::Path;
 
 /// SHA-256 of a file, hex, read in 1 MiB blocks.
 fn sha256_file(path: &Path) -> Result<String, CheckpointError> {
-    use sha2::{Digest, Sha256};
-    use std::io::Read;
-    let mut f = std::fs::File::open(path).map_err(io_err(path))?;
-    let mut h = Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = f.read(&mut buf).map_err(io_err(path))?;
-        if n == 0 {
-            break;
-        }
-        h.update(&buf[..n]);
-    }
-    Ok(hex::encode(h.finalize()))
+    std::fs::File::open(path)
+        .and_then(xdistill_shared::hf::sha256_hex)
+        .map_err(io_err(path))
 }
 
 /// Writes `dir/checksums.sha256`: one `HEX  NAME` line per file of `dir`, sorted by name.
