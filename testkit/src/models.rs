@@ -199,3 +199,17 @@ fn teacher_args(dir: &Path, arch: &str, tokenizer: &str, seed: u64) -> (InitSpec
     let cfg = build_config(&args).unwrap();
     (args, cfg)
 }
+
+/// Every tensor of `dir/model.safetensors` flattened to f32, sorted by name: two models'
+/// weights compared whole (a resumed run against an uninterrupted one).
+pub fn model_weights(dir: &Path) -> Vec<(String, Vec<f32>)> {
+    let t =
+        candle_core::safetensors::load(dir.join("model.safetensors"), &candle_core::Device::Cpu)
+            .unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+    let mut v: Vec<_> = t
+        .into_iter()
+        .map(|(k, t)| (k, t.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+        .collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}

@@ -1,8 +1,7 @@
 //! Off-policy distillation end to end on loopback: a real `teacher` process on a tiny random
 //! model, a smaller student trained by `trainer off-policy`'s loop.
 
-use std::path::Path;
-use xdistill_testkit::models::{model, token_driven_teacher};
+use xdistill_testkit::models::{model, model_weights as weights, token_driven_teacher};
 use xdistill_testkit::{teacher_binary, TeacherProcess};
 use xdistill_tests::distill::config;
 use xdistill_trainer::config::Config;
@@ -12,18 +11,6 @@ use xdistill_trainer::train::off_policy::train;
 fn run(cfg: Config, resume: bool, stop_after: Option<u64>) -> Summary {
     let s = setup(cfg).expect("setup");
     train(&s, resume, stop_after).expect("train")
-}
-
-fn weights(dir: &Path) -> Vec<(String, Vec<f32>)> {
-    let t =
-        candle_core::safetensors::load(dir.join("model.safetensors"), &candle_core::Device::Cpu)
-            .unwrap();
-    let mut v: Vec<_> = t
-        .into_iter()
-        .map(|(k, t)| (k, t.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
-        .collect();
-    v.sort_by(|a, b| a.0.cmp(&b.0));
-    v
 }
 
 #[test]

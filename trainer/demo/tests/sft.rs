@@ -3,6 +3,7 @@
 
 use candle_core::{DType, Device};
 use std::path::{Path, PathBuf};
+use xdistill_testkit::models::model_weights as weights;
 use xdistill_trainer::config::{CommonArgs, Config};
 use xdistill_trainer::data::{Content, Record};
 use xdistill_trainer::train::sft::{encode_record, sft_loss, train, SftArgs, Summary, TaskEval};
@@ -88,16 +89,6 @@ progress_bar = false
     }
     .load_config()
     .expect("config")
-}
-
-fn weights(dir: &Path) -> Vec<(String, Vec<f32>)> {
-    let t = candle_core::safetensors::load(dir.join("model.safetensors"), &Device::Cpu).unwrap();
-    let mut v: Vec<_> = t
-        .into_iter()
-        .map(|(k, t)| (k, t.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
-        .collect();
-    v.sort_by(|a, b| a.0.cmp(&b.0));
-    v
 }
 
 #[test]
