@@ -478,7 +478,10 @@ fn the_data_parallel_job_runs_a_rank_per_pod_that_finds_rank_0_on_its_headless_s
     let selector = svc["spec"]["selector"].as_mapping().expect("a selector");
     assert!(!selector.is_empty());
     for (k, v) in selector {
-        assert_eq!(&pod["metadata"]["labels"][k], v, "the Service selects the pods");
+        assert_eq!(
+            &pod["metadata"]["labels"][k], v,
+            "the Service selects the pods"
+        );
     }
     // 4. Rank 0 is `<job>-0.<service>`: an Indexed Job's pod 0 has the hostname `<job>-0`, and
     // the pods' subdomain is the Service (a `hostname` of their own would lose the index).

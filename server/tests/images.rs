@@ -1315,7 +1315,10 @@ fn images() -> BTreeMap<String, (Dockerfile, String)> {
         for target in ["teacher", "trainer"] {
             df.stage(target);
             let image = format!("xdistill-{target}:{tag}");
-            assert!(table.contains(&format!("`{image}`")), "docs/deploy.md: {image}");
+            assert!(
+                table.contains(&format!("`{image}`")),
+                "docs/deploy.md: {image}"
+            );
             if let Some((prev, t)) = out.get(&image) {
                 assert_eq!((prev.rel.as_str(), t.as_str()), (rel, target), "{image}");
             }
@@ -1821,9 +1824,17 @@ fn the_trainer_image_runs_the_job_and_the_compose_service_against_a_teacher() {
         &[
             ("WORLD_SIZE", "1".into()),
             ("MASTER_ADDR", "127.0.0.1".into()),
-            ("XDISTILL_DIST_PORT", xdistill_testkit::free_port().to_string()),
+            (
+                "XDISTILL_DIST_PORT",
+                xdistill_testkit::free_port().to_string(),
+            ),
         ],
-        &["--set", "policy.device=cpu", "--set", "policy.precision=f32"],
+        &[
+            "--set",
+            "policy.device=cpu",
+            "--set",
+            "policy.precision=f32",
+        ],
     );
 
     // 3. The compose `trainer` service: the repository's configs/ read-only, runs/ writable
