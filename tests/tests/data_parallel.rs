@@ -111,7 +111,9 @@ impl Job {
                 scrub(&mut cmd);
                 // Two cores here: one compute thread per process keeps N = 4 from thrashing
                 // (every run of a comparison gets the same setting).
-                cmd.env("RAYON_NUM_THREADS", "1").env("RUST_LOG", "info");
+                cmd.env("RAYON_NUM_THREADS", "1")
+                    .env("RUST_LOG", "info")
+                    .env("NO_COLOR", "1");
                 if n > 1 {
                     cmd.env("RANK", rank.to_string())
                         .env("LOCAL_RANK", rank.to_string())
@@ -175,7 +177,7 @@ impl Job {
                     rank: r.rank,
                     status,
                     elapsed,
-                    stderr: std::fs::read_to_string(&r.stderr).unwrap_or_default(),
+                    stderr: strip_ansi(&std::fs::read_to_string(&r.stderr).unwrap_or_default()),
                 }
             })
             .collect();
@@ -231,6 +233,24 @@ impl Drop for Job {
             let _ = r.child.wait();
         }
     }
+}
+
+/// `text` without ANSI escape sequences (`ESC [ … letter`): log lines searched for words.
+fn strip_ansi(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars();
+    while let Some(c) = chars.next() {
+        if c == '\x1b' {
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 /// Every rank's status and stderr.
@@ -504,7 +524,10 @@ fn off_policy_weights_do_not_depend_on_the_number_of_processes() {
         assert_eq!(tree(out), files, "{name}: files under checkpoint_dir");
         assert_same_model(first, out, &format!("off-policy n1 vs {name}"));
     }
-    eprintln!("off-policy N = 1, 2, 4, 2+ZeRO: {:.1}s", t0.elapsed().as_secs_f64());
+    eprintln!(
+        "off-policy N = 1, 2, 4, 2+ZeRO: {:.1}s",
+        t0.elapsed().as_secs_f64()
+    );
 }
 
 /// SFT (no teacher): 1 and 2 processes end on the same bytes.
@@ -652,7 +675,11 @@ fn a_killed_rank_stops_the_job_and_resume_with_any_world_size_is_exact() {
         .into_iter()
         .filter(|e| e.starts_with("step_"))
         .collect();
-    assert!(!checkpoints.is_empty(), "cut: no checkpoint: {:?}", entries(&cut));
+    assert!(
+        !checkpoints.is_empty(),
+        "cut: no checkpoint: {:?}",
+        entries(&cut)
+    );
 
     // Resume with 1 process, and (from a copy of the same checkpoints) with 2.
     let cut2 = d.join("out_cut2");
@@ -690,7 +717,15 @@ fn ranks_with_different_configs_are_refused() {
     };
     let out = d.join("out");
     let c0 = write_config(d, "rank0", &out, &r);
-    let c1 = write_config(d, "rank1", &out, &Run { lr: 2e-2, ..r.clone() });
+    let c1 = write_config(
+        d,
+        "rank1",
+        &out,
+        &Run {
+            lr: 2e-2,
+            ..r.clone()
+        },
+    );
     let job = Job::start(d, "mismatch", "off-policy", &[c0, c1], &[]);
     let outcomes = job.wait(Duration::from_secs(60));
     let all = report(&outcomes);
