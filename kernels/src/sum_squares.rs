@@ -26,13 +26,15 @@ pub fn sum_squares(t: &Tensor) -> Result<f64> {
 
 struct SumSquares;
 
+/// Chunks of 2^14 squared in their own dtype (vectorisable) and added in f64, in order: the
+/// same bits whatever the thread count (a parallel `sum` would add in the pool's split order,
+/// and data-parallel ranks must agree on the gradient norm).
 fn sum_sq<T: crate::num_like::Float>(x: &[T]) -> f64 {
-    x.par_chunks(1 << 14)
-        .map(|c| {
-            // f32 lanes per chunk (vectorisable), chunks added in f64.
-            c.iter().fold(T::zero(), |a, &v| a + v * v).to_f64()
-        })
-        .sum()
+    let partials: Vec<f64> = x
+        .par_chunks(1 << 14)
+        .map(|c| c.iter().fold(T::zero(), |a, &v| a + v * v).to_f64())
+        .collect();
+    partials.iter().fold(0.0, |a, b| a + b)
 }
 
 impl CustomOp1 for SumSquares {

@@ -4,8 +4,11 @@
 //! `/health` at the container's port, the model volume read-only at `--model`, a GPU per
 //! replica, a grace period longer than the longest request, the Service selecting the pods).
 //! The pods run unprivileged with resource requests, a disruption budget covers the teacher's,
-//! and the trainer Job restarts into `--resume` against the teacher's Service. (The images
-//! these manifests name, and the trainer Job actually training, are server/tests/images.rs'.)
+//! and the trainer Jobs restart into `--resume` against the teacher's Service. The
+//! data-parallel Job gives each pod its rank (the completion index), the world size of its
+//! `parallelism`, and rank 0's address on its headless Service at the rendezvous port. (The
+//! images these manifests name, and the trainer Jobs actually training, are
+//! server/tests/images.rs'.)
 
 mod common;
 
@@ -317,14 +320,22 @@ fn toml_string(text: &str, key: &str) -> String {
 
 #[test]
 fn the_trainer_job_resumes_into_its_output_volume_and_reaches_the_teacher_service() {
-    let docs = load_all("trainer-job.yaml");
+    check_trainer_job("trainer-job.yaml");
+}
+
+/// What every trainer Job file must hold (trainer-job.yaml, trainer-dp-job.yaml): applied on its
+/// own, unprivileged, restarting into `--resume` against the teacher's Service, its config from
+/// its ConfigMap, its inputs read-only and its output on persistent claims of the file. Returns
+/// the file's documents.
+fn check_trainer_job(name: &str) -> Vec<serde_yaml::Value> {
+    let docs = load_all(name);
     // Optional: applied on its own, not with the teacher's kustomization.
     let resources = strings(&load("kustomization.yaml")["resources"]);
-    assert!(!resources.contains(&"trainer-job.yaml".to_string()));
+    assert!(!resources.contains(&name.to_string()), "{name}");
     let job = doc_of_kind(&docs, "Job");
     assert_eq!(job["apiVersion"].as_str(), Some("batch/v1"));
     let pod = &job["spec"]["template"];
-    check_unprivileged("trainer-job.yaml", pod);
+    check_unprivileged(name, pod);
     let backoff = job["spec"]["backoffLimit"].as_u64().expect("backoffLimit");
     assert!((1..=10).contains(&backoff), "backoffLimit {backoff}");
     let restart = pod["spec"]["restartPolicy"].as_str();
@@ -414,4 +425,111 @@ fn the_trainer_job_resumes_into_its_output_volume_and_reaches_the_teacher_servic
         !config.contains("urls"),
         "teacher.urls would be overridden anyway"
     );
+    docs
+}
+
+#[test]
+fn the_data_parallel_job_runs_a_rank_per_pod_that_finds_rank_0_on_its_headless_service() {
+    let name = "trainer-dp-job.yaml";
+    let docs = check_trainer_job(name);
+    let job = doc_of_kind(&docs, "Job");
+    let svc = doc_of_kind(&docs, "Service");
+    let pod = &job["spec"]["template"];
+    let c = &pod["spec"]["containers"][0];
+    let env = |var: &str| {
+        c["env"]
+            .as_sequence()
+            .expect("env")
+            .iter()
+            .find(|e| e["name"] == var)
+            .unwrap_or_else(|| panic!("{name}: no {var}"))
+            .clone()
+    };
+    let value = |var: &str| {
+        env(var)["value"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{name}: {var} has no literal value"))
+            .to_string()
+    };
+    // 1. One pod per rank, all at once: an Indexed Job whose parallelism and completions are
+    // the world size every rank is told.
+    assert_eq!(job["spec"]["completionMode"].as_str(), Some("Indexed"));
+    let world: u64 = value("WORLD_SIZE").parse().expect("WORLD_SIZE is a number");
+    assert!(world >= 2, "WORLD_SIZE {world}");
+    assert_eq!(job["spec"]["completions"].as_u64(), Some(world));
+    assert_eq!(job["spec"]["parallelism"].as_u64(), Some(world));
+    // 2. Each pod's rank is its completion index (0..completions, each exactly once).
+    let rank = env("RANK");
+    assert!(rank["value"].is_null(), "RANK is per pod, not a literal");
+    assert_eq!(
+        rank["valueFrom"]["fieldRef"]["fieldPath"].as_str(),
+        Some("metadata.annotations['batch.kubernetes.io/job-completion-index']")
+    );
+    // One GPU per pod: every rank is `cuda:0` of its own pod, and the config asks for the GPU.
+    assert_eq!(value("LOCAL_RANK"), "0");
+    assert_eq!(c["resources"]["limits"]["nvidia.com/gpu"].as_u64(), Some(1));
+    let cm = doc_of_kind(&docs, "ConfigMap");
+    for (_, config) in cm["data"].as_mapping().expect("data") {
+        let device = toml_string(config.as_str().expect("text"), "device");
+        assert_eq!(device, "cuda", "policy.device");
+    }
+    // 3. A headless Service selecting exactly these pods: one DNS record per pod.
+    assert_eq!(svc["spec"]["clusterIP"].as_str(), Some("None"));
+    let selector = svc["spec"]["selector"].as_mapping().expect("a selector");
+    assert!(!selector.is_empty());
+    for (k, v) in selector {
+        assert_eq!(
+            &pod["metadata"]["labels"][k], v,
+            "the Service selects the pods"
+        );
+    }
+    // 4. Rank 0 is `<job>-0.<service>`: an Indexed Job's pod 0 has the hostname `<job>-0`, and
+    // the pods' subdomain is the Service (a `hostname` of their own would lose the index).
+    let job_name = job["metadata"]["name"].as_str().expect("a name");
+    let svc_name = svc["metadata"]["name"].as_str().expect("a name");
+    assert_eq!(pod["spec"]["subdomain"].as_str(), Some(svc_name));
+    assert!(pod["spec"]["hostname"].is_null(), "hostname overridden");
+    assert_eq!(value("MASTER_ADDR"), format!("{job_name}-0.{svc_name}"));
+    // 5. The rendezvous port (trainer/src/dist/launch.rs: XDISTILL_DIST_PORT, else
+    // MASTER_PORT + 1) is the Service's port and the container's.
+    let master_port: u16 = value("MASTER_PORT").parse().expect("MASTER_PORT is a port");
+    let explicit = c["env"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .any(|e| e["name"] == "XDISTILL_DIST_PORT");
+    let port = if explicit {
+        value("XDISTILL_DIST_PORT")
+            .parse::<u16>()
+            .expect("XDISTILL_DIST_PORT is a port")
+    } else {
+        master_port + 1
+    };
+    let ports = svc["spec"]["ports"].as_sequence().expect("ports");
+    assert_eq!(ports.len(), 1, "{ports:?}");
+    assert_eq!(ports[0]["port"].as_u64(), Some(u64::from(port)));
+    let target = &ports[0]["targetPort"];
+    let container_port = c["ports"]
+        .as_sequence()
+        .expect("container ports")
+        .iter()
+        .find(|p| match target.as_str() {
+            Some(named) => p["name"] == named,
+            None => p["containerPort"] == *target,
+        })
+        .expect("the Service's targetPort is a container port");
+    assert_eq!(
+        container_port["containerPort"].as_u64(),
+        Some(u64::from(port))
+    );
+    // 6. Every rank reads the inputs and the checkpoints (`--resume`) from pods on any node:
+    // the claims are ReadWriteMany.
+    for claim in docs.iter().filter(|d| d["kind"] == "PersistentVolumeClaim") {
+        let modes = strings(&claim["spec"]["accessModes"]);
+        assert!(
+            modes.iter().any(|m| m == "ReadWriteMany"),
+            "{}: {modes:?}",
+            claim["metadata"]["name"].as_str().unwrap_or("?")
+        );
+    }
 }

@@ -14,9 +14,10 @@
 //!   model with the image's ENV (overlaid by the service's environment) applied, listens on the
 //!   exposed port, and leaves `--max-wait-ms` at the server's default. The images run as the
 //!   unprivileged user the Kubernetes pods name, with a HEALTHCHECK on `/health`.
-//! - **The trainer image.** Its entrypoint is `trainer`; the Kubernetes Job and the compose
-//!   `trainer` service run it with their own arguments, config and volume layout against a
-//!   running teacher, and a restart resumes from the checkpoint the first run left.
+//! - **The trainer image.** Its entrypoint is `trainer`; the Kubernetes Jobs (the data-parallel
+//!   one's rank 0 as a world of one) and the compose `trainer` service run it with their own
+//!   arguments, environment, config and volume layout against a running teacher, and a restart
+//!   resumes from the checkpoint the first run left.
 
 mod common;
 
@@ -1267,7 +1268,8 @@ fn str_list(v: &serde_yaml::Value) -> Vec<String> {
         .unwrap_or_default()
 }
 
-/// Image name → (Dockerfile, target), from compose's `build:` sections.
+/// Image name → (Dockerfile, target), from compose's `build:` sections and docs/deploy.md's
+/// table of images.
 fn images() -> BTreeMap<String, (Dockerfile, String)> {
     let compose = yaml("docker/compose.yaml");
     let mut out: BTreeMap<String, (Dockerfile, String)> = BTreeMap::new();
@@ -1300,6 +1302,28 @@ fn images() -> BTreeMap<String, (Dockerfile, String)> {
             );
         }
         out.insert(image, (df, target));
+    }
+    // The names of docs/deploy.md's table, which compose must agree with: `xdistill-<target>`,
+    // tagged `latest` from docker/Dockerfile and `cuda` from docker/Dockerfile.cuda (the
+    // Kubernetes manifests name the CUDA images compose does not build).
+    let table = read("docs/deploy.md");
+    for (rel, tag) in [
+        ("docker/Dockerfile", "latest"),
+        ("docker/Dockerfile.cuda", "cuda"),
+    ] {
+        let df = Dockerfile::parse(rel, &read(rel));
+        for target in ["teacher", "trainer"] {
+            df.stage(target);
+            let image = format!("xdistill-{target}:{tag}");
+            assert!(
+                table.contains(&format!("`{image}`")),
+                "docs/deploy.md: {image}"
+            );
+            if let Some((prev, t)) = out.get(&image) {
+                assert_eq!((prev.rel.as_str(), t.as_str()), (rel, target), "{image}");
+            }
+            out.insert(image, (df.clone(), target.to_string()));
+        }
     }
     out
 }
@@ -1629,28 +1653,22 @@ fn flag_value<'a>(argv: &'a [String], flag: &str) -> &'a str {
         .unwrap_or_else(|| panic!("{flag} has no value"))
 }
 
-#[test]
-fn the_trainer_image_runs_the_job_and_the_compose_service_against_a_teacher() {
-    let images = images();
-    for rel in dockerfiles() {
-        let df = Dockerfile::parse(&rel, &read(&rel));
-        let stage = df.stage("trainer");
-        let entry = df.exec(stage, "ENTRYPOINT");
-        assert!(
-            entry[0].ends_with("/trainer") && entry.len() == 1,
-            "{rel}: {entry:?}"
-        );
-        assert_ne!(df.uid(stage), 0, "{rel}: the trainer runs as root");
-    }
-    let tmp = tempfile::tempdir().expect("tmp");
-    let models = tmp.path().join("models");
-    let teacher_model = tiny(&models, "teacher", 1);
-    let student = tiny(&models, "student", 2);
-    let teacher = common::start_teacher(&teacher_model, &[]);
-
-    // 1. The Kubernetes Job: the trainer image's ENTRYPOINT with the Job's args; the ConfigMap,
-    // the inputs and the output volume at their mount points.
-    let docs = yaml_docs("deploy/k8s/trainer-job.yaml");
+/// A trainer Job file's pod of completion index 0, run as the trainer image runs it: the image's
+/// ENTRYPOINT with the Job's args and environment (`env_over` replaces variables the Job sets,
+/// `extra` adds arguments), the ConfigMap, the inputs and the output volume at their mount
+/// points under `root`, the teacher's Service replaced by `teacher`. Two steps with a checkpoint
+/// after each, then the same command again, as the pod's restart runs it: it resumes from the
+/// first run's checkpoint.
+fn run_job(
+    rel: &str,
+    images: &BTreeMap<String, (Dockerfile, String)>,
+    root: PathBuf,
+    student: &Path,
+    teacher: &str,
+    env_over: &[(&str, String)],
+    extra: &[&str],
+) {
+    let docs = yaml_docs(rel);
     let job = docs.iter().find(|d| d["kind"] == "Job").expect("a Job");
     let pod = &job["spec"]["template"]["spec"];
     let ct = &pod["containers"][0];
@@ -1666,12 +1684,19 @@ fn the_trainer_image_runs_the_job_and_the_compose_service_against_a_teacher() {
     argv.extend(str_list(&ct["args"]));
     let mut env = df.env(stage);
     for e in ct["env"].as_sequence().into_iter().flatten() {
-        env.insert(
-            e["name"].as_str().expect("a name").into(),
-            e["value"].as_str().unwrap_or("").into(),
-        );
+        let name = e["name"].as_str().expect("a name");
+        let value = match e["valueFrom"]["fieldRef"]["fieldPath"].as_str() {
+            // What Kubernetes gives the pod of an Indexed Job's completion index 0.
+            Some("metadata.annotations['batch.kubernetes.io/job-completion-index']") => "0",
+            Some(other) => panic!("{rel}: {name} from {other}"),
+            None => e["value"].as_str().unwrap_or(""),
+        };
+        env.insert(name.into(), value.into());
     }
-    let root = tmp.path().join("job");
+    for (name, value) in env_over {
+        let old = env.insert(name.to_string(), value.clone());
+        assert!(old.is_some(), "{rel}: the Job sets no {name}");
+    }
     let mounts: Vec<String> = ct["volumeMounts"]
         .as_sequence()
         .expect("mounts")
@@ -1711,7 +1736,7 @@ fn the_trainer_image_runs_the_job_and_the_compose_service_against_a_teacher() {
     }
     // The inputs volume as the Job's comment describes it: student/ and train.jsonl.
     let input_dir = input_dir.expect("a read-only inputs volume");
-    copy_dir(&student, &input_dir.join("student"));
+    copy_dir(student, &input_dir.join("student"));
     std::fs::copy(
         repo().join("configs/data/gsm8k_sample.jsonl"),
         input_dir.join("train.jsonl"),
@@ -1729,7 +1754,7 @@ fn the_trainer_image_runs_the_job_and_the_compose_service_against_a_teacher() {
         .iter()
         .map(|a| {
             if *a == url {
-                teacher.base.clone()
+                teacher.to_string()
             } else {
                 container.arg(a)
             }
@@ -1739,8 +1764,9 @@ fn the_trainer_image_runs_the_job_and_the_compose_service_against_a_teacher() {
     // the same command again, as the pod's restart runs it: it finds step 1's checkpoint on the
     // output volume and resumes from it.
     let mut short = argv.clone();
+    short.extend(extra.iter().map(|a| a.to_string()));
     short.extend(["--max-steps", "2", "--set", "checkpointing.save_period=1"].map(String::from));
-    let log = run_trainer("the Job", &container, &short, &env);
+    let log = run_trainer(rel, &container, &short, &env);
     assert!(
         log.contains("no checkpoint"),
         "the first run starts fresh:\n{log}"
@@ -1749,13 +1775,69 @@ fn the_trainer_image_runs_the_job_and_the_compose_service_against_a_teacher() {
     for f in ["metrics.jsonl", "step_1", "final"] {
         assert!(out_dir.join(f).exists(), "no {f} on the output volume");
     }
-    let log = run_trainer("the Job, restarted", &container, &short, &env);
+    let log = run_trainer(&format!("{rel}, restarted"), &container, &short, &env);
     assert!(
         log.contains("resumed from") && log.contains("(step 1)"),
         "{log}"
     );
+}
 
-    // 2. The compose `trainer` service: the repository's configs/ read-only, runs/ writable
+#[test]
+fn the_trainer_image_runs_the_job_and_the_compose_service_against_a_teacher() {
+    let images = images();
+    for rel in dockerfiles() {
+        let df = Dockerfile::parse(&rel, &read(&rel));
+        let stage = df.stage("trainer");
+        let entry = df.exec(stage, "ENTRYPOINT");
+        assert!(
+            entry[0].ends_with("/trainer") && entry.len() == 1,
+            "{rel}: {entry:?}"
+        );
+        assert_ne!(df.uid(stage), 0, "{rel}: the trainer runs as root");
+    }
+    let tmp = tempfile::tempdir().expect("tmp");
+    let models = tmp.path().join("models");
+    let teacher_model = tiny(&models, "teacher", 1);
+    let student = tiny(&models, "student", 2);
+    let teacher = common::start_teacher(&teacher_model, &[]);
+
+    // 1. The Kubernetes Job: the trainer image's ENTRYPOINT with the Job's args; the ConfigMap,
+    // the inputs and the output volume at their mount points.
+    run_job(
+        "deploy/k8s/trainer-job.yaml",
+        &images,
+        tmp.path().join("job"),
+        &student,
+        &teacher.base,
+        &[],
+        &[],
+    );
+    // 2. The data-parallel Job's rank 0, as a world of one (the collectives between ranks are
+    // the trainer's own tests): rank 0's address and port on loopback, and the CPU build runs
+    // the GPU pod's config on the CPU.
+    run_job(
+        "deploy/k8s/trainer-dp-job.yaml",
+        &images,
+        tmp.path().join("dp-job"),
+        &student,
+        &teacher.base,
+        &[
+            ("WORLD_SIZE", "1".into()),
+            ("MASTER_ADDR", "127.0.0.1".into()),
+            (
+                "XDISTILL_DIST_PORT",
+                xdistill_testkit::free_port().to_string(),
+            ),
+        ],
+        &[
+            "--set",
+            "policy.device=cpu",
+            "--set",
+            "policy.precision=f32",
+        ],
+    );
+
+    // 3. The compose `trainer` service: the repository's configs/ read-only, runs/ writable
     // (holding the student, as the service's comment says), the `teacher` service's URL.
     let compose = yaml("docker/compose.yaml");
     let svc = &compose["services"]["trainer"];

@@ -82,7 +82,8 @@ pub fn unix_time() -> f64 {
 /// Append-only writer of `metrics.jsonl`.
 pub struct MetricsLog {
     path: PathBuf,
-    file: std::fs::File,
+    /// `None`: a log that writes nothing (the ranks other than 0 of a data-parallel job).
+    file: Option<std::fs::File>,
 }
 
 impl MetricsLog {
@@ -121,7 +122,18 @@ impl MetricsLog {
             .append(true)
             .open(&path)
             .map_err(io)?;
-        Ok(MetricsLog { path, file })
+        Ok(MetricsLog {
+            path,
+            file: Some(file),
+        })
+    }
+
+    /// A log that writes nothing: only rank 0 of a data-parallel job writes `metrics.jsonl`.
+    pub fn disabled(output_dir: &Path) -> MetricsLog {
+        MetricsLog {
+            path: output_dir.join(METRICS_FILE),
+            file: None,
+        }
     }
 
     pub fn path(&self) -> &Path {
@@ -130,11 +142,13 @@ impl MetricsLog {
 
     /// Appends one line and flushes it to the OS.
     pub fn append<T: Serialize>(&mut self, line: &T) -> Result<(), MetricsError> {
+        let Some(file) = self.file.as_mut() else {
+            return Ok(());
+        };
         let mut bytes = serde_json::to_vec(line)?;
         bytes.push(b'\n');
-        self.file
-            .write_all(&bytes)
-            .and_then(|_| self.file.flush())
+        file.write_all(&bytes)
+            .and_then(|_| file.flush())
             .map_err(|source| MetricsError::Io {
                 path: self.path.clone(),
                 source,

@@ -124,7 +124,7 @@ fn gradients_reach_every_parameter_and_training_lowers_the_loss() {
             let total = combine(&kd, Some(&ce), &loss_cfg).unwrap().total;
             acc.add(&total.backward().unwrap()).unwrap();
         }
-        let mut grads = acc.take();
+        let mut grads = acc.take().unwrap();
         if step == 0 {
             for (name, var) in vm.data().lock().unwrap().iter() {
                 let g = grads.get(var.as_tensor());

@@ -24,7 +24,9 @@ pub use data::{DataConfig, DataFormat};
 pub use distillation::{DistillationConfig, TeacherMode};
 pub use logger::LoggerConfig;
 pub use on_policy::OnPolicyConfig;
-pub use policy::{ActivationCheckpointing, LrSchedule, OptimizerConfig, PolicyConfig};
+pub use policy::{
+    ActivationCheckpointing, DataParallelConfig, LrSchedule, OptimizerConfig, PolicyConfig,
+};
 pub use teacher::{parse_base_url, TeacherConfig};
 
 use crate::loss::LossConfig;

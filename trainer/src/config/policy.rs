@@ -30,6 +30,49 @@ pub struct PolicyConfig {
     /// (recomputing layers in the backward): `"auto"`, `true` or `false`.
     pub activation_checkpointing: ActivationCheckpointing,
     pub optimizer: OptimizerConfig,
+    /// `[policy.data_parallel]`: how a job of several processes splits and sums a step
+    /// (omitted from the serialised config while at its defaults, so the hash of a config
+    /// without the section is unchanged).
+    #[serde(skip_serializing_if = "DataParallelConfig::is_default")]
+    pub data_parallel: DataParallelConfig,
+}
+
+/// `[policy.data_parallel]`: data-parallel training (one process per device, launched by
+/// torchrun, srun or a Kubernetes indexed Job; see docs/training.md).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataParallelConfig {
+    /// `S`: a step's gradient is the pairwise-tree sum of this many virtual shards (contiguous
+    /// slices of the step's records), each process computing a contiguous share; the number
+    /// of processes must divide it. With `S/N` a power of two, every such `N` gives the same
+    /// weights bit for bit. 0: one shard per process.
+    pub virtual_shards: usize,
+    /// ZeRO-1: AdamW's moments and f32 masters sharded over the processes (whole tensors per
+    /// process); the same weights as unsharded.
+    pub zero: bool,
+    /// How long a collective waits for the other processes before naming the one that did
+    /// not answer. Rank 0 validates and writes checkpoints while the others wait: cover that.
+    pub timeout_s: f64,
+}
+
+impl Default for DataParallelConfig {
+    fn default() -> Self {
+        DataParallelConfig {
+            virtual_shards: 0,
+            zero: false,
+            timeout_s: 1800.0,
+        }
+    }
+}
+
+impl DataParallelConfig {
+    pub fn is_default(&self) -> bool {
+        *self == DataParallelConfig::default()
+    }
+
+    pub fn timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_secs_f64(self.timeout_s)
+    }
 }
 
 impl Default for PolicyConfig {
@@ -44,6 +87,7 @@ impl Default for PolicyConfig {
             max_nonfinite_steps: 10,
             activation_checkpointing: ActivationCheckpointing::Auto,
             optimizer: OptimizerConfig::default(),
+            data_parallel: DataParallelConfig::default(),
         }
     }
 }
@@ -208,6 +252,13 @@ impl Validate for PolicyConfig {
             return Err(invalid(
                 &key("train_micro_batch_size"),
                 "must be at least 1",
+            ));
+        }
+        let t = p.data_parallel.timeout_s;
+        if !(t.is_finite() && t > 0.0 && t < 1e7) {
+            return Err(invalid(
+                &key("data_parallel.timeout_s"),
+                "must be a positive number of seconds",
             ));
         }
         p.optimizer.validate_at(&key("optimizer"))

@@ -1,16 +1,21 @@
 //! Data parallelism: who this process is ([`launch`]), the one seam for collectives
-//! ([`Collective`]) with its CPU backend over TCP ([`tcp`]), and the exact mode's summation
-//! order ([`tree`]).
+//! ([`Collective`]) with its CPU backend over TCP ([`tcp`]), the exact mode's summation order
+//! ([`tree`]), a step's virtual shards ([`shards`]) and ZeRO-1's split of the optimiser state
+//! ([`zero`]).
 //!
 //! A single process is a world of one ([`Solo`]): every collective is the identity, so the
 //! training loop has one code path whatever the number of processes.
 
 pub mod launch;
+pub mod shards;
 pub mod tcp;
 pub mod tree;
+pub mod zero;
 
 pub use launch::{LaunchError, Launcher, World};
+pub use shards::{Shard, ShardPlan, StepShards};
 pub use tcp::{GroupOptions, TcpGroup};
+pub use zero::Ownership;
 
 use std::ops::Range;
 
@@ -124,6 +129,110 @@ pub fn even_shares(len: usize, world: usize) -> Vec<Range<usize>> {
             range
         })
         .collect()
+}
+
+/// `v` summed element-wise over ranks, in f64 and rank order (the same value on every rank):
+/// the loss sums, token counts and squared norms of a step. Travels as bits through
+/// [`Collective::all_gather`].
+pub fn sum_f64(c: &mut dyn Collective, v: &mut [f64]) -> Result<(), CollectiveError> {
+    if c.world_size() == 1 || v.is_empty() {
+        return Ok(());
+    }
+    let all = c.all_gather(&f64_bits(v))?;
+    for x in v.iter_mut() {
+        *x = 0.0;
+    }
+    for rank in &all {
+        for (x, y) in v.iter_mut().zip(f64_from_bits(rank)) {
+            *x += y;
+        }
+    }
+    Ok(())
+}
+
+/// Every rank's `v` (f64, bit for bit), in rank order.
+pub fn gather_f64(c: &mut dyn Collective, v: &[f64]) -> Result<Vec<Vec<f64>>, CollectiveError> {
+    if c.world_size() == 1 {
+        return Ok(vec![v.to_vec()]);
+    }
+    Ok(c.all_gather(&f64_bits(v))?
+        .iter()
+        .map(|r| f64_from_bits(r))
+        .collect())
+}
+
+/// Each f64 as two f32 slots holding its bits (low word first): collectives move f32 buffers.
+fn f64_bits(v: &[f64]) -> Vec<f32> {
+    v.iter()
+        .flat_map(|x| {
+            let b = x.to_bits();
+            [f32::from_bits(b as u32), f32::from_bits((b >> 32) as u32)]
+        })
+        .collect()
+}
+
+fn f64_from_bits(v: &[f32]) -> Vec<f64> {
+    v.chunks_exact(2)
+        .map(|p| f64::from_bits(p[0].to_bits() as u64 | ((p[1].to_bits() as u64) << 32)))
+        .collect()
+}
+
+/// Joins the job the launcher's environment describes (`world`; `None`: a world of one) over
+/// TCP: rank 0 listens on `MASTER_ADDR:port`, every rank proves it runs the same config
+/// (`config_hash`), and every collective waits at most `timeout`.
+pub fn join(
+    world: Option<&World>,
+    config_hash: &str,
+    timeout: std::time::Duration,
+) -> Result<Box<dyn Collective + Send>, CollectiveError> {
+    let Some(w) = world else {
+        return Ok(Box::new(Solo));
+    };
+    if w.world_size == 1 {
+        return Ok(Box::new(Solo));
+    }
+    use sha2::Digest;
+    let opts = GroupOptions {
+        timeout,
+        config_hash: sha2::Sha256::digest(config_hash.as_bytes()).into(),
+    };
+    let addr = format!("{}:{}", w.master_addr, w.port);
+    tracing::info!(
+        rank = w.rank,
+        world_size = w.world_size,
+        launcher = %w.launcher,
+        "joining the data-parallel group at {addr}"
+    );
+    Ok(Box::new(TcpGroup::connect(
+        w.rank,
+        w.world_size,
+        &addr,
+        &opts,
+    )?))
+}
+
+/// The device of this process: `policy.device`, with `cuda` meaning `cuda:LOCAL_RANK` in a
+/// data-parallel job (one process per device).
+pub fn device(spec: &str, world: Option<&World>) -> anyhow::Result<candle_core::Device> {
+    let spec = spec.trim();
+    let Some(w) = world.filter(|w| w.world_size > 1) else {
+        return Ok(xdistill_shared::device::parse_device(spec)?);
+    };
+    if spec.eq_ignore_ascii_case("cuda") {
+        let ordinal = w.device_ordinal();
+        return Ok(xdistill_shared::device::parse_device(&format!(
+            "cuda:{ordinal}"
+        ))?);
+    }
+    if spec.to_ascii_lowercase().starts_with("cuda:") {
+        anyhow::bail!(
+            "policy.device = {spec:?} in a data-parallel job of {} processes: every process \
+             would use the same GPU; set policy.device = \"cuda\" (each process takes \
+             cuda:LOCAL_RANK)",
+            w.world_size
+        );
+    }
+    Ok(xdistill_shared::device::parse_device(spec)?)
 }
 
 #[cfg(test)]

@@ -28,36 +28,61 @@ pub fn tree_sum_in_place(parts: &mut [Vec<f32>]) {
     }
 }
 
+/// What a [`TreeAccumulator`] sums: a host buffer, or a step's gradients as tensors.
+pub trait Summand: Sized {
+    type Error;
+    /// `self ← self + rhs`, element-wise, in f32 (the same bits as `tree_sum_in_place`'s adds).
+    fn add_assign(&mut self, rhs: &Self) -> Result<(), Self::Error>;
+}
+
+impl Summand for Vec<f32> {
+    type Error = std::convert::Infallible;
+    fn add_assign(&mut self, rhs: &Self) -> Result<(), Self::Error> {
+        for (l, r) in self.iter_mut().zip(rhs) {
+            *l += *r;
+        }
+        Ok(())
+    }
+}
+
 /// A running pairwise tree over leaves pushed one at a time (a binary counter): it holds at
 /// most `log2(leaves) + 1` partial sums and ends with exactly the sum [`tree_sum_in_place`]
 /// gives over the same leaves.
-#[derive(Debug, Default)]
-pub struct TreeAccumulator {
+#[derive(Debug)]
+pub struct TreeAccumulator<T = Vec<f32>> {
     /// `(level, partial sum)`, levels strictly decreasing from the bottom of the stack.
-    stack: Vec<(u32, Vec<f32>)>,
+    stack: Vec<(u32, T)>,
     leaves: usize,
 }
 
-impl TreeAccumulator {
-    pub fn new() -> TreeAccumulator {
+impl<T> Default for TreeAccumulator<T> {
+    fn default() -> Self {
+        TreeAccumulator {
+            stack: Vec::new(),
+            leaves: 0,
+        }
+    }
+}
+
+impl<T: Summand> TreeAccumulator<T> {
+    pub fn new() -> TreeAccumulator<T> {
         TreeAccumulator::default()
     }
 
     /// Adds the next leaf (`[n]`, the same `n` every time).
-    pub fn push(&mut self, leaf: Vec<f32>) {
+    pub fn push(&mut self, leaf: T) -> Result<(), T::Error> {
         let mut node = (0u32, leaf);
         while let Some((level, _)) = self.stack.last() {
             if *level != node.0 {
                 break;
             }
             let (level, mut left) = self.stack.pop().expect("checked non-empty");
-            for (l, r) in left.iter_mut().zip(&node.1) {
-                *l += *r;
-            }
+            left.add_assign(&node.1)?;
             node = (level + 1, left);
         }
         self.stack.push(node);
         self.leaves += 1;
+        Ok(())
     }
 
     pub fn leaves(&self) -> usize {
@@ -65,17 +90,17 @@ impl TreeAccumulator {
     }
 
     /// The sum of every leaf pushed: the partials (subtrees, largest first) folded from the
-    /// right, which is [`tree_sum_in_place`]'s tree for any leaf count.
-    pub fn finish(self) -> Option<Vec<f32>> {
+    /// right, which is [`tree_sum_in_place`]'s tree for any leaf count. `None` without leaves.
+    pub fn finish(self) -> Result<Option<T>, T::Error> {
         let mut parts = self.stack.into_iter().rev().map(|(_, v)| v);
-        let mut acc = parts.next()?;
+        let Some(mut acc) = parts.next() else {
+            return Ok(None);
+        };
         for mut left in parts {
-            for (l, r) in left.iter_mut().zip(&acc) {
-                *l += *r;
-            }
+            left.add_assign(&acc)?;
             acc = left;
         }
-        Some(acc)
+        Ok(Some(acc))
     }
 }
 
@@ -133,12 +158,12 @@ mod tests {
     fn accumulator_equals_the_tree() {
         for count in 1..=17 {
             let l = leaves(count, 53, 7 + count as u32);
-            let mut acc = TreeAccumulator::new();
+            let mut acc = TreeAccumulator::<Vec<f32>>::new();
             for x in &l {
-                acc.push(x.clone());
+                acc.push(x.clone()).unwrap();
             }
             assert_eq!(acc.stack.len(), count.count_ones() as usize);
-            assert_eq!(bits(&acc.finish().unwrap()), bits(&reference(&l)));
+            assert_eq!(bits(&acc.finish().unwrap().unwrap()), bits(&reference(&l)));
         }
     }
 
@@ -153,9 +178,9 @@ mod tests {
             let mut per_rank: Vec<Vec<f32>> = l
                 .chunks(share)
                 .map(|c| {
-                    let mut a = TreeAccumulator::new();
-                    c.iter().for_each(|x| a.push(x.clone()));
-                    a.finish().unwrap()
+                    let mut a = TreeAccumulator::<Vec<f32>>::new();
+                    c.iter().for_each(|x| a.push(x.clone()).unwrap());
+                    a.finish().unwrap().unwrap()
                 })
                 .collect();
             tree_sum_in_place(&mut per_rank);

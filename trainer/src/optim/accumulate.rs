@@ -1,46 +1,122 @@
-//! Gradient accumulation over micro-batches: sums the parameters' gradients of several
-//! `backward` calls (and drops the activations' gradients at once).
+//! Gradient accumulation over a step's virtual shards and their micro-batches.
 //!
-//! With every micro-batch loss divided by the *global* valid-token count (the losses'
-//! `normalizer` argument), the sum equals the gradient of one big batch's mean.
-
-use std::collections::HashMap;
+//! Within a shard, micro-batch gradients are summed in order (in f32); each finished shard is
+//! a leaf of the pairwise tree of [`crate::dist::tree`], so a step's gradient is the same sum
+//! whether one process computes every shard or N processes a contiguous share each (the ranks'
+//! subtrees then meet in the same tree, see [`crate::dist::shards`]).
+//!
+//! With every micro-batch loss divided by the *global* unit count (the losses' `normalizer`
+//! argument), the sum equals the gradient of one big batch's mean.
 
 use candle_core::backprop::GradStore;
-use candle_core::{Tensor, TensorId, Var};
+use candle_core::{DType, Device, Tensor, Var};
 
 use super::Result;
+use crate::dist::tree::{Summand, TreeAccumulator};
 
-/// Running sum of the gradients of `vars`.
+/// One value per parameter, in the accumulator's parameter order (`[n_i]` shaped like var i).
+#[derive(Debug, Clone)]
+pub struct Grads(pub Vec<Tensor>);
+
+impl Summand for Grads {
+    type Error = candle_core::Error;
+    fn add_assign(&mut self, rhs: &Self) -> candle_core::Result<()> {
+        for (l, r) in self.0.iter_mut().zip(&rhs.0) {
+            *l = (&*l + r)?;
+        }
+        Ok(())
+    }
+}
+
+impl Grads {
+    /// The gradients as a `GradStore` of `vars` (clipping and the optimiser read that).
+    pub fn into_store(self, vars: &[Var]) -> GradStore {
+        let mut out = GradStore::default();
+        for (v, g) in vars.iter().zip(self.0) {
+            out.insert(v.as_tensor(), g);
+        }
+        out
+    }
+
+    /// Every value in order as one host buffer (what a collective moves).
+    pub fn flatten(&self) -> Result<Vec<f32>> {
+        let mut out = Vec::with_capacity(self.0.iter().map(|t| t.elem_count()).sum());
+        for t in &self.0 {
+            out.extend(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
+        }
+        Ok(out)
+    }
+
+    /// The tensors of `vars[i]` shapes (f32) read back from a flat buffer starting at `from`.
+    pub fn from_flat(flat: &[f32], vars: &[Var], device: &Device) -> Result<Grads> {
+        let mut at = 0;
+        let mut out = Vec::with_capacity(vars.len());
+        for v in vars {
+            let n = v.elem_count();
+            out.push(Tensor::from_slice(&flat[at..at + n], v.shape(), device)?);
+            at += n;
+        }
+        Ok(Grads(out))
+    }
+}
+
+/// The dtype gradients are summed in: f32, or f64 for f64 parameters (the tests' references).
+fn sum_dtype(v: &Var) -> DType {
+    if v.dtype() == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
+/// A step's gradient: the running micro-batch sum of the open shard, and the tree over the
+/// shards closed so far.
 pub struct GradAccumulator {
     vars: Vec<Var>,
-    sums: HashMap<TensorId, Tensor>,
+    /// The open shard's sums (f32, or f64 for f64 vars), one per var with a gradient so far.
+    open: Vec<Option<Tensor>>,
     micro_batches: usize,
+    tree: TreeAccumulator<Grads>,
 }
 
 impl GradAccumulator {
     pub fn new(vars: Vec<Var>) -> Self {
+        let open = vars.iter().map(|_| None).collect();
         Self {
             vars,
-            sums: HashMap::new(),
+            open,
             micro_batches: 0,
+            tree: TreeAccumulator::new(),
         }
     }
 
-    /// Adds the parameter gradients of one micro-batch's `backward()`.
+    /// Adds the parameter gradients of one micro-batch's `backward()` to the open shard.
     pub fn add(&mut self, grads: &GradStore) -> Result<()> {
-        for v in &self.vars {
+        for (v, slot) in self.vars.iter().zip(self.open.iter_mut()) {
             let Some(g) = grads.get(v.as_tensor()) else {
                 continue;
             };
-            let g = g.detach();
-            let sum = match self.sums.remove(&v.id()) {
+            let g = g.detach().to_dtype(sum_dtype(v))?;
+            *slot = Some(match slot.take() {
                 Some(s) => (s + g)?,
                 None => g,
-            };
-            self.sums.insert(v.id(), sum);
+            });
         }
         self.micro_batches += 1;
+        Ok(())
+    }
+
+    /// Closes the open shard (an empty one is a leaf of zeros: the tree's shape never
+    /// depends on what a shard held).
+    pub fn end_shard(&mut self) -> Result<()> {
+        let mut leaf = Vec::with_capacity(self.vars.len());
+        for (v, slot) in self.vars.iter().zip(self.open.iter_mut()) {
+            leaf.push(match slot.take() {
+                Some(s) => s,
+                None => Tensor::zeros(v.shape(), sum_dtype(v), v.device())?,
+            });
+        }
+        self.tree.push(Grads(leaf))?;
         Ok(())
     }
 
@@ -49,17 +125,37 @@ impl GradAccumulator {
         self.micro_batches
     }
 
-    /// The summed gradients as a `GradStore` for clipping and the optimiser; resets the sum.
-    pub fn take(&mut self) -> GradStore {
-        let mut out = GradStore::default();
-        for v in &self.vars {
-            if let Some(g) = self.sums.remove(&v.id()) {
-                out.insert(v.as_tensor(), g);
-            }
+    /// Shards closed so far.
+    pub fn shards(&self) -> usize {
+        self.tree.leaves()
+    }
+
+    pub fn vars(&self) -> &[Var] {
+        &self.vars
+    }
+
+    /// The tree's sum over the closed shards (an open shard with gradients is closed first);
+    /// zeros when nothing was added. Resets the accumulator.
+    pub fn finish(&mut self) -> Result<Grads> {
+        if self.open.iter().any(Option::is_some) {
+            self.end_shard()?;
         }
-        self.sums.clear();
         self.micro_batches = 0;
-        out
+        match std::mem::take(&mut self.tree).finish()? {
+            Some(g) => Ok(g),
+            None => Ok(Grads(
+                self.vars
+                    .iter()
+                    .map(|v| Tensor::zeros(v.shape(), sum_dtype(v), v.device()))
+                    .collect::<candle_core::Result<_>>()?,
+            )),
+        }
+    }
+
+    /// [`GradAccumulator::finish`] as a `GradStore` for clipping and the optimiser.
+    pub fn take(&mut self) -> Result<GradStore> {
+        let g = self.finish()?;
+        Ok(g.into_store(&self.vars))
     }
 }
 
@@ -124,13 +220,13 @@ mod tests {
         };
         let mut acc = GradAccumulator::new(vec![w.clone()]);
         acc.add(&loss(0..b, None).backward().unwrap()).unwrap();
-        let big = flat(acc.take().get(w.as_tensor()).unwrap());
+        let big = flat(acc.take().unwrap().get(w.as_tensor()).unwrap());
 
         for rows in [0..1, 1..2] {
             acc.add(&loss(rows, Some(5.0)).backward().unwrap()).unwrap();
         }
         assert_eq!(acc.micro_batches(), 2);
-        let summed = flat(acc.take().get(w.as_tensor()).unwrap());
+        let summed = flat(acc.take().unwrap().get(w.as_tensor()).unwrap());
         assert_close(&summed, &big, 1e-12, "accumulated gradient");
         assert_eq!(acc.micro_batches(), 0);
     }

@@ -5,23 +5,25 @@ use candle_core::{DType, Tensor, Var};
 
 use super::Result;
 
-/// The global L2 norm `√(Σ_params Σ g²)` of the gradients of `vars` (missing ones count as 0),
-/// accumulated in f64. On the CPU each gradient is read in place (no squared temporary).
-pub fn grad_norm(grads: &GradStore, vars: &[Var]) -> Result<f64> {
+/// `Σ g²` of each of `vars`' gradients (0 where missing), in f64, in `vars` order. On the CPU
+/// each gradient is read in place (no squared temporary); elsewhere f32 partial sums per
+/// tensor (f64 stays f64) come back in one device-to-host transfer.
+pub fn sq_norms(grads: &GradStore, vars: &[Var]) -> Result<Vec<f64>> {
     if vars.first().is_some_and(|v| v.device().is_cpu()) {
-        let mut total = 0.0;
-        for v in vars {
-            if let Some(g) = grads.get(v.as_tensor()) {
-                total += xdistill_kernels::sum_squares(g)?;
-            }
-        }
-        return Ok(total.sqrt());
+        return vars
+            .iter()
+            .map(|v| match grads.get(v.as_tensor()) {
+                Some(g) => Ok(xdistill_kernels::sum_squares(g)?),
+                None => Ok(0.0),
+            })
+            .collect();
     }
     let mut sums = Vec::new();
+    let mut present = Vec::with_capacity(vars.len());
     for v in vars {
-        if let Some(g) = grads.get(v.as_tensor()) {
-            // f32 partial sums per tensor (f64 stays f64), added on the host in f64: one
-            // device-to-host transfer in all.
+        let g = grads.get(v.as_tensor());
+        present.push(g.is_some());
+        if let Some(g) = g {
             let dt = if g.dtype() == DType::F64 {
                 DType::F64
             } else {
@@ -30,13 +32,30 @@ pub fn grad_norm(grads: &GradStore, vars: &[Var]) -> Result<f64> {
             sums.push(g.to_dtype(dt)?.sqr()?.sum_all()?.to_dtype(DType::F64)?);
         }
     }
-    if sums.is_empty() {
-        return Ok(0.0);
-    }
-    let total: Vec<f64> = Tensor::stack(&sums, 0)?
-        .to_device(&candle_core::Device::Cpu)?
-        .to_vec1()?;
-    Ok(total.iter().sum::<f64>().sqrt())
+    let mut host: std::vec::IntoIter<f64> = if sums.is_empty() {
+        Vec::new().into_iter()
+    } else {
+        Tensor::stack(&sums, 0)?
+            .to_device(&candle_core::Device::Cpu)?
+            .to_vec1::<f64>()?
+            .into_iter()
+    };
+    Ok(present
+        .into_iter()
+        .map(|p| if p { host.next().unwrap_or(0.0) } else { 0.0 })
+        .collect())
+}
+
+/// The global L2 norm `√(Σ_params Σ g²)` of the gradients of `vars` (missing ones count as 0):
+/// [`sq_norms`] added in `vars` order, so a sharded optimiser that gathers its ranks' squares
+/// gets the same bits.
+pub fn grad_norm(grads: &GradStore, vars: &[Var]) -> Result<f64> {
+    Ok(norm_of(&sq_norms(grads, vars)?))
+}
+
+/// `√(Σ sq)`, added in order.
+pub fn norm_of(sq: &[f64]) -> f64 {
+    sq.iter().fold(0.0, |a, b| a + b).sqrt()
 }
 
 /// Scales the gradients of `vars` in place so that their global norm is at most `max_norm`
@@ -45,8 +64,15 @@ pub fn grad_norm(grads: &GradStore, vars: &[Var]) -> Result<f64> {
 /// `max_norm = 0` only measures.
 pub fn clip_grad_norm(grads: &mut GradStore, vars: &[Var], max_norm: f64) -> Result<f64> {
     let norm = grad_norm(grads, vars)?;
+    clip_to(grads, vars, norm, max_norm)?;
+    Ok(norm)
+}
+
+/// The scaling of [`clip_grad_norm`] for a norm measured elsewhere (ZeRO-1: over every rank's
+/// share).
+pub fn clip_to(grads: &mut GradStore, vars: &[Var], norm: f64, max_norm: f64) -> Result<()> {
     if !norm.is_finite() || max_norm <= 0.0 || norm <= max_norm {
-        return Ok(norm);
+        return Ok(());
     }
     let scale = max_norm / (norm + 1e-6);
     for v in vars {
@@ -55,7 +81,7 @@ pub fn clip_grad_norm(grads: &mut GradStore, vars: &[Var], max_norm: f64) -> Res
             grads.insert(v.as_tensor(), scaled);
         }
     }
-    Ok(norm)
+    Ok(())
 }
 
 #[cfg(test)]

@@ -36,7 +36,8 @@ pub fn setup(cfg: Config) -> Result<Setup> {
     let loss: LossConfig = cfg.loss()?.clone();
     loss.validate()?;
     let loss_cross = cfg.loss_cross.clone().unwrap_or_else(|| loss.clone());
-    let device = xdistill_shared::device::parse_device(&cfg.policy.device)?;
+    // `cuda` is `cuda:LOCAL_RANK` in a data-parallel job.
+    let device = crate::dist::device(&cfg.policy.device, crate::dist::World::from_env()?.as_ref())?;
     let teachers = Arc::new(Teachers::connect(&cfg, &loss, &loss_cross)?);
     Ok(Setup {
         cfg,
@@ -116,19 +117,33 @@ impl GroupLoss<'_> {
         }
     }
 
-    /// Trains `groups` (`(source, items, answers)`) into `acc`; returns the step's sums and units.
+    /// The step's units over `groups` (`(source, items, answers)`) and every rank's: what each
+    /// micro-batch's loss is divided by.
+    pub fn global_units<'g>(
+        &self,
+        ctx: &mut super::runner::StepCtx,
+        groups: impl Iterator<Item = &'g (Source, &'g [Item], &'g [SequenceScores])>,
+    ) -> Result<Units> {
+        let mut norm = Units::default();
+        for (_, items, _) in groups {
+            norm += units(items);
+        }
+        let mut v = [norm.kd, norm.ce];
+        ctx.sum(&mut v)?;
+        Ok(Units { kd: v[0], ce: v[1] })
+    }
+
+    /// Trains `groups` (`(source, items, answers)`) into `acc`, every loss divided by the
+    /// step's global units `norm`; returns this rank's sums.
     pub fn accumulate(
         &self,
         model: &Decoder,
         acc: &mut crate::optim::GradAccumulator,
         groups: &[(Source, &[Item], &[SequenceScores])],
+        norm: Units,
         parts: &mut BTreeMap<String, f64>,
-    ) -> Result<(StepSums, Units)> {
+    ) -> Result<StepSums> {
         let s = self.s;
-        let mut norm = Units::default();
-        for (_, items, _) in groups {
-            norm += units(items);
-        }
         let mut total = StepSums {
             kd_scale: 1.0,
             ..Default::default()
@@ -152,7 +167,7 @@ impl GroupLoss<'_> {
             teacher_parts(s, source, f, parts);
             total += sums;
         }
-        Ok((total, norm))
+        Ok(total)
     }
 }
 
@@ -248,7 +263,10 @@ pub fn run_command(
     use anyhow::Context;
     let cfg = args.load_config(objective)?;
     let out = &cfg.checkpointing.checkpoint_dir;
-    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    // Rank 0 alone writes the output folder of a data-parallel job.
+    if crate::dist::World::from_env()?.is_none_or(|w| w.is_main()) {
+        std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    }
     let s = setup(cfg)?;
     let summary = train(&s, args.common.resume, None)?;
     println!("{}", serde_json::to_string(&summary)?);

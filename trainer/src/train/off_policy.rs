@@ -10,8 +10,9 @@
 use super::distill::{distill_filter, kl_to_teacher, GroupLoss, Setup, Summary};
 use super::prepare::{prepare, Prepared};
 use super::runner::{
-    self, Batches, Objective, RecordFilter, RunOptions, StepCtx, StepReport, ValReport,
+    self, Objective, RecordFilter, RunOptions, StepCtx, StepReport, Steps, ValReport,
 };
+use super::step::StepSums;
 use crate::client::{Fetched, Prefetcher};
 use crate::config::{DistillArgs, ObjectiveKind};
 use crate::data::Record;
@@ -38,7 +39,8 @@ impl<'a> OffPolicy<'a> {
 }
 
 impl Objective for OffPolicy<'_> {
-    type Input = Fetched<Prepared, Vec<Vec<SequenceScores>>>;
+    /// This rank's shards, each prepared, with every group's answers (`[shard][group][row]`).
+    type Input = Fetched<Vec<Prepared>, Vec<Vec<Vec<SequenceScores>>>>;
 
     fn open(&mut self, _: &Student) -> Result<Option<RecordFilter<'_>>> {
         Ok(distill_filter(self.s))
@@ -48,7 +50,7 @@ impl Objective for OffPolicy<'_> {
         self.s.teachers.check_records(records, what)
     }
 
-    fn feed(&mut self, batches: Batches) -> Box<dyn Iterator<Item = Result<Self::Input>>> {
+    fn feed(&mut self, steps: Steps) -> Box<dyn Iterator<Item = Result<Self::Input>>> {
         let teachers = self.s.teachers.clone();
         let depth = teachers
             .list
@@ -57,10 +59,22 @@ impl Objective for OffPolicy<'_> {
             .max()
             .unwrap_or(1);
         let t = teachers.clone();
-        let batches = batches.map(move |b| prepare(b, &t));
-        // Every group's teacher is asked at once: the step waits for the slowest, not the sum.
-        let mut prefetch = Prefetcher::spawn(batches, depth.max(1), move |p: &Prepared| {
-            teachers.score_all(&p.groups.iter().collect::<Vec<_>>())
+        let steps = steps.map(move |st| {
+            st.batches()
+                .into_iter()
+                .map(|b| prepare(b, &t))
+                .collect::<Vec<_>>()
+        });
+        // Every group of every shard is asked at once: the step waits for the slowest teacher,
+        // not the sum; each rank asks only for its own shards.
+        let mut prefetch = Prefetcher::spawn(steps, depth.max(1), move |ps: &Vec<Prepared>| {
+            let groups: Vec<_> = ps.iter().flat_map(|p| &p.groups).collect();
+            let mut answers = teachers.score_all(&groups)?.into_iter();
+            Ok::<_, crate::train::teachers::ScoreError>(
+                ps.iter()
+                    .map(|p| answers.by_ref().take(p.groups.len()).collect())
+                    .collect(),
+            )
         });
         Box::new(std::iter::from_fn(move || {
             Some(
@@ -72,23 +86,60 @@ impl Objective for OffPolicy<'_> {
     }
 
     fn step(&mut self, ctx: &mut StepCtx, fetched: Self::Input) -> Result<StepReport> {
-        let (s, p) = (self.s, fetched.batch);
-        if p.groups.is_empty() {
-            tracing::warn!("step {}: every record of the batch was skipped", ctx.step);
-        }
-        let groups: Vec<_> = p
-            .groups
-            .iter()
-            .zip(&fetched.result)
-            .map(|(g, a)| (g.source, g.items.as_slice(), a.as_slice()))
-            .collect();
-        let mut parts = BTreeMap::new();
+        let (s, shards) = (self.s, &fetched.batch);
+        let Some(first) = shards.first() else {
+            bail!("step {}: this rank has no shard", ctx.step);
+        };
         let gl = GroupLoss {
             s,
             same: &s.loss,
             cross: &s.loss_cross,
         };
-        let (sums, norm) = gl.accumulate(ctx.student.model(), ctx.acc, &groups, &mut parts)?;
+        let shard_groups: Vec<Vec<_>> = shards
+            .iter()
+            .zip(&fetched.result)
+            .map(|(p, answers)| {
+                p.groups
+                    .iter()
+                    .zip(answers)
+                    .map(|(g, a)| (g.source, g.items.as_slice(), a.as_slice()))
+                    .collect()
+            })
+            .collect();
+        let norm = gl.global_units(ctx, shard_groups.iter().flatten())?;
+        if norm.kd == 0.0 {
+            tracing::warn!("step {}: every record of the batch was skipped", ctx.step);
+        }
+        let mut parts = BTreeMap::new();
+        let mut sums = StepSums {
+            kd_scale: 1.0,
+            ..Default::default()
+        };
+        for groups in &shard_groups {
+            sums += gl.accumulate(ctx.student.model(), ctx.acc, groups, norm, &mut parts)?;
+            ctx.acc.end_shard()?;
+        }
+        let tokens: u64 = shards
+            .iter()
+            .flat_map(|p| p.items())
+            .map(|i| i.teacher_ids().len() as u64)
+            .sum();
+        let skipped: u64 = shards.iter().map(|p| p.skipped).sum();
+        let mut figures = [
+            sums.kd_sum,
+            sums.ce_sum,
+            sums.ce_n,
+            tokens as f64,
+            skipped as f64,
+        ];
+        ctx.sum(&mut figures)?;
+        let [kd_sum, ce_sum, ce_n, tokens, skipped] = figures;
+        let sums = StepSums {
+            kd_sum,
+            ce_sum,
+            ce_n,
+            kd_scale: sums.kd_scale,
+        };
         let kd_mean = sums.kd_mean(norm);
         parts.insert("kd".to_string(), kd_mean);
         if let Some(ce) = sums.ce_mean() {
@@ -96,16 +147,16 @@ impl Objective for OffPolicy<'_> {
         }
         parts.insert("kd_scale".to_string(), sums.kd_scale);
         Ok(StepReport {
-            epoch: p.batch.start.epoch,
-            next: p.batch.next,
+            epoch: first.batch.start.epoch,
+            next: first.batch.next,
             loss: kd_mean * sums.kd_scale + sums.ce_mean().unwrap_or(0.0),
             loss_parts: parts,
             kl: Some(kd_mean / (s.loss.temperature * s.loss.temperature)),
-            tokens: p.items().map(|i| i.teacher_ids().len() as u64).sum(),
+            tokens: tokens as u64,
             loss_tokens: norm.ce as u64,
             teacher_latency_s: fetched.fetch_time.as_secs_f64(),
             teacher_wait_s: fetched.wait_time.as_secs_f64(),
-            skipped: p.skipped,
+            skipped: skipped as u64,
         })
     }
 

@@ -10,17 +10,18 @@
 use crate::checkpoint::{self, Checkpoint, CheckpointData, TrainerState};
 use crate::config::{Config, LrSchedule, OptimizerConfig};
 use crate::data::{Batcher, DataPosition, Record};
+use crate::dist::{self, Collective, Ownership, ShardPlan, StepShards};
 use crate::metrics_log::{unix_time, MetricsLog, Progress, StepMetrics, ValMetrics};
 use crate::optim::{
-    clip_grad_norm, AdamW, AdamWConfig, GradAccumulator, OptimConfig, OptimizerState,
-    ScheduleConfig,
+    clip_to, grad_norm, norm_of, sq_norms, AdamW, AdamWConfig, GradAccumulator, Grads, OptimConfig,
+    OptimizerState, ScheduleConfig,
 };
 use crate::student::Student;
 use anyhow::{Context, Result};
-use candle_core::backprop::GradStore;
-use candle_core::Var;
+use candle_core::{DType, Tensor, Var};
 use rand_chacha::ChaCha8Rng;
 use std::collections::BTreeMap;
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -64,6 +65,20 @@ pub struct Runner {
     /// Current run of consecutive steps skipped for a non-finite gradient norm.
     nonfinite_run: u64,
     vars: Vec<Var>,
+    /// The data-parallel group: [`dist::Solo`] for a single process.
+    pub(crate) group: Box<dyn Collective + Send>,
+    /// ZeRO-1: the parameters each rank updates (`None`: every rank updates all of them).
+    zero: Option<Ownership>,
+    /// Time in collectives and bytes this rank sent and received, since the last
+    /// [`Runner::take_comm`].
+    comm: Comm,
+}
+
+/// What a step's collectives cost this rank.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Comm {
+    pub seconds: f64,
+    pub bytes: f64,
 }
 
 /// What one update did.
@@ -77,10 +92,40 @@ pub struct Update {
 }
 
 impl Runner {
+    /// A single process's runner.
     pub fn new(student: Student, optim: OptimConfig, total_steps: u64) -> Result<Runner> {
+        Runner::in_group(student, optim, total_steps, Box::new(dist::Solo), false)
+    }
+
+    /// A runner in a data-parallel `group`; `zero` shards AdamW's state over its ranks.
+    pub fn in_group(
+        student: Student,
+        optim: OptimConfig,
+        total_steps: u64,
+        group: Box<dyn Collective + Send>,
+        zero: bool,
+    ) -> Result<Runner> {
         optim.validate()?;
-        let vars: Vec<Var> = student.named_vars().into_iter().map(|(_, v)| v).collect();
-        let opt = AdamW::with_names(student.named_vars(), optim.adamw.clone())?;
+        let named = student.named_vars();
+        let vars: Vec<Var> = named.iter().map(|(_, v)| v.clone()).collect();
+        if group.world_size() > 1 {
+            if let Some((name, v)) = named.iter().find(|(_, v)| v.dtype() == DType::F64) {
+                anyhow::bail!(
+                    "parameter {name} is {:?}: data-parallel training moves f32 buffers; \
+                     use f32, bf16 or f16 weights",
+                    v.dtype()
+                );
+            }
+        }
+        let zero = (zero && group.world_size() > 1).then(|| {
+            let sizes: Vec<usize> = vars.iter().map(|v| v.elem_count()).collect();
+            Ownership::new(&sizes, group.world_size())
+        });
+        let owned = match &zero {
+            Some(o) => named[o.vars[group.rank()].clone()].to_vec(),
+            None => named,
+        };
+        let opt = AdamW::with_names(owned, optim.adamw.clone())?;
         Ok(Runner {
             student,
             opt,
@@ -90,6 +135,9 @@ impl Runner {
             max_nonfinite_steps: 10,
             nonfinite_run: 0,
             vars,
+            group,
+            zero,
+            comm: Comm::default(),
         })
     }
 
@@ -97,10 +145,73 @@ impl Runner {
         &self.vars
     }
 
-    /// Clips, sets the scheduled learning rate and applies one AdamW update.
-    pub fn apply(&mut self, mut grads: GradStore) -> Result<Update> {
+    pub fn rank(&self) -> usize {
+        self.group.rank()
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.group.world_size()
+    }
+
+    /// Whether this process writes (metrics, checkpoints, the final model): rank 0.
+    pub fn is_main(&self) -> bool {
+        self.group.rank() == 0
+    }
+
+    /// The collectives' cost since the last call.
+    pub fn take_comm(&mut self) -> Comm {
+        std::mem::take(&mut self.comm)
+    }
+
+    /// Runs `f` on the group, counting its time and `bytes` towards [`Runner::take_comm`].
+    fn collective<T>(
+        &mut self,
+        bytes: usize,
+        f: impl FnOnce(&mut dyn Collective) -> Result<T, dist::CollectiveError>,
+    ) -> Result<T> {
+        let t0 = Instant::now();
+        let out = f(&mut *self.group)?;
+        self.comm.seconds += t0.elapsed().as_secs_f64();
+        self.comm.bytes += bytes as f64;
+        Ok(out)
+    }
+
+    /// Sums this rank's share of the step's gradient over the group (all-reduce, or with ZeRO-1
+    /// reduce-scatter to the parameters this rank updates), clips by the global norm, sets the
+    /// scheduled learning rate and applies one AdamW update; with ZeRO-1 the updated weights
+    /// are then all-gathered. Every rank sees the same norm and the same weights.
+    pub fn apply(&mut self, grads: Grads) -> Result<Update> {
         let lr = self.optim.lr(self.total_steps as usize, self.step as usize);
-        let grad_norm = clip_grad_norm(&mut grads, &self.vars, self.optim.max_grad_norm)?;
+        let (world, rank) = (self.group.world_size(), self.group.rank());
+        let device = self.student.device.clone();
+        // The gradients this rank updates with, as (vars, store), and the global norm.
+        let (vars, mut grads, grad_norm) = if world == 1 {
+            let store = grads.into_store(&self.vars);
+            let norm = grad_norm(&store, &self.vars)?;
+            (self.vars.clone(), store, norm)
+        } else if let Some(own) = self.zero.clone() {
+            let flat = grads.flatten()?;
+            drop(grads);
+            // The star through rank 0 moves each rank's buffer in and its share out.
+            let bytes = 4 * (flat.len() + own.elems[rank].len());
+            let mine = self.collective(bytes, |g| g.reduce_scatter_sum(&flat, &own.elems))?;
+            drop(flat);
+            let vars = self.vars[own.vars[rank].clone()].to_vec();
+            let store = Grads::from_flat(&mine, &vars, &device)?.into_store(&vars);
+            let sq = sq_norms(&store, &vars)?;
+            let all = self.collective(16 * sq.len() * world, |g| dist::gather_f64(g, &sq))?;
+            let norm = norm_of(&all.concat());
+            (vars, store, norm)
+        } else {
+            let mut flat = grads.flatten()?;
+            drop(grads);
+            let bytes = 8 * flat.len();
+            self.collective(bytes, |g| g.all_reduce_sum(&mut flat))?;
+            let store = Grads::from_flat(&flat, &self.vars, &device)?.into_store(&self.vars);
+            let norm = grad_norm(&store, &self.vars)?;
+            (self.vars.clone(), store, norm)
+        };
+        clip_to(&mut grads, &vars, grad_norm, self.optim.max_grad_norm)?;
         self.step += 1;
         if !grad_norm.is_finite() {
             self.nonfinite_run += 1;
@@ -129,6 +240,10 @@ impl Runner {
         self.nonfinite_run = 0;
         self.opt.set_learning_rate(lr);
         self.opt.step(&grads)?;
+        drop(grads);
+        if let Some(own) = self.zero.clone() {
+            self.gather_weights(&own)?;
+        }
         self.student.refresh()?;
         Ok(Update {
             grad_norm,
@@ -146,9 +261,25 @@ impl Runner {
                 .with_context(|| format!("checkpoint has no tensor {name:?}"))?;
             var.set(&t.to_dtype(var.dtype())?.to_device(var.device())?)?;
         }
+        // With ZeRO-1 each rank keeps the state of the parameters it updates.
+        let keep: Option<std::collections::HashSet<String>> = self
+            .zero
+            .as_ref()
+            .map(|_| {
+                self.opt
+                    .state_dict()
+                    .map(|s| s.tensors.into_keys().collect())
+            })
+            .transpose()?;
+        let tensors = ck
+            .optimizer
+            .iter()
+            .filter(|(k, _)| keep.as_ref().is_none_or(|keep| keep.contains(*k)))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
         let state = OptimizerState {
             step: ck.state.step,
-            tensors: ck.optimizer.clone(),
+            tensors,
         };
         self.opt.load_state_dict(&state)?;
         self.student.refresh()?;
@@ -156,33 +287,117 @@ impl Runner {
         Ok(())
     }
 
-    /// Writes `OUTPUT/step_N/` atomically.
+    /// Every rank's weights after a ZeRO-1 update: each rank sends the parameters it updated.
+    fn gather_weights(&mut self, own: &Ownership) -> Result<()> {
+        let rank = self.group.rank();
+        let mine = Grads(
+            self.vars[own.vars[rank].clone()]
+                .iter()
+                .map(|v| v.as_tensor().clone())
+                .collect(),
+        )
+        .flatten()?;
+        let total: usize = own.elems.iter().map(|e| e.len()).sum();
+        let all = self.collective(4 * (mine.len() + total), |g| g.all_gather(&mine))?;
+        let device = self.student.device.clone();
+        for (r, buf) in all.iter().enumerate() {
+            if r == rank {
+                continue;
+            }
+            let vars = &self.vars[own.vars[r].clone()];
+            let got = Grads::from_flat(buf, vars, &device)?;
+            for (v, t) in vars.iter().zip(got.0) {
+                v.set(&t.to_dtype(v.dtype())?)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The whole optimiser state, for a checkpoint. With ZeRO-1 every rank must call it (the
+    /// ranks' shares are all-gathered); the state is the one an unsharded run would hold.
+    pub fn optimizer_tensors(&mut self) -> Result<HashMap<String, Tensor>> {
+        let mine = self.opt.state_dict()?.tensors;
+        let Some(own) = self.zero.clone() else {
+            return Ok(mine);
+        };
+        // Each rank's tensors in its parameters' order: exp_avg, exp_avg_sq, master.
+        let named = self.student.named_vars();
+        let layout = |r: usize| -> Vec<(String, Vec<usize>)> {
+            named[own.vars[r].clone()]
+                .iter()
+                .flat_map(|(name, v)| {
+                    let mut keys = vec![format!("{name}.exp_avg"), format!("{name}.exp_avg_sq")];
+                    if !matches!(v.dtype(), DType::F32 | DType::F64) {
+                        keys.push(format!("{name}.master"));
+                    }
+                    keys.into_iter().map(|k| (k, v.dims().to_vec()))
+                })
+                .collect()
+        };
+        let rank = self.group.rank();
+        let mut flat = Vec::new();
+        for (key, _) in layout(rank) {
+            let t = mine
+                .get(&key)
+                .with_context(|| format!("optimizer state lacks {key}"))?;
+            flat.extend(t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?);
+        }
+        let all = self.collective(4 * flat.len(), |g| g.all_gather(&flat))?;
+        let device = self.student.device.clone();
+        let mut out = HashMap::new();
+        for (r, buf) in all.iter().enumerate() {
+            let mut at = 0;
+            for (key, dims) in layout(r) {
+                let n: usize = dims.iter().product();
+                let t = Tensor::from_slice(&buf[at..at + n], dims.as_slice(), &device)?;
+                out.insert(key, t);
+                at += n;
+            }
+        }
+        Ok(out)
+    }
+
+    /// Writes `OUTPUT/step_N/` atomically (rank 0).
     pub fn save_checkpoint(&self, out: &Path, state: &TrainerState) -> Result<PathBuf> {
-        let model = self.student.tensors()?;
         let optimizer = self.opt.state_dict()?.tensors;
+        self.write_checkpoint(out, state, &optimizer)
+    }
+
+    fn write_checkpoint(
+        &self,
+        out: &Path,
+        state: &TrainerState,
+        optimizer: &HashMap<String, Tensor>,
+    ) -> Result<PathBuf> {
+        let model = self.student.tensors()?;
         Ok(checkpoint::save(
             out,
             &CheckpointData {
                 model: &model,
                 model_config: &self.student.config,
                 tokenizer_json: &self.student.tokenizer_json,
-                optimizer: &optimizer,
+                optimizer,
                 state,
             },
         )?)
     }
 
     /// End-of-step bookkeeping shared by the loops: a checkpoint every `save_period` steps
-    /// (pruned to `keep_top_k`), and the final model after the last step.
+    /// (pruned to `keep_top_k`), and the final model after the last step. Every rank calls
+    /// it; rank 0 alone writes.
     pub fn after_step(
-        &self,
+        &mut self,
         ck: &crate::config::CheckpointingConfig,
         state: &TrainerState,
         log: &dyn Fn(&str),
     ) -> Result<()> {
         let out = &ck.checkpoint_dir;
         if ck.enabled && self.step.is_multiple_of(ck.save_period) && self.step < self.total_steps {
-            let path = self.save_checkpoint(out, state)?;
+            let optimizer = self.optimizer_tensors()?;
+            if !self.is_main() {
+                return Ok(());
+            }
+            let path = self.write_checkpoint(out, state, &optimizer)?;
             log(&format!("checkpoint {}", path.display()));
             if let Some(keep) = ck.keep_top_k {
                 let ranking = match &ck.metric_name {
@@ -195,7 +410,7 @@ impl Runner {
                 checkpoint::retain(out, keep, &ranking)?;
             }
         }
-        if self.step == self.total_steps {
+        if self.step == self.total_steps && self.is_main() {
             let path = self.save_final(out, state)?;
             log(&format!("final model {}", path.display()));
         }
@@ -251,6 +466,19 @@ impl Session {
         resume: bool,
         objective: &mut O,
     ) -> Result<Session> {
+        Session::open_in(cfg, device, resume, objective, Box::new(dist::Solo))
+    }
+
+    /// [`Session::open`] for one rank of a data-parallel `group`: every rank loads the same
+    /// data and checkpoint; rank 0 alone owns `metrics.jsonl` and the progress bar.
+    pub fn open_in<O: Objective + ?Sized>(
+        cfg: &Config,
+        device: &candle_core::Device,
+        resume: bool,
+        objective: &mut O,
+        group: Box<dyn Collective + Send>,
+    ) -> Result<Session> {
+        let main = group.rank() == 0;
         use rand::SeedableRng;
         let out = &cfg.checkpointing.checkpoint_dir;
         let (mut train_set, mut val_set) =
@@ -302,7 +530,13 @@ impl Session {
             .distillation
             .max_num_steps
             .min(steps_per_epoch * cfg.distillation.max_num_epochs);
-        let mut runner = Runner::new(student, optim_config(&cfg.policy.optimizer), total_steps)?;
+        let mut runner = Runner::in_group(
+            student,
+            optim_config(&cfg.policy.optimizer),
+            total_steps,
+            group,
+            cfg.policy.data_parallel.zero,
+        )?;
         runner.max_nonfinite_steps = cfg.policy.max_nonfinite_steps;
         let mut batcher = Batcher::new(
             train_set.records,
@@ -313,7 +547,9 @@ impl Session {
         let mut tokens_seen = 0;
         let mut resumed_from = None;
         if resume {
-            checkpoint::remove_temp_dirs(out)?;
+            if main {
+                checkpoint::remove_temp_dirs(out)?;
+            }
             if let Some(ck) = checkpoint::load_newest_valid(out, device)? {
                 let (step, path) = (ck.state.step, ck.path.clone());
                 if ck.state.config_hash != hash {
@@ -354,13 +590,19 @@ impl Session {
                 }
             }
         }
-        let log = MetricsLog::open(out, resumed_from)?;
-        let progress = Progress::new(
-            runner.total_steps,
-            runner.step,
-            cfg.logger.progress_bar,
-            cfg.logger.log_every,
-        );
+        let (log, progress) = if main {
+            let log = MetricsLog::open(out, resumed_from)?;
+            let progress = Progress::new(
+                runner.total_steps,
+                runner.step,
+                cfg.logger.progress_bar,
+                cfg.logger.log_every,
+            );
+            (log, progress)
+        } else {
+            let quiet = Progress::new(runner.total_steps, runner.step, false, u64::MAX);
+            (MetricsLog::disabled(out), quiet)
+        };
         Ok(Session {
             runner,
             batcher,
@@ -392,11 +634,15 @@ pub trait Objective {
         Ok(())
     }
 
-    /// Turns the run's remaining batches into step inputs (off-policy: tokenized and scored by
-    /// the teacher on a prefetch thread while the previous step trains).
-    fn feed(&mut self, batches: Batches) -> Box<dyn Iterator<Item = Result<Self::Input>>>;
+    /// Turns the run's remaining steps (this rank's virtual shards of each global batch) into
+    /// step inputs (off-policy: tokenized and scored by the teacher on a prefetch thread while
+    /// the previous step trains).
+    fn feed(&mut self, steps: Steps) -> Box<dyn Iterator<Item = Result<Self::Input>>>;
 
-    /// Runs one step's forward and backward passes, adding the gradients to `ctx.acc`.
+    /// Runs one step's forward and backward passes over this rank's shards, in order: each
+    /// shard's micro-batch gradients go to `ctx.acc`, closed by `ctx.acc.end_shard()`. Losses
+    /// are normalised by the step's global counts ([`StepCtx::sum`]), and the report's figures
+    /// are the global ones.
     fn step(&mut self, ctx: &mut StepCtx, input: Self::Input) -> Result<StepReport>;
 
     /// One validation pass over the held-out records; `None` when there are none.
@@ -409,18 +655,34 @@ pub trait Objective {
     }
 }
 
-/// The batches a run has left to train on.
-pub type Batches = std::iter::Take<Batcher>;
+/// The steps a run has left to train on: this rank's virtual shards of each global batch.
+pub type Steps = Box<dyn Iterator<Item = StepShards> + Send>;
+
+/// The batches of `batcher` as this rank's shards (`plan`), `steps` of them at most.
+pub fn steps(batcher: Batcher, steps: usize, plan: ShardPlan) -> Steps {
+    Box::new(batcher.take(steps).map(move |b| plan.split(b)))
+}
 
 /// What an objective's step works with.
 pub struct StepCtx<'a> {
     pub student: &'a Student,
-    /// Where the step's gradients go (the runner clips and applies them).
+    /// Where the step's gradients go, shard by shard (the runner reduces, clips and applies
+    /// them).
     pub acc: &'a mut GradAccumulator,
-    /// The run's RNG, saved in checkpoints (sampling, λ draws).
+    /// The run's RNG, saved in checkpoints (sampling, λ draws): the same on every rank.
     pub rng: &'a mut ChaCha8Rng,
     /// The step being trained (1-based).
     pub step: u64,
+    /// The data-parallel group ([`dist::Solo`] for one process).
+    pub group: &'a mut dyn Collective,
+}
+
+impl StepCtx<'_> {
+    /// `v` summed over the ranks (in rank order, the same on every rank): a step's unit
+    /// counts before the losses are normalised, its figures after.
+    pub fn sum(&mut self, v: &mut [f64]) -> Result<()> {
+        Ok(dist::sum_f64(self.group, v)?)
+    }
 }
 
 /// What an objective's evaluation works with.
@@ -499,8 +761,33 @@ pub fn run<O: Objective>(
     opts: RunOptions,
 ) -> Result<Outcome> {
     let out = &cfg.checkpointing.checkpoint_dir;
-    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
     let t_start = Instant::now();
+    // Data parallel: join the job the launcher describes (a world of one without one).
+    let world = dist::World::from_env()?;
+    let dp = &cfg.policy.data_parallel;
+    // Every rank must run the same config (the whole of it, run length included).
+    let whole = cfg.to_toml_string().context("serialising the config")?;
+    let group = dist::join(world.as_ref(), &whole, dp.timeout())?;
+    let plan = ShardPlan::new(dp.virtual_shards, group.world_size(), group.rank())
+        .map_err(anyhow::Error::msg)?;
+    if group.world_size() > 1 {
+        tracing::info!(
+            rank = group.rank(),
+            world_size = group.world_size(),
+            virtual_shards = plan.shards,
+            zero = dp.zero,
+            "data-parallel training{}",
+            if plan.exact_across_world_sizes() {
+                ""
+            } else {
+                " (virtual_shards / processes is not a power of two: other process counts \
+                 give other bits)"
+            }
+        );
+    }
+    if group.rank() == 0 {
+        std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    }
     let Session {
         mut runner,
         batcher,
@@ -512,7 +799,8 @@ pub fn run<O: Objective>(
         resumed_from,
         mut log,
         progress,
-    } = Session::open(cfg, device, opts.resume, objective)?;
+    } = Session::open_in(cfg, device, opts.resume, objective, group)?;
+    let main = runner.is_main();
     let total_steps = runner.total_steps;
     let dist = &cfg.distillation;
     let validation = |o: &mut O, runner: &Runner, log: &mut MetricsLog, step: u64| {
@@ -539,7 +827,8 @@ pub fn run<O: Objective>(
     };
     let (mut val_start, mut last_val) = (None, None);
     let mut evals = BTreeMap::new();
-    if resumed_from.is_none() {
+    // Validation and evaluation run on rank 0 (the others wait at the next collective).
+    if resumed_from.is_none() && main {
         if dist.val_at_start {
             val_start = validation(objective, &runner, &mut log, 0)?;
         }
@@ -552,7 +841,7 @@ pub fn run<O: Objective>(
         })?;
     }
     let steps_left = total_steps.saturating_sub(runner.step) as usize;
-    let mut inputs = objective.feed(batcher.take(steps_left));
+    let mut inputs = objective.feed(steps(batcher, steps_left, plan));
     let mut stopped = false;
     while runner.step < total_steps {
         let t_step = Instant::now();
@@ -565,9 +854,23 @@ pub fn run<O: Objective>(
             acc: &mut acc,
             rng: &mut rng,
             step: runner.step + 1,
+            group: &mut *runner.group,
         };
-        let r = objective.step(&mut ctx, input?)?;
-        let update = runner.apply(acc.take())?;
+        let mut r = objective.step(&mut ctx, input?)?;
+        if acc.shards() != plan.mine().len() {
+            anyhow::bail!(
+                "step {}: the objective closed {} virtual shards, this rank trains {}",
+                runner.step + 1,
+                acc.shards(),
+                plan.mine().len()
+            );
+        }
+        let update = runner.apply(acc.finish()?)?;
+        let comm = runner.take_comm();
+        if runner.world_size() > 1 {
+            r.loss_parts.insert("dp/collective_s".into(), comm.seconds);
+            r.loss_parts.insert("dp/bytes".into(), comm.bytes);
+        }
         tokens_seen += r.tokens;
         skipped += r.skipped;
         let dt = t_step.elapsed().as_secs_f64();
@@ -591,19 +894,23 @@ pub fn run<O: Objective>(
         };
         log.append(&m)?;
         progress.step(&m);
-        // Validation, evaluation and checkpoints.
+        // Validation, evaluation (rank 0) and checkpoints.
         let step = runner.step;
         let at_end = step == total_steps;
-        if (dist.val_period > 0 && step % dist.val_period == 0) || (at_end && dist.val_at_end) {
+        let due =
+            (dist.val_period > 0 && step % dist.val_period == 0) || (at_end && dist.val_at_end);
+        if due && main {
             last_val = validation(objective, &runner, &mut log, step)?;
         }
-        evals.extend(objective.evaluate(EvalCtx {
-            student: &runner.student,
-            log: &mut log,
-            progress: &progress,
-            step,
-            at_end,
-        })?);
+        if main {
+            evals.extend(objective.evaluate(EvalCtx {
+                student: &runner.student,
+                log: &mut log,
+                progress: &progress,
+                step,
+                at_end,
+            })?);
+        }
         let mut state = TrainerState::new(step, r.next, &rng, hash.clone());
         state.tokens_seen = tokens_seen;
         if let Some(v) = &last_val {
@@ -620,7 +927,7 @@ pub fn run<O: Objective>(
     progress.finish();
     let final_dir = out.join(checkpoint::FINAL_DIR);
     // Data ran out before max_num_steps: still write the final model.
-    if !stopped && !final_dir.is_dir() {
+    if !stopped && main && !final_dir.is_dir() {
         let mut state = TrainerState::new(runner.step, DataPosition::default(), &rng, hash);
         state.tokens_seen = tokens_seen;
         runner.save_final(out, &state)?;

@@ -13,11 +13,12 @@
 
 use super::head::{self, HeadOpts};
 use super::runner::{
-    self, Batches, EvalCtx, Objective, RecordFilter, RunOptions, StepCtx, StepReport, ValReport,
+    self, EvalCtx, Objective, RecordFilter, RunOptions, StepCtx, StepReport, Steps, ValReport,
 };
 use crate::collate::{encode, pad_batch, Encoded};
 use crate::config::{CommonArgs, Config, ObjectiveKind};
-use crate::data::{Batch, Record};
+use crate::data::Record;
+use crate::dist::StepShards;
 use crate::eval::{self, EvalConfig, EvalRecord};
 use crate::loss::cross_entropy;
 use crate::student::Student;
@@ -314,7 +315,10 @@ impl<'a> Sft<'a> {
             cfg,
             task,
             tok: xdistill_shared::hf::load_tokenizer(&cfg.student_tokenizer())?,
-            device: xdistill_shared::device::parse_device(&cfg.policy.device)?,
+            device: crate::dist::device(
+                &cfg.policy.device,
+                crate::dist::World::from_env()?.as_ref(),
+            )?,
             eos: None,
             val: None,
             accuracy_start: None,
@@ -328,7 +332,7 @@ impl<'a> Sft<'a> {
 }
 
 impl Objective for Sft<'_> {
-    type Input = Batch;
+    type Input = StepShards;
 
     fn open(&mut self, student: &Student) -> Result<Option<RecordFilter<'_>>> {
         self.eos = student.config.eos_ids().first().copied();
@@ -347,38 +351,52 @@ impl Objective for Sft<'_> {
         }))
     }
 
-    fn feed(&mut self, batches: Batches) -> Box<dyn Iterator<Item = Result<Batch>>> {
-        Box::new(batches.map(Ok))
+    fn feed(&mut self, steps: Steps) -> Box<dyn Iterator<Item = Result<StepShards>>> {
+        Box::new(steps.map(Ok))
     }
 
-    fn step(&mut self, ctx: &mut StepCtx, batch: Batch) -> Result<StepReport> {
-        let (enc, skipped) = encode_all(&self.tok, &batch.records, self.eos, self.max_len());
-        // Micro-batches, gradients accumulated and normalised by the step's target count.
-        let n_targets: usize = enc.iter().map(targets_of).sum();
-        if n_targets == 0 {
+    fn step(&mut self, ctx: &mut StepCtx, step: StepShards) -> Result<StepReport> {
+        let (mut encoded, mut skipped) = (Vec::new(), 0);
+        for shard in &step.shards {
+            let (enc, s) = encode_all(&self.tok, &shard.records, self.eos, self.max_len());
+            encoded.push(enc);
+            skipped += s;
+        }
+        // Every micro-batch's loss is normalised by the step's target count over all ranks.
+        let mut n_targets = [encoded.iter().flatten().map(targets_of).sum::<usize>() as f64];
+        ctx.sum(&mut n_targets)?;
+        let n_targets = n_targets[0];
+        if n_targets == 0.0 {
             tracing::warn!("step {}: every record of the batch was skipped", ctx.step);
         }
         let mb = self.cfg.policy.train_micro_batch_size.max(1);
+        let head = HeadOpts {
+            activations: self.cfg.policy.activation_checkpointing,
+            chunk_rows: 0,
+        };
         let mut loss_sum = 0.0;
-        for chunk in enc.chunks(mb) {
-            let model = ctx.student.model();
-            let head = HeadOpts {
-                activations: self.cfg.policy.activation_checkpointing,
-                chunk_rows: 0,
-            };
-            let (grads, loss) = sft_grads(model, chunk, n_targets as f64, &self.device, head)?;
-            ctx.acc.add(&grads)?;
-            loss_sum += loss;
+        for enc in &encoded {
+            for chunk in enc.chunks(mb) {
+                let model = ctx.student.model();
+                let (grads, loss) = sft_grads(model, chunk, n_targets, &self.device, head)?;
+                ctx.acc.add(&grads)?;
+                loss_sum += loss;
+            }
+            ctx.acc.end_shard()?;
         }
+        let tokens = encoded.iter().flatten().map(|e| e.ids.len()).sum::<usize>();
+        let mut figures = [loss_sum, tokens as f64, skipped as f64];
+        ctx.sum(&mut figures)?;
+        let [loss, tokens, skipped] = figures;
         Ok(StepReport {
-            epoch: batch.start.epoch,
-            next: batch.next,
-            loss: loss_sum,
-            loss_parts: BTreeMap::from([("ce".to_string(), loss_sum)]),
+            epoch: step.epoch(),
+            next: step.next,
+            loss,
+            loss_parts: BTreeMap::from([("ce".to_string(), loss)]),
             kl: None,
-            tokens: enc.iter().map(|e| e.ids.len() as u64).sum(),
+            tokens: tokens as u64,
             loss_tokens: n_targets as u64,
-            skipped,
+            skipped: skipped as u64,
             ..Default::default()
         })
     }

@@ -224,7 +224,7 @@ fn step(runner: &mut Runner, s: &StepSetup) -> Result<(f64, Phases)> {
     let mut acc = GradAccumulator::new(runner.vars().to_vec());
     acc.add(&grads)?;
     drop(grads);
-    let mut grads = acc.take();
+    let mut grads = acc.take()?;
     device.synchronize()?;
     ph.accumulate = t.elapsed().as_secs_f64();
     let t = Instant::now();

@@ -24,10 +24,11 @@ mod validation;
 
 use super::distill::{distill_filter, Setup, Summary};
 use super::runner::{
-    self, Batches, Objective, RecordFilter, RunOptions, StepCtx, StepReport, ValReport,
+    self, Objective, RecordFilter, RunOptions, StepCtx, StepReport, Steps, ValReport,
 };
 use crate::config::{DistillArgs, ObjectiveKind};
-use crate::data::{Batch, Record};
+use crate::data::Record;
+use crate::dist::StepShards;
 use crate::loss::LossConfig;
 use crate::student::Student;
 use anyhow::{bail, Result};
@@ -84,28 +85,29 @@ impl<'a> OnPolicy<'a> {
 }
 
 impl Objective for OnPolicy<'_> {
-    type Input = Batch;
+    type Input = StepShards;
 
     fn open(&mut self, _: &Student) -> Result<Option<RecordFilter<'_>>> {
         Ok(distill_filter(self.s))
     }
 
-    fn feed(&mut self, batches: Batches) -> Box<dyn Iterator<Item = Result<Batch>>> {
-        Box::new(batches.map(Ok))
+    fn feed(&mut self, steps: Steps) -> Box<dyn Iterator<Item = Result<StepShards>>> {
+        Box::new(steps.map(Ok))
     }
 
-    fn step(&mut self, ctx: &mut StepCtx, batch: Batch) -> Result<StepReport> {
+    fn step(&mut self, ctx: &mut StepCtx, step: StepShards) -> Result<StepReport> {
         let op = &self.s.cfg.on_policy;
+        // The run's RNG is the same on every rank: so is the draw.
         let on = op.lambda >= 1.0 || ctx.rng.random::<f64>() < op.lambda;
         let mut r = StepReport {
-            epoch: batch.start.epoch,
-            next: batch.next,
+            epoch: step.epoch(),
+            next: step.next,
             ..Default::default()
         };
         if on {
-            self.on_step(ctx, &batch, &mut r)?;
+            self.on_step(ctx, &step, &mut r)?;
         } else {
-            self.off_step(ctx, &batch, &mut r)?;
+            self.off_step(ctx, &step, &mut r)?;
         }
         r.loss_parts.insert("on_policy".into(), on as u8 as f64);
         Ok(r)
