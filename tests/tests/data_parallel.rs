@@ -212,6 +212,18 @@ impl Job {
         if !outcomes.iter().all(Outcome::ok) {
             panic!("{name} failed:\n{}", report(&outcomes));
         }
+        // Several ranks really formed one group (not N independent runs).
+        let n = outcomes.len();
+        if n > 1 {
+            for o in &outcomes {
+                assert!(
+                    o.stderr.contains(&format!("world_size={n}")),
+                    "{name}: rank {} did not join a group of {n}:\n{}",
+                    o.rank,
+                    report(&outcomes)
+                );
+            }
+        }
         for (rank, cwd) in cwds.iter().enumerate() {
             let left: Vec<_> = std::fs::read_dir(cwd)
                 .unwrap()
@@ -251,6 +263,15 @@ fn strip_ansi(text: &str) -> String {
         }
     }
     out
+}
+
+/// The error lines of a rank's stderr (`Error: …` and `ERROR` log lines), one string.
+fn errors(stderr: &str) -> String {
+    stderr
+        .lines()
+        .filter(|l| l.contains("Error") || l.contains("ERROR") || l.contains("WARN"))
+        .collect::<Vec<_>>()
+        .join(" | ")
 }
 
 /// Every rank's status and stderr.
@@ -666,6 +687,7 @@ fn a_killed_rank_stops_the_job_and_resume_with_any_world_size_is_exact() {
         "rank 0's error does not name rank 1:\n{}",
         report(&outcomes)
     );
+    eprintln!("cut: rank 0 says: {}", errors(&r0.stderr));
     let logged = train_steps(&cut);
     assert!(
         (logged.len() as u64) < steps && !cut.join("final").exists(),
@@ -747,6 +769,9 @@ fn ranks_with_different_configs_are_refused() {
         outcomes[0].stderr.contains("rank 1"),
         "rank 0's error does not name rank 1:\n{all}"
     );
+    for o in &outcomes {
+        eprintln!("mismatch: rank {} says: {}", o.rank, errors(&o.stderr));
+    }
     assert!(!out.join("final").exists(), "a model was written");
     eprintln!("mismatched configs: {:.1}s", t0.elapsed().as_secs_f64());
 }
