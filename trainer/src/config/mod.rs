@@ -25,7 +25,8 @@ pub use distillation::{DistillationConfig, TeacherMode};
 pub use logger::LoggerConfig;
 pub use on_policy::OnPolicyConfig;
 pub use policy::{
-    ActivationCheckpointing, DataParallelConfig, LrSchedule, OptimizerConfig, PolicyConfig,
+    ActivationCheckpointing, AllReduceMode, DataParallelConfig, LrSchedule, OptimizerConfig,
+    PolicyConfig,
 };
 pub use teacher::{parse_base_url, TeacherConfig};
 

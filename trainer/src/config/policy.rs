@@ -53,6 +53,20 @@ pub struct DataParallelConfig {
     /// How long a collective waits for the other processes before naming the one that did
     /// not answer. Rank 0 validates and writes checkpoints while the others wait: cover that.
     pub timeout_s: f64,
+    /// `exact`: the gradient's all-reduce is the pairwise tree in rank order (the same bits
+    /// for any process count, see `virtual_shards`). `fast`: the backend's own all-reduce
+    /// (NCCL's ring or tree: faster, its bits depend on the process count and topology); on
+    /// the CPU backend both are the tree.
+    pub all_reduce: AllReduceMode,
+}
+
+/// `policy.data_parallel.all_reduce`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AllReduceMode {
+    #[default]
+    Exact,
+    Fast,
 }
 
 impl Default for DataParallelConfig {
@@ -61,6 +75,7 @@ impl Default for DataParallelConfig {
             virtual_shards: 0,
             zero: false,
             timeout_s: 1800.0,
+            all_reduce: AllReduceMode::Exact,
         }
     }
 }

@@ -76,6 +76,11 @@ pub trait Collective {
     fn all_gather(&mut self, mine: &[f32]) -> Result<Vec<Vec<f32>>, CollectiveError>;
     /// Rank 0's `bytes` on every rank.
     fn broadcast(&mut self, bytes: &mut Vec<u8>) -> Result<(), CollectiveError>;
+    /// The backend's fastest all-reduce, where bit-equality across process counts is not
+    /// needed (`policy.data_parallel.all_reduce = "fast"`): NCCL's own; elsewhere the exact sum.
+    fn all_reduce_sum_fast(&mut self, buf: &mut [f32]) -> Result<(), CollectiveError> {
+        self.all_reduce_sum(buf)
+    }
     /// Returns when every rank has reached it.
     fn barrier(&mut self) -> Result<(), CollectiveError> {
         self.all_reduce_sum(&mut [])

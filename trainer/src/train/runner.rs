@@ -69,6 +69,8 @@ pub struct Runner {
     pub(crate) group: Box<dyn Collective + Send>,
     /// ZeRO-1: the parameters each rank updates (`None`: every rank updates all of them).
     zero: Option<Ownership>,
+    /// Reduce the gradients with the backend's own all-reduce (`all_reduce = "fast"`).
+    pub fast_all_reduce: bool,
     /// Time in collectives and bytes this rank sent and received, since the last
     /// [`Runner::take_comm`].
     comm: Comm,
@@ -137,6 +139,7 @@ impl Runner {
             vars,
             group,
             zero,
+            fast_all_reduce: false,
             comm: Comm::default(),
         })
     }
@@ -206,7 +209,14 @@ impl Runner {
             let mut flat = grads.flatten()?;
             drop(grads);
             let bytes = 8 * flat.len();
-            self.collective(bytes, |g| g.all_reduce_sum(&mut flat))?;
+            let fast = self.fast_all_reduce;
+            self.collective(bytes, |g| {
+                if fast {
+                    g.all_reduce_sum_fast(&mut flat)
+                } else {
+                    g.all_reduce_sum(&mut flat)
+                }
+            })?;
             let store = Grads::from_flat(&flat, &self.vars, &device)?.into_store(&self.vars);
             let norm = grad_norm(&store, &self.vars)?;
             (self.vars.clone(), store, norm)
@@ -538,6 +548,8 @@ impl Session {
             cfg.policy.data_parallel.zero,
         )?;
         runner.max_nonfinite_steps = cfg.policy.max_nonfinite_steps;
+        runner.fast_all_reduce =
+            cfg.policy.data_parallel.all_reduce == crate::config::AllReduceMode::Fast;
         let mut batcher = Batcher::new(
             train_set.records,
             crate::data::BatchOptions::from_config(cfg),
@@ -892,8 +904,10 @@ pub fn run<O: Objective>(
             skipped_records: skipped,
             time: unix_time(),
         };
-        log.append(&m)?;
-        progress.step(&m);
+        if main {
+            log.append(&m)?;
+            progress.step(&m);
+        }
         // Validation, evaluation (rank 0) and checkpoints.
         let step = runner.step;
         let at_end = step == total_steps;
