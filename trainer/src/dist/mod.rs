@@ -6,6 +6,8 @@
 //! training loop has one code path whatever the number of processes.
 
 pub mod launch;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 pub mod tcp;
 pub mod tree;
 
