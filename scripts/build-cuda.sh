@@ -82,8 +82,9 @@ ls -la target/cuda/release/teacher target/cuda/release/trainer
 [ "${1:-}" = "--bundle" ] || exit 0
 
 # The model tests and the device top-k parity test, built for the GPU. Their executables are
-# found from cargo's JSON messages (names carry a hash).
-tests=$(cargo test --release --locked --features cuda --no-run --message-format=json \
+# found from cargo's JSON messages (names carry a hash). `candle-core/nccl` keeps cudarc's features
+# those of the build above, so that cudarc is not compiled a second time.
+tests=$(cargo test --release --locked --features cuda,candle-core/nccl --no-run --message-format=json \
     -p xdistill-shared --test model -p xdistill-server --test device_topk \
   | python3 -c 'import json, sys
 for line in sys.stdin:
