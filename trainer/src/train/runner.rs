@@ -779,7 +779,7 @@ pub fn run<O: Objective>(
     let dp = &cfg.policy.data_parallel;
     // Every rank must run the same config (the whole of it, run length included).
     let whole = cfg.to_toml_string().context("serialising the config")?;
-    let group = dist::join(world.as_ref(), &whole, dp.timeout())?;
+    let group = dist::join(world.as_ref(), &whole, dp.timeout(), device)?;
     let plan = ShardPlan::new(dp.virtual_shards, group.world_size(), group.rank())
         .map_err(anyhow::Error::msg)?;
     if group.world_size() > 1 {

@@ -8,4 +8,6 @@ pub mod demo;
 pub mod eval;
 pub mod fetch_tokenizers;
 pub mod make_task;
+#[cfg(feature = "nccl")]
+pub mod nccl_check;
 pub mod prune;
