@@ -124,6 +124,27 @@ impl Collective for Solo {
     }
 }
 
+/// Checks that `shares` are `world` contiguous ranges covering `0..len` (a reduce-scatter's
+/// split), for every backend.
+pub(crate) fn check_shares(
+    shares: &[Range<usize>],
+    len: usize,
+    world: usize,
+) -> Result<(), CollectiveError> {
+    let contiguous = shares.len() == world
+        && shares.first().is_some_and(|r| r.start == 0)
+        && shares.last().is_some_and(|r| r.end == len)
+        && shares.windows(2).all(|w| w[0].end == w[1].start)
+        && shares.iter().all(|r| r.start <= r.end);
+    if contiguous {
+        Ok(())
+    } else {
+        Err(CollectiveError::Usage(format!(
+            "reduce-scatter needs {world} contiguous shares covering 0..{len}, got {shares:?}"
+        )))
+    }
+}
+
 /// `len` elements in `world` contiguous shares, the first `len % world` one longer.
 pub fn even_shares(len: usize, world: usize) -> Vec<Range<usize>> {
     let (base, extra) = (len / world.max(1), len % world.max(1));

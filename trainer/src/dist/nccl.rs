@@ -23,7 +23,7 @@
 //! `NCCL_DEBUG=WARN` makes NCCL print why a call failed.
 
 use super::tree::tree_sum_in_place;
-use super::{Collective, CollectiveError};
+use super::{check_shares, Collective, CollectiveError};
 use candle_core::cuda::cudarc;
 use cudarc::driver::{CudaSlice, CudaStream, DriverError};
 use cudarc::nccl::result::NcclError;
@@ -304,21 +304,6 @@ fn nccl_message(op: &str, e: &NcclError) -> String {
         "NCCL {op} failed: {:?} ({text}; NCCL_DEBUG=WARN prints NCCL's reason)",
         e.0
     )
-}
-
-fn check_shares(shares: &[Range<usize>], len: usize, world: usize) -> Result<(), CollectiveError> {
-    let contiguous = shares.len() == world
-        && shares.first().is_some_and(|r| r.start == 0)
-        && shares.last().is_some_and(|r| r.end == len)
-        && shares.windows(2).all(|w| w[0].end == w[1].start)
-        && shares.iter().all(|r| r.start <= r.end);
-    if contiguous {
-        Ok(())
-    } else {
-        Err(CollectiveError::Usage(format!(
-            "reduce-scatter needs {world} contiguous shares covering 0..{len}, got {shares:?}"
-        )))
-    }
 }
 
 impl Collective for NcclGroup {

@@ -10,7 +10,7 @@
 //! the deadline passes.
 
 use super::tree::tree_sum_in_place;
-use super::{Collective, CollectiveError};
+use super::{check_shares, Collective, CollectiveError};
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::ops::Range;
@@ -375,21 +375,6 @@ impl Collective for TcpGroup {
         }
         self.seq += 1;
         Ok(())
-    }
-}
-
-fn check_shares(shares: &[Range<usize>], len: usize, world: usize) -> Result<(), CollectiveError> {
-    let contiguous = shares.len() == world
-        && shares.first().is_some_and(|r| r.start == 0)
-        && shares.last().is_some_and(|r| r.end == len)
-        && shares.windows(2).all(|w| w[0].end == w[1].start)
-        && shares.iter().all(|r| r.start <= r.end);
-    if contiguous {
-        Ok(())
-    } else {
-        Err(CollectiveError::Usage(format!(
-            "reduce-scatter needs {world} contiguous shares covering 0..{len}, got {shares:?}"
-        )))
     }
 }
 
