@@ -501,8 +501,8 @@ fn form(div: Divergence) -> Result<Form> {
                 format!("must be in [0, 1], got {beta}"),
             ))
         }
-        Divergence::Jsd { beta } if beta == 0.0 => Form::Forward,
-        Divergence::Jsd { beta } if beta == 1.0 => Form::Reverse,
+        Divergence::Jsd { beta: 0.0 } => Form::Forward,
+        Divergence::Jsd { beta: 1.0 } => Form::Reverse,
         Divergence::Jsd { beta } => Form::Jsd(beta),
     })
 }

@@ -124,8 +124,8 @@ fn ref_loss(c: &Case, zs: &[f64], div: Divergence, tau: f64, norm: Option<f64>) 
         total += match div {
             Divergence::Forward => kl(&pt, &ps),
             Divergence::Reverse => kl(&ps, &pt),
-            Divergence::Jsd { beta } if beta == 0.0 => kl(&pt, &ps),
-            Divergence::Jsd { beta } if beta == 1.0 => kl(&ps, &pt),
+            Divergence::Jsd { beta: 0.0 } => kl(&pt, &ps),
+            Divergence::Jsd { beta: 1.0 } => kl(&ps, &pt),
             Divergence::Jsd { beta } => {
                 let m: Vec<f64> = pt
                     .iter()
