@@ -7,6 +7,7 @@
 
 pub mod alm;
 pub mod ce;
+pub mod full_vocab;
 pub mod kl;
 pub mod sampled;
 pub mod stable;
