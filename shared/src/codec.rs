@@ -518,7 +518,7 @@ impl HeadMeta {
         }
         let mut json = serde_json::to_vec(&serde_json::Value::Object(header))
             .expect("a JSON map always serialises");
-        while json.len() % 8 != 0 {
+        while !json.len().is_multiple_of(8) {
             json.push(b' ');
         }
         let mut out = (json.len() as u64).to_le_bytes().to_vec();

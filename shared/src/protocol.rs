@@ -377,7 +377,7 @@ impl WireDtype {
     }
     /// Little-endian bytes of this dtype → f32 (exact: bf16 and f16 widen without rounding).
     pub fn to_f32(self, bytes: &[u8]) -> Result<Vec<f32>, String> {
-        if bytes.len() % self.size() != 0 {
+        if !bytes.len().is_multiple_of(self.size()) {
             return Err(format!(
                 "{} bytes are not a whole number of {} values",
                 bytes.len(),
