@@ -22,7 +22,10 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 use xdistill_shared::codec::{self, Format};
-use xdistill_shared::protocol::{InfoResponse, Limits, TopkResponse, PROTOCOL_VERSION, TOPK_PATH};
+use xdistill_shared::protocol::{
+    FullVocabInfo, HiddenResponse, HiddenStates, InfoResponse, InfoWithFullVocab, Limits,
+    TopkResponse, HEAD_FINGERPRINT_HEADER, HEAD_PATH, HIDDEN_PATH, PROTOCOL_VERSION, TOPK_PATH,
+};
 
 /// Limits and options fixed at start-up.
 #[derive(Debug, Clone)]
@@ -74,6 +77,8 @@ pub struct Ready {
     pub facts: ModelFacts,
     pub limits: RequestLimits,
     pub info: InfoResponse,
+    /// `/v1/info`'s `full_vocab`: the hidden-state and head routes, when the head is served.
+    pub full_vocab: Option<FullVocabInfo>,
 }
 
 pub struct AppState {
@@ -134,11 +139,26 @@ impl AppState {
             sliding_layers: facts.sliding_layers,
             weights: facts.weights.clone(),
         };
+        let full_vocab = facts.head.as_ref().map(|h| FullVocabInfo {
+            hidden_route: HIDDEN_PATH.into(),
+            head_route: HEAD_PATH.into(),
+            dtype: h.meta.dtype.name().into(),
+            hidden_size: h.meta.hidden_size,
+            head_rows: h.meta.head_rows,
+            vocab_size: h.meta.vocab_size,
+            tied: h.meta.tied,
+            bias: h.meta.bias,
+            logit_scale: h.meta.logit_scale,
+            logit_softcap: h.meta.logit_softcap,
+            head_fingerprint: h.fingerprint.clone(),
+            head_bytes: h.len,
+        });
         self.ready
             .set(Ready {
                 facts,
                 limits,
                 info,
+                full_vocab,
             })
             .map_err(|_| "model set twice".to_string())?;
         self.metrics.model_loaded.store(1, Relaxed);
@@ -160,6 +180,8 @@ pub fn router(state: Shared) -> Router {
         .route("/tokenizer.json", get(tokenizer))
         .route("/metrics", get(metrics))
         .route(TOPK_PATH, post(topk))
+        .route(HIDDEN_PATH, post(hidden))
+        .route(HEAD_PATH, get(head))
         .merge(compat::routes())
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
@@ -185,7 +207,8 @@ async fn count(State(st): State<Shared>, req: Request, next: Next) -> Response {
     let t0 = Instant::now();
     let path = req.uri().path().to_string();
     let route = match path.as_str() {
-        "/health" | "/v1/info" | "/tokenizer.json" | "/metrics" | TOPK_PATH => path,
+        "/health" | "/v1/info" | "/tokenizer.json" | "/metrics" | TOPK_PATH | HIDDEN_PATH
+        | HEAD_PATH => path,
         p if compat::ROUTES.contains(&p) => path,
         _ => "other".into(),
     };
@@ -291,7 +314,11 @@ async fn health(State(st): State<Shared>) -> Response {
 
 async fn info(State(st): State<Shared>) -> Response {
     match st.ready() {
-        Ok(r) => axum::Json(r.info.clone()).into_response(),
+        Ok(r) => axum::Json(InfoWithFullVocab {
+            info: r.info.clone(),
+            full_vocab: r.full_vocab.clone(),
+        })
+        .into_response(),
         Err(e) => error_response(e),
     }
 }
@@ -479,6 +506,165 @@ async fn score(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Respons
         body,
     )
         .into_response())
+}
+
+async fn hidden(State(st): State<Shared>, headers: HeaderMap, body: Body) -> Response {
+    match hidden_states(&st, &headers, body).await {
+        Ok(r) => r,
+        Err(e) => error_response(e),
+    }
+}
+
+/// The served head, or why there is none.
+fn served_head(ready: &Ready) -> Result<Arc<crate::head::HeadServe>, ApiError> {
+    ready.facts.head.clone().ok_or_else(|| {
+        ApiError::NoHead(format!(
+            "the LM head of {} ({}) cannot be served (the server log says why)",
+            ready.facts.architecture, ready.facts.dtype
+        ))
+    })
+}
+
+/// `POST /hidden_states`: JSON or MessagePack in, MessagePack out (the states are blobs in the
+/// model's dtype). The same validation, limits, admission, batching and cache as
+/// `/topk_logits`: the request becomes a [`crate::validation::ValidTopkRequest`] whose
+/// parameters ask for hidden states.
+async fn hidden_states(
+    st: &AppState,
+    headers: &HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let ready = st.ready()?;
+    let head = served_head(ready)?;
+    let in_format = body_format(headers)?;
+    let bytes = read_body(st, headers, body).await?;
+    require_map(in_format, &bytes)?;
+    let req = codec::decode_hidden_request(in_format, &bytes)
+        .map_err(|e| ApiError::Malformed(e.to_string()))?;
+    let valid = crate::validation::validate_hidden(req, &ready.limits)?;
+    let row_bytes = head.meta.hidden_size * head.meta.dtype.size();
+    crate::validation::check_answer_size(
+        codec::hidden_response_bytes(valid.sequences.iter().map(|s| s.rows()), row_bytes),
+        "of MessagePack hidden states",
+        "sequences",
+        &ready.limits,
+    )?;
+    let results = engine::score(st, &valid).await?;
+    let resp = HiddenResponse {
+        model: ready.facts.fingerprint.clone(),
+        head_fingerprint: head.fingerprint.clone(),
+        dtype: head.meta.dtype,
+        hidden_size: head.meta.hidden_size,
+        results: Vec::new(),
+    };
+    let body = tokio::task::spawn_blocking(move || {
+        let resp = HiddenResponse {
+            results: results
+                .iter()
+                .map(|r| HiddenStates {
+                    rows: r.rows,
+                    data: r.hidden.clone(),
+                })
+                .collect(),
+            ..resp
+        };
+        codec::encode_hidden_response(&resp)
+    })
+    .await
+    .map_err(|e| ApiError::Internal(format!("encoder task failed: {e}")))?
+    .map_err(|e| ApiError::Internal(e.to_string()))?;
+    Ok((
+        [
+            (
+                header::CONTENT_TYPE,
+                HeaderValue::from_static(codec::MSGPACK),
+            ),
+            (
+                header::HeaderName::from_static(HEAD_FINGERPRINT_HEADER),
+                HeaderValue::from_str(&head.fingerprint)
+                    .map_err(|e| ApiError::Internal(e.to_string()))?,
+            ),
+        ],
+        body,
+    )
+        .into_response())
+}
+
+async fn head(State(st): State<Shared>, headers: HeaderMap) -> Response {
+    match head_file(&st, &headers) {
+        Ok(r) => r,
+        Err(e) => error_response(e),
+    }
+}
+
+/// `GET /v1/head`: the head file (safetensors), streamed a chunk of rows at a time from the
+/// model's own tensor, with its fingerprint as `ETag` and `X-Xdistill-Head-Fingerprint`. The
+/// bytes are hashed again as they go and the last chunk is only sent once they match: a body
+/// that arrives whole is the one fingerprinted. `If-None-Match` with the fingerprint: 304.
+fn head_file(st: &AppState, headers: &HeaderMap) -> Result<Response, ApiError> {
+    let ready = st.ready()?;
+    let head = served_head(ready)?;
+    let etag = format!("\"{}\"", head.fingerprint);
+    let fp =
+        HeaderValue::from_str(&head.fingerprint).map_err(|e| ApiError::Internal(e.to_string()))?;
+    let etag_value = HeaderValue::from_str(&etag).map_err(|e| ApiError::Internal(e.to_string()))?;
+    let fp_name = header::HeaderName::from_static(HEAD_FINGERPRINT_HEADER);
+    let cached = headers
+        .get_all(header::IF_NONE_MATCH)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| t.trim() == etag || t.trim() == "*");
+    if cached {
+        let mut r = StatusCode::NOT_MODIFIED.into_response();
+        r.headers_mut().insert(header::ETAG, etag_value);
+        r.headers_mut().insert(fp_name, fp);
+        return Ok(r);
+    }
+    let (tx, rx) = tokio::sync::mpsc::channel::<Result<bytes::Bytes, std::io::Error>>(4);
+    let len = head.len;
+    tokio::task::spawn_blocking(move || {
+        use sha2::Digest;
+        let mut sha = sha2::Sha256::new();
+        let mut pending: Option<bytes::Bytes> = None;
+        let walked = head.for_each_chunk(|c| {
+            sha.update(c);
+            let next = bytes::Bytes::copy_from_slice(c);
+            match pending.replace(next) {
+                Some(b) => tx.blocking_send(Ok(b)).is_ok(),
+                None => true,
+            }
+        });
+        let last = match walked {
+            Ok(n) if n == head.len && hex::encode(sha.finalize()) == head.fingerprint => {
+                pending.map(Ok)
+            }
+            Ok(n) if n < head.len => None, // the client left
+            Ok(_) => Some(Err(std::io::Error::other(
+                "the head's bytes no longer match its fingerprint",
+            ))),
+            Err(e) => Some(Err(std::io::Error::other(format!("reading the head: {e}")))),
+        };
+        if let Some(Err(e)) = &last {
+            tracing::error!("/v1/head aborted: {e}");
+        }
+        if let Some(last) = last {
+            let _ = tx.blocking_send(last);
+        }
+    });
+    let stream = futures::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|item| (item, rx))
+    });
+    let mut r = Body::from_stream(stream).into_response();
+    let h = r.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/octet-stream"),
+    );
+    h.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
+    h.insert(header::ETAG, etag_value);
+    h.insert(fp_name, fp);
+    Ok(r)
 }
 
 #[cfg(test)]

@@ -31,6 +31,7 @@ pub fn cache_key(fingerprint: &str, seq: &ValidSequence, p: &ScoreParams) -> Cac
     }]);
     h.update((seq.start as u64).to_le_bytes());
     h.update([p.ranks as u8]);
+    h.update([p.hidden as u8]);
     match p.next {
         None => h.update([0u8]),
         Some(NextToken::Greedy) => h.update([1u8]),
@@ -135,6 +136,7 @@ mod tests {
                 },
             ),
             cache_key("fp", &s, &ScoreParams { ranks: true, ..p }),
+            cache_key("fp", &s, &ScoreParams { hidden: true, ..p }),
             cache_key(
                 "fp",
                 &s,

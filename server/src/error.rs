@@ -104,6 +104,10 @@ pub enum ApiError {
     MethodNotAllowed,
     #[error("internal error: {0}")]
     Internal(String),
+    /// The hidden-state and head routes are not available for this model (the message says
+    /// why, e.g. a head dtype with no wire format).
+    #[error("the hidden-state and head routes are not available for this model: {0}")]
+    NoHead(String),
     /// A sequence got no scores: the request's fault (4xx) or the model's or the server's
     /// (5xx); [`ApiError::status`] and [`ApiError::label`] tell them apart.
     #[error("{0}")]
@@ -165,12 +169,14 @@ impl ApiError {
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            ApiError::NoHead(_) => StatusCode::NOT_IMPLEMENTED,
             ApiError::Scoring(e) => match e {
                 // The request's: the same request fails the same way.
                 ScoringError::TemperatureOverflow { .. } => StatusCode::UNPROCESSABLE_ENTITY,
                 ScoringError::WorkerStopped => StatusCode::SERVICE_UNAVAILABLE,
                 // The model's or the server's.
                 ScoringError::NonFiniteLogits { .. }
+                | ScoringError::NonFiniteHidden { .. }
                 | ScoringError::Forward(_)
                 | ScoringError::Panicked(_) => StatusCode::INTERNAL_SERVER_ERROR,
             },
@@ -207,9 +213,11 @@ impl ApiError {
             ApiError::HeadersTooLarge => "headers_too_large",
             ApiError::MethodNotAllowed => "method_not_allowed",
             ApiError::Internal(_) => "internal_error",
+            ApiError::NoHead(_) => "head_unavailable",
             ApiError::Scoring(e) => match e {
                 ScoringError::TemperatureOverflow { .. } => "temperature_overflow",
                 ScoringError::NonFiniteLogits { .. } => "non_finite_logits",
+                ScoringError::NonFiniteHidden { .. } => "non_finite_hidden",
                 ScoringError::Forward(_) => "forward_failed",
                 ScoringError::Panicked(_) => "worker_panicked",
                 ScoringError::WorkerStopped => "worker_stopped",
@@ -323,6 +331,11 @@ mod tests {
         .into_response();
         assert_eq!(q.status(), StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(q.headers()[header::RETRY_AFTER], "2");
+        let h = ApiError::NoHead("a head of U8".into());
+        assert_eq!(
+            (h.status(), h.label()),
+            (StatusCode::NOT_IMPLEMENTED, "head_unavailable")
+        );
     }
 
     /// A scoring failure the request caused is a 4xx naming the field; the model's or the
@@ -351,6 +364,15 @@ mod tests {
                 },
                 500,
                 "non_finite_logits",
+            ),
+            (
+                ScoringError::NonFiniteHidden {
+                    element: 3,
+                    position: 2,
+                    value: f32::INFINITY,
+                },
+                500,
+                "non_finite_hidden",
             ),
             (ScoringError::Forward("oom".into()), 500, "forward_failed"),
             (

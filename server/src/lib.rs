@@ -11,6 +11,7 @@ pub mod cache;
 pub mod compat;
 pub mod engine;
 pub mod error;
+pub mod head;
 pub mod head_errors;
 pub mod metrics;
 pub mod model;

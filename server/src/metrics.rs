@@ -67,6 +67,7 @@ impl Histogram {
 /// scores (native and compatible), so that benchmarks can compare them phase by phase.
 pub const SCORING_ROUTES: &[&str] = &[
     xdistill_shared::protocol::TOPK_PATH,
+    xdistill_shared::protocol::HIDDEN_PATH,
     "/v1/completions",
     "/generate",
 ];

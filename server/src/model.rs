@@ -56,6 +56,11 @@ pub struct ModelFacts {
     pub tokenizer_json: bytes::Bytes,
     /// The tokenizer and every id's text, for the compatible routes.
     pub vocab: Arc<Vocab>,
+    /// Width of the hidden states (the LM head's input).
+    pub hidden_size: usize,
+    /// The LM head as `/v1/head` serves it (set by the worker once the weights are loaded);
+    /// `None`: no hidden-state or head route.
+    pub head: Option<Arc<crate::head::HeadServe>>,
 }
 
 /// Reads everything but the weights, and decodes every id once for the compatible routes.
@@ -93,6 +98,8 @@ pub fn read_facts(dir: &ModelDir, dtype: DType, device: &Device) -> Result<Model
         lm_head: "full",
         tokenizer_json: tokenizer_json.into(),
         vocab: Arc::new(Vocab::build(tok, tok_vocab.min(logits_size))),
+        hidden_size: dir.config.hidden_size,
+        head: None,
     })
 }
 
@@ -159,6 +166,8 @@ pub fn gguf_facts(g: &GgufModel, dtype: DType, device: &Device) -> Result<ModelF
         lm_head: "full",
         tokenizer_json: g.tokenizer_json.clone().into_bytes().into(),
         vocab: Arc::new(Vocab::build(tok, tok_vocab.min(logits_size))),
+        hidden_size: g.config.hidden_size,
+        head: None,
     })
 }
 

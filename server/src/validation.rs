@@ -5,7 +5,7 @@
 use crate::error::ApiError;
 use crate::scoring::ScoreParams;
 use std::sync::Arc;
-use xdistill_shared::protocol::TopkRequest;
+use xdistill_shared::protocol::{HiddenRequest, TopkRequest};
 
 /// The limits a request is checked against.
 #[derive(Debug, Clone)]
@@ -172,11 +172,11 @@ pub struct ScoreSpec {
     pub names: FieldNames,
 }
 
-/// Checks every field of a native request against `lim`.
-pub fn validate(req: TopkRequest, lim: &RequestLimits) -> Result<ValidTopkRequest, ApiError> {
-    let n = req.sequences.len();
+/// The native routes' field names for a request with `n` sequences and these `starts`
+/// (`starts` must hold one per sequence).
+fn native_names(n: usize, starts: Option<&Vec<usize>>) -> Result<FieldNames, ApiError> {
     let mut names = NATIVE_FIELDS;
-    if let Some(starts) = &req.starts {
+    if let Some(starts) = starts {
         if starts.len() != n {
             return Err(ApiError::invalid(
                 "starts",
@@ -185,6 +185,32 @@ pub fn validate(req: TopkRequest, lim: &RequestLimits) -> Result<ValidTopkReques
         }
         names.start = "starts";
     }
+    Ok(names)
+}
+
+/// Checks a `/hidden_states` request against `lim`: the same sequence, start and size rules as
+/// `/topk_logits` (the answer's size is checked by the route, which knows the hidden width).
+pub fn validate_hidden(
+    req: HiddenRequest,
+    lim: &RequestLimits,
+) -> Result<ValidTopkRequest, ApiError> {
+    let n = req.sequences.len();
+    let names = native_names(n, req.starts.as_ref())?;
+    let spec = ScoreSpec {
+        starts: (0..n).map(|i| req.start_of(i)).collect(),
+        per_sequence_start: req.starts.is_some(),
+        candidates: CandidateSpec::None,
+        params: ScoreParams::hidden_states(),
+        sequences: req.sequences,
+        names,
+    };
+    validate_spec(spec, lim)
+}
+
+/// Checks every field of a native request against `lim`.
+pub fn validate(req: TopkRequest, lim: &RequestLimits) -> Result<ValidTopkRequest, ApiError> {
+    let n = req.sequences.len();
+    let names = native_names(n, req.starts.as_ref())?;
     let spec = ScoreSpec {
         starts: (0..n).map(|i| req.start_of(i)).collect(),
         per_sequence_start: req.starts.is_some(),
@@ -499,6 +525,34 @@ mod tests {
         assert_eq!(field_of(r.clone()), "starts");
         r.starts = Some(vec![5]);
         assert_eq!(field_of(r), "starts[0]");
+    }
+
+    #[test]
+    fn hidden_requests_follow_the_same_rules() {
+        let h = |sequences: Vec<Vec<u32>>, start: usize, starts: Option<Vec<usize>>| {
+            validate_hidden(
+                HiddenRequest {
+                    sequences,
+                    start,
+                    starts,
+                },
+                &lim(),
+            )
+        };
+        let v = h(vec![vec![1, 2, 3], vec![4]], 0, Some(vec![1, 0])).unwrap();
+        assert!(v.params.hidden);
+        assert_eq!((v.sequences[0].rows(), v.sequences[1].rows()), (1, 0));
+        let field = |r: Result<ValidTopkRequest, ApiError>| match r {
+            Err(ApiError::Invalid { field, .. }) => field,
+            other => panic!("expected Invalid, got {other:?}"),
+        };
+        assert_eq!(field(h(vec![vec![1, 100]], 0, None)), "sequences[0][1]");
+        assert_eq!(field(h(vec![vec![]], 0, None)), "sequences[0]");
+        assert_eq!(field(h(vec![vec![1; 9]], 0, None)), "sequences[0]");
+        assert_eq!(field(h(vec![], 0, None)), "sequences");
+        assert_eq!(field(h(vec![vec![1, 2]], 2, None)), "start");
+        assert_eq!(field(h(vec![vec![1, 2]], 0, Some(vec![]))), "starts");
+        assert_eq!(field(h(vec![vec![1, 2]], 0, Some(vec![2]))), "starts[0]");
     }
 
     #[test]

@@ -86,6 +86,17 @@ pub fn spawn(
                 decoder.device(),
             );
             facts.lm_head = scorer.path_name();
+            // The head `/v1/head` serves, fingerprinted once (a chunk of rows at a time). A head
+            // that cannot be served only turns those routes off.
+            match crate::head::HeadServe::new(
+                &decoder,
+                &facts.fingerprint,
+                &facts.architecture,
+                facts.vocab_size,
+            ) {
+                Ok(head) => facts.head = Some(Arc::new(head)),
+                Err(e) => tracing::warn!("no hidden-state or head routes: {e}"),
+            }
             // Otherwise candle's matmul makes the fused head's tiles.
             let kernel = scorer.uses_head_kernel(decoder.lm_head());
             tracing::info!(
@@ -144,7 +155,9 @@ fn guarded<T>(f: impl FnOnce() -> Result<T, ScoringError>) -> Result<T, ScoringE
     match std::panic::catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(x)) => Ok(x),
         Ok(Err(
-            e @ (ScoringError::TemperatureOverflow { .. } | ScoringError::NonFiniteLogits { .. }),
+            e @ (ScoringError::TemperatureOverflow { .. }
+            | ScoringError::NonFiniteLogits { .. }
+            | ScoringError::NonFiniteHidden { .. }),
         )) => {
             tracing::warn!("sequence refused: {e}");
             Err(e)
@@ -396,6 +409,59 @@ mod tests {
                     println!("padded forward: short sequence identical when batched: {same_x}");
                 }
             }
+        }
+    }
+
+    /// `/hidden_states`' rows: the final-norm states of positions `start..S - 1` (here through
+    /// KV-cache chunks of 8, agreeing with one whole forward to rounding), with no scores, and
+    /// the same bits alone and batched with a scoring neighbour (batch-invariant mode).
+    #[test]
+    fn hidden_rows_are_the_head_input_and_batch_invariant() {
+        let ids: &'static [u32] = Vec::leak((0..30u32).map(|i| i * 523 % VALID as u32).collect());
+        let hp: &'static ScoreParams = Box::leak(Box::new(ScoreParams::hidden_states()));
+        let sp: &'static ScoreParams =
+            Box::leak(Box::new(ScoreParams::native(3, 1.0, ValuesKind::Logprobs)));
+        let hs = SeqRef {
+            ids,
+            start: 4,
+            params: hp,
+            candidates: None,
+        };
+        let w = worker(true, 8);
+        let mut t = Timing::default();
+        let alone = w.compute(&[hs], &mut t).remove(0).unwrap();
+        let h = w.decoder.config().hidden_size;
+        assert_eq!(alone.rows, 25);
+        assert_eq!(alone.hidden.len(), 25 * h * 4);
+        assert!(alone.topk_ids.is_empty() && alone.logsumexp.is_empty());
+        let mixed = w.compute(&[mk_seq(ids, sp), hs], &mut t);
+        assert_eq!(mixed[1].as_ref().unwrap().hidden, alone.hidden);
+        // Row r is position 4 + r of the whole sequence's forward.
+        let full = w
+            .decoder
+            .forward_hidden(
+                &Tensor::new(&ids[..29], &Device::Cpu)
+                    .unwrap()
+                    .unsqueeze(0)
+                    .unwrap(),
+                None,
+                None,
+                None,
+            )
+            .unwrap()
+            .get(0)
+            .unwrap()
+            .narrow(0, 4, 25)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let got = xdistill_shared::protocol::WireDtype::F32
+            .to_f32(&alone.hidden)
+            .unwrap();
+        for (a, b) in got.iter().zip(&full) {
+            assert!((a - b).abs() < 1e-4, "{a} vs {b}");
         }
     }
 

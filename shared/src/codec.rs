@@ -4,7 +4,10 @@
 //! - MessagePack (`application/msgpack`): every numeric array is a little-endian binary blob
 //!   (`bin`), with its shape alongside. At k = 64 this costs ≈ 8.1 bytes per (position, k) entry.
 
-use crate::protocol::{SequenceScores, TopkRequest, TopkResponse, ValuesKind};
+use crate::protocol::{
+    HiddenRequest, HiddenResponse, HiddenStates, SequenceScores, TopkRequest, TopkResponse,
+    ValuesKind, WireDtype,
+};
 use serde::{Deserialize, Serialize};
 
 pub const JSON: &str = "application/json";
@@ -339,6 +342,289 @@ pub fn decode_response(format: Format, body: &[u8]) -> Result<TopkResponse, Code
     }
 }
 
+// ---- hidden states (`/hidden_states`) -------------------------------------------------------
+
+/// Decodes a `/hidden_states` body, as strictly as [`decode_request`].
+pub fn decode_hidden_request(format: Format, body: &[u8]) -> Result<HiddenRequest, CodecError> {
+    Ok(match format {
+        Format::Json => serde_json::from_slice(body)?,
+        Format::Msgpack => {
+            let mut de = rmp_serde::Deserializer::new(body);
+            let req = HiddenRequest::deserialize(&mut de)?;
+            let rest = de.into_inner();
+            if !rest.is_empty() {
+                return Err(CodecError::Trailing(rest.len()));
+            }
+            req
+        }
+    })
+}
+
+pub fn encode_hidden_request(format: Format, req: &HiddenRequest) -> Result<Vec<u8>, CodecError> {
+    Ok(match format {
+        Format::Json => serde_json::to_vec(req)?,
+        Format::Msgpack => rmp_serde::to_vec_named(req)?,
+    })
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PackHidden {
+    model: String,
+    head_fingerprint: String,
+    dtype: String,
+    hidden_size: usize,
+    results: Vec<PackHiddenSequence>,
+}
+
+/// One sequence's `[rows, H]` states as one little-endian blob.
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PackHiddenSequence {
+    shape: [usize; 2],
+    #[serde(with = "serde_bytes")]
+    hidden: Vec<u8>,
+}
+
+/// The `/hidden_states` answer (MessagePack only: the states are blobs in the model's dtype).
+pub fn encode_hidden_response(resp: &HiddenResponse) -> Result<Vec<u8>, CodecError> {
+    let r = PackHidden {
+        model: resp.model.clone(),
+        head_fingerprint: resp.head_fingerprint.clone(),
+        dtype: resp.dtype.name().into(),
+        hidden_size: resp.hidden_size,
+        results: resp
+            .results
+            .iter()
+            .map(|s| PackHiddenSequence {
+                shape: [s.rows, resp.hidden_size],
+                hidden: s.data.clone(),
+            })
+            .collect(),
+    };
+    Ok(rmp_serde::to_vec_named(&r)?)
+}
+
+/// Bytes of the encoded answer for sequences of `rows` rows each (the blobs plus 64 per
+/// sequence and 256 for the envelope; an upper bound of [`encode_hidden_response`]'s size).
+pub fn hidden_response_bytes(rows: impl Iterator<Item = usize>, row_bytes: usize) -> usize {
+    256 + rows
+        .map(|r| 64usize.saturating_add(r.saturating_mul(row_bytes)))
+        .fold(0usize, usize::saturating_add)
+}
+
+pub fn decode_hidden_response(body: &[u8]) -> Result<HiddenResponse, CodecError> {
+    let r: PackHidden = rmp_serde::from_slice(body)?;
+    let dtype = WireDtype::parse(&r.dtype)
+        .ok_or_else(|| CodecError::Shape(format!("unknown dtype {:?}", r.dtype)))?;
+    let results = r
+        .results
+        .into_iter()
+        .map(|s| {
+            let [rows, h] = s.shape;
+            if h != r.hidden_size || s.hidden.len() != rows * h * dtype.size() {
+                return Err(CodecError::Shape(format!(
+                    "hidden: {} bytes for shape [{rows}, {h}] of {} (hidden_size {})",
+                    s.hidden.len(),
+                    dtype.name(),
+                    r.hidden_size
+                )));
+            }
+            Ok(HiddenStates {
+                rows,
+                data: s.hidden,
+            })
+        })
+        .collect::<Result<Vec<_>, CodecError>>()?;
+    Ok(HiddenResponse {
+        model: r.model,
+        head_fingerprint: r.head_fingerprint,
+        dtype,
+        hidden_size: r.hidden_size,
+        results,
+    })
+}
+
+// ---- the output head (`/v1/head`) ------------------------------------------------------------
+
+/// What the head file says besides its tensors (its safetensors `__metadata__`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct HeadMeta {
+    pub model_fingerprint: String,
+    pub architecture: String,
+    /// Valid ids; rows at or above are padding.
+    pub vocab_size: usize,
+    pub head_rows: usize,
+    pub hidden_size: usize,
+    pub dtype: WireDtype,
+    pub tied: bool,
+    pub bias: bool,
+    pub logit_scale: f64,
+    pub logit_softcap: Option<f64>,
+}
+
+/// `format` in the head file's metadata.
+pub const HEAD_FORMAT: &str = "xdistill-head-1";
+
+impl HeadMeta {
+    /// Bytes of the weight tensor `[head_rows, hidden_size]`.
+    pub fn weight_bytes(&self) -> u64 {
+        (self.head_rows * self.hidden_size * self.dtype.size()) as u64
+    }
+    /// Bytes of the bias `[head_rows]` (0 without one).
+    pub fn bias_bytes(&self) -> u64 {
+        if self.bias {
+            (self.head_rows * self.dtype.size()) as u64
+        } else {
+            0
+        }
+    }
+    /// The safetensors header: its length (u64 LE), then the JSON, padded with spaces to a
+    /// multiple of 8 bytes. The tensors' bytes follow: `weight`, then `bias` if any.
+    pub fn header(&self) -> Vec<u8> {
+        let meta = serde_json::json!({
+            "format": HEAD_FORMAT,
+            "model_fingerprint": self.model_fingerprint,
+            "architecture": self.architecture,
+            "vocab_size": self.vocab_size.to_string(),
+            "head_rows": self.head_rows.to_string(),
+            "hidden_size": self.hidden_size.to_string(),
+            "dtype": self.dtype.name(),
+            "tied": self.tied.to_string(),
+            "bias": self.bias.to_string(),
+            "logit_scale": format!("{:?}", self.logit_scale),
+            "logit_softcap": self.logit_softcap.map_or("none".to_string(), |c| format!("{c:?}")),
+        });
+        let w = self.weight_bytes();
+        let mut header = serde_json::Map::new();
+        header.insert("__metadata__".into(), meta);
+        header.insert(
+            "weight".into(),
+            serde_json::json!({
+                "dtype": self.dtype.safetensors_name(),
+                "shape": [self.head_rows, self.hidden_size],
+                "data_offsets": [0, w],
+            }),
+        );
+        if self.bias {
+            header.insert(
+                "bias".into(),
+                serde_json::json!({
+                    "dtype": self.dtype.safetensors_name(),
+                    "shape": [self.head_rows],
+                    "data_offsets": [w, w + self.bias_bytes()],
+                }),
+            );
+        }
+        let mut json = serde_json::to_vec(&serde_json::Value::Object(header))
+            .expect("a JSON map always serialises");
+        while !json.len().is_multiple_of(8) {
+            json.push(b' ');
+        }
+        let mut out = (json.len() as u64).to_le_bytes().to_vec();
+        out.extend_from_slice(&json);
+        out
+    }
+    /// Length of the whole head file.
+    pub fn file_len(&self) -> u64 {
+        self.header().len() as u64 + self.weight_bytes() + self.bias_bytes()
+    }
+}
+
+/// A decoded head file, its tensors widened to f32.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HeadFile {
+    pub meta: HeadMeta,
+    /// `[head_rows, hidden_size]`, row-major.
+    pub weight: Vec<f32>,
+    /// `[head_rows]` when the head has a bias.
+    pub bias: Option<Vec<f32>>,
+}
+
+/// Decodes the bytes `/v1/head` serves (a safetensors file; see [`HeadMeta::header`]).
+pub fn decode_head(bytes: &[u8]) -> Result<HeadFile, CodecError> {
+    let bad = |m: String| CodecError::Shape(format!("head file: {m}"));
+    if bytes.len() < 8 {
+        return Err(bad(format!("{} bytes, no header", bytes.len())));
+    }
+    let n = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
+    let json = bytes
+        .get(8..8usize.saturating_add(n))
+        .ok_or_else(|| bad(format!("header of {n} bytes in a file of {}", bytes.len())))?;
+    let header: serde_json::Value = serde_json::from_slice(json)?;
+    let data = &bytes[8 + n..];
+    let meta = &header["__metadata__"];
+    let text = |k: &str| -> Result<&str, CodecError> {
+        meta[k]
+            .as_str()
+            .ok_or_else(|| bad(format!("metadata {k} missing")))
+    };
+    let num = |k: &str| -> Result<usize, CodecError> {
+        text(k)?
+            .parse()
+            .map_err(|e| bad(format!("metadata {k}: {e}")))
+    };
+    if text("format")? != HEAD_FORMAT {
+        return Err(bad(format!(
+            "format {:?}, not {HEAD_FORMAT}",
+            text("format")?
+        )));
+    }
+    let dtype = WireDtype::parse(text("dtype")?)
+        .ok_or_else(|| bad(format!("dtype {:?}", text("dtype"))))?;
+    let float = |k: &str| -> Result<Option<f64>, CodecError> {
+        match text(k)? {
+            "none" => Ok(None),
+            v => v
+                .parse()
+                .map(Some)
+                .map_err(|e| bad(format!("metadata {k}: {e}"))),
+        }
+    };
+    let meta = HeadMeta {
+        model_fingerprint: text("model_fingerprint")?.into(),
+        architecture: text("architecture")?.into(),
+        vocab_size: num("vocab_size")?,
+        head_rows: num("head_rows")?,
+        hidden_size: num("hidden_size")?,
+        dtype,
+        tied: text("tied")? == "true",
+        bias: text("bias")? == "true",
+        logit_scale: float("logit_scale")?.unwrap_or(1.0),
+        logit_softcap: float("logit_softcap")?,
+    };
+    let tensor = |name: &str, want: u64| -> Result<Vec<f32>, CodecError> {
+        let t = &header[name];
+        let offs = t["data_offsets"]
+            .as_array()
+            .and_then(|a| Some((a.first()?.as_u64()?, a.get(1)?.as_u64()?)))
+            .ok_or_else(|| bad(format!("{name}: no data_offsets")))?;
+        if offs.1 < offs.0 || offs.1 - offs.0 != want || offs.1 as usize > data.len() {
+            return Err(bad(format!(
+                "{name}: offsets {offs:?} for {want} bytes in {} bytes of data",
+                data.len()
+            )));
+        }
+        dtype
+            .to_f32(&data[offs.0 as usize..offs.1 as usize])
+            .map_err(bad)
+    };
+    let weight = tensor("weight", meta.weight_bytes())?;
+    let bias = if meta.bias {
+        Some(tensor("bias", meta.bias_bytes())?)
+    } else {
+        None
+    };
+    if data.len() as u64 != meta.weight_bytes() + meta.bias_bytes() {
+        return Err(bad(format!(
+            "{} bytes of data for {} of tensors",
+            data.len(),
+            meta.weight_bytes() + meta.bias_bytes()
+        )));
+    }
+    Ok(HeadFile { meta, weight, bias })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -540,6 +826,76 @@ mod tests {
         assert_eq!(ok.values, ValuesKind::Logprobs);
         let packed = encode_request(Format::Msgpack, &ok).unwrap();
         assert_eq!(decode_request(Format::Msgpack, &packed).unwrap(), ok);
+    }
+
+    #[test]
+    fn hidden_request_and_response_round_trip() {
+        let req = decode_hidden_request(Format::Json, br#"{"sequences":[[1,2,3]],"starts":[1]}"#)
+            .unwrap();
+        assert_eq!(req.start_of(0), 1);
+        let packed = encode_hidden_request(Format::Msgpack, &req).unwrap();
+        assert_eq!(
+            decode_hidden_request(Format::Msgpack, &packed).unwrap(),
+            req
+        );
+        assert!(decode_hidden_request(Format::Json, br#"{"sequences":[[1]],"k":2}"#).is_err());
+        let resp = HiddenResponse {
+            model: "m".into(),
+            head_fingerprint: "h".into(),
+            dtype: WireDtype::Bf16,
+            hidden_size: 2,
+            results: vec![
+                HiddenStates {
+                    rows: 2,
+                    data: [1.0f32, -2.0, 0.5, 3.0]
+                        .iter()
+                        .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+                        .collect(),
+                },
+                HiddenStates::default(),
+            ],
+        };
+        let bytes = encode_hidden_response(&resp).unwrap();
+        let back = decode_hidden_response(&bytes).unwrap();
+        assert_eq!(back, resp);
+        assert_eq!(back.f32_rows(0).unwrap(), vec![1.0, -2.0, 0.5, 3.0]);
+        assert!(bytes.len() <= hidden_response_bytes([2, 0].into_iter(), 4));
+    }
+
+    /// The head file is a safetensors file (read back by the safetensors crate) that
+    /// [`decode_head`] reads too, with or without a bias.
+    #[test]
+    fn head_file_is_safetensors() {
+        for bias in [false, true] {
+            let meta = HeadMeta {
+                model_fingerprint: "fp".into(),
+                architecture: "Qwen3ForCausalLM".into(),
+                vocab_size: 3,
+                head_rows: 4,
+                hidden_size: 2,
+                dtype: WireDtype::F32,
+                tied: true,
+                bias,
+                logit_scale: 1.0,
+                logit_softcap: Some(30.0),
+            };
+            let mut file = meta.header();
+            assert_eq!(file.len() % 8, 0);
+            let w: Vec<f32> = (0..8).map(|i| i as f32 - 3.5).collect();
+            file.extend(w.iter().flat_map(|x| x.to_le_bytes()));
+            if bias {
+                file.extend([0.5f32; 4].iter().flat_map(|x| x.to_le_bytes()));
+            }
+            assert_eq!(file.len() as u64, meta.file_len());
+            let st = safetensors::SafeTensors::deserialize(&file).unwrap();
+            assert_eq!(st.tensor("weight").unwrap().shape(), &[4, 2]);
+            assert_eq!(st.names().len(), 1 + bias as usize);
+            let back = decode_head(&file).unwrap();
+            assert_eq!(back.meta, meta);
+            assert_eq!(back.weight, w);
+            assert_eq!(back.bias, bias.then(|| vec![0.5; 4]));
+            assert!(decode_head(&file[..file.len() - 1]).is_err());
+        }
     }
 
     #[test]

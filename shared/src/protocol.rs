@@ -9,6 +9,17 @@ use serde::{Deserialize, Serialize};
 /// Path of the scoring route.
 pub const TOPK_PATH: &str = "/topk_logits";
 
+/// Path of the hidden-state route (`POST`): per position, the teacher's final-norm hidden state
+/// (the LM head's input), for exact full-vocabulary distillation on the client's side.
+pub const HIDDEN_PATH: &str = "/hidden_states";
+
+/// Path of the output-head route (`GET`): the LM head's weight (and bias, scale, soft-cap) as
+/// one safetensors file, served once per model version.
+pub const HEAD_PATH: &str = "/v1/head";
+
+/// Response header of `/v1/head` (and `/hidden_states`): SHA-256 hex of the head file's bytes.
+pub const HEAD_FINGERPRINT_HEADER: &str = "x-xdistill-head-fingerprint";
+
 /// Header the clients send with a stable hash of a request's sequences, so that a load balancer
 /// hashing on it (`docker/haproxy.cfg`) sends the same text to the same replica, whose cache then
 /// answers it.
@@ -215,6 +226,10 @@ pub struct SequenceScores {
     /// The token chosen after the last position (greedy or sampled) when a compatible route asked
     /// for one; its row is the last row. Server-side only, never on the native wire.
     pub next_token: Option<u32>,
+    /// `[rows, H]` final-norm hidden states in the model's dtype, little-endian bytes, when
+    /// [`HIDDEN_PATH`] asked for them (then nothing else is filled). Server-side only; the
+    /// route's answer is a [`HiddenResponse`].
+    pub hidden: Vec<u8>,
 }
 
 impl SequenceScores {
@@ -251,6 +266,7 @@ impl SequenceScores {
             + self.logsumexp.len()
             + self.ids_logprobs.len()
             + self.target_ranks.len())
+            + self.hidden.len()
     }
     /// Checks that the buffer lengths agree with `rows` and `k`.
     pub fn check_shapes(&self) -> Result<(), String> {
@@ -289,6 +305,156 @@ pub struct TopkResponse {
     /// Whether the request sent candidate `ids` (then every result carries `ids_logprobs`).
     pub with_ids: bool,
     pub results: Vec<SequenceScores>,
+}
+
+/// Body of `POST /hidden_states` (JSON or MessagePack, same field names): the sequences and
+/// their first returned positions, as in [`TopkRequest`] (the same S − 1 convention: row `r` is
+/// position `start + r`, the hidden state whose logits predict token `start + r + 1`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HiddenRequest {
+    #[serde(deserialize_with = "strict::lists")]
+    pub sequences: Vec<Vec<u32>>,
+    #[serde(default)]
+    pub start: usize,
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "strict::opt_list"
+    )]
+    pub starts: Option<Vec<usize>>,
+}
+
+impl HiddenRequest {
+    /// The start position of sequence `i` (per-sequence `starts` win over `start`).
+    pub fn start_of(&self, i: usize) -> usize {
+        match &self.starts {
+            Some(s) => s.get(i).copied().unwrap_or(self.start),
+            None => self.start,
+        }
+    }
+}
+
+/// The element type of hidden states and of the head: the teacher's compute dtype.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum WireDtype {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl WireDtype {
+    /// The name `/v1/info` uses (`f32`, `bf16`, `f16`).
+    pub fn name(self) -> &'static str {
+        match self {
+            WireDtype::F32 => "f32",
+            WireDtype::Bf16 => "bf16",
+            WireDtype::F16 => "f16",
+        }
+    }
+    /// From [`WireDtype::name`]'s names (or safetensors' `F32`, `BF16`, `F16`).
+    pub fn parse(s: &str) -> Option<WireDtype> {
+        match s.to_ascii_lowercase().as_str() {
+            "f32" => Some(WireDtype::F32),
+            "bf16" => Some(WireDtype::Bf16),
+            "f16" => Some(WireDtype::F16),
+            _ => None,
+        }
+    }
+    /// The safetensors dtype name.
+    pub fn safetensors_name(self) -> &'static str {
+        match self {
+            WireDtype::F32 => "F32",
+            WireDtype::Bf16 => "BF16",
+            WireDtype::F16 => "F16",
+        }
+    }
+    pub fn size(self) -> usize {
+        match self {
+            WireDtype::F32 => 4,
+            WireDtype::Bf16 | WireDtype::F16 => 2,
+        }
+    }
+    /// Little-endian bytes of this dtype → f32 (exact: bf16 and f16 widen without rounding).
+    pub fn to_f32(self, bytes: &[u8]) -> Result<Vec<f32>, String> {
+        if !bytes.len().is_multiple_of(self.size()) {
+            return Err(format!(
+                "{} bytes are not a whole number of {} values",
+                bytes.len(),
+                self.name()
+            ));
+        }
+        Ok(match self {
+            WireDtype::F32 => bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            WireDtype::Bf16 => bytes
+                .chunks_exact(2)
+                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            WireDtype::F16 => bytes
+                .chunks_exact(2)
+                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+        })
+    }
+}
+
+/// The hidden states of one sequence: `[rows, hidden_size]`, little-endian, row-major, in the
+/// response's dtype.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct HiddenStates {
+    pub rows: usize,
+    pub data: Vec<u8>,
+}
+
+/// Response of `POST /hidden_states` (always MessagePack; see `docs/protocol.md`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct HiddenResponse {
+    /// Model fingerprint (as in `/v1/info`).
+    pub model: String,
+    /// SHA-256 of the head file `/v1/head` serves: the head these states go with.
+    pub head_fingerprint: String,
+    pub dtype: WireDtype,
+    pub hidden_size: usize,
+    pub results: Vec<HiddenStates>,
+}
+
+impl HiddenResponse {
+    /// Sequence `i`'s states as f32, `[rows * hidden_size]`.
+    pub fn f32_rows(&self, i: usize) -> Result<Vec<f32>, String> {
+        self.dtype.to_f32(&self.results[i].data)
+    }
+}
+
+/// What `/v1/info` says about exact full-vocabulary distillation: the hidden-state and head
+/// routes, and the head they serve.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct FullVocabInfo {
+    /// `POST` path of the hidden states ([`HIDDEN_PATH`]).
+    pub hidden_route: String,
+    /// `GET` path of the head ([`HEAD_PATH`]).
+    pub head_route: String,
+    /// Element type of the hidden states and of the head (`f32`, `bf16`, `f16`).
+    pub dtype: String,
+    pub hidden_size: usize,
+    /// Rows of the head (`logits_size`); rows at or above `vocab_size` are padding, excluded
+    /// from every log-softmax.
+    pub head_rows: usize,
+    pub vocab_size: usize,
+    /// Whether the head is the input embedding (tied).
+    pub tied: bool,
+    /// Whether the head has a bias (`[head_rows]`).
+    pub bias: bool,
+    /// Logits are `(hidden · W^T + b) · logit_scale`, then, with a soft-cap `c`,
+    /// `c · tanh(logits / c)`.
+    pub logit_scale: f64,
+    pub logit_softcap: Option<f64>,
+    /// SHA-256 hex of exactly the bytes `/v1/head` serves.
+    pub head_fingerprint: String,
+    /// Length of the head file in bytes.
+    pub head_bytes: u64,
 }
 
 /// Error body of every non-2xx answer, on every route:
@@ -383,6 +549,18 @@ pub struct InfoResponse {
     /// (`gguf Q4_1+Q6_K`), dequantized at load to `dtype`; empty from older servers.
     #[serde(default)]
     pub weights: String,
+}
+
+/// `GET /v1/info` with its `full_vocab` object: every field of [`InfoResponse`] plus what
+/// [`FullVocabInfo`] holds (a separate type so that [`InfoResponse`]'s literals stay valid;
+/// a client that decodes [`InfoResponse`] ignores `full_vocab`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct InfoWithFullVocab {
+    #[serde(flatten)]
+    pub info: InfoResponse,
+    /// The hidden-state and head routes; absent from servers without them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub full_vocab: Option<FullVocabInfo>,
 }
 
 #[cfg(test)]

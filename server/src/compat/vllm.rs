@@ -235,6 +235,7 @@ async fn complete(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Resp
             ranks: true,
             next: (max_tokens == 1)
                 .then(|| next_token_mode(greedy, req.seed.map(|s| s as u64), &sequences)),
+            hidden: false,
         },
         names: FIELDS,
         sequences,

@@ -46,6 +46,7 @@ pub(super) fn score_on_device(
             None => Vec::new(),
         },
         next_token: None,
+        hidden: Vec::new(),
     };
     // A target inside the top k is ranked by its position there (as on the host path); the
     // device count ranks ties last, which differs only for tied values.

@@ -26,6 +26,15 @@ pub enum ScoringError {
         position: usize,
         value: f32,
     },
+    /// The model's: a hidden state `/hidden_states` would return is not finite.
+    #[error(
+        "the model's hidden state is not finite (element {element} at position {position} is {value})"
+    )]
+    NonFiniteHidden {
+        element: usize,
+        position: usize,
+        value: f32,
+    },
     /// The model (or a tensor op around it) failed.
     #[error("forward failed: {0}")]
     Forward(String),

@@ -410,6 +410,7 @@ impl<'a> RowFolds<'a> {
                 Vec::new()
             },
             next_token: None,
+            hidden: Vec::new(),
         }
     }
 }

@@ -203,6 +203,9 @@ impl Scorer {
         // Rows with a known target: positions before S - 1.
         let known = hi.min(seq.ids.len() - 1);
         let params = seq.params;
+        if params.hidden {
+            return append_hidden(hidden, first, lo, known, acc);
+        }
         let mut c0 = lo;
         while c0 < known {
             let c1 = (c0 + self.chunk_rows).min(known);
@@ -369,6 +372,39 @@ fn with_host_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> candle_core::Res
     }
     let host = t.flatten_all()?.to_vec1::<f32>()?;
     Ok(f(&host))
+}
+
+/// `/hidden_states`: appends the hidden states of positions `lo..hi` (of `hidden`, whose first
+/// row is position `first`) to `acc.hidden` as little-endian bytes in the model's dtype. A
+/// non-finite state fails the sequence (the model's fault).
+fn append_hidden(
+    hidden: &Tensor,
+    first: usize,
+    lo: usize,
+    hi: usize,
+    acc: &mut SequenceScores,
+) -> Result<(), ScoringError> {
+    if lo >= hi {
+        return Ok(());
+    }
+    let rows = hidden.narrow(0, lo - first, hi - lo)?; // [c, H]
+    let h = rows.dim(1)?;
+    let at = acc.hidden.len();
+    crate::head::append_le_bytes(&rows, &mut acc.hidden)?;
+    if let Some(dtype) = crate::head::wire_dtype(rows.dtype()) {
+        let values = dtype
+            .to_f32(&acc.hidden[at..])
+            .map_err(ScoringError::Forward)?;
+        if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+            return Err(ScoringError::NonFiniteHidden {
+                element: i % h.max(1),
+                position: lo + i / h.max(1),
+                value: values[i],
+            });
+        }
+    }
+    acc.rows += hi - lo;
+    Ok(())
 }
 
 fn append(acc: &mut SequenceScores, s: SequenceScores) {

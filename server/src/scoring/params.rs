@@ -54,9 +54,20 @@ pub struct ScoreParams {
     /// Score one row past the last token and choose the next token from it (the compatible
     /// routes' `max_tokens: 1`).
     pub next: Option<NextToken>,
+    /// Return each row's final-norm hidden state instead of scores (`/hidden_states`; then
+    /// `k` is 0 and nothing else is computed).
+    pub hidden: bool,
 }
 
 impl ScoreParams {
+    /// `/hidden_states`' parameters: hidden states only.
+    pub fn hidden_states() -> ScoreParams {
+        ScoreParams {
+            hidden: true,
+            ..ScoreParams::native(0, 1.0, ValuesKind::Logprobs)
+        }
+    }
+
     /// The native route's parameters: no ranks, no next token.
     pub fn native(k: usize, temperature: f32, values: ValuesKind) -> ScoreParams {
         ScoreParams {
@@ -65,6 +76,7 @@ impl ScoreParams {
             values,
             ranks: false,
             next: None,
+            hidden: false,
         }
     }
 }
