@@ -226,9 +226,10 @@ pub struct SequenceScores {
     /// The token chosen after the last position (greedy or sampled) when a compatible route asked
     /// for one; its row is the last row. Server-side only, never on the native wire.
     pub next_token: Option<u32>,
-    /// `[rows, H]` final-norm hidden states in the model's dtype, little-endian bytes, when
-    /// [`HIDDEN_PATH`] asked for them (then nothing else is filled). Server-side only; the
-    /// route's answer is a [`HiddenResponse`].
+    /// `[rows, H]` final-norm hidden states, little-endian bytes, when [`HIDDEN_PATH`] asked
+    /// for them (then nothing else is filled and `k` is 0): in the model's dtype on the server
+    /// (the route's answer is a [`HiddenResponse`]), widened to f32 by the trainer's client.
+    /// Never on the native wire.
     pub hidden: Vec<u8>,
 }
 

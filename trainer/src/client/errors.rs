@@ -47,6 +47,15 @@ pub enum ClientError {
         expected: String,
         got: String,
     },
+    /// The downloaded head is not the one `/v1/info` names.
+    #[error("{url}: the head file has SHA-256 {got} ({bytes} bytes), /v1/info names {expected} ({expected_bytes} bytes)")]
+    HeadMismatch {
+        url: String,
+        expected: String,
+        got: String,
+        bytes: u64,
+        expected_bytes: u64,
+    },
     #[error("teacher tokenizer sha256 {got} does not match /v1/info's {expected}")]
     TokenizerMismatch { expected: String, got: String },
     #[error("{path}: {source}")]

@@ -1,5 +1,5 @@
 //! Client of the teacher server: `POST /topk_logits` in MessagePack, `GET /v1/info`,
-//! `GET /tokenizer.json`, `GET /health`.
+//! `GET /tokenizer.json`, `GET /health`; `POST /hidden_states` and `GET /v1/head` in `hidden`.
 //!
 //! Requests go round-robin over the configured replicas. Connection errors, timeouts and
 //! 408/429/502/503/504 answers are retried with exponential backoff and jitter, honouring
@@ -13,6 +13,7 @@
 //! cache in `tokenizer`, the response and replica checks in `wire`, backoff in `retry`.
 
 mod errors;
+mod hidden;
 mod options;
 mod pool;
 mod prefetch;
@@ -21,6 +22,7 @@ mod tokenizer;
 mod wire;
 
 pub use errors::{is_retryable_status, ClientError};
+pub use hidden::{check_hidden_response, HiddenSpec};
 pub use options::ClientOptions;
 pub use pool::{join_in_order, ScoreError, TeacherPool};
 pub use prefetch::{Fetched, PrefetchError, Prefetcher};
@@ -54,6 +56,9 @@ struct Inner {
     next: AtomicUsize,
     /// The model fingerprint of the first answer; later answers must match.
     model: Mutex<Option<String>>,
+    /// Set when the teacher sends hidden states (`transport = "hidden"`): [`Self::score`]
+    /// asks `/hidden_states` and checks the answers against this head.
+    hidden: std::sync::OnceLock<HiddenSpec>,
 }
 
 impl TeacherClient {
@@ -77,6 +82,7 @@ impl TeacherClient {
                 opts,
                 next: AtomicUsize::new(0),
                 model: Mutex::new(None),
+                hidden: std::sync::OnceLock::new(),
             }),
         })
     }
@@ -151,7 +157,7 @@ impl TeacherClient {
         Ok(resp)
     }
 
-    fn check_model(&self, url: &Url, got: &str) -> Result<(), ClientError> {
+    pub(crate) fn check_model(&self, url: &Url, got: &str) -> Result<(), ClientError> {
         let Ok(mut m) = self.inner.model.lock() else {
             return Ok(());
         };
@@ -194,18 +200,23 @@ impl TeacherClient {
     pub async fn info_all(&self) -> Vec<(Url, Result<InfoResponse, ClientError>)> {
         let mut out = Vec::new();
         for base in self.inner.urls.clone() {
-            let one = TeacherClient {
-                inner: Arc::new(Inner {
-                    http: self.inner.http.clone(),
-                    urls: vec![base.clone()],
-                    opts: self.inner.opts.clone(),
-                    next: AtomicUsize::new(0),
-                    model: Mutex::new(None),
-                }),
-            };
-            out.push((base, one.info().await));
+            out.push((base.clone(), self.replica(&base).info().await));
         }
         out
+    }
+
+    /// A client of the one replica at `base` (same connection pool and settings).
+    fn replica(&self, base: &Url) -> TeacherClient {
+        TeacherClient {
+            inner: Arc::new(Inner {
+                http: self.inner.http.clone(),
+                urls: vec![base.clone()],
+                opts: self.inner.opts.clone(),
+                next: AtomicUsize::new(0),
+                model: Mutex::new(None),
+                hidden: std::sync::OnceLock::new(),
+            }),
+        }
     }
 
     /// Polls `GET /health` (all replicas in turn, with backoff) until one answers 2xx or

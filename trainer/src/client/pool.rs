@@ -76,8 +76,8 @@ impl TeacherPool {
         req: &TopkRequest,
     ) -> Result<Vec<SequenceScores>, ScoreError> {
         let (name, client) = &self.teachers[i];
-        match client.topk(req).await {
-            Ok(resp) => Ok(resp.results),
+        match client.score(req).await {
+            Ok(results) => Ok(results),
             Err(e) => Err(ScoreError {
                 teacher: name.clone(),
                 message: e.to_string(),

@@ -28,7 +28,7 @@ pub use policy::{
     ActivationCheckpointing, AllReduceMode, DataParallelConfig, LrSchedule, OptimizerConfig,
     PolicyConfig,
 };
-pub use teacher::{parse_base_url, TeacherConfig};
+pub use teacher::{parse_base_url, TeacherConfig, Transport};
 
 use crate::loss::LossConfig;
 use serde::{Deserialize, Deserializer, Serialize};
@@ -284,6 +284,10 @@ impl Config {
             /// `[teacher]`, so its hash is unchanged).
             #[serde(skip_serializing_if = "Option::is_none")]
             teachers: Option<(TeacherMode, Vec<HashedTeacher<'a>>)>,
+            /// Teachers sending hidden states (absent when every one sends its top-k, so older
+            /// runs' hashes are unchanged).
+            #[serde(skip_serializing_if = "Vec::is_empty")]
+            hidden: Vec<String>,
         }
         let h = Hashed {
             policy: &self.policy,
@@ -300,6 +304,12 @@ impl Config {
                     .collect();
                 (self.distillation.teachers, t)
             }),
+            hidden: self
+                .teacher_list()
+                .into_iter()
+                .filter(|(_, t)| t.transport.is_hidden())
+                .map(|(name, _)| name)
+                .collect(),
         };
         let bytes = serde_json::to_vec(&h).unwrap_or_default();
         hex::encode(Sha256::digest(&bytes))

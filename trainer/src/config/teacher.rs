@@ -38,6 +38,32 @@ pub struct TeacherConfig {
     /// Teacher tokenizer file; default: fetched from the server's `/tokenizer.json` and cached
     /// under `<checkpoint_dir>/teacher_tokenizer/<sha256>/`.
     pub tokenizer: Option<PathBuf>,
+    /// What the teacher sends per position: its top-`k` log-probs (`topk`), or its final hidden
+    /// states (`hidden`), from which the trainer computes the teacher's exact distribution over
+    /// the whole vocabulary with the teacher's own LM head (downloaded once from `/v1/head`).
+    pub transport: Transport,
+    /// The most memory (GB, 10^9 bytes) the teacher's head may take on the student's device with
+    /// `transport = "hidden"` (held in f32: `head_rows · hidden_size · 4` bytes). Default: a
+    /// quarter of the machine's memory on the CPU, 8 GB on a GPU.
+    pub head_memory_gb: Option<f64>,
+}
+
+/// How a teacher sends its distribution (`teacher.transport`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Transport {
+    /// `POST /topk_logits`: the top-k log-probs per position (the losses' tail bucket stands
+    /// for the rest).
+    #[default]
+    Topk,
+    /// `POST /hidden_states` + `GET /v1/head`: the exact full-vocabulary distribution.
+    Hidden,
+}
+
+impl Transport {
+    pub fn is_hidden(self) -> bool {
+        self == Transport::Hidden
+    }
 }
 
 impl Default for TeacherConfig {
@@ -57,6 +83,8 @@ impl Default for TeacherConfig {
             api_key_env: None,
             prefetch: 1,
             tokenizer: None,
+            transport: Transport::Topk,
+            head_memory_gb: None,
         }
     }
 }
@@ -152,6 +180,11 @@ impl Validate for TeacherConfig {
         }
         if !(t.weight.is_finite() && t.weight > 0.0) {
             return Err(invalid(&key("weight"), "must be a positive number"));
+        }
+        if let Some(gb) = t.head_memory_gb {
+            if !(gb.is_finite() && gb > 0.0) {
+                return Err(invalid(&key("head_memory_gb"), "must be a positive number of GB"));
+            }
         }
         Ok(())
     }

@@ -38,7 +38,7 @@ pub fn setup(cfg: Config) -> Result<Setup> {
     let loss_cross = cfg.loss_cross.clone().unwrap_or_else(|| loss.clone());
     // `cuda` is `cuda:LOCAL_RANK` in a data-parallel job.
     let device = crate::dist::device(&cfg.policy.device, crate::dist::World::from_env()?.as_ref())?;
-    let teachers = Arc::new(Teachers::connect(&cfg, &loss, &loss_cross)?);
+    let teachers = Arc::new(Teachers::connect(&cfg, &loss, &loss_cross, &device)?);
     Ok(Setup {
         cfg,
         loss,

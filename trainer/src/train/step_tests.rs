@@ -9,10 +9,11 @@ use crate::align::{Chunk, ChunkKind, TokenizedPair};
 use crate::collate::Encoded;
 use crate::config::ActivationCheckpointing;
 use crate::loss::{Anchor, KdConfig};
+use crate::loss::full_vocab::TeacherHead;
 use crate::loss::{CeConfig, Projection, TailMode};
 use crate::train::pairing::cross::xtoken_batch;
 use crate::train::testutil::{answer, assert_rel, assert_same_grads, ids, tiny, V};
-use candle_core::DType;
+use candle_core::{DType, Tensor};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -323,6 +324,196 @@ fn chunked_validation_equals_the_whole_batch() {
                 assert_eq!(got.kl_units, want.kl_units, "{case}");
                 assert_eq!(got.ce_tokens, want.ce_tokens, "{case}");
             }
+        }
+    }
+}
+
+/// Teacher hidden size and head rows (2 rows of padding past the shared vocabulary `V`) of the
+/// full-vocabulary fixtures.
+const TH: usize = 6;
+const TROWS: usize = V + 2;
+
+/// A teacher head `[V + 2, TH]` (padded, with a bias and a logit scale) and, for each of
+/// [`same_batch`]'s sequences, hidden states as the client hands them over (f32 bytes, `k` = 0).
+fn full_vocab_batch(seed: u64) -> (Vec<Item>, Vec<SequenceScores>, TeacherHead) {
+    let (items, _) = same_batch(seed);
+    let mut rng = ChaCha8Rng::seed_from_u64(seed + 100);
+    let mut normal = |n: usize, s: f32| -> Vec<f32> {
+        (0..n).map(|_| (rng.random::<f32>() - 0.5) * 2.0 * s).collect()
+    };
+    let w = Tensor::from_vec(normal(TROWS * TH, 1.0), (TROWS, TH), &Device::Cpu).unwrap();
+    let b = Tensor::from_vec(normal(TROWS, 0.5), TROWS, &Device::Cpu).unwrap();
+    let head = TeacherHead::new(w, Some(b), 1.3, None, V).unwrap();
+    let scores = items
+        .iter()
+        .map(|it| {
+            let rows = it.student_ids().len() - 1;
+            let h = normal(rows * TH, 1.5);
+            SequenceScores {
+                rows,
+                k: 0,
+                hidden: h.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                ..Default::default()
+            }
+        })
+        .collect();
+    (items, scores, head)
+}
+
+/// The teacher's whole distribution as a top-k answer with K = V, computed in f64 from the head
+/// and the hidden states (`log_softmax(scale · (W h + b) / τ)` over the first V rows): the
+/// independent reference of the hidden-state pairing.
+fn as_full_topk(head: &TeacherHead, scores: &[SequenceScores], tau: f64) -> Vec<SequenceScores> {
+    let w: Vec<Vec<f64>> = head.weight().to_dtype(DType::F64).unwrap().to_vec2().unwrap();
+    let b: Vec<f64> = head.bias().unwrap().to_dtype(DType::F64).unwrap().to_vec1().unwrap();
+    scores
+        .iter()
+        .map(|s| {
+            let mut ids = vec![];
+            let mut lps = vec![];
+            for r in 0..s.rows {
+                let h: Vec<f64> = s.hidden[r * TH * 4..(r + 1) * TH * 4]
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64)
+                    .collect();
+                let z: Vec<f64> = (0..V)
+                    .map(|v| {
+                        let dot: f64 = (0..TH).map(|j| w[v][j] * h[j]).sum();
+                        head.scale() * (dot + b[v]) / tau
+                    })
+                    .collect();
+                let m = z.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let lse = m + z.iter().map(|x| (x - m).exp()).sum::<f64>().ln();
+                ids.extend(0..V as u32);
+                lps.extend(z.iter().map(|x| (x - lse) as f32));
+            }
+            SequenceScores {
+                rows: s.rows,
+                k: V,
+                topk_ids: ids,
+                topk_values: lps,
+                target_logprobs: vec![0.0; s.rows],
+                logsumexp: vec![0.0; s.rows],
+                ..Default::default()
+            }
+        })
+        .collect()
+}
+
+/// The hidden-state pairing: chunked gradients equal the whole loss (every head option, tied
+/// and untied, f64 and f32), for forward KL, reverse KL and JSD with each CE mode.
+#[test]
+fn full_vocab_chunks_equal_the_whole_loss() {
+    let (items, scores, head) = full_vocab_batch(11);
+    let losses = [
+        cfg(KdConfig::ForwardKl {}, None, CeConfig::Weight { weight: 0.3 }),
+        cfg(KdConfig::ReverseKl {}, None, CeConfig::Dynamic {}),
+        cfg(KdConfig::Jsd { beta: 0.3 }, None, CeConfig::None {}),
+    ];
+    for loss in &losses {
+        check(Pairing::FullVocab(&head), loss, &items, &scores, 0);
+    }
+}
+
+/// Exact losses from hidden states equal the top-k path given the teacher's whole distribution
+/// (K = V, computed in f64 from the same head): value and every gradient, and the validation KL.
+#[test]
+fn full_vocab_equals_top_k_with_the_whole_vocabulary() {
+    let (items, hscores, head) = full_vocab_batch(12);
+    for (kd, tol) in [
+        (KdConfig::ForwardKl {}, 1e-5),
+        (KdConfig::ReverseKl {}, 1e-5),
+        (KdConfig::Jsd { beta: 0.4 }, 1e-5),
+    ] {
+        let loss = cfg(kd, Some(TailMode::Renormalize), CeConfig::Weight { weight: 0.3 });
+        let tscores = as_full_topk(&head, &hscores, loss.temperature);
+        let (model, vm) = tiny(false, DType::F64, 13);
+        let norm = units(&items);
+        let run = |pairing, scores: &[SequenceScores], k| {
+            let refs: Vec<&SequenceScores> = scores.iter().collect();
+            let ctx = LossCtx {
+                model: &model,
+                k,
+                loss: &loss,
+                pairing,
+                device: &Device::Cpu,
+                micro_batch: items.len(),
+                head: HeadOpts {
+                    chunk_rows: 4,
+                    ..Default::default()
+                },
+            };
+            let (grads, out) = micro_grads(&ctx, &items, &refs, norm).unwrap();
+            let val = validation_sums(&ctx, &items, &refs).unwrap();
+            (grads, out, val)
+        };
+        let (g_hidden, o_hidden, v_hidden) = run(Pairing::FullVocab(&head), &hscores, 0);
+        let (g_topk, o_topk, v_topk) = run(Pairing::Same, &tscores, V);
+        let case = format!("{:?}", loss.kd);
+        // The teacher side is f32 in both (the head's matmul, the answer's log-probs).
+        assert_rel(o_hidden.kd.loss, o_topk.kd.loss, tol, &format!("{case}: kd"));
+        assert!(o_hidden.kd.loss > 1e-3, "{case}: a loss that is not trivially 0");
+        assert_rel(o_hidden.ce.unwrap(), o_topk.ce.unwrap(), 1e-9, &format!("{case}: ce"));
+        assert_same_grads(&vm, &g_hidden, &g_topk, tol, &case);
+        assert_rel(v_hidden.kl, v_topk.kl, tol, &format!("{case}: val kl"));
+        assert_eq!(v_hidden.kl_units, v_topk.kl_units);
+    }
+}
+
+/// A hidden-state answer of the wrong width (a top-k answer given to the hidden pairing) is a
+/// clear error, not a panic.
+#[test]
+fn full_vocab_refuses_answers_without_hidden_states() {
+    let (items, hscores, head) = full_vocab_batch(14);
+    let (model, _) = tiny(false, DType::F32, 15);
+    let loss = cfg(KdConfig::ForwardKl {}, None, CeConfig::None {});
+    let mut bad = hscores.clone();
+    bad[1].hidden.truncate(8);
+    let refs: Vec<&SequenceScores> = bad.iter().collect();
+    let ctx = LossCtx {
+        model: &model,
+        k: 0,
+        loss: &loss,
+        pairing: Pairing::FullVocab(&head),
+        device: &Device::Cpu,
+        micro_batch: items.len(),
+        head: HeadOpts::default(),
+    };
+    let err = micro_grads(&ctx, &items, &refs, units(&items))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(err.contains("teacher answer 1") && err.contains("hidden states"), "{err}");
+}
+
+/// The hidden-state pairing's validation in forward-only head chunks equals its whole-batch
+/// figures.
+#[test]
+fn full_vocab_chunked_validation_equals_the_whole_batch() {
+    let (items, scores, head) = full_vocab_batch(16);
+    let refs: Vec<&SequenceScores> = scores.iter().collect();
+    let loss = cfg(KdConfig::ForwardKl {}, None, CeConfig::None {});
+    for (dtype, tol) in [(DType::F64, 1e-9), (DType::F32, 1e-5)] {
+        let (model, _) = tiny(true, dtype, 17);
+        let mut ctx = LossCtx {
+            model: &model,
+            k: 0,
+            loss: &loss,
+            pairing: Pairing::FullVocab(&head),
+            device: &Device::Cpu,
+            micro_batch: items.len(),
+            head: HeadOpts::default(),
+        };
+        let want = validation_sums_whole(&ctx, &items, &refs).unwrap();
+        assert!(want.kl > 0.0 && want.kl_units > 0.0);
+        for chunk_rows in [1, 3, 0] {
+            ctx.head.chunk_rows = chunk_rows;
+            let got = validation_sums(&ctx, &items, &refs).unwrap();
+            let case = format!("{dtype:?} rows {chunk_rows}");
+            assert_rel(got.kl, want.kl, tol, &format!("{case}: kl"));
+            assert_rel(got.ce, want.ce, tol, &format!("{case}: ce"));
+            assert_eq!(got.kl_units, want.kl_units, "{case}");
+            assert_eq!(got.ce_tokens, want.ce_tokens, "{case}");
         }
     }
 }

@@ -75,6 +75,14 @@ impl<'a> OnPolicy<'a> {
                 op.lambda
             );
         }
+        if let Some(t) = s.teachers.list.iter().find(|t| t.head.is_some()) {
+            bail!(
+                "teacher {:?}: transport = \"hidden\" is built for `trainer off-policy`; \
+                 on-policy training still scores the student's samples by top-k and sampled-token \
+                 log-probs (use transport = \"topk\")",
+                t.name
+            );
+        }
         Ok(OnPolicy {
             s,
             off_same: off_policy_loss(&s.loss, false),

@@ -1,6 +1,7 @@
 //! How a source's answers lie against the student's tokens, in one place: the same tokenizer
 //! ([`same`]), another tokenizer through aligned chunks and a projection ([`cross`]), or a
-//! chunk-level ensemble's virtual teacher ([`mixture`]); on-policy samples of the same
+//! chunk-level ensemble's virtual teacher ([`mixture`]), the same tokenizer with the teacher's
+//! whole distribution from its hidden states ([`full_vocab`]); on-policy samples of the same
 //! tokenizer train with the sampled-token loss ([`sampled`]). The [`Pairing`] is decided once per
 //! source when the run connects to its teachers; each pairing owns turning a record into its
 //! training [`Item`], collating a micro-batch (student ids, teacher rows laid against them, the
@@ -8,6 +9,7 @@
 //! ([`super::step`]) and the objectives call the pairing instead of matching on it.
 
 pub mod cross;
+pub mod full_vocab;
 pub mod mixture;
 pub mod same;
 pub mod sampled;
@@ -36,6 +38,9 @@ pub enum Pairing<'a> {
     /// projection, one chunk per chunk common to every teacher): trained like `Cross`,
     /// validated with first-token KL (its rows exist only at chunk starts).
     Mixture(&'a Projection),
+    /// The same tokenizer, the teacher sending hidden states (`teacher.transport = "hidden"`):
+    /// exact losses over the whole vocabulary through the teacher's head ([`full_vocab`]).
+    FullVocab(&'a crate::loss::full_vocab::TeacherHead),
 }
 
 impl<'a> Pairing<'a> {
@@ -45,12 +50,13 @@ impl<'a> Pairing<'a> {
             Pairing::Same => Box::new(same::Same),
             Pairing::Cross(p) => Box::new(cross::Cross::new(p)),
             Pairing::Mixture(p) => Box::new(mixture::collation(p)),
+            Pairing::FullVocab(head) => Box::new(full_vocab::FullVocab { head }),
         }
     }
 
     /// Whether records are aligned across tokenizers (the loss is `[loss_cross]`).
     pub fn is_cross(self) -> bool {
-        !matches!(self, Pairing::Same)
+        !matches!(self, Pairing::Same | Pairing::FullVocab(_))
     }
 
     /// Whether the teacher scores tokens of its own (a chunk-level ensemble has no per-token

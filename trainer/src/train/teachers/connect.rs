@@ -1,13 +1,15 @@
 //! Connecting the run's teachers: each one's handshake (health, every replica's `/v1/info`,
 //! tokenizer, projection) and the checks that the teachers fit the run's losses and mode.
 
-use super::{TeacherPool, Teachers};
+use super::{hidden, TeacherPool, Teachers};
 use crate::align::projection::{Csr, ProjectionMaps};
 use crate::align::AlignTokenizer;
 use crate::client::{TeacherClient, TeacherTokenizer};
 use crate::config::{Config, TeacherConfig, TeacherMode};
 use crate::loss::KdConfig;
+use crate::loss::full_vocab::TeacherHead;
 use crate::loss::{LossConfig, Projection};
+use candle_core::Device;
 use crate::train::pairing::mixture::identity_projection;
 use crate::train::pairing::{Pairing, Tokenization};
 use crate::train::prepare::Limits;
@@ -28,6 +30,9 @@ pub struct Teacher {
     pub limits: Limits,
     /// The server's most ids per row (top-k or candidates).
     pub max_k: usize,
+    /// `transport = "hidden"`: the teacher's LM head on the student's device; the teacher
+    /// sends hidden states and the loss sees its whole distribution.
+    pub head: Option<TeacherHead>,
 }
 
 impl Teacher {
@@ -40,10 +45,10 @@ impl Teacher {
         name: &str,
         tc: &TeacherConfig,
         losses: [&LossConfig; 2],
-        pool: &mut TeacherPool,
+        (pool, device): (&mut TeacherPool, &Device),
     ) -> Result<Teacher> {
         let client = TeacherClient::from_config(tc).with_context(|| format!("teacher {name:?}"))?;
-        let t = Self::connect_inner(cfg, name, tc, losses, (pool, &client))
+        let t = Self::connect_inner(cfg, name, tc, losses, (pool, &client, device))
             .with_context(|| format!("teacher {name:?}"))?;
         pool.add(name, client);
         Ok(t)
@@ -54,7 +59,7 @@ impl Teacher {
         name: &str,
         tc: &TeacherConfig,
         [loss, loss_cross]: [&LossConfig; 2],
-        (pool, client): (&TeacherPool, &TeacherClient),
+        (pool, client, device): (&TeacherPool, &TeacherClient, &Device),
     ) -> Result<Teacher> {
         let url = pool.block_on(client.wait_ready(tc.max_wait()))?;
         tracing::info!("teacher {name:?} ready at {url}");
@@ -99,6 +104,11 @@ impl Teacher {
                 let tok = xdistill_shared::hf::load_tokenizer(&student_tok)?;
                 (Tokenization::Same(tok), None)
             }
+            TeacherTokenizer::Different(_) if tc.transport.is_hidden() => bail!(
+                "teacher.transport = \"hidden\" needs the student to share the teacher's \
+                 tokenizer (cross-tokenizer losses from the full distribution are not built yet); \
+                 use transport = \"topk\" with a cross-tokenizer loss"
+            ),
             TeacherTokenizer::Different(teacher_tok) => {
                 if !loss_cross.kd.works_across_tokenizers() {
                     bail!(
@@ -133,7 +143,23 @@ impl Teacher {
                 (Tokenization::Cross { student, teacher }, Some(lp))
             }
         };
+        let head = if tc.transport.is_hidden() {
+            if loss.divergence().is_none() {
+                bail!(
+                    "teacher.transport = \"hidden\" trains with an exact full-vocabulary \
+                     divergence: set loss.kd to forward_kl, reverse_kl or jsd, not {:?}",
+                    loss.kd
+                );
+            }
+            let student = xdistill_shared::hf::ModelDir::open(&cfg.policy.model_name)?;
+            let cache = cfg.checkpointing.checkpoint_dir.join("teacher_head");
+            let v = student.config.vocab_size;
+            Some(hidden::load(tc, (client, pool), v, device, &cache)?)
+        } else {
+            None
+        };
         Ok(Teacher {
+            head,
             name: name.to_string(),
             cfg: tc.clone(),
             weight: tc.weight,
@@ -150,16 +176,22 @@ impl Teacher {
 
     /// How this teacher's answers lie against the student's tokens.
     pub fn pairing(&self) -> Pairing<'_> {
-        match &self.projection {
-            Some(p) => Pairing::Cross(p),
-            None => Pairing::Same,
+        match (&self.projection, &self.head) {
+            (Some(p), _) => Pairing::Cross(p),
+            (None, Some(h)) => Pairing::FullVocab(h),
+            (None, None) => Pairing::Same,
         }
     }
 }
 
 impl Teachers {
     /// Connects every configured teacher (in order; the first unreachable one is the error).
-    pub fn connect(cfg: &Config, loss: &LossConfig, loss_cross: &LossConfig) -> Result<Teachers> {
+    pub fn connect(
+        cfg: &Config,
+        loss: &LossConfig,
+        loss_cross: &LossConfig,
+        device: &Device,
+    ) -> Result<Teachers> {
         let mut pool = TeacherPool::new()?;
         let mut list = vec![];
         for (name, tc) in cfg.teacher_list() {
@@ -168,7 +200,7 @@ impl Teachers {
                 &name,
                 tc,
                 [loss, loss_cross],
-                &mut pool,
+                (&mut pool, device),
             )?);
         }
         let total: f64 = list.iter().map(|t| t.weight).sum();
@@ -177,6 +209,15 @@ impl Teachers {
         }
         let mode = cfg.distillation.teachers;
         let ensemble = mode == TeacherMode::Ensemble;
+        if ensemble && list.len() > 1 {
+            if let Some(t) = list.iter().find(|t| t.head.is_some()) {
+                bail!(
+                    "distillation.teachers = \"ensemble\" mixes the teachers' top-k: teacher {:?} \
+                     has transport = \"hidden\" (route its records instead, or use \"topk\")",
+                    t.name
+                );
+            }
+        }
         let cross = list.iter().find(|t| t.tokenization.is_cross());
         let chunk_projection = match cross {
             // An ensemble of one teacher is that teacher (same or cross tokenizer).

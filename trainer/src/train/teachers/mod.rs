@@ -10,9 +10,11 @@
 //! - [`score`]: a step's groups scored on the [`TeacherPool`], every teacher's requests awaited
 //!   together.
 //! - [`ensemble`]: combining several teachers' answers into one target.
+//! - [`hidden`]: the hidden-state transport's head (checked, fetched, put on the device).
 
 pub mod connect;
 pub mod ensemble;
+pub mod hidden;
 pub mod route;
 pub mod score;
 

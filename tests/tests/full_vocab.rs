@@ -1,0 +1,156 @@
+//! `teacher.transport = "hidden"` end to end on loopback: a real `teacher` process sends hidden
+//! states and its head; `trainer off-policy` distils with exact full-vocabulary losses. The
+//! reference is the top-k route asked for the whole vocabulary (k = V, renormalised: exact).
+
+use xdistill_testkit::models::{model, token_driven_teacher};
+use xdistill_testkit::{teacher_binary, TeacherProcess};
+use xdistill_tests::distill::config;
+use xdistill_trainer::config::{Config, Transport};
+use xdistill_trainer::train::distill::{setup, Summary};
+use xdistill_trainer::train::off_policy::train;
+
+/// The llama2 tokenizer's vocabulary (the teacher's `k` for the whole distribution).
+const V: usize = 32_000;
+
+/// A run's summary, or its error with every cause (`{:#}`).
+fn run(cfg: Config) -> Result<Summary, String> {
+    let s = setup(cfg).map_err(|e| format!("{e:#}"))?;
+    train(&s, false, None).map_err(|e| format!("{e:#}"))
+}
+
+fn hidden(mut cfg: Config) -> Config {
+    cfg.teacher.transport = Transport::Hidden;
+    cfg
+}
+
+#[test]
+fn hidden_states_train_with_the_exact_teacher_distribution() {
+    let dir = tempfile::tempdir().unwrap();
+    let teacher = token_driven_teacher(dir.path(), "llama", "llama2", 1);
+    let student = model(dir.path(), "student", "qwen3", "llama2", 32, 2, 0.02, 2);
+    let max_k = V.to_string();
+    let t = TeacherProcess::start(
+        &teacher_binary(),
+        &teacher,
+        &["--max-k", &max_k, "--max-answer-bytes", "1000000000"],
+    )
+    .expect("starting the teacher");
+    let forward = "kd = { type = \"forward_kl\" }\ntail = \"renormalize\"";
+
+    // 1. Held-out KL at the start: hidden states + head == top-k with k = V (exact).
+    let short = |name: &str| {
+        let mut c = config(dir.path(), &student, &t.base, &dir.path().join(name), 1, forward);
+        c.policy.max_total_sequence_length = 32;
+        c.distillation.val_at_end = false;
+        c
+    };
+    let mut full = short("topk_full");
+    full.teacher.k = V;
+    let want = run(full).unwrap().val_kl_start.unwrap();
+    let got = run(hidden(short("hidden_short"))).unwrap().val_kl_start.unwrap();
+    eprintln!("held-out KL at the start: hidden {got:.6}, top-k with k = V {want:.6}");
+    assert!(want > 0.05, "a KL that is not trivially 0: {want}");
+    assert!(
+        ((got - want) / want).abs() < 1e-4,
+        "hidden {got} vs top-k(V) {want}"
+    );
+
+    // 2. Training on hidden states lowers the exact held-out KL; the head is cached by its
+    //    fingerprint (the SHA-256 of the file /v1/info names).
+    let out = dir.path().join("run");
+    let s = run(hidden(config(dir.path(), &student, &t.base, &out, 30, forward))).unwrap();
+    let (kl0, kl1) = (s.val_kl_start.unwrap(), s.val_kl_end.unwrap());
+    eprintln!("hidden transport: exact held-out KL {kl0:.4} -> {kl1:.4} in {} steps", s.steps);
+    assert_eq!(s.steps, 30);
+    assert!(kl1 < 0.7 * kl0, "held-out KL {kl0} -> {kl1}");
+    let info: serde_json::Value =
+        serde_json::from_str(&body(&format!("{}/v1/info", t.base))).unwrap();
+    let fp = info["full_vocab"]["head_fingerprint"].as_str().unwrap();
+    let cached = out.join("teacher_head").join(format!("{fp}.safetensors"));
+    let bytes = std::fs::read(&cached).expect("the cached head");
+    assert_eq!(sha256(&bytes), fp);
+
+    // 3. A corrupt cached head is fetched again (and the run goes on).
+    std::fs::write(&cached, b"not a head").unwrap();
+    let again = dir.path().join("again");
+    std::fs::create_dir_all(again.join("teacher_head")).unwrap();
+    std::fs::copy(&cached, again.join("teacher_head").join(format!("{fp}.safetensors"))).unwrap();
+    run(hidden(config(dir.path(), &student, &t.base, &again, 1, forward))).unwrap();
+    let refetched = std::fs::read(again.join("teacher_head").join(format!("{fp}.safetensors")));
+    assert_eq!(sha256(&refetched.unwrap()), fp);
+}
+
+/// Everything that cannot work is refused before any step, with what to change.
+#[test]
+fn hidden_transport_refusals_come_before_any_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let teacher = token_driven_teacher(dir.path(), "llama", "llama2", 1);
+    let student = model(dir.path(), "student", "qwen3", "llama2", 32, 2, 0.02, 2);
+    let t = TeacherProcess::start(&teacher_binary(), &teacher, &[]).expect("starting the teacher");
+    let forward = "kd = { type = \"forward_kl\" }";
+    let refused = |name: &str, cfg: Config| -> String {
+        let out = cfg.checkpointing.checkpoint_dir.clone();
+        let err = run(cfg).err().unwrap_or_else(|| panic!("{name}: ran"));
+        assert!(
+            !out.join("metrics.jsonl").exists(),
+            "{name}: a step ran before the refusal"
+        );
+        err
+    };
+
+    // A head larger than the memory budget: [32000, 64] f32 is 8.19 MB.
+    let mut c = hidden(config(dir.path(), &student, &t.base, &dir.path().join("b"), 2, forward));
+    c.teacher.head_memory_gb = Some(0.008);
+    let err = refused("budget", c);
+    assert!(
+        err.contains("8.19 MB") && err.contains("8.00 MB") && err.contains("head_memory_gb"),
+        "{err}"
+    );
+
+    // A loss that needs top-k sets or chunks.
+    let c = hidden(config(
+        dir.path(),
+        &student,
+        &t.base,
+        &dir.path().join("l"),
+        2,
+        "kd = { type = \"sampled_kl\" }",
+    ));
+    let err = refused("loss", c);
+    assert!(err.contains("forward_kl, reverse_kl or jsd") || err.contains("sampled_kl"), "{err}");
+
+    // A student of another tokenizer (not built yet for the full distribution).
+    let qwen = model(dir.path(), "qwen_student", "qwen3", "qwen3", 32, 1, 0.02, 3);
+    let c = hidden(config(
+        dir.path(),
+        &qwen,
+        &t.base,
+        &dir.path().join("x"),
+        2,
+        "kd = { type = \"first_kl\" }",
+    ));
+    let err = refused("cross", c);
+    assert!(err.contains("share the teacher's tokenizer"), "{err}");
+
+    // Replicas whose heads differ (the same weights served in f32 and in bf16: one model
+    // fingerprint, two head files).
+    let bf16 = TeacherProcess::start(&teacher_binary(), &teacher, &["--dtype", "bf16"])
+        .expect("starting the bf16 teacher");
+    let mut c = hidden(config(dir.path(), &student, &t.base, &dir.path().join("r"), 2, forward));
+    c.teacher.urls = vec![t.base.clone(), bf16.base.clone()];
+    let err = refused("replicas", c);
+    assert!(
+        err.contains("different heads") || err.contains("probe"),
+        "{err}"
+    );
+}
+
+fn sha256(b: &[u8]) -> String {
+    xdistill_shared::hf::sha256_hex(b).unwrap()
+}
+
+/// The body of `GET url`.
+fn body(url: &str) -> String {
+    let r = xdistill_testkit::get_body(url);
+    r.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default()
+}
