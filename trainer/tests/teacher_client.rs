@@ -222,6 +222,7 @@ fn mock_info(sha: String) -> InfoResponse {
         sliding_layers: 0,
         host_simd: "baseline".into(),
         lm_head: "fused".into(),
+        probe: None,
     }
 }
 
