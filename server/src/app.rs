@@ -516,7 +516,11 @@ async fn score(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Respons
 /// `resp` with this replica's probe hash as [`PROBE_HEADER`] (when it has a probe), so a client
 /// behind a load balancer sees which replica's numbers it got.
 fn with_probe(ready: &Ready, mut resp: Response) -> Response {
-    let value = ready.info.probe.as_ref().map(|p| HeaderValue::from_str(&p.hash));
+    let value = ready
+        .info
+        .probe
+        .as_ref()
+        .map(|p| HeaderValue::from_str(&p.hash));
     if let Some(Ok(v)) = value {
         resp.headers_mut()
             .insert(header::HeaderName::from_static(PROBE_HEADER), v);

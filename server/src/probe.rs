@@ -138,9 +138,15 @@ mod tests {
         assert_eq!(h, probe_hash(&ids, &scores(-1.0)));
         let nudged = f32::from_bits((-1.0f32).to_bits() + 1);
         assert_ne!(h, probe_hash(&ids, &scores(nudged)));
-        assert_ne!(probe_hash(&ids, &scores(0.0)), probe_hash(&ids, &scores(-0.0)));
+        assert_ne!(
+            probe_hash(&ids, &scores(0.0)),
+            probe_hash(&ids, &scores(-0.0))
+        );
         assert_ne!(h, probe_hash(&[1, 2, 4], &scores(-1.0)));
-        let (a, b) = (probe_info(&ids, &scores(-1.0)), probe_info(&ids, &scores(-1.5)));
+        let (a, b) = (
+            probe_info(&ids, &scores(-1.0)),
+            probe_info(&ids, &scores(-1.5)),
+        );
         assert_eq!(a.ids_hash, b.ids_hash);
         assert_ne!(a.hash, b.hash);
         assert_eq!((a.k, a.positions), (1, 2));

@@ -120,9 +120,8 @@ pub fn spawn(
                 batch_invariant: cfg.batch_invariant,
                 metrics,
             };
-            facts.probe = rayon::scope(|_| {
-                worker.probe(facts.vocab_size, facts.max_position_embeddings)
-            });
+            facts.probe =
+                rayon::scope(|_| worker.probe(facts.vocab_size, facts.max_position_embeddings));
             if ready.send(Ok(facts)).is_err() {
                 return; // the server is gone already
             }

@@ -57,7 +57,10 @@ async fn the_probe_is_stable_across_starts_and_sent_with_answers() {
     let t = start_teacher(&dir, &["--dtype", "f32"]);
     let (fp_b, b) = probe_of(&c, &t).await;
     assert_eq!(fp_a, fp_b);
-    assert_eq!(a, b, "the same model at the same dtype must give the same probe");
+    assert_eq!(
+        a, b,
+        "the same model at the same dtype must give the same probe"
+    );
 }
 
 /// The same weights served in f32 and in bf16 have one model fingerprint (it hashes the files)
@@ -70,9 +73,18 @@ async fn another_dtype_gives_another_probe_for_the_same_fingerprint() {
     let bf16_teacher = start_teacher(&dir, &["--dtype", "bf16"]);
     let (fp32, p32) = probe_of(&c, &f32_teacher).await;
     let (fp16, p16) = probe_of(&c, &bf16_teacher).await;
-    assert_eq!(fp32, fp16, "the fingerprint hashes the weight files, not the dtype");
-    assert_eq!(p32.ids_hash, p16.ids_hash, "the probe ids depend on the vocabulary only");
-    assert_ne!(p32.hash, p16.hash, "f32 and bf16 scores must hash differently");
+    assert_eq!(
+        fp32, fp16,
+        "the fingerprint hashes the weight files, not the dtype"
+    );
+    assert_eq!(
+        p32.ids_hash, p16.ids_hash,
+        "the probe ids depend on the vocabulary only"
+    );
+    assert_ne!(
+        p32.hash, p16.hash,
+        "f32 and bf16 scores must hash differently"
+    );
     let diff = p32.max_abs_diff(&p16).expect("comparable probes");
     assert!(diff > 0.0, "bf16 and f32 log-probs differ: {diff}");
 }

@@ -480,9 +480,15 @@ fn replicas_whose_probes_differ_are_refused_before_any_step() {
     let (f32_t, bf16_t) = (start("f32"), start("bf16"));
     let probe = |t: &TeacherProcess| {
         let body = get_body(&t.url("/v1/info"));
-        let json = body.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_string();
+        let json = body
+            .split_once("\r\n\r\n")
+            .map_or("", |(_, b)| b)
+            .to_string();
         let v: serde_json::Value = serde_json::from_str(&json).expect("an info body");
-        let hash = v["probe"]["hash"].as_str().expect("a probe hash").to_string();
+        let hash = v["probe"]["hash"]
+            .as_str()
+            .expect("a probe hash")
+            .to_string();
         (v["model_fingerprint"].clone(), hash)
     };
     let ((fp32, h32), (fp16, h16)) = (probe(&f32_t), probe(&bf16_t));

@@ -711,7 +711,9 @@ async fn an_answer_with_another_probe_hash_is_refused() {
     assert!(msg.contains(url.as_str().trim_end_matches('/')), "{msg}");
     assert!(msg.contains("x-xdistill-probe"), "{msg}");
     assert_eq!(hits.load(Ordering::SeqCst), 2, "not retried");
-    c.topk(&request()).await.expect("no header: an older teacher");
+    c.topk(&request())
+        .await
+        .expect("no header: an older teacher");
 
     let (url, _) = start_probed().await;
     let c = TeacherClient::new(vec![url], opts(10, 20, Duration::from_secs(5))).unwrap();

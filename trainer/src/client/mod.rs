@@ -149,10 +149,12 @@ impl TeacherClient {
         let (headers, bytes) = self.send_with_headers(&url, rb).await?;
         self.check_probe(&url, &headers)?;
         let ct = headers.get(CONTENT_TYPE).and_then(|v| v.to_str().ok());
-        let resp = codec::decode_response(Format::from_content_type(ct), &bytes)
-            .map_err(|source| ClientError::Decode {
-                url: url.to_string(),
-                source,
+        let resp =
+            codec::decode_response(Format::from_content_type(ct), &bytes).map_err(|source| {
+                ClientError::Decode {
+                    url: url.to_string(),
+                    source,
+                }
             })?;
         check_response(req, &resp).map_err(|message| ClientError::InvalidResponse {
             url: url.to_string(),
