@@ -24,7 +24,8 @@ use std::time::Instant;
 use xdistill_shared::codec::{self, Format};
 use xdistill_shared::protocol::{
     FullVocabInfo, HiddenResponse, HiddenStates, InfoResponse, InfoWithFullVocab, Limits,
-    TopkResponse, HEAD_FINGERPRINT_HEADER, HEAD_PATH, HIDDEN_PATH, PROTOCOL_VERSION, TOPK_PATH,
+    TopkResponse, HEAD_FINGERPRINT_HEADER, HEAD_PATH, HIDDEN_PATH, PROBE_HEADER, PROTOCOL_VERSION,
+    TOPK_PATH,
 };
 
 /// Limits and options fixed at start-up.
@@ -138,6 +139,7 @@ impl AppState {
             sliding_window: facts.sliding_window,
             sliding_layers: facts.sliding_layers,
             weights: facts.weights.clone(),
+            probe: facts.probe.clone(),
         };
         let full_vocab = facts.head.as_ref().map(|h| FullVocabInfo {
             hidden_route: HIDDEN_PATH.into(),
@@ -498,14 +500,32 @@ async fn score(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Respons
     .await
     .map_err(|e| ApiError::Internal(format!("encoder task failed: {e}")))?
     .map_err(|e| ApiError::Internal(e.to_string()))?;
-    Ok((
-        [(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static(out_format.content_type()),
-        )],
-        body,
-    )
-        .into_response())
+    Ok(with_probe(
+        ready,
+        (
+            [(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static(out_format.content_type()),
+            )],
+            body,
+        )
+            .into_response(),
+    ))
+}
+
+/// `resp` with this replica's probe hash as [`PROBE_HEADER`] (when it has a probe), so a client
+/// behind a load balancer sees which replica's numbers it got.
+fn with_probe(ready: &Ready, mut resp: Response) -> Response {
+    let value = ready
+        .info
+        .probe
+        .as_ref()
+        .map(|p| HeaderValue::from_str(&p.hash));
+    if let Some(Ok(v)) = value {
+        resp.headers_mut()
+            .insert(header::HeaderName::from_static(PROBE_HEADER), v);
+    }
+    resp
 }
 
 async fn hidden(State(st): State<Shared>, headers: HeaderMap, body: Body) -> Response {
@@ -573,7 +593,7 @@ async fn hidden_states(
     .await
     .map_err(|e| ApiError::Internal(format!("encoder task failed: {e}")))?
     .map_err(|e| ApiError::Internal(e.to_string()))?;
-    Ok((
+    let resp = (
         [
             (
                 header::CONTENT_TYPE,
@@ -586,8 +606,8 @@ async fn hidden_states(
             ),
         ],
         body,
-    )
-        .into_response())
+    );
+    Ok(with_probe(ready, resp.into_response()))
 }
 
 async fn head(State(st): State<Shared>, headers: HeaderMap) -> Response {

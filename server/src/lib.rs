@@ -15,6 +15,7 @@ pub mod head;
 pub mod head_errors;
 pub mod metrics;
 pub mod model;
+pub mod probe;
 pub mod scoring;
 pub mod serve;
 pub mod server;

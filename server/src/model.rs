@@ -61,6 +61,8 @@ pub struct ModelFacts {
     /// The LM head as `/v1/head` serves it (set by the worker once the weights are loaded);
     /// `None`: no hidden-state or head route.
     pub head: Option<Arc<crate::head::HeadServe>>,
+    /// The start-up probe's result (set by the worker once it has scored it; `/v1/info`).
+    pub probe: Option<xdistill_shared::protocol::ProbeInfo>,
 }
 
 /// Reads everything but the weights, and decodes every id once for the compatible routes.
@@ -100,6 +102,7 @@ pub fn read_facts(dir: &ModelDir, dtype: DType, device: &Device) -> Result<Model
         vocab: Arc::new(Vocab::build(tok, tok_vocab.min(logits_size))),
         hidden_size: dir.config.hidden_size,
         head: None,
+        probe: None,
     })
 }
 
@@ -168,6 +171,7 @@ pub fn gguf_facts(g: &GgufModel, dtype: DType, device: &Device) -> Result<ModelF
         vocab: Arc::new(Vocab::build(tok, tok_vocab.min(logits_size))),
         hidden_size: g.config.hidden_size,
         head: None,
+        probe: None,
     })
 }
 

@@ -16,6 +16,7 @@
 use crate::batcher::{Batch, Job, JobResult};
 use crate::metrics::Metrics;
 use crate::model::{self, ModelFacts};
+use crate::probe;
 use crate::scoring::{HiddenSpan, LmHead, Scorer, ScoringError, SeqRef, Timing, TopkPath};
 use candle_core::Tensor;
 use std::panic::AssertUnwindSafe;
@@ -25,7 +26,7 @@ use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::{mpsc, oneshot};
 use xdistill_shared::model::{linear_kernel, Decoder, KvCache};
-use xdistill_shared::protocol::SequenceScores;
+use xdistill_shared::protocol::{ProbeInfo, SequenceScores};
 
 /// What the worker thread needs to load its model.
 #[derive(Debug, Clone)]
@@ -119,6 +120,8 @@ pub fn spawn(
                 batch_invariant: cfg.batch_invariant,
                 metrics,
             };
+            facts.probe =
+                rayon::scope(|_| worker.probe(facts.vocab_size, facts.max_position_embeddings));
             if ready.send(Ok(facts)).is_err() {
                 return; // the server is gone already
             }
@@ -175,6 +178,35 @@ fn guarded<T>(f: impl FnOnce() -> Result<T, ScoringError>) -> Result<T, ScoringE
 }
 
 impl Worker {
+    /// Scores the start-up probe ([`crate::probe`]) as a request scored alone would be (no
+    /// metrics); `None`, logged, when it cannot be scored.
+    fn probe(&self, vocab_size: usize, max_len: usize) -> Option<ProbeInfo> {
+        let ids = probe::probe_ids(vocab_size, max_len);
+        if ids.is_empty() {
+            tracing::warn!("no start-up probe: the model scores no sequence of two tokens");
+            return None;
+        }
+        let params = probe::probe_params(vocab_size);
+        let seq = SeqRef {
+            ids: &ids,
+            start: 0,
+            params: &params,
+            candidates: None,
+        };
+        match self.compute(&[seq], &mut Timing::default()).pop() {
+            Some(Ok(scores)) => {
+                let info = probe::probe_info(&ids, &scores);
+                tracing::info!(hash = %info.hash, positions = info.positions, "start-up probe");
+                Some(info)
+            }
+            Some(Err(e)) => {
+                tracing::warn!("no start-up probe: scoring it failed: {e}");
+                None
+            }
+            None => None,
+        }
+    }
+
     /// Runs one batch and answers every caller; never panics out of the thread.
     fn run_batch(&self, batch: Batch) {
         let t0 = Instant::now();

@@ -20,6 +20,10 @@ pub const HEAD_PATH: &str = "/v1/head";
 /// Response header of `/v1/head` (and `/hidden_states`): SHA-256 hex of the head file's bytes.
 pub const HEAD_FINGERPRINT_HEADER: &str = "x-xdistill-head-fingerprint";
 
+/// Response header of the scoring routes (`/topk_logits`, `/hidden_states`): the answering
+/// replica's [`ProbeInfo::hash`], so a client behind a load balancer sees whose numbers it got.
+pub const PROBE_HEADER: &str = "x-xdistill-probe";
+
 /// Header the clients send with a stable hash of a request's sequences, so that a load balancer
 /// hashing on it (`docker/haproxy.cfg`) sends the same text to the same replica, whose cache then
 /// answers it.
@@ -550,6 +554,46 @@ pub struct InfoResponse {
     /// (`gguf Q4_1+Q6_K`), dequantized at load to `dtype`; empty from older servers.
     #[serde(default)]
     pub weights: String,
+    /// The start-up probe's result (see [`ProbeInfo`]); absent from older servers and from a
+    /// server whose probe failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub probe: Option<ProbeInfo>,
+}
+
+/// `/v1/info`'s `probe`: a fixed sequence (derived from the vocabulary size only) scored by the
+/// teacher at start-up. Replicas whose hashes differ give different numbers for the same input
+/// (other dtype, device or scoring path) even when their weights are the same.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ProbeInfo {
+    /// SHA-256 hex of the probe's ids and of every id and f32 of its scores (docs/protocol.md).
+    pub hash: String,
+    /// SHA-256 hex of the probe's ids alone: equal when two probes scored the same input.
+    pub ids_hash: String,
+    /// Top entries per row of the probe's scoring.
+    pub k: usize,
+    /// Rows scored (the probe's length minus one).
+    pub positions: usize,
+    /// The log-prob of each next probe id, one per position: how far two replicas disagree.
+    pub target_logprobs: Vec<f32>,
+}
+
+impl ProbeInfo {
+    /// The largest absolute difference of the two probes' target log-probs (`None` when they
+    /// did not score the same ids, so their values cannot be compared).
+    pub fn max_abs_diff(&self, other: &ProbeInfo) -> Option<f32> {
+        if self.ids_hash != other.ids_hash
+            || self.target_logprobs.len() != other.target_logprobs.len()
+        {
+            return None;
+        }
+        Some(
+            self.target_logprobs
+                .iter()
+                .zip(&other.target_logprobs)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max),
+        )
+    }
 }
 
 /// `GET /v1/info` with its `full_vocab` object: every field of [`InfoResponse`] plus what

@@ -464,3 +464,59 @@ fn corrupt_checkpoints_and_non_finite_steps() {
     assert!(!out.join("final").exists());
     assert!(!out.join("step_4").exists());
 }
+
+/// Two teacher URLs serving the same weights at other dtypes (one model fingerprint, other
+/// numbers) are refused at start, before any teacher query, naming the start-up probe, both
+/// URLs and both probe hashes.
+#[test]
+fn replicas_whose_probes_differ_are_refused_before_any_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let teacher = model(dir.path(), "teacher", "llama", "llama2", 32, 2, 0.1, 5);
+    let student = model(dir.path(), "student", "qwen3", "llama2", 32, 2, 0.02, 2);
+    let start = |dtype: &str| {
+        TeacherProcess::start(&teacher_binary(), &teacher, &["--dtype", dtype])
+            .expect("starting the teacher")
+    };
+    let (f32_t, bf16_t) = (start("f32"), start("bf16"));
+    let probe = |t: &TeacherProcess| {
+        let body = get_body(&t.url("/v1/info"));
+        let json = body
+            .split_once("\r\n\r\n")
+            .map_or("", |(_, b)| b)
+            .to_string();
+        let v: serde_json::Value = serde_json::from_str(&json).expect("an info body");
+        let hash = v["probe"]["hash"]
+            .as_str()
+            .expect("a probe hash")
+            .to_string();
+        (v["model_fingerprint"].clone(), hash)
+    };
+    let ((fp32, h32), (fp16, h16)) = (probe(&f32_t), probe(&bf16_t));
+    assert_eq!(fp32, fp16, "one model fingerprint for both dtypes");
+    let out = dir.path().join("probe_run");
+    config(
+        dir.path(),
+        &student,
+        &f32_t.base,
+        &out,
+        2,
+        r#"kd = { type = "forward_kl" }"#,
+    );
+    let cfg_file = config_path(dir.path(), &out);
+    let o = trainer(&[
+        os("off-policy"),
+        os("--config"),
+        cfg_file.as_os_str(),
+        os("--teacher-url"),
+        os(&f32_t.base),
+        os("--teacher-url"),
+        os(&bf16_t.base),
+    ]);
+    let err = stderr(&o);
+    assert!(!o.status.success(), "{err}");
+    for part in ["probe", &f32_t.base, &bf16_t.base, &h32, &h16] {
+        assert!(err.contains(part), "{part:?} missing from: {err}");
+    }
+    assert_eq!(topk_requests(&f32_t) + topk_requests(&bf16_t), 0);
+    assert!(!out.join("final").exists());
+}

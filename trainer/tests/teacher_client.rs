@@ -222,6 +222,7 @@ fn mock_info(sha: String) -> InfoResponse {
         sliding_layers: 0,
         host_simd: "baseline".into(),
         lm_head: "fused".into(),
+        probe: None,
     }
 }
 
@@ -661,4 +662,64 @@ fn replicas_must_serve_the_same_model() {
     let err = check_replicas(&[(u(1), a.clone()), (u(2), b)]).unwrap_err();
     assert!(err.contains("127.0.0.1:2"), "{err}");
     assert!(check_replicas(&[]).is_err());
+}
+
+/// A mock behind one URL whose answers carry, in turn, probe hash `p-a`, `p-b` and none (as a
+/// load balancer over replicas that disagree, and an older one); returns its URL and hit count.
+async fn start_probed() -> (Url, Arc<AtomicUsize>) {
+    use axum::http::{HeaderName, HeaderValue};
+    use xdistill_shared::protocol::PROBE_HEADER;
+    let hits = Arc::new(AtomicUsize::new(0));
+    let h = hits.clone();
+    let app = Router::new().route(
+        "/topk_logits",
+        post(move |body: Bytes| async move {
+            let n = h.fetch_add(1, Ordering::SeqCst);
+            let req = codec::decode_request(Format::Msgpack, &body).unwrap();
+            let bytes = codec::encode_response(Format::Msgpack, &fake_scores(&req)).unwrap();
+            let mut r = ([(header::CONTENT_TYPE, codec::MSGPACK)], bytes).into_response();
+            if let Some(p) = ["p-a", "p-b"].get(n % 3) {
+                r.headers_mut().insert(
+                    HeaderName::from_static(PROBE_HEADER),
+                    HeaderValue::from_static(p),
+                );
+            }
+            r
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = Url::parse(&format!("http://{}", listener.local_addr().unwrap())).unwrap();
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    (url, hits)
+}
+
+/// The first answer's probe hash is pinned (or the one `pin_probe` set); an answer with another
+/// is an error naming the URL and both hashes, not retried; an answer without one passes.
+#[tokio::test]
+async fn an_answer_with_another_probe_hash_is_refused() {
+    let (url, hits) = start_probed().await;
+    let c = TeacherClient::new(vec![url.clone()], opts(10, 20, Duration::from_secs(5))).unwrap();
+    c.topk(&request()).await.expect("the first answer pins p-a");
+    let err = c.topk(&request()).await.unwrap_err();
+    assert!(
+        matches!(&err, ClientError::ProbeChanged { expected, got, .. } if expected == "p-a" && got == "p-b"),
+        "{err}"
+    );
+    let msg = err.to_string();
+    assert!(msg.contains(url.as_str().trim_end_matches('/')), "{msg}");
+    assert!(msg.contains("x-xdistill-probe"), "{msg}");
+    assert_eq!(hits.load(Ordering::SeqCst), 2, "not retried");
+    c.topk(&request())
+        .await
+        .expect("no header: an older teacher");
+
+    let (url, _) = start_probed().await;
+    let c = TeacherClient::new(vec![url], opts(10, 20, Duration::from_secs(5))).unwrap();
+    c.pin_probe("p-b");
+    assert!(matches!(
+        c.topk(&request()).await,
+        Err(ClientError::ProbeChanged { .. })
+    ));
 }

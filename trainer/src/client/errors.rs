@@ -56,6 +56,19 @@ pub enum ClientError {
         bytes: u64,
         expected_bytes: u64,
     },
+    /// An answer carried another start-up probe hash than the one pinned: a replica (behind
+    /// this URL) gives other numbers for the same model. Not retried.
+    #[error(
+        "{url}: the answer's {} is {got} where {expected} was pinned: a replica behind this URL \
+         gives other numbers for the same model (another --dtype, device or scoring path?); \
+         refusing to mix them",
+        xdistill_shared::protocol::PROBE_HEADER
+    )]
+    ProbeChanged {
+        url: String,
+        expected: String,
+        got: String,
+    },
     #[error("teacher tokenizer sha256 {got} does not match /v1/info's {expected}")]
     TokenizerMismatch { expected: String, got: String },
     #[error("{path}: {source}")]

@@ -138,7 +138,7 @@ impl TeacherClient {
             .header(ACCEPT, codec::MSGPACK)
             .header(AFFINITY_HEADER, affinity_key(&req.sequences))
             .body(body);
-        let (_, bytes) = self.send(&url, rb).await?;
+        let (headers, bytes) = self.send_with_headers(&url, rb).await?;
         let resp = codec::decode_hidden_response(&bytes).map_err(|source| ClientError::Decode {
             url: url.to_string(),
             source,
@@ -150,6 +150,7 @@ impl TeacherClient {
             }
         })?;
         self.check_model(&url, &resp.model)?;
+        self.check_probe(&url, &headers)?;
         Ok(resp)
     }
 

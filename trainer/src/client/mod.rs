@@ -32,7 +32,7 @@ pub use wire::{check_replicas, check_response, endpoint, HEALTH_PATH, INFO_PATH,
 
 use crate::config::{ConfigError, TeacherConfig};
 use bytes::Bytes;
-use reqwest::header::{ACCEPT, CONTENT_TYPE};
+use reqwest::header::{HeaderMap, ACCEPT, CONTENT_TYPE};
 use reqwest::Url;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 use wire::{error_body, error_chain};
 use xdistill_shared::codec::{self, CodecError, Format};
 use xdistill_shared::protocol::{
-    affinity_key, InfoResponse, TopkRequest, TopkResponse, AFFINITY_HEADER, TOPK_PATH,
+    affinity_key, InfoResponse, TopkRequest, TopkResponse, AFFINITY_HEADER, PROBE_HEADER, TOPK_PATH,
 };
 
 /// The async teacher client; cheap to clone (shared connection pool and round-robin cursor).
@@ -59,6 +59,8 @@ struct Inner {
     /// Set when the teacher sends hidden states (`transport = "hidden"`): [`Self::score`]
     /// asks `/hidden_states` and checks the answers against this head.
     hidden: std::sync::OnceLock<HiddenSpec>,
+    /// The start-up probe hash of the first answer that sent one; later answers must match.
+    probe: Mutex<Option<String>>,
 }
 
 impl TeacherClient {
@@ -83,6 +85,7 @@ impl TeacherClient {
                 next: AtomicUsize::new(0),
                 model: Mutex::new(None),
                 hidden: std::sync::OnceLock::new(),
+                probe: Mutex::new(None),
             }),
         })
     }
@@ -114,6 +117,12 @@ impl TeacherClient {
         }
     }
 
+    /// Requires answers to carry this start-up probe hash (`/v1/info`'s `probe.hash`) when they
+    /// carry one: another hash is another replica's numbers.
+    pub fn pin_probe(&self, hash: &str) {
+        pin(&self.inner.probe, hash);
+    }
+
     /// Top-k scores for `req`, retried as described in the module docs.
     pub async fn topk(&self, req: &TopkRequest) -> Result<TopkResponse, ClientError> {
         let body =
@@ -143,11 +152,15 @@ impl TeacherClient {
             .header(ACCEPT, codec::MSGPACK)
             .header(AFFINITY_HEADER, affinity_key(&req.sequences))
             .body(body);
-        let (ct, bytes) = self.send(&url, rb).await?;
-        let resp = codec::decode_response(Format::from_content_type(ct.as_deref()), &bytes)
-            .map_err(|source| ClientError::Decode {
-                url: url.to_string(),
-                source,
+        let (headers, bytes) = self.send_with_headers(&url, rb).await?;
+        self.check_probe(&url, &headers)?;
+        let ct = headers.get(CONTENT_TYPE).and_then(|v| v.to_str().ok());
+        let resp =
+            codec::decode_response(Format::from_content_type(ct), &bytes).map_err(|source| {
+                ClientError::Decode {
+                    url: url.to_string(),
+                    source,
+                }
             })?;
         check_response(req, &resp).map_err(|message| ClientError::InvalidResponse {
             url: url.to_string(),
@@ -157,7 +170,7 @@ impl TeacherClient {
         Ok(resp)
     }
 
-    pub(crate) fn check_model(&self, url: &Url, got: &str) -> Result<(), ClientError> {
+    fn check_model(&self, url: &Url, got: &str) -> Result<(), ClientError> {
         let Ok(mut m) = self.inner.model.lock() else {
             return Ok(());
         };
@@ -171,6 +184,23 @@ impl TeacherClient {
                 url: url.to_string(),
                 expected: expected.to_string(),
                 got: got.to_string(),
+            }),
+        }
+    }
+
+    /// Checks an answer's [`PROBE_HEADER`] against the pinned probe hash (the first one seen is
+    /// pinned); an answer without the header (an older teacher) passes.
+    fn check_probe(&self, url: &Url, headers: &HeaderMap) -> Result<(), ClientError> {
+        let Some(got) = headers.get(PROBE_HEADER) else {
+            return Ok(());
+        };
+        let got = String::from_utf8_lossy(got.as_bytes());
+        match first_or_same(&self.inner.probe, &got) {
+            Ok(()) => Ok(()),
+            Err(expected) => Err(ClientError::ProbeChanged {
+                url: url.to_string(),
+                expected,
+                got: got.into_owned(),
             }),
         }
     }
@@ -215,6 +245,7 @@ impl TeacherClient {
                 next: AtomicUsize::new(0),
                 model: Mutex::new(None),
                 hidden: std::sync::OnceLock::new(),
+                probe: Mutex::new(None),
             }),
         }
     }
@@ -236,8 +267,19 @@ impl TeacherClient {
     async fn send(
         &self,
         url: &Url,
-        mut rb: reqwest::RequestBuilder,
+        rb: reqwest::RequestBuilder,
     ) -> Result<(Option<String>, Bytes), ClientError> {
+        let (headers, bytes) = self.send_with_headers(url, rb).await?;
+        let ct = headers.get(CONTENT_TYPE).and_then(|v| v.to_str().ok());
+        Ok((ct.map(str::to_string), bytes))
+    }
+
+    /// As [`Self::send`], with every header of the answer.
+    async fn send_with_headers(
+        &self,
+        url: &Url,
+        mut rb: reqwest::RequestBuilder,
+    ) -> Result<(HeaderMap, Bytes), ClientError> {
         if let Some(key) = &self.inner.opts.api_key {
             rb = rb.bearer_auth(key);
         }
@@ -257,9 +299,10 @@ impl TeacherClient {
             .get(reqwest::header::RETRY_AFTER)
             .and_then(|v| v.to_str().ok())
             .and_then(parse_retry_after);
+        let headers = resp.headers().clone();
         let bytes = resp.bytes().await.map_err(transport)?;
         if status.is_success() {
-            return Ok((ct, bytes));
+            return Ok((headers, bytes));
         }
         let (kind, message, field) = error_body(ct.as_deref(), &bytes, status);
         if is_retryable_status(status) {
@@ -365,5 +408,27 @@ impl TeacherClient {
                 }
             }
         }
+    }
+}
+
+/// Sets `slot` to `value`.
+fn pin(slot: &Mutex<Option<String>>, value: &str) {
+    if let Ok(mut m) = slot.lock() {
+        *m = Some(value.to_string());
+    }
+}
+
+/// Pins `got` in an empty `slot`; otherwise `Err(pinned)` when it holds another value.
+fn first_or_same(slot: &Mutex<Option<String>>, got: &str) -> Result<(), String> {
+    let Ok(mut m) = slot.lock() else {
+        return Ok(());
+    };
+    match m.as_deref() {
+        None => {
+            *m = Some(got.to_string());
+            Ok(())
+        }
+        Some(expected) if expected == got => Ok(()),
+        Some(expected) => Err(expected.to_string()),
     }
 }

@@ -3,7 +3,7 @@
 
 use reqwest::{StatusCode, Url};
 use xdistill_shared::codec::Format;
-use xdistill_shared::protocol::{ErrorBody, InfoResponse, TopkRequest, TopkResponse};
+use xdistill_shared::protocol::{ErrorBody, InfoResponse, ProbeInfo, TopkRequest, TopkResponse};
 
 /// `GET`: the teacher's model, tokenizer hash and limits.
 pub const INFO_PATH: &str = "/v1/info";
@@ -12,8 +12,9 @@ pub const TOKENIZER_PATH: &str = "/tokenizer.json";
 /// `GET`: 2xx once the teacher serves.
 pub const HEALTH_PATH: &str = "/health";
 
-/// Checks that every replica serves the same model (fingerprint) with the same tokenizer;
-/// returns the common info. Replicas that disagree would silently mix two teachers.
+/// Checks that every replica serves the same model (fingerprint) with the same tokenizer and
+/// that their start-up probes agree (see [`check_probes`]); returns the common info, with the
+/// first published probe. Replicas that disagree would silently mix two teachers.
 pub fn check_replicas(infos: &[(Url, InfoResponse)]) -> Result<InfoResponse, String> {
     let Some((u0, first)) = infos.first() else {
         return Err("no replica answered /v1/info".into());
@@ -32,7 +33,47 @@ pub fn check_replicas(infos: &[(Url, InfoResponse)]) -> Result<InfoResponse, Str
             ));
         }
     }
-    Ok(first.clone())
+    let probe = check_probes(infos)?;
+    Ok(InfoResponse {
+        probe,
+        ..first.clone()
+    })
+}
+
+/// Checks that every replica that publishes a start-up probe publishes the same hash (same
+/// weights at another dtype or on another device give other numbers, and another hash); returns
+/// that probe. A replica without a probe (an older server) is accepted with a warning.
+pub fn check_probes(infos: &[(Url, InfoResponse)]) -> Result<Option<ProbeInfo>, String> {
+    let mut seen: Option<(&Url, &ProbeInfo)> = None;
+    for (u, i) in infos {
+        let Some(p) = &i.probe else {
+            tracing::warn!(
+                "{u} publishes no start-up probe (an older teacher): its numbers cannot be \
+                 checked against the other replicas'"
+            );
+            continue;
+        };
+        match seen {
+            None => seen = Some((u, p)),
+            Some((u0, p0)) if p0.hash != p.hash => return Err(probe_mismatch((u0, p0), (u, p))),
+            Some(_) => {}
+        }
+    }
+    Ok(seen.map(|(_, p)| p.clone()))
+}
+
+/// The error of two replicas whose probes differ: both URLs, both hashes and how far apart.
+fn probe_mismatch((u0, p0): (&Url, &ProbeInfo), (u, p): (&Url, &ProbeInfo)) -> String {
+    let how_far = match p0.max_abs_diff(p) {
+        Some(d) => format!("their probe target log-probs differ by up to {d:e}"),
+        None => "they scored different probe ids".to_string(),
+    };
+    format!(
+        "replicas disagree on the start-up probe: {u0} has probe {}, {u} has probe {} ({how_far}); \
+         same model, other numbers (another --dtype, device or scoring path?): refusing to mix \
+         them",
+        p0.hash, p.hash
+    )
 }
 
 /// `base` with `route` appended to its path (keeps a path prefix such as `/teacher/`).
@@ -205,6 +246,95 @@ mod tests {
         resp.results[1] = with_m(1, 2);
         let err = check_response(&req, &resp).unwrap_err();
         assert!(err.contains("results[1]") && err.contains("3 ids"), "{err}");
+    }
+
+    /// An info as a replica of model "m" with `probe` would publish it.
+    fn replica(probe: Option<ProbeInfo>) -> InfoResponse {
+        let limits = xdistill_shared::protocol::Limits {
+            max_k: 8,
+            max_seq_len: 64,
+            max_batch_tokens: 64,
+            max_queue_tokens: 64,
+            max_body_bytes: 1 << 20,
+            max_wait_ms: 1,
+            max_sequences: 8,
+            max_answer_bytes: 1 << 20,
+        };
+        InfoResponse {
+            protocol_version: 2,
+            server_version: "t".into(),
+            architecture: "LlamaForCausalLM".into(),
+            model_type: "llama".into(),
+            vocab_size: 100,
+            logits_size: 100,
+            max_seq_len: 64,
+            dtype: "f32".into(),
+            device: "cpu".into(),
+            tokenizer_sha256: "tok".into(),
+            model_fingerprint: "m".into(),
+            limits,
+            rope_theta: 1e4,
+            rope_scaling: "default".into(),
+            sliding_window: None,
+            sliding_layers: 0,
+            host_simd: "baseline".into(),
+            lm_head: "fused".into(),
+            batch_invariant: true,
+            weights: "safetensors".into(),
+            probe,
+        }
+    }
+
+    fn probe(hash: &str, target: [f32; 2]) -> Option<ProbeInfo> {
+        Some(ProbeInfo {
+            hash: hash.into(),
+            ids_hash: "ids".into(),
+            k: 8,
+            positions: 2,
+            target_logprobs: target.to_vec(),
+        })
+    }
+
+    /// Replicas of one model whose probes differ are refused, naming both URLs, both hashes and
+    /// the largest difference of their values; equal probes pass and are returned.
+    #[test]
+    fn replicas_must_agree_on_the_probe() {
+        let u = |s: &str| Url::parse(s).unwrap();
+        let same = [
+            (u("http://a:1"), replica(probe("h1", [-1.0, -2.0]))),
+            (u("http://b:1"), replica(probe("h1", [-1.0, -2.0]))),
+        ];
+        let info = check_replicas(&same).unwrap();
+        assert_eq!(info.probe.unwrap().hash, "h1");
+        let differ = [
+            (u("http://a:1"), replica(probe("h1", [-1.0, -2.0]))),
+            (u("http://b:1"), replica(probe("h2", [-1.0, -2.25]))),
+        ];
+        let err = check_replicas(&differ).unwrap_err();
+        for part in ["http://a:1", "http://b:1", "h1", "h2", "probe", "2.5e-1"] {
+            assert!(err.contains(part), "{part:?} missing from: {err}");
+        }
+        // Probes of other ids cannot be compared value by value, and say so.
+        let mut other_ids = replica(probe("h3", [-1.0, -2.0]));
+        if let Some(p) = other_ids.probe.as_mut() {
+            p.ids_hash = "other".into();
+        }
+        let err = check_replicas(&[differ[0].clone(), (u("http://c:1"), other_ids)]).unwrap_err();
+        assert!(err.contains("different probe ids"), "{err}");
+    }
+
+    /// A replica without a probe (an older server) is accepted; the probe that was published is
+    /// the one returned (to be pinned), whichever replica published it.
+    #[test]
+    fn replicas_without_a_probe_are_accepted() {
+        let u = |s: &str| Url::parse(s).unwrap();
+        let mixed = [
+            (u("http://old:1"), replica(None)),
+            (u("http://new:1"), replica(probe("h1", [-1.0, -2.0]))),
+        ];
+        assert_eq!(check_replicas(&mixed).unwrap().probe.unwrap().hash, "h1");
+        let old = [(u("http://old:1"), replica(None))];
+        assert!(check_replicas(&old).unwrap().probe.is_none());
     }
 
     #[test]

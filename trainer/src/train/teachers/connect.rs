@@ -76,6 +76,9 @@ impl Teacher {
             .collect();
         let info = crate::client::check_replicas(&infos).map_err(anyhow::Error::msg)?;
         client.pin_model(&info.model_fingerprint);
+        if let Some(probe) = &info.probe {
+            client.pin_probe(&probe.hash);
+        }
         if tc.k > info.limits.max_k {
             bail!(
                 "k = {} exceeds the teacher's max_k {}",
