@@ -40,7 +40,6 @@ fn hidden_states_train_with_the_exact_teacher_distribution() {
     // 1. Held-out KL at the start: hidden states + head == top-k with k = V (exact).
     let short = |name: &str| {
         let mut c = config(dir.path(), &student, &t.base, &dir.path().join(name), 1, forward);
-        c.policy.max_total_sequence_length = 32;
         c.distillation.val_at_end = false;
         c
     };
