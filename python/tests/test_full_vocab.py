@@ -293,6 +293,7 @@ class _Proxy:
         self.flip_head_byte = False
         self.drop_head_headers = False
         self.no_head = False
+        self.cut_heads = 0  # this many head answers break off half-way
         self.head_gets = 0
         proxy = self
 
@@ -302,12 +303,18 @@ class _Proxy:
             def log_message(self, *args: object) -> None:
                 pass
 
-            def _send(self, status: int, body: bytes, headers: Dict[str, str]) -> None:
+            def _send(self, status: int, body: bytes, headers: Dict[str, str],
+                      cut: bool = False) -> None:
                 self.send_response(status)
                 for k, v in headers.items():
                     self.send_header(k, v)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
+                if cut:  # half the body, then the connection closes
+                    self.wfile.write(body[:len(body) // 2])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    return
                 self.wfile.write(body)
 
             def _unavailable(self) -> None:
@@ -342,6 +349,9 @@ class _Proxy:
                     if proxy.drop_head_headers:
                         headers = {k: v for k, v in headers.items()
                                    if k.lower() == "content-type"}
+                    if proxy.cut_heads > 0 and r.status_code == 200:
+                        proxy.cut_heads -= 1
+                        return self._send(200, body, headers, cut=True)
                 self._send(r.status_code, body if r.status_code != 304 else b"", headers)
 
             def do_POST(self) -> None:
@@ -423,6 +433,25 @@ def test_the_fingerprint_is_checked_against_a_patched_info(client, head, monkeyp
     monkeypatch.setattr(client, "info", lambda: fake)
     with pytest.raises(HeadFingerprintMismatch):
         client.head(cache_dir=tmp_path)
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_a_head_that_breaks_off_is_fetched_again(proxy, head, tmp_path, cache):
+    proxy.cut_heads = 2
+    with TeacherClient(proxy.url, backoff_initial_s=0.01, backoff_max_s=0.01) as c:
+        got = c.head(cache_dir=tmp_path if cache else None)
+    assert proxy.head_gets == 3 and proxy.cut_heads == 0
+    np.testing.assert_array_equal(got.weight, head.weight)
+    if cache:
+        assert os.listdir(tmp_path) == [f"{head.fingerprint}.safetensors"]
+    # With one attempt, the broken body is the error (retryable: no answer came whole).
+    proxy.cut_heads = 1
+    with TeacherClient(proxy.url, max_attempts=1) as c:
+        with pytest.raises(TeacherError) as e:
+            c.head(cache_dir=tmp_path / "other" if cache else None)
+    assert e.value.type == "connection_error" and e.value.retryable
+    if cache:
+        assert os.listdir(tmp_path / "other") == []
 
 
 def test_no_full_vocab_is_head_unavailable(proxy, tmp_path):
