@@ -685,7 +685,8 @@ def _widen(raw: npt.NDArray[Any], dtype: str) -> npt.NDArray[np.float32]:
     b = raw.view(np.uint8)
     if dtype == "bf16":
         u = b.view("<u2").astype(np.uint32)
-        return cast(npt.NDArray[np.float32], (u << 16).view(np.float32))
+        u <<= np.uint32(16)  # in place: a head is large
+        return u.view(np.float32)
     if dtype == "f16":
         return b.view("<f2").astype(np.float32)
     if dtype == "f32":
