@@ -215,3 +215,11 @@ def base(teacher) -> str:
     """Base URL of the default server."""
     return teacher.url
 
+
+
+@pytest.fixture(scope="session")
+def bf16_teacher(model_dir, tmp_path_factory):
+    """A server computing in bf16 (`--dtype bf16`): bf16 hidden states and head."""
+    t = _start(model_dir, tmp_path_factory, "bf16", ["--dtype", "bf16"])
+    yield t
+    t.stop()

@@ -12,16 +12,20 @@ same policy as the trainer's Rust client (``trainer/src/client/``); see :class:`
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
+import os
 import random
 import re
 import struct
+import sys
 import time
-from dataclasses import dataclass
-from typing import (TYPE_CHECKING, Dict, FrozenSet, Iterable, List, Literal, Optional, Protocol,
-                    Sequence, SupportsInt, Tuple, Type, TypedDict, TypeVar, Union, cast, overload,
-                    runtime_checkable)
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import (TYPE_CHECKING, Any, Callable, Dict, FrozenSet, Iterable, Iterator, List,
+                    Literal, Optional, Protocol, Sequence, SupportsInt, Tuple, Type, TypedDict,
+                    TypeVar, Union, cast, overload, runtime_checkable)
 
 import msgpack
 import numpy as np
@@ -63,6 +67,13 @@ _log = logging.getLogger("xdistill")
 _sleep = time.sleep
 
 _S = TypeVar("_S", bound=np.generic)
+_T = TypeVar("_T")
+
+#: Header of ``/hidden_states`` and ``/v1/head`` answers with the head's SHA-256 fingerprint.
+HEAD_FINGERPRINT_HEADER = "X-Xdistill-Head-Fingerprint"
+
+#: Bytes read at a time while a head streams in.
+_HEAD_CHUNK = 1 << 20
 
 
 @runtime_checkable
@@ -205,6 +216,42 @@ class RetriesExhausted(TeacherError):
                      f"over {waited_s:.1f} s; last error: {last}",)
 
 
+class HeadUnavailable(TeacherError):
+    """The server serves no LM head: its ``/v1/info`` has no ``full_vocab`` (a server without
+    the routes, or a model whose head cannot be served), or a route answered ``501
+    head_unavailable``. ``type`` is ``"head_unavailable"``."""
+
+
+class HeadFingerprintMismatch(TeacherError):
+    """A head whose bytes do not have the SHA-256 fingerprint they must have: the server
+    announced (``X-Xdistill-Head-Fingerprint``) or sent a head other than the one expected
+    (``/v1/info``'s ``head_fingerprint``, or the ``fingerprint`` the caller asked for).
+    ``type`` is ``"head_fingerprint_mismatch"``; nothing is cached.
+
+    Attributes:
+        expected: the fingerprint the head had to have.
+        got: the fingerprint the server announced or the body hashed to.
+    """
+
+    expected: str
+    got: str
+
+    def __init__(self, status: Optional[int], expected: str, got: str, what: str):
+        super().__init__(status, "head_fingerprint_mismatch",
+                         f"{what}: expected head {expected}, got {got}")
+        self.expected = expected
+        self.got = got
+
+
+def _head_error(e: TeacherError) -> TeacherError:
+    """A route's ``501 head_unavailable`` as :class:`HeadUnavailable`; other errors as they are."""
+    if e.type == "head_unavailable" and not isinstance(e, HeadUnavailable):
+        out = HeadUnavailable(e.status, e.type, e.message, e.field)
+        out.__cause__ = e
+        return out
+    return e
+
+
 # -- answers ----------------------------------------------------------------------------------
 
 
@@ -295,9 +342,28 @@ class _InfoV1(TypedDict):
     limits: InfoLimits
 
 
+class FullVocabInfo(TypedDict):
+    """``/v1/info``'s ``full_vocab``: what ``/hidden_states`` and ``/v1/head`` serve
+    (docs/protocol.md, "Exact full-vocabulary distillation")."""
+
+    hidden_route: str
+    head_route: str
+    dtype: str
+    hidden_size: int
+    head_rows: int
+    vocab_size: int
+    tied: bool
+    bias: bool
+    logit_scale: float
+    logit_softcap: Optional[float]
+    head_fingerprint: str
+    head_bytes: int
+
+
 class TeacherInfo(_InfoV1, total=False):
     """The body of ``GET /v1/info`` (docs/protocol.md). The keys of this class itself are
-    absent from servers older than protocol 2."""
+    absent from servers older than protocol 2; ``full_vocab`` is absent from servers without
+    ``/hidden_states`` and ``/v1/head`` and from those whose model's head cannot be served."""
 
     rope_theta: float
     rope_scaling: str
@@ -306,6 +372,233 @@ class TeacherInfo(_InfoV1, total=False):
     host_simd: str
     lm_head: str
     batch_invariant: bool
+    full_vocab: FullVocabInfo
+
+
+def _round_f32(z: npt.NDArray[np.float32], dtype: str) -> npt.NDArray[np.float32]:
+    """float32 values rounded to bf16 or f16 (to nearest, ties to even), as float32."""
+    if dtype == "f16":
+        return z.astype(np.float16).astype(np.float32)
+    u = np.ascontiguousarray(z, dtype=np.float32).view(np.uint32)
+    # Finite values only (non-finite logits are refused upstream): add half an ulp, minus
+    # one when the kept part is even, then drop the low 16 bits.
+    r = (u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))) & np.uint32(0xFFFF0000)
+    return r.view(np.float32)
+
+
+@dataclass
+class HiddenStates:
+    """The answer of ``POST /hidden_states`` as numpy arrays (``return_tensors="np"``).
+
+    ``states[i]`` is sequence ``i``'s ``[rows, H]`` float32 array of final-norm hidden states
+    (the LM head's input); row ``r`` is position ``start + r``, whose logits predict token
+    ``start + r + 1`` (the rows of :meth:`TeacherClient.score`). bf16 and f16 states are
+    widened to float32, which is exact. The object is also a sequence of those arrays
+    (``len``, indexing, iteration).
+
+    Attributes:
+        states: one ``[rows, H]`` float32 array per request sequence, in order.
+        head_fingerprint: the fingerprint of the head these states go with
+            (:attr:`TeacherHead.fingerprint`).
+        model: the model fingerprint (``/v1/info``'s ``model_fingerprint``).
+        dtype: the wire dtype the server sent: ``"bf16"``, ``"f16"`` or ``"f32"``.
+        hidden_size: ``H``.
+    """
+
+    states: List[npt.NDArray[np.float32]]
+    head_fingerprint: str
+    model: str
+    dtype: str
+    hidden_size: int
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def __getitem__(self, i: int) -> npt.NDArray[np.float32]:
+        return self.states[i]
+
+    def __iter__(self) -> Iterator[npt.NDArray[np.float32]]:
+        return iter(self.states)
+
+
+@dataclass
+class TorchHiddenStates:
+    """The answer of ``POST /hidden_states`` as torch tensors (``return_tensors="pt"``): the
+    fields of :class:`HiddenStates`, with each ``states[i]`` a CPU tensor in the wire dtype as
+    sent (``torch.bfloat16`` from a bf16 teacher, ``torch.float16`` or ``torch.float32``):
+    half the memory and transfer of float32. :meth:`TeacherHead.log_probs` widens them to
+    float32 (exact)."""
+
+    states: List[torch.Tensor]
+    head_fingerprint: str
+    model: str
+    dtype: str
+    hidden_size: int
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.states[i]
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return iter(self.states)
+
+
+@dataclass
+class TeacherHead:
+    """The teacher's LM head, from ``GET /v1/head`` (:meth:`TeacherClient.head`), with what is
+    needed to turn hidden states into the teacher's distribution over its whole vocabulary:
+
+    ``z = (hidden · weightᵀ + bias) · logit_scale``, then ``z = c · tanh(z / c)`` with a
+    soft-cap ``c``, then ``log_softmax(z[..., :vocab_size] / temperature)``
+    (:meth:`log_probs`). Rows ``>= vocab_size`` are LM-head padding and never take part.
+
+    Attributes:
+        weight: ``[head_rows, H]`` float32 (widened exactly from the wire dtype); row ``v`` is
+            token ``v``'s output vector (the input embedding when ``tied``).
+        bias: ``[head_rows]`` float32, or ``None`` when the head has none.
+        vocab_size: valid token ids (``<= head_rows``).
+        logit_scale: the logits' scale (1.0 for every architecture served today).
+        logit_softcap: the final soft-cap ``c``, or ``None``.
+        fingerprint: SHA-256 (hex) of the head file as served; equals the
+            ``head_fingerprint`` of the :class:`HiddenStates` it goes with.
+        tied: whether the head is the input embedding.
+        dtype: the wire dtype of the file (``"bf16"``, ``"f16"``, ``"f32"``).
+        model: the model fingerprint the head came from.
+        architecture: the model's architecture (``"Qwen3ForCausalLM"``, ...).
+        path: the cached file when :meth:`TeacherClient.head` was given a ``cache_dir``.
+    """
+
+    weight: npt.NDArray[np.float32]
+    bias: Optional[npt.NDArray[np.float32]]
+    vocab_size: int
+    logit_scale: float
+    logit_softcap: Optional[float]
+    fingerprint: str
+    tied: bool
+    dtype: str = "f32"
+    model: str = ""
+    architecture: str = ""
+    path: Optional[Path] = None
+    _torch: Dict[str, Tuple[torch.Tensor, Optional[torch.Tensor]]] = field(
+        default_factory=dict, repr=False, compare=False)
+
+    @property
+    def head_rows(self) -> int:
+        """Rows of the head (``>= vocab_size``: padded vocabularies)."""
+        return int(self.weight.shape[0])
+
+    @property
+    def hidden_size(self) -> int:
+        """``H``, the width of a hidden state."""
+        return int(self.weight.shape[1])
+
+    def torch_weight(self, device: Union[str, torch.device, None] = None
+                     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The valid rows of the head (``[vocab_size, H]``) and of its bias as float32 torch
+        tensors on ``device`` (default CPU), made once per device and kept (the CPU ones share
+        memory with :attr:`weight`)."""
+        import torch
+
+        dev = torch.device(device if device is not None else "cpu")
+        key = str(dev)
+        if key not in self._torch:
+            w = torch.from_numpy(self.weight[:self.vocab_size]).to(dev)
+            b = (None if self.bias is None
+                 else torch.from_numpy(self.bias[:self.vocab_size]).to(dev))
+            self._torch[key] = (w, b)
+        return self._torch[key]
+
+    @overload
+    def logits(self, hidden: npt.NDArray[Any], round_logits: bool = True
+               ) -> npt.NDArray[np.float32]: ...
+
+    @overload
+    def logits(self, hidden: torch.Tensor, round_logits: bool = True) -> torch.Tensor: ...
+
+    def logits(self, hidden: Union[npt.NDArray[Any], torch.Tensor], round_logits: bool = True
+               ) -> Union[npt.NDArray[np.float32], torch.Tensor]:
+        """The teacher's logits over the real vocabulary, ``[..., vocab_size]`` float32, from
+        hidden states ``[..., H]`` (any float dtype; a numpy array gives a numpy array, a
+        torch tensor a tensor on its device): ``(h · Wᵀ + b) · scale``, soft-capped when the
+        head has a cap; before any temperature.
+
+        The products are summed in float32. A bf16 or f16 teacher's own matmul writes its
+        logits in that dtype, so with ``round_logits`` (the default) ``h · Wᵀ + b`` is rounded
+        to the head's :attr:`dtype` (to nearest even; nothing changes for an f32 head) and the
+        values are the teacher's, as ``/topk_logits`` scores them. ``round_logits=False`` keeps
+        the float32 products (within half a bf16 ulp of the teacher's)."""
+        rnd = round_logits and self.dtype in ("bf16", "f16")
+        if isinstance(hidden, np.ndarray):
+            h = np.asarray(hidden, dtype=np.float32)
+            self._check_width(h.shape)
+            z: npt.NDArray[np.float32] = h @ self.weight[:self.vocab_size].T
+            if self.bias is not None:
+                z += self.bias[:self.vocab_size]
+            if rnd:
+                z = _round_f32(z, self.dtype)
+            if self.logit_scale != 1.0:
+                z *= np.float32(self.logit_scale)
+            if self.logit_softcap is not None:
+                c = np.float32(self.logit_softcap)
+                z = (c * np.tanh(z / c)).astype(np.float32, copy=False)
+            return z
+        import torch
+
+        if not isinstance(hidden, torch.Tensor):
+            raise TypeError(f"expected a numpy array or a torch tensor, got {type(hidden).__name__}")
+        self._check_width(tuple(hidden.shape))
+        w, b = self.torch_weight(hidden.device)
+        zt = hidden.to(torch.float32) @ w.T
+        if b is not None:
+            zt = zt + b
+        if rnd:
+            zt = zt.to(torch.bfloat16 if self.dtype == "bf16" else torch.float16).to(
+                torch.float32)
+        if self.logit_scale != 1.0:
+            zt = zt * self.logit_scale
+        if self.logit_softcap is not None:
+            zt = self.logit_softcap * torch.tanh(zt / self.logit_softcap)
+        return zt
+
+    @overload
+    def log_probs(self, hidden: npt.NDArray[Any], temperature: float = 1.0,
+                  round_logits: bool = True) -> npt.NDArray[np.float32]: ...
+
+    @overload
+    def log_probs(self, hidden: torch.Tensor, temperature: float = 1.0,
+                  round_logits: bool = True) -> torch.Tensor: ...
+
+    def log_probs(self, hidden: Union[npt.NDArray[Any], torch.Tensor], temperature: float = 1.0,
+                  round_logits: bool = True) -> Union[npt.NDArray[np.float32], torch.Tensor]:
+        """The teacher's log-probs over the real vocabulary, ``[..., vocab_size]`` float32:
+        ``log_softmax(logits(hidden) / temperature)`` — what ``/topk_logits`` computes from the
+        same positions at the same temperature, to f32 rounding (its ``topk_values`` are these
+        at its ``topk_ids``, its ``target_logprobs`` these at the next tokens). A numpy array
+        gives a numpy array; a torch tensor (e.g. :class:`TorchHiddenStates`' bf16 states) a
+        float32 tensor on its device. ``round_logits``: see :meth:`logits`."""
+        if not (math.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"temperature must be a finite number > 0, not {temperature!r}")
+        if isinstance(hidden, np.ndarray):
+            z = self.logits(hidden, round_logits)
+            if temperature != 1.0:
+                z = z / np.float32(temperature)
+            z = z - z.max(axis=-1, keepdims=True)
+            out: npt.NDArray[np.float32] = (
+                z - np.log(np.exp(z).sum(axis=-1, keepdims=True))).astype(np.float32, copy=False)
+            return out
+        import torch
+
+        zt = self.logits(hidden, round_logits)
+        if temperature != 1.0:
+            zt = zt / temperature
+        return torch.log_softmax(zt, dim=-1)
+
+    def _check_width(self, shape: Tuple[int, ...]) -> None:
+        if not shape or shape[-1] != self.hidden_size:
+            raise ValueError(f"hidden states of shape {tuple(shape)}: the head expects [..., "
+                             f"{self.hidden_size}]")
 
 
 # -- request building and answer decoding -----------------------------------------------------
@@ -378,6 +671,163 @@ def _to_torch(s: SequenceScores) -> TorchSequenceScores:
         logsumexp=torch.from_numpy(s.logsumexp),
         ids_logprobs=None if s.ids_logprobs is None else torch.from_numpy(s.ids_logprobs),
     )
+
+
+#: Element sizes of the wire dtypes of hidden states and heads.
+_WIRE_SIZES: Dict[str, int] = {"f32": 4, "bf16": 2, "f16": 2}
+#: safetensors' names of the wire dtypes.
+_SAFETENSORS_DTYPES: Dict[str, str] = {"F32": "f32", "BF16": "bf16", "F16": "f16"}
+
+
+def _widen(raw: npt.NDArray[Any], dtype: str) -> npt.NDArray[np.float32]:
+    """Little-endian wire values (``uint8`` bytes or ``<u2``/``<f2``/``<f4`` elements) of
+    ``dtype`` as native float32, exactly (bf16 is the upper 16 bits of an f32)."""
+    b = raw.view(np.uint8)
+    if dtype == "bf16":
+        u = b.view("<u2").astype(np.uint32)
+        u <<= np.uint32(16)  # in place: a head is large
+        return u.view(np.float32)
+    if dtype == "f16":
+        return b.view("<f2").astype(np.float32)
+    if dtype == "f32":
+        return b.view("<f4").astype(np.float32)
+    raise ValueError(f"unknown dtype {dtype!r}")
+
+
+def _decode_hidden(r: Dict[str, object], dtype: str, hidden_size: int, torch_out: bool
+                   ) -> Union[npt.NDArray[np.float32], torch.Tensor]:
+    shape = _int_list(r["shape"])
+    if len(shape) != 2 or shape[1] != hidden_size:
+        raise ValueError(f"shape {shape} is not [rows, {hidden_size}]")
+    buf = r["hidden"]
+    if not isinstance(buf, bytes):
+        raise TypeError(f"expected a binary blob, got {type(buf).__name__}")
+    if len(buf) != shape[0] * shape[1] * _WIRE_SIZES[dtype]:
+        raise ValueError(f"{len(buf)} bytes of {dtype} for shape {shape}")
+    raw = np.frombuffer(buf, np.uint8)
+    if not torch_out or dtype == "f32":
+        out = _widen(raw, dtype).reshape(shape)
+        if torch_out:
+            import torch
+
+            return torch.from_numpy(out)
+        return out
+    import torch
+
+    # Native-endian 16-bit patterns (a copy: writable), reinterpreted as the torch dtype.
+    u16 = raw.view("<u2").astype(np.uint16).view(np.int16).reshape(shape)
+    return torch.from_numpy(u16).view(torch.bfloat16 if dtype == "bf16" else torch.float16)
+
+
+@dataclass
+class _HeadLayout:
+    """The header of a head file: where its tensors lie and its metadata."""
+
+    data_start: int
+    dtype: str
+    head_rows: int
+    hidden_size: int
+    weight_offsets: Tuple[int, int]
+    bias_offsets: Optional[Tuple[int, int]]
+    meta: Dict[str, str]
+
+
+def _head_layout(prefix: bytes, total: int) -> _HeadLayout:
+    """Parses a head file's header from its first bytes (at least ``8 + N``) and checks it
+    against the file's length ``total``."""
+    if len(prefix) < 8:
+        raise ValueError("shorter than a safetensors header")
+    (n,) = struct.unpack("<Q", prefix[:8])
+    if 8 + n > len(prefix):
+        raise ValueError(f"a header of {n} bytes does not fit")
+    header = json.loads(prefix[8:8 + n].decode("utf-8"))
+    if not isinstance(header, dict):
+        raise ValueError("the header is not an object")
+    meta = header.get("__metadata__") or {}
+    if not isinstance(meta, dict):
+        raise ValueError("__metadata__ is not an object")
+    w = header.get("weight")
+    if not isinstance(w, dict):
+        raise ValueError("no `weight` tensor")
+    dtype = _SAFETENSORS_DTYPES.get(str(w.get("dtype")))
+    if dtype is None:
+        raise ValueError(f"weight dtype {w.get('dtype')!r} is not F32, BF16 or F16")
+    shape = _int_list(w["shape"])
+    if len(shape) != 2:
+        raise ValueError(f"weight shape {shape} is not [head_rows, H]")
+    data_start = 8 + n
+    data_len = total - data_start
+
+    def offsets(t: Dict[str, object], elements: int) -> Tuple[int, int]:
+        if str(t.get("dtype")) != w.get("dtype"):
+            raise ValueError("the bias and the weight have different dtypes")
+        a, b = _int_list(t["data_offsets"])
+        if not (0 <= a <= b <= data_len) or b - a != elements * _WIRE_SIZES[dtype]:
+            raise ValueError(f"data_offsets {[a, b]} do not fit {elements} {dtype} values")
+        return a, b
+
+    bias = header.get("bias")
+    return _HeadLayout(
+        data_start=data_start, dtype=dtype, head_rows=shape[0], hidden_size=shape[1],
+        weight_offsets=offsets(w, shape[0] * shape[1]),
+        bias_offsets=None if not isinstance(bias, dict) else offsets(bias, shape[0]),
+        meta={str(k): str(v) for k, v in meta.items()},
+    )
+
+
+def _head_from(layout: _HeadLayout, read: Callable[[int, int], npt.NDArray[np.uint8]],
+               fingerprint: str, path: Optional[Path]) -> TeacherHead:
+    """A :class:`TeacherHead` from a parsed header and a reader of the data's byte ranges."""
+    meta = layout.meta
+    if meta.get("format", "xdistill-head-1") != "xdistill-head-1":
+        raise ValueError(f"unknown head format {meta.get('format')!r}")
+    vocab = int(meta.get("vocab_size", layout.head_rows))
+    if not 0 < vocab <= layout.head_rows:
+        raise ValueError(f"vocab_size {vocab} with {layout.head_rows} head rows")
+    cap = meta.get("logit_softcap", "none")
+    weight = _widen(read(*layout.weight_offsets), layout.dtype).reshape(
+        layout.head_rows, layout.hidden_size)
+    bias = (None if layout.bias_offsets is None
+            else _widen(read(*layout.bias_offsets), layout.dtype))
+    return TeacherHead(
+        weight=weight, bias=bias, vocab_size=vocab,
+        logit_scale=float(meta.get("logit_scale", "1.0")),
+        logit_softcap=None if cap in ("none", "null", "") else float(cap),
+        fingerprint=fingerprint, tied=meta.get("tied", "false") == "true", dtype=layout.dtype,
+        model=meta.get("model_fingerprint", ""), architecture=meta.get("architecture", ""),
+        path=path,
+    )
+
+
+def _head_from_bytes(body: Union[bytes, bytearray], fingerprint: str) -> TeacherHead:
+    layout = _head_layout(bytes(body[:min(len(body), 8 + (1 << 24))]), len(body))
+    data = np.frombuffer(body, np.uint8)
+    return _head_from(layout, lambda a, b: data[layout.data_start + a:layout.data_start + b],
+                      fingerprint, None)
+
+
+def _head_from_file(path: Path, fingerprint: str) -> TeacherHead:
+    total = path.stat().st_size
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) == 8:
+            prefix += f.read(struct.unpack("<Q", prefix)[0])
+    layout = _head_layout(prefix, total)
+    return _head_from(
+        layout, lambda a, b: np.fromfile(path, np.uint8, count=b - a,
+                                         offset=layout.data_start + a),
+        fingerprint, path)
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(_HEAD_CHUNK), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+_FINGERPRINT = re.compile(r"^[0-9a-f]{64}$")
 
 
 #: ``requests`` exceptions after which another attempt may succeed: the connection was refused,
@@ -475,39 +925,61 @@ class TeacherClient:
         return f"TeacherClient({self.url!r})"
 
     def _attempt(self, method: str, url: str, data: Optional[bytes],
-                 headers: Optional[Dict[str, str]]) -> Tuple[Optional[requests.Response],
-                                                             Optional[TeacherError],
-                                                             Optional[float]]:
-        """One attempt: (2xx answer, None, None) or (None, error, Retry-After seconds)."""
+                 headers: Optional[Dict[str, str]], read: Callable[[requests.Response], _T],
+                 stream: bool, also_ok: FrozenSet[int]
+                 ) -> Tuple[Optional[TeacherError], Optional[float], Optional[_T]]:
+        """One attempt: ``(None, None, read(answer))`` for a 2xx answer (or one whose status
+        is in ``also_ok``), else ``(error, Retry-After seconds, None)``. A connection error or
+        a body that breaks off while ``read`` reads it is a retryable ``connection_error``; a
+        :class:`TeacherError` that ``read`` raises is the attempt's error."""
         try:
-            resp = self._session.request(method, url, data=data, headers=headers,
+            resp = self._session.request(method, url, data=data, headers=headers, stream=stream,
                                          timeout=(self.connect_timeout, self.timeout))
         except _RETRYABLE_EXCEPTIONS as e:
             err = TeacherError(None, "connection_error", f"{method} {url}: {e}")
             err.__cause__ = e
-            return None, err, None
-        if 200 <= resp.status_code < 300:
-            return resp, None, None
-        return None, TeacherError.from_response(resp), parse_retry_after(
-            resp.headers.get("Retry-After"))
+            return err, None, None
+        try:
+            if 200 <= resp.status_code < 300 or resp.status_code in also_ok:
+                try:
+                    return None, None, read(resp)
+                except _RETRYABLE_EXCEPTIONS as e:
+                    err = TeacherError(None, "connection_error",
+                                       f"{method} {url}: the answer broke off: {e}")
+                    err.__cause__ = e
+                    return err, None, None
+                except TeacherError as e:
+                    return e, None, None
+            return TeacherError.from_response(resp), parse_retry_after(
+                resp.headers.get("Retry-After")), None
+        finally:
+            if stream:
+                resp.close()
 
     def _request(self, method: str, path: str, data: Optional[bytes] = None,
                  headers: Optional[Dict[str, str]] = None) -> requests.Response:
         """Sends a request with the retry policy of the class docstring; returns a 2xx answer or
         raises :class:`TeacherError` (:class:`RetriesExhausted` when retries ran out)."""
+        return self._call(method, path, data, headers, lambda r: r)
+
+    def _call(self, method: str, path: str, data: Optional[bytes],
+              headers: Optional[Dict[str, str]], read: Callable[[requests.Response], _T], *,
+              stream: bool = False, also_ok: FrozenSet[int] = frozenset()) -> _T:
+        """:meth:`_request` whose attempts end with ``read(answer)`` (with ``stream``, the body
+        is read there, and a body that breaks off is retried like a connection error)."""
         url = self.url + path
         what = f"{method} {url}"
         start = time.monotonic()
         attempts = 0
         while True:
             attempts += 1
-            resp, err, retry_after = self._attempt(method, url, data, headers)
-            if resp is not None:
+            err, retry_after, value = self._attempt(method, url, data, headers, read, stream,
+                                                    also_ok)
+            if err is None:
                 if attempts > 1:
                     _log.info("%s: succeeded after %d attempts (%.1f s)", what, attempts,
                               time.monotonic() - start)
-                return resp
-            assert err is not None
+                return cast(_T, value)
             if not err.retryable:
                 raise err
             delay = retry_after if retry_after is not None else backoff_delay(
@@ -606,6 +1078,193 @@ class TeacherClient:
         if return_tensors == "pt":
             return [_to_torch(s) for s in scores]
         return scores
+
+    @overload
+    def hidden_states(self, sequences: Sequence[TokenIds], start: int = 0,
+                      starts: Optional[TokenIds] = None,
+                      return_tensors: Literal["np"] = "np") -> HiddenStates: ...
+
+    @overload
+    def hidden_states(self, sequences: Sequence[TokenIds], start: int = 0,
+                      starts: Optional[TokenIds] = None, *,
+                      return_tensors: Literal["pt"]) -> TorchHiddenStates: ...
+
+    def hidden_states(self, sequences: Sequence[TokenIds], start: int = 0,
+                      starts: Optional[TokenIds] = None,
+                      return_tensors: Literal["np", "pt"] = "np",
+                      ) -> Union[HiddenStates, TorchHiddenStates]:
+        """The teacher's final-norm hidden states: ``POST /hidden_states``.
+
+        With the head (:meth:`head`), :meth:`TeacherHead.log_probs` turns them into the
+        teacher's exact log-probs over its whole vocabulary; ``H`` values per position travel
+        instead of ``V``.
+
+        Args:
+            sequences: token ids, as for :meth:`score`.
+            start: first position returned, for every sequence.
+            starts: per-sequence first positions (overrides ``start``).
+            return_tensors: ``"np"`` for :class:`HiddenStates` of ``[rows, H]`` float32 numpy
+                arrays (bf16/f16 widened exactly), ``"pt"`` for :class:`TorchHiddenStates` of
+                CPU tensors in the wire dtype (``torch.bfloat16`` from a bf16 teacher).
+
+        Returns:
+            The states of every sequence, in order (``rows = S - 1 - start``, the rows of
+            :meth:`score`), with the answer's ``head_fingerprint`` and ``model``.
+
+        Raises:
+            HeadUnavailable: the server serves no head (``501 head_unavailable``).
+            TeacherError: the server refused the request (``field`` names what it refused).
+            RetriesExhausted: it could not be answered within the retry policy.
+        """
+        if return_tensors not in ("np", "pt"):
+            raise ValueError(f'return_tensors must be "np" or "pt", not {return_tensors!r}')
+        seqs = [_int_list(s) for s in sequences]
+        body: Dict[str, object] = {"sequences": seqs, "start": int(start)}
+        if starts is not None:
+            body["starts"] = _int_list(starts)
+        torch_out = return_tensors == "pt"
+        if torch_out:
+            _import_torch()
+        packed: bytes = msgpack.packb(body, use_bin_type=True)
+        try:
+            resp = self._request(
+                "POST", "/hidden_states", data=packed,
+                headers={"Content-Type": _MSGPACK, "Accept": _MSGPACK,
+                         AFFINITY_HEADER: affinity_key(seqs)},
+            )
+        except TeacherError as e:
+            raise _head_error(e) from e.__cause__
+        try:
+            answer: object = msgpack.unpackb(resp.content, raw=False)
+            if not isinstance(answer, dict) or not isinstance(answer.get("results"), list):
+                raise TypeError("no `results` list")
+            dtype = str(answer["dtype"])
+            if dtype not in _WIRE_SIZES:
+                raise ValueError(f"unknown dtype {dtype!r}")
+            hidden_size = _to_int(answer["hidden_size"])
+            results = cast(List[Dict[str, object]], answer["results"])
+            if len(results) != len(seqs):
+                raise ValueError(f"{len(results)} results for {len(seqs)} sequences")
+            states = [_decode_hidden(r, dtype, hidden_size, torch_out) for r in results]
+            fp, model = str(answer["head_fingerprint"]), str(answer["model"])
+        except (ValueError, TypeError, KeyError, msgpack.UnpackException) as e:
+            raise TeacherError(resp.status_code, "malformed_answer", str(e)) from e
+        if torch_out:
+            return TorchHiddenStates(cast(List["torch.Tensor"], states), fp, model, dtype,
+                                     hidden_size)
+        return HiddenStates(cast(List[npt.NDArray[np.float32]], states), fp, model, dtype,
+                            hidden_size)
+
+    def head(self, cache_dir: Union[str, os.PathLike[str], None] = None,
+             fingerprint: Optional[str] = None) -> TeacherHead:
+        """The teacher's LM head: ``GET /v1/head``, checked against its fingerprint.
+
+        The fingerprint it must have is ``fingerprint`` when given (e.g. a
+        :attr:`HiddenStates.head_fingerprint`, so that head and states surely go together),
+        else ``/v1/info``'s ``full_vocab.head_fingerprint``. The body's SHA-256 must equal it.
+
+        With ``cache_dir``, the head streams to ``cache_dir/<fingerprint>.safetensors`` (never
+        whole in memory; written under a temporary name and renamed once verified) and is
+        read from there next time: a cached file is hashed again, then the server is asked
+        with ``If-None-Match`` (``304 Not Modified``: nothing is downloaded). A cached file
+        whose hash is wrong (corrupt, cut short) is deleted and fetched again. Without
+        ``cache_dir`` the head is downloaded into memory each call.
+
+        Raises:
+            HeadUnavailable: the server serves no head (no ``full_vocab`` in ``/v1/info``, or
+                ``501 head_unavailable``).
+            HeadFingerprintMismatch: the server announced or sent a head with another
+                fingerprint (nothing is cached).
+            TeacherError: any other failure; RetriesExhausted when retries ran out (a body
+                that breaks off is retried).
+        """
+        info = self.info()
+        fv = info.get("full_vocab")
+        if not isinstance(fv, dict) or "head_fingerprint" not in fv:
+            raise HeadUnavailable(None, "head_unavailable",
+                                  f"{self.url}/v1/info has no full_vocab: the server serves no "
+                                  f"LM head (too old, or its model's head cannot be served)")
+        announced = str(fv["head_fingerprint"]).lower()
+        expected = announced if fingerprint is None else fingerprint.lower()
+        if not _FINGERPRINT.match(expected):
+            raise ValueError(f"a head fingerprint is 64 hex digits, not {expected!r}")
+        if expected != announced:
+            raise HeadFingerprintMismatch(None, expected, announced, f"{self.url}/v1/info")
+        what = f"GET {self.url}/v1/head"
+
+        def check_announced(resp: requests.Response) -> None:
+            got = resp.headers.get(HEAD_FINGERPRINT_HEADER)
+            if got is not None and got.lower() != expected:
+                raise HeadFingerprintMismatch(resp.status_code, expected, got.lower(), what)
+
+        def chunks(resp: requests.Response) -> Iterator[bytes]:
+            """The body, checked for its length and its SHA-256."""
+            check_announced(resp)
+            length = resp.headers.get("Content-Length")
+            h = hashlib.sha256()
+            n = 0
+            for chunk in resp.iter_content(_HEAD_CHUNK):
+                h.update(chunk)
+                n += len(chunk)
+                yield chunk
+            if length is not None and n != int(length):
+                raise requests.exceptions.ChunkedEncodingError(
+                    f"{n} of {length} bytes of the head arrived")
+            if h.hexdigest() != expected:
+                raise HeadFingerprintMismatch(resp.status_code, expected, h.hexdigest(), what)
+
+        try:
+            if cache_dir is None:
+                def to_memory(resp: requests.Response) -> bytearray:
+                    buf = bytearray()
+                    for c in chunks(resp):
+                        buf += c
+                    return buf
+
+                body = self._call("GET", "/v1/head", None, None, to_memory, stream=True)
+                try:
+                    return _head_from_bytes(body, expected)
+                except (ValueError, TypeError, KeyError) as e:
+                    raise TeacherError(200, "malformed_answer", f"{what}: {e}") from e
+
+            folder = Path(cache_dir).expanduser()
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / f"{expected}.safetensors"
+            cached = path.is_file()
+            if cached and _sha256_file(path) != expected:
+                _log.warning("%s: the cached head does not hash to its fingerprint; fetching "
+                             "it again", path)
+                path.unlink()
+                cached = False
+
+            def to_file(resp: requests.Response) -> bool:
+                """True when the cached file stands (304), False once a new one is written."""
+                if resp.status_code == 304:
+                    check_announced(resp)
+                    return True
+                tmp = folder / f".{expected}.{os.getpid()}.{random.getrandbits(32):08x}.part"
+                try:
+                    with open(tmp, "wb") as f:
+                        for c in chunks(resp):
+                            f.write(c)
+                    os.replace(tmp, path)
+                finally:
+                    if tmp.exists():
+                        tmp.unlink()
+                return False
+
+            headers = {"If-None-Match": f'"{expected}"'} if cached else None
+            if self._call("GET", "/v1/head", None, headers, to_file, stream=True,
+                          also_ok=frozenset({304} if cached else set())):
+                _log.info("%s: the cached head %s is current", what, path)
+            try:
+                return _head_from_file(path, expected)
+            except (ValueError, TypeError, KeyError) as e:
+                raise TeacherError(200, "malformed_answer", f"{path}: {e}") from e
+        except TeacherError as e:
+            if isinstance(e, HeadFingerprintMismatch) or e.type != "head_unavailable":
+                raise
+            raise _head_error(e) from e.__cause__
 
     def info(self) -> TeacherInfo:
         """The model and limits: ``GET /v1/info`` (``vocab_size``, ``logits_size``,

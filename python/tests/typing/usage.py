@@ -10,8 +10,10 @@ import numpy as np
 import numpy.typing as npt
 from typing_extensions import assert_type
 
-from xdistill import (RetriesExhausted, SequenceScores, TeacherClient, TeacherError, TeacherInfo,
-                      TorchSequenceScores, backoff_delay, parse_retry_after)
+from xdistill import (FullVocabInfo, HeadFingerprintMismatch, HeadUnavailable, HiddenStates,
+                      RetriesExhausted, SequenceScores, TeacherClient, TeacherError, TeacherHead,
+                      TeacherInfo, TorchHiddenStates, TorchSequenceScores, backoff_delay,
+                      parse_retry_after)
 
 
 def use(c: TeacherClient) -> None:
@@ -38,6 +40,31 @@ def use(c: TeacherClient) -> None:
         assert_type(e.attempts, int)
         assert_type(e.last, TeacherError)
         assert_type(e.status, Optional[int])
+    fv = info["full_vocab"]
+    assert_type(fv, FullVocabInfo)
+    assert_type(fv["head_fingerprint"], str)
+    assert_type(fv["logit_softcap"], Optional[float])
+    states = c.hidden_states([[1, 2, 3]], starts=[0])
+    assert_type(states, HiddenStates)
+    assert_type(states[0], npt.NDArray[np.float32])
+    assert_type(states.states, List[npt.NDArray[np.float32]])
+    assert_type(states.head_fingerprint, str)
+    assert_type(c.hidden_states([[1, 2, 3]], return_tensors="pt"), TorchHiddenStates)
+    try:
+        head = c.head(cache_dir="/tmp/heads", fingerprint=states.head_fingerprint)
+    except HeadFingerprintMismatch as e:
+        assert_type(e.expected, str)
+        raise
+    except HeadUnavailable as e:
+        assert_type(e.status, Optional[int])
+        raise
+    assert_type(head, TeacherHead)
+    assert_type(head.weight, npt.NDArray[np.float32])
+    assert_type(head.bias, Optional[npt.NDArray[np.float32]])
+    assert_type(head.vocab_size, int)
+    assert_type(head.logit_softcap, Optional[float])
+    assert_type(head.log_probs(states[0], temperature=0.7), npt.NDArray[np.float32])
+    assert_type(head.logits(states[0], round_logits=False), npt.NDArray[np.float32])
     assert_type(backoff_delay(1, 0.5, 30.0, random.random()), float)
     assert_type(parse_retry_after("2"), Optional[float])
 
