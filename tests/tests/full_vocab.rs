@@ -39,14 +39,24 @@ fn hidden_states_train_with_the_exact_teacher_distribution() {
 
     // 1. Held-out KL at the start: hidden states + head == top-k with k = V (exact).
     let short = |name: &str| {
-        let mut c = config(dir.path(), &student, &t.base, &dir.path().join(name), 1, forward);
+        let mut c = config(
+            dir.path(),
+            &student,
+            &t.base,
+            &dir.path().join(name),
+            1,
+            forward,
+        );
         c.distillation.val_at_end = false;
         c
     };
     let mut full = short("topk_full");
     full.teacher.k = V;
     let want = run(full).unwrap().val_kl_start.unwrap();
-    let got = run(hidden(short("hidden_short"))).unwrap().val_kl_start.unwrap();
+    let got = run(hidden(short("hidden_short")))
+        .unwrap()
+        .val_kl_start
+        .unwrap();
     eprintln!("held-out KL at the start: hidden {got:.6}, top-k with k = V {want:.6}");
     assert!(want > 0.05, "a KL that is not trivially 0: {want}");
     assert!(
@@ -57,9 +67,20 @@ fn hidden_states_train_with_the_exact_teacher_distribution() {
     // 2. Training on hidden states lowers the exact held-out KL; the head is cached by its
     //    fingerprint (the SHA-256 of the file /v1/info names).
     let out = dir.path().join("run");
-    let s = run(hidden(config(dir.path(), &student, &t.base, &out, 30, forward))).unwrap();
+    let s = run(hidden(config(
+        dir.path(),
+        &student,
+        &t.base,
+        &out,
+        30,
+        forward,
+    )))
+    .unwrap();
     let (kl0, kl1) = (s.val_kl_start.unwrap(), s.val_kl_end.unwrap());
-    eprintln!("hidden transport: exact held-out KL {kl0:.4} -> {kl1:.4} in {} steps", s.steps);
+    eprintln!(
+        "hidden transport: exact held-out KL {kl0:.4} -> {kl1:.4} in {} steps",
+        s.steps
+    );
     assert_eq!(s.steps, 30);
     assert!(kl1 < 0.7 * kl0, "held-out KL {kl0} -> {kl1}");
     let info: serde_json::Value =
@@ -73,8 +94,20 @@ fn hidden_states_train_with_the_exact_teacher_distribution() {
     std::fs::write(&cached, b"not a head").unwrap();
     let again = dir.path().join("again");
     std::fs::create_dir_all(again.join("teacher_head")).unwrap();
-    std::fs::copy(&cached, again.join("teacher_head").join(format!("{fp}.safetensors"))).unwrap();
-    run(hidden(config(dir.path(), &student, &t.base, &again, 1, forward))).unwrap();
+    std::fs::copy(
+        &cached,
+        again.join("teacher_head").join(format!("{fp}.safetensors")),
+    )
+    .unwrap();
+    run(hidden(config(
+        dir.path(),
+        &student,
+        &t.base,
+        &again,
+        1,
+        forward,
+    )))
+    .unwrap();
     let refetched = std::fs::read(again.join("teacher_head").join(format!("{fp}.safetensors")));
     assert_eq!(sha256(&refetched.unwrap()), fp);
 }
@@ -98,7 +131,14 @@ fn hidden_transport_refusals_come_before_any_step() {
     };
 
     // A head larger than the memory budget: [32000, 64] f32 is 8.19 MB.
-    let mut c = hidden(config(dir.path(), &student, &t.base, &dir.path().join("b"), 2, forward));
+    let mut c = hidden(config(
+        dir.path(),
+        &student,
+        &t.base,
+        &dir.path().join("b"),
+        2,
+        forward,
+    ));
     c.teacher.head_memory_gb = Some(0.008);
     let err = refused("budget", c);
     assert!(
@@ -116,7 +156,10 @@ fn hidden_transport_refusals_come_before_any_step() {
         "kd = { type = \"sampled_kl\" }",
     ));
     let err = refused("loss", c);
-    assert!(err.contains("forward_kl, reverse_kl or jsd") || err.contains("sampled_kl"), "{err}");
+    assert!(
+        err.contains("forward_kl, reverse_kl or jsd") || err.contains("sampled_kl"),
+        "{err}"
+    );
 
     // A student of another tokenizer (not built yet for the full distribution).
     let qwen = model(dir.path(), "qwen_student", "qwen3", "qwen3", 32, 1, 0.02, 3);
@@ -135,7 +178,14 @@ fn hidden_transport_refusals_come_before_any_step() {
     // fingerprint, two head files).
     let bf16 = TeacherProcess::start(&teacher_binary(), &teacher, &["--dtype", "bf16"])
         .expect("starting the bf16 teacher");
-    let mut c = hidden(config(dir.path(), &student, &t.base, &dir.path().join("r"), 2, forward));
+    let mut c = hidden(config(
+        dir.path(),
+        &student,
+        &t.base,
+        &dir.path().join("r"),
+        2,
+        forward,
+    ));
     c.teacher.urls = vec![t.base.clone(), bf16.base.clone()];
     let err = refused("replicas", c);
     assert!(
@@ -151,5 +201,7 @@ fn sha256(b: &[u8]) -> String {
 /// The body of `GET url`.
 fn body(url: &str) -> String {
     let r = xdistill_testkit::get_body(url);
-    r.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default()
+    r.split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default()
 }

@@ -12,8 +12,8 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use xdistill_shared::codec::{self, Format};
 use xdistill_shared::protocol::{
-    affinity_key, FullVocabInfo, HiddenRequest, InfoWithFullVocab, SequenceScores, TopkRequest, HiddenResponse, AFFINITY_HEADER, HEAD_PATH,
-    HIDDEN_PATH,
+    affinity_key, FullVocabInfo, HiddenRequest, HiddenResponse, InfoWithFullVocab, SequenceScores,
+    TopkRequest, AFFINITY_HEADER, HEAD_PATH, HIDDEN_PATH,
 };
 
 /// What the client checks every `/hidden_states` answer against: the head it holds.
@@ -57,10 +57,12 @@ impl TeacherClient {
             .iter()
             .enumerate()
             .map(|(i, r)| {
-                let v = resp.f32_rows(i).map_err(|message| ClientError::InvalidResponse {
-                    url: HIDDEN_PATH.to_string(),
-                    message,
-                })?;
+                let v = resp
+                    .f32_rows(i)
+                    .map_err(|message| ClientError::InvalidResponse {
+                        url: HIDDEN_PATH.to_string(),
+                        message,
+                    })?;
                 Ok(SequenceScores {
                     rows: r.rows,
                     k: 0,
@@ -73,9 +75,7 @@ impl TeacherClient {
 
     /// `/v1/info`'s `full_vocab` object of every replica, in URL order (`None`: a replica
     /// without the hidden-state routes).
-    pub async fn full_vocab_all(
-        &self,
-    ) -> Vec<(Url, Result<Option<FullVocabInfo>, ClientError>)> {
+    pub async fn full_vocab_all(&self) -> Vec<(Url, Result<Option<FullVocabInfo>, ClientError>)> {
         let mut out = Vec::new();
         for base in self.inner.urls.clone() {
             let one = self.replica(&base);

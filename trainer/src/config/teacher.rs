@@ -41,6 +41,7 @@ pub struct TeacherConfig {
     /// What the teacher sends per position: its top-`k` log-probs (`topk`), or its final hidden
     /// states (`hidden`), from which the trainer computes the teacher's exact distribution over
     /// the whole vocabulary with the teacher's own LM head (downloaded once from `/v1/head`).
+    #[serde(skip_serializing_if = "Transport::is_topk")]
     pub transport: Transport,
     /// The most memory (GB, 10^9 bytes) the teacher's head may take on the student's device with
     /// `transport = "hidden"` (held in f32: `head_rows · hidden_size · 4` bytes). Default: a
@@ -63,6 +64,10 @@ pub enum Transport {
 impl Transport {
     pub fn is_hidden(self) -> bool {
         self == Transport::Hidden
+    }
+    /// The default (left out when a config is written back).
+    pub fn is_topk(&self) -> bool {
+        *self == Transport::Topk
     }
 }
 
@@ -183,7 +188,10 @@ impl Validate for TeacherConfig {
         }
         if let Some(gb) = t.head_memory_gb {
             if !(gb.is_finite() && gb > 0.0) {
-                return Err(invalid(&key("head_memory_gb"), "must be a positive number of GB"));
+                return Err(invalid(
+                    &key("head_memory_gb"),
+                    "must be a positive number of GB",
+                ));
             }
         }
         Ok(())

@@ -8,8 +8,8 @@ use super::*;
 use crate::align::{Chunk, ChunkKind, TokenizedPair};
 use crate::collate::Encoded;
 use crate::config::ActivationCheckpointing;
-use crate::loss::{Anchor, KdConfig};
 use crate::loss::full_vocab::TeacherHead;
+use crate::loss::{Anchor, KdConfig};
 use crate::loss::{CeConfig, Projection, TailMode};
 use crate::train::pairing::cross::xtoken_batch;
 use crate::train::testutil::{answer, assert_rel, assert_same_grads, ids, tiny, V};
@@ -339,7 +339,9 @@ fn full_vocab_batch(seed: u64) -> (Vec<Item>, Vec<SequenceScores>, TeacherHead) 
     let (items, _) = same_batch(seed);
     let mut rng = ChaCha8Rng::seed_from_u64(seed + 100);
     let mut normal = |n: usize, s: f32| -> Vec<f32> {
-        (0..n).map(|_| (rng.random::<f32>() - 0.5) * 2.0 * s).collect()
+        (0..n)
+            .map(|_| (rng.random::<f32>() - 0.5) * 2.0 * s)
+            .collect()
     };
     let w = Tensor::from_vec(normal(TROWS * TH, 1.0), (TROWS, TH), &Device::Cpu).unwrap();
     let b = Tensor::from_vec(normal(TROWS, 0.5), TROWS, &Device::Cpu).unwrap();
@@ -364,8 +366,19 @@ fn full_vocab_batch(seed: u64) -> (Vec<Item>, Vec<SequenceScores>, TeacherHead) 
 /// and the hidden states (`log_softmax(scale · (W h + b) / τ)` over the first V rows): the
 /// independent reference of the hidden-state pairing.
 fn as_full_topk(head: &TeacherHead, scores: &[SequenceScores], tau: f64) -> Vec<SequenceScores> {
-    let w: Vec<Vec<f64>> = head.weight().to_dtype(DType::F64).unwrap().to_vec2().unwrap();
-    let b: Vec<f64> = head.bias().unwrap().to_dtype(DType::F64).unwrap().to_vec1().unwrap();
+    let w: Vec<Vec<f64>> = head
+        .weight()
+        .to_dtype(DType::F64)
+        .unwrap()
+        .to_vec2()
+        .unwrap();
+    let b: Vec<f64> = head
+        .bias()
+        .unwrap()
+        .to_dtype(DType::F64)
+        .unwrap()
+        .to_vec1()
+        .unwrap();
     scores
         .iter()
         .map(|s| {
@@ -406,7 +419,11 @@ fn as_full_topk(head: &TeacherHead, scores: &[SequenceScores], tau: f64) -> Vec<
 fn full_vocab_chunks_equal_the_whole_loss() {
     let (items, scores, head) = full_vocab_batch(11);
     let losses = [
-        cfg(KdConfig::ForwardKl {}, None, CeConfig::Weight { weight: 0.3 }),
+        cfg(
+            KdConfig::ForwardKl {},
+            None,
+            CeConfig::Weight { weight: 0.3 },
+        ),
         cfg(KdConfig::ReverseKl {}, None, CeConfig::Dynamic {}),
         cfg(KdConfig::Jsd { beta: 0.3 }, None, CeConfig::None {}),
     ];
@@ -425,7 +442,11 @@ fn full_vocab_equals_top_k_with_the_whole_vocabulary() {
         (KdConfig::ReverseKl {}, 1e-5),
         (KdConfig::Jsd { beta: 0.4 }, 1e-5),
     ] {
-        let loss = cfg(kd, Some(TailMode::Renormalize), CeConfig::Weight { weight: 0.3 });
+        let loss = cfg(
+            kd,
+            Some(TailMode::Renormalize),
+            CeConfig::Weight { weight: 0.3 },
+        );
         let tscores = as_full_topk(&head, &hscores, loss.temperature);
         let (model, vm) = tiny(false, DType::F64, 13);
         let norm = units(&items);
@@ -451,9 +472,22 @@ fn full_vocab_equals_top_k_with_the_whole_vocabulary() {
         let (g_topk, o_topk, v_topk) = run(Pairing::Same, &tscores, V);
         let case = format!("{:?}", loss.kd);
         // The teacher side is f32 in both (the head's matmul, the answer's log-probs).
-        assert_rel(o_hidden.kd.loss, o_topk.kd.loss, tol, &format!("{case}: kd"));
-        assert!(o_hidden.kd.loss > 1e-3, "{case}: a loss that is not trivially 0");
-        assert_rel(o_hidden.ce.unwrap(), o_topk.ce.unwrap(), 1e-9, &format!("{case}: ce"));
+        assert_rel(
+            o_hidden.kd.loss,
+            o_topk.kd.loss,
+            tol,
+            &format!("{case}: kd"),
+        );
+        assert!(
+            o_hidden.kd.loss > 1e-3,
+            "{case}: a loss that is not trivially 0"
+        );
+        assert_rel(
+            o_hidden.ce.unwrap(),
+            o_topk.ce.unwrap(),
+            1e-9,
+            &format!("{case}: ce"),
+        );
         assert_same_grads(&vm, &g_hidden, &g_topk, tol, &case);
         assert_rel(v_hidden.kl, v_topk.kl, tol, &format!("{case}: val kl"));
         assert_eq!(v_hidden.kl_units, v_topk.kl_units);
@@ -483,7 +517,10 @@ fn full_vocab_refuses_answers_without_hidden_states() {
         .err()
         .unwrap()
         .to_string();
-    assert!(err.contains("teacher answer 1") && err.contains("hidden states"), "{err}");
+    assert!(
+        err.contains("teacher answer 1") && err.contains("hidden states"),
+        "{err}"
+    );
 }
 
 /// The hidden-state pairing's validation in forward-only head chunks equals its whole-batch

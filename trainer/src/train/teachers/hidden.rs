@@ -251,12 +251,19 @@ mod tests {
     fn dtypes_without_an_exact_f32_form_and_missing_routes_are_refused() {
         let mut fv = info("a", 10, 4);
         fv.dtype = "q4_k".into();
-        let err = check_head_info(Some(&fv), 10, u64::MAX).unwrap_err().to_string();
-        assert!(err.contains("\"q4_k\"") && err.contains("cannot hold"), "{err}");
+        let err = check_head_info(Some(&fv), 10, u64::MAX)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("\"q4_k\"") && err.contains("cannot hold"),
+            "{err}"
+        );
         let err = check_head_info(None, 10, u64::MAX).unwrap_err().to_string();
         assert!(err.contains("no full_vocab"), "{err}");
         let fv = info("a", 10, 4);
-        let err = check_head_info(Some(&fv), 7, u64::MAX).unwrap_err().to_string();
+        let err = check_head_info(Some(&fv), 7, u64::MAX)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("fewer than the teacher's 8 tokens"), "{err}");
     }
 
@@ -264,12 +271,18 @@ mod tests {
     fn replicas_must_serve_one_head() {
         let a = info("aa", 10, 4);
         let b = info("bb", 10, 4);
-        let ok = agreed_head(&[("u1".into(), Some(a.clone())), ("u2".into(), Some(a.clone()))]);
+        let ok = agreed_head(&[
+            ("u1".into(), Some(a.clone())),
+            ("u2".into(), Some(a.clone())),
+        ]);
         assert_eq!(ok.unwrap(), Some(a.clone()));
         let err = agreed_head(&[("u1".into(), Some(a.clone())), ("u2".into(), Some(b))])
             .unwrap_err()
             .to_string();
-        assert!(err.contains("u1 has aa") && err.contains("u2 has bb"), "{err}");
+        assert!(
+            err.contains("u1 has aa") && err.contains("u2 has bb"),
+            "{err}"
+        );
         let err = agreed_head(&[("u1".into(), Some(a)), ("u2".into(), None)])
             .unwrap_err()
             .to_string();
