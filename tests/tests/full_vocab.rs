@@ -112,6 +112,78 @@ fn hidden_states_train_with_the_exact_teacher_distribution() {
     assert_eq!(sha256(&refetched.unwrap()), fp);
 }
 
+/// The first training step's distillation loss (`loss_parts.kd` of the first train line).
+fn first_kd(out: &std::path::Path) -> f64 {
+    let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let line = text
+        .lines()
+        .find(|l| l.contains("\"split\":\"train\""))
+        .expect("a train line");
+    let v: serde_json::Value = serde_json::from_str(line).unwrap();
+    v["loss_parts"]["kd"].as_f64().unwrap()
+}
+
+/// A student with another tokenizer (Qwen3's) and the teacher's hidden states (Llama 2's
+/// tokenizer): first-token KL over the teacher's whole distribution equals the top-k first_kl
+/// given every teacher id (k = V), and training lowers it.
+#[test]
+fn hidden_states_across_tokenizers_train_with_exact_first_token_kl() {
+    let dir = tempfile::tempdir().unwrap();
+    let teacher = token_driven_teacher(dir.path(), "llama", "llama2", 1);
+    let student = model(dir.path(), "student", "qwen3", "qwen3", 32, 2, 0.02, 5);
+    let max_k = V.to_string();
+    let t = TeacherProcess::start(
+        &teacher_binary(),
+        &teacher,
+        &["--max-k", &max_k, "--max-answer-bytes", "1000000000"],
+    )
+    .expect("starting the teacher");
+    let first_kl = "kd = { type = \"first_kl\" }";
+    let one_step = |name: &str| {
+        let mut c = config(
+            dir.path(),
+            &student,
+            &t.base,
+            &dir.path().join(name),
+            1,
+            first_kl,
+        );
+        c.distillation.val_at_start = false;
+        c.distillation.val_at_end = false;
+        c
+    };
+    let mut full = one_step("x_topk_full");
+    full.teacher.k = V;
+    run(full).unwrap();
+    run(hidden(one_step("x_hidden_one"))).unwrap();
+    let (want, got) = (
+        first_kd(&dir.path().join("x_topk_full")),
+        first_kd(&dir.path().join("x_hidden_one")),
+    );
+    eprintln!("first step's first_kl: hidden {got:.6}, top-k with k = V {want:.6}");
+    assert!(want > 0.05, "a loss that is not trivially 0: {want}");
+    assert!(
+        ((got - want) / want).abs() < 1e-4,
+        "hidden {got} vs top-k(V) {want}"
+    );
+
+    let out = dir.path().join("x_run");
+    let s = run(hidden(config(
+        dir.path(),
+        &student,
+        &t.base,
+        &out,
+        30,
+        first_kl,
+    )))
+    .unwrap();
+    let (kl0, kl1) = (s.val_kl_start.unwrap(), s.val_kl_end.unwrap());
+    eprintln!(
+        "across tokenizers, hidden states: exact held-out first-token KL {kl0:.4} -> {kl1:.4}"
+    );
+    assert!(kl1 < 0.8 * kl0, "held-out first-token KL {kl0} -> {kl1}");
+}
+
 /// Everything that cannot work is refused before any step, with what to change.
 #[test]
 fn hidden_transport_refusals_come_before_any_step() {
@@ -161,7 +233,7 @@ fn hidden_transport_refusals_come_before_any_step() {
         "{err}"
     );
 
-    // A student of another tokenizer (not built yet for the full distribution).
+    // A student of another tokenizer with a loss not built over the full distribution.
     let qwen = model(dir.path(), "qwen_student", "qwen3", "qwen3", 32, 1, 0.02, 3);
     let c = hidden(config(
         dir.path(),
@@ -169,10 +241,13 @@ fn hidden_transport_refusals_come_before_any_step() {
         &t.base,
         &dir.path().join("x"),
         2,
-        "kd = { type = \"first_kl\" }",
+        "kd = { type = \"pkl\" }",
     ));
     let err = refused("cross", c);
-    assert!(err.contains("share the teacher's tokenizer"), "{err}");
+    assert!(
+        err.contains("first_kl over the teacher's whole distribution"),
+        "{err}"
+    );
 
     // Replicas whose heads differ (the same weights served in f32 and in bf16: one model
     // fingerprint, two head files).

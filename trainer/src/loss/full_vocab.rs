@@ -43,24 +43,17 @@
 //! **Fingerprint.** [`TeacherHead::fingerprint`] names a head (SHA-256 hex) so that a trainer and a
 //! teacher can check that they hold the same head before trusting hidden states.
 //!
-//! # Across tokenizers (not implemented)
+//! # Across tokenizers
 //!
-//! Everything above needs the student's vocabulary to be the teacher's (`V_s == vocab`). The
-//! cross-tokenizer losses (`loss::xtoken`) work from the teacher's top-k at one anchor position
-//! per chunk; with the full teacher distribution instead they would need:
-//! - **P-KL**: the student's projected distribution `q_t = Wᵀ softmax(z_S,t/τ)` over the *whole*
-//!   teacher vocabulary (a sparse `[V_t, V_s]` product per student position: nnz(W) ≤ 4·V_s
-//!   multiply-adds, an `index_add` into `[chunk, V_t]`), the chunk mean `Q_c`, and
-//!   `Σ_u p_T(u) (lp_T(u) − log Q_c(u))` over all `u < V_t` at the anchor teacher position. No
-//!   renormalisation over K and no tail bucket; but every teacher token that no student token
-//!   spells has `Q_c(u) = 0` (an empty column of W), so the sum needs the existing `+1e-10` floor
-//!   or a prefix-aware projection, and that mass is then an irreducible floor of the loss.
-//! - **first_kl**: `P[g] = Σ_{u : f(u) = g} p_T(u)` over *all* teacher ids (the full teacher
-//!   distribution grouped by each token's first student piece, one `index_add` of `[V_t]` into
-//!   `[V_s]`), with a tail only for teacher tokens without a student spelling; then the exact
-//!   forward KL against `softmax(z_S,t₀/τ)` over the whole student vocabulary.
-//! - Both need the hidden states of the *teacher's* positions (its own tokenization) and the head
-//!   applied there, so the chunking is over teacher anchor positions, not student rows.
+//! Everything above needs the teacher's tokens among the student's (`V_s ≥ vocab`). Across
+//! tokenizers, first-token KL over the full distribution is [`super::xtoken_full`] (the teacher's
+//! whole distribution at each chunk's anchor, grouped by first student piece). **P-KL** would
+//! need the student's projected distribution `q_t = Wᵀ softmax(z_S,t/τ)` over the *whole*
+//! teacher vocabulary (a sparse `[V_t, V_s]` product per student position: nnz(W) ≤ 4·V_s
+//! multiply-adds, an `index_add` into `[chunk, V_t]`), the chunk mean `Q_c`, and
+//! `Σ_u p_T(u) (lp_T(u) − log Q_c(u))` over all `u < V_t`; every teacher token no student token
+//! spells has `Q_c(u) = 0`, so that mass needs a floor and is an irreducible part of the loss
+//! (not implemented).
 
 use candle_core::{DType, Tensor, D};
 use sha2::{Digest, Sha256};

@@ -15,6 +15,7 @@ pub mod stable;
 pub(crate) mod testutil;
 pub mod topk;
 pub mod xtoken;
+pub mod xtoken_full;
 
 use candle_core::{DType, Tensor};
 use serde::{Deserialize, Serialize};

@@ -328,28 +328,34 @@ fn chunked_validation_equals_the_whole_batch() {
     }
 }
 
-/// Teacher hidden size and head rows (2 rows of padding past the shared vocabulary `V`) of the
-/// full-vocabulary fixtures.
+/// Teacher hidden size of the full-vocabulary fixtures.
 const TH: usize = 6;
-const TROWS: usize = V + 2;
 
 /// A teacher head `[V + 2, TH]` (padded, with a bias and a logit scale) and, for each of
 /// [`same_batch`]'s sequences, hidden states as the client hands them over (f32 bytes, `k` = 0).
 fn full_vocab_batch(seed: u64) -> (Vec<Item>, Vec<SequenceScores>, TeacherHead) {
     let (items, _) = same_batch(seed);
+    let (scores, head) = hidden_answers(&items, V, seed);
+    (items, scores, head)
+}
+
+/// A teacher head over `vocab` tokens (2 padding rows, a bias, a logit scale) and hidden states
+/// for every teacher position of `items`, as the client hands them over.
+fn hidden_answers(items: &[Item], vocab: usize, seed: u64) -> (Vec<SequenceScores>, TeacherHead) {
+    let rows_h = vocab + 2;
     let mut rng = ChaCha8Rng::seed_from_u64(seed + 100);
     let mut normal = |n: usize, s: f32| -> Vec<f32> {
         (0..n)
             .map(|_| (rng.random::<f32>() - 0.5) * 2.0 * s)
             .collect()
     };
-    let w = Tensor::from_vec(normal(TROWS * TH, 1.0), (TROWS, TH), &Device::Cpu).unwrap();
-    let b = Tensor::from_vec(normal(TROWS, 0.5), TROWS, &Device::Cpu).unwrap();
-    let head = TeacherHead::new(w, Some(b), 1.3, None, V).unwrap();
+    let w = Tensor::from_vec(normal(rows_h * TH, 1.0), (rows_h, TH), &Device::Cpu).unwrap();
+    let b = Tensor::from_vec(normal(rows_h, 0.5), rows_h, &Device::Cpu).unwrap();
+    let head = TeacherHead::new(w, Some(b), 1.3, None, vocab).unwrap();
     let scores = items
         .iter()
         .map(|it| {
-            let rows = it.student_ids().len() - 1;
+            let rows = it.teacher_ids().len() - 1;
             let h = normal(rows * TH, 1.5);
             SequenceScores {
                 rows,
@@ -359,13 +365,14 @@ fn full_vocab_batch(seed: u64) -> (Vec<Item>, Vec<SequenceScores>, TeacherHead) 
             }
         })
         .collect();
-    (items, scores, head)
+    (scores, head)
 }
 
 /// The teacher's whole distribution as a top-k answer with K = V, computed in f64 from the head
 /// and the hidden states (`log_softmax(scale · (W h + b) / τ)` over the first V rows): the
 /// independent reference of the hidden-state pairing.
 fn as_full_topk(head: &TeacherHead, scores: &[SequenceScores], tau: f64) -> Vec<SequenceScores> {
+    let vocab = head.vocab();
     let w: Vec<Vec<f64>> = head
         .weight()
         .to_dtype(DType::F64)
@@ -389,7 +396,7 @@ fn as_full_topk(head: &TeacherHead, scores: &[SequenceScores], tau: f64) -> Vec<
                     .chunks_exact(4)
                     .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64)
                     .collect();
-                let z: Vec<f64> = (0..V)
+                let z: Vec<f64> = (0..vocab)
                     .map(|v| {
                         let dot: f64 = (0..TH).map(|j| w[v][j] * h[j]).sum();
                         head.scale() * (dot + b[v]) / tau
@@ -397,12 +404,12 @@ fn as_full_topk(head: &TeacherHead, scores: &[SequenceScores], tau: f64) -> Vec<
                     .collect();
                 let m = z.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let lse = m + z.iter().map(|x| (x - m).exp()).sum::<f64>().ln();
-                ids.extend(0..V as u32);
+                ids.extend(0..vocab as u32);
                 lps.extend(z.iter().map(|x| (x - lse) as f32));
             }
             SequenceScores {
                 rows: s.rows,
-                k: V,
+                k: vocab,
                 topk_ids: ids,
                 topk_values: lps,
                 target_logprobs: vec![0.0; s.rows],
@@ -552,5 +559,88 @@ fn full_vocab_chunked_validation_equals_the_whole_batch() {
             assert_eq!(got.kl_units, want.kl_units, "{case}");
             assert_eq!(got.ce_tokens, want.ce_tokens, "{case}");
         }
+    }
+}
+
+/// Across tokenizers with hidden states: chunked gradients equal the whole loss.
+#[test]
+fn cross_full_vocab_chunks_equal_the_whole_loss() {
+    let (items, _, proj) = cross_batch(21);
+    let (scores, head) = hidden_answers(&items, VT, 21);
+    for ce in [
+        CeConfig::Weight { weight: 0.2 },
+        CeConfig::Dynamic {},
+        CeConfig::None {},
+    ] {
+        let loss = cfg(KdConfig::FirstKl {}, None, ce);
+        check(
+            Pairing::CrossFullVocab(&proj, &head),
+            &loss,
+            &items,
+            &scores,
+            0,
+        );
+    }
+}
+
+/// Across tokenizers, first_kl from hidden states equals the top-k first_kl given the teacher's
+/// whole distribution (K = V_t, from the same head in f64): value, every gradient, validation.
+#[test]
+fn cross_full_vocab_equals_top_k_first_kl_with_every_teacher_id() {
+    let (items, _, proj) = cross_batch(22);
+    let (hscores, head) = hidden_answers(&items, VT, 22);
+    let loss = cfg(KdConfig::FirstKl {}, None, CeConfig::Weight { weight: 0.3 });
+    let tscores = as_full_topk(&head, &hscores, loss.temperature);
+    let (model, vm) = tiny(false, DType::F64, 23);
+    let norm = units(&items);
+    let run = |pairing, scores: &[SequenceScores], k| {
+        let refs: Vec<&SequenceScores> = scores.iter().collect();
+        let ctx = LossCtx {
+            model: &model,
+            k,
+            loss: &loss,
+            pairing,
+            device: &Device::Cpu,
+            micro_batch: items.len(),
+            head: HeadOpts {
+                chunk_rows: 5,
+                ..Default::default()
+            },
+        };
+        let (grads, out) = micro_grads(&ctx, &items, &refs, norm).unwrap();
+        (grads, out)
+    };
+    let (g_hidden, o_hidden) = run(Pairing::CrossFullVocab(&proj, &head), &hscores, 0);
+    let (g_topk, o_topk) = run(Pairing::Cross(&proj), &tscores, VT);
+    assert!(o_hidden.kd.loss > 1e-3, "a loss that is not trivially 0");
+    // The top-k tail is 1 − Σ mapped, the full one sums the unmapped ids (f32 log-probs).
+    assert_rel(o_hidden.kd.loss, o_topk.kd.loss, 1e-5, "kd");
+    assert_eq!(o_hidden.kd.count, o_topk.kd.count);
+    assert_rel(o_hidden.ce.unwrap(), o_topk.ce.unwrap(), 1e-9, "ce");
+    assert_same_grads(&vm, &g_hidden, &g_topk, 1e-5, "cross full vs top-k");
+    // Validation: the exact first-token KL, chunked as the whole batch.
+    let refs: Vec<&SequenceScores> = hscores.iter().collect();
+    let mut ctx = LossCtx {
+        model: &model,
+        k: 0,
+        loss: &loss,
+        pairing: Pairing::CrossFullVocab(&proj, &head),
+        device: &Device::Cpu,
+        micro_batch: items.len(),
+        head: HeadOpts::default(),
+    };
+    let want = validation_sums_whole(&ctx, &items, &refs).unwrap();
+    let tau2 = loss.temperature * loss.temperature;
+    assert_rel(
+        want.kl * tau2 / want.kl_units,
+        o_hidden.kd.loss * norm.kd / o_hidden.kd.count,
+        1e-9,
+        "val kl",
+    );
+    for chunk_rows in [1, 3, 0] {
+        ctx.head.chunk_rows = chunk_rows;
+        let got = validation_sums(&ctx, &items, &refs).unwrap();
+        assert_rel(got.kl, want.kl, 1e-9, &format!("rows {chunk_rows}: kl"));
+        assert_eq!(got.kl_units, want.kl_units);
     }
 }

@@ -127,6 +127,11 @@ impl Projection {
         Ok(self)
     }
 
+    /// Whether the teacher → first-student-token map is set ([`Self::with_teacher_first`]).
+    pub fn has_teacher_first(&self) -> bool {
+        !self.teacher_first.is_empty()
+    }
+
     /// The first student token of teacher token `u`'s re-tokenisation, if known.
     pub fn teacher_first(&self, u: usize) -> Option<u32> {
         self.teacher_first.get(u).copied().flatten()

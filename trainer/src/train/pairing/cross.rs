@@ -412,7 +412,10 @@ pub fn xtoken_batch(
             let dst = (r * tt + p) * k;
             x.teacher_topk_ids[dst..dst + k].copy_from_slice(s.ids_row(p));
             x.teacher_topk_logprobs[dst..dst + k].copy_from_slice(s.values_row(p));
-            x.teacher_target_logprobs[r * tt + p] = s.target_logprobs[p];
+            // Hidden-state answers carry no log-probs (the trainer applies the teacher's head).
+            if s.hidden.is_empty() {
+                x.teacher_target_logprobs[r * tt + p] = s.target_logprobs[p];
+            }
         }
     }
     Ok((x, enc))

@@ -1,7 +1,8 @@
 //! How a source's answers lie against the student's tokens, in one place: the same tokenizer
 //! ([`same`]), another tokenizer through aligned chunks and a projection ([`cross`]), or a
 //! chunk-level ensemble's virtual teacher ([`mixture`]), the same tokenizer with the teacher's
-//! whole distribution from its hidden states ([`full_vocab`]); on-policy samples of the same
+//! whole distribution from its hidden states ([`full_vocab`]), or another tokenizer with it
+//! ([`cross_full`]); on-policy samples of the same
 //! tokenizer train with the sampled-token loss ([`sampled`]). The [`Pairing`] is decided once per
 //! source when the run connects to its teachers; each pairing owns turning a record into its
 //! training [`Item`], collating a micro-batch (student ids, teacher rows laid against them, the
@@ -9,6 +10,7 @@
 //! ([`super::step`]) and the objectives call the pairing instead of matching on it.
 
 pub mod cross;
+pub mod cross_full;
 pub mod full_vocab;
 pub mod mixture;
 pub mod same;
@@ -41,6 +43,9 @@ pub enum Pairing<'a> {
     /// The same tokenizer, the teacher sending hidden states (`teacher.transport = "hidden"`):
     /// exact losses over the whole vocabulary through the teacher's head ([`full_vocab`]).
     FullVocab(&'a crate::loss::full_vocab::TeacherHead),
+    /// Another tokenizer, the teacher sending hidden states: first-token KL over the teacher's
+    /// whole distribution at each aligned chunk ([`cross_full`]).
+    CrossFullVocab(&'a Projection, &'a crate::loss::full_vocab::TeacherHead),
 }
 
 impl<'a> Pairing<'a> {
@@ -51,6 +56,9 @@ impl<'a> Pairing<'a> {
             Pairing::Cross(p) => Box::new(cross::Cross::new(p)),
             Pairing::Mixture(p) => Box::new(mixture::collation(p)),
             Pairing::FullVocab(head) => Box::new(full_vocab::FullVocab { head }),
+            Pairing::CrossFullVocab(projection, head) => {
+                Box::new(cross_full::CrossFullVocab { projection, head })
+            }
         }
     }
 

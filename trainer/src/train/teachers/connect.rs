@@ -107,11 +107,17 @@ impl Teacher {
                 let tok = xdistill_shared::hf::load_tokenizer(&student_tok)?;
                 (Tokenization::Same(tok), None)
             }
-            TeacherTokenizer::Different(_) if tc.transport.is_hidden() => bail!(
-                "teacher.transport = \"hidden\" needs the student to share the teacher's \
-                 tokenizer (cross-tokenizer losses from the full distribution are not built yet); \
-                 use transport = \"topk\" with a cross-tokenizer loss"
-            ),
+            TeacherTokenizer::Different(_)
+                if tc.transport.is_hidden() && !matches!(loss_cross.kd, KdConfig::FirstKl {}) =>
+            {
+                bail!(
+                    "teacher.transport = \"hidden\" with a student of another tokenizer trains \
+                     with first_kl over the teacher's whole distribution: set loss_cross.kd (or \
+                     loss.kd) = {{ type = \"first_kl\" }}, not {:?} (P-KL, gold and ALM from \
+                     the full distribution are not built yet; use transport = \"topk\" for them)",
+                    loss_cross.kd
+                )
+            }
             TeacherTokenizer::Different(teacher_tok) => {
                 if !loss_cross.kd.works_across_tokenizers() {
                     bail!(
@@ -147,16 +153,22 @@ impl Teacher {
             }
         };
         let head = if tc.transport.is_hidden() {
-            if loss.divergence().is_none() {
+            if !tokenization.is_cross() && loss.divergence().is_none() {
                 bail!(
                     "teacher.transport = \"hidden\" trains with an exact full-vocabulary \
                      divergence: set loss.kd to forward_kl, reverse_kl or jsd, not {:?}",
                     loss.kd
                 );
             }
-            let student = xdistill_shared::hf::ModelDir::open(&cfg.policy.model_name)?;
+            // The same tokenizer: every teacher token must be a student logit. Across
+            // tokenizers the projection relates the two vocabularies.
+            let v = if tokenization.is_cross() {
+                None
+            } else {
+                let student = xdistill_shared::hf::ModelDir::open(&cfg.policy.model_name)?;
+                Some(student.config.vocab_size)
+            };
             let cache = cfg.checkpointing.checkpoint_dir.join("teacher_head");
-            let v = student.config.vocab_size;
             Some(hidden::load(tc, (client, pool), v, device, &cache)?)
         } else {
             None
@@ -180,7 +192,8 @@ impl Teacher {
     /// How this teacher's answers lie against the student's tokens.
     pub fn pairing(&self) -> Pairing<'_> {
         match (&self.projection, &self.head) {
-            (Some(p), _) => Pairing::Cross(p),
+            (Some(p), Some(h)) => Pairing::CrossFullVocab(p, h),
+            (Some(p), None) => Pairing::Cross(p),
             (None, Some(h)) => Pairing::FullVocab(h),
             (None, None) => Pairing::Same,
         }

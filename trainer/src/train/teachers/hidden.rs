@@ -55,11 +55,11 @@ fn total_memory_bytes() -> Option<u64> {
 }
 
 /// Checks what `/v1/info` says about the head against the run, before anything is fetched:
-/// the routes exist, the head's dtype widens exactly to f32, the vocabulary is the student's,
-/// and the head fits `budget` bytes.
+/// the routes exist, the head's dtype widens exactly to f32, the vocabulary fits the student's
+/// (`student_vocab`: same tokenizer only), and the head fits `budget` bytes.
 pub fn check_head_info(
     fv: Option<&FullVocabInfo>,
-    student_vocab: usize,
+    student_vocab: Option<usize>,
     budget: u64,
 ) -> Result<&FullVocabInfo> {
     let Some(fv) = fv else {
@@ -84,7 +84,7 @@ pub fn check_head_info(
             fv.hidden_size
         );
     }
-    if student_vocab < fv.vocab_size {
+    if let Some(student_vocab) = student_vocab.filter(|&v| v < fv.vocab_size) {
         bail!(
             "the student's LM head has {student_vocab} rows, fewer than the teacher's \
              {} tokens: exact full-vocabulary distillation needs every teacher token in the \
@@ -135,7 +135,7 @@ pub fn agreed_head(infos: &[(String, Option<FullVocabInfo>)]) -> Result<Option<F
 pub fn load(
     tc: &TeacherConfig,
     (client, pool): (&TeacherClient, &TeacherPool),
-    student_vocab: usize,
+    student_vocab: Option<usize>,
     device: &Device,
     cache: &Path,
 ) -> Result<TeacherHead> {
@@ -237,31 +237,33 @@ mod tests {
         let fv = info("a", 151_936, 4096);
         // 151,936 · 4096 · 4 bytes = 2.49 GB.
         assert_eq!(head_f32_bytes(&fv), 151_936 * 4096 * 4);
-        let err = check_head_info(Some(&fv), 151_936, 2_000_000_000)
+        let err = check_head_info(Some(&fv), Some(151_936), 2_000_000_000)
             .unwrap_err()
             .to_string();
         assert!(err.contains("2.49 GB") && err.contains("2.00 GB"), "{err}");
         // Exactly the head's bytes fit.
-        assert!(check_head_info(Some(&fv), 151_936, 151_936 * 4096 * 4).is_ok());
+        assert!(check_head_info(Some(&fv), Some(151_936), 151_936 * 4096 * 4).is_ok());
         assert!(err.contains("head_memory_gb"), "{err}");
-        assert!(check_head_info(Some(&fv), 151_936, 2_500_000_000).is_ok());
+        assert!(check_head_info(Some(&fv), Some(151_936), 2_500_000_000).is_ok());
     }
 
     #[test]
     fn dtypes_without_an_exact_f32_form_and_missing_routes_are_refused() {
         let mut fv = info("a", 10, 4);
         fv.dtype = "q4_k".into();
-        let err = check_head_info(Some(&fv), 10, u64::MAX)
+        let err = check_head_info(Some(&fv), Some(10), u64::MAX)
             .unwrap_err()
             .to_string();
         assert!(
             err.contains("\"q4_k\"") && err.contains("cannot hold"),
             "{err}"
         );
-        let err = check_head_info(None, 10, u64::MAX).unwrap_err().to_string();
+        let err = check_head_info(None, Some(10), u64::MAX)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("no full_vocab"), "{err}");
         let fv = info("a", 10, 4);
-        let err = check_head_info(Some(&fv), 7, u64::MAX)
+        let err = check_head_info(Some(&fv), Some(7), u64::MAX)
             .unwrap_err()
             .to_string();
         assert!(err.contains("fewer than the teacher's 8 tokens"), "{err}");

@@ -1,0 +1,174 @@
+//! `first_kl_full` against an f64 loop over the whole teacher vocabulary, finite differences,
+//! and the top-k `first_kl` given every teacher id (k = V_t).
+
+use candle_core::{DType, Tensor};
+
+use super::*;
+use crate::loss::testutil::*;
+use crate::loss::xtoken::tests::{
+    fixture, projection_with_first, ref_chunks, B, TS, TT, VL, VS, VT,
+};
+use crate::loss::{first_kl_loss, XTokenBatch};
+
+/// The fixture's aligned batch with the teacher's whole distribution at every position
+/// (`k = V_t`, ids in order), from fresh random logits at temperature `tau`.
+fn full_batch(seed: u64, tau: f64) -> (XTokenBatch, Vec<f64>, Vec<Vec<f64>>) {
+    let (mut x, zs) = fixture(seed, tau);
+    let mut r = rng(seed + 50);
+    let zt = uniform(&mut r, B * TT * VT, 3.0);
+    let lps: Vec<Vec<f64>> = (0..B * TT)
+        .map(|p| {
+            log_softmax(
+                &zt[p * VT..(p + 1) * VT]
+                    .iter()
+                    .map(|z| z / tau)
+                    .collect::<Vec<_>>(),
+            )
+        })
+        .collect();
+    x.k = VT;
+    x.teacher_topk_ids = (0..B * TT).flat_map(|_| 0..VT as u32).collect();
+    x.teacher_topk_logprobs = lps.iter().flatten().map(|&l| l as f32).collect();
+    (x, zs, lps)
+}
+
+/// One row per chunk: the student's logits at its first position `[C, VL]` and the teacher's
+/// log-probs at its first teacher position `[C, VT]` (f32 values, as the transports carry them).
+fn rows(x: &XTokenBatch, zs: &[f64], lps: &[Vec<f64>]) -> (Vec<f64>, Vec<f64>, usize) {
+    let chunks = ref_chunks(x);
+    let (mut s, mut t) = (vec![], vec![]);
+    for (b, sp, tp) in &chunks {
+        let r = b * TS + sp[0];
+        s.extend_from_slice(&zs[r * VL..(r + 1) * VL]);
+        t.extend(lps[b * TT + tp[0]].iter().map(|&l| l as f32 as f64));
+    }
+    (s, t, chunks.len())
+}
+
+/// The definition, in f64 with naive loops over every teacher id.
+fn reference(s: &[f64], t: &[f64], c: usize, tau: f64) -> f64 {
+    let p = projection_with_first();
+    let mut total = 0.0;
+    for i in 0..c {
+        let z: Vec<f64> = s[i * VL..i * VL + VS].iter().map(|z| z / tau).collect();
+        let ls = log_softmax(&z);
+        let mut pg = [0.0; VS];
+        let mut tail = 0.0;
+        let mut in_g = [false; VS];
+        for u in 0..VT {
+            let pu = t[i * VT + u].exp();
+            match p.teacher_first(u) {
+                Some(g) => {
+                    pg[g as usize] += pu;
+                    in_g[g as usize] = true;
+                }
+                None => tail += pu,
+            }
+        }
+        let tail = f64::max(tail, 1e-6);
+        let s_out = (1.0
+            - (0..VS)
+                .filter(|&g| in_g[g])
+                .map(|g| ls[g].exp())
+                .sum::<f64>())
+        .max(1e-6);
+        total += (0..VS)
+            .filter(|&g| pg[g] > 0.0)
+            .map(|g| pg[g] * (pg[g].ln() - ls[g]))
+            .sum::<f64>()
+            + tail * (tail.ln() - s_out.ln());
+    }
+    tau * tau * total / c as f64
+}
+
+#[test]
+fn matches_the_f64_definition_and_finite_differences() {
+    let p = projection_with_first();
+    for (seed, tau) in [(2, 1.0), (3, 2.0), (8, 0.7)] {
+        let (x, zs, lps) = full_batch(seed, tau);
+        let (s, t, c) = rows(&x, &zs, &lps);
+        let want = reference(&s, &t, c, tau);
+        assert!(want > 0.0, "two different distributions");
+        for (dtype, tol) in [(DType::F64, 1e-10), (DType::F32, 2e-5)] {
+            let (l, m) = first_kl_full(
+                &tensor(&s, &[c, VL], dtype),
+                &tensor(&t, &[c, VT], dtype),
+                &p,
+                tau,
+                None,
+            )
+            .unwrap();
+            assert!(
+                (scalar(&l) - want).abs() < tol * want,
+                "{dtype:?} τ={tau}: {} vs {want}",
+                scalar(&l)
+            );
+            assert_eq!(m.count, c as f64);
+        }
+        let v = var(&s, &[c, VL]);
+        let tt = tensor(&t, &[c, VT], DType::F64);
+        let (l, _) = first_kl_full(v.as_tensor(), &tt, &p, tau, Some(2.5)).unwrap();
+        let g = flat(l.backward().unwrap().get(v.as_tensor()).unwrap());
+        let fd = numeric_grad(&s, 1e-5, |z| reference(z, &t, c, tau) * c as f64 / 2.5);
+        assert_close(&g, &fd, 1e-7, "first_kl_full grad");
+        // The padded student column gets no gradient.
+        assert!((0..c).all(|i| g[i * VL + VS] == 0.0));
+    }
+}
+
+/// Exactly the top-k first_kl given every teacher id: value and gradient.
+#[test]
+fn equals_top_k_first_kl_with_the_whole_teacher_vocabulary() {
+    let p = projection_with_first();
+    for (seed, tau) in [(4, 1.0), (5, 1.7)] {
+        let (x, zs, lps) = full_batch(seed, tau);
+        let (s, t, c) = rows(&x, &zs, &lps);
+        let vz = var(&zs, &[B, TS, VL]);
+        let (lk, _) = first_kl_loss(vz.as_tensor(), &x, &p, tau, None).unwrap();
+        let gk = flat(lk.backward().unwrap().get(vz.as_tensor()).unwrap());
+        let vs_ = var(&s, &[c, VL]);
+        let (lf, _) = first_kl_full(
+            vs_.as_tensor(),
+            &tensor(&t, &[c, VT], DType::F64),
+            &p,
+            tau,
+            None,
+        )
+        .unwrap();
+        let gf = flat(lf.backward().unwrap().get(vs_.as_tensor()).unwrap());
+        // The top-k loss takes the tail as 1 − Σ mapped, this one sums the unmapped ids: the
+        // f32 log-probs sum to 1 only to ~1e-7.
+        assert!(
+            (scalar(&lk) - scalar(&lf)).abs() < 1e-6 * scalar(&lk),
+            "τ={tau}: top-k {} vs full {}",
+            scalar(&lk),
+            scalar(&lf)
+        );
+        // The full loss's rows are the top-k loss's chunk-first rows.
+        let mut want = vec![];
+        for (b, sp, _) in ref_chunks(&x) {
+            let r = b * TS + sp[0];
+            want.extend_from_slice(&gk[r * VL..(r + 1) * VL]);
+        }
+        assert_close(&gf, &want, 1e-6, "gradients");
+    }
+}
+
+#[test]
+fn bad_inputs_are_errors_and_no_chunks_is_zero() {
+    let p = projection_with_first();
+    let z = Tensor::zeros((2, VL), DType::F32, &candle_core::Device::Cpu).unwrap();
+    let t = Tensor::zeros((2, VT), DType::F32, &candle_core::Device::Cpu).unwrap();
+    let short = Tensor::zeros((2, VS - 1), DType::F32, &candle_core::Device::Cpu).unwrap();
+    assert!(first_kl_full(&short, &t, &p, 1.0, None).is_err());
+    let wrong_t = Tensor::zeros((2, VT + 1), DType::F32, &candle_core::Device::Cpu).unwrap();
+    assert!(first_kl_full(&z, &wrong_t, &p, 1.0, None).is_err());
+    assert!(first_kl_full(&z, &t, &p, 0.0, None).is_err());
+    let no_first = crate::loss::xtoken::tests::projection();
+    let err = first_kl_full(&z, &t, &no_first, 1.0, None).unwrap_err();
+    assert!(err.to_string().contains("first-token map"), "{err}");
+    let z0 = Tensor::zeros((0, VL), DType::F32, &candle_core::Device::Cpu).unwrap();
+    let t0 = Tensor::zeros((0, VT), DType::F32, &candle_core::Device::Cpu).unwrap();
+    let (l, m) = first_kl_full(&z0, &t0, &p, 1.0, None).unwrap();
+    assert_eq!((scalar(&l), m.count), (0.0, 0.0));
+}
