@@ -40,6 +40,9 @@ struct Mock {
     sha_text: Option<String>,
     topk_hits: AtomicUsize,
     tokenizer_hits: AtomicUsize,
+    head_hits: AtomicUsize,
+    /// `/hidden_states` answers say they go with this head.
+    hidden_head: Option<&'static str>,
     last_request: Mutex<Option<TopkRequest>>,
 }
 
@@ -231,11 +234,63 @@ async fn tokenizer(State(m): State<Arc<Mock>>) -> Response {
     TOKENIZER.into_response()
 }
 
+/// The head file the mock serves (any bytes: the client checks their hash, not their format).
+const HEAD: &[u8] = b"a head file of the mock";
+
+async fn head(State(m): State<Arc<Mock>>) -> Response {
+    m.head_hits.fetch_add(1, Ordering::SeqCst);
+    HEAD.into_response()
+}
+
+/// `/hidden_states`: H = 2 zeros per row, for the head `m.hidden_head` names.
+async fn hidden(State(m): State<Arc<Mock>>, body: Bytes) -> Response {
+    let req = codec::decode_hidden_request(Format::Msgpack, &body).unwrap();
+    let resp = xdistill_shared::protocol::HiddenResponse {
+        model: "mock-model".into(),
+        head_fingerprint: m.hidden_head.unwrap_or("none").into(),
+        dtype: xdistill_shared::protocol::WireDtype::F32,
+        hidden_size: 2,
+        results: (0..req.sequences.len())
+            .map(|i| {
+                let rows = req.sequences[i].len() - 1 - req.start_of(i);
+                xdistill_shared::protocol::HiddenStates {
+                    rows,
+                    data: vec![0; rows * 2 * 4],
+                }
+            })
+            .collect(),
+    };
+    (
+        [(header::CONTENT_TYPE, codec::MSGPACK)],
+        codec::encode_hidden_response(&resp).unwrap(),
+    )
+        .into_response()
+}
+
+fn full_vocab_info(fingerprint: &str, bytes: u64) -> xdistill_shared::protocol::FullVocabInfo {
+    xdistill_shared::protocol::FullVocabInfo {
+        hidden_route: "/hidden_states".into(),
+        head_route: "/v1/head".into(),
+        dtype: "f32".into(),
+        hidden_size: 2,
+        head_rows: 4,
+        vocab_size: 4,
+        tied: false,
+        bias: false,
+        logit_scale: 1.0,
+        logit_softcap: None,
+        head_fingerprint: fingerprint.into(),
+        head_bytes: bytes,
+    }
+}
+
 fn router(m: Arc<Mock>) -> Router {
     Router::new()
         .route("/topk_logits", post(topk))
         .route("/v1/info", get(info))
         .route("/tokenizer.json", get(tokenizer))
+        .route("/v1/head", get(head))
+        .route("/hidden_states", post(hidden))
         .route("/health", get(|| async { "ok" }))
         .with_state(m)
 }
@@ -722,4 +777,91 @@ async fn an_answer_with_another_probe_hash_is_refused() {
         c.topk(&request()).await,
         Err(ClientError::ProbeChanged { .. })
     ));
+}
+
+/// The head is kept only when its SHA-256 is the one `/v1/info` names; a kept head is read from
+/// the cache, not fetched again; a corrupt cached head is fetched again.
+#[tokio::test]
+async fn the_head_is_checked_by_its_fingerprint_and_cached() {
+    let m = Arc::new(Mock::default());
+    let c = TeacherClient::new(
+        vec![start(m.clone()).await],
+        opts(10, 20, Duration::from_secs(5)),
+    )
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let len = HEAD.len() as u64;
+    // Another fingerprint than the bytes': refused, nothing left in the cache.
+    let other = sha256_hex(b"another head");
+    let err = c
+        .fetch_head(&full_vocab_info(&other, len), dir.path())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ClientError::HeadMismatch { .. }), "{err}");
+    assert!(err.to_string().contains(&other), "{err}");
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+    // The right one: kept under its fingerprint, then read from the cache.
+    let fp = sha256_hex(HEAD);
+    let info = full_vocab_info(&fp, len);
+    let path = c.fetch_head(&info, dir.path()).await.unwrap();
+    assert_eq!(path, dir.path().join(format!("{fp}.safetensors")));
+    assert_eq!(std::fs::read(&path).unwrap(), HEAD);
+    let hits = m.head_hits.load(Ordering::SeqCst);
+    assert_eq!(c.fetch_head(&info, dir.path()).await.unwrap(), path);
+    assert_eq!(
+        m.head_hits.load(Ordering::SeqCst),
+        hits,
+        "read from the cache"
+    );
+    std::fs::write(&path, b"corrupt").unwrap();
+    c.fetch_head(&info, dir.path()).await.unwrap();
+    assert_eq!(std::fs::read(&path).unwrap(), HEAD);
+    assert_eq!(
+        m.head_hits.load(Ordering::SeqCst),
+        hits + 1,
+        "fetched again"
+    );
+    // A fingerprint that is not a SHA-256 never becomes a path.
+    let err = c
+        .fetch_head(&full_vocab_info("../../x", len), dir.path())
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("not a SHA-256"), "{err}");
+}
+
+/// Hidden states for another head than the one the run holds are an error, not a silent mix.
+#[tokio::test]
+async fn hidden_states_for_another_head_are_refused() {
+    let m = Arc::new(Mock {
+        hidden_head: Some("head-b"),
+        ..Default::default()
+    });
+    let c = TeacherClient::new(vec![start(m).await], opts(10, 20, Duration::from_secs(5))).unwrap();
+    let req = xdistill_shared::protocol::HiddenRequest {
+        sequences: vec![vec![1, 2, 3]],
+        start: 0,
+        starts: None,
+    };
+    let spec = |fp: &str| xdistill_trainer::client::HiddenSpec {
+        head_fingerprint: fp.into(),
+        hidden_size: 2,
+    };
+    let ok = c.hidden(&req, &spec("head-b")).await.unwrap();
+    assert_eq!(ok.results[0].rows, 2);
+    let err = c.hidden(&req, &spec("head-a")).await.unwrap_err();
+    assert!(
+        err.to_string().contains("head-b") && err.to_string().contains("head-a"),
+        "{err}"
+    );
+    let err = c
+        .hidden(
+            &req,
+            &xdistill_trainer::client::HiddenSpec {
+                head_fingerprint: "head-b".into(),
+                hidden_size: 3,
+            },
+        )
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("hidden_size 2"), "{err}");
 }
