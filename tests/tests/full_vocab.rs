@@ -124,8 +124,8 @@ fn first_kd(out: &std::path::Path) -> f64 {
 }
 
 /// A student with another tokenizer (Qwen3's) and the teacher's hidden states (Llama 2's
-/// tokenizer): first-token KL over the teacher's whole distribution equals the top-k first_kl
-/// given every teacher id (k = V), and training lowers it.
+/// tokenizer): first-token KL and P-KL over the teacher's whole distribution equal the top-k
+/// losses given every teacher id (k = V), and training lowers the exact first-token KL.
 #[test]
 fn hidden_states_across_tokenizers_train_with_exact_first_token_kl() {
     let dir = tempfile::tempdir().unwrap();
@@ -138,34 +138,37 @@ fn hidden_states_across_tokenizers_train_with_exact_first_token_kl() {
         &["--max-k", &max_k, "--max-answer-bytes", "1000000000"],
     )
     .expect("starting the teacher");
-    let first_kl = "kd = { type = \"first_kl\" }";
-    let one_step = |name: &str| {
-        let mut c = config(
-            dir.path(),
-            &student,
-            &t.base,
-            &dir.path().join(name),
-            1,
-            first_kl,
+    // The first step's loss, hidden states vs top-k with every teacher id, for both losses.
+    for (name, loss) in [
+        ("first_kl", "kd = { type = \"first_kl\" }"),
+        ("pkl", "kd = { type = \"pkl\" }"),
+    ] {
+        let one_step = |run: &str| {
+            let out = dir.path().join(format!("x_{name}_{run}"));
+            let mut c = config(dir.path(), &student, &t.base, &out, 1, loss);
+            c.distillation.val_at_start = false;
+            c.distillation.val_at_end = false;
+            c
+        };
+        let mut full = one_step("topk_full");
+        full.teacher.k = V;
+        let want_dir = full.checkpointing.checkpoint_dir.clone();
+        run(full).unwrap();
+        let got_cfg = hidden(one_step("hidden"));
+        let got_dir = got_cfg.checkpointing.checkpoint_dir.clone();
+        run(got_cfg).unwrap();
+        let (want, got) = (first_kd(&want_dir), first_kd(&got_dir));
+        eprintln!("first step's {name}: hidden {got:.6}, top-k with k = V {want:.6}");
+        assert!(
+            want > 0.05,
+            "{name}: a loss that is not trivially 0: {want}"
         );
-        c.distillation.val_at_start = false;
-        c.distillation.val_at_end = false;
-        c
-    };
-    let mut full = one_step("x_topk_full");
-    full.teacher.k = V;
-    run(full).unwrap();
-    run(hidden(one_step("x_hidden_one"))).unwrap();
-    let (want, got) = (
-        first_kd(&dir.path().join("x_topk_full")),
-        first_kd(&dir.path().join("x_hidden_one")),
-    );
-    eprintln!("first step's first_kl: hidden {got:.6}, top-k with k = V {want:.6}");
-    assert!(want > 0.05, "a loss that is not trivially 0: {want}");
-    assert!(
-        ((got - want) / want).abs() < 1e-4,
-        "hidden {got} vs top-k(V) {want}"
-    );
+        assert!(
+            ((got - want) / want).abs() < 1e-4,
+            "{name}: hidden {got} vs top-k(V) {want}"
+        );
+    }
+    let first_kl = "kd = { type = \"first_kl\" }";
 
     let out = dir.path().join("x_run");
     let s = run(hidden(config(
@@ -241,11 +244,11 @@ fn hidden_transport_refusals_come_before_any_step() {
         &t.base,
         &dir.path().join("x"),
         2,
-        "kd = { type = \"pkl\" }",
+        "kd = { type = \"gold\" }",
     ));
     let err = refused("cross", c);
     assert!(
-        err.contains("first_kl over the teacher's whole distribution"),
+        err.contains("first_kl or pkl over the teacher's whole distribution"),
         "{err}"
     );
 

@@ -46,14 +46,10 @@
 //! # Across tokenizers
 //!
 //! Everything above needs the teacher's tokens among the student's (`V_s ≥ vocab`). Across
-//! tokenizers, first-token KL over the full distribution is [`super::xtoken_full`] (the teacher's
-//! whole distribution at each chunk's anchor, grouped by first student piece). **P-KL** would
-//! need the student's projected distribution `q_t = Wᵀ softmax(z_S,t/τ)` over the *whole*
-//! teacher vocabulary (a sparse `[V_t, V_s]` product per student position: nnz(W) ≤ 4·V_s
-//! multiply-adds, an `index_add` into `[chunk, V_t]`), the chunk mean `Q_c`, and
-//! `Σ_u p_T(u) (lp_T(u) − log Q_c(u))` over all `u < V_t`; every teacher token no student token
-//! spells has `Q_c(u) = 0`, so that mass needs a floor and is an irreducible part of the loss
-//! (not implemented).
+//! tokenizers, [`super::xtoken_full`] has first-token KL and P-KL over the teacher's whole
+//! distribution at each chunk's anchor (P-KL projects the chunk's student distribution onto
+//! every teacher id through W; a teacher token no student token spells keeps a floored `Q`, so
+//! its mass is an irreducible part of that loss, as with top-k).
 
 use candle_core::{DType, Tensor, D};
 use sha2::{Digest, Sha256};

@@ -1,7 +1,7 @@
-//! Cross-tokenizer first-token KL over the teacher's **whole** distribution (issue 32): the
-//! `first_kl` of [`super::xtoken`] with the teacher's top-k replaced by its full log-softmax at
+//! Cross-tokenizer losses over the teacher's **whole** distribution (issue 32): the `first_kl`
+//! and P-KL of [`super::xtoken`] with the teacher's top-k replaced by its full log-softmax at
 //! each chunk's anchor (from its hidden states and head, [`super::full_vocab`]). Pure tensor
-//! math: the caller gathers one row per aligned chunk on both sides.
+//! math: the caller gathers the chunks' rows on both sides. P-KL is at the end of the file.
 //!
 //! Per chunk `c`, with `f(u)` the first student token of teacher token `u`'s re-tokenisation
 //! ([`Projection::teacher_first`]) and `G = {f(u)}` the student tokens that start some teacher
@@ -24,7 +24,7 @@
 use candle_core::{DType, Tensor, D};
 
 use super::stable::{check_normalizer, check_temperature, log1mexp, log_softmax_last, TAIL_FLOOR};
-use super::{compute_dtype, KdMetrics, LossError, Projection, Result};
+use super::{compute_dtype, KdMetrics, LossError, Projection, Result, TailMode};
 
 /// First-token KL of the student rows `student_logits [C, V]` (`V ≥` the projection's student
 /// vocabulary; padded columns are ignored) against the teacher's full log-probs
@@ -136,6 +136,146 @@ pub fn first_kl_full(
         count: c as f64,
         teacher_topk_mass: Some(mean(&p.sum(D::Minus1)?)?),
         student_topk_mass: Some(mean(&s_in)?),
+    };
+    Ok((loss, metrics))
+}
+
+/// `Q_c + Q_EPS` keeps `log Q` finite where no student token spells a teacher token (as the
+/// top-k P-KL does).
+const Q_EPS: f64 = 1e-10;
+
+/// Chunk-level projected KL (NeMo's P-KL) over the teacher's whole vocabulary.
+///
+/// `student_logits [N, V]`: every student position of the chunks (`V ≥` the projection's
+/// student vocabulary), `chunk_of_row[i]` the chunk of row `i` (`0..C`, every chunk with at
+/// least one row); `teacher_logprobs [C, V_t]`: `log_softmax(z_T / τ)` at each chunk's anchor
+/// (no gradient). With `q_t = Wᵀ softmax(z_S,t / τ)` over all `V_t` teacher ids and
+/// `Q_c = mean_{t ∈ c} q_t + 1e-10`:
+///
+/// - `Renormalize` (NeMo's): `D_c = Σ_u p_T(u) (lp_T(u) − ln Q̂_c(u))`, `Q̂ = Q / Σ Q`;
+/// - `Ignore`: the same with `Q` itself;
+/// - `Bucket`: `Ignore`'s sum plus `T (ln T − ln(1 − Σ Q))` for the teacher mass `T = 1 − Σ p_T`
+///   left over (≈ 0 over the whole vocabulary; both floored at 1e-6), as the top-k form;
+///
+/// `loss = τ² Σ_c D_c / N`. This is [`super::pkl_loss`] with every teacher id in K.
+#[allow(clippy::too_many_arguments)]
+pub fn pkl_full(
+    student_logits: &Tensor,
+    chunk_of_row: &[u32],
+    teacher_logprobs: &Tensor,
+    proj: &Projection,
+    tail: TailMode,
+    temperature: f64,
+    normalizer: Option<f64>,
+) -> Result<(Tensor, KdMetrics)> {
+    check_temperature(temperature)?;
+    check_normalizer(normalizer)?;
+    let (vs, vt) = (proj.student_vocab(), proj.teacher_vocab());
+    let (n, v) = match *student_logits.dims() {
+        [n, v] => (n, v),
+        ref d => {
+            return Err(LossError::input(
+                "student_logits",
+                format!("must be [N, V], got {d:?}"),
+            ))
+        }
+    };
+    if v < vs || chunk_of_row.len() != n {
+        return Err(LossError::input(
+            "student_logits",
+            format!(
+                "[{n}, {v}] for a student vocabulary of {vs} and {} chunk ids",
+                chunk_of_row.len()
+            ),
+        ));
+    }
+    let c = teacher_logprobs.dim(0)?;
+    if teacher_logprobs.dims() != [c, vt] {
+        return Err(LossError::input(
+            "teacher_logprobs",
+            format!("must be [C, {vt}], got {:?}", teacher_logprobs.dims()),
+        ));
+    }
+    let mut rows_per_chunk = vec![0usize; c];
+    for &k in chunk_of_row {
+        match rows_per_chunk.get_mut(k as usize) {
+            Some(r) => *r += 1,
+            None => {
+                return Err(LossError::input(
+                    "chunk_of_row",
+                    format!("chunk {k} of {c} chunks"),
+                ))
+            }
+        }
+    }
+    if let Some(e) = rows_per_chunk.iter().position(|&r| r == 0) {
+        return Err(LossError::input(
+            "chunk_of_row",
+            format!("chunk {e} has no student row"),
+        ));
+    }
+    let dt = compute_dtype(student_logits);
+    let dev = student_logits.device().clone();
+    if c == 0 {
+        return Ok((Tensor::zeros((), dt, &dev)?, KdMetrics::default()));
+    }
+
+    // 1. The chunks' mean student distribution P̄ [C, V_s]: rows weighted 1/|c|, added per chunk.
+    let z = student_logits.narrow(1, 0, vs)?.to_dtype(dt)?;
+    let p = super::stable::softmax_last(&z.affine(1.0 / temperature, 0.0)?)?; // [N, V_s]
+    let w: Vec<f64> = chunk_of_row
+        .iter()
+        .map(|&k| 1.0 / rows_per_chunk[k as usize] as f64)
+        .collect();
+    let w = Tensor::from_vec(w, (n, 1), &dev)?.to_dtype(dt)?;
+    let ids = Tensor::from_vec(chunk_of_row.to_vec(), n, &dev)?;
+    let mean = Tensor::zeros((c, vs), dt, &dev)?.index_add(&ids, &p.broadcast_mul(&w)?, 0)?;
+
+    // 2. Q = P̄ W over every teacher id: W's entries gathered from P̄, added per teacher id.
+    let (mut ws, mut wu, mut ww) = (vec![], vec![], vec![]);
+    for s_id in 0..vs {
+        let (us, weights) = proj.row(s_id);
+        for (&u, &wt) in us.iter().zip(weights) {
+            ws.push(s_id as u32);
+            wu.push(u);
+            ww.push(wt as f64);
+        }
+    }
+    let nnz = ws.len();
+    let mut q = Tensor::zeros((c, vt), dt, &dev)?;
+    if nnz > 0 {
+        let vals = mean
+            .index_select(&Tensor::from_vec(ws, nnz, &dev)?, 1)?
+            .broadcast_mul(&Tensor::from_vec(ww, (1, nnz), &dev)?.to_dtype(dt)?)?;
+        q = q.index_add(&Tensor::from_vec(wu, nnz, &dev)?, &vals, 1)?;
+    }
+    let q = q.affine(1.0, Q_EPS)?;
+    let q_mass = q.sum_keepdim(D::Minus1)?; // [C, 1]
+    let log_q = match tail {
+        TailMode::Renormalize => q.broadcast_div(&q_mass)?.log()?,
+        TailMode::Bucket | TailMode::Ignore => q.log()?,
+    };
+
+    // 3. Σ_u p_T (lp_T − ln Q) per chunk (+ the tail entry), τ² / N.
+    let l = teacher_logprobs.detach().to_dtype(dt)?;
+    let mut per_chunk = (l.exp()? * (&l - log_q)?)?.sum(D::Minus1)?;
+    if tail == TailMode::Bucket {
+        let lt_tail = log1mexp(&super::stable::logsumexp_last(&l)?, TAIL_FLOOR)?;
+        let ls_tail = log1mexp(&q_mass.log()?.squeeze(D::Minus1)?, TAIL_FLOOR)?;
+        per_chunk = (per_chunk + (lt_tail.exp()? * (&lt_tail - ls_tail)?)?)?;
+    }
+    let nrm = normalizer.unwrap_or(c as f64);
+    let inv = if nrm > 0.0 { 1.0 / nrm } else { 0.0 };
+    let loss = per_chunk
+        .sum_all()?
+        .affine(temperature * temperature * inv, 0.0)?;
+    let mean_of =
+        |t: &Tensor| -> Result<f64> { Ok(t.to_dtype(DType::F64)?.mean_all()?.to_scalar::<f64>()?) };
+    let metrics = KdMetrics {
+        loss: loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
+        count: c as f64,
+        teacher_topk_mass: Some(mean_of(&l.exp()?.sum(D::Minus1)?)?),
+        student_topk_mass: Some(mean_of(&q_mass.detach())?),
     };
     Ok((loss, metrics))
 }

@@ -8,7 +8,7 @@ use crate::loss::testutil::*;
 use crate::loss::xtoken::tests::{
     fixture, projection_with_first, ref_chunks, B, TS, TT, VL, VS, VT,
 };
-use crate::loss::{first_kl_loss, XTokenBatch};
+use crate::loss::{first_kl_loss, TailMode, XTokenBatch};
 
 /// The fixture's aligned batch with the teacher's whole distribution at every position
 /// (`k = V_t`, ids in order), from fresh random logits at temperature `tau`.
@@ -171,4 +171,149 @@ fn bad_inputs_are_errors_and_no_chunks_is_zero() {
     let t0 = Tensor::zeros((0, VT), DType::F32, &candle_core::Device::Cpu).unwrap();
     let (l, m) = first_kl_full(&z0, &t0, &p, 1.0, None).unwrap();
     assert_eq!((scalar(&l), m.count), (0.0, 0.0));
+}
+
+/// P-KL's rows: every student position of each chunk with its chunk, and the teacher's log-probs
+/// at each chunk's anchor.
+fn pkl_rows(
+    x: &XTokenBatch,
+    zs: &[f64],
+    lps: &[Vec<f64>],
+    anchor: crate::loss::Anchor,
+) -> (Vec<f64>, Vec<u32>, Vec<f64>, usize) {
+    let chunks = ref_chunks(x);
+    let (mut s, mut of, mut t) = (vec![], vec![], vec![]);
+    for (ci, (b, sp, tp)) in chunks.iter().enumerate() {
+        for &p in sp {
+            let r = b * TS + p;
+            s.extend_from_slice(&zs[r * VL..(r + 1) * VL]);
+            of.push(ci as u32);
+        }
+        let a = match anchor {
+            crate::loss::Anchor::First => tp[0],
+            crate::loss::Anchor::Last => tp[tp.len() - 1],
+        };
+        t.extend(lps[b * TT + a].iter().map(|&l| l as f32 as f64));
+    }
+    (s, of, t, chunks.len())
+}
+
+/// P-KL by the definition in f64: dense W, every teacher id.
+fn ref_pkl_full(s: &[f64], of: &[u32], t: &[f64], c: usize, tail: TailMode, tau: f64) -> f64 {
+    let p = projection_with_first();
+    let mut q = vec![vec![0.0; VT]; c];
+    let mut count = vec![0.0; c];
+    for &k in of {
+        count[k as usize] += 1.0;
+    }
+    for (i, &k) in of.iter().enumerate() {
+        let z: Vec<f64> = s[i * VL..i * VL + VS].iter().map(|z| z / tau).collect();
+        let ps: Vec<f64> = log_softmax(&z).iter().map(|l| l.exp()).collect();
+        for (sid, &pv) in ps.iter().enumerate() {
+            let (us, ws) = p.row(sid);
+            for (&u, &w) in us.iter().zip(ws) {
+                q[k as usize][u as usize] += pv * w as f64 / count[k as usize];
+            }
+        }
+    }
+    let mut total = 0.0;
+    for k in 0..c {
+        let qk: Vec<f64> = q[k].iter().map(|v| v + 1e-10).collect();
+        let mass: f64 = qk.iter().sum();
+        let lt = &t[k * VT..(k + 1) * VT];
+        for u in 0..VT {
+            let lq = match tail {
+                TailMode::Renormalize => (qk[u] / mass).ln(),
+                _ => qk[u].ln(),
+            };
+            total += lt[u].exp() * (lt[u] - lq);
+        }
+        if tail == TailMode::Bucket {
+            let tt = (1.0 - lt.iter().map(|l| l.exp()).sum::<f64>()).max(1e-6);
+            let st = (1.0 - mass).max(1e-6);
+            total += tt * (tt.ln() - st.ln());
+        }
+    }
+    tau * tau * total / c as f64
+}
+
+#[test]
+fn pkl_full_matches_the_f64_definition_finite_differences_and_top_k_pkl() {
+    use crate::loss::{pkl_loss, Anchor};
+    let p = projection_with_first();
+    for (seed, tau, anchor, tail) in [
+        (6, 1.0, Anchor::First, TailMode::Renormalize),
+        (7, 1.6, Anchor::Last, TailMode::Ignore),
+        (9, 0.8, Anchor::First, TailMode::Bucket),
+    ] {
+        let (x, zs, lps) = full_batch(seed, tau);
+        let (s, of, t, c) = pkl_rows(&x, &zs, &lps, anchor);
+        let want = ref_pkl_full(&s, &of, &t, c, tail, tau);
+        assert!(want > 1e-3, "a loss that is not trivially 0: {want}");
+        let case = format!("{anchor:?} {tail:?} τ={tau}");
+        for (dtype, tol) in [(DType::F64, 1e-10), (DType::F32, 2e-5)] {
+            let (l, m) = pkl_full(
+                &tensor(&s, &[of.len(), VL], dtype),
+                &of,
+                &tensor(&t, &[c, VT], dtype),
+                &p,
+                tail,
+                tau,
+                None,
+            )
+            .unwrap();
+            assert!(
+                (scalar(&l) - want).abs() < tol * want,
+                "{case} {dtype:?}: {} vs {want}",
+                scalar(&l)
+            );
+            assert_eq!(m.count, c as f64);
+        }
+        let v = var(&s, &[of.len(), VL]);
+        let tt = tensor(&t, &[c, VT], DType::F64);
+        let (l, _) = pkl_full(v.as_tensor(), &of, &tt, &p, tail, tau, Some(3.0)).unwrap();
+        let g = flat(l.backward().unwrap().get(v.as_tensor()).unwrap());
+        let fd = numeric_grad(&s, 1e-5, |z| {
+            ref_pkl_full(z, &of, &t, c, tail, tau) * c as f64 / 3.0
+        });
+        assert_close(&g, &fd, 1e-7, &format!("{case}: grad"));
+
+        // The top-k P-KL given every teacher id (k = V_t): the same value and gradient.
+        let vz = var(&zs, &[B, TS, VL]);
+        let (lk, _) = pkl_loss(vz.as_tensor(), &x, &p, anchor, tail, tau, None).unwrap();
+        let gk = flat(lk.backward().unwrap().get(vz.as_tensor()).unwrap());
+        let vr = var(&s, &[of.len(), VL]);
+        let (lf, _) = pkl_full(vr.as_tensor(), &of, &tt, &p, tail, tau, None).unwrap();
+        let gf = flat(lf.backward().unwrap().get(vr.as_tensor()).unwrap());
+        assert!(
+            (scalar(&lk) - scalar(&lf)).abs() < 1e-6 * scalar(&lk),
+            "{case}: top-k {} vs full {}",
+            scalar(&lk),
+            scalar(&lf)
+        );
+        let mut want_g = vec![];
+        for (b, sp, _) in ref_chunks(&x) {
+            for q in sp {
+                let r = b * TS + q;
+                want_g.extend_from_slice(&gk[r * VL..(r + 1) * VL]);
+            }
+        }
+        assert_close(&gf, &want_g, 1e-6, &format!("{case}: top-k gradients"));
+    }
+}
+
+#[test]
+fn pkl_full_refuses_rows_without_chunks() {
+    let p = projection_with_first();
+    let dev = candle_core::Device::Cpu;
+    let z = Tensor::zeros((3, VL), DType::F32, &dev).unwrap();
+    let t = Tensor::zeros((2, VT), DType::F32, &dev).unwrap();
+    // Chunk 1 has no row; a chunk id past C; the wrong number of ids.
+    for of in [vec![0u32, 0, 0], vec![0, 1, 2], vec![0, 1]] {
+        assert!(
+            pkl_full(&z, &of, &t, &p, TailMode::Renormalize, 1.0, None).is_err(),
+            "{of:?}"
+        );
+    }
+    assert!(pkl_full(&z, &[0, 1, 1], &t, &p, TailMode::Renormalize, 1.0, None).is_ok());
 }

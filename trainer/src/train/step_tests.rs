@@ -567,15 +567,28 @@ fn full_vocab_chunked_validation_equals_the_whole_batch() {
 fn cross_full_vocab_chunks_equal_the_whole_loss() {
     let (items, _, proj) = cross_batch(21);
     let (scores, head) = hidden_answers(&items, VT, 21);
-    for ce in [
-        CeConfig::Weight { weight: 0.2 },
-        CeConfig::Dynamic {},
-        CeConfig::None {},
-    ] {
-        let loss = cfg(KdConfig::FirstKl {}, None, ce);
+    let losses = [
+        cfg(KdConfig::FirstKl {}, None, CeConfig::Weight { weight: 0.2 }),
+        cfg(KdConfig::FirstKl {}, None, CeConfig::Dynamic {}),
+        cfg(
+            KdConfig::Pkl {
+                anchor: Anchor::First,
+            },
+            None,
+            CeConfig::None {},
+        ),
+        cfg(
+            KdConfig::Pkl {
+                anchor: Anchor::Last,
+            },
+            Some(TailMode::Bucket),
+            CeConfig::Weight { weight: 0.3 },
+        ),
+    ];
+    for loss in &losses {
         check(
             Pairing::CrossFullVocab(&proj, &head),
-            &loss,
+            loss,
             &items,
             &scores,
             0,
@@ -583,13 +596,26 @@ fn cross_full_vocab_chunks_equal_the_whole_loss() {
     }
 }
 
-/// Across tokenizers, first_kl from hidden states equals the top-k first_kl given the teacher's
-/// whole distribution (K = V_t, from the same head in f64): value, every gradient, validation.
+/// Across tokenizers, first_kl and P-KL from hidden states equal the top-k losses given the
+/// teacher's whole distribution (K = V_t, from the same head in f64): value, every gradient,
+/// validation.
 #[test]
-fn cross_full_vocab_equals_top_k_first_kl_with_every_teacher_id() {
+fn cross_full_vocab_equals_the_top_k_losses_with_every_teacher_id() {
+    let pkl = |anchor| KdConfig::Pkl { anchor };
+    for (kd, tail) in [
+        (KdConfig::FirstKl {}, None),
+        (pkl(Anchor::First), None),
+        (pkl(Anchor::Last), Some(TailMode::Bucket)),
+        (pkl(Anchor::First), Some(TailMode::Ignore)),
+    ] {
+        cross_full_equals_top_k(kd, tail);
+    }
+}
+
+fn cross_full_equals_top_k(kd: KdConfig, tail: Option<TailMode>) {
     let (items, _, proj) = cross_batch(22);
     let (hscores, head) = hidden_answers(&items, VT, 22);
-    let loss = cfg(KdConfig::FirstKl {}, None, CeConfig::Weight { weight: 0.3 });
+    let loss = cfg(kd, tail, CeConfig::Weight { weight: 0.3 });
     let tscores = as_full_topk(&head, &hscores, loss.temperature);
     let (model, vm) = tiny(false, DType::F64, 23);
     let norm = units(&items);
@@ -612,12 +638,21 @@ fn cross_full_vocab_equals_top_k_first_kl_with_every_teacher_id() {
     };
     let (g_hidden, o_hidden) = run(Pairing::CrossFullVocab(&proj, &head), &hscores, 0);
     let (g_topk, o_topk) = run(Pairing::Cross(&proj), &tscores, VT);
-    assert!(o_hidden.kd.loss > 1e-3, "a loss that is not trivially 0");
+    let case = format!("{:?} {:?}", loss.kd, loss.tail);
+    assert!(
+        o_hidden.kd.loss > 1e-3,
+        "{case}: a loss that is not trivially 0"
+    );
     // The top-k tail is 1 − Σ mapped, the full one sums the unmapped ids (f32 log-probs).
-    assert_rel(o_hidden.kd.loss, o_topk.kd.loss, 1e-5, "kd");
+    assert_rel(
+        o_hidden.kd.loss,
+        o_topk.kd.loss,
+        1e-5,
+        &format!("{case}: kd"),
+    );
     assert_eq!(o_hidden.kd.count, o_topk.kd.count);
     assert_rel(o_hidden.ce.unwrap(), o_topk.ce.unwrap(), 1e-9, "ce");
-    assert_same_grads(&vm, &g_hidden, &g_topk, 1e-5, "cross full vs top-k");
+    assert_same_grads(&vm, &g_hidden, &g_topk, 1e-5, &case);
     // Validation: the exact first-token KL, chunked as the whole batch.
     let refs: Vec<&SequenceScores> = hscores.iter().collect();
     let mut ctx = LossCtx {

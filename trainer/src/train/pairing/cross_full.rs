@@ -1,17 +1,20 @@
 //! Another tokenizer with the teacher's **whole** distribution (`teacher.transport = "hidden"`,
-//! `kd = first_kl`): records are aligned as in [`super::cross`], the teacher sends its hidden
-//! states, and at each aligned chunk the teacher's full log-softmax at the chunk's first teacher
-//! position (its head applied on the student's device) is grouped by first student token
-//! ([`crate::loss::xtoken_full::first_kl_full`]): no top-k set, the tail holding only teacher
-//! tokens no student token starts. The LM head runs in the same alignment-chunk pieces as
-//! [`super::cross`] ([`crate::train::xpieces`]).
+//! `kd = first_kl` or `pkl`): records are aligned as in [`super::cross`], the teacher sends its
+//! hidden states, and at each aligned chunk the teacher's full log-softmax at the chunk's anchor
+//! (its head applied on the student's device) is compared with the student's: grouped by first
+//! student token ([`crate::loss::xtoken_full::first_kl_full`]), or against the chunk's projected
+//! student distribution over every teacher id ([`crate::loss::xtoken_full::pkl_full`]). No top-k
+//! set. The LM head runs in the same alignment-chunk pieces as [`super::cross`]
+//! ([`crate::train::xpieces`]); validation reports the run's own divergence, exactly.
 
 use super::cross::xtoken_batch;
 use super::{finish, val_ce, wants_ce, Collation, Item};
 use crate::collate::pad_batch;
 use crate::loss::full_vocab::{teacher_log_softmax_chunk, TeacherHead};
-use crate::loss::xtoken_full::first_kl_full;
-use crate::loss::{compute_dtype, cross_entropy, KdConfig, KdMetrics, Projection, XTokenBatch};
+use crate::loss::xtoken_full::{first_kl_full, pkl_full};
+use crate::loss::{
+    compute_dtype, cross_entropy, KdConfig, KdMetrics, Projection, TailMode, XTokenBatch,
+};
 use crate::train::head::{self, ChunkLoss, HeadSums, Mix};
 use crate::train::step::{LossCtx, MicroOut, Units, ValSums};
 use crate::train::xpieces::{self, XPiece};
@@ -26,12 +29,13 @@ pub struct CrossFullVocab<'a> {
     pub head: &'a TeacherHead,
 }
 
-/// One aligned chunk of a (sub-)batch: its row, first student and first teacher position.
-#[derive(Debug, Clone, Copy)]
+/// One aligned chunk of a (sub-)batch: its row, its student positions (in order) and its first
+/// and last teacher positions.
+#[derive(Debug, Clone)]
 struct Anchor {
     row: usize,
-    student: usize,
-    teacher: usize,
+    student: Vec<usize>,
+    teacher: (usize, usize),
 }
 
 /// The chunks of `x` with both sides non-empty, in row and chunk order.
@@ -40,22 +44,24 @@ fn anchors(x: &XTokenBatch) -> Vec<Anchor> {
     let mut out = vec![];
     for row in 0..x.batch {
         let n = x.num_chunks[row];
-        let (mut s0, mut t0) = (vec![None; n], vec![None; n]);
-        for p in (0..ts).rev() {
+        let mut student: Vec<Vec<usize>> = vec![vec![]; n];
+        let mut teacher: Vec<Option<(usize, usize)>> = vec![None; n];
+        for p in 0..ts {
             if let Ok(c) = usize::try_from(x.student_chunk[row * ts + p]) {
-                s0[c] = Some(p);
+                student[c].push(p);
             }
         }
-        for p in (0..tt).rev() {
+        for p in 0..tt {
             if let Ok(c) = usize::try_from(x.teacher_chunk[row * tt + p]) {
-                t0[c] = Some(p);
+                let e = teacher[c].get_or_insert((p, p));
+                e.1 = p;
             }
         }
-        for c in 0..n {
-            if let (Some(student), Some(teacher)) = (s0[c], t0[c]) {
+        for (s, t) in student.into_iter().zip(teacher) {
+            if let (false, Some(teacher)) = (s.is_empty(), t) {
                 out.push(Anchor {
                     row,
-                    student,
+                    student: s,
                     teacher,
                 });
             }
@@ -65,9 +71,9 @@ fn anchors(x: &XTokenBatch) -> Vec<Anchor> {
 }
 
 impl CrossFullVocab<'_> {
-    /// First-token KL of `logits [nb, sl, V]` (the rows of `x`) against the teacher's whole
-    /// distribution at each chunk's anchor; `origin(row, p)` maps a teacher position of `x` to
-    /// its (batch row, position) in `scores`.
+    /// The run's cross-tokenizer loss (`first_kl` or P-KL) of `logits [nb, sl, V]` (the rows of
+    /// `x`) against the teacher's whole distribution at each chunk's anchor; `origin(row, p)`
+    /// maps a teacher position of `x` to its (batch row, position) in `scores`.
     fn kd(
         &self,
         ctx: &LossCtx,
@@ -77,13 +83,65 @@ impl CrossFullVocab<'_> {
         origin: &dyn Fn(usize, usize) -> (usize, usize),
         normalizer: Option<f64>,
     ) -> Result<(Tensor, KdMetrics)> {
-        let a = anchors(x);
+        let chunks = anchors(x);
         let (nb, sl, v) = logits.dims3()?;
+        let tau = ctx.loss.temperature;
+        // The student rows each loss reads, and (P-KL) the chunk of each.
+        let (rows, chunk_of_row): (Vec<u32>, Vec<u32>) = match ctx.loss.kd {
+            KdConfig::Pkl { .. } => chunks
+                .iter()
+                .enumerate()
+                .flat_map(|(i, c)| {
+                    c.student
+                        .iter()
+                        .map(move |&p| ((c.row * sl + p) as u32, i as u32))
+                })
+                .unzip(),
+            _ => chunks
+                .iter()
+                .map(|c| ((c.row * sl + c.student[0]) as u32, 0))
+                .unzip(),
+        };
+        let at = |c: &Anchor| match ctx.loss.kd {
+            KdConfig::Pkl {
+                anchor: crate::loss::Anchor::Last,
+            } => c.teacher.1,
+            _ => c.teacher.0,
+        };
+        let teacher = self.teacher_log_probs(ctx, logits, &chunks, scores, origin, at)?;
+        let n = rows.len();
+        let student = logits
+            .reshape((nb * sl, v))?
+            .index_select(&Tensor::from_vec(rows, n, ctx.device)?, 0)?; // [N, V]
+        Ok(match ctx.loss.kd {
+            KdConfig::Pkl { .. } => pkl_full(
+                &student,
+                &chunk_of_row,
+                &teacher,
+                self.projection,
+                ctx.loss.tail.unwrap_or(TailMode::Renormalize),
+                tau,
+                normalizer,
+            )?,
+            _ => first_kl_full(&student, &teacher, self.projection, tau, normalizer)?,
+        })
+    }
+
+    /// The teacher's log-probs `[C, V_t]` at each chunk's anchor teacher position `at(c)`, its
+    /// head applied to the hidden states there, in the loss's dtype (f64 for the checks).
+    fn teacher_log_probs(
+        &self,
+        ctx: &LossCtx,
+        logits: &Tensor,
+        chunks: &[Anchor],
+        scores: &[&SequenceScores],
+        origin: &dyn Fn(usize, usize) -> (usize, usize),
+        at: impl Fn(&Anchor) -> usize,
+    ) -> Result<Tensor> {
         let hsz = self.head.hidden_size();
-        let rows: Vec<u32> = a.iter().map(|c| (c.row * sl + c.student) as u32).collect();
-        let mut hid = Vec::with_capacity(a.len() * hsz);
-        for c in &a {
-            let (r, p) = origin(c.row, c.teacher);
+        let mut hid = Vec::with_capacity(chunks.len() * hsz);
+        for c in chunks {
+            let (r, p) = origin(c.row, at(c));
             let s = scores[r];
             let bytes = s
                 .hidden
@@ -101,31 +159,28 @@ impl CrossFullVocab<'_> {
                     .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
             );
         }
-        let n = a.len();
-        let dev = ctx.device;
-        let student = logits
-            .reshape((nb * sl, v))?
-            .index_select(&Tensor::from_vec(rows, n, dev)?, 0)?; // [C, V]
-                                                                 // The teacher's log-softmax in the loss's dtype (f64 for the gradient checks).
-        let hidden = Tensor::from_vec(hid, (n, hsz), dev)?.to_dtype(compute_dtype(logits))?;
-        let teacher = if n == 0 {
-            Tensor::zeros((0, self.head.vocab()), DType::F32, dev)?
-        } else {
-            teacher_log_softmax_chunk(self.head, &hidden, ctx.loss.temperature)?
-        };
-        Ok(first_kl_full(
-            &student,
-            &teacher,
-            self.projection,
+        let n = chunks.len();
+        if n == 0 {
+            return Ok(Tensor::zeros(
+                (0, self.head.vocab()),
+                compute_dtype(logits),
+                ctx.device,
+            )?);
+        }
+        let hidden =
+            Tensor::from_vec(hid, (n, hsz), ctx.device)?.to_dtype(compute_dtype(logits))?;
+        Ok(teacher_log_softmax_chunk(
+            self.head,
+            &hidden,
             ctx.loss.temperature,
-            normalizer,
         )?)
     }
 
     fn check(&self, ctx: &LossCtx) -> Result<()> {
-        if !matches!(ctx.loss.kd, KdConfig::FirstKl {}) {
+        if !matches!(ctx.loss.kd, KdConfig::FirstKl {} | KdConfig::Pkl { .. }) {
             bail!(
-                "teacher.transport = \"hidden\" across tokenizers trains with first_kl, not {:?}",
+                "teacher.transport = \"hidden\" across tokenizers trains with first_kl or pkl, \
+                 not {:?}",
                 ctx.loss.kd
             );
         }
@@ -208,7 +263,7 @@ impl Collation for CrossFullVocab<'_> {
         out.finish(pass)
     }
 
-    /// The exact first-token KL over the teacher's whole distribution (τ² removed), and the
+    /// The run's divergence over the teacher's whole distribution (τ² removed), and the
     /// student's CE.
     fn validation(
         &self,

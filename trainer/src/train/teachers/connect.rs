@@ -108,13 +108,15 @@ impl Teacher {
                 (Tokenization::Same(tok), None)
             }
             TeacherTokenizer::Different(_)
-                if tc.transport.is_hidden() && !matches!(loss_cross.kd, KdConfig::FirstKl {}) =>
+                if tc.transport.is_hidden()
+                    && !matches!(loss_cross.kd, KdConfig::FirstKl {} | KdConfig::Pkl { .. }) =>
             {
                 bail!(
                     "teacher.transport = \"hidden\" with a student of another tokenizer trains \
-                     with first_kl over the teacher's whole distribution: set loss_cross.kd (or \
-                     loss.kd) = {{ type = \"first_kl\" }}, not {:?} (P-KL, gold and ALM from \
-                     the full distribution are not built yet; use transport = \"topk\" for them)",
+                     with first_kl or pkl over the teacher's whole distribution: set \
+                     loss_cross.kd (or loss.kd) to {{ type = \"first_kl\" }} or {{ type = \
+                     \"pkl\" }}, not {:?} (gold and ALM from the full distribution are not built \
+                     yet; use transport = \"topk\" for them)",
                     loss_cross.kd
                 )
             }
