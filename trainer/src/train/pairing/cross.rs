@@ -152,30 +152,14 @@ impl Collation for Cross<'_> {
         items: &[Item],
         scores: &[&SequenceScores],
     ) -> Result<ValSums> {
-        let (model, k, device, temperature) = (ctx.model, ctx.k, ctx.device, ctx.loss.temperature);
+        let (model, device, temperature) = (ctx.model, ctx.device, ctx.loss.temperature);
         let tau2 = temperature * temperature;
-        let per = ctx.head.rows(model.lm_head().dim(0)?);
         let mut out = ValSums::default();
-        let (xb, enc) = xtoken_batch(items, scores, k)?;
-        let tb = pad_batch(&enc, 0, device)?;
-        let ts = tb.ids.dim(1)?;
-        let targets: Vec<u32> = tb.targets.flatten_all()?.to_vec1()?;
-        let mask: Vec<f32> = tb.mask.flatten_all()?.to_vec1()?;
-        let wanted: Vec<bool> = (0..mask.len())
-            .map(|i| xb.student_chunk[i] != -1 || mask[i] > 0.0)
-            .collect();
-        let plan = crate::train::xpieces::plan(&xb, per, &wanted);
-        let pieces: Vec<head::Piece> = plan
-            .iter()
-            .map(|p| head::Piece {
-                rows: p.rows(ts),
-                shape: (p.segments.len(), p.student_len),
-            })
-            .collect();
+        let cp = CrossPieces::new(ctx, items, scores, ctx.k, true)?;
         let cfg = self.validation_cfg(temperature);
-        let hidden = model.forward_hidden(&tb.ids, None, None, None)?;
-        head::forward_only(model, &hidden, &pieces, |i, logits| {
-            let sub = crate::train::xpieces::batch(&xb, &plan[i]);
+        let hidden = model.forward_hidden(&cp.tb.ids, None, None, None)?;
+        head::forward_only(model, &hidden, &cp.pieces, |i, logits| {
+            let sub = cp.batch(i);
             let inputs = KdInputs::XToken {
                 batch: &sub,
                 projection: self.projection,
@@ -186,12 +170,7 @@ impl Collation for Cross<'_> {
                     kl.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()? / tau2 * m.count;
                 out.kl_units += m.count;
             }
-            let rows = &pieces[i].rows;
-            let shape = pieces[i].shape;
-            let tg: Vec<u32> = rows.iter().map(|&r| targets[r as usize]).collect();
-            let m: Vec<f32> = rows.iter().map(|&r| mask[r as usize]).collect();
-            let tg = Tensor::from_vec(tg, shape, device)?;
-            let m = Tensor::from_vec(m, shape, device)?;
+            let (tg, m, _) = cp.ce_inputs(i, device)?;
             val_ce(&mut out, logits, tg, m)
         })?;
         Ok(out)
@@ -311,48 +290,99 @@ fn cross_tokenizer_grads(
     norm: Units,
 ) -> Result<(GradStore, HeadSums)> {
     let (model, device) = (ctx.model, ctx.device);
-    let (xb, enc) = xtoken_batch(items, scores, ctx.k)?;
-    let tb = pad_batch(&enc, 0, device)?;
-    let ts = tb.ids.dim(1)?;
-    let targets: Vec<u32> = tb.targets.flatten_all()?.to_vec1()?;
-    let mask: Vec<f32> = tb.mask.flatten_all()?.to_vec1()?;
     let ce_on = wants_ce(ctx.loss);
-    let wanted: Vec<bool> = (0..mask.len())
-        .map(|i| xb.student_chunk[i] != -1 || (ce_on && mask[i] > 0.0))
-        .collect();
-    let pass = ctx.head.forward(model, &tb.ids)?;
-    let per = ctx.head.rows(model.lm_head().dim(0)?);
-    let plan = crate::train::xpieces::plan(&xb, per, &wanted);
-    let pieces: Vec<head::Piece> = plan
-        .iter()
-        .map(|p| head::Piece {
-            rows: p.rows(ts),
-            shape: (p.segments.len(), p.student_len),
-        })
-        .collect();
+    let cp = CrossPieces::new(ctx, items, scores, ctx.k, ce_on)?;
+    let pass = ctx.head.forward(model, &cp.tb.ids)?;
     let loss = |i: usize, logits: &Tensor| -> Result<ChunkLoss> {
-        let sub = crate::train::xpieces::batch(&xb, &plan[i]);
+        let sub = cp.batch(i);
         let inputs = KdInputs::XToken {
             batch: &sub,
             projection,
         };
         let kd = kd_loss(ctx.loss, logits, inputs, Some(norm.kd))?;
-        let rows = &pieces[i].rows;
-        let n = rows.iter().filter(|&&r| mask[r as usize] > 0.0).count();
+        let (tg, m, n) = cp.ce_inputs(i, device)?;
         let ce = if ce_on && n > 0 {
-            let shape = pieces[i].shape;
-            let tg: Vec<u32> = rows.iter().map(|&r| targets[r as usize]).collect();
-            let m: Vec<f32> = rows.iter().map(|&r| mask[r as usize]).collect();
-            let tg = Tensor::from_vec(tg, shape, device)?;
-            let m = Tensor::from_vec(m, shape, device)?;
             Some(cross_entropy(logits, &tg, &m, Some(norm.ce))?)
         } else {
             None
         };
         Ok(ChunkLoss { kd: Some(kd), ce })
     };
-    let out = head::run(model, pass.hidden(), &pieces, Mix::of(ctx.loss), loss)?;
+    let out = head::run(model, pass.hidden(), &cp.pieces, Mix::of(ctx.loss), loss)?;
     out.finish(pass)
+}
+
+/// A cross-tokenizer micro-batch cut into LM-head pieces at alignment-chunk boundaries
+/// ([`crate::train::xpieces`]), with what each piece's cross-entropy reads: shared by the
+/// top-k and the hidden-state pairings, for training and validation.
+pub(super) struct CrossPieces {
+    pub xb: XTokenBatch,
+    pub tb: crate::collate::TokenBatch,
+    /// `[B·Ts]` the student token each position predicts, and whether it is trained.
+    targets: Vec<u32>,
+    mask: Vec<f32>,
+    pub plan: Vec<crate::train::xpieces::XPiece>,
+    pub pieces: Vec<head::Piece>,
+}
+
+impl CrossPieces {
+    /// The batch of `items` (answers of `k` entries) in pieces of at most the head's rows;
+    /// positions outside every chunk are kept only for the CE when `with_ce`.
+    pub fn new(
+        ctx: &LossCtx,
+        items: &[Item],
+        scores: &[&SequenceScores],
+        k: usize,
+        with_ce: bool,
+    ) -> Result<CrossPieces> {
+        let (xb, enc) = xtoken_batch(items, scores, k)?;
+        let tb = pad_batch(&enc, 0, ctx.device)?;
+        let ts = tb.ids.dim(1)?;
+        let targets: Vec<u32> = tb.targets.flatten_all()?.to_vec1()?;
+        let mask: Vec<f32> = tb.mask.flatten_all()?.to_vec1()?;
+        let wanted: Vec<bool> = (0..mask.len())
+            .map(|i| xb.student_chunk[i] != -1 || (with_ce && mask[i] > 0.0))
+            .collect();
+        let per = ctx.head.rows(ctx.model.lm_head().dim(0)?);
+        let plan = crate::train::xpieces::plan(&xb, per, &wanted);
+        let pieces = plan
+            .iter()
+            .map(|p| head::Piece {
+                rows: p.rows(ts),
+                shape: (p.segments.len(), p.student_len),
+            })
+            .collect();
+        Ok(CrossPieces {
+            xb,
+            tb,
+            targets,
+            mask,
+            plan,
+            pieces,
+        })
+    }
+
+    /// Piece `i`'s own loss inputs (its chunks renumbered).
+    pub fn batch(&self, i: usize) -> XTokenBatch {
+        crate::train::xpieces::batch(&self.xb, &self.plan[i])
+    }
+
+    /// Piece `i`'s CE targets and mask, shaped as its logits, and its trained-token count.
+    pub fn ce_inputs(
+        &self,
+        i: usize,
+        device: &candle_core::Device,
+    ) -> Result<(Tensor, Tensor, usize)> {
+        let (rows, shape) = (&self.pieces[i].rows, self.pieces[i].shape);
+        let tg: Vec<u32> = rows.iter().map(|&r| self.targets[r as usize]).collect();
+        let m: Vec<f32> = rows.iter().map(|&r| self.mask[r as usize]).collect();
+        let n = m.iter().filter(|&&x| x > 0.0).count();
+        Ok((
+            Tensor::from_vec(tg, shape, device)?,
+            Tensor::from_vec(m, shape, device)?,
+            n,
+        ))
+    }
 }
 
 /// The cross-tokenizer loss input for aligned items, plus the student side as `Encoded`s.

@@ -7,7 +7,7 @@
 //! set. The LM head runs in the same alignment-chunk pieces as [`super::cross`]
 //! ([`crate::train::xpieces`]); validation reports the run's own divergence, exactly.
 
-use super::cross::xtoken_batch;
+use super::cross::{xtoken_batch, CrossPieces};
 use super::{finish, val_ce, wants_ce, Collation, Item};
 use crate::collate::pad_batch;
 use crate::loss::full_vocab::{teacher_log_softmax_chunk, TeacherHead};
@@ -17,7 +17,7 @@ use crate::loss::{
 };
 use crate::train::head::{self, ChunkLoss, HeadSums, Mix};
 use crate::train::step::{LossCtx, MicroOut, Units, ValSums};
-use crate::train::xpieces::{self, XPiece};
+use crate::train::xpieces::XPiece;
 use anyhow::{bail, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor};
@@ -222,44 +222,21 @@ impl Collation for CrossFullVocab<'_> {
     ) -> Result<(GradStore, HeadSums)> {
         self.check(ctx)?;
         let (model, device) = (ctx.model, ctx.device);
-        let (xb, enc) = xtoken_batch(items, scores, 0)?;
-        let tb = pad_batch(&enc, 0, device)?;
-        let ts = tb.ids.dim(1)?;
-        let targets: Vec<u32> = tb.targets.flatten_all()?.to_vec1()?;
-        let mask: Vec<f32> = tb.mask.flatten_all()?.to_vec1()?;
         let ce_on = wants_ce(ctx.loss);
-        let wanted: Vec<bool> = (0..mask.len())
-            .map(|i| xb.student_chunk[i] != -1 || (ce_on && mask[i] > 0.0))
-            .collect();
-        let pass = ctx.head.forward(model, &tb.ids)?;
-        let per = ctx.head.rows(model.lm_head().dim(0)?);
-        let plan = xpieces::plan(&xb, per, &wanted);
-        let pieces: Vec<head::Piece> = plan
-            .iter()
-            .map(|p| head::Piece {
-                rows: p.rows(ts),
-                shape: (p.segments.len(), p.student_len),
-            })
-            .collect();
+        let cp = CrossPieces::new(ctx, items, scores, 0, ce_on)?;
+        let pass = ctx.head.forward(model, &cp.tb.ids)?;
         let loss = |i: usize, logits: &Tensor| -> Result<ChunkLoss> {
-            let sub = xpieces::batch(&xb, &plan[i]);
-            let origin = piece_origin(&plan[i]);
-            let kd = self.kd(ctx, &sub, logits, scores, &origin, Some(norm.kd))?;
-            let rows = &pieces[i].rows;
-            let n = rows.iter().filter(|&&r| mask[r as usize] > 0.0).count();
+            let origin = piece_origin(&cp.plan[i]);
+            let kd = self.kd(ctx, &cp.batch(i), logits, scores, &origin, Some(norm.kd))?;
+            let (tg, m, n) = cp.ce_inputs(i, device)?;
             let ce = if ce_on && n > 0 {
-                let shape = pieces[i].shape;
-                let tg: Vec<u32> = rows.iter().map(|&r| targets[r as usize]).collect();
-                let m: Vec<f32> = rows.iter().map(|&r| mask[r as usize]).collect();
-                let tg = Tensor::from_vec(tg, shape, device)?;
-                let m = Tensor::from_vec(m, shape, device)?;
                 Some(cross_entropy(logits, &tg, &m, Some(norm.ce))?)
             } else {
                 None
             };
             Ok(ChunkLoss { kd: Some(kd), ce })
         };
-        let out = head::run(model, pass.hidden(), &pieces, Mix::of(ctx.loss), loss)?;
+        let out = head::run(model, pass.hidden(), &cp.pieces, Mix::of(ctx.loss), loss)?;
         out.finish(pass)
     }
 
@@ -273,39 +250,17 @@ impl Collation for CrossFullVocab<'_> {
     ) -> Result<ValSums> {
         let (model, device) = (ctx.model, ctx.device);
         let tau2 = ctx.loss.temperature * ctx.loss.temperature;
-        let per = ctx.head.rows(model.lm_head().dim(0)?);
         let mut out = ValSums::default();
-        let (xb, enc) = xtoken_batch(items, scores, 0)?;
-        let tb = pad_batch(&enc, 0, device)?;
-        let ts = tb.ids.dim(1)?;
-        let targets: Vec<u32> = tb.targets.flatten_all()?.to_vec1()?;
-        let mask: Vec<f32> = tb.mask.flatten_all()?.to_vec1()?;
-        let wanted: Vec<bool> = (0..mask.len())
-            .map(|i| xb.student_chunk[i] != -1 || mask[i] > 0.0)
-            .collect();
-        let plan = xpieces::plan(&xb, per, &wanted);
-        let pieces: Vec<head::Piece> = plan
-            .iter()
-            .map(|p| head::Piece {
-                rows: p.rows(ts),
-                shape: (p.segments.len(), p.student_len),
-            })
-            .collect();
-        let hidden = model.forward_hidden(&tb.ids, None, None, None)?;
-        head::forward_only(model, &hidden, &pieces, |i, logits| {
-            let sub = xpieces::batch(&xb, &plan[i]);
-            let origin = piece_origin(&plan[i]);
-            let (kl, m) = self.kd(ctx, &sub, logits, scores, &origin, None)?;
+        let cp = CrossPieces::new(ctx, items, scores, 0, true)?;
+        let hidden = model.forward_hidden(&cp.tb.ids, None, None, None)?;
+        head::forward_only(model, &hidden, &cp.pieces, |i, logits| {
+            let origin = piece_origin(&cp.plan[i]);
+            let (kl, m) = self.kd(ctx, &cp.batch(i), logits, scores, &origin, None)?;
             if m.count > 0.0 {
                 out.kl += kl.to_dtype(DType::F64)?.to_scalar::<f64>()? / tau2 * m.count;
                 out.kl_units += m.count;
             }
-            let rows = &pieces[i].rows;
-            let shape = pieces[i].shape;
-            let tg: Vec<u32> = rows.iter().map(|&r| targets[r as usize]).collect();
-            let m: Vec<f32> = rows.iter().map(|&r| mask[r as usize]).collect();
-            let tg = Tensor::from_vec(tg, shape, device)?;
-            let m = Tensor::from_vec(m, shape, device)?;
+            let (tg, m, _) = cp.ce_inputs(i, device)?;
             val_ce(&mut out, logits, tg, m)
         })?;
         Ok(out)
