@@ -6,6 +6,7 @@ use xdistill_demo::task::{make_splits, write_splits, TaskConfig};
 use xdistill_testkit::models::{context_free_teacher, model, token_driven_teacher};
 use xdistill_testkit::{teacher_binary, TeacherProcess};
 use xdistill_tests::distill::config_with;
+use xdistill_trainer::config::Transport;
 use xdistill_trainer::train::distill::setup;
 use xdistill_trainer::train::on_policy::train;
 
@@ -91,6 +92,120 @@ fn on_policy_raises_teacher_logprob_of_samples_and_lowers_reverse_kl() {
         }
         from = out.join("final");
     }
+}
+
+/// The first train line of a run's `metrics.jsonl`.
+fn first_train_line(out: &Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let line = text
+        .lines()
+        .find(|l| l.contains("\"split\":\"train\""))
+        .expect("a train line");
+    serde_json::from_str(line).unwrap()
+}
+
+fn assert_rel(got: f64, want: f64, tol: f64, what: &str) {
+    assert!(
+        ((got - want) / want).abs() < tol,
+        "{what}: hidden {got} vs top-k with k = V {want}"
+    );
+}
+
+/// `teacher.transport = "hidden"` on the student's own samples. The reference is the top-k route
+/// asked for the whole vocabulary (k = V, renormalised: exact) on the same samples (same seed,
+/// same student): one step's exact reverse KL over every token, the teacher's log-probs of the
+/// samples (computed by the trainer from the teacher's head vs sent by the server) and the
+/// held-out figures agree; across tokenizers, P-KL over every teacher id agrees too.
+/// Then training on hidden states raises the teacher's log-prob of held-out samples.
+#[test]
+fn hidden_states_score_the_students_own_samples_exactly() {
+    const V: usize = 32_000; // the llama2 tokenizer's vocabulary
+    let dir = tempfile::tempdir().unwrap();
+    let teacher = context_free_teacher(dir.path(), "llama", "llama2", 11);
+    let same_tok = model(dir.path(), "student", "qwen3", "llama2", 32, 2, 0.02, 12);
+    let other_tok = model(dir.path(), "xstudent", "qwen3", "qwen3", 32, 2, 0.02, 5);
+    let max_k = V.to_string();
+    let t = TeacherProcess::start(
+        &teacher_binary(),
+        &teacher,
+        &["--max-k", &max_k, "--max-answer-bytes", "1000000000"],
+    )
+    .expect("starting the teacher");
+    let data = prompts(dir.path());
+    let cfg = |student: &Path, name: &str, steps: u64, loss: &str, hidden: bool| {
+        let mut c = config_with(
+            dir.path(),
+            student,
+            &t.base,
+            &dir.path().join(name),
+            steps,
+            loss,
+            &data,
+            "prompt",
+            "completion",
+            ON_POLICY,
+        );
+        if hidden {
+            c.teacher.transport = Transport::Hidden;
+        } else {
+            c.teacher.k = V;
+        }
+        c
+    };
+    let reverse = "kd = { type = \"reverse_kl\" }\ntail = \"renormalize\"";
+    for (student, name, loss) in [
+        (&same_tok, "reverse_kl", reverse),
+        // P-KL: across tokenizers the held-out KL is P-KL on both transports.
+        (&other_tok, "pkl", "kd = { type = \"pkl\" }"),
+    ] {
+        let mut got = vec![];
+        for hidden in [false, true] {
+            let mut c = cfg(student, &format!("{name}_{hidden}"), 1, loss, hidden);
+            c.distillation.val_at_end = false;
+            let out = c.checkpointing.checkpoint_dir.clone();
+            let s = train(&setup(c).unwrap(), false, None).unwrap();
+            let line = first_train_line(&out);
+            let part = |k: &str| line["loss_parts"][k].as_f64().unwrap();
+            got.push([
+                part("kd"),
+                part("teacher_logprob"),
+                s.val_teacher_logprob_start.unwrap(),
+                s.val_kl_start.unwrap(),
+            ]);
+        }
+        let (want, got) = (got[0], got[1]);
+        eprintln!("{name}: [kd, teacher log-prob, held-out teacher log-prob, held-out KL]: hidden {got:?}, top-k(V) {want:?}");
+        assert!(
+            want[0] > 0.05,
+            "{name}: a loss that is not trivially 0: {want:?}"
+        );
+        assert!(
+            want[1] < -1.0,
+            "{name}: samples the teacher finds unlikely: {want:?}"
+        );
+        for (i, what) in [
+            "kd",
+            "teacher_logprob",
+            "held-out teacher log-prob",
+            "held-out KL",
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            assert_rel(got[i], want[i], 1e-4, &format!("{name}: {what}"));
+        }
+    }
+    let c = cfg(&same_tok, "hidden_run", 30, reverse, true);
+    let s = train(&setup(c).unwrap(), false, None).unwrap();
+    let (lp0, lp1) = (
+        s.val_teacher_logprob_start.unwrap(),
+        s.val_teacher_logprob_end.unwrap(),
+    );
+    let (kl0, kl1) = (s.val_kl_start.unwrap(), s.val_kl_end.unwrap());
+    eprintln!("hidden states, exact reverse KL: teacher log-prob of held-out samples {lp0:.3} -> {lp1:.3}, reverse KL estimate {kl0:.3} -> {kl1:.3}");
+    assert_eq!(s.steps, 30);
+    assert!(lp1 > lp0 + 1.0, "teacher log-prob {lp0} -> {lp1}");
+    assert!(kl1 < kl0 - 1.0, "reverse KL {kl0} -> {kl1}");
 }
 
 /// A 4-step cross-tokenizer run with `kd` (half the steps on-policy, half off-policy on the

@@ -331,6 +331,64 @@ pub fn teacher_log_softmax_chunk(
     log_softmax_last(&scaled(&z, 1.0 / temperature)?)
 }
 
+/// The teacher's log-prob of one token per position, `log_softmax(z_T / τ)[target]`: what the
+/// top-k transport's `target_logprobs` carries, rebuilt from the hidden-state transport.
+///
+/// * `hidden`: `[N, H]` the teacher's final hidden states; `targets`: `[N]` u32 ids `< vocab`.
+/// * `chunk_rows` positions at a time (≥ 1): `[chunk_rows, vocab]` bounds the temporaries.
+///
+/// Returns `[N]` f32 (f64 when the head and states are f64).
+pub fn teacher_token_logprobs(
+    head: &TeacherHead,
+    hidden: &Tensor,
+    targets: &Tensor,
+    temperature: f64,
+    chunk_rows: usize,
+) -> Result<Tensor> {
+    let (n, h) = hidden.dims2()?;
+    if h != head.hidden_size() {
+        return Err(LossError::input(
+            "hidden",
+            format!("H = {h}, the head has H = {}", head.hidden_size()),
+        ));
+    }
+    if targets.dims() != [n] || targets.dtype() != DType::U32 {
+        return Err(LossError::input(
+            "targets",
+            format!(
+                "must be [{n}] u32, got {:?} {:?}",
+                targets.dims(),
+                targets.dtype()
+            ),
+        ));
+    }
+    if chunk_rows == 0 {
+        return Err(LossError::input("chunk_rows", "must be at least 1"));
+    }
+    if n > 0 {
+        let max = targets.max(0)?.to_scalar::<u32>()?;
+        if max as usize >= head.vocab() {
+            return Err(LossError::input(
+                "targets",
+                format!("id {max} is outside the teacher's {} tokens", head.vocab()),
+            ));
+        }
+    }
+    let mut out = Vec::with_capacity(n.div_ceil(chunk_rows));
+    let mut r0 = 0;
+    while r0 < n {
+        let m = chunk_rows.min(n - r0);
+        let lp = teacher_log_softmax_chunk(head, &hidden.narrow(0, r0, m)?, temperature)?;
+        let t = targets.narrow(0, r0, m)?.unsqueeze(1)?;
+        out.push(lp.gather(&t, 1)?.squeeze(1)?);
+        r0 += m;
+    }
+    if out.is_empty() {
+        return Ok(Tensor::zeros(0, compute_dtype(hidden), hidden.device())?);
+    }
+    Ok(Tensor::cat(&out, 0)?)
+}
+
 /// Exact full-vocabulary divergence between the student and the teacher rebuilt from its hidden
 /// states and head.
 ///

@@ -209,6 +209,53 @@ fn teacher_log_probs_match_the_direct_f64_computation() {
     }
 }
 
+/// One token's log-prob per position equals the f64 loop reference's entry for every chunk
+/// size (1, 2 and one chunk for all), τ and dtype; ids past the teacher's vocabulary, wrong
+/// shapes and a zero chunk are typed errors; no positions is an empty answer.
+#[test]
+fn token_log_probs_match_the_reference_entry() {
+    for c in cases() {
+        let targets: Vec<u32> = (0..c.n).map(|p| ((p * 7 + 3) % c.vocab) as u32).collect();
+        let tg = Tensor::new(targets.as_slice(), &Device::Cpu).unwrap();
+        for tau in [1.0, 0.7] {
+            let want: Vec<f64> = (0..c.n)
+                .map(|p| ref_teacher_lp(&c, p, tau)[targets[p] as usize])
+                .collect();
+            for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-5)] {
+                let hid = tensor(&c.hid, &[c.n, c.h], dtype);
+                for chunk in [1, 2, c.n] {
+                    let got =
+                        teacher_token_logprobs(&head(&c, dtype), &hid, &tg, tau, chunk).unwrap();
+                    assert_eq!(got.dims(), [c.n]);
+                    let what = format!("{dtype:?} tau={tau} chunk={chunk}");
+                    assert_close(&flat(&got), &want, tol, &what);
+                }
+            }
+        }
+        let (hd, hid) = (
+            head(&c, DType::F32),
+            tensor(&c.hid, &[c.n, c.h], DType::F32),
+        );
+        let mut bad = targets.clone();
+        bad[c.n - 1] = c.vocab as u32; // a padding row of the head is not a token
+        let bad = Tensor::new(bad.as_slice(), &Device::Cpu).unwrap();
+        let err = teacher_token_logprobs(&hd, &hid, &bad, 1.0, 2).unwrap_err();
+        assert!(err.to_string().contains("outside the teacher's"), "{err}");
+        let short = tg.narrow(0, 0, c.n - 1).unwrap();
+        assert!(teacher_token_logprobs(&hd, &hid, &short, 1.0, 2).is_err());
+        assert!(teacher_token_logprobs(&hd, &hid, &tg, 1.0, 0).is_err());
+        let none = teacher_token_logprobs(
+            &hd,
+            &hid.narrow(0, 0, 0).unwrap(),
+            &tg.narrow(0, 0, 0).unwrap(),
+            1.0,
+            2,
+        )
+        .unwrap();
+        assert_eq!(none.dims(), [0]);
+    }
+}
+
 #[test]
 fn matches_f64_reference_every_divergence_chunk_and_dtype() {
     for c in cases() {

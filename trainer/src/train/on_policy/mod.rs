@@ -9,6 +9,10 @@
 //!   once for both sides (no spurious space at the join), aligned, and trained with the
 //!   cross-tokenizer loss of `[loss]`; `sampled_kl` becomes the chunk-level sampled reverse KL
 //!   (`loss::chunk_sampled_loss`, the teacher's log-probs of each chunk's tokens summed).
+//! - `teacher.transport = "hidden"`: the samples are scored by hidden states, and the loss is the
+//!   exact divergence over the teacher's whole distribution (`reverse_kl`, the on-policy
+//!   objective, or `forward_kl`/`jsd`; across tokenizers `first_kl`/`pkl`); the teacher's
+//!   log-probs of the sampled tokens, for the sample figures, come from its head (`scoring`).
 //! - `[on_policy] lambda`: the share of steps that sample; the others train off-policy on the
 //!   data's own prompt + completion, so one run can mix both (TRL GKD's λ).
 //!
@@ -73,14 +77,6 @@ impl<'a> OnPolicy<'a> {
                 "on_policy.lambda = {} trains some steps on the data's completions, and \
                  data.prompts_only = true has none: set lambda = 1",
                 op.lambda
-            );
-        }
-        if let Some(t) = s.teachers.list.iter().find(|t| t.head.is_some()) {
-            bail!(
-                "teacher {:?}: transport = \"hidden\" is built for `trainer off-policy`; \
-                 on-policy training still scores the student's samples by top-k and sampled-token \
-                 log-probs (use transport = \"topk\")",
-                t.name
             );
         }
         Ok(OnPolicy {

@@ -1,18 +1,23 @@
 //! Scoring a step's samples: grouped by their prompt's source, each group asked as its pairing
 //! needs (same tokenizer: the student's ids with `starts` at the completion; otherwise the
-//! aligned text), every group awaited together on the teacher pool.
+//! aligned text), every group awaited together on the teacher pool. A teacher on the hidden-state
+//! transport answers hidden states; the teacher's log-prob of each sampled token (the sample
+//! figures' input) is then computed here from them and the head the trainer holds.
 
 use super::rollout::{prompt_of, same_items, same_samples};
 use crate::client::join_in_order;
 use crate::data::{Content, Record};
 use crate::generate::Generation;
+use crate::loss::full_vocab::{teacher_token_logprobs, DEFAULT_CHUNK_ROWS};
 use crate::train::distill::Setup;
+use crate::train::pairing::cross::trained_teacher_rows;
 use crate::train::pairing::sampled::Sample;
 use crate::train::pairing::units;
 use crate::train::prepare::{prepare_group, Group, Limits};
 use crate::train::step::Units;
 use crate::train::teachers::Source;
-use anyhow::Result;
+use anyhow::{bail, Result};
+use candle_core::Tensor;
 use std::collections::BTreeMap;
 use xdistill_shared::protocol::{SequenceScores, TopkRequest};
 
@@ -104,33 +109,36 @@ pub(super) fn score_samples(
             }
         },
     )))?;
-    Ok(jobs
-        .into_iter()
-        .zip(answers)
-        .map(|((source, samples, dropped), scores)| {
-            let scores = match &samples {
-                // Lay the rows out as a `start = 0` answer so the shared step code can be used.
-                Scored::Same { req, .. } => (scores.into_iter().enumerate())
-                    .map(|(i, sc)| pad_front(sc, req.start_of(i)))
-                    .collect(),
-                Scored::Cross { .. } => scores,
-            };
-            ScoredGroup {
-                source,
-                samples,
-                scores,
-                dropped,
-            }
-        })
-        .collect())
+    let mut groups = vec![];
+    for ((source, samples, dropped), scores) in jobs.into_iter().zip(answers) {
+        let mut scores = match &samples {
+            // Lay the rows out as a `start = 0` answer so the shared step code can be used.
+            Scored::Same { req, .. } => (scores.into_iter().enumerate())
+                .map(|(i, sc)| pad_front(sc, req.start_of(i)))
+                .collect(),
+            Scored::Cross { .. } => scores,
+        };
+        if t.of(source).head.is_some() {
+            token_logprobs_from_hidden(s, source, &samples, &mut scores)?;
+        }
+        groups.push(ScoredGroup {
+            source,
+            samples,
+            scores,
+            dropped,
+        });
+    }
+    Ok(groups)
 }
 
-/// Prepends `start` zero rows, turning a `start = st` answer into a `start = 0` one.
+/// Prepends `start` zero rows, turning a `start = st` answer into a `start = 0` one (hidden
+/// states too: `start` rows of zeros).
 fn pad_front(sc: SequenceScores, start: usize) -> SequenceScores {
     if start == 0 {
         return sc;
     }
     let k = sc.k;
+    let row_bytes = sc.hidden.len().checked_div(sc.rows).unwrap_or(0);
     let mut out = SequenceScores {
         rows: sc.rows + start,
         k,
@@ -138,13 +146,82 @@ fn pad_front(sc: SequenceScores, start: usize) -> SequenceScores {
         topk_values: vec![0.0; start * k],
         target_logprobs: vec![0.0; start],
         logsumexp: vec![0.0; start],
+        hidden: vec![0; start * row_bytes],
         ..Default::default()
     };
     out.topk_ids.extend(sc.topk_ids);
     out.topk_values.extend(sc.topk_values);
     out.target_logprobs.extend(sc.target_logprobs);
     out.logsumexp.extend(sc.logsumexp);
+    out.hidden.extend(sc.hidden);
     out
+}
+
+/// Hidden-state transport: fills each answer's `target_logprobs` (what the top-k transport
+/// sends) at the rows the sample figures read, from the hidden states and the teacher's head at
+/// the teacher's temperature: every completion token (same tokenizer), every trained teacher
+/// row (across tokenizers). Other rows stay 0. One head pass over the group's scored rows, on
+/// the student's device.
+fn token_logprobs_from_hidden(
+    s: &Setup,
+    source: Source,
+    samples: &Scored,
+    scores: &mut [SequenceScores],
+) -> Result<()> {
+    let teacher = s.teachers.of(source);
+    let Some(head) = teacher.head.as_ref() else {
+        return Ok(());
+    };
+    // (answer, row, target) of every row to score.
+    let mut want: Vec<(usize, usize, u32)> = vec![];
+    match samples {
+        Scored::Same { samples, .. } => {
+            for (i, x) in samples.iter().enumerate() {
+                want.extend((x.completion_from - 1..x.ids.len() - 1).map(|p| (i, p, x.ids[p + 1])));
+            }
+        }
+        Scored::Cross { group, .. } => {
+            for (i, it) in group.items.iter().enumerate() {
+                if let Some((pair, loss_start)) = it.aligned() {
+                    let ids = &pair.teacher_ids;
+                    want.extend(trained_teacher_rows(pair, loss_start).map(|p| (i, p, ids[p + 1])));
+                }
+            }
+        }
+    }
+    let h = head.hidden_size();
+    let mut hidden = Vec::with_capacity(want.len() * h);
+    for &(i, p, _) in &want {
+        let sc = &scores[i];
+        if sc.hidden.len() != sc.rows * h * 4 || p >= sc.rows {
+            bail!(
+                "teacher {:?} answer {i}: {} bytes of hidden states for {} rows of H = {h}, row                  {p} asked",
+                teacher.name,
+                sc.hidden.len(),
+                sc.rows
+            );
+        }
+        let row = &sc.hidden[p * h * 4..(p + 1) * h * 4];
+        hidden.extend(
+            row.chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+        );
+    }
+    let targets: Vec<u32> = want.iter().map(|w| w.2).collect();
+    let n = want.len();
+    let hid = Tensor::from_vec(hidden, (n, h), &s.device)?;
+    let tg = Tensor::from_vec(targets, n, &s.device)?;
+    let temperature = f64::from(teacher.cfg.temperature);
+    let lp: Vec<f32> = teacher_token_logprobs(head, &hid, &tg, temperature, DEFAULT_CHUNK_ROWS)?
+        .to_dtype(candle_core::DType::F32)?
+        .to_vec1()?;
+    for sc in scores.iter_mut() {
+        sc.target_logprobs = vec![0.0; sc.rows];
+    }
+    for (&(i, p, _), v) in want.iter().zip(lp) {
+        scores[i].target_logprobs[p] = v;
+    }
+    Ok(())
 }
 
 /// Different tokenizers: prompt + completion text of the generations `idx`, tokenized for
