@@ -124,8 +124,9 @@ fn first_kd(out: &std::path::Path) -> f64 {
 }
 
 /// A student with another tokenizer (Qwen3's) and the teacher's hidden states (Llama 2's
-/// tokenizer): first-token KL and P-KL over the teacher's whole distribution equal the top-k
-/// losses given every teacher id (k = V), and training lowers the exact first-token KL.
+/// tokenizer): first-token KL and P-KL over the teacher's whole distribution (and ALM, from the
+/// teacher's log-probs of its tokens computed with its head) equal the top-k losses given every
+/// teacher id (k = V), and training lowers the exact first-token KL.
 #[test]
 fn hidden_states_across_tokenizers_train_with_exact_first_token_kl() {
     let dir = tempfile::tempdir().unwrap();
@@ -142,6 +143,8 @@ fn hidden_states_across_tokenizers_train_with_exact_first_token_kl() {
     for (name, loss) in [
         ("first_kl", "kd = { type = \"first_kl\" }"),
         ("pkl", "kd = { type = \"pkl\" }"),
+        // ALM reads the teacher's log-probs of its own tokens, from the head here.
+        ("alm", "kd = { type = \"alm\" }"),
     ] {
         let one_step = |run: &str| {
             let out = dir.path().join(format!("x_{name}_{run}"));

@@ -369,9 +369,15 @@ fn hidden_answers(items: &[Item], vocab: usize, seed: u64) -> (Vec<SequenceScore
 }
 
 /// The teacher's whole distribution as a top-k answer with K = V, computed in f64 from the head
-/// and the hidden states (`log_softmax(scale · (W h + b) / τ)` over the first V rows): the
-/// independent reference of the hidden-state pairing.
-fn as_full_topk(head: &TeacherHead, scores: &[SequenceScores], tau: f64) -> Vec<SequenceScores> {
+/// and the hidden states (`log_softmax(scale · (W h + b) / τ)` over the first V rows), with each
+/// row's log-prob of `items`' next teacher token: the independent reference of the hidden-state
+/// pairing.
+fn as_full_topk(
+    head: &TeacherHead,
+    items: &[Item],
+    scores: &[SequenceScores],
+    tau: f64,
+) -> Vec<SequenceScores> {
     let vocab = head.vocab();
     let w: Vec<Vec<f64>> = head
         .weight()
@@ -388,9 +394,11 @@ fn as_full_topk(head: &TeacherHead, scores: &[SequenceScores], tau: f64) -> Vec<
         .unwrap();
     scores
         .iter()
-        .map(|s| {
+        .zip(items)
+        .map(|(s, it)| {
             let mut ids = vec![];
             let mut lps = vec![];
+            let mut target = vec![];
             for r in 0..s.rows {
                 let h: Vec<f64> = s.hidden[r * TH * 4..(r + 1) * TH * 4]
                     .chunks_exact(4)
@@ -406,13 +414,14 @@ fn as_full_topk(head: &TeacherHead, scores: &[SequenceScores], tau: f64) -> Vec<
                 let lse = m + z.iter().map(|x| (x - m).exp()).sum::<f64>().ln();
                 ids.extend(0..vocab as u32);
                 lps.extend(z.iter().map(|x| (x - lse) as f32));
+                target.push((z[it.teacher_ids()[r + 1] as usize] - lse) as f32);
             }
             SequenceScores {
                 rows: s.rows,
                 k: vocab,
                 topk_ids: ids,
                 topk_values: lps,
-                target_logprobs: vec![0.0; s.rows],
+                target_logprobs: target,
                 logsumexp: vec![0.0; s.rows],
                 ..Default::default()
             }
@@ -454,7 +463,7 @@ fn full_vocab_equals_top_k_with_the_whole_vocabulary() {
             Some(TailMode::Renormalize),
             CeConfig::Weight { weight: 0.3 },
         );
-        let tscores = as_full_topk(&head, &hscores, loss.temperature);
+        let tscores = as_full_topk(&head, &items, &hscores, loss.temperature);
         let (model, vm) = tiny(false, DType::F64, 13);
         let norm = units(&items);
         let run = |pairing, scores: &[SequenceScores], k| {
@@ -584,6 +593,11 @@ fn cross_full_vocab_chunks_equal_the_whole_loss() {
             Some(TailMode::Bucket),
             CeConfig::Weight { weight: 0.3 },
         ),
+        cfg(
+            KdConfig::Alm { tau: 2.0 },
+            None,
+            CeConfig::Weight { weight: 0.2 },
+        ),
     ];
     for loss in &losses {
         check(
@@ -616,7 +630,7 @@ fn cross_full_equals_top_k(kd: KdConfig, tail: Option<TailMode>) {
     let (items, _, proj) = cross_batch(22);
     let (hscores, head) = hidden_answers(&items, VT, 22);
     let loss = cfg(kd, tail, CeConfig::Weight { weight: 0.3 });
-    let tscores = as_full_topk(&head, &hscores, loss.temperature);
+    let tscores = as_full_topk(&head, &items, &hscores, loss.temperature);
     let (model, vm) = tiny(false, DType::F64, 23);
     let norm = units(&items);
     let run = |pairing, scores: &[SequenceScores], k| {
@@ -678,4 +692,51 @@ fn cross_full_equals_top_k(kd: KdConfig, tail: Option<TailMode>) {
         assert_rel(got.kl, want.kl, 1e-9, &format!("rows {chunk_rows}: kl"));
         assert_eq!(got.kl_units, want.kl_units);
     }
+}
+
+/// ALM across tokenizers from hidden states equals ALM on the top-k transport's answers (whose
+/// `target_logprobs` the reference computes in f64 from the same head): value, every gradient;
+/// its validation reports P-KL over every teacher id, which equals the top-k pairing's P-KL
+/// given every teacher id (K = V_t, no tail).
+#[test]
+fn cross_full_vocab_alm_equals_the_top_k_alm() {
+    let (items, _, proj) = cross_batch(24);
+    let (hscores, head) = hidden_answers(&items, VT, 24);
+    let loss = cfg(
+        KdConfig::Alm { tau: 2.0 },
+        None,
+        CeConfig::Weight { weight: 0.3 },
+    );
+    let tscores = as_full_topk(&head, &items, &hscores, loss.temperature);
+    let (model, vm) = tiny(false, DType::F64, 25);
+    let norm = units(&items);
+    let ctx = |pairing, k| LossCtx {
+        model: &model,
+        k,
+        loss: &loss,
+        pairing,
+        device: &Device::Cpu,
+        micro_batch: items.len(),
+        head: HeadOpts {
+            chunk_rows: 5,
+            ..Default::default()
+        },
+    };
+    let hrefs: Vec<&SequenceScores> = hscores.iter().collect();
+    let trefs: Vec<&SequenceScores> = tscores.iter().collect();
+    let hidden = ctx(Pairing::CrossFullVocab(&proj, &head), 0);
+    let topk = ctx(Pairing::Cross(&proj), VT);
+    let (g_hidden, o_hidden) = micro_grads(&hidden, &items, &hrefs, norm).unwrap();
+    let (g_topk, o_topk) = micro_grads(&topk, &items, &trefs, norm).unwrap();
+    assert!(o_hidden.kd.loss > 1e-3, "a loss that is not trivially 0");
+    // f32 teacher log-probs on both sides (the reference's rounded from f64).
+    assert_rel(o_hidden.kd.loss, o_topk.kd.loss, 1e-5, "alm kd");
+    assert_eq!(o_hidden.kd.count, o_topk.kd.count);
+    assert_same_grads(&vm, &g_hidden, &g_topk, 1e-5, "alm");
+    let got = validation_sums(&hidden, &items, &hrefs).unwrap();
+    let want = validation_sums(&topk, &items, &trefs).unwrap();
+    assert!(got.kl_units > 0.0);
+    assert_eq!(got.kl_units, want.kl_units);
+    assert_rel(got.kl, want.kl, 1e-5, "validation P-KL");
+    assert_rel(got.ce, want.ce, 1e-9, "validation CE");
 }

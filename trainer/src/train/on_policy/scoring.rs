@@ -8,16 +8,15 @@ use super::rollout::{prompt_of, same_items, same_samples};
 use crate::client::join_in_order;
 use crate::data::{Content, Record};
 use crate::generate::Generation;
-use crate::loss::full_vocab::{teacher_token_logprobs, DEFAULT_CHUNK_ROWS};
 use crate::train::distill::Setup;
 use crate::train::pairing::cross::trained_teacher_rows;
+use crate::train::pairing::full_vocab::token_logprobs_from_hidden;
 use crate::train::pairing::sampled::Sample;
 use crate::train::pairing::units;
 use crate::train::prepare::{prepare_group, Group, Limits};
 use crate::train::step::Units;
 use crate::train::teachers::Source;
-use anyhow::{bail, Result};
-use candle_core::Tensor;
+use anyhow::{Context, Result};
 use std::collections::BTreeMap;
 use xdistill_shared::protocol::{SequenceScores, TopkRequest};
 
@@ -119,7 +118,7 @@ pub(super) fn score_samples(
             Scored::Cross { .. } => scores,
         };
         if t.of(source).head.is_some() {
-            token_logprobs_from_hidden(s, source, &samples, &mut scores)?;
+            sample_logprobs_from_hidden(s, source, &samples, &mut scores)?;
         }
         groups.push(ScoredGroup {
             source,
@@ -162,7 +161,7 @@ fn pad_front(sc: SequenceScores, start: usize) -> SequenceScores {
 /// the teacher's temperature: every completion token (same tokenizer), every trained teacher
 /// row (across tokenizers). Other rows stay 0. One head pass over the group's scored rows, on
 /// the student's device.
-fn token_logprobs_from_hidden(
+fn sample_logprobs_from_hidden(
     s: &Setup,
     source: Source,
     samples: &Scored,
@@ -189,32 +188,10 @@ fn token_logprobs_from_hidden(
             }
         }
     }
-    let h = head.hidden_size();
-    let mut hidden = Vec::with_capacity(want.len() * h);
-    for &(i, p, _) in &want {
-        let sc = &scores[i];
-        if sc.hidden.len() != sc.rows * h * 4 || p >= sc.rows {
-            bail!(
-                "teacher {:?} answer {i}: {} bytes of hidden states for {} rows of H = {h}, row                  {p} asked",
-                teacher.name,
-                sc.hidden.len(),
-                sc.rows
-            );
-        }
-        let row = &sc.hidden[p * h * 4..(p + 1) * h * 4];
-        hidden.extend(
-            row.chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
-        );
-    }
-    let targets: Vec<u32> = want.iter().map(|w| w.2).collect();
-    let n = want.len();
-    let hid = Tensor::from_vec(hidden, (n, h), &s.device)?;
-    let tg = Tensor::from_vec(targets, n, &s.device)?;
+    let refs: Vec<&SequenceScores> = scores.iter().collect();
     let temperature = f64::from(teacher.cfg.temperature);
-    let lp: Vec<f32> = teacher_token_logprobs(head, &hid, &tg, temperature, DEFAULT_CHUNK_ROWS)?
-        .to_dtype(candle_core::DType::F32)?
-        .to_vec1()?;
+    let lp = token_logprobs_from_hidden(head, temperature, &s.device, &refs, &want)
+        .with_context(|| format!("teacher {:?}", teacher.name))?;
     for sc in scores.iter_mut() {
         sc.target_logprobs = vec![0.0; sc.rows];
     }

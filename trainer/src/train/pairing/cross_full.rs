@@ -1,19 +1,23 @@
 //! Another tokenizer with the teacher's **whole** distribution (`teacher.transport = "hidden"`,
-//! `kd = first_kl` or `pkl`): records are aligned as in [`super::cross`], the teacher sends its
+//! `kd = first_kl`, `pkl` or `alm`): records are aligned as in [`super::cross`], the teacher sends its
 //! hidden states, and at each aligned chunk the teacher's full log-softmax at the chunk's anchor
 //! (its head applied on the student's device) is compared with the student's: grouped by first
 //! student token ([`crate::loss::xtoken_full::first_kl_full`]), or against the chunk's projected
 //! student distribution over every teacher id ([`crate::loss::xtoken_full::pkl_full`]). No top-k
 //! set. The LM head runs in the same alignment-chunk pieces as [`super::cross`]
-//! ([`crate::train::xpieces`]); validation reports the run's own divergence, exactly.
+//! ([`crate::train::xpieces`]); validation reports the run's own divergence, exactly. ALM needs
+//! only the teacher's log-probs of its own tokens: they are computed from the hidden states and
+//! the head, and [`super::cross`]'s ALM runs on them (validation: P-KL over every teacher id).
 
-use super::cross::{xtoken_batch, CrossPieces};
+use super::cross::{xtoken_batch, Cross, CrossPieces};
+use super::full_vocab::{hidden_row, token_logprobs_from_hidden};
 use super::{finish, val_ce, wants_ce, Collation, Item};
 use crate::collate::pad_batch;
 use crate::loss::full_vocab::{teacher_log_softmax_chunk, TeacherHead};
 use crate::loss::xtoken_full::{first_kl_full, pkl_full};
 use crate::loss::{
-    compute_dtype, cross_entropy, KdConfig, KdMetrics, Projection, TailMode, XTokenBatch,
+    compute_dtype, cross_entropy, CeConfig, KdConfig, KdMetrics, LossConfig, Projection, TailMode,
+    XTokenBatch,
 };
 use crate::train::head::{self, ChunkLoss, HeadSums, Mix};
 use crate::train::step::{LossCtx, MicroOut, Units, ValSums};
@@ -142,22 +146,7 @@ impl CrossFullVocab<'_> {
         let mut hid = Vec::with_capacity(chunks.len() * hsz);
         for c in chunks {
             let (r, p) = origin(c.row, at(c));
-            let s = scores[r];
-            let bytes = s
-                .hidden
-                .get(p * hsz * 4..(p + 1) * hsz * 4)
-                .ok_or_else(|| {
-                    anyhow::anyhow!(
-                        "teacher answer {r}: no hidden state at position {p} ({} bytes for \
-                         H = {hsz}; was the teacher asked with transport = \"hidden\"?)",
-                        s.hidden.len()
-                    )
-                })?;
-            hid.extend(
-                bytes
-                    .chunks_exact(4)
-                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-            );
+            hid.extend(hidden_row(scores[r], r, p, hsz)?);
         }
         let n = chunks.len();
         if n == 0 {
@@ -177,15 +166,70 @@ impl CrossFullVocab<'_> {
     }
 
     fn check(&self, ctx: &LossCtx) -> Result<()> {
-        if !matches!(ctx.loss.kd, KdConfig::FirstKl {} | KdConfig::Pkl { .. }) {
+        if !matches!(
+            ctx.loss.kd,
+            KdConfig::FirstKl {} | KdConfig::Pkl { .. } | KdConfig::Alm { .. }
+        ) {
             bail!(
-                "teacher.transport = \"hidden\" across tokenizers trains with first_kl or pkl, \
-                 not {:?}",
+                "teacher.transport = \"hidden\" across tokenizers trains with first_kl, pkl or \
+                 alm, not {:?}",
                 ctx.loss.kd
             );
         }
         Ok(())
     }
+
+    /// ALM reads only the teacher's log-probs of its own next tokens: those answers, computed
+    /// from the hidden states and the head (what the top-k transport sends as
+    /// `target_logprobs`), for the top-k pairing's ALM to run on.
+    fn alm_answers(
+        &self,
+        ctx: &LossCtx,
+        items: &[Item],
+        scores: &[&SequenceScores],
+    ) -> Result<Vec<SequenceScores>> {
+        let mut want = vec![];
+        for (r, (it, sc)) in items.iter().zip(scores).enumerate() {
+            let ids = it.teacher_ids();
+            let rows = sc.rows.min(ids.len().saturating_sub(1));
+            want.extend((0..rows).map(|p| (r, p, ids[p + 1])));
+        }
+        let tau = ctx.loss.temperature;
+        let lp = token_logprobs_from_hidden(self.head, tau, ctx.device, scores, &want)?;
+        let mut out: Vec<SequenceScores> = scores
+            .iter()
+            .map(|sc| SequenceScores {
+                rows: sc.rows,
+                k: 0,
+                target_logprobs: vec![0.0; sc.rows],
+                logsumexp: vec![0.0; sc.rows],
+                ..Default::default()
+            })
+            .collect();
+        for (&(r, p, _), v) in want.iter().zip(lp) {
+            out[r].target_logprobs[p] = v;
+        }
+        Ok(out)
+    }
+}
+
+fn is_alm(loss: &LossConfig) -> bool {
+    matches!(loss.kd, KdConfig::Alm { .. })
+}
+
+/// What validation measures for a run's loss: the loss itself (first_kl, P-KL), or for ALM
+/// (whose chunk likelihoods are not a divergence) P-KL over the teacher's whole distribution,
+/// the figure the top-k pairing reports across tokenizers.
+fn validation_loss(loss: &LossConfig) -> Option<LossConfig> {
+    is_alm(loss).then(|| LossConfig {
+        kd: KdConfig::Pkl {
+            anchor: Default::default(),
+        },
+        tail: None,
+        temperature: loss.temperature,
+        kd_weight: 1.0,
+        ce: CeConfig::None {},
+    })
 }
 
 /// A piece's teacher position `p` of segment `i` in the whole batch.
@@ -205,6 +249,12 @@ impl Collation for CrossFullVocab<'_> {
         norm: Units,
     ) -> Result<(Tensor, MicroOut)> {
         self.check(ctx)?;
+        if is_alm(ctx.loss) {
+            let answers = self.alm_answers(ctx, items, scores)?;
+            let refs: Vec<&SequenceScores> = answers.iter().collect();
+            let ctx = LossCtx { k: 0, ..*ctx };
+            return Cross::new(self.projection).loss(&ctx, items, &refs, norm);
+        }
         let (xb, enc) = xtoken_batch(items, scores, 0)?;
         let tb = pad_batch(&enc, 0, ctx.device)?;
         let logits = ctx.model.forward(&tb.ids)?; // [B, Ts, V]
@@ -221,6 +271,12 @@ impl Collation for CrossFullVocab<'_> {
         norm: Units,
     ) -> Result<(GradStore, HeadSums)> {
         self.check(ctx)?;
+        if is_alm(ctx.loss) {
+            let answers = self.alm_answers(ctx, items, scores)?;
+            let refs: Vec<&SequenceScores> = answers.iter().collect();
+            let ctx = LossCtx { k: 0, ..*ctx };
+            return Cross::new(self.projection).grads(&ctx, items, &refs, norm);
+        }
         let (model, device) = (ctx.model, ctx.device);
         let ce_on = wants_ce(ctx.loss);
         let cp = CrossPieces::new(ctx, items, scores, 0, ce_on)?;
@@ -240,14 +296,19 @@ impl Collation for CrossFullVocab<'_> {
         out.finish(pass)
     }
 
-    /// The run's divergence over the teacher's whole distribution (τ² removed), and the
-    /// student's CE.
+    /// The run's divergence over the teacher's whole distribution (P-KL for ALM; τ²
+    /// removed), and the student's CE.
     fn validation(
         &self,
         ctx: &LossCtx,
         items: &[Item],
         scores: &[&SequenceScores],
     ) -> Result<ValSums> {
+        let measured = validation_loss(ctx.loss);
+        let ctx = &match &measured {
+            Some(loss) => LossCtx { loss, ..*ctx },
+            None => *ctx,
+        };
         let (model, device) = (ctx.model, ctx.device);
         let tau2 = ctx.loss.temperature * ctx.loss.temperature;
         let mut out = ValSums::default();
@@ -273,6 +334,11 @@ impl Collation for CrossFullVocab<'_> {
         items: &[Item],
         scores: &[&SequenceScores],
     ) -> Result<ValSums> {
+        let measured = validation_loss(ctx.loss);
+        let ctx = &match &measured {
+            Some(loss) => LossCtx { loss, ..*ctx },
+            None => *ctx,
+        };
         let (xb, enc) = xtoken_batch(items, scores, 0)?;
         let tb = pad_batch(&enc, 0, ctx.device)?;
         let logits = ctx.model.forward(&tb.ids)?;

@@ -8,14 +8,16 @@
 use super::same::same_encodings;
 use super::{finish, val_ce, wants_ce, Collation, Item};
 use crate::collate::{pad_batch, TokenBatch};
-use crate::loss::full_vocab::{full_vocab_divergence, TeacherHead};
+use crate::loss::full_vocab::{
+    full_vocab_divergence, teacher_token_logprobs, TeacherHead, DEFAULT_CHUNK_ROWS,
+};
 use crate::loss::kl::Divergence;
 use crate::loss::{cross_entropy, LossError};
 use crate::train::head::{self, ChunkLoss, HeadSums, Mix};
 use crate::train::step::{LossCtx, MicroOut, Units, ValSums};
 use anyhow::{bail, Result};
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 use xdistill_shared::protocol::SequenceScores;
 
 /// Positions per teacher-head chunk inside one student head chunk: `[64, V]` f32 is 39 MB for
@@ -271,11 +273,7 @@ impl TrainedRows {
         let mut hidden = Vec::with_capacity(sel.len() * hsz);
         for &i in &sel {
             let (r, p) = (i as usize / t, i as usize % t);
-            let row = &scores[r].hidden[p * hsz * 4..(p + 1) * hsz * 4];
-            hidden.extend(
-                row.chunks_exact(4)
-                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
-            );
+            hidden.extend(hidden_row(scores[r], r, p, hsz)?);
         }
         let targets = sel.iter().map(|&i| all_targets[i as usize]).collect();
         Ok(TrainedRows {
@@ -284,4 +282,50 @@ impl TrainedRows {
             hidden,
         })
     }
+}
+
+/// Row `p` of answer `r`'s hidden states (`[rows, H]` little-endian f32, as the client widens
+/// them), or an error naming what is missing.
+pub(crate) fn hidden_row(
+    sc: &SequenceScores,
+    r: usize,
+    p: usize,
+    h: usize,
+) -> Result<impl Iterator<Item = f32> + '_> {
+    let bytes = sc.hidden.get(p * h * 4..(p + 1) * h * 4).ok_or_else(|| {
+        anyhow::anyhow!(
+            "teacher answer {r}: no hidden state at row {p} ({} bytes for {} rows of H = {h}; \
+             was the teacher asked with transport = \"hidden\"?)",
+            sc.hidden.len(),
+            sc.rows
+        )
+    })?;
+    Ok(bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])))
+}
+
+/// The teacher's log-prob of one token at each `(answer, row, target)` of `want`, from the
+/// answers' hidden states and the teacher's head at `temperature` (what the top-k transport
+/// sends as `target_logprobs`): one head pass over the entries on `device`, in chunks of
+/// [`DEFAULT_CHUNK_ROWS`] positions. Used where a loss or a figure needs only the teacher's
+/// log-probs of actual tokens (ALM, the on-policy sample figures).
+pub fn token_logprobs_from_hidden(
+    head: &TeacherHead,
+    temperature: f64,
+    device: &Device,
+    scores: &[&SequenceScores],
+    want: &[(usize, usize, u32)],
+) -> Result<Vec<f32>> {
+    let h = head.hidden_size();
+    let n = want.len();
+    let mut hidden = Vec::with_capacity(n * h);
+    for &(r, p, _) in want {
+        hidden.extend(hidden_row(scores[r], r, p, h)?);
+    }
+    let targets: Vec<u32> = want.iter().map(|w| w.2).collect();
+    let hid = Tensor::from_vec(hidden, (n, h), device)?;
+    let tg = Tensor::from_vec(targets, n, device)?;
+    let lp = teacher_token_logprobs(head, &hid, &tg, temperature, DEFAULT_CHUNK_ROWS)?;
+    Ok(lp.to_dtype(DType::F32)?.to_vec1()?)
 }

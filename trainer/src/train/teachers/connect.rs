@@ -109,14 +109,17 @@ impl Teacher {
             }
             TeacherTokenizer::Different(_)
                 if tc.transport.is_hidden()
-                    && !matches!(loss_cross.kd, KdConfig::FirstKl {} | KdConfig::Pkl { .. }) =>
+                    && !matches!(
+                        loss_cross.kd,
+                        KdConfig::FirstKl {} | KdConfig::Pkl { .. } | KdConfig::Alm { .. }
+                    ) =>
             {
                 bail!(
                     "teacher.transport = \"hidden\" with a student of another tokenizer trains \
-                     with first_kl or pkl over the teacher's whole distribution: set \
-                     loss_cross.kd (or loss.kd) to {{ type = \"first_kl\" }} or {{ type = \
-                     \"pkl\" }}, not {:?} (gold and ALM from the full distribution are not built \
-                     yet; use transport = \"topk\" for them)",
+                     with first_kl or pkl over the teacher's whole distribution, or alm: set \
+                     loss_cross.kd (or loss.kd) to {{ type = \"first_kl\" }}, {{ type = \
+                     \"pkl\" }} or {{ type = \"alm\" }}, not {:?} (gold from the full \
+                     distribution is not built yet; use transport = \"topk\" for it)",
                     loss_cross.kd
                 )
             }
