@@ -190,11 +190,11 @@ def train_lm(model_dir, out_dir, stream, steps, batch, length, lr):
 
 # ---------------------------------------------------------------------------------------------
 # 1 + 2: bytes and positions/s per route
-def bench_routes(bins, model, name, stream, sizes, repeats, full_cap):
+def bench_routes(bins, model, name, stream, sizes, repeats, full_cap, extra=()):
     port = free_port()
     proc = start_teacher(bins, model, port, "--cache-bytes", "0",
                          "--max-k", "1000000", "--max-answer-bytes", str(8 << 30),
-                         "--max-body-bytes", str(256 << 20))
+                         "--max-body-bytes", str(256 << 20), *extra)
     try:
         wait(lambda: healthy(f"http://127.0.0.1:{port}"), 300)
         c = Client(port)
@@ -269,51 +269,71 @@ def reset_peak():
         pass
 
 
-def torch_cost(hidden, vocab, rows, positions, chunk, repeats):
-    """The same measurement as trainer/examples/full_vocab_cost.rs, in PyTorch (f32)."""
+def torch_cost(hidden, vocab, rows, positions, chunk, repeats, device="cpu", dtype="f32"):
+    """The same measurement as trainer/examples/full_vocab_cost.rs, in PyTorch: the head and the
+    hidden states in `dtype`, the student logits in f32; on "cuda" the device is synchronised
+    around each timing and the peak is the allocator's (max_memory_allocated), not the RSS."""
     import torch
     torch.manual_seed(0)
-    rss0, _ = rss_now()
-    w = torch.randn(rows, hidden) * (2.0 / hidden ** 0.5)
-    h = torch.randn(positions, hidden)
-    rss_in, _ = rss_now()
-    reset_peak()  # making the inputs had its own transient peak
+    cuda = device == "cuda"
+    dt = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def mem():
+        if cuda:
+            return torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
+        return rss_now()
+
+    def reset():
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            reset_peak()
+
+    rss0, _ = mem()
+    w = (torch.randn(rows, hidden, device=device) * (2.0 / hidden ** 0.5)).to(dt)
+    h = torch.randn(positions, hidden, device=device).to(dt)
+    rss_in, _ = mem()
+    reset()  # making the inputs had its own transient peak
     wv = w[:vocab]
 
     def timed(f):
         f()
         out = []
         for _ in range(repeats):
+            sync()
             t0 = time.perf_counter()
             f()
+            sync()
             out.append(time.perf_counter() - t0)
         return out
 
     def head():
         with torch.no_grad():
             for r0 in range(0, positions, chunk):
-                torch.log_softmax(h[r0:r0 + chunk] @ wv.T, dim=-1)
+                torch.log_softmax((h[r0:r0 + chunk] @ wv.T).float(), dim=-1)
 
     ht = timed(head)
-    _, peak_head = rss_now()
-    reset_peak()
-    s = (torch.randn(positions, vocab) * 2.0).requires_grad_(True)
+    _, peak_head = mem()
+    reset()
+    s = (torch.randn(positions, vocab, device=device) * 2.0).requires_grad_(True)
 
     def loss():
         total = 0.0
         for r0 in range(0, positions, chunk):
             with torch.no_grad():
-                lpt = torch.log_softmax(h[r0:r0 + chunk] @ wv.T, dim=-1)
+                lpt = torch.log_softmax((h[r0:r0 + chunk] @ wv.T).float(), dim=-1)
             lps = torch.log_softmax(s[r0:r0 + chunk], dim=-1)
             total = total + (lpt.exp() * (lpt - lps)).sum()
         (total / positions).backward()
         s.grad = None
 
     lt = timed(loss)
-    _, peak_loss = rss_now()
+    _, peak_loss = mem()
     ms = lambda t: statistics.median(t) * 1e3 / positions
     gflop = 2.0 * hidden * vocab / 1e9
     return {"impl": "pytorch", "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "device": device, "dtype": dtype,
             "hidden": hidden, "vocab": vocab, "rows": rows, "positions": positions,
             "chunk": chunk, "repeats": repeats, "head_logsoftmax_ms_per_pos": ms(ht),
             "head_logsoftmax_ms_samples": [t * 1e3 for t in ht], "head_gflop_per_pos": gflop,
@@ -324,17 +344,21 @@ def torch_cost(hidden, vocab, rows, positions, chunk, repeats):
             "peak_rss_mb": max(peak_head, peak_loss) / 1e6}
 
 
-def bench_cost(bins, shapes, positions, chunk, repeats):
+def bench_cost(bins, shapes, positions, chunk, repeats, device="cpu", dtypes=("f32",)):
     ex = os.path.join(bins, "examples", "full_vocab_cost")
     out = []
     for hid, vocab, rows in shapes:
-        args = ["--hidden", str(hid), "--vocab", str(vocab), "--rows", str(rows), "--positions",
-                str(positions), "--chunk", str(chunk), "--repeats", str(repeats)]
-        r = subprocess.run([ex, *args], check=True, capture_output=True, text=True)
-        out.append(json.loads(r.stdout.strip().splitlines()[-1]))
-        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--torch-cost", *args],
-                           check=True, capture_output=True, text=True)
-        out.append(json.loads(r.stdout.strip().splitlines()[-1]))
+        for dtype in dtypes:
+            args = ["--hidden", str(hid), "--vocab", str(vocab), "--rows", str(rows), "--positions",
+                    str(positions), "--chunk", str(chunk), "--repeats", str(repeats),
+                    "--device", device, "--dtype", dtype]
+            for cmd in ([ex, *args], [sys.executable, os.path.abspath(__file__), "--torch-cost", *args]):
+                r = subprocess.run(cmd, capture_output=True, text=True)
+                if r.returncode != 0:
+                    raise RuntimeError(f"{' '.join(cmd)} failed: {r.stderr[-2000:]}")
+                out.append(json.loads(r.stdout.strip().splitlines()[-1]))
+                print(json.dumps({k: out[-1][k] for k in ("impl", "device", "dtype", "hidden",
+                      "head_logsoftmax_ms_per_pos", "loss_fwd_bwd_ms_per_pos")}), flush=True)
     return out
 
 
@@ -457,7 +481,12 @@ def machine():
             cpu = line.split(":", 1)[1].strip()
         if line.startswith("flags") and not flags:
             flags = line
-    return {"cpu": cpu, "cores": os.cpu_count(), "avx2": " avx2" in flags,
+    gpu = None
+    if shutil.which("nvidia-smi"):
+        r = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                            "--format=csv,noheader"], capture_output=True, text=True)
+        gpu = r.stdout.strip() or None
+    return {"cpu": cpu, "cores": os.cpu_count(), "avx2": " avx2" in flags, "gpu": gpu,
             "avx512f": " avx512f" in flags, "loadavg": open("/proc/loadavg").read().split()[:3]}
 
 
@@ -478,10 +507,17 @@ def main():
     ap.add_argument("--positions", type=int)
     ap.add_argument("--chunk", type=int)
     ap.add_argument("--repeats", type=int)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cuda: the teachers serve on the GPU in bf16 (random weights, no KL-gap "
+                         "part), larger batches; the student-side cost on the GPU in f32 and bf16")
+    ap.add_argument("--dtype", default="f32", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.torch_cost:
-        print(json.dumps(torch_cost(a.hidden, a.vocab, a.rows, a.positions, a.chunk, a.repeats)))
+        print(json.dumps(torch_cost(a.hidden, a.vocab, a.rows, a.positions, a.chunk, a.repeats,
+                                    a.device, a.dtype)))
         return
+    if a.device == "cuda":
+        return main_cuda(a)
     parts = set(a.parts.split(","))
     report = {"machine_start": machine(), "quick": QUICK, "parts": sorted(parts)}
     tok = os.path.join(a.tokenizers, "qwen3", "tokenizer.json")
@@ -493,6 +529,33 @@ def main():
     shapes = [(int(h), 151669, 151680) for h in a.cost_hidden.split(",")]
     if "cost" in parts:
         report["cost"] = bench_cost(a.bins, shapes, 64, 64, reps)
+    report["arithmetic"] = arithmetic()
+    report["machine_end"] = machine()
+    with open(a.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print_tables(report)
+
+
+def main_cuda(a):
+    """The GPU run (`--device cuda`): routes 1-2 from teachers serving in bf16 on the GPU, at
+    larger batches, and part 3 on the GPU in f32 (the trainer's head dtype) and bf16."""
+    report = {"machine_start": machine(), "device": "cuda", "quick": QUICK}
+    tok = os.path.join(a.tokenizers, "qwen3", "tokenizer.json")
+    stream = Stream(tok, a.data)
+    reps = 2 if QUICK else 3
+    gpu = ("--device", "cuda", "--dtype", "bf16", "--max-batch-tokens", "8192",
+           "--max-queue-tokens", str(1 << 20))
+    with tempfile.TemporaryDirectory() as tmp:
+        report["routes"] = []
+        for h in (1024, 2048):
+            d = os.path.join(tmp, f"h{h}")
+            init_model(a.bins, tok, d, h, 4, h // 128, max(2, h // 256), 3 * h, seed=3)
+            r = bench_routes(a.bins, d, f"H={h} (4 layers)", stream,
+                             [(1, 512), (4, 512), (8, 1024)], reps, full_cap=512, extra=gpu)
+            report["routes"].append(r)
+            print(json.dumps(r["rows"][-3:]), flush=True)
+    shapes = [(h, 151669, 151680) for h in (1024, 4096)]
+    report["cost"] = bench_cost(a.bins, shapes, 2048, 512, reps, "cuda", ("f32", "bf16"))
     report["arithmetic"] = arithmetic()
     report["machine_end"] = machine()
     with open(a.out, "w") as f:
@@ -530,7 +593,8 @@ def served(report, parts, a, tok, stream, reps, p):
 def print_tables(rep):
     m = rep["machine_start"]
     print(f"\n{m['cpu']}, {m['cores']} cores, avx2={m['avx2']} avx512f={m['avx512f']}, load "
-          f"{' '.join(m['loadavg'])} -> {' '.join(rep['machine_end']['loadavg'])}")
+          f"{' '.join(m['loadavg'])} -> {' '.join(rep['machine_end']['loadavg'])}"
+          + (f"; GPU {m['gpu']}" if m.get("gpu") else ""))
     print("\n| teacher | route | batch × len | positions | bytes/position | positions/s |")
     print("|---|---|---|---|---|---|")
     for r in rep.get("routes", []):
@@ -544,7 +608,7 @@ def print_tables(rep):
           "inputs MB | peak over inputs: head / loss MB | peak RSS MB |")
     print("|---|---|---|---|---|---|---|---|---|")
     for x in rep.get("cost", []):
-        print(f"| {x['impl']} | {x['hidden']} | {x['vocab']} | {x['head_logsoftmax_ms_per_pos']:.2f} | "
+        print(f"| {x['impl']} ({x.get('device', 'cpu')} {x.get('dtype', 'f32')}) | {x['hidden']} | {x['vocab']} | {x['head_logsoftmax_ms_per_pos']:.2f} | "
               f"{x['head_gflops']:.1f} | {x['loss_fwd_bwd_ms_per_pos']:.2f} | {x['inputs_mb']:.0f} | "
               f"{x['peak_head_over_inputs_mb']:.0f} / {x['peak_loss_over_inputs_mb']:.0f} | "
               f"{x['peak_rss_mb']:.0f} |")

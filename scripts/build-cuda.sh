@@ -15,7 +15,7 @@
 #   scripts/build-cuda.sh --toolkit  # only prepare the toolkit, print the env to use it
 #   scripts/build-cuda.sh --bundle   # build, plus the CUDA test executables, and pack what
 #                                    # scripts/gpu-check.sh needs into target/cuda/gpu-bundle
-#                                    # (stripped, gzipped: small enough to carry to a GPU machine)
+#                                    # (stripped, xz-packed: small enough to carry to a GPU machine)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cuda="$root/.cuda"
@@ -93,14 +93,24 @@ for line in sys.stdin:
         print(m["target"]["name"], m["executable"])')
 bundle="$root/target/cuda/gpu-bundle"
 rm -rf "$bundle" && mkdir -p "$bundle/tokenizers/qwen3"
-pack() { strip -o "$bundle/$2" "$1" && gzip -f -9 "$bundle/$2"; }
+# xz: the binaries carry candle's PTX as text, which xz packs to half of gzip's size (the
+# bundle must travel to the GPU machine with the sources in 64 MiB).
+pack() { strip -o "$bundle/$2" "$1" && xz -f -9e -T0 "$bundle/$2"; }
 pack target/cuda/release/teacher teacher
 pack target/cuda/release/trainer trainer
 while read -r name exe; do pack "$exe" "test-$name"; done <<<"$tests"
+# gpu-check step 6 (bench/full_vocab.py --device cuda): the student-side cost example, and GSM8K
+# text when the shared data sits beside the checkout (or in $XDISTILL_DATA).
+cargo build --release --locked --features nccl -p xdistill-trainer --example full_vocab_cost
+pack target/cuda/release/examples/full_vocab_cost full_vocab_cost
+gsm8k="${XDISTILL_DATA:-$root/../shared/data}/gsm8k/train.jsonl"
+if [ -f "$gsm8k" ]; then
+  mkdir -p "$bundle/data" && xz -c -9e "$gsm8k" > "$bundle/data/gsm8k-train.jsonl.xz"
+fi
 # The Qwen3 tokenizer (tiny test models and the benchmark model use it). The other names the
 # tokenizer lookup expects point at it: the GPU tests use only Qwen3.
 tok=$(scripts/get-tokenizers.sh)
-gzip -c -9 "$tok/qwen3/tokenizer.json" > "$bundle/tokenizers/qwen3/tokenizer.json.gz"
+xz -c -9e "$tok/qwen3/tokenizer.json" > "$bundle/tokenizers/qwen3/tokenizer.json.xz"
 for n in llama3 llama2 gemma3 deepseek_v3; do
   mkdir -p "$bundle/tokenizers/$n" && ln -sfn ../qwen3/tokenizer.json "$bundle/tokenizers/$n/tokenizer.json"
 done

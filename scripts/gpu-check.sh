@@ -11,7 +11,12 @@
 # 2b. the NCCL collectives in a world of one (`trainer nccl-check`);
 # 3. a random model of Qwen3-0.6B's shape (Qwen3 vocabulary): teacher (cuda, bf16) scored
 #    tokens/s at k = 64 vs transformers forward + torch.topk, with their answers compared;
-# 4. the student training step (bf16 compute, f32 masters, AdamW) vs PyTorch eager (autocast).
+# 4. the student training step (bf16 compute, f32 masters, AdamW) vs PyTorch eager (autocast);
+# 5. a Qwen3-1.7B-shaped student at 4096 tokens (checkpointed) vs PyTorch "careful";
+# 6. exact full-vocabulary transport (issue 32): `bench/full_vocab.py --device cuda`.
+#
+# STEPS="1 2 6" runs only those steps (default: all; 4 needs 3's model). Each step has a time
+# limit, so that one hung step leaves the others their time on a lent machine.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -21,15 +26,22 @@ mkdir -p "$out"
 log="$out/gpu-check.log"
 exec > >(tee -a "$log") 2>&1
 work=$(mktemp -d /tmp/xdistill-gpu.XXXXXX)
+trap 'rm -rf "$work"' EXIT
 fail=0
 step() { echo; echo "=== $* ($(date -u +%H:%M:%S))"; }
 check() { if "$@"; then echo "PASS: $*"; else echo "FAIL ($?): $*"; fail=1; fi; }
+want() { [ -z "${STEPS:-}" ] || [[ " $STEPS " == *" $1 "* ]]; }
 
 step "unpacking $bundle into $work"
 [ -d "$bundle" ] || { echo "no bundle at $bundle: run scripts/build-cuda.sh --bundle first" >&2; exit 2; }
-for f in "$bundle"/*.gz; do gunzip -c "$f" > "$work/$(basename "${f%.gz}")"; chmod +x "$work/$(basename "${f%.gz}")"; done
+# xz-packed files (scripts/build-cuda.sh --bundle); Python's lzma where the xz tool is missing.
+unxz_to() {
+  if command -v xz >/dev/null 2>&1; then xz -dc "$1" > "$2"
+  else "${PYTHON:-python3}" -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' "$1" "$2"; fi
+}
+for f in "$bundle"/*.xz; do unxz_to "$f" "$work/$(basename "${f%.xz}")"; chmod +x "$work/$(basename "${f%.xz}")"; done
 mkdir -p "$work/tokenizers/qwen3"
-gunzip -c "$bundle/tokenizers/qwen3/tokenizer.json.gz" > "$work/tokenizers/qwen3/tokenizer.json"
+unxz_to "$bundle/tokenizers/qwen3/tokenizer.json.xz" "$work/tokenizers/qwen3/tokenizer.json"
 for n in llama3 llama2 gemma3 deepseek_v3; do
   mkdir -p "$work/tokenizers/$n" && ln -sfn ../qwen3/tokenizer.json "$work/tokenizers/$n/tokenizer.json"
 done
@@ -69,22 +81,27 @@ export LD_LIBRARY_PATH="$libdirs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
 ldd "$work/teacher" | grep -E 'cuda|cublas|curand|nvrtc|not found'
 ldd "$work/trainer" | grep -E 'nccl|not found'
-if ldd "$work/teacher" "$work/trainer" | grep -q 'not found'; then
+if ldd "$work/teacher" "$work/trainer" | grep 'not found' >/dev/null; then  # no -q: with pipefail, ldd's SIGPIPE would read as no match
   echo "missing libraries (above): set LD_LIBRARY_PATH to the CUDA 13 runtime" >&2; exit 3
 fi
 
 export XDISTILL_TOKENIZERS="$work/tokenizers" XDISTILL_TEST_TMPDIR="$work/tmp"
 export XDISTILL_TEACHER_BIN="$work/teacher" RUST_BACKTRACE=1
+if want 1; then
 step "1. decoder model tests on the GPU"
-check env XDISTILL_TEST_DEVICE=cuda "$work/test-model" --test-threads=1
+check timeout 300 env XDISTILL_TEST_DEVICE=cuda "$work/test-model" --test-threads=1
+fi
+if want 2; then
 step "2. device top-k path: GPU vs the f64 CPU reference and the CPU host path"
-check env XDISTILL_TEST_DEVICE=cuda "$work/test-device_topk" --test-threads=1
+check timeout 300 env XDISTILL_TEST_DEVICE=cuda "$work/test-device_topk" --test-threads=1
 step "   the same tests on the CPU (sanity of the bundle)"
-check "$work/test-device_topk" --test-threads=1
+check timeout 300 "$work/test-device_topk" --test-threads=1
 
 step "2b. NCCL collectives, world of one (trainer nccl-check: exact sums' bits, fast all-reduce)"
-check "$work/trainer" nccl-check
+check timeout 120 "$work/trainer" nccl-check
+fi
 
+if want 3 || want 4; then
 step "3. a random model of Qwen3-0.6B's shape"
 model="$work/qwen3-0.6b-random"
 check "$work/trainer" init-model --arch qwen3 --tokenizer "$work/tokenizers/qwen3/tokenizer.json" \
@@ -106,20 +123,24 @@ done
 curl -s "http://127.0.0.1:$port/v1/info" | head -c 600; echo
 for shape in "8 512" "4 2048"; do
   set -- $shape
-  check env PYTHONUNBUFFERED=1 "$py" bench/gpu_teacher.py --model "$model" --url "http://127.0.0.1:$port" \
+  want 3 && check timeout 180 env PYTHONUNBUFFERED=1 "$py" bench/gpu_teacher.py --model "$model" --url "http://127.0.0.1:$port" \
     --batch "$1" --seq-len "$2" --k 64 --requests 24 --clients 4 --dtype bf16
 done
 kill -TERM $tpid; wait $tpid
 tail -n 5 "$out/teacher.log"
+fi
 
+if want 4; then
 step "4. student step: ours (cuda, bf16 compute, f32 masters) vs PyTorch eager (autocast bf16)"
 for shape in "4 512" "8 1024"; do
   set -- $shape
-  check "$work/trainer" bench-step --model "$model" --device cuda --dtype bf16 --batch "$1" \
+  check timeout 180 "$work/trainer" bench-step --model "$model" --device cuda --dtype bf16 --batch "$1" \
     --seq-len "$2" --k 64 --steps 10 --write-batch "$work/batch.safetensors"
-  check env PYTHONUNBUFFERED=1 "$py" bench/torch_step.py "$model" "$work/batch.safetensors" 10 16 cuda bf16
+  check timeout 180 env PYTHONUNBUFFERED=1 "$py" bench/torch_step.py "$model" "$work/batch.safetensors" 10 16 cuda bf16
 done
+fi
 
+if want 5; then
 step "5. a real-size student: Qwen3-1.7B's shape at 4096 tokens, checkpointed, vs PyTorch careful"
 # hidden 2048, 28 layers, 16 heads, 8 KV heads, head dim 128, intermediate 6144, tied: 1.72 B.
 big="$work/qwen3-1.7b-random"
@@ -132,11 +153,27 @@ for shape in "1 4096" "4 4096"; do
   set -- $shape
   nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$work/mem.log" &
   smi=$!
-  check "$work/trainer" bench-step --model "$big" --device cuda --dtype bf16 --batch "$1" \
+  check timeout 240 "$work/trainer" bench-step --model "$big" --device cuda --dtype bf16 --batch "$1" \
     --seq-len "$2" --k 64 --steps 3 --activation-checkpointing on --write-batch "$work/big.safetensors"
   kill $smi; echo "ours $1 x $2: peak device memory $(peak_mib "$work/mem.log") MiB (nvidia-smi)"
-  check env PYTHONUNBUFFERED=1 "$py" bench/torch_step.py "$big" "$work/big.safetensors" 3 16 cuda bf16 careful
+  check timeout 240 env PYTHONUNBUFFERED=1 "$py" bench/torch_step.py "$big" "$work/big.safetensors" 3 16 cuda bf16 careful
 done
+fi
+
+if want 6; then
+step "6. exact full-vocabulary transport (issue 32): bf16 teachers on the GPU, student-side cost"
+# Routes /hidden_states, /topk_logits k = 64 and full logits from teachers serving in bf16 on
+# the GPU; the teacher head + log-softmax and the exact forward KL on the GPU (candle vs PyTorch).
+if [ -f "$bundle/data/gsm8k-train.jsonl.xz" ] && [ -f "$work/full_vocab_cost" ]; then
+  mkdir -p "$work/examples" "$work/data"
+  ln -sfn ../full_vocab_cost "$work/examples/full_vocab_cost"
+  unxz_to "$bundle/data/gsm8k-train.jsonl.xz" "$work/data/train.jsonl"
+  check timeout 420 env PYTHONUNBUFFERED=1 QUICK=1 "$py" bench/full_vocab.py --device cuda --bins "$work" \
+    --tokenizers "$work/tokenizers" --data "$work/data/train.jsonl" --out "$out/full_vocab_gpu.json"
+else
+  echo "skipped: the bundle has no GSM8K text or no full_vocab_cost (scripts/build-cuda.sh --bundle)"
+fi
+fi
 
 step "done"
 [ $fail = 0 ] && echo "ALL CHECKS PASSED" || echo "SOME CHECKS FAILED"

@@ -3,6 +3,8 @@
 //! whole forward-KL loss (`full_vocab_divergence`, forward + backward), per position, on a random
 //! head of the given shape. Prints one JSON line (times are medians over `--repeats`; peak RSS
 //! from `/proc/self/status`, reset after the inputs are made and between the two measurements).
+//! `--device cuda` (a build with the `cuda` feature) times it on the GPU, the device synchronised
+//! before each clock read; the RSS figures are then the host's only.
 //!
 //! `cargo run --release -p xdistill-trainer --example full_vocab_cost -- --hidden 1024 --vocab 151669 --rows 151936`
 //!
@@ -43,6 +45,9 @@ struct Args {
     /// Skip the whole-loss (forward + backward) measurement.
     #[arg(long)]
     no_loss: bool,
+    /// cpu, or cuda (GPU 0; needs a build with the `cuda` feature).
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 /// Resident set size now and at its peak, in bytes (Linux; 0 elsewhere).
@@ -73,12 +78,16 @@ fn median(mut xs: Vec<f64>) -> f64 {
     }
 }
 
-fn timed(repeats: usize, mut f: impl FnMut() -> Result<()>) -> Result<Vec<f64>> {
+/// Wall-clock seconds of each of `repeats` calls of `f` after one warm-up, the device
+/// synchronised before the clock starts and before it is read (GPU work is asynchronous).
+fn timed(dev: &Device, repeats: usize, mut f: impl FnMut() -> Result<()>) -> Result<Vec<f64>> {
     f()?; // warm-up
     let mut out = Vec::with_capacity(repeats);
     for _ in 0..repeats {
+        dev.synchronize()?;
         let t0 = Instant::now();
         f()?;
+        dev.synchronize()?;
         out.push(t0.elapsed().as_secs_f64());
     }
     Ok(out)
@@ -89,7 +98,11 @@ xdistill_shared::global_allocator!();
 
 fn main() -> Result<()> {
     let a = Args::parse();
-    let dev = Device::Cpu;
+    let dev = match a.device.as_str() {
+        "cpu" => Device::Cpu,
+        "cuda" => Device::new_cuda(0)?,
+        other => anyhow::bail!("--device cpu or cuda, got {other}"),
+    };
     let rows = a.rows.unwrap_or(a.vocab);
     let (h, v, n) = (a.hidden, a.vocab, a.positions);
     let dt = match a.dtype.as_str() {
@@ -107,7 +120,7 @@ fn main() -> Result<()> {
     reset_peak(); // making the inputs had its own transient peak
 
     // 1. The teacher's log-probs, chunk by chunk (what the student must add per position).
-    let head_times = timed(a.repeats, || {
+    let head_times = timed(&dev, a.repeats, || {
         let mut r0 = 0;
         while r0 < n {
             let m = a.chunk.min(n - r0);
@@ -125,7 +138,7 @@ fn main() -> Result<()> {
     if !a.no_loss {
         let student = Var::from_tensor(&Tensor::randn(0f32, 2.0, (n, v), &dev)?)?;
         let mask = Tensor::ones(n, DType::F32, &dev)?;
-        loss_times = timed(a.repeats, || {
+        loss_times = timed(&dev, a.repeats, || {
             let (loss, _m) = full_vocab_divergence(
                 student.as_tensor(),
                 &head,
@@ -155,7 +168,7 @@ fn main() -> Result<()> {
         serde_json::json!({
             "impl": "rust-candle",
             "hidden": h, "vocab": v, "rows": rows, "positions": n, "chunk": a.chunk,
-            "dtype": a.dtype, "repeats": a.repeats,
+            "device": a.device, "dtype": a.dtype, "repeats": a.repeats,
             "threads": std::thread::available_parallelism().map_or(1, |p| p.get()),
             "head_logsoftmax_ms_per_pos": head_ms,
             "head_logsoftmax_ms_samples": head_times.iter().map(|t| t * 1e3).collect::<Vec<_>>(),

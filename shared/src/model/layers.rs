@@ -459,6 +459,9 @@ fn attend(
     ops: Ops,
 ) -> Result<Tensor> {
     let acc = accum_dtype(q.dtype());
+    // CUDA's matmul takes only contiguous (or transposed-contiguous) operands, and a decoding
+    // step's rotated query [B, Hq, 1, D] can come out strided there (the CPU takes any layout).
+    let q = q.contiguous()?;
     let mut att = (q.matmul(&k.t()?)? * scale)?.to_dtype(acc)?;
     if let Some(m) = mask {
         att = att.broadcast_add(&m.to_dtype(acc)?)?;
