@@ -1,6 +1,6 @@
 //! Another tokenizer with the teacher's **whole** distribution (`teacher.transport = "hidden"`,
-//! `kd = first_kl`, `pkl` or `alm`): records are aligned as in [`super::cross`], the teacher sends its
-//! hidden states, and at each aligned chunk the teacher's full log-softmax at the chunk's anchor
+//! `kd = first_kl`, `pkl` or `alm`): records are aligned as in [`super::cross`], the teacher sends
+//! its hidden states, and at each aligned chunk the teacher's full log-softmax at the chunk's anchor
 //! (its head applied on the student's device) is compared with the student's: grouped by first
 //! student token ([`crate::loss::xtoken_full::first_kl_full`]), or against the chunk's projected
 //! student distribution over every teacher id ([`crate::loss::xtoken_full::pkl_full`]). No top-k
