@@ -179,9 +179,26 @@ impl CrossFullVocab<'_> {
         Ok(())
     }
 
-    /// ALM reads only the teacher's log-probs of its own next tokens: those answers, computed
-    /// from the hidden states and the head (what the top-k transport sends as
-    /// `target_logprobs`), for the top-k pairing's ALM to run on.
+    /// ALM reads only the teacher's log-probs of its own next tokens: runs `f`, the top-k
+    /// pairing's ALM, on answers carrying them, computed from the hidden states and the head
+    /// (what the top-k transport sends as `target_logprobs`).
+    fn via_alm<T>(
+        &self,
+        ctx: &LossCtx,
+        items: &[Item],
+        scores: &[&SequenceScores],
+        f: impl FnOnce(&Cross, &LossCtx, &[&SequenceScores]) -> Result<T>,
+    ) -> Result<T> {
+        let answers = self.alm_answers(ctx, items, scores)?;
+        let refs: Vec<&SequenceScores> = answers.iter().collect();
+        f(
+            &Cross::new(self.projection),
+            &LossCtx { k: 0, ..*ctx },
+            &refs,
+        )
+    }
+
+    /// The answers [`Self::via_alm`] runs on: each row's log-prob of the next teacher token.
     fn alm_answers(
         &self,
         ctx: &LossCtx,
@@ -250,10 +267,9 @@ impl Collation for CrossFullVocab<'_> {
     ) -> Result<(Tensor, MicroOut)> {
         self.check(ctx)?;
         if is_alm(ctx.loss) {
-            let answers = self.alm_answers(ctx, items, scores)?;
-            let refs: Vec<&SequenceScores> = answers.iter().collect();
-            let ctx = LossCtx { k: 0, ..*ctx };
-            return Cross::new(self.projection).loss(&ctx, items, &refs, norm);
+            return self.via_alm(ctx, items, scores, |c, ctx, refs| {
+                c.loss(ctx, items, refs, norm)
+            });
         }
         let (xb, enc) = xtoken_batch(items, scores, 0)?;
         let tb = pad_batch(&enc, 0, ctx.device)?;
@@ -272,10 +288,9 @@ impl Collation for CrossFullVocab<'_> {
     ) -> Result<(GradStore, HeadSums)> {
         self.check(ctx)?;
         if is_alm(ctx.loss) {
-            let answers = self.alm_answers(ctx, items, scores)?;
-            let refs: Vec<&SequenceScores> = answers.iter().collect();
-            let ctx = LossCtx { k: 0, ..*ctx };
-            return Cross::new(self.projection).grads(&ctx, items, &refs, norm);
+            return self.via_alm(ctx, items, scores, |c, ctx, refs| {
+                c.grads(ctx, items, refs, norm)
+            });
         }
         let (model, device) = (ctx.model, ctx.device);
         let ce_on = wants_ce(ctx.loss);
