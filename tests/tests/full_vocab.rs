@@ -124,9 +124,10 @@ fn first_kd(out: &std::path::Path) -> f64 {
 }
 
 /// A student with another tokenizer (Qwen3's) and the teacher's hidden states (Llama 2's
-/// tokenizer): first-token KL and P-KL over the teacher's whole distribution (and ALM, from the
-/// teacher's log-probs of its tokens computed with its head) equal the top-k losses given every
-/// teacher id (k = V), and training lowers the exact first-token KL.
+/// tokenizer): first-token KL, P-KL and gold's matched KL over the teacher's whole distribution
+/// (and ALM, from the teacher's log-probs of its tokens computed with its head) equal the top-k
+/// losses given every teacher id (k = V); gold's ULD adds the student's tail; training lowers
+/// the exact first-token KL.
 #[test]
 fn hidden_states_across_tokenizers_train_with_exact_first_token_kl() {
     let dir = tempfile::tempdir().unwrap();
@@ -139,13 +140,8 @@ fn hidden_states_across_tokenizers_train_with_exact_first_token_kl() {
         &["--max-k", &max_k, "--max-answer-bytes", "1000000000"],
     )
     .expect("starting the teacher");
-    // The first step's loss, hidden states vs top-k with every teacher id, for both losses.
-    for (name, loss) in [
-        ("first_kl", "kd = { type = \"first_kl\" }"),
-        ("pkl", "kd = { type = \"pkl\" }"),
-        // ALM reads the teacher's log-probs of its own tokens, from the head here.
-        ("alm", "kd = { type = \"alm\" }"),
-    ] {
+    // The first step's loss (hidden states, top-k with every teacher id).
+    let first_steps = |name: &str, loss: &str| -> (f64, f64) {
         let one_step = |run: &str| {
             let out = dir.path().join(format!("x_{name}_{run}"));
             let mut c = config(dir.path(), &student, &t.base, &out, 1, loss);
@@ -160,17 +156,39 @@ fn hidden_states_across_tokenizers_train_with_exact_first_token_kl() {
         let got_cfg = hidden(one_step("hidden"));
         let got_dir = got_cfg.checkpointing.checkpoint_dir.clone();
         run(got_cfg).unwrap();
-        let (want, got) = (first_kd(&want_dir), first_kd(&got_dir));
+        let (got, want) = (first_kd(&got_dir), first_kd(&want_dir));
         eprintln!("first step's {name}: hidden {got:.6}, top-k with k = V {want:.6}");
         assert!(
             want > 0.05,
             "{name}: a loss that is not trivially 0: {want}"
         );
+        (got, want)
+    };
+    for (name, loss) in [
+        ("first_kl", "kd = { type = \"first_kl\" }"),
+        ("pkl", "kd = { type = \"pkl\" }"),
+        // ALM reads the teacher's log-probs of its own tokens, from the head here.
+        ("alm", "kd = { type = \"alm\" }"),
+        // Gold's matched chunks: KL over every teacher id with an exact student counterpart.
+        (
+            "gold_matched",
+            "kd = { type = \"gold\", unmatched_weight = 0.0 }",
+        ),
+    ] {
+        let (got, want) = first_steps(name, loss);
         assert!(
             ((got - want) / want).abs() < 1e-4,
             "{name}: hidden {got} vs top-k(V) {want}"
         );
     }
+    // Gold's unmatched chunks: ULD over both whole sorted distributions also counts the
+    // student's mass past rank 32,000 (Qwen3 has 151,669 ids), which the top-k ULD with
+    // k = 32,000 leaves out; the matched part being equal, the difference is that mass.
+    let (got, want) = first_steps("gold", "kd = { type = \"gold\" }");
+    assert!(
+        got - want > 1e-3 * want,
+        "gold: hidden {got} vs top-k(V) {want}"
+    );
     let first_kl = "kd = { type = \"first_kl\" }";
 
     let out = dir.path().join("x_run");
@@ -239,7 +257,7 @@ fn hidden_transport_refusals_come_before_any_step() {
         "{err}"
     );
 
-    // A student of another tokenizer with a loss not built over the full distribution.
+    // A student of another tokenizer with a loss that needs top-k sets (the sampled-token KL).
     let qwen = model(dir.path(), "qwen_student", "qwen3", "qwen3", 32, 1, 0.02, 3);
     let c = hidden(config(
         dir.path(),
@@ -247,11 +265,11 @@ fn hidden_transport_refusals_come_before_any_step() {
         &t.base,
         &dir.path().join("x"),
         2,
-        "kd = { type = \"gold\" }",
+        "kd = { type = \"sampled_kl\" }",
     ));
     let err = refused("cross", c);
     assert!(
-        err.contains("first_kl or pkl over the teacher's whole distribution"),
+        err.contains("first_kl, pkl or gold over the teacher's whole distribution"),
         "{err}"
     );
 

@@ -115,7 +115,8 @@ fn assert_rel(got: f64, want: f64, tol: f64, what: &str) {
 /// asked for the whole vocabulary (k = V, renormalised: exact) on the same samples (same seed,
 /// same student): one step's exact reverse KL over every token, the teacher's log-probs of the
 /// samples (computed by the trainer from the teacher's head vs sent by the server) and the
-/// held-out figures agree; across tokenizers, P-KL over every teacher id agrees too.
+/// held-out figures agree; across tokenizers, P-KL over every teacher id and gold's matched KL
+/// agree too.
 /// Then training on hidden states raises the teacher's log-prob of held-out samples.
 #[test]
 fn hidden_states_score_the_students_own_samples_exactly() {
@@ -157,6 +158,13 @@ fn hidden_states_score_the_students_own_samples_exactly() {
         (&same_tok, "reverse_kl", reverse),
         // P-KL: across tokenizers the held-out KL is P-KL on both transports.
         (&other_tok, "pkl", "kd = { type = \"pkl\" }"),
+        // Gold's matched chunks (its ULD over the whole distribution also counts the student's
+        // ids past the teacher's 32,000, which no top-k set holds); held-out: P-KL.
+        (
+            &other_tok,
+            "gold_matched",
+            "kd = { type = \"gold\", unmatched_weight = 0.0 }",
+        ),
     ] {
         let mut got = vec![];
         for hidden in [false, true] {

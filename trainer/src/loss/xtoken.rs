@@ -546,18 +546,14 @@ pub fn gold_loss(
         let (t, a) = (c.student[0], c.teacher[0]);
         let (ids, lps) = batch.topk_row(c.b, a, proj.teacher_vocab())?;
         teacher_mass += lps.iter().map(|l| l.exp()).sum::<f64>();
-        let s_tok = batch.student_targets[c.b * ts + t] as usize;
+        let s_tok = batch.student_targets[c.b * ts + t];
         let u_tok = batch.teacher_targets[c.b * tt + a];
         let one_to_one = c.student.len() == 1 && c.teacher.len() == 1;
         let mapped: Vec<Option<u32>> = ids
             .iter()
             .map(|&u| proj.exact_student(u as usize))
             .collect();
-        if one_to_one
-            && s_tok < vs
-            && proj.exact_teacher(s_tok) == Some(u_tok)
-            && mapped.iter().any(Option::is_some)
-        {
+        if gold_matched(proj, one_to_one, s_tok, u_tok) && mapped.iter().any(Option::is_some) {
             let row = ((c.b * ts + t) * vs) as u64;
             let pen: Vec<f64> = mapped
                 .iter()
@@ -613,6 +609,18 @@ pub fn gold_loss(
     Ok((loss, metrics))
 }
 
+/// Gold's matched-chunk rule, shared by the top-k and whole-distribution forms: one student and
+/// one teacher position, and the student's target maps exactly (a one-hot W row) to the
+/// teacher's target.
+pub fn gold_matched(
+    proj: &Projection,
+    one_to_one: bool,
+    student_target: u32,
+    teacher_target: u32,
+) -> bool {
+    one_to_one && proj.exact_teacher(student_target as usize) == Some(teacher_target)
+}
+
 /// Counts of (matched, unmatched) chunks the gold loss uses (for logs and tests).
 pub fn gold_split(batch: &XTokenBatch, proj: &Projection) -> Result<(usize, usize)> {
     let (b, ts, tt) = (batch.batch, batch.student_len, batch.teacher_len);
@@ -623,12 +631,11 @@ pub fn gold_split(batch: &XTokenBatch, proj: &Projection) -> Result<(usize, usiz
     let mut matched = 0;
     for c in &chunks {
         let (t, a) = (c.student[0], c.teacher[0]);
-        let s_tok = batch.student_targets[c.b * ts + t] as usize;
+        let s_tok = batch.student_targets[c.b * ts + t];
         let u_tok = batch.teacher_targets[c.b * tt + a];
         let (ids, _) = batch.topk_row(c.b, a, proj.teacher_vocab())?;
-        if c.student.len() == 1
-            && c.teacher.len() == 1
-            && proj.exact_teacher(s_tok) == Some(u_tok)
+        let one_to_one = c.student.len() == 1 && c.teacher.len() == 1;
+        if gold_matched(proj, one_to_one, s_tok, u_tok)
             && ids
                 .iter()
                 .any(|&u| proj.exact_student(u as usize).is_some())

@@ -1,7 +1,7 @@
-//! Cross-tokenizer losses over the teacher's **whole** distribution (issue 32): the `first_kl`
-//! and P-KL of [`super::xtoken`] with the teacher's top-k replaced by its full log-softmax at
-//! each chunk's anchor (from its hidden states and head, [`super::full_vocab`]). Pure tensor
-//! math: the caller gathers the chunks' rows on both sides. P-KL is at the end of the file.
+//! Cross-tokenizer losses over the teacher's **whole** distribution (issue 32): the `first_kl`,
+//! P-KL and gold of [`super::xtoken`] with the teacher's top-k replaced by its full log-softmax
+//! at each chunk's anchor (from its hidden states and head, [`super::full_vocab`]). Pure tensor
+//! math: the caller gathers the chunks' rows on both sides. P-KL and gold follow `first_kl`.
 //!
 //! Per chunk `c`, with `f(u)` the first student token of teacher token `u`'s re-tokenisation
 //! ([`Projection::teacher_first`]) and `G = {f(u)}` the student tokens that start some teacher
@@ -22,8 +22,10 @@
 //! rows (a head piece's chunks).
 
 use candle_core::{DType, Tensor, D};
+use rayon::prelude::*;
 
 use super::stable::{check_normalizer, check_temperature, log1mexp, log_softmax_last, TAIL_FLOOR};
+use super::topk::descending_order;
 use super::{compute_dtype, KdMetrics, LossError, Projection, Result, TailMode};
 
 /// First-token KL of the student rows `student_logits [C, V]` (`V ≥` the projection's student
@@ -278,6 +280,150 @@ pub fn pkl_full(
         student_topk_mass: Some(mean_of(&q_mass.detach())?),
     };
     Ok((loss, metrics))
+}
+
+/// The gold hybrid ([`super::gold_loss`]) over the teacher's whole distribution.
+///
+/// `student_logits [C, V]`: each chunk's first student position (`V ≥` the projection's student
+/// vocabulary; padded columns are ignored); `teacher_logprobs [C, V_t]`: `log_softmax(z_T / τ)`
+/// at its first teacher position (no gradient); `matched[c]`: chunk `c` has one position on each
+/// side and the student's target maps exactly to the teacher's ([`super::xtoken::gold_matched`]). With
+/// K' = every teacher id with an exact student counterpart:
+///
+/// - matched (K' non-empty): `KL(T' ‖ S')` over K', both sides renormalised over K';
+/// - unmatched: ULD, `Σ_r |p_T↓(r) − p_S↓(r)|` over both whole distributions sorted
+///   descending, the shorter padded with zeros (`max(V_s, V_t)` ranks);
+///
+/// `loss = τ² (matched_weight Σ KL + unmatched_weight Σ L1) / N`. Equal to
+/// [`super::gold_loss`] with `k = V_t` when `V_s = V_t`; with more student ids, ULD here also
+/// counts the student's mass past rank `V_t`. The sort runs on the host (candle's CUDA arg-sort
+/// stops at 8,192 columns) and its permutation is gathered on the device, so the gradient flows
+/// through the sorted values as in the top-k form.
+#[allow(clippy::too_many_arguments)]
+pub fn gold_full(
+    student_logits: &Tensor,
+    teacher_logprobs: &Tensor,
+    matched: &[bool],
+    proj: &Projection,
+    matched_weight: f64,
+    unmatched_weight: f64,
+    temperature: f64,
+    normalizer: Option<f64>,
+) -> Result<(Tensor, KdMetrics)> {
+    check_temperature(temperature)?;
+    check_normalizer(normalizer)?;
+    let (vs, vt) = (proj.student_vocab(), proj.teacher_vocab());
+    let (c, v) = match *student_logits.dims() {
+        [c, v] => (c, v),
+        ref d => {
+            return Err(LossError::input(
+                "student_logits",
+                format!("must be [C, V], got {d:?}"),
+            ))
+        }
+    };
+    if v < vs {
+        return Err(LossError::input(
+            "student_logits",
+            format!("{v} columns for a student vocabulary of {vs}"),
+        ));
+    }
+    if teacher_logprobs.dims() != [c, vt] || matched.len() != c {
+        return Err(LossError::input(
+            "teacher_logprobs",
+            format!(
+                "must be [{c}, {vt}] with {c} matched flags (one per chunk), got {:?} and {}",
+                teacher_logprobs.dims(),
+                matched.len()
+            ),
+        ));
+    }
+    let dt = compute_dtype(student_logits);
+    let dev = student_logits.device().clone();
+    let mut total = Tensor::zeros((), dt, &dev)?;
+    if c == 0 {
+        return Ok((total, KdMetrics::default()));
+    }
+    // K' as (teacher id, its student counterpart); empty K' leaves every chunk unmatched.
+    let (kt, ks): (Vec<u32>, Vec<u32>) = (0..vt)
+        .filter_map(|u| proj.exact_student(u).map(|s| (u as u32, s)))
+        .unzip();
+    let is_matched = |i: usize| matched[i] && !kt.is_empty();
+    let (m_rows, u_rows): (Vec<u32>, Vec<u32>) = {
+        let (m, u): (Vec<usize>, Vec<usize>) = (0..c).partition(|&i| is_matched(i));
+        (
+            m.into_iter().map(|i| i as u32).collect(),
+            u.into_iter().map(|i| i as u32).collect(),
+        )
+    };
+    let z = student_logits
+        .narrow(1, 0, vs)?
+        .to_dtype(dt)?
+        .affine(1.0 / temperature, 0.0)?; // [C, V_s]
+    let lt = teacher_logprobs.detach().to_dtype(dt)?; // [C, V_t]
+    let rows_of = |t: &Tensor, rows: &[u32]| -> Result<Tensor> {
+        Ok(t.index_select(&Tensor::from_vec(rows.to_vec(), rows.len(), &dev)?, 0)?)
+    };
+
+    // 1. Matched: KL(T' ‖ S') over K', both sides renormalised there.
+    if !m_rows.is_empty() {
+        let n = kt.len();
+        let ls = log_softmax_last(
+            &rows_of(&z, &m_rows)?.index_select(&Tensor::from_vec(ks, n, &dev)?, 1)?,
+        )?;
+        let l = log_softmax_last(
+            &rows_of(&lt, &m_rows)?.index_select(&Tensor::from_vec(kt, n, &dev)?, 1)?,
+        )?;
+        let kl = (l.exp()? * (&l - ls)?)?.sum_all()?;
+        total = (total + kl.affine(matched_weight, 0.0)?)?;
+    }
+    // 2. Unmatched: L1 between both sorted distributions over the first min(V_s, V_t) ranks,
+    //    plus the longer side's mass past them (the teacher's is a constant).
+    if !u_rows.is_empty() {
+        let n_u = u_rows.len();
+        let p = super::stable::softmax_last(&rows_of(&z, &u_rows)?)?; // [n_u, V_s]
+        let ps = p.gather(&descending_order(&p.detach())?, 1)?; // [n_u, V_s] sorted
+        let mut pt = descending_probs(&rows_of(&lt, &u_rows)?)?; // [n_u, V_t] sorted (host)
+        let r = vs.min(vt);
+        let mut teacher_past = 0.0;
+        for row in pt.chunks(vt) {
+            teacher_past += row[r..].iter().sum::<f64>();
+        }
+        pt = pt.chunks(vt).flat_map(|row| row[..r].to_vec()).collect();
+        let pt = Tensor::from_vec(pt, (n_u, r), &dev)?.to_dtype(dt)?;
+        let mut l1 = (pt - ps.narrow(1, 0, r)?)?.abs()?.sum_all()?;
+        if vs > r {
+            l1 = (l1 + ps.narrow(1, r, vs - r)?.sum_all()?)?;
+        }
+        total = (total + l1.affine(unmatched_weight, unmatched_weight * teacher_past)?)?;
+    }
+    let nrm = normalizer.unwrap_or(c as f64);
+    let inv = if nrm > 0.0 { 1.0 / nrm } else { 0.0 };
+    let loss = total.affine(temperature * temperature * inv, 0.0)?;
+    let metrics = KdMetrics {
+        loss: loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
+        count: c as f64,
+        teacher_topk_mass: None,
+        student_topk_mass: None,
+    };
+    Ok((loss, metrics))
+}
+
+/// `exp` of each row of log-probs `[N, V]`, sorted descending, on the host in f64, row-major.
+fn descending_probs(logprobs: &Tensor) -> Result<Vec<f64>> {
+    let (_, v) = logprobs.dims2()?;
+    let mut host: Vec<f64> = logprobs
+        .to_dtype(DType::F64)?
+        .flatten_all()?
+        .to_vec1::<f64>()?
+        .into_iter()
+        .map(f64::exp)
+        .collect();
+    if v > 0 {
+        host.par_chunks_mut(v)
+            .for_each(|row| row.sort_unstable_by(|a, b| b.total_cmp(a)));
+    }
+    Ok(host)
 }
 
 #[cfg(test)]

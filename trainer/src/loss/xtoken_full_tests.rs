@@ -8,6 +8,7 @@ use crate::loss::testutil::*;
 use crate::loss::xtoken::tests::{
     fixture, projection_with_first, ref_chunks, B, TS, TT, VL, VS, VT,
 };
+use crate::loss::Projection;
 use crate::loss::{first_kl_loss, TailMode, XTokenBatch};
 
 /// The fixture's aligned batch with the teacher's whole distribution at every position
@@ -316,4 +317,290 @@ fn pkl_full_refuses_rows_without_chunks() {
         );
     }
     assert!(pkl_full(&z, &[0, 1, 1], &t, &p, TailMode::Renormalize, 1.0, None).is_ok());
+}
+
+/// Gold over the whole distribution by its definition, in f64 with plain loops: `s [C, vl]`
+/// student logits (first `V_s` columns read), `t [C, V_t]` teacher log-probs.
+fn ref_gold_full(
+    s: &[f64],
+    t: &[f64],
+    matched: &[bool],
+    p: &Projection,
+    vl: usize,
+    (wm, wu, tau): (f64, f64, f64),
+) -> f64 {
+    let (vs, vt) = (p.student_vocab(), p.teacher_vocab());
+    let kp: Vec<(usize, usize)> = (0..vt)
+        .filter_map(|u| p.exact_student(u).map(|g| (u, g as usize)))
+        .collect();
+    let mut total = 0.0;
+    for (i, &m) in matched.iter().enumerate() {
+        let z: Vec<f64> = s[i * vl..i * vl + vs].iter().map(|z| z / tau).collect();
+        let ps: Vec<f64> = log_softmax(&z).iter().map(|l| l.exp()).collect();
+        let pt: Vec<f64> = t[i * vt..(i + 1) * vt].iter().map(|l| l.exp()).collect();
+        if m && !kp.is_empty() {
+            let tm: f64 = kp.iter().map(|&(u, _)| pt[u]).sum();
+            let sm: f64 = kp.iter().map(|&(_, g)| ps[g]).sum();
+            total += wm
+                * kp.iter()
+                    .map(|&(u, g)| pt[u] / tm * ((pt[u] / tm).ln() - (ps[g] / sm).ln()))
+                    .sum::<f64>();
+        } else {
+            let n = vs.max(vt);
+            let sorted = |v: &[f64]| {
+                let mut v = v.to_vec();
+                v.sort_by(|a, b| b.partial_cmp(a).unwrap());
+                v.resize(n, 0.0);
+                v
+            };
+            let (a, b) = (sorted(&pt), sorted(&ps));
+            total += wu * a.iter().zip(&b).map(|(x, y)| (x - y).abs()).sum::<f64>();
+        }
+    }
+    tau * tau * total / matched.len() as f64
+}
+
+/// A projection with `vs` student and `vt` teacher ids: student `s < exact` maps one-hot to
+/// teacher `(3s + 1) mod vt`; the others to two or three teacher ids.
+fn gold_projection(vs: usize, vt: usize, exact: usize) -> Projection {
+    let (mut indptr, mut indices, mut weights) = (vec![0], vec![], vec![]);
+    for s in 0..vs {
+        if s < exact {
+            indices.push(((3 * s + 1) % vt) as u32);
+            weights.push(1.0);
+        } else {
+            let n = 2 + s % 2;
+            let ids: Vec<u32> = (0..n).map(|i| ((s + 2 * i) % vt) as u32).collect();
+            indices.extend(&ids);
+            weights.extend(std::iter::repeat_n(1.0 / n as f32, n));
+        }
+        indptr.push(indices.len());
+    }
+    Projection::from_csr(vs, vt, &indptr, &indices, &weights).unwrap()
+}
+
+/// Against the f64 definition and finite differences, with more student than teacher ids, more
+/// teacher than student ids, and no exact pair at all (every chunk unmatched).
+#[test]
+fn gold_full_matches_the_f64_definition_and_finite_differences() {
+    let c = 5;
+    let matched = [true, false, true, false, false];
+    for (case, (vs, vt, exact), seed, tau) in [
+        ("V_s > V_t", (11, 7, 3), 21, 1.0),
+        ("V_s < V_t", (6, 10, 4), 22, 1.4),
+        ("no exact pair", (8, 8, 0), 23, 0.8),
+    ] {
+        let p = gold_projection(vs, vt, exact);
+        let vl = vs + 1;
+        let mut r = rng(seed);
+        let s = uniform(&mut r, c * vl, 3.0);
+        let zt = uniform(&mut r, c * vt, 3.0);
+        let t: Vec<f64> = (0..c)
+            .flat_map(|i| {
+                let row: Vec<f64> = zt[i * vt..(i + 1) * vt].iter().map(|z| z / tau).collect();
+                log_softmax(&row).into_iter().map(|l| l as f32 as f64)
+            })
+            .collect();
+        let w = (0.7, 1.3, tau);
+        let want = ref_gold_full(&s, &t, &matched, &p, vl, w);
+        assert!(
+            want > 1e-3,
+            "{case}: a loss that is not trivially 0: {want}"
+        );
+        for (dtype, tol) in [(DType::F64, 1e-10), (DType::F32, 2e-5)] {
+            let (l, m) = gold_full(
+                &tensor(&s, &[c, vl], dtype),
+                &tensor(&t, &[c, vt], dtype),
+                &matched,
+                &p,
+                0.7,
+                1.3,
+                tau,
+                None,
+            )
+            .unwrap();
+            assert!(
+                (scalar(&l) - want).abs() < tol * want,
+                "{case} {dtype:?}: {} vs {want}",
+                scalar(&l)
+            );
+            assert_eq!(m.count, c as f64);
+        }
+        let v = var(&s, &[c, vl]);
+        let tt = tensor(&t, &[c, vt], DType::F64);
+        let (l, _) = gold_full(v.as_tensor(), &tt, &matched, &p, 0.7, 1.3, tau, Some(2.0)).unwrap();
+        let g = flat(l.backward().unwrap().get(v.as_tensor()).unwrap());
+        let fd = numeric_grad(&s, 1e-6, |z| {
+            ref_gold_full(z, &t, &matched, &p, vl, w) * c as f64 / 2.0
+        });
+        assert_close(&g, &fd, 1e-6, &format!("{case}: grad"));
+        assert!(
+            (0..c).all(|i| g[i * vl + vs] == 0.0),
+            "{case}: padded column"
+        );
+    }
+}
+
+/// With as many student as teacher ids, exactly the top-k gold given every teacher id (k = V):
+/// value, matched split and gradient, on chunks of every shape (1:1 matched, 2:1, 1:2, and 1:1
+/// whose targets do not map to each other).
+#[test]
+fn gold_full_equals_top_k_gold_with_the_whole_vocabulary() {
+    use super::super::xtoken::{gold_matched, gold_split};
+    use crate::loss::gold_loss;
+    let (v, ts, tt) = (8, 5, 5);
+    let p = gold_projection(v, v, 4);
+    let vl = v + 1;
+    let tau = 1.2;
+    let mut r = rng(31);
+    let zs = uniform(&mut r, ts * vl, 3.0);
+    let zt = uniform(&mut r, tt * v, 3.0);
+    let lps: Vec<f64> = (0..tt)
+        .flat_map(|i| {
+            let row: Vec<f64> = zt[i * v..(i + 1) * v].iter().map(|z| z / tau).collect();
+            log_softmax(&row).into_iter().map(|l| l as f32 as f64)
+        })
+        .collect();
+    // Student 1 maps exactly to teacher 4 (3·1 + 1), student 2 to teacher 7.
+    let x = XTokenBatch {
+        batch: 1,
+        student_len: ts,
+        teacher_len: tt,
+        k: v,
+        student_chunk: vec![0, 1, 1, 2, 3],
+        teacher_chunk: vec![0, 1, 2, 2, 3],
+        num_chunks: vec![4],
+        student_targets: vec![1, 5, 6, 0, 2],
+        teacher_targets: vec![4, 3, 0, 5, 4],
+        teacher_topk_ids: (0..tt).flat_map(|_| 0..v as u32).collect(),
+        teacher_topk_logprobs: lps.iter().map(|&l| l as f32).collect(),
+        ..Default::default()
+    };
+    let chunks = ref_chunks(&x);
+    let matched: Vec<bool> = chunks
+        .iter()
+        .map(|(_, sp, tp)| {
+            let one_to_one = sp.len() == 1 && tp.len() == 1;
+            gold_matched(
+                &p,
+                one_to_one,
+                x.student_targets[sp[0]],
+                x.teacher_targets[tp[0]],
+            )
+        })
+        .collect();
+    assert_eq!(matched, [true, false, false, false]);
+    assert_eq!(gold_split(&x, &p).unwrap(), (1, 3));
+    let (mut s, mut t) = (vec![], vec![]);
+    for (_, sp, tp) in &chunks {
+        s.extend_from_slice(&zs[sp[0] * vl..(sp[0] + 1) * vl]);
+        t.extend_from_slice(&lps[tp[0] * v..(tp[0] + 1) * v]);
+    }
+    let c = chunks.len();
+    let vz = var(&zs, &[1, ts, vl]);
+    let (lk, _) = gold_loss(vz.as_tensor(), &x, &p, 0.6, 1.4, tau, None).unwrap();
+    let gk = flat(lk.backward().unwrap().get(vz.as_tensor()).unwrap());
+    let vr = var(&s, &[c, vl]);
+    let tt_ = tensor(&t, &[c, v], DType::F64);
+    let (lf, _) = gold_full(vr.as_tensor(), &tt_, &matched, &p, 0.6, 1.4, tau, None).unwrap();
+    let gf = flat(lf.backward().unwrap().get(vr.as_tensor()).unwrap());
+    assert!(
+        (scalar(&lk) - scalar(&lf)).abs() < 1e-9 * scalar(&lk),
+        "top-k {} vs full {}",
+        scalar(&lk),
+        scalar(&lf)
+    );
+    let mut want = vec![];
+    for (_, sp, _) in &chunks {
+        want.extend_from_slice(&gk[sp[0] * vl..(sp[0] + 1) * vl]);
+    }
+    assert_close(&gf, &want, 1e-9, "gradients");
+}
+
+#[test]
+fn gold_full_refuses_bad_shapes_and_no_chunks_is_zero() {
+    let p = gold_projection(6, 5, 2);
+    let dev = candle_core::Device::Cpu;
+    let zeros = |r: usize, c: usize| Tensor::zeros((r, c), DType::F32, &dev).unwrap();
+    let ok = [true, false];
+    let run =
+        |z: &Tensor, t: &Tensor, m: &[bool], tau: f64| gold_full(z, t, m, &p, 1.0, 1.0, tau, None);
+    assert!(run(&zeros(2, 7), &zeros(2, 5), &ok, 1.0).is_ok());
+    assert!(
+        run(&zeros(2, 5), &zeros(2, 5), &ok, 1.0).is_err(),
+        "short student rows"
+    );
+    assert!(
+        run(&zeros(2, 7), &zeros(2, 6), &ok, 1.0).is_err(),
+        "teacher vocabulary"
+    );
+    assert!(
+        run(&zeros(2, 7), &zeros(3, 5), &ok, 1.0).is_err(),
+        "chunk count"
+    );
+    assert!(
+        run(&zeros(2, 7), &zeros(2, 5), &[true], 1.0).is_err(),
+        "matched flags"
+    );
+    assert!(
+        run(&zeros(2, 7), &zeros(2, 5), &ok, 0.0).is_err(),
+        "temperature"
+    );
+    let (l, m) = run(&zeros(0, 7), &zeros(0, 5), &[], 1.0).unwrap();
+    assert_eq!((scalar(&l), m.count), (0.0, 0.0));
+}
+
+/// Gold's cost at real sizes (`-- --ignored --nocapture`): a Qwen3-vocabulary student
+/// (151,669 ids) against a Llama-2-vocabulary teacher (32,000 ids), forward and backward, per
+/// chunk, for every chunk unmatched (the whole-row sorts) and every chunk matched, at two chunk
+/// counts; and the host sort alone.
+#[test]
+#[ignore = "a measurement: prints timings"]
+fn measure_gold_full_cost_per_chunk() {
+    use crate::loss::topk::descending_order;
+    use candle_core::{Device, Var};
+    use std::time::Instant;
+    let (vs, vt) = (151_669usize, 32_000usize);
+    // Student ids below V_t map one-hot to the same teacher id; the rest to two teacher ids.
+    let (mut indptr, mut indices, mut weights) = (vec![0usize], vec![], vec![]);
+    for s in 0..vs {
+        if s < vt {
+            indices.push(s as u32);
+            weights.push(1.0f32);
+        } else {
+            indices.extend([(s % vt) as u32, ((s * 7) % vt) as u32]);
+            weights.extend([0.5f32, 0.5]);
+        }
+        indptr.push(indices.len());
+    }
+    let p = Projection::from_csr(vs, vt, &indptr, &indices, &weights).unwrap();
+    let d = Device::Cpu;
+    println!(
+        "gold_full, V_s = {vs}, V_t = {vt}, f32, this CPU ({} rayon threads):",
+        rayon::current_num_threads()
+    );
+    for c in [16usize, 64] {
+        let z = Var::from_tensor(&Tensor::randn(0f32, 2.0, (c, vs), &d).unwrap()).unwrap();
+        let t = candle_nn::ops::log_softmax(&Tensor::randn(0f32, 2.0, (c, vt), &d).unwrap(), 1)
+            .unwrap();
+        for (what, m) in [("unmatched", false), ("matched", true)] {
+            let flags = vec![m; c];
+            let run = || {
+                let (l, _) = gold_full(z.as_tensor(), &t, &flags, &p, 1.0, 1.0, 1.0, None).unwrap();
+                l.backward().unwrap();
+            };
+            run();
+            let t0 = Instant::now();
+            for _ in 0..3 {
+                run();
+            }
+            let ms = t0.elapsed().as_secs_f64() * 1e3 / (3 * c) as f64;
+            println!("  {c:>3} chunks, all {what:<9} {ms:8.3} ms/chunk (forward + backward)");
+        }
+        let probs = candle_nn::ops::softmax_last_dim(z.as_tensor()).unwrap();
+        let t0 = Instant::now();
+        descending_order(&probs).unwrap();
+        let ms = t0.elapsed().as_secs_f64() * 1e3 / c as f64;
+        println!("  {c:>3} chunks, the host sort alone {ms:8.3} ms/chunk");
+    }
 }

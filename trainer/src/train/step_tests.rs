@@ -140,24 +140,29 @@ const VT: usize = 30;
 /// exactly (one-hot, weight 1), the others to two teacher ids; each teacher id's first student
 /// token is known for most ids.
 fn projection(rng: &mut ChaCha8Rng) -> Projection {
+    projection_onto(rng, VT)
+}
+
+/// [`projection`] onto `vt` teacher ids.
+fn projection_onto(rng: &mut ChaCha8Rng, vt: usize) -> Projection {
     let (mut indptr, mut indices, mut weights) = (vec![0usize], vec![], vec![]);
     for s in 0..V {
-        let a = (s * 7 % VT) as u32;
+        let a = (s * 7 % vt) as u32;
         if s % 3 == 0 {
             indices.push(a);
             weights.push(1.0);
         } else {
-            let b = ((s * 7 + 1 + s % 5) % VT) as u32;
+            let b = ((s * 7 + 1 + s % 5) % vt) as u32;
             let w = rng.random_range(0.2..0.8f32);
             indices.extend([a, b]);
             weights.extend([w, 1.0 - w]);
         }
         indptr.push(indices.len());
     }
-    let first: Vec<Option<u32>> = (0..VT)
+    let first: Vec<Option<u32>> = (0..vt)
         .map(|u| (u % 4 != 3).then(|| ((u * 3) % V) as u32))
         .collect();
-    Projection::from_csr(V, VT, &indptr, &indices, &weights)
+    Projection::from_csr(V, vt, &indptr, &indices, &weights)
         .unwrap()
         .with_teacher_first(first)
         .unwrap()
@@ -574,7 +579,8 @@ fn full_vocab_chunked_validation_equals_the_whole_batch() {
 /// Across tokenizers with hidden states: chunked gradients equal the whole loss.
 #[test]
 fn cross_full_vocab_chunks_equal_the_whole_loss() {
-    let (items, _, proj) = cross_batch(21);
+    let (mut items, _, proj) = cross_batch(21);
+    with_exact_pairs(&mut items, &proj);
     let (scores, head) = hidden_answers(&items, VT, 21);
     let losses = [
         cfg(KdConfig::FirstKl {}, None, CeConfig::Weight { weight: 0.2 }),
@@ -597,6 +603,14 @@ fn cross_full_vocab_chunks_equal_the_whole_loss() {
             KdConfig::Alm { tau: 2.0 },
             None,
             CeConfig::Weight { weight: 0.2 },
+        ),
+        cfg(
+            KdConfig::Gold {
+                matched_weight: 0.9,
+                unmatched_weight: 1.2,
+            },
+            None,
+            CeConfig::Dynamic {},
         ),
     ];
     for loss in &losses {
@@ -701,19 +715,85 @@ fn cross_full_equals_top_k(kd: KdConfig, tail: Option<TailMode>) {
 #[test]
 fn cross_full_vocab_alm_equals_the_top_k_alm() {
     let (items, _, proj) = cross_batch(24);
-    let (hscores, head) = hidden_answers(&items, VT, 24);
     let loss = cfg(
         KdConfig::Alm { tau: 2.0 },
         None,
         CeConfig::Weight { weight: 0.3 },
     );
-    let tscores = as_full_topk(&head, &items, &hscores, loss.temperature);
-    let (model, vm) = tiny(false, DType::F64, 25);
-    let norm = units(&items);
+    hidden_equals_top_k_with_every_teacher_id(&items, &proj, &loss, 24);
+}
+
+/// Gold across tokenizers from hidden states. With as many teacher as student ids it is the
+/// top-k gold given every teacher id (K = V_t), matched and unmatched chunks alike: value, every
+/// gradient, and validation (P-KL over every teacher id, as the top-k pairing reports). With
+/// fewer teacher ids ULD also counts the student's mass past rank V_t (tested against the f64
+/// definition in `loss/xtoken_full_tests.rs`), so there the matched chunks' KL alone is compared.
+#[test]
+fn cross_full_vocab_gold_equals_the_top_k_gold_with_every_teacher_id() {
+    use crate::loss::xtoken::gold_split;
+    let gold = |m, u| {
+        cfg(
+            KdConfig::Gold {
+                matched_weight: m,
+                unmatched_weight: u,
+            },
+            None,
+            CeConfig::Weight { weight: 0.3 },
+        )
+    };
+    for (vt, loss) in [(V, gold(0.8, 1.3)), (VT, gold(1.0, 0.0))] {
+        let (mut items, _, _) = cross_batch(26);
+        let proj = projection_onto(&mut ChaCha8Rng::seed_from_u64(26), vt);
+        with_exact_pairs(&mut items, &proj);
+        // Both kinds of chunk are present (counted on the top-k view of the same chunks).
+        let (hscores, head) = hidden_answers(&items, vt, 26);
+        let tscores = as_full_topk(&head, &items, &hscores, loss.temperature);
+        let trefs: Vec<&SequenceScores> = tscores.iter().collect();
+        let (xb, _) = xtoken_batch(&items, &trefs, vt).unwrap();
+        let (m, u) = gold_split(&xb, &proj).unwrap();
+        assert!(
+            m >= 3 && u >= 3,
+            "V_t = {vt}: {m} matched, {u} unmatched chunks"
+        );
+        hidden_equals_top_k_with_every_teacher_id(&items, &proj, &loss, 26);
+    }
+}
+
+/// Makes every second one-to-one chunk of `items` an exact pair for gold: its student token
+/// `g`, a multiple of 3, and the teacher token `g` maps to.
+fn with_exact_pairs(items: &mut [Item], proj: &Projection) {
+    for it in items {
+        let Item::Cross { pair, .. } = it else {
+            continue;
+        };
+        for (i, c) in pair.chunks.iter().enumerate() {
+            if c.student.len() == 1 && c.teacher.len() == 1 && i % 2 == 1 {
+                let g = (3 * (i % 13)) as u32;
+                pair.student_ids[c.student.start] = g;
+                pair.teacher_ids[c.teacher.start] = proj.exact_teacher(g as usize).unwrap();
+            }
+        }
+    }
+}
+
+/// The hidden-state pairing equals the top-k pairing on answers carrying the teacher's whole
+/// distribution (K = V_t, computed in f64 from the same head, rounded to f32): the loss, every
+/// gradient, and validation, for a loss whose validation is P-KL over every teacher id.
+fn hidden_equals_top_k_with_every_teacher_id(
+    items: &[Item],
+    proj: &Projection,
+    loss: &LossConfig,
+    seed: u64,
+) {
+    let vt = proj.teacher_vocab();
+    let (hscores, head) = hidden_answers(items, vt, seed);
+    let tscores = as_full_topk(&head, items, &hscores, loss.temperature);
+    let (model, vm) = tiny(false, DType::F64, seed + 1);
+    let norm = units(items);
     let ctx = |pairing, k| LossCtx {
         model: &model,
         k,
-        loss: &loss,
+        loss,
         pairing,
         device: &Device::Cpu,
         micro_batch: items.len(),
@@ -724,19 +804,28 @@ fn cross_full_vocab_alm_equals_the_top_k_alm() {
     };
     let hrefs: Vec<&SequenceScores> = hscores.iter().collect();
     let trefs: Vec<&SequenceScores> = tscores.iter().collect();
-    let hidden = ctx(Pairing::CrossFullVocab(&proj, &head), 0);
-    let topk = ctx(Pairing::Cross(&proj), VT);
-    let (g_hidden, o_hidden) = micro_grads(&hidden, &items, &hrefs, norm).unwrap();
-    let (g_topk, o_topk) = micro_grads(&topk, &items, &trefs, norm).unwrap();
-    assert!(o_hidden.kd.loss > 1e-3, "a loss that is not trivially 0");
+    let hidden = ctx(Pairing::CrossFullVocab(proj, &head), 0);
+    let topk = ctx(Pairing::Cross(proj), vt);
+    let (g_hidden, o_hidden) = micro_grads(&hidden, items, &hrefs, norm).unwrap();
+    let (g_topk, o_topk) = micro_grads(&topk, items, &trefs, norm).unwrap();
+    let case = format!("{:?} V_t = {vt}", loss.kd);
+    assert!(
+        o_hidden.kd.loss > 1e-3,
+        "{case}: a loss that is not trivially 0"
+    );
     // f32 teacher log-probs on both sides (the reference's rounded from f64).
-    assert_rel(o_hidden.kd.loss, o_topk.kd.loss, 1e-5, "alm kd");
-    assert_eq!(o_hidden.kd.count, o_topk.kd.count);
-    assert_same_grads(&vm, &g_hidden, &g_topk, 1e-5, "alm");
-    let got = validation_sums(&hidden, &items, &hrefs).unwrap();
-    let want = validation_sums(&topk, &items, &trefs).unwrap();
+    assert_rel(
+        o_hidden.kd.loss,
+        o_topk.kd.loss,
+        1e-5,
+        &format!("{case}: kd"),
+    );
+    assert_eq!(o_hidden.kd.count, o_topk.kd.count, "{case}");
+    assert_same_grads(&vm, &g_hidden, &g_topk, 1e-5, &case);
+    let got = validation_sums(&hidden, items, &hrefs).unwrap();
+    let want = validation_sums(&topk, items, &trefs).unwrap();
     assert!(got.kl_units > 0.0);
-    assert_eq!(got.kl_units, want.kl_units);
-    assert_rel(got.kl, want.kl, 1e-5, "validation P-KL");
-    assert_rel(got.ce, want.ce, 1e-9, "validation CE");
+    assert_eq!(got.kl_units, want.kl_units, "{case}");
+    assert_rel(got.kl, want.kl, 1e-5, &format!("{case}: validation P-KL"));
+    assert_rel(got.ce, want.ce, 1e-9, &format!("{case}: validation CE"));
 }

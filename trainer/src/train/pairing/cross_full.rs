@@ -1,20 +1,23 @@
 //! Another tokenizer with the teacher's **whole** distribution (`teacher.transport = "hidden"`,
-//! `kd = first_kl`, `pkl` or `alm`): records are aligned as in [`super::cross`], the teacher sends
-//! its hidden states, and at each aligned chunk the teacher's full log-softmax at the chunk's anchor
-//! (its head applied on the student's device) is compared with the student's: grouped by first
-//! student token ([`crate::loss::xtoken_full::first_kl_full`]), or against the chunk's projected
-//! student distribution over every teacher id ([`crate::loss::xtoken_full::pkl_full`]). No top-k
-//! set. The LM head runs in the same alignment-chunk pieces as [`super::cross`]
-//! ([`crate::train::xpieces`]); validation reports the run's own divergence, exactly. ALM needs
-//! only the teacher's log-probs of its own tokens: they are computed from the hidden states and
-//! the head, and [`super::cross`]'s ALM runs on them (validation: P-KL over every teacher id).
+//! `kd = first_kl`, `pkl`, `gold` or `alm`): records are aligned as in [`super::cross`], the
+//! teacher sends its hidden states, and at each aligned chunk the teacher's full log-softmax at
+//! the chunk's anchor (its head applied on the student's device) is compared with the student's:
+//! grouped by first student token ([`crate::loss::xtoken_full::first_kl_full`]), against the
+//! chunk's projected student distribution over every teacher id
+//! ([`crate::loss::xtoken_full::pkl_full`]), or by gold's exact-pair KL and whole-distribution
+//! ULD ([`crate::loss::xtoken_full::gold_full`]). No top-k set. The LM head runs in the same
+//! alignment-chunk pieces as [`super::cross`] ([`crate::train::xpieces`]); validation reports
+//! the run's own divergence, exactly (P-KL over every teacher id for gold). ALM needs only the
+//! teacher's log-probs of its own tokens: they are computed from the hidden states and the head,
+//! and [`super::cross`]'s ALM runs on them (validation: P-KL over every teacher id).
 
 use super::cross::{xtoken_batch, Cross, CrossPieces};
 use super::full_vocab::{hidden_row, token_logprobs_from_hidden};
 use super::{finish, val_ce, wants_ce, Collation, Item};
 use crate::collate::pad_batch;
 use crate::loss::full_vocab::{teacher_log_softmax_chunk, TeacherHead};
-use crate::loss::xtoken_full::{first_kl_full, pkl_full};
+use crate::loss::xtoken::gold_matched;
+use crate::loss::xtoken_full::{first_kl_full, gold_full, pkl_full};
 use crate::loss::{
     compute_dtype, cross_entropy, CeConfig, KdConfig, KdMetrics, LossConfig, Projection, TailMode,
     XTokenBatch,
@@ -74,8 +77,23 @@ fn anchors(x: &XTokenBatch) -> Vec<Anchor> {
     out
 }
 
+/// Gold's matched flag of each chunk ([`gold_matched`]): one position on each side, the student's
+/// target mapping exactly to the teacher's.
+fn gold_flags(x: &XTokenBatch, chunks: &[Anchor], proj: &Projection) -> Vec<bool> {
+    let (ts, tt) = (x.student_len, x.teacher_len);
+    chunks
+        .iter()
+        .map(|c| {
+            let one_to_one = c.student.len() == 1 && c.teacher.0 == c.teacher.1;
+            let s = x.student_targets[c.row * ts + c.student[0]];
+            let u = x.teacher_targets[c.row * tt + c.teacher.0];
+            gold_matched(proj, one_to_one, s, u)
+        })
+        .collect()
+}
+
 impl CrossFullVocab<'_> {
-    /// The run's cross-tokenizer loss (`first_kl` or P-KL) of `logits [nb, sl, V]` (the rows of
+    /// The run's cross-tokenizer loss (`first_kl`, P-KL or gold) of `logits [nb, sl, V]` (the rows of
     /// `x`) against the teacher's whole distribution at each chunk's anchor; `origin(row, p)`
     /// maps a teacher position of `x` to its (batch row, position) in `scores`.
     fn kd(
@@ -127,6 +145,22 @@ impl CrossFullVocab<'_> {
                 tau,
                 normalizer,
             )?,
+            KdConfig::Gold {
+                matched_weight,
+                unmatched_weight,
+            } => {
+                let matched = gold_flags(x, &chunks, self.projection);
+                gold_full(
+                    &student,
+                    &teacher,
+                    &matched,
+                    self.projection,
+                    matched_weight,
+                    unmatched_weight,
+                    tau,
+                    normalizer,
+                )?
+            }
             _ => first_kl_full(&student, &teacher, self.projection, tau, normalizer)?,
         })
     }
@@ -165,14 +199,12 @@ impl CrossFullVocab<'_> {
         )?)
     }
 
+    /// Every chunk loss works over the whole distribution; the sampled-token loss does not.
     fn check(&self, ctx: &LossCtx) -> Result<()> {
-        if !matches!(
-            ctx.loss.kd,
-            KdConfig::FirstKl {} | KdConfig::Pkl { .. } | KdConfig::Alm { .. }
-        ) {
+        if !ctx.loss.kd.is_cross_tokenizer() {
             bail!(
-                "teacher.transport = \"hidden\" across tokenizers trains with first_kl, pkl or \
-                 alm, not {:?}",
+                "teacher.transport = \"hidden\" across tokenizers trains with first_kl, pkl, \
+                 gold or alm, not {:?}",
                 ctx.loss.kd
             );
         }
@@ -234,11 +266,12 @@ fn is_alm(loss: &LossConfig) -> bool {
     matches!(loss.kd, KdConfig::Alm { .. })
 }
 
-/// What validation measures for a run's loss: the loss itself (first_kl, P-KL), or for ALM
-/// (whose chunk likelihoods are not a divergence) P-KL over the teacher's whole distribution,
-/// the figure the top-k pairing reports across tokenizers.
+/// What validation measures for a run's loss: the loss itself (first_kl, P-KL), or for ALM and
+/// gold (a chunk likelihood and a KL/L1 hybrid, neither a divergence) P-KL over the teacher's
+/// whole distribution, the figure the top-k pairing reports across tokenizers.
 fn validation_loss(loss: &LossConfig) -> Option<LossConfig> {
-    is_alm(loss).then(|| LossConfig {
+    let divergence = matches!(loss.kd, KdConfig::FirstKl {} | KdConfig::Pkl { .. });
+    (!divergence).then(|| LossConfig {
         kd: KdConfig::Pkl {
             anchor: Default::default(),
         },

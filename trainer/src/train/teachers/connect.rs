@@ -108,18 +108,13 @@ impl Teacher {
                 (Tokenization::Same(tok), None)
             }
             TeacherTokenizer::Different(_)
-                if tc.transport.is_hidden()
-                    && !matches!(
-                        loss_cross.kd,
-                        KdConfig::FirstKl {} | KdConfig::Pkl { .. } | KdConfig::Alm { .. }
-                    ) =>
+                if tc.transport.is_hidden() && !loss_cross.kd.is_cross_tokenizer() =>
             {
                 bail!(
                     "teacher.transport = \"hidden\" with a student of another tokenizer trains \
-                     with first_kl or pkl over the teacher's whole distribution, or alm: set \
-                     loss_cross.kd (or loss.kd) to {{ type = \"first_kl\" }}, {{ type = \
-                     \"pkl\" }} or {{ type = \"alm\" }}, not {:?} (gold from the full \
-                     distribution is not built yet; use transport = \"topk\" for it)",
+                     with first_kl, pkl or gold over the teacher's whole distribution, or alm: \
+                     set loss_cross.kd (or loss.kd) to {{ type = \"first_kl\" }}, \"pkl\", \
+                     \"gold\" or \"alm\", not {:?}",
                     loss_cross.kd
                 )
             }
