@@ -287,8 +287,9 @@ pub fn pkl_full(
 /// `student_logits [C, V]`: each chunk's first student position (`V ≥` the projection's student
 /// vocabulary; padded columns are ignored); `teacher_logprobs [C, V_t]`: `log_softmax(z_T / τ)`
 /// at its first teacher position (no gradient); `matched[c]`: chunk `c` has one position on each
-/// side and the student's target maps exactly to the teacher's ([`super::xtoken::gold_matched`]). With
-/// K' = every teacher id with an exact student counterpart:
+/// side and the student's target maps exactly to the teacher's
+/// ([`super::xtoken::gold_matched`]). With K' = every teacher id with an exact student
+/// counterpart:
 ///
 /// - matched (K' non-empty): `KL(T' ‖ S')` over K', both sides renormalised over K';
 /// - unmatched: ULD, `Σ_r |p_T↓(r) − p_S↓(r)|` over both whole distributions sorted
@@ -377,23 +378,27 @@ pub fn gold_full(
         let kl = (l.exp()? * (&l - ls)?)?.sum_all()?;
         total = (total + kl.affine(matched_weight, 0.0)?)?;
     }
-    // 2. Unmatched: L1 between both sorted distributions over the first min(V_s, V_t) ranks,
-    //    plus the longer side's mass past them (the teacher's is a constant).
+    // 2. Unmatched: L1 between both sorted distributions over the first r = min(V_s, V_t)
+    //    ranks, plus the longer side's mass past them (the teacher's is a constant).
     if !u_rows.is_empty() {
         let n_u = u_rows.len();
-        let p = super::stable::softmax_last(&rows_of(&z, &u_rows)?)?; // [n_u, V_s]
-        let ps = p.gather(&descending_order(&p.detach())?, 1)?; // [n_u, V_s] sorted
-        let mut pt = descending_probs(&rows_of(&lt, &u_rows)?)?; // [n_u, V_t] sorted (host)
         let r = vs.min(vt);
-        let mut teacher_past = 0.0;
-        for row in pt.chunks(vt) {
+        let p = super::stable::softmax_last(&rows_of(&z, &u_rows)?)?; // [n_u, V_s]
+        let order = descending_order(&p.detach())?
+            .narrow(1, 0, r)?
+            .contiguous()?;
+        let ps = p.gather(&order, 1)?; // [n_u, r]: the student's r largest, descending
+        let (mut pt, mut teacher_past) = (Vec::with_capacity(n_u * r), 0.0);
+        for row in descending_probs(&rows_of(&lt, &u_rows)?)?.chunks(vt) {
+            pt.extend_from_slice(&row[..r]);
             teacher_past += row[r..].iter().sum::<f64>();
         }
-        pt = pt.chunks(vt).flat_map(|row| row[..r].to_vec()).collect();
         let pt = Tensor::from_vec(pt, (n_u, r), &dev)?.to_dtype(dt)?;
-        let mut l1 = (pt - ps.narrow(1, 0, r)?)?.abs()?.sum_all()?;
+        let mut l1 = (pt - &ps)?.abs()?.sum_all()?;
         if vs > r {
-            l1 = (l1 + ps.narrow(1, r, vs - r)?.sum_all()?)?;
+            // The student's mass past rank r, Σ_rows (1 − Σ ps): as a function of the logits
+            // the same as summing that tail, without gathering it.
+            l1 = (l1 + ps.sum_all()?.affine(-1.0, n_u as f64)?)?;
         }
         total = (total + l1.affine(unmatched_weight, unmatched_weight * teacher_past)?)?;
     }

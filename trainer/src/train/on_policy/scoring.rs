@@ -10,7 +10,7 @@ use crate::data::{Content, Record};
 use crate::generate::Generation;
 use crate::train::distill::Setup;
 use crate::train::pairing::cross::trained_teacher_rows;
-use crate::train::pairing::full_vocab::token_logprobs_from_hidden;
+use crate::train::pairing::full_vocab::target_logprobs_from_hidden;
 use crate::train::pairing::sampled::Sample;
 use crate::train::pairing::units;
 use crate::train::prepare::{prepare_group, Group, Limits};
@@ -190,13 +190,10 @@ fn sample_logprobs_from_hidden(
     }
     let refs: Vec<&SequenceScores> = scores.iter().collect();
     let temperature = f64::from(teacher.cfg.temperature);
-    let lp = token_logprobs_from_hidden(head, temperature, &s.device, &refs, &want)
+    let filled = target_logprobs_from_hidden(head, temperature, &s.device, &refs, &want)
         .with_context(|| format!("teacher {:?}", teacher.name))?;
-    for sc in scores.iter_mut() {
-        sc.target_logprobs = vec![0.0; sc.rows];
-    }
-    for (&(i, p, _), v) in want.iter().zip(lp) {
-        scores[i].target_logprobs[p] = v;
+    for (sc, t) in scores.iter_mut().zip(filled) {
+        sc.target_logprobs = t;
     }
     Ok(())
 }

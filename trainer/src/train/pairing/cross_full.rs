@@ -12,7 +12,7 @@
 //! and [`super::cross`]'s ALM runs on them (validation: P-KL over every teacher id).
 
 use super::cross::{xtoken_batch, Cross, CrossPieces};
-use super::full_vocab::{hidden_row, token_logprobs_from_hidden};
+use super::full_vocab::{hidden_row, target_logprobs_from_hidden};
 use super::{finish, val_ce, wants_ce, Collation, Item};
 use crate::collate::pad_batch;
 use crate::loss::full_vocab::{teacher_log_softmax_chunk, TeacherHead};
@@ -243,22 +243,24 @@ impl CrossFullVocab<'_> {
             let rows = sc.rows.min(ids.len().saturating_sub(1));
             want.extend((0..rows).map(|p| (r, p, ids[p + 1])));
         }
-        let tau = ctx.loss.temperature;
-        let lp = token_logprobs_from_hidden(self.head, tau, ctx.device, scores, &want)?;
-        let mut out: Vec<SequenceScores> = scores
+        let filled = target_logprobs_from_hidden(
+            self.head,
+            ctx.loss.temperature,
+            ctx.device,
+            scores,
+            &want,
+        )?;
+        Ok(scores
             .iter()
-            .map(|sc| SequenceScores {
+            .zip(filled)
+            .map(|(sc, target_logprobs)| SequenceScores {
                 rows: sc.rows,
                 k: 0,
-                target_logprobs: vec![0.0; sc.rows],
                 logsumexp: vec![0.0; sc.rows],
+                target_logprobs,
                 ..Default::default()
             })
-            .collect();
-        for (&(r, p, _), v) in want.iter().zip(lp) {
-            out[r].target_logprobs[p] = v;
-        }
-        Ok(out)
+            .collect())
     }
 }
 

@@ -308,9 +308,8 @@ pub(crate) fn hidden_row(
 /// The teacher's log-prob of one token at each `(answer, row, target)` of `want`, from the
 /// answers' hidden states and the teacher's head at `temperature` (what the top-k transport
 /// sends as `target_logprobs`): one head pass over the entries on `device`, in chunks of
-/// [`DEFAULT_CHUNK_ROWS`] positions. Used where a loss or a figure needs only the teacher's
-/// log-probs of actual tokens (ALM, the on-policy sample figures).
-pub fn token_logprobs_from_hidden(
+/// [`DEFAULT_CHUNK_ROWS`] positions.
+fn token_logprobs_from_hidden(
     head: &TeacherHead,
     temperature: f64,
     device: &Device,
@@ -328,4 +327,22 @@ pub fn token_logprobs_from_hidden(
     let tg = Tensor::from_vec(targets, n, device)?;
     let lp = teacher_token_logprobs(head, &hid, &tg, temperature, DEFAULT_CHUNK_ROWS)?;
     Ok(lp.to_dtype(DType::F32)?.to_vec1()?)
+}
+
+/// Each answer's `target_logprobs` (one per row, what the top-k transport sends) with the rows of
+/// `want` filled by `token_logprobs_from_hidden` and every other row 0: for a loss or a figure
+/// that needs only the teacher's log-probs of actual tokens (ALM, the on-policy sample figures).
+pub fn target_logprobs_from_hidden(
+    head: &TeacherHead,
+    temperature: f64,
+    device: &Device,
+    scores: &[&SequenceScores],
+    want: &[(usize, usize, u32)],
+) -> Result<Vec<Vec<f32>>> {
+    let lp = token_logprobs_from_hidden(head, temperature, device, scores, want)?;
+    let mut out: Vec<Vec<f32>> = scores.iter().map(|sc| vec![0.0; sc.rows]).collect();
+    for (&(r, p, _), v) in want.iter().zip(lp) {
+        out[r][p] = v;
+    }
+    Ok(out)
 }
