@@ -8,13 +8,14 @@ use crate::align::{canonical_text, tokenize_pair, AlignTokenizer, PairOptions, T
 use crate::collate::{pad_batch, Encoded};
 use crate::data::Record;
 use crate::loss::{
-    cross_entropy, kd_loss, CeConfig, KdConfig, KdInputs, LossConfig, Projection, XTokenBatch,
+    cross_entropy, kd_loss, CeConfig, KdConfig, KdInputs, KdMetrics, LossConfig, Projection,
+    XTokenBatch,
 };
 use crate::train::head::{self, ChunkLoss, HeadSums, Mix};
 use crate::train::step::{LossCtx, MicroOut, Units, ValSums};
 use anyhow::{bail, Result};
 use candle_core::backprop::GradStore;
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use xdistill_shared::protocol::SequenceScores;
 
 /// Whether `r` exceeds a token limit on either side (without truncation). Texts short enough in
@@ -152,28 +153,16 @@ impl Collation for Cross<'_> {
         items: &[Item],
         scores: &[&SequenceScores],
     ) -> Result<ValSums> {
-        let (model, device, temperature) = (ctx.model, ctx.device, ctx.loss.temperature);
-        let tau2 = temperature * temperature;
-        let mut out = ValSums::default();
         let cp = CrossPieces::new(ctx, items, scores, ctx.k, true)?;
-        let cfg = self.validation_cfg(temperature);
-        let hidden = model.forward_hidden(&cp.tb.ids, None, None, None)?;
-        head::forward_only(model, &hidden, &cp.pieces, |i, logits| {
+        let cfg = self.validation_cfg(ctx.loss.temperature);
+        cp.validation(ctx, |i, logits| {
             let sub = cp.batch(i);
             let inputs = KdInputs::XToken {
                 batch: &sub,
                 projection: self.projection,
             };
-            let (kl, m) = kd_loss(&cfg, logits, inputs, None)?;
-            if m.count > 0.0 {
-                out.kl +=
-                    kl.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()? / tau2 * m.count;
-                out.kl_units += m.count;
-            }
-            let (tg, m, _) = cp.ce_inputs(i, device)?;
-            val_ce(&mut out, logits, tg, m)
-        })?;
-        Ok(out)
+            Ok(kd_loss(&cfg, logits, inputs, None)?)
+        })
     }
 
     #[cfg(test)]
@@ -365,6 +354,29 @@ impl CrossPieces {
     /// Piece `i`'s own loss inputs (its chunks renumbered).
     pub fn batch(&self, i: usize) -> XTokenBatch {
         crate::train::xpieces::batch(&self.xb, &self.plan[i])
+    }
+
+    /// Validation sums over the pieces: `kd(i, logits)` is piece `i`'s chunk divergence (τ²
+    /// included, normalised by its own chunk count), summed here per chunk with τ² removed,
+    /// and the student's CE.
+    pub fn validation(
+        &self,
+        ctx: &LossCtx,
+        mut kd: impl FnMut(usize, &Tensor) -> Result<(Tensor, KdMetrics)>,
+    ) -> Result<ValSums> {
+        let tau2 = ctx.loss.temperature * ctx.loss.temperature;
+        let mut out = ValSums::default();
+        let hidden = ctx.model.forward_hidden(&self.tb.ids, None, None, None)?;
+        head::forward_only(ctx.model, &hidden, &self.pieces, |i, logits| {
+            let (kl, m) = kd(i, logits)?;
+            if m.count > 0.0 {
+                out.kl += kl.to_dtype(DType::F64)?.to_scalar::<f64>()? / tau2 * m.count;
+                out.kl_units += m.count;
+            }
+            let (tg, m, _) = self.ce_inputs(i, ctx.device)?;
+            val_ce(&mut out, logits, tg, m)
+        })?;
+        Ok(out)
     }
 
     /// Piece `i`'s CE targets and mask, shaped as its logits, and its trained-token count.

@@ -13,7 +13,7 @@
 
 use super::cross::{xtoken_batch, Cross, CrossPieces};
 use super::full_vocab::{hidden_row, target_logprobs_from_hidden};
-use super::{finish, val_ce, wants_ce, Collation, Item};
+use super::{finish, wants_ce, Collation, Item};
 use crate::collate::pad_batch;
 use crate::loss::full_vocab::{teacher_log_softmax_chunk, TeacherHead};
 use crate::loss::xtoken::gold_matched;
@@ -27,7 +27,7 @@ use crate::train::step::{LossCtx, MicroOut, Units, ValSums};
 use crate::train::xpieces::XPiece;
 use anyhow::{bail, Result};
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 use xdistill_shared::protocol::SequenceScores;
 
 /// The cross-tokenizer pairing over the teacher's head.
@@ -346,7 +346,7 @@ impl Collation for CrossFullVocab<'_> {
         out.finish(pass)
     }
 
-    /// The run's divergence over the teacher's whole distribution (P-KL for ALM; τ²
+    /// The run's divergence over the teacher's whole distribution (P-KL for ALM and gold; τ²
     /// removed), and the student's CE.
     fn validation(
         &self,
@@ -359,22 +359,11 @@ impl Collation for CrossFullVocab<'_> {
             Some(loss) => LossCtx { loss, ..*ctx },
             None => *ctx,
         };
-        let (model, device) = (ctx.model, ctx.device);
-        let tau2 = ctx.loss.temperature * ctx.loss.temperature;
-        let mut out = ValSums::default();
         let cp = CrossPieces::new(ctx, items, scores, 0, true)?;
-        let hidden = model.forward_hidden(&cp.tb.ids, None, None, None)?;
-        head::forward_only(model, &hidden, &cp.pieces, |i, logits| {
+        cp.validation(ctx, |i, logits| {
             let origin = piece_origin(&cp.plan[i]);
-            let (kl, m) = self.kd(ctx, &cp.batch(i), logits, scores, &origin, None)?;
-            if m.count > 0.0 {
-                out.kl += kl.to_dtype(DType::F64)?.to_scalar::<f64>()? / tau2 * m.count;
-                out.kl_units += m.count;
-            }
-            let (tg, m, _) = cp.ce_inputs(i, device)?;
-            val_ce(&mut out, logits, tg, m)
-        })?;
-        Ok(out)
+            self.kd(ctx, &cp.batch(i), logits, scores, &origin, None)
+        })
     }
 
     #[cfg(test)]
