@@ -553,7 +553,7 @@ fn gold_full_refuses_bad_shapes_and_no_chunks_is_zero() {
 /// Gold's cost at real sizes (`-- --ignored --nocapture`): a Qwen3-vocabulary student
 /// (151,669 ids) against a Llama-2-vocabulary teacher (32,000 ids), forward and backward, per
 /// chunk, for every chunk unmatched (the whole-row sorts) and every chunk matched, at two chunk
-/// counts; and the host sort alone.
+/// counts; the host sort alone, and `first_kl_full` on the same rows for scale.
 #[test]
 #[ignore = "a measurement: prints timings"]
 fn measure_gold_full_cost_per_chunk() {
@@ -573,7 +573,11 @@ fn measure_gold_full_cost_per_chunk() {
         }
         indptr.push(indices.len());
     }
-    let p = Projection::from_csr(vs, vt, &indptr, &indices, &weights).unwrap();
+    let first = (0..vt).map(|u| Some(u as u32)).collect();
+    let p = Projection::from_csr(vs, vt, &indptr, &indices, &weights)
+        .unwrap()
+        .with_teacher_first(first)
+        .unwrap();
     let d = Device::Cpu;
     println!(
         "gold_full, V_s = {vs}, V_t = {vt}, f32, this CPU ({} rayon threads):",
@@ -597,6 +601,18 @@ fn measure_gold_full_cost_per_chunk() {
             let ms = t0.elapsed().as_secs_f64() * 1e3 / (3 * c) as f64;
             println!("  {c:>3} chunks, all {what:<9} {ms:8.3} ms/chunk (forward + backward)");
         }
+        // For scale: the first-token KL over the same rows.
+        let run = || {
+            let (l, _) = first_kl_full(z.as_tensor(), &t, &p, 1.0, None).unwrap();
+            l.backward().unwrap();
+        };
+        run();
+        let t0 = Instant::now();
+        for _ in 0..3 {
+            run();
+        }
+        let ms = t0.elapsed().as_secs_f64() * 1e3 / (3 * c) as f64;
+        println!("  {c:>3} chunks, first_kl_full    {ms:8.3} ms/chunk (forward + backward)");
         let probs = candle_nn::ops::softmax_last_dim(z.as_tensor()).unwrap();
         let t0 = Instant::now();
         descending_order(&probs).unwrap();
