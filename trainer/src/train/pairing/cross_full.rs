@@ -93,9 +93,9 @@ fn gold_flags(x: &XTokenBatch, chunks: &[Anchor], proj: &Projection) -> Vec<bool
 }
 
 impl CrossFullVocab<'_> {
-    /// The run's cross-tokenizer loss (`first_kl`, P-KL or gold) of `logits [nb, sl, V]` (the rows of
-    /// `x`) against the teacher's whole distribution at each chunk's anchor; `origin(row, p)`
-    /// maps a teacher position of `x` to its (batch row, position) in `scores`.
+    /// The run's cross-tokenizer loss (`first_kl`, P-KL or gold) of `logits [nb, sl, V]` (the
+    /// rows of `x`) against the teacher's whole distribution at each chunk's anchor;
+    /// `origin(row, p)` maps a teacher position of `x` to its (batch row, position) in `scores`.
     fn kd(
         &self,
         ctx: &LossCtx,
