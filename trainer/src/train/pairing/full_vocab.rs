@@ -6,7 +6,7 @@
 //! teacher's answer lies against the student's position `p`.
 
 use super::same::same_encodings;
-use super::{finish, val_ce, wants_ce, Collation, Item};
+use super::{finish, trained_positions, val_ce, wants_ce, Collation, Item};
 use crate::collate::{pad_batch, TokenBatch};
 use crate::loss::full_vocab::{
     full_vocab_divergence, teacher_token_logprobs, TeacherHead, DEFAULT_CHUNK_ROWS,
@@ -250,16 +250,8 @@ struct TrainedRows {
 
 impl TrainedRows {
     fn new(tb: &TokenBatch, scores: &[&SequenceScores], hsz: usize) -> Result<TrainedRows> {
-        let (b, t) = tb.ids.dims2()?;
-        let mask: Vec<f32> = tb.mask.flatten_all()?.to_vec1()?;
-        let all_targets: Vec<u32> = tb.targets.flatten_all()?.to_vec1()?;
-        let sel: Vec<u32> = (0..b * t)
-            .filter(|&i| mask[i] > 0.0)
-            .map(|i| i as u32)
-            .collect();
-        if sel.is_empty() {
-            bail!("micro-batch has no trained tokens");
-        }
+        let t = tb.ids.dim(1)?;
+        let (sel, targets) = trained_positions(tb)?;
         for (r, s) in scores.iter().enumerate() {
             if s.hidden.len() != s.rows * hsz * 4 {
                 bail!(
@@ -275,7 +267,6 @@ impl TrainedRows {
             let (r, p) = (i as usize / t, i as usize % t);
             hidden.extend(hidden_row(scores[r], r, p, hsz)?);
         }
-        let targets = sel.iter().map(|&i| all_targets[i as usize]).collect();
         Ok(TrainedRows {
             sel,
             targets,

@@ -212,6 +212,22 @@ pub fn units(items: &[Item]) -> Units {
 }
 
 /// Checks a teacher answer's shape against its sequence of `len` tokens.
+/// The trained positions of a padded batch (flat indices into `[B·T]`, row-major) and the token
+/// each predicts; an error when there are none.
+fn trained_positions(tb: &crate::collate::TokenBatch) -> Result<(Vec<u32>, Vec<u32>)> {
+    let mask: Vec<f32> = tb.mask.flatten_all()?.to_vec1()?;
+    let all_targets: Vec<u32> = tb.targets.flatten_all()?.to_vec1()?;
+    let sel: Vec<u32> = (0..mask.len())
+        .filter(|&i| mask[i] > 0.0)
+        .map(|i| i as u32)
+        .collect();
+    if sel.is_empty() {
+        bail!("micro-batch has no trained tokens");
+    }
+    let targets = sel.iter().map(|&i| all_targets[i as usize]).collect();
+    Ok((sel, targets))
+}
+
 fn check_rows(s: &SequenceScores, len: usize, k: usize) -> Result<()> {
     if s.rows + 1 != len || s.k != k {
         bail!("teacher returned {} rows of k={} for a sequence of {len} tokens (expected {} of k={k})", s.rows, s.k, len - 1);

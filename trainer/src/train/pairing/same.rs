@@ -3,7 +3,7 @@
 //! trained positions (`[N, H] -> [N, V]`), which is where almost all of a step's time goes with
 //! a real vocabulary.
 
-use super::{check_rows, finish, val_ce, wants_ce, Collation, Item, Limits};
+use super::{check_rows, finish, trained_positions, val_ce, wants_ce, Collation, Item, Limits};
 use crate::collate::{encode, pad_batch, Encoded, TokenBatch};
 use crate::data::Record;
 use crate::loss::{
@@ -215,16 +215,8 @@ struct TrainedRows {
 
 impl TrainedRows {
     fn new(tb: &TokenBatch, scores: &[&SequenceScores], k: usize) -> Result<TrainedRows> {
-        let (b, t) = tb.ids.dims2()?;
-        let mask: Vec<f32> = tb.mask.flatten_all()?.to_vec1()?;
-        let all_targets: Vec<u32> = tb.targets.flatten_all()?.to_vec1()?;
-        let sel: Vec<u32> = (0..b * t)
-            .filter(|&i| mask[i] > 0.0)
-            .map(|i| i as u32)
-            .collect();
-        if sel.is_empty() {
-            bail!("micro-batch has no trained tokens");
-        }
+        let t = tb.ids.dim(1)?;
+        let (sel, targets) = trained_positions(tb)?;
         let mut ids = Vec::with_capacity(sel.len() * k);
         let mut lps = Vec::with_capacity(sel.len() * k);
         for &i in &sel {
@@ -232,7 +224,6 @@ impl TrainedRows {
             ids.extend_from_slice(scores[r].ids_row(p));
             lps.extend_from_slice(scores[r].values_row(p));
         }
-        let targets = sel.iter().map(|&i| all_targets[i as usize]).collect();
         Ok(TrainedRows {
             sel,
             targets,
@@ -255,27 +246,12 @@ fn same_tokenizer(
     let tb = pad_batch(&enc, 0, device)?;
     let (b, t) = tb.ids.dims2()?;
     // 1. Trained positions (row-major over [B, T]) and their teacher rows.
-    let mask: Vec<f32> = tb.mask.flatten_all()?.to_vec1()?;
-    let targets: Vec<u32> = tb.targets.flatten_all()?.to_vec1()?;
-    let sel: Vec<u32> = (0..b * t)
-        .filter(|&i| mask[i] > 0.0)
-        .map(|i| i as u32)
-        .collect();
-    let n = sel.len();
-    if n == 0 {
-        bail!("micro-batch has no trained tokens");
-    }
-    let mut ids = Vec::with_capacity(n * k);
-    let mut lps = Vec::with_capacity(n * k);
-    for &i in &sel {
-        let (r, p) = (i as usize / t, i as usize % t);
-        ids.extend_from_slice(scores[r].ids_row(p));
-        lps.extend_from_slice(scores[r].values_row(p));
-    }
+    let trained = TrainedRows::new(&tb, scores, k)?;
+    let n = trained.sel.len();
     // 2. Student: hidden [B, T, H] -> trained rows [1, N, H] -> logits [1, N, V].
     let hidden = model.forward_hidden(&tb.ids, None, None, None)?;
     let h = hidden.dim(2)?;
-    let sel_t = Tensor::from_vec(sel.clone(), n, device)?;
+    let sel_t = Tensor::from_vec(trained.sel.clone(), n, device)?;
     let rows = hidden
         .reshape((b * t, h))?
         .index_select(&sel_t, 0)?
@@ -283,11 +259,10 @@ fn same_tokenizer(
     let logits = model.logits(&rows)?;
     let vocab = logits.dim(2)?;
     let ones = vec![1f32; n];
-    let tk = TopkTargets::from_host(1, n, k, &ids, &lps, &ones, vocab, device)?;
+    let tk = TopkTargets::from_host(1, n, k, &trained.ids, &trained.lps, &ones, vocab, device)?;
     let kd = kd_loss(ctx.loss, &logits, KdInputs::Topk(&tk), Some(norm.kd))?;
     let ce_inputs = if wants_ce(ctx.loss) {
-        let tg: Vec<u32> = sel.iter().map(|&i| targets[i as usize]).collect();
-        let tg = Tensor::from_vec(tg, (1, n), device)?;
+        let tg = Tensor::from_vec(trained.targets, (1, n), device)?;
         Some((
             tg,
             Tensor::ones((1, n), candle_core::DType::F32, device)?,
