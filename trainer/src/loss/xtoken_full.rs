@@ -28,6 +28,22 @@ use super::stable::{check_normalizer, check_temperature, log1mexp, log_softmax_l
 use super::topk::descending_order;
 use super::{compute_dtype, KdMetrics, LossError, Projection, Result, TailMode};
 
+/// The row count of `student_logits`, which must be `[rows, V]` with `V ≥` the student
+/// vocabulary `vs` (padded head columns past it are ignored by every loss here).
+fn student_rows(student_logits: &Tensor, vs: usize) -> Result<usize> {
+    match *student_logits.dims() {
+        [rows, v] if v >= vs => Ok(rows),
+        [_, v] => Err(LossError::input(
+            "student_logits",
+            format!("{v} columns for a student vocabulary of {vs}"),
+        )),
+        ref d => Err(LossError::input(
+            "student_logits",
+            format!("must be [rows, V], got {d:?}"),
+        )),
+    }
+}
+
 /// First-token KL of the student rows `student_logits [C, V]` (`V ≥` the projection's student
 /// vocabulary; padded columns are ignored) against the teacher's full log-probs
 /// `teacher_logprobs [C, V_t]` (`log_softmax(z_T / τ)` at each chunk's anchor, `V_t` the
@@ -42,21 +58,7 @@ pub fn first_kl_full(
     check_temperature(temperature)?;
     check_normalizer(normalizer)?;
     let (vs, vt) = (proj.student_vocab(), proj.teacher_vocab());
-    let (c, v) = match *student_logits.dims() {
-        [c, v] => (c, v),
-        ref d => {
-            return Err(LossError::input(
-                "student_logits",
-                format!("must be [C, V], got {d:?}"),
-            ))
-        }
-    };
-    if v < vs {
-        return Err(LossError::input(
-            "student_logits",
-            format!("{v} columns for a student vocabulary of {vs}"),
-        ));
-    }
+    let c = student_rows(student_logits, vs)?;
     if teacher_logprobs.dims() != [c, vt] {
         return Err(LossError::input(
             "teacher_logprobs",
@@ -173,22 +175,11 @@ pub fn pkl_full(
     check_temperature(temperature)?;
     check_normalizer(normalizer)?;
     let (vs, vt) = (proj.student_vocab(), proj.teacher_vocab());
-    let (n, v) = match *student_logits.dims() {
-        [n, v] => (n, v),
-        ref d => {
-            return Err(LossError::input(
-                "student_logits",
-                format!("must be [N, V], got {d:?}"),
-            ))
-        }
-    };
-    if v < vs || chunk_of_row.len() != n {
+    let n = student_rows(student_logits, vs)?;
+    if chunk_of_row.len() != n {
         return Err(LossError::input(
-            "student_logits",
-            format!(
-                "[{n}, {v}] for a student vocabulary of {vs} and {} chunk ids",
-                chunk_of_row.len()
-            ),
+            "chunk_of_row",
+            format!("{} chunk ids for {n} student rows", chunk_of_row.len()),
         ));
     }
     let c = teacher_logprobs.dim(0)?;
@@ -314,21 +305,7 @@ pub fn gold_full(
     check_temperature(temperature)?;
     check_normalizer(normalizer)?;
     let (vs, vt) = (proj.student_vocab(), proj.teacher_vocab());
-    let (c, v) = match *student_logits.dims() {
-        [c, v] => (c, v),
-        ref d => {
-            return Err(LossError::input(
-                "student_logits",
-                format!("must be [C, V], got {d:?}"),
-            ))
-        }
-    };
-    if v < vs {
-        return Err(LossError::input(
-            "student_logits",
-            format!("{v} columns for a student vocabulary of {vs}"),
-        ));
-    }
+    let c = student_rows(student_logits, vs)?;
     if teacher_logprobs.dims() != [c, vt] || matched.len() != c {
         return Err(LossError::input(
             "teacher_logprobs",
