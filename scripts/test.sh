@@ -1,60 +1,78 @@
 #!/usr/bin/env bash
 # The whole test suite: what CI runs (.ci/run) and what README.md tells a fresh machine to run.
 #
-# 1. The Rust tests of every crate: every test binary runs even when one fails
-#    (--no-fail-fast), and the failed tests are listed at the end.
-# 2. On a CPU with AVX-512, the crates whose hot loops dispatch on the SIMD level (shared,
-#    kernels, server) once more with XDISTILL_SIMD=avx2: the AVX2 paths an AVX2-only CPU runs.
-#    On an AVX2-only CPU, the same crates once more at XDISTILL_SIMD=baseline.
-# 3. The Python client's tests (scripts/python-tests.sh).
-# Arguments go to every `cargo test` (e.g. `scripts/test.sh -- --nocapture`).
+# Stages, each timed; at the end a table of them (and of every test binary) and the ten slowest
+# tests (scripts/test-report.py):
+# 1. tokenizers: the five real tokenizers the tests read (scripts/get-tokenizers.sh).
+# 2. haproxy: the load balancer of the replicas tests (scripts/install-haproxy.sh).
+# 3. cargo-nextest: the test runner, installed from crates.io when missing
+#    (scripts/install-nextest.sh).
+# 4. build: every crate's tests and the binaries they run (`cargo test --workspace --no-run`).
+# 5. rust tests: every test of every crate, each in its own process, as many at once as there
+#    are cores, the slowest first, a hung one killed after ten minutes (.config/nextest.toml);
+#    every test runs even when one fails, and the failures are listed at the end.
+# 6. simd pass: on a CPU with AVX-512, what depends on the SIMD level (the dispatched kernels of
+#    shared, kernels and the server, and the tests that compare a teacher's numbers with a
+#    reference) once more with XDISTILL_SIMD=avx2: the AVX2 paths an AVX2-only CPU runs. On an
+#    AVX2-only CPU, the same at XDISTILL_SIMD=baseline. Same build, nextest profile `simd`.
+# 7. python client: the Python client's tests (scripts/python-tests.sh).
+# Arguments go to both `cargo nextest run`s (e.g. `scripts/test.sh -E 'test(kl)' --no-capture`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-XDISTILL_TOKENIZERS="$(scripts/get-tokenizers.sh)" || exit 1
-export XDISTILL_TOKENIZERS
-# The load balancer of the replicas tests, from Debian's packages (skipped without root,
-# except under CI=true).
-scripts/install-haproxy.sh || exit 1
 
 logs="$(mktemp -d)"
 trap 'rm -rf "$logs"' EXIT
 failed=()
+stages="$logs/stages.tsv"
 
-# Runs `cargo test ARGS…` under a label, its output to the terminal and a log; records failures.
-run_cargo_tests() {
+now() { if [ -n "${EPOCHREALTIME:-}" ]; then echo "${EPOCHREALTIME/,/.}"; else date +%s; fi; }
+
+# Runs COMMAND… as stage LABEL: prints the label, times it, records it (and a failure).
+stage() {
   local label="$1"; shift
   echo "=== $label" >&2
-  local log="$logs/$(echo "$label" | tr -c 'A-Za-z0-9' _).log"
-  if ! cargo test "$@" 2>&1 | tee "$log"; then
-    local names
-    # libtest prints each failed test as `    name` under a `failures:` heading (twice: once
-    # with its output, once as a list); `error: test failed, to rerun pass …` names the binary.
-    names="$(grep -E '^error: test failed, to rerun pass' "$log" | sed -E 's/^error: test failed, to rerun pass //' || true)"
-    failed+=("$label: ${names:-cargo test failed before running tests (see above)}")
-    local tests
-    tests="$(awk '/^failures:$/{f++; next} f==2 && /^    [^ ]/{print} /^test result:/{f=0}' "$log" | sort -u)"
-    [ -n "$tests" ] && failed+=("$(echo "$tests" | sed 's/^ */    /')")
-  fi
+  local t0 t1 status=ok
+  t0="$(now)"
+  "$@" || status=failed
+  t1="$(now)"
+  printf '%s\t%s\t%s\n' "$label" "$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')" \
+    "$status" >> "$stages"
+  [ "$status" = ok ]
 }
 
-run_cargo_tests "cargo test --workspace" --workspace --locked --no-fail-fast ${1+"$@"}
+tokenizers() {
+  XDISTILL_TOKENIZERS="$(scripts/get-tokenizers.sh)" || return 1
+  export XDISTILL_TOKENIZERS
+}
+stage tokenizers tokenizers || { echo "the tokenizers are needed by every stage" >&2; exit 1; }
+# The load balancer of the replicas tests, from Debian's packages (skipped without root, except
+# under CI=true).
+stage haproxy scripts/install-haproxy.sh || exit 1
+stage cargo-nextest scripts/install-nextest.sh || exit 1
 
-simd="$(grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo avx2 || echo baseline)"
-XDISTILL_SIMD="$simd" run_cargo_tests "XDISTILL_SIMD=$simd: shared, kernels, server" \
-  --locked --no-fail-fast -p xdistill-shared -p xdistill-kernels -p xdistill-server ${1+"$@"}
+if stage build cargo test --workspace --locked --no-run; then
+  # `cargo nextest run --workspace` builds what the stage above built (the same packages and
+  # features): nothing.
+  stage "rust tests" cargo nextest run --workspace --locked --no-fail-fast ${1+"$@"} ||
+    failed+=("rust tests: see the failures listed above")
+  cp target/nextest/default/junit.xml "$logs/rust.xml" 2>/dev/null
 
-echo "=== python client" >&2
-# The binaries `cargo test --workspace` built (a `cargo build` of two packages alone would
-# resolve features differently and rebuild the dependencies).
-export XDISTILL_BIN_DIR="$PWD/target/debug"
-scripts/python-tests.sh -rs || failed+=("python client: scripts/python-tests.sh failed (see above)")
-
-skipped="$(cat "$logs"/*.log 2>/dev/null | grep -E '^SKIPPED ' | sort -u || true)"
-if [ -n "$skipped" ]; then
-  echo >&2
-  echo "Skipped (Rust):" >&2
-  echo "$skipped" | sed 's/^/  /' >&2
+  simd="$(grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo avx2 || echo baseline)"
+  XDISTILL_SIMD="$simd" stage "simd pass (XDISTILL_SIMD=$simd)" \
+    cargo nextest run --workspace --locked --no-fail-fast --profile simd ${1+"$@"} ||
+    failed+=("simd pass (XDISTILL_SIMD=$simd): see the failures listed above")
+  cp target/nextest/simd/junit.xml "$logs/simd.xml" 2>/dev/null
+else
+  failed+=("build: cargo test --workspace --no-run failed (see above); no Rust test ran")
 fi
+
+# The binaries the build stage built (a `cargo build` of two packages alone would resolve
+# features differently and rebuild the dependencies).
+export XDISTILL_BIN_DIR="$PWD/target/debug"
+stage "python client" scripts/python-tests.sh -rs --junitxml="$logs/python.xml" ||
+  failed+=("python client: scripts/python-tests.sh failed (see above)")
+
+python3 scripts/test-report.py "$stages" "$logs/rust.xml" "$logs/simd.xml" "$logs/python.xml" >&2
 
 if [ "${#failed[@]}" -gt 0 ]; then
   echo >&2

@@ -12,7 +12,9 @@
 //! - Per-client cap: at most `max_per_client` open at once from one client address; a client
 //!   past it gets a 503 JSON answer and its connection is closed, so one careless or hostile
 //!   client cannot take every slot from the others (0: no per-client cap; behind a proxy every
-//!   connection has the proxy's address).
+//!   connection has the proxy's address). A connection the server closes gives its place back
+//!   before the close reaches the client ([`Counted`]): a client that reconnects as soon as it
+//!   reads the end of an answer is never refused for a connection it no longer holds.
 //! - Answers hyper writes itself (unparsable heads) get JSON bodies ([`crate::head_errors`]).
 //! - File descriptors: the soft limit is raised to the hard one at start ([`raise_fd_limit`]);
 //!   an accept that fails for lack of descriptors (EMFILE, ENFILE) or memory is retried after a
@@ -21,13 +23,17 @@
 use crate::error::ApiError;
 use crate::head_errors::HeadErrors;
 use axum::Router;
+use hyper::rt::{Read, ReadBufCursor, Write};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use std::collections::HashMap;
 use std::future::Future;
+use std::io;
 use std::net::{IpAddr, SocketAddr};
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::Duration;
 use tokio::net::{TcpListener, TcpSocket};
 use tokio::sync::Semaphore;
@@ -90,15 +96,15 @@ pub async fn serve(
             refuse_over_share(stream, peer, limits.max_per_client);
             continue;
         };
-        // 4. Serve it on its own task; the slots are freed when the connection ends.
+        // 4. Serve it on its own task; the share is given back when the server closes the
+        //    connection (or it ends), the slot when the connection ends.
         let svc = TowerToHyperService::new(router.clone());
-        let io = HeadErrors::new(TokioIo::new(stream));
+        let io = Counted::new(HeadErrors::new(TokioIo::new(stream)), share);
         let conn = graceful.watch(http.serve_connection(io, svc));
         tokio::spawn(async move {
             if let Err(e) = conn.await {
                 tracing::debug!("connection ended: {e}");
             }
-            drop(share);
             drop(slot);
         });
     }
@@ -175,6 +181,66 @@ impl Drop for Share {
                 open.remove(&self.ip);
             }
         }
+    }
+}
+
+/// A connection that holds its client's [`Share`] until the server shuts its side down (or the
+/// connection is dropped). The share is given back *before* the shutdown is passed on, so by
+/// the time the client sees the end of the stream its place is free again; given back after,
+/// a client reconnecting at once could still find its old connection counted and be refused.
+struct Counted<T> {
+    inner: T,
+    share: Option<Share>,
+}
+
+impl<T> Counted<T> {
+    fn new(inner: T, share: Share) -> Counted<T> {
+        Counted {
+            inner,
+            share: Some(share),
+        }
+    }
+}
+
+impl<T: Read + Unpin> Read for Counted<T> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: ReadBufCursor<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_read(cx, buf)
+    }
+}
+
+impl<T: Write + Unpin> Write for Counted<T> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        this.share = None;
+        Pin::new(&mut this.inner).poll_shutdown(cx)
     }
 }
 
@@ -267,6 +333,65 @@ mod tests {
         let unlimited = Clients::new(0);
         let all: Vec<_> = (0..10).map(|_| unlimited.enter(a).unwrap()).collect();
         assert_eq!(all.len(), 10);
+    }
+
+    /// A writer that records, when it is shut down, how many connections its client holds.
+    struct ShutdownProbe {
+        clients: Clients,
+        ip: IpAddr,
+        open_at_shutdown: Option<usize>,
+    }
+
+    impl Write for ShutdownProbe {
+        fn poll_write(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            buf: &[u8],
+        ) -> Poll<io::Result<usize>> {
+            Poll::Ready(Ok(buf.len()))
+        }
+        fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+        fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            let this = self.get_mut();
+            let open = this.clients.open.lock().unwrap();
+            this.open_at_shutdown = Some(open.get(&this.ip).copied().unwrap_or(0));
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    /// The share is given back before the server's shutdown reaches the socket (the client can
+    /// reconnect as soon as it reads the end of the stream), and on drop when never shut down.
+    #[test]
+    fn a_closed_connection_gives_its_share_back_before_the_client_sees_the_close() {
+        let c = Clients::new(1);
+        let ip: IpAddr = "127.0.0.1".parse().unwrap();
+        let probe = ShutdownProbe {
+            clients: c.clone(),
+            ip,
+            open_at_shutdown: None,
+        };
+        let mut conn = Counted::new(probe, c.enter(ip).unwrap());
+        assert!(c.enter(ip).is_none(), "the open connection holds the share");
+        let waker = futures::task::noop_waker();
+        let mut cx = Context::from_waker(&waker);
+        let r = Pin::new(&mut conn).poll_shutdown(&mut cx);
+        assert!(matches!(r, Poll::Ready(Ok(()))));
+        assert_eq!(conn.inner.open_at_shutdown, Some(0));
+        assert!(c.enter(ip).is_some());
+
+        let dropped = Counted::new(
+            ShutdownProbe {
+                clients: c.clone(),
+                ip,
+                open_at_shutdown: None,
+            },
+            c.enter(ip).unwrap(),
+        );
+        assert!(c.enter(ip).is_none());
+        drop(dropped);
+        assert!(c.enter(ip).is_some());
     }
 
     #[test]

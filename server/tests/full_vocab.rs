@@ -23,22 +23,19 @@ const TOL: f64 = 2e-4;
 /// A tiny model (hidden 32, 2 layers) of `arch` with `tokenizer`, tied or not, its head padded
 /// to a multiple of `pad_to`, made once under this package's `CARGO_TARGET_TMPDIR`.
 fn model(name: &str, arch: &str, tokenizer: &str, tie: bool, pad_to: usize) -> PathBuf {
-    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let out = Path::new(env!("CARGO_TARGET_TMPDIR"))
         .join("teacher-models")
         .join(name);
-    if !out.join("config.json").is_file() {
+    xdistill_testkit::models::made_once(&out, |out| {
         let tok = xdistill_testkit::tokenizer_json(tokenizer);
         init_model_dir(&InitSpec {
             pad_vocab_to: pad_to,
             init_std: 0.1,
-            out: out.clone(),
+            out: out.to_path_buf(),
             ..xdistill_testkit::tiny_spec(arch, &tok, tie)
         })
         .expect("init-model");
-    }
-    out
+    })
 }
 
 /// Qwen3 vocabulary (151,669 ids), untied head padded to 151,680 rows.

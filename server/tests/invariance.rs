@@ -230,7 +230,7 @@ async fn a_temperature_overflowing_after_scoring_is_a_client_error() {
 fn loud_model() -> std::path::PathBuf {
     let tmp = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
     let out = tmp.join("teacher-models").join("invariance-loud-qwen3");
-    if !out.join("config.json").is_file() {
+    xdistill_testkit::models::made_once(&out, |out| {
         xdistill_shared::init::init_model_dir(&xdistill_shared::init::InitSpec {
             arch: "qwen3".into(),
             tokenizer: xdistill_testkit::tokenizer_json("llama2"),
@@ -245,10 +245,9 @@ fn loud_model() -> std::path::PathBuf {
             tie_embeddings: false,
             init_std: 1.0,
             seed: 7,
-            out: out.clone(),
+            out: out.to_path_buf(),
             features: Default::default(),
         })
         .expect("init-model");
-    }
-    out
+    })
 }

@@ -5,6 +5,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use xdistill_shared::hf::ModelConfig;
 use xdistill_shared::init::{build_config, init_model_dir, random_params, InitSpec};
@@ -23,36 +24,63 @@ pub fn tiny_teacher_model(
     tokenizer: &str,
     pad_to: usize,
 ) -> PathBuf {
-    // Tests of one binary run on threads of one process: make each model once, in turn.
-    static LOCK: Mutex<()> = Mutex::new(());
-    let _guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let tmp = std::env::var_os("XDISTILL_TEST_TMPDIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| tmp.to_path_buf());
-    let out = tmp.join("teacher-models").join(name);
-    if out.join("config.json").is_file() {
-        return out;
-    }
-    init_model_dir(&InitSpec {
-        arch: arch.into(),
-        tokenizer: tokenizer_json(tokenizer),
-        hidden_size: 32,
-        layers: 2,
-        heads: 4,
-        kv_heads: 2,
-        intermediate_size: 64,
-        head_dim: None,
-        pad_vocab_to: pad_to,
-        max_position_embeddings: 256,
-        tie_embeddings: false,
-        // Large enough that logits are spread (few near-ties among the top k).
-        init_std: 0.1,
-        seed: 7,
-        out: out.clone(),
-        features: Default::default(),
+    made_once(&tmp.join("teacher-models").join(name), |out| {
+        init_model_dir(&InitSpec {
+            arch: arch.into(),
+            tokenizer: tokenizer_json(tokenizer),
+            hidden_size: 32,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            intermediate_size: 64,
+            head_dim: None,
+            pad_vocab_to: pad_to,
+            max_position_embeddings: 256,
+            tie_embeddings: false,
+            // Large enough that logits are spread (few near-ties among the top k).
+            init_std: 0.1,
+            seed: 7,
+            out: out.to_path_buf(),
+            features: Default::default(),
+        })
+        .expect("init-model");
     })
-    .expect("init-model");
-    out
+}
+
+/// The model directory `out`, made by `make` unless it is already there. `make` writes into a
+/// fresh sibling folder that is then renamed to `out` in one step, so tests that race to make
+/// the same model — threads of one test binary, or test processes running side by side (the
+/// suite runs every test in its own process, several at once) — never read a half-written
+/// one: the first rename wins and the others' copies are removed.
+pub fn made_once(out: &Path, make: impl FnOnce(&Path)) -> PathBuf {
+    static MADE: AtomicUsize = AtomicUsize::new(0);
+    if out.join("config.json").is_file() {
+        return out.to_path_buf();
+    }
+    let parent = out.parent().expect("a model directory has a parent");
+    std::fs::create_dir_all(parent).unwrap_or_else(|e| panic!("{}: {e}", parent.display()));
+    let name = out.file_name().expect("a model directory has a name");
+    let partial = parent.join(format!(
+        ".{}.partial-{}-{}",
+        name.to_string_lossy(),
+        std::process::id(),
+        MADE.fetch_add(1, Ordering::Relaxed)
+    ));
+    let _ = std::fs::remove_dir_all(&partial);
+    make(&partial);
+    if let Err(e) = std::fs::rename(&partial, out) {
+        let _ = std::fs::remove_dir_all(&partial);
+        assert!(
+            out.join("config.json").is_file(),
+            "{} -> {}: {e}",
+            partial.display(),
+            out.display()
+        );
+    }
+    out.to_path_buf()
 }
 
 /// The shape of the trainer tests' tiny decoders: 2 layers, hidden 32, the vocabulary padded to

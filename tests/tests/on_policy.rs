@@ -1,6 +1,11 @@
 //! On-policy distillation end to end on loopback: the student samples completions of task
 //! prompts, a real `teacher` process scores them, the student trains on its own samples.
 
+// Trainer and teacher code runs in this process too: allocate as the binaries do (jemalloc,
+// xdistill_shared::alloc), not through glibc, which unmaps and page-faults back every large
+// buffer on each step.
+xdistill_shared::global_allocator!();
+
 use std::path::{Path, PathBuf};
 use xdistill_demo::task::{make_splits, write_splits, TaskConfig};
 use xdistill_testkit::models::{context_free_teacher, model, token_driven_teacher};
@@ -168,8 +173,12 @@ fn hidden_states_score_the_students_own_samples_exactly() {
     ] {
         let mut got = vec![];
         for hidden in [false, true] {
+            // One step of 2 prompts, 4 held-out ones: the two transports are compared on the
+            // same samples (top-k answers hold 32,000 entries per position).
             let mut c = cfg(student, &format!("{name}_{hidden}"), 1, loss, hidden);
             c.distillation.val_at_end = false;
+            c.distillation.num_prompts_per_step = 2;
+            c.data.val_count = Some(4);
             let out = c.checkpointing.checkpoint_dir.clone();
             let s = train(&setup(c).unwrap(), false, None).unwrap();
             let line = first_train_line(&out);

@@ -5,6 +5,11 @@
 //! against single-teacher training, bit for bit; a chunk-level ensemble across tokenizers
 //! against first_kl and against an f64 first-token mixture.
 
+// Trainer and teacher code runs in this process too: allocate as the binaries do (jemalloc,
+// xdistill_shared::alloc), not through glibc, which unmaps and page-faults back every large
+// buffer on each step.
+xdistill_shared::global_allocator!();
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use xdistill_testkit::models::{model, token_driven_teacher};
@@ -381,9 +386,7 @@ fn ensemble_target_is_the_f64_mixture_and_one_teacher_ensemble_is_single_teacher
             }
             // Both teachers' top-8 are in the set.
             for f in &full {
-                let mut order: Vec<usize> = (0..f[r].len()).collect();
-                order.sort_by(|&a, &b| f[r][b].total_cmp(&f[r][a]));
-                for &i in &order[..7] {
+                for i in top_ids(&f[r], 7) {
                     assert!(
                         out.ids_row(r).contains(&(i as u32)),
                         "row {r}: top id {i} missing"
@@ -451,6 +454,19 @@ fn records(n: usize) -> Vec<xdistill_trainer::data::Record> {
             }
         })
         .collect()
+}
+
+/// The ids of the `n` largest entries of `row`, largest first (a selection, then a sort of the
+/// `n`: rows here are whole vocabularies, up to 151,669 entries).
+fn top_ids(row: &[f64], n: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..row.len()).collect();
+    let by_value = |a: &usize, b: &usize| row[*b].total_cmp(&row[*a]);
+    if n < order.len() {
+        order.select_nth_unstable_by(n, by_value);
+        order.truncate(n);
+    }
+    order.sort_by(by_value);
+    order
 }
 
 #[test]
@@ -580,10 +596,8 @@ fn chunk_level_ensemble_across_tokenizers() {
                     .teacher
                     .start;
                 let row = &full[t][a - 1];
-                let mut order: Vec<usize> = (0..row.len()).collect();
-                order.sort_by(|&x, &y| row[y].total_cmp(&row[x]));
                 let proj = two.teachers.list[t].projection.as_ref().unwrap();
-                for &u in &order[..16] {
+                for u in top_ids(row, 16) {
                     if let Some(f) = proj.teacher_first(u) {
                         *want.entry(f).or_default() += w[t] * row[u].exp();
                     }

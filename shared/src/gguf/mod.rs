@@ -233,8 +233,20 @@ impl GgufModel {
             attn_bias: infos.contains_key("blk.0.attn_q.bias"),
             embed_rows,
         };
+        // The layer count is bounded by the file's own tensors before anything is sized from it
+        // (a block_count of 2^32 − 1 must not make a 4-billion-entry list first).
+        check_layers(
+            &path,
+            &architecture,
+            meta.usize(&format!("{architecture}.block_count"))?,
+            &content,
+        )?;
         let config = config::model_config(&meta, &architecture, Some(tok.tokens), &facts)?;
-        check_sizes(&path, &architecture, &config, &content)?;
+        crate::init::check_rope(&config).map_err(|e| GgufError::Key {
+            path: path.clone(),
+            key: format!("{architecture}.context_length"),
+            message: e.to_string(),
+        })?;
         let tensors = map_tensors(&path, &architecture, &config, &content)?;
         let mut counts: BTreeMap<&'static str, usize> = BTreeMap::new();
         for info in infos.values().filter(|i| i.shape.rank() >= 2) {
@@ -463,20 +475,14 @@ impl GgufModel {
     }
 }
 
-/// Refuses sizes that would allocate before the tensors are checked: a layer count above the
-/// layers the file holds (the parameter list is built per layer) and a context whose RoPE tables
-/// would not fit ([`crate::init::check_rope`]).
-fn check_sizes(
+/// Refuses a layer count (`{arch}.block_count`) above the layers the file holds tensors of:
+/// checked before the config is built, since the config's per-layer lists are sized by it.
+fn check_layers(
     path: &Path,
     arch: &str,
-    config: &ModelConfig,
+    layers: usize,
     content: &Content,
 ) -> Result<(), GgufError> {
-    let key = |k: &str, message: String| GgufError::Key {
-        path: path.to_path_buf(),
-        key: format!("{arch}.{k}"),
-        message,
-    };
     let held = content
         .tensor_infos
         .keys()
@@ -489,17 +495,17 @@ fn check_sizes(
         })
         .max()
         .map_or(0, |l| l + 1);
-    if config.num_hidden_layers > held {
-        return Err(key(
-            "block_count",
-            format!(
-                "{} layers, but the file holds tensors of {held} (blk.0..blk.{})",
-                config.num_hidden_layers,
+    if layers > held {
+        return Err(GgufError::Key {
+            path: path.to_path_buf(),
+            key: format!("{arch}.block_count"),
+            message: format!(
+                "{layers} layers, but the file holds tensors of {held} (blk.0..blk.{})",
                 held.saturating_sub(1)
             ),
-        ));
+        });
     }
-    crate::init::check_rope(config).map_err(|e| key("context_length", e.to_string()))
+    Ok(())
 }
 
 /// Maps every tensor of the file to its transformers name and checks the set and the shapes

@@ -23,6 +23,43 @@ const Q_EPS: f64 = 1e-10;
 /// Additive log-penalty of unused slots (probability `e^-1e4 = 0`).
 const PAD_PENALTY: f64 = -1.0e4;
 
+/// Probability mass summed per group id (a student token), the groups in order of first
+/// appearance: first_kl's and the ensemble's grouping of a teacher row by first student token.
+/// An index keeps it linear in the row's length (k reaches the teacher's whole vocabulary, 32k
+/// and more, where a search of the groups per entry took seconds per step); each group's mass is
+/// added in the row's order, so the sums do not depend on the index.
+#[derive(Debug, Default)]
+pub struct GroupedMass {
+    groups: Vec<(u32, f64)>,
+    index: std::collections::HashMap<u32, usize>,
+}
+
+impl GroupedMass {
+    /// Room for `n` groups.
+    pub fn with_capacity(n: usize) -> GroupedMass {
+        GroupedMass {
+            groups: Vec::with_capacity(n),
+            index: std::collections::HashMap::with_capacity(n),
+        }
+    }
+
+    /// Adds `p` to the mass of group `g`.
+    pub fn add(&mut self, g: u32, p: f64) {
+        match self.index.entry(g) {
+            std::collections::hash_map::Entry::Occupied(e) => self.groups[*e.get()].1 += p,
+            std::collections::hash_map::Entry::Vacant(e) => {
+                e.insert(self.groups.len());
+                self.groups.push((g, p));
+            }
+        }
+    }
+
+    /// `(group, mass)` in order of first appearance.
+    pub fn into_vec(self) -> Vec<(u32, f64)> {
+        self.groups
+    }
+}
+
 /// One batch of aligned sequences for the cross-tokenizer losses, on the host, row-major.
 ///
 /// Both tokenizations are in the *shifted* view: position `t`'s logits predict token `t + 1`,
@@ -440,15 +477,13 @@ pub fn first_kl_loss(
     for c in &chunks {
         rows.push((c.b * ts + c.student[0]) as u32);
         let (kids, lps) = batch.topk_row(c.b, c.teacher[0], proj.teacher_vocab())?;
-        let mut groups: Vec<(u32, f64)> = Vec::with_capacity(k);
+        let mut grouped = GroupedMass::with_capacity(k);
         for (&u, &l) in kids.iter().zip(&lps) {
             if let Some(g) = proj.teacher_first(u as usize) {
-                match groups.iter_mut().find(|(id, _)| *id == g) {
-                    Some(e) => e.1 += l.exp(),
-                    None => groups.push((g, l.exp())),
-                }
+                grouped.add(g, l.exp());
             }
         }
+        let groups = grouped.into_vec();
         let in_groups: f64 = groups.iter().map(|g| g.1).sum();
         teacher_mass += in_groups;
         let tail = (1.0 - in_groups).max(TAIL_FLOOR);

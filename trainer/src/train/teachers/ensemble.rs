@@ -27,6 +27,7 @@
 use super::score::Scores;
 use super::{Source, Teachers};
 use crate::align::{Chunk, TokenizedPair};
+use crate::loss::xtoken::GroupedMass;
 use crate::train::pairing::mixture::item_starts;
 use crate::train::prepare::Group;
 use std::collections::BTreeMap;
@@ -287,7 +288,7 @@ pub fn mix_first_tokens(
     first: &[&dyn Fn(u32) -> Option<u32>],
     weights: &[f64],
 ) -> Vec<(u32, f64)> {
-    let mut groups: Vec<(u32, f64)> = vec![];
+    let mut groups = GroupedMass::default();
     for t in 0..answers.len() {
         let row = starts[t][&j] - 1;
         for (&u, &lp) in answers[t]
@@ -297,13 +298,10 @@ pub fn mix_first_tokens(
         {
             let Some(g) = first[t](u) else { continue };
             let p = weights[t] * (lp as f64).exp();
-            match groups.iter_mut().find(|e| e.0 == g) {
-                Some(e) => e.1 += p,
-                None => groups.push((g, p)),
-            }
+            groups.add(g, p);
         }
     }
-    groups
+    groups.into_vec()
 }
 
 /// The virtual teacher's answer over `student_len` tokens: at row `j − 1` of each mixed start
