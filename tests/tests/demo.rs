@@ -252,6 +252,15 @@ fn fast_pretrained_demo_end_to_end() {
         "demo failed:\n{stdout}\n{}",
         String::from_utf8_lossy(&o.stderr)
     );
+    // A first run is quiet: the demo writes only records its runs keep (no skipped-record
+    // warnings about data it wrote itself), and nothing else warns either.
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    let warnings: Vec<&str> = stderr.lines().filter(|l| l.contains("WARN")).collect();
+    assert!(
+        warnings.is_empty(),
+        "the demo warned:\n{}",
+        warnings.join("\n")
+    );
     for name in ["teacher (3 layers)", "student_init", "sft", "distill"] {
         assert!(stdout.contains(name), "table lacks {name}:\n{stdout}");
     }

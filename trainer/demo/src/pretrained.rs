@@ -210,7 +210,7 @@ pub fn run(out: &Path, p: &Preset, o: &Options) -> Result<Summary> {
             gguf.display()
         );
     }
-    let (train, held) = problems(&chat, p)?;
+    let (train, held) = problems(&chat, p, &fits_student(&student, p.max_seq_len)?)?;
     let data = out.join("data");
     std::fs::create_dir_all(&data)?;
     let train_path = data.join("train.jsonl");
@@ -403,7 +403,11 @@ impl Problem {
 }
 
 /// The training problems (the first ones shipped) and the held-out ones (the last ones).
-pub fn problems(chat: &ChatTemplate, p: &Preset) -> Result<(Vec<Problem>, Vec<Problem>)> {
+pub fn problems(
+    chat: &ChatTemplate,
+    p: &Preset,
+    fits: &dyn Fn(&Problem) -> bool,
+) -> Result<(Vec<Problem>, Vec<Problem>)> {
     let all: Vec<Problem> = GSM8K
         .lines()
         .filter(|l| !l.trim().is_empty())
@@ -427,18 +431,45 @@ pub fn problems(chat: &ChatTemplate, p: &Preset) -> Result<(Vec<Problem>, Vec<Pr
                 completion: format!("{}{}", strip_calculator(a), chat.eos_token()),
             })
         })
-        .collect::<Result<_>>()?;
+        .collect::<Result<Vec<_>>>()?
+        .into_iter()
+        .filter(|q| fits(q))
+        .collect();
     if p.train_problems + p.held_out > all.len() {
         bail!(
-            "{} training + {} held-out problems: only {} ship with the demo",
+            "{} training + {} held-out problems: only {} of those that ship with the demo fit \
+             {} tokens",
             p.train_problems,
             p.held_out,
-            all.len()
+            all.len(),
+            p.max_seq_len
         );
     }
     let held = all[all.len() - p.held_out..].to_vec();
     let train = all[..p.train_problems].to_vec();
     Ok((train, held))
+}
+
+/// Whether a problem fits `max_len` tokens as the SFT run counts them — the student's
+/// tokenizer, prompt + solution + EOS, the strictest of both runs' limits — so that the files the
+/// demo writes hold only records both runs train on, and neither warns about skipping any.
+fn fits_student(student: &Path, max_len: usize) -> Result<impl Fn(&Problem) -> bool> {
+    let md = xdistill_shared::hf::ModelDir::open(student)?;
+    let tok = tokenizers::Tokenizer::from_file(&md.tokenizer)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", md.tokenizer.display()))?;
+    let eos = md.config.eos_ids().first().copied();
+    Ok(move |p: &Problem| {
+        let r = Record {
+            line: 0,
+            content: Content::Pair {
+                prompt: p.prompt.clone(),
+                completion: p.completion.clone(),
+            },
+            completion_only_loss: true,
+            teacher: None,
+        };
+        xdistill_trainer::train::sft::encode_record(&tok, &r, eos, max_len).is_ok()
+    })
 }
 
 /// GSM8K's calculator annotations removed: `48/2 = <<48/2=24>>24` → `48/2 = 24`.
@@ -642,7 +673,7 @@ mod tests {
         )
         .unwrap();
         let p = Preset::quick();
-        let (train, held) = problems(&chat, &p).unwrap();
+        let (train, held) = problems(&chat, &p, &|_| true).unwrap();
         assert_eq!((train.len(), held.len()), (p.train_problems, p.held_out));
         assert!(train
             .iter()
@@ -650,6 +681,15 @@ mod tests {
         assert!(held[0].prompt.starts_with("<user>") && held[0].prompt.ends_with("<a>"));
         assert!(held[0].completion.ends_with("</s>") && !held[0].completion.contains("<<"));
         let full = Preset::full();
-        assert!(problems(&chat, &full).is_ok());
+        assert!(problems(&chat, &full, &|_| true).is_ok());
+        // Only what fits is written: the split is taken from the problems that fit.
+        let some = |q: &Problem| q.prompt.len() % 9 != 0;
+        let (train, held) = problems(&chat, &p, &some).unwrap();
+        assert!(train.iter().chain(&held).all(some));
+        assert_eq!((train.len(), held.len()), (p.train_problems, p.held_out));
+        assert!(problems(&chat, &p, &|_| false)
+            .unwrap_err()
+            .to_string()
+            .contains("fit 320 tokens"));
     }
 }
