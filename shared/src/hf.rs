@@ -25,6 +25,9 @@ pub enum HfError {
     NoTokenizer(PathBuf),
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// `config.json` refused by [`ModelConfig::validate`], with the file named.
+    #[error("{}: {source}", path.display())]
+    ConfigFile { path: PathBuf, source: ConfigError },
     #[error("invalid config: {0}")]
     InvalidConfig(String),
     /// `config.json` and the safetensors headers disagree (said before any weight is loaded).
@@ -32,6 +35,16 @@ pub enum HfError {
     ConfigVsWeights { path: PathBuf, message: String },
     #[error("tokenizer: {0}")]
     Tokenizer(String),
+    /// A file (or device) given as a model that is neither a GGUF file nor a directory.
+    #[error(
+        "{}: neither a GGUF file (it does not start with the GGUF magic) nor a model directory \
+         (config.json, safetensors, tokenizer.json)",
+        .0.display()
+    )]
+    NotAModel(PathBuf),
+    /// A safetensors file that does not follow the format, or a tensor the model cannot use.
+    #[error("{}: {message}", path.display())]
+    Safetensors { path: PathBuf, message: String },
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> HfError + '_ {
@@ -63,6 +76,9 @@ impl ModelDir {
     /// data is read.
     pub fn open(dir: impl AsRef<Path>) -> Result<ModelDir, HfError> {
         let path = dir.as_ref().to_path_buf();
+        if path.exists() && !path.is_dir() {
+            return Err(HfError::NotAModel(path));
+        }
         let cfg_path = path.join("config.json");
         let text = std::fs::read(&cfg_path).map_err(io_err(&cfg_path))?;
         let json: serde_json::Value =
@@ -76,15 +92,45 @@ impl ModelDir {
                 path: cfg_path.clone(),
                 source,
             })?;
-        config.validate()?;
+        config.validate().map_err(|source| HfError::ConfigFile {
+            path: cfg_path.clone(),
+            source,
+        })?;
         let weights = weight_files(&path)?;
         let mut tensors = Vec::new();
+        let mut shapes = crate::model_check::Shapes::new();
         for w in &weights {
-            tensors.extend(safetensors_header(w)?);
+            for t in safetensors_tensors(w)? {
+                if !t.is_float() && (t.name.ends_with(".weight") || t.name.ends_with(".bias")) {
+                    return Err(HfError::Safetensors {
+                        path: w.clone(),
+                        message: format!(
+                            "tensor {:?} is stored as {}: a model weight is a float type \
+                             (F32, F16, BF16, F64)",
+                            t.name, t.dtype
+                        ),
+                    });
+                }
+                if let Some((_, first)) =
+                    shapes.insert(t.name.clone(), (t.shape.clone(), w.clone()))
+                {
+                    return Err(HfError::Safetensors {
+                        path: w.clone(),
+                        message: format!(
+                            "tensor {:?} is stored twice (also in {})",
+                            t.name,
+                            first.display()
+                        ),
+                    });
+                }
+                tensors.push((t.name, t.shape));
+            }
         }
         if multimodal {
             config.weight_prefix = Some(text_tower_prefix(&tensors)?);
         }
+        // Every size the config states, against the stored tensors, before anything is sized.
+        crate::model_check::check_sizes(&config, &cfg_path, &shapes)?;
         check_experts(&config, &cfg_path, &tensors)?;
         let tokenizer = path.join("tokenizer.json");
         if !tokenizer.is_file() {
@@ -325,9 +371,79 @@ pub fn check_experts(
 /// The largest safetensors header read (the format's own limit is 100 MB).
 const MAX_HEADER_BYTES: u64 = 100 << 20;
 
-/// Names and shapes of the tensors of one safetensors file, from its header only.
+/// One tensor of a safetensors header.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HeaderTensor {
+    pub name: String,
+    /// The stored type as the header names it (`F32`, `BF16`, `I64`, …).
+    pub dtype: String,
+    pub shape: Vec<usize>,
+    /// `data_offsets`: where its bytes lie in the data region.
+    pub offsets: (u64, u64),
+}
+
+impl HeaderTensor {
+    /// Whether the stored type is a floating-point one.
+    pub fn is_float(&self) -> bool {
+        self.dtype.starts_with('F') || self.dtype == "BF16"
+    }
+}
+
+/// Bytes per element of a safetensors dtype (`None`: not a type of the format).
+fn dtype_bytes(dtype: &str) -> Option<u64> {
+    Some(match dtype {
+        "BOOL" | "U8" | "I8" | "F8_E5M2" | "F8_E4M3" | "F8_E8M0" => 1,
+        "I16" | "U16" | "F16" | "BF16" => 2,
+        "I32" | "U32" | "F32" => 4,
+        "I64" | "U64" | "F64" => 8,
+        _ => return None,
+    })
+}
+
+/// A JSON object's entries in order, duplicates kept (serde_json's map keeps the last).
+struct Entries(Vec<(String, serde_json::Value)>);
+
+impl<'de> Deserialize<'de> for Entries {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = Entries;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut m: A,
+            ) -> Result<Entries, A::Error> {
+                let mut out = Vec::new();
+                while let Some(e) = m.next_entry()? {
+                    out.push(e);
+                }
+                Ok(Entries(out))
+            }
+        }
+        d.deserialize_map(V)
+    }
+}
+
+/// Names and shapes of the tensors of one safetensors file, from its header only
+/// ([`safetensors_tensors`]).
 pub fn safetensors_header(path: &Path) -> Result<Vec<(String, Vec<usize>)>, HfError> {
-    let bad = |m: String| HfError::InvalidConfig(format!("{}: {m}", path.display()));
+    Ok(safetensors_tensors(path)?
+        .into_iter()
+        .map(|t| (t.name, t.shape))
+        .collect())
+}
+
+/// The tensors of one safetensors file, from its header only, checked as the format requires:
+/// a header of at most 100 MB that is one JSON object, each name once, known dtypes,
+/// `data_offsets` holding exactly the shape's bytes, and the tensors tiling the data region
+/// (from 0 to the end of the file, no gap, no overlap).
+pub fn safetensors_tensors(path: &Path) -> Result<Vec<HeaderTensor>, HfError> {
+    let bad = |m: String| HfError::Safetensors {
+        path: path.to_path_buf(),
+        message: m,
+    };
     let mut f = std::fs::File::open(path).map_err(io_err(path))?;
     let file_len = f.metadata().map(|m| m.len()).unwrap_or(0);
     let mut len = [0u8; 8];
@@ -341,13 +457,28 @@ pub fn safetensors_header(path: &Path) -> Result<Vec<(String, Vec<usize>)>, HfEr
     }
     let mut head = vec![0u8; n as usize];
     f.read_exact(&mut head).map_err(io_err(path))?;
-    let map: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&head)
+    let entries: Entries = serde_json::from_slice(&head)
         .map_err(|e| bad(format!("invalid safetensors header: {e}")))?;
-    let mut out = Vec::with_capacity(map.len());
-    for (name, v) in map {
+    let data_len = file_len - 8 - n;
+    let mut seen = std::collections::HashSet::new();
+    let mut out = Vec::with_capacity(entries.0.len());
+    for (name, v) in entries.0 {
+        if !seen.insert(name.clone()) {
+            return Err(bad(format!("tensor {name:?} is named twice in the header")));
+        }
         if name == "__metadata__" {
             continue;
         }
+        let dtype = v
+            .get("dtype")
+            .and_then(|d| d.as_str())
+            .ok_or_else(|| bad(format!("tensor {name:?} has no dtype")))?
+            .to_string();
+        let size = dtype_bytes(&dtype).ok_or_else(|| {
+            bad(format!(
+                "tensor {name:?} has dtype {dtype:?}, not a safetensors type"
+            ))
+        })?;
         let shape = v
             .get("shape")
             .and_then(|s| s.as_array())
@@ -357,7 +488,53 @@ pub fn safetensors_header(path: &Path) -> Result<Vec<(String, Vec<usize>)>, HfEr
                     .collect::<Option<Vec<usize>>>()
             })
             .ok_or_else(|| bad(format!("tensor {name:?} has no valid shape")))?;
-        out.push((name, shape));
+        let offsets = v
+            .get("data_offsets")
+            .and_then(|o| o.as_array())
+            .and_then(|o| match o.as_slice() {
+                [b, e] => Some((b.as_u64()?, e.as_u64()?)),
+                _ => None,
+            })
+            .ok_or_else(|| bad(format!("tensor {name:?} has no valid data_offsets")))?;
+        let bytes = shape.iter().try_fold(size, |a, &d| a.checked_mul(d as u64));
+        if offsets.0 > offsets.1 || Some(offsets.1 - offsets.0) != bytes {
+            return Err(bad(format!(
+                "tensor {name:?}: data_offsets {:?} do not hold the {} bytes of {dtype} {shape:?}",
+                [offsets.0, offsets.1],
+                bytes.map_or("overflowing".into(), |b| b.to_string())
+            )));
+        }
+        out.push(HeaderTensor {
+            name,
+            dtype,
+            shape,
+            offsets,
+        });
+    }
+    // The tensors tile the data region: sorted by start, each begins where the last ended.
+    let mut order: Vec<&HeaderTensor> = out.iter().collect();
+    order.sort_by_key(|t| t.offsets);
+    let mut end = 0u64;
+    for t in order {
+        if t.offsets.0 != end {
+            let what = if t.offsets.0 > end {
+                "a gap before"
+            } else {
+                "an overlap at"
+            };
+            return Err(bad(format!(
+                "tensor {:?}: data_offsets {:?} leave {what} byte {end} of the data region",
+                t.name,
+                [t.offsets.0, t.offsets.1]
+            )));
+        }
+        end = t.offsets.1;
+    }
+    if end != data_len {
+        return Err(bad(format!(
+            "the tensors end at byte {end} of the data region, but it holds {data_len} bytes \
+             (truncated or padded?)"
+        )));
     }
     Ok(out)
 }
@@ -571,5 +748,113 @@ mod tests {
         bad = l.clone();
         bad.num_key_value_heads = Some(3);
         assert!(bad.validate().is_err());
+    }
+
+    /// A tiny Llama directory (random weights, a placeholder tokenizer file) under `root`.
+    fn tiny_dir(root: &Path, name: &str) -> PathBuf {
+        let cfg: ModelConfig = serde_json::from_value(serde_json::json!({
+            "model_type": "llama", "vocab_size": 16, "hidden_size": 8, "intermediate_size": 16,
+            "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "max_position_embeddings": 64}))
+        .unwrap();
+        let params = crate::init::random_params(&cfg, 0.1, 1).unwrap();
+        let tok = root.join("tokenizer.json");
+        std::fs::write(&tok, "{}").unwrap();
+        let dir = root.join(name);
+        write_model_dir(&dir, &cfg, &params, &tok).unwrap();
+        dir
+    }
+
+    /// Rewrites the header of `dir`'s model.safetensors with `edit` (on its JSON text).
+    fn edit_header(dir: &Path, edit: impl FnOnce(String) -> String) {
+        let p = dir.join("model.safetensors");
+        let bytes = std::fs::read(&p).unwrap();
+        let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let head = edit(String::from_utf8(bytes[8..8 + n].to_vec()).unwrap());
+        let mut out = (head.len() as u64).to_le_bytes().to_vec();
+        out.extend_from_slice(head.as_bytes());
+        out.extend_from_slice(&bytes[8 + n..]);
+        std::fs::write(&p, out).unwrap();
+    }
+
+    /// The header entry of tensor `name` as JSON text.
+    fn entry(head: &str, name: &str) -> String {
+        let v: serde_json::Value = serde_json::from_str(head).unwrap();
+        v[name].to_string()
+    }
+
+    /// Safetensors headers are checked as the format requires, and a float weight stored as an
+    /// integer is refused, each by name, at open (before any weight is read).
+    #[test]
+    fn malformed_safetensors_are_refused_by_name() {
+        let root = tempfile::tempdir().unwrap();
+        let good = tiny_dir(root.path(), "good");
+        ModelDir::open(&good).unwrap();
+        let err = |name: &str, edit: &dyn Fn(String) -> String| {
+            let dir = tiny_dir(root.path(), name);
+            edit_header(&dir, edit);
+            ModelDir::open(&dir).unwrap_err().to_string()
+        };
+        // A second record named like another tensor, pointing at layer 0's norm.
+        let e = err("dup", &|h| {
+            let e = entry(&h, "model.layers.0.input_layernorm.weight");
+            format!(
+                "{},\"model.norm.weight\":{e}}}",
+                h.trim_end().strip_suffix('}').unwrap()
+            )
+        });
+        assert!(e.contains("\"model.norm.weight\" is named twice"), "{e}");
+        // A float weight stored as I32 (same size: the offsets still tile).
+        let e = err("int", &|h| {
+            let at = "\"model.norm.weight\":{\"dtype\":";
+            assert!(h.contains(&format!("{at}\"F32\"")), "{h}");
+            h.replace(&format!("{at}\"F32\""), &format!("{at}\"I32\""))
+        });
+        assert!(e.contains("\"model.norm.weight\" is stored as I32"), "{e}");
+        // data_offsets that do not hold the shape's bytes.
+        let e = err("offsets", &|h| {
+            let old = entry(&h, "model.norm.weight");
+            let v: serde_json::Value = serde_json::from_str(&old).unwrap();
+            let [b, e] =
+                [&v["data_offsets"][0], &v["data_offsets"][1]].map(|x| x.as_u64().unwrap());
+            h.replacen(&format!("[{b},{e}]"), &format!("[{b},{}]", e - 4), 1)
+        });
+        assert!(
+            e.contains("\"model.norm.weight\": data_offsets") && e.contains("do not hold"),
+            "{e}"
+        );
+        // A dtype the format does not have.
+        let e = err("dtype", &|h| h.replacen("\"F32\"", "\"F31\"", 1));
+        assert!(e.contains("\"F31\", not a safetensors type"), "{e}");
+        // A file cut short: the tensors no longer tile the data region.
+        let dir = tiny_dir(root.path(), "short");
+        let p = dir.join("model.safetensors");
+        let bytes = std::fs::read(&p).unwrap();
+        std::fs::write(&p, &bytes[..bytes.len() - 1]).unwrap();
+        let e = ModelDir::open(&dir).unwrap_err().to_string();
+        assert!(e.contains("truncated"), "{e}");
+        // A file given as a model: neither GGUF nor a directory.
+        let e = ModelDir::open(&p).unwrap_err().to_string();
+        assert!(e.contains("neither a GGUF file"), "{e}");
+    }
+
+    /// Absurd sizes are refused by key before anything is sized from them.
+    #[test]
+    fn sizes_are_bounded_before_use() {
+        let base = serde_json::json!({"model_type": "llama", "vocab_size": 16, "hidden_size": 8,
+            "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2});
+        let bad = |key: &str, v: serde_json::Value| {
+            let mut j = base.clone();
+            j[key] = v;
+            let c: ModelConfig = serde_json::from_value(j).unwrap();
+            c.validate().unwrap_err().to_string()
+        };
+        // 2^31 layers: refused before the per-layer list (2 GB) is made.
+        assert!(bad("num_hidden_layers", (1u64 << 31).into()).contains("`num_hidden_layers`"));
+        assert!(bad("max_position_embeddings", (1u64 << 27).into())
+            .contains("`max_position_embeddings`"));
+        assert!(bad("rms_norm_eps", (-1.0).into()).contains("`rms_norm_eps`"));
+        assert!(bad("rms_norm_eps", 0.0.into()).contains("`rms_norm_eps`"));
+        assert!(bad("vocab_size", (1u64 << 40).into()).contains("`vocab_size`"));
     }
 }

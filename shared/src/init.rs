@@ -56,9 +56,7 @@ pub fn random_params(
 /// Cap on the parameter count [`build_config`] accepts (f32 weights: 64 GiB).
 pub const MAX_INIT_PARAMETERS: u128 = 16 << 30;
 
-/// Cap on `max_position_embeddings × head_dim / 2`: the size of each of the two RoPE tables the
-/// decoder precomputes (2^26 f32 = 256 MiB; a 1M-token context at head_dim 128 still fits).
-pub const MAX_ROPE_TABLE: u128 = 1 << 26;
+pub use crate::model_check::MAX_ROPE_TABLE;
 
 /// What a random model is made from: the fields of `trainer init-model`'s flags (that command is
 /// a command-line front end to this), without the command-line parser.
@@ -293,15 +291,7 @@ pub fn init_model_dir(a: &InitSpec) -> Result<(ModelConfig, usize)> {
 
 /// Refuses a `max_position_embeddings` whose RoPE tables would not fit ([`MAX_ROPE_TABLE`]).
 pub fn check_rope(cfg: &ModelConfig) -> Result<()> {
-    let table = cfg.max_position_embeddings as u128 * (cfg.head_dim() as u128 / 2).max(1);
-    if table > MAX_ROPE_TABLE {
-        bail!(
-            "config key `max_position_embeddings` = {} is too large: its RoPE tables would hold \
-             {table} entries each (at most {MAX_ROPE_TABLE})",
-            cfg.max_position_embeddings
-        );
-    }
-    Ok(())
+    Ok(crate::model_check::check_rope(cfg)?)
 }
 
 /// Parameter count of `cfg` (an upper bound, in f64 so that no product overflows), computed

@@ -17,6 +17,7 @@ pub mod hf;
 pub mod init;
 pub mod matmul;
 pub mod model;
+pub mod model_check;
 pub mod paths;
 pub mod process;
 pub mod protocol;

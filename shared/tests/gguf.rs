@@ -14,6 +14,54 @@ use xdistill_shared::gguf::{GgufError, GgufModel, WeightMode};
 use xdistill_shared::hf::{write_model_dir, ModelConfig, ModelDir};
 use xdistill_shared::model::{Decoder, Ops};
 
+/// Counts this thread's live heap bytes and their peak, so that the fuzz test can bound what one
+/// open allocates (other tests' threads count on their own).
+struct Counting;
+
+thread_local! {
+    static LIVE: std::cell::Cell<isize> = const { std::cell::Cell::new(0) };
+    static PEAK: std::cell::Cell<isize> = const { std::cell::Cell::new(0) };
+}
+
+fn count(delta: isize) {
+    let _ = LIVE.try_with(|l| {
+        let v = l.get() + delta;
+        l.set(v);
+        let _ = PEAK.try_with(|p| p.set(p.get().max(v)));
+    });
+}
+
+// SAFETY: every call is forwarded to the system allocator unchanged; only counters move.
+unsafe impl std::alloc::GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: std::alloc::Layout) -> *mut u8 {
+        count(l.size() as isize);
+        unsafe { std::alloc::System.alloc(l) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: std::alloc::Layout) {
+        count(-(l.size() as isize));
+        unsafe { std::alloc::System.dealloc(p, l) }
+    }
+    unsafe fn alloc_zeroed(&self, l: std::alloc::Layout) -> *mut u8 {
+        count(l.size() as isize);
+        unsafe { std::alloc::System.alloc_zeroed(l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: std::alloc::Layout, new: usize) -> *mut u8 {
+        count(new as isize - l.size() as isize);
+        unsafe { std::alloc::System.realloc(p, l, new) }
+    }
+}
+
+#[global_allocator]
+static COUNTING: Counting = Counting;
+
+/// The most bytes `f` had live at once on this thread beyond what was live before it.
+fn peak_allocated<T>(f: impl FnOnce() -> T) -> (T, usize) {
+    let base = LIVE.with(|l| l.get());
+    PEAK.with(|p| p.set(base));
+    let out = f();
+    (out, (PEAK.with(|p| p.get()) - base).max(0) as usize)
+}
+
 /// A byte-level BPE vocabulary of 260 tokens: the 256 bytes, three merges and a control token.
 fn tiny_tokenizer_json() -> serde_json::Value {
     // GPT-2's byte alphabet.
@@ -620,4 +668,218 @@ fn quantized_matmuls_score_near_the_dequantized_weights() {
         .unwrap();
     let gap = max_abs_f64(&log_probs(&logits(&dense)), &log_probs(&logits(&quant)));
     assert!(gap > 0.0 && gap <= QUANTIZED_GAP, "{gap}");
+}
+
+/// The bytes of a small valid GGUF file (the tiny Llama, Q8_0), written once per test binary.
+fn good_file() -> &'static [u8] {
+    static GOOD: std::sync::OnceLock<Vec<u8>> = std::sync::OnceLock::new();
+    GOOD.get_or_init(|| {
+        // Per process: nextest runs this binary's tests side by side.
+        let root = tmp().join(format!("good-file-{}", std::process::id()));
+        let f = write_with(&root, "good", |m, _| {
+            // Written explicitly, so that patches can reach what candle divides by.
+            set(m, "general.alignment", Value::U32(32))
+        });
+        std::fs::read(f).unwrap()
+    })
+}
+
+/// Where the header's fields are in [`good_file`]: the length prefix and the end of every key
+/// and tensor name (what follows a name is its value type and value, or its dimension count,
+/// dimensions, type and offset), so that patches land on fields rather than inside strings.
+fn anchors() -> &'static [usize] {
+    static ANCHORS: std::sync::OnceLock<Vec<usize>> = std::sync::OnceLock::new();
+    ANCHORS.get_or_init(|| {
+        let bytes = good_file();
+        let c = candle_core::quantized::gguf_file::Content::read(&mut std::io::Cursor::new(bytes))
+            .unwrap();
+        let names = c.metadata.keys().chain(c.tensor_infos.keys());
+        let mut out: Vec<usize> = vec![8, 16];
+        for n in names {
+            let mut needle = (n.len() as u64).to_le_bytes().to_vec();
+            needle.extend_from_slice(n.as_bytes());
+            let at = find(bytes, &needle);
+            out.extend([at, at + needle.len()]);
+        }
+        out.push(c.tensor_data_offset as usize);
+        out
+    })
+}
+
+/// Offset of the first occurrence of `needle` in `hay`.
+fn find(hay: &[u8], needle: &[u8]) -> usize {
+    hay.windows(needle.len()).position(|w| w == needle).unwrap()
+}
+
+/// What candle's reader divides by, or keeps the last of, or reads past the end of: refused by
+/// name at open, never a panic or a silent pick.
+#[test]
+fn alignment_duplicates_and_truncation_are_refused_at_open() {
+    let root = tmp().join("header");
+    let err = |f: &Path| GgufModel::open(f).unwrap_err().to_string();
+
+    // general.alignment 0 (candle divides by it) and 48 (not a power of two).
+    for a in [0u32, 48] {
+        let f = write_with(&root, &format!("align{a}"), |m, _| {
+            set(m, "general.alignment", Value::U32(a))
+        });
+        let e = err(&f);
+        assert!(
+            e.contains("general.alignment") && e.contains("power of two"),
+            "{e}"
+        );
+    }
+
+    // A key given twice (candle keeps the last).
+    let f = write_with(&root, "dupkey", |m, _| {
+        m.push(("llama.block_count".into(), Value::U32(2)))
+    });
+    let e = err(&f);
+    assert!(
+        e.contains("\"llama.block_count\"") && e.contains("given twice"),
+        "{e}"
+    );
+
+    // A second record named like an existing tensor, pointing at other data (candle keeps the
+    // last, so the file used to load with other weights): an extra tensor, renamed in place.
+    let f = write_with(&root, "extra", |_, p| {
+        let w = Tensor::randn(0f32, 1.0, (32, 32), &Device::Cpu).unwrap();
+        p.insert("xxx.0.attn_q.weight".into(), w);
+    });
+    let mut bytes = std::fs::read(&f).unwrap();
+    let at = find(&bytes, b"xxx.0.attn_q.weight");
+    bytes[at..at + 3].copy_from_slice(b"blk");
+    let f = root.join("duptensor.gguf");
+    std::fs::write(&f, &bytes).unwrap();
+    let e = err(&f);
+    assert!(
+        e.contains("blk.0.attn_q.weight") && e.contains("given twice"),
+        "{e}"
+    );
+
+    // One byte short: the last tensor's data runs past the end, said at open.
+    let good = good_file();
+    let f = root.join("short.gguf");
+    std::fs::write(&f, &good[..good.len() - 1]).unwrap();
+    let e = err(&f);
+    assert!(
+        e.contains("past the end of the file") && e.contains("truncated"),
+        "{e}"
+    );
+
+    // Not a GGUF file at all.
+    let f = root.join("empty.gguf");
+    std::fs::write(&f, b"").unwrap();
+    assert!(err(&f).contains("not a GGUF file"), "{}", err(&f));
+}
+
+/// Opens `bytes` (written to a file of this thread's own) under `catch_unwind`: whether it
+/// panicked, and the most bytes the open had allocated at once.
+fn open_patched(bytes: &[u8]) -> (bool, usize) {
+    let root = tmp().join(format!("fuzz-{}", std::process::id()));
+    std::fs::create_dir_all(&root).unwrap();
+    let name = format!("{:?}.gguf", std::thread::current().id()).replace(['(', ')'], "");
+    let f = root.join(name);
+    std::fs::write(&f, bytes).unwrap();
+    let (opened, peak) =
+        peak_allocated(|| std::panic::catch_unwind(|| GgufModel::open(&f).map(|_| ())));
+    (opened.is_err(), peak)
+}
+
+/// Every header field (each 4-byte step after each name, and each length prefix) set to 0 and
+/// to all ones: never a panic (`general.alignment` 0 made candle divide by zero), never more
+/// than 64 MiB allocated by one open.
+#[test]
+fn every_header_field_at_its_extremes_is_an_error_or_a_model() {
+    let good = good_file();
+    let mut most = 0;
+    for &a in anchors() {
+        for d in (0..24).step_by(4) {
+            for v in [0u32, u32::MAX] {
+                let mut bytes = good.to_vec();
+                apply(&mut bytes, &Patch::U32(a + d, v));
+                let (panicked, peak) = open_patched(&bytes);
+                assert!(!panicked, "open panicked with {v:#x} at byte {}", a + d);
+                assert!(
+                    peak < 64 << 20,
+                    "open allocated {peak} bytes ({v:#x} at {})",
+                    a + d
+                );
+                most = most.max(peak);
+            }
+        }
+    }
+    eprintln!("the most one open allocated: {most} bytes");
+}
+
+/// One change to a file: a flipped byte, or an extreme 4- or 8-byte integer written over it.
+#[derive(Debug, Clone)]
+enum Patch {
+    Flip(usize, u8),
+    U32(usize, u32),
+    U64(usize, u64),
+}
+
+fn apply(bytes: &mut [u8], p: &Patch) {
+    let put = |bytes: &mut [u8], at: usize, v: &[u8]| {
+        let at = at.min(bytes.len().saturating_sub(v.len()));
+        bytes[at..at + v.len()].copy_from_slice(v);
+    };
+    match *p {
+        Patch::Flip(at, x) => bytes[at % bytes.len()] ^= x.max(1),
+        Patch::U32(at, v) => put(bytes, at, &v.to_le_bytes()),
+        Patch::U64(at, v) => put(bytes, at, &v.to_le_bytes()),
+    }
+}
+
+fn patch() -> impl proptest::strategy::Strategy<Value = Patch> {
+    use proptest::prelude::*;
+    // Mostly the header's fields (up to 24 bytes past an anchor), else anywhere in the header
+    // (about the first 8 KiB) or the file.
+    let field = (0..anchors().len(), 0usize..24).prop_map(|(i, d)| anchors()[i] + d);
+    let at = prop_oneof![4 => field, 2 => 0usize..8192, 1 => 0usize..1 << 20];
+    let u32s = prop_oneof![
+        Just(0u32),
+        Just(1),
+        Just(3),
+        Just(u32::MAX),
+        Just(1 << 31),
+        any::<u32>()
+    ];
+    let u64s = prop_oneof![
+        Just(0u64),
+        Just(u64::MAX),
+        Just(1 << 31),
+        Just(1 << 40),
+        Just(u64::MAX >> 1),
+        any::<u64>()
+    ];
+    prop_oneof![
+        (at.clone(), any::<u8>()).prop_map(|(a, x)| Patch::Flip(a, x)),
+        (at.clone(), u32s).prop_map(|(a, v)| Patch::U32(a, v)),
+        (at, u64s).prop_map(|(a, v)| Patch::U64(a, v)),
+    ]
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig {
+        cases: 300,
+        failure_persistence: None,
+        ..Default::default()
+    })]
+
+    /// Byte patches of a real file: opening it is an error or a model, never a panic, and no
+    /// open allocates more than 64 MiB (the file is 60 KiB).
+    #[test]
+    fn patched_files_never_panic_and_allocate_little(
+        patches in proptest::collection::vec(patch(), 1..4)
+    ) {
+        let mut bytes = good_file().to_vec();
+        for p in &patches {
+            apply(&mut bytes, p);
+        }
+        let (panicked, peak) = open_patched(&bytes);
+        proptest::prop_assert!(!panicked, "open panicked on {patches:?}");
+        proptest::prop_assert!(peak < 64 << 20, "open allocated {peak} bytes on {patches:?}");
+    }
 }

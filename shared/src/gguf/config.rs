@@ -99,6 +99,12 @@ pub(crate) fn model_config(
         path: meta.path.to_path_buf(),
         message: format!("metadata does not make a model config: {e}"),
     })?;
+    // RoPE tables are sized by the context length alone: refused under the GGUF key's name.
+    crate::model_check::check_rope(&cfg).map_err(|e| GgufError::Key {
+        path: meta.path.to_path_buf(),
+        key: k("context_length"),
+        message: e.to_string(),
+    })?;
     cfg.validate().map_err(|e| GgufError::Format {
         path: meta.path.to_path_buf(),
         message: format!("metadata makes an invalid model config: {e}"),

@@ -9,6 +9,7 @@
 //! unknown tensor) is refused by name, never served approximately.
 
 pub mod config;
+pub mod header;
 mod meta;
 pub mod names;
 pub mod tokenizer;
@@ -207,6 +208,8 @@ impl GgufModel {
             path: path.clone(),
             source,
         };
+        // The bounded first pass: candle's reader below trusts what it divides and sizes by.
+        header::check(&path)?;
         let mut f = std::fs::File::open(&path).map_err(io)?;
         let content = Content::read(&mut f).map_err(|e| GgufError::Format {
             path: path.clone(),
@@ -242,11 +245,6 @@ impl GgufModel {
             &content,
         )?;
         let config = config::model_config(&meta, &architecture, Some(tok.tokens), &facts)?;
-        crate::init::check_rope(&config).map_err(|e| GgufError::Key {
-            path: path.clone(),
-            key: format!("{architecture}.context_length"),
-            message: e.to_string(),
-        })?;
         let tensors = map_tensors(&path, &architecture, &config, &content)?;
         let mut counts: BTreeMap<&'static str, usize> = BTreeMap::new();
         for info in infos.values().filter(|i| i.shape.rank() >= 2) {
@@ -483,18 +481,10 @@ fn check_layers(
     layers: usize,
     content: &Content,
 ) -> Result<(), GgufError> {
-    let held = content
-        .tensor_infos
-        .keys()
-        .filter_map(|n| {
-            n.strip_prefix("blk.")?
-                .split('.')
-                .next()?
-                .parse::<usize>()
-                .ok()
-        })
-        .max()
-        .map_or(0, |l| l + 1);
+    let held =
+        crate::model_check::layers_held(content.tensor_infos.keys().map(String::as_str), "blk.")
+            .last()
+            .map_or(0, |l| l + 1);
     if layers > held {
         return Err(GgufError::Key {
             path: path.to_path_buf(),

@@ -557,6 +557,8 @@ impl ModelConfig {
     /// the math but is not implemented (naming the key).
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.arch()?;
+        // Sizes first: what follows lists the layers, so their count must be bounded.
+        crate::model_check::check_limits(self)?;
         if self.vocab_size == 0 || self.hidden_size == 0 || self.num_hidden_layers == 0 {
             return invalid("vocab_size, hidden_size and num_hidden_layers must be positive");
         }

@@ -23,6 +23,7 @@ mod qwen3_moe;
 pub mod rope;
 mod train;
 
+pub(crate) use decoder::stored_name;
 pub use decoder::{Decoder, KvCache};
 #[doc(hidden)]
 pub use flash::override_block as override_attention_block;
