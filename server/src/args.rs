@@ -160,7 +160,11 @@ pub struct Args {
     /// A file holding the API key (surrounding whitespace ignored), e.g. a mounted secret.
     #[arg(long, env = "XDISTILL_API_KEY_FILE", conflicts_with = "api_key")]
     pub api_key_file: Option<PathBuf>,
-    /// Parse and check the arguments (and that the model directory opens), then exit.
+    /// Parse and check the arguments and the model, then exit: every check a start runs up to
+    /// the first weight allocation (GGUF magic, header bounds, duplicate keys or tensors, data
+    /// past the end of the file; safetensors headers, dtypes and offsets; every size of the
+    /// config against the tensors and the limits; the tokenizer). Not checked: the weights'
+    /// values (NaN or infinite weights) and the start-up probe, which need the weights loaded.
     #[arg(long)]
     pub check_args: bool,
 }

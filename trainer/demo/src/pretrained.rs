@@ -160,8 +160,16 @@ pub fn run(out: &Path, p: &Preset, o: &Options) -> Result<Summary> {
         stages.push((name.to_string(), lap.elapsed().as_secs_f64()));
         lap = Instant::now();
     };
-    if let Some(f) = o.teacher_gguf.filter(|f| !f.is_file()) {
-        bail!("--teacher-gguf {}: no such file", f.display());
+    if let Some(f) = o.teacher_gguf {
+        if !f.exists() {
+            bail!("--teacher-gguf {}: no such file", f.display());
+        }
+        if !xdistill_shared::gguf::is_gguf(f) {
+            bail!(
+                "--teacher-gguf {}: not a GGUF file (it does not start with the GGUF magic)",
+                f.display()
+            );
+        }
     }
     let teacher_bin = teacher_binary(o.teacher_bin)?;
     trainer_binary()?;

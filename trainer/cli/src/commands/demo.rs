@@ -337,6 +337,13 @@ mod tests {
                 "missing.gguf: no such file",
             ),
             (
+                pretrained(DemoArgs {
+                    teacher_gguf: Some(PathBuf::from("/dev/null")),
+                    ..args(&out)
+                }),
+                "/dev/null: not a GGUF file",
+            ),
+            (
                 DemoArgs {
                     teacher_gguf: Some(dir.path().join("x.gguf")),
                     ..args(&out)
