@@ -143,6 +143,113 @@ fn absurd_config_json_is_refused_before_allocating() {
     assert!(!out.exists());
 }
 
+/// The largest peak resident memory of this test's finished children, in MiB (getrusage
+/// RUSAGE_CHILDREN; nextest runs each test in its own process, so only this test's children).
+fn children_peak_rss_mib() -> u64 {
+    // SAFETY: getrusage writes one plain struct we own.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    assert_eq!(
+        unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut ru) },
+        0
+    );
+    ru.ru_maxrss as u64 / 1024
+}
+
+/// A GGUF copy of model directory `md` (its Qwen3 tokenizer as metadata) with the metadata
+/// `key` set to `value`.
+fn gguf_with(md: &Path, file: &Path, key: &str, value: candle_core::quantized::gguf_file::Value) {
+    use xdistill_shared::gguf::write::{bpe_tokenizer_metadata, config_metadata, write_gguf};
+    let md = xdistill_shared::hf::ModelDir::open(md).unwrap();
+    let mut params = std::collections::HashMap::new();
+    for w in &md.weights {
+        params.extend(candle_core::safetensors::load(w, &candle_core::Device::Cpu).unwrap());
+    }
+    let tok: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&md.tokenizer).unwrap()).unwrap();
+    let mut meta = config_metadata("llama", &md.config);
+    meta.extend(bpe_tokenizer_metadata(&tok, "qwen2").unwrap());
+    meta.retain(|(k, _)| k != key);
+    meta.push((key.into(), value));
+    let ty = candle_core::quantized::GgmlDType::F32;
+    write_gguf(file, "llama", &md.config, &params, ty, &meta).unwrap();
+}
+
+/// Model files whose sizes are absurd (2^31 layers in `config.json` or in a GGUF `block_count`,
+/// a 2^27-token context) are refused by the teacher (`--check-args` and a real start) and by
+/// `trainer prune`, with exit code 1 and one line naming the key and the file, before anything
+/// is sized from them: no child's resident memory ever passes 300 MB.
+#[test]
+fn absurd_model_files_are_refused_in_bounded_memory() {
+    use candle_core::quantized::gguf_file::Value;
+    let dir = tempfile::tempdir().unwrap();
+    let good = model(dir.path(), "good", "llama", "qwen3", 32, 2, 0.02, 1);
+    let layers = with_config_value(
+        &good,
+        &dir.path().join("layers"),
+        "num_hidden_layers",
+        serde_json::json!(1u64 << 31),
+    );
+    let context = with_config_value(
+        &good,
+        &dir.path().join("context"),
+        "max_position_embeddings",
+        serde_json::json!(1u64 << 27),
+    );
+    let blocks = dir.path().join("blocks.gguf");
+    gguf_with(&good, &blocks, "llama.block_count", Value::U64(1 << 31));
+    let cases = [
+        (&layers, "layers/config.json", "`num_hidden_layers`"),
+        (&context, "context/config.json", "`max_position_embeddings`"),
+        (&blocks, "blocks.gguf", "llama.block_count"),
+    ];
+    let teacher = teacher_binary();
+    for (model, file, key) in cases {
+        let out = dir.path().join("pruned");
+        let runs: [(&Path, Vec<&std::ffi::OsStr>); 3] = [
+            (
+                &teacher,
+                vec![os("--model"), model.as_os_str(), os("--check-args")],
+            ),
+            (
+                &teacher,
+                vec![os("--model"), model.as_os_str(), os("--port"), os("0")],
+            ),
+            (
+                &xdistill_testkit::trainer_binary(),
+                vec![
+                    os("prune"),
+                    os("--from"),
+                    model.as_os_str(),
+                    os("--layers"),
+                    os("1"),
+                    os("--out"),
+                    out.as_os_str(),
+                ],
+            ),
+        ];
+        for (bin, args) in runs {
+            let o = Command::new(bin)
+                .args(&args)
+                .env("RUST_LOG", "warn")
+                .env_remove("XDISTILL_MODEL")
+                .output()
+                .unwrap();
+            let err = stderr(&o);
+            assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+            // One line says what and where.
+            assert!(
+                err.lines().any(|l| l.contains(key) && l.contains(file)),
+                "{args:?}: {err}"
+            );
+            assert!(!err.contains("panicked"), "{args:?}: {err}");
+        }
+        assert!(!out.exists(), "prune wrote a copy of {file}");
+    }
+    let peak = children_peak_rss_mib();
+    eprintln!("peak RSS of the refused loads: {peak} MiB");
+    assert!(peak < 300, "a refused load peaked at {peak} MiB resident");
+}
+
 /// `/topk_logits` requests the teacher has answered, by its Prometheus counter.
 fn topk_requests(t: &TeacherProcess) -> u64 {
     get_body(&t.url("/metrics"))
