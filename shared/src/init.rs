@@ -273,8 +273,9 @@ pub fn build_config(a: &InitSpec) -> Result<ModelConfig> {
             a.heads
         );
     }
-    cfg.validate()?;
+    // The size first: it names the flags (`validate` names the config keys).
     check_init_size(&cfg)?;
+    cfg.validate()?;
     Ok(cfg)
 }
 

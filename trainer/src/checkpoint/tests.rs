@@ -27,18 +27,17 @@ fn tensors(seed: u64) -> HashMap<String, Tensor> {
             .collect()
     };
     let dev = Device::Cpu;
+    // Every parameter of the config (so that the saved step opens as a model directory), the
+    // final norm in BF16.
     let mut m = HashMap::new();
-    m.insert(
-        "model.embed_tokens.weight".to_string(),
-        Tensor::from_vec(f(16 * 8), (16, 8), &dev).unwrap(),
-    );
-    m.insert(
-        "model.norm.weight".to_string(),
-        Tensor::from_vec(f(8), 8, &dev)
-            .unwrap()
-            .to_dtype(DType::BF16)
-            .unwrap(),
-    );
+    for spec in xdistill_shared::model::param_specs(&tiny_config(), 0.0) {
+        let n = spec.shape.iter().product();
+        let mut t = Tensor::from_vec(f(n), spec.shape, &dev).unwrap();
+        if spec.name == "model.norm.weight" {
+            t = t.to_dtype(DType::BF16).unwrap();
+        }
+        m.insert(spec.name, t);
+    }
     m
 }
 
