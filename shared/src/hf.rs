@@ -833,6 +833,18 @@ mod tests {
         std::fs::write(&p, &bytes[..bytes.len() - 1]).unwrap();
         let e = ModelDir::open(&dir).unwrap_err().to_string();
         assert!(e.contains("truncated"), "{e}");
+        // The same names in two shards (each shard a copy of the single file).
+        let dir = tiny_dir(root.path(), "shards");
+        let single = dir.join("model.safetensors");
+        for shard in ["a.safetensors", "b.safetensors"] {
+            std::fs::copy(&single, dir.join(shard)).unwrap();
+        }
+        std::fs::remove_file(&single).unwrap();
+        let index = serde_json::json!({"weight_map": {
+            "model.embed_tokens.weight": "a.safetensors", "model.norm.weight": "b.safetensors"}});
+        std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+        let e = ModelDir::open(&dir).unwrap_err().to_string();
+        assert!(e.contains("b.safetensors") && e.contains("is stored twice (also in"), "{e}");
         // A file given as a model: neither GGUF nor a directory.
         let e = ModelDir::open(&p).unwrap_err().to_string();
         assert!(e.contains("neither a GGUF file"), "{e}");

@@ -245,6 +245,20 @@ fn absurd_model_files_are_refused_in_bounded_memory() {
         }
         assert!(!out.exists(), "prune wrote a copy of {file}");
     }
+    // An empty file given as the model says what it is not (it said `…/config.json: Not a
+    // directory`).
+    let empty = dir.path().join("empty.gguf");
+    std::fs::write(&empty, b"").unwrap();
+    let o = Command::new(&teacher)
+        .args([os("--model"), empty.as_os_str(), os("--check-args")])
+        .output()
+        .unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("empty.gguf: neither a GGUF file") && !err.contains("Not a directory"),
+        "{err}"
+    );
     let peak = children_peak_rss_mib();
     eprintln!("peak RSS of the refused loads: {peak} MiB");
     assert!(peak < 300, "a refused load peaked at {peak} MiB resident");
