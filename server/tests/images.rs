@@ -1219,6 +1219,57 @@ fn every_dockerfile_context_holds_the_workspace() {
     }
 }
 
+/// The `cargo build` of the stage a runtime stage copies `bin` from.
+fn build_of(df: &Dockerfile, stage: &str, bin: &str) -> CargoBuild {
+    let from = df
+        .instrs(df.stage(stage))
+        .filter(|i| i.cmd == "COPY")
+        .map(|i| parse_copy(&i.args))
+        .find(|c| c.srcs.iter().any(|s| s.ends_with(&format!("/{bin}"))))
+        .and_then(|c| c.from)
+        .unwrap_or_else(|| panic!("{}: stage {stage} copies no {bin}", df.rel));
+    let run = df
+        .instrs(df.stage(&from))
+        .find(|i| i.cmd == "RUN" && i.args.contains("cargo build"))
+        .unwrap_or_else(|| panic!("{}: stage {from} builds nothing", df.rel));
+    parse_cargo_build(&run.args).expect("a cargo build")
+}
+
+/// The CUDA trainer image trains data parallel over NCCL, as docs/cuda.md says: its trainer is
+/// built with the `nccl` feature, and the image's build stops unless the image carries
+/// `libnccl.so.2` (which that trainer is linked against). The teacher links no NCCL.
+#[test]
+fn the_cuda_trainer_image_is_built_with_nccl_and_carries_it() {
+    let rel = "docker/Dockerfile.cuda";
+    let df = Dockerfile::parse(rel, &read(rel));
+    let trainer = build_of(&df, "trainer", "trainer");
+    assert!(
+        trainer.features.iter().any(|f| f == "nccl"),
+        "{rel}: the trainer is built without `--features nccl`: {:?}",
+        trainer.features
+    );
+    let teacher = build_of(&df, "teacher", "teacher");
+    assert!(
+        teacher.features.iter().any(|f| f == "cuda")
+            && !teacher.features.iter().any(|f| f == "nccl"),
+        "{rel}: the teacher's features {:?}",
+        teacher.features
+    );
+    // A RUN of the trainer stage (or its bases) that fails the build without libnccl.so.2.
+    let checks = df.instrs(df.stage("trainer")).any(|i| {
+        i.cmd == "RUN" && i.args.contains("libnccl\\.so\\.2") && i.args.contains("exit 1")
+    });
+    assert!(
+        checks,
+        "{rel}: no step of the trainer stage checks for libnccl.so.2"
+    );
+    // The Kubernetes manifests and docs launch the CUDA trainer image for NCCL runs.
+    assert!(
+        read("docs/cuda.md").contains("xdistill-trainer:cuda"),
+        "docs/cuda.md names the image that trains over NCCL"
+    );
+}
+
 // ---- command lines -----------------------------------------------------------------------------
 
 /// `XDISTILL_*` variables the binaries read outside their flags.
