@@ -80,16 +80,15 @@ class Teacher:
             return msgpack.unpackb(resp.read(), raw=False)
 
     def worker_seconds(self):
-        """(forward, scoring) seconds so far, from /metrics."""
+        """(model, scoring) seconds so far, from /metrics: the forward and the LM head's
+        matmul, then top-k and the cast/copy of the logits."""
         text = get(self.url + "/metrics").decode()
         val = {}
         for line in text.splitlines():
-            for name in ("xdistill_batch_forward_duration_seconds_sum",
-                         "xdistill_batch_topk_duration_seconds_sum"):
-                if line.startswith(name + " "):
-                    val[name] = float(line.split()[1])
-        return (val["xdistill_batch_forward_duration_seconds_sum"],
-                val["xdistill_batch_topk_duration_seconds_sum"])
+            name, _, v = line.partition(" ")
+            val[name] = v
+        phase = lambda p: float(val.get(f"xdistill_batch_{p}_duration_seconds_sum", 0))
+        return (phase("forward") + phase("head"), phase("topk") + phase("copy"))
 
     def status_mib(self, field):
         """`VmRSS` / `VmHWM` (the peak since start or since `reset_peak`) in MiB."""

@@ -5,8 +5,10 @@ log-prob and logsumexp, the [N, k] results copied to the host), on the same mode
     python bench/gpu_teacher.py --model DIR --url http://127.0.0.1:8000 [--batch 8 --seq-len 512
         --k 64 --requests 24 --clients 4 --dtype bf16]
 
-Prints one JSON line per side and one comparing the answers of the first batch (both in the same
-dtype, so differences are the rounding of two bf16 implementations).
+Prints one JSON line per side, one with where the server's time went (forward, LM head, top-k,
+device-to-host copy, encoding, the worker's other work and its idle time, from `/metrics`), and
+one comparing the answers of the first batch (both in the same dtype, so differences are the
+rounding of two bf16 implementations).
 """
 import argparse, json, time, threading, urllib.request
 import numpy as np
@@ -95,17 +97,43 @@ def client():
         post(batches[i])
 
 
+PHASES = ("forward", "head", "topk", "copy")
+
+
+def server_seconds():
+    """Seconds the server has spent so far in each phase (its /metrics sums; each phase ends
+    with a device synchronisation), its batches' wall time and its requests' durations."""
+    with urllib.request.urlopen(f"{a.url}/metrics", timeout=60) as r:
+        val = dict(line.split(" ", 1) for line in r.read().decode().splitlines()
+                   if line and not line.startswith("#"))
+    get = lambda name: float(val.get(name, 0))
+    out = {p: get(f"xdistill_batch_{p}_duration_seconds_sum") for p in PHASES}
+    out["encode"] = get("xdistill_response_encode_duration_seconds_sum")
+    out["batches"] = get("xdistill_batch_duration_seconds_sum")
+    out["requests"] = get("xdistill_request_duration_seconds_sum")
+    return out
+
+
 threads = [threading.Thread(target=client) for _ in range(a.clients)]
+before = server_seconds()
 t0 = time.perf_counter()
 for t in threads:
     t.start()
 for t in threads:
     t.join()
 dt = time.perf_counter() - t0
+after = server_seconds()
 ours_tps = a.requests * scored / dt
+spent = {name: after[name] - before[name] for name in after}
 print(json.dumps({"impl": "xdistill-teacher", "dtype": a.dtype, "batch": a.batch,
                   "seq_len": a.seq_len, "k": a.k, "clients": a.clients,
                   "scored_tokens_per_s": round(ours_tps)}), flush=True)
+# Where the server's time went: each phase's share of the run's wall time (the worker is one
+# thread, so its phases add up to at most 1; encoding runs on other threads, beside it).
+print(json.dumps({"phases": "xdistill-teacher", "wall_s": round(dt, 3),
+                  **{f"{p}_share": round(spent[p] / dt, 4) for p in PHASES + ("encode",)},
+                  "worker_other_share": round((spent["batches"] - sum(spent[p] for p in PHASES)) / dt, 4),
+                  "worker_idle_share": round(1 - spent["batches"] / dt, 4)}), flush=True)
 
 # ---- agreement on the first batch -----------------------------------------------------------
 res = first["results"]

@@ -40,8 +40,10 @@ def run_once(binary, args):
             for line in urllib.request.urlopen(url + "/metrics").read().decode().splitlines():
                 name, _, v = line.partition(" ")
                 val[name] = v
-            return (float(val["xdistill_batch_forward_duration_seconds_sum"]),
-                    float(val["xdistill_batch_topk_duration_seconds_sum"]))
+            # (model, scoring): the forward and the LM head's matmul, then top-k and the
+            # cast/copy of the logits.
+            phase = lambda p: float(val.get(f"xdistill_batch_{p}_duration_seconds_sum", 0))
+            return (phase("forward") + phase("head"), phase("topk") + phase("copy"))
 
         request()
         (f0, k0), t0 = seconds(), time.perf_counter()

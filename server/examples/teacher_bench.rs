@@ -11,7 +11,8 @@
 //! With `--routes 8,20,64` it instead compares the vLLM-compatible `/v1/completions`
 //! (`prompt_logprobs: k`, JSON) with the native `/topk_logits` (MessagePack) on the same
 //! requests, one at a time: server time per position (from the server's request-duration
-//! histogram), where it goes (forward, top-k, the rest: HTTP, JSON, encoding) and bytes per
+//! histogram), where it goes (forward, LM head, top-k, device-to-host copy, encoding, the rest:
+//! HTTP and JSON parsing) and bytes per
 //! position. Run the teacher with `--cache-bytes 0` for it, so both routes compute every answer.
 
 use anyhow::{bail, Context, Result};
@@ -143,13 +144,61 @@ impl Bench {
     }
 }
 
+/// The server's time by phase between two reads of `/metrics` (seconds; each phase ended by a
+/// device synchronisation on a GPU, so a GPU's figures are where the time went).
+#[derive(Default, Clone, Copy)]
+struct Phases {
+    /// Decoder layers.
+    forward: f64,
+    /// LM-head matmul.
+    head: f64,
+    /// Top-k and log-softmax statistics.
+    topk: f64,
+    /// Device to host.
+    copy: f64,
+    /// Answers to wire bytes.
+    encode: f64,
+}
+
+impl Phases {
+    fn between(before: &str, after: &str) -> Phases {
+        let delta = |name: &str| -> f64 {
+            sample(after, name).unwrap_or(0.0) - sample(before, name).unwrap_or(0.0)
+        };
+        Phases {
+            forward: delta("xdistill_batch_forward_duration_seconds_sum"),
+            head: delta("xdistill_batch_head_duration_seconds_sum"),
+            topk: delta("xdistill_batch_topk_duration_seconds_sum"),
+            copy: delta("xdistill_batch_copy_duration_seconds_sum"),
+            encode: delta("xdistill_response_encode_duration_seconds_sum"),
+        }
+    }
+
+    fn add(&mut self, o: Phases) {
+        self.forward += o.forward;
+        self.head += o.head;
+        self.topk += o.topk;
+        self.copy += o.copy;
+        self.encode += o.encode;
+    }
+
+    /// Every phase, in a request's order.
+    fn all(&self) -> [f64; 5] {
+        [self.forward, self.head, self.topk, self.copy, self.encode]
+    }
+
+    fn total(&self) -> f64 {
+        self.all().iter().sum()
+    }
+}
+
 /// Totals of one route over a set of requests.
 #[derive(Default)]
 struct RouteTotals {
-    /// Server seconds: request durations, the worker's forward and top-k.
+    /// Server seconds: request durations.
     server: f64,
-    forward: f64,
-    topk: f64,
+    /// Where they went.
+    phases: Phases,
     wall: f64,
     positions: usize,
     bytes: usize,
@@ -163,7 +212,7 @@ impl RouteTotals {
 
 /// The route comparison (`--routes`): the same requests through both routes, one at a time.
 async fn compare_routes(b: &Bench, ks: &[usize], rng: &mut impl Rng) -> Result<()> {
-    println!("| k | route | server ms / position | forward / top-k / rest (ms / position) | positions/s | bytes / position |");
+    println!("| k | route | server ms / position | forward / head / top-k / copy / encode / rest (ms / position) | positions/s | bytes / position |");
     println!("|---|---|---|---|---|---|");
     let mut ratios = Vec::new();
     for &k in ks {
@@ -197,8 +246,7 @@ async fn compare_routes(b: &Bench, ks: &[usize], rng: &mut impl Rng) -> Result<(
                     bail!("the teacher answered from its cache: run it with --cache-bytes 0");
                 }
                 t.server += delta("xdistill_request_duration_seconds_sum");
-                t.forward += delta("xdistill_batch_forward_duration_seconds_sum");
-                t.topk += delta("xdistill_batch_topk_duration_seconds_sum");
+                t.phases.add(Phases::between(&before, &after));
             }
         }
         for (t, name) in totals
@@ -206,11 +254,13 @@ async fn compare_routes(b: &Bench, ks: &[usize], rng: &mut impl Rng) -> Result<(
             .zip(["/topk_logits (msgpack)", "/v1/completions (JSON)"])
         {
             println!(
-                "| {k} | {name} | {:.3} | {:.3} / {:.3} / {:.3} | {:.0} | {:.1} |",
+                "| {k} | {name} | {:.3} | {} / {:.3} | {:.0} | {:.1} |",
                 t.per_position_ms(t.server),
-                t.per_position_ms(t.forward),
-                t.per_position_ms(t.topk),
-                t.per_position_ms(t.server - t.forward - t.topk),
+                t.phases
+                    .all()
+                    .map(|x| format!("{:.3}", t.per_position_ms(x)))
+                    .join(" / "),
+                t.per_position_ms(t.server - t.phases.total()),
                 t.positions as f64 / t.wall,
                 t.bytes as f64 / t.positions.max(1) as f64
             );
@@ -319,8 +369,7 @@ async fn main() -> Result<()> {
     let delta = |name: &str| -> f64 {
         sample(&after, name).unwrap_or(0.0) - sample(&before, name).unwrap_or(0.0)
     };
-    let forward = delta("xdistill_batch_forward_duration_seconds_sum");
-    let topk = delta("xdistill_batch_topk_duration_seconds_sum");
+    let phases = Phases::between(&before, &after);
     let busy = delta("xdistill_batch_duration_seconds_sum");
     let batches = delta("xdistill_batch_forward_total");
     let seqs_per_batch = delta("xdistill_batch_sequences_sum") / batches.max(1.0);
@@ -356,15 +405,21 @@ async fn main() -> Result<()> {
         ms(percentile(&lat, 0.99))
     );
     println!("| batches | {batches:.0} ({seqs_per_batch:.1} sequences each) |");
+    let worker = phases.forward + phases.head + phases.topk + phases.copy;
     println!(
-        "| worker: forward / top-k / other | {:.1}% / {:.1}% / {:.1}% of wall time |",
-        100.0 * forward / wall,
-        100.0 * topk / wall,
-        100.0 * (busy - forward - topk) / wall
+        "| worker: forward / head / top-k / copy / other | {} / {:.1}% of wall time |",
+        [phases.forward, phases.head, phases.topk, phases.copy]
+            .map(|x| format!("{:.1}%", 100.0 * x / wall))
+            .join(" / "),
+        100.0 * (busy - worker) / wall
     );
     println!(
-        "| share of server time outside the forward | {:.1}% |",
-        100.0 * (1.0 - forward / wall)
+        "| encoding answers | {:.1}% of wall time (summed over encoder threads) |",
+        100.0 * phases.encode / wall
+    );
+    println!(
+        "| share of server time outside the model (forward + head) | {:.1}% |",
+        100.0 * (1.0 - (phases.forward + phases.head) / wall)
     );
     println!(
         "| JSON bytes per position | {:.1} ({:.2} per entry) |",

@@ -486,7 +486,7 @@ async fn score(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Respons
     let p = valid.params;
     // Encode off the async threads (large answers take milliseconds).
     let model = ready.facts.fingerprint.clone();
-    let body = tokio::task::spawn_blocking(move || {
+    let body = crate::encode::off_thread(&st.metrics, move || {
         let resp = TopkResponse {
             k: p.k,
             values: p.values,
@@ -497,9 +497,7 @@ async fn score(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Respons
         };
         codec::encode_response(out_format, &resp)
     })
-    .await
-    .map_err(|e| ApiError::Internal(format!("encoder task failed: {e}")))?
-    .map_err(|e| ApiError::Internal(e.to_string()))?;
+    .await?;
     Ok(with_probe(
         ready,
         (
@@ -577,7 +575,7 @@ async fn hidden_states(
         hidden_size: head.meta.hidden_size,
         results: Vec::new(),
     };
-    let body = tokio::task::spawn_blocking(move || {
+    let body = crate::encode::off_thread(&st.metrics, move || {
         let resp = HiddenResponse {
             results: results
                 .iter()
@@ -590,9 +588,7 @@ async fn hidden_states(
         };
         codec::encode_hidden_response(&resp)
     })
-    .await
-    .map_err(|e| ApiError::Internal(format!("encoder task failed: {e}")))?
-    .map_err(|e| ApiError::Internal(e.to_string()))?;
+    .await?;
     let resp = (
         [
             (

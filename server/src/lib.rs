@@ -9,6 +9,7 @@ pub mod args;
 pub mod batcher;
 pub mod cache;
 pub mod compat;
+pub mod encode;
 pub mod engine;
 pub mod error;
 pub mod head;

@@ -77,6 +77,8 @@ pub struct Metrics {
     /// Finished requests by route and outcome label (`ok` or an error label).
     requests: Mutex<BTreeMap<(String, String), u64>>,
     pub request_duration: Histogram,
+    /// Encoding answers (scores to wire bytes), per answer.
+    pub response_encode_duration: Histogram,
     pub request_sequences: AtomicU64,
     /// Result rows returned (scored positions), cache hits included.
     pub tokens_scored: AtomicU64,
@@ -84,7 +86,9 @@ pub struct Metrics {
     pub batch_sequences: Histogram,
     pub batch_padded_tokens: Histogram,
     pub batch_forward_duration: Histogram,
+    pub batch_head_duration: Histogram,
     pub batch_topk_duration: Histogram,
+    pub batch_copy_duration: Histogram,
     pub batch_duration: Histogram,
     pub batch_cancelled: AtomicU64,
     pub queue_tokens: AtomicI64,
@@ -100,13 +104,16 @@ impl Default for Metrics {
         Metrics {
             requests: Mutex::new(BTreeMap::new()),
             request_duration: Histogram::new(SECONDS),
+            response_encode_duration: Histogram::new(SECONDS),
             request_sequences: AtomicU64::new(0),
             tokens_scored: AtomicU64::new(0),
             batch_forwards: AtomicU64::new(0),
             batch_sequences: Histogram::new(SEQUENCES),
             batch_padded_tokens: Histogram::new(TOKENS),
             batch_forward_duration: Histogram::new(SECONDS),
+            batch_head_duration: Histogram::new(SECONDS),
             batch_topk_duration: Histogram::new(SECONDS),
+            batch_copy_duration: Histogram::new(SECONDS),
             batch_duration: Histogram::new(SECONDS),
             batch_cancelled: AtomicU64::new(0),
             queue_tokens: AtomicI64::new(0),
@@ -161,6 +168,11 @@ impl Metrics {
             "xdistill_request_duration_seconds",
             "Wall time of /topk_logits requests, from body read to encoded answer, in seconds.",
         );
+        self.response_encode_duration.render(
+            &mut o,
+            "xdistill_response_encode_duration_seconds",
+            "Encoding time per scoring answer (JSON or MessagePack), in seconds.",
+        );
         counter(
             &mut o,
             "xdistill_request_sequences_total",
@@ -189,15 +201,26 @@ impl Metrics {
             "xdistill_batch_padded_tokens",
             "Padded tokens (batch size x longest input) per forward batch.",
         );
+        // The batch's phases, each ended by a device synchronisation on a GPU (scoring::Timing).
         self.batch_forward_duration.render(
             &mut o,
             "xdistill_batch_forward_duration_seconds",
-            "Model forward time per batch (decoder and LM head), in seconds.",
+            "Decoder forward time per batch (ids to final hidden states), in seconds.",
+        );
+        self.batch_head_duration.render(
+            &mut o,
+            "xdistill_batch_head_duration_seconds",
+            "LM-head matmul time per batch (hidden states to logits), in seconds.",
         );
         self.batch_topk_duration.render(
             &mut o,
             "xdistill_batch_topk_duration_seconds",
             "Top-k / log-softmax time per batch, in seconds.",
+        );
+        self.batch_copy_duration.render(
+            &mut o,
+            "xdistill_batch_copy_duration_seconds",
+            "Device-to-host copy (and cast to f32) time per batch, in seconds.",
         );
         self.batch_duration.render(
             &mut o,

@@ -17,7 +17,7 @@ use crate::batcher::{Batch, Job, JobResult};
 use crate::metrics::Metrics;
 use crate::model::{self, ModelFacts};
 use crate::probe;
-use crate::scoring::{HiddenSpan, LmHead, Scorer, ScoringError, SeqRef, Timing, TopkPath};
+use crate::scoring::{HiddenSpan, LmHead, Phase, Scorer, ScoringError, SeqRef, Timing, TopkPath};
 use candle_core::Tensor;
 use std::panic::AssertUnwindSafe;
 use std::path::PathBuf;
@@ -220,7 +220,7 @@ impl Worker {
         if jobs.is_empty() {
             return;
         }
-        let mut timing = Timing::default();
+        let mut timing = Timing::on(self.decoder.device());
         let seqs: Vec<SeqRef<'_>> = jobs.iter().map(Job::seq).collect();
         let results = self.compute(&seqs, &mut timing);
         let m = &self.metrics;
@@ -236,7 +236,9 @@ impl Worker {
         m.batch_padded_tokens.observe(tokens as f64);
         m.batch_forward_duration
             .observe(timing.forward.as_secs_f64());
+        m.batch_head_duration.observe(timing.head.as_secs_f64());
         m.batch_topk_duration.observe(timing.topk.as_secs_f64());
+        m.batch_copy_duration.observe(timing.copy.as_secs_f64());
         drop(seqs);
         for (job, r) in jobs.into_iter().zip(results) {
             // The job's queue budget goes back before its answer, so that a caller who has read
@@ -300,7 +302,7 @@ impl Worker {
             ids[i * t..i * t + n].copy_from_slice(&seq.ids[..n]);
         }
         // 2. Hidden states of all positions: [B, T, H].
-        let hidden = timing.in_forward(|| {
+        let hidden = timing.in_phase(Phase::Forward, || {
             let ids = Tensor::from_vec(ids, (b, t), dev)?;
             self.decoder.forward_hidden(&ids, None, None, None)
         })?;
@@ -347,7 +349,7 @@ impl Worker {
         acc: &mut SequenceScores,
         timing: &mut Timing,
     ) -> Result<(), ScoringError> {
-        let hidden = timing.in_forward(|| {
+        let hidden = timing.in_phase(Phase::Forward, || {
             let ids = Tensor::new(&seq.ids[range.clone()], self.decoder.device())?.unsqueeze(0)?; // [1, c]
             self.decoder
                 .forward_hidden(&ids, Some(cache), None, None)?

@@ -245,6 +245,50 @@ async fn cache_hit_answers_without_a_forward_pass() {
     assert!(metric(&c, t, "xdistill_batch_forward_total").await > forwards);
 }
 
+/// Where a batch's time goes: each phase the worker times (the forward, the LM head, top-k,
+/// the copy to the host) is recorded once per batch and the encoding once per answer, the
+/// model's phases took time, and together the worker's phases lie within the batches' wall
+/// time (no phase counted twice, none outside its batch).
+#[tokio::test]
+async fn phase_timers_account_for_each_batch_and_answer() {
+    let (t, reference) = qwen3();
+    let c = client();
+    let v = reference.vocab();
+    let text = || async {
+        let r = c.get(t.url("/metrics")).send().await.expect("metrics");
+        r.text().await.expect("text")
+    };
+    let before = text().await;
+    // Fresh sequences (no cache hits), one request per format.
+    for (seed, format) in [(61u64, Format::Json), (62, Format::Msgpack)] {
+        score(&c, t, &request(vec![ids(seed, 24, v)], 8), format).await;
+    }
+    let after = text().await;
+    let d = |name: &str| {
+        let at = |text: &str| xdistill_server::metrics::sample(text, name).unwrap_or(0.0);
+        at(&after) - at(&before)
+    };
+    let batches = d("xdistill_batch_forward_total");
+    assert!(batches >= 1.0, "{batches} batches");
+    let mut phases = 0.0;
+    for phase in ["forward", "head", "topk", "copy"] {
+        let name = format!("xdistill_batch_{phase}_duration_seconds");
+        assert_eq!(d(&format!("{name}_count")), batches, "{name}");
+        let seconds = d(&format!("{name}_sum"));
+        if phase != "copy" {
+            assert!(seconds > 0.0, "{name}: {seconds} s");
+        }
+        phases += seconds;
+    }
+    let busy = d("xdistill_batch_duration_seconds_sum");
+    assert!(
+        phases <= busy + 1e-6,
+        "phases {phases} s > batches {busy} s"
+    );
+    assert_eq!(d("xdistill_response_encode_duration_seconds_count"), 2.0);
+    assert!(d("xdistill_response_encode_duration_seconds_sum") > 0.0);
+}
+
 #[tokio::test]
 async fn msgpack_and_json_answers_agree() {
     let (t, reference) = qwen3();

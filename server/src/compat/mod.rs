@@ -90,12 +90,12 @@ fn json_bytes(body: Vec<u8>) -> Response {
         .into_response()
 }
 
-/// Encodes `value` off the async threads (answers with many positions take milliseconds).
-async fn encode_json<T: serde::Serialize + Send + 'static>(value: T) -> Result<Response, ApiError> {
-    let bytes = tokio::task::spawn_blocking(move || serde_json::to_vec(&value))
-        .await
-        .map_err(|e| ApiError::Internal(format!("encoder task failed: {e}")))?
-        .map_err(|e| ApiError::Internal(format!("encoding the answer: {e}")))?;
+/// Encodes `value` as JSON off the async threads ([`crate::encode::off_thread`]).
+async fn encode_json<T: serde::Serialize + Send + 'static>(
+    st: &AppState,
+    value: T,
+) -> Result<Response, ApiError> {
+    let bytes = crate::encode::off_thread(&st.metrics, move || serde_json::to_vec(&value)).await?;
     Ok(json_bytes(bytes))
 }
 

@@ -379,7 +379,7 @@ async fn run(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Response,
         rid,
         seconds: t0.elapsed().as_secs_f64(),
     };
-    encode_json(answer).await
+    encode_json(st, answer).await
 }
 
 /// Bytes of one `[logprob, token_id, text_or_null]` triple besides its text:

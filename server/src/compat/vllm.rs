@@ -254,7 +254,7 @@ async fn complete(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Resp
         texts,
         scores,
     };
-    encode_json(answer).await
+    encode_json(st, answer).await
 }
 
 /// The prompt and the completion together must fit the model's context, as vLLM counts them

@@ -46,28 +46,67 @@ const LOGIT_CHUNK_ELEMS: usize = 16 << 20;
 /// the cores' L2/L3), and the head's weights are read once per 256 positions.
 const FUSED_CHUNK_ROWS: usize = 256;
 
-/// Time spent in the model (the forward and the LM head's matmul) and in top-k.
+/// The phases of a batch the worker times ([`Timing`]), in the order a row meets them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// The decoder's layers: ids to final hidden states.
+    Forward,
+    /// The LM head's matmul: hidden states to logits.
+    Head,
+    /// Top-k, log-softmax statistics, target log-probs, ranks (on the device or the host).
+    Topk,
+    /// Results from the device to the host (none on the CPU).
+    Copy,
+}
+
+/// Time per [`Phase`] of a batch. On a GPU every phase ends with a device synchronisation, so
+/// that work queued asynchronously is counted in the phase that queued it, not in the first
+/// later one that waits for it (the forward's kernels would otherwise land in the top-k's
+/// copy back). On the CPU nothing is asynchronous and nothing is synchronised.
 #[derive(Debug, Default)]
 pub struct Timing {
     pub forward: Duration,
+    pub head: Duration,
     pub topk: Duration,
+    pub copy: Duration,
+    /// The device to synchronise at the end of each phase: `None` on the CPU.
+    sync: Option<Device>,
 }
 
 impl Timing {
-    /// Runs `f`, adding its time to `forward`.
-    pub fn in_forward<R>(&mut self, f: impl FnOnce() -> R) -> R {
+    /// Timing for work on `device`, synchronised at phase ends where it is asynchronous.
+    pub fn on(device: &Device) -> Timing {
+        Timing {
+            sync: (!device.is_cpu()).then(|| device.clone()),
+            ..Timing::default()
+        }
+    }
+
+    /// Runs `f` as part of `phase`, adding its time (up to the device's completion of it).
+    pub fn in_phase<R>(&mut self, phase: Phase, f: impl FnOnce() -> R) -> R {
         let t0 = Instant::now();
         let r = f();
-        self.forward += t0.elapsed();
+        if let Some(dev) = &self.sync {
+            // A failed synchronisation surfaces in the next device call; the timer is not the
+            // place to report it.
+            let _ = dev.synchronize();
+        }
+        *self.slot(phase) += t0.elapsed();
         r
     }
 
-    /// Runs `f`, adding its time to `topk`.
-    pub fn in_topk<R>(&mut self, f: impl FnOnce() -> R) -> R {
-        let t0 = Instant::now();
-        let r = f();
-        self.topk += t0.elapsed();
-        r
+    /// Adds `d`, measured elsewhere (the AVX-512 head kernel splits its own time), to `phase`.
+    pub fn add(&mut self, phase: Phase, d: Duration) {
+        *self.slot(phase) += d;
+    }
+
+    fn slot(&mut self, phase: Phase) -> &mut Duration {
+        match phase {
+            Phase::Forward => &mut self.forward,
+            Phase::Head => &mut self.head,
+            Phase::Topk => &mut self.topk,
+            Phase::Copy => &mut self.copy,
+        }
     }
 }
 
@@ -267,8 +306,8 @@ impl Scorer {
 
     /// Scores of `rows` [c, H] by the AVX-512 LM-head kernel ([`RowFolds::fold_head`]), which
     /// reads the f32 head in place; `None` when the head or the rows are not f32 host memory.
-    /// Its wall time is split between `forward` and `topk` by [`HeadTiming::split`]; the rows'
-    /// final top-k and log-probs count as `topk`.
+    /// Its wall time is split between [`Phase::Head`] and [`Phase::Topk`] by
+    /// [`HeadTiming::split`]; the rows' final top-k and log-probs count as top-k.
     fn score_head_kernel(
         &self,
         decoder: &Decoder,
@@ -286,10 +325,10 @@ impl Scorer {
         let split = with_host_f32(head, |w| {
             with_host_f32(rows, |x| folds.fold_head(x, &w[..self.logits_size * h], h))
         })??;
-        let (forward, scoring) = split.split(t0.elapsed());
-        timing.forward += forward;
-        timing.topk += scoring;
-        Ok(Some(timing.in_topk(|| folds.finish())))
+        let (matmul, scoring) = split.split(t0.elapsed());
+        timing.add(Phase::Head, matmul);
+        timing.add(Phase::Topk, scoring);
+        Ok(Some(timing.in_phase(Phase::Topk, || folds.finish())))
     }
 
     /// Scores of `rows` [c, H] by the fused LM head: the logits of one vocabulary tile at a time
@@ -304,15 +343,13 @@ impl Scorer {
     ) -> Result<SequenceScores, ScoringError> {
         for c0 in (0..self.valid()).step_by(RowFolds::TILE) {
             let cols = c0..(c0 + RowFolds::TILE).min(self.logits_size);
-            let tile = timing.in_forward(|| {
-                decoder
-                    .logits_cols(rows, cols.clone())?
-                    .to_dtype(DType::F32)?
-                    .contiguous()
+            let tile = timing.in_phase(Phase::Head, || decoder.logits_cols(rows, cols.clone()))?;
+            let tile = timing.in_phase(Phase::Copy, || host_f32(&tile))?;
+            timing.in_phase(Phase::Topk, || {
+                with_host_f32(&tile, |t| folds.fold(t, cols))
             })?;
-            timing.in_topk(|| with_host_f32(&tile, |t| folds.fold(t, cols)))?;
         }
-        Ok(timing.in_topk(|| folds.finish()))
+        Ok(timing.in_phase(Phase::Topk, || folds.finish()))
     }
 
     /// Scores of `rows` [c, H] from their whole `[c, V]` logits, on the device or the host.
@@ -329,16 +366,18 @@ impl Scorer {
             params,
         } = q;
         // [c, H] -> [c, V] in the model dtype.
-        let logits = timing.in_forward(|| decoder.logits(rows))?;
-        let s = timing.in_topk(|| {
-            if self.scores_on_device(params) {
-                device::score_on_device(&logits, targets, cands, params, self.valid())
-            } else {
-                let host = logits.to_dtype(DType::F32)?.contiguous()?;
-                with_host_f32(&host, |rows| {
-                    score_rows(rows, self.layout(), targets, cands, params)
-                })
-            }
+        let logits = timing.in_phase(Phase::Head, || decoder.logits(rows))?;
+        if self.scores_on_device(params) {
+            let found = timing.in_phase(Phase::Topk, || {
+                device::topk_on_device(&logits, targets, cands, params, self.valid())
+            })?;
+            return Ok(timing.in_phase(Phase::Copy, || found.to_host(targets, params.k))?);
+        }
+        let host = timing.in_phase(Phase::Copy, || host_f32(&logits))?;
+        let s = timing.in_phase(Phase::Topk, || {
+            with_host_f32(&host, |rows| {
+                score_rows(rows, self.layout(), targets, cands, params)
+            })
         })?;
         Ok(s)
     }
@@ -359,6 +398,14 @@ impl Scorer {
 /// Whether the AVX-512 LM-head kernel can read `head` in place: f32, contiguous, host memory.
 fn kernel_reads(head: &Tensor) -> bool {
     head.dtype() == DType::F32 && head.device().is_cpu() && head.is_contiguous()
+}
+
+/// `t` as contiguous f32 in host memory (a no-op for such a tensor; a cast, and a copy from
+/// the device on a GPU): what [`with_host_f32`] then borrows in place.
+fn host_f32(t: &Tensor) -> candle_core::Result<Tensor> {
+    t.to_dtype(DType::F32)?
+        .contiguous()?
+        .to_device(&Device::Cpu)
 }
 
 /// Runs `f` on the f32 data of a contiguous tensor: borrowed in place on the CPU, copied to

@@ -2,8 +2,8 @@
 //! after the last token ([`choose_next`]), which is then scored with it as its target.
 
 use super::params::{CandidateRows, NextToken, ScoreParams};
-use super::{score_rows, with_host_f32, Scorer, ScoringError, Timing};
-use candle_core::{DType, Tensor};
+use super::{host_f32, score_rows, with_host_f32, Phase, Scorer, ScoringError, Timing};
+use candle_core::Tensor;
 use xdistill_shared::model::Decoder;
 use xdistill_shared::protocol::SequenceScores;
 
@@ -21,9 +21,9 @@ impl Scorer {
         let Some(how) = params.next else {
             unreachable!("score_next without a next token asked for");
         };
-        let logits =
-            timing.in_forward(|| decoder.logits(row)?.to_dtype(DType::F32)?.contiguous())?;
-        let scored = timing.in_topk(|| {
+        let logits = timing.in_phase(Phase::Head, || decoder.logits(row))?;
+        let logits = timing.in_phase(Phase::Copy, || host_f32(&logits))?;
+        let scored = timing.in_phase(Phase::Topk, || {
             with_host_f32(&logits, |row| {
                 let token = choose_next(&row[..self.valid()], params.temperature, how);
                 let s = score_rows(row, self.layout(), &[token], cands, params);
