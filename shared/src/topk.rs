@@ -131,13 +131,13 @@ pub fn topk_indices(x: &Tensor, k: usize, chunk: usize) -> Result<Tensor> {
 /// The `k` largest entries of each row of `z` `[N, W]` (f32), by descending value: their
 /// values and their column ids, both `[N, k]`. Requires `chunk ≥ 2k`.
 fn select(z: &Tensor, k: usize, chunk: usize) -> Result<(Tensor, Tensor)> {
-    let (n, w) = z.dims2()?;
-    // Candidates: (values, ids) [N, W], reduced until one sort suffices.
-    let ids = Tensor::arange(0u32, w as u32, z.device())?
-        .unsqueeze(0)?
-        .broadcast_as((n, w))?
-        .contiguous()?;
-    let (mut vals, mut cand) = (z.contiguous()?, ids);
+    let (mut vals, mut cand) = if z.dim(1)? > chunk {
+        first_reduction(z, k, chunk)?
+    } else {
+        let order = z.arg_sort_last_dim(false)?.narrow(1, 0, k)?.contiguous()?;
+        return Ok((z.gather(&order, D::Minus1)?, order));
+    };
+    // Candidates (values, ids) [N, W'], reduced until one sort suffices.
     while vals.dim(1)? > chunk {
         (vals, cand) = reduce_chunks(&vals, &cand, k, chunk)?;
     }
@@ -150,6 +150,33 @@ fn select(z: &Tensor, k: usize, chunk: usize) -> Result<(Tensor, Tensor)> {
         vals.gather(&order, D::Minus1)?,
         cand.gather(&order, D::Minus1)?,
     ))
+}
+
+/// The first reduction of a whole row `z` `[N, W]`: `[N, ceil(W / chunk) * k]` candidates, each
+/// chunk's top k. A candidate's column id is its place in its chunk's sort plus the chunk's
+/// first column, so no `[N, W]` id tensor is built (nor a `W`-long range uploaded to the device):
+/// only the chunks' `ceil(W / chunk)` first columns are.
+fn first_reduction(z: &Tensor, k: usize, chunk: usize) -> Result<(Tensor, Tensor)> {
+    let (n, w) = z.dims2()?;
+    let n_chunks = w.div_ceil(chunk);
+    let pad = n_chunks * chunk - w;
+    let z = if pad > 0 {
+        let neg = Tensor::full(f32::NEG_INFINITY, (n, pad), z.device())?;
+        Tensor::cat(&[z, &neg], 1)?
+    } else {
+        z.contiguous()?
+    };
+    // [N * n_chunks, chunk] rows sorted independently; keep each one's k largest.
+    let v = z.reshape((n * n_chunks, chunk))?;
+    let order = v.arg_sort_last_dim(false)?.narrow(1, 0, k)?.contiguous()?;
+    let vals = v.gather(&order, D::Minus1)?.reshape((n, n_chunks * k))?;
+    let firsts: Vec<u32> = (0..n_chunks).map(|c| (c * chunk) as u32).collect();
+    let firsts = Tensor::from_vec(firsts, (1, n_chunks, 1), z.device())?;
+    let ids = order
+        .reshape((n, n_chunks, k))?
+        .broadcast_add(&firsts)?
+        .reshape((n, n_chunks * k))?;
+    Ok((vals.contiguous()?, ids.contiguous()?))
 }
 
 /// Top `q.k` (ids, values) of scaled logits `z` [N, Vv] with logsumexp `lse` [N, 1].
