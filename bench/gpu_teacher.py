@@ -25,6 +25,9 @@ p.add_argument("--k", type=int, default=64)
 p.add_argument("--requests", type=int, default=24, help="batches per side (after one warm-up)")
 p.add_argument("--clients", type=int, default=4, help="concurrent HTTP clients")
 p.add_argument("--dtype", default="bf16", choices=["bf16", "f16", "f32"])
+p.add_argument("--no-torch", action="store_true",
+               help="only the teacher (PyTorch's side was measured by an earlier call)")
+p.add_argument("--label", default="", help="a tag for the teacher's lines (e.g. its mode)")
 a = p.parse_args()
 
 # Valid ids as the server counts them (the tokenizer's; LM-head rows beyond are padding, excluded
@@ -40,7 +43,9 @@ scored = a.batch * (a.seq_len - 1)  # positions scored per batch (row p predicts
 tdt = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}[a.dtype]
 
 # ---- PyTorch -------------------------------------------------------------------------------
-model = AutoModelForCausalLM.from_pretrained(a.model, dtype=tdt).cuda().eval()
+# transformers with PyTorch's fused attention (SDPA), as a production PyTorch scorer runs.
+model = None if a.no_torch else AutoModelForCausalLM.from_pretrained(
+    a.model, dtype=tdt, attn_implementation="sdpa").cuda().eval()
 
 
 @torch.inference_mode()
@@ -54,20 +59,21 @@ def torch_score(ids_np):
     return idx.int().cpu(), lp.cpu(), tgt.cpu(), lse.cpu()
 
 
-ref = torch_score(batches[0])  # warm-up; kept for the comparison
-torch.cuda.synchronize()
-t0 = time.perf_counter()
-for b in batches[1:]:
-    torch_score(b)
-torch.cuda.synchronize()
-dt = time.perf_counter() - t0
-torch_tps = a.requests * scored / dt
-print(json.dumps({"impl": "pytorch+transformers", "dtype": a.dtype, "batch": a.batch,
-                  "seq_len": a.seq_len, "k": a.k, "scored_tokens_per_s": round(torch_tps),
-                  "gpu_mem_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}),
-      flush=True)
-del model
-torch.cuda.empty_cache()
+if model is not None:
+    ref = torch_score(batches[0])  # warm-up; kept for the comparison
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for b in batches[1:]:
+        torch_score(b)
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    torch_tps = a.requests * scored / dt
+    print(json.dumps({"impl": "pytorch+transformers (sdpa)", "dtype": a.dtype, "batch": a.batch,
+                      "seq_len": a.seq_len, "k": a.k, "scored_tokens_per_s": round(torch_tps),
+                      "gpu_mem_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}),
+          flush=True)
+    del model
+    torch.cuda.empty_cache()
 
 
 # ---- teacher server -------------------------------------------------------------------------
@@ -125,17 +131,19 @@ dt = time.perf_counter() - t0
 after = server_seconds()
 ours_tps = a.requests * scored / dt
 spent = {name: after[name] - before[name] for name in after}
-print(json.dumps({"impl": "xdistill-teacher", "dtype": a.dtype, "batch": a.batch,
+print(json.dumps({"impl": "xdistill-teacher", "label": a.label, "dtype": a.dtype, "batch": a.batch,
                   "seq_len": a.seq_len, "k": a.k, "clients": a.clients,
                   "scored_tokens_per_s": round(ours_tps)}), flush=True)
 # Where the server's time went: each phase's share of the run's wall time (the worker is one
 # thread, so its phases add up to at most 1; encoding runs on other threads, beside it).
-print(json.dumps({"phases": "xdistill-teacher", "wall_s": round(dt, 3),
+print(json.dumps({"phases": "xdistill-teacher", "label": a.label, "wall_s": round(dt, 3),
                   **{f"{p}_share": round(spent[p] / dt, 4) for p in PHASES + ("encode",)},
                   "worker_other_share": round((spent["batches"] - sum(spent[p] for p in PHASES)) / dt, 4),
                   "worker_idle_share": round(1 - spent["batches"] / dt, 4)}), flush=True)
 
 # ---- agreement on the first batch -----------------------------------------------------------
+if a.no_torch:
+    raise SystemExit(0)
 res = first["results"]
 top1 = overlap = 0
 lse_err = tgt_err = 0.0

@@ -14,6 +14,12 @@
 # 4. the student training step (bf16 compute, f32 masters, AdamW) vs PyTorch eager (autocast);
 # 5. a Qwen3-1.7B-shaped student at 4096 tokens (checkpointed) vs PyTorch "careful";
 # 6. exact full-vocabulary transport (issue 32): `bench/full_vocab.py --device cuda`.
+# 3t. teacher speed (issue 46): random models of Qwen3-0.6B's and Qwen3-1.7B's shapes, ours
+#    through HTTP (MessagePack, 4 clients) in the batch-invariant mode (the default) and the
+#    padded one (`--batch-invariant false`) against transformers (SDPA) + torch.topk
+#    in-process, at 8 x 512, 4 x 2048 and 1 x 8192, k = 64, bf16, with the server's phase
+#    breakdown (forward, LM head, top-k, copy, encoding; synchronised). Not in the default run
+#    (it is long): STEPS="3t".
 #
 # STEPS="1 2 6" runs only those steps (default: all; 4 needs 3's model). Each step has a time
 # limit, so that one hung step leaves the others their time on a lent machine.
@@ -128,6 +134,43 @@ for shape in "8 512" "4 2048"; do
 done
 kill -TERM $tpid; wait $tpid
 tail -n 5 "$out/teacher.log"
+fi
+
+if [[ " ${STEPS:-} " == *" 3t "* ]]; then
+step "3t. teacher speed: ours (HTTP) vs transformers (SDPA) + torch.topk, invariant and padded"
+# name hidden layers heads kv-heads intermediate
+for spec in "qwen3-0.6b 1024 28 16 8 3072" "qwen3-1.7b 2048 28 16 8 6144"; do
+  set -- $spec
+  name=$1
+  model="$work/$name-speed"
+  check "$work/trainer" init-model --arch qwen3 --tokenizer "$work/tokenizers/qwen3/tokenizer.json" \
+    --hidden-size "$2" --layers "$3" --heads "$4" --kv-heads "$5" --head-dim 128 \
+    --intermediate-size "$6" --tie-embeddings --pad-vocab-to 64 --max-position-embeddings 16384 \
+    --seed 1 --out "$model"
+  for invariant in true false; do
+    port=18124
+    "$work/teacher" --model "$model" --device cuda --dtype bf16 --port $port --cache-bytes 0 \
+      --batch-invariant "$invariant" --max-batch-tokens 16384 --max-queue-tokens 1048576 \
+      > "$out/teacher-$name-$invariant.log" 2>&1 &
+    tpid=$!
+    for _ in $(seq 600); do
+      "$py" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=1)" \
+        2>/dev/null && break
+      kill -0 $tpid 2>/dev/null || break
+      sleep 0.5
+    done
+    # PyTorch's side does not depend on our mode: measured once, beside the invariant mode.
+    torch_flag=""; [ "$invariant" = false ] && torch_flag="--no-torch"
+    for shape in "8 512 16" "4 2048 8" "1 8192 6"; do
+      set -- $shape
+      check timeout 150 env PYTHONUNBUFFERED=1 "$py" bench/gpu_teacher.py --model "$model" \
+        --url "http://127.0.0.1:$port" --batch "$1" --seq-len "$2" --k 64 --requests "$3" \
+        --clients 4 --dtype bf16 --label "$name invariant=$invariant" $torch_flag
+    done
+    kill -TERM $tpid; wait $tpid
+  done
+  rm -rf "$model"
+done
 fi
 
 if want 4; then
