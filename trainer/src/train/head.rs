@@ -15,6 +15,7 @@
 
 use crate::config::ActivationCheckpointing;
 use crate::loss::{CeConfig, KdMetrics, LossConfig};
+use crate::train::phases::{self, Phase};
 use anyhow::{bail, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
@@ -47,7 +48,9 @@ impl HeadOpts {
     pub fn forward<'m>(&self, model: &'m Decoder, ids: &Tensor) -> Result<TrainPass<'m>> {
         let (b, t) = ids.dims2()?;
         let act = self.activations.resolve(model, b, t);
-        Ok(model.train_forward(ids, act)?)
+        phases::time(Phase::Forward, ids.device(), || {
+            Ok(model.train_forward(ids, act)?)
+        })
     }
 }
 
@@ -121,7 +124,10 @@ pub struct HeadOut {
 impl HeadOut {
     /// The micro-batch's gradients: the decoder's (through `pass`) plus the head's.
     pub fn finish(self, pass: TrainPass<'_>) -> Result<(GradStore, HeadSums)> {
-        let mut g = pass.backward(&self.grad_hidden)?;
+        let dev = self.grad_hidden.device().clone();
+        let mut g = phases::time(Phase::Backward, &dev, || {
+            Ok(pass.backward(&self.grad_hidden)?)
+        })?;
         g.extend(self.head)?;
         Ok((g, self.sums))
     }
@@ -219,6 +225,22 @@ fn value(t: &Tensor) -> Result<f64> {
 /// time, and returns the hidden-state and head gradients of the loss `mix` combines.
 /// `loss(i, logits)` computes piece `i`'s terms from its logits `[shape.0, shape.1, V]`.
 pub fn run<F>(
+    model: &Decoder,
+    hidden: &Tensor,
+    pieces: &[Piece],
+    mix: Mix,
+    loss: F,
+) -> Result<HeadOut>
+where
+    F: FnMut(usize, &Tensor) -> Result<ChunkLoss>,
+{
+    phases::time(Phase::HeadLoss, hidden.device(), || {
+        run_chunks(model, hidden, pieces, mix, loss)
+    })
+}
+
+/// [`run`], untimed.
+fn run_chunks<F>(
     model: &Decoder,
     hidden: &Tensor,
     pieces: &[Piece],

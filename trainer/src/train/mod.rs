@@ -15,6 +15,7 @@ pub mod head;
 pub mod off_policy;
 pub mod on_policy;
 pub mod pairing;
+pub mod phases;
 pub mod prepare;
 pub mod runner;
 pub mod sft;

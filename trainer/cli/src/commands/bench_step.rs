@@ -29,6 +29,7 @@ use xdistill_trainer::optim::{
 use xdistill_trainer::student::Student;
 use xdistill_trainer::train::head::HeadOpts;
 use xdistill_trainer::train::pairing::{units, Item, Pairing};
+use xdistill_trainer::train::phases::{self, StepPhases};
 use xdistill_trainer::train::runner::Runner;
 use xdistill_trainer::train::step::{micro_grads, LossCtx};
 
@@ -177,8 +178,9 @@ fn write_batch(batch: &Batch, len: usize, k: usize, path: &Path) -> Result<()> {
 /// Seconds of each phase of one step (the device is synchronised after each).
 #[derive(Default, Clone, Copy)]
 struct Phases {
-    /// Forward, chunked head + loss with each chunk's backward, and the decoder's backward.
-    grads: f64,
+    /// The decoder's forward, the chunked head + loss with each chunk's backward, and the
+    /// decoder's backward (`train::phases`).
+    grads: StepPhases,
     accumulate: f64,
     clip: f64,
     adamw: f64,
@@ -186,7 +188,7 @@ struct Phases {
 
 impl Phases {
     fn total(&self) -> f64 {
-        self.grads + self.accumulate + self.clip + self.adamw
+        self.grads.total() + self.accumulate + self.clip + self.adamw
     }
 }
 
@@ -205,7 +207,7 @@ fn step(runner: &mut Runner, s: &StepSetup) -> Result<(f64, Phases)> {
     let mut ph = Phases::default();
     let scores: Vec<&SequenceScores> = batch.scores.iter().collect();
     let norm = units(&batch.items);
-    let t = Instant::now();
+    phases::start();
     let ctx = LossCtx {
         model: runner.student.model(),
         k,
@@ -218,8 +220,7 @@ fn step(runner: &mut Runner, s: &StepSetup) -> Result<(f64, Phases)> {
     let (grads, m) = micro_grads(&ctx, &batch.items, &scores, norm)?;
     // The whole micro-batch is the step: the loss is kd_scale·KD + 0.1·CE (its mean).
     let loss_v = m.kd.loss * m.kd_scale + 0.1 * m.ce.unwrap_or(0.0);
-    device.synchronize()?;
-    ph.grads = t.elapsed().as_secs_f64();
+    ph.grads = phases::take();
     let t = Instant::now();
     let mut acc = GradAccumulator::new(runner.vars().to_vec());
     acc.add(&grads)?;
@@ -405,9 +406,11 @@ pub fn run(a: Args) -> Result<()> {
         (bs * t) as f64 / ours_s
     );
     println!(
-        "  phases (median s): forward+head+backward {:.3}  accumulate {:.3}  clip {:.3}  \
-         adamw {:.3}",
-        med(|p| p.grads),
+        "  phases (median s): forward {:.3}  head+loss {:.3}  backward {:.3}  accumulate {:.3}  \
+         clip {:.3}  adamw {:.3}",
+        med(|p| p.grads.forward),
+        med(|p| p.grads.head_loss),
+        med(|p| p.grads.backward),
         med(|p| p.accumulate),
         med(|p| p.clip),
         med(|p| p.adamw)

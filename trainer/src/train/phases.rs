@@ -1,0 +1,105 @@
+//! Where a micro-batch's gradient time goes — the decoder's training forward, the LM head and
+//! loss in row chunks (with each chunk's backward), and the decoder's backward (with the
+//! recompute of checkpointed layers) — for `trainer bench-step` and profiling.
+//!
+//! Off unless a thread turns it on ([`start`]): then each phase ends with a device
+//! synchronisation, so asynchronous GPU work is counted in the phase that launched it. Training
+//! never turns it on, so it adds no synchronisation to a real step. All three phases run in
+//! `train::head` (every pairing and SFT go through it), which is where they are timed.
+
+use candle_core::Device;
+use std::cell::RefCell;
+use std::time::Instant;
+
+/// Seconds per phase since [`start`].
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+pub struct StepPhases {
+    /// `HeadOpts::forward`: ids to final hidden states (activations kept or checkpointed).
+    pub forward: f64,
+    /// `head::run`: per chunk of rows the head's logits, the loss and its backward to the
+    /// chunk's hidden rows and the head.
+    pub head_loss: f64,
+    /// `HeadOut::finish`: the hidden-state gradient pulled through the decoder.
+    pub backward: f64,
+}
+
+impl StepPhases {
+    pub fn total(&self) -> f64 {
+        self.forward + self.head_loss + self.backward
+    }
+}
+
+/// A phase of [`StepPhases`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    Forward,
+    HeadLoss,
+    Backward,
+}
+
+thread_local! {
+    static CLOCK: RefCell<Option<StepPhases>> = const { RefCell::new(None) };
+}
+
+/// Starts timing this thread's phases from zero.
+pub fn start() {
+    CLOCK.with(|c| *c.borrow_mut() = Some(StepPhases::default()));
+}
+
+/// The phases timed since [`start`] (zero if it was not called); timing stops.
+pub fn take() -> StepPhases {
+    CLOCK.with(|c| c.borrow_mut().take()).unwrap_or_default()
+}
+
+/// Runs `f` as `phase` on `device`: timed, up to the device's completion of it, when this
+/// thread's clock runs; just run otherwise.
+pub(crate) fn time<R>(
+    phase: Phase,
+    device: &Device,
+    f: impl FnOnce() -> anyhow::Result<R>,
+) -> anyhow::Result<R> {
+    if CLOCK.with(|c| c.borrow().is_none()) {
+        return f();
+    }
+    let t0 = Instant::now();
+    let r = f()?;
+    device.synchronize()?;
+    let seconds = t0.elapsed().as_secs_f64();
+    CLOCK.with(|c| {
+        if let Some(p) = c.borrow_mut().as_mut() {
+            match phase {
+                Phase::Forward => p.forward += seconds,
+                Phase::HeadLoss => p.head_loss += seconds,
+                Phase::Backward => p.backward += seconds,
+            }
+        }
+    });
+    Ok(r)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Off by default: nothing is recorded; on: each phase gets its own time; `take` stops it.
+    #[test]
+    fn phases_are_recorded_only_while_the_clock_runs() {
+        let dev = Device::Cpu;
+        let spin = |ms: u64| {
+            let t0 = Instant::now();
+            while t0.elapsed().as_millis() < ms as u128 {}
+            Ok(())
+        };
+        time(Phase::Forward, &dev, || spin(2)).unwrap();
+        assert_eq!(take(), StepPhases::default());
+        start();
+        time(Phase::Forward, &dev, || spin(3)).unwrap();
+        time(Phase::Backward, &dev, || spin(1)).unwrap();
+        let p = take();
+        assert!(p.forward >= 0.003 && p.backward >= 0.001, "{p:?}");
+        assert_eq!(p.head_loss, 0.0);
+        assert!(p.forward > p.backward, "{p:?}");
+        time(Phase::HeadLoss, &dev, || spin(1)).unwrap();
+        assert_eq!(take(), StepPhases::default());
+    }
+}
