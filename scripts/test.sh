@@ -58,8 +58,11 @@ if stage build cargo test --workspace --locked --no-run; then
   cp target/nextest/default/junit.xml "$logs/rust.xml" 2>/dev/null
 
   simd="$(grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo avx2 || echo baseline)"
+  # Two tests per core: most of this pass waits on teacher processes (start-up, HTTP) more
+  # than it computes, so a second test per core fills the idle time.
   XDISTILL_SIMD="$simd" stage "simd pass (XDISTILL_SIMD=$simd)" \
-    cargo nextest run --workspace --locked --no-fail-fast --profile simd ${1+"$@"} ||
+    cargo nextest run --workspace --locked --no-fail-fast --profile simd \
+    --test-threads "$((2 * $(nproc)))" ${1+"$@"} ||
     failed+=("simd pass (XDISTILL_SIMD=$simd): see the failures listed above")
   cp target/nextest/simd/junit.xml "$logs/simd.xml" 2>/dev/null
 else
