@@ -120,8 +120,16 @@ pub fn spawn(
                 batch_invariant: cfg.batch_invariant,
                 metrics,
             };
-            facts.probe =
-                rayon::scope(|_| worker.probe(facts.vocab_size, facts.max_position_embeddings));
+            // A model whose probe cannot be scored (e.g. NaN logits) could answer nothing: it
+            // does not start, rather than report itself healthy and fail every request.
+            match rayon::scope(|_| worker.probe(facts.vocab_size, facts.max_position_embeddings))
+            {
+                Ok(probe) => facts.probe = probe,
+                Err(e) => {
+                    let _ = ready.send(Err(e));
+                    return;
+                }
+            }
             if ready.send(Ok(facts)).is_err() {
                 return; // the server is gone already
             }
@@ -179,12 +187,14 @@ fn guarded<T>(f: impl FnOnce() -> Result<T, ScoringError>) -> Result<T, ScoringE
 
 impl Worker {
     /// Scores the start-up probe ([`crate::probe`]) as a request scored alone would be (no
-    /// metrics); `None`, logged, when it cannot be scored.
-    fn probe(&self, vocab_size: usize, max_len: usize) -> Option<ProbeInfo> {
+    /// metrics). `None` (logged) when the model's context is too short for one; an error
+    /// naming the probe and the failure (for non-finite logits: the first id and position)
+    /// when it cannot be scored, for then no request can be.
+    fn probe(&self, vocab_size: usize, max_len: usize) -> Result<Option<ProbeInfo>, String> {
         let ids = probe::probe_ids(vocab_size, max_len);
         if ids.is_empty() {
             tracing::warn!("no start-up probe: the model scores no sequence of two tokens");
-            return None;
+            return Ok(None);
         }
         let params = probe::probe_params(vocab_size);
         let seq = SeqRef {
@@ -197,13 +207,13 @@ impl Worker {
             Some(Ok(scores)) => {
                 let info = probe::probe_info(&ids, &scores);
                 tracing::info!(hash = %info.hash, positions = info.positions, "start-up probe");
-                Some(info)
+                Ok(Some(info))
             }
-            Some(Err(e)) => {
-                tracing::warn!("no start-up probe: scoring it failed: {e}");
-                None
-            }
-            None => None,
+            Some(Err(e)) => Err(format!(
+                "the model cannot score: its start-up probe ({} tokens) failed: {e}",
+                ids.len()
+            )),
+            None => Err("the model cannot score: its start-up probe got no answer".into()),
         }
     }
 

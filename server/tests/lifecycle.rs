@@ -378,6 +378,68 @@ fn unservable_models_are_refused_at_start() {
     }
 }
 
+/// A model whose start-up probe is not finite (here every final-norm weight is NaN, so every
+/// logit is) does not start: the teacher exits 1 with one line naming the probe and the first
+/// non-finite logit (id and position), instead of answering `/health` 200 and then failing
+/// every request with 500.
+#[test]
+fn a_model_whose_probe_is_not_finite_does_not_start() {
+    use candle_core::{Device, Tensor};
+    let dir = broken_copy(|d| {
+        let p = d.join("model.safetensors");
+        let mut tensors = candle_core::safetensors::load(&p, &Device::Cpu).unwrap();
+        let w = &tensors["model.norm.weight"];
+        let nan = Tensor::full(f32::NAN, w.shape(), &Device::Cpu)
+            .unwrap()
+            .to_dtype(w.dtype())
+            .unwrap();
+        tensors.insert("model.norm.weight".into(), nan);
+        candle_core::safetensors::save(&tensors, &p).unwrap();
+    });
+    let mut child = teacher_bin()
+        .arg("--model")
+        .arg(dir.path())
+        .args(["--port", "0"])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The address is printed before the model loads; `/health` must never say 200.
+    let mut first = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    let addr = first.trim().trim_start_matches("listening on ").to_string();
+    let t0 = std::time::Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        let health = common::get_status(&format!("http://{addr}/health")).ok();
+        if health == Some(200) || t0.elapsed() > Duration::from_secs(60) {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            panic!("the teacher kept running (/health {health:?}) with a model whose probe is NaN");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert_eq!(status.code(), Some(1), "{err}");
+    let line = err
+        .lines()
+        .find(|l| l.starts_with("Error: "))
+        .unwrap_or_else(|| panic!("no error line: {err}"));
+    for needle in [
+        "the model cannot score: its start-up probe (32 tokens) failed",
+        "the model's logits are not finite (logit of id ",
+        " at position 0 is NaN)",
+    ] {
+        assert!(line.contains(needle), "{needle:?} not in {line:?}");
+    }
+}
+
 /// A copy of the model directory `src` with `edit` applied to its config.json.
 fn copy_with_config(
     src: &std::path::Path,
