@@ -416,27 +416,43 @@ async fn read_body_within(
 }
 
 /// A request is a map of named fields: a JSON object or a MessagePack map. A positional array
-/// (`[[[1,2,3]],2]`, which serde would otherwise take as the fields in order) is refused.
+/// (`[[[1,2,3]],2]`, which serde would otherwise take as the fields in order) is refused, and an
+/// empty body or a `null` one is named as such.
 pub(crate) fn require_map(format: Format, bytes: &[u8]) -> Result<(), ApiError> {
-    let is_map = match format {
-        Format::Json => bytes
-            .iter()
-            .find(|b| !b.is_ascii_whitespace())
-            .is_some_and(|&b| b == b'{'),
+    let (what, first) = match format {
+        Format::Json => (
+            "JSON object",
+            bytes.iter().find(|b| !b.is_ascii_whitespace()),
+        ),
+        Format::Msgpack => ("MessagePack map", bytes.first()),
+    };
+    let is_map = match (format, first) {
+        (_, None) => {
+            return Err(ApiError::Malformed(format!(
+                "the request body is empty: expected a {what} with named fields"
+            )))
+        }
+        (Format::Json, Some(&b)) => b == b'{',
         // fixmap, map 16, map 32.
-        Format::Msgpack => bytes
-            .first()
-            .is_some_and(|&b| (0x80..=0x8f).contains(&b) || b == 0xde || b == 0xdf),
+        (Format::Msgpack, Some(&b)) => (0x80..=0x8f).contains(&b) || b == 0xde || b == 0xdf,
+    };
+    let null = match format {
+        Format::Json => bytes.trim_ascii() == b"null",
+        Format::Msgpack => bytes == [0xc0],
     };
     if is_map {
         Ok(())
+    } else if null {
+        Err(ApiError::Malformed(format!(
+            "the request body is {}: expected a {what} with named fields",
+            match format {
+                Format::Json => "JSON null",
+                Format::Msgpack => "MessagePack nil",
+            }
+        )))
     } else {
         Err(ApiError::Malformed(format!(
-            "expected a {} with named fields (positional arrays are not accepted)",
-            match format {
-                Format::Json => "JSON object",
-                Format::Msgpack => "MessagePack map",
-            }
+            "expected a {what} with named fields (positional arrays are not accepted)"
         )))
     }
 }
@@ -613,11 +629,14 @@ async fn head(State(st): State<Shared>, headers: HeaderMap) -> Response {
     }
 }
 
-/// `GET /v1/head`: the head file (safetensors), streamed a chunk of rows at a time from the
-/// model's own tensor, with its fingerprint as `ETag` and `X-Xdistill-Head-Fingerprint`. The
-/// bytes are hashed again as they go and the last chunk is only sent once they match: a body
-/// that arrives whole is the one fingerprinted. `If-None-Match` with the fingerprint: 304.
+/// `GET /v1/head`: the head file (safetensors), streamed a piece at a time from the model's own
+/// tensor as the client takes it ([`crate::head::PIECE_BYTES`]: a download holds well under a
+/// MiB, however slow its client), with its fingerprint as `ETag` and
+/// `X-Xdistill-Head-Fingerprint`. A whole-file answer is hashed again as it goes and its last
+/// piece only sent once the hash matches. `If-None-Match` naming the fingerprint (weakly or
+/// not): 304. One byte `Range` (with `If-Range`): 206, or 416 past the end.
 fn head_file(st: &AppState, headers: &HeaderMap) -> Result<Response, ApiError> {
+    use crate::head::{head_answer, HeadAnswer};
     let ready = st.ready()?;
     let head = served_head(ready)?;
     let etag = format!("\"{}\"", head.fingerprint);
@@ -625,59 +644,56 @@ fn head_file(st: &AppState, headers: &HeaderMap) -> Result<Response, ApiError> {
         HeaderValue::from_str(&head.fingerprint).map_err(|e| ApiError::Internal(e.to_string()))?;
     let etag_value = HeaderValue::from_str(&etag).map_err(|e| ApiError::Internal(e.to_string()))?;
     let fp_name = header::HeaderName::from_static(HEAD_FINGERPRINT_HEADER);
-    let cached = headers
-        .get_all(header::IF_NONE_MATCH)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .any(|t| t.trim() == etag || t.trim() == "*");
-    if cached {
-        let mut r = StatusCode::NOT_MODIFIED.into_response();
-        r.headers_mut().insert(header::ETAG, etag_value);
-        r.headers_mut().insert(fp_name, fp);
-        return Ok(r);
-    }
-    let (tx, rx) = tokio::sync::mpsc::channel::<Result<bytes::Bytes, std::io::Error>>(4);
+    let texts = |name| {
+        headers
+            .get_all(name)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .collect::<Vec<_>>()
+    };
+    let if_range = headers.get(header::IF_RANGE).and_then(|v| v.to_str().ok());
+    let answer = head_answer(
+        texts(header::IF_NONE_MATCH),
+        &texts(header::RANGE),
+        if_range,
+        &etag,
+        head.len,
+    );
     let len = head.len;
-    tokio::task::spawn_blocking(move || {
-        use sha2::Digest;
-        let mut sha = sha2::Sha256::new();
-        let mut pending: Option<bytes::Bytes> = None;
-        let walked = head.for_each_chunk(|c| {
-            sha.update(c);
-            let next = bytes::Bytes::copy_from_slice(c);
-            match pending.replace(next) {
-                Some(b) => tx.blocking_send(Ok(b)).is_ok(),
-                None => true,
-            }
-        });
-        let last = match walked {
-            Ok(n) if n == head.len && hex::encode(sha.finalize()) == head.fingerprint => {
-                pending.map(Ok)
-            }
-            Ok(n) if n < head.len => None, // the client left
-            Ok(_) => Some(Err(std::io::Error::other(
-                "the head's bytes no longer match its fingerprint",
-            ))),
-            Err(e) => Some(Err(std::io::Error::other(format!("reading the head: {e}")))),
-        };
-        if let Some(Err(e)) = &last {
-            tracing::error!("/v1/head aborted: {e}");
+    let (status, range) = match answer {
+        HeadAnswer::NotModified => {
+            let mut r = StatusCode::NOT_MODIFIED.into_response();
+            r.headers_mut().insert(header::ETAG, etag_value);
+            r.headers_mut().insert(fp_name, fp);
+            return Ok(r);
         }
-        if let Some(last) = last {
-            let _ = tx.blocking_send(last);
+        HeadAnswer::Unsatisfiable(range) => {
+            return Err(ApiError::RangeNotSatisfiable { range, len });
         }
-    });
-    let stream = futures::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|item| (item, rx))
-    });
-    let mut r = Body::from_stream(stream).into_response();
+        HeadAnswer::Whole => (StatusCode::OK, 0..len),
+        HeadAnswer::Part(r) => (StatusCode::PARTIAL_CONTENT, r),
+    };
+    let body_len = range.end - range.start;
+    let content_range = format!(
+        "bytes {}-{}/{len}",
+        range.start,
+        range.end.saturating_sub(1)
+    );
+    let mut r = Body::from_stream(head.stream(range)).into_response();
+    *r.status_mut() = status;
     let h = r.headers_mut();
     h.insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/octet-stream"),
     );
-    h.insert(header::CONTENT_LENGTH, HeaderValue::from(len));
+    h.insert(header::CONTENT_LENGTH, HeaderValue::from(body_len));
+    h.insert(header::ACCEPT_RANGES, HeaderValue::from_static("bytes"));
+    if status == StatusCode::PARTIAL_CONTENT {
+        h.insert(
+            header::CONTENT_RANGE,
+            HeaderValue::from_str(&content_range).map_err(|e| ApiError::Internal(e.to_string()))?,
+        );
+    }
     h.insert(header::ETAG, etag_value);
     h.insert(fp_name, fp);
     Ok(r)

@@ -124,6 +124,10 @@ pub struct Args {
     /// Seconds a body may take before `--min-body-rate` applies.
     #[arg(long, env = "XDISTILL_MIN_RATE_GRACE_SECS", default_value_t = 5.0)]
     pub min_rate_grace_secs: f64,
+    /// Seconds a connection's writes may make no progress (a client that stops reading an
+    /// answer, e.g. a `/v1/head` download) before it is closed.
+    #[arg(long, env = "XDISTILL_WRITE_TIMEOUT_SECS", default_value_t = 60.0)]
+    pub write_timeout_secs: f64,
     /// Most connections open at once (also capped by the open-files limit, which is raised to
     /// its hard limit at start); beyond it new connections wait until one closes.
     #[arg(long, env = "XDISTILL_MAX_CONNECTIONS", default_value_t = 4096)]
@@ -218,6 +222,7 @@ impl Args {
             ("--header-timeout-secs", self.header_timeout_secs),
             ("--body-timeout-secs", self.body_timeout_secs),
             ("--min-rate-grace-secs", self.min_rate_grace_secs),
+            ("--write-timeout-secs", self.write_timeout_secs),
         ] {
             if !(secs.is_finite() && secs > 0.0 && secs <= 86_400.0) {
                 return Err(format!("{name} must be in (0, 86400], got {secs}"));
@@ -276,6 +281,7 @@ mod tests {
         let a = Args::try_parse_from(["teacher", "--model", "m"]).unwrap();
         assert_eq!(a.host.to_string(), "127.0.0.1");
         assert_eq!(a.port, 8000);
+        assert_eq!(a.write_timeout_secs, 60.0);
         assert!(a.batch_invariant);
         assert_eq!(
             a.max_wait_ms(),
@@ -318,6 +324,7 @@ mod tests {
             ["--header-timeout-secs", "nan"],
             ["--body-timeout-secs", "-1"],
             ["--body-timeout-secs", "1e9"],
+            ["--write-timeout-secs", "0"],
             ["--max-connections", "0"],
             ["--max-sequences", "0"],
             ["--max-answer-bytes", "0"],

@@ -108,6 +108,9 @@ pub enum ApiError {
     /// why, e.g. a head dtype with no wire format).
     #[error("the hidden-state and head routes are not available for this model: {0}")]
     NoHead(String),
+    /// `GET /v1/head` with a `Range` that starts past the end of the head file (RFC 9110 §15.5.17).
+    #[error("the range {range:?} lies outside the head file's {len} bytes")]
+    RangeNotSatisfiable { range: String, len: u64 },
     /// A sequence got no scores: the request's fault (4xx) or the model's or the server's
     /// (5xx); [`ApiError::status`] and [`ApiError::label`] tell them apart.
     #[error("{0}")]
@@ -170,6 +173,7 @@ impl ApiError {
             ApiError::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::NoHead(_) => StatusCode::NOT_IMPLEMENTED,
+            ApiError::RangeNotSatisfiable { .. } => StatusCode::RANGE_NOT_SATISFIABLE,
             ApiError::Scoring(e) => match e {
                 // The request's: the same request fails the same way.
                 ScoringError::TemperatureOverflow { .. } => StatusCode::UNPROCESSABLE_ENTITY,
@@ -214,6 +218,7 @@ impl ApiError {
             ApiError::MethodNotAllowed => "method_not_allowed",
             ApiError::Internal(_) => "internal_error",
             ApiError::NoHead(_) => "head_unavailable",
+            ApiError::RangeNotSatisfiable { .. } => "range_not_satisfiable",
             ApiError::Scoring(e) => match e {
                 ScoringError::TemperatureOverflow { .. } => "temperature_overflow",
                 ScoringError::NonFiniteLogits { .. } => "non_finite_logits",
@@ -283,6 +288,12 @@ impl IntoResponse for ApiError {
             | ApiError::BodyTooSlow { .. } => {
                 // The body's framing cannot be trusted: nothing more is read on this connection.
                 h.insert(header::CONNECTION, HeaderValue::from_static("close"));
+            }
+            ApiError::RangeNotSatisfiable { len, .. } => {
+                // RFC 9110 §14.4: the length the range was judged against.
+                if let Ok(v) = HeaderValue::from_str(&format!("bytes */{len}")) {
+                    h.insert(header::CONTENT_RANGE, v);
+                }
             }
             ApiError::UnsupportedEncoding(_) => {
                 // RFC 7694: the codings the server accepts.

@@ -15,6 +15,10 @@
 //!   connection has the proxy's address). A connection the server closes gives its place back
 //!   before the close reaches the client ([`Counted`]): a client that reconnects as soon as it
 //!   reads the end of an answer is never refused for a connection it no longer holds.
+//! - Write-stall timeout: a connection whose writes make no progress for `write_timeout` (a
+//!   client that stopped reading an answer, e.g. a `/v1/head` download) is closed
+//!   ([`WriteStall`], in the same wrapper as the share), so a stalled reader holds neither its
+//!   slot nor its share for longer.
 //! - Answers hyper writes itself (unparsable heads) get JSON bodies ([`crate::head_errors`]).
 //! - File descriptors: the soft limit is raised to the hard one at start ([`raise_fd_limit`]);
 //!   an accept that fails for lack of descriptors (EMFILE, ENFILE) or memory is retried after a
@@ -47,6 +51,8 @@ pub struct ConnLimits {
     pub max_per_client: usize,
     /// How long in-flight requests may take to finish after a shutdown signal.
     pub drain_timeout: Duration,
+    /// Longest a connection's writes may make no progress before it is closed.
+    pub write_timeout: Duration,
 }
 
 /// Serves `router` on `listener` until `shutdown` resolves, then lets open connections finish
@@ -99,7 +105,11 @@ pub async fn serve(
         // 4. Serve it on its own task; the share is given back when the server closes the
         //    connection (or it ends), the slot when the connection ends.
         let svc = TowerToHyperService::new(router.clone());
-        let io = Counted::new(HeadErrors::new(TokioIo::new(stream)), share);
+        let io = Counted::new(
+            HeadErrors::new(TokioIo::new(stream)),
+            share,
+            limits.write_timeout,
+        );
         let conn = graceful.watch(http.serve_connection(io, svc));
         tokio::spawn(async move {
             if let Err(e) = conn.await {
@@ -185,19 +195,80 @@ impl Drop for Share {
 }
 
 /// A connection that holds its client's [`Share`] until the server shuts its side down (or the
-/// connection is dropped). The share is given back *before* the shutdown is passed on, so by
-/// the time the client sees the end of the stream its place is free again; given back after,
-/// a client reconnecting at once could still find its old connection counted and be refused.
+/// connection is dropped), and fails its writes once they have made no progress for the write
+/// timeout ([`WriteStall`]; hyper then closes the connection). The share is given back *before*
+/// the shutdown is passed on, so by the time the client sees the end of the stream its place is
+/// free again; given back after, a client reconnecting at once could still find its old
+/// connection counted and be refused.
 struct Counted<T> {
     inner: T,
     share: Option<Share>,
+    stall: WriteStall,
 }
 
 impl<T> Counted<T> {
-    fn new(inner: T, share: Share) -> Counted<T> {
+    fn new(inner: T, share: Share, write_timeout: Duration) -> Counted<T> {
         Counted {
             inner,
             share: Some(share),
+            stall: WriteStall::new(write_timeout),
+        }
+    }
+}
+
+/// The clock of a connection's stalled writes: started by the first write (or flush) that
+/// cannot proceed, cleared by any that does; once it has run for `limit`, the pending write
+/// fails with `TimedOut`. It wakes the connection's task itself, so a client that reads nothing
+/// more is closed on time even though its socket never becomes writable again.
+struct WriteStall {
+    limit: Duration,
+    /// Set while writes are blocked (made on the first stall, reset on later ones).
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    stalled: bool,
+}
+
+impl WriteStall {
+    fn new(limit: Duration) -> WriteStall {
+        WriteStall {
+            limit,
+            timer: None,
+            stalled: false,
+        }
+    }
+
+    /// `r`, the outcome of a write (`wrote`) or of a flush or shutdown, seen by the clock: a
+    /// write that went through clears it (a flush that did proves nothing: it only follows
+    /// writes); one that is blocked starts it (or checks it) and becomes `TimedOut` once it has
+    /// run out.
+    fn watch<R>(
+        &mut self,
+        cx: &mut Context<'_>,
+        r: Poll<io::Result<R>>,
+        wrote: bool,
+    ) -> Poll<io::Result<R>> {
+        if r.is_ready() {
+            if wrote {
+                self.stalled = false;
+            }
+            return r;
+        }
+        let deadline = tokio::time::Instant::now() + self.limit;
+        let timer = self
+            .timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        if !self.stalled {
+            self.stalled = true;
+            timer.as_mut().reset(deadline);
+        }
+        match timer.as_mut().poll(cx) {
+            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!(
+                    "no write progress for {:?} (--write-timeout-secs): closing the connection",
+                    self.limit
+                ),
+            ))),
+            Poll::Pending => Poll::Pending,
         }
     }
 }
@@ -218,7 +289,9 @@ impl<T: Write + Unpin> Write for Counted<T> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+        let this = self.get_mut();
+        let r = Pin::new(&mut this.inner).poll_write(cx, buf);
+        this.stall.watch(cx, r, true)
     }
 
     fn poll_write_vectored(
@@ -226,7 +299,9 @@ impl<T: Write + Unpin> Write for Counted<T> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+        let this = self.get_mut();
+        let r = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
+        this.stall.watch(cx, r, true)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -234,13 +309,16 @@ impl<T: Write + Unpin> Write for Counted<T> {
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+        let this = self.get_mut();
+        let r = Pin::new(&mut this.inner).poll_flush(cx);
+        this.stall.watch(cx, r, false)
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
         this.share = None;
-        Pin::new(&mut this.inner).poll_shutdown(cx)
+        let r = Pin::new(&mut this.inner).poll_shutdown(cx);
+        this.stall.watch(cx, r, false)
     }
 }
 
@@ -372,7 +450,7 @@ mod tests {
             ip,
             open_at_shutdown: None,
         };
-        let mut conn = Counted::new(probe, c.enter(ip).unwrap());
+        let mut conn = Counted::new(probe, c.enter(ip).unwrap(), Duration::from_secs(60));
         assert!(c.enter(ip).is_none(), "the open connection holds the share");
         let waker = futures::task::noop_waker();
         let mut cx = Context::from_waker(&waker);
@@ -388,10 +466,77 @@ mod tests {
                 open_at_shutdown: None,
             },
             c.enter(ip).unwrap(),
+            Duration::from_secs(60),
         );
         assert!(c.enter(ip).is_none());
         drop(dropped);
         assert!(c.enter(ip).is_some());
+    }
+
+    /// A writer that takes `gap` to accept each write (it wakes its task when it will).
+    struct SlowWriter {
+        ready_at: std::time::Instant,
+        gap: Duration,
+    }
+
+    impl Write for SlowWriter {
+        fn poll_write(
+            self: Pin<&mut Self>,
+            cx: &mut Context<'_>,
+            buf: &[u8],
+        ) -> Poll<io::Result<usize>> {
+            let now = std::time::Instant::now();
+            if now >= self.ready_at {
+                self.get_mut().ready_at = now + self.gap;
+                return Poll::Ready(Ok(buf.len()));
+            }
+            let (waker, wait) = (cx.waker().clone(), self.ready_at - now);
+            std::thread::spawn(move || {
+                std::thread::sleep(wait);
+                waker.wake();
+            });
+            Poll::Pending
+        }
+        fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+        fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    /// Writes that make no progress for the write timeout fail with `TimedOut`; writes that
+    /// are each slow but keep going do not, however long they take in all.
+    #[tokio::test]
+    async fn stalled_writes_fail_after_the_write_timeout() {
+        let c = Clients::new(0);
+        let ip: IpAddr = "127.0.0.1".parse().unwrap();
+        let limit = Duration::from_millis(60);
+        let conn = |gap| {
+            let w = SlowWriter {
+                ready_at: std::time::Instant::now() + gap,
+                gap,
+            };
+            Counted::new(w, c.enter(ip).unwrap(), limit)
+        };
+        let mut stalled = conn(Duration::from_secs(3600));
+        let t0 = std::time::Instant::now();
+        let e = futures::future::poll_fn(|cx| Pin::new(&mut stalled).poll_write(cx, b"x"))
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut, "{e}");
+        assert!(e.to_string().contains("--write-timeout-secs"), "{e}");
+        let took = t0.elapsed();
+        assert!(took >= limit && took < Duration::from_secs(5), "{took:?}");
+        let mut slow = conn(Duration::from_millis(20));
+        let t0 = std::time::Instant::now();
+        for _ in 0..10 {
+            let n = futures::future::poll_fn(|cx| Pin::new(&mut slow).poll_write(cx, b"xy"))
+                .await
+                .unwrap();
+            assert_eq!(n, 2);
+        }
+        assert!(t0.elapsed() > 2 * limit);
     }
 
     #[test]

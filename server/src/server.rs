@@ -146,6 +146,7 @@ pub async fn run(args: Args) -> Result<()> {
         max_connections,
         max_per_client: args.max_connections_per_client,
         drain_timeout: Duration::from_secs(600),
+        write_timeout: Duration::from_secs_f64(args.write_timeout_secs),
     };
     serve::serve(
         listener,

@@ -122,8 +122,7 @@ pub fn spawn(
             };
             // A model whose probe cannot be scored (e.g. NaN logits) could answer nothing: it
             // does not start, rather than report itself healthy and fail every request.
-            match rayon::scope(|_| worker.probe(facts.vocab_size, facts.max_position_embeddings))
-            {
+            match rayon::scope(|_| worker.probe(facts.vocab_size, facts.max_position_embeddings)) {
                 Ok(probe) => facts.probe = probe,
                 Err(e) => {
                     let _ = ready.send(Err(e));

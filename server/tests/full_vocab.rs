@@ -1,7 +1,8 @@
 //! The routes of exact full-vocabulary distillation against a real `teacher`: `/hidden_states`
 //! times `/v1/head` gives back `/topk_logits`' log-probs (tied and untied heads, a padded
 //! vocabulary, Gemma's scaled embedding and `1 + w` norms), the head file's fingerprint, the
-//! same refusals as `/topk_logits`, auth, answer limits and the cache.
+//! same refusals as `/topk_logits`, auth, answer limits and the cache; head downloads resumed
+//! with `Range`, and the memory and the fate of slow and stalled ones.
 
 mod common;
 
@@ -501,4 +502,306 @@ async fn repeated_hidden_requests_are_cache_hits() {
         )),
         "{text}"
     );
+}
+
+/// `GET /v1/head` with `extra` request headers on a new connection (`Connection: close`, so
+/// nothing stays open against the per-client cap): the status, the lower-cased head, the body.
+async fn raw_head_get(addr: &str, extra: &[(&str, &str)]) -> (u16, String, Vec<u8>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    s.write_all(&head_request(extra)).await.expect("write");
+    let mut out = Vec::new();
+    s.read_to_end(&mut out).await.expect("read");
+    split_answer(&out)
+}
+
+/// The bytes of a `GET /v1/head` with `extra` headers and `Connection: close`.
+fn head_request(extra: &[(&str, &str)]) -> Vec<u8> {
+    let mut req = format!("GET {HEAD_PATH} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n");
+    for (k, v) in extra {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    req.into_bytes()
+}
+
+/// An answer's status, lower-cased head and body.
+fn split_answer(out: &[u8]) -> (u16, String, Vec<u8>) {
+    let end = out
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .unwrap_or_else(|| panic!("no head in {:?}", String::from_utf8_lossy(out)));
+    let head = String::from_utf8_lossy(&out[..end]).to_ascii_lowercase();
+    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    (status, head, out[end + 4..].to_vec())
+}
+
+/// The value of header `name` (lower-case) in a lower-cased head.
+fn header_of<'a>(head: &'a str, name: &str) -> Option<&'a str> {
+    head.lines().find_map(|l| {
+        let (k, v) = l.split_once(':')?;
+        (k.trim() == name).then(|| v.trim())
+    })
+}
+
+/// A download cut short resumes with `Range` (and `If-Range` naming the head) and the two parts
+/// reassemble to the fingerprinted file; suffix and header-only ranges; 416 past the end; an
+/// `If-Range` that does not name the head exactly (a weak tag, another tag) or a list of ranges
+/// gets the whole file; `If-None-Match` matches weakly (`W/"fp"`: 304).
+#[tokio::test]
+async fn head_downloads_resume_with_range_and_etags_match_weakly() {
+    let t = llama_tied();
+    let addr = t.base.trim_start_matches("http://").to_string();
+    let (status, head, full) = raw_head_get(&addr, &[]).await;
+    assert_eq!(status, 200, "{head}");
+    assert_eq!(header_of(&head, "accept-ranges"), Some("bytes"), "{head}");
+    let fp = hex::encode(Sha256::digest(&full));
+    let len = full.len() as u64;
+    let etag = format!("\"{fp}\"");
+    // Cut inside a row, not on a piece boundary.
+    let cut = 1_234_567u64;
+    let first = format!("bytes=0-{}", cut - 1);
+    let (s1, h1, a) = raw_head_get(&addr, &[("Range", &first)]).await;
+    assert_eq!(s1, 206, "{h1}");
+    let want_cr = format!("bytes 0-{}/{len}", cut - 1);
+    assert_eq!(header_of(&h1, "content-range"), Some(want_cr.as_str()));
+    let rest = format!("bytes={cut}-");
+    let (s2, h2, b) = raw_head_get(&addr, &[("Range", &rest), ("If-Range", &etag)]).await;
+    assert_eq!(s2, 206, "{h2}");
+    let want_cr = format!("bytes {cut}-{}/{len}", len - 1);
+    assert_eq!(header_of(&h2, "content-range"), Some(want_cr.as_str()));
+    assert_eq!(header_of(&h2, "etag"), Some(etag.as_str()));
+    let whole = [a, b].concat();
+    assert_eq!(whole.len() as u64, len);
+    assert_eq!(hex::encode(Sha256::digest(&whole)), fp);
+    // The last 100 bytes; bytes 5..=9 (inside the header); an end past the file is cut to it.
+    for (range, want) in [
+        ("bytes=-100", &full[full.len() - 100..]),
+        ("bytes=5-9", &full[5..10]),
+        (
+            &format!("bytes={}-{}", len - 3, len + 50),
+            &full[full.len() - 3..],
+        ),
+    ] {
+        let (s, h, body) = raw_head_get(&addr, &[("Range", range)]).await;
+        assert_eq!((s, body.len()), (206, want.len()), "{range}: {h}");
+        assert!(body == want, "{range}");
+    }
+    // Past the end: 416 with the length, as JSON.
+    for range in [format!("bytes={len}-"), "bytes=-0".to_string()] {
+        let (s, h, body) = raw_head_get(&addr, &[("Range", &range)]).await;
+        assert_eq!(s, 416, "{range}: {h}");
+        let want_cr = format!("bytes */{len}");
+        assert_eq!(header_of(&h, "content-range"), Some(want_cr.as_str()));
+        let e: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(e["error"]["type"], "range_not_satisfiable", "{e}");
+    }
+    // The whole file instead of the range.
+    let weak = format!("W/{etag}");
+    for extra in [
+        vec![("Range", "bytes=0-9"), ("If-Range", weak.as_str())],
+        vec![("Range", "bytes=0-9"), ("If-Range", "\"another\"")],
+        vec![("Range", "bytes=0-9,20-29")],
+        vec![("Range", "items=0-9")],
+    ] {
+        let (s, h, body) = raw_head_get(&addr, &extra).await;
+        assert_eq!((s, body.len() as u64), (200, len), "{extra:?}: {h}");
+    }
+    // Weak comparison for If-None-Match (RFC 9110 §13.1.2).
+    for inm in [weak.clone(), format!("\"x\", {weak}"), etag.clone()] {
+        let (s, h, body) = raw_head_get(&addr, &[("If-None-Match", &inm)]).await;
+        assert_eq!((s, body.len()), (304, 0), "{inm}: {h}");
+    }
+    let (s, _, body) = raw_head_get(&addr, &[("If-None-Match", "W/\"x\"")]).await;
+    assert_eq!((s, body.len() as u64), (200, len));
+}
+
+/// Resident memory of process `pid` in bytes (`VmRSS`).
+fn rss(pid: u32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
+    let kb: u64 = s
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmRSS");
+    kb * 1024
+}
+
+/// Most the teacher's resident memory may grow per open `/v1/head` download (measured: see
+/// docs/protocol.md; a download holds the connection's write buffer and one piece).
+const RSS_PER_DOWNLOAD: u64 = 3 << 19; // 1.5 MiB
+
+/// 50 clients that never read a 19.4 MB head and 50 that read it slowly (512 KiB every 100 ms):
+/// the teacher's resident memory grows by at most [`RSS_PER_DOWNLOAD`] per connection (it held
+/// about the head's size per stalled client before); the downloads count against the per-client
+/// cap; the non-reading connections are closed once their writes have stalled for
+/// `--write-timeout-secs` (2 s here), and every slow reader gets the whole, exact file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_head_downloads_hold_bounded_memory_and_are_closed() {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    const EACH: usize = 50;
+    let dir = model("fv-qwen3-untied", "qwen3", "qwen3", false, 64);
+    let cap = (2 * EACH).to_string();
+    let t = common::start_teacher(
+        &dir,
+        &[
+            "--write-timeout-secs",
+            "2",
+            "--max-connections-per-client",
+            &cap,
+        ],
+    );
+    let addr = t.base.trim_start_matches("http://").to_string();
+    // The reference bytes (and a first download, so the allocator has seen one).
+    let (status, _, full) = raw_head_get(&addr, &[]).await;
+    assert_eq!(status, 200);
+    assert!(full.len() > 19_000_000, "{}", full.len());
+    let (_, info_head, _) = raw_head_get(&addr, &[("If-None-Match", "*")]).await;
+    let fp = header_of(&info_head, "x-xdistill-head-fingerprint")
+        .unwrap()
+        .to_string();
+    assert_eq!(hex::encode(Sha256::digest(&full)), fp);
+    let full = Arc::new(full);
+    let len = full.len();
+
+    // Resident memory, sampled until told to stop; past the bound the teacher is killed, so a
+    // server that buffers whole bodies fails here instead of taking the machine's memory.
+    let base = rss(t.pid);
+    let limit = base + 2 * EACH as u64 * RSS_PER_DOWNLOAD;
+    let (peak, stop) = (
+        Arc::new(AtomicU64::new(base)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let sampler = {
+        let (peak, stop, pid) = (peak.clone(), stop.clone(), t.pid);
+        std::thread::spawn(move || {
+            while !stop.load(Relaxed) {
+                let r = rss(pid);
+                peak.fetch_max(r, Relaxed);
+                if r > limit {
+                    // SAFETY: a signal to the teacher this test started.
+                    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        })
+    };
+
+    let t0 = Instant::now();
+    let req = head_request(&[]);
+    let mut stalled = Vec::new();
+    for _ in 0..EACH {
+        let req = req.clone();
+        let sock = tokio::net::TcpSocket::new_v4().unwrap();
+        sock.set_recv_buffer_size(16 << 10).unwrap();
+        let mut s = sock.connect(addr.parse().unwrap()).await.expect("connect");
+        stalled.push(tokio::spawn(async move {
+            s.write_all(&req).await?;
+            // Nothing is read until well after the server should have given up (2 s from when
+            // its writes stall); then what the kernels hold is drained: it ends short of the file.
+            tokio::time::sleep_until((t0 + Duration::from_secs(5)).into()).await;
+            let mut got = 0usize;
+            let mut buf = vec![0u8; 1 << 16];
+            loop {
+                match tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf)).await {
+                    Ok(Ok(0)) | Ok(Err(_)) => break,
+                    Ok(Ok(n)) => got += n,
+                    Err(_) => return Err(std::io::Error::other("the connection stayed open")),
+                }
+            }
+            Ok::<_, std::io::Error>(got)
+        }));
+    }
+    let mut slow = Vec::new();
+    for _ in 0..EACH {
+        let (req, full) = (req.clone(), full.clone());
+        let mut s = tokio::net::TcpStream::connect(&addr)
+            .await
+            .expect("connect");
+        slow.push(tokio::spawn(async move {
+            s.write_all(&req).await?;
+            let mut got = Vec::new();
+            let mut buf = vec![0u8; 1 << 16];
+            let (mut body_at, mut same, mut taken) = (None, true, 0usize);
+            loop {
+                let n = s.read(&mut buf).await?;
+                if n == 0 {
+                    break;
+                }
+                match body_at {
+                    // Only the head is kept; the body is compared as it comes.
+                    None => {
+                        got.extend_from_slice(&buf[..n]);
+                        if let Some(i) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+                            let body = got.split_off(i + 4);
+                            same &= full.get(..body.len()) == Some(&body[..]);
+                            body_at = Some(body.len());
+                        }
+                    }
+                    Some(at) => {
+                        same &= full.get(at..at + n) == Some(&buf[..n]);
+                        body_at = Some(at + n);
+                    }
+                }
+                taken += n;
+                if taken >= 512 << 10 {
+                    taken = 0;
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+            Ok::<_, std::io::Error>((String::from_utf8_lossy(&got).into_owned(), body_at, same))
+        }));
+    }
+    // Every download holds a place in the client's share: one more connection is refused.
+    let mut extra = tokio::net::TcpStream::connect(&addr)
+        .await
+        .expect("connect");
+    extra.write_all(&head_request(&[])).await.unwrap();
+    let mut refused = Vec::new();
+    extra.read_to_end(&mut refused).await.unwrap();
+    let (status, _, body) = split_answer(&refused);
+    assert_eq!(status, 503, "{}", String::from_utf8_lossy(&body));
+
+    let mut closed_short = 0;
+    for task in stalled {
+        match task.await.unwrap() {
+            Ok(got) if got < len => closed_short += 1,
+            other => eprintln!("a non-reading client: {other:?}"),
+        }
+    }
+    let mut complete = 0;
+    for task in slow {
+        match task.await.unwrap() {
+            Ok((head, Some(n), true)) if n == len && head.starts_with("HTTP/1.1 200") => {
+                complete += 1
+            }
+            Ok((head, n, same)) => eprintln!("a slow reader: {head:?} {n:?} bytes, same {same}"),
+            Err(e) => eprintln!("a slow reader: {e}"),
+        }
+    }
+    stop.store(true, Relaxed);
+    sampler.join().unwrap();
+    let grew = peak.load(Relaxed).saturating_sub(base);
+    eprintln!(
+        "RSS {:.1} MiB at rest, +{:.1} MiB at the peak with {} downloads ({:.2} MiB each), {:.1} s",
+        base as f64 / (1 << 20) as f64,
+        grew as f64 / (1 << 20) as f64,
+        2 * EACH,
+        grew as f64 / (2 * EACH) as f64 / (1 << 20) as f64,
+        t0.elapsed().as_secs_f64()
+    );
+    assert!(
+        grew <= 2 * EACH as u64 * RSS_PER_DOWNLOAD,
+        "resident memory grew {grew} bytes for {} downloads",
+        2 * EACH
+    );
+    assert_eq!(
+        closed_short, EACH,
+        "non-reading clients closed before the end"
+    );
+    assert_eq!(complete, EACH, "slow readers with the whole, exact file");
 }

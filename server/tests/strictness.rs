@@ -1,5 +1,6 @@
 //! Strict where the protocol is strict (issue 33, item 6), each case against a real `teacher`
-//! on loopback with its exact status and JSON body: named maps only, JSON bodies on the answers
+//! on loopback with its exact status and JSON body: named maps only (empty and `null` bodies
+//! named as such), JSON bodies on the answers
 //! hyper writes itself (400, 414, 431), 415 for content encodings, RFC 9112 on
 //! `Transfer-Encoding` and `Host`, `max_model_len` counted with `max_tokens`, compatible-route
 //! errors naming their own fields, and `messages` refused with or without a prompt.
@@ -140,6 +141,52 @@ async fn positional_arrays_are_refused() {
     // A named map is served.
     let ok = post("/topk_logits", json!({"sequences": [[1, 2, 3]], "k": 2})).await;
     assert_eq!(ok.0, 200, "{}", ok.2);
+}
+
+/// An empty body, or a `null` (MessagePack nil) one, is named as such on every scoring route
+/// (it used to be told that "positional arrays are not accepted").
+#[tokio::test]
+async fn empty_and_null_bodies_are_named() {
+    let cases: [(&str, &[u8], &str); 4] = [
+        ("application/json", b"", "the request body is empty"),
+        ("application/json", b" \r\n ", "the request body is empty"),
+        (
+            "application/json",
+            b" null ",
+            "the request body is JSON null",
+        ),
+        (
+            "application/msgpack",
+            &[0xc0],
+            "the request body is MessagePack nil",
+        ),
+    ];
+    for path in [
+        "/topk_logits",
+        "/hidden_states",
+        "/v1/completions",
+        "/tokenize",
+        "/generate",
+    ] {
+        for (ct, body, needle) in cases {
+            // The compatible routes take JSON only.
+            if path != "/topk_logits" && path != "/hidden_states" && ct != "application/json" {
+                continue;
+            }
+            let (p, body) = (path.to_string(), body.to_vec());
+            let got = tokio::task::spawn_blocking(move || {
+                let ct = format!("Content-Type: {ct}");
+                let len = format!("Content-Length: {}", body.len());
+                post_raw(&p, &["Host: x", &ct, &len, "Connection: close"], &body)
+            })
+            .await
+            .unwrap();
+            assert_error(&got, 400, "malformed_body", None);
+            let msg = got.2["error"]["message"].as_str().unwrap();
+            assert!(msg.contains(needle), "{path} {ct}: {msg}");
+            assert!(!msg.contains("positional"), "{path} {ct}: {msg}");
+        }
+    }
 }
 
 #[tokio::test]
