@@ -192,7 +192,7 @@ impl HeadServe {
 /// connection asks for the next piece only when its write buffer has room (hyper's, about
 /// 400 KiB), that is once the client has taken what came before; so a download holds at most
 /// about that buffer and one piece, however slowly the client reads.
-pub const PIECE_BYTES: usize = 256 << 10;
+pub const PIECE_BYTES: usize = 128 << 10;
 
 /// Where a download stands: the next offset, the end, and the running hash (whole files only).
 struct Piecewise {
