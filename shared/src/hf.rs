@@ -844,7 +844,10 @@ mod tests {
             "model.embed_tokens.weight": "a.safetensors", "model.norm.weight": "b.safetensors"}});
         std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
         let e = ModelDir::open(&dir).unwrap_err().to_string();
-        assert!(e.contains("b.safetensors") && e.contains("is stored twice (also in"), "{e}");
+        assert!(
+            e.contains("b.safetensors") && e.contains("is stored twice (also in"),
+            "{e}"
+        );
         // A file given as a model: neither GGUF nor a directory.
         let e = ModelDir::open(&p).unwrap_err().to_string();
         assert!(e.contains("neither a GGUF file"), "{e}");

@@ -7,7 +7,7 @@ use candle_core::{DType, Tensor};
 use xdistill_shared::protocol::SequenceScores;
 
 /// Top-k, target log-prob and logsumexp of `logits` [c, V] computed where the logits are;
-/// [`Found::to_host`] then copies only the `[c, k]` and `[c]` results back.
+/// [`Found::into_host`] then copies only the `[c, k]` and `[c]` results back.
 pub(super) fn topk_on_device(
     logits: &Tensor,
     targets: &[u32],
@@ -36,7 +36,7 @@ pub(super) fn topk_on_device(
 }
 
 /// Ids and ranks at most this large are exact in f32 (2^24), so they can travel back in the
-/// one f32 copy of [`Found::to_host`]; every vocabulary served today is far below.
+/// one f32 copy of [`Found::into_host`]; every vocabulary served today is far below.
 const MAX_EXACT_F32_ID: usize = 1 << 24;
 
 /// The device's answers for a run of rows, still on the device.
@@ -66,9 +66,13 @@ impl Found {
     /// The answers as the host's [`SequenceScores`] of rows whose targets are `targets`: packed
     /// into one `[c, width]` f32 tensor on the device and copied back in one transfer (one
     /// synchronisation per chunk of rows instead of one per result).
-    pub(super) fn to_host(self, targets: &[u32], k: usize) -> candle_core::Result<SequenceScores> {
+    pub(super) fn into_host(
+        self,
+        targets: &[u32],
+        k: usize,
+    ) -> candle_core::Result<SequenceScores> {
         if !self.exact_in_f32 || targets.is_empty() {
-            return self.to_host_each(targets, k);
+            return self.into_host_each(targets, k);
         }
         let r = &self.rows;
         let c = targets.len();
@@ -112,8 +116,8 @@ impl Found {
         Ok(s)
     }
 
-    /// [`Found::to_host`] one result at a time (ids or ranks too large for f32).
-    fn to_host_each(self, targets: &[u32], k: usize) -> candle_core::Result<SequenceScores> {
+    /// [`Found::into_host`] one result at a time (ids or ranks too large for f32).
+    fn into_host_each(self, targets: &[u32], k: usize) -> candle_core::Result<SequenceScores> {
         let r = self.rows;
         let mut s = SequenceScores {
             rows: targets.len(),
@@ -187,8 +191,8 @@ mod tests {
                         m,
                     };
                     let found = || topk_on_device(&logits, &targets, cands, &p, valid).unwrap();
-                    let packed = found().to_host(&targets, k).unwrap();
-                    let each = found().to_host_each(&targets, k).unwrap();
+                    let packed = found().into_host(&targets, k).unwrap();
+                    let each = found().into_host_each(&targets, k).unwrap();
                     assert_eq!(packed.bits(), each.bits(), "k {k} m {m} ranks {ranks}");
                     assert_eq!(packed.target_ranks, each.target_ranks, "k {k} m {m}");
                     assert_eq!(

@@ -371,7 +371,7 @@ impl Scorer {
             let found = timing.in_phase(Phase::Topk, || {
                 device::topk_on_device(&logits, targets, cands, params, self.valid())
             })?;
-            return Ok(timing.in_phase(Phase::Copy, || found.to_host(targets, params.k))?);
+            return Ok(timing.in_phase(Phase::Copy, || found.into_host(targets, params.k))?);
         }
         let host = timing.in_phase(Phase::Copy, || host_f32(&logits))?;
         let s = timing.in_phase(Phase::Topk, || {

@@ -691,7 +691,7 @@ mod tests {
         let full = Preset::full();
         assert!(problems(&chat, &full, &|_| true).is_ok());
         // Only what fits is written: the split is taken from the problems that fit.
-        let some = |q: &Problem| q.prompt.len() % 9 != 0;
+        let some = |q: &Problem| !q.prompt.len().is_multiple_of(9);
         let (train, held) = problems(&chat, &p, &some).unwrap();
         assert!(train.iter().chain(&held).all(some));
         assert_eq!((train.len(), held.len()), (p.train_problems, p.held_out));
