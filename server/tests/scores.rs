@@ -263,6 +263,17 @@ async fn phase_timers_account_for_each_batch_and_answer() {
     for (seed, format) in [(61u64, Format::Json), (62, Format::Msgpack)] {
         score(&c, t, &request(vec![ids(seed, 24, v)], 8), format).await;
     }
+    // A batch's wall time is recorded after its answers are sent (it includes the replies):
+    // wait until every batch counted has recorded it.
+    let batches_done =
+        xdistill_server::metrics::sample(&text().await, "xdistill_batch_forward_total");
+    common::wait_for_metric(
+        &c,
+        t,
+        "xdistill_batch_duration_seconds_count",
+        batches_done.expect("xdistill_batch_forward_total"),
+    )
+    .await;
     let after = text().await;
     let d = |name: &str| {
         let at = |text: &str| xdistill_server::metrics::sample(text, name).unwrap_or(0.0);
