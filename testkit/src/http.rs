@@ -6,10 +6,15 @@ use std::time::Duration;
 use xdistill_shared::codec::{self, Format};
 use xdistill_shared::protocol::{InfoResponse, TopkRequest, TopkResponse, ValuesKind};
 
-/// A client with a 60 s timeout.
+/// A client with a 60 s timeout that drops idle connections after 5 s, before the teacher
+/// does (its keep-alive idle timeout is `--header-timeout-secs`, 10 s by default): a pooled
+/// connection the server closes just as a request is sent on it fails with `IncompleteMessage`
+/// (seen under load, when a test computes its reference for longer than 10 s between two
+/// requests). The trainer's client does the same (`trainer/src/client/mod.rs`).
 pub fn client() -> reqwest::Client {
     reqwest::Client::builder()
         .timeout(Duration::from_secs(60))
+        .pool_idle_timeout(Duration::from_secs(5))
         .build()
         .expect("client")
 }
