@@ -81,16 +81,17 @@ cargo build --release --locked --features cuda,xdistill-trainer-cli/nccl -p xdis
 ls -la target/cuda/release/teacher target/cuda/release/trainer
 [ "${1:-}" = "--bundle" ] || exit 0
 
-# The model tests and the device top-k parity test, built for the GPU. Their executables are
-# found from cargo's JSON messages (names carry a hash). `candle-core/nccl` keeps cudarc's features
+# The integration tests of shared (the model tests) and of the server (the device top-k parity
+# test), built for the GPU: test-shared and test-server in the bundle, run by gpu-check.sh with a
+# module filter. Their executables are found from cargo's JSON messages (names carry a hash). `candle-core/nccl` keeps cudarc's features
 # those of the build above, so that cudarc is not compiled a second time.
 tests=$(cargo test --release --locked --features cuda,candle-core/nccl --no-run --message-format=json \
-    -p xdistill-shared --test model -p xdistill-server --test device_topk \
-  | python3 -c 'import json, sys
+    -p xdistill-shared --test integration -p xdistill-server --test integration \
+  | python3 -c 'import json, os, sys
 for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["kind"] == ["test"]:
-        print(m["target"]["name"], m["executable"])')
+        print(os.path.basename(os.path.dirname(m["manifest_path"])), m["executable"])')
 bundle="$root/target/cuda/gpu-bundle"
 rm -rf "$bundle" && mkdir -p "$bundle/tokenizers/qwen3"
 # xz: the binaries carry candle's PTX as text, which xz packs to half of gzip's size (the

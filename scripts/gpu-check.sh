@@ -95,13 +95,13 @@ export XDISTILL_TOKENIZERS="$work/tokenizers" XDISTILL_TEST_TMPDIR="$work/tmp"
 export XDISTILL_TEACHER_BIN="$work/teacher" RUST_BACKTRACE=1
 if want 1; then
 step "1. decoder model tests on the GPU"
-check timeout 300 env XDISTILL_TEST_DEVICE=cuda "$work/test-model" --test-threads=1
+check timeout 300 env XDISTILL_TEST_DEVICE=cuda "$work/test-shared" model:: --test-threads=1
 fi
 if want 2; then
 step "2. device top-k path: GPU vs the f64 CPU reference and the CPU host path"
-check timeout 300 env XDISTILL_TEST_DEVICE=cuda "$work/test-device_topk" --test-threads=1
+check timeout 300 env XDISTILL_TEST_DEVICE=cuda "$work/test-server" device_topk:: --test-threads=1
 step "   the same tests on the CPU (sanity of the bundle)"
-check timeout 300 "$work/test-device_topk" --test-threads=1
+check timeout 300 "$work/test-server" device_topk:: --test-threads=1
 
 step "2b. NCCL collectives, world of one (trainer nccl-check: exact sums' bits, fast all-reduce)"
 check timeout 120 "$work/trainer" nccl-check

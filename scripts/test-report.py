@@ -4,8 +4,9 @@
 Usage: test-report.py STAGES.tsv [JUNIT.xml ...]
 
 STAGES.tsv has one `label<TAB>seconds<TAB>ok|failed` line per stage, in the order they ended,
-and may have one `wall<TAB>seconds` line: the whole run's wall time (stages may overlap). The JUnit files
-are nextest's (target/nextest/<profile>/junit.xml: one <testsuite> per test binary) and
+and may have one `wall<TAB>seconds` line: the whole run's wall time (stages may overlap). The
+JUnit files are nextest's (target/nextest/<profile>/junit.xml: one <testsuite> per test binary;
+a crate's `integration` binary is reported per module, each one file of its tests/ folder) and
 pytest's; a missing or unreadable one is left out. Prints to stdout; exits 0.
 """
 
@@ -40,9 +41,15 @@ def cases(path):
             elif case.find("skipped") is not None:
                 outcome = "skipped"
             name = case.get("classname") or suite.get("name") or "?"
+            test = case.get("name", "?")
+            # A crate's integration tests are one binary whose modules are its tests/ files:
+            # report each module as the binary it used to be (`xdistill-server::scores`).
+            if name.endswith("::integration") and "::" in test:
+                module, test = test.split("::", 1)
+                name = f"{name[:-len('integration')]}{module}"
             err = "".join((e.text or "") for e in case.iter("system-err"))
             err += "".join((e.text or "") for e in case.iter("system-out"))
-            out.append((run, name, case.get("name", "?"), float(case.get("time") or 0.0),
+            out.append((run, name, test, float(case.get("time") or 0.0),
                         stamp(case.get("timestamp")), outcome, err))
     return out
 

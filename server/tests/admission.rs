@@ -7,7 +7,7 @@
 //!
 //! Memory is read from `/proc/PID/status` (VmHWM, the peak resident set; VmRSS; VmSize).
 
-mod common;
+use crate::common;
 
 use serde_json::{json, Value};
 use std::io::{Read, Write};

@@ -3,9 +3,9 @@
 //! tests in `python/tests` cover the same routes through third-party clients on Qwen3), checked
 //! against the f64 reference, the native route and the `tokenizers` crate.
 
-mod common;
+use crate::common;
 
-use common::{client, ids, request, score, Reference, Teacher};
+use crate::common::{client, ids, request, score, Reference, Teacher};
 use serde_json::{json, Value};
 use std::sync::OnceLock;
 use xdistill_shared::codec::Format;

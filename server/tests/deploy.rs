@@ -10,7 +10,7 @@
 //! images these manifests name, and the trainer Jobs actually training, are
 //! server/tests/images.rs'.)
 
-mod common;
+use crate::common;
 
 use clap::Parser;
 use std::path::PathBuf;

@@ -6,9 +6,9 @@
 //! CUDA build, see scripts/gpu-check.sh) runs the device-path teacher on the GPU instead: that is
 //! the CPU vs GPU parity check.
 
-mod common;
+use crate::common;
 
-use common::{client, ids, request, score, Reference, Teacher};
+use crate::common::{client, ids, request, score, Reference, Teacher};
 use std::sync::OnceLock;
 use xdistill_shared::codec::Format;
 use xdistill_shared::protocol::ValuesKind;

@@ -1,9 +1,9 @@
 //! Every class of bad input gets a JSON error with the right status, and the server keeps
 //! serving afterwards. One shared server (tiny Llama, Llama 2 vocabulary, API key set).
 
-mod common;
+use crate::common;
 
-use common::{client, ids, request, Teacher};
+use crate::common::{client, ids, request, Teacher};
 use std::sync::OnceLock;
 use xdistill_shared::codec::{self, Format};
 use xdistill_shared::protocol::{ErrorBody, TopkRequest};

@@ -4,9 +4,9 @@
 //! same refusals as `/topk_logits`, auth, answer limits and the cache; head downloads resumed
 //! with `Range`, and the memory and the fate of slow and stalled ones.
 
-mod common;
+use crate::common;
 
-use common::{client, ids, metric, request, score, Teacher};
+use crate::common::{client, ids, metric, request, score, Teacher};
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;

@@ -3,11 +3,11 @@
 //! with the scores of the same (dequantized) weights loaded from a Hugging Face directory, says
 //! where its weights came from in `/v1/info`, and serves its rebuilt tokenizer.
 
-mod common;
+use crate::common;
 
+use crate::common::{client, ids, request, score, Reference};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use common::{client, ids, request, score, Reference};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use xdistill_shared::codec::Format;

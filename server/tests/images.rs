@@ -19,7 +19,7 @@
 //!   arguments, environment, config and volume layout against a running teacher, and a restart
 //!   resumes from the checkpoint the first run left.
 
-mod common;
+use crate::common;
 
 use clap::{CommandFactory, Parser};
 use std::collections::{BTreeMap, BTreeSet};

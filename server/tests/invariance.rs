@@ -2,9 +2,9 @@
 //! batched with other clients' sequences (the default `--batch-invariant true`), and a
 //! temperature that overflows the scaled logits is an error naming it, never cached.
 
-mod common;
+use crate::common;
 
-use common::{client, ids, metric, post, request, Teacher};
+use crate::common::{client, ids, metric, post, request, Teacher};
 use std::sync::OnceLock;
 use xdistill_shared::codec::Format;
 use xdistill_shared::protocol::{ErrorBody, SequenceScores, TopkRequest};
@@ -43,7 +43,7 @@ fn cached_teacher() -> &'static Teacher {
     T.get_or_init(|| common::start_teacher(&model(), &[]))
 }
 
-use common::score_bits as bits;
+use crate::common::score_bits as bits;
 
 fn req(sequences: Vec<Vec<u32>>) -> TopkRequest {
     TopkRequest {

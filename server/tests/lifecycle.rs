@@ -1,10 +1,10 @@
 //! Process-level behaviour: graceful shutdown on SIGTERM, load failures, `--check-args`, and the
 //! teacher command line of `docker/compose.yaml`.
 
-mod common;
+use crate::common;
 
+use crate::common::{client, ids, request};
 use clap::Parser;
-use common::{client, ids, request};
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 use std::time::Duration;

@@ -2,9 +2,7 @@
 //! at every start, and the same weights at another `--dtype` (same model fingerprint) give
 //! another; every scoring answer carries the replica's hash.
 
-mod common;
-
-use common::{client, info, request, start_teacher, tiny_model, Teacher};
+use crate::common::{client, info, request, start_teacher, tiny_model, Teacher};
 use xdistill_shared::codec::{self, Format};
 use xdistill_shared::protocol::{ProbeInfo, HIDDEN_PATH, PROBE_HEADER, TOPK_PATH};
 

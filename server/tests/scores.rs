@@ -1,9 +1,9 @@
 //! The teacher's answers against an independent f64 reference, on tiny random Qwen3 and Llama
 //! models with real tokenizers: correctness, batch invariance, cache, concurrency, formats.
 
-mod common;
+use crate::common;
 
-use common::{client, ids, metric, request, score, Reference, Teacher};
+use crate::common::{client, ids, metric, request, score, Reference, Teacher};
 use std::sync::OnceLock;
 use xdistill_shared::codec::Format;
 use xdistill_shared::protocol::ValuesKind;

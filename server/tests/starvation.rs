@@ -2,9 +2,9 @@
 //! the teacher, even at a low open-files limit (each test sets its own with `ulimit`). These run
 //! the real `teacher` under `sh -c 'ulimit …; exec teacher …'` and talk to it over loopback.
 
-mod common;
+use crate::common;
 
-use common::get_status;
+use crate::common::get_status;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::Path;

@@ -5,9 +5,9 @@
 //! `Transfer-Encoding` and `Host`, `max_model_len` counted with `max_tokens`, compatible-route
 //! errors naming their own fields, and `messages` refused with or without a prompt.
 
-mod common;
+use crate::common;
 
-use common::Teacher;
+use crate::common::Teacher;
 use serde_json::{json, Value};
 use std::io::{Read, Write};
 use std::net::TcpStream;

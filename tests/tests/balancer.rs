@@ -5,11 +5,6 @@
 //! receiving its requests again. Needs `haproxy` (scripts/install-haproxy.sh, which
 //! scripts/test.sh runs); without it each test is skipped with one line, except under `CI=true`.
 
-// Trainer and teacher code runs in this process too: allocate as the binaries do (jemalloc,
-// xdistill_shared::alloc), not through glibc, which unmaps and page-faults back every large
-// buffer on each step.
-xdistill_shared::global_allocator!();
-
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

@@ -3,11 +3,6 @@
 //! the tokens it trained on (the sum of its metrics lines), the config hash and its validation
 //! metric.
 
-// Trainer and teacher code runs in this process too: allocate as the binaries do (jemalloc,
-// xdistill_shared::alloc), not through glibc, which unmaps and page-faults back every large
-// buffer on each step.
-xdistill_shared::global_allocator!();
-
 use std::path::Path;
 use xdistill_demo::task::{make_splits, write_splits, TaskConfig};
 use xdistill_testkit::models::{model, token_driven_teacher};

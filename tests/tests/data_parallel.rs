@@ -10,11 +10,6 @@
 //!   checkpoint with another number of processes and ends on the uninterrupted run's weights.
 //! - Ranks with different configs are refused (config hash) and every process exits non-zero.
 
-// Trainer and teacher code runs in this process too: allocate as the binaries do (jemalloc,
-// xdistill_shared::alloc), not through glibc, which unmaps and page-faults back every large
-// buffer on each step.
-xdistill_shared::global_allocator!();
-
 use std::collections::BTreeSet;
 use std::fs::File;
 use std::path::{Path, PathBuf};

@@ -10,11 +10,6 @@
 //! both scenarios' warm-ups and SFT / off-policy / on-policy runs, evaluation, summary) through
 //! the real binaries, on tiny models; checks the summary's shape and the sanity of its values.
 
-// Trainer and teacher code runs in this process too: allocate as the binaries do (jemalloc,
-// xdistill_shared::alloc), not through glibc, which unmaps and page-faults back every large
-// buffer on each step.
-xdistill_shared::global_allocator!();
-
 use std::process::Command;
 
 #[test]

@@ -2,11 +2,6 @@
 //! states and its head; `trainer off-policy` distils with exact full-vocabulary losses. The
 //! reference is the top-k route asked for the whole vocabulary (k = V, renormalised: exact).
 
-// Trainer and teacher code runs in this process too: allocate as the binaries do (jemalloc,
-// xdistill_shared::alloc), not through glibc, which unmaps and page-faults back every large
-// buffer on each step.
-xdistill_shared::global_allocator!();
-
 use xdistill_testkit::models::{model, token_driven_teacher};
 use xdistill_testkit::{teacher_binary, TeacherProcess};
 use xdistill_tests::distill::config;

@@ -4,11 +4,6 @@
 //! fails before any teacher query, a corrupt newest checkpoint is passed over on resume, and
 //! non-finite steps abort the run.
 
-// Trainer and teacher code runs in this process too: allocate as the binaries do (jemalloc,
-// xdistill_shared::alloc), not through glibc, which unmaps and page-faults back every large
-// buffer on each step.
-xdistill_shared::global_allocator!();
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use xdistill_testkit::models::{model, token_driven_teacher};

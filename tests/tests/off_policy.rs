@@ -1,11 +1,6 @@
 //! Off-policy distillation end to end on loopback: a real `teacher` process on a tiny random
 //! model, a smaller student trained by `trainer off-policy`'s loop.
 
-// Trainer and teacher code runs in this process too: allocate as the binaries do (jemalloc,
-// xdistill_shared::alloc), not through glibc, which unmaps and page-faults back every large
-// buffer on each step.
-xdistill_shared::global_allocator!();
-
 use xdistill_testkit::models::{model, model_weights as weights, token_driven_teacher};
 use xdistill_testkit::{teacher_binary, TeacherProcess};
 use xdistill_tests::distill::config;

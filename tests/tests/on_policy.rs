@@ -1,11 +1,6 @@
 //! On-policy distillation end to end on loopback: the student samples completions of task
 //! prompts, a real `teacher` process scores them, the student trains on its own samples.
 
-// Trainer and teacher code runs in this process too: allocate as the binaries do (jemalloc,
-// xdistill_shared::alloc), not through glibc, which unmaps and page-faults back every large
-// buffer on each step.
-xdistill_shared::global_allocator!();
-
 use std::path::{Path, PathBuf};
 use xdistill_demo::task::{make_splits, write_splits, TaskConfig};
 use xdistill_testkit::models::{context_free_teacher, model, token_driven_teacher};

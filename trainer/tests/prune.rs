@@ -3,11 +3,9 @@
 //! attention and MLP output projections zeroed: the residual stream passes it unchanged), so the
 //! two are computed by different weights and code paths.
 
-mod common;
-
+use crate::common::model_args;
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
-use common::model_args;
 use std::collections::HashMap;
 use std::path::Path;
 use xdistill_shared::gguf::write::{bpe_tokenizer_metadata, config_metadata, write_gguf};

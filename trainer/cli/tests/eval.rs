@@ -1,9 +1,6 @@
 //! `evaluate` and `trainer eval` / `trainer make-task` end to end on a tiny random model.
 
-#[path = "../../tests/common/mod.rs"]
-mod common;
-
-use common::model_args;
+use crate::common::model_args;
 use xdistill_testkit::{byte_tokenizer_json, load_tokenizer as load, tiny_decoder as tiny};
 use xdistill_trainer::eval::answer::{answers_match, extract_answer};
 use xdistill_trainer::eval::{evaluate, load_records, EvalConfig, EvalRecord};

@@ -1,12 +1,9 @@
 //! GGUF files in the trainer: `trainer eval` (and every inference load, the local teacher of the
 //! demo included) reads one as it reads a model directory; a GGUF student is refused by name.
 
-#[path = "../../tests/common/mod.rs"]
-mod common;
-
+use crate::common::model_args;
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor};
-use common::model_args;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use xdistill_shared::gguf::write::{bpe_tokenizer_metadata, config_metadata, write_gguf};
