@@ -2,14 +2,12 @@
 //! engine (decode → validate → [`engine::score`] → encode). The vLLM- and SGLang-compatible faces
 //! of the same engine are in [`crate::compat`].
 
-use crate::batcher::Batcher;
-use crate::cache::ScoreCache;
+use crate::body::{error_response, read_body, require_map, Outcome};
 use crate::compat;
 use crate::engine;
 use crate::error::ApiError;
-use crate::metrics::Metrics;
-use crate::model::ModelFacts;
-use crate::validation::{validate, RequestLimits};
+pub use crate::state::{AppState, BodyPace, Ready, ServerConfig};
+use crate::validation::validate;
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
@@ -17,160 +15,13 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use futures::StreamExt;
-use std::sync::atomic::Ordering::Relaxed;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Instant;
 use xdistill_shared::codec::{self, Format};
 use xdistill_shared::protocol::{
-    FullVocabInfo, HiddenResponse, HiddenStates, InfoResponse, InfoWithFullVocab, Limits,
-    TopkResponse, HEAD_FINGERPRINT_HEADER, HEAD_PATH, HIDDEN_PATH, PROBE_HEADER, PROTOCOL_VERSION,
-    TOPK_PATH,
+    HiddenResponse, HiddenStates, InfoWithFullVocab, TopkResponse, HEAD_FINGERPRINT_HEADER,
+    HEAD_PATH, HIDDEN_PATH, PROBE_HEADER, TOPK_PATH,
 };
-
-/// Limits and options fixed at start-up.
-#[derive(Debug, Clone)]
-pub struct ServerConfig {
-    pub max_k: usize,
-    /// `None`: the model's max_position_embeddings.
-    pub max_seq_len: Option<usize>,
-    pub max_batch_tokens: usize,
-    pub max_queue_tokens: usize,
-    pub max_sequences: usize,
-    pub max_answer_bytes: usize,
-    pub max_body_bytes: usize,
-    pub max_wait_ms: u64,
-    /// Longest a request may take to send its body (408 beyond).
-    pub body_timeout: std::time::Duration,
-    /// Slowest a body may arrive (408 below).
-    pub body_pace: BodyPace,
-    pub api_key: Option<String>,
-    /// Scores do not depend on batching (`--batch-invariant`), reported by `/v1/info`.
-    pub batch_invariant: bool,
-    /// The model name of the compatible routes (`/v1/models`, the `model` field).
-    pub served_model_name: String,
-}
-
-/// The slowest a body may arrive: `min_rate` bytes per second on average from its start, once
-/// `grace` has passed (`min_rate` 0: no minimum).
-#[derive(Debug, Clone, Copy)]
-pub struct BodyPace {
-    pub min_rate: u64,
-    pub grace: std::time::Duration,
-}
-
-impl BodyPace {
-    pub const NONE: BodyPace = BodyPace {
-        min_rate: 0,
-        grace: std::time::Duration::ZERO,
-    };
-
-    /// How long after the body's start `received` bytes may take to arrive (None: no bound).
-    fn allowed(&self, received: usize) -> Option<std::time::Duration> {
-        (self.min_rate > 0).then(|| {
-            self.grace + std::time::Duration::from_secs_f64(received as f64 / self.min_rate as f64)
-        })
-    }
-}
-
-/// What exists only once the model is loaded.
-pub struct Ready {
-    pub facts: ModelFacts,
-    pub limits: RequestLimits,
-    pub info: InfoResponse,
-    /// `/v1/info`'s `full_vocab`: the hidden-state and head routes, when the head is served.
-    pub full_vocab: Option<FullVocabInfo>,
-}
-
-pub struct AppState {
-    pub config: ServerConfig,
-    pub ready: OnceLock<Ready>,
-    pub batcher: Batcher,
-    pub cache: ScoreCache,
-    pub metrics: Arc<Metrics>,
-}
-
-impl AppState {
-    /// Marks the model loaded; `/health` answers 200 from now on.
-    pub fn set_ready(&self, facts: ModelFacts) -> Result<(), String> {
-        let c = &self.config;
-        let max_seq_len = c.max_seq_len.unwrap_or(facts.max_position_embeddings);
-        if max_seq_len > facts.max_position_embeddings {
-            return Err(format!(
-                "--max-seq-len {max_seq_len} exceeds the model's max_position_embeddings {}",
-                facts.max_position_embeddings
-            ));
-        }
-        let limits = RequestLimits {
-            vocab_size: facts.vocab_size,
-            max_k: c.max_k,
-            max_seq_len,
-            max_queue_tokens: c.max_queue_tokens,
-            max_sequences: c.max_sequences,
-            max_answer_bytes: c.max_answer_bytes,
-        };
-        let info = InfoResponse {
-            protocol_version: PROTOCOL_VERSION,
-            server_version: env!("CARGO_PKG_VERSION").into(),
-            architecture: facts.architecture.clone(),
-            model_type: facts.model_type.clone(),
-            vocab_size: facts.vocab_size,
-            logits_size: facts.logits_size,
-            max_seq_len,
-            dtype: facts.dtype.clone(),
-            device: facts.device.clone(),
-            tokenizer_sha256: facts.tokenizer_sha256.clone(),
-            model_fingerprint: facts.fingerprint.clone(),
-            limits: Limits {
-                max_k: c.max_k,
-                max_seq_len,
-                max_batch_tokens: c.max_batch_tokens,
-                max_queue_tokens: c.max_queue_tokens,
-                max_body_bytes: c.max_body_bytes,
-                max_wait_ms: c.max_wait_ms,
-                max_sequences: c.max_sequences,
-                max_answer_bytes: c.max_answer_bytes,
-            },
-            batch_invariant: c.batch_invariant,
-            host_simd: xdistill_shared::simd::Simd::current().name().into(),
-            lm_head: facts.lm_head.into(),
-            rope_theta: facts.rope_theta,
-            rope_scaling: facts.rope_scaling.clone(),
-            sliding_window: facts.sliding_window,
-            sliding_layers: facts.sliding_layers,
-            weights: facts.weights.clone(),
-            probe: facts.probe.clone(),
-        };
-        let full_vocab = facts.head.as_ref().map(|h| FullVocabInfo {
-            hidden_route: HIDDEN_PATH.into(),
-            head_route: HEAD_PATH.into(),
-            dtype: h.meta.dtype.name().into(),
-            hidden_size: h.meta.hidden_size,
-            head_rows: h.meta.head_rows,
-            vocab_size: h.meta.vocab_size,
-            tied: h.meta.tied,
-            bias: h.meta.bias,
-            logit_scale: h.meta.logit_scale,
-            logit_softcap: h.meta.logit_softcap,
-            head_fingerprint: h.fingerprint.clone(),
-            head_bytes: h.len,
-        });
-        self.ready
-            .set(Ready {
-                facts,
-                limits,
-                info,
-                full_vocab,
-            })
-            .map_err(|_| "model set twice".to_string())?;
-        self.metrics.model_loaded.store(1, Relaxed);
-        Ok(())
-    }
-
-    pub(crate) fn ready(&self) -> Result<&Ready, ApiError> {
-        self.ready.get().ok_or(ApiError::NotReady)
-    }
-}
 
 type Shared = Arc<AppState>;
 
@@ -191,17 +42,6 @@ pub fn router(state: Shared) -> Router {
         .layer(middleware::from_fn(framing))
         .layer(middleware::from_fn_with_state(state.clone(), count))
         .with_state(state)
-}
-
-/// The error label of a response, for metrics (set by [`ApiError`] responses).
-#[derive(Clone, Copy)]
-struct Outcome(&'static str);
-
-pub(crate) fn error_response(e: ApiError) -> Response {
-    let label = e.label();
-    let mut r = e.into_response();
-    r.extensions_mut().insert(Outcome(label));
-    r
 }
 
 /// Counts every request by route and outcome.
@@ -348,115 +188,6 @@ async fn metrics(State(st): State<Shared>) -> Response {
         .into_response()
 }
 
-/// Reads the body within `--body-timeout-secs` (408 beyond) and `--max-body-bytes` (413). A
-/// `Content-Encoding` other than `identity` is refused with 415 before the body is read: the
-/// server decodes none, and would otherwise parse compressed bytes as JSON.
-pub(crate) async fn read_body(
-    st: &AppState,
-    headers: &HeaderMap,
-    body: Body,
-) -> Result<Vec<u8>, ApiError> {
-    for v in headers.get_all(header::CONTENT_ENCODING) {
-        let v = String::from_utf8_lossy(v.as_bytes());
-        for coding in v.split(',').map(str::trim).filter(|c| !c.is_empty()) {
-            if !coding.eq_ignore_ascii_case("identity") {
-                return Err(ApiError::UnsupportedEncoding(coding.to_string()));
-            }
-        }
-    }
-    let t = st.config.body_timeout;
-    let within = read_body_within(headers, body, st.config.max_body_bytes, st.config.body_pace);
-    tokio::time::timeout(t, within)
-        .await
-        .map_err(|_| ApiError::BodyTimeout(t.as_secs_f64()))?
-}
-
-/// Reads at most `limit` bytes of body; more is a 413, refused on the declared Content-Length
-/// before a byte of the body is read. The buffer grows with what arrives, never with what is
-/// declared: a client that declares 64 MiB and sends one byte costs one byte, not an
-/// allocation of 64 MiB that thousands of such connections would multiply.
-///
-/// Each chunk must arrive while the body's average rate since its start is at least
-/// `pace.min_rate` (after `pace.grace`): a trickling client is answered 408 in seconds.
-async fn read_body_within(
-    headers: &HeaderMap,
-    body: Body,
-    limit: usize,
-    pace: BodyPace,
-) -> Result<Vec<u8>, ApiError> {
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<u64>().ok());
-    if declared.is_some_and(|n| n > limit as u64) {
-        return Err(ApiError::PayloadTooLarge { limit });
-    }
-    let mut buf = Vec::new();
-    let mut stream = body.into_data_stream();
-    let start = tokio::time::Instant::now();
-    loop {
-        let next = match pace.allowed(buf.len()) {
-            None => stream.next().await,
-            Some(allowed) => tokio::time::timeout_at(start + allowed, stream.next())
-                .await
-                .map_err(|_| ApiError::BodyTooSlow {
-                    received: buf.len(),
-                    seconds: start.elapsed().as_secs_f64(),
-                    min_rate: pace.min_rate,
-                })?,
-        };
-        let Some(chunk) = next else { break };
-        let chunk = chunk.map_err(|e| ApiError::Malformed(format!("reading the body: {e}")))?;
-        if buf.len() + chunk.len() > limit {
-            return Err(ApiError::PayloadTooLarge { limit });
-        }
-        buf.extend_from_slice(&chunk);
-    }
-    Ok(buf)
-}
-
-/// A request is a map of named fields: a JSON object or a MessagePack map. A positional array
-/// (`[[[1,2,3]],2]`, which serde would otherwise take as the fields in order) is refused, and an
-/// empty body or a `null` one is named as such.
-pub(crate) fn require_map(format: Format, bytes: &[u8]) -> Result<(), ApiError> {
-    let (what, first) = match format {
-        Format::Json => (
-            "JSON object",
-            bytes.iter().find(|b| !b.is_ascii_whitespace()),
-        ),
-        Format::Msgpack => ("MessagePack map", bytes.first()),
-    };
-    let is_map = match (format, first) {
-        (_, None) => {
-            return Err(ApiError::Malformed(format!(
-                "the request body is empty: expected a {what} with named fields"
-            )))
-        }
-        (Format::Json, Some(&b)) => b == b'{',
-        // fixmap, map 16, map 32.
-        (Format::Msgpack, Some(&b)) => (0x80..=0x8f).contains(&b) || b == 0xde || b == 0xdf,
-    };
-    let null = match format {
-        Format::Json => bytes.trim_ascii() == b"null",
-        Format::Msgpack => bytes == [0xc0],
-    };
-    if is_map {
-        Ok(())
-    } else if null {
-        Err(ApiError::Malformed(format!(
-            "the request body is {}: expected a {what} with named fields",
-            match format {
-                Format::Json => "JSON null",
-                Format::Msgpack => "MessagePack nil",
-            }
-        )))
-    } else {
-        Err(ApiError::Malformed(format!(
-            "expected a {what} with named fields (positional arrays are not accepted)"
-        )))
-    }
-}
-
 /// Format of the request body: JSON when no Content-Type is given.
 fn body_format(headers: &HeaderMap) -> Result<Format, ApiError> {
     let Some(ct) = headers.get(header::CONTENT_TYPE) else {
@@ -561,7 +292,7 @@ fn served_head(ready: &Ready) -> Result<Arc<crate::head::HeadServe>, ApiError> {
 
 /// `POST /hidden_states`: JSON or MessagePack in, MessagePack out (the states are blobs in the
 /// model's dtype). The same validation, limits, admission, batching and cache as
-/// `/topk_logits`: the request becomes a [`crate::validation::ValidTopkRequest`] whose
+/// `/topk_logits`: the request becomes a [`crate::request::ValidTopkRequest`] whose
 /// parameters ask for hidden states.
 async fn hidden_states(
     st: &AppState,
@@ -702,7 +433,10 @@ fn head_file(st: &AppState, headers: &HeaderMap) -> Result<Response, ApiError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::batcher::{Batch, BatchConfig};
+    use crate::batcher::{Batch, BatchConfig, Batcher};
+    use crate::cache::ScoreCache;
+    use crate::metrics::Metrics;
+    use std::sync::OnceLock;
     use crate::worker::{self, WorkerConfig};
     use std::path::Path;
     use std::time::Duration;

@@ -10,7 +10,7 @@
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::scoring::{ScoreParams, ScoringError};
-use crate::validation::{Candidates, ValidSequence};
+use crate::request::{Candidates, ValidSequence};
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;

@@ -1,7 +1,7 @@
 //! Result cache: one entry per scored sequence, weighted by its size in bytes.
 
 use crate::scoring::{NextToken, ScoreParams};
-use crate::validation::ValidSequence;
+use crate::request::ValidSequence;
 use moka::future::Cache;
 use sha2::{Digest, Sha256};
 use std::sync::Arc;
@@ -164,7 +164,7 @@ mod tests {
         ];
         for (m, ids) in [(1usize, vec![7u32, 8]), (2, vec![7, 8]), (1, vec![7, 9])] {
             let with = ValidSequence {
-                candidates: Some(crate::validation::Candidates { m, ids: ids.into() }),
+                candidates: Some(crate::request::Candidates { m, ids: ids.into() }),
                 ..s.clone()
             };
             others.push(cache_key("fp", &with, &p));

@@ -3,9 +3,13 @@
 //! Request path: [`app`] (HTTP, auth, the native route) or [`compat`] (the vLLM- and
 //! SGLang-compatible routes) → [`validation`] → [`engine`]: [`cache`] → [`batcher`] (admission,
 //! coalescing) → [`worker`] (the model, on its own thread) → [`scoring`] → the route's encoder.
+//! The routes share [`state`] (configuration, the loaded model's facts) and [`body`] (reading a
+//! body, answering an error); every stop shares [`request`] (the validated request). No module
+//! imports one that imports it back (`xdistill-testkit`'s `structure` tests check it).
 
 pub mod app;
 pub mod args;
+pub mod body;
 pub mod batcher;
 pub mod cache;
 pub mod compat;
@@ -17,10 +21,12 @@ pub mod head_errors;
 pub mod metrics;
 pub mod model;
 pub mod probe;
+pub mod request;
 pub mod scoring;
 pub mod serve;
 pub mod server;
 pub mod shutdown;
+pub mod state;
 pub mod validation;
 pub mod vocab;
 pub mod worker;

@@ -378,7 +378,7 @@ mod tests {
     use super::*;
     use crate::scoring::tests::{decoder, V, VALID};
     use crate::scoring::{LmHead, ScoreParams, TopkPath};
-    use crate::validation::Candidates;
+    use crate::request::Candidates;
     use candle_core::Device;
     use xdistill_shared::protocol::ValuesKind;
 

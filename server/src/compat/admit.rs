@@ -21,7 +21,7 @@ mod ids;
 
 use super::{Input, Inputs};
 use crate::error::ApiError;
-use crate::validation::RequestLimits;
+use crate::request::RequestLimits;
 use ids::IdsSeed;
 use serde::de::{self, DeserializeSeed, IgnoredAny, SeqAccess, Visitor};
 use serde_json::value::RawValue;

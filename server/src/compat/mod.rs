@@ -10,7 +10,8 @@ mod admit;
 pub mod sglang;
 pub mod vllm;
 
-use crate::app::{error_response, read_body, AppState};
+use crate::body::{error_response, read_body, require_map};
+use crate::state::AppState;
 use crate::error::ApiError;
 use crate::scoring::NextToken;
 use crate::vocab::Vocab;
@@ -63,7 +64,7 @@ async fn read_json(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Vec
 /// The request's fields, borrowed from `bytes`: a JSON object with named fields (a positional
 /// array is refused), its large inputs left as raw JSON for [`admit`] to count.
 fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, ApiError> {
-    crate::app::require_map(Format::Json, bytes)?;
+    require_map(Format::Json, bytes)?;
     serde_json::from_slice(bytes).map_err(|e| ApiError::Malformed(format!("invalid JSON: {e}")))
 }
 

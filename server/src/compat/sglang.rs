@@ -11,7 +11,7 @@ use super::{
     decode, encode_json, next_token_mode, read_json, request_id, respond, temperature_of,
     tokenize_inputs, wire_logprob,
 };
-use crate::app::AppState;
+use crate::state::AppState;
 use crate::engine;
 use crate::error::ApiError;
 use crate::scoring::ScoreParams;
@@ -172,7 +172,7 @@ fn sampling_of(v: Option<&Value>, n: usize) -> Result<Sampling, ApiError> {
 fn candidate_lists(
     raw: Option<&RawValue>,
     n: usize,
-    lim: &crate::validation::RequestLimits,
+    lim: &crate::request::RequestLimits,
 ) -> Result<Option<Vec<Vec<u32>>>, ApiError> {
     let field = "token_ids_logprob";
     let Some(raw) = raw else {
@@ -612,7 +612,7 @@ mod tests {
 
     #[test]
     fn candidate_lists_shared_or_per_input() {
-        let lim = crate::validation::RequestLimits {
+        let lim = crate::request::RequestLimits {
             vocab_size: 100,
             max_k: 2,
             max_seq_len: 16,

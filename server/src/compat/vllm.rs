@@ -10,7 +10,7 @@ use super::{
     decode, encode_json, next_token_mode, read_json, refuse_messages, request_id, respond,
     temperature_of, tokenize_inputs, unix_now, wire_logprob,
 };
-use crate::app::{AppState, Ready};
+use crate::state::{AppState, Ready};
 use crate::engine;
 use crate::error::ApiError;
 use crate::scoring::ScoreParams;

@@ -34,7 +34,7 @@ pub use host::{rank_of, score_rows, HeadTiming, RowFolds};
 pub use next::choose_next;
 pub use params::{CandidateRows, LmHead, NextToken, RowLayout, ScoreParams, TopkPath};
 
-use crate::validation::Candidates;
+use crate::request::Candidates;
 use candle_core::{DType, Device, Storage, Tensor};
 use std::time::{Duration, Instant};
 use xdistill_shared::model::Decoder;

@@ -1,8 +1,8 @@
 //! What scoring is asked to do: where it runs (`--topk`, `--lm-head`), what a request asks of
-//! every row ([`ScoreParams`], [`NextToken`]) and how the rows' logits and candidates are laid
+//! every row ([`ScoreParams`], [`NextToken`], defined with the request in [`crate::request`]) and how the rows' logits and candidates are laid
 //! out ([`RowLayout`], [`CandidateRows`]).
 
-use xdistill_shared::protocol::ValuesKind;
+pub use crate::request::{NextToken, ScoreParams};
 
 /// Where the scores of logit rows are computed (`--topk`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -40,54 +40,6 @@ pub enum LmHead {
     Fused,
     /// The `[N, V]` logits of a chunk of positions, then [`super::score_rows`] over them.
     Full,
-}
-
-/// What a request asks for, shared by all its sequences.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct ScoreParams {
-    /// Top entries per row (0: only target log-probs and logsumexps).
-    pub k: usize,
-    pub temperature: f32,
-    pub values: ValuesKind,
-    /// Also report each target's rank over the vocabulary (vLLM's `rank`).
-    pub ranks: bool,
-    /// Score one row past the last token and choose the next token from it (the compatible
-    /// routes' `max_tokens: 1`).
-    pub next: Option<NextToken>,
-    /// Return each row's final-norm hidden state instead of scores (`/hidden_states`; then
-    /// `k` is 0 and nothing else is computed).
-    pub hidden: bool,
-}
-
-impl ScoreParams {
-    /// `/hidden_states`' parameters: hidden states only.
-    pub fn hidden_states() -> ScoreParams {
-        ScoreParams {
-            hidden: true,
-            ..ScoreParams::native(0, 1.0, ValuesKind::Logprobs)
-        }
-    }
-
-    /// The native route's parameters: no ranks, no next token.
-    pub fn native(k: usize, temperature: f32, values: ValuesKind) -> ScoreParams {
-        ScoreParams {
-            k,
-            temperature,
-            values,
-            ranks: false,
-            next: None,
-            hidden: false,
-        }
-    }
-}
-
-/// How the token after a sequence is chosen.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum NextToken {
-    /// The most likely token (the lowest id among equal maxima).
-    Greedy,
-    /// A draw from `softmax(logits / temperature)`, reproducible from the seed.
-    Sample { seed: u64 },
 }
 
 /// Layout of logit rows: `width` columns, of which the first `valid` are real tokens.
