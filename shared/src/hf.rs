@@ -743,7 +743,7 @@ mod tests {
         bad.model_type = "gpt2".into();
         assert!(matches!(
             bad.validate(),
-            Err(ConfigError::UnsupportedArch(_))
+            Err(ConfigError::UnsupportedArch(..))
         ));
         bad = l.clone();
         bad.num_key_value_heads = Some(3);

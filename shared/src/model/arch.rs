@@ -18,7 +18,8 @@
 //! `init-model --arch`, `teacher --help`, the refusals of unknown `model_type`s and GGUF
 //! architectures, and the student's list of dense architectures all read this table.
 
-use super::config::{ConfigError, LayerKind, ModelConfig};
+use super::config::{LayerKind, ModelConfig};
+use super::error::ConfigError;
 use super::decoder::Block;
 use super::{gemma3, llama, phi3, qwen3_moe};
 use candle_nn::VarBuilder;
@@ -259,7 +260,10 @@ impl Arch {
                 let f = a.facts();
                 f.model_types.contains(&s) || f.cli_name == s
             })
-            .ok_or_else(|| ConfigError::UnsupportedArch(s.to_string()))
+            .ok_or_else(|| {
+                let supported = list_names(|f| Some(f.model_types[0].into()));
+                ConfigError::UnsupportedArch(s.to_string(), supported)
+            })
     }
     /// The architecture a GGUF `general.architecture` maps onto.
     pub fn from_gguf(name: &str) -> Option<Arch> {

@@ -5,32 +5,23 @@
 //! change the math and is not implemented is refused by name in [`ModelConfig::validate`]:
 //! never a silent wrong answer.
 
-use super::arch::{list_names, ArchFacts, SlidingLayers, WindowSwitch};
+use super::arch::{ArchFacts, SlidingLayers, WindowSwitch};
+use super::error::invalid;
 use serde::{Deserialize, Serialize};
 
 pub use super::arch::Arch;
+pub use super::error::ConfigError;
 pub use super::rope::RopeParams;
 
-/// Why a `config.json` cannot be served.
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    #[error(
-        "unsupported model_type {0:?} (supported: {supported})",
-        supported = supported_model_types()
-    )]
-    UnsupportedArch(String),
-    #[error("invalid config: {0}")]
-    Invalid(String),
-}
-
-/// Every architecture's `model_type`, for [`ConfigError::UnsupportedArch`].
-fn supported_model_types() -> String {
-    list_names(|f| Some(f.model_types[0].into()))
-}
-
-/// A [`ConfigError::Invalid`] saying `m`.
-pub(super) fn invalid<T>(m: impl Into<String>) -> Result<T, ConfigError> {
-    Err(ConfigError::Invalid(m.into()))
+/// The stored name of parameter `name` in a multimodal checkpoint whose text model lives under
+/// `prefix` (`model.X` → `prefix + X`; an untied head stays `lm_head`, or
+/// `language_model.lm_head` in the older layout).
+pub(crate) fn stored_name(prefix: &str, name: &str) -> String {
+    match name.strip_prefix("model.") {
+        Some(rest) => format!("{prefix}{rest}"),
+        None if prefix == "language_model.model." => format!("language_model.{name}"),
+        None => name.to_string(),
+    }
 }
 
 /// The attention of one layer: over every earlier position, or over the last `sliding_window`.

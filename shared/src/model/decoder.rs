@@ -6,10 +6,8 @@
 //! `model.norm`, `lm_head` (or the tied embedding). Padding: right-pad and rely on the causal mask
 //! (real tokens never attend to later pads), or pass `key_valid` for left-padded batches.
 
-use super::config::{Arch, LayerKind, ModelConfig};
-use super::layers::{Attention, AttnInputs, GatedMlp, Norm, Ops};
-use super::params::param_specs;
-use super::qwen3_moe::SparseMoe;
+use super::config::{stored_name, Arch, LayerKind, ModelConfig};
+use super::layers::{Attention, AttnInputs, GatedMlp, Norm, Ops, SparseMoe};
 use super::rope::Rope;
 use candle_core::quantized::QTensor;
 use candle_core::{DType, Device, Result, Tensor};
@@ -175,12 +173,17 @@ impl Decoder {
                 _ => s,
             }
         });
+        let rope = |kind: LayerKind| -> Result<Rope> {
+            let p = cfg.rope(kind).map_err(candle_core::Error::wrap)?;
+            let rot = cfg.rotary_dim(kind).map_err(candle_core::Error::wrap)?;
+            Rope::new(&p, rot, cfg.max_position_embeddings, dtype, &device)
+        };
         let (rope_full, rope_sliding) = match ropes {
             Some(r) => r,
             None => (
-                Rope::new(cfg, LayerKind::Full, dtype, &device)?,
+                rope(LayerKind::Full)?,
                 if kinds.contains(&LayerKind::Sliding) {
-                    Some(Rope::new(cfg, LayerKind::Sliding, dtype, &device)?)
+                    Some(rope(LayerKind::Sliding)?)
                 } else {
                     None
                 },
@@ -249,13 +252,6 @@ impl Decoder {
         Ok(())
     }
 
-    /// Names of all parameters this decoder reads (for checks that every one gets a gradient).
-    pub fn param_names(&self) -> Vec<String> {
-        param_specs(&self.cfg, 0.0)
-            .into_iter()
-            .map(|p| p.name)
-            .collect()
-    }
 
     /// Hidden states after the final norm. `ids`: [B, T] u32 → [B, T, H].
     ///
@@ -402,17 +398,6 @@ impl Decoder {
     /// Convenience: logits for all positions, [B, T] → [B, T, V].
     pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
         self.logits(&self.forward_hidden(ids, None, None, None)?)
-    }
-}
-
-/// The stored name of parameter `name` in a multimodal checkpoint whose text model lives under
-/// `prefix` (`model.X` → `prefix + X`; an untied head stays `lm_head`, or
-/// `language_model.lm_head` in the older layout).
-pub(crate) fn stored_name(prefix: &str, name: &str) -> String {
-    match name.strip_prefix("model.") {
-        Some(rest) => format!("{prefix}{rest}"),
-        None if prefix == "language_model.model." => format!("language_model.{name}"),
-        None => name.to_string(),
     }
 }
 

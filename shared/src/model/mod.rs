@@ -2,8 +2,10 @@
 //! `llama.rs` (Llama, Mistral, Qwen2, Qwen3), `gemma3.rs`, `phi3.rs`, `qwen3_moe.rs`, each with
 //! its facts (names, defaults, window rule, layer shape) behind `arch.rs` (the one table every
 //! other module asks; it says what adding an architecture touches). What they truly share lives
-//! beside them: `config.rs` (reading `config.json`), `rope.rs` (every RoPE scaling type),
-//! `layers.rs` (norms, attention, MLP) and `decoder.rs` (the one forward loop).
+//! beside them: `config.rs` (reading `config.json`; its errors in `error.rs`), `rope.rs` (every
+//! RoPE scaling type, from the parameters the config resolves), `layers.rs` (norms, attention,
+//! the dense and the sparse MLP), `params.rs` (every parameter's name and shape) and
+//! `decoder.rs` (the one forward loop).
 //! Each runs in two modes ([`Ops`]): fused kernels for serving (candle's, on an AVX-512 CPU
 //! the linear layers through [`crate::matmul`], and on the CPU the attention's softmax and the
 //! MLP's `silu(gate) · up` with the SIMD exp, `host_ops.rs`), and ops that all have a backward
@@ -12,6 +14,7 @@
 pub mod arch;
 pub mod config;
 mod decoder;
+mod error;
 mod flash;
 mod gemma3;
 mod host_ops;
@@ -23,7 +26,7 @@ mod qwen3_moe;
 pub mod rope;
 mod train;
 
-pub(crate) use decoder::stored_name;
+pub(crate) use config::stored_name;
 pub use decoder::{Decoder, KvCache};
 #[doc(hidden)]
 pub use flash::override_block as override_attention_block;

@@ -5,8 +5,8 @@
 //! `init-model` writes, the checks compare with safetensors headers, and the decoder reads can
 //! never disagree.
 
-use super::config::ModelConfig;
-use super::decoder::{stored_name, Weights};
+use super::config::{stored_name, ModelConfig};
+use super::decoder::{Decoder, Weights};
 use candle_core::{DType, Device, Shape, Tensor};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::VarBuilder;
@@ -54,6 +54,16 @@ impl SimpleBackend for Recorder {
     fn contains_tensor(&self, _: &str) -> bool {
         // Optional layouts (fused experts) read as absent: the Hub layout is listed.
         false
+    }
+}
+
+impl Decoder {
+    /// Names of all parameters this decoder reads (for checks that every one gets a gradient).
+    pub fn param_names(&self) -> Vec<String> {
+        param_specs(self.config(), 0.0)
+            .into_iter()
+            .map(|p| p.name)
+            .collect()
     }
 }
 

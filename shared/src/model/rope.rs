@@ -3,7 +3,7 @@
 //! `dynamic`, `llama3`, `yarn`, `longrope`), computed as `transformers.modeling_rope_utils`
 //! computes them (in f64 here), and the cos/sin tables.
 
-use super::config::{invalid, ConfigError, LayerKind, ModelConfig};
+use super::error::{invalid, ConfigError};
 use candle_core::{DType, Device, Result, Tensor};
 use serde::{Deserialize, Serialize};
 
@@ -257,12 +257,12 @@ pub struct Rope {
 }
 
 impl Rope {
-    pub fn new(cfg: &ModelConfig, kind: LayerKind, dtype: DType, dev: &Device) -> Result<Rope> {
-        let p = cfg.rope(kind).map_err(candle_core::Error::wrap)?;
-        let rot = cfg.rotary_dim(kind).map_err(candle_core::Error::wrap)?;
-        let max_pos = cfg.max_position_embeddings.max(1);
+    /// The tables of `p` over `rot` dimensions of each head, for positions `0..max_pos`
+    /// (the config resolves all three: [`super::config::ModelConfig::rope`]).
+    pub fn new(p: &RopeParams, rot: usize, max_pos: usize, dtype: DType, dev: &Device) -> Result<Rope> {
+        let max_pos = max_pos.max(1);
         let table = |long: bool| -> Result<(Tensor, Tensor)> {
-            let (inv, attention) = inv_freqs(&p, rot, max_pos, long);
+            let (inv, attention) = inv_freqs(p, rot, max_pos, long);
             let n = inv.len();
             let mut cos = Vec::with_capacity(max_pos * n);
             let mut sin = Vec::with_capacity(max_pos * n);
