@@ -9,6 +9,7 @@
 //!   absent), and a byte-level tokenizer made on the fly.
 //! - [`models`]: tiny random models, as model directories or as in-memory decoders.
 //! - [`reference`]: the f64 reference a teacher's answers are checked against.
+//! - [`structure`]: checks of the source tree's shape (import cycles, the paths docs name).
 //!
 //! Production code never depends on this crate; what production needs (`TeacherProcess`, the
 //! tokenizer search) stays in `xdistill_shared` and is re-exported here.
@@ -19,6 +20,7 @@ pub mod http;
 pub mod models;
 pub mod process;
 pub mod reference;
+pub mod structure;
 
 pub use assets::{
     byte_tokenizer_json, data_file, load_tokenizer, repo_root, tokenizer_json, BYTE_EOS,
