@@ -217,7 +217,7 @@ impl Config {
             if self
                 .loss
                 .as_ref()
-                .is_some_and(|l| (l.temperature - lc.temperature).abs() > 1e-6)
+                .is_some_and(|l| l.temperature != lc.temperature)
             {
                 return Err(invalid(
                     "loss_cross.temperature",

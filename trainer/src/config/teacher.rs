@@ -310,7 +310,8 @@ impl Config {
             return Ok(());
         };
         for (i, (name, t)) in self.teacher_list().into_iter().enumerate() {
-            if (lt - t.temperature as f64).abs() > 1e-6 {
+            // Exact, at the precision the teacher scores at: the wire carries an f32.
+            if t.temperature != lt as f32 {
                 return Err(invalid(
                     &format!("{}.temperature", self.teacher_key(i)),
                     format!(

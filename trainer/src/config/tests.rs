@@ -215,6 +215,29 @@ fn temperatures_of_teacher_and_loss_must_agree() {
     .unwrap();
 }
 
+/// Temperatures agree exactly (the teacher's at its wire precision, f32), not within a
+/// tolerance: 2.0000005 is another f32 than 2.0, and loss_cross must equal loss to the bit.
+#[test]
+fn temperatures_agree_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let near = MINIMAL.replace("[teacher]", "[teacher]\ntemperature = 2.0000005");
+    assert_eq!(
+        err_key(&with_loss(&near, "kd = { type = \"forward_kl\" }\ntemperature = 2.0")),
+        "teacher.temperature"
+    );
+    // 0.1 is not an f32: the teacher's 0.1 is the f32 nearest the loss's 0.1, the same one.
+    let tenth = MINIMAL.replace("[teacher]", "[teacher]\ntemperature = 0.1");
+    Config::from_file(&write(
+        dir.path(),
+        &with_loss(&tenth, "kd = { type = \"forward_kl\" }\ntemperature = 0.1"),
+    ))
+    .unwrap();
+    let two = MINIMAL.replace("[teacher]", "[teacher]\ntemperature = 2.0");
+    let cross = with_loss(&two, "kd = { type = \"forward_kl\" }\ntemperature = 2.0")
+        + "[loss_cross]\nkd = { type = \"first_kl\" }\ntemperature = 2.0000005\n";
+    assert_eq!(err_key(&cross), "loss_cross.temperature");
+}
+
 fn with_loss(text: &str, loss: &str) -> String {
     format!("{text}\n[loss]\n{loss}\n")
 }
