@@ -436,9 +436,9 @@ mod tests {
     use crate::batcher::{Batch, BatchConfig, Batcher};
     use crate::cache::ScoreCache;
     use crate::metrics::Metrics;
-    use std::sync::OnceLock;
     use crate::worker::{self, WorkerConfig};
     use std::path::Path;
+    use std::sync::OnceLock;
     use std::time::Duration;
     use tokio::sync::{mpsc, oneshot};
     use tower::ServiceExt;

@@ -9,8 +9,8 @@
 
 use crate::error::ApiError;
 use crate::metrics::Metrics;
-use crate::scoring::{ScoreParams, ScoringError};
 use crate::request::{Candidates, ValidSequence};
+use crate::scoring::{ScoreParams, ScoringError};
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;

@@ -128,4 +128,3 @@ pub(crate) fn require_map(format: Format, bytes: &[u8]) -> Result<(), ApiError> 
         )))
     }
 }
-

@@ -1,7 +1,7 @@
 //! Result cache: one entry per scored sequence, weighted by its size in bytes.
 
-use crate::scoring::{NextToken, ScoreParams};
 use crate::request::ValidSequence;
+use crate::scoring::{NextToken, ScoreParams};
 use moka::future::Cache;
 use sha2::{Digest, Sha256};
 use std::sync::Arc;

@@ -2,10 +2,10 @@
 //! (all or nothing) → the batcher → results, each cached. Routes differ only in how they decode
 //! the request and encode the answer.
 
-use crate::state::AppState;
 use crate::cache::cache_key;
 use crate::error::ApiError;
 use crate::request::ValidTopkRequest;
+use crate::state::AppState;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use xdistill_shared::protocol::SequenceScores;

@@ -9,8 +9,8 @@
 
 pub mod app;
 pub mod args;
-pub mod body;
 pub mod batcher;
+pub mod body;
 pub mod cache;
 pub mod compat;
 pub mod encode;

@@ -155,4 +155,3 @@ pub enum NextToken {
     /// A draw from `softmax(logits / temperature)`, reproducible from the seed.
     Sample { seed: u64 },
 }
-

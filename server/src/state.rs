@@ -10,7 +10,9 @@ use crate::model::ModelFacts;
 use crate::request::RequestLimits;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, OnceLock};
-use xdistill_shared::protocol::{FullVocabInfo, InfoResponse, Limits, HEAD_PATH, HIDDEN_PATH, PROTOCOL_VERSION};
+use xdistill_shared::protocol::{
+    FullVocabInfo, InfoResponse, Limits, HEAD_PATH, HIDDEN_PATH, PROTOCOL_VERSION,
+};
 
 /// Limits and options fixed at start-up.
 #[derive(Debug, Clone)]
@@ -155,4 +157,3 @@ impl AppState {
         self.ready.get().ok_or(ApiError::NotReady)
     }
 }
-

@@ -376,9 +376,9 @@ impl Worker {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::request::Candidates;
     use crate::scoring::tests::{decoder, V, VALID};
     use crate::scoring::{LmHead, ScoreParams, TopkPath};
-    use crate::request::Candidates;
     use candle_core::Device;
     use xdistill_shared::protocol::ValuesKind;
 

@@ -64,12 +64,19 @@ pub fn import_cycles(dir: &Path) -> io::Result<Vec<Cycle>> {
         let from = rel
             .components()
             .next()
-            .map(|c| c.as_os_str().to_string_lossy().trim_end_matches(".rs").to_string())
+            .map(|c| {
+                c.as_os_str()
+                    .to_string_lossy()
+                    .trim_end_matches(".rs")
+                    .to_string()
+            })
             .unwrap_or_default();
         let module = module_path(&prefix, rel);
         let text = strip_tests(&strip_comments(&fs::read_to_string(file)?));
         for (path, line) in use_paths(&text, false) {
-            let Some(abs) = resolve(&path, &module, file, &crate_src) else { continue };
+            let Some(abs) = resolve(&path, &module, file, &crate_src) else {
+                continue;
+            };
             if abs.len() <= prefix.len() || abs[..prefix.len()] != prefix[..] {
                 continue;
             }
@@ -140,7 +147,9 @@ fn repo_paths(repo: &Path, dir: &Path, out: &mut Vec<String>) -> io::Result<()> 
 }
 
 fn expand_braces(s: &str) -> Vec<String> {
-    let (Some(open), Some(close)) = (s.find('{'), s.find('}')) else { return vec![s.to_string()] };
+    let (Some(open), Some(close)) = (s.find('{'), s.find('}')) else {
+        return vec![s.to_string()];
+    };
     if close < open {
         return vec![s.to_string()];
     }
@@ -155,8 +164,15 @@ fn crate_src_and_prefix(dir: &Path) -> io::Result<(PathBuf, Vec<String>)> {
     let mut prefix = Vec::new();
     let mut at = dir;
     while at.file_name() != Some("src".as_ref()) {
-        prefix.push(at.file_name().unwrap_or_default().to_string_lossy().into_owned());
-        at = at.parent().ok_or_else(|| io::Error::other(format!("{} is under no src/", dir.display())))?;
+        prefix.push(
+            at.file_name()
+                .unwrap_or_default()
+                .to_string_lossy()
+                .into_owned(),
+        );
+        at = at
+            .parent()
+            .ok_or_else(|| io::Error::other(format!("{} is under no src/", dir.display())))?;
     }
     prefix.reverse();
     Ok((at.to_path_buf(), prefix))
@@ -166,7 +182,11 @@ fn child_modules(dir: &Path) -> io::Result<BTreeSet<String>> {
     let mut out = BTreeSet::new();
     for entry in fs::read_dir(dir)? {
         let path = entry?.path();
-        let name = path.file_name().unwrap_or_default().to_string_lossy().into_owned();
+        let name = path
+            .file_name()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .into_owned();
         if path.is_dir() {
             out.insert(name);
         } else if let Some(stem) = name.strip_suffix(".rs") {
@@ -200,7 +220,12 @@ fn is_test_file(path: &Path) -> bool {
 fn module_path(prefix: &[String], rel: &Path) -> Vec<String> {
     let mut path = prefix.to_vec();
     for c in rel.components() {
-        path.push(c.as_os_str().to_string_lossy().trim_end_matches(".rs").to_string());
+        path.push(
+            c.as_os_str()
+                .to_string_lossy()
+                .trim_end_matches(".rs")
+                .to_string(),
+        );
     }
     if path.last().map(String::as_str) == Some("mod") {
         path.pop();
@@ -209,7 +234,12 @@ fn module_path(prefix: &[String], rel: &Path) -> Vec<String> {
 }
 
 /// A path's absolute module path, or `None` for an external crate's.
-fn resolve(path: &[String], module: &[String], file: &Path, crate_src: &Path) -> Option<Vec<String>> {
+fn resolve(
+    path: &[String],
+    module: &[String],
+    file: &Path,
+    crate_src: &Path,
+) -> Option<Vec<String>> {
     let first = path.first()?;
     match first.as_str() {
         "crate" => Some(path[1..].to_vec()),
@@ -228,8 +258,7 @@ fn resolve(path: &[String], module: &[String], file: &Path, crate_src: &Path) ->
             };
             let _ = crate_src;
             let child = own_dir.join(name);
-            (child.with_extension("rs").exists() || child.is_dir())
-                .then(|| [module, path].concat())
+            (child.with_extension("rs").exists() || child.is_dir()).then(|| [module, path].concat())
         }
     }
 }
@@ -248,7 +277,9 @@ fn use_paths(text: &str, uses_only: bool) -> Vec<(Vec<String>, usize)> {
             continue;
         }
         let word_start = i == 0 || !is_ident(bytes[i - 1]);
-        if word_start && text[i..].starts_with("use") && bytes.get(i + 3).is_some_and(|b| b.is_ascii_whitespace())
+        if word_start
+            && text[i..].starts_with("use")
+            && bytes.get(i + 3).is_some_and(|b| b.is_ascii_whitespace())
         {
             let end = text[i..].find(';').map_or(bytes.len(), |e| i + e);
             let tree: String = text[i + 3..end]
@@ -290,12 +321,18 @@ fn expand_use_tree(tree: &str) -> Vec<Vec<String>> {
     let tree = tree.strip_prefix("::").unwrap_or(tree);
     let Some(open) = tree.find('{') else {
         let path = tree.split('@').next().unwrap_or(tree);
-        let segs: Vec<String> =
-            path.split("::").filter(|s| !s.is_empty() && *s != "*").map(str::to_string).collect();
+        let segs: Vec<String> = path
+            .split("::")
+            .filter(|s| !s.is_empty() && *s != "*")
+            .map(str::to_string)
+            .collect();
         return if segs.is_empty() { vec![] } else { vec![segs] };
     };
-    let head: Vec<String> =
-        tree[..open].split("::").filter(|s| !s.is_empty()).map(str::to_string).collect();
+    let head: Vec<String> = tree[..open]
+        .split("::")
+        .filter(|s| !s.is_empty())
+        .map(str::to_string)
+        .collect();
     let close = tree.rfind('}').unwrap_or(tree.len());
     let inner = &tree[open + 1..close.max(open + 1)];
     let mut parts = Vec::new();
@@ -358,7 +395,8 @@ fn strip_comments(text: &str) -> String {
                     i += 1;
                 }
             }
-        } else if b[i] == b'r' && (b.get(i + 1) == Some(&b'"') || b.get(i + 1) == Some(&b'#'))
+        } else if b[i] == b'r'
+            && (b.get(i + 1) == Some(&b'"') || b.get(i + 1) == Some(&b'#'))
             && (i == 0 || !(b[i - 1].is_ascii_alphanumeric() || b[i - 1] == b'_'))
         {
             let hashes = b[i + 1..].iter().take_while(|&&c| c == b'#').count();
@@ -367,7 +405,9 @@ fn strip_comments(text: &str) -> String {
                 i += 1;
                 continue;
             }
-            let close: Vec<u8> = std::iter::once(b'"').chain(std::iter::repeat_n(b'#', hashes)).collect();
+            let close: Vec<u8> = std::iter::once(b'"')
+                .chain(std::iter::repeat_n(b'#', hashes))
+                .collect();
             i += 2 + hashes;
             while i < b.len() && !b[i..].starts_with(&close) {
                 if b[i] == b'\n' {
@@ -393,7 +433,10 @@ fn strip_comments(text: &str) -> String {
         } else if b[i] == b'\'' {
             // A char literal ('x', '\n', '"') or a lifetime ('a).
             if b.get(i + 1) == Some(&b'\\') {
-                let end = b[i + 2..].iter().position(|&c| c == b'\'').map_or(b.len(), |p| i + 3 + p);
+                let end = b[i + 2..]
+                    .iter()
+                    .position(|&c| c == b'\'')
+                    .map_or(b.len(), |p| i + 3 + p);
                 i = end;
             } else if b.get(i + 2) == Some(&b'\'') {
                 i += 3;
@@ -537,14 +580,35 @@ mod tests {
         for c in server.iter().chain(&model) {
             println!("{c}");
         }
-        assert!(server.is_empty(), "import cycles in server/src: {server:#?}");
+        assert!(
+            server.is_empty(),
+            "import cycles in server/src: {server:#?}"
+        );
         let known = [
-            "arch", "config", "decoder", "flash", "gemma3", "layers", "llama", "phi3", "qwen3_moe",
+            "arch",
+            "config",
+            "decoder",
+            "flash",
+            "gemma3",
+            "layers",
+            "llama",
+            "phi3",
+            "qwen3_moe",
         ];
-        assert!(model.len() <= 1, "more import cycles in shared/src/model: {model:#?}");
+        assert!(
+            model.len() <= 1,
+            "more import cycles in shared/src/model: {model:#?}"
+        );
         for c in &model {
-            let new: Vec<_> = c.modules.iter().filter(|m| !known.contains(&m.as_str())).collect();
-            assert!(new.is_empty(), "{new:?} joined the model package's import cycle:\n{c}");
+            let new: Vec<_> = c
+                .modules
+                .iter()
+                .filter(|m| !known.contains(&m.as_str()))
+                .collect();
+            assert!(
+                new.is_empty(),
+                "{new:?} joined the model package's import cycle:\n{c}"
+            );
         }
     }
 
@@ -555,13 +619,32 @@ mod tests {
         let base = std::env::temp_dir().join(format!("xdistill-cycles-{}", std::process::id()));
         let dir = base.join("src/pkg");
         fs::create_dir_all(&dir).unwrap();
-        fs::write(dir.join("mod.rs"), "mod a;\nmod b;\nmod c;\npub use c::Thing;\n").unwrap();
+        fs::write(
+            dir.join("mod.rs"),
+            "mod a;\nmod b;\nmod c;\npub use c::Thing;\n",
+        )
+        .unwrap();
         fs::write(dir.join("a.rs"), "use super::{b::{self, B}, x};\n").unwrap();
-        fs::write(dir.join("b.rs"), "// crate::pkg::c::X\nfn f() { super::Thing::new(); }\n").unwrap();
-        fs::write(dir.join("c.rs"), "use crate::pkg::a::A;\n#[cfg(test)]\nmod t { use super::super::b; }\n").unwrap();
+        fs::write(
+            dir.join("b.rs"),
+            "// crate::pkg::c::X\nfn f() { super::Thing::new(); }\n",
+        )
+        .unwrap();
+        fs::write(
+            dir.join("c.rs"),
+            "use crate::pkg::a::A;\n#[cfg(test)]\nmod t { use super::super::b; }\n",
+        )
+        .unwrap();
         let found = import_cycles(&dir).unwrap();
-        let planted = found.iter().map(|c| c.modules.join(",")).collect::<Vec<_>>();
-        fs::write(dir.join("c.rs"), "#[cfg(test)]\nmod t { use crate::pkg::a::A; }\n").unwrap();
+        let planted = found
+            .iter()
+            .map(|c| c.modules.join(","))
+            .collect::<Vec<_>>();
+        fs::write(
+            dir.join("c.rs"),
+            "#[cfg(test)]\nmod t { use crate::pkg::a::A; }\n",
+        )
+        .unwrap();
         let after = import_cycles(&dir).unwrap();
         let _ = fs::remove_dir_all(&base);
         assert_eq!(planted, ["a,b,c"], "{found:?}");
@@ -573,6 +656,9 @@ mod tests {
     fn architecture_doc_names_real_paths() {
         let root = crate::repo_root();
         let missing = missing_doc_paths(&root, &root.join("docs/architecture.md")).unwrap();
-        assert!(missing.is_empty(), "docs/architecture.md names paths that do not exist: {missing:?}");
+        assert!(
+            missing.is_empty(),
+            "docs/architecture.md names paths that do not exist: {missing:?}"
+        );
     }
 }

@@ -11,9 +11,9 @@ pub mod sglang;
 pub mod vllm;
 
 use crate::body::{error_response, read_body, require_map};
-use crate::state::AppState;
 use crate::error::ApiError;
 use crate::scoring::NextToken;
+use crate::state::AppState;
 use crate::vocab::Vocab;
 use axum::body::Body;
 use axum::http::{header, HeaderMap, HeaderValue};

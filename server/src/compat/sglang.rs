@@ -11,10 +11,10 @@ use super::{
     decode, encode_json, next_token_mode, read_json, request_id, respond, temperature_of,
     tokenize_inputs, wire_logprob,
 };
-use crate::state::AppState;
 use crate::engine;
 use crate::error::ApiError;
 use crate::scoring::ScoreParams;
+use crate::state::AppState;
 use crate::validation::{check_answer_size, validate_spec, CandidateSpec, FieldNames, ScoreSpec};
 use crate::vocab::Vocab;
 use axum::body::Body;

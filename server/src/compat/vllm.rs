@@ -10,10 +10,10 @@ use super::{
     decode, encode_json, next_token_mode, read_json, refuse_messages, request_id, respond,
     temperature_of, tokenize_inputs, unix_now, wire_logprob,
 };
-use crate::state::{AppState, Ready};
 use crate::engine;
 use crate::error::ApiError;
 use crate::scoring::ScoreParams;
+use crate::state::{AppState, Ready};
 use crate::validation::{check_answer_size, validate_spec, CandidateSpec, FieldNames, ScoreSpec};
 use crate::vocab::Vocab;
 use axum::body::Body;

@@ -19,8 +19,8 @@
 //! architectures, and the student's list of dense architectures all read this table.
 
 use super::config::{LayerKind, ModelConfig};
-use super::error::ConfigError;
 use super::decoder::Block;
+use super::error::ConfigError;
 use super::{gemma3, llama, phi3, qwen3_moe};
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};

@@ -252,7 +252,6 @@ impl Decoder {
         Ok(())
     }
 
-
     /// Hidden states after the final norm. `ids`: [B, T] u32 → [B, T, H].
     ///
     /// - `cache`: when given, the new positions follow the cached ones and are appended to it.

@@ -259,7 +259,13 @@ pub struct Rope {
 impl Rope {
     /// The tables of `p` over `rot` dimensions of each head, for positions `0..max_pos`
     /// (the config resolves all three: [`super::config::ModelConfig::rope`]).
-    pub fn new(p: &RopeParams, rot: usize, max_pos: usize, dtype: DType, dev: &Device) -> Result<Rope> {
+    pub fn new(
+        p: &RopeParams,
+        rot: usize,
+        max_pos: usize,
+        dtype: DType,
+        dev: &Device,
+    ) -> Result<Rope> {
         let max_pos = max_pos.max(1);
         let table = |long: bool| -> Result<(Tensor, Tensor)> {
             let (inv, attention) = inv_freqs(p, rot, max_pos, long);

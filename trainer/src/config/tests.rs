@@ -222,7 +222,10 @@ fn temperatures_agree_exactly() {
     let dir = tempfile::tempdir().unwrap();
     let near = MINIMAL.replace("[teacher]", "[teacher]\ntemperature = 2.0000005");
     assert_eq!(
-        err_key(&with_loss(&near, "kd = { type = \"forward_kl\" }\ntemperature = 2.0")),
+        err_key(&with_loss(
+            &near,
+            "kd = { type = \"forward_kl\" }\ntemperature = 2.0"
+        )),
         "teacher.temperature"
     );
     // 0.1 is not an f32: the teacher's 0.1 is the f32 nearest the loss's 0.1, the same one.
