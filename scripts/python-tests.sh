@@ -4,7 +4,9 @@
 # Makes (or reuses) a virtual environment at target/pyenv with python/requirements-test.txt and
 # the client (`pip install ./python`), builds the `teacher` and `trainer` debug binaries unless
 # XDISTILL_BIN_DIR points at others, and runs pytest; pytest's exit status is this script's.
-# Extra arguments go to pytest (e.g. `scripts/python-tests.sh -k sglang -x`).
+# Extra arguments go to pytest (e.g. `scripts/python-tests.sh -k sglang -x`); `--venv-only`
+# makes the venv and stops (scripts/test.sh runs that beside its build: it waits on PyPI more
+# than it computes).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -37,6 +39,7 @@ if [ "$(cat "$venv/.xdistill-stamp" 2>/dev/null || true)" != "$stamp" ]; then
   rm -rf python/build python/*.egg-info
   echo "$stamp" > "$venv/.xdistill-stamp"
 fi
+[ "${1:-}" = "--venv-only" ] && exit 0
 
 # 2. The binaries (a no-op when they are up to date).
 if [ -z "${XDISTILL_BIN_DIR:-}" ]; then

@@ -15,7 +15,8 @@
 #    shared, kernels and the server, and the tests that compare a teacher's numbers with a
 #    reference) once more with XDISTILL_SIMD=avx2: the AVX2 paths an AVX2-only CPU runs. On an
 #    AVX2-only CPU, the same at XDISTILL_SIMD=baseline. Same build, nextest profile `simd`.
-# 7. python client: the Python client's tests (scripts/python-tests.sh).
+# 7. python client: the Python client's tests (scripts/python-tests.sh; its venv is made beside
+#    the build).
 # Arguments go to both `cargo nextest run`s (e.g. `scripts/test.sh -E 'test(kl)' --no-capture`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -51,6 +52,12 @@ stage tokenizers tokenizers || { echo "the tokenizers are needed by every stage"
 stage haproxy scripts/install-haproxy.sh || exit 1
 stage cargo-nextest scripts/install-nextest.sh || exit 1
 
+# The Python client's venv (PyPI downloads, mostly waiting on the network) is made beside the
+# build; the python stage below waits for it.
+venv_log="$logs/venv.log"
+stage "python venv (beside the build)" scripts/python-tests.sh --venv-only > "$venv_log" 2>&1 &
+venv_pid=$!
+
 if stage build cargo test --workspace --locked --no-run; then
   # `cargo nextest run --workspace` builds what the stage above built (the same packages and
   # features): nothing.
@@ -75,6 +82,10 @@ fi
 # side by side the two took as long as one after the other (143 s against 48 + 87 s on 2
 # cores) and the extra load made two teachers' keep-alive races show.
 export XDISTILL_BIN_DIR="$PWD/target/debug"
+if ! wait "$venv_pid"; then
+  cat "$venv_log" >&2
+  echo "the Python client's venv could not be made (above); the python stage makes it again" >&2
+fi
 stage "python client" scripts/python-tests.sh -rs --junitxml="$logs/python.xml" ||
   failed+=("python client: scripts/python-tests.sh failed (see above)")
 printf 'wall\t%s\n' "$(awk -v a="$t_start" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }')" >> "$stages"
