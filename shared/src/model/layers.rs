@@ -81,8 +81,9 @@ impl Norm {
 
 /// A linear layer `x · Wᵀ (+ b)` with `W` `[out, in]`, dense or quantized.
 ///
-/// Dense: at inference (fused ops) on an AVX-512 CPU, f32 inputs of at least a panel of rows
-/// run [`matmul::matmul_nt`] (W read in place, each row's result independent of the others);
+/// Dense: at inference (fused ops) on the CPU, f32 inputs of at least a panel of rows run
+/// [`matmul::matmul_nt`] (W read in place, each row's result independent of the others, each
+/// dot product summed in blocks of [`matmul::KB`] for accuracy, at every SIMD level);
 /// otherwise candle's matmul, which has a backward pass and a matrix-vector path that a decoding
 /// step's few rows want (up to 7× faster there).
 ///
@@ -185,10 +186,9 @@ impl Linear {
 }
 
 /// Whether inference (fused ops) runs linear layers on `device` in `dtype` through
-/// [`matmul::matmul_nt`] (for inputs of at least [`matmul::NP`] rows): f32 on a CPU with
-/// AVX-512.
+/// [`matmul::matmul_nt`] (for inputs of at least [`matmul::NP`] rows): f32 on the CPU.
 pub fn linear_kernel(device: &candle_core::Device, dtype: DType) -> bool {
-    device.is_cpu() && dtype == DType::F32 && matmul::available()
+    device.is_cpu() && dtype == DType::F32
 }
 
 /// [`matmul::matmul_nt`] as a candle op: `(x [..., k], w [o, k])` → `[..., o]`.
@@ -196,7 +196,7 @@ struct MatmulNt;
 
 impl candle_core::CustomOp2 for MatmulNt {
     fn name(&self) -> &'static str {
-        "matmul-nt-avx512"
+        "matmul-nt"
     }
 
     fn cpu_fwd(
@@ -211,10 +211,10 @@ impl candle_core::CustomOp2 for MatmulNt {
             host_ops::values(s2, l2, self.name())?,
         );
         let (&k, &[o, wk]) = (l1.dims().last().unwrap_or(&0), l2.dims()) else {
-            candle_core::bail!("matmul-nt-avx512: the weight is [out, in]");
+            candle_core::bail!("matmul-nt: the weight is [out, in]");
         };
         if k != wk || k == 0 {
-            candle_core::bail!("matmul-nt-avx512: input width {k}, weight [{o}, {wk}]");
+            candle_core::bail!("matmul-nt: input width {k}, weight [{o}, {wk}]");
         }
         let mut dims = l1.dims().to_vec();
         *dims.last_mut().unwrap_or(&mut 0) = o;
@@ -652,8 +652,8 @@ mod tests {
     use crate::init::lcg_noise;
     use candle_core::Device;
 
-    /// Inference runs inputs of a panel of rows or more through the AVX-512 kernel: each
-    /// output is the in-order f32 fused multiply-adds plus the bias, whatever the batch shape;
+    /// Inference runs inputs of a panel of rows or more through the kernel: each output is
+    /// [`matmul::dot_blocked`] plus the bias, whatever the batch shape;
     /// fewer rows, or the differentiable ops, keep candle's matmul bit for bit (at this input
     /// width candle's gemm sums in blocks, so the two paths' bits differ).
     #[test]
@@ -675,14 +675,15 @@ mod tests {
             assert_eq!(diff.dims(), &[batch, t, o]);
             assert_eq!(flat(&diff), candle, "differentiable ops: candle's matmul");
             let fused = flat(&lin.forward(&x, Ops::Fused).unwrap());
-            if batch * t < matmul::NP || !matmul::available() {
+            if batch * t < matmul::NP {
                 assert_eq!(fused, candle, "{batch} x {t} rows: candle's matmul");
                 continue;
             }
             for r in 0..batch * t {
                 for c in 0..o {
                     let (xr, wc) = (&xv[r * k..(r + 1) * k], &wv[c * k..(c + 1) * k]);
-                    let dot = wc.iter().zip(xr).fold(0f32, |s, (&w, &x)| w.mul_add(x, s));
+                    let fma = crate::simd::Simd::current() >= crate::simd::Simd::Avx2;
+                    let dot = matmul::dot_blocked(wc, xr, fma);
                     assert_eq!(fused[r * o + c].to_bits(), (dot + bv[c]).to_bits());
                     // Both are f32 sums of k products: within the standard rounding bound.
                     let scale: f32 = wc.iter().zip(xr).map(|(&w, &x)| (w * x).abs()).sum();

@@ -95,9 +95,7 @@ pub(super) fn fold_head(
             (true, Some(&t)) if (t as usize) < valid => {
                 let w = &head[t as usize * h..(t as usize + 1) * h];
                 let a = &hidden[r * h..(r + 1) * h];
-                w.iter()
-                    .zip(a)
-                    .fold(0f32, |acc, (&w, &a)| w.mul_add(a, acc))
+                matmul::dot_blocked(w, a, true)
             }
             _ => f32::NAN,
         })

@@ -41,9 +41,7 @@ fn kernel_matches_f64_reference() {
                 let (r, v) = (i / valid, i % valid);
                 let w = &head[v * h..(v + 1) * h];
                 let a = &hidden[r * h..(r + 1) * h];
-                w.iter()
-                    .zip(a)
-                    .fold(0f32, |acc, (&w, &a)| w.mul_add(a, acc))
+                matmul::dot_blocked(w, a, true)
             })
             .collect();
         // Ties: one row's top values repeated at larger ids.
