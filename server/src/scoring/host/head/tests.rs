@@ -18,7 +18,7 @@ fn kernel(
     f.finish()
 }
 
-/// The kernel's logits are the in-order fused multiply-add dot products (so the reference
+/// The kernel's logits are `matmul::dot_blocked`'s dot products (so the reference
 /// below sees the same f32 logits); everything computed from them is checked in f64
 /// against a full sort: top-k ids (ties by id) and values, logsumexp, target and candidate
 /// log-probs, ranks — over panels, groups, segments, tile tails and head padding.
