@@ -1,7 +1,8 @@
 //! Times the linear layers' f32 CPU matmul `x [1, T, in] · Wᵀ` (`W [out, in]`) in the
 //! shapes a teacher runs, candle_nn's `Linear` (candle's gemm) against [`matmul_nt`] (the
-//! blocked kernel inference uses, at the SIMD level in use): warm (one weight, in cache) and cold (a round of 12
-//! different weights, more than the L3 holds, as a forward through many layers reads them).
+//! blocked kernel inference uses, at the SIMD level in use): warm (one weight, in cache) and
+//! cold (a round of 12 different weights, more than the L3 holds, as a forward through many
+//! layers reads them).
 //!
 //! `RAYON_NUM_THREADS=2 cargo run --release -p xdistill-shared --example matmul_speed`
 use candle_core::{Device, Module, Tensor};
