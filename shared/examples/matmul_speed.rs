@@ -26,7 +26,10 @@ xdistill_shared::global_allocator!();
 
 fn main() -> anyhow::Result<()> {
     // `matmul_nt` runs at every SIMD level (`$XDISTILL_SIMD` caps it).
-    println!("SIMD level: {}", xdistill_shared::simd::Simd::current().name());
+    println!(
+        "SIMD level: {}",
+        xdistill_shared::simd::Simd::current().name()
+    );
     let dev = Device::Cpu;
     println!("rows × in → out | warm: candle, matmul_nt | cold: candle, matmul_nt (GFLOP/s)");
     for (t, i, o) in [

@@ -36,13 +36,16 @@ pub fn available() -> bool {
 pub fn dot_blocked(w: &[f32], x: &[f32], fused: bool) -> f32 {
     let mut total = 0f32;
     for (b, (wb, xb)) in w.chunks(KB).zip(x.chunks(KB)).enumerate() {
-        let s = wb.iter().zip(xb).fold(0f32, |s, (&w, &x)| {
-            if fused {
-                w.mul_add(x, s)
-            } else {
-                w * x + s
-            }
-        });
+        let s = wb.iter().zip(xb).fold(
+            0f32,
+            |s, (&w, &x)| {
+                if fused {
+                    w.mul_add(x, s)
+                } else {
+                    w * x + s
+                }
+            },
+        );
         total = if b == 0 { s } else { total + s };
     }
     total
@@ -246,7 +249,9 @@ unsafe fn run_job(level: Simd, j: &Job<'_>, out: *mut f32) {
         #[target_feature(enable = "avx512f,avx2,fma")]
         unsafe fn avx512(j: &Job<'_>, out: *mut f32) {
             // SAFETY: this function runs only with AVX-512F (below).
-            job_body(j, out, |at, w, rows, k, t| unsafe { micro_tile(at, w, rows, k, t) })
+            job_body(j, out, |at, w, rows, k, t| unsafe {
+                micro_tile(at, w, rows, k, t)
+            })
         }
         #[target_feature(enable = "avx2,fma")]
         unsafe fn avx2(j: &Job<'_>, out: *mut f32) {
@@ -354,6 +359,9 @@ mod tests {
             }
         }
         eprintln!("worst error {err:.3e}, one running sum {seq_err:.3e}, |y| up to {size:.2}");
-        assert!(err < 4e-6, "worst error {err:.3e} (a running sum: {seq_err:.3e})");
+        assert!(
+            err < 4e-6,
+            "worst error {err:.3e} (a running sum: {seq_err:.3e})"
+        );
     }
 }
