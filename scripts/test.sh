@@ -7,7 +7,8 @@
 # 2. haproxy: the load balancer of the replicas tests (scripts/install-haproxy.sh).
 # 3. cargo-nextest: the test runner, installed from crates.io when missing
 #    (scripts/install-nextest.sh).
-# 4. build: every crate's tests and the binaries they run (`cargo test --workspace --no-run`).
+# 4. build: every crate's tests and the binaries they run (`cargo test --workspace --no-run`;
+#    where its time went: target/cargo-timings/cargo-timing.html).
 # 5. rust tests: every test of every crate, each in its own process, as many at once as there
 #    are cores, the slowest first, a hung one killed after ten minutes (.config/nextest.toml);
 #    every test runs even when one fails, and the failures are listed at the end.
@@ -62,7 +63,8 @@ venv_log="$logs/venv.log"
 stage "python venv (beside the build)" scripts/python-tests.sh --venv-only > "$venv_log" 2>&1 &
 venv_pid=$!
 
-if stage build cargo test --workspace --locked --no-run; then
+# --timings: each crate's compile time, in target/cargo-timings/cargo-timing.html.
+if stage build cargo test --workspace --locked --no-run --timings; then
   # `cargo nextest run --workspace` builds what the stage above built (the same packages and
   # features): nothing.
   stage "rust tests" cargo nextest run --workspace --locked --no-fail-fast ${1+"$@"} ||
