@@ -26,7 +26,7 @@ pub use logger::LoggerConfig;
 pub use on_policy::OnPolicyConfig;
 pub use policy::{
     ActivationCheckpointing, AllReduceMode, DataParallelConfig, LrSchedule, OptimizerConfig,
-    PolicyConfig,
+    PolicyConfig, VirtualShards,
 };
 pub use teacher::{parse_base_url, TeacherConfig, Transport};
 

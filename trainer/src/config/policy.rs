@@ -45,8 +45,9 @@ pub struct DataParallelConfig {
     /// `S`: a step's gradient is the pairwise-tree sum of this many virtual shards (contiguous
     /// slices of the step's records), each process computing a contiguous share; the number
     /// of processes must divide it. With `S/N` a power of two, every such `N` gives the same
-    /// weights bit for bit. 0: one shard per process.
-    pub virtual_shards: usize,
+    /// weights bit for bit. `"auto"` (the default): see [`VirtualShards::Auto`]; 0: one shard
+    /// per process.
+    pub virtual_shards: VirtualShards,
     /// ZeRO-1: AdamW's moments and f32 masters sharded over the processes (whole tensors per
     /// process); the same weights as unsharded.
     pub zero: bool,
@@ -58,6 +59,64 @@ pub struct DataParallelConfig {
     /// (NCCL's ring or tree: faster, its bits depend on the process count and topology); on
     /// the CPU backend both are the tree.
     pub all_reduce: AllReduceMode,
+}
+
+/// `policy.data_parallel.virtual_shards`: `"auto"` or a number. TOML: `"auto"` or an integer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum VirtualShards {
+    /// The largest power of two, at most [`VirtualShards::AUTO_MAX`], that divides
+    /// `num_prompts_per_step`: equal shards whatever the process count, so a run's weights are
+    /// the same at every process count that divides it (1, 2, 4 and 8 for a step of 8k records).
+    #[default]
+    Auto,
+    /// This many shards; 0: one per process (the fewest gradient buffers, but the weights
+    /// depend on the process count).
+    Fixed(usize),
+}
+
+impl VirtualShards {
+    /// The most shards `"auto"` picks: 8 processes, four gradient buffers on one.
+    pub const AUTO_MAX: usize = 8;
+}
+
+impl Serialize for VirtualShards {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            VirtualShards::Auto => s.serialize_str("auto"),
+            VirtualShards::Fixed(n) => s.serialize_u64(*n as u64),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for VirtualShards {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        const WANT: &str =
+            "policy.data_parallel.virtual_shards must be \"auto\" or a whole number (0: one shard per process)";
+        impl serde::de::Visitor<'_> for V {
+            type Value = VirtualShards;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str(WANT)
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Self::Value, E> {
+                usize::try_from(v)
+                    .map(VirtualShards::Fixed)
+                    .map_err(|_| E::custom(format!("{WANT}, got {v}")))
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Self::Value, E> {
+                u64::try_from(v)
+                    .map_err(|_| E::custom(format!("{WANT}, got {v}")))
+                    .and_then(|v| self.visit_u64(v))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                match v {
+                    "auto" => Ok(VirtualShards::Auto),
+                    _ => Err(E::custom(format!("{WANT}, got {v:?}"))),
+                }
+            }
+        }
+        d.deserialize_any(V)
+    }
 }
 
 /// `policy.data_parallel.all_reduce`.
@@ -72,7 +131,7 @@ pub enum AllReduceMode {
 impl Default for DataParallelConfig {
     fn default() -> Self {
         DataParallelConfig {
-            virtual_shards: 0,
+            virtual_shards: VirtualShards::Auto,
             zero: false,
             timeout_s: 1800.0,
             all_reduce: AllReduceMode::Exact,

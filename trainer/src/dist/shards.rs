@@ -5,6 +5,7 @@
 //! adds the same numbers in the same order.
 
 use super::even_shares;
+use crate::config::VirtualShards;
 use crate::data::{Batch, DataPosition, Record};
 use std::ops::Range;
 
@@ -18,23 +19,34 @@ pub struct ShardPlan {
 }
 
 impl ShardPlan {
-    /// `virtual_shards = 0` means one shard per process. `N` must divide `S`.
-    pub fn new(virtual_shards: usize, world_size: usize, rank: usize) -> Result<ShardPlan, String> {
-        let shards = if virtual_shards == 0 {
-            world_size
-        } else {
-            virtual_shards
-        };
+    /// The plan for `virtual_shards` with steps of `records` records (`num_prompts_per_step`).
+    /// `Fixed(0)` means one shard per process; `Auto` the largest power of two up to
+    /// [`VirtualShards::AUTO_MAX`] dividing `records`. `N` must divide `S`: otherwise a
+    /// one-line error naming the keys to set.
+    pub fn new(
+        virtual_shards: VirtualShards,
+        records: usize,
+        world_size: usize,
+        rank: usize,
+    ) -> Result<ShardPlan, String> {
         if world_size == 0 || rank >= world_size {
             return Err(format!("rank {rank} of a world of {world_size}"));
         }
+        let shards = match virtual_shards {
+            VirtualShards::Fixed(0) => world_size,
+            VirtualShards::Fixed(s) => s,
+            VirtualShards::Auto => auto_shards(records),
+        };
         if !shards.is_multiple_of(world_size) {
-            return Err(format!(
-                "policy.data_parallel.virtual_shards = {shards} is not a multiple of the {world_size} \
-                 processes: each process trains the same number of shards (use a power of two such \
-                 as {} for the same weights at 1, 2, 4, … processes)",
-                (world_size.next_power_of_two()).max(8)
-            ));
+            return Err(match virtual_shards {
+                VirtualShards::Auto => auto_error(records, shards, world_size),
+                _ => format!(
+                    "policy.data_parallel.virtual_shards = {shards} is not a multiple of the \
+                     {world_size} processes: each process trains the same number of shards (use \
+                     a power of two such as {} for the same weights at 1, 2, 4, … processes)",
+                    (world_size.next_power_of_two()).max(8)
+                ),
+            });
         }
         Ok(ShardPlan {
             shards,
@@ -90,6 +102,42 @@ impl ShardPlan {
             len,
             shards,
         }
+    }
+}
+
+/// `"auto"`'s shard count for steps of `records` records: the largest power of two at most
+/// [`VirtualShards::AUTO_MAX`] that divides it (equal shards, no empty ones).
+pub fn auto_shards(records: usize) -> usize {
+    let mut s = VirtualShards::AUTO_MAX;
+    while s > 1 && !records.is_multiple_of(s) {
+        s /= 2;
+    }
+    s
+}
+
+/// Why `"auto"`'s `shards` equal shards of `records` records cannot be shared by `world`
+/// processes, and what to set instead.
+fn auto_error(records: usize, shards: usize, world: usize) -> String {
+    let head = format!(
+        "policy.data_parallel.virtual_shards = \"auto\" cuts a step's {records} records \
+         (distillation.num_prompts_per_step) into {shards} equal virtual shards, which {world} \
+         processes cannot share"
+    );
+    if world.is_power_of_two() && world <= VirtualShards::AUTO_MAX {
+        format!(
+            "{head}: make num_prompts_per_step a multiple of {max}, or set \
+             policy.data_parallel.virtual_shards = {max} (unequal shards; either way the same \
+             weights at 1, 2, 4 and 8 processes) or 0 (one shard per process: the weights depend \
+             on the process count)",
+            max = VirtualShards::AUTO_MAX
+        )
+    } else {
+        format!(
+            "{head}: \"auto\" serves 1, 2, 4 and 8 processes; set \
+             policy.data_parallel.virtual_shards to a multiple of {world} (e.g. {world}: the same \
+             weights at every process count N with {world}/N a power of two) or to 0 (one shard \
+             per process: the weights depend on the process count)"
+        )
     }
 }
 
@@ -174,14 +222,16 @@ mod tests {
     #[test]
     fn ranks_take_contiguous_shares_of_the_same_shards() {
         for n in [8, 7, 3, 0] {
-            let one = ShardPlan::new(4, 1, 0).unwrap().split(batch(n));
+            let one = ShardPlan::new(VirtualShards::Fixed(4), n, 1, 0)
+                .unwrap()
+                .split(batch(n));
             let all = lines(&one);
             assert_eq!(all.len(), 4);
             assert_eq!(all.concat(), (1..=n).collect::<Vec<_>>());
             for world in [2, 4] {
                 let mut joined = vec![];
                 for rank in 0..world {
-                    let p = ShardPlan::new(4, world, rank).unwrap();
+                    let p = ShardPlan::new(VirtualShards::Fixed(4), n, world, rank).unwrap();
                     let s = p.split(batch(n));
                     assert_eq!(s.shards.len(), 4 / world);
                     for (sh, k) in s.shards.iter().zip(p.mine()) {
@@ -196,11 +246,84 @@ mod tests {
 
     #[test]
     fn world_must_divide_the_shards() {
-        assert!(ShardPlan::new(4, 3, 0)
+        let fixed = VirtualShards::Fixed;
+        assert!(ShardPlan::new(fixed(4), 8, 3, 0)
             .unwrap_err()
             .contains("virtual_shards = 4"));
-        assert_eq!(ShardPlan::new(0, 3, 2).unwrap().shards, 3);
-        assert!(ShardPlan::new(8, 2, 0).unwrap().exact_across_world_sizes());
-        assert!(!ShardPlan::new(6, 2, 0).unwrap().exact_across_world_sizes());
+        assert_eq!(ShardPlan::new(fixed(0), 8, 3, 2).unwrap().shards, 3);
+        assert!(ShardPlan::new(fixed(8), 8, 2, 0)
+            .unwrap()
+            .exact_across_world_sizes());
+        assert!(!ShardPlan::new(fixed(6), 8, 2, 0)
+            .unwrap()
+            .exact_across_world_sizes());
+    }
+
+    /// `"auto"`: the largest power of two up to 8 dividing the step's records, whatever the
+    /// process count, so 1, 2, 4 and 8 processes share one plan (and one set of bits).
+    #[test]
+    fn auto_picks_equal_power_of_two_shards_for_any_process_count() {
+        for (records, want) in [
+            (8, 8),
+            (16, 8),
+            (64, 8),
+            (12, 4),
+            (4, 4),
+            (6, 2),
+            (7, 1),
+            (1, 1),
+        ] {
+            assert_eq!(auto_shards(records), want, "{records} records");
+        }
+        // The shipped configs' 8 records: the same 8 shards at 1, 2, 4 and 8 processes, each a
+        // power-of-two share (so the weights match bit for bit), and 8 equal shards of one record.
+        for world in [1, 2, 4, 8] {
+            for rank in 0..world {
+                let p = ShardPlan::new(VirtualShards::Auto, 8, world, rank).unwrap();
+                assert_eq!(p.shards, 8, "N = {world}");
+                assert!(p.exact_across_world_sizes(), "N = {world}");
+                let s = p.split(batch(8));
+                assert!(s.shards.iter().all(|x| x.records.len() == 1), "N = {world}");
+            }
+        }
+        // One process of a step with an odd record count keeps the single shard it always had.
+        assert_eq!(
+            ShardPlan::new(VirtualShards::Auto, 7, 1, 0).unwrap(),
+            ShardPlan::solo()
+        );
+    }
+
+    /// `"auto"` refuses a process count its shards cannot be shared by, in one line naming the
+    /// keys to set instead.
+    #[test]
+    fn auto_names_the_keys_when_the_processes_cannot_share_the_shards() {
+        // 12 records make 4 shards: fine for 4 processes, not for 8.
+        assert_eq!(
+            ShardPlan::new(VirtualShards::Auto, 12, 4, 3)
+                .unwrap()
+                .shards,
+            4
+        );
+        let e = ShardPlan::new(VirtualShards::Auto, 12, 8, 0).unwrap_err();
+        for want in [
+            "virtual_shards = \"auto\"",
+            "12 records",
+            "num_prompts_per_step a multiple of 8",
+            "virtual_shards = 8",
+            "or 0",
+        ] {
+            assert!(e.contains(want), "{want:?} not in: {e}");
+        }
+        // A process count "auto" never serves (3, or more than 8) names a multiple of it.
+        for world in [3, 16] {
+            let e = ShardPlan::new(VirtualShards::Auto, 48, world, 0).unwrap_err();
+            assert!(
+                e.contains(&format!("a multiple of {world}")) && e.contains("or to 0"),
+                "N = {world}: {e}"
+            );
+        }
+        for e in [e, ShardPlan::new(VirtualShards::Auto, 6, 4, 0).unwrap_err()] {
+            assert!(!e.contains('\n'), "one line: {e}");
+        }
     }
 }

@@ -179,8 +179,13 @@ pub fn run<O: Objective>(
     // Every rank must run the same config (the whole of it, run length included).
     let whole = cfg.to_toml_string().context("serialising the config")?;
     let group = dist::join(world.as_ref(), &whole, dp.timeout(), device)?;
-    let plan = ShardPlan::new(dp.virtual_shards, group.world_size(), group.rank())
-        .map_err(anyhow::Error::msg)?;
+    let plan = ShardPlan::new(
+        dp.virtual_shards,
+        cfg.distillation.num_prompts_per_step,
+        group.world_size(),
+        group.rank(),
+    )
+    .map_err(anyhow::Error::msg)?;
     if group.world_size() > 1 {
         tracing::info!(
             rank = group.rank(),
