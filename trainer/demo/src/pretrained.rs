@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 use xdistill_shared::process::TeacherProcess;
 use xdistill_trainer::chat::{ChatTemplate, Message};
-use xdistill_trainer::config::{Config, LrSchedule, ObjectiveKind};
+use xdistill_trainer::config::{Config, LrSchedule, ObjectiveKind, VirtualShards};
 use xdistill_trainer::data::{Content, Record};
 use xdistill_trainer::eval::{self, EvalConfig, EvalRecord};
 use xdistill_trainer::train::step::ValSums;
@@ -528,6 +528,9 @@ impl RunSpec<'_> {
         c.policy.model_name = self.model.to_path_buf();
         c.policy.max_total_sequence_length = p.max_seq_len;
         c.policy.train_micro_batch_size = p.micro_batch;
+        // The demo runs one process: whole micro-batches summed in order (`"auto"`'s shards, which
+        // keep 2 to 8 processes exact, would cut each step into smaller passes).
+        c.policy.data_parallel.virtual_shards = VirtualShards::Fixed(0);
         let o = &mut c.policy.optimizer;
         (o.lr, o.min_lr, o.weight_decay) = (p.lr, p.lr / 10.0, 0.0);
         (o.warmup_steps, o.max_grad_norm) = ((p.steps / 8).max(1), 1.0);

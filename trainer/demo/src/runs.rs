@@ -6,7 +6,7 @@ use crate::settings::{ModelSpec, TrainSpec};
 use anyhow::{bail, Context, Result};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use xdistill_trainer::config::{Config, LrSchedule, ObjectiveKind};
+use xdistill_trainer::config::{Config, LrSchedule, ObjectiveKind, VirtualShards};
 use xdistill_trainer::generate::GenerationConfig;
 
 /// The `teacher` binary: `--teacher-bin`, else beside the running executable.
@@ -170,6 +170,9 @@ impl RunConfig<'_> {
         c.policy.model_name = self.model.to_path_buf();
         c.policy.max_total_sequence_length = 128;
         c.policy.train_micro_batch_size = t.micro_batch;
+        // The demo runs one process: whole micro-batches summed in order (`"auto"`'s shards, which
+        // keep 2 to 8 processes exact, would cut each step into smaller passes).
+        c.policy.data_parallel.virtual_shards = VirtualShards::Fixed(0);
         let o = &mut c.policy.optimizer;
         (o.lr, o.min_lr, o.weight_decay) = (t.lr, t.min_lr, 0.0);
         (o.warmup_steps, o.max_grad_norm) = (t.warmup_steps, 1.0);
