@@ -4,8 +4,10 @@
 //! CPU.
 //!
 //! - A step's gradient is a pairwise tree over `policy.data_parallel.virtual_shards` slices of
-//!   its records, so 1, 2 and 4 processes (and ZeRO-1) write the same final weights bit for bit,
-//!   for off-policy, SFT and on-policy runs; rank 0 alone writes the checkpoint directory.
+//!   its records (by default, `"auto"`: 8 for the 8 records of these steps), so 1, 2 and 4
+//!   processes (and ZeRO-1) write the same final weights bit for bit, for off-policy (the shipped
+//!   `configs/off_policy.toml`), SFT and on-policy runs; rank 0 alone writes the checkpoint
+//!   directory, and the teacher scores each record once whatever the process count.
 //! - A killed rank stops the others with an error naming it; `--resume` continues from the last
 //!   checkpoint with another number of processes and ends on the uninterrupted run's weights.
 //! - Ranks with different configs are refused (config hash) and every process exits non-zero.
@@ -18,7 +20,7 @@ use std::time::{Duration, Instant};
 use xdistill_demo::task::{make_splits, write_splits, TaskConfig};
 use xdistill_testkit::models::model;
 use xdistill_testkit::models::token_driven_teacher;
-use xdistill_testkit::{free_port, teacher_binary, trainer_binary, TeacherProcess};
+use xdistill_testkit::{free_port, get_body, teacher_binary, trainer_binary, TeacherProcess};
 
 /// How long a whole job (every rank) may take before its stragglers are killed.
 const JOB_BOUND: Duration = Duration::from_secs(300);
@@ -352,7 +354,6 @@ warmup_steps = 1
 schedule = "cosine"
 max_grad_norm = 1.0
 [policy.data_parallel]
-virtual_shards = 4
 zero = {zero}
 timeout_s = 30
 {teacher}
@@ -413,6 +414,15 @@ fn student(dir: &Path) -> PathBuf {
 fn start_teacher(dir: &Path) -> TeacherProcess {
     let teacher = token_driven_teacher(dir, "llama", "llama2", 1);
     TeacherProcess::start(&teacher_binary(), &teacher, &[]).expect("starting the teacher")
+}
+
+/// The sequences the teacher has scored so far (its `/metrics` counter).
+fn teacher_sequences(t: &TeacherProcess) -> u64 {
+    let name = "xdistill_request_sequences_total";
+    let m = get_body(&format!("{}/metrics", t.base));
+    m.lines()
+        .find_map(|l| l.strip_prefix(name)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{name} not in the teacher's /metrics:\n{m}"))
 }
 
 fn final_bytes(out: &Path) -> Vec<u8> {
@@ -496,8 +506,10 @@ fn copy_dir(from: &Path, to: &Path) {
 // Tests
 // ---------------------------------------------------------------------------------------------
 
-/// 1, 2 and 4 processes (and 2 with ZeRO-1) over 4 virtual shards: the same final model, bit
-/// for bit; one metrics line per step; checkpoints written once, by rank 0 alone.
+/// The shipped `configs/off_policy.toml` at its data-parallel defaults (no `virtual_shards`
+/// anywhere), on 1, 2 and 4 processes (and 2 with ZeRO-1): the same final model, bit for bit;
+/// one metrics line per step; the teacher asked for each sequence once; checkpoints written
+/// once, by rank 0 alone.
 #[test]
 fn off_policy_weights_do_not_depend_on_the_number_of_processes() {
     let t0 = Instant::now();
@@ -505,32 +517,53 @@ fn off_policy_weights_do_not_depend_on_the_number_of_processes() {
     let d = dir.path();
     let (student, data) = (student(d), task_data(d));
     let t = start_teacher(d);
-    let base = Run {
-        student: &student,
-        teacher: Some(&t.base),
-        data: &data,
-        steps: 3,
-        save_period: 2,
-        lr: 1e-2,
-        zero: false,
-        extra: "",
-    };
-    let zero = Run {
-        zero: true,
-        ..base.clone()
-    };
+    let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/off_policy.toml");
+    let text = std::fs::read_to_string(&shipped).unwrap();
+    assert!(
+        !text.contains("data_parallel") && !text.contains("virtual_shards"),
+        "{} sets data-parallel keys: this test is about their defaults",
+        shipped.display()
+    );
     let mut outs = Vec::new();
-    for (name, n, r) in [
-        ("n1", 1, &base),
-        ("n2", 2, &base),
-        ("n4", 4, &base),
-        ("n2_zero", 2, &zero),
+    let mut scored = Vec::new();
+    for (name, n, zero) in [
+        ("n1", 1, false),
+        ("n2", 2, false),
+        ("n4", 4, false),
+        ("n2_zero", 2, true),
     ] {
         let out = d.join(format!("out_{name}"));
-        let cfg = write_config(d, name, &out, r);
-        run(d, name, "off-policy", &cfg, n, &[]);
+        // Paths, the run's length and the test data's fields; a learning rate that makes a
+        // rounding difference show in the weights; nothing about data parallelism but ZeRO.
+        let flags = [
+            format!("--student={}", student.display()),
+            format!("--data={}", data.display()),
+            format!("--output={}", out.display()),
+            format!("--teacher-url={}", t.base),
+            "--max-steps=3".into(),
+            "--set=data.prompt_field=prompt".into(),
+            "--set=data.completion_field=completion".into(),
+            "--set=checkpointing.save_period=2".into(),
+            "--set=distillation.val_at_start=false".into(),
+            "--set=policy.optimizer.lr=1e-2".into(),
+            "--set=policy.optimizer.warmup_steps=1".into(),
+            format!("--set=policy.data_parallel.zero={zero}"),
+        ];
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        let before = teacher_sequences(&t);
+        run(d, name, "off-policy", &shipped, n, &flags);
+        scored.push((name, teacher_sequences(&t) - before));
         assert_eq!(train_steps(&out), vec![1, 2, 3], "{name}: metrics.jsonl");
         outs.push((name, out));
+    }
+    // 3 steps of 8 records (and the validation's) scored once, not once per process.
+    let (_, want) = scored[0];
+    assert!(want >= 24, "n1: the teacher scored {want} sequences");
+    for (name, got) in &scored {
+        assert_eq!(
+            *got, want,
+            "{name}: sequences the teacher scored (n1: {want})"
+        );
     }
     let (_, first) = &outs[0];
     let layout = entries(first);
@@ -546,7 +579,7 @@ fn off_policy_weights_do_not_depend_on_the_number_of_processes() {
         assert_same_model(first, out, &format!("off-policy n1 vs {name}"));
     }
     eprintln!(
-        "off-policy N = 1, 2, 4, 2+ZeRO: {:.1}s",
+        "off-policy N = 1, 2, 4, 2+ZeRO (shipped config): {:.1}s",
         t0.elapsed().as_secs_f64()
     );
 }
