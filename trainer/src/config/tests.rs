@@ -16,6 +16,35 @@ fn write(dir: &Path, text: &str) -> PathBuf {
     p
 }
 
+/// `policy.data_parallel.virtual_shards`: `"auto"` by default (and absent from the serialised
+/// config, so a config without the section keeps its hash), a number, or a clear error.
+#[test]
+fn virtual_shards_takes_auto_or_a_number() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = Config::from_file(&write(dir.path(), MINIMAL)).unwrap();
+    assert_eq!(c.policy.data_parallel.virtual_shards, VirtualShards::Auto);
+    assert!(!c.to_toml_string().unwrap().contains("data_parallel"));
+    for (v, want) in [
+        ("\"auto\"", VirtualShards::Auto),
+        ("0", VirtualShards::Fixed(0)),
+        ("8", VirtualShards::Fixed(8)),
+    ] {
+        let text = format!("{MINIMAL}\n[policy.data_parallel]\nvirtual_shards = {v}\n");
+        let c = Config::from_file(&write(dir.path(), &text)).unwrap();
+        assert_eq!(c.policy.data_parallel.virtual_shards, want, "{v}");
+        // What a rank sends to the rendezvous reads back the same.
+        let again: Config = toml::from_str(&c.to_toml_string().unwrap()).unwrap();
+        assert_eq!(again.policy.data_parallel.virtual_shards, want, "{v}");
+    }
+    for bad in ["\"eight\"", "-1", "true"] {
+        let text = format!("{MINIMAL}\n[policy.data_parallel]\nvirtual_shards = {bad}\n");
+        let e = Config::from_file(&write(dir.path(), &text))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("virtual_shards"), "{bad}: {e}");
+    }
+}
+
 #[test]
 fn activation_checkpointing_takes_a_bool_or_auto() {
     let dir = tempfile::tempdir().unwrap();
