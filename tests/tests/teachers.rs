@@ -146,9 +146,6 @@ fn routed_config(t: &Three, out: &Path, steps: u64, loss: &str, extra: &str) -> 
     cfg.data.teacher_field = Some("domain".into());
     cfg.data.default_teacher = Some("qwen".into());
     cfg.distillation.num_prompts_per_step = 6;
-    // One shard per process: with several shards a step's `teacher/<name>/…` parts hold the last
-    // shard's figures only (`distill::teacher_parts` inserts per shard), which these counts check.
-    cfg.policy.data_parallel.virtual_shards = xdistill_trainer::config::VirtualShards::Fixed(0);
     cfg.distillation.val_at_start = false;
     cfg.distillation.val_at_end = false;
     cfg.validate().unwrap();

@@ -159,7 +159,8 @@ impl GroupLoss<'_> {
             let u = units(items);
             let tokens: usize = items.iter().map(|i| i.teacher_ids().len()).sum();
             let f = TeacherFigures {
-                kd: sums.kd_sum / u.kd.max(1.0),
+                kd_sum: sums.kd_sum,
+                kd_units: u.kd,
                 temperature: loss.temperature,
                 sequences: items.len(),
                 tokens,
@@ -171,17 +172,19 @@ impl GroupLoss<'_> {
     }
 }
 
-/// What one teacher did in a step: its records' mean KD loss, and the sequences and tokens
-/// sent to it.
+/// What one teacher did in one group of a step (a step of several shards has a group per shard):
+/// its records' summed KD loss and units, and the sequences and tokens sent to it.
 pub struct TeacherFigures {
-    pub kd: f64,
+    pub kd_sum: f64,
+    pub kd_units: f64,
     pub temperature: f64,
     pub sequences: usize,
     pub tokens: usize,
 }
 
-/// A teacher's figures of a step in `parts` (`teacher/<name>/kd`, `/kl` with τ² removed,
-/// `/sequences`, `/tokens`), when the run has several teachers.
+/// Adds a teacher's figures of one group to the step's `parts` (`teacher/<name>/kd`, `/kl` with
+/// τ² removed, `/sequences`, `/tokens`), when the run has several teachers. `kd` and `kl` are
+/// sums (with the units beside them) until [`finish_teacher_parts`] makes them the step's means.
 pub fn teacher_parts(
     s: &Setup,
     source: Source,
@@ -189,14 +192,49 @@ pub fn teacher_parts(
     parts: &mut BTreeMap<String, f64>,
 ) {
     if s.teachers.list.len() > 1 {
-        let name = s.teachers.name(source);
-        parts.insert(format!("teacher/{name}/kd"), f.kd);
-        parts.insert(
-            format!("teacher/{name}/kl"),
-            f.kd / (f.temperature * f.temperature),
-        );
-        parts.insert(format!("teacher/{name}/sequences"), f.sequences as f64);
-        parts.insert(format!("teacher/{name}/tokens"), f.tokens as f64);
+        add_teacher_figures(parts, s.teachers.name(source), &f);
+    }
+}
+
+/// [`teacher_parts`] for the teacher called `name`.
+fn add_teacher_figures(parts: &mut BTreeMap<String, f64>, name: &str, f: &TeacherFigures) {
+    let mut add = |key: &str, v: f64| {
+        *parts.entry(format!("teacher/{name}/{key}")).or_insert(0.0) += v;
+    };
+    add("kd", f.kd_sum);
+    add("kl", f.kd_sum / (f.temperature * f.temperature));
+    add(UNITS, f.kd_units);
+    add("sequences", f.sequences as f64);
+    add("tokens", f.tokens as f64);
+}
+
+/// The key of a teacher's KD units while its step's parts are summed.
+const UNITS: &str = "kd_units";
+
+/// Ends a step's per-teacher parts: each teacher's `kd` and `kl` sums over the step's groups
+/// become means over its units (as one group's `kd_sum / units` before shards), and the units go.
+pub fn finish_teacher_parts(parts: &mut BTreeMap<String, f64>) {
+    let suffix = format!("/{UNITS}");
+    let names: Vec<String> = parts
+        .keys()
+        .filter_map(|k| {
+            Some(
+                k.strip_prefix("teacher/")?
+                    .strip_suffix(&suffix)?
+                    .to_string(),
+            )
+        })
+        .collect();
+    for name in names {
+        let units = parts
+            .remove(&format!("teacher/{name}{suffix}"))
+            .unwrap_or(0.0)
+            .max(1.0);
+        for key in ["kd", "kl"] {
+            if let Some(v) = parts.get_mut(&format!("teacher/{name}/{key}")) {
+                *v /= units;
+            }
+        }
     }
 }
 
@@ -306,4 +344,33 @@ pub fn distill_filter(s: &Setup) -> Option<RecordFilter<'_>> {
             s.cfg.policy.max_total_sequence_length
         ),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A teacher's step over two shards: the means weigh each shard by its units (the mean of
+    /// the step's whole sum), the counts add up, and the units do not reach the metrics.
+    #[test]
+    fn a_teachers_parts_over_shards_are_unit_weighted_means_and_sums() {
+        let mut parts = BTreeMap::new();
+        // Shard 1: 4 units, KD sum 2.0 at τ = 2; shard 2: 1 unit, KD sum 1.0.
+        for (kd_sum, kd_units, sequences) in [(2.0, 4.0, 3), (1.0, 1.0, 1)] {
+            let f = TeacherFigures {
+                kd_sum,
+                kd_units,
+                temperature: 2.0,
+                sequences,
+                tokens: 10 * sequences,
+            };
+            add_teacher_figures(&mut parts, "a", &f);
+        }
+        finish_teacher_parts(&mut parts);
+        assert_eq!(parts["teacher/a/kd"], 3.0 / 5.0);
+        assert_eq!(parts["teacher/a/kl"], 0.75 / 5.0);
+        assert_eq!(parts["teacher/a/sequences"], 4.0);
+        assert_eq!(parts["teacher/a/tokens"], 40.0);
+        assert!(!parts.contains_key("teacher/a/kd_units"));
+    }
 }

@@ -7,7 +7,9 @@
 //! checkpoints) is [`runner::run`]; what it shares with `on-policy` ([`Setup`], the record
 //! filter, the group loss, held-out KL) is in [`super::distill`].
 
-use super::distill::{distill_filter, kl_to_teacher, GroupLoss, Setup, Summary};
+use super::distill::{
+    distill_filter, finish_teacher_parts, kl_to_teacher, GroupLoss, Setup, Summary,
+};
 use super::prepare::{prepare, Prepared};
 use super::runner::{
     self, Objective, RecordFilter, RunOptions, StepCtx, StepReport, Steps, ValReport,
@@ -140,6 +142,7 @@ impl Objective for OffPolicy<'_> {
             ce_n,
             kd_scale: sums.kd_scale,
         };
+        finish_teacher_parts(&mut parts);
         let kd_mean = sums.kd_mean(norm);
         parts.insert("kd".to_string(), kd_mean);
         if let Some(ce) = sums.ce_mean() {

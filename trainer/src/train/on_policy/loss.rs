@@ -131,7 +131,8 @@ impl OnPolicy<'_> {
         };
         let u = g.units(s);
         let f = TeacherFigures {
-            kd: sum / u.kd.max(1.0),
+            kd_sum: sum,
+            kd_units: u.kd,
             temperature: loss.temperature,
             sequences,
             tokens,

@@ -26,7 +26,7 @@ mod scoring;
 mod stats;
 mod validation;
 
-use super::distill::{distill_filter, Setup, Summary};
+use super::distill::{distill_filter, finish_teacher_parts, Setup, Summary};
 use super::runner::{
     self, Objective, RecordFilter, RunOptions, StepCtx, StepReport, Steps, ValReport,
 };
@@ -113,6 +113,7 @@ impl Objective for OnPolicy<'_> {
         } else {
             self.off_step(ctx, &step, &mut r)?;
         }
+        finish_teacher_parts(&mut r.loss_parts);
         r.loss_parts.insert("on_policy".into(), on as u8 as f64);
         Ok(r)
     }
