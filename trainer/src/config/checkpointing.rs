@@ -75,29 +75,6 @@ mod keep_top_k {
     }
 
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<usize>, D::Error> {
-        struct V;
-        impl serde::de::Visitor<'_> for V {
-            type Value = Option<usize>;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str(WANT)
-            }
-            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Self::Value, E> {
-                usize::try_from(v)
-                    .map(Some)
-                    .map_err(|_| E::custom(format!("{WANT}, got {v}")))
-            }
-            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Self::Value, E> {
-                u64::try_from(v)
-                    .map_err(|_| E::custom(format!("{WANT}, got {v}")))
-                    .and_then(|v| self.visit_u64(v))
-            }
-            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
-                match v {
-                    "all" => Ok(None),
-                    _ => Err(E::custom(format!("{WANT}, got {v:?}"))),
-                }
-            }
-        }
-        d.deserialize_any(V)
+        super::super::number_or_word(d, "all", WANT)
     }
 }

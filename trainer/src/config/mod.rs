@@ -328,6 +328,43 @@ fn loss_section<'de, D: Deserializer<'de>>(d: D) -> Result<Option<LossConfig>, D
         .map_err(|e: toml::de::Error| serde::de::Error::custom(format!("[loss]: {}", e.message())))
 }
 
+/// A config value that is a whole number or one keyword (`"auto"`, `"all"`): `Some(n)` for a
+/// number, `None` for `word`; anything else is an error that says `want` and what was given.
+fn number_or_word<'de, D: Deserializer<'de>>(
+    d: D,
+    word: &'static str,
+    want: &'static str,
+) -> Result<Option<usize>, D::Error> {
+    struct V {
+        word: &'static str,
+        want: &'static str,
+    }
+    impl serde::de::Visitor<'_> for V {
+        type Value = Option<usize>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str(self.want)
+        }
+        fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Self::Value, E> {
+            usize::try_from(v)
+                .map(Some)
+                .map_err(|_| E::custom(format!("{}, got {v}", self.want)))
+        }
+        fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Self::Value, E> {
+            u64::try_from(v)
+                .map_err(|_| E::custom(format!("{}, got {v}", self.want)))
+                .and_then(|v| self.visit_u64(v))
+        }
+        fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
+            if v == self.word {
+                Ok(None)
+            } else {
+                Err(E::custom(format!("{}, got {v:?}", self.want)))
+            }
+        }
+    }
+    d.deserialize_any(V { word, want })
+}
+
 #[cfg(test)]
 mod teachers_tests;
 #[cfg(test)]

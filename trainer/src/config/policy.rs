@@ -90,32 +90,12 @@ impl Serialize for VirtualShards {
 
 impl<'de> Deserialize<'de> for VirtualShards {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
         const WANT: &str =
             "policy.data_parallel.virtual_shards must be \"auto\" or a whole number (0: one shard per process)";
-        impl serde::de::Visitor<'_> for V {
-            type Value = VirtualShards;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str(WANT)
-            }
-            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Self::Value, E> {
-                usize::try_from(v)
-                    .map(VirtualShards::Fixed)
-                    .map_err(|_| E::custom(format!("{WANT}, got {v}")))
-            }
-            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Self::Value, E> {
-                u64::try_from(v)
-                    .map_err(|_| E::custom(format!("{WANT}, got {v}")))
-                    .and_then(|v| self.visit_u64(v))
-            }
-            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
-                match v {
-                    "auto" => Ok(VirtualShards::Auto),
-                    _ => Err(E::custom(format!("{WANT}, got {v:?}"))),
-                }
-            }
-        }
-        d.deserialize_any(V)
+        Ok(match super::number_or_word(d, "auto", WANT)? {
+            Some(n) => VirtualShards::Fixed(n),
+            None => VirtualShards::Auto,
+        })
     }
 }
 
