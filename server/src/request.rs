@@ -134,6 +134,18 @@ impl ScoreParams {
         }
     }
 
+    /// What the row scorers (host and device) compute for each row of a vocabulary whose
+    /// first `valid` columns are real tokens.
+    pub fn rows(&self, valid: usize) -> xdistill_shared::topk::RowQuery {
+        xdistill_shared::topk::RowQuery {
+            k: self.k,
+            temperature: self.temperature,
+            valid,
+            values: self.values,
+            ranks: self.ranks,
+        }
+    }
+
     /// The native route's parameters: no ranks, no next token.
     pub fn native(k: usize, temperature: f32, values: ValuesKind) -> ScoreParams {
         ScoreParams {

@@ -21,6 +21,7 @@ pub mod model_check;
 pub mod paths;
 pub mod process;
 pub mod protocol;
+pub mod row_scores;
 pub mod simd;
 pub mod topk;
 

@@ -31,6 +31,19 @@ pub struct RowQuery {
     pub ranks: bool,
 }
 
+impl RowQuery {
+    /// Top `k` of the first `valid` columns at `temperature`, as `values`; no ranks.
+    pub fn new(k: usize, temperature: f32, values: ValuesKind, valid: usize) -> RowQuery {
+        RowQuery {
+            k,
+            temperature,
+            valid,
+            values,
+            ranks: false,
+        }
+    }
+}
+
 /// Results for `N` rows.
 pub struct TopkRows {
     /// `[N, k]` u32, by descending value.

@@ -21,13 +21,7 @@ pub(super) fn topk_on_device(
         0 => None,
         m => Some(Tensor::from_slice(cands.ids, (targets.len(), m), dev)?),
     };
-    let q = xdistill_shared::topk::RowQuery {
-        k: p.k,
-        temperature: p.temperature,
-        valid,
-        values: p.values,
-        ranks: p.ranks,
-    };
+    let q = p.rows(valid);
     Ok(Found {
         rows: xdistill_shared::topk::topk_rows(logits, &tg, ct.as_ref(), &q)?,
         m: cands.m,

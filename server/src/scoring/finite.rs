@@ -81,14 +81,10 @@ impl Scorer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::scoring::{score_rows, CandidateRows, RowLayout, ScoreParams};
+    use crate::scoring::{score_rows, CandidateRows, ScoreParams};
     use xdistill_shared::protocol::ValuesKind;
 
     const NONE: CandidateRows<'static> = CandidateRows { ids: &[], m: 0 };
-
-    fn layout(width: usize, valid: usize) -> RowLayout {
-        RowLayout { width, valid }
-    }
 
     /// Non-finite scores are found and blamed on their cause: at τ = 1e-37 the logits ±30
     /// scale to ±3e38 (finite) but their spread to -6e38 (an f32 -inf log-prob); at 1e-45 the
@@ -98,14 +94,14 @@ mod tests {
         let row = vec![30.0f32, -30.0, 0.0];
         let ok = score_rows(
             &row,
-            layout(3, 3),
+            3,
             &[1],
             NONE,
-            &ScoreParams::native(3, 1.0, ValuesKind::Logprobs),
+            &ScoreParams::native(3, 1.0, ValuesKind::Logprobs).rows(3),
         );
         assert_eq!(first_non_finite(&ok), None);
         let p = ScoreParams::native(1, 1e-37, ValuesKind::Logprobs);
-        let s = score_rows(&row, layout(3, 3), &[1], NONE, &p);
+        let s = score_rows(&row, 3, &[1], NONE, &p.rows(3));
         assert!(s.logsumexp[0].is_finite() && s.topk_values[0].is_finite());
         assert_eq!(first_non_finite(&s), Some((0, "target_logprobs")));
         assert_eq!(
@@ -115,19 +111,19 @@ mod tests {
         let p = ScoreParams::native(2, 1e-45, ValuesKind::Logits);
         let s = score_rows(
             &[row.clone(), row.clone()].concat(),
-            layout(3, 3),
+            3,
             &[0, 2],
             NONE,
-            &p,
+            &p.rows(3),
         );
         assert_eq!(first_non_finite(&s), Some((0, "logsumexp")));
         let nan = vec![1.0f32, f32::NAN, 0.0];
         let s = score_rows(
             &nan,
-            layout(3, 3),
+            3,
             &[0],
             NONE,
-            &ScoreParams::native(1, 1.0, ValuesKind::Logprobs),
+            &ScoreParams::native(1, 1.0, ValuesKind::Logprobs).rows(3),
         );
         assert_eq!(first_non_finite(&s).map(|e| e.0), Some(0));
         assert!(non_finite_cause(&nan, 1.0, 0, "logsumexp")

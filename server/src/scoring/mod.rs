@@ -9,7 +9,7 @@
 //!   results are copied back; the default on a GPU);
 //! - on the host, with the LM head fused with scoring (the default on the CPU): the logits of a
 //!   chunk come a vocabulary tile at a time and each tile is folded into the rows' running
-//!   scores ([`RowFolds`]) while in cache; on AVX-512 with an f32 head the head kernel
+//!   scores ([`RowFolds`], `xdistill_shared::row_scores`) while in cache; on AVX-512 with an f32 head the head kernel
 //!   ([`RowFolds::fold_head`]) makes and folds the tiles itself;
 //! - on the host from the full `[c, V]` logits ([`score_rows`]; `--lm-head full`, and requests
 //!   for ranks when the fused head goes through candle).
@@ -21,7 +21,6 @@
 mod device;
 mod error;
 mod finite;
-mod host;
 mod next;
 mod params;
 #[cfg(test)]
@@ -30,9 +29,9 @@ pub(crate) mod tests;
 pub use device::device_topk_fits;
 pub use error::ScoringError;
 pub use finite::{first_non_finite, non_finite_cause};
-pub use host::{rank_of, score_rows, HeadTiming, RowFolds};
 pub use next::choose_next;
-pub use params::{CandidateRows, LmHead, NextToken, RowLayout, ScoreParams, TopkPath};
+pub use params::{CandidateRows, LmHead, NextToken, ScoreParams, TopkPath};
+pub use xdistill_shared::row_scores::{rank_of, score_rows, HeadTiming, RowFolds};
 
 use crate::request::Candidates;
 use candle_core::{DType, Device, Storage, Tensor};
@@ -294,7 +293,8 @@ impl Scorer {
                 return Ok(s);
             }
         }
-        match RowFolds::tiled(self.layout(), q.targets, q.cands, q.params) {
+        let query = q.params.rows(self.valid());
+        match RowFolds::tiled(self.logits_size, q.targets, q.cands, &query) {
             Some(folds) => self.score_fused(decoder, rows, folds, timing),
             None => self.score_full(decoder, rows, q, timing),
         }
@@ -321,7 +321,8 @@ impl Scorer {
         }
         let h = head.dim(1)?;
         let t0 = Instant::now();
-        let mut folds = RowFolds::for_head(self.layout(), q.targets, q.cands, q.params);
+        let query = q.params.rows(self.valid());
+        let mut folds = RowFolds::for_head(self.logits_size, q.targets, q.cands, &query);
         let split = with_host_f32(head, |w| {
             with_host_f32(rows, |x| folds.fold_head(x, &w[..self.logits_size * h], h))
         })??;
@@ -376,17 +377,16 @@ impl Scorer {
         let host = timing.in_phase(Phase::Copy, || host_f32(&logits))?;
         let s = timing.in_phase(Phase::Topk, || {
             with_host_f32(&host, |rows| {
-                score_rows(rows, self.layout(), targets, cands, params)
+                score_rows(
+                    rows,
+                    self.logits_size,
+                    targets,
+                    cands,
+                    &params.rows(self.valid()),
+                )
             })
         })?;
         Ok(s)
-    }
-
-    fn layout(&self) -> RowLayout {
-        RowLayout {
-            width: self.logits_size,
-            valid: self.vocab,
-        }
     }
 
     /// Columns of the logits that are real tokens.

@@ -26,7 +26,8 @@ impl Scorer {
         let scored = timing.in_phase(Phase::Topk, || {
             with_host_f32(&logits, |row| {
                 let token = choose_next(&row[..self.valid()], params.temperature, how);
-                let s = score_rows(row, self.layout(), &[token], cands, params);
+                let q = params.rows(self.valid());
+                let s = score_rows(row, self.logits_size, &[token], cands, &q);
                 (s, token)
             })
         })?;

@@ -1,8 +1,10 @@
 //! What scoring is asked to do: where it runs (`--topk`, `--lm-head`), what a request asks of
-//! every row ([`ScoreParams`], [`NextToken`], defined with the request in [`crate::request`]) and how the rows' logits and candidates are laid
-//! out ([`RowLayout`], [`CandidateRows`]).
+//! every row ([`ScoreParams`], [`NextToken`], defined with the request in [`crate::request`];
+//! as the row scorers read it, `xdistill_shared::topk::RowQuery`) and the rows' candidates
+//! ([`CandidateRows`]).
 
 pub use crate::request::{NextToken, ScoreParams};
+pub use xdistill_shared::row_scores::CandidateRows;
 
 /// Where the scores of logit rows are computed (`--topk`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
@@ -40,28 +42,4 @@ pub enum LmHead {
     Fused,
     /// The `[N, V]` logits of a chunk of positions, then [`super::score_rows`] over them.
     Full,
-}
-
-/// Layout of logit rows: `width` columns, of which the first `valid` are real tokens.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RowLayout {
-    pub width: usize,
-    pub valid: usize,
-}
-
-/// Candidate ids of a run of rows, `[rows, m]` row-major (`m = 0`: none).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct CandidateRows<'a> {
-    pub ids: &'a [u32],
-    pub m: usize,
-}
-
-impl<'a> CandidateRows<'a> {
-    /// Rows `r0..r1` of these candidates.
-    pub fn rows(&self, r0: usize, r1: usize) -> CandidateRows<'a> {
-        CandidateRows {
-            ids: &self.ids[r0 * self.m..r1 * self.m],
-            m: self.m,
-        }
-    }
 }

@@ -49,9 +49,9 @@ fn kth_best_matches_a_sort_and_keeps_the_best_k() {
         rng
     };
     for (k, n) in [(1usize, 1usize), (3, 2), (5, 40), (64, 300), (64, 64)] {
-        let p = ScoreParams::native(k, 1.0, ValuesKind::Logprobs);
+        let p = RowQuery::new(k, 1.0, ValuesKind::Logprobs, 1000);
         let targets = [0u32];
-        let mut f = RowFolds::new(layout(1000, 1000), &targets, NONE, &p);
+        let mut f = RowFolds::new(1000, &targets, NONE, &p);
         let row = &mut f.rows[0];
         let mut all: Vec<(f32, u32)> = Vec::new();
         for round in 0..2 {
@@ -75,10 +75,6 @@ fn kth_best_matches_a_sort_and_keeps_the_best_k() {
             assert_eq!(kept, all[..k], "the best k, ties to the smaller id");
         }
     }
-}
-
-fn layout(width: usize, valid: usize) -> RowLayout {
-    RowLayout { width, valid }
 }
 
 /// Reference in f64 with a full sort (independent of the partial selection above).
@@ -113,8 +109,8 @@ fn matches_f64_reference_and_masks_padding() {
     }
     let targets = [0u32, 7, 289, 100, 5];
     for t in [1.0f32, 0.7, 2.5] {
-        let p = ScoreParams::native(17, t, ValuesKind::Logprobs);
-        let s = score_rows(&logits, layout(width, valid), &targets, NONE, &p);
+        let p = RowQuery::new(17, t, ValuesKind::Logprobs, valid);
+        let s = score_rows(&logits, width, &targets, NONE, &p);
         s.check_shapes().unwrap();
         for r in 0..rows {
             let (all, lse) = reference(&logits[r * width..(r + 1) * width], valid, t as f64);
@@ -133,8 +129,8 @@ fn matches_f64_reference_and_masks_padding() {
 #[test]
 fn logits_mode_and_ties() {
     let row = vec![1.0f32, 3.0, 3.0, -2.0, 3.0];
-    let p = ScoreParams::native(3, 2.0, ValuesKind::Logits);
-    let s = score_rows(&row, layout(5, 5), &[3], NONE, &p);
+    let p = RowQuery::new(3, 2.0, ValuesKind::Logits, 5);
+    let s = score_rows(&row, 5, &[3], NONE, &p);
     // Equal values come in ascending id order.
     assert_eq!(s.topk_ids, vec![1, 2, 4]);
     assert_eq!(s.topk_values, vec![1.5, 1.5, 1.5]);
@@ -154,8 +150,8 @@ fn one_pass_selection_equals_full_sort() {
         *v = (*v * 2.0).round(); // many exact ties
     }
     for k in [1, 64, 300] {
-        let p = ScoreParams::native(k, 1.0, ValuesKind::Logits);
-        let s = score_rows(&logits, layout(width, width), &[0; 4], NONE, &p);
+        let p = RowQuery::new(k, 1.0, ValuesKind::Logits, width);
+        let s = score_rows(&logits, width, &[0; 4], NONE, &p);
         for r in 0..rows {
             let row = &logits[r * width..(r + 1) * width];
             let mut all: Vec<(f32, u32)> = row
@@ -181,20 +177,12 @@ fn bits(s: &SequenceScores) -> Vec<u32> {
 fn simd_levels_agree_bit_for_bit() {
     let (rows, width, valid) = (6, 5000, 4990);
     let logits = pseudo_logits(rows, width);
-    let mut p = ScoreParams::native(17, 0.7, ValuesKind::Logprobs);
+    let mut p = RowQuery::new(17, 0.7, ValuesKind::Logprobs, valid);
     p.ranks = true;
     let targets: Vec<u32> = (0..rows as u32).map(|r| r * 7).collect();
     let cands: Vec<u32> = [3, 4_000, 4_995, 17].repeat(rows);
     let cands = CandidateRows { ids: &cands, m: 4 };
-    let run = |level: Simd| {
-        bits(&score_rows_at(
-            level,
-            &logits,
-            layout(width, valid),
-            (&targets, cands),
-            &p,
-        ))
-    };
+    let run = |level: Simd| bits(&score_rows_at(level, &logits, width, (&targets, cands), &p));
     let base = run(Simd::Baseline);
     for level in [Simd::Avx2, Simd::Avx512] {
         assert!(run(level) == base, "{level:?} differs from the baseline");
@@ -219,10 +207,9 @@ fn tiles_fold_to_the_same_bits_as_whole_rows() {
         (64, 0.6, ValuesKind::Logits),
         (0, 2.0, ValuesKind::Logprobs),
     ] {
-        let p = ScoreParams::native(k, t, values);
-        let whole = score_rows(&logits, layout(width, valid), &targets, cands, &p);
-        let mut folds =
-            RowFolds::tiled(layout(width, valid), &targets, cands, &p).expect("no ranks asked");
+        let p = RowQuery::new(k, t, values, valid);
+        let whole = score_rows(&logits, width, &targets, cands, &p);
+        let mut folds = RowFolds::tiled(width, &targets, cands, &p).expect("no ranks asked");
         for c0 in (0..width).step_by(RowFolds::TILE) {
             let c1 = (c0 + RowFolds::TILE).min(width);
             let tile: Vec<f32> = (0..rows)
@@ -236,23 +223,23 @@ fn tiles_fold_to_the_same_bits_as_whole_rows() {
             assert_eq!(&tiled.ids_row(1)[..2], &[5, 3 * RowFolds::TILE as u32 + 10]);
         }
     }
-    let mut p = ScoreParams::native(8, 1.0, ValuesKind::Logprobs);
+    let mut p = RowQuery::new(8, 1.0, ValuesKind::Logprobs, valid);
     p.ranks = true;
-    assert!(RowFolds::tiled(layout(width, valid), &targets, cands, &p).is_none());
+    assert!(RowFolds::tiled(width, &targets, cands, &p).is_none());
 }
 
-/// Speed figure, not a check: `cargo test --release -p xdistill-server --lib topk_speed --
+/// Speed figure, not a check: `cargo test --release -p xdistill-shared --lib topk_speed --
 /// --ignored --nocapture`.
 #[test]
 #[ignore]
 fn topk_speed() {
     let (rows, width) = (64, 151_936);
     let logits = pseudo_logits(rows, width);
-    let p = ScoreParams::native(64, 1.0, ValuesKind::Logprobs);
+    let p = RowQuery::new(64, 1.0, ValuesKind::Logprobs, 151_669);
     let targets = vec![0u32; rows];
     for _ in 0..3 {
         let t0 = std::time::Instant::now();
-        let s = score_rows(&logits, layout(width, 151_669), &targets, NONE, &p);
+        let s = score_rows(&logits, width, &targets, NONE, &p);
         let dt = t0.elapsed().as_secs_f64();
         println!(
             "{:.2} ms per row, {:.2} ns per logit ({} threads)",
@@ -291,9 +278,9 @@ fn topk_speed() {
                 let s = score_rows_at(
                     level,
                     std::hint::black_box(row),
-                    layout(width, width),
+                    width,
                     (&[0], one),
-                    &p,
+                    &RowQuery { valid: width, ..p },
                 );
                 assert_eq!(s.rows, 1);
             }
@@ -309,12 +296,12 @@ fn topk_speed() {
 #[test]
 fn k_equal_to_vocab_and_zero_rows() {
     let row = vec![0.0f32, 1.0, 2.0];
-    let p = ScoreParams::native(3, 1.0, ValuesKind::Logprobs);
-    let s = score_rows(&row, layout(3, 3), &[0], NONE, &p);
+    let p = RowQuery::new(3, 1.0, ValuesKind::Logprobs, 3);
+    let s = score_rows(&row, 3, &[0], NONE, &p);
     assert_eq!(s.topk_ids, vec![2, 1, 0]);
     let total: f64 = s.topk_values.iter().map(|&v| (v as f64).exp()).sum();
     assert!((total - 1.0).abs() < 1e-6);
-    let e = score_rows(&[], layout(3, 3), &[], NONE, &p);
+    let e = score_rows(&[], 3, &[], NONE, &p);
     assert_eq!(e.rows, 0);
     e.check_shapes().unwrap();
 }
@@ -330,11 +317,11 @@ fn k_zero_candidates_and_ranks() {
     let cands: Vec<u32> = vec![1, 2, 3, 389, 0, 10, 20, 30, 40, 50, 60, 70];
     let c = CandidateRows { ids: &cands, m: 4 };
     for k in [0usize, 1, 50] {
-        let p = ScoreParams {
+        let p = RowQuery {
             ranks: true,
-            ..ScoreParams::native(k, 0.8, ValuesKind::Logprobs)
+            ..RowQuery::new(k, 0.8, ValuesKind::Logprobs, valid)
         };
-        let s = score_rows(&logits, layout(width, valid), &targets, c, &p);
+        let s = score_rows(&logits, width, &targets, c, &p);
         s.check_shapes().unwrap();
         assert_eq!((s.k, s.m, s.target_ranks.len()), (k, 4, rows));
         for r in 0..rows {
@@ -359,15 +346,15 @@ fn ranks_put_ties_last_outside_the_top_k() {
     // Target 3 ties with ids 1 and 2 (value 3.0) but loses the tie order: with k = 1 it is
     // outside the top k, and its rank counts every value >= its own.
     let row = vec![1.0f32, 3.0, 3.0, 3.0, 4.0];
-    let p = ScoreParams {
+    let p = RowQuery {
         ranks: true,
-        ..ScoreParams::native(1, 1.0, ValuesKind::Logprobs)
+        ..RowQuery::new(1, 1.0, ValuesKind::Logprobs, 5)
     };
-    let s = score_rows(&row, layout(5, 5), &[3], NONE, &p);
+    let s = score_rows(&row, 5, &[3], NONE, &p);
     assert_eq!(s.topk_ids, vec![4]);
     assert_eq!(s.target_ranks, vec![4]);
-    let p3 = ScoreParams { k: 4, ..p };
-    let s = score_rows(&row, layout(5, 5), &[3], NONE, &p3);
+    let p3 = RowQuery { k: 4, ..p };
+    let s = score_rows(&row, 5, &[3], NONE, &p3);
     assert_eq!(s.topk_ids, vec![4, 1, 2, 3]);
     assert_eq!(s.target_ranks, vec![4]);
     assert_eq!(rank_of(&row, 4.0), 1);

@@ -13,9 +13,9 @@
 //! vocabulary is folded in [`SEGMENTS`] fixed segments merged in order.
 
 use super::{FoldParams, RowFold, RowFolds};
+use crate::matmul::{self, transpose_panels, GROUP, MR, NP};
 use rayon::prelude::*;
 use std::time::{Duration, Instant};
-use xdistill_shared::matmul::{self, transpose_panels, GROUP, MR, NP};
 
 /// Fixed vocabulary segments, folded independently (in parallel) and merged in order. The first
 /// runs alone, the others in waves seeded by the segments before them (see [`fold_head`]); 16
@@ -382,7 +382,7 @@ unsafe fn fold_tile(
 ) {
     let fp = &s.fp;
     let vn = tile.len() / NP;
-    let [c1, c2, c3, c4, c5] = xdistill_shared::simd::EXP2_COEFFS.map(|c| _mm512_set1_ps(c));
+    let [c1, c2, c3, c4, c5] = crate::simd::EXP2_COEFFS.map(|c| _mm512_set1_ps(c));
     let (one, lo, s2) = (
         _mm512_set1_ps(1.0),
         _mm512_set1_ps(-126.0),

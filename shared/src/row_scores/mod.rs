@@ -1,17 +1,39 @@
-//! The host path: per-position top-k, target log-prob, logsumexp, candidate log-probs and ranks
-//! of logit rows, folded in a vocabulary tile at a time as the fused LM head produces them
-//! ([`RowFolds`]; on AVX-512 the head kernel in [`head`] makes and folds the tiles itself) or
-//! from whole rows ([`score_rows`]).
+//! Scores of logit rows on the host — the teacher's host scoring path: per-position top-k,
+//! target log-prob, logsumexp, candidate log-probs and ranks, folded in a vocabulary tile at a
+//! time as the fused LM head produces them ([`RowFolds`]; on AVX-512 the head kernel in [`head`]
+//! makes and folds the tiles itself) or from whole rows ([`score_rows`]). [`crate::topk`] is
+//! the device path; both answer the same [`RowQuery`].
+//!
+//! It lives here, not in the server, because it is the teacher's hot loop: this crate is
+//! compiled optimised in every profile (the workspace's `[profile.dev.package]`), so the
+//! teachers that tests start score at full speed.
 
 mod head;
 
-use super::params::{CandidateRows, RowLayout, ScoreParams};
+use crate::protocol::{SequenceScores, ValuesKind};
+use crate::simd::{self, Simd};
+use crate::simd_dispatch;
+pub use crate::topk::RowQuery;
 pub use head::HeadTiming;
 use rayon::prelude::*;
 use std::cmp::Ordering;
-use xdistill_shared::protocol::{SequenceScores, ValuesKind};
-use xdistill_shared::simd::{self, Simd};
-use xdistill_shared::simd_dispatch;
+
+/// Candidate ids of a run of rows, `[rows, m]` row-major (`m = 0`: none).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CandidateRows<'a> {
+    pub ids: &'a [u32],
+    pub m: usize,
+}
+
+impl<'a> CandidateRows<'a> {
+    /// Rows `r0..r1` of these candidates.
+    pub fn rows(&self, r0: usize, r1: usize) -> CandidateRows<'a> {
+        CandidateRows {
+            ids: &self.ids[r0 * self.m..r1 * self.m],
+            m: self.m,
+        }
+    }
+}
 
 /// Descending by value, ascending id among equal values (deterministic tie order).
 #[cfg(test)]
@@ -201,7 +223,7 @@ pub fn rank_of(row: &[f32], zt: f32) -> u32 {
 /// the `[rows, V]` logits never need to exist together. Folding a row's columns in tiles of a
 /// multiple of [`BLOCK`] columns gives the same bits as folding the whole row.
 pub struct RowFolds<'a> {
-    params: ScoreParams,
+    params: RowQuery,
     fp: FoldParams,
     valid: usize,
     targets: &'a [u32],
@@ -216,26 +238,27 @@ impl<'a> RowFolds<'a> {
     /// Columns per tile of [`RowFolds::fold`] (the last tile may be shorter): one fold block.
     pub const TILE: usize = BLOCK;
 
-    /// Running scores of `targets.len()` rows, for logits folded in a tile at a time; `None`
+    /// Running scores of `targets.len()` rows of `width` columns (the first `q.valid` real),
+    /// for logits folded in a tile at a time; `None`
     /// when ranks are asked for (a rank counts over the whole row: those rows are scored from
     /// materialised logits by [`score_rows`]).
     pub fn tiled(
-        layout: RowLayout,
+        width: usize,
         targets: &'a [u32],
         cands: CandidateRows<'a>,
-        p: &ScoreParams,
+        p: &RowQuery,
     ) -> Option<RowFolds<'a>> {
-        (!p.ranks).then(|| RowFolds::new(layout, targets, cands, p))
+        (!p.ranks).then(|| RowFolds::new(width, targets, cands, p))
     }
 
     /// Running scores of `targets.len()` rows for [`RowFolds::fold_head`] (ranks included).
     pub fn for_head(
-        layout: RowLayout,
+        width: usize,
         targets: &'a [u32],
         cands: CandidateRows<'a>,
-        p: &ScoreParams,
+        p: &RowQuery,
     ) -> RowFolds<'a> {
-        RowFolds::new(layout, targets, cands, p)
+        RowFolds::new(width, targets, cands, p)
     }
 
     /// Whether this CPU runs [`RowFolds::fold_head`] (AVX-512).
@@ -253,13 +276,13 @@ impl<'a> RowFolds<'a> {
     }
 
     fn new(
-        layout: RowLayout,
+        width: usize,
         targets: &'a [u32],
         cands: CandidateRows<'a>,
-        p: &ScoreParams,
+        p: &RowQuery,
     ) -> RowFolds<'a> {
         debug_assert_eq!(cands.ids.len(), targets.len() * cands.m);
-        let valid = layout.valid.min(layout.width);
+        let valid = p.valid.min(width);
         let k = p.k.min(valid);
         let inv_t = 1.0 / p.temperature as f64;
         let fp = FoldParams {
@@ -416,30 +439,30 @@ impl<'a> RowFolds<'a> {
 }
 
 /// Scores logit rows. `logits`: [rows, width] row-major; `targets`: [rows], the actual next
-/// token of each row; `cands`: [rows, m] candidate ids. `p.k` must be ≤ `layout.valid`.
+/// token of each row; `cands`: [rows, m] candidate ids. `p.k` must be ≤ `p.valid`.
 pub fn score_rows(
     logits: &[f32],
-    layout: RowLayout,
+    width: usize,
     targets: &[u32],
     cands: CandidateRows<'_>,
-    p: &ScoreParams,
+    p: &RowQuery,
 ) -> SequenceScores {
-    score_rows_at(Simd::current(), logits, layout, (targets, cands), p)
+    score_rows_at(Simd::current(), logits, width, (targets, cands), p)
 }
 
 /// [`score_rows`] with the fold at `level`.
 fn score_rows_at(
     level: Simd,
     logits: &[f32],
-    layout: RowLayout,
+    width: usize,
     (targets, cands): (&[u32], CandidateRows<'_>),
-    p: &ScoreParams,
+    p: &RowQuery,
 ) -> SequenceScores {
-    debug_assert_eq!(logits.len(), targets.len() * layout.width);
-    let mut folds = RowFolds::new(layout, targets, cands, p);
+    debug_assert_eq!(logits.len(), targets.len() * width);
+    let mut folds = RowFolds::new(width, targets, cands, p);
     folds.level = level;
-    folds.fold(logits, 0..layout.width);
-    folds.finish_with(Some((logits, layout.width)))
+    folds.fold(logits, 0..width);
+    folds.finish_with(Some((logits, width)))
 }
 
 #[cfg(test)]

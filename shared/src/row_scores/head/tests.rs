@@ -1,19 +1,19 @@
 //! The AVX-512 head kernel against f64 references, and its bits against the chunking.
 
 use super::*;
-use crate::scoring::{CandidateRows, RowLayout, ScoreParams};
-use xdistill_shared::init::lcg_noise as noise;
-use xdistill_shared::protocol::{SequenceScores, ValuesKind};
+use crate::init::lcg_noise as noise;
+use crate::protocol::{SequenceScores, ValuesKind};
+use crate::row_scores::{CandidateRows, RowQuery};
 
 fn kernel(
     hidden: &[f32],
     head: &[f32],
     h: usize,
-    layout: RowLayout,
+    width: usize,
     (targets, cands): (&[u32], CandidateRows<'_>),
-    p: &ScoreParams,
+    p: &RowQuery,
 ) -> SequenceScores {
-    let mut f = RowFolds::for_head(layout, targets, cands, p);
+    let mut f = RowFolds::for_head(width, targets, cands, p);
     f.fold_head(hidden, head, h);
     f.finish()
 }
@@ -56,12 +56,11 @@ fn kernel_matches_f64_reference() {
             (0, 0.7, ValuesKind::Logprobs, false),
             (300, 1.3, ValuesKind::Logits, true),
         ] {
-            let p = ScoreParams {
+            let p = RowQuery {
                 ranks,
-                ..ScoreParams::native(k, t, values)
+                ..RowQuery::new(k, t, values, valid)
             };
-            let lay = RowLayout { width, valid };
-            let s = kernel(&hidden, &head, h, lay, (&targets, cands), &p);
+            let s = kernel(&hidden, &head, h, width, (&targets, cands), &p);
             s.check_shapes().unwrap();
             for r in 0..rows {
                 let what = format!("h {h} rows {rows} k {k} row {r}");
@@ -120,14 +119,10 @@ fn rows_are_independent_of_their_neighbours() {
     let mut hidden = noise(3, rows * h, 2.0);
     let head = noise(4, width * h, 0.5);
     let targets: Vec<u32> = (0..rows).map(|r| (r * 31 % width) as u32).collect();
-    let lay = RowLayout {
-        width,
-        valid: width,
-    };
     let none = CandidateRows { ids: &[], m: 0 };
-    let p = ScoreParams {
+    let p = RowQuery {
         ranks: true,
-        ..ScoreParams::native(9, 0.9, ValuesKind::Logprobs)
+        ..RowQuery::new(9, 0.9, ValuesKind::Logprobs, width)
     };
     // Row r's fields as bits.
     let row_bits = |s: &SequenceScores, r: usize| -> Vec<u32> {
@@ -139,14 +134,14 @@ fn rows_are_independent_of_their_neighbours() {
             .chain([s.target_ranks[r]])
             .collect()
     };
-    let all = kernel(&hidden, &head, h, lay, (&targets, none), &p);
+    let all = kernel(&hidden, &head, h, width, (&targets, none), &p);
     // Thread counts give other waves of segments (other candidates kept on the way).
     for threads in [1, 3, 4] {
         let pool = rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .build()
             .expect("a thread pool");
-        let s = pool.install(|| kernel(&hidden, &head, h, lay, (&targets, none), &p));
+        let s = pool.install(|| kernel(&hidden, &head, h, width, (&targets, none), &p));
         for r in 0..rows {
             assert_eq!(
                 row_bits(&s, r),
@@ -159,7 +154,7 @@ fn rows_are_independent_of_their_neighbours() {
         for c0 in (0..rows).step_by(chunk) {
             let c1 = (c0 + chunk).min(rows);
             let part = &hidden[c0 * h..c1 * h];
-            let s = kernel(part, &head, h, lay, (&targets[c0..c1], none), &p);
+            let s = kernel(part, &head, h, width, (&targets[c0..c1], none), &p);
             for r in c0..c1 {
                 assert_eq!(
                     row_bits(&s, r - c0),
@@ -170,14 +165,14 @@ fn rows_are_independent_of_their_neighbours() {
         }
     }
     hidden[40 * h + 5] = f32::NAN;
-    let s = kernel(&hidden, &head, h, lay, (&targets, none), &p);
+    let s = kernel(&hidden, &head, h, width, (&targets, none), &p);
     for r in 0..rows {
         assert_eq!(s.logsumexp[r].is_nan(), r == 40, "row {r}");
     }
     assert_eq!(s.logsumexp[41].to_bits(), all.logsumexp[41].to_bits());
 }
 
-/// Speed figure, not a check: `cargo test --release -p xdistill-server --lib head_speed --
+/// Speed figure, not a check: `cargo test --release -p xdistill-shared --lib head_speed --
 /// --ignored --nocapture`. The kernel on 256 positions of the Qwen3 vocabulary (best of 5).
 #[test]
 #[ignore]
@@ -188,13 +183,12 @@ fn head_speed() {
         let head = noise(2, width * h, 2.0 / (h as f32).sqrt());
         let targets = vec![5u32; rows];
         let none = CandidateRows { ids: &[], m: 0 };
-        let lay = RowLayout { width, valid };
         for k in [64, 0] {
-            let p = ScoreParams::native(k, 1.0, ValuesKind::Logprobs);
+            let p = RowQuery::new(k, 1.0, ValuesKind::Logprobs, valid);
             let (mut wall, mut fold, mut merge) = (f64::INFINITY, f64::INFINITY, f64::INFINITY);
             for _ in 0..5 {
                 let t0 = Instant::now();
-                let mut f = RowFolds::for_head(lay, &targets, none, &p);
+                let mut f = RowFolds::for_head(width, &targets, none, &p);
                 let t = f.fold_head(&hidden, &head, h);
                 assert_eq!(f.finish().rows, rows);
                 let w = t0.elapsed();
