@@ -51,14 +51,21 @@ fn teacher_on(model: &Path, port: u16) -> Proc {
 }
 
 /// `docker/haproxy.cfg` with its front port and its upstreams moved to loopback.
-fn haproxy_config(front: u16, replicas: &[u16]) -> String {
+fn haproxy_config(front: u16, replicas: &[u16], stats: &Path) -> String {
     let path = xdistill_testkit::repo_root().join("docker/haproxy.cfg");
     let text = std::fs::read_to_string(path).unwrap();
     assert!(text.contains("bind :8000") && text.contains("server-template teacher"));
+    assert!(text.lines().any(|l| l == "global"));
     text.lines()
         .map(|l| {
             let t = l.trim_start();
-            if t == "bind :8000" {
+            if l == "global" {
+                // A stats socket, so that the test can wait for the health checks' verdicts.
+                format!(
+                    "global\n    stats socket {} mode 600 level user",
+                    stats.display()
+                )
+            } else if t == "bind :8000" {
                 format!("    bind 127.0.0.1:{front}")
             } else if t.starts_with("server-template teacher") {
                 replicas
@@ -128,10 +135,13 @@ fn check_config(file: &Path) {
 
 /// HAProxy running `docker/haproxy.cfg` (moved to loopback) in front of `replicas`, checked by
 /// `haproxy -c` and started; returns it and its base URL once it answers `/health`.
+/// HAProxy on a free port in front of `replicas`, returned once its health checks have marked
+/// every replica up (a rise of 2 checks, 1 s apart), with the frontend's base URL.
 fn start_balancer(work: &Path, replicas: &[u16]) -> (Proc, String) {
     let front = free_port();
     let cfg = work.join("haproxy.cfg");
-    std::fs::write(&cfg, haproxy_config(front, replicas)).unwrap();
+    let stats = work.join("haproxy.sock");
+    std::fs::write(&cfg, haproxy_config(front, replicas, &stats)).unwrap();
     check_config(&cfg);
     let lb = Proc(
         Command::new(haproxy())
@@ -144,10 +154,43 @@ fn start_balancer(work: &Path, replicas: &[u16]) -> (Proc, String) {
             .expect("spawn haproxy"),
     );
     let base = format!("http://127.0.0.1:{front}");
-    wait_for("balancer up", Duration::from_secs(30), || {
-        get_status(&format!("{base}/health")).ok() == Some(200)
+    wait_for("every replica marked up", Duration::from_secs(30), || {
+        replicas_up(&stats) == replicas.len()
     });
+    assert_eq!(get_status(&format!("{base}/health")).ok(), Some(200));
     (lb, base)
+}
+
+/// Replicas of the `teachers` backend that HAProxy's health checks mark UP, from `show stat`
+/// on its stats socket (CSV; 0 while the socket is not there yet).
+fn replicas_up(stats: &Path) -> usize {
+    use std::io::{Read, Write};
+    let Ok(mut s) = std::os::unix::net::UnixStream::connect(stats) else {
+        return 0;
+    };
+    let mut csv = String::new();
+    if s.write_all(b"show stat\n").is_err() || s.read_to_string(&mut csv).is_err() {
+        return 0;
+    }
+    let mut lines = csv.lines();
+    let header: Vec<&str> = lines
+        .next()
+        .unwrap_or_default()
+        .trim_start_matches("# ")
+        .split(',')
+        .collect();
+    let col = |name: &str| header.iter().position(|&h| h == name);
+    let (Some(px), Some(sv), Some(status)) = (col("pxname"), col("svname"), col("status")) else {
+        return 0;
+    };
+    lines
+        .map(|l| l.split(',').collect::<Vec<_>>())
+        .filter(|f| {
+            f.get(px) == Some(&"teachers")
+                && f.get(sv).is_some_and(|s| s.starts_with("teacher"))
+                && f.get(status) == Some(&"UP")
+        })
+        .count()
 }
 
 /// (cache hits, cache misses) of one replica.
@@ -236,8 +279,6 @@ async fn replicas_behind_haproxy_affinity_failover_restart() {
         },
     )
     .unwrap();
-    // Every replica marked up by the health checks (rise 2 × 1 s).
-    tokio::time::sleep(Duration::from_millis(2500)).await;
 
     // 2. Affinity: 6 different requests, each sent 3 times. Each is computed once (one miss),
     // its repeats answered by the same replica's cache.
@@ -394,7 +435,6 @@ fn two_trainers_finish_through_a_replica_kill_with_identical_weights() {
         .map(|&p| Some(teacher_on(&teacher, p)))
         .collect();
     let (_lb, base) = start_balancer(w, &ports);
-    std::thread::sleep(Duration::from_millis(2500)); // every replica marked up
     let cfgs = configs(&base, "balanced");
     // The cross-tokenizer run sets up longer (the teacher's tokenizer, the projection): start it
     // first, the other once it is stepping, so the kill finds both in the middle of their runs.
