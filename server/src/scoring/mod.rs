@@ -9,8 +9,8 @@
 //!   results are copied back; the default on a GPU);
 //! - on the host, with the LM head fused with scoring (the default on the CPU): the logits of a
 //!   chunk come a vocabulary tile at a time and each tile is folded into the rows' running
-//!   scores ([`RowFolds`], `xdistill_shared::row_scores`) while in cache; on AVX-512 with an f32 head the head kernel
-//!   ([`RowFolds::fold_head`]) makes and folds the tiles itself;
+//!   scores ([`RowFolds`], from `xdistill_shared::row_scores`) while in cache; on AVX-512 with
+//!   an f32 head the head kernel ([`RowFolds::fold_head`]) makes and folds the tiles itself;
 //! - on the host from the full `[c, V]` logits ([`score_rows`]; `--lm-head full`, and requests
 //!   for ranks when the fused head goes through candle).
 //!
