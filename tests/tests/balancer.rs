@@ -134,9 +134,8 @@ fn check_config(file: &Path) {
 }
 
 /// HAProxy running `docker/haproxy.cfg` (moved to loopback) in front of `replicas`, checked by
-/// `haproxy -c` and started; returns it and its base URL once it answers `/health`.
-/// HAProxy on a free port in front of `replicas`, returned once its health checks have marked
-/// every replica up (a rise of 2 checks, 1 s apart), with the frontend's base URL.
+/// `haproxy -c` and started; returns it and its base URL once its health checks have marked
+/// every replica up (a rise of 2 checks, 1 s apart) and it answers `/health`.
 fn start_balancer(work: &Path, replicas: &[u16]) -> (Proc, String) {
     let front = free_port();
     let cfg = work.join("haproxy.cfg");
