@@ -13,6 +13,7 @@
 #
 #   scripts/build-cuda.sh            # download (once), unpack (once), build
 #   scripts/build-cuda.sh --toolkit  # only prepare the toolkit, print the env to use it
+# cuDNN's headers (for the fused-attention shim in kernels/cudnn) come from PyPI too.
 #   scripts/build-cuda.sh --bundle   # build, plus the CUDA test executables, and pack what
 #                                    # scripts/gpu-check.sh needs into target/cuda/gpu-bundle
 #                                    # (stripped, xz-packed: small enough to carry to a GPU machine)
@@ -25,6 +26,9 @@ pkgs=(nvidia-cuda-nvcc==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-crt==13.0.88
       nvidia-cuda-runtime==13.0.96 nvidia-cuda-nvrtc==13.0.88 nvidia-curand==10.4.5.25
       nvidia-cuda-cccl==13.0.85 nvidia-cublas==13.0.2.14)
 nccl_pkg=nvidia-nccl-cu13==2.30.7
+# cuDNN's headers for the fused-attention shim (kernels/cudnn): the header-only graph frontend and
+# cuDNN's own headers. cuDNN itself is loaded at run time from the GPU machine's PyTorch packages.
+cudnn_pkgs=(nvidia-cudnn-frontend==1.32.0 nvidia-cudnn-cu13==9.27.0.42)
 
 if [ ! -x "$tk/nvidia/cu13/bin/nvcc" ]; then
   mkdir -p "$wheels"
@@ -47,6 +51,15 @@ if [ ! -e "$ncclib/libnccl.so.2" ]; then
 fi
 [ -e "$ncclib/libnccl.so.2" ] || { echo "libnccl.so.2 missing under $ncclib" >&2; exit 1; }
 ln -sfn "$ncclib/libnccl.so.2" "$home/lib/libnccl.so.2"
+cudnn_inc="$cuda/cudnn"
+if [ ! -f "$cudnn_inc/fe/include/cudnn_frontend.h" ] || [ ! -f "$cudnn_inc/cd/nvidia/cudnn/include/cudnn.h" ]; then
+  mkdir -p "$wheels" "$cudnn_inc"
+  echo "fetching cuDNN's headers (${cudnn_pkgs[*]}, ~550 MB, once)" >&2
+  python3 -m pip download -q --no-deps -d "$wheels" "${cudnn_pkgs[@]}"
+  unzip -q -o "$wheels"/nvidia_cudnn_frontend-"${cudnn_pkgs[0]##*==}"-*.whl 'include/*' -d "$cudnn_inc/fe"
+  unzip -q -o "$wheels"/nvidia_cudnn_cu13-"${cudnn_pkgs[1]##*==}"-*.whl 'nvidia/cudnn/include/*' -d "$cudnn_inc/cd"
+fi
+export XDISTILL_CUDNN_INCLUDE="$cudnn_inc/fe/include:$cudnn_inc/cd/nvidia/cudnn/include"
 # The wheels ship no driver (libcuda.so.1 comes with the NVIDIA driver), so link against a stub:
 # a tiny library exporting every driver entry point cudarc declares, with the driver's soname.
 # At run time the real libcuda.so.1 of the GPU machine is loaded instead.
@@ -72,7 +85,7 @@ export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-90}"
 export CUDARC_CUDA_VERSION="${CUDARC_CUDA_VERSION:-13000}"
 if [ "${1:-}" = "--toolkit" ]; then
   nvcc --version | tail -n 2
-  echo "export CUDA_HOME=$home PATH=$home/bin:\$PATH LIBRARY_PATH=$home/lib:$home/lib/stubs CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP CUDARC_CUDA_VERSION=$CUDARC_CUDA_VERSION"
+  echo "export CUDA_HOME=$home PATH=$home/bin:\$PATH LIBRARY_PATH=$home/lib:$home/lib/stubs CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP CUDARC_CUDA_VERSION=$CUDARC_CUDA_VERSION XDISTILL_CUDNN_INCLUDE=$XDISTILL_CUDNN_INCLUDE"
   exit 0
 fi
 cd "$root"

@@ -6,7 +6,8 @@
 #
 #   scripts/gpu-check.sh [BUNDLE]        # figures and logs go to $OUT (or runs/gpu-check)
 #
-# 1. the decoder model tests on the GPU (f32);
+# 1. the decoder model tests on the GPU (f32); 1b. cuDNN's fused attention (bf16, f16) against an
+#    f64 reference and decoders through it against the eager attention;
 # 2. the teacher's device top-k path on the GPU against the f64 CPU reference and the host path;
 # 2b. the NCCL collectives in a world of one (`trainer nccl-check`);
 # 3. a random model of Qwen3-0.6B's shape (Qwen3 vocabulary): teacher (cuda, bf16) scored
@@ -16,12 +17,18 @@
 # 6. exact full-vocabulary transport (issue 32): `bench/full_vocab.py --device cuda`.
 # 3t. teacher speed (issue 46): random models of Qwen3-0.6B's and Qwen3-1.7B's shapes, ours
 #    through HTTP (MessagePack, 4 clients) in the batch-invariant mode (the default) and the
-#    padded one (`--batch-invariant false`) against transformers (SDPA) + torch.topk
+#    padded one (`--batch-invariant false`), with cuDNN's attention and the eager one
+#    (`SPEED_RUNS`, default "true:cudnn true:eager false:cudnn") against transformers (SDPA) + torch.topk
 #    in-process, at 8 x 512, 4 x 2048 and 1 x 8192, k = 64, bf16, with the server's phase
 #    breakdown (forward, LM head, top-k, copy, encoding; synchronised). Not in the default run
-#    (it is long): STEPS="3t".
+#    (it is long): STEPS="3t". SPEED_MODELS="qwen3-0.6b" measures one of the two shapes. It
+#    runs before step 3 and leaves its Qwen3-0.6B model to steps 3 and 4.
+# p. kernels per teacher forward and per student step (issues 46, 47): `ncu` on a 4-layer model of
+#    Qwen3-0.6B's shape (the kernel mix per layer is the full model's), every launch timed,
+#    summed per kernel by bench/ncu_kernels.py. Not in the default run: STEPS="p".
 #
-# STEPS="1 2 6" runs only those steps (default: all; 4 needs 3's model). Each step has a time
+# STEPS="1 2 6" runs only those steps (default: all but 3t and p); STEP_SHAPES="4x512" and
+# STEP_STEPS=5 shorten step 4. Each step has a time
 # limit, so that one hung step leaves the others their time on a lent machine.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -70,7 +77,8 @@ try:
 except ImportError:
     pass
 want = ["libcudart.so.13", "libcublas.so.13", "libcublasLt.so.13", "libcurand.so.10", "libnvrtc.so.13",
-        "libnccl.so.2"]  # NCCL: the trainer is built with the `nccl` feature
+        "libnccl.so.2",  # NCCL: the trainer is built with the `nccl` feature
+        "libcudnn.so.9"]  # loaded at run time by the fused attention (kernels/cudnn)
 dirs = []
 for w in want:
     for r in roots:
@@ -96,6 +104,9 @@ export XDISTILL_TEACHER_BIN="$work/teacher" RUST_BACKTRACE=1
 if want 1; then
 step "1. decoder model tests on the GPU"
 check timeout 300 env XDISTILL_TEST_DEVICE=cuda "$work/test-shared" model:: --test-threads=1
+step "1b. cuDNN's fused attention: against an f64 reference, and decoders through it vs eager"
+check timeout 300 env XDISTILL_TEST_DEVICE=cuda RUST_LOG=info "$work/test-shared" cudnn_attention:: \
+  --test-threads=1 --nocapture
 fi
 if want 2; then
 step "2. device top-k path: GPU vs the f64 CPU reference and the CPU host path"
@@ -107,14 +118,64 @@ step "2b. NCCL collectives, world of one (trainer nccl-check: exact sums' bits, 
 check timeout 120 "$work/trainer" nccl-check
 fi
 
+if [[ " ${STEPS:-} " == *" 3t "* ]]; then
+step "3t. teacher speed: ours (HTTP) vs transformers (SDPA) + torch.topk, invariant and padded"
+# name hidden layers heads kv-heads intermediate
+for spec in "qwen3-0.6b 1024 28 16 8 3072" "qwen3-1.7b 2048 28 16 8 6144"; do
+  set -- $spec
+  name=$1
+  [[ " ${SPEED_MODELS:-qwen3-0.6b qwen3-1.7b} " == *" $name "* ]] || continue
+  model="$work/$name-speed"
+  check "$work/trainer" init-model --arch qwen3 --tokenizer "$work/tokenizers/qwen3/tokenizer.json" \
+    --hidden-size "$2" --layers "$3" --heads "$4" --kv-heads "$5" --head-dim 128 \
+    --intermediate-size "$6" --tie-embeddings --pad-vocab-to 64 --max-position-embeddings 16384 \
+    --seed 1 --out "$model"
+  # mode:attention: the invariant mode with cuDNN's attention (the default) and with the eager
+  # one (before cuDNN), and the padded mode with cuDNN's.
+  runs=${SPEED_RUNS:-true:cudnn true:eager false:cudnn}
+  first_run=${runs%% *}
+  for run in $runs; do
+    invariant=${run%%:*} attention=${run##*:}
+    port=18124
+    XDISTILL_ATTENTION=$attention "$work/teacher" --model "$model" --device cuda --dtype bf16 \
+      --port $port --cache-bytes 0 \
+      --batch-invariant "$invariant" --max-batch-tokens 16384 --max-queue-tokens 1048576 \
+      > "$out/teacher-$name-$invariant-$attention.log" 2>&1 &
+    tpid=$!
+    for _ in $(seq 600); do
+      "$py" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=1)" \
+        2>/dev/null && break
+      kill -0 $tpid 2>/dev/null || break
+      sleep 0.5
+    done
+    grep -E "attention" "$out/teacher-$name-$invariant-$attention.log" | head -n 2
+    # PyTorch's side does not depend on our mode: measured once, beside the first run.
+    torch_flag="--no-torch"; [ "$run" = "$first_run" ] && torch_flag=""
+    for shape in "8 512 16" "4 2048 8" "1 8192 6"; do
+      set -- $shape
+      # One sequence runs alone in both modes: the padded mode's figure would repeat the other.
+      [ "$invariant" = false ] && [ "$1" = 1 ] && continue
+      check timeout 150 env PYTHONUNBUFFERED=1 "$py" bench/gpu_teacher.py --model "$model" \
+        --url "http://127.0.0.1:$port" --batch "$1" --seq-len "$2" --k 64 --requests "$3" \
+        --clients 4 --dtype bf16 --label "$name invariant=$invariant attention=$attention" $torch_flag
+    done
+    kill -TERM $tpid; wait $tpid
+  done
+  # Step 4 trains a student of Qwen3-0.6B's shape: it takes this one.
+  if [ "$name" = qwen3-0.6b ]; then mv "$model" "$work/qwen3-0.6b-random"; else rm -rf "$model"; fi
+done
+fi
+
 if want 3 || want 4; then
 step "3. a random model of Qwen3-0.6B's shape"
 model="$work/qwen3-0.6b-random"
-check "$work/trainer" init-model --arch qwen3 --tokenizer "$work/tokenizers/qwen3/tokenizer.json" \
+# Step 3t, when it ran first, left this model behind (the same shape and weights).
+[ -d "$model" ] || check "$work/trainer" init-model --arch qwen3 --tokenizer "$work/tokenizers/qwen3/tokenizer.json" \
   --hidden-size 1024 --layers 28 --heads 16 --kv-heads 8 --head-dim 128 --intermediate-size 3072 \
   --tie-embeddings --pad-vocab-to 64 --max-position-embeddings 4096 --seed 1 --out "$model"
 "$py" -c "import json; c = json.load(open('$model/config.json')); print({k: c[k] for k in ('vocab_size', 'hidden_size', 'num_hidden_layers', 'head_dim', 'tie_word_embeddings')})"
 
+if want 3; then
 step "   teacher (cuda, bf16, device top-k) vs transformers + torch.topk, k = 64"
 port=18123
 "$work/teacher" --model "$model" --device cuda --dtype bf16 --port $port --cache-bytes 0 \
@@ -129,58 +190,69 @@ done
 curl -s "http://127.0.0.1:$port/v1/info" | head -c 600; echo
 for shape in "8 512" "4 2048"; do
   set -- $shape
-  want 3 && check timeout 180 env PYTHONUNBUFFERED=1 "$py" bench/gpu_teacher.py --model "$model" --url "http://127.0.0.1:$port" \
+  check timeout 180 env PYTHONUNBUFFERED=1 "$py" bench/gpu_teacher.py --model "$model" --url "http://127.0.0.1:$port" \
     --batch "$1" --seq-len "$2" --k 64 --requests 24 --clients 4 --dtype bf16
 done
 kill -TERM $tpid; wait $tpid
 tail -n 5 "$out/teacher.log"
 fi
-
-if [[ " ${STEPS:-} " == *" 3t "* ]]; then
-step "3t. teacher speed: ours (HTTP) vs transformers (SDPA) + torch.topk, invariant and padded"
-# name hidden layers heads kv-heads intermediate
-for spec in "qwen3-0.6b 1024 28 16 8 3072" "qwen3-1.7b 2048 28 16 8 6144"; do
-  set -- $spec
-  name=$1
-  model="$work/$name-speed"
-  check "$work/trainer" init-model --arch qwen3 --tokenizer "$work/tokenizers/qwen3/tokenizer.json" \
-    --hidden-size "$2" --layers "$3" --heads "$4" --kv-heads "$5" --head-dim 128 \
-    --intermediate-size "$6" --tie-embeddings --pad-vocab-to 64 --max-position-embeddings 16384 \
-    --seed 1 --out "$model"
-  for invariant in true false; do
-    port=18124
-    "$work/teacher" --model "$model" --device cuda --dtype bf16 --port $port --cache-bytes 0 \
-      --batch-invariant "$invariant" --max-batch-tokens 16384 --max-queue-tokens 1048576 \
-      > "$out/teacher-$name-$invariant.log" 2>&1 &
-    tpid=$!
-    for _ in $(seq 600); do
-      "$py" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=1)" \
-        2>/dev/null && break
-      kill -0 $tpid 2>/dev/null || break
-      sleep 0.5
-    done
-    # PyTorch's side does not depend on our mode: measured once, beside the invariant mode.
-    torch_flag=""; [ "$invariant" = false ] && torch_flag="--no-torch"
-    for shape in "8 512 16" "4 2048 8" "1 8192 6"; do
-      set -- $shape
-      check timeout 150 env PYTHONUNBUFFERED=1 "$py" bench/gpu_teacher.py --model "$model" \
-        --url "http://127.0.0.1:$port" --batch "$1" --seq-len "$2" --k 64 --requests "$3" \
-        --clients 4 --dtype bf16 --label "$name invariant=$invariant" $torch_flag
-    done
-    kill -TERM $tpid; wait $tpid
-  done
-  rm -rf "$model"
-done
 fi
+
 
 if want 4; then
 step "4. student step: ours (cuda, bf16 compute, f32 masters) vs PyTorch eager (autocast bf16)"
-for shape in "4 512" "8 1024"; do
-  set -- $shape
-  check timeout 180 "$work/trainer" bench-step --model "$model" --device cuda --dtype bf16 --batch "$1" \
-    --seq-len "$2" --k 64 --steps 10 --write-batch "$work/batch.safetensors"
-  check timeout 180 env PYTHONUNBUFFERED=1 "$py" bench/torch_step.py "$model" "$work/batch.safetensors" 10 16 cuda bf16
+# Checkpointing: `auto` (what training does) and `off` (everything kept, as PyTorch eager does):
+# auto checkpoints at both shapes today (issue 47 item 6), at the price of one more forward.
+for shape in ${STEP_SHAPES:-4x512 8x1024}; do
+  set -- ${shape/x/ }
+  for ckpt in auto off; do
+    check timeout 180 "$work/trainer" bench-step --model "$model" --device cuda --dtype bf16 --batch "$1" \
+      --seq-len "$2" --k 64 --steps "${STEP_STEPS:-10}" --activation-checkpointing "$ckpt" \
+      --write-batch "$work/batch.safetensors"
+  done
+  check timeout 180 env PYTHONUNBUFFERED=1 "$py" bench/torch_step.py "$model" "$work/batch.safetensors" "${STEP_STEPS:-10}" 16 cuda bf16
 done
+fi
+
+if want p; then
+step "p. kernels per teacher forward and per student step (ncu, 4 layers of Qwen3-0.6B's shape)"
+ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
+small="$work/qwen3-0.6b-4layers"
+check "$work/trainer" init-model --arch qwen3 --tokenizer "$work/tokenizers/qwen3/tokenizer.json" \
+  --hidden-size 1024 --layers 4 --heads 16 --kv-heads 8 --head-dim 128 --intermediate-size 3072 \
+  --tie-embeddings --pad-vocab-to 64 --max-position-embeddings 4096 --seed 1 --out "$small"
+if [ -n "$ncu" ]; then
+  # Every launch timed (one metric, one pass each); clocks left alone (--clock-control none).
+  prof() { local name=$1; shift; timeout 240 "$ncu" --clock-control none --metrics gpu__time_duration.sum \
+    --csv --log-file "$out/ncu-$name.csv" "$@" > "$out/ncu-$name.out" 2>&1; }
+  # Student: one warm-up and one timed step at 4 x 512, checkpointing as training chooses.
+  check prof step "$work/trainer" bench-step --model "$small" --device cuda --dtype bf16 --batch 4 \
+    --seq-len 512 --k 64 --steps 1
+  tail -n 3 "$out/ncu-step.out"
+  check "$py" bench/ncu_kernels.py "$out/ncu-step.csv" --per 2 --label "student step (4 layers, 4 x 512)"
+  # Teacher: the start-up probe, then one warm-up and one request of 1 x 512 (invariant mode),
+  # with the eager attention and with cuDNN's.
+  for att in eager cudnn; do
+    port=18125
+    XDISTILL_ATTENTION=$att prof "teacher-$att" "$work/teacher" --model "$small" --device cuda \
+      --dtype bf16 --port $port --cache-bytes 0 --max-batch-tokens 8192 &
+    ppid=$!
+    for _ in $(seq 600); do
+      "$py" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=1)" \
+        2>/dev/null && break
+      kill -0 $ppid 2>/dev/null || break
+      sleep 0.5
+    done
+    check timeout 120 env PYTHONUNBUFFERED=1 "$py" bench/gpu_teacher.py --model "$small" \
+      --url "http://127.0.0.1:$port" --batch 1 --seq-len 512 --k 64 --requests 1 --clients 1 --no-torch
+    pkill -TERM -f "^$work/teacher --model $small" ; wait  # the teacher, not ncu: ncu then writes
+    tail -n 3 "$out/ncu-teacher-$att.out"
+    check "$py" bench/ncu_kernels.py "$out/ncu-teacher-$att.csv" \
+      --label "teacher ($att attention): probe + 2 requests of 1 x 512 (4 layers)"
+  done
+else
+  echo "skipped: no ncu on this machine"
+fi
 fi
 
 if want 5; then

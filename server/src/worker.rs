@@ -111,6 +111,7 @@ pub fn spawn(
                 },
                 chunk_rows = scorer.chunk_rows,
                 batch_invariant = cfg.batch_invariant,
+                attention = ?decoder.attention(),
                 "scoring path"
             );
             let worker = Worker {

@@ -1,7 +1,10 @@
 //! The integration tests of `xdistill-shared`, one binary (one link): GGUF files, model loading
-//! and decoders against references, the training pass, and the decoders fuzzed. Each file is a
-//! module; `cargo nextest run -E 'test(/^gguf::/)'` runs one.
+//! and decoders against references, the training pass, the decoders fuzzed, and (CUDA builds)
+//! cuDNN's fused attention. Each file is a module; `cargo nextest run -E 'test(/^gguf::/)'` runs
+//! one.
 
+#[cfg(feature = "cuda")]
+mod cudnn_attention;
 mod decode_fuzz;
 mod gguf;
 mod model;

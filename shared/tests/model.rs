@@ -10,7 +10,7 @@ use xdistill_shared::model::{param_specs, Decoder, Init, KvCache, Ops};
 /// `cpu` unless `XDISTILL_TEST_DEVICE` names another (`cuda`, `cuda:N`: the GPU check runs these
 /// tests there with a CUDA build).
 /// Opened once: two opens of a GPU are two candle devices whose tensors do not mix.
-fn dev() -> Device {
+pub(crate) fn dev() -> Device {
     static DEV: std::sync::OnceLock<Device> = std::sync::OnceLock::new();
     DEV.get_or_init(|| {
         let name = std::env::var("XDISTILL_TEST_DEVICE").unwrap_or_else(|_| "cpu".into());
@@ -29,18 +29,21 @@ fn config(model_type: &str) -> ModelConfig {
     .unwrap()
 }
 
+/// [`config`] of `model_type` with the keys of `extra` set (validated).
+pub(crate) fn config_with(model_type: &str, extra: serde_json::Value) -> ModelConfig {
+    let mut v = serde_json::to_value(config(model_type)).unwrap();
+    for (k, x) in extra.as_object().unwrap() {
+        v[k] = x.clone();
+    }
+    let cfg: ModelConfig = serde_json::from_value(v).unwrap();
+    cfg.validate().unwrap();
+    cfg
+}
+
 /// Every architecture, each with its features switched on: windows shorter than [`SEQ`],
 /// Gemma's local/global layers, Phi-3's partial rotary, Qwen3-MoE's experts with a dense layer.
 fn arch_configs() -> Vec<(&'static str, ModelConfig)> {
-    let with = |model_type: &str, extra: serde_json::Value| {
-        let mut v = serde_json::to_value(config(model_type)).unwrap();
-        for (k, x) in extra.as_object().unwrap() {
-            v[k] = x.clone();
-        }
-        let cfg: ModelConfig = serde_json::from_value(v).unwrap();
-        cfg.validate().unwrap();
-        cfg
-    };
+    let with = config_with;
     vec![
         ("qwen3", config("qwen3")),
         ("qwen2", config("qwen2")),
@@ -95,7 +98,7 @@ fn arch_configs() -> Vec<(&'static str, ModelConfig)> {
 }
 
 /// Deterministic pseudo-random parameters (a simple LCG; no RNG crate needed).
-fn params(cfg: &ModelConfig) -> HashMap<String, Tensor> {
+pub(crate) fn params(cfg: &ModelConfig) -> HashMap<String, Tensor> {
     let mut state = 12345u64;
     let mut next = move || {
         state = state

@@ -7,7 +7,7 @@
 //! (real tokens never attend to later pads), or pass `key_valid` for left-padded batches.
 
 use super::config::{stored_name, Arch, LayerKind, ModelConfig};
-use super::layers::{Attention, AttnInputs, GatedMlp, Norm, Ops, SparseMoe};
+use super::layers::{Attention, AttnBackend, AttnInputs, GatedMlp, Norm, Ops, SparseMoe};
 use super::rope::Rope;
 use candle_core::quantized::QTensor;
 use candle_core::{DType, Device, Result, Tensor};
@@ -119,6 +119,8 @@ pub struct Decoder {
     pub(super) cfg: ModelConfig,
     pub(super) arch: Arch,
     pub(super) ops: Ops,
+    /// The attention kernel at inference ([`AttnBackend::from_env`] unless set).
+    pub(super) attn: AttnBackend,
     pub(super) w: Weights,
     /// Gemma: the embedding is multiplied by √hidden (rounded to the model dtype).
     pub(super) embed_scale: Option<f64>,
@@ -193,6 +195,7 @@ impl Decoder {
             cfg: cfg.clone(),
             arch,
             ops,
+            attn: AttnBackend::from_env(),
             w,
             embed_scale,
             rope_full,
@@ -217,6 +220,15 @@ impl Decoder {
     }
     pub fn ops(&self) -> Ops {
         self.ops
+    }
+    /// The attention kernel of inference (fused ops).
+    pub fn attention(&self) -> AttnBackend {
+        self.attn
+    }
+    /// Chooses the attention kernel of inference; [`AttnBackend::Cudnn`] falls back to the eager
+    /// path wherever it does not apply.
+    pub fn set_attention(&mut self, backend: AttnBackend) {
+        self.attn = backend;
     }
     /// Runs the linear layers named in `quantized` (weight names as transformers spells them,
     /// `model.layers.N.self_attn.q_proj.weight` → `[out, in]` in a block format) with candle's
@@ -320,6 +332,8 @@ impl Decoder {
                 cos,
                 sin,
                 mask,
+                plain: key_valid.is_none(),
+                backend: self.attn,
                 ops: self.ops,
             };
             let residual = x.clone();

@@ -304,6 +304,32 @@ pub(crate) struct Attention {
     pub window: Option<usize>,
 }
 
+/// The attention kernel of inference (fused ops).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttnBackend {
+    /// Matmuls and a softmax, [`QUERY_CHUNK`] queries at a time: every device and dtype.
+    Eager,
+    /// cuDNN's fused attention where it applies (a CUDA build on a CUDA device, bf16 or f16,
+    /// cuDNN found at run time, more than one new position, no padding mask); the eager path
+    /// elsewhere.
+    Cudnn,
+}
+
+impl AttnBackend {
+    /// `XDISTILL_ATTENTION`: `eager` (the default) or `cudnn`. cuDNN's path is opt-in until a
+    /// GPU run has checked it (`scripts/gpu-check.sh` steps 1b and 3t; docs/cuda.md).
+    pub fn from_env() -> AttnBackend {
+        match std::env::var("XDISTILL_ATTENTION").as_deref() {
+            Ok("cudnn") => AttnBackend::Cudnn,
+            Ok("eager") | Err(_) => AttnBackend::Eager,
+            Ok(other) => {
+                tracing::warn!("XDISTILL_ATTENTION={other:?} is not eager or cudnn: using eager");
+                AttnBackend::Eager
+            }
+        }
+    }
+}
+
 /// What one attention call reads besides its weights.
 pub(crate) struct AttnInputs<'a> {
     /// RoPE tables for this forward: [T, R/2] or [B, T, R/2].
@@ -311,6 +337,12 @@ pub(crate) struct AttnInputs<'a> {
     pub sin: &'a Tensor,
     /// Additive bias [B|1, 1, T, S] for this layer's window, or None.
     pub mask: Option<&'a Tensor>,
+    /// The mask is the causal one (and the layer's window) of positions `past..past+T` over
+    /// every cached key, nothing else (no padding): a fused kernel may build it itself.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub plain: bool,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub backend: AttnBackend,
     pub ops: Ops,
 }
 
@@ -371,6 +403,10 @@ impl Attention {
         inp: &AttnInputs<'_>,
         kv: Option<&mut Option<(Tensor, Tensor)>>,
     ) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if self.cudnn_applies(x, inp)? {
+            return self.forward_cudnn(x, inp, kv);
+        }
         let (q, k, v) = self.project(x, inp)?;
         // 3. Append to the cache: [B, Hkv, past+T, D]. The cache holds detached tensors, so a
         // rollout's earlier versions never stay alive through a gradient graph.
@@ -404,6 +440,21 @@ impl Attention {
     /// Steps 1–2 of the attention: `x` [B, T, H] → q [B, Hq, T, D], k and v [B, Hkv, T, D],
     /// projected, normed (Qwen3, Gemma 3) and rotated.
     pub fn project(&self, x: &Tensor, inp: &AttnInputs<'_>) -> Result<(Tensor, Tensor, Tensor)> {
+        let (q, k, v) = self.project_heads(x, inp)?;
+        // 2. Heads first: [B, heads, T, D], then RoPE.
+        let q = rope(&q.transpose(1, 2)?.contiguous()?, inp.cos, inp.sin, inp.ops)?;
+        let k = rope(&k.transpose(1, 2)?.contiguous()?, inp.cos, inp.sin, inp.ops)?;
+        let v = v.transpose(1, 2)?.contiguous()?;
+        Ok((q, k, v))
+    }
+
+    /// Step 1 of the attention: `x` [B, T, H] → q [B, T, Hq, D], k and v [B, T, Hkv, D],
+    /// projected and normed (Qwen3, Gemma 3), not rotated.
+    pub fn project_heads(
+        &self,
+        x: &Tensor,
+        inp: &AttnInputs<'_>,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
         let (b, t, _) = x.dims3()?;
         let d = self.head_dim;
         // 1. Project: [B, T, H] -> [B, T, heads, D]
@@ -430,10 +481,6 @@ impl Attention {
             q = qn.forward(&q, inp.ops)?;
             k = kn.forward(&k, inp.ops)?;
         }
-        // 2. Heads first: [B, heads, T, D], then RoPE.
-        let q = rope(&q.transpose(1, 2)?.contiguous()?, inp.cos, inp.sin, inp.ops)?;
-        let k = rope(&k.transpose(1, 2)?.contiguous()?, inp.cos, inp.sin, inp.ops)?;
-        let v = v.transpose(1, 2)?.contiguous()?;
         Ok((q, k, v))
     }
 

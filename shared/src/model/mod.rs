@@ -12,6 +12,8 @@
 //! pass for training.
 
 pub mod arch;
+#[cfg(feature = "cuda")]
+mod attn_cudnn;
 pub mod config;
 mod decoder;
 mod error;
@@ -26,10 +28,12 @@ mod qwen3_moe;
 pub mod rope;
 mod train;
 
+#[cfg(feature = "cuda")]
+pub use attn_cudnn::cudnn_ready;
 pub(crate) use config::stored_name;
 pub use decoder::{Decoder, KvCache};
 #[doc(hidden)]
 pub use flash::override_block as override_attention_block;
-pub use layers::{linear_kernel, Ops};
+pub use layers::{linear_kernel, AttnBackend, Ops};
 pub use params::{param_specs, Init, ParamSpec};
 pub use train::{kept_activation_bytes, Activations, TrainPass};

@@ -17,7 +17,7 @@
 use super::config::LayerKind;
 use super::decoder::{Block, Decoder};
 use super::flash::{self, Causal};
-use super::layers::{AttnInputs, Ops};
+use super::layers::{AttnBackend, AttnInputs, Ops};
 use candle_core::backprop::GradStore;
 use candle_core::{Result, Tensor, Var};
 
@@ -173,6 +173,8 @@ impl Decoder {
             cos,
             sin,
             mask: None,
+            plain: false,
+            backend: AttnBackend::Eager,
             ops: self.ops,
         };
         let h = block.input_norm.forward(x, self.ops)?;

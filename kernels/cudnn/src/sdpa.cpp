@@ -1,0 +1,206 @@
+// cuDNN's fused scaled-dot-product attention (SDPA) behind a small C interface for Rust.
+//
+// cuDNN is loaded at run time (the frontend's dynamic loading, dlopen of libcudnn.so.9): nothing
+// links against it, so a binary starts where cuDNN is absent and the caller falls back to its
+// own attention. Built graphs are cached by their description (shapes, strides, dtype, mask),
+// as llm.c's cudnn_att.cpp and PyTorch's MHA.cpp do: building one takes milliseconds to seconds.
+//
+// Tensors are described as cuDNN wants them, logical [B, H, S, D] with any strides, so the
+// caller passes its projections' [B, S, H, D] layout without transposing.
+#define NV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING
+#include <cudnn_frontend.h>
+#include <dlfcn.h>
+
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+
+namespace cudnn_frontend {
+void *cudnn_dlhandle = nullptr;
+}
+namespace fe = cudnn_frontend;
+
+extern "C" {
+// Mirrors `SdpaDesc` in lib.rs (repr(C)); every field is part of the graph cache's key.
+struct XdSdpaDesc {
+    uint64_t context;  // the CUDA context (CUcontext): one cuDNN handle each
+    int32_t dtype;     // 0: bf16, 1: f16
+    int32_t b, hq, hkv, sq, skv, d;
+    int32_t pad;  // zero: no implicit padding, so the bytes of equal descriptions are equal
+    int64_t q_stride[4], k_stride[4], v_stride[4], o_stride[4];  // elements, [B, H, S, D] order
+    float scale;
+    int32_t causal;  // 0: none, 1: top-left (sq == skv), 2: bottom-right (queries are the last sq)
+    int32_t window;  // > 0: a key j is seen by query i only when i - j < window
+    int32_t stats;   // 1: also write the softmax statistics (log-sum-exp), f32 [B, H, Sq, 1]
+};
+static_assert(sizeof(XdSdpaDesc) == 184, "XdSdpaDesc has implicit padding");
+}
+
+namespace {
+constexpr int64_t Q_UID = 1, K_UID = 2, V_UID = 3, O_UID = 4, STATS_UID = 5;
+
+struct Entry {
+    std::shared_ptr<fe::graph::Graph> graph;
+    int64_t workspace = 0;
+};
+
+std::mutex mu;  // one cuDNN handle per context is not safe to share across threads at once
+std::map<uint64_t, cudnnHandle_t> handles;
+std::map<std::string, Entry> graphs;
+// Compiled kernels shared by every graph built with dynamic shapes: a new sequence length
+// reuses them instead of compiling its own (the teacher sees many lengths).
+std::shared_ptr<fe::KernelCache> kernels;  // made on first use, after cuDNN is loaded
+
+void set_err(char *err, size_t n, const std::string &msg) {
+    if (err && n) {
+        std::snprintf(err, n, "%s", msg.c_str());
+    }
+}
+
+std::string key_of(const XdSdpaDesc &d) {
+    return std::string(reinterpret_cast<const char *>(&d), sizeof d);
+}
+
+// The handle of `d.context` (made current by the caller), created on first use.
+cudnnHandle_t handle_for(const XdSdpaDesc &d) {
+    auto it = handles.find(d.context);
+    if (it != handles.end()) {
+        return it->second;
+    }
+    cudnnHandle_t h = nullptr;
+    auto st = fe::detail::create_handle(&h);
+    if (st != CUDNN_STATUS_SUCCESS) {
+        throw std::runtime_error(std::string("cudnnCreate failed: ") + fe::detail::get_error_string(st));
+    }
+    handles.emplace(d.context, h);
+    return h;
+}
+
+#define XD_CHECK(expr)                                                              \
+    do {                                                                            \
+        auto e_ = (expr);                                                           \
+        if (e_.is_bad()) {                                                          \
+            throw std::runtime_error(std::string(#expr) + ": " + e_.get_message()); \
+        }                                                                           \
+    } while (0)
+
+std::vector<int64_t> vec4(const int64_t s[4]) { return {s[0], s[1], s[2], s[3]}; }
+
+Entry build(const XdSdpaDesc &d, cudnnHandle_t h, bool dynamic) {
+    auto io = d.dtype == 0 ? fe::DataType_t::BFLOAT16 : fe::DataType_t::HALF;
+    auto g = std::make_shared<fe::graph::Graph>();
+    if (dynamic) {
+        if (!kernels) {
+            kernels = std::make_shared<fe::KernelCache>();
+        }
+        g->set_dynamic_shape_enabled(true).set_kernel_cache(kernels);
+    }
+    g->set_io_data_type(io)
+        .set_intermediate_data_type(fe::DataType_t::FLOAT)
+        .set_compute_data_type(fe::DataType_t::FLOAT);
+    auto q = g->tensor(fe::graph::Tensor_attributes().set_name("Q").set_uid(Q_UID).set_dim({d.b, d.hq, d.sq, d.d}).set_stride(vec4(d.q_stride)));
+    auto k = g->tensor(fe::graph::Tensor_attributes().set_name("K").set_uid(K_UID).set_dim({d.b, d.hkv, d.skv, d.d}).set_stride(vec4(d.k_stride)));
+    auto v = g->tensor(fe::graph::Tensor_attributes().set_name("V").set_uid(V_UID).set_dim({d.b, d.hkv, d.skv, d.d}).set_stride(vec4(d.v_stride)));
+    auto opts = fe::graph::SDPA_attributes().set_name("sdpa").set_generate_stats(d.stats != 0).set_attn_scale(d.scale);
+    if (d.causal == 1) {
+        opts.set_causal_mask(true);
+    } else if (d.causal == 2) {
+        opts.set_causal_mask_bottom_right(true);
+    }
+    if (d.window > 0) {
+        opts.set_diagonal_band_left_bound(d.window);
+    }
+    auto [o, stats] = g->sdpa(q, k, v, opts);
+    o->set_output(true).set_uid(O_UID).set_dim({d.b, d.hq, d.sq, d.d}).set_stride(vec4(d.o_stride));
+    if (d.stats) {
+        stats->set_output(true).set_uid(STATS_UID).set_data_type(fe::DataType_t::FLOAT);
+    }
+    XD_CHECK(g->validate());
+    XD_CHECK(g->build_operation_graph(h));
+    XD_CHECK(g->create_execution_plans({fe::HeurMode_t::A}));
+    XD_CHECK(g->check_support(h));
+    XD_CHECK(g->build_plans(h));
+    Entry e;
+    e.graph = g;
+    XD_CHECK(g->get_workspace_size(e.workspace));
+    return e;
+}
+
+Entry &entry_for(const XdSdpaDesc &d) {
+    auto key = key_of(d);
+    auto it = graphs.find(key);
+    if (it != graphs.end()) {
+        return it->second;
+    }
+    auto h = handle_for(d);
+    Entry e;
+    try {
+        e = build(d, h, true);
+    } catch (const std::exception &) {
+        e = build(d, h, false);  // a cuDNN without dynamic shapes for this case: one graph per shape
+    }
+    return graphs.emplace(key, std::move(e)).first->second;
+}
+}  // namespace
+
+extern "C" {
+// Loads cuDNN; returns its version (e.g. 91300), or -1 with the reason in `err`.
+int64_t xd_cudnn_load(char *err, size_t n) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!fe::cudnn_dlhandle) {
+        fe::cudnn_dlhandle = dlopen("libcudnn.so.9", RTLD_NOW | RTLD_GLOBAL);
+        if (!fe::cudnn_dlhandle) {
+            const char *why = dlerror();
+            set_err(err, n, std::string("dlopen libcudnn.so.9: ") + (why ? why : "unknown error"));
+            return -1;
+        }
+    }
+    try {
+        return static_cast<int64_t>(fe::detail::get_backend_version());
+    } catch (const std::exception &e) {
+        set_err(err, n, e.what());
+        return -1;
+    }
+}
+
+// Builds (or finds) the graph of `desc`; `*workspace` gets the bytes its run needs.
+int32_t xd_sdpa_prepare(const XdSdpaDesc *desc, int64_t *workspace, char *err, size_t n) {
+    std::lock_guard<std::mutex> lock(mu);
+    try {
+        *workspace = entry_for(*desc).workspace;
+        return 0;
+    } catch (const std::exception &e) {
+        set_err(err, n, e.what());
+        return 1;
+    }
+}
+
+// Runs `desc`'s graph on `stream`: o = softmax(scale · q kᵀ + mask) v (and the statistics).
+int32_t xd_sdpa_run(const XdSdpaDesc *desc, void *stream, const void *q, const void *k, const void *v, void *o,
+                    void *stats, void *workspace, char *err, size_t n) {
+    std::lock_guard<std::mutex> lock(mu);
+    try {
+        auto &e = entry_for(*desc);
+        auto h = handle_for(*desc);
+        auto st = fe::detail::set_stream(h, static_cast<cudaStream_t>(stream));
+        if (st != CUDNN_STATUS_SUCCESS) {
+            throw std::runtime_error(std::string("cudnnSetStream: ") + fe::detail::get_error_string(st));
+        }
+        std::unordered_map<int64_t, void *> pack = {{Q_UID, const_cast<void *>(q)},
+                                                    {K_UID, const_cast<void *>(k)},
+                                                    {V_UID, const_cast<void *>(v)},
+                                                    {O_UID, o}};
+        if (desc->stats) {
+            pack.emplace(STATS_UID, stats);
+        }
+        XD_CHECK(e.graph->execute(h, pack, workspace));
+        return 0;
+    } catch (const std::exception &ex) {
+        set_err(err, n, ex.what());
+        return 1;
+    }
+}
+}

@@ -1,0 +1,90 @@
+//! The cuDNN path of [`Attention`] at inference (CUDA builds): q, k and v stay in the
+//! projections' `[B, T, H, D]` layout (RoPE applied there, `rope_thd`), cuDNN's fused SDPA reads
+//! them through strides with grouped-query heads unrepeated and builds the causal mask and the
+//! window itself, and its `[B, T, Hq, D]` result goes straight into `o_proj`: no transposes, no
+//! repeated K/V, no `[B, H, T, S]` scores and no mask tensor.
+
+use super::layers::{Attention, AttnBackend, AttnInputs, Ops};
+use candle_core::{DType, Device, Result, Tensor, D};
+use std::sync::OnceLock;
+use xdistill_cudnn::{Causal, Params};
+
+/// cuDNN's version once loaded, or why not; logged once per process.
+fn cudnn() -> bool {
+    static READY: OnceLock<bool> = OnceLock::new();
+    *READY.get_or_init(|| match xdistill_cudnn::load() {
+        Ok(v) => {
+            tracing::info!("attention: cuDNN {v} (fused SDPA)");
+            true
+        }
+        Err(why) => {
+            tracing::warn!("attention: cuDNN unavailable ({why}); using the eager attention");
+            false
+        }
+    })
+}
+
+/// Whether cuDNN's attention can run on `device` in `dtype`: a CUDA device, bf16 or f16, and
+/// cuDNN loaded.
+pub fn cudnn_ready(device: &Device, dtype: DType) -> bool {
+    device.is_cuda() && matches!(dtype, DType::BF16 | DType::F16) && cudnn()
+}
+
+impl Attention {
+    /// The cuDNN path applies: inference, the backend chosen, a plain causal mask, more than
+    /// one new position (a decoding step's one query stays eager: a cuDNN graph per cache
+    /// length would cost more than it saves), full rotary, a head size cuDNN takes.
+    pub(super) fn cudnn_applies(&self, x: &Tensor, inp: &AttnInputs<'_>) -> Result<bool> {
+        Ok(inp.ops == Ops::Fused
+            && inp.backend == AttnBackend::Cudnn
+            && inp.plain
+            && x.dim(1)? > 1
+            && inp.cos.dim(D::Minus1)? * 2 == self.head_dim
+            && self.head_dim % 8 == 0
+            && self.head_dim <= 256
+            && cudnn_ready(x.device(), x.dtype()))
+    }
+
+    /// `x` [B, T, H] → [B, T, H] through cuDNN; `kv` as in [`Attention::forward`] (the cache
+    /// keeps its `[B, Hkv, S, D]` layout).
+    pub(super) fn forward_cudnn(
+        &self,
+        x: &Tensor,
+        inp: &AttnInputs<'_>,
+        kv: Option<&mut Option<(Tensor, Tensor)>>,
+    ) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let (q, k, v) = self.project_heads(x, inp)?; // [B, T, H, D]
+        let q = candle_nn::rotary_emb::rope_thd(&q.contiguous()?, inp.cos, inp.sin)?;
+        let k = candle_nn::rotary_emb::rope_thd(&k.contiguous()?, inp.cos, inp.sin)?;
+        // [B, Hkv, S, D]: views of the new positions, or the cache with them appended.
+        let (k, v) = match kv {
+            Some(slot) => {
+                let (k, v) = (
+                    k.transpose(1, 2)?.contiguous()?,
+                    v.transpose(1, 2)?.contiguous()?,
+                );
+                let (k, v) = match slot.take() {
+                    Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 2)?, Tensor::cat(&[&pv, &v], 2)?),
+                    None => (k, v),
+                };
+                *slot = Some((k.detach(), v.detach()));
+                (k, v)
+            }
+            None => (k.transpose(1, 2)?, v.transpose(1, 2)?),
+        };
+        let causal = if k.dim(2)? == t {
+            Causal::TopLeft
+        } else {
+            Causal::BottomRight
+        };
+        let params = Params {
+            scale: self.scale as f32,
+            causal,
+            window: self.window,
+        };
+        let out = xdistill_cudnn::sdpa(&q.transpose(1, 2)?, &k, &v, params)?; // [B, T, Hq, D]
+        self.o
+            .forward(&out.reshape((b, t, self.n_heads * self.head_dim))?, inp.ops)
+    }
+}

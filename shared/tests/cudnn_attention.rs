@@ -1,0 +1,358 @@
+//! cuDNN's fused attention (kernels/cudnn) on the GPU: the op against an f64 reference on fresh
+//! random inputs (bf16 and f16, odd lengths, grouped-query heads, windows, a KV cache's
+//! bottom-right mask, strided inputs), and decoders served through it against the eager path.
+//! CUDA builds only; the GPU check runs them (`XDISTILL_TEST_DEVICE=cuda`, step 1).
+
+use crate::model::{config_with, dev, params};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use std::time::Instant;
+use xdistill_cudnn::{sdpa, Causal, Params};
+use xdistill_shared::model::{AttnBackend, Decoder, KvCache, Ops};
+
+/// The test device when it is a GPU; `None` (the test says it skipped) on the CPU.
+fn gpu() -> Option<Device> {
+    let d = dev();
+    if d.is_cuda() {
+        Some(d)
+    } else {
+        eprintln!("skipped: XDISTILL_TEST_DEVICE is not a CUDA device");
+        None
+    }
+}
+
+/// A fresh seed per run (printed, so that a failure can be replayed).
+fn rng() -> ChaCha8Rng {
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(7);
+    eprintln!("seed {seed}");
+    ChaCha8Rng::seed_from_u64(seed)
+}
+
+fn random(rng: &mut ChaCha8Rng, shape: &[usize], dt: DType, dev: &Device) -> Tensor {
+    let n = shape.iter().product();
+    let v: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+    Tensor::from_vec(v, shape, dev)
+        .unwrap()
+        .to_dtype(dt)
+        .unwrap()
+}
+
+/// `x` as f64 on the host, in the order of its logical shape.
+fn host(x: &Tensor) -> Vec<f64> {
+    x.to_dtype(DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f64>()
+        .unwrap()
+}
+
+/// Attention in f64 by loops: q [B, Hq, Sq, D], k and v [B, Hkv, Skv, D] → [B, Sq, Hq, D].
+fn reference(q: &Tensor, k: &Tensor, v: &Tensor, p: Params) -> Vec<f64> {
+    let (b, hq, sq, d) = q.dims4().unwrap();
+    let (_, hkv, skv, _) = k.dims4().unwrap();
+    let (q, k, v) = (host(q), host(k), host(v));
+    let mut out = vec![0.0; b * sq * hq * d];
+    for bi in 0..b {
+        for h in 0..hq {
+            let kh = h / (hq / hkv);
+            for i in 0..sq {
+                let pos = match p.causal {
+                    Causal::BottomRight => i + skv - sq,
+                    _ => i,
+                };
+                let seen = |j: usize| {
+                    (p.causal == Causal::None || j <= pos) && p.window.is_none_or(|w| pos < j + w)
+                };
+                let qrow = &q[((bi * hq + h) * sq + i) * d..][..d];
+                let scores: Vec<f64> = (0..skv)
+                    .map(|j| {
+                        let krow = &k[((bi * hkv + kh) * skv + j) * d..][..d];
+                        let dot: f64 = qrow.iter().zip(krow).map(|(a, b)| a * b).sum();
+                        if seen(j) {
+                            dot * p.scale as f64
+                        } else {
+                            f64::NEG_INFINITY
+                        }
+                    })
+                    .collect();
+                let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let w: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+                let z: f64 = w.iter().sum();
+                let o = &mut out[((bi * sq + i) * hq + h) * d..][..d];
+                for (j, wj) in w.iter().enumerate() {
+                    let vrow = &v[((bi * hkv + kh) * skv + j) * d..][..d];
+                    for (oe, ve) in o.iter_mut().zip(vrow) {
+                        *oe += wj / z * ve;
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+fn rel_err(got: &[f64], want: &[f64]) -> f64 {
+    let num: f64 = got.iter().zip(want).map(|(a, b)| (a - b) * (a - b)).sum();
+    let den: f64 = want.iter().map(|b| b * b).sum();
+    (num / den).sqrt()
+}
+
+/// One case: shapes, mask, dtype, and whether q and k/v come strided ([B, S, H, D] transposed).
+struct Case {
+    b: usize,
+    hq: usize,
+    hkv: usize,
+    sq: usize,
+    skv: usize,
+    d: usize,
+    causal: Causal,
+    window: Option<usize>,
+    dt: DType,
+    strided_kv: bool,
+}
+
+#[test]
+fn sdpa_equals_the_f64_reference() {
+    let Some(dev) = gpu() else { return };
+    if let Err(why) = xdistill_cudnn::load() {
+        panic!("cuDNN did not load on a CUDA device: {why}");
+    }
+    let mut rng = rng();
+    let cases = [
+        // b hq hkv sq skv d causal window dtype strided k/v
+        Case {
+            b: 2,
+            hq: 4,
+            hkv: 2,
+            sq: 37,
+            skv: 37,
+            d: 64,
+            causal: Causal::TopLeft,
+            window: None,
+            dt: DType::BF16,
+            strided_kv: false,
+        },
+        Case {
+            b: 1,
+            hq: 8,
+            hkv: 1,
+            sq: 5,
+            skv: 70,
+            d: 128,
+            causal: Causal::BottomRight,
+            window: None,
+            dt: DType::BF16,
+            strided_kv: true,
+        },
+        Case {
+            b: 1,
+            hq: 4,
+            hkv: 4,
+            sq: 129,
+            skv: 129,
+            d: 128,
+            causal: Causal::TopLeft,
+            window: Some(16),
+            dt: DType::F16,
+            strided_kv: true,
+        },
+        Case {
+            b: 3,
+            hq: 6,
+            hkv: 2,
+            sq: 200,
+            skv: 200,
+            d: 256,
+            causal: Causal::TopLeft,
+            window: Some(64),
+            dt: DType::BF16,
+            strided_kv: false,
+        },
+        Case {
+            b: 1,
+            hq: 4,
+            hkv: 2,
+            sq: 40,
+            skv: 300,
+            d: 128,
+            causal: Causal::BottomRight,
+            window: Some(100),
+            dt: DType::BF16,
+            strided_kv: true,
+        },
+        Case {
+            b: 2,
+            hq: 2,
+            hkv: 2,
+            sq: 17,
+            skv: 33,
+            d: 64,
+            causal: Causal::None,
+            window: None,
+            dt: DType::F16,
+            strided_kv: false,
+        },
+    ];
+    for c in &cases {
+        let p = Params {
+            scale: 1.0 / (c.d as f32).sqrt(),
+            causal: c.causal,
+            window: c.window,
+        };
+        // q always strided: the decoder passes [B, T, H, D] transposed.
+        let q = random(&mut rng, &[c.b, c.sq, c.hq, c.d], c.dt, &dev)
+            .transpose(1, 2)
+            .unwrap();
+        let (k, v) = if c.strided_kv {
+            let k = random(&mut rng, &[c.b, c.skv, c.hkv, c.d], c.dt, &dev);
+            let v = random(&mut rng, &[c.b, c.skv, c.hkv, c.d], c.dt, &dev);
+            (k.transpose(1, 2).unwrap(), v.transpose(1, 2).unwrap())
+        } else {
+            let k = random(&mut rng, &[c.b, c.hkv, c.skv, c.d], c.dt, &dev);
+            let v = random(&mut rng, &[c.b, c.hkv, c.skv, c.d], c.dt, &dev);
+            (k, v)
+        };
+        let t0 = Instant::now();
+        let out = sdpa(&q, &k, &v, p).unwrap();
+        dev.synchronize().unwrap();
+        let first = t0.elapsed();
+        assert_eq!(out.dims(), &[c.b, c.sq, c.hq, c.d]);
+        let got = host(&out);
+        assert!(got.iter().all(|x| x.is_finite()), "non-finite output");
+        let err = rel_err(&got, &reference(&q, &k, &v, p));
+        let tol = if c.dt == DType::BF16 { 1e-2 } else { 2e-3 };
+        // The same inputs again: the cached graph, the same bits.
+        let t1 = Instant::now();
+        let again = host(&sdpa(&q, &k, &v, p).unwrap());
+        dev.synchronize().unwrap();
+        eprintln!(
+            "b={} hq={} hkv={} sq={} skv={} d={} {:?} window={:?} {:?}: rel err {err:.2e} \
+             (tol {tol:.0e}); first call {:.1} ms (graph built), second {:.2} ms",
+            c.b,
+            c.hq,
+            c.hkv,
+            c.sq,
+            c.skv,
+            c.d,
+            c.causal,
+            c.window,
+            c.dt,
+            first.as_secs_f64() * 1e3,
+            t1.elapsed().as_secs_f64() * 1e3
+        );
+        assert!(err < tol, "relative error {err:.3e} over {tol:.0e}");
+        assert_eq!(got, again, "the second run differs from the first");
+    }
+}
+
+/// What a new length costs: the teacher's batch-invariant mode runs each sequence at its own
+/// length, so each new length builds a graph (its compiled kernels shared through cuDNN's
+/// kernel cache). Printed for the GPU log; the outputs are checked like the cases above.
+#[test]
+fn new_lengths_reuse_compiled_kernels() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = rng();
+    for s in [301, 302, 517, 1000, 2047] {
+        let q = random(&mut rng, &[1, s, 16, 128], DType::BF16, &dev)
+            .transpose(1, 2)
+            .unwrap();
+        let k = random(&mut rng, &[1, s, 8, 128], DType::BF16, &dev)
+            .transpose(1, 2)
+            .unwrap();
+        let v = random(&mut rng, &[1, s, 8, 128], DType::BF16, &dev)
+            .transpose(1, 2)
+            .unwrap();
+        let p = Params {
+            scale: 128f32.powf(-0.5),
+            causal: Causal::TopLeft,
+            window: None,
+        };
+        let t0 = Instant::now();
+        let out = sdpa(&q, &k, &v, p).unwrap();
+        dev.synchronize().unwrap();
+        let built = t0.elapsed();
+        let t1 = Instant::now();
+        let again = sdpa(&q, &k, &v, p).unwrap();
+        dev.synchronize().unwrap();
+        eprintln!(
+            "length {s}: first call {:.1} ms, cached {:.3} ms",
+            built.as_secs_f64() * 1e3,
+            t1.elapsed().as_secs_f64() * 1e3
+        );
+        assert_eq!(host(&out), host(&again));
+        if s <= 517 {
+            let err = rel_err(&host(&out), &reference(&q, &k, &v, p));
+            assert!(err < 1e-2, "length {s}: relative error {err:.3e}");
+        }
+    }
+}
+
+/// Decoders in bf16 on the GPU: cuDNN's attention against the eager path (a whole forward, a
+/// forward in two chunks over a KV cache, windows, Gemma 3's scale), hidden states compared.
+#[test]
+fn decoders_through_cudnn_match_the_eager_path() {
+    let Some(dev) = gpu() else { return };
+    let big = serde_json::json!({"hidden_size": 256, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 128,
+        "max_position_embeddings": 128});
+    let with = |extra: serde_json::Value| {
+        let mut e = big.clone();
+        for (k, v) in extra.as_object().unwrap() {
+            e[k] = v.clone();
+        }
+        e
+    };
+    let cases = [
+        ("qwen3", config_with("qwen3", with(serde_json::json!({})))),
+        ("llama", config_with("llama", with(serde_json::json!({})))),
+        (
+            "mistral window 8",
+            config_with("mistral", with(serde_json::json!({"sliding_window": 8}))),
+        ),
+        (
+            "gemma3",
+            config_with(
+                "gemma3_text",
+                with(
+                    serde_json::json!({"num_hidden_layers": 3, "sliding_window": 8,
+                    "sliding_window_pattern": 3, "query_pre_attn_scalar": 48,
+                    "rope_local_base_freq": 100.0, "tie_word_embeddings": true}),
+                ),
+            ),
+        ),
+    ];
+    let ids: Vec<u32> = (0..41u32).map(|i| (i * 7 + 3) % 50).collect();
+    for (name, cfg) in cases {
+        let vb = VarBuilder::from_tensors(params(&cfg), DType::BF16, &dev);
+        let mut m = Decoder::new(&cfg, vb, Ops::Fused).unwrap();
+        let x = Tensor::new(ids.as_slice(), &dev)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        m.set_attention(AttnBackend::Eager);
+        let eager = m.forward_hidden(&x, None, None, None).unwrap();
+        m.set_attention(AttnBackend::Cudnn);
+        let fused = m.forward_hidden(&x, None, None, None).unwrap();
+        // Two chunks over a cache: the second chunk's queries are the last of its keys.
+        let mut cache = KvCache::for_sequence(ids.len());
+        let a = m
+            .forward_hidden(&x.narrow(1, 0, 25).unwrap(), Some(&mut cache), None, None)
+            .unwrap();
+        let b = m
+            .forward_hidden(&x.narrow(1, 25, 16).unwrap(), Some(&mut cache), None, None)
+            .unwrap();
+        let chunked = Tensor::cat(&[&a, &b], 1).unwrap();
+        let e = host(&eager);
+        for (what, t) in [("whole", &fused), ("chunked", &chunked)] {
+            let err = rel_err(&host(t), &e);
+            eprintln!("{name}: cuDNN {what} vs eager: rel err {err:.2e}");
+            assert!(err < 2e-2, "{name} {what}: relative error {err:.3e}");
+        }
+    }
+}
