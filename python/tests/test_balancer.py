@@ -29,8 +29,8 @@ from xdistill import SequenceScores, TeacherClient
 
 #: Each replica holds every request this long waiting for company before scoring it, so that a
 #: kill finds one in flight (the scores do not depend on it: batch-invariant mode).
-HOLD_MS = 300
-REQUESTS = 24
+HOLD_MS = 200
+REQUESTS = 16
 
 
 def _find_haproxy() -> Optional[str]:
@@ -60,14 +60,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _haproxy_config(front: int, replicas: List[int]) -> str:
-    """`docker/haproxy.cfg` with its front port and its upstreams moved to loopback."""
+def _haproxy_config(front: int, replicas: List[int], stats: str) -> str:
+    """`docker/haproxy.cfg` with its front port and its upstreams moved to loopback, and a stats
+    socket at `stats` (so that the test can wait for the health checks' verdicts)."""
     text = (REPO / "docker" / "haproxy.cfg").read_text()
     assert "bind :8000" in text and "server-template teacher" in text
+    assert "global" in text.splitlines()
     out = []
     for line in text.splitlines():
         t = line.strip()
-        if t == "bind :8000":
+        if line == "global":
+            out.append(line)
+            out.append(f"    stats socket {stats} mode 600 level user")
+        elif t == "bind :8000":
             out.append(f"    bind 127.0.0.1:{front}")
         elif t.startswith("server-template teacher"):
             out.extend(f"    server teacher{i} 127.0.0.1:{p} check" for i, p in enumerate(replicas))
@@ -85,6 +90,31 @@ def _metric(url: str, line_prefix: str) -> float:
     return 0.0
 
 
+def _replicas_up(stats: str) -> int:
+    """Replicas of the `teachers` backend that HAProxy's health checks mark UP, from `show stat`
+    on its stats socket (CSV; 0 while the socket is not there yet)."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(stats)
+            s.sendall(b"show stat\n")
+            csv = b""
+            while chunk := s.recv(65536):
+                csv += chunk
+    except OSError:
+        return 0
+    lines = csv.decode(errors="replace").splitlines()
+    if not lines:
+        return 0
+    header = (lines[0][2:] if lines[0].startswith("# ") else lines[0]).split(",")
+    try:
+        px, sv, status = (header.index(n) for n in ("pxname", "svname", "status"))
+    except ValueError:
+        return 0
+    rows = [line.split(",") for line in lines[1:]]
+    return sum(1 for f in rows if len(f) > max(px, sv, status) and f[px] == "teachers"
+               and f[sv].startswith("teacher") and f[status] == "UP")
+
+
 def _port(url: str) -> int:
     return int(url.rsplit(":", 1)[1])
 
@@ -99,23 +129,20 @@ def test_a_replica_killed_mid_run_behind_haproxy(model_dir, tmp_path, haproxy, c
         # 1. HAProxy in front of both, checked by `haproxy -c`.
         front = _free_port()
         cfg = tmp_path / "haproxy.cfg"
-        cfg.write_text(_haproxy_config(front, [_port(t.url) for t in teachers]))
+        stats = str(tmp_path / "haproxy.sock")
+        cfg.write_text(_haproxy_config(front, [_port(t.url) for t in teachers], stats))
         check = subprocess.run([haproxy, "-c", "-f", str(cfg)], capture_output=True, text=True)
         assert check.returncode == 0, check.stdout + check.stderr
         lb = subprocess.Popen([haproxy, "-db", "-f", str(cfg)], stdin=subprocess.DEVNULL,
                               stdout=lb_log, stderr=lb_log)
         base = f"http://127.0.0.1:{front}"
+        # Every replica marked UP by the health checks (rise 2 x inter 1 s), then the front.
         deadline = time.monotonic() + 30
-        while True:
-            try:
-                if requests.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
+        while _replicas_up(stats) < len(teachers):
             assert lb.poll() is None, (tmp_path / "haproxy.log").read_text(errors="replace")
-            assert time.monotonic() < deadline, "the balancer never answered /health"
-            time.sleep(0.1)
-        time.sleep(2.5)  # every replica marked up by the health checks (rise 2 x inter 1 s)
+            assert time.monotonic() < deadline, "HAProxy never marked both replicas UP"
+            time.sleep(0.05)
+        assert requests.get(base + "/health", timeout=5).status_code == 200
 
         # 2. Distinct requests (the affinity header spreads them over both replicas).
         victim, survivor = teachers
