@@ -316,17 +316,19 @@ pub enum AttnBackend {
 }
 
 impl AttnBackend {
-    /// `XDISTILL_ATTENTION`: `eager` (the default) or `cudnn`. cuDNN's path is opt-in until a
+    /// `XDISTILL_ATTENTION`: `eager` (the default) or `cudnn`, read once per process (every
+    /// decoder, the trainer's per-step copies included, asks). cuDNN's path is opt-in until a
     /// GPU run has checked it (`scripts/gpu-check.sh` steps 1b and 3t; docs/cuda.md).
     pub fn from_env() -> AttnBackend {
-        match std::env::var("XDISTILL_ATTENTION").as_deref() {
+        static CHOSEN: std::sync::OnceLock<AttnBackend> = std::sync::OnceLock::new();
+        *CHOSEN.get_or_init(|| match std::env::var("XDISTILL_ATTENTION").as_deref() {
             Ok("cudnn") => AttnBackend::Cudnn,
             Ok("eager") | Err(_) => AttnBackend::Eager,
             Ok(other) => {
                 tracing::warn!("XDISTILL_ATTENTION={other:?} is not eager or cudnn: using eager");
                 AttnBackend::Eager
             }
-        }
+        })
     }
 }
 

@@ -8,8 +8,9 @@
 //! `decoder.rs` (the one forward loop).
 //! Each runs in two modes ([`Ops`]): fused kernels for serving (candle's, on an AVX-512 CPU
 //! the linear layers through [`crate::matmul`], and on the CPU the attention's softmax and the
-//! MLP's `silu(gate) · up` with the SIMD exp, `host_ops.rs`), and ops that all have a backward
-//! pass for training.
+//! MLP's `silu(gate) · up` with the SIMD exp, `host_ops.rs`; on CUDA, with
+//! [`AttnBackend::Cudnn`], the attention through cuDNN, `attn_cudnn.rs`), and ops that all have
+//! a backward pass for training.
 
 pub mod arch;
 #[cfg(feature = "cuda")]
