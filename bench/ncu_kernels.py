@@ -36,13 +36,14 @@ for r in rows:
     count[name] += 1
     time_us[name] += value * to_us.get(r.get("Metric Unit", "nsecond"), 1e-3)
 
+raw_total = sum(time_us.values())
 launches = sum(count.values()) / a.per
-total = sum(time_us.values()) / a.per
+total = raw_total / a.per
 print(f"{a.label}: {launches:.0f} launches, {total / 1e3:.2f} ms of kernel time"
       f" (per {a.per:g}), {len(count)} distinct kernels")
 print(f"{'kernel':90} {'launches':>9} {'ms':>9} {'share':>6} {'us/launch':>10}")
 for name, t in time_us.most_common(a.top):
-    print(f"{name:90} {count[name] / a.per:9.0f} {t / a.per / 1e3:9.3f} {t / max(total * a.per, 1e-9):6.1%}"
+    print(f"{name:90} {count[name] / a.per:9.0f} {t / a.per / 1e3:9.3f} {t / max(raw_total, 1e-9):6.1%}"
           f" {t / count[name]:10.1f}")
 # The launches themselves: which kernels are launched most often.
 print("most launched:", ", ".join(f"{n[:40]} x{c / a.per:.0f}" for n, c in count.most_common(8)))

@@ -44,6 +44,16 @@ fail=0
 step() { echo; echo "=== $* ($(date -u +%H:%M:%S))"; }
 check() { if "$@"; then echo "PASS: $*"; else echo "FAIL ($?): $*"; fail=1; fi; }
 want() { [ -z "${STEPS:-}" ] || [[ " $STEPS " == *" $1 "* ]]; }
+# Waits (at most 5 minutes) until the teacher on port $1 answers /health, or process $2 exits.
+wait_healthy() {
+  for _ in $(seq 600); do
+    "${PYTHON:-python3}" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$1/health', timeout=1)" \
+      2>/dev/null && return 0
+    kill -0 "$2" 2>/dev/null || return 1
+    sleep 0.5
+  done
+  return 1
+}
 
 step "unpacking $bundle into $work"
 [ -d "$bundle" ] || { echo "no bundle at $bundle: run scripts/build-cuda.sh --bundle first" >&2; exit 2; }
@@ -142,12 +152,7 @@ for spec in "qwen3-0.6b 1024 28 16 8 3072" "qwen3-1.7b 2048 28 16 8 6144"; do
       --batch-invariant "$invariant" --max-batch-tokens 16384 --max-queue-tokens 1048576 \
       > "$out/teacher-$name-$invariant-$attention.log" 2>&1 &
     tpid=$!
-    for _ in $(seq 600); do
-      "$py" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=1)" \
-        2>/dev/null && break
-      kill -0 $tpid 2>/dev/null || break
-      sleep 0.5
-    done
+    wait_healthy $port $tpid
     grep -E "attention" "$out/teacher-$name-$invariant-$attention.log" | head -n 2
     # PyTorch's side does not depend on our mode: measured once, beside the first run.
     torch_flag="--no-torch"; [ "$run" = "$first_run" ] && torch_flag=""
@@ -181,12 +186,7 @@ port=18123
 "$work/teacher" --model "$model" --device cuda --dtype bf16 --port $port --cache-bytes 0 \
   --max-batch-tokens 8192 --max-queue-tokens 1048576 > "$out/teacher.log" 2>&1 &
 tpid=$!
-for _ in $(seq 600); do
-  curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break
-  "$py" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=1)" 2>/dev/null && break
-  kill -0 $tpid 2>/dev/null || break
-  sleep 0.5
-done
+wait_healthy $port $tpid
 curl -s "http://127.0.0.1:$port/v1/info" | head -c 600; echo
 for shape in "8 512" "4 2048"; do
   set -- $shape
@@ -237,12 +237,7 @@ if [ -n "$ncu" ]; then
     XDISTILL_ATTENTION=$att prof "teacher-$att" "$work/teacher" --model "$small" --device cuda \
       --dtype bf16 --port $port --cache-bytes 0 --max-batch-tokens 8192 &
     ppid=$!
-    for _ in $(seq 600); do
-      "$py" -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/health', timeout=1)" \
-        2>/dev/null && break
-      kill -0 $ppid 2>/dev/null || break
-      sleep 0.5
-    done
+    wait_healthy $port $ppid
     check timeout 120 env PYTHONUNBUFFERED=1 "$py" bench/gpu_teacher.py --model "$small" \
       --url "http://127.0.0.1:$port" --batch 1 --seq-len 512 --k 64 --requests 1 --clients 1 --no-torch
     pkill -TERM -f "^$work/teacher --model $small" ; wait  # the teacher, not ncu: ncu then writes

@@ -26,7 +26,7 @@ fn cudnn() -> bool {
 
 /// Whether cuDNN's attention can run on `device` in `dtype`: a CUDA device, bf16 or f16, and
 /// cuDNN loaded.
-pub fn cudnn_ready(device: &Device, dtype: DType) -> bool {
+fn cudnn_ready(device: &Device, dtype: DType) -> bool {
     device.is_cuda() && matches!(dtype, DType::BF16 | DType::F16) && cudnn()
 }
 

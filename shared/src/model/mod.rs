@@ -29,8 +29,6 @@ mod qwen3_moe;
 pub mod rope;
 mod train;
 
-#[cfg(feature = "cuda")]
-pub use attn_cudnn::cudnn_ready;
 pub(crate) use config::stored_name;
 pub use decoder::{Decoder, KvCache};
 #[doc(hidden)]
