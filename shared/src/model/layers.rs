@@ -321,14 +321,22 @@ impl AttnBackend {
     /// GPU run has checked it (`scripts/gpu-check.sh` steps 1b and 3t; docs/cuda.md).
     pub fn from_env() -> AttnBackend {
         static CHOSEN: std::sync::OnceLock<AttnBackend> = std::sync::OnceLock::new();
-        *CHOSEN.get_or_init(|| match std::env::var("XDISTILL_ATTENTION").as_deref() {
-            Ok("cudnn") => AttnBackend::Cudnn,
-            Ok("eager") | Err(_) => AttnBackend::Eager,
-            Ok(other) => {
-                tracing::warn!("XDISTILL_ATTENTION={other:?} is not eager or cudnn: using eager");
+        *CHOSEN.get_or_init(|| {
+            let value = std::env::var("XDISTILL_ATTENTION").ok();
+            AttnBackend::parse(value.as_deref()).unwrap_or_else(|why| {
+                tracing::warn!("XDISTILL_ATTENTION: {why}; using eager");
                 AttnBackend::Eager
-            }
+            })
         })
+    }
+
+    /// The backend a value of `XDISTILL_ATTENTION` names (unset: eager).
+    pub fn parse(value: Option<&str>) -> std::result::Result<AttnBackend, String> {
+        match value {
+            None | Some("eager") => Ok(AttnBackend::Eager),
+            Some("cudnn") => Ok(AttnBackend::Cudnn),
+            Some(other) => Err(format!("{other:?} is not eager or cudnn")),
+        }
     }
 }
 
@@ -746,6 +754,17 @@ mod tests {
     /// Queries in chunks (uneven last one, a causal mask with -inf) give the attention of all
     /// queries at once, to f32 rounding: the matmuls' kernels differ with the number of rows
     /// (a one-row chunk is a matrix-vector product), so the bits may not.
+    #[test]
+    fn attention_backend_names() {
+        assert_eq!(AttnBackend::parse(None), Ok(AttnBackend::Eager));
+        assert_eq!(AttnBackend::parse(Some("eager")), Ok(AttnBackend::Eager));
+        assert_eq!(AttnBackend::parse(Some("cudnn")), Ok(AttnBackend::Cudnn));
+        for bad in ["", "CUDNN", "flash"] {
+            let err = AttnBackend::parse(Some(bad)).unwrap_err();
+            assert!(err.contains("is not eager or cudnn"), "{bad:?}: {err}");
+        }
+    }
+
     #[test]
     fn chunked_attention_equals_whole() {
         let dev = Device::Cpu;
