@@ -2,6 +2,7 @@
 //! weights follow 0.9·0.1^i, save/load round trip, cache keyed by both tokenizer hashes.
 
 use std::collections::HashSet;
+use std::path::Path;
 use xdistill_testkit::tokenizer_json;
 use xdistill_trainer::align::projection::{Csr, ProjectionMaps};
 use xdistill_trainer::align::AlignTokenizer;
@@ -114,10 +115,12 @@ fn cache_is_reused_only_for_the_same_tokenizers() {
     let mut text = std::fs::read(&a).unwrap();
     text.push(b'\n');
     std::fs::write(&b, &text).unwrap();
+    let tok = AlignTokenizer::from_file(&a).unwrap();
+    let load = |b: &Path| ProjectionMaps::load_or_build(&cache, (&a, &tok), (b, &tok), 2).unwrap();
 
-    let (p1, built) = ProjectionMaps::load_or_build(&cache, &a, &b, 2).unwrap();
+    let (p1, built) = load(&b);
     assert!(built);
-    let (p2, built) = ProjectionMaps::load_or_build(&cache, &a, &b, 2).unwrap();
+    let (p2, built) = load(&b);
     assert!(!built, "second call must load from the cache");
     assert_eq!(p1, p2);
     // Same vocabulary on both sides: every ordinary row is exact.
@@ -125,14 +128,14 @@ fn cache_is_reused_only_for_the_same_tokenizers() {
     // Another teacher file: rebuilt, cached under another name.
     text.push(b'\n');
     std::fs::write(&b, &text).unwrap();
-    let (p3, built) = ProjectionMaps::load_or_build(&cache, &a, &b, 2).unwrap();
+    let (p3, built) = load(&b);
     assert!(built);
     assert_ne!(p3.teacher_sha256, p1.teacher_sha256);
     assert_eq!(std::fs::read_dir(&cache).unwrap().count(), 2);
     // A corrupt cache file is rebuilt, not trusted.
     let path = ProjectionMaps::cache_path(&cache, &p3.student_sha256, &p3.teacher_sha256, 2);
     std::fs::write(&path, b"garbage").unwrap();
-    let (p4, built) = ProjectionMaps::load_or_build(&cache, &a, &b, 2).unwrap();
+    let (p4, built) = load(&b);
     assert!(built);
     assert_eq!(p4, p3);
 }

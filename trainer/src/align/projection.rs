@@ -425,16 +425,18 @@ impl ProjectionMaps {
         ))
     }
 
-    /// Loads the cached projection for these two tokenizer files when both sha256 match, else
-    /// builds it and saves it in `cache_dir`. Returns whether it was built.
+    /// Loads the cached projection for two tokenizers, each given with the `tokenizer.json` it
+    /// was read from, when both files' sha256 match, else builds it from the parsed tokenizers
+    /// and saves it in `cache_dir`. Returns whether it was built. (The caller parses each file
+    /// once: a 151k-token `tokenizer.json` takes about half a second.)
     pub fn load_or_build(
         cache_dir: &Path,
-        student_tokenizer: &Path,
-        teacher_tokenizer: &Path,
+        student: (&Path, &AlignTokenizer),
+        teacher: (&Path, &AlignTokenizer),
         max_entries: usize,
     ) -> Result<(ProjectionMaps, bool), ProjectionError> {
-        let sh = xdistill_shared::hf::file_sha256(student_tokenizer)?;
-        let th = xdistill_shared::hf::file_sha256(teacher_tokenizer)?;
+        let sh = xdistill_shared::hf::file_sha256(student.0)?;
+        let th = xdistill_shared::hf::file_sha256(teacher.0)?;
         let path = ProjectionMaps::cache_path(cache_dir, &sh, &th, max_entries);
         if path.is_file() {
             match ProjectionMaps::load(&path) {
@@ -451,9 +453,7 @@ impl ProjectionMaps {
                 Err(e) => tracing::warn!("{e}; rebuilding"),
             }
         }
-        let s = AlignTokenizer::from_file(student_tokenizer)?;
-        let t = AlignTokenizer::from_file(teacher_tokenizer)?;
-        let p = ProjectionMaps::build(&s, &t, max_entries, sh, th)?;
+        let p = ProjectionMaps::build(student.1, teacher.1, max_entries, sh, th)?;
         p.save(&path)?;
         Ok((p, true))
     }

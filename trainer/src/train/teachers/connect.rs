@@ -88,7 +88,8 @@ impl Teacher {
         }
         let student_tok = cfg.student_tokenizer();
         // A tokenizer that does not parse is named as such, not taken for a different tokenizer.
-        xdistill_shared::hf::load_tokenizer(&student_tok)?;
+        // Parsed once here and kept for the run (Qwen3's takes about half a second).
+        let student_tokenizer = xdistill_shared::hf::load_tokenizer(&student_tok)?;
         if let Some(local) = &tc.tokenizer {
             xdistill_shared::hf::load_tokenizer(local)?;
         }
@@ -104,8 +105,7 @@ impl Teacher {
                 if loss.kd.is_cross_tokenizer() {
                     bail!("loss.kd = {:?} is a cross-tokenizer loss but student and teacher share a tokenizer", loss.kd);
                 }
-                let tok = xdistill_shared::hf::load_tokenizer(&student_tok)?;
-                (Tokenization::Same(tok), None)
+                (Tokenization::Same(student_tokenizer), None)
             }
             TeacherTokenizer::Different(_)
                 if tc.transport.is_hidden() && !loss_cross.kd.is_cross_tokenizer() =>
@@ -128,10 +128,16 @@ impl Teacher {
                         loss_cross.kd
                     );
                 }
+                let student = AlignTokenizer::new(student_tokenizer)?;
+                let teacher = AlignTokenizer::from_file(&teacher_tok)?;
                 let t0 = Instant::now();
                 // Cached by the pair of tokenizer hashes: teachers sharing a tokenizer share it.
-                let (p, built) =
-                    ProjectionMaps::load_or_build(&cache, &student_tok, &teacher_tok, 4)?;
+                let (p, built) = ProjectionMaps::load_or_build(
+                    &cache,
+                    (&student_tok, &student),
+                    (&teacher_tok, &teacher),
+                    4,
+                )?;
                 tracing::info!(
                     "teacher {name:?}: projection map {} in {:.1}s",
                     if built { "built" } else { "loaded" },
@@ -147,8 +153,6 @@ impl Teacher {
                     &s2t.weights,
                 )?
                 .with_teacher_first(teacher_first_tokens(&p.teacher_to_student, info.vocab_size))?;
-                let student = AlignTokenizer::from_file(&student_tok)?;
-                let teacher = AlignTokenizer::from_file(&teacher_tok)?;
                 (Tokenization::Cross { student, teacher }, Some(lp))
             }
         };
