@@ -365,8 +365,13 @@ pub fn pkl_loss(
     }
     let (k, ts, vs) = (batch.k, batch.student_len, proj.student_vocab());
 
-    // 1. Host: for every (chunk, K entry) the student (position, token, weight) triples.
-    let (mut idx, mut wts, mut seg) = (Vec::new(), Vec::new(), Vec::new());
+    // 1. Host: for every (chunk, K entry) the student (position, token, weight) triples. Each
+    //    student position's distinct tokens get a column of a `[B·Ts, m]` gather, so only those
+    //    log-probs are computed (no `[B, Ts, V]` softmax on the CPU).
+    let positions = batch.batch * ts;
+    let mut cols: Vec<Vec<u32>> = vec![Vec::new(); positions]; // the gathered tokens per position
+    let mut slot_of = vec![u32::MAX; vs]; // a position's column of each student token (reset per position)
+    let (mut at, mut wts, mut seg) = (Vec::new(), Vec::new(), Vec::new()); // (position, column)
     let mut lt = Vec::with_capacity(chunks.len() * k);
     for (ci, c) in chunks.iter().enumerate() {
         let a = match anchor {
@@ -376,27 +381,51 @@ pub fn pkl_loss(
         let (ids, lps) = batch.topk_row(c.b, a, proj.teacher_vocab())?;
         lt.extend_from_slice(&lps);
         let inv_m = 1.0 / c.student.len() as f64;
-        for (j, &u) in ids.iter().enumerate() {
-            let (students, weights) = proj.column(u as usize);
-            for &t in &c.student {
-                let row = ((c.b * ts + t) * vs) as u64;
+        for &t in &c.student {
+            let row = c.b * ts + t;
+            let row_cols = &mut cols[row];
+            for (j, &u) in ids.iter().enumerate() {
+                let (students, weights) = proj.column(u as usize);
                 for (&s, &w) in students.iter().zip(weights) {
-                    idx.push(row + s as u64);
+                    let slot = &mut slot_of[s as usize];
+                    if *slot == u32::MAX {
+                        *slot = row_cols.len() as u32;
+                        row_cols.push(s);
+                    }
+                    at.push((row, *slot));
                     wts.push(w as f64 * inv_m);
                     seg.push((ci * k + j) as u32);
                 }
+            }
+            for &s in row_cols.iter() {
+                slot_of[s as usize] = u32::MAX;
             }
         }
     }
     let n_units = chunks.len();
 
     // 2. Device: Q_c[K] = Σ w·p_S gathered and summed per (chunk, K entry), [C, k].
-    let p = softmax_last(&z.affine(1.0 / temperature, 0.0)?)?.flatten_all()?;
     let mut q = Tensor::zeros(n_units * k, dt, &dev)?;
-    if !idx.is_empty() {
+    if !at.is_empty() {
+        // [B, Ts, m] ids (short rows padded with token 0, never read), p_S there.
+        let m = cols.iter().map(Vec::len).max().unwrap_or(0);
+        let mut gather_ids = vec![0u32; positions * m];
+        for (row, c) in cols.iter().enumerate() {
+            gather_ids[row * m..row * m + c.len()].copy_from_slice(c);
+        }
+        let gather_ids = Tensor::from_vec(gather_ids, (batch.batch, ts, m), &dev)?;
+        let z = if temperature == 1.0 {
+            z
+        } else {
+            z.affine(1.0 / temperature, 0.0)?
+        };
+        let p = xdistill_kernels::gather_log_softmax(&z, &gather_ids)?
+            .exp()?
+            .flatten_all()?; // [B·Ts·m]
+        let idx: Vec<u64> = at.iter().map(|&(r, j)| (r * m) as u64 + j as u64).collect();
         let vals = p.index_select(&index_tensor(idx, p.elem_count(), &dev)?, 0)?;
         let vals = (vals * host_tensor(wts, &[seg.len()], dt, &dev)?)?;
-        let seg = Tensor::from_vec(seg.clone(), seg.len(), &dev)?;
+        let seg = Tensor::from_vec(seg, vals.elem_count(), &dev)?;
         q = q.index_add(&seg, &vals, 0)?;
     }
     let q = q.reshape((n_units, k))?.affine(1.0, Q_EPS)?;
@@ -505,8 +534,11 @@ pub fn first_kl_loss(
     // 2. Device: log p[g] at each chunk's first position, [C, k]; S = Σ_g p[g] over real groups.
     let rows = Tensor::from_vec(rows, n_units, &dev)?;
     let zr = z.reshape((batch.batch * ts, vs))?.index_select(&rows, 0)?; // [C, V]
-    let ls = crate::loss::stable::log_softmax_last(&zr.affine(1.0 / temperature, 0.0)?)?
-        .gather(&Tensor::from_vec(ids, (n_units, k), &dev)?, 1)?; // [C, k]
+    // Only the k gathered log-probs: no [C, V] log-softmax on the CPU.
+    let ls = xdistill_kernels::gather_log_softmax(
+        &zr.affine(1.0 / temperature, 0.0)?,
+        &Tensor::from_vec(ids, (n_units, k), &dev)?,
+    )?; // [C, k]
     let mask = host_tensor(mask, &[n_units, k], dt, &dev)?;
     let s_mass = (ls.exp()? * &mask)?.sum(D::Minus1)?; // [C]
     let ls_tail = log1mexp(&s_mass.log()?, TAIL_FLOOR)?;

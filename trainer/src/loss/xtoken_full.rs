@@ -81,29 +81,35 @@ pub fn first_kl_full(
         return Ok((zero, KdMetrics::default()));
     }
 
-    // 1. Host: which teacher ids have a first student token (and which), and G as a mask.
-    let (mut mapped_u, mut mapped_g, mut unmapped_u) = (vec![], vec![], vec![]);
-    let mut in_g = vec![0f32; vs];
+    // 1. Host: G (the student tokens that start some teacher token) in order of first use, the
+    //    column in G of each teacher id that has a first student token, the ids that have none.
+    let mut col_of = vec![u32::MAX; vs];
+    let (mut g_ids, mut mapped_u, mut mapped_col, mut unmapped_u) = (vec![], vec![], vec![], vec![]);
     for u in 0..vt {
         match proj.teacher_first(u) {
             Some(g) => {
+                let col = &mut col_of[g as usize];
+                if *col == u32::MAX {
+                    *col = g_ids.len() as u32;
+                    g_ids.push(g);
+                }
                 mapped_u.push(u as u32);
-                mapped_g.push(g);
-                in_g[g as usize] = 1.0;
+                mapped_col.push(*col);
             }
             None => unmapped_u.push(u as u32),
         }
     }
+    let m = g_ids.len();
 
-    // 2. Teacher side (constant): P [C, V_s] grouped by first token, the tail T [C].
+    // 2. Teacher side (constant): P [C, |G|] grouped by first token, the tail T [C].
     let pt = teacher_logprobs.detach().to_dtype(dt)?.exp()?; // [C, V_t]
     let p = if mapped_u.is_empty() {
-        Tensor::zeros((c, vs), dt, &dev)?
+        Tensor::zeros((c, 0), dt, &dev)?
     } else {
         let n = mapped_u.len();
         let src = pt.index_select(&Tensor::from_vec(mapped_u, n, &dev)?, 1)?;
-        Tensor::zeros((c, vs), dt, &dev)?.index_add(
-            &Tensor::from_vec(mapped_g, n, &dev)?,
+        Tensor::zeros((c, m), dt, &dev)?.index_add(
+            &Tensor::from_vec(mapped_col, n, &dev)?,
             &src,
             1,
         )?
@@ -120,11 +126,17 @@ pub fn first_kl_full(
     let tiny = if dt == DType::F64 { 1e-300 } else { 1e-30 };
     let constant = ((&p * p.maximum(tiny)?.log()?)?.sum(D::Minus1)? + (&tail * tail.log()?)?)?; // [C]
 
-    // 3. Student side: ln p_S over its vocabulary, the mass outside G.
+    // 3. Student side: ln p_S at G only ([C, |G|]: no [C, V_s] log-softmax on the CPU), the
+    //    mass outside G.
     let z = student_logits.narrow(1, 0, vs)?.to_dtype(dt)?;
-    let ls = log_softmax_last(&z.affine(1.0 / temperature, 0.0)?)?; // [C, V_s]
-    let mask = Tensor::from_vec(in_g, vs, &dev)?.to_dtype(dt)?;
-    let s_in = ls.exp()?.broadcast_mul(&mask)?.sum(D::Minus1)?; // [C]
+    let z = if temperature == 1.0 {
+        z
+    } else {
+        z.affine(1.0 / temperature, 0.0)?
+    };
+    let ids = Tensor::from_vec(g_ids.repeat(c), (c, m), &dev)?;
+    let ls = xdistill_kernels::gather_log_softmax(&z, &ids)?; // [C, |G|]
+    let s_in = ls.exp()?.sum(D::Minus1)?; // [C]
     let ls_tail = log1mexp(&s_in.log()?, TAIL_FLOOR)?;
     let cross = ((&p * &ls)?.sum(D::Minus1)? + (&tail * ls_tail)?)?; // [C]
 
@@ -213,32 +225,45 @@ pub fn pkl_full(
         return Ok((Tensor::zeros((), dt, &dev)?, KdMetrics::default()));
     }
 
-    // 1. The chunks' mean student distribution P̄ [C, V_s]: rows weighted 1/|c|, added per chunk.
-    let z = student_logits.narrow(1, 0, vs)?.to_dtype(dt)?;
-    let p = super::stable::softmax_last(&z.affine(1.0 / temperature, 0.0)?)?; // [N, V_s]
-    let w: Vec<f64> = chunk_of_row
-        .iter()
-        .map(|&k| 1.0 / rows_per_chunk[k as usize] as f64)
-        .collect();
-    let w = Tensor::from_vec(w, (n, 1), &dev)?.to_dtype(dt)?;
-    let ids = Tensor::from_vec(chunk_of_row.to_vec(), n, &dev)?;
-    let mean = Tensor::zeros((c, vs), dt, &dev)?.index_add(&ids, &p.broadcast_mul(&w)?, 0)?;
-
-    // 2. Q = P̄ W over every teacher id: W's entries gathered from P̄, added per teacher id.
-    let (mut ws, mut wu, mut ww) = (vec![], vec![], vec![]);
+    // 1. W's entries (student id, teacher id, weight) over the student ids U with a non-empty
+    //    row, each entry's student id as its column in U.
+    let (mut u_ids, mut wcol, mut wu, mut ww) = (vec![], vec![], vec![], vec![]);
     for s_id in 0..vs {
         let (us, weights) = proj.row(s_id);
+        if us.is_empty() {
+            continue;
+        }
         for (&u, &wt) in us.iter().zip(weights) {
-            ws.push(s_id as u32);
+            wcol.push(u_ids.len() as u32);
             wu.push(u);
             ww.push(wt as f64);
         }
+        u_ids.push(s_id as u32);
     }
-    let nnz = ws.len();
+
+    // 2. The chunks' mean student distribution P̄ [C, |U|] (rows weighted 1/|c|, added per chunk),
+    //    p_S gathered at U only (no [N, V_s] softmax on the CPU); Q = P̄ W over every teacher id.
     let mut q = Tensor::zeros((c, vt), dt, &dev)?;
+    let nnz = wu.len();
     if nnz > 0 {
+        let z = student_logits.narrow(1, 0, vs)?.to_dtype(dt)?;
+        let z = if temperature == 1.0 {
+            z
+        } else {
+            z.affine(1.0 / temperature, 0.0)?
+        };
+        let m = u_ids.len();
+        let ids = Tensor::from_vec(u_ids.repeat(n), (n, m), &dev)?;
+        let p = xdistill_kernels::gather_log_softmax(&z, &ids)?.exp()?; // [N, |U|]
+        let w: Vec<f64> = chunk_of_row
+            .iter()
+            .map(|&k| 1.0 / rows_per_chunk[k as usize] as f64)
+            .collect();
+        let w = Tensor::from_vec(w, (n, 1), &dev)?.to_dtype(dt)?;
+        let rows = Tensor::from_vec(chunk_of_row.to_vec(), n, &dev)?;
+        let mean = Tensor::zeros((c, m), dt, &dev)?.index_add(&rows, &p.broadcast_mul(&w)?, 0)?;
         let vals = mean
-            .index_select(&Tensor::from_vec(ws, nnz, &dev)?, 1)?
+            .index_select(&Tensor::from_vec(wcol, nnz, &dev)?, 1)?
             .broadcast_mul(&Tensor::from_vec(ww, (1, nnz), &dev)?.to_dtype(dt)?)?;
         q = q.index_add(&Tensor::from_vec(wu, nnz, &dev)?, &vals, 1)?;
     }
