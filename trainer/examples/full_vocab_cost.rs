@@ -18,7 +18,7 @@ use clap::Parser;
 use xdistill_trainer::loss::full_vocab::{
     full_vocab_divergence, teacher_log_softmax_chunk, TeacherHead,
 };
-use xdistill_trainer::loss::Divergence;
+use xdistill_trainer::loss::{Divergence, Temperature};
 
 #[derive(Parser)]
 struct Args {
@@ -124,7 +124,7 @@ fn main() -> Result<()> {
         let mut r0 = 0;
         while r0 < n {
             let m = a.chunk.min(n - r0);
-            let lp = teacher_log_softmax_chunk(&head, &hidden.narrow(0, r0, m)?, 1.0)?;
+            let lp = teacher_log_softmax_chunk(&head, &hidden.narrow(0, r0, m)?, Temperature::ONE)?;
             debug_assert_eq!(lp.dims(), [m, v]);
             r0 += m;
         }
@@ -145,7 +145,7 @@ fn main() -> Result<()> {
                 &hidden,
                 &mask,
                 Divergence::Forward,
-                1.0,
+                Temperature::ONE,
                 a.chunk,
                 None,
             )?;

@@ -12,7 +12,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use xdistill_trainer::loss::{
     alm_loss, cross_entropy, gold_loss, pkl_loss, topk_divergence, Anchor, Divergence, Projection,
-    TailMode, TopkTargets, XTokenBatch,
+    TailMode, Temperature, TopkTargets, XTokenBatch,
 };
 
 #[derive(Parser)]
@@ -70,7 +70,7 @@ fn main() -> Result<()> {
     let tg = TopkTargets::from_host(b, t, k, &ids, &lps, &mask, v, &dev)?;
     for tail in [TailMode::Renormalize, TailMode::Bucket] {
         time(&format!("forward_kl {tail:?}"), a.repeats, || {
-            Ok(topk_divergence(z, &tg, Divergence::Forward, tail, 1.0, None)?.0)
+            Ok(topk_divergence(z, &tg, Divergence::Forward, tail, Temperature::ONE, None)?.0)
         })?;
     }
     time("jsd(0.5) Bucket", a.repeats, || {
@@ -79,7 +79,7 @@ fn main() -> Result<()> {
             &tg,
             Divergence::Jsd { beta: 0.5 },
             TailMode::Bucket,
-            1.0,
+            Temperature::ONE,
             None,
         )?
         .0)
@@ -149,13 +149,13 @@ fn main() -> Result<()> {
         teacher_target_logprobs: (0..b * t).map(|_| -rng.random_range(0.0..3.0f32)).collect(),
     };
     time("pkl (anchor first, tail bucket)", a.repeats, || {
-        Ok(pkl_loss(z, &x, &proj, Anchor::First, TailMode::Bucket, 1.0, None)?.0)
+        Ok(pkl_loss(z, &x, &proj, Anchor::First, TailMode::Bucket, Temperature::ONE, None)?.0)
     })?;
     time("gold", a.repeats, || {
-        Ok(gold_loss(z, &x, &proj, 1.0, 1.0, 1.0, None)?.0)
+        Ok(gold_loss(z, &x, &proj, 1.0, 1.0, Temperature::ONE, None)?.0)
     })?;
     time("alm (tau 100)", a.repeats, || {
-        Ok(alm_loss(z, &x, 100.0, 1.0, None)?.0)
+        Ok(alm_loss(z, &x, 100.0, Temperature::ONE, None)?.0)
     })?;
     Ok(())
 }

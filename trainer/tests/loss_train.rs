@@ -9,7 +9,7 @@ use xdistill_shared::hf::ModelConfig;
 use xdistill_shared::model::{Decoder, Ops};
 use xdistill_trainer::init_model::random_params;
 use xdistill_trainer::loss::{
-    combine, cross_entropy, kd_loss, CeConfig, KdConfig, KdInputs, LossConfig, TailMode,
+    combine, cross_entropy, kd_loss, CeConfig, KdConfig, KdInputs, LossConfig, TailMode, Temperature,
     TopkTargets,
 };
 use xdistill_trainer::optim::{
@@ -78,7 +78,7 @@ fn gradients_reach_every_parameter_and_training_lowers_the_loss() {
     let loss_cfg = LossConfig {
         kd: KdConfig::Jsd { beta: 0.5 },
         tail: Some(TailMode::Bucket),
-        temperature: 1.0,
+        temperature: Temperature::ONE,
         kd_weight: 1.0,
         ce: CeConfig::Weight { weight: 0.1 },
     };
@@ -156,7 +156,7 @@ fn kd_loss_refuses_inputs_of_the_wrong_kind() {
     let cfg = LossConfig {
         kd: KdConfig::Alm { tau: 100.0 },
         tail: Some(TailMode::Bucket),
-        temperature: 1.0,
+        temperature: Temperature::ONE,
         kd_weight: 1.0,
         ce: CeConfig::None {},
     };

@@ -76,7 +76,7 @@ pub struct Config {
     /// absent: `[loss]` for every teacher.
     #[serde(
         default,
-        deserialize_with = "loss_section",
+        deserialize_with = "loss_cross_section",
         skip_serializing_if = "Option::is_none"
     )]
     pub loss_cross: Option<LossConfig>,
@@ -318,6 +318,19 @@ impl Config {
 
 /// `[loss]` as typed config; an absent or empty table is none.
 fn loss_section<'de, D: Deserializer<'de>>(d: D) -> Result<Option<LossConfig>, D::Error> {
+    section_as_loss(d, "loss")
+}
+
+/// `[loss_cross]` as typed config, as [`loss_section`].
+fn loss_cross_section<'de, D: Deserializer<'de>>(d: D) -> Result<Option<LossConfig>, D::Error> {
+    section_as_loss(d, "loss_cross")
+}
+
+/// The table `[name]` as a loss config (an absent or empty one is none); errors name `[name]`.
+fn section_as_loss<'de, D: Deserializer<'de>>(
+    d: D,
+    name: &str,
+) -> Result<Option<LossConfig>, D::Error> {
     let table = toml::Table::deserialize(d)?;
     if table.is_empty() {
         return Ok(None);
@@ -325,7 +338,9 @@ fn loss_section<'de, D: Deserializer<'de>>(d: D) -> Result<Option<LossConfig>, D
     toml::Value::Table(table)
         .try_into()
         .map(Some)
-        .map_err(|e: toml::de::Error| serde::de::Error::custom(format!("[loss]: {}", e.message())))
+        .map_err(|e: toml::de::Error| {
+            serde::de::Error::custom(format!("[{name}]: {}", e.message()))
+        })
 }
 
 /// A config value that is a whole number or one keyword (`"auto"`, `"all"`): `Some(n)` for a

@@ -311,7 +311,7 @@ impl Config {
         };
         for (i, (name, t)) in self.teacher_list().into_iter().enumerate() {
             // Exact, at the precision the teacher scores at: the wire carries an f32.
-            if t.temperature != lt as f32 {
+            if t.temperature != lt.get() as f32 {
                 return Err(invalid(
                     &format!("{}.temperature", self.teacher_key(i)),
                     format!(

@@ -270,6 +270,35 @@ fn temperatures_agree_exactly() {
     assert_eq!(err_key(&cross), "loss_cross.temperature");
 }
 
+/// A temperature outside (0, ∞) in `[loss]` or `[loss_cross]` stops the file from loading, the
+/// error naming the section and the key (`Temperature` is parsed, not checked later).
+#[test]
+fn a_bad_loss_temperature_fails_to_load_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let fwd = "kd = { type = \"forward_kl\" }";
+    let cases = [
+        ("loss", with_loss(MINIMAL, &format!("{fwd}\ntemperature = 0")), "0"),
+        ("loss", with_loss(MINIMAL, &format!("{fwd}\ntemperature = -1.5")), "-1.5"),
+        ("loss", with_loss(MINIMAL, &format!("{fwd}\ntemperature = nan")), "NaN"),
+        (
+            "loss_cross",
+            with_loss(MINIMAL, fwd) + "[loss_cross]\nkd = { type = \"first_kl\" }\ntemperature = 0.0\n",
+            "0",
+        ),
+    ];
+    for (section, text, shown) in cases {
+        match Config::from_file(&write(dir.path(), &text)) {
+            Err(ConfigError::Parse { message, .. }) => assert!(
+                message.contains(&format!(
+                    "[{section}]: temperature must be finite and > 0, got {shown}"
+                )),
+                "{message}"
+            ),
+            other => panic!("expected a parse error, got {other:?}"),
+        }
+    }
+}
+
 fn with_loss(text: &str, loss: &str) -> String {
     format!("{text}\n[loss]\n{loss}\n")
 }

@@ -8,8 +8,9 @@
 
 use candle_core::{DType, Tensor};
 
-use super::stable::{check_normalizer, check_temperature, log1mexp};
+use super::stable::{check_normalizer, log1mexp};
 use super::xtoken::{chunk_loglikelihoods, host_tensor, XTokenBatch};
+use super::Temperature;
 use super::{compute_dtype, KdMetrics, LossError, Result};
 
 /// Floor of `1 − e^b` in the log (a chunk the student is certain of, `b = 0`).
@@ -25,11 +26,11 @@ pub fn alm_loss(
     student_logits: &Tensor,
     batch: &XTokenBatch,
     tau: f64,
-    temperature: f64,
+    temperature: Temperature,
     normalizer: Option<f64>,
 ) -> Result<(Tensor, KdMetrics)> {
     check_normalizer(normalizer)?;
-    check_temperature(temperature)?;
+    let temperature = temperature.get();
     if !(tau.is_finite() && tau > 0.0) {
         return Err(LossError::config(
             "kd.tau",
@@ -99,7 +100,7 @@ mod tests {
             let want = reference(&x, &zs, tau, 1.0);
             for (dtype, tol) in [(DType::F64, 1e-9), (DType::F32, 1e-4)] {
                 let (l, m) =
-                    alm_loss(&tensor(&zs, &[B, TS, VL], dtype), &x, tau, 1.0, None).unwrap();
+                    alm_loss(&tensor(&zs, &[B, TS, VL], dtype), &x, tau, Temperature::ONE, None).unwrap();
                 assert!(
                     (scalar(&l) - want).abs() < tol * want.abs(),
                     "τ={tau} {dtype:?}: {} vs {want}",
@@ -108,7 +109,7 @@ mod tests {
                 assert_eq!(m.count, 6.0);
             }
             let v = var(&zs, &[B, TS, VL]);
-            let (l, _) = alm_loss(v.as_tensor(), &x, tau, 1.0, None).unwrap();
+            let (l, _) = alm_loss(v.as_tensor(), &x, tau, Temperature::ONE, None).unwrap();
             let g = flat(l.backward().unwrap().get(v.as_tensor()).unwrap());
             let fd = numeric_grad(&zs, 1e-5, |z| reference(&x, z, tau, 1.0));
             assert_close(&g, &fd, 1e-7, "alm grad");
@@ -132,7 +133,7 @@ mod tests {
             }
         }
         let v = var(&zs, &[B, TS, VL]);
-        let (l, _) = alm_loss(v.as_tensor(), &x, 10.0, 1.0, None).unwrap();
+        let (l, _) = alm_loss(v.as_tensor(), &x, 10.0, Temperature::ONE, None).unwrap();
         let g = flat(l.backward().unwrap().get(v.as_tensor()).unwrap());
         assert!(g.iter().all(|g| g.abs() < 1e-6), "{g:?}");
     }
@@ -143,10 +144,10 @@ mod tests {
         let z = tensor(&zs, &[B, TS, VL], DType::F32);
         let mut bad = x.clone();
         bad.student_targets[0] = VL as u32;
-        assert!(alm_loss(&z, &bad, 100.0, 1.0, None).is_err());
+        assert!(alm_loss(&z, &bad, 100.0, Temperature::ONE, None).is_err());
         let mut bad = x.clone();
         bad.teacher_target_logprobs[0] = f32::NAN;
-        assert!(alm_loss(&z, &bad, 100.0, 1.0, None).is_err());
-        assert!(alm_loss(&z, &x, 0.0, 1.0, None).is_err());
+        assert!(alm_loss(&z, &bad, 100.0, Temperature::ONE, None).is_err());
+        assert!(alm_loss(&z, &x, 0.0, Temperature::ONE, None).is_err());
     }
 }

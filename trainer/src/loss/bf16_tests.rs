@@ -41,7 +41,7 @@ fn config(kd: KdConfig) -> LossConfig {
     LossConfig {
         kd,
         tail: Some(TailMode::Bucket),
-        temperature: 1.5,
+        temperature: temperature(1.5),
         kd_weight: 1.0,
         ce: CeConfig::None {},
     }

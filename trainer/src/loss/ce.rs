@@ -121,7 +121,7 @@ mod tests {
         LossConfig {
             kd: KdConfig::ForwardKl {},
             tail: None,
-            temperature: 1.0,
+            temperature: Temperature::ONE,
             kd_weight,
             ce,
         }

@@ -55,7 +55,8 @@ use candle_core::{DType, Tensor, D};
 use sha2::{Digest, Sha256};
 
 use super::kl::Divergence;
-use super::stable::{check_normalizer, check_temperature, log_softmax_last, logaddexp};
+use super::stable::{check_normalizer, log_softmax_last, logaddexp};
+use super::Temperature;
 use super::{compute_dtype, KdMetrics, LossError, Result};
 
 /// Positions per chunk when the caller has no better figure: `[64, V]` f32 is 39 MB for Qwen3.
@@ -324,9 +325,9 @@ fn hash_f32(h: &mut Sha256, t: &Tensor) -> Result<()> {
 pub fn teacher_log_softmax_chunk(
     head: &TeacherHead,
     hidden: &Tensor,
-    temperature: f64,
+    temperature: Temperature,
 ) -> Result<Tensor> {
-    check_temperature(temperature)?;
+    let temperature = temperature.get();
     let z = head.logits_chunk(hidden)?;
     log_softmax_last(&scaled(&z, 1.0 / temperature)?)
 }
@@ -342,7 +343,7 @@ pub fn teacher_token_logprobs(
     head: &TeacherHead,
     hidden: &Tensor,
     targets: &Tensor,
-    temperature: f64,
+    temperature: Temperature,
     chunk_rows: usize,
 ) -> Result<Tensor> {
     let (n, h) = hidden.dims2()?;
@@ -413,7 +414,7 @@ pub fn full_vocab_divergence(
     hidden: &Tensor,
     mask: &Tensor,
     div: Divergence,
-    temperature: f64,
+    temperature: Temperature,
     chunk_rows: usize,
     normalizer: Option<f64>,
 ) -> Result<(Tensor, KdMetrics)> {
@@ -465,7 +466,7 @@ pub fn full_vocab_divergence_from_logits(
     teacher_logits: &Tensor,
     mask: &Tensor,
     div: Divergence,
-    temperature: f64,
+    temperature: Temperature,
     chunk_rows: usize,
     normalizer: Option<f64>,
 ) -> Result<(Tensor, KdMetrics)> {
@@ -595,11 +596,11 @@ fn chunked(
     teacher: &dyn Fn(&[u32]) -> Result<Tensor>,
     mask: &Tensor,
     div: Divergence,
-    temperature: f64,
+    temperature: Temperature,
     chunk_rows: usize,
     normalizer: Option<f64>,
 ) -> Result<(Tensor, KdMetrics)> {
-    check_temperature(temperature)?;
+    let temperature = temperature.get();
     check_normalizer(normalizer)?;
     let form = form(div)?;
     if chunk_rows == 0 {

@@ -193,7 +193,7 @@ fn teacher_log_probs_match_the_direct_f64_computation() {
             let want: Vec<f64> = (0..c.n).flat_map(|p| ref_teacher_lp(&c, p, tau)).collect();
             for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-5)] {
                 let hid = tensor(&c.hid, &[c.n, c.h], dtype);
-                let lp = teacher_log_softmax_chunk(&head(&c, dtype), &hid, tau).unwrap();
+                let lp = teacher_log_softmax_chunk(&head(&c, dtype), &hid, temperature(tau)).unwrap();
                 assert_eq!(lp.dims(), [c.n, c.vocab]);
                 assert_eq!(
                     lp.dtype(),
@@ -225,7 +225,7 @@ fn token_log_probs_match_the_reference_entry() {
                 let hid = tensor(&c.hid, &[c.n, c.h], dtype);
                 for chunk in [1, 2, c.n] {
                     let got =
-                        teacher_token_logprobs(&head(&c, dtype), &hid, &tg, tau, chunk).unwrap();
+                        teacher_token_logprobs(&head(&c, dtype), &hid, &tg, temperature(tau), chunk).unwrap();
                     assert_eq!(got.dims(), [c.n]);
                     let what = format!("{dtype:?} tau={tau} chunk={chunk}");
                     assert_close(&flat(&got), &want, tol, &what);
@@ -239,16 +239,16 @@ fn token_log_probs_match_the_reference_entry() {
         let mut bad = targets.clone();
         bad[c.n - 1] = c.vocab as u32; // a padding row of the head is not a token
         let bad = Tensor::new(bad.as_slice(), &Device::Cpu).unwrap();
-        let err = teacher_token_logprobs(&hd, &hid, &bad, 1.0, 2).unwrap_err();
+        let err = teacher_token_logprobs(&hd, &hid, &bad, Temperature::ONE, 2).unwrap_err();
         assert!(err.to_string().contains("outside the teacher's"), "{err}");
         let short = tg.narrow(0, 0, c.n - 1).unwrap();
-        assert!(teacher_token_logprobs(&hd, &hid, &short, 1.0, 2).is_err());
-        assert!(teacher_token_logprobs(&hd, &hid, &tg, 1.0, 0).is_err());
+        assert!(teacher_token_logprobs(&hd, &hid, &short, Temperature::ONE, 2).is_err());
+        assert!(teacher_token_logprobs(&hd, &hid, &tg, Temperature::ONE, 0).is_err());
         let none = teacher_token_logprobs(
             &hd,
             &hid.narrow(0, 0, 0).unwrap(),
             &tg.narrow(0, 0, 0).unwrap(),
-            1.0,
+            Temperature::ONE,
             2,
         )
         .unwrap();
@@ -273,7 +273,7 @@ fn matches_f64_reference_every_divergence_chunk_and_dtype() {
                                 &hid,
                                 &mask_t(&c),
                                 div,
-                                tau,
+                                temperature(tau),
                                 chunk,
                                 norm,
                             )
@@ -309,7 +309,7 @@ fn gradients_match_finite_differences_and_masked_rows_get_none() {
                 &hid,
                 &mask_t(&c),
                 div,
-                tau,
+                temperature(tau),
                 3,
                 None,
             )
@@ -354,7 +354,7 @@ fn equals_the_autograd_top_k_path_with_k_equal_to_the_vocabulary() {
         for div in DIVS {
             let x = var(&c.zs, &[1, n, v]);
             let (want, _) =
-                topk_divergence(x.as_tensor(), &targets, div, TailMode::Ignore, tau, None).unwrap();
+                topk_divergence(x.as_tensor(), &targets, div, TailMode::Ignore, temperature(tau), None).unwrap();
             let want_g = flat(want.backward().unwrap().get(x.as_tensor()).unwrap());
             let y = var(&c.zs, &[1, n, v]);
             let hid = tensor(&c.hid, &[1, n, c.h], DType::F64);
@@ -365,7 +365,7 @@ fn equals_the_autograd_top_k_path_with_k_equal_to_the_vocabulary() {
                 &hid,
                 &mask,
                 div,
-                tau,
+                temperature(tau),
                 4,
                 None,
             )
@@ -418,12 +418,12 @@ fn hidden_states_and_head_equal_full_teacher_logits() {
         for tau in [1.0, 0.8] {
             let x = Var::from_tensor(&tensor(&zs, &[b, t, vocab], DType::F32)).unwrap();
             let (got, _) =
-                full_vocab_divergence(x.as_tensor(), &head, &hid, &mask, div, tau, 4, None)
+                full_vocab_divergence(x.as_tensor(), &head, &hid, &mask, div, temperature(tau), 4, None)
                     .unwrap();
             let got_g = flat(got.backward().unwrap().get(x.as_tensor()).unwrap());
             let y = Var::from_tensor(&tensor(&zs, &[b, t, vocab], DType::F32)).unwrap();
             let (want, _) =
-                full_vocab_divergence_from_logits(y.as_tensor(), &z_t, &mask, div, tau, 64, None)
+                full_vocab_divergence_from_logits(y.as_tensor(), &z_t, &mask, div, temperature(tau), 64, None)
                     .unwrap();
             let want_g = flat(want.backward().unwrap().get(y.as_tensor()).unwrap());
             let what = format!("{div:?} tau={tau}");
@@ -440,7 +440,7 @@ fn identical_distributions_give_zero_loss_and_gradient() {
     for div in DIVS {
         let x = var(&c.zs, &[c.n, c.vocab]);
         let (loss, _) =
-            full_vocab_divergence_from_logits(x.as_tensor(), &zs, &mask_t(&c), div, 1.5, 2, None)
+            full_vocab_divergence_from_logits(x.as_tensor(), &zs, &mask_t(&c), div, temperature(1.5), 2, None)
                 .unwrap();
         assert!(scalar(&loss).abs() < 1e-14, "{div:?}: {}", scalar(&loss));
         let g = flat(loss.backward().unwrap().get(x.as_tensor()).unwrap());
@@ -456,7 +456,7 @@ fn micro_batches_with_a_global_normalizer_add_up_to_the_batch() {
     let zs = tensor(&c.zs, &[c.n, c.vocab], DType::F64);
     let mask = mask_t(&c);
     let div = Divergence::Jsd { beta: 0.3 };
-    let (full, m) = full_vocab_divergence(&zs, &hd, &hid, &mask, div, 1.2, 3, None).unwrap();
+    let (full, m) = full_vocab_divergence(&zs, &hd, &hid, &mask, div, temperature(1.2), 3, None).unwrap();
     let parts: f64 = [(0, 3), (3, 5)]
         .iter()
         .map(|&(s, l)| {
@@ -466,7 +466,7 @@ fn micro_batches_with_a_global_normalizer_add_up_to_the_batch() {
                 &hid.narrow(0, s, l).unwrap(),
                 &mask.narrow(0, s, l).unwrap(),
                 div,
-                1.2,
+                temperature(1.2),
                 3,
                 Some(m.count),
             )
@@ -488,7 +488,7 @@ fn nothing_valid_is_zero_with_a_zero_gradient() {
         &hid,
         &mask_t(&c),
         Divergence::Forward,
-        1.0,
+        Temperature::ONE,
         2,
         None,
     )
@@ -518,12 +518,12 @@ fn bf16_logits_and_head() {
     let div = Divergence::Jsd { beta: 0.5 };
     let x = Var::from_tensor(&z16).unwrap();
     let (got, _) =
-        full_vocab_divergence(x.as_tensor(), &h16, &hid, &mask_t(&c), div, 1.0, 4, None).unwrap();
+        full_vocab_divergence(x.as_tensor(), &h16, &hid, &mask_t(&c), div, Temperature::ONE, 4, None).unwrap();
     assert_eq!(got.dtype(), DType::F32);
     let g = got.backward().unwrap();
     assert_eq!(g.get(x.as_tensor()).unwrap().dtype(), DType::BF16);
     let (want, _) =
-        full_vocab_divergence(&z32, &h32, &hid, &mask_t(&c), div, 1.0, 4, None).unwrap();
+        full_vocab_divergence(&z32, &h32, &hid, &mask_t(&c), div, Temperature::ONE, 4, None).unwrap();
     assert_eq!(scalar(&got), scalar(&want));
 }
 
@@ -644,7 +644,7 @@ fn bad_inputs_are_typed_errors() {
     let mask = Tensor::ones(4, DType::F32, &d).unwrap();
     let fwd = Divergence::Forward;
     let run = |zs: &Tensor, hid: &Tensor, mask: &Tensor, div, tau, chunk, norm| {
-        full_vocab_divergence(zs, &hd, hid, mask, div, tau, chunk, norm)
+        full_vocab_divergence(zs, &hd, hid, mask, div, temperature(tau), chunk, norm)
     };
     let input = |r: Result<(Tensor, KdMetrics)>| matches!(r, Err(LossError::Input { .. }));
     let config = |r: Result<(Tensor, KdMetrics)>| matches!(r, Err(LossError::Config { .. }));
@@ -685,14 +685,9 @@ fn bad_inputs_are_typed_errors() {
         input(run(&zs, &hid, &mask, fwd, 1.0, 2, Some(0.0))),
         "normalizer"
     );
-    assert!(
-        config(run(&zs, &hid, &mask, fwd, 0.0, 2, None)),
-        "temperature"
-    );
-    assert!(
-        config(run(&zs, &hid, &mask, fwd, f64::NAN, 2, None)),
-        "temperature"
-    );
+    // A bad temperature cannot reach the loss: `Temperature` refuses it.
+    assert!(Temperature::new(0.0).is_err(), "temperature");
+    assert!(Temperature::new(f64::NAN).is_err(), "temperature");
     assert!(
         config(run(&zs, &hid, &mask, fwd, 1.0, 0, None)),
         "chunk_rows"
@@ -709,12 +704,12 @@ fn bad_inputs_are_typed_errors() {
         )));
     }
     assert!(matches!(
-        teacher_log_softmax_chunk(&hd, &hid4, 1.0),
+        teacher_log_softmax_chunk(&hd, &hid4, Temperature::ONE),
         Err(LossError::Input { .. })
     ));
     let zt7 = Tensor::zeros((4, 7), DType::F32, &d).unwrap();
     assert!(input(full_vocab_divergence_from_logits(
-        &zs, &zt7, &mask, fwd, 1.0, 2, None
+        &zs, &zt7, &mask, fwd, Temperature::ONE, 2, None
     )));
 }
 
@@ -742,12 +737,12 @@ fn measure_qwen3_0_6b_head_cost_per_position() {
         hd.logits_chunk(&hid).unwrap();
     });
     let ms_lsm = time(&|| {
-        teacher_log_softmax_chunk(&hd, &hid, 1.0).unwrap();
+        teacher_log_softmax_chunk(&hd, &hid, Temperature::ONE).unwrap();
     });
     let h16 = TeacherHead::new(w.to_dtype(DType::BF16).unwrap(), None, 1.0, None, vocab).unwrap();
     let hid16 = hid.to_dtype(DType::BF16).unwrap();
     let ms_bf16 = time(&|| {
-        teacher_log_softmax_chunk(&h16, &hid16, 1.0).unwrap();
+        teacher_log_softmax_chunk(&h16, &hid16, Temperature::ONE).unwrap();
     });
     // The whole loss, forward and backward, for 4 chunks of positions.
     let n = 4 * chunk;
@@ -761,7 +756,7 @@ fn measure_qwen3_0_6b_head_cost_per_position() {
             &hid_n,
             &mask,
             Divergence::Jsd { beta: 0.5 },
-            1.0,
+            Temperature::ONE,
             chunk,
             None,
         )

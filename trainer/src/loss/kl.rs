@@ -9,9 +9,10 @@
 use candle_core::{DType, Device, Tensor, D};
 
 use super::stable::{
-    check_normalizer, check_temperature, log1mexp, logaddexp, logsumexp_last, masked_mean,
+    check_normalizer, log1mexp, logaddexp, logsumexp_last, masked_mean,
     LOG_FLOOR, TAIL_FLOOR,
 };
+use super::Temperature;
 use super::{compute_dtype, KdMetrics, LossError, Result, TailMode};
 
 /// A divergence between the teacher (T) and student (S) distributions over K (+ tail).
@@ -153,7 +154,7 @@ pub fn topk_divergence(
     targets: &TopkTargets,
     div: Divergence,
     tail: TailMode,
-    temperature: f64,
+    temperature: Temperature,
     normalizer: Option<f64>,
 ) -> Result<(Tensor, KdMetrics)> {
     let (b, t, _v) = student_logits.dims3()?;
@@ -173,7 +174,7 @@ pub fn topk_divergence(
     if targets.ids.dtype() != DType::U32 {
         return Err(LossError::input("targets.ids", "must be u32"));
     }
-    check_temperature(temperature)?;
+    let temperature = temperature.get();
     check_normalizer(normalizer)?;
     let dt = compute_dtype(student_logits);
     let inv_t = 1.0 / temperature;

@@ -117,7 +117,7 @@ fn matches_f64_reference_every_divergence_and_tail() {
                 for (dtype, tol) in [(DType::F64, 1e-10), (DType::F32, 2e-5)] {
                     let logits = tensor(&c.zs, &[B, T, V], dtype);
                     let (loss, m) =
-                        topk_divergence(&logits, &targets(&c, dtype), div, tail, tau, None)
+                        topk_divergence(&logits, &targets(&c, dtype), div, tail, temperature(tau), None)
                             .unwrap();
                     let got = scalar(&loss);
                     assert!(
@@ -140,7 +140,7 @@ fn metrics_report_top_k_masses() {
         &targets(&c, DType::F64),
         Divergence::Forward,
         TailMode::Renormalize,
-        1.0,
+        Temperature::ONE,
         None,
     )
     .unwrap();
@@ -174,7 +174,7 @@ fn gradients_match_finite_differences_of_the_reference() {
                 &targets(&c, DType::F64),
                 div,
                 tail,
-                tau,
+                temperature(tau),
                 None,
             )
             .unwrap();
@@ -205,7 +205,7 @@ fn identical_distributions_give_zero() {
                 &targets(&c, DType::F64),
                 div,
                 tail,
-                tau,
+                temperature(tau),
                 None,
             )
             .unwrap();
@@ -221,7 +221,7 @@ fn jsd_limits_follow_the_trl_convention() {
     let tg = targets(&c, DType::F64);
     let run = |div| {
         scalar(
-            &topk_divergence(&logits, &tg, div, TailMode::Bucket, 1.0, None)
+            &topk_divergence(&logits, &tg, div, TailMode::Bucket, Temperature::ONE, None)
                 .unwrap()
                 .0,
         )
@@ -252,7 +252,7 @@ fn masked_positions_do_not_contribute() {
             &targets(&c, DType::F64),
             Divergence::Forward,
             tail,
-            1.0,
+            Temperature::ONE,
             None,
         )
         .unwrap();
@@ -273,7 +273,7 @@ fn temperature_scales_by_tau_squared() {
         &targets(&c, DType::F64),
         Divergence::Forward,
         TailMode::Bucket,
-        3.0,
+        temperature(3.0),
         None,
     )
     .unwrap();
@@ -314,7 +314,7 @@ fn micro_batches_with_global_normalizer_sum_to_the_full_batch() {
             &part,
             Divergence::Jsd { beta: 0.5 },
             TailMode::Bucket,
-            1.0,
+            Temperature::ONE,
             Some(5.0),
         )
         .unwrap();
@@ -348,7 +348,7 @@ fn from_host_rejects_bad_input_and_sanitises_masked_rows() {
         &t,
         Divergence::Reverse,
         TailMode::Bucket,
-        1.0,
+        Temperature::ONE,
         None,
     )
     .unwrap();
@@ -364,7 +364,7 @@ fn shape_mismatch_is_an_error() {
         &targets(&c, DType::F32),
         Divergence::Forward,
         TailMode::Bucket,
-        1.0,
+        Temperature::ONE,
         None,
     );
     assert!(matches!(r, Err(LossError::Input { .. })));
@@ -387,7 +387,7 @@ fn bf16_logits_are_computed_in_f32() {
             &targets(&c, DType::F32),
             Divergence::Reverse,
             tail,
-            1.0,
+            Temperature::ONE,
             None,
         )
         .unwrap();

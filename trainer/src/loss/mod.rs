@@ -11,6 +11,7 @@ pub mod full_vocab;
 pub mod kl;
 pub mod sampled;
 pub mod stable;
+pub mod temperature;
 #[cfg(test)]
 pub(crate) mod testutil;
 pub mod topk;
@@ -24,6 +25,7 @@ pub use alm::alm_loss;
 pub use ce::{combine, cross_entropy, Combined};
 pub use kl::{topk_divergence, Divergence, TopkTargets};
 pub use sampled::{chunk_sampled_loss, sampled_token_loss, SampledTargets};
+pub use temperature::{BadTemperature, Temperature};
 pub use xtoken::{first_kl_loss, gold_loss, pkl_loss, Projection, XTokenBatch};
 
 /// Errors of the loss functions: bad shapes or values in the inputs, a bad config, or candle.
@@ -79,9 +81,10 @@ pub struct LossConfig {
     /// the same-tokenizer top-k losses, `renormalize` (NeMo's exact form) for P-KL.
     #[serde(default)]
     pub tail: Option<TailMode>,
-    /// Distillation temperature τ. The teacher must be queried with the same `temperature`.
-    #[serde(default = "one")]
-    pub temperature: f64,
+    /// Distillation temperature τ (default 1), checked when the config is parsed. The teacher
+    /// must be queried with the same `temperature`.
+    #[serde(default)]
+    pub temperature: Temperature,
     /// Multiplier of the distillation term.
     #[serde(default = "one")]
     pub kd_weight: f64,
@@ -201,7 +204,8 @@ impl Default for CeConfig {
 }
 
 impl LossConfig {
-    /// Checks the ranges of every number (call once after parsing).
+    /// Checks the ranges of every number (call once after parsing; the temperature is checked by
+    /// parsing itself, [`Temperature`]).
     pub fn validate(&self) -> Result<()> {
         let pos = |field: &'static str, v: f64| {
             if v.is_finite() && v > 0.0 {
@@ -217,7 +221,6 @@ impl LossConfig {
                 Err(LossError::config(field, format!("must be >= 0, got {v}")))
             }
         };
-        pos("temperature", self.temperature)?;
         nonneg("kd_weight", self.kd_weight)?;
         match self.kd {
             KdConfig::Jsd { beta } if !(0.0..=1.0).contains(&beta) => {
@@ -375,7 +378,7 @@ mod tests {
         .unwrap();
         assert_eq!(c.kd, KdConfig::Jsd { beta: 0.25 });
         assert_eq!(c.tail, Some(TailMode::Renormalize));
-        assert_eq!(c.temperature, 2.0);
+        assert_eq!(c.temperature.get(), 2.0);
         assert_eq!(c.kd_weight, 1.0);
         assert_eq!(c.ce, CeConfig::Weight { weight: 0.1 });
         c.validate().unwrap();
@@ -414,8 +417,7 @@ mod tests {
         assert!(parse("[loss]\nkd = { type = \"forward_kl\" }\ntemprature = 2.0\n").is_err());
         let c = parse("[loss]\nkd = { type = \"jsd\", beta = 1.5 }\n").unwrap();
         assert!(c.validate().is_err());
-        let c = parse("[loss]\nkd = { type = \"forward_kl\" }\ntemperature = 0.0\n").unwrap();
-        assert!(c.validate().is_err());
+        assert!(parse("[loss]\nkd = { type = \"forward_kl\" }\ntemperature = 0.0\n").is_err());
     }
 }
 

@@ -13,8 +13,9 @@
 
 use candle_core::{DType, Tensor};
 
-use super::stable::{check_normalizer, check_temperature, logsumexp_last, masked_mean, LOG_FLOOR};
+use super::stable::{check_normalizer, logsumexp_last, masked_mean, LOG_FLOOR};
 use super::xtoken::{chunk_loglikelihoods, host_tensor, XTokenBatch};
+use super::Temperature;
 use super::{compute_dtype, KdMetrics, LossError, Result};
 
 /// Inputs of [`sampled_token_loss`], all `[B, T]`, row `t` describing token `t + 1`.
@@ -35,11 +36,11 @@ pub struct SampledTargets {
 pub fn sampled_token_loss(
     student_logits: &Tensor,
     targets: &SampledTargets,
-    temperature: f64,
+    temperature: Temperature,
     normalizer: Option<f64>,
 ) -> Result<(Tensor, KdMetrics)> {
     check_normalizer(normalizer)?;
-    check_temperature(temperature)?;
+    let temperature = temperature.get();
     let (b, t, _v) = student_logits.dims3()?;
     let same = |x: &Tensor| x.dims() == [b, t];
     if !same(&targets.tokens)
@@ -99,11 +100,11 @@ pub fn sampled_token_loss(
 pub fn chunk_sampled_loss(
     student_logits: &Tensor,
     batch: &XTokenBatch,
-    temperature: f64,
+    temperature: Temperature,
     normalizer: Option<f64>,
 ) -> Result<(Tensor, KdMetrics)> {
     check_normalizer(normalizer)?;
-    check_temperature(temperature)?;
+    let temperature = temperature.get();
     let dt = compute_dtype(student_logits);
     let dev = student_logits.device();
     let chunks = batch.chunks()?;
@@ -151,7 +152,7 @@ mod tests {
             mask: tensor(&mask, &[b, t], DType::F64),
         };
         let vz = var(&zs, &[b, t, v]);
-        let (l, m) = sampled_token_loss(vz.as_tensor(), &targets, 1.0, None).unwrap();
+        let (l, m) = sampled_token_loss(vz.as_tensor(), &targets, Temperature::ONE, None).unwrap();
         // Value: mean over valid tokens of lp_S − lp_T (ratio 1).
         let want: f64 = (0..b * t)
             .filter(|&p| mask[p] == 1.0)
@@ -217,12 +218,12 @@ mod chunk_tests {
             let want = reference(&x, &zs, &zs, temp);
             for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-5)] {
                 let z = tensor(&zs, &[B, TS, VL], dtype);
-                let (l, m) = chunk_sampled_loss(&z, &x, temp, None).unwrap();
+                let (l, m) = chunk_sampled_loss(&z, &x, temperature(temp), None).unwrap();
                 assert!((scalar(&l) - want).abs() < tol * want.abs().max(1.0));
                 assert_eq!(m.count, ref_chunks(&x).len() as f64);
             }
             let v = var(&zs, &[B, TS, VL]);
-            let (l, _) = chunk_sampled_loss(v.as_tensor(), &x, temp, Some(4.0)).unwrap();
+            let (l, _) = chunk_sampled_loss(v.as_tensor(), &x, temperature(temp), Some(4.0)).unwrap();
             let g = flat(l.backward().unwrap().get(v.as_tensor()).unwrap());
             let c = ref_chunks(&x).len() as f64;
             let fd = numeric_grad(&zs, 1e-5, |z| reference(&x, z, &zs, temp) * c / 4.0);
@@ -247,7 +248,7 @@ mod chunk_tests {
             x.num_chunks[b] = n;
         }
         let z = tensor(&zs, &[B, TS, VL], DType::F64);
-        let (l, _) = chunk_sampled_loss(&z, &x, 1.0, None).unwrap();
+        let (l, _) = chunk_sampled_loss(&z, &x, Temperature::ONE, None).unwrap();
         let (mut tlp, mut mask) = (vec![0.0; B * TS], vec![0.0; B * TS]);
         for b in 0..B {
             for p in 0..n {
@@ -261,13 +262,13 @@ mod chunk_tests {
             old_logprobs: None,
             mask: tensor(&mask, &[B, TS], DType::F64),
         };
-        let (want, _) = sampled_token_loss(&z, &targets, 1.0, None).unwrap();
+        let (want, _) = sampled_token_loss(&z, &targets, Temperature::ONE, None).unwrap();
         assert!((scalar(&l) - scalar(&want)).abs() < 1e-12);
         let v = var(&zs, &[B, TS, VL]);
         let grad = |l: Tensor| flat(l.backward().unwrap().get(v.as_tensor()).unwrap());
-        let g1 = grad(chunk_sampled_loss(v.as_tensor(), &x, 1.0, None).unwrap().0);
+        let g1 = grad(chunk_sampled_loss(v.as_tensor(), &x, Temperature::ONE, None).unwrap().0);
         let g2 = grad(
-            sampled_token_loss(v.as_tensor(), &targets, 1.0, None)
+            sampled_token_loss(v.as_tensor(), &targets, Temperature::ONE, None)
                 .unwrap()
                 .0,
         );
@@ -283,7 +284,7 @@ mod chunk_tests {
             *v = 0.0;
         }
         let v = var(&zs, &[B, TS, VL]);
-        let (l, _) = chunk_sampled_loss(v.as_tensor(), &x, 1.0, None).unwrap();
+        let (l, _) = chunk_sampled_loss(v.as_tensor(), &x, Temperature::ONE, None).unwrap();
         let g = flat(l.backward().unwrap().get(v.as_tensor()).unwrap());
         let stepped: Vec<f64> = zs.iter().zip(&g).map(|(z, g)| z - 0.1 * g).collect();
         let lp_sum = |zz: &[f64]| -> f64 {
@@ -302,12 +303,12 @@ mod chunk_tests {
         let z = tensor(&zs, &[B, TS, VL], DType::F32);
         let mut bad = x.clone();
         bad.student_targets[0] = VL as u32;
-        assert!(chunk_sampled_loss(&z, &bad, 1.0, None).is_err());
+        assert!(chunk_sampled_loss(&z, &bad, Temperature::ONE, None).is_err());
         let mut bad = x.clone();
         bad.teacher_target_logprobs[0] = f32::NAN;
-        assert!(chunk_sampled_loss(&z, &bad, 1.0, None).is_err());
-        assert!(chunk_sampled_loss(&z, &x, 0.0, None).is_err());
+        assert!(chunk_sampled_loss(&z, &bad, Temperature::ONE, None).is_err());
+        assert!(Temperature::new(0.0).is_err(), "a bad temperature cannot reach the loss");
         let wrong = tensor(&zs[..TS * VL], &[1, TS, VL], DType::F32);
-        assert!(chunk_sampled_loss(&wrong, &x, 1.0, None).is_err());
+        assert!(chunk_sampled_loss(&wrong, &x, Temperature::ONE, None).is_err());
     }
 }

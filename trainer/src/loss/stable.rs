@@ -73,18 +73,6 @@ pub fn masked_mean(
     Ok((total.affine(scale, 0.0)?, count))
 }
 
-/// A temperature must be positive and finite.
-pub(crate) fn check_temperature(temperature: f64) -> Result<()> {
-    if temperature.is_finite() && temperature > 0.0 {
-        Ok(())
-    } else {
-        Err(super::LossError::config(
-            "temperature",
-            format!("must be > 0, got {temperature}"),
-        ))
-    }
-}
-
 /// The normalizer must be positive and finite when given.
 pub(crate) fn check_normalizer(normalizer: Option<f64>) -> Result<()> {
     match normalizer {

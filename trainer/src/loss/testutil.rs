@@ -4,6 +4,13 @@ use candle_core::{DType, Device, Tensor, Var};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+pub use super::Temperature;
+
+/// A test's temperature `v` (a valid one: the tests of bad values call [`Temperature::new`]).
+pub fn temperature(v: f64) -> Temperature {
+    Temperature::new(v).expect("a test temperature is finite and > 0")
+}
+
 pub fn rng(seed: u64) -> ChaCha8Rng {
     ChaCha8Rng::seed_from_u64(seed)
 }

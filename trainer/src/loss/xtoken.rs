@@ -12,10 +12,11 @@ pub use projection::Projection;
 use candle_core::{DType, Device, Tensor, D};
 
 use super::stable::{
-    check_normalizer, check_temperature, log1mexp, logsumexp_last, softmax_last, LOG_FLOOR,
+    check_normalizer, log1mexp, logsumexp_last, softmax_last, LOG_FLOOR,
     TAIL_FLOOR,
 };
 use super::topk::topk_indices;
+use super::Temperature;
 use super::{compute_dtype, Anchor, KdMetrics, LossError, Result, TailMode};
 
 /// Added to projected probabilities before the log (a teacher token no student token maps to).
@@ -353,11 +354,11 @@ pub fn pkl_loss(
     proj: &Projection,
     anchor: Anchor,
     tail: TailMode,
-    temperature: f64,
+    temperature: Temperature,
     normalizer: Option<f64>,
 ) -> Result<(Tensor, KdMetrics)> {
     check_normalizer(normalizer)?;
-    check_temperature(temperature)?;
+    let temperature = temperature.get();
     let (z, chunks) = view_and_chunks(student_logits, batch, proj)?;
     let (dt, dev) = (z.dtype(), z.device().clone());
     if chunks.is_empty() {
@@ -479,11 +480,11 @@ pub fn first_kl_loss(
     student_logits: &Tensor,
     batch: &XTokenBatch,
     proj: &Projection,
-    temperature: f64,
+    temperature: Temperature,
     normalizer: Option<f64>,
 ) -> Result<(Tensor, KdMetrics)> {
     check_normalizer(normalizer)?;
-    check_temperature(temperature)?;
+    let temperature = temperature.get();
     if proj.teacher_first.is_empty() {
         return Err(LossError::input(
             "projection",
@@ -581,11 +582,11 @@ pub fn gold_loss(
     proj: &Projection,
     matched_weight: f64,
     unmatched_weight: f64,
-    temperature: f64,
+    temperature: Temperature,
     normalizer: Option<f64>,
 ) -> Result<(Tensor, KdMetrics)> {
     check_normalizer(normalizer)?;
-    check_temperature(temperature)?;
+    let temperature = temperature.get();
     let z = student_view(student_logits, batch, proj.student_vocab())?;
     let (dt, dev) = (z.dtype(), z.device().clone());
     batch.check_topk()?;

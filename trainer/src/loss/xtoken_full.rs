@@ -24,8 +24,9 @@
 use candle_core::{DType, Tensor, D};
 use rayon::prelude::*;
 
-use super::stable::{check_normalizer, check_temperature, log1mexp, log_softmax_last, TAIL_FLOOR};
+use super::stable::{check_normalizer, log1mexp, log_softmax_last, TAIL_FLOOR};
 use super::topk::descending_order;
+use super::Temperature;
 use super::{compute_dtype, KdMetrics, LossError, Projection, Result, TailMode};
 
 /// The row count of `student_logits`, which must be `[rows, V]` with `V ≥` the student
@@ -52,10 +53,10 @@ pub fn first_kl_full(
     student_logits: &Tensor,
     teacher_logprobs: &Tensor,
     proj: &Projection,
-    temperature: f64,
+    temperature: Temperature,
     normalizer: Option<f64>,
 ) -> Result<(Tensor, KdMetrics)> {
-    check_temperature(temperature)?;
+    let temperature = temperature.get();
     check_normalizer(normalizer)?;
     let (vs, vt) = (proj.student_vocab(), proj.teacher_vocab());
     let c = student_rows(student_logits, vs)?;
@@ -181,10 +182,10 @@ pub fn pkl_full(
     teacher_logprobs: &Tensor,
     proj: &Projection,
     tail: TailMode,
-    temperature: f64,
+    temperature: Temperature,
     normalizer: Option<f64>,
 ) -> Result<(Tensor, KdMetrics)> {
-    check_temperature(temperature)?;
+    let temperature = temperature.get();
     check_normalizer(normalizer)?;
     let (vs, vt) = (proj.student_vocab(), proj.teacher_vocab());
     let n = student_rows(student_logits, vs)?;
@@ -324,10 +325,10 @@ pub fn gold_full(
     proj: &Projection,
     matched_weight: f64,
     unmatched_weight: f64,
-    temperature: f64,
+    temperature: Temperature,
     normalizer: Option<f64>,
 ) -> Result<(Tensor, KdMetrics)> {
-    check_temperature(temperature)?;
+    let temperature = temperature.get();
     check_normalizer(normalizer)?;
     let (vs, vt) = (proj.student_vocab(), proj.teacher_vocab());
     let c = student_rows(student_logits, vs)?;

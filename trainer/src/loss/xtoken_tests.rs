@@ -273,7 +273,7 @@ fn pkl_matches_reference_and_finite_differences() {
                 &p,
                 anchor,
                 tail,
-                tau,
+                temperature(tau),
                 None,
             )
             .unwrap();
@@ -285,7 +285,7 @@ fn pkl_matches_reference_and_finite_differences() {
             assert_eq!(m.count, 6.0);
         }
         let v = var(&zs, &[B, TS, VL]);
-        let (l, _) = pkl_loss(v.as_tensor(), &x, &p, anchor, tail, tau, None).unwrap();
+        let (l, _) = pkl_loss(v.as_tensor(), &x, &p, anchor, tail, temperature(tau), None).unwrap();
         let g = flat(l.backward().unwrap().get(v.as_tensor()).unwrap());
         let fd = numeric_grad(&zs, 1e-5, |z| ref_pkl(&x, z, anchor, tail, tau));
         assert_close(&g, &fd, 1e-7, "pkl grad");
@@ -322,7 +322,7 @@ fn pkl_is_zero_when_the_projected_student_equals_the_teacher() {
         &p,
         Anchor::First,
         TailMode::Renormalize,
-        1.0,
+        Temperature::ONE,
         None,
     )
     .unwrap();
@@ -344,7 +344,7 @@ fn gold_matches_reference_and_finite_differences() {
             &p,
             0.7,
             1.2,
-            tau,
+            temperature(tau),
             None,
         )
         .unwrap();
@@ -356,7 +356,7 @@ fn gold_matches_reference_and_finite_differences() {
         assert_eq!(m.count, 6.0);
     }
     let v = var(&zs, &[B, TS, VL]);
-    let (l, _) = gold_loss(v.as_tensor(), &x, &p, 0.7, 1.2, tau, None).unwrap();
+    let (l, _) = gold_loss(v.as_tensor(), &x, &p, 0.7, 1.2, temperature(tau), None).unwrap();
     let g = flat(l.backward().unwrap().get(v.as_tensor()).unwrap());
     let fd = numeric_grad(&zs, 1e-5, |z| ref_gold(&x, z, 0.7, 1.2, tau).0);
     assert_close(&g, &fd, 1e-6, "gold grad");
@@ -368,7 +368,7 @@ fn normalizer_splits_into_micro_batches() {
     let p = projection();
     let z_full = tensor(&zs, &[B, TS, VL], DType::F64);
     let full = scalar(
-        &pkl_loss(&z_full, &x, &p, Anchor::First, TailMode::Bucket, 1.0, None)
+        &pkl_loss(&z_full, &x, &p, Anchor::First, TailMode::Bucket, Temperature::ONE, None)
             .unwrap()
             .0,
     );
@@ -395,7 +395,7 @@ fn normalizer_splits_into_micro_batches() {
                 &p,
                 Anchor::First,
                 TailMode::Bucket,
-                1.0,
+                Temperature::ONE,
                 Some(6.0),
             )
             .unwrap()
@@ -412,22 +412,22 @@ fn bad_inputs_are_errors_not_panics() {
     let z = tensor(&zs, &[B, TS, VL], DType::F32);
     let mut bad = x.clone();
     bad.teacher_topk_ids[0] = VT as u32;
-    assert!(pkl_loss(&z, &bad, &p, Anchor::First, TailMode::Bucket, 1.0, None).is_err());
+    assert!(pkl_loss(&z, &bad, &p, Anchor::First, TailMode::Bucket, Temperature::ONE, None).is_err());
     let mut bad = x.clone();
     bad.teacher_topk_logprobs.truncate(3);
-    assert!(gold_loss(&z, &bad, &p, 1.0, 1.0, 1.0, None).is_err());
+    assert!(gold_loss(&z, &bad, &p, 1.0, 1.0, Temperature::ONE, None).is_err());
     let mut bad = x.clone();
     bad.student_targets.clear();
-    assert!(gold_loss(&z, &bad, &p, 1.0, 1.0, 1.0, None).is_err());
+    assert!(gold_loss(&z, &bad, &p, 1.0, 1.0, Temperature::ONE, None).is_err());
     let narrow = tensor(&zs[..B * TS * 4], &[B, TS, 4], DType::F32);
-    assert!(pkl_loss(&narrow, &x, &p, Anchor::First, TailMode::Bucket, 1.0, None).is_err());
-    assert!(pkl_loss(&z, &x, &p, Anchor::First, TailMode::Bucket, 1.0, Some(0.0)).is_err());
+    assert!(pkl_loss(&narrow, &x, &p, Anchor::First, TailMode::Bucket, Temperature::ONE, None).is_err());
+    assert!(pkl_loss(&z, &x, &p, Anchor::First, TailMode::Bucket, Temperature::ONE, Some(0.0)).is_err());
     // No chunk with both sides: a zero loss, not an error.
     let empty = XTokenBatch {
         teacher_chunk: vec![-1; B * TT],
         ..x.clone()
     };
-    let (l, m) = pkl_loss(&z, &empty, &p, Anchor::First, TailMode::Bucket, 1.0, None).unwrap();
+    let (l, m) = pkl_loss(&z, &empty, &p, Anchor::First, TailMode::Bucket, Temperature::ONE, None).unwrap();
     assert_eq!((scalar(&l), m.count), (0.0, 0.0));
 }
 
@@ -450,7 +450,7 @@ fn pkl_bucket_penalises_student_mass_outside_the_teacher_top_k() {
                 &p,
                 Anchor::First,
                 tail,
-                1.0,
+                Temperature::ONE,
                 None,
             )
             .unwrap()
@@ -532,7 +532,7 @@ fn first_kl_matches_reference_and_finite_differences() {
         assert!(want > 0.0, "a proper KL of two different distributions");
         for (dtype, tol) in [(DType::F64, 1e-9), (DType::F32, 2e-5)] {
             let (l, m) =
-                first_kl_loss(&tensor(&zs, &[B, TS, VL], dtype), &x, &p, tau, None).unwrap();
+                first_kl_loss(&tensor(&zs, &[B, TS, VL], dtype), &x, &p, temperature(tau), None).unwrap();
             assert!(
                 (scalar(&l) - want).abs() < tol * want.abs().max(1e-3),
                 "{dtype:?} τ={tau}: {} vs {want}",
@@ -541,7 +541,7 @@ fn first_kl_matches_reference_and_finite_differences() {
             assert_eq!(m.count, ref_chunks(&x).len() as f64);
         }
         let v = var(&zs, &[B, TS, VL]);
-        let (l, _) = first_kl_loss(v.as_tensor(), &x, &p, tau, None).unwrap();
+        let (l, _) = first_kl_loss(v.as_tensor(), &x, &p, temperature(tau), None).unwrap();
         let g = flat(l.backward().unwrap().get(v.as_tensor()).unwrap());
         let fd = numeric_grad(&zs, 1e-5, |z| ref_first_kl(&x, z, tau));
         assert_close(&g, &fd, 1e-7, "first_kl grad");
@@ -588,7 +588,7 @@ fn first_kl_rewards_the_first_piece_of_a_long_teacher_token() {
             z[r * VL + s] = 8.0;
         }
         scalar(
-            &first_kl_loss(&tensor(&z, &[B, TS, VL], DType::F64), &x, &p, 1.0, None)
+            &first_kl_loss(&tensor(&z, &[B, TS, VL], DType::F64), &x, &p, Temperature::ONE, None)
                 .unwrap()
                 .0,
         )
@@ -607,7 +607,7 @@ fn first_kl_rewards_the_first_piece_of_a_long_teacher_token() {
         &tensor(&zs, &[B, TS, VL], DType::F64),
         &x2,
         &projection(),
-        1.0,
+        Temperature::ONE,
         None
     )
     .is_err());

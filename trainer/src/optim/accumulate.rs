@@ -205,7 +205,7 @@ mod tests {
                 &part,
                 Divergence::Jsd { beta: 0.5 },
                 TailMode::Bucket,
-                2.0,
+                crate::loss::Temperature::new(2.0).unwrap(),
                 norm,
             )
             .unwrap();

@@ -161,7 +161,7 @@ impl GroupLoss<'_> {
             let f = TeacherFigures {
                 kd_sum: sums.kd_sum,
                 kd_units: u.kd,
-                temperature: loss.temperature,
+                temperature: loss.temperature.get(),
                 sequences: items.len(),
                 tokens,
             };

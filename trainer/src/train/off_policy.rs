@@ -154,7 +154,7 @@ impl Objective for OffPolicy<'_> {
             next: first.batch.next,
             loss: kd_mean * sums.kd_scale + sums.ce_mean().unwrap_or(0.0),
             loss_parts: parts,
-            kl: Some(kd_mean / (s.loss.temperature * s.loss.temperature)),
+            kl: Some(kd_mean / (s.loss.temperature.get() * s.loss.temperature.get())),
             tokens: tokens as u64,
             loss_tokens: norm.ce as u64,
             teacher_latency_s: fetched.fetch_time.as_secs_f64(),

@@ -10,7 +10,7 @@ use crate::collate::Encoded;
 use crate::config::ActivationCheckpointing;
 use crate::loss::full_vocab::TeacherHead;
 use crate::loss::{Anchor, KdConfig};
-use crate::loss::{CeConfig, Projection, TailMode};
+use crate::loss::{CeConfig, Projection, TailMode, Temperature};
 use crate::train::pairing::cross::xtoken_batch;
 use crate::train::testutil::{answer, assert_rel, assert_same_grads, ids, tiny, V};
 use candle_core::{DType, Tensor};
@@ -23,7 +23,7 @@ fn cfg(kd: KdConfig, tail: Option<TailMode>, ce: CeConfig) -> LossConfig {
     LossConfig {
         kd,
         tail,
-        temperature: 1.5,
+        temperature: Temperature::new(1.5).unwrap(),
         kd_weight: 0.7,
         ce,
     }
@@ -468,7 +468,7 @@ fn full_vocab_equals_top_k_with_the_whole_vocabulary() {
             Some(TailMode::Renormalize),
             CeConfig::Weight { weight: 0.3 },
         );
-        let tscores = as_full_topk(&head, &items, &hscores, loss.temperature);
+        let tscores = as_full_topk(&head, &items, &hscores, loss.temperature.get());
         let (model, vm) = tiny(false, DType::F64, 13);
         let norm = units(&items);
         let run = |pairing, scores: &[SequenceScores], k| {
@@ -644,7 +644,7 @@ fn cross_full_equals_top_k(kd: KdConfig, tail: Option<TailMode>) {
     let (items, _, proj) = cross_batch(22);
     let (hscores, head) = hidden_answers(&items, VT, 22);
     let loss = cfg(kd, tail, CeConfig::Weight { weight: 0.3 });
-    let tscores = as_full_topk(&head, &items, &hscores, loss.temperature);
+    let tscores = as_full_topk(&head, &items, &hscores, loss.temperature.get());
     let (model, vm) = tiny(false, DType::F64, 23);
     let norm = units(&items);
     let run = |pairing, scores: &[SequenceScores], k| {
@@ -693,7 +693,7 @@ fn cross_full_equals_top_k(kd: KdConfig, tail: Option<TailMode>) {
         head: HeadOpts::default(),
     };
     let want = validation_sums_whole(&ctx, &items, &refs).unwrap();
-    let tau2 = loss.temperature * loss.temperature;
+    let tau2 = loss.temperature.get() * loss.temperature.get();
     assert_rel(
         want.kl * tau2 / want.kl_units,
         o_hidden.kd.loss * norm.kd / o_hidden.kd.count,
@@ -747,7 +747,7 @@ fn cross_full_vocab_gold_equals_the_top_k_gold_with_every_teacher_id() {
         with_exact_pairs(&mut items, &proj);
         // Both kinds of chunk are present (counted on the top-k view of the same chunks).
         let (hscores, head) = hidden_answers(&items, vt, 26);
-        let tscores = as_full_topk(&head, &items, &hscores, loss.temperature);
+        let tscores = as_full_topk(&head, &items, &hscores, loss.temperature.get());
         let trefs: Vec<&SequenceScores> = tscores.iter().collect();
         let (xb, _) = xtoken_batch(&items, &trefs, vt).unwrap();
         let (m, u) = gold_split(&xb, &proj).unwrap();
@@ -787,7 +787,7 @@ fn hidden_equals_top_k_with_every_teacher_id(
 ) {
     let vt = proj.teacher_vocab();
     let (hscores, head) = hidden_answers(items, vt, seed);
-    let tscores = as_full_topk(&head, items, &hscores, loss.temperature);
+    let tscores = as_full_topk(&head, items, &hscores, loss.temperature.get());
     let (model, vm) = tiny(false, DType::F64, seed + 1);
     let norm = units(items);
     let ctx = |pairing, k| LossCtx {

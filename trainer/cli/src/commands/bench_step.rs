@@ -22,7 +22,7 @@ use std::time::Instant;
 use xdistill_shared::protocol::SequenceScores;
 use xdistill_trainer::collate::Encoded;
 use xdistill_trainer::config::ActivationCheckpointing;
-use xdistill_trainer::loss::{CeConfig, KdConfig, LossConfig, TailMode};
+use xdistill_trainer::loss::{CeConfig, KdConfig, LossConfig, TailMode, Temperature};
 use xdistill_trainer::optim::{
     clip_grad_norm, AdamWConfig, GradAccumulator, OptimConfig, ScheduleConfig,
 };
@@ -328,7 +328,7 @@ pub fn run(a: Args) -> Result<()> {
     let cfg = LossConfig {
         kd: KdConfig::ForwardKl {},
         tail: Some(TailMode::Bucket),
-        temperature: 1.0,
+        temperature: Temperature::ONE,
         kd_weight: 1.0,
         ce: CeConfig::Weight { weight: 0.1 },
     };

@@ -133,7 +133,7 @@ impl OnPolicy<'_> {
         let f = TeacherFigures {
             kd_sum: sum,
             kd_units: u.kd,
-            temperature: loss.temperature,
+            temperature: loss.temperature.get(),
             sequences,
             tokens,
         };

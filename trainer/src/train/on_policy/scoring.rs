@@ -8,6 +8,7 @@ use super::rollout::{prompt_of, same_items, same_samples};
 use crate::client::join_in_order;
 use crate::data::{Content, Record};
 use crate::generate::Generation;
+use crate::loss::Temperature;
 use crate::train::distill::Setup;
 use crate::train::pairing::cross::trained_teacher_rows;
 use crate::train::pairing::full_vocab::target_logprobs_from_hidden;
@@ -189,7 +190,7 @@ fn sample_logprobs_from_hidden(
         }
     }
     let refs: Vec<&SequenceScores> = scores.iter().collect();
-    let temperature = f64::from(teacher.cfg.temperature);
+    let temperature = Temperature::new(f64::from(teacher.cfg.temperature))?;
     let filled = target_logprobs_from_hidden(head, temperature, &s.device, &refs, &want)
         .with_context(|| format!("teacher {:?}", teacher.name))?;
     for (sc, t) in scores.iter_mut().zip(filled) {

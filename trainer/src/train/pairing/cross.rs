@@ -9,7 +9,7 @@ use crate::collate::{pad_batch, Encoded};
 use crate::data::Record;
 use crate::loss::{
     cross_entropy, kd_loss, CeConfig, KdConfig, KdInputs, KdMetrics, LossConfig, Projection,
-    XTokenBatch,
+    Temperature, XTokenBatch,
 };
 use crate::train::head::{self, ChunkLoss, HeadSums, Mix};
 use crate::train::step::{LossCtx, MicroOut, Units, ValSums};
@@ -114,7 +114,7 @@ impl<'a> Cross<'a> {
     }
 
     /// The loss configuration validation measures with (no CE term: it is summed apart).
-    fn validation_cfg(&self, temperature: f64) -> LossConfig {
+    fn validation_cfg(&self, temperature: Temperature) -> LossConfig {
         LossConfig {
             kd: self.validation_kd.clone(),
             tail: None,
@@ -364,7 +364,7 @@ impl CrossPieces {
         ctx: &LossCtx,
         mut kd: impl FnMut(usize, &Tensor) -> Result<(Tensor, KdMetrics)>,
     ) -> Result<ValSums> {
-        let tau2 = ctx.loss.temperature * ctx.loss.temperature;
+        let tau2 = ctx.loss.temperature.get() * ctx.loss.temperature.get();
         let mut out = ValSums::default();
         let hidden = ctx.model.forward_hidden(&self.tb.ids, None, None, None)?;
         head::forward_only(ctx.model, &hidden, &self.pieces, |i, logits| {

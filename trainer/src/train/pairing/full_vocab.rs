@@ -12,7 +12,7 @@ use crate::loss::full_vocab::{
     full_vocab_divergence, teacher_token_logprobs, TeacherHead, DEFAULT_CHUNK_ROWS,
 };
 use crate::loss::kl::Divergence;
-use crate::loss::{cross_entropy, LossError};
+use crate::loss::{cross_entropy, LossError, Temperature};
 use crate::train::head::{self, ChunkLoss, HeadSums, Mix};
 use crate::train::step::{LossCtx, MicroOut, Units, ValSums};
 use anyhow::{bail, Result};
@@ -111,7 +111,7 @@ impl Collation for FullVocab<'_> {
         head::forward_only(model, &hidden, &pieces, |i, logits| {
             let (a, n) = (i * per, pieces[i].rows.len());
             let (kl, m) = self.forward_kl(ctx, logits, &rows, a..a + n)?;
-            let tau2 = ctx.loss.temperature * ctx.loss.temperature;
+            let tau2 = ctx.loss.temperature.get() * ctx.loss.temperature.get();
             out.kl += kl * m / tau2;
             out.kl_units += m;
             let tg = Tensor::from_vec(rows.targets[a..a + n].to_vec(), (1, n), device)?;
@@ -139,7 +139,7 @@ impl Collation for FullVocab<'_> {
             .index_select(&sel, 0)?
             .unsqueeze(0)?;
         let (kl, m) = self.forward_kl(ctx, &picked, &rows, 0..rows.sel.len())?;
-        let tau2 = ctx.loss.temperature * ctx.loss.temperature;
+        let tau2 = ctx.loss.temperature.get() * ctx.loss.temperature.get();
         let (ce, n) = cross_entropy(&logits, &tb.targets, &tb.mask, None)?;
         let ce = ce.to_dtype(DType::F64)?.to_scalar::<f64>()?;
         Ok(ValSums {
@@ -302,7 +302,7 @@ pub(crate) fn hidden_row(
 /// [`DEFAULT_CHUNK_ROWS`] positions.
 fn token_logprobs_from_hidden(
     head: &TeacherHead,
-    temperature: f64,
+    temperature: Temperature,
     device: &Device,
     scores: &[&SequenceScores],
     want: &[(usize, usize, u32)],
@@ -325,7 +325,7 @@ fn token_logprobs_from_hidden(
 /// that needs only the teacher's log-probs of actual tokens (ALM, the on-policy sample figures).
 pub fn target_logprobs_from_hidden(
     head: &TeacherHead,
-    temperature: f64,
+    temperature: Temperature,
     device: &Device,
     scores: &[&SequenceScores],
     want: &[(usize, usize, u32)],

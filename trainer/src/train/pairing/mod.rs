@@ -285,7 +285,7 @@ fn val_ce(out: &mut ValSums, logits: &Tensor, tg: Tensor, mask: Tensor) -> Resul
 /// micro-batch, as sums with their counts.
 #[cfg(test)]
 fn whole_sums(
-    temperature: f64,
+    temperature: crate::loss::Temperature,
     kl: &Tensor,
     units: f64,
     logits: &Tensor,
@@ -293,7 +293,7 @@ fn whole_sums(
 ) -> Result<ValSums> {
     let (ce, n) = cross_entropy(logits, &tb.targets, &tb.mask, None)?;
     let kl =
-        kl.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()? / (temperature * temperature);
+        kl.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()? / (temperature.get() * temperature.get());
     let ce = ce.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
     Ok(ValSums {
         kl: kl * units,

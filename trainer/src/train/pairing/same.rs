@@ -81,7 +81,7 @@ impl Collation for Same {
         scores: &[&SequenceScores],
     ) -> Result<ValSums> {
         let (model, k, device, temperature) = (ctx.model, ctx.k, ctx.device, ctx.loss.temperature);
-        let tau2 = temperature * temperature;
+        let tau2 = temperature.get() * temperature.get();
         let vocab = model.lm_head().dim(0)?;
         let per = ctx.head.rows(vocab);
         let mut out = ValSums::default();
