@@ -9,7 +9,7 @@ use xdistill_shared::hf::ModelConfig;
 use xdistill_shared::model::{Decoder, Ops};
 use xdistill_trainer::init_model::random_params;
 use xdistill_trainer::loss::{
-    combine, cross_entropy, kd_loss, CeConfig, KdConfig, KdInputs, LossConfig, TailMode, Temperature,
+    combine, cross_entropy, kd_loss, CeConfig, KdConfig, KdInputs, LossConfig, Normalizer, TailMode, Temperature,
     TopkTargets,
 };
 use xdistill_trainer::optim::{
@@ -110,14 +110,14 @@ fn gradients_reach_every_parameter_and_training_lowers_the_loss() {
                 &loss_cfg,
                 &logits,
                 KdInputs::Topk(&part),
-                Some(global_tokens),
+                Some(Normalizer::new(global_tokens).unwrap()),
             )
             .unwrap();
             let (ce, _) = cross_entropy(
                 &logits,
                 &ce_targets.narrow(0, row, 1).unwrap(),
                 &part.mask,
-                Some(global_tokens),
+                Some(Normalizer::new(global_tokens).unwrap()),
             )
             .unwrap();
             kd_sum += m.loss;

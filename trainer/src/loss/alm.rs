@@ -8,10 +8,9 @@
 
 use candle_core::{DType, Tensor};
 
-use super::stable::{check_normalizer, log1mexp};
+use super::stable::log1mexp;
 use super::xtoken::{chunk_loglikelihoods, host_tensor, XTokenBatch};
-use super::Temperature;
-use super::{compute_dtype, KdMetrics, LossError, Result};
+use super::{compute_dtype, KdMetrics, LossError, Normalizer, Result, Temperature};
 
 /// Floor of `1 − e^b` in the log (a chunk the student is certain of, `b = 0`).
 const ALM_FLOOR: f64 = 1e-9;
@@ -27,9 +26,9 @@ pub fn alm_loss(
     batch: &XTokenBatch,
     tau: f64,
     temperature: Temperature,
-    normalizer: Option<f64>,
+    normalizer: Option<Normalizer>,
 ) -> Result<(Tensor, KdMetrics)> {
-    check_normalizer(normalizer)?;
+    let normalizer = normalizer.map(Normalizer::get);
     let temperature = temperature.get();
     if !(tau.is_finite() && tau > 0.0) {
         return Err(LossError::config(

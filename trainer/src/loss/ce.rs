@@ -2,8 +2,8 @@
 
 use candle_core::{DType, Tensor};
 
-use super::stable::{check_normalizer, masked_mean};
-use super::{compute_dtype, CeConfig, LossConfig, LossError, Result};
+use super::stable::masked_mean;
+use super::{compute_dtype, CeConfig, LossConfig, LossError, Normalizer, Result};
 
 /// Mean next-token cross-entropy `−log softmax(z_t)[y_t]` over valid positions (temperature 1).
 ///
@@ -17,7 +17,7 @@ pub fn cross_entropy(
     logits: &Tensor,
     targets: &Tensor,
     mask: &Tensor,
-    normalizer: Option<f64>,
+    normalizer: Option<Normalizer>,
 ) -> Result<(Tensor, f64)> {
     let (b, t, _v) = logits.dims3()?;
     if targets.dims() != [b, t] || mask.dims() != [b, t] {
@@ -33,7 +33,7 @@ pub fn cross_entropy(
     if targets.dtype() != DType::U32 {
         return Err(LossError::input("targets", "must be u32"));
     }
-    check_normalizer(normalizer)?;
+    let normalizer = normalizer.map(Normalizer::get);
     let dt = compute_dtype(logits);
     let z = logits.to_dtype(dt)?;
     // −log p(y) = logsumexp(z) − z[y]; [B, T] (fused on the CPU: no [B, T, V] temporaries).
@@ -113,7 +113,7 @@ mod tests {
         let g = flat(l.backward().unwrap().get(x.as_tensor()).unwrap());
         let fd = numeric_grad(&z, 1e-5, |z| reference(z, &y, &mask, v));
         assert_close(&g, &fd, 1e-8, "ce grad");
-        let (lh, _) = cross_entropy(x.as_tensor(), &yt, &mt, Some(10.0)).unwrap();
+        let (lh, _) = cross_entropy(x.as_tensor(), &yt, &mt, Some(normalizer(10.0))).unwrap();
         assert!((scalar(&lh) - want * 5.0 / 10.0).abs() < 1e-12);
     }
 

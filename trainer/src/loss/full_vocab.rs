@@ -55,9 +55,8 @@ use candle_core::{DType, Tensor, D};
 use sha2::{Digest, Sha256};
 
 use super::kl::Divergence;
-use super::stable::{check_normalizer, log_softmax_last, logaddexp};
-use super::Temperature;
-use super::{compute_dtype, KdMetrics, LossError, Result};
+use super::stable::{log_softmax_last, logaddexp};
+use super::{compute_dtype, KdMetrics, LossError, Normalizer, Result, Temperature};
 
 /// Positions per chunk when the caller has no better figure: `[64, V]` f32 is 39 MB for Qwen3.
 pub const DEFAULT_CHUNK_ROWS: usize = 64;
@@ -416,7 +415,7 @@ pub fn full_vocab_divergence(
     div: Divergence,
     temperature: Temperature,
     chunk_rows: usize,
-    normalizer: Option<f64>,
+    normalizer: Option<Normalizer>,
 ) -> Result<(Tensor, KdMetrics)> {
     let rank = student_logits.rank();
     if rank < 2 {
@@ -468,7 +467,7 @@ pub fn full_vocab_divergence_from_logits(
     div: Divergence,
     temperature: Temperature,
     chunk_rows: usize,
-    normalizer: Option<f64>,
+    normalizer: Option<Normalizer>,
 ) -> Result<(Tensor, KdMetrics)> {
     if teacher_logits.dims() != student_logits.dims() {
         return Err(LossError::input(
@@ -598,10 +597,10 @@ fn chunked(
     div: Divergence,
     temperature: Temperature,
     chunk_rows: usize,
-    normalizer: Option<f64>,
+    normalizer: Option<Normalizer>,
 ) -> Result<(Tensor, KdMetrics)> {
     let temperature = temperature.get();
-    check_normalizer(normalizer)?;
+    let normalizer = normalizer.map(Normalizer::get);
     let form = form(div)?;
     if chunk_rows == 0 {
         return Err(LossError::config("chunk_rows", "must be at least 1"));

@@ -275,7 +275,7 @@ fn matches_f64_reference_every_divergence_chunk_and_dtype() {
                                 div,
                                 temperature(tau),
                                 chunk,
-                                norm,
+                                norm.map(normalizer),
                             )
                             .unwrap();
                             let what = format!(
@@ -468,7 +468,7 @@ fn micro_batches_with_a_global_normalizer_add_up_to_the_batch() {
                 div,
                 temperature(1.2),
                 3,
-                Some(m.count),
+                Some(normalizer(m.count)),
             )
             .unwrap();
             scalar(&loss)
@@ -644,7 +644,7 @@ fn bad_inputs_are_typed_errors() {
     let mask = Tensor::ones(4, DType::F32, &d).unwrap();
     let fwd = Divergence::Forward;
     let run = |zs: &Tensor, hid: &Tensor, mask: &Tensor, div, tau, chunk, norm| {
-        full_vocab_divergence(zs, &hd, hid, mask, div, temperature(tau), chunk, norm)
+        full_vocab_divergence(zs, &hd, hid, mask, div, temperature(tau), chunk, norm.map(normalizer))
     };
     let input = |r: Result<(Tensor, KdMetrics)>| matches!(r, Err(LossError::Input { .. }));
     let config = |r: Result<(Tensor, KdMetrics)>| matches!(r, Err(LossError::Config { .. }));
@@ -681,10 +681,8 @@ fn bad_inputs_are_typed_errors() {
         input(run(&z1, &hid, &mask, fwd, 1.0, 2, None)),
         "rank 1 logits"
     );
-    assert!(
-        input(run(&zs, &hid, &mask, fwd, 1.0, 2, Some(0.0))),
-        "normalizer"
-    );
+    // A bad normalizer cannot reach the loss: `Normalizer` refuses it.
+    assert!(Normalizer::new(0.0).is_err(), "normalizer");
     // A bad temperature cannot reach the loss: `Temperature` refuses it.
     assert!(Temperature::new(0.0).is_err(), "temperature");
     assert!(Temperature::new(f64::NAN).is_err(), "temperature");

@@ -9,11 +9,10 @@
 use candle_core::{DType, Device, Tensor, D};
 
 use super::stable::{
-    check_normalizer, log1mexp, logaddexp, logsumexp_last, masked_mean,
+    log1mexp, logaddexp, logsumexp_last, masked_mean,
     LOG_FLOOR, TAIL_FLOOR,
 };
-use super::Temperature;
-use super::{compute_dtype, KdMetrics, LossError, Result, TailMode};
+use super::{compute_dtype, KdMetrics, LossError, Normalizer, Result, TailMode, Temperature};
 
 /// A divergence between the teacher (T) and student (S) distributions over K (+ tail).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -155,7 +154,7 @@ pub fn topk_divergence(
     div: Divergence,
     tail: TailMode,
     temperature: Temperature,
-    normalizer: Option<f64>,
+    normalizer: Option<Normalizer>,
 ) -> Result<(Tensor, KdMetrics)> {
     let (b, t, _v) = student_logits.dims3()?;
     let (tb, tt, k) = targets.ids.dims3()?;
@@ -175,7 +174,7 @@ pub fn topk_divergence(
         return Err(LossError::input("targets.ids", "must be u32"));
     }
     let temperature = temperature.get();
-    check_normalizer(normalizer)?;
+    let normalizer = normalizer.map(Normalizer::get);
     let dt = compute_dtype(student_logits);
     let inv_t = 1.0 / temperature;
     let ids = targets.ids.contiguous()?;

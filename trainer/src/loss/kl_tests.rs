@@ -315,7 +315,7 @@ fn micro_batches_with_global_normalizer_sum_to_the_full_batch() {
             Divergence::Jsd { beta: 0.5 },
             TailMode::Bucket,
             Temperature::ONE,
-            Some(5.0),
+            Some(normalizer(5.0)),
         )
         .unwrap();
         sum += scalar(&l);

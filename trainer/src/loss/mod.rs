@@ -9,6 +9,7 @@ pub mod alm;
 pub mod ce;
 pub mod full_vocab;
 pub mod kl;
+pub mod normalizer;
 pub mod sampled;
 pub mod stable;
 pub mod temperature;
@@ -24,6 +25,7 @@ use serde::{Deserialize, Serialize};
 pub use alm::alm_loss;
 pub use ce::{combine, cross_entropy, Combined};
 pub use kl::{topk_divergence, Divergence, TopkTargets};
+pub use normalizer::{BadNormalizer, Normalizer};
 pub use sampled::{chunk_sampled_loss, sampled_token_loss, SampledTargets};
 pub use temperature::{BadTemperature, Temperature};
 pub use xtoken::{first_kl_loss, gold_loss, pkl_loss, Projection, XTokenBatch};
@@ -277,7 +279,7 @@ pub fn kd_loss(
     config: &LossConfig,
     student_logits: &Tensor,
     inputs: KdInputs<'_>,
-    normalizer: Option<f64>,
+    normalizer: Option<Normalizer>,
 ) -> Result<(Tensor, KdMetrics)> {
     let tau = config.temperature;
     match (&config.kd, inputs) {

@@ -13,10 +13,9 @@
 
 use candle_core::{DType, Tensor};
 
-use super::stable::{check_normalizer, logsumexp_last, masked_mean, LOG_FLOOR};
+use super::stable::{logsumexp_last, masked_mean, LOG_FLOOR};
 use super::xtoken::{chunk_loglikelihoods, host_tensor, XTokenBatch};
-use super::Temperature;
-use super::{compute_dtype, KdMetrics, LossError, Result};
+use super::{compute_dtype, KdMetrics, LossError, Normalizer, Result, Temperature};
 
 /// Inputs of [`sampled_token_loss`], all `[B, T]`, row `t` describing token `t + 1`.
 #[derive(Debug, Clone)]
@@ -37,9 +36,9 @@ pub fn sampled_token_loss(
     student_logits: &Tensor,
     targets: &SampledTargets,
     temperature: Temperature,
-    normalizer: Option<f64>,
+    normalizer: Option<Normalizer>,
 ) -> Result<(Tensor, KdMetrics)> {
-    check_normalizer(normalizer)?;
+    let normalizer = normalizer.map(Normalizer::get);
     let temperature = temperature.get();
     let (b, t, _v) = student_logits.dims3()?;
     let same = |x: &Tensor| x.dims() == [b, t];
@@ -101,9 +100,9 @@ pub fn chunk_sampled_loss(
     student_logits: &Tensor,
     batch: &XTokenBatch,
     temperature: Temperature,
-    normalizer: Option<f64>,
+    normalizer: Option<Normalizer>,
 ) -> Result<(Tensor, KdMetrics)> {
-    check_normalizer(normalizer)?;
+    let normalizer = normalizer.map(Normalizer::get);
     let temperature = temperature.get();
     let dt = compute_dtype(student_logits);
     let dev = student_logits.device();
@@ -223,7 +222,7 @@ mod chunk_tests {
                 assert_eq!(m.count, ref_chunks(&x).len() as f64);
             }
             let v = var(&zs, &[B, TS, VL]);
-            let (l, _) = chunk_sampled_loss(v.as_tensor(), &x, temperature(temp), Some(4.0)).unwrap();
+            let (l, _) = chunk_sampled_loss(v.as_tensor(), &x, temperature(temp), Some(normalizer(4.0))).unwrap();
             let g = flat(l.backward().unwrap().get(v.as_tensor()).unwrap());
             let c = ref_chunks(&x).len() as f64;
             let fd = numeric_grad(&zs, 1e-5, |z| reference(&x, z, &zs, temp) * c / 4.0);

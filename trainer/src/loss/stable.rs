@@ -73,17 +73,6 @@ pub fn masked_mean(
     Ok((total.affine(scale, 0.0)?, count))
 }
 
-/// The normalizer must be positive and finite when given.
-pub(crate) fn check_normalizer(normalizer: Option<f64>) -> Result<()> {
-    match normalizer {
-        Some(n) if !(n.is_finite() && n > 0.0) => Err(super::LossError::input(
-            "normalizer",
-            format!("must be a positive count, got {n}"),
-        )),
-        _ => Ok(()),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

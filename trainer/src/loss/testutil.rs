@@ -4,11 +4,16 @@ use candle_core::{DType, Device, Tensor, Var};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-pub use super::Temperature;
+pub use super::{Normalizer, Temperature};
 
 /// A test's temperature `v` (a valid one: the tests of bad values call [`Temperature::new`]).
 pub fn temperature(v: f64) -> Temperature {
     Temperature::new(v).expect("a test temperature is finite and > 0")
+}
+
+/// A test's normalizer `n` (a valid one: the tests of bad values call [`Normalizer::new`]).
+pub fn normalizer(n: f64) -> Normalizer {
+    Normalizer::new(n).expect("a test normalizer is finite and > 0")
 }
 
 pub fn rng(seed: u64) -> ChaCha8Rng {

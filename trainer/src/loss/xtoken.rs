@@ -12,12 +12,11 @@ pub use projection::Projection;
 use candle_core::{DType, Device, Tensor, D};
 
 use super::stable::{
-    check_normalizer, log1mexp, logsumexp_last, softmax_last, LOG_FLOOR,
+    log1mexp, logsumexp_last, softmax_last, LOG_FLOOR,
     TAIL_FLOOR,
 };
 use super::topk::topk_indices;
-use super::Temperature;
-use super::{compute_dtype, Anchor, KdMetrics, LossError, Result, TailMode};
+use super::{compute_dtype, Anchor, KdMetrics, LossError, Normalizer, Result, TailMode, Temperature};
 
 /// Added to projected probabilities before the log (a teacher token no student token maps to).
 const Q_EPS: f64 = 1e-10;
@@ -355,9 +354,9 @@ pub fn pkl_loss(
     anchor: Anchor,
     tail: TailMode,
     temperature: Temperature,
-    normalizer: Option<f64>,
+    normalizer: Option<Normalizer>,
 ) -> Result<(Tensor, KdMetrics)> {
-    check_normalizer(normalizer)?;
+    let normalizer = normalizer.map(Normalizer::get);
     let temperature = temperature.get();
     let (z, chunks) = view_and_chunks(student_logits, batch, proj)?;
     let (dt, dev) = (z.dtype(), z.device().clone());
@@ -481,9 +480,9 @@ pub fn first_kl_loss(
     batch: &XTokenBatch,
     proj: &Projection,
     temperature: Temperature,
-    normalizer: Option<f64>,
+    normalizer: Option<Normalizer>,
 ) -> Result<(Tensor, KdMetrics)> {
-    check_normalizer(normalizer)?;
+    let normalizer = normalizer.map(Normalizer::get);
     let temperature = temperature.get();
     if proj.teacher_first.is_empty() {
         return Err(LossError::input(
@@ -583,9 +582,9 @@ pub fn gold_loss(
     matched_weight: f64,
     unmatched_weight: f64,
     temperature: Temperature,
-    normalizer: Option<f64>,
+    normalizer: Option<Normalizer>,
 ) -> Result<(Tensor, KdMetrics)> {
-    check_normalizer(normalizer)?;
+    let normalizer = normalizer.map(Normalizer::get);
     let temperature = temperature.get();
     let z = student_view(student_logits, batch, proj.student_vocab())?;
     let (dt, dev) = (z.dtype(), z.device().clone());

@@ -24,10 +24,9 @@
 use candle_core::{DType, Tensor, D};
 use rayon::prelude::*;
 
-use super::stable::{check_normalizer, log1mexp, log_softmax_last, TAIL_FLOOR};
+use super::stable::{log1mexp, log_softmax_last, TAIL_FLOOR};
 use super::topk::descending_order;
-use super::Temperature;
-use super::{compute_dtype, KdMetrics, LossError, Projection, Result, TailMode};
+use super::{compute_dtype, KdMetrics, LossError, Normalizer, Projection, Result, TailMode, Temperature};
 
 /// The row count of `student_logits`, which must be `[rows, V]` with `V ≥` the student
 /// vocabulary `vs` (padded head columns past it are ignored by every loss here).
@@ -54,10 +53,10 @@ pub fn first_kl_full(
     teacher_logprobs: &Tensor,
     proj: &Projection,
     temperature: Temperature,
-    normalizer: Option<f64>,
+    normalizer: Option<Normalizer>,
 ) -> Result<(Tensor, KdMetrics)> {
     let temperature = temperature.get();
-    check_normalizer(normalizer)?;
+    let normalizer = normalizer.map(Normalizer::get);
     let (vs, vt) = (proj.student_vocab(), proj.teacher_vocab());
     let c = student_rows(student_logits, vs)?;
     if teacher_logprobs.dims() != [c, vt] {
@@ -183,10 +182,10 @@ pub fn pkl_full(
     proj: &Projection,
     tail: TailMode,
     temperature: Temperature,
-    normalizer: Option<f64>,
+    normalizer: Option<Normalizer>,
 ) -> Result<(Tensor, KdMetrics)> {
     let temperature = temperature.get();
-    check_normalizer(normalizer)?;
+    let normalizer = normalizer.map(Normalizer::get);
     let (vs, vt) = (proj.student_vocab(), proj.teacher_vocab());
     let n = student_rows(student_logits, vs)?;
     if chunk_of_row.len() != n {
@@ -326,10 +325,10 @@ pub fn gold_full(
     matched_weight: f64,
     unmatched_weight: f64,
     temperature: Temperature,
-    normalizer: Option<f64>,
+    normalizer: Option<Normalizer>,
 ) -> Result<(Tensor, KdMetrics)> {
     let temperature = temperature.get();
-    check_normalizer(normalizer)?;
+    let normalizer = normalizer.map(Normalizer::get);
     let (vs, vt) = (proj.student_vocab(), proj.teacher_vocab());
     let c = student_rows(student_logits, vs)?;
     if teacher_logprobs.dims() != [c, vt] || matched.len() != c {

@@ -108,7 +108,7 @@ fn matches_the_f64_definition_and_finite_differences() {
         }
         let v = var(&s, &[c, VL]);
         let tt = tensor(&t, &[c, VT], DType::F64);
-        let (l, _) = first_kl_full(v.as_tensor(), &tt, &p, temperature(tau), Some(2.5)).unwrap();
+        let (l, _) = first_kl_full(v.as_tensor(), &tt, &p, temperature(tau), Some(normalizer(2.5))).unwrap();
         let g = flat(l.backward().unwrap().get(v.as_tensor()).unwrap());
         let fd = numeric_grad(&s, 1e-5, |z| reference(z, &t, c, tau) * c as f64 / 2.5);
         assert_close(&g, &fd, 1e-7, "first_kl_full grad");
@@ -272,7 +272,7 @@ fn pkl_full_matches_the_f64_definition_finite_differences_and_top_k_pkl() {
         }
         let v = var(&s, &[of.len(), VL]);
         let tt = tensor(&t, &[c, VT], DType::F64);
-        let (l, _) = pkl_full(v.as_tensor(), &of, &tt, &p, tail, temperature(tau), Some(3.0)).unwrap();
+        let (l, _) = pkl_full(v.as_tensor(), &of, &tt, &p, tail, temperature(tau), Some(normalizer(3.0))).unwrap();
         let g = flat(l.backward().unwrap().get(v.as_tensor()).unwrap());
         let fd = numeric_grad(&s, 1e-5, |z| {
             ref_pkl_full(z, &of, &t, c, tail, tau) * c as f64 / 3.0
@@ -428,7 +428,7 @@ fn gold_full_matches_the_f64_definition_and_finite_differences() {
         }
         let v = var(&s, &[c, vl]);
         let tt = tensor(&t, &[c, vt], DType::F64);
-        let (l, _) = gold_full(v.as_tensor(), &tt, &matched, &p, 0.7, 1.3, temperature(tau), Some(2.0)).unwrap();
+        let (l, _) = gold_full(v.as_tensor(), &tt, &matched, &p, 0.7, 1.3, temperature(tau), Some(normalizer(2.0))).unwrap();
         let g = flat(l.backward().unwrap().get(v.as_tensor()).unwrap());
         let fd = numeric_grad(&s, 1e-6, |z| {
             ref_gold_full(z, &t, &matched, &p, vl, w) * c as f64 / 2.0

@@ -185,7 +185,7 @@ mod tests {
             &Device::Cpu,
         )
         .unwrap();
-        let loss = |rows: std::ops::Range<usize>, norm: Option<f64>| {
+        let loss = |rows: std::ops::Range<usize>, norm: Option<crate::loss::Normalizer>| {
             let n = rows.len();
             let xs = x.narrow(0, rows.start, n).unwrap();
             let logits = xs
@@ -223,7 +223,7 @@ mod tests {
         let big = flat(acc.take().unwrap().get(w.as_tensor()).unwrap());
 
         for rows in [0..1, 1..2] {
-            acc.add(&loss(rows, Some(5.0)).backward().unwrap()).unwrap();
+            acc.add(&loss(rows, Some(crate::loss::Normalizer::new(5.0).unwrap())).backward().unwrap()).unwrap();
         }
         assert_eq!(acc.micro_batches(), 2);
         let summed = flat(acc.take().unwrap().get(w.as_tensor()).unwrap());

@@ -20,7 +20,7 @@ use crate::config::{CommonArgs, Config, ObjectiveKind};
 use crate::data::Record;
 use crate::dist::StepShards;
 use crate::eval::{self, EvalConfig, EvalRecord};
-use crate::loss::cross_entropy;
+use crate::loss::{cross_entropy, Normalizer};
 use crate::student::Student;
 use anyhow::{bail, Result};
 use candle_core::backprop::GradStore;
@@ -147,6 +147,7 @@ pub fn sft_loss(
     normalizer: f64,
     device: &Device,
 ) -> Result<(Tensor, f64)> {
+    let normalizer = Normalizer::new(normalizer)?;
     let tb = pad_batch(examples, 0, device)?;
     let (b, t) = tb.ids.dims2()?;
     let (rows, targets) = trained_rows(examples, t)?;
@@ -189,6 +190,7 @@ pub fn sft_grads(
     device: &Device,
     head: HeadOpts,
 ) -> Result<(GradStore, f64)> {
+    let normalizer = Normalizer::new(normalizer)?;
     let tb = pad_batch(examples, 0, device)?;
     let (rows, targets) = trained_rows(examples, tb.ids.dim(1)?)?;
     let pass = head.forward(model, &tb.ids)?;
@@ -229,7 +231,7 @@ fn nll_sum(
         let logits = model.logits(&h)?.unsqueeze(0)?; // [1, m, V]
         let tg = Tensor::from_vec(tg.to_vec(), (1, m), device)?;
         let mask = Tensor::ones((1, m), DType::F32, device)?;
-        let (loss, k) = cross_entropy(&logits, &tg, &mask, Some(1.0))?;
+        let (loss, k) = cross_entropy(&logits, &tg, &mask, Some(Normalizer::ONE))?;
         sum += loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
         n += k;
     }

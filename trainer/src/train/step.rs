@@ -6,7 +6,7 @@
 
 use super::head::HeadOpts;
 use super::pairing::{units, Item, Pairing};
-use crate::loss::{KdMetrics, LossConfig};
+use crate::loss::{BadNormalizer, KdMetrics, LossConfig, Normalizer};
 use anyhow::{bail, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor};
@@ -21,6 +21,18 @@ pub struct Units {
     pub kd: f64,
     /// Trained student tokens (cross-entropy).
     pub ce: f64,
+}
+
+impl Units {
+    /// The step's distillation units as the losses' normalizer (an error when there are none).
+    pub fn kd_normalizer(&self) -> Result<Normalizer, BadNormalizer> {
+        Normalizer::new(self.kd)
+    }
+
+    /// The step's trained tokens as the cross-entropy's normalizer (an error when there are none).
+    pub fn ce_normalizer(&self) -> Result<Normalizer, BadNormalizer> {
+        Normalizer::new(self.ce)
+    }
 }
 
 impl std::ops::AddAssign for Units {

@@ -263,7 +263,7 @@ fn cross_tokenizer(
             batch: &xb,
             projection,
         },
-        Some(norm.kd),
+        Some(norm.kd_normalizer()?),
     )?;
     let ce_inputs = wants_ce(ctx.loss).then(|| (tb.targets.clone(), tb.mask.clone(), tb.n_targets));
     finish(ctx.loss, &logits, kd, ce_inputs, norm)
@@ -288,10 +288,10 @@ fn cross_tokenizer_grads(
             batch: &sub,
             projection,
         };
-        let kd = kd_loss(ctx.loss, logits, inputs, Some(norm.kd))?;
+        let kd = kd_loss(ctx.loss, logits, inputs, Some(norm.kd_normalizer()?))?;
         let (tg, m, n) = cp.ce_inputs(i, device)?;
         let ce = if ce_on && n > 0 {
-            Some(cross_entropy(logits, &tg, &m, Some(norm.ce))?)
+            Some(cross_entropy(logits, &tg, &m, Some(norm.ce_normalizer()?))?)
         } else {
             None
         };

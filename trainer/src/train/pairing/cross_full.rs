@@ -19,8 +19,8 @@ use crate::loss::full_vocab::{teacher_log_softmax_chunk, TeacherHead};
 use crate::loss::xtoken::gold_matched;
 use crate::loss::xtoken_full::{first_kl_full, gold_full, pkl_full};
 use crate::loss::{
-    compute_dtype, cross_entropy, CeConfig, KdConfig, KdMetrics, LossConfig, Projection, TailMode,
-    XTokenBatch,
+    compute_dtype, cross_entropy, CeConfig, KdConfig, KdMetrics, LossConfig, Normalizer,
+    Projection, TailMode, XTokenBatch,
 };
 use crate::train::head::{self, ChunkLoss, HeadSums, Mix};
 use crate::train::step::{LossCtx, MicroOut, Units, ValSums};
@@ -103,7 +103,7 @@ impl CrossFullVocab<'_> {
         logits: &Tensor,
         scores: &[&SequenceScores],
         origin: &dyn Fn(usize, usize) -> (usize, usize),
-        normalizer: Option<f64>,
+        normalizer: Option<Normalizer>,
     ) -> Result<(Tensor, KdMetrics)> {
         let chunks = anchors(x);
         let (nb, sl, v) = logits.dims3()?;
@@ -309,7 +309,7 @@ impl Collation for CrossFullVocab<'_> {
         let (xb, enc) = xtoken_batch(items, scores, 0)?;
         let tb = pad_batch(&enc, 0, ctx.device)?;
         let logits = ctx.model.forward(&tb.ids)?; // [B, Ts, V]
-        let kd = self.kd(ctx, &xb, &logits, scores, &|r, p| (r, p), Some(norm.kd))?;
+        let kd = self.kd(ctx, &xb, &logits, scores, &|r, p| (r, p), Some(norm.kd_normalizer()?))?;
         let ce = wants_ce(ctx.loss).then(|| (tb.targets.clone(), tb.mask.clone(), tb.n_targets));
         finish(ctx.loss, &logits, kd, ce, norm)
     }
@@ -333,10 +333,10 @@ impl Collation for CrossFullVocab<'_> {
         let pass = ctx.head.forward(model, &cp.tb.ids)?;
         let loss = |i: usize, logits: &Tensor| -> Result<ChunkLoss> {
             let origin = piece_origin(&cp.plan[i]);
-            let kd = self.kd(ctx, &cp.batch(i), logits, scores, &origin, Some(norm.kd))?;
+            let kd = self.kd(ctx, &cp.batch(i), logits, scores, &origin, Some(norm.kd_normalizer()?))?;
             let (tg, m, n) = cp.ce_inputs(i, device)?;
             let ce = if ce_on && n > 0 {
-                Some(cross_entropy(logits, &tg, &m, Some(norm.ce))?)
+                Some(cross_entropy(logits, &tg, &m, Some(norm.ce_normalizer()?))?)
             } else {
                 None
             };

@@ -12,7 +12,7 @@ use crate::loss::full_vocab::{
     full_vocab_divergence, teacher_token_logprobs, TeacherHead, DEFAULT_CHUNK_ROWS,
 };
 use crate::loss::kl::Divergence;
-use crate::loss::{cross_entropy, LossError, Temperature};
+use crate::loss::{cross_entropy, LossError, Normalizer, Temperature};
 use crate::train::head::{self, ChunkLoss, HeadSums, Mix};
 use crate::train::step::{LossCtx, MicroOut, Units, ValSums};
 use anyhow::{bail, Result};
@@ -51,7 +51,7 @@ impl Collation for FullVocab<'_> {
             .index_select(&sel, 0)?
             .unsqueeze(0)?;
         let logits = model.logits(&st)?;
-        let kd = self.divergence(ctx, &logits, &rows, 0..n, Some(norm.kd))?;
+        let kd = self.divergence(ctx, &logits, &rows, 0..n, Some(norm.kd_normalizer()?))?;
         let ce = wants_ce(ctx.loss)
             .then(|| -> Result<_> {
                 let tg = Tensor::from_vec(rows.targets.clone(), (1, n), device)?;
@@ -76,11 +76,11 @@ impl Collation for FullVocab<'_> {
         let pieces = head::row_pieces(&rows.sel, per);
         let loss = |i: usize, logits: &Tensor| -> Result<ChunkLoss> {
             let (a, n) = (i * per, pieces[i].rows.len());
-            let kd = self.divergence(ctx, logits, &rows, a..a + n, Some(norm.kd))?;
+            let kd = self.divergence(ctx, logits, &rows, a..a + n, Some(norm.kd_normalizer()?))?;
             let ce = if wants_ce(ctx.loss) {
                 let tg = Tensor::from_vec(rows.targets[a..a + n].to_vec(), (1, n), device)?;
                 let mask = Tensor::ones((1, n), DType::F32, device)?;
-                Some(cross_entropy(logits, &tg, &mask, Some(norm.ce))?)
+                Some(cross_entropy(logits, &tg, &mask, Some(norm.ce_normalizer()?))?)
             } else {
                 None
             };
@@ -172,7 +172,7 @@ impl FullVocab<'_> {
         logits: &Tensor,
         rows: &TrainedRows,
         range: std::ops::Range<usize>,
-        normalizer: Option<f64>,
+        normalizer: Option<Normalizer>,
     ) -> Result<(Tensor, crate::loss::KdMetrics)> {
         let Some(div) = ctx.loss.divergence() else {
             bail!(
@@ -202,7 +202,7 @@ impl FullVocab<'_> {
         rows: &TrainedRows,
         range: std::ops::Range<usize>,
         div: Divergence,
-        normalizer: Option<f64>,
+        normalizer: Option<Normalizer>,
     ) -> Result<(Tensor, crate::loss::KdMetrics)> {
         let n = range.len();
         let hsz = self.head.hidden_size();

@@ -252,7 +252,7 @@ fn finish(
 ) -> Result<(Tensor, MicroOut)> {
     let (ce, ce_mean) = match ce {
         Some((targets, mask, n)) if n > 0 => {
-            let (ce, _) = cross_entropy(logits, &targets, &mask, Some(norm.ce))?;
+            let (ce, _) = cross_entropy(logits, &targets, &mask, Some(norm.ce_normalizer()?))?;
             let mean =
                 ce.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()? * norm.ce / n as f64;
             (Some(ce), Some(mean))

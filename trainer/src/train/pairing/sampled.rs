@@ -4,7 +4,7 @@
 //! ([`super::same`] holds its top-k losses).
 
 use crate::collate::Encoded;
-use crate::loss::{sampled_token_loss, SampledTargets};
+use crate::loss::{sampled_token_loss, Normalizer, SampledTargets};
 use crate::train::step::LossCtx;
 use anyhow::{bail, Result};
 use candle_core::backprop::GradStore;
@@ -74,6 +74,7 @@ pub fn sampled_grads(
     normalizer: f64,
 ) -> Result<(GradStore, f64)> {
     let (device, loss) = (ctx.device, ctx.loss);
+    let normalizer = Normalizer::new(normalizer)?;
     let tb = crate::collate::pad_batch(&encoded(samples), 0, device)?;
     let rows = SampledRows::new(samples, scores, tb.ids.dim(1)?)?;
     let pass = ctx.head.forward(ctx.model, &tb.ids)?;
@@ -116,6 +117,7 @@ pub fn sampled_loss(
     normalizer: f64,
 ) -> Result<(Tensor, f64)> {
     let (device, loss) = (ctx.device, ctx.loss);
+    let normalizer = Normalizer::new(normalizer)?;
     let tb = crate::collate::pad_batch(&encoded(samples), 0, device)?;
     let (b, t) = tb.ids.dims2()?;
     let rows = SampledRows::new(samples, scores, t)?;
