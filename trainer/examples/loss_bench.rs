@@ -149,7 +149,16 @@ fn main() -> Result<()> {
         teacher_target_logprobs: (0..b * t).map(|_| -rng.random_range(0.0..3.0f32)).collect(),
     };
     time("pkl (anchor first, tail bucket)", a.repeats, || {
-        Ok(pkl_loss(z, &x, &proj, Anchor::First, TailMode::Bucket, Temperature::ONE, None)?.0)
+        Ok(pkl_loss(
+            z,
+            &x,
+            &proj,
+            Anchor::First,
+            TailMode::Bucket,
+            Temperature::ONE,
+            None,
+        )?
+        .0)
     })?;
     time("gold", a.repeats, || {
         Ok(gold_loss(z, &x, &proj, 1.0, 1.0, Temperature::ONE, None)?.0)

@@ -9,8 +9,8 @@ use xdistill_shared::hf::ModelConfig;
 use xdistill_shared::model::{Decoder, Ops};
 use xdistill_trainer::init_model::random_params;
 use xdistill_trainer::loss::{
-    combine, cross_entropy, kd_loss, CeConfig, KdConfig, KdInputs, LossConfig, Normalizer, TailMode, Temperature,
-    TopkTargets,
+    combine, cross_entropy, kd_loss, CeConfig, KdConfig, KdInputs, LossConfig, Normalizer,
+    TailMode, Temperature, TopkTargets,
 };
 use xdistill_trainer::optim::{
     clip_grad_norm, AdamW, AdamWConfig, GradAccumulator, ScheduleConfig,

@@ -277,12 +277,25 @@ fn a_bad_loss_temperature_fails_to_load_naming_the_key() {
     let dir = tempfile::tempdir().unwrap();
     let fwd = "kd = { type = \"forward_kl\" }";
     let cases = [
-        ("loss", with_loss(MINIMAL, &format!("{fwd}\ntemperature = 0")), "0"),
-        ("loss", with_loss(MINIMAL, &format!("{fwd}\ntemperature = -1.5")), "-1.5"),
-        ("loss", with_loss(MINIMAL, &format!("{fwd}\ntemperature = nan")), "NaN"),
+        (
+            "loss",
+            with_loss(MINIMAL, &format!("{fwd}\ntemperature = 0")),
+            "0",
+        ),
+        (
+            "loss",
+            with_loss(MINIMAL, &format!("{fwd}\ntemperature = -1.5")),
+            "-1.5",
+        ),
+        (
+            "loss",
+            with_loss(MINIMAL, &format!("{fwd}\ntemperature = nan")),
+            "NaN",
+        ),
         (
             "loss_cross",
-            with_loss(MINIMAL, fwd) + "[loss_cross]\nkd = { type = \"first_kl\" }\ntemperature = 0.0\n",
+            with_loss(MINIMAL, fwd)
+                + "[loss_cross]\nkd = { type = \"first_kl\" }\ntemperature = 0.0\n",
             "0",
         ),
     ];

@@ -98,8 +98,14 @@ mod tests {
             let (x, zs) = fixture(seed, 1.0);
             let want = reference(&x, &zs, tau, 1.0);
             for (dtype, tol) in [(DType::F64, 1e-9), (DType::F32, 1e-4)] {
-                let (l, m) =
-                    alm_loss(&tensor(&zs, &[B, TS, VL], dtype), &x, tau, Temperature::ONE, None).unwrap();
+                let (l, m) = alm_loss(
+                    &tensor(&zs, &[B, TS, VL], dtype),
+                    &x,
+                    tau,
+                    Temperature::ONE,
+                    None,
+                )
+                .unwrap();
                 assert!(
                     (scalar(&l) - want).abs() < tol * want.abs(),
                     "τ={tau} {dtype:?}: {} vs {want}",

@@ -193,7 +193,8 @@ fn teacher_log_probs_match_the_direct_f64_computation() {
             let want: Vec<f64> = (0..c.n).flat_map(|p| ref_teacher_lp(&c, p, tau)).collect();
             for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-5)] {
                 let hid = tensor(&c.hid, &[c.n, c.h], dtype);
-                let lp = teacher_log_softmax_chunk(&head(&c, dtype), &hid, temperature(tau)).unwrap();
+                let lp =
+                    teacher_log_softmax_chunk(&head(&c, dtype), &hid, temperature(tau)).unwrap();
                 assert_eq!(lp.dims(), [c.n, c.vocab]);
                 assert_eq!(
                     lp.dtype(),
@@ -224,8 +225,14 @@ fn token_log_probs_match_the_reference_entry() {
             for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-5)] {
                 let hid = tensor(&c.hid, &[c.n, c.h], dtype);
                 for chunk in [1, 2, c.n] {
-                    let got =
-                        teacher_token_logprobs(&head(&c, dtype), &hid, &tg, temperature(tau), chunk).unwrap();
+                    let got = teacher_token_logprobs(
+                        &head(&c, dtype),
+                        &hid,
+                        &tg,
+                        temperature(tau),
+                        chunk,
+                    )
+                    .unwrap();
                     assert_eq!(got.dims(), [c.n]);
                     let what = format!("{dtype:?} tau={tau} chunk={chunk}");
                     assert_close(&flat(&got), &want, tol, &what);
@@ -353,8 +360,15 @@ fn equals_the_autograd_top_k_path_with_k_equal_to_the_vocabulary() {
         };
         for div in DIVS {
             let x = var(&c.zs, &[1, n, v]);
-            let (want, _) =
-                topk_divergence(x.as_tensor(), &targets, div, TailMode::Ignore, temperature(tau), None).unwrap();
+            let (want, _) = topk_divergence(
+                x.as_tensor(),
+                &targets,
+                div,
+                TailMode::Ignore,
+                temperature(tau),
+                None,
+            )
+            .unwrap();
             let want_g = flat(want.backward().unwrap().get(x.as_tensor()).unwrap());
             let y = var(&c.zs, &[1, n, v]);
             let hid = tensor(&c.hid, &[1, n, c.h], DType::F64);
@@ -417,14 +431,29 @@ fn hidden_states_and_head_equal_full_teacher_logits() {
     for div in DIVS {
         for tau in [1.0, 0.8] {
             let x = Var::from_tensor(&tensor(&zs, &[b, t, vocab], DType::F32)).unwrap();
-            let (got, _) =
-                full_vocab_divergence(x.as_tensor(), &head, &hid, &mask, div, temperature(tau), 4, None)
-                    .unwrap();
+            let (got, _) = full_vocab_divergence(
+                x.as_tensor(),
+                &head,
+                &hid,
+                &mask,
+                div,
+                temperature(tau),
+                4,
+                None,
+            )
+            .unwrap();
             let got_g = flat(got.backward().unwrap().get(x.as_tensor()).unwrap());
             let y = Var::from_tensor(&tensor(&zs, &[b, t, vocab], DType::F32)).unwrap();
-            let (want, _) =
-                full_vocab_divergence_from_logits(y.as_tensor(), &z_t, &mask, div, temperature(tau), 64, None)
-                    .unwrap();
+            let (want, _) = full_vocab_divergence_from_logits(
+                y.as_tensor(),
+                &z_t,
+                &mask,
+                div,
+                temperature(tau),
+                64,
+                None,
+            )
+            .unwrap();
             let want_g = flat(want.backward().unwrap().get(y.as_tensor()).unwrap());
             let what = format!("{div:?} tau={tau}");
             assert_rel(scalar(&got), scalar(&want), 1e-5, &what);
@@ -439,9 +468,16 @@ fn identical_distributions_give_zero_loss_and_gradient() {
     let zs = tensor(&c.zs, &[c.n, c.vocab], DType::F64);
     for div in DIVS {
         let x = var(&c.zs, &[c.n, c.vocab]);
-        let (loss, _) =
-            full_vocab_divergence_from_logits(x.as_tensor(), &zs, &mask_t(&c), div, temperature(1.5), 2, None)
-                .unwrap();
+        let (loss, _) = full_vocab_divergence_from_logits(
+            x.as_tensor(),
+            &zs,
+            &mask_t(&c),
+            div,
+            temperature(1.5),
+            2,
+            None,
+        )
+        .unwrap();
         assert!(scalar(&loss).abs() < 1e-14, "{div:?}: {}", scalar(&loss));
         let g = flat(loss.backward().unwrap().get(x.as_tensor()).unwrap());
         assert!(g.iter().all(|x| x.abs() < 1e-14), "{div:?}");
@@ -456,7 +492,8 @@ fn micro_batches_with_a_global_normalizer_add_up_to_the_batch() {
     let zs = tensor(&c.zs, &[c.n, c.vocab], DType::F64);
     let mask = mask_t(&c);
     let div = Divergence::Jsd { beta: 0.3 };
-    let (full, m) = full_vocab_divergence(&zs, &hd, &hid, &mask, div, temperature(1.2), 3, None).unwrap();
+    let (full, m) =
+        full_vocab_divergence(&zs, &hd, &hid, &mask, div, temperature(1.2), 3, None).unwrap();
     let parts: f64 = [(0, 3), (3, 5)]
         .iter()
         .map(|&(s, l)| {
@@ -517,13 +554,31 @@ fn bf16_logits_and_head() {
     let z32 = z16.to_dtype(DType::F32).unwrap();
     let div = Divergence::Jsd { beta: 0.5 };
     let x = Var::from_tensor(&z16).unwrap();
-    let (got, _) =
-        full_vocab_divergence(x.as_tensor(), &h16, &hid, &mask_t(&c), div, Temperature::ONE, 4, None).unwrap();
+    let (got, _) = full_vocab_divergence(
+        x.as_tensor(),
+        &h16,
+        &hid,
+        &mask_t(&c),
+        div,
+        Temperature::ONE,
+        4,
+        None,
+    )
+    .unwrap();
     assert_eq!(got.dtype(), DType::F32);
     let g = got.backward().unwrap();
     assert_eq!(g.get(x.as_tensor()).unwrap().dtype(), DType::BF16);
-    let (want, _) =
-        full_vocab_divergence(&z32, &h32, &hid, &mask_t(&c), div, Temperature::ONE, 4, None).unwrap();
+    let (want, _) = full_vocab_divergence(
+        &z32,
+        &h32,
+        &hid,
+        &mask_t(&c),
+        div,
+        Temperature::ONE,
+        4,
+        None,
+    )
+    .unwrap();
     assert_eq!(scalar(&got), scalar(&want));
 }
 
@@ -643,8 +698,17 @@ fn bad_inputs_are_typed_errors() {
     let hid = Tensor::zeros((4, 3), DType::F32, &d).unwrap();
     let mask = Tensor::ones(4, DType::F32, &d).unwrap();
     let fwd = Divergence::Forward;
-    let run = |zs: &Tensor, hid: &Tensor, mask: &Tensor, div, tau, chunk, norm| {
-        full_vocab_divergence(zs, &hd, hid, mask, div, temperature(tau), chunk, norm.map(normalizer))
+    let run = |zs: &Tensor, hid: &Tensor, mask: &Tensor, div, tau, chunk, norm: Option<f64>| {
+        full_vocab_divergence(
+            zs,
+            &hd,
+            hid,
+            mask,
+            div,
+            temperature(tau),
+            chunk,
+            norm.map(normalizer),
+        )
     };
     let input = |r: Result<(Tensor, KdMetrics)>| matches!(r, Err(LossError::Input { .. }));
     let config = |r: Result<(Tensor, KdMetrics)>| matches!(r, Err(LossError::Config { .. }));
@@ -707,7 +771,13 @@ fn bad_inputs_are_typed_errors() {
     ));
     let zt7 = Tensor::zeros((4, 7), DType::F32, &d).unwrap();
     assert!(input(full_vocab_divergence_from_logits(
-        &zs, &zt7, &mask, fwd, Temperature::ONE, 2, None
+        &zs,
+        &zt7,
+        &mask,
+        fwd,
+        Temperature::ONE,
+        2,
+        None
     )));
 }
 

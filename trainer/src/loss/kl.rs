@@ -8,10 +8,7 @@
 
 use candle_core::{DType, Device, Tensor, D};
 
-use super::stable::{
-    log1mexp, logaddexp, logsumexp_last, masked_mean,
-    LOG_FLOOR, TAIL_FLOOR,
-};
+use super::stable::{log1mexp, logaddexp, logsumexp_last, masked_mean, LOG_FLOOR, TAIL_FLOOR};
 use super::{compute_dtype, KdMetrics, LossError, Normalizer, Result, TailMode, Temperature};
 
 /// A divergence between the teacher (T) and student (S) distributions over K (+ tail).

@@ -116,9 +116,15 @@ fn matches_f64_reference_every_divergence_and_tail() {
                 let want = reference(&c, &c.zs, div, tail, tau, None);
                 for (dtype, tol) in [(DType::F64, 1e-10), (DType::F32, 2e-5)] {
                     let logits = tensor(&c.zs, &[B, T, V], dtype);
-                    let (loss, m) =
-                        topk_divergence(&logits, &targets(&c, dtype), div, tail, temperature(tau), None)
-                            .unwrap();
+                    let (loss, m) = topk_divergence(
+                        &logits,
+                        &targets(&c, dtype),
+                        div,
+                        tail,
+                        temperature(tau),
+                        None,
+                    )
+                    .unwrap();
                     let got = scalar(&loss);
                     assert!(
                         (got - want).abs() <= tol * want.abs().max(1e-3),

@@ -39,7 +39,10 @@ impl TryFrom<f64> for Normalizer {
 
 impl From<BadNormalizer> for super::LossError {
     fn from(e: BadNormalizer) -> Self {
-        super::LossError::input("normalizer", format!("must be a positive count, got {}", e.0))
+        super::LossError::input(
+            "normalizer",
+            format!("must be a positive count, got {}", e.0),
+        )
     }
 }
 

@@ -222,7 +222,9 @@ mod chunk_tests {
                 assert_eq!(m.count, ref_chunks(&x).len() as f64);
             }
             let v = var(&zs, &[B, TS, VL]);
-            let (l, _) = chunk_sampled_loss(v.as_tensor(), &x, temperature(temp), Some(normalizer(4.0))).unwrap();
+            let (l, _) =
+                chunk_sampled_loss(v.as_tensor(), &x, temperature(temp), Some(normalizer(4.0)))
+                    .unwrap();
             let g = flat(l.backward().unwrap().get(v.as_tensor()).unwrap());
             let c = ref_chunks(&x).len() as f64;
             let fd = numeric_grad(&zs, 1e-5, |z| reference(&x, z, &zs, temp) * c / 4.0);
@@ -265,7 +267,11 @@ mod chunk_tests {
         assert!((scalar(&l) - scalar(&want)).abs() < 1e-12);
         let v = var(&zs, &[B, TS, VL]);
         let grad = |l: Tensor| flat(l.backward().unwrap().get(v.as_tensor()).unwrap());
-        let g1 = grad(chunk_sampled_loss(v.as_tensor(), &x, Temperature::ONE, None).unwrap().0);
+        let g1 = grad(
+            chunk_sampled_loss(v.as_tensor(), &x, Temperature::ONE, None)
+                .unwrap()
+                .0,
+        );
         let g2 = grad(
             sampled_token_loss(v.as_tensor(), &targets, Temperature::ONE, None)
                 .unwrap()
@@ -306,7 +312,10 @@ mod chunk_tests {
         let mut bad = x.clone();
         bad.teacher_target_logprobs[0] = f32::NAN;
         assert!(chunk_sampled_loss(&z, &bad, Temperature::ONE, None).is_err());
-        assert!(Temperature::new(0.0).is_err(), "a bad temperature cannot reach the loss");
+        assert!(
+            Temperature::new(0.0).is_err(),
+            "a bad temperature cannot reach the loss"
+        );
         let wrong = tensor(&zs[..TS * VL], &[1, TS, VL], DType::F32);
         assert!(chunk_sampled_loss(&wrong, &x, Temperature::ONE, None).is_err());
     }

@@ -78,7 +78,10 @@ mod tests {
         assert_eq!(Temperature::default(), Temperature::ONE);
         for v in [0.0, -0.0, -1.0, f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
             let e = Temperature::new(v).unwrap_err();
-            assert_eq!(e.to_string(), format!("temperature must be finite and > 0, got {v}"));
+            assert_eq!(
+                e.to_string(),
+                format!("temperature must be finite and > 0, got {v}")
+            );
         }
         assert!(Temperature::try_from(-2.5).is_err());
     }
@@ -92,9 +95,17 @@ mod tests {
         assert_eq!(text.trim(), "temperature = 2.5");
         assert_eq!(toml::from_str::<Section>(&text).unwrap(), s);
         assert_eq!(serde_json::to_string(&s).unwrap(), r#"{"temperature":2.5}"#);
-        for bad in ["temperature = 0.0", "temperature = -1.0", "temperature = nan", "temperature = inf"] {
+        for bad in [
+            "temperature = 0.0",
+            "temperature = -1.0",
+            "temperature = nan",
+            "temperature = inf",
+        ] {
             let e = toml::from_str::<Section>(bad).unwrap_err().to_string();
-            assert!(e.contains("temperature must be finite and > 0"), "{bad}: {e}");
+            assert!(
+                e.contains("temperature must be finite and > 0"),
+                "{bad}: {e}"
+            );
         }
         let e = serde_json::from_str::<Section>(r#"{"temperature":0}"#).unwrap_err();
         assert!(e.to_string().contains("got 0"), "{e}");

@@ -11,12 +11,11 @@ pub use projection::Projection;
 
 use candle_core::{DType, Device, Tensor, D};
 
-use super::stable::{
-    log1mexp, logsumexp_last, softmax_last, LOG_FLOOR,
-    TAIL_FLOOR,
-};
+use super::stable::{log1mexp, logsumexp_last, softmax_last, LOG_FLOOR, TAIL_FLOOR};
 use super::topk::topk_indices;
-use super::{compute_dtype, Anchor, KdMetrics, LossError, Normalizer, Result, TailMode, Temperature};
+use super::{
+    compute_dtype, Anchor, KdMetrics, LossError, Normalizer, Result, TailMode, Temperature,
+};
 
 /// Added to projected probabilities before the log (a teacher token no student token maps to).
 const Q_EPS: f64 = 1e-10;
@@ -534,7 +533,7 @@ pub fn first_kl_loss(
     // 2. Device: log p[g] at each chunk's first position, [C, k]; S = Σ_g p[g] over real groups.
     let rows = Tensor::from_vec(rows, n_units, &dev)?;
     let zr = z.reshape((batch.batch * ts, vs))?.index_select(&rows, 0)?; // [C, V]
-    // Only the k gathered log-probs: no [C, V] log-softmax on the CPU.
+                                                                         // Only the k gathered log-probs: no [C, V] log-softmax on the CPU.
     let ls = xdistill_kernels::gather_log_softmax(
         &zr.affine(1.0 / temperature, 0.0)?,
         &Tensor::from_vec(ids, (n_units, k), &dev)?,

@@ -26,7 +26,9 @@ use rayon::prelude::*;
 
 use super::stable::{log1mexp, log_softmax_last, TAIL_FLOOR};
 use super::topk::descending_order;
-use super::{compute_dtype, KdMetrics, LossError, Normalizer, Projection, Result, TailMode, Temperature};
+use super::{
+    compute_dtype, KdMetrics, LossError, Normalizer, Projection, Result, TailMode, Temperature,
+};
 
 /// The row count of `student_logits`, which must be `[rows, V]` with `V ≥` the student
 /// vocabulary `vs` (padded head columns past it are ignored by every loss here).
@@ -84,7 +86,8 @@ pub fn first_kl_full(
     // 1. Host: G (the student tokens that start some teacher token) in order of first use, the
     //    column in G of each teacher id that has a first student token, the ids that have none.
     let mut col_of = vec![u32::MAX; vs];
-    let (mut g_ids, mut mapped_u, mut mapped_col, mut unmapped_u) = (vec![], vec![], vec![], vec![]);
+    let (mut g_ids, mut mapped_u, mut mapped_col, mut unmapped_u) =
+        (vec![], vec![], vec![], vec![]);
     for u in 0..vt {
         match proj.teacher_first(u) {
             Some(g) => {

@@ -108,7 +108,14 @@ fn matches_the_f64_definition_and_finite_differences() {
         }
         let v = var(&s, &[c, VL]);
         let tt = tensor(&t, &[c, VT], DType::F64);
-        let (l, _) = first_kl_full(v.as_tensor(), &tt, &p, temperature(tau), Some(normalizer(2.5))).unwrap();
+        let (l, _) = first_kl_full(
+            v.as_tensor(),
+            &tt,
+            &p,
+            temperature(tau),
+            Some(normalizer(2.5)),
+        )
+        .unwrap();
         let g = flat(l.backward().unwrap().get(v.as_tensor()).unwrap());
         let fd = numeric_grad(&s, 1e-5, |z| reference(z, &t, c, tau) * c as f64 / 2.5);
         assert_close(&g, &fd, 1e-7, "first_kl_full grad");
@@ -164,7 +171,10 @@ fn bad_inputs_are_errors_and_no_chunks_is_zero() {
     assert!(first_kl_full(&short, &t, &p, Temperature::ONE, None).is_err());
     let wrong_t = Tensor::zeros((2, VT + 1), DType::F32, &candle_core::Device::Cpu).unwrap();
     assert!(first_kl_full(&z, &wrong_t, &p, Temperature::ONE, None).is_err());
-    assert!(Temperature::new(0.0).is_err(), "a bad temperature cannot reach the loss");
+    assert!(
+        Temperature::new(0.0).is_err(),
+        "a bad temperature cannot reach the loss"
+    );
     let no_first = crate::loss::xtoken::tests::projection();
     let err = first_kl_full(&z, &t, &no_first, Temperature::ONE, None).unwrap_err();
     assert!(err.to_string().contains("first-token map"), "{err}");
@@ -272,7 +282,16 @@ fn pkl_full_matches_the_f64_definition_finite_differences_and_top_k_pkl() {
         }
         let v = var(&s, &[of.len(), VL]);
         let tt = tensor(&t, &[c, VT], DType::F64);
-        let (l, _) = pkl_full(v.as_tensor(), &of, &tt, &p, tail, temperature(tau), Some(normalizer(3.0))).unwrap();
+        let (l, _) = pkl_full(
+            v.as_tensor(),
+            &of,
+            &tt,
+            &p,
+            tail,
+            temperature(tau),
+            Some(normalizer(3.0)),
+        )
+        .unwrap();
         let g = flat(l.backward().unwrap().get(v.as_tensor()).unwrap());
         let fd = numeric_grad(&s, 1e-5, |z| {
             ref_pkl_full(z, &of, &t, c, tail, tau) * c as f64 / 3.0
@@ -281,7 +300,8 @@ fn pkl_full_matches_the_f64_definition_finite_differences_and_top_k_pkl() {
 
         // The top-k P-KL given every teacher id (k = V_t): the same value and gradient.
         let vz = var(&zs, &[B, TS, VL]);
-        let (lk, _) = pkl_loss(vz.as_tensor(), &x, &p, anchor, tail, temperature(tau), None).unwrap();
+        let (lk, _) =
+            pkl_loss(vz.as_tensor(), &x, &p, anchor, tail, temperature(tau), None).unwrap();
         let gk = flat(lk.backward().unwrap().get(vz.as_tensor()).unwrap());
         let vr = var(&s, &[of.len(), VL]);
         let (lf, _) = pkl_full(vr.as_tensor(), &of, &tt, &p, tail, temperature(tau), None).unwrap();
@@ -312,11 +332,29 @@ fn pkl_full_refuses_rows_without_chunks() {
     // Chunk 1 has no row; a chunk id past C; the wrong number of ids.
     for of in [vec![0u32, 0, 0], vec![0, 1, 2], vec![0, 1]] {
         assert!(
-            pkl_full(&z, &of, &t, &p, TailMode::Renormalize, Temperature::ONE, None).is_err(),
+            pkl_full(
+                &z,
+                &of,
+                &t,
+                &p,
+                TailMode::Renormalize,
+                Temperature::ONE,
+                None
+            )
+            .is_err(),
             "{of:?}"
         );
     }
-    assert!(pkl_full(&z, &[0, 1, 1], &t, &p, TailMode::Renormalize, Temperature::ONE, None).is_ok());
+    assert!(pkl_full(
+        &z,
+        &[0, 1, 1],
+        &t,
+        &p,
+        TailMode::Renormalize,
+        Temperature::ONE,
+        None
+    )
+    .is_ok());
 }
 
 /// Gold over the whole distribution by its definition, in f64 with plain loops: `s [C, vl]`
@@ -428,7 +466,17 @@ fn gold_full_matches_the_f64_definition_and_finite_differences() {
         }
         let v = var(&s, &[c, vl]);
         let tt = tensor(&t, &[c, vt], DType::F64);
-        let (l, _) = gold_full(v.as_tensor(), &tt, &matched, &p, 0.7, 1.3, temperature(tau), Some(normalizer(2.0))).unwrap();
+        let (l, _) = gold_full(
+            v.as_tensor(),
+            &tt,
+            &matched,
+            &p,
+            0.7,
+            1.3,
+            temperature(tau),
+            Some(normalizer(2.0)),
+        )
+        .unwrap();
         let g = flat(l.backward().unwrap().get(v.as_tensor()).unwrap());
         let fd = numeric_grad(&s, 1e-6, |z| {
             ref_gold_full(z, &t, &matched, &p, vl, w) * c as f64 / 2.0
@@ -502,7 +550,17 @@ fn gold_full_equals_top_k_gold_with_the_whole_vocabulary() {
     let gk = flat(lk.backward().unwrap().get(vz.as_tensor()).unwrap());
     let vr = var(&s, &[c, vl]);
     let tt_ = tensor(&t, &[c, v], DType::F64);
-    let (lf, _) = gold_full(vr.as_tensor(), &tt_, &matched, &p, 0.6, 1.4, temperature(tau), None).unwrap();
+    let (lf, _) = gold_full(
+        vr.as_tensor(),
+        &tt_,
+        &matched,
+        &p,
+        0.6,
+        1.4,
+        temperature(tau),
+        None,
+    )
+    .unwrap();
     let gf = flat(lf.backward().unwrap().get(vr.as_tensor()).unwrap());
     assert!(
         (scalar(&lk) - scalar(&lf)).abs() < 1e-9 * scalar(&lk),
@@ -523,8 +581,9 @@ fn gold_full_refuses_bad_shapes_and_no_chunks_is_zero() {
     let dev = candle_core::Device::Cpu;
     let zeros = |r: usize, c: usize| Tensor::zeros((r, c), DType::F32, &dev).unwrap();
     let ok = [true, false];
-    let run =
-        |z: &Tensor, t: &Tensor, m: &[bool], tau: f64| gold_full(z, t, m, &p, 1.0, 1.0, temperature(tau), None);
+    let run = |z: &Tensor, t: &Tensor, m: &[bool], tau: f64| {
+        gold_full(z, t, m, &p, 1.0, 1.0, temperature(tau), None)
+    };
     assert!(run(&zeros(2, 7), &zeros(2, 5), &ok, 1.0).is_ok());
     assert!(
         run(&zeros(2, 5), &zeros(2, 5), &ok, 1.0).is_err(),
@@ -587,7 +646,17 @@ fn measure_gold_full_cost_per_chunk() {
         for (what, m) in [("unmatched", false), ("matched", true)] {
             let flags = vec![m; c];
             let run = || {
-                let (l, _) = gold_full(z.as_tensor(), &t, &flags, &p, 1.0, 1.0, Temperature::ONE, None).unwrap();
+                let (l, _) = gold_full(
+                    z.as_tensor(),
+                    &t,
+                    &flags,
+                    &p,
+                    1.0,
+                    1.0,
+                    Temperature::ONE,
+                    None,
+                )
+                .unwrap();
                 l.backward().unwrap();
             };
             run();

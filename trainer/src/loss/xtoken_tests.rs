@@ -368,9 +368,17 @@ fn normalizer_splits_into_micro_batches() {
     let p = projection();
     let z_full = tensor(&zs, &[B, TS, VL], DType::F64);
     let full = scalar(
-        &pkl_loss(&z_full, &x, &p, Anchor::First, TailMode::Bucket, Temperature::ONE, None)
-            .unwrap()
-            .0,
+        &pkl_loss(
+            &z_full,
+            &x,
+            &p,
+            Anchor::First,
+            TailMode::Bucket,
+            Temperature::ONE,
+            None,
+        )
+        .unwrap()
+        .0,
     );
     let mut sum = 0.0;
     for b in 0..B {
@@ -412,7 +420,16 @@ fn bad_inputs_are_errors_not_panics() {
     let z = tensor(&zs, &[B, TS, VL], DType::F32);
     let mut bad = x.clone();
     bad.teacher_topk_ids[0] = VT as u32;
-    assert!(pkl_loss(&z, &bad, &p, Anchor::First, TailMode::Bucket, Temperature::ONE, None).is_err());
+    assert!(pkl_loss(
+        &z,
+        &bad,
+        &p,
+        Anchor::First,
+        TailMode::Bucket,
+        Temperature::ONE,
+        None
+    )
+    .is_err());
     let mut bad = x.clone();
     bad.teacher_topk_logprobs.truncate(3);
     assert!(gold_loss(&z, &bad, &p, 1.0, 1.0, Temperature::ONE, None).is_err());
@@ -420,14 +437,35 @@ fn bad_inputs_are_errors_not_panics() {
     bad.student_targets.clear();
     assert!(gold_loss(&z, &bad, &p, 1.0, 1.0, Temperature::ONE, None).is_err());
     let narrow = tensor(&zs[..B * TS * 4], &[B, TS, 4], DType::F32);
-    assert!(pkl_loss(&narrow, &x, &p, Anchor::First, TailMode::Bucket, Temperature::ONE, None).is_err());
-    assert!(Normalizer::new(0.0).is_err(), "a bad normalizer cannot reach the loss");
+    assert!(pkl_loss(
+        &narrow,
+        &x,
+        &p,
+        Anchor::First,
+        TailMode::Bucket,
+        Temperature::ONE,
+        None
+    )
+    .is_err());
+    assert!(
+        Normalizer::new(0.0).is_err(),
+        "a bad normalizer cannot reach the loss"
+    );
     // No chunk with both sides: a zero loss, not an error.
     let empty = XTokenBatch {
         teacher_chunk: vec![-1; B * TT],
         ..x.clone()
     };
-    let (l, m) = pkl_loss(&z, &empty, &p, Anchor::First, TailMode::Bucket, Temperature::ONE, None).unwrap();
+    let (l, m) = pkl_loss(
+        &z,
+        &empty,
+        &p,
+        Anchor::First,
+        TailMode::Bucket,
+        Temperature::ONE,
+        None,
+    )
+    .unwrap();
     assert_eq!((scalar(&l), m.count), (0.0, 0.0));
 }
 
@@ -531,8 +569,14 @@ fn first_kl_matches_reference_and_finite_differences() {
         let want = ref_first_kl(&x, &zs, tau);
         assert!(want > 0.0, "a proper KL of two different distributions");
         for (dtype, tol) in [(DType::F64, 1e-9), (DType::F32, 2e-5)] {
-            let (l, m) =
-                first_kl_loss(&tensor(&zs, &[B, TS, VL], dtype), &x, &p, temperature(tau), None).unwrap();
+            let (l, m) = first_kl_loss(
+                &tensor(&zs, &[B, TS, VL], dtype),
+                &x,
+                &p,
+                temperature(tau),
+                None,
+            )
+            .unwrap();
             assert!(
                 (scalar(&l) - want).abs() < tol * want.abs().max(1e-3),
                 "{dtype:?} τ={tau}: {} vs {want}",
@@ -588,9 +632,15 @@ fn first_kl_rewards_the_first_piece_of_a_long_teacher_token() {
             z[r * VL + s] = 8.0;
         }
         scalar(
-            &first_kl_loss(&tensor(&z, &[B, TS, VL], DType::F64), &x, &p, Temperature::ONE, None)
-                .unwrap()
-                .0,
+            &first_kl_loss(
+                &tensor(&z, &[B, TS, VL], DType::F64),
+                &x,
+                &p,
+                Temperature::ONE,
+                None,
+            )
+            .unwrap()
+            .0,
         )
     };
     let on_first_piece = loss_with_peak_on(3);

@@ -223,7 +223,12 @@ mod tests {
         let big = flat(acc.take().unwrap().get(w.as_tensor()).unwrap());
 
         for rows in [0..1, 1..2] {
-            acc.add(&loss(rows, Some(crate::loss::Normalizer::new(5.0).unwrap())).backward().unwrap()).unwrap();
+            acc.add(
+                &loss(rows, Some(crate::loss::Normalizer::new(5.0).unwrap()))
+                    .backward()
+                    .unwrap(),
+            )
+            .unwrap();
         }
         assert_eq!(acc.micro_batches(), 2);
         let summed = flat(acc.take().unwrap().get(w.as_tensor()).unwrap());

@@ -274,7 +274,7 @@ mod tests {
         let loss = LossConfig {
             kd: KdConfig::SampledKl {},
             tail: None,
-            temperature: 0.8,
+            temperature: crate::loss::Temperature::new(0.8).expect("0.8 is a temperature"),
             kd_weight: 0.6,
             ce: CeConfig::None {},
         };

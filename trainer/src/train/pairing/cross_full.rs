@@ -309,7 +309,14 @@ impl Collation for CrossFullVocab<'_> {
         let (xb, enc) = xtoken_batch(items, scores, 0)?;
         let tb = pad_batch(&enc, 0, ctx.device)?;
         let logits = ctx.model.forward(&tb.ids)?; // [B, Ts, V]
-        let kd = self.kd(ctx, &xb, &logits, scores, &|r, p| (r, p), Some(norm.kd_normalizer()?))?;
+        let kd = self.kd(
+            ctx,
+            &xb,
+            &logits,
+            scores,
+            &|r, p| (r, p),
+            Some(norm.kd_normalizer()?),
+        )?;
         let ce = wants_ce(ctx.loss).then(|| (tb.targets.clone(), tb.mask.clone(), tb.n_targets));
         finish(ctx.loss, &logits, kd, ce, norm)
     }
@@ -333,7 +340,14 @@ impl Collation for CrossFullVocab<'_> {
         let pass = ctx.head.forward(model, &cp.tb.ids)?;
         let loss = |i: usize, logits: &Tensor| -> Result<ChunkLoss> {
             let origin = piece_origin(&cp.plan[i]);
-            let kd = self.kd(ctx, &cp.batch(i), logits, scores, &origin, Some(norm.kd_normalizer()?))?;
+            let kd = self.kd(
+                ctx,
+                &cp.batch(i),
+                logits,
+                scores,
+                &origin,
+                Some(norm.kd_normalizer()?),
+            )?;
             let (tg, m, n) = cp.ce_inputs(i, device)?;
             let ce = if ce_on && n > 0 {
                 Some(cross_entropy(logits, &tg, &m, Some(norm.ce_normalizer()?))?)

@@ -80,7 +80,12 @@ impl Collation for FullVocab<'_> {
             let ce = if wants_ce(ctx.loss) {
                 let tg = Tensor::from_vec(rows.targets[a..a + n].to_vec(), (1, n), device)?;
                 let mask = Tensor::ones((1, n), DType::F32, device)?;
-                Some(cross_entropy(logits, &tg, &mask, Some(norm.ce_normalizer()?))?)
+                Some(cross_entropy(
+                    logits,
+                    &tg,
+                    &mask,
+                    Some(norm.ce_normalizer()?),
+                )?)
             } else {
                 None
             };

@@ -292,8 +292,8 @@ fn whole_sums(
     tb: &crate::collate::TokenBatch,
 ) -> Result<ValSums> {
     let (ce, n) = cross_entropy(logits, &tb.targets, &tb.mask, None)?;
-    let kl =
-        kl.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()? / (temperature.get() * temperature.get());
+    let kl = kl.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?
+        / (temperature.get() * temperature.get());
     let ce = ce.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
     Ok(ValSums {
         kl: kl * units,

@@ -186,7 +186,12 @@ fn same_tokenizer_grads(
             logits.dim(2)?,
             device,
         )?;
-        let kd = kd_loss(ctx.loss, logits, KdInputs::Topk(&tk), Some(norm.kd_normalizer()?))?;
+        let kd = kd_loss(
+            ctx.loss,
+            logits,
+            KdInputs::Topk(&tk),
+            Some(norm.kd_normalizer()?),
+        )?;
         let ce = if wants_ce(ctx.loss) {
             let tg = Tensor::from_vec(rows.targets[a..a + n].to_vec(), (1, n), device)?;
             let mask = Tensor::ones((1, n), candle_core::DType::F32, device)?;
@@ -260,7 +265,12 @@ fn same_tokenizer(
     let vocab = logits.dim(2)?;
     let ones = vec![1f32; n];
     let tk = TopkTargets::from_host(1, n, k, &trained.ids, &trained.lps, &ones, vocab, device)?;
-    let kd = kd_loss(ctx.loss, &logits, KdInputs::Topk(&tk), Some(norm.kd_normalizer()?))?;
+    let kd = kd_loss(
+        ctx.loss,
+        &logits,
+        KdInputs::Topk(&tk),
+        Some(norm.kd_normalizer()?),
+    )?;
     let ce_inputs = if wants_ce(ctx.loss) {
         let tg = Tensor::from_vec(trained.targets, (1, n), device)?;
         Some((
