@@ -832,3 +832,119 @@ fn fused_expert_tensors_are_counted_from_their_shape() {
         "{e}"
     );
 }
+
+/// The LM head at inference on f32 host tensors, 32 rows or more: every logit is
+/// `matmul::dot_blocked`'s sum — the bits of the AVX-512 head kernel, at every SIMD level (issue
+/// 49: candle's gemm lost 2.6× more against f64 there) — in whole rows and in column tiles;
+/// fewer rows, and the differentiable ops, keep candle's matmul.
+#[test]
+fn lm_head_sums_in_blocks_at_inference() {
+    if !dev().is_cpu() {
+        return;
+    }
+    let cfg = config("llama");
+    let (fused, diff) = (model(&cfg, Ops::Fused), model(&cfg, Ops::Differentiable));
+    let (h, v) = (cfg.hidden_size, cfg.vocab_size);
+    let head: Vec<f32> = fused.lm_head().flatten_all().unwrap().to_vec1().unwrap();
+    let fma = xdistill_shared::simd::Simd::current() >= xdistill_shared::simd::Simd::Avx2;
+    for rows in [40usize, 5] {
+        let x: Vec<f32> = (0..rows * h)
+            .map(|i| ((i * 7919 % 113) as f32 / 113.0 - 0.5) * 3.0)
+            .collect();
+        let hidden = Tensor::from_vec(x.clone(), (rows, h), &dev()).unwrap();
+        let candle = hidden
+            .matmul(&fused.lm_head().t().unwrap())
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        let logits: Vec<Vec<f32>> = fused.logits(&hidden).unwrap().to_vec2().unwrap();
+        assert_eq!(
+            diff.logits(&hidden).unwrap().to_vec2::<f32>().unwrap(),
+            candle
+        );
+        if rows < xdistill_shared::matmul::NP {
+            assert_eq!(logits, candle, "{rows} rows: candle's matmul");
+            continue;
+        }
+        for r in 0..rows {
+            for c in 0..v {
+                let dot = xdistill_shared::matmul::dot_blocked(
+                    &head[c * h..(c + 1) * h],
+                    &x[r * h..(r + 1) * h],
+                    fma,
+                );
+                assert_eq!(logits[r][c].to_bits(), dot.to_bits(), "row {r} col {c}");
+            }
+        }
+        let tile: Vec<Vec<f32>> = fused
+            .logits_cols(&hidden, 7..19)
+            .unwrap()
+            .to_vec2()
+            .unwrap();
+        for r in 0..rows {
+            assert_eq!(
+                tile[r],
+                logits[r][7..19],
+                "row {r}: a tile is the logits' columns"
+            );
+        }
+    }
+}
+
+/// The op-by-op trace of `model::precision` is the forward it measures: with every op in f32
+/// the f32 decoder's forward bit for bit (fused ops and candle's), with every op in f64 the f64
+/// decoder's; each kind of op in f32 alone moves the logits by f32 rounding only; an
+/// architecture it does not follow is refused.
+#[test]
+fn precision_trace_is_the_forward() {
+    use xdistill_shared::model::precision::{OpKind, ScoreErrors, Trace};
+    if !dev().is_cpu() {
+        return;
+    }
+    // 2 × 20 = 40 rows: the linear layers and the head take the blocked kernel.
+    let ids: Vec<u32> = (0..40u32).map(|i| i * 7 % 50).collect();
+    let ids = Tensor::from_vec(ids, (2, 20), &dev()).unwrap();
+    for arch in ["llama", "qwen3"] {
+        let cfg = config(arch);
+        let p64: HashMap<String, Tensor> = params(&cfg)
+            .into_iter()
+            .map(|(k, t)| (k, t.to_dtype(DType::F64).unwrap()))
+            .collect();
+        let vb = VarBuilder::from_tensors(p64, DType::F64, &dev());
+        let exact = Decoder::new(&cfg, vb, Ops::Differentiable).unwrap();
+        let direct = exact.forward(&ids).unwrap();
+        for ops in [Ops::Fused, Ops::Differentiable] {
+            let f32_model = model(&cfg, ops);
+            let trace = Trace::new(&exact, &f32_model).unwrap();
+            trace.check(&ids).unwrap();
+            let all64 = trace.logits(&ids, &|_| false).unwrap();
+            let d = (&all64 - &direct)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap();
+            assert_eq!(
+                d.to_scalar::<f64>().unwrap(),
+                0.0,
+                "{arch} {ops:?}: f64 trace"
+            );
+            for kind in OpKind::ALL {
+                let one = trace.logits(&ids, &|k| k == kind).unwrap();
+                let e = ScoreErrors::of(&one, &all64, &ids, 5).unwrap().worst();
+                assert!(e < 1e-5, "{arch} {ops:?} {}: {e}", kind.name());
+            }
+        }
+    }
+    let (_, gemma) = arch_configs()
+        .into_iter()
+        .find(|(a, _)| *a == "gemma3")
+        .unwrap();
+    let p64: HashMap<String, Tensor> = params(&gemma)
+        .into_iter()
+        .map(|(k, t)| (k, t.to_dtype(DType::F64).unwrap()))
+        .collect();
+    let vb = VarBuilder::from_tensors(p64, DType::F64, &dev());
+    let exact = Decoder::new(&gemma, vb, Ops::Differentiable).unwrap();
+    assert!(Trace::new(&exact, &model(&gemma, Ops::Fused)).is_err());
+}

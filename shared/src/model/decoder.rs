@@ -7,7 +7,9 @@
 //! (real tokens never attend to later pads), or pass `key_valid` for left-padded batches.
 
 use super::config::{stored_name, Arch, LayerKind, ModelConfig};
-use super::layers::{Attention, AttnBackend, AttnInputs, GatedMlp, Norm, Ops, SparseMoe};
+use super::layers::{
+    matmul_nt, takes_matmul_nt, Attention, AttnBackend, AttnInputs, GatedMlp, Norm, Ops, SparseMoe,
+};
 use super::rope::Rope;
 use candle_core::quantized::QTensor;
 use candle_core::{DType, Device, Result, Tensor};
@@ -387,7 +389,7 @@ impl Decoder {
         let dims = hidden.dims().to_vec();
         let h = *dims.last().unwrap_or(&0);
         let rows = hidden.elem_count() / h.max(1);
-        let out = hidden.reshape((rows, h))?.matmul(&self.w.lm_head.t()?)?;
+        let out = self.head_matmul(&hidden.reshape((rows, h))?, &self.w.lm_head)?;
         let mut shape = dims;
         if let Some(last) = shape.last_mut() {
             *last = self.w.lm_head.dim(0)?;
@@ -405,6 +407,17 @@ impl Decoder {
     /// never exists at once; like [`Decoder::logits`] it reads the head in place.
     pub fn logits_cols(&self, hidden: &Tensor, cols: std::ops::Range<usize>) -> Result<Tensor> {
         let head = self.w.lm_head.narrow(0, cols.start, cols.len())?; // [n, H]
+        self.head_matmul(hidden, &head)
+    }
+
+    /// `hidden [c, H] · headᵀ` (`head` `[n, H]`, read in place): at inference on f32 host
+    /// tensors the blocked kernel the linear layers and the AVX-512 head kernel sum in
+    /// ([`crate::matmul::matmul_nt`], the same bits at every SIMD level; candle's gemm lost
+    /// 2.6× more against f64 here, issue 49), else candle's matmul.
+    fn head_matmul(&self, hidden: &Tensor, head: &Tensor) -> Result<Tensor> {
+        if takes_matmul_nt(hidden, head, self.ops)? {
+            return matmul_nt(hidden, head);
+        }
         hidden.matmul(&head.t()?)
     }
 
@@ -420,7 +433,7 @@ impl Decoder {
 /// (`key_valid`) or is the query itself, and, with a window `w`, `past + i - j < w` (as
 /// transformers' `sliding_window_overlay`: `kv_idx > q_idx - w`). Built on `device` from
 /// position ranges and `key_valid` itself: no host round trip per decoding step.
-fn attention_bias(
+pub(super) fn attention_bias(
     b: usize,
     t: usize,
     past: usize,

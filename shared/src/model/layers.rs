@@ -16,8 +16,9 @@ const QUERY_CHUNK: usize = 256;
 /// Which kernels to use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Ops {
-    /// Fused kernels — candle's rms_norm and rope; on f32 host tensors the SIMD softmax and
-    /// `silu · up` of `host_ops` and, with AVX-512, the linear kernel: fast, no backward pass.
+    /// Fused kernels — candle's rms_norm and rope; on f32 host tensors the RMSNorm (summed in
+    /// f64), SIMD softmax and `silu · up` of `host_ops` and the blocked linear kernel
+    /// ([`matmul::matmul_nt`]): fast, no backward pass.
     Fused,
     /// Ops composed of differentiable primitives, so gradients reach every parameter.
     Differentiable,
@@ -53,12 +54,10 @@ impl Norm {
     pub fn forward(&self, x: &Tensor, ops: Ops) -> Result<Tensor> {
         let dt = x.dtype();
         match (ops, self.plus_one) {
-            (Ops::Fused, false) => {
-                candle_nn::ops::rms_norm(&x.contiguous()?, &self.weight, self.eps as f32)
-            }
+            (Ops::Fused, false) => host_ops::rms_norm(x, &self.weight, self.eps),
             (Ops::Fused, true) => {
                 let w = (self.weight.to_dtype(accum_dtype(dt))? + 1.0)?.to_dtype(dt)?;
-                candle_nn::ops::rms_norm(&x.contiguous()?, &w, self.eps as f32)
+                host_ops::rms_norm(x, &w, self.eps)
             }
             (Ops::Differentiable, plus_one) => {
                 // Normalise in f32 (or f64) as transformers does.
@@ -169,15 +168,10 @@ impl Linear {
             }
         };
         let w = inner.weight();
-        let rows = x.elem_count() / w.dim(1)?.max(1);
-        if ops == Ops::Differentiable
-            || !linear_kernel(x.device(), x.dtype())
-            || w.dtype() != DType::F32
-            || rows < matmul::NP
-        {
+        if !takes_matmul_nt(x, w, ops)? {
             return inner.forward(x);
         }
-        let y = x.contiguous()?.apply_op2_no_bwd(w, &MatmulNt)?;
+        let y = matmul_nt(x, w)?;
         match inner.bias() {
             Some(b) => y.broadcast_add(b),
             None => Ok(y),
@@ -189,6 +183,23 @@ impl Linear {
 /// [`matmul::matmul_nt`] (for inputs of at least [`matmul::NP`] rows): f32 on the CPU.
 pub fn linear_kernel(device: &candle_core::Device, dtype: DType) -> bool {
     device.is_cpu() && dtype == DType::F32
+}
+
+/// Whether `x [..., k] · wᵀ` (`w` `[o, k]`) runs [`matmul::matmul_nt`] at inference: fused
+/// ops, f32 host tensors and at least [`matmul::NP`] rows (fewer, as a decoding step has, keep
+/// candle's matrix-vector path).
+pub(crate) fn takes_matmul_nt(x: &Tensor, w: &Tensor, ops: Ops) -> Result<bool> {
+    let rows = x.elem_count() / w.dim(1)?.max(1);
+    Ok(ops == Ops::Fused
+        && linear_kernel(x.device(), x.dtype())
+        && w.dtype() == DType::F32
+        && rows >= matmul::NP)
+}
+
+/// `x [..., k] · wᵀ` (`w` `[o, k]`) → `[..., o]` by [`matmul::matmul_nt`]: f32 host tensors.
+pub(crate) fn matmul_nt(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    x.contiguous()?
+        .apply_op2_no_bwd(&w.contiguous()?, &MatmulNt)
 }
 
 /// [`matmul::matmul_nt`] as a candle op: `(x [..., k], w [o, k])` → `[..., o]`.

@@ -10,7 +10,8 @@
 //! the linear layers through [`crate::matmul`], and on the CPU the attention's softmax and the
 //! MLP's `silu(gate) · up` with the SIMD exp, `host_ops.rs`; on CUDA, with
 //! [`AttnBackend::Cudnn`], the attention through cuDNN, `attn_cudnn.rs`), and ops that all have
-//! a backward pass for training.
+//! a backward pass for training. `precision.rs` retraces the forward op by op in f32 and f64
+//! (where an f32 forward loses accuracy).
 
 pub mod arch;
 #[cfg(feature = "cuda")]
@@ -25,6 +26,7 @@ mod layers;
 mod llama;
 mod params;
 mod phi3;
+pub mod precision;
 mod qwen3_moe;
 pub mod rope;
 mod train;
