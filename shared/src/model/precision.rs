@@ -319,16 +319,20 @@ impl ScoreErrors {
             m + r.iter().map(|x| (x - m).exp()).sum::<f64>().ln()
         };
         let mut e = ScoreErrors::default();
+        let top = k.min(v);
         for bi in 0..b {
-            for ti in 0..t - 1 {
+            for ti in 0..t.saturating_sub(1) {
                 let (g, w) = (&got[bi * t + ti], &want[bi * t + ti]);
                 let (lg, lw) = (lse(g), lse(w));
                 e.logsumexp = e.logsumexp.max((lg - lw).abs());
                 let tgt = ids[bi][ti + 1] as usize;
                 e.target = e.target.max(((g[tgt] - lg) - (w[tgt] - lw)).abs());
+                if top == 0 {
+                    continue;
+                }
                 let mut order: Vec<usize> = (0..v).collect();
-                order.select_nth_unstable_by(k.min(v) - 1, |&i, &j| w[j].total_cmp(&w[i]));
-                for &i in &order[..k.min(v)] {
+                order.select_nth_unstable_by(top - 1, |&i, &j| w[j].total_cmp(&w[i]));
+                for &i in &order[..top] {
                     e.topk = e.topk.max(((g[i] - lg) - (w[i] - lw)).abs());
                 }
             }
