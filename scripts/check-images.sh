@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds the Docker images and runs them: what server/tests/images.rs checks without a Docker
+# Builds the Docker images and runs them: what tests/tests/images.rs checks without a Docker
 # daemon (build context, command lines), done for real.
 #
 #   scripts/check-images.sh                 # CPU images: build, then serve and train

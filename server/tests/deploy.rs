@@ -8,7 +8,7 @@
 //! data-parallel Job gives each pod its rank (the completion index), the world size of its
 //! `parallelism`, and rank 0's address on its headless Service at the rendezvous port. (The
 //! images these manifests name, and the trainer Jobs actually training, are
-//! server/tests/images.rs'.)
+//! tests/tests/images.rs'.)
 
 use crate::common;
 

@@ -16,6 +16,7 @@
 
 pub mod assets;
 pub mod binaries;
+pub mod compose;
 pub mod http;
 pub mod models;
 pub mod process;
@@ -26,5 +27,6 @@ pub use assets::{
     byte_tokenizer_json, data_file, load_tokenizer, repo_root, tokenizer_json, BYTE_EOS,
 };
 pub use binaries::{teacher_binary, trainer_binary};
+pub use compose::compose_defaults;
 pub use models::{tiny_decoder, tiny_spec, tiny_teacher_model};
 pub use process::{free_port, get_body, http_status, start_teacher, TeacherProcess};

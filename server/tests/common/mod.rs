@@ -1,5 +1,5 @@
 //! The server tests' names for `xdistill_testkit` (a running `teacher`, tiny models, an HTTP
-//! client, the f64 reference), plus what only they need: `/metrics` samples and compose files.
+//! client, the f64 reference), plus what only they need: `/metrics` samples.
 // Each test binary uses part of this facade.
 #![allow(dead_code, unused_imports)]
 
@@ -9,7 +9,7 @@ use std::time::Duration;
 pub use xdistill_testkit::http::{client, info, post, request, score};
 pub use xdistill_testkit::reference::{ids, score_bits, Reference};
 pub use xdistill_testkit::{
-    http_status as get_status, start_teacher, teacher_binary as teacher_bin,
+    compose_defaults, http_status as get_status, start_teacher, teacher_binary as teacher_bin,
     TeacherProcess as Teacher,
 };
 
@@ -41,19 +41,4 @@ pub async fn wait_for_metric(c: &reqwest::Client, t: &Teacher, name: &str, value
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     panic!("{name} never reached {value}");
-}
-
-/// `${VAR:-default}` → `default`, `${VAR}` → empty: compose with no such variable set.
-pub fn compose_defaults(s: &str) -> String {
-    let mut out = String::new();
-    let mut rest = s;
-    while let Some(i) = rest.find("${") {
-        out.push_str(&rest[..i]);
-        let Some(j) = rest[i..].find('}') else { break };
-        let inner = &rest[i + 2..i + j];
-        out.push_str(inner.split_once(":-").map(|(_, d)| d).unwrap_or(""));
-        rest = &rest[i + j + 1..];
-    }
-    out.push_str(rest);
-    out
 }

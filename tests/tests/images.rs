@@ -19,13 +19,23 @@
 //!   arguments, environment, config and volume layout against a running teacher, and a restart
 //!   resumes from the checkpoint the first run left.
 
-use crate::common;
-
 use clap::{CommandFactory, Parser};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use xdistill_server::Args;
+
+/// What these tests take from `xdistill_testkit`: the binaries, a running teacher, tiny models
+/// (under this package's `CARGO_TARGET_TMPDIR`) and compose's variable defaults.
+mod common {
+    use std::path::{Path, PathBuf};
+    pub use xdistill_testkit::{compose_defaults, start_teacher, teacher_binary as teacher_bin};
+
+    pub fn tiny_model(name: &str, arch: &str, tokenizer: &str, pad_to: usize) -> PathBuf {
+        let tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
+        xdistill_testkit::tiny_teacher_model(tmp, name, arch, tokenizer, pad_to)
+    }
+}
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
