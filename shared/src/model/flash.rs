@@ -106,8 +106,9 @@ fn probs(q: &Tensor, k: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
     candle_nn::ops::softmax_last_dim(&s.broadcast_add(bias)?)
 }
 
-/// [B, Hkv, S, D] → [B, Hkv·rep, S, D] (each kv head repeated `rep` times consecutively).
-fn repeat_kv(x: &Tensor, rep: usize) -> Result<Tensor> {
+/// [B, Hkv, S, D] → [B, Hkv·rep, S, D] (each kv head repeated `rep` times consecutively): the
+/// grouped-query heads of every attention path (eager, flash, the precision trace).
+pub(super) fn repeat_kv(x: &Tensor, rep: usize) -> Result<Tensor> {
     if rep == 1 {
         return Ok(x.clone());
     }

@@ -3,6 +3,7 @@
 //! sliding-window masks, and the gated MLP. Each runs in two modes ([`Ops`]).
 
 use super::config::{Activation, LayerKind, ModelConfig};
+use super::flash::repeat_kv;
 use super::host_ops;
 use crate::matmul;
 use candle_core::quantized::{QMatMul, QTensor};
@@ -444,11 +445,7 @@ impl Attention {
         };
         // 4. Grouped-query: repeat kv heads to [B, Hq, S, D].
         let rep = self.n_heads / self.n_kv;
-        let (k, v) = if rep == 1 {
-            (k, v)
-        } else {
-            (repeat_kv(&k, rep)?, repeat_kv(&v, rep)?)
-        };
+        let (k, v) = (repeat_kv(&k, rep)?, repeat_kv(&v, rep)?);
         // 5. Masked softmax attention -> [B, Hq, T, D]; at inference [`QUERY_CHUNK`] queries
         // at a time, so that at most [B, Hq, QUERY_CHUNK, S] scores exist at once.
         let out = match inp.ops {
@@ -564,14 +561,6 @@ fn attend_in_chunks(
         parts.push(attend(&q, k, v, mask.as_ref(), scale, Ops::Fused)?);
     }
     Tensor::cat(&parts, 2)
-}
-
-/// [B, Hkv, S, D] -> [B, Hkv*rep, S, D], each kv head repeated `rep` times consecutively.
-fn repeat_kv(x: &Tensor, rep: usize) -> Result<Tensor> {
-    let (b, h, s, d) = x.dims4()?;
-    x.unsqueeze(2)?
-        .expand((b, h, rep, s, d))?
-        .reshape((b, h * rep, s, d))
 }
 
 /// The gate and up projections: two matrices, or Phi-3's one `gate_up_proj` ([gate; up] rows).

@@ -10,6 +10,7 @@
 
 use super::config::Activation;
 use super::decoder::{attention_bias, Block, Ffn};
+use super::flash::repeat_kv;
 use super::host_ops;
 use super::layers::{rope, GateUp, GatedMlp, Norm, Ops, Qkv};
 use super::Decoder;
@@ -34,8 +35,9 @@ pub enum OpKind {
     SiluMul,
     /// The residual stream's additions.
     Residual,
-    /// The LM head's matmul (the logits); their log-softmax is taken in f64 on both sides, as
-    /// the teacher's scoring sums in f64.
+    /// The LM head's matmul ([`Decoder::logits`]: on f32 host tensors with fused ops the bits of
+    /// the AVX-512 head kernel); the logits' log-softmax is taken in f64 on both sides, as the
+    /// teacher's scoring sums in f64.
     Head,
 }
 
@@ -253,7 +255,7 @@ impl<'a> Trace<'a> {
         let hidden = self.op(OpKind::Norm, in_f32, &[&x], |s, v| {
             s.d.w.norm.forward(&v[0], ops(s))
         })?;
-        self.op(OpKind::Head, in_f32, &[&hidden], |s, v| head(s.d, &v[0]))
+        self.op(OpKind::Head, in_f32, &[&hidden], |s, v| s.d.logits(&v[0]))
     }
 
     /// Checks that the trace with every op in f32 is the f32 decoder's forward bit for bit
@@ -261,30 +263,13 @@ impl<'a> Trace<'a> {
     pub fn check(&self, ids: &Tensor) -> Result<()> {
         let traced = self.logits(ids, &|_| true)?;
         let hidden = self.f32.forward_hidden(ids, None, None, None)?;
-        let direct = head(self.f32, &hidden)?.to_dtype(DType::F64)?;
+        let direct = self.f32.logits(&hidden)?.to_dtype(DType::F64)?;
         let diff = (traced - direct)?.abs()?.max_all()?.to_scalar::<f64>()?;
         if diff != 0.0 {
             candle_core::bail!("the trace differs from the decoder's forward by up to {diff:e}");
         }
         Ok(())
     }
-}
-
-/// The LM head as the teacher runs it: [`Decoder::logits`] (with fused ops on f32 host
-/// tensors [`crate::matmul::matmul_nt`], whose bits the AVX-512 head kernel shares).
-fn head(d: &Decoder, hidden: &Tensor) -> Result<Tensor> {
-    d.logits(hidden)
-}
-
-/// [B, Hkv, S, D] → [B, Hkv·rep, S, D], as the decoder repeats kv heads.
-fn repeat_kv(x: &Tensor, rep: usize) -> Result<Tensor> {
-    if rep == 1 {
-        return Ok(x.clone());
-    }
-    let (b, h, s, d) = x.dims4()?;
-    x.unsqueeze(2)?
-        .expand((b, h, rep, s, d))?
-        .reshape((b, h * rep, s, d))
 }
 
 /// Worst absolute errors of a side's scores against f64 ones, over every position, as
