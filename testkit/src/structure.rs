@@ -569,7 +569,9 @@ fn cycles(nodes: &BTreeSet<String>, edges: &BTreeMap<(String, String), String>) 
 mod tests {
     use super::*;
 
-    /// The server has no import cycle between its modules. The model package has one left,
+    /// The server has no import cycle between its modules, nor has the trainer's training loop
+    /// (`train/`: the step, the pairings, the teachers, batch preparation), its pairings or its
+    /// losses. The model package has one left,
     /// through the architecture registry (`arch.rs` names each architecture's file, whose
     /// layers read `config.rs`, which asks the registry for the facts): it must not grow.
     #[test]
@@ -577,12 +579,24 @@ mod tests {
         let root = crate::repo_root();
         let server = import_cycles(&root.join("server/src")).expect("reading server/src");
         let model = import_cycles(&root.join("shared/src/model")).expect("reading the model");
-        for c in server.iter().chain(&model) {
+        let mut trainer = vec![];
+        for dir in [
+            "trainer/src/train",
+            "trainer/src/train/pairing",
+            "trainer/src/loss",
+        ] {
+            trainer.extend(import_cycles(&root.join(dir)).expect("reading the trainer"));
+        }
+        for c in server.iter().chain(&model).chain(&trainer) {
             println!("{c}");
         }
         assert!(
             server.is_empty(),
             "import cycles in server/src: {server:#?}"
+        );
+        assert!(
+            trainer.is_empty(),
+            "import cycles in the trainer's training loop, pairings or losses: {trainer:#?}"
         );
         let known = [
             "arch",

@@ -29,6 +29,7 @@ pub use normalizer::{BadNormalizer, Normalizer};
 pub use sampled::{chunk_sampled_loss, sampled_token_loss, SampledTargets};
 pub use temperature::{BadTemperature, Temperature};
 pub use xtoken::{first_kl_loss, gold_loss, pkl_loss, Projection, XTokenBatch};
+pub use xtoken_full::{FullChunkLoss, TeacherStates, XTokenFull};
 
 /// Errors of the loss functions: bad shapes or values in the inputs, a bad config, or candle.
 #[derive(Debug, thiserror::Error)]
@@ -156,6 +157,19 @@ impl KdConfig {
         self.is_cross_tokenizer() || self.is_sampled()
     }
 
+    /// Whether this cross-tokenizer loss reads only the teacher's log-probs of its own tokens
+    /// (ALM's chunk likelihoods), not its distribution: a hidden-state teacher's answers are
+    /// turned into those log-probs before it runs.
+    pub fn reads_token_logprobs_only(&self) -> bool {
+        matches!(self, KdConfig::Alm { .. })
+    }
+
+    /// Whether this cross-tokenizer loss is itself a divergence between the chunk distributions
+    /// (`first_kl`, P-KL), so that validation can report it (the others report P-KL).
+    pub fn is_chunk_divergence(&self) -> bool {
+        matches!(self, KdConfig::FirstKl {} | KdConfig::Pkl { .. })
+    }
+
     /// Whether this loss needs the student's own samples (`trainer on-policy`).
     pub fn is_sampled(&self) -> bool {
         matches!(self, KdConfig::SampledKl {})
@@ -247,7 +261,8 @@ impl LossConfig {
         Ok(())
     }
 
-    /// The same-tokenizer divergence of this config, `None` for the cross-tokenizer losses.
+    /// The same-tokenizer divergence of this config ([`DIVERGENCES`]), `None` for the
+    /// cross-tokenizer and sampled-token losses.
     pub fn divergence(&self) -> Option<Divergence> {
         match self.kd {
             KdConfig::ForwardKl {} => Some(Divergence::Forward),
@@ -257,6 +272,10 @@ impl LossConfig {
         }
     }
 }
+
+/// The `kd` types [`LossConfig::divergence`] maps to a divergence: what the same-tokenizer
+/// top-k and full-vocabulary inputs train with (for messages).
+pub const DIVERGENCES: &str = "forward_kl, reverse_kl or jsd";
 
 /// What a distillation loss is computed from (see [`kd_loss`]).
 #[derive(Debug, Clone, Copy)]
@@ -270,6 +289,15 @@ pub enum KdInputs<'a> {
         batch: &'a XTokenBatch,
         projection: &'a Projection,
     },
+    /// Same tokenizer, the teacher's whole distribution: its final hidden states `[B, T, H]` at
+    /// the student's positions (valid where `mask` `[B, T]` is 1) and its LM head.
+    TeacherHidden {
+        head: &'a full_vocab::TeacherHead,
+        hidden: &'a Tensor,
+        mask: &'a Tensor,
+    },
+    /// Cross tokenizer, the teacher's whole distribution at each chunk's anchor.
+    XTokenFull(xtoken_full::XTokenFull<'a>),
 }
 
 /// The distillation loss `config.kd` on `student_logits` `[B, T, V]` (before `kd_weight`; see
@@ -282,16 +310,51 @@ pub fn kd_loss(
     normalizer: Option<Normalizer>,
 ) -> Result<(Tensor, KdMetrics)> {
     let tau = config.temperature;
-    match (&config.kd, inputs) {
-        (
-            KdConfig::ForwardKl {} | KdConfig::ReverseKl {} | KdConfig::Jsd { .. },
-            KdInputs::Topk(t),
-        ) => {
-            let div = config
-                .divergence()
-                .ok_or_else(|| LossError::config("kd", "not a top-k loss"))?;
+    // The same-tokenizer divergences ([`LossConfig::divergence`]), over the top-k or the whole
+    // distribution.
+    match (config.divergence(), inputs) {
+        (Some(div), KdInputs::Topk(t)) => {
             let tail = config.tail.unwrap_or(TailMode::Bucket);
-            topk_divergence(student_logits, t, div, tail, tau, normalizer)
+            return topk_divergence(student_logits, t, div, tail, tau, normalizer);
+        }
+        (Some(div), KdInputs::TeacherHidden { head, hidden, mask }) => {
+            return full_vocab::full_vocab_divergence(
+                student_logits,
+                head,
+                hidden,
+                mask,
+                div,
+                tau,
+                full_vocab::DEFAULT_CHUNK_ROWS,
+                normalizer,
+            );
+        }
+        _ => {}
+    }
+    match (&config.kd, inputs) {
+        (KdConfig::FirstKl {}, KdInputs::XTokenFull(x)) => {
+            xtoken_full::chunk_loss(student_logits, x, FullChunkLoss::FirstKl, tau, normalizer)
+        }
+        (KdConfig::Pkl { anchor }, KdInputs::XTokenFull(x)) => {
+            let tail = config.tail.unwrap_or(TailMode::Renormalize);
+            let form = FullChunkLoss::Pkl {
+                anchor: *anchor,
+                tail,
+            };
+            xtoken_full::chunk_loss(student_logits, x, form, tau, normalizer)
+        }
+        (
+            KdConfig::Gold {
+                matched_weight,
+                unmatched_weight,
+            },
+            KdInputs::XTokenFull(x),
+        ) => {
+            let form = FullChunkLoss::Gold {
+                matched_weight: *matched_weight,
+                unmatched_weight: *unmatched_weight,
+            };
+            xtoken_full::chunk_loss(student_logits, x, form, tau, normalizer)
         }
         (KdConfig::SampledKl {}, KdInputs::Sampled(s)) => {
             sampled_token_loss(student_logits, s, tau, normalizer)

@@ -24,10 +24,13 @@
 use candle_core::{DType, Tensor, D};
 use rayon::prelude::*;
 
+use super::full_vocab::{teacher_log_softmax_chunk, TeacherHead};
 use super::stable::{log1mexp, log_softmax_last, TAIL_FLOOR};
 use super::topk::descending_order;
+use super::xtoken::gold_matched;
 use super::{
-    compute_dtype, KdMetrics, LossError, Normalizer, Projection, Result, TailMode, Temperature,
+    compute_dtype, Anchor, KdMetrics, LossError, Normalizer, Projection, Result, TailMode,
+    Temperature, XTokenBatch,
 };
 
 /// The row count of `student_logits`, which must be `[rows, V]` with `V ≥` the student
@@ -434,6 +437,200 @@ fn descending_probs(logprobs: &Tensor) -> Result<Vec<f64>> {
             .for_each(|row| row.sort_unstable_by(|a, b| b.total_cmp(a)));
     }
     Ok(host)
+}
+
+/// The teacher's final hidden states, read at a (batch row, teacher position) of a chunk batch:
+/// where the full-vocabulary chunk losses find the teacher at each chunk's anchor.
+pub trait TeacherStates {
+    /// Appends the `[H]` hidden state at teacher position `pos` of batch row `row` to `out`.
+    fn append_row(&self, row: usize, pos: usize, out: &mut Vec<f32>) -> Result<()>;
+}
+
+/// Cross-tokenizer inputs over the teacher's whole distribution: the aligned chunks, the
+/// projection, the teacher's head and where its hidden states are read.
+#[derive(Clone, Copy)]
+pub struct XTokenFull<'a> {
+    pub batch: &'a XTokenBatch,
+    pub projection: &'a Projection,
+    pub head: &'a TeacherHead,
+    pub states: &'a dyn TeacherStates,
+}
+
+impl std::fmt::Debug for XTokenFull<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("XTokenFull")
+            .field("batch", &(self.batch.batch, self.batch.student_len))
+            .field("teacher_vocab", &self.head.vocab())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Which whole-distribution chunk loss [`chunk_loss`] computes (chosen by [`super::kd_loss`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum FullChunkLoss {
+    FirstKl,
+    Pkl {
+        anchor: Anchor,
+        tail: TailMode,
+    },
+    Gold {
+        matched_weight: f64,
+        unmatched_weight: f64,
+    },
+}
+
+/// One aligned chunk of a (sub-)batch: its row, its student positions (in order) and its first
+/// and last teacher positions.
+#[derive(Debug, Clone)]
+struct ChunkSpan {
+    row: usize,
+    student: Vec<usize>,
+    teacher: (usize, usize),
+}
+
+/// The chunks of `x` with both sides non-empty, in row and chunk order.
+fn chunk_spans(x: &XTokenBatch) -> Vec<ChunkSpan> {
+    let (ts, tt) = (x.student_len, x.teacher_len);
+    let mut out = vec![];
+    for row in 0..x.batch {
+        let n = x.num_chunks[row];
+        let mut student: Vec<Vec<usize>> = vec![vec![]; n];
+        let mut teacher: Vec<Option<(usize, usize)>> = vec![None; n];
+        for p in 0..ts {
+            if let Ok(c) = usize::try_from(x.student_chunk[row * ts + p]) {
+                student[c].push(p);
+            }
+        }
+        for p in 0..tt {
+            if let Ok(c) = usize::try_from(x.teacher_chunk[row * tt + p]) {
+                let e = teacher[c].get_or_insert((p, p));
+                e.1 = p;
+            }
+        }
+        for (s, t) in student.into_iter().zip(teacher) {
+            if let (false, Some(teacher)) = (s.is_empty(), t) {
+                out.push(ChunkSpan {
+                    row,
+                    student: s,
+                    teacher,
+                });
+            }
+        }
+    }
+    out
+}
+
+/// Gold's matched flag of each chunk ([`gold_matched`]): one position on each side, the
+/// student's target mapping exactly to the teacher's.
+fn gold_flags(x: &XTokenBatch, chunks: &[ChunkSpan], proj: &Projection) -> Vec<bool> {
+    let (ts, tt) = (x.student_len, x.teacher_len);
+    chunks
+        .iter()
+        .map(|c| {
+            let one_to_one = c.student.len() == 1 && c.teacher.0 == c.teacher.1;
+            let s = x.student_targets[c.row * ts + c.student[0]];
+            let u = x.teacher_targets[c.row * tt + c.teacher.0];
+            gold_matched(proj, one_to_one, s, u)
+        })
+        .collect()
+}
+
+/// The teacher's log-probs `[C, V_t]` at each chunk's anchor teacher position `at(c)`, its head
+/// applied to the hidden states there, in the student logits' compute dtype.
+fn anchor_log_probs(
+    x: &XTokenFull,
+    logits: &Tensor,
+    chunks: &[ChunkSpan],
+    at: impl Fn(&ChunkSpan) -> usize,
+    temperature: Temperature,
+) -> Result<Tensor> {
+    let dt = compute_dtype(logits);
+    let n = chunks.len();
+    if n == 0 {
+        return Ok(Tensor::zeros((0, x.head.vocab()), dt, logits.device())?);
+    }
+    let hsz = x.head.hidden_size();
+    let mut hid = Vec::with_capacity(n * hsz);
+    for c in chunks {
+        x.states.append_row(c.row, at(c), &mut hid)?;
+    }
+    let hidden = Tensor::from_vec(hid, (n, hsz), logits.device())?.to_dtype(dt)?;
+    teacher_log_softmax_chunk(x.head, &hidden, temperature)
+}
+
+/// The whole-distribution chunk loss `form` of `logits [nb, sl, V]` (the student rows of
+/// `x.batch`) against the teacher's full log-softmax at each chunk's anchor: `first_kl` and gold
+/// read each chunk's first student row, P-KL all of them. Divided by `normalizer` (else the
+/// chunk count).
+pub fn chunk_loss(
+    logits: &Tensor,
+    x: XTokenFull,
+    form: FullChunkLoss,
+    temperature: Temperature,
+    normalizer: Option<Normalizer>,
+) -> Result<(Tensor, KdMetrics)> {
+    let chunks = chunk_spans(x.batch);
+    let (nb, sl, v) = logits.dims3()?;
+    let pkl = matches!(form, FullChunkLoss::Pkl { .. });
+    // The student rows the loss reads, and (P-KL) the chunk of each.
+    let (rows, chunk_of_row): (Vec<u32>, Vec<u32>) = if pkl {
+        chunks
+            .iter()
+            .enumerate()
+            .flat_map(|(i, c)| {
+                c.student
+                    .iter()
+                    .map(move |&p| ((c.row * sl + p) as u32, i as u32))
+            })
+            .unzip()
+    } else {
+        chunks
+            .iter()
+            .map(|c| ((c.row * sl + c.student[0]) as u32, 0))
+            .unzip()
+    };
+    let last = matches!(
+        form,
+        FullChunkLoss::Pkl {
+            anchor: Anchor::Last,
+            ..
+        }
+    );
+    let at = |c: &ChunkSpan| if last { c.teacher.1 } else { c.teacher.0 };
+    let teacher = anchor_log_probs(&x, logits, &chunks, at, temperature)?;
+    let n = rows.len();
+    let idx = Tensor::from_vec(rows, n, logits.device())?;
+    let student = logits.reshape((nb * sl, v))?.index_select(&idx, 0)?; // [N, V]
+    match form {
+        FullChunkLoss::FirstKl => {
+            first_kl_full(&student, &teacher, x.projection, temperature, normalizer)
+        }
+        FullChunkLoss::Pkl { tail, .. } => pkl_full(
+            &student,
+            &chunk_of_row,
+            &teacher,
+            x.projection,
+            tail,
+            temperature,
+            normalizer,
+        ),
+        FullChunkLoss::Gold {
+            matched_weight,
+            unmatched_weight,
+        } => {
+            let matched = gold_flags(x.batch, &chunks, x.projection);
+            gold_full(
+                &student,
+                &teacher,
+                &matched,
+                x.projection,
+                matched_weight,
+                unmatched_weight,
+                temperature,
+                normalizer,
+            )
+        }
+    }
 }
 
 #[cfg(test)]

@@ -3,10 +3,12 @@
 //! teacher, or the ensemble), held-out KL to the teachers, the record filter and the run
 //! summary.
 
+use super::micro::{Units, ValSums};
+use super::pairing::LossCtx;
 use super::pairing::{units, Item};
 use super::prepare::prepare;
 use super::runner::RecordFilter;
-use super::step::{validation_sums, LossCtx, StepSums, Units, ValSums};
+use super::step::{validation_sums, StepSums};
 use super::teachers::{Source, Teachers};
 use crate::config::Config;
 use crate::data::{self, Record};

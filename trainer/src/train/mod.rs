@@ -12,6 +12,7 @@
 
 pub mod distill;
 pub mod head;
+pub mod micro;
 pub mod off_policy;
 pub mod on_policy;
 pub mod pairing;

@@ -2,21 +2,10 @@
 //!
 //! Runs on the prefetch thread, so tokenization and alignment overlap the training step.
 
-use super::pairing::mixture::virtual_item;
-use super::pairing::{Item, Tokenization};
-use super::teachers::{Source, Teachers};
+use super::pairing::{Item, Limits, Tokenization};
+use super::teachers::ensemble::virtual_item;
+use super::teachers::{Group, Source, Teachers};
 use crate::data::{Batch, Record};
-
-/// The records of a batch that one source (a teacher, or the ensemble) scores, tokenized for it.
-#[derive(Debug)]
-pub struct Group {
-    pub source: Source,
-    /// What the loss trains on (a chunk-level ensemble: its virtual teacher's records).
-    pub items: Vec<Item>,
-    /// A chunk-level ensemble: each teacher's own tokenization of the same records
-    /// (`[teacher][record]`), which the teachers score; empty otherwise.
-    pub parts: Vec<Vec<Item>>,
-}
 
 /// A batch of records, tokenized and split by teacher.
 #[derive(Debug)]
@@ -33,22 +22,6 @@ impl Prepared {
     pub fn items(&self) -> impl Iterator<Item = &Item> {
         self.groups.iter().flat_map(|g| &g.items)
     }
-}
-
-/// Length limits, in tokens, per side.
-#[derive(Debug, Clone, Copy)]
-pub struct Limits {
-    pub max_student_tokens: usize,
-    pub max_teacher_tokens: usize,
-    /// Over-long records are truncated (both sides at one chunk boundary) instead of skipped
-    /// (`data.truncate`).
-    pub truncate: bool,
-}
-
-/// Whether `r` exceeds a token limit on either side (without truncation); a record that cannot
-/// be tokenized is not "too long" (it is skipped later, when prepared, with its reason).
-pub fn too_long(r: &Record, tok: &Tokenization, lim: Limits) -> bool {
-    tok.too_long(r, lim)
 }
 
 /// Tokenizes one record as its pairing does; `None` (with a log line) when it cannot be used.

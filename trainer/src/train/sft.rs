@@ -11,7 +11,8 @@
 //! cross-entropy (`[distillation] val_*`) and, with `--eval-prompts`, greedy task accuracy.
 //! Checkpoints record the data position after the last trained batch, so `--resume` is exact.
 
-use super::head::{self, HeadOpts};
+use super::head::HeadOpts;
+use super::micro::{self, Drive, Layout, MicroBatch, Part, RowPieces, Units};
 use super::runner::{
     self, EvalCtx, Objective, RecordFilter, RunOptions, StepCtx, StepReport, Steps, ValReport,
 };
@@ -20,11 +21,11 @@ use crate::config::{CommonArgs, Config, ObjectiveKind};
 use crate::data::Record;
 use crate::dist::StepShards;
 use crate::eval::{self, EvalConfig, EvalRecord};
-use crate::loss::{cross_entropy, Normalizer};
+use crate::loss::{CeConfig, KdConfig, KdMetrics, LossConfig, Normalizer, Temperature};
 use crate::student::Student;
 use anyhow::{bail, Result};
 use candle_core::backprop::GradStore;
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -136,32 +137,88 @@ pub fn encode_record(
     Ok(e)
 }
 
+/// A micro-batch of SFT examples laid out for the loss pipeline: only the trained (completion)
+/// positions go through the LM head — with a large vocabulary the head dominates the step, and
+/// prompt and padding positions need none — and the loss is their cross-entropy alone.
+struct SftBatch {
+    layout: RowPieces,
+    /// `[N]` the token each trained position predicts.
+    targets: Vec<u32>,
+    device: Device,
+}
+
+impl SftBatch {
+    fn new(examples: &[Encoded], device: &Device, per: usize) -> Result<SftBatch> {
+        let tb = pad_batch(examples, 0, device)?;
+        let (rows, targets) = trained_rows(examples, tb.ids.dim(1)?)?;
+        Ok(SftBatch {
+            layout: RowPieces::new(&tb.ids, rows, per),
+            targets,
+            device: device.clone(),
+        })
+    }
+}
+
+impl MicroBatch for SftBatch {
+    fn layout(&self) -> &Layout {
+        &self.layout.layout
+    }
+
+    fn distills(&self) -> bool {
+        false
+    }
+
+    fn kd(&self, _: Part, _: &Tensor, _: Option<Normalizer>) -> Result<(Tensor, KdMetrics)> {
+        bail!("SFT has no distillation term")
+    }
+
+    fn val_kd(&self, _: Part, _: &Tensor) -> Result<Option<(Tensor, KdMetrics)>> {
+        Ok(None)
+    }
+
+    fn ce(&self, part: Part) -> Result<(Tensor, Tensor, usize)> {
+        self.layout.ce(part, &self.targets, &self.device)
+    }
+}
+
+/// The SFT objective as the pipeline combines terms: the cross-entropy alone, weight 1.
+fn sft_terms() -> LossConfig {
+    LossConfig {
+        kd: KdConfig::ForwardKl {},
+        tail: None,
+        temperature: Temperature::default(),
+        kd_weight: 0.0,
+        ce: CeConfig::Weight { weight: 1.0 },
+    }
+}
+
+/// Every target of a micro-batch as the pipeline's units (SFT normalises by trained tokens).
+fn units(normalizer: f64) -> Units {
+    Units {
+        kd: 0.0,
+        ce: normalizer,
+    }
+}
+
 /// The SFT loss of one micro-batch: cross-entropy over the masked (completion) targets, divided
-/// by `normalizer` (the step's target count). Returns the loss and the micro-batch's target count.
-///
-/// Only the trained positions go through the LM head (hidden states gathered first): with a
-/// large vocabulary the head dominates the step, and prompt and padding positions need none.
-pub fn sft_loss(
+/// by `normalizer` (the step's target count), as one scalar (the reference of [`sft_grads`]).
+/// Returns the loss and the micro-batch's target count.
+#[cfg(test)]
+fn sft_loss(
     model: &Decoder,
     examples: &[Encoded],
     normalizer: f64,
     device: &Device,
 ) -> Result<(Tensor, f64)> {
-    let normalizer = Normalizer::new(normalizer)?;
-    let tb = pad_batch(examples, 0, device)?;
-    let (b, t) = tb.ids.dims2()?;
-    let (rows, targets) = trained_rows(examples, t)?;
-    let n = rows.len();
-    let hidden = model.forward_hidden(&tb.ids, None, None, None)?; // [B, T, H]
-    let h = hidden.dim(2)?;
-    let picked = hidden
-        .reshape((b * t, h))?
-        .index_select(&Tensor::from_vec(rows, n, device)?, 0)?; // [N, H]
-    let logits = model.logits(&picked)?.unsqueeze(0)?; // [1, N, V]
-    let targets = Tensor::from_vec(targets, (1, n), device)?;
-    let mask = Tensor::ones((1, n), DType::F32, device)?;
-    let (loss, count) = cross_entropy(&logits, &targets, &mask, Some(normalizer))?;
-    Ok((loss, count))
+    let batch = SftBatch::new(examples, device, 1)?;
+    let terms = sft_terms();
+    let drive = Drive {
+        model,
+        head: HeadOpts::default(),
+        loss: &terms,
+    };
+    let (loss, _) = micro::loss(&drive, &batch, units(normalizer))?;
+    Ok((loss, batch.targets.len() as f64))
 }
 
 /// Flat indices into `[B·T]` of the trained positions of `examples` padded to `t` (as
@@ -180,7 +237,7 @@ fn trained_rows(examples: &[Encoded], t: usize) -> Result<(Vec<u32>, Vec<u32>)> 
     Ok((rows, targets))
 }
 
-/// The gradients of [`sft_loss`] (every parameter's) and its value: the decoder through
+/// The gradients of the SFT loss (every parameter's) and its value: the decoder through
 /// `head`'s training pass, the LM head + cross-entropy in row chunks, so `[N, V]` exists for
 /// one chunk at a time.
 pub fn sft_grads(
@@ -190,24 +247,14 @@ pub fn sft_grads(
     device: &Device,
     head: HeadOpts,
 ) -> Result<(GradStore, f64)> {
-    let normalizer = Normalizer::new(normalizer)?;
-    let tb = pad_batch(examples, 0, device)?;
-    let (rows, targets) = trained_rows(examples, tb.ids.dim(1)?)?;
-    let pass = head.forward(model, &tb.ids)?;
-    let per = head.rows(model.lm_head().dim(0)?);
-    let pieces = head::row_pieces(&rows, per);
-    let chunk = |i: usize, logits: &Tensor| -> Result<head::ChunkLoss> {
-        let (a, n) = (i * per, pieces[i].rows.len());
-        let tg = Tensor::from_vec(targets[a..a + n].to_vec(), (1, n), device)?;
-        let mask = Tensor::ones((1, n), DType::F32, device)?;
-        Ok(head::ChunkLoss {
-            kd: None,
-            ce: Some(cross_entropy(logits, &tg, &mask, Some(normalizer))?),
-        })
+    let batch = SftBatch::new(examples, device, head.rows(model.lm_head().dim(0)?))?;
+    let terms = sft_terms();
+    let drive = Drive {
+        model,
+        head,
+        loss: &terms,
     };
-    let mix = head::Mix::Linear { kd: 0.0, ce: 1.0 };
-    let out = head::run(model, pass.hidden(), &pieces, mix, chunk)?;
-    let (g, sums) = out.finish(pass)?;
+    let (g, sums) = micro::grads(&drive, &batch, units(normalizer))?;
     Ok((g, sums.ce.map_or(0.0, |c| c.0)))
 }
 
@@ -219,23 +266,15 @@ fn nll_sum(
     device: &Device,
     per: usize,
 ) -> Result<(f64, f64)> {
-    let tb = pad_batch(examples, 0, device)?;
-    let (b, t) = tb.ids.dims2()?;
-    let (rows, targets) = trained_rows(examples, t)?;
-    let hidden = model.forward_hidden(&tb.ids, None, None, None)?.detach();
-    let flat = hidden.reshape((b * t, hidden.dim(2)?))?;
-    let (mut sum, mut n) = (0.0, 0.0);
-    for (r, tg) in rows.chunks(per.max(1)).zip(targets.chunks(per.max(1))) {
-        let m = r.len();
-        let h = flat.index_select(&Tensor::from_vec(r.to_vec(), m, device)?, 0)?;
-        let logits = model.logits(&h)?.unsqueeze(0)?; // [1, m, V]
-        let tg = Tensor::from_vec(tg.to_vec(), (1, m), device)?;
-        let mask = Tensor::ones((1, m), DType::F32, device)?;
-        let (loss, k) = cross_entropy(&logits, &tg, &mask, Some(Normalizer::ONE))?;
-        sum += loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-        n += k;
-    }
-    Ok((sum, n))
+    let batch = SftBatch::new(examples, device, per)?;
+    let terms = sft_terms();
+    let drive = Drive {
+        model,
+        head: HeadOpts::default(),
+        loss: &terms,
+    };
+    let v = micro::validation(&drive, &batch)?;
+    Ok((v.ce, v.ce_tokens))
 }
 
 /// Number of trained targets of an encoded example (as [`pad_batch`] masks them).
@@ -497,6 +536,7 @@ mod tests {
     use super::*;
     use crate::config::ActivationCheckpointing;
     use crate::train::testutil::{assert_rel, assert_same_grads, ids, tiny};
+    use candle_core::DType;
     use rand::SeedableRng;
 
     /// The chunked SFT gradients ([`sft_grads`]) equal the unchunked loss's (`sft_loss` +

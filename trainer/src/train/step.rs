@@ -1,71 +1,27 @@
-//! The loss of one micro-batch: student forward, teacher rows laid against it, distillation loss
-//! (+ cross-entropy), each done by the source's pairing ([`super::pairing`]). [`micro_grads`] returns its gradients with the LM head and loss run in row
-//! chunks ([`super::head`]); [`micro_loss`] is the same loss as one scalar over the whole
-//! micro-batch (every `[N, V]` logit at once), kept as the reference the chunked path is tested
-//! against.
+//! The loss of one micro-batch and of a step: the source's pairing lays the micro-batch out
+//! ([`super::pairing`]) and the one loss pipeline runs it ([`super::micro`]). [`micro_grads`]
+//! returns its gradients with the LM head and loss run in row chunks ([`super::head`]);
+//! [`micro_loss`] is the same loss as one scalar over the whole micro-batch (every `[N, V]`
+//! logit at once), kept as the reference the chunked path is tested against; [`accumulate`]
+//! runs a step's micro-batches.
 
-use super::head::HeadOpts;
-use super::pairing::{units, Item, Pairing};
-use crate::loss::{BadNormalizer, KdMetrics, LossConfig, Normalizer};
+use super::micro::{self, MicroOut, Units, ValSums};
+use super::pairing::{units, Item, LossCtx, Purpose};
 use anyhow::{bail, Result};
 use candle_core::backprop::GradStore;
-use candle_core::{Device, Tensor};
-use xdistill_shared::model::Decoder;
+use candle_core::Tensor;
 use xdistill_shared::protocol::SequenceScores;
 
-/// Counts a step's losses are normalised by (summed over its micro-batches, so accumulated
-/// micro-batches add up to the mean over the whole step).
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct Units {
-    /// Tokens (same tokenizer) or chunks (cross tokenizer) of the distillation loss.
-    pub kd: f64,
-    /// Trained student tokens (cross-entropy).
-    pub ce: f64,
-}
-
-impl Units {
-    /// The step's distillation units as the losses' normalizer (an error when there are none).
-    pub fn kd_normalizer(&self) -> Result<Normalizer, BadNormalizer> {
-        Normalizer::new(self.kd)
+/// Checks that every item has its teacher answer.
+fn check_answers(items: &[Item], scores: &[&SequenceScores]) -> Result<()> {
+    if items.is_empty() || items.len() != scores.len() {
+        bail!(
+            "micro-batch of {} items with {} teacher answers",
+            items.len(),
+            scores.len()
+        );
     }
-
-    /// The step's trained tokens as the cross-entropy's normalizer (an error when there are none).
-    pub fn ce_normalizer(&self) -> Result<Normalizer, BadNormalizer> {
-        Normalizer::new(self.ce)
-    }
-}
-
-impl std::ops::AddAssign for Units {
-    fn add_assign(&mut self, o: Units) {
-        self.kd += o.kd;
-        self.ce += o.ce;
-    }
-}
-
-/// Everything the loss of a micro-batch needs besides the batch itself.
-#[derive(Clone, Copy)]
-pub struct LossCtx<'a> {
-    pub model: &'a Decoder,
-    /// The teacher's top-k per position.
-    pub k: usize,
-    pub loss: &'a LossConfig,
-    pub pairing: Pairing<'a>,
-    pub device: &'a Device,
-    /// Sequences per forward/backward pass in [`accumulate`].
-    pub micro_batch: usize,
-    /// Activation checkpointing and the head's chunk size.
-    pub head: HeadOpts,
-}
-
-/// What a micro-batch's loss evaluation measured (detached).
-#[derive(Debug, Clone, Default)]
-pub struct MicroOut {
-    pub kd: KdMetrics,
-    /// Mean cross-entropy over this micro-batch's trained tokens, when computed.
-    pub ce: Option<f64>,
-    /// Effective KD multiplier (dynamic scaling).
-    pub kd_scale: f64,
-    pub units: Units,
+    Ok(())
 }
 
 /// The loss of one micro-batch as one scalar, `[N, V]` logits at once and the decoder through
@@ -77,14 +33,9 @@ pub fn micro_loss(
     scores: &[&SequenceScores],
     norm: Units,
 ) -> Result<(Tensor, MicroOut)> {
-    if items.is_empty() || items.len() != scores.len() {
-        bail!(
-            "micro-batch of {} items with {} teacher answers",
-            items.len(),
-            scores.len()
-        );
-    }
-    let (loss, mut out) = ctx.pairing.collation().loss(ctx, items, scores, norm)?;
+    check_answers(items, scores)?;
+    let batch = ctx.pairing.lay_out(ctx, items, scores, Purpose::Train)?;
+    let (loss, mut out) = micro::loss(&ctx.drive(), &*batch, norm)?;
     out.units = units(items);
     Ok((loss, out))
 }
@@ -98,14 +49,9 @@ pub fn micro_grads(
     scores: &[&SequenceScores],
     norm: Units,
 ) -> Result<(GradStore, MicroOut)> {
-    if items.is_empty() || items.len() != scores.len() {
-        bail!(
-            "micro-batch of {} items with {} teacher answers",
-            items.len(),
-            scores.len()
-        );
-    }
-    let (grads, sums) = ctx.pairing.collation().grads(ctx, items, scores, norm)?;
+    check_answers(items, scores)?;
+    let batch = ctx.pairing.lay_out(ctx, items, scores, Purpose::Train)?;
+    let (grads, sums) = micro::grads(&ctx.drive(), &*batch, norm)?;
     let out = MicroOut {
         kd: sums.kd,
         ce: sums.ce.filter(|c| c.1 > 0.0).map(|(v, n)| v * norm.ce / n),
@@ -125,7 +71,8 @@ pub fn validation_sums(
     items: &[Item],
     scores: &[&SequenceScores],
 ) -> Result<ValSums> {
-    ctx.pairing.collation().validation(ctx, items, scores)
+    let batch = ctx.pairing.lay_out(ctx, items, scores, Purpose::Validate)?;
+    micro::validation(&ctx.drive(), &*batch)
 }
 
 /// The unchunked [`validation_sums`] (`[B, T, V]` logits at once): the reference of its tests.
@@ -135,25 +82,8 @@ pub fn validation_sums_whole(
     items: &[Item],
     scores: &[&SequenceScores],
 ) -> Result<ValSums> {
-    ctx.pairing.collation().validation_whole(ctx, items, scores)
-}
-
-/// Sums of validation figures with their counts (means are `kl / kl_units`, `ce / ce_tokens`).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct ValSums {
-    pub kl: f64,
-    pub kl_units: f64,
-    pub ce: f64,
-    pub ce_tokens: f64,
-}
-
-impl std::ops::AddAssign for ValSums {
-    fn add_assign(&mut self, o: ValSums) {
-        self.kl += o.kl;
-        self.kl_units += o.kl_units;
-        self.ce += o.ce;
-        self.ce_tokens += o.ce_tokens;
-    }
+    let batch = ctx.pairing.lay_out(ctx, items, scores, Purpose::Validate)?;
+    micro::validation_whole(&ctx.drive(), &*batch)
 }
 
 /// What [`accumulate`] measured over a step's micro-batches.

@@ -3,19 +3,20 @@
 //! the chunks and the projection of the student's vocabulary onto the teacher's. The LM head is
 //! cut at alignment-chunk boundaries ([`crate::train::xpieces`]).
 
-use super::{check_rows, finish, val_ce, wants_ce, Collation, Item, Limits};
+use super::{check_rows, Item, Limits, LossCtx, Purpose};
 use crate::align::{canonical_text, tokenize_pair, AlignTokenizer, PairOptions, TokenizedPair};
-use crate::collate::{pad_batch, Encoded};
+use crate::collate::{pad_batch, Encoded, TokenBatch};
 use crate::data::Record;
 use crate::loss::{
-    cross_entropy, kd_loss, CeConfig, KdConfig, KdInputs, KdMetrics, LossConfig, Projection,
-    Temperature, XTokenBatch,
+    kd_loss, CeConfig, KdConfig, KdInputs, KdMetrics, LossConfig, Normalizer, Projection,
+    XTokenBatch,
 };
-use crate::train::head::{self, ChunkLoss, HeadSums, Mix};
-use crate::train::step::{LossCtx, MicroOut, Units, ValSums};
+use crate::train::head::Piece;
+use crate::train::micro::{wants_ce, Layout, MicroBatch, Part, Units};
+use crate::train::xpieces::XPiece;
 use anyhow::{bail, Result};
-use candle_core::backprop::GradStore;
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
+use std::borrow::Cow;
 use xdistill_shared::protocol::SequenceScores;
 
 /// Whether `r` exceeds a token limit on either side (without truncation). Texts short enough in
@@ -94,95 +95,129 @@ pub fn units(pair: &TokenizedPair, loss_start: usize) -> Units {
     }
 }
 
-/// The cross-tokenizer pairing: its projection, and the divergence its validation reports.
-pub struct Cross<'a> {
+/// What a cross-tokenizer pairing's validation reports: P-KL in NeMo's renormalised form, whose
+/// figures are comparable with theirs (a tail bucket adds a floor wherever K holds a teacher
+/// token no student token spells, docs/losses.md); a chunk-level ensemble reports first-token
+/// KL ([`super::mixture::validation_kd`]).
+pub fn validation_kd() -> KdConfig {
+    KdConfig::Pkl {
+        anchor: Default::default(),
+    }
+}
+
+/// The loss of `cfg` on a part's logits against one kind of teacher answer: what differs between
+/// the cross-tokenizer pairings (top-k rows here, the whole distribution in
+/// [`super::cross_full`]).
+pub trait ChunkTerm {
+    fn term(
+        &self,
+        cp: &CrossPieces,
+        cfg: &LossConfig,
+        part: Part,
+        logits: &Tensor,
+        normalizer: Option<Normalizer>,
+    ) -> Result<(Tensor, KdMetrics)>;
+}
+
+/// The teacher's top-k at each chunk, through the projection.
+pub struct TopkChunks<'a> {
     pub projection: &'a Projection,
-    /// P-KL in NeMo's renormalised form, whose validation figures are comparable with theirs
-    /// (a tail bucket adds a floor wherever K holds a teacher token no student token spells,
-    /// docs/losses.md); a chunk-level ensemble: first-token KL ([`super::mixture`]).
-    pub validation_kd: KdConfig,
 }
 
-impl<'a> Cross<'a> {
-    pub fn new(projection: &'a Projection) -> Cross<'a> {
-        Cross {
-            projection,
-            validation_kd: KdConfig::Pkl {
-                anchor: Default::default(),
-            },
-        }
-    }
-
-    /// The loss configuration validation measures with (no CE term: it is summed apart).
-    fn validation_cfg(&self, temperature: Temperature) -> LossConfig {
-        LossConfig {
-            kd: self.validation_kd.clone(),
-            tail: None,
-            temperature,
-            kd_weight: 1.0,
-            ce: CeConfig::None {},
-        }
-    }
-}
-
-impl Collation for Cross<'_> {
-    fn loss(
+impl ChunkTerm for TopkChunks<'_> {
+    fn term(
         &self,
-        ctx: &LossCtx,
-        items: &[Item],
-        scores: &[&SequenceScores],
-        norm: Units,
-    ) -> Result<(Tensor, MicroOut)> {
-        cross_tokenizer(ctx, self.projection, items, scores, norm)
-    }
-
-    fn grads(
-        &self,
-        ctx: &LossCtx,
-        items: &[Item],
-        scores: &[&SequenceScores],
-        norm: Units,
-    ) -> Result<(GradStore, HeadSums)> {
-        cross_tokenizer_grads(ctx, self.projection, items, scores, norm)
-    }
-
-    /// Chunk-level divergence ([`Cross::validation_kd`]) and the student's CE.
-    fn validation(
-        &self,
-        ctx: &LossCtx,
-        items: &[Item],
-        scores: &[&SequenceScores],
-    ) -> Result<ValSums> {
-        let cp = CrossPieces::new(ctx, items, scores, ctx.k, true)?;
-        let cfg = self.validation_cfg(ctx.loss.temperature);
-        cp.validation(ctx, |i, logits| {
-            let sub = cp.batch(i);
-            let inputs = KdInputs::XToken {
-                batch: &sub,
-                projection: self.projection,
-            };
-            Ok(kd_loss(&cfg, logits, inputs, None)?)
-        })
-    }
-
-    #[cfg(test)]
-    fn validation_whole(
-        &self,
-        ctx: &LossCtx,
-        items: &[Item],
-        scores: &[&SequenceScores],
-    ) -> Result<ValSums> {
-        let (model, k, device, temperature) = (ctx.model, ctx.k, ctx.device, ctx.loss.temperature);
-        let (xb, enc) = xtoken_batch(items, scores, k)?;
-        let tb = pad_batch(&enc, 0, device)?;
-        let logits = model.forward(&tb.ids)?;
+        cp: &CrossPieces,
+        cfg: &LossConfig,
+        part: Part,
+        logits: &Tensor,
+        normalizer: Option<Normalizer>,
+    ) -> Result<(Tensor, KdMetrics)> {
+        let batch = cp.part_batch(part);
         let inputs = KdInputs::XToken {
-            batch: &xb,
+            batch: &batch,
             projection: self.projection,
         };
-        let (kl, m) = kd_loss(&self.validation_cfg(temperature), &logits, inputs, None)?;
-        super::whole_sums(temperature, &kl, m.count, &logits, &tb)
+        Ok(kd_loss(cfg, logits, inputs, normalizer)?)
     }
+}
+
+/// A cross-tokenizer micro-batch: the student's logits against the teacher through the aligned
+/// chunks, the head cut at chunk boundaries ([`CrossPieces`]); `T` reads the teacher's answers.
+pub struct CrossBatch<'a, T> {
+    ctx: LossCtx<'a>,
+    /// The loss validation reports (no CE term: it is summed apart).
+    validation: LossConfig,
+    cp: CrossPieces,
+    teacher: T,
+}
+
+impl<'a, T: ChunkTerm> CrossBatch<'a, T> {
+    /// `items` laid out against `scores` (answers of `ctx.k` entries; 0: hidden states).
+    pub fn new(
+        ctx: LossCtx<'a>,
+        teacher: T,
+        validation: LossConfig,
+        items: &[Item],
+        scores: &[&SequenceScores],
+        purpose: Purpose,
+    ) -> Result<CrossBatch<'a, T>> {
+        let with_ce = purpose == Purpose::Validate || wants_ce(ctx.loss);
+        let cp = CrossPieces::new(&ctx, items, scores, ctx.k, with_ce)?;
+        Ok(CrossBatch {
+            ctx,
+            validation,
+            cp,
+            teacher,
+        })
+    }
+}
+
+impl<T: ChunkTerm> MicroBatch for CrossBatch<'_, T> {
+    fn layout(&self) -> &Layout {
+        &self.cp.layout
+    }
+
+    fn kd(
+        &self,
+        part: Part,
+        logits: &Tensor,
+        normalizer: Option<Normalizer>,
+    ) -> Result<(Tensor, KdMetrics)> {
+        let cfg = self.ctx.loss;
+        self.teacher.term(&self.cp, cfg, part, logits, normalizer)
+    }
+
+    fn val_kd(&self, part: Part, logits: &Tensor) -> Result<Option<(Tensor, KdMetrics)>> {
+        let cfg = &self.validation;
+        self.teacher
+            .term(&self.cp, cfg, part, logits, None)
+            .map(Some)
+    }
+
+    fn ce(&self, part: Part) -> Result<(Tensor, Tensor, usize)> {
+        self.cp.ce_inputs(part, self.ctx.device)
+    }
+}
+
+/// The top-k pairing's micro-batch: validation reports `validation_kd` at the run's temperature.
+pub fn topk_batch<'a>(
+    ctx: LossCtx<'a>,
+    projection: &'a Projection,
+    validation_kd: KdConfig,
+    items: &[Item],
+    scores: &[&SequenceScores],
+    purpose: Purpose,
+) -> Result<CrossBatch<'a, TopkChunks<'a>>> {
+    let validation = LossConfig {
+        kd: validation_kd,
+        tail: None,
+        temperature: ctx.loss.temperature,
+        kd_weight: 1.0,
+        ce: CeConfig::None {},
+    };
+    let teacher = TopkChunks { projection };
+    CrossBatch::new(ctx, teacher, validation, items, scores, purpose)
 }
 
 /// Per-position chunk ids in the shifted view for one aligned pair.
@@ -246,72 +281,18 @@ pub fn trained_teacher_rows(
         .map(|(p, _)| p)
 }
 
-fn cross_tokenizer(
-    ctx: &LossCtx,
-    projection: &Projection,
-    items: &[Item],
-    scores: &[&SequenceScores],
-    norm: Units,
-) -> Result<(Tensor, MicroOut)> {
-    let (xb, enc) = xtoken_batch(items, scores, ctx.k)?;
-    let tb = pad_batch(&enc, 0, ctx.device)?;
-    let logits = ctx.model.forward(&tb.ids)?; // [B, Ts, V]
-    let kd = kd_loss(
-        ctx.loss,
-        &logits,
-        KdInputs::XToken {
-            batch: &xb,
-            projection,
-        },
-        Some(norm.kd_normalizer()?),
-    )?;
-    let ce_inputs = wants_ce(ctx.loss).then(|| (tb.targets.clone(), tb.mask.clone(), tb.n_targets));
-    finish(ctx.loss, &logits, kd, ce_inputs, norm)
-}
-
-/// Cross tokenizer, chunked: pieces of the batch cut at alignment-chunk boundaries
-/// ([`crate::train::xpieces`]), each with its own chunk losses and cross-entropy.
-fn cross_tokenizer_grads(
-    ctx: &LossCtx,
-    projection: &Projection,
-    items: &[Item],
-    scores: &[&SequenceScores],
-    norm: Units,
-) -> Result<(GradStore, HeadSums)> {
-    let (model, device) = (ctx.model, ctx.device);
-    let ce_on = wants_ce(ctx.loss);
-    let cp = CrossPieces::new(ctx, items, scores, ctx.k, ce_on)?;
-    let pass = ctx.head.forward(model, &cp.tb.ids)?;
-    let loss = |i: usize, logits: &Tensor| -> Result<ChunkLoss> {
-        let sub = cp.batch(i);
-        let inputs = KdInputs::XToken {
-            batch: &sub,
-            projection,
-        };
-        let kd = kd_loss(ctx.loss, logits, inputs, Some(norm.kd_normalizer()?))?;
-        let (tg, m, n) = cp.ce_inputs(i, device)?;
-        let ce = if ce_on && n > 0 {
-            Some(cross_entropy(logits, &tg, &m, Some(norm.ce_normalizer()?))?)
-        } else {
-            None
-        };
-        Ok(ChunkLoss { kd: Some(kd), ce })
-    };
-    let out = head::run(model, pass.hidden(), &cp.pieces, Mix::of(ctx.loss), loss)?;
-    out.finish(pass)
-}
-
 /// A cross-tokenizer micro-batch cut into LM-head pieces at alignment-chunk boundaries
 /// ([`crate::train::xpieces`]), with what each piece's cross-entropy reads: shared by the
 /// top-k and the hidden-state pairings, for training and validation.
-pub(super) struct CrossPieces {
+pub struct CrossPieces {
     pub xb: XTokenBatch,
-    pub tb: crate::collate::TokenBatch,
+    pub tb: TokenBatch,
     /// `[B·Ts]` the student token each position predicts, and whether it is trained.
     targets: Vec<u32>,
     mask: Vec<f32>,
-    pub plan: Vec<crate::train::xpieces::XPiece>,
-    pub pieces: Vec<head::Piece>,
+    pub plan: Vec<XPiece>,
+    /// The head's pieces, cut at chunk boundaries; the reference takes every position.
+    pub layout: Layout,
 }
 
 impl CrossPieces {
@@ -336,18 +317,28 @@ impl CrossPieces {
         let plan = crate::train::xpieces::plan(&xb, per, &wanted);
         let pieces = plan
             .iter()
-            .map(|p| head::Piece {
+            .map(|p| Piece {
                 rows: p.rows(ts),
                 shape: (p.segments.len(), p.student_len),
             })
             .collect();
+        let (b, ts) = (xb.batch, xb.student_len);
+        let whole = Piece {
+            rows: (0..(b * ts) as u32).collect(),
+            shape: (b, ts),
+        };
+        let layout = Layout {
+            ids: tb.ids.clone(),
+            pieces,
+            whole,
+        };
         Ok(CrossPieces {
             xb,
             tb,
             targets,
             mask,
             plan,
-            pieces,
+            layout,
         })
     }
 
@@ -356,36 +347,30 @@ impl CrossPieces {
         crate::train::xpieces::batch(&self.xb, &self.plan[i])
     }
 
-    /// Validation sums over the pieces: `kd(i, logits)` is piece `i`'s chunk divergence (τ²
-    /// included, normalised by its own chunk count), summed here per chunk with τ² removed,
-    /// and the student's CE.
-    pub fn validation(
-        &self,
-        ctx: &LossCtx,
-        mut kd: impl FnMut(usize, &Tensor) -> Result<(Tensor, KdMetrics)>,
-    ) -> Result<ValSums> {
-        let tau2 = ctx.loss.temperature.get() * ctx.loss.temperature.get();
-        let mut out = ValSums::default();
-        let hidden = ctx.model.forward_hidden(&self.tb.ids, None, None, None)?;
-        head::forward_only(ctx.model, &hidden, &self.pieces, |i, logits| {
-            let (kl, m) = kd(i, logits)?;
-            if m.count > 0.0 {
-                out.kl += kl.to_dtype(DType::F64)?.to_scalar::<f64>()? / tau2 * m.count;
-                out.kl_units += m.count;
-            }
-            let (tg, m, _) = self.ce_inputs(i, ctx.device)?;
-            val_ce(&mut out, logits, tg, m)
-        })?;
-        Ok(out)
+    /// Piece `part`'s own loss inputs (the whole batch's, or a piece's with its chunks
+    /// renumbered).
+    pub fn part_batch(&self, part: Part) -> Cow<'_, XTokenBatch> {
+        match part {
+            Part::Whole => Cow::Borrowed(&self.xb),
+            Part::Piece(i) => Cow::Owned(self.batch(i)),
+        }
     }
 
-    /// Piece `i`'s CE targets and mask, shaped as its logits, and its trained-token count.
+    /// `part`'s CE targets and mask, shaped as its logits, and its trained-token count.
     pub fn ce_inputs(
         &self,
-        i: usize,
+        part: Part,
         device: &candle_core::Device,
     ) -> Result<(Tensor, Tensor, usize)> {
-        let (rows, shape) = (&self.pieces[i].rows, self.pieces[i].shape);
+        let i = match part {
+            Part::Whole => {
+                let tb = &self.tb;
+                return Ok((tb.targets.clone(), tb.mask.clone(), tb.n_targets));
+            }
+            Part::Piece(i) => i,
+        };
+        let piece = &self.layout.pieces[i];
+        let (rows, shape) = (&piece.rows, piece.shape);
         let tg: Vec<u32> = rows.iter().map(|&r| self.targets[r as usize]).collect();
         let m: Vec<f32> = rows.iter().map(|&r| self.mask[r as usize]).collect();
         let n = m.iter().filter(|&&x| x > 0.0).count();

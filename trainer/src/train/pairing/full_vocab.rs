@@ -6,257 +6,39 @@
 //! teacher's answer lies against the student's position `p`.
 
 use super::same::same_encodings;
-use super::{finish, trained_positions, val_ce, wants_ce, Collation, Item};
-use crate::collate::{pad_batch, TokenBatch};
+use super::{Item, LossCtx, Purpose, TrainedRows};
+use crate::collate::pad_batch;
 use crate::loss::full_vocab::{
     full_vocab_divergence, teacher_token_logprobs, TeacherHead, DEFAULT_CHUNK_ROWS,
 };
 use crate::loss::kl::Divergence;
-use crate::loss::{cross_entropy, LossError, Normalizer, Temperature};
-use crate::train::head::{self, ChunkLoss, HeadSums, Mix};
-use crate::train::step::{LossCtx, MicroOut, Units, ValSums};
+use crate::loss::{kd_loss, KdInputs, KdMetrics, Normalizer, Temperature};
+use crate::train::micro::{Layout, MicroBatch, Part, RowPieces};
 use anyhow::{bail, Result};
-use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor};
 use xdistill_shared::protocol::SequenceScores;
 
-/// Positions per teacher-head chunk inside one student head chunk: `[64, V]` f32 is 39 MB for
-/// Qwen3's vocabulary.
-const TEACHER_CHUNK_ROWS: usize = crate::loss::full_vocab::DEFAULT_CHUNK_ROWS;
-
-/// The full-vocabulary pairing over the teacher's head.
-pub struct FullVocab<'a> {
-    pub head: &'a TeacherHead,
+/// A micro-batch against the teacher's whole distribution: the student's trained positions,
+/// each with the teacher's hidden state at the same position.
+pub struct FullVocabBatch<'a> {
+    ctx: LossCtx<'a>,
+    head: &'a TeacherHead,
+    rows: TrainedRows<Vec<f32>>,
+    layout: RowPieces,
 }
 
-impl Collation for FullVocab<'_> {
-    fn loss(
-        &self,
-        ctx: &LossCtx,
+impl<'a> FullVocabBatch<'a> {
+    /// `items` (checked against answers carrying hidden rows and no top-k: `k` = 0).
+    pub fn new(
+        ctx: LossCtx<'a>,
+        head: &'a TeacherHead,
         items: &[Item],
         scores: &[&SequenceScores],
-        norm: Units,
-    ) -> Result<(Tensor, MicroOut)> {
-        let (model, device) = (ctx.model, ctx.device);
-        let tb = self.batch(ctx, items, scores)?;
-        let rows = TrainedRows::new(&tb, scores, self.head.hidden_size())?;
-        let (b, t) = tb.ids.dims2()?;
-        let n = rows.sel.len();
-        // Student: hidden [B, T, H] -> trained rows [1, N, H] -> logits [1, N, V].
-        let hidden = model.forward_hidden(&tb.ids, None, None, None)?;
-        let h = hidden.dim(2)?;
-        let sel = Tensor::from_vec(rows.sel.clone(), n, device)?;
-        let st = hidden
-            .reshape((b * t, h))?
-            .index_select(&sel, 0)?
-            .unsqueeze(0)?;
-        let logits = model.logits(&st)?;
-        let kd = self.divergence(ctx, &logits, &rows, 0..n, Some(norm.kd_normalizer()?))?;
-        let ce = wants_ce(ctx.loss)
-            .then(|| -> Result<_> {
-                let tg = Tensor::from_vec(rows.targets.clone(), (1, n), device)?;
-                Ok((tg, Tensor::ones((1, n), DType::F32, device)?, n))
-            })
-            .transpose()?;
-        finish(ctx.loss, &logits, kd, ce, norm)
-    }
-
-    fn grads(
-        &self,
-        ctx: &LossCtx,
-        items: &[Item],
-        scores: &[&SequenceScores],
-        norm: Units,
-    ) -> Result<(GradStore, HeadSums)> {
-        let (model, device) = (ctx.model, ctx.device);
-        let tb = self.batch(ctx, items, scores)?;
-        let rows = TrainedRows::new(&tb, scores, self.head.hidden_size())?;
-        let pass = ctx.head.forward(model, &tb.ids)?;
-        let per = ctx.head.rows(model.lm_head().dim(0)?);
-        let pieces = head::row_pieces(&rows.sel, per);
-        let loss = |i: usize, logits: &Tensor| -> Result<ChunkLoss> {
-            let (a, n) = (i * per, pieces[i].rows.len());
-            let kd = self.divergence(ctx, logits, &rows, a..a + n, Some(norm.kd_normalizer()?))?;
-            let ce = if wants_ce(ctx.loss) {
-                let tg = Tensor::from_vec(rows.targets[a..a + n].to_vec(), (1, n), device)?;
-                let mask = Tensor::ones((1, n), DType::F32, device)?;
-                Some(cross_entropy(
-                    logits,
-                    &tg,
-                    &mask,
-                    Some(norm.ce_normalizer()?),
-                )?)
-            } else {
-                None
-            };
-            Ok(ChunkLoss { kd: Some(kd), ce })
-        };
-        let out = head::run(model, pass.hidden(), &pieces, Mix::of(ctx.loss), loss)?;
-        out.finish(pass)
-    }
-
-    /// Exact forward KL to the teacher over the whole vocabulary (τ² removed), and the
-    /// student's CE.
-    fn validation(
-        &self,
-        ctx: &LossCtx,
-        items: &[Item],
-        scores: &[&SequenceScores],
-    ) -> Result<ValSums> {
-        let (model, device) = (ctx.model, ctx.device);
-        let mut out = ValSums::default();
-        let tb = self.batch(ctx, items, scores)?;
-        if tb.n_targets == 0 {
-            return Ok(out);
-        }
-        let rows = TrainedRows::new(&tb, scores, self.head.hidden_size())?;
-        let hidden = model.forward_hidden(&tb.ids, None, None, None)?;
-        let per = ctx.head.rows(model.lm_head().dim(0)?);
-        let pieces = head::row_pieces(&rows.sel, per);
-        head::forward_only(model, &hidden, &pieces, |i, logits| {
-            let (a, n) = (i * per, pieces[i].rows.len());
-            let (kl, m) = self.forward_kl(ctx, logits, &rows, a..a + n)?;
-            let tau2 = ctx.loss.temperature.get() * ctx.loss.temperature.get();
-            out.kl += kl * m / tau2;
-            out.kl_units += m;
-            let tg = Tensor::from_vec(rows.targets[a..a + n].to_vec(), (1, n), device)?;
-            let mask = Tensor::ones((1, n), DType::F32, device)?;
-            val_ce(&mut out, logits, tg, mask)
-        })?;
-        Ok(out)
-    }
-
-    #[cfg(test)]
-    fn validation_whole(
-        &self,
-        ctx: &LossCtx,
-        items: &[Item],
-        scores: &[&SequenceScores],
-    ) -> Result<ValSums> {
-        let tb = self.batch(ctx, items, scores)?;
-        let rows = TrainedRows::new(&tb, scores, self.head.hidden_size())?;
-        let (b, t) = tb.ids.dims2()?;
-        let logits = ctx.model.forward(&tb.ids)?;
-        let v = logits.dim(2)?;
-        let sel = Tensor::from_vec(rows.sel.clone(), rows.sel.len(), ctx.device)?;
-        let picked = logits
-            .reshape((b * t, v))?
-            .index_select(&sel, 0)?
-            .unsqueeze(0)?;
-        let (kl, m) = self.forward_kl(ctx, &picked, &rows, 0..rows.sel.len())?;
-        let tau2 = ctx.loss.temperature.get() * ctx.loss.temperature.get();
-        let (ce, n) = cross_entropy(&logits, &tb.targets, &tb.mask, None)?;
-        let ce = ce.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-        Ok(ValSums {
-            kl: kl * m / tau2,
-            kl_units: m,
-            ce: ce * n,
-            ce_tokens: n,
-        })
-    }
-}
-
-impl FullVocab<'_> {
-    /// The padded batch of `items`, each checked against its teacher answer (hidden rows, no
-    /// top-k: `k` = 0).
-    fn batch(
-        &self,
-        ctx: &LossCtx,
-        items: &[Item],
-        scores: &[&SequenceScores],
-    ) -> Result<TokenBatch> {
+        purpose: Purpose,
+    ) -> Result<FullVocabBatch<'a>> {
         let enc = same_encodings(items, scores, 0)?;
-        Ok(pad_batch(&enc, 0, ctx.device)?)
-    }
-
-    /// `ctx.loss`'s divergence of the student logits `[1, n, V_s]` against the teacher's full
-    /// distribution at trained rows `range`, divided by `normalizer`.
-    fn divergence(
-        &self,
-        ctx: &LossCtx,
-        logits: &Tensor,
-        rows: &TrainedRows,
-        range: std::ops::Range<usize>,
-        normalizer: Option<Normalizer>,
-    ) -> Result<(Tensor, crate::loss::KdMetrics)> {
-        let Some(div) = ctx.loss.divergence() else {
-            bail!(
-                "teacher.transport = \"hidden\" trains with forward_kl, reverse_kl or jsd, not {:?}",
-                ctx.loss.kd
-            );
-        };
-        self.against_teacher(ctx, logits, rows, range, div, normalizer)
-    }
-
-    /// Mean forward KL (τ² included) over the rows `range` and their count.
-    fn forward_kl(
-        &self,
-        ctx: &LossCtx,
-        logits: &Tensor,
-        rows: &TrainedRows,
-        range: std::ops::Range<usize>,
-    ) -> Result<(f64, f64)> {
-        let (kl, m) = self.against_teacher(ctx, logits, rows, range, Divergence::Forward, None)?;
-        Ok((kl.to_dtype(DType::F64)?.to_scalar::<f64>()?, m.count))
-    }
-
-    fn against_teacher(
-        &self,
-        ctx: &LossCtx,
-        logits: &Tensor,
-        rows: &TrainedRows,
-        range: std::ops::Range<usize>,
-        div: Divergence,
-        normalizer: Option<Normalizer>,
-    ) -> Result<(Tensor, crate::loss::KdMetrics)> {
-        let n = range.len();
-        let hsz = self.head.hidden_size();
-        let vocab = self.head.vocab();
-        let v = logits.dim(2)?;
-        if v < vocab {
-            bail!("the student has {v} logits per position, the teacher {vocab} tokens");
-        }
-        // Rows past the teacher's vocabulary (the student's padding) are not tokens.
-        let logits = if v > vocab {
-            logits.narrow(2, 0, vocab)?
-        } else {
-            logits.clone()
-        };
-        let hid = Tensor::from_slice(
-            &rows.hidden[range.start * hsz..range.end * hsz],
-            (1, n, hsz),
-            ctx.device,
-        )?;
-        let mask = Tensor::ones((1, n), DType::F32, ctx.device)?;
-        full_vocab_divergence(
-            &logits,
-            self.head,
-            &hid,
-            &mask,
-            div,
-            ctx.loss.temperature,
-            TEACHER_CHUNK_ROWS,
-            normalizer,
-        )
-        .map_err(|e: LossError| e.into())
-    }
-}
-
-/// The trained positions of a batch (row-major over `[B, T]`) with their targets and the
-/// teacher's hidden state at each.
-struct TrainedRows {
-    /// `[N]` flat indices into `[B·T]`.
-    sel: Vec<u32>,
-    /// `[N]` the token each trained position predicts.
-    targets: Vec<u32>,
-    /// `[N, H]` the teacher's final-norm hidden states.
-    hidden: Vec<f32>,
-}
-
-impl TrainedRows {
-    fn new(tb: &TokenBatch, scores: &[&SequenceScores], hsz: usize) -> Result<TrainedRows> {
-        let t = tb.ids.dim(1)?;
-        let (sel, targets) = trained_positions(tb)?;
+        let tb = pad_batch(&enc, 0, ctx.device)?;
+        let hsz = head.hidden_size();
         for (r, s) in scores.iter().enumerate() {
             if s.hidden.len() != s.rows * hsz * 4 {
                 bail!(
@@ -267,16 +49,81 @@ impl TrainedRows {
                 );
             }
         }
-        let mut hidden = Vec::with_capacity(sel.len() * hsz);
-        for &i in &sel {
-            let (r, p) = (i as usize / t, i as usize % t);
-            hidden.extend(hidden_row(scores[r], r, p, hsz)?);
-        }
-        Ok(TrainedRows {
-            sel,
-            targets,
-            hidden,
+        // `[N, H]` the teacher's final-norm hidden states at the trained positions.
+        let (rows, layout) = TrainedRows::lay_out(&ctx, &tb, purpose, |r, p, h: &mut Vec<f32>| {
+            h.extend(hidden_row(scores[r], r, p, hsz)?);
+            Ok(())
+        })?;
+        Ok(FullVocabBatch {
+            ctx,
+            head,
+            rows,
+            layout,
         })
+    }
+
+    /// The student logits `[1, n, V_s]` of `part` cut to the teacher's vocabulary (columns past
+    /// it are the student's padding, not tokens), the teacher's hidden states `[1, n, H]` there
+    /// and a mask of ones.
+    fn inputs(&self, part: Part, logits: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let r = self.layout.range(part);
+        let (n, hsz, vocab) = (r.len(), self.head.hidden_size(), self.head.vocab());
+        let v = logits.dim(2)?;
+        if v < vocab {
+            bail!("the student has {v} logits per position, the teacher {vocab} tokens");
+        }
+        let logits = if v > vocab {
+            logits.narrow(2, 0, vocab)?
+        } else {
+            logits.clone()
+        };
+        let device = self.ctx.device;
+        let hidden = &self.rows.teacher[r.start * hsz..r.end * hsz];
+        let hid = Tensor::from_slice(hidden, (1, n, hsz), device)?;
+        let mask = Tensor::ones((1, n), DType::F32, device)?;
+        Ok((logits, hid, mask))
+    }
+}
+
+impl MicroBatch for FullVocabBatch<'_> {
+    fn layout(&self) -> &Layout {
+        &self.layout.layout
+    }
+
+    /// The run's divergence (forward KL, reverse KL or JSD) over every token.
+    fn kd(
+        &self,
+        part: Part,
+        logits: &Tensor,
+        normalizer: Option<Normalizer>,
+    ) -> Result<(Tensor, KdMetrics)> {
+        let (logits, hidden, mask) = self.inputs(part, logits)?;
+        let inputs = KdInputs::TeacherHidden {
+            head: self.head,
+            hidden: &hidden,
+            mask: &mask,
+        };
+        Ok(kd_loss(self.ctx.loss, &logits, inputs, normalizer)?)
+    }
+
+    /// Exact forward KL to the teacher over the whole vocabulary.
+    fn val_kd(&self, part: Part, logits: &Tensor) -> Result<Option<(Tensor, KdMetrics)>> {
+        let (logits, hidden, mask) = self.inputs(part, logits)?;
+        let kl = full_vocab_divergence(
+            &logits,
+            self.head,
+            &hidden,
+            &mask,
+            Divergence::Forward,
+            self.ctx.loss.temperature,
+            DEFAULT_CHUNK_ROWS,
+            None,
+        )?;
+        Ok(Some(kl))
+    }
+
+    fn ce(&self, part: Part) -> Result<(Tensor, Tensor, usize)> {
+        self.layout.ce(part, &self.rows.targets, self.ctx.device)
     }
 }
 

@@ -6,7 +6,8 @@
 //! tokenizer train with the sampled-token loss ([`sampled`]). The [`Pairing`] is decided once per
 //! source when the run connects to its teachers; each pairing owns turning a record into its
 //! training [`Item`], collating a micro-batch (student ids, teacher rows laid against them, the
-//! chunk layout) and its loss and validation figures ([`Collation`]). The training loop
+//! chunk layout) and its loss terms and validation figures ([`Pairing::lay_out`]: a
+//! [`MicroBatch`] the one loss pipeline, [`super::micro`], runs). The training loop
 //! ([`super::step`]) and the objectives call the pairing instead of matching on it.
 
 pub mod cross;
@@ -16,19 +17,17 @@ pub mod mixture;
 pub mod same;
 pub mod sampled;
 
-use super::head::HeadSums;
-use super::step::{LossCtx, MicroOut, Units, ValSums};
+use super::head::HeadOpts;
+use super::micro::{MicroBatch, RowPieces, Units};
 use crate::align::{AlignTokenizer, TokenizedPair};
-use crate::collate::Encoded;
+use crate::collate::{Encoded, TokenBatch};
 use crate::data::Record;
-use crate::loss::{combine, cross_entropy, CeConfig, KdMetrics, LossConfig, Projection};
+use crate::loss::{LossConfig, Projection};
 use anyhow::{bail, Result};
-use candle_core::backprop::GradStore;
-use candle_core::Tensor;
+use candle_core::Device;
 use tokenizers::Tokenizer;
+use xdistill_shared::model::Decoder;
 use xdistill_shared::protocol::SequenceScores;
-
-use super::prepare::Limits;
 
 /// Whether student and teacher share a tokenizer: decided once, when the run connects to its
 /// teacher, and carried by [`LossCtx`] (a cross-tokenizer run always has its projection).
@@ -49,17 +48,47 @@ pub enum Pairing<'a> {
 }
 
 impl<'a> Pairing<'a> {
-    /// The pairing's collation and losses (the one place the pairing is matched for them).
-    pub fn collation(self) -> Box<dyn Collation + 'a> {
-        match self {
-            Pairing::Same => Box::new(same::Same),
-            Pairing::Cross(p) => Box::new(cross::Cross::new(p)),
-            Pairing::Mixture(p) => Box::new(mixture::collation(p)),
-            Pairing::FullVocab(head) => Box::new(full_vocab::FullVocab { head }),
+    /// Lays a micro-batch of `items` out for the loss pipeline ([`super::micro`]): the one
+    /// place the pairing is matched for its losses. `scores[i]` answers `items[i]`.
+    pub fn lay_out<'b>(
+        self,
+        ctx: &LossCtx<'b>,
+        items: &'b [Item],
+        scores: &'b [&'b SequenceScores],
+        purpose: Purpose,
+    ) -> Result<Box<dyn MicroBatch + 'b>>
+    where
+        'a: 'b,
+    {
+        let ctx: LossCtx<'b> = LossCtx {
+            pairing: self,
+            ..*ctx
+        };
+        Ok(match self {
+            Pairing::Same => Box::new(same::SameBatch::new(ctx, items, scores, purpose)?),
+            Pairing::Cross(p) => Box::new(cross::topk_batch(
+                ctx,
+                p,
+                cross::validation_kd(),
+                items,
+                scores,
+                purpose,
+            )?),
+            Pairing::Mixture(p) => Box::new(cross::topk_batch(
+                ctx,
+                p,
+                mixture::validation_kd(),
+                items,
+                scores,
+                purpose,
+            )?),
+            Pairing::FullVocab(head) => Box::new(full_vocab::FullVocabBatch::new(
+                ctx, head, items, scores, purpose,
+            )?),
             Pairing::CrossFullVocab(projection, head) => {
-                Box::new(cross_full::CrossFullVocab { projection, head })
+                cross_full::lay_out(ctx, projection, head, items, scores, purpose)?
             }
-        }
+        })
     }
 
     /// Whether records are aligned across tokenizers (the loss is `[loss_cross]`).
@@ -74,44 +103,48 @@ impl<'a> Pairing<'a> {
     }
 }
 
-/// What a pairing does with a micro-batch of its items and their teacher answers
-/// (`scores[i]` answers `items[i]`): the training loss as one scalar (the reference), its
-/// gradients with the LM head in row chunks, and the validation figures.
-pub trait Collation {
-    /// The loss as one scalar, `[N, V]` logits at once (call `backward` on it).
-    fn loss(
-        &self,
-        ctx: &LossCtx,
-        items: &[Item],
-        scores: &[&SequenceScores],
-        norm: Units,
-    ) -> Result<(Tensor, MicroOut)>;
+/// What a micro-batch is laid out for: training cuts the head at the rows the loss reads (and
+/// the cross-entropy's, when `[loss] ce` asks for it); validation always reports the CE.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Purpose {
+    Train,
+    Validate,
+}
 
-    /// The same loss's gradients, the LM head + loss run in row chunks.
-    fn grads(
-        &self,
-        ctx: &LossCtx,
-        items: &[Item],
-        scores: &[&SequenceScores],
-        norm: Units,
-    ) -> Result<(GradStore, HeadSums)>;
+/// Everything the loss of a micro-batch needs besides the batch itself.
+#[derive(Clone, Copy)]
+pub struct LossCtx<'a> {
+    pub model: &'a Decoder,
+    /// The teacher's top-k per position.
+    pub k: usize,
+    pub loss: &'a LossConfig,
+    pub pairing: Pairing<'a>,
+    pub device: &'a Device,
+    /// Sequences per forward/backward pass in [`super::step::accumulate`].
+    pub micro_batch: usize,
+    /// Activation checkpointing and the head's chunk size.
+    pub head: HeadOpts,
+}
 
-    /// Validation sums, the head in forward-only row chunks cut as training cuts them.
-    fn validation(
-        &self,
-        ctx: &LossCtx,
-        items: &[Item],
-        scores: &[&SequenceScores],
-    ) -> Result<ValSums>;
+impl<'a> LossCtx<'a> {
+    /// What the loss pipeline runs with.
+    pub fn drive(&self) -> super::micro::Drive<'a> {
+        super::micro::Drive {
+            model: self.model,
+            head: self.head,
+            loss: self.loss,
+        }
+    }
+}
 
-    /// The unchunked validation sums (`[B, T, V]` logits at once): the reference of the tests.
-    #[cfg(test)]
-    fn validation_whole(
-        &self,
-        ctx: &LossCtx,
-        items: &[Item],
-        scores: &[&SequenceScores],
-    ) -> Result<ValSums>;
+/// Length limits, in tokens, per side.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub max_student_tokens: usize,
+    pub max_teacher_tokens: usize,
+    /// Over-long records are truncated (both sides at one chunk boundary) instead of skipped
+    /// (`data.truncate`).
+    pub truncate: bool,
 }
 
 /// How records are tokenized: one tokenizer for both sides, or two aligned ones.
@@ -211,94 +244,55 @@ pub fn units(items: &[Item]) -> Units {
     u
 }
 
-/// Checks a teacher answer's shape against its sequence of `len` tokens.
-/// The trained positions of a padded batch (flat indices into `[B·T]`, row-major) and the token
-/// each predicts; an error when there are none.
-fn trained_positions(tb: &crate::collate::TokenBatch) -> Result<(Vec<u32>, Vec<u32>)> {
-    let mask: Vec<f32> = tb.mask.flatten_all()?.to_vec1()?;
-    let all_targets: Vec<u32> = tb.targets.flatten_all()?.to_vec1()?;
-    let sel: Vec<u32> = (0..mask.len())
-        .filter(|&i| mask[i] > 0.0)
-        .map(|i| i as u32)
-        .collect();
-    if sel.is_empty() {
-        bail!("micro-batch has no trained tokens");
-    }
-    let targets = sel.iter().map(|&i| all_targets[i as usize]).collect();
-    Ok((sel, targets))
+/// The trained positions of a same-tokenizer micro-batch, the token each predicts and what the
+/// teacher's answer holds there (`T`: its top-k rows, or its hidden states), with the head's
+/// pieces over them.
+#[derive(Default)]
+struct TrainedRows<T> {
+    /// `[N]` the token each trained position predicts.
+    targets: Vec<u32>,
+    teacher: T,
 }
 
+impl<T: Default> TrainedRows<T> {
+    /// The trained positions of `tb` (masked targets, row-major over `[B, T]`) in head pieces of
+    /// `ctx.head`'s rows; `gather(r, p, &mut teacher)` appends answer `r`'s row `p`. An error
+    /// when nothing is trained, except when validating (then there are no rows).
+    fn lay_out(
+        ctx: &LossCtx,
+        tb: &TokenBatch,
+        purpose: Purpose,
+        mut gather: impl FnMut(usize, usize, &mut T) -> Result<()>,
+    ) -> Result<(TrainedRows<T>, RowPieces)> {
+        if purpose == Purpose::Validate && tb.n_targets == 0 {
+            return Ok((TrainedRows::default(), RowPieces::new(&tb.ids, vec![], 1)));
+        }
+        let t = tb.ids.dim(1)?;
+        let mask: Vec<f32> = tb.mask.flatten_all()?.to_vec1()?;
+        let all_targets: Vec<u32> = tb.targets.flatten_all()?.to_vec1()?;
+        let sel: Vec<u32> = (0..mask.len())
+            .filter(|&i| mask[i] > 0.0)
+            .map(|i| i as u32)
+            .collect();
+        if sel.is_empty() {
+            bail!("micro-batch has no trained tokens");
+        }
+        let mut rows = TrainedRows {
+            targets: sel.iter().map(|&i| all_targets[i as usize]).collect(),
+            teacher: T::default(),
+        };
+        for &i in &sel {
+            gather(i as usize / t, i as usize % t, &mut rows.teacher)?;
+        }
+        let per = ctx.head.rows(ctx.model.lm_head().dim(0)?);
+        Ok((rows, RowPieces::new(&tb.ids, sel, per)))
+    }
+}
+
+/// Checks a teacher answer's shape against its sequence of `len` tokens.
 fn check_rows(s: &SequenceScores, len: usize, k: usize) -> Result<()> {
     if s.rows + 1 != len || s.k != k {
         bail!("teacher returned {} rows of k={} for a sequence of {len} tokens (expected {} of k={k})", s.rows, s.k, len - 1);
     }
     Ok(())
-}
-
-/// Whether `[loss] ce` asks for the cross-entropy term.
-fn wants_ce(cfg: &LossConfig) -> bool {
-    !matches!(cfg.ce, CeConfig::None {})
-}
-
-/// Adds the cross-entropy term (when `ce` gives targets `[B, T]`, mask `[B, T]` and the count of
-/// trained tokens) to the distillation loss as `[loss] ce` says, and reports the parts (the
-/// caller fills in the units).
-fn finish(
-    cfg: &LossConfig,
-    logits: &Tensor,
-    (kd, kd_m): (Tensor, KdMetrics),
-    ce: Option<(Tensor, Tensor, usize)>,
-    norm: Units,
-) -> Result<(Tensor, MicroOut)> {
-    let (ce, ce_mean) = match ce {
-        Some((targets, mask, n)) if n > 0 => {
-            let (ce, _) = cross_entropy(logits, &targets, &mask, Some(norm.ce_normalizer()?))?;
-            let mean =
-                ce.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()? * norm.ce / n as f64;
-            (Some(ce), Some(mean))
-        }
-        _ => (None, None),
-    };
-    let c = combine(&kd, ce.as_ref(), cfg)?;
-    Ok((
-        c.total,
-        MicroOut {
-            kd: kd_m,
-            ce: ce_mean,
-            kd_scale: c.kd_scale,
-            units: Units::default(),
-        },
-    ))
-}
-
-/// Adds a chunk's mean CE over its `n` targets (mean: no normalizer given) to validation sums.
-fn val_ce(out: &mut ValSums, logits: &Tensor, tg: Tensor, mask: Tensor) -> Result<()> {
-    let (ce, n) = cross_entropy(logits, &tg, &mask, None)?;
-    if n > 0.0 {
-        out.ce += ce.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()? * n;
-        out.ce_tokens += n;
-    }
-    Ok(())
-}
-
-/// Unchunked validation: the mean KL (τ² removed) over `units` and the student's CE of one
-/// micro-batch, as sums with their counts.
-#[cfg(test)]
-fn whole_sums(
-    temperature: crate::loss::Temperature,
-    kl: &Tensor,
-    units: f64,
-    logits: &Tensor,
-    tb: &crate::collate::TokenBatch,
-) -> Result<ValSums> {
-    let (ce, n) = cross_entropy(logits, &tb.targets, &tb.mask, None)?;
-    let kl = kl.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?
-        / (temperature.get() * temperature.get());
-    let ce = ce.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
-    Ok(ValSums {
-        kl: kl * units,
-        kl_units: units,
-        ce: ce * n,
-        ce_tokens: n,
-    })
 }

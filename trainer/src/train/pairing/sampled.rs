@@ -3,9 +3,12 @@
 //! the teacher's log-prob of each sampled token. The same pairing's collation of samples
 //! ([`super::same`] holds its top-k losses).
 
-use crate::collate::Encoded;
-use crate::loss::{sampled_token_loss, Normalizer, SampledTargets};
-use crate::train::step::LossCtx;
+use super::LossCtx;
+use crate::collate::{pad_batch, Encoded};
+use crate::loss::{
+    sampled_token_loss, CeConfig, KdMetrics, LossConfig, Normalizer, SampledTargets,
+};
+use crate::train::micro::{self, Layout, MicroBatch, Part, RowPieces, Units};
 use anyhow::{bail, Result};
 use candle_core::backprop::GradStore;
 use candle_core::Tensor;
@@ -64,6 +67,63 @@ impl SampledRows {
     }
 }
 
+/// Same-tokenizer samples laid out for the sampled-token loss: the LM head runs only on the
+/// completion positions.
+struct SampledBatch<'a> {
+    ctx: LossCtx<'a>,
+    rows: SampledRows,
+    layout: RowPieces,
+}
+
+impl<'a> SampledBatch<'a> {
+    fn new(
+        ctx: LossCtx<'a>,
+        samples: &[Sample],
+        scores: &[&SequenceScores],
+    ) -> Result<SampledBatch<'a>> {
+        let tb = pad_batch(&encoded(samples), 0, ctx.device)?;
+        let rows = SampledRows::new(samples, scores, tb.ids.dim(1)?)?;
+        let per = ctx.head.rows(ctx.model.lm_head().dim(0)?);
+        let layout = RowPieces::new(&tb.ids, rows.sel.clone(), per);
+        Ok(SampledBatch { ctx, rows, layout })
+    }
+
+    /// The sampled-token loss alone (× `kd_weight`, no cross-entropy), whatever `[loss] ce` says.
+    fn loss_config(&self) -> LossConfig {
+        LossConfig {
+            ce: CeConfig::None {},
+            ..self.ctx.loss.clone()
+        }
+    }
+}
+
+impl MicroBatch for SampledBatch<'_> {
+    fn layout(&self) -> &Layout {
+        &self.layout.layout
+    }
+
+    fn kd(
+        &self,
+        part: Part,
+        logits: &Tensor,
+        normalizer: Option<Normalizer>,
+    ) -> Result<(Tensor, KdMetrics)> {
+        let r = self.layout.range(part);
+        let targets = self.rows.targets(r.start, r.len(), self.ctx.device)?;
+        let tau = self.ctx.loss.temperature;
+        Ok(sampled_token_loss(logits, &targets, tau, normalizer)?)
+    }
+
+    /// On-policy validation runs on the objective's own figures, not through this layout.
+    fn val_kd(&self, _: Part, _: &Tensor) -> Result<Option<(Tensor, KdMetrics)>> {
+        Ok(None)
+    }
+
+    fn ce(&self, part: Part) -> Result<(Tensor, Tensor, usize)> {
+        self.layout.ce(part, &self.rows.tokens, self.ctx.device)
+    }
+}
+
 /// The gradients of the sampled-token loss (× `kd_weight`) on the completion positions of
 /// same-tokenizer samples, and its value before `kd_weight`: the LM head runs only on those
 /// rows, in chunks (`ctx.head`), after the training pass.
@@ -73,28 +133,22 @@ pub fn sampled_grads(
     scores: &[&SequenceScores],
     normalizer: f64,
 ) -> Result<(GradStore, f64)> {
-    let (device, loss) = (ctx.device, ctx.loss);
-    let normalizer = Normalizer::new(normalizer)?;
-    let tb = crate::collate::pad_batch(&encoded(samples), 0, device)?;
-    let rows = SampledRows::new(samples, scores, tb.ids.dim(1)?)?;
-    let pass = ctx.head.forward(ctx.model, &tb.ids)?;
-    let per = ctx.head.rows(ctx.model.lm_head().dim(0)?);
-    let pieces = crate::train::head::row_pieces(&rows.sel, per);
-    let chunk = |i: usize, logits: &Tensor| -> Result<crate::train::head::ChunkLoss> {
-        let targets = rows.targets(i * per, pieces[i].rows.len(), device)?;
-        let kd = sampled_token_loss(logits, &targets, loss.temperature, Some(normalizer))?;
-        Ok(crate::train::head::ChunkLoss {
-            kd: Some(kd),
-            ce: None,
-        })
+    let batch = SampledBatch::new(*ctx, samples, scores)?;
+    let loss = batch.loss_config();
+    let drive = micro::Drive {
+        loss: &loss,
+        ..ctx.drive()
     };
-    let mix = crate::train::head::Mix::Linear {
-        kd: loss.kd_weight,
-        ce: 0.0,
-    };
-    let out = crate::train::head::run(ctx.model, pass.hidden(), &pieces, mix, chunk)?;
-    let (g, sums) = out.finish(pass)?;
+    let (g, sums) = micro::grads(&drive, &batch, units(normalizer))?;
     Ok((g, sums.kd.loss))
+}
+
+/// The step's normalizer as the pipeline's units (the sampled-token loss has no CE term).
+fn units(normalizer: f64) -> Units {
+    Units {
+        kd: normalizer,
+        ce: 0.0,
+    }
 }
 
 /// The samples as the student's training inputs (trained from their first completion token).
@@ -116,20 +170,12 @@ pub fn sampled_loss(
     scores: &[&SequenceScores],
     normalizer: f64,
 ) -> Result<(Tensor, f64)> {
-    let (device, loss) = (ctx.device, ctx.loss);
-    let normalizer = Normalizer::new(normalizer)?;
-    let tb = crate::collate::pad_batch(&encoded(samples), 0, device)?;
-    let (b, t) = tb.ids.dims2()?;
-    let rows = SampledRows::new(samples, scores, t)?;
-    let n = rows.sel.len();
-    let hidden = ctx.model.forward_hidden(&tb.ids, None, None, None)?;
-    let h = hidden.dim(2)?;
-    let picked = hidden
-        .reshape((b * t, h))?
-        .index_select(&Tensor::from_vec(rows.sel.clone(), n, device)?, 0)?
-        .unsqueeze(0)?;
-    let logits = ctx.model.logits(&picked)?;
-    let targets = rows.targets(0, n, device)?;
-    let (l, m) = sampled_token_loss(&logits, &targets, loss.temperature, Some(normalizer))?;
-    Ok((l.affine(loss.kd_weight, 0.0)?, m.loss))
+    let batch = SampledBatch::new(*ctx, samples, scores)?;
+    let loss = batch.loss_config();
+    let drive = micro::Drive {
+        loss: &loss,
+        ..ctx.drive()
+    };
+    let (l, out) = micro::loss(&drive, &batch, units(normalizer))?;
+    Ok((l, out.kd.loss))
 }

@@ -10,8 +10,7 @@ use crate::loss::full_vocab::TeacherHead;
 use crate::loss::KdConfig;
 use crate::loss::{LossConfig, Projection};
 use crate::train::pairing::mixture::identity_projection;
-use crate::train::pairing::{Pairing, Tokenization};
-use crate::train::prepare::Limits;
+use crate::train::pairing::{Limits, Pairing, Tokenization};
 use anyhow::{bail, Context, Result};
 use candle_core::Device;
 use std::collections::HashMap;
@@ -160,7 +159,8 @@ impl Teacher {
             if !tokenization.is_cross() && loss.divergence().is_none() {
                 bail!(
                     "teacher.transport = \"hidden\" trains with an exact full-vocabulary \
-                     divergence: set loss.kd to forward_kl, reverse_kl or jsd, not {:?}",
+                     divergence: set loss.kd to {}, not {:?}",
+                    crate::loss::DIVERGENCES,
                     loss.kd
                 );
             }

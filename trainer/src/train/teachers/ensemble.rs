@@ -25,11 +25,11 @@
 //! once, on the pool) and apply these steps.
 
 use super::score::Scores;
+use super::Group;
 use super::{Source, Teachers};
 use crate::align::{Chunk, TokenizedPair};
 use crate::loss::xtoken::GroupedMass;
-use crate::train::pairing::mixture::item_starts;
-use crate::train::prepare::Group;
+use crate::train::pairing::Item;
 use std::collections::BTreeMap;
 use xdistill_shared::protocol::{SequenceScores, TopkRequest};
 
@@ -216,6 +216,25 @@ pub fn mix(
             out
         })
         .collect()
+}
+
+/// A teacher's chunk starts in its item (student token index → first teacher token index).
+pub fn item_starts(item: &Item) -> BTreeMap<usize, usize> {
+    chunk_starts(item.aligned().map(|(p, _)| p), item.student_ids().len())
+}
+
+/// The chunk-level ensemble's record from every teacher's tokenization of it: the first aligned
+/// one is the reference; all must agree on the student's tokens.
+pub fn virtual_item(each: &[Item]) -> std::result::Result<Item, String> {
+    let Some((pair, loss_start)) = each.iter().find_map(Item::aligned) else {
+        return Err("no teacher of the ensemble has another tokenizer".into());
+    };
+    if each.iter().any(|it| it.student_ids() != pair.student_ids) {
+        return Err("the teachers' alignments disagree on the student's tokens (special tokens or truncation)".into());
+    }
+    let starts: Vec<BTreeMap<usize, usize>> = each.iter().map(item_starts).collect();
+    let pair = chunk_item(pair, &starts);
+    Ok(Item::Cross { pair, loss_start })
 }
 
 /// One teacher's side of a record in a chunk-level ensemble: for each student token index where

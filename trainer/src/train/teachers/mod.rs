@@ -20,7 +20,7 @@ pub mod score;
 
 pub use crate::client::ScoreError;
 pub use connect::Teacher;
-pub use route::Source;
+pub use route::{Group, Source};
 
 use crate::client::TeacherPool;
 use crate::config::TeacherMode;

@@ -4,8 +4,7 @@
 use super::{Teacher, Teachers};
 use crate::config::TeacherMode;
 use crate::data::Record;
-use crate::train::pairing::Pairing;
-use crate::train::prepare::{too_long, Limits};
+use crate::train::pairing::{Item, Limits, Pairing};
 use anyhow::{bail, Result};
 use std::collections::BTreeMap;
 
@@ -127,8 +126,8 @@ impl Teachers {
             Ok(Source::Mixture) => self
                 .list
                 .iter()
-                .any(|t| too_long(r, &t.tokenization, t.limits)),
-            Ok(s) => too_long(r, &self.of(s).tokenization, self.limits(s)),
+                .any(|t| t.tokenization.too_long(r, t.limits)),
+            Ok(s) => self.of(s).tokenization.too_long(r, self.limits(s)),
             Err(_) => false,
         }
     }
@@ -159,4 +158,15 @@ impl Teachers {
             Source::Mixture => "ensemble",
         }
     }
+}
+
+/// The records of a batch that one source (a teacher, or the ensemble) scores, tokenized for it.
+#[derive(Debug)]
+pub struct Group {
+    pub source: Source,
+    /// What the loss trains on (a chunk-level ensemble: its virtual teacher's records).
+    pub items: Vec<Item>,
+    /// A chunk-level ensemble: each teacher's own tokenization of the same records
+    /// (`[teacher][record]`), which the teachers score; empty otherwise.
+    pub parts: Vec<Vec<Item>>,
 }

@@ -3,9 +3,9 @@
 //! groups, and an ensemble's teachers within a group, are awaited together in one `block_on`);
 //! the blocking forms are for the synchronous loop and its prefetch thread.
 
+use super::Group;
 use super::{ScoreError, Source, Teachers};
 use crate::client::join_in_order;
-use crate::train::prepare::Group;
 use xdistill_shared::protocol::{SequenceScores, TopkRequest, ValuesKind};
 
 /// Answers to one request, one per sequence, or the failure naming the teacher.
