@@ -536,6 +536,7 @@ enum Form {
     Forward,
     Reverse,
     Jsd(f64),
+    TotalVariation,
 }
 
 fn form(div: Divergence) -> Result<Form> {
@@ -551,6 +552,7 @@ fn form(div: Divergence) -> Result<Form> {
         Divergence::Jsd { beta: 0.0 } => Form::Forward,
         Divergence::Jsd { beta: 1.0 } => Form::Reverse,
         Divergence::Jsd { beta } => Form::Jsd(beta),
+        Divergence::TotalVariation => Form::TotalVariation,
     })
 }
 
@@ -581,6 +583,15 @@ fn divergence_and_grad(lp_t: &Tensor, lp_s: &Tensor, form: &Form) -> Result<(Ten
             let ks = (&p_s * &h)?.sum_keepdim(D::Minus1)?;
             let d = (kt.affine(beta, 0.0)? + ks.affine(1.0 - beta, 0.0)?)?;
             let g = (&p_s * h.broadcast_sub(&ks)?)?.affine(1.0 - beta, 0.0)?;
+            (d, g)
+        }
+        Form::TotalVariation => {
+            // σ = sign(p_S − p_T); ∂D/∂s = ½ p_S ⊙ (σ − Σ σ p_S).
+            let diff = (&p_s - &p_t)?;
+            let d = diff.abs()?.sum_keepdim(D::Minus1)?.affine(0.5, 0.0)?;
+            let sigma = diff.sign()?;
+            let mean = (&sigma * &p_s)?.sum_keepdim(D::Minus1)?;
+            let g = (&p_s * sigma.broadcast_sub(&mean)?)?.affine(0.5, 0.0)?;
             (d, g)
         }
     })

@@ -134,13 +134,16 @@ fn ref_loss(c: &Case, zs: &[f64], div: Divergence, tau: f64, norm: Option<f64>) 
                     .collect();
                 beta * kl(&pt, &m) + (1.0 - beta) * kl(&ps, &m)
             }
+            Divergence::TotalVariation => {
+                0.5 * pt.iter().zip(&ps).map(|(a, b)| (a - b).abs()).sum::<f64>()
+            }
         };
     }
     let n = norm.unwrap_or(c.mask.iter().sum());
     tau * tau * total / n
 }
 
-const DIVS: [Divergence; 7] = [
+const DIVS: [Divergence; 8] = [
     Divergence::Forward,
     Divergence::Reverse,
     Divergence::Jsd { beta: 0.0 },
@@ -148,6 +151,7 @@ const DIVS: [Divergence; 7] = [
     Divergence::Jsd { beta: 0.5 },
     Divergence::Jsd { beta: 0.9 },
     Divergence::Jsd { beta: 1.0 },
+    Divergence::TotalVariation,
 ];
 
 /// The head in `dtype`.

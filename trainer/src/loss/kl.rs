@@ -1,5 +1,6 @@
-//! Same-tokenizer distillation over the teacher's top-k set K: forward KL, reverse KL and
-//! generalized JSD(β), with the mass outside K renormalised away, kept as a tail bucket, or ignored.
+//! Same-tokenizer distillation over the teacher's top-k set K: forward KL, reverse KL,
+//! generalized JSD(β) and the total variation distance, with the mass outside K renormalised
+//! away, kept as a tail bucket, or ignored.
 //!
 //! Conventions: row `t` of the student logits predicts token `t + 1`, as the teacher's rows do.
 //! The client asks the server for `temperature = τ`, so the teacher values are already
@@ -22,6 +23,8 @@ pub enum Divergence {
     /// and β = 1 exactly reverse KL (the mixture formula itself tends to β·KL(T‖S) and
     /// (1−β)·KL(S‖T) there).
     Jsd { beta: f64 },
+    /// TV(T, S) = ½ Σ |p_T − p_S|.
+    TotalVariation,
 }
 
 /// The teacher's top-k targets for a batch, on the student's device.
@@ -124,6 +127,10 @@ pub fn divergence(lp_t: &Tensor, lp_s: &Tensor, div: Divergence) -> Result<Tenso
             let ks = fwd(lp_s, &lm)?;
             Ok((kt.affine(beta, 0.0)? + ks.affine(1.0 - beta, 0.0)?)?)
         }
+        Divergence::TotalVariation => Ok((lp_t.exp()? - lp_s.exp()?)?
+            .abs()?
+            .sum(D::Minus1)?
+            .affine(0.5, 0.0)?),
     }
 }
 

@@ -93,17 +93,21 @@ fn reference(
                     .collect();
                 beta * kl(&pt, &m) + (1.0 - beta) * kl(&ps, &m)
             }
+            Divergence::TotalVariation => {
+                0.5 * pt.iter().zip(&ps).map(|(a, b)| (a - b).abs()).sum::<f64>()
+            }
         };
     }
     let n = norm.unwrap_or(c.mask.iter().sum());
     tau * tau * total / n
 }
 
-const DIVS: [Divergence; 4] = [
+const DIVS: [Divergence; 5] = [
     Divergence::Forward,
     Divergence::Reverse,
     Divergence::Jsd { beta: 0.5 },
     Divergence::Jsd { beta: 0.1 },
+    Divergence::TotalVariation,
 ];
 const TAILS: [TailMode; 3] = [TailMode::Renormalize, TailMode::Bucket, TailMode::Ignore];
 

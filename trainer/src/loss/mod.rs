@@ -69,7 +69,7 @@ pub type Result<T> = std::result::Result<T, LossError>;
 ///
 /// ```toml
 /// [loss]
-/// kd = { type = "jsd", beta = 0.5 }   # forward_kl | reverse_kl | jsd | sampled_kl | pkl | first_kl | gold | alm
+/// kd = { type = "jsd", beta = 0.5 }   # forward_kl | reverse_kl | jsd | total_variation | sampled_kl | pkl | first_kl | gold | alm
 /// tail = "bucket"                     # renormalize | bucket | ignore (top-k losses and pkl)
 /// temperature = 1.0                   # τ: both sides' logits / τ, loss · τ²
 /// kd_weight = 1.0
@@ -114,6 +114,8 @@ pub enum KdConfig {
     ReverseKl {},
     /// Generalized JSD(β), TRL convention: β = 0 is forward KL, β = 1 reverse KL.
     Jsd { beta: f64 },
+    /// Total variation distance ½ Σ |p_T − p_S|: bounded by 1, finite where a KL is not.
+    TotalVariation {},
     /// On-policy sampled-token reverse KL (REINFORCE form; needs only the teacher's log-prob
     /// of each sampled token). Across tokenizers the unit is an aligned chunk.
     SampledKl {},
@@ -268,6 +270,7 @@ impl LossConfig {
             KdConfig::ForwardKl {} => Some(Divergence::Forward),
             KdConfig::ReverseKl {} => Some(Divergence::Reverse),
             KdConfig::Jsd { beta } => Some(Divergence::Jsd { beta }),
+            KdConfig::TotalVariation {} => Some(Divergence::TotalVariation),
             _ => None,
         }
     }
@@ -275,7 +278,7 @@ impl LossConfig {
 
 /// The `kd` types [`LossConfig::divergence`] maps to a divergence: what the same-tokenizer
 /// top-k and full-vocabulary inputs train with (for messages).
-pub const DIVERGENCES: &str = "forward_kl, reverse_kl or jsd";
+pub const DIVERGENCES: &str = "forward_kl, reverse_kl, jsd or total_variation";
 
 /// What a distillation loss is computed from (see [`kd_loss`]).
 #[derive(Debug, Clone, Copy)]
@@ -454,6 +457,11 @@ mod tests {
         assert_eq!(c.tail, None, "unset: each loss picks its default");
         assert_eq!(c.ce, CeConfig::Dynamic {});
         assert_eq!(c.divergence(), Some(Divergence::Forward));
+
+        let c = parse("[loss]\nkd = { type = \"total_variation\" }\n").unwrap();
+        assert_eq!(c.kd, KdConfig::TotalVariation {});
+        assert_eq!(c.divergence(), Some(Divergence::TotalVariation));
+        assert!(!c.kd.works_across_tokenizers());
 
         let c = parse("[loss]\nkd = { type = \"alm\" }\n").unwrap();
         assert_eq!(c.kd, KdConfig::Alm { tau: 100.0 });

@@ -131,6 +131,11 @@ fn same_tokenizer_chunks_equal_the_whole_loss() {
             Some(TailMode::Ignore),
             CeConfig::Dynamic {},
         ),
+        cfg(
+            KdConfig::TotalVariation {},
+            Some(TailMode::Bucket),
+            CeConfig::Weight { weight: 0.3 },
+        ),
     ];
     for loss in &losses {
         check(Pairing::Same, loss, &items, &scores, K);
@@ -439,7 +444,8 @@ fn as_full_topk(
 }
 
 /// The hidden-state pairing: chunked gradients equal the whole loss (every head option, tied
-/// and untied, f64 and f32), for forward KL, reverse KL and JSD with each CE mode.
+/// and untied, f64 and f32), for forward KL, reverse KL, JSD and total variation with each CE
+/// mode.
 #[test]
 fn full_vocab_chunks_equal_the_whole_loss() {
     let (items, scores, head) = full_vocab_batch(11);
@@ -451,6 +457,7 @@ fn full_vocab_chunks_equal_the_whole_loss() {
         ),
         cfg(KdConfig::ReverseKl {}, None, CeConfig::Dynamic {}),
         cfg(KdConfig::Jsd { beta: 0.3 }, None, CeConfig::None {}),
+        cfg(KdConfig::TotalVariation {}, None, CeConfig::Dynamic {}),
     ];
     for loss in &losses {
         check(Pairing::FullVocab(&head), loss, &items, &scores, 0);
@@ -466,6 +473,7 @@ fn full_vocab_equals_top_k_with_the_whole_vocabulary() {
         (KdConfig::ForwardKl {}, 1e-5),
         (KdConfig::ReverseKl {}, 1e-5),
         (KdConfig::Jsd { beta: 0.4 }, 1e-5),
+        (KdConfig::TotalVariation {}, 1e-5),
     ] {
         let loss = cfg(
             kd,
