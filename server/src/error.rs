@@ -133,7 +133,7 @@ impl ApiError {
     }
 
     /// The error a status written by the connection layer itself stands for (hyper answers
-    /// unparsable heads on its own, with an empty body; [`crate::serve`] gives them this one's).
+    /// unparsable heads on its own, with an empty body; [`crate::accept`] gives them this one's).
     pub fn of_connection_status(status: u16) -> Option<ApiError> {
         match status {
             400 => Some(ApiError::BadRequestHead),

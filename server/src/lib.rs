@@ -7,7 +7,7 @@
 //! body, answering an error); every stop shares [`request`] (the validated request). No module
 //! imports one that imports it back (`xdistill-testkit`'s `structure` tests check it).
 
-pub mod app;
+pub mod accept;
 pub mod args;
 pub mod batcher;
 pub mod body;
@@ -16,15 +16,15 @@ pub mod compat;
 pub mod encode;
 pub mod engine;
 pub mod error;
-pub mod head;
-pub mod head_errors;
+pub mod head_file;
+pub mod hyper_errors;
+pub mod launch;
 pub mod metrics;
 pub mod model;
 pub mod probe;
 pub mod request;
+pub mod routes;
 pub mod scoring;
-pub mod serve;
-pub mod server;
 pub mod shutdown;
 pub mod state;
 pub mod validation;

@@ -2,7 +2,7 @@
 
 use anyhow::Result;
 use clap::Parser;
-use xdistill_server::{server, Args};
+use xdistill_server::{launch, Args};
 
 // The allocator of every xdistill binary: jemalloc with transparent huge pages.
 xdistill_shared::global_allocator!();
@@ -19,12 +19,12 @@ fn main() -> Result<()> {
     let simd = xdistill_shared::simd::Simd::from_env()?;
     tracing::debug!(simd = simd.name(), "host SIMD level");
     if args.check_args {
-        server::check_args(&args)?;
+        launch::check_args(&args)?;
         println!("arguments ok");
         return Ok(());
     }
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?
-        .block_on(server::run(args))
+        .block_on(launch::run(args))
 }

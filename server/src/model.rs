@@ -60,7 +60,7 @@ pub struct ModelFacts {
     pub hidden_size: usize,
     /// The LM head as `/v1/head` serves it (set by the worker once the weights are loaded);
     /// `None`: no hidden-state or head route.
-    pub head: Option<Arc<crate::head::HeadServe>>,
+    pub head: Option<Arc<crate::head_file::HeadServe>>,
     /// The start-up probe's result (set by the worker once it has scored it; `/v1/info`).
     pub probe: Option<xdistill_shared::protocol::ProbeInfo>,
 }

@@ -1,5 +1,5 @@
 //! The server's shared state: the start-up configuration, and what exists once the model is
-//! loaded. Every route (native in [`crate::app`], compatible in [`crate::compat`]) and the
+//! loaded. Every route (native in [`crate::routes`], compatible in [`crate::compat`]) and the
 //! [`crate::engine`] read it; it imports none of them.
 
 use crate::batcher::Batcher;

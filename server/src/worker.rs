@@ -89,7 +89,7 @@ pub fn spawn(
             facts.lm_head = scorer.path_name();
             // The head `/v1/head` serves, fingerprinted once (a chunk of rows at a time). A head
             // that cannot be served only turns those routes off.
-            match crate::head::HeadServe::new(
+            match crate::head_file::HeadServe::new(
                 &decoder,
                 &facts.fingerprint,
                 &facts.architecture,

@@ -24,10 +24,13 @@ pub enum HfError {
     #[error("{0}: no tokenizer.json")]
     NoTokenizer(PathBuf),
     #[error(transparent)]
-    Config(#[from] ConfigError),
+    Config(#[from] ModelConfigError),
     /// `config.json` refused by [`ModelConfig::validate`], with the file named.
     #[error("{}: {source}", path.display())]
-    ConfigFile { path: PathBuf, source: ConfigError },
+    ConfigFile {
+        path: PathBuf,
+        source: ModelConfigError,
+    },
     #[error("invalid config: {0}")]
     InvalidConfig(String),
     /// `config.json` and the safetensors headers disagree (said before any weight is loaded).
@@ -56,7 +59,7 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> HfError + '_ {
 
 use crate::model::arch::WindowSwitch;
 pub use crate::model::config::{
-    Activation, Arch, ConfigError, GemmaConfig, LayerKind, ModelConfig, MoeConfig, RopeParams,
+    Activation, Arch, GemmaConfig, LayerKind, ModelConfig, ModelConfigError, MoeConfig, RopeParams,
     UnimplementedKeys, WindowConfig,
 };
 
@@ -743,7 +746,7 @@ mod tests {
         bad.model_type = "gpt2".into();
         assert!(matches!(
             bad.validate(),
-            Err(ConfigError::UnsupportedArch(..))
+            Err(ModelConfigError::UnsupportedArch(..))
         ));
         bad = l.clone();
         bad.num_key_value_heads = Some(3);

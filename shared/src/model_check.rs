@@ -11,7 +11,7 @@
 //! tensor map after bounding `block_count` by the tensors it holds.
 
 use crate::hf::{HfError, ModelConfig};
-use crate::model::config::ConfigError;
+use crate::model::config::ModelConfigError;
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
@@ -30,8 +30,8 @@ pub const MAX_HEAD_DIM: usize = 1 << 12;
 /// decoder precomputes (2^26 f32 = 256 MiB; a 1M-token context at head_dim 128 still fits).
 pub const MAX_ROPE_TABLE: u128 = 1 << 26;
 
-fn too_large(key: &str, value: usize, max: usize) -> ConfigError {
-    ConfigError::Invalid(format!(
+fn too_large(key: &str, value: usize, max: usize) -> ModelConfigError {
+    ModelConfigError::Invalid(format!(
         "config key `{key}` = {value} is too large (at most {max})"
     ))
 }
@@ -39,7 +39,7 @@ fn too_large(key: &str, value: usize, max: usize) -> ConfigError {
 /// Refuses a size over its limit (the constants above), a non-positive or non-finite
 /// `rms_norm_eps`, and RoPE tables over [`MAX_ROPE_TABLE`]. Allocates nothing: it runs before
 /// anything else looks at the config.
-pub fn check_limits(cfg: &ModelConfig) -> Result<(), ConfigError> {
+pub fn check_limits(cfg: &ModelConfig) -> Result<(), ModelConfigError> {
     let m = &cfg.moe;
     for (key, value, max) in [
         ("num_hidden_layers", cfg.num_hidden_layers, MAX_LAYERS),
@@ -70,7 +70,7 @@ pub fn check_limits(cfg: &ModelConfig) -> Result<(), ConfigError> {
         }
     }
     if !(cfg.rms_norm_eps.is_finite() && cfg.rms_norm_eps > 0.0) {
-        return Err(ConfigError::Invalid(format!(
+        return Err(ModelConfigError::Invalid(format!(
             "config key `rms_norm_eps` = {} must be positive and finite",
             cfg.rms_norm_eps
         )));
@@ -79,11 +79,11 @@ pub fn check_limits(cfg: &ModelConfig) -> Result<(), ConfigError> {
 }
 
 /// Refuses a `max_position_embeddings` whose RoPE tables would not fit ([`MAX_ROPE_TABLE`]).
-pub fn check_rope(cfg: &ModelConfig) -> Result<(), ConfigError> {
+pub fn check_rope(cfg: &ModelConfig) -> Result<(), ModelConfigError> {
     let half = (cfg.head_dim().min(MAX_HEAD_DIM) as u128 / 2).max(1);
     let table = cfg.max_position_embeddings as u128 * half;
     if table > MAX_ROPE_TABLE {
-        return Err(ConfigError::Invalid(format!(
+        return Err(ModelConfigError::Invalid(format!(
             "config key `max_position_embeddings` = {} is too large: its RoPE tables would hold \
              {table} entries each (at most {MAX_ROPE_TABLE})",
             cfg.max_position_embeddings

@@ -28,7 +28,7 @@ impl std::fmt::Display for Cycle {
 /// The import cycles among the modules directly under `dir` (a directory below some crate's
 /// `src/`; its files and subfolders are the modules, each subfolder one module with its
 /// children). Edges come from `crate::`, `super::` and `self::` paths and relative `use` trees
-/// in non-test code (`#[cfg(test)]` items, `tests.rs` and `*_tests.rs` are skipped: a test may
+/// in non-test code (`#[cfg(test)]` items, `tests.rs` and files below a `tests/` folder are skipped: a test may
 /// import anything); a path through the directory's root file's `pub use` counts as a path to
 /// the module it re-exports.
 pub fn import_cycles(dir: &Path) -> io::Result<Vec<Cycle>> {
@@ -129,6 +129,23 @@ pub fn missing_doc_paths(repo: &Path, doc: &Path) -> io::Result<Vec<String>> {
     Ok(missing)
 }
 
+/// The places (`file:line`) below `dir` that lay a module's tests out another way than the one
+/// layout: a `tests` child module, inline or in `<module>/tests.rs`, never a `#[path]` file.
+pub fn path_attributes(dir: &Path) -> io::Result<Vec<String>> {
+    let mut files = Vec::new();
+    rust_files(dir, &mut files)?;
+    let mut found = Vec::new();
+    for file in files {
+        let text = fs::read_to_string(&file)?;
+        for (i, line) in text.lines().enumerate() {
+            if line.trim_start().starts_with("#[path") {
+                found.push(format!("{}:{}", file.display(), i + 1));
+            }
+        }
+    }
+    Ok(found)
+}
+
 fn repo_paths(repo: &Path, dir: &Path, out: &mut Vec<String>) -> io::Result<()> {
     for entry in fs::read_dir(dir)? {
         let path = entry?.path();
@@ -211,9 +228,11 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) -> io::Result<()> {
     Ok(())
 }
 
+/// A unit-test module's file: `tests.rs`, or a file below a `tests/` folder of a crate's `src/`.
 fn is_test_file(path: &Path) -> bool {
     let name = path.file_name().unwrap_or_default().to_string_lossy();
-    name == "tests.rs" || name.ends_with("_tests.rs")
+    let in_src = path.components().skip_while(|c| c.as_os_str() != "src");
+    name == "tests.rs" || in_src.into_iter().any(|c| c.as_os_str() == "tests")
 }
 
 /// The module path of a file relative to `dir`: `compat/admit.rs` → prefix + [compat, admit].
@@ -663,6 +682,37 @@ mod tests {
         let _ = fs::remove_dir_all(&base);
         assert_eq!(planted, ["a,b,c"], "{found:?}");
         assert!(after.is_empty(), "{after:?}");
+    }
+
+    /// Unit tests follow one layout in every crate's sources (docs/architecture.md).
+    #[test]
+    fn unit_tests_have_one_layout() {
+        let root = crate::repo_root();
+        let mut found = vec![];
+        for src in [
+            "shared/src",
+            "server/src",
+            "kernels/src",
+            "kernels/cudnn/src",
+            "trainer/src",
+            "trainer/cli/src",
+            "trainer/demo/src",
+            "testkit/src",
+        ] {
+            found.extend(path_attributes(&root.join(src)).expect("reading the sources"));
+        }
+        assert!(found.is_empty(), "#[path] test files: {found:?}");
+        // The check sees one where there is one.
+        let dir = std::env::temp_dir().join(format!("xdistill-layout-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        fs::write(
+            dir.join("m.rs"),
+            "#[cfg(test)]\n#[path = \"m_tests.rs\"]\nmod tests;\n",
+        )
+        .unwrap();
+        let planted = path_attributes(&dir).unwrap();
+        let _ = fs::remove_dir_all(&dir);
+        assert_eq!(planted.len(), 1, "{planted:?}");
     }
 
     /// Every repository path `docs/architecture.md` names in backticks exists.

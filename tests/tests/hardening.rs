@@ -421,8 +421,8 @@ fn sft_with_every_record_too_long_is_an_error() {
 fn truncation_cuts_both_tokenizations_at_one_chunk_boundary() {
     use xdistill_trainer::align::AlignTokenizer;
     use xdistill_trainer::data::{Content, Record};
-    use xdistill_trainer::train::pairing::{Item, Tokenization};
-    use xdistill_trainer::train::prepare::{prepare_record, too_long, Limits};
+    use xdistill_trainer::train::pairing::{Item, Limits, Tokenization};
+    use xdistill_trainer::train::prepare::prepare_record;
     let tok = Tokenization::Cross {
         student: AlignTokenizer::from_file(&xdistill_testkit::tokenizer_json("llama3")).unwrap(),
         teacher: AlignTokenizer::from_file(&xdistill_testkit::tokenizer_json("qwen3")).unwrap(),
@@ -443,7 +443,7 @@ fn truncation_cuts_both_tokenizations_at_one_chunk_boundary() {
         truncate: false,
     };
     // Skipped when not asked to truncate.
-    assert!(too_long(&r, &tok, lim));
+    assert!(tok.too_long(&r, lim));
     assert!(prepare_record(&r, &tok, lim).is_none());
     // Truncated when asked: both sides within their limits, ending at the same chunk boundary.
     let item = prepare_record(
@@ -478,7 +478,7 @@ fn truncation_cuts_both_tokenizations_at_one_chunk_boundary() {
         completion_only_loss: true,
         teacher: None,
     };
-    assert!(!too_long(&short, &tok, lim));
+    assert!(!tok.too_long(&short, lim));
     assert!(prepare_record(&short, &tok, lim).is_some());
 }
 

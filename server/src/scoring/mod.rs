@@ -437,8 +437,8 @@ fn append_hidden(
     let rows = hidden.narrow(0, lo - first, hi - lo)?; // [c, H]
     let h = rows.dim(1)?;
     let at = acc.hidden.len();
-    crate::head::append_le_bytes(&rows, &mut acc.hidden)?;
-    if let Some(dtype) = crate::head::wire_dtype(rows.dtype()) {
+    crate::head_file::append_le_bytes(&rows, &mut acc.hidden)?;
+    if let Some(dtype) = crate::head_file::wire_dtype(rows.dtype()) {
         let values = dtype
             .to_f32(&acc.hidden[at..])
             .map_err(ScoringError::Forward)?;

@@ -20,7 +20,7 @@
 
 use super::config::{LayerKind, ModelConfig};
 use super::decoder::Block;
-use super::error::ConfigError;
+use super::error::ModelConfigError;
 use super::{gemma3, llama, phi3, qwen3_moe};
 use candle_nn::VarBuilder;
 use serde::{Deserialize, Serialize};
@@ -253,7 +253,7 @@ registry! {
 
 impl Arch {
     /// From `config.json`'s `model_type` (or the `init-model --arch` name).
-    pub fn parse(s: &str) -> Result<Arch, ConfigError> {
+    pub fn parse(s: &str) -> Result<Arch, ModelConfigError> {
         Arch::ALL
             .into_iter()
             .find(|a| {
@@ -262,7 +262,7 @@ impl Arch {
             })
             .ok_or_else(|| {
                 let supported = list_names(|f| Some(f.model_types[0].into()));
-                ConfigError::UnsupportedArch(s.to_string(), supported)
+                ModelConfigError::UnsupportedArch(s.to_string(), supported)
             })
     }
     /// The architecture a GGUF `general.architecture` maps onto.

@@ -10,7 +10,7 @@ use super::error::invalid;
 use serde::{Deserialize, Serialize};
 
 pub use super::arch::Arch;
-pub use super::error::ConfigError;
+pub use super::error::ModelConfigError;
 pub use super::rope::RopeParams;
 
 /// The stored name of parameter `name` in a multimodal checkpoint whose text model lives under
@@ -233,11 +233,11 @@ fn default_eps() -> f64 {
 }
 
 impl ModelConfig {
-    pub fn arch(&self) -> Result<Arch, ConfigError> {
+    pub fn arch(&self) -> Result<Arch, ModelConfigError> {
         Arch::parse(&self.model_type)
     }
     /// The facts of the architecture `model_type` names.
-    pub fn facts(&self) -> Result<&'static ArchFacts, ConfigError> {
+    pub fn facts(&self) -> Result<&'static ArchFacts, ModelConfigError> {
         Ok(self.arch()?.facts())
     }
     pub fn kv_heads(&self) -> usize {
@@ -256,7 +256,7 @@ impl ModelConfig {
     }
 
     /// The MLP activation.
-    pub fn activation(&self) -> Result<Activation, ConfigError> {
+    pub fn activation(&self) -> Result<Activation, ModelConfigError> {
         let default = self.facts()?.activation;
         let (key, name) = match (&self.gemma.hidden_activation, &self.hidden_act) {
             (Some(a), _) => ("hidden_activation", a.as_str()),
@@ -294,7 +294,7 @@ impl ModelConfig {
     /// The attention kind of every layer, as transformers decides it: `layer_types` when given,
     /// else the architecture's rule (Gemma 3's pattern, Qwen's `max_window_layers`, or every
     /// layer when a window is set).
-    pub fn layer_kinds(&self) -> Result<Vec<LayerKind>, ConfigError> {
+    pub fn layer_kinds(&self) -> Result<Vec<LayerKind>, ModelConfigError> {
         let rule = self.facts()?.window.layers;
         let n = self.num_hidden_layers;
         if let Some(types) = &self.window.layer_types {
@@ -357,12 +357,12 @@ impl ModelConfig {
     /// The RoPE settings of one layer type, standardised as transformers does: the base from
     /// `rope_parameters` or `rope_theta` (Gemma 3's sliding layers: `rope_local_base_freq`),
     /// `partial_rotary_factor` and `original_max_position_embeddings` filled in.
-    pub fn rope(&self, kind: LayerKind) -> Result<RopeParams, ConfigError> {
+    pub fn rope(&self, kind: LayerKind) -> Result<RopeParams, ModelConfigError> {
         let rope = self.facts()?.rope;
         let local = rope.local_base.filter(|_| kind == LayerKind::Sliding);
         let parse = |v: &serde_json::Value, what: &str| {
             serde_json::from_value::<RopeParams>(v.clone())
-                .map_err(|e| ConfigError::Invalid(format!("{what}: {e}")))
+                .map_err(|e| ModelConfigError::Invalid(format!("{what}: {e}")))
         };
         let mut p = if let Some(nested) = self.nested_rope() {
             match nested.get(kind.name()) {
@@ -429,12 +429,12 @@ impl ModelConfig {
     }
 
     /// The RoPE scaling of full-attention layers, `None` for plain RoPE.
-    pub fn rope_scaling(&self) -> Result<Option<RopeParams>, ConfigError> {
+    pub fn rope_scaling(&self) -> Result<Option<RopeParams>, ModelConfigError> {
         Ok(Some(self.rope(LayerKind::Full)?).filter(|p| p.kind() != "default"))
     }
 
     /// The number of rotated dimensions of each head (`partial_rotary_factor` × head_dim).
-    pub fn rotary_dim(&self, kind: LayerKind) -> Result<usize, ConfigError> {
+    pub fn rotary_dim(&self, kind: LayerKind) -> Result<usize, ModelConfigError> {
         let f = self.rope(kind)?.partial_rotary_factor.unwrap_or(1.0);
         Ok((self.head_dim() as f64 * f) as usize)
     }
@@ -458,13 +458,13 @@ impl ModelConfig {
     }
 
     /// Checks one layer type's RoPE: an implemented type with the parameters it needs.
-    fn validate_rope_kind(&self, kind: LayerKind) -> Result<(), ConfigError> {
+    fn validate_rope_kind(&self, kind: LayerKind) -> Result<(), ModelConfigError> {
         let rot = self.rotary_dim(kind)?;
         self.rope(kind)?.validate(rot, self.head_dim())
     }
 
     /// Checks the RoPE settings: the conventions agree, and each layer type's is implemented.
-    fn validate_rope(&self) -> Result<(), ConfigError> {
+    fn validate_rope(&self) -> Result<(), ModelConfigError> {
         if let (Some(top), Some(p)) = (self.rope_theta, &self.rope_parameters) {
             if let Some(t) = p.get("rope_theta").and_then(serde_json::Value::as_f64) {
                 if (top - t).abs() > 1e-9 * t {
@@ -493,7 +493,7 @@ impl ModelConfig {
     }
 
     /// Refuses keys that change the math but are not implemented.
-    fn validate_unimplemented(&self) -> Result<(), ConfigError> {
+    fn validate_unimplemented(&self) -> Result<(), ModelConfigError> {
         let u = &self.unimplemented;
         if u.mlp_bias == Some(true) {
             return invalid("mlp_bias true is not implemented");
@@ -515,7 +515,7 @@ impl ModelConfig {
         Ok(())
     }
 
-    fn validate_moe(&self) -> Result<(), ConfigError> {
+    fn validate_moe(&self) -> Result<(), ModelConfigError> {
         if !self.facts()?.moe {
             return Ok(());
         }
@@ -546,7 +546,7 @@ impl ModelConfig {
 
     /// Checks the invariants the decoder relies on, and refuses every setting that would change
     /// the math but is not implemented (naming the key).
-    pub fn validate(&self) -> Result<(), ConfigError> {
+    pub fn validate(&self) -> Result<(), ModelConfigError> {
         self.arch()?;
         // Sizes first: what follows lists the layers, so their count must be bounded.
         crate::model_check::check_limits(self)?;

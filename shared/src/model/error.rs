@@ -3,7 +3,7 @@
 
 /// Why a `config.json` cannot be served.
 #[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
+pub enum ModelConfigError {
     /// A `model_type` no architecture reads, and every architecture's `model_type`.
     #[error("unsupported model_type {0:?} (supported: {1})")]
     UnsupportedArch(String, String),
@@ -11,7 +11,7 @@ pub enum ConfigError {
     Invalid(String),
 }
 
-/// A [`ConfigError::Invalid`] saying `m`.
-pub(super) fn invalid<T>(m: impl Into<String>) -> Result<T, ConfigError> {
-    Err(ConfigError::Invalid(m.into()))
+/// A [`ModelConfigError::Invalid`] saying `m`.
+pub(super) fn invalid<T>(m: impl Into<String>) -> Result<T, ModelConfigError> {
+    Err(ModelConfigError::Invalid(m.into()))
 }

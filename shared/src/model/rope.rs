@@ -3,7 +3,7 @@
 //! `dynamic`, `llama3`, `yarn`, `longrope`), computed as `transformers.modeling_rope_utils`
 //! computes them (in f64 here), and the cos/sin tables.
 
-use super::error::{invalid, ConfigError};
+use super::error::{invalid, ModelConfigError};
 use candle_core::{DType, Device, Result, Tensor};
 use serde::{Deserialize, Serialize};
 
@@ -64,7 +64,7 @@ impl RopeParams {
         &self,
         rot: usize,
         head_dim: usize,
-    ) -> std::result::Result<(), ConfigError> {
+    ) -> std::result::Result<(), ModelConfigError> {
         let theta = self.rope_theta.unwrap_or(0.0);
         if !(theta.is_finite() && theta > 0.0) {
             return invalid(format!("rope_theta must be > 0, got {theta}"));
@@ -79,7 +79,7 @@ impl RopeParams {
         let need = |name: &str,
                     v: Option<f64>,
                     ok: fn(f64) -> bool|
-         -> std::result::Result<(), ConfigError> {
+         -> std::result::Result<(), ModelConfigError> {
             match v {
                 Some(x) if ok(x) => Ok(()),
                 other => invalid(format!(

@@ -8,13 +8,13 @@
 //! compiled optimised in every profile (the workspace's `[profile.dev.package]`), so the
 //! teachers that tests start score at full speed.
 
-mod head;
+mod fused_head;
 
 use crate::protocol::{SequenceScores, ValuesKind};
 use crate::simd::{self, Simd};
 use crate::simd_dispatch;
 pub use crate::topk::RowQuery;
-pub use head::HeadTiming;
+pub use fused_head::HeadTiming;
 use rayon::prelude::*;
 use std::cmp::Ordering;
 
@@ -263,7 +263,7 @@ impl<'a> RowFolds<'a> {
 
     /// Whether this CPU runs [`RowFolds::fold_head`] (AVX-512).
     pub fn head_kernel_available() -> bool {
-        head::available()
+        fused_head::available()
     }
 
     /// Folds in every valid column of the logits `hidden · headᵀ`, computed here by the
@@ -272,7 +272,7 @@ impl<'a> RowFolds<'a> {
     /// was folded yet. Returns where its time went.
     pub fn fold_head(&mut self, hidden: &[f32], head: &[f32], h: usize) -> HeadTiming {
         debug_assert_eq!(self.next_col, 0, "fold_head folds every column");
-        head::fold_head(self, hidden, head, h)
+        fused_head::fold_head(self, hidden, head, h)
     }
 
     fn new(

@@ -50,7 +50,7 @@ impl KlProbe {
     pub fn sums(
         &self,
         model: &xdistill_shared::model::Decoder,
-    ) -> Result<xdistill_trainer::train::step::ValSums> {
+    ) -> Result<xdistill_trainer::train::micro::ValSums> {
         Ok(distill::kl_to_teacher(&self.setup, model, &self.records, 8)?.0)
     }
 

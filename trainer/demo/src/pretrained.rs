@@ -24,7 +24,7 @@ use xdistill_trainer::chat::{ChatTemplate, Message};
 use xdistill_trainer::config::{Config, LrSchedule, ObjectiveKind, VirtualShards};
 use xdistill_trainer::data::{Content, Record};
 use xdistill_trainer::eval::{self, EvalConfig, EvalRecord};
-use xdistill_trainer::train::step::ValSums;
+use xdistill_trainer::train::micro::ValSums;
 
 /// GSM8K's first 1,200 training problems (MIT, `trainer/demo/data/LICENSE-gsm8k`), in the
 /// binary so the demo runs from any folder.

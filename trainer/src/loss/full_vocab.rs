@@ -691,5 +691,4 @@ fn chunked(
 }
 
 #[cfg(test)]
-#[path = "full_vocab_tests.rs"]
 mod tests;

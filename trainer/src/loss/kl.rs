@@ -239,5 +239,4 @@ pub fn topk_divergence(
 }
 
 #[cfg(test)]
-#[path = "kl_tests.rs"]
 mod tests;

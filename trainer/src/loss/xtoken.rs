@@ -713,5 +713,4 @@ pub fn gold_split(batch: &XTokenBatch, proj: &Projection) -> Result<(usize, usiz
 }
 
 #[cfg(test)]
-#[path = "xtoken_tests.rs"]
 pub(crate) mod tests;

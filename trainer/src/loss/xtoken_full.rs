@@ -634,5 +634,4 @@ pub fn chunk_loss(
 }
 
 #[cfg(test)]
-#[path = "xtoken_full_tests.rs"]
 mod tests;

@@ -340,5 +340,4 @@ impl candle_nn::Optimizer for AdamW {
 }
 
 #[cfg(test)]
-#[path = "adamw_tests.rs"]
 mod tests;

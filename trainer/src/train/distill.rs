@@ -78,7 +78,7 @@ impl Setup {
             pairing: self.teachers.pairing(source),
             device: &self.device,
             micro_batch: self.cfg.policy.train_micro_batch_size.max(1),
-            head: super::head::HeadOpts {
+            head: super::head_chunks::HeadOpts {
                 activations: self.cfg.policy.activation_checkpointing,
                 chunk_rows: 0,
             },

@@ -3,7 +3,7 @@
 //! student's ids, the rows the LM head runs on cut into pieces, and each part's loss terms — and
 //! this module runs the one pipeline on it:
 //!
-//! - [`grads`]: training pass → head pieces → loss terms per piece → [`head::run`] → backward
+//! - [`grads`]: training pass → head pieces → loss terms per piece → [`head_chunks::run`] → backward
 //!   through the decoder (what training runs);
 //! - [`loss`]: the same loss as one scalar over the whole micro-batch, plain autograd: the
 //!   reference [`grads`] is tested against;
@@ -13,7 +13,7 @@
 //! What differs between pairings is only what they implement of [`MicroBatch`]; how terms
 //! combine (`kd_weight`, `ce`) is the [`LossConfig`] the [`Drive`] carries.
 
-use super::head::{self, ChunkLoss, HeadOpts, HeadSums, Mix, Piece};
+use super::head_chunks::{self, ChunkLoss, HeadOpts, HeadSums, Mix, Piece};
 use crate::loss::{
     combine, cross_entropy, BadNormalizer, CeConfig, KdMetrics, LossConfig, Normalizer,
 };
@@ -225,7 +225,7 @@ pub fn grads(drive: &Drive, mb: &dyn MicroBatch, norm: Units) -> Result<(GradSto
         };
         Ok(ChunkLoss { kd, ce })
     };
-    let out = head::run(
+    let out = head_chunks::run(
         model,
         pass.hidden(),
         &layout.pieces,
@@ -245,7 +245,7 @@ pub fn validation(drive: &Drive, mb: &dyn MicroBatch) -> Result<ValSums> {
     }
     let tau2 = drive.loss.temperature.get() * drive.loss.temperature.get();
     let hidden = drive.model.forward_hidden(&layout.ids, None, None, None)?;
-    head::forward_only(drive.model, &hidden, &layout.pieces, |i, logits| {
+    head_chunks::forward_only(drive.model, &hidden, &layout.pieces, |i, logits| {
         if let Some((kl, m)) = mb.val_kd(Part::Piece(i), logits)? {
             if m.count > 0.0 {
                 out.kl += value(&kl)? / tau2 * m.count;
@@ -297,7 +297,7 @@ impl RowPieces {
     /// `per` rows; the reference takes them all as one `[1, N]` piece.
     pub fn new(ids: &Tensor, sel: Vec<u32>, per: usize) -> RowPieces {
         let per = per.max(1);
-        let pieces = head::row_pieces(&sel, per);
+        let pieces = head_chunks::row_pieces(&sel, per);
         let whole = Piece {
             shape: (1, sel.len()),
             rows: sel,

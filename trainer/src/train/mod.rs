@@ -4,14 +4,14 @@
 //! save); [`off_policy`], [`on_policy`] and [`sft`] implement [`runner::Objective`]. Data flows
 //! one way: dataset → [`prepare`] (tokenize, align, teacher request) → [`teachers`] (routing;
 //! every group scored together on one teacher pool, prefetched) → [`step`] (loss on the
-//! student, its LM head in chunks: [`head`]) → [`runner::Runner`] (clip, schedule, AdamW,
+//! student, its LM head in chunks: [`head_chunks`]) → [`runner::Runner`] (clip, schedule, AdamW,
 //! checkpoint). Same vs cross-tokenizer vs chunk-mixture pairing is decided once per source and
 //! lives in [`pairing`], which owns each pairing's items, collation, losses and validation
 //! figures. What both distillation objectives share (setup, record filter, group loss, held-out
 //! KL) is in [`distill`].
 
 pub mod distill;
-pub mod head;
+pub mod head_chunks;
 pub mod micro;
 pub mod off_policy;
 pub mod on_policy;

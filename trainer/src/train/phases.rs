@@ -16,7 +16,7 @@ use std::time::Instant;
 pub struct StepPhases {
     /// `HeadOpts::forward`: ids to final hidden states (activations kept or checkpointed).
     pub forward: f64,
-    /// `head::run`: per chunk of rows the head's logits, the loss and its backward to the
+    /// `head_chunks::run`: per chunk of rows the head's logits, the loss and its backward to the
     /// chunk's hidden rows and the head.
     pub head_loss: f64,
     /// `HeadOut::finish`: the hidden-state gradient pulled through the decoder.

@@ -11,7 +11,7 @@
 //! cross-entropy (`[distillation] val_*`) and, with `--eval-prompts`, greedy task accuracy.
 //! Checkpoints record the data position after the last trained batch, so `--resume` is exact.
 
-use super::head::HeadOpts;
+use super::head_chunks::HeadOpts;
 use super::micro::{self, Drive, Layout, MicroBatch, Part, RowPieces, Units};
 use super::runner::{
     self, EvalCtx, Objective, RecordFilter, RunOptions, StepCtx, StepReport, Steps, ValReport,
@@ -203,8 +203,7 @@ fn units(normalizer: f64) -> Units {
 /// The SFT loss of one micro-batch: cross-entropy over the masked (completion) targets, divided
 /// by `normalizer` (the step's target count), as one scalar (the reference of [`sft_grads`]).
 /// Returns the loss and the micro-batch's target count.
-#[cfg(test)]
-fn sft_loss(
+pub fn sft_loss(
     model: &Decoder,
     examples: &[Encoded],
     normalizer: f64,

@@ -1,6 +1,6 @@
 //! The loss of one micro-batch and of a step: the source's pairing lays the micro-batch out
 //! ([`super::pairing`]) and the one loss pipeline runs it ([`super::micro`]). [`micro_grads`]
-//! returns its gradients with the LM head and loss run in row chunks ([`super::head`]);
+//! returns its gradients with the LM head and loss run in row chunks ([`super::head_chunks`]);
 //! [`micro_loss`] is the same loss as one scalar over the whole micro-batch (every `[N, V]`
 //! logit at once), kept as the reference the chunked path is tested against; [`accumulate`]
 //! runs a step's micro-batches.
@@ -150,5 +150,4 @@ pub fn accumulate(
 }
 
 #[cfg(test)]
-#[path = "step_tests.rs"]
 mod tests;

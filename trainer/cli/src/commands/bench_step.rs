@@ -27,11 +27,11 @@ use xdistill_trainer::optim::{
     clip_grad_norm, AdamWConfig, GradAccumulator, OptimConfig, ScheduleConfig,
 };
 use xdistill_trainer::student::Student;
-use xdistill_trainer::train::head::HeadOpts;
-use xdistill_trainer::train::pairing::{units, Item, Pairing};
+use xdistill_trainer::train::head_chunks::HeadOpts;
+use xdistill_trainer::train::pairing::{units, Item, LossCtx, Pairing};
 use xdistill_trainer::train::phases::{self, StepPhases};
 use xdistill_trainer::train::runner::Runner;
-use xdistill_trainer::train::step::{micro_grads, LossCtx};
+use xdistill_trainer::train::step::micro_grads;
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct Args {

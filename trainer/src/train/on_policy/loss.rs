@@ -246,7 +246,7 @@ mod tests {
     use super::*;
     use crate::config::ActivationCheckpointing;
     use crate::loss::CeConfig;
-    use crate::train::head::HeadOpts;
+    use crate::train::head_chunks::HeadOpts;
     use crate::train::pairing::sampled::{sampled_loss, Sample};
     use crate::train::pairing::LossCtx;
     use crate::train::pairing::Pairing;

@@ -11,7 +11,7 @@ use crate::loss::{
     kd_loss, CeConfig, KdConfig, KdInputs, KdMetrics, LossConfig, Normalizer, Projection,
     XTokenBatch,
 };
-use crate::train::head::Piece;
+use crate::train::head_chunks::Piece;
 use crate::train::micro::{wants_ce, Layout, MicroBatch, Part, Units};
 use crate::train::xpieces::XPiece;
 use anyhow::{bail, Result};

@@ -17,7 +17,7 @@ pub mod mixture;
 pub mod same;
 pub mod sampled;
 
-use super::head::HeadOpts;
+use super::head_chunks::HeadOpts;
 use super::micro::{MicroBatch, RowPieces, Units};
 use crate::align::{AlignTokenizer, TokenizedPair};
 use crate::collate::{Encoded, TokenBatch};

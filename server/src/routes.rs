@@ -281,7 +281,7 @@ async fn hidden(State(st): State<Shared>, headers: HeaderMap, body: Body) -> Res
 }
 
 /// The served head, or why there is none.
-fn served_head(ready: &Ready) -> Result<Arc<crate::head::HeadServe>, ApiError> {
+fn served_head(ready: &Ready) -> Result<Arc<crate::head_file::HeadServe>, ApiError> {
     ready.facts.head.clone().ok_or_else(|| {
         ApiError::NoHead(format!(
             "the LM head of {} ({}) cannot be served (the server log says why)",
@@ -361,13 +361,13 @@ async fn head(State(st): State<Shared>, headers: HeaderMap) -> Response {
 }
 
 /// `GET /v1/head`: the head file (safetensors), streamed a piece at a time from the model's own
-/// tensor as the client takes it ([`crate::head::PIECE_BYTES`]: a download holds well under a
+/// tensor as the client takes it ([`crate::head_file::PIECE_BYTES`]: a download holds well under a
 /// MiB, however slow its client), with its fingerprint as `ETag` and
 /// `X-Xdistill-Head-Fingerprint`. A whole-file answer is hashed again as it goes and its last
 /// piece only sent once the hash matches. `If-None-Match` naming the fingerprint (weakly or
 /// not): 304. One byte `Range` (with `If-Range`): 206, or 416 past the end.
 fn head_file(st: &AppState, headers: &HeaderMap) -> Result<Response, ApiError> {
-    use crate::head::{head_answer, HeadAnswer};
+    use crate::head_file::{head_answer, HeadAnswer};
     let ready = st.ready()?;
     let head = served_head(ready)?;
     let etag = format!("\"{}\"", head.fingerprint);

@@ -12,7 +12,7 @@ use crate::loss::full_vocab::TeacherHead;
 use crate::loss::LossConfig;
 use crate::loss::{Anchor, KdConfig};
 use crate::loss::{CeConfig, Projection, TailMode, Temperature};
-use crate::train::head::HeadOpts;
+use crate::train::head_chunks::HeadOpts;
 use crate::train::pairing::cross::xtoken_batch;
 use crate::train::pairing::Pairing;
 use crate::train::testutil::{answer, assert_rel, assert_same_grads, ids, tiny, V};
@@ -739,7 +739,7 @@ fn cross_full_vocab_alm_equals_the_top_k_alm() {
 /// top-k gold given every teacher id (K = V_t), matched and unmatched chunks alike: value, every
 /// gradient, and validation (P-KL over every teacher id, as the top-k pairing reports). With
 /// fewer teacher ids ULD also counts the student's mass past rank V_t (tested against the f64
-/// definition in `loss/xtoken_full_tests.rs`), so there the matched chunks' KL alone is compared.
+/// definition in `loss/xtoken_full/tests.rs`), so there the matched chunks' KL alone is compared.
 #[test]
 fn cross_full_vocab_gold_equals_the_top_k_gold_with_every_teacher_id() {
     use crate::loss::xtoken::gold_split;

@@ -6,7 +6,7 @@
 //! - Header timeout: from the moment a connection waits for a request head (a new connection,
 //!   or a keep-alive connection after its last answer) until the head is complete; past it the
 //!   connection is closed. So it is also the keep-alive idle timeout.
-//! - Body timeout: applied where bodies are read ([`crate::app`]), answered with 408.
+//! - Body timeout: applied where bodies are read ([`crate::routes`]), answered with 408.
 //! - Connection cap: at most `max_connections` open at once; beyond it new connections wait in
 //!   the kernel's backlog (sized to the cap, [`bind`]) until one closes.
 //! - Per-client cap: at most `max_per_client` open at once from one client address; a client
@@ -19,13 +19,13 @@
 //!   client that stopped reading an answer, e.g. a `/v1/head` download) is closed
 //!   ([`WriteStall`], in the same wrapper as the share), so a stalled reader holds neither its
 //!   slot nor its share for longer.
-//! - Answers hyper writes itself (unparsable heads) get JSON bodies ([`crate::head_errors`]).
+//! - Answers hyper writes itself (unparsable heads) get JSON bodies ([`crate::hyper_errors`]).
 //! - File descriptors: the soft limit is raised to the hard one at start ([`raise_fd_limit`]);
 //!   an accept that fails for lack of descriptors (EMFILE, ENFILE) or memory is retried after a
 //!   short pause instead of ending the server.
 
 use crate::error::ApiError;
-use crate::head_errors::HeadErrors;
+use crate::hyper_errors::HyperErrors;
 use axum::Router;
 use hyper::rt::{Read, ReadBufCursor, Write};
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -106,7 +106,7 @@ pub async fn serve(
         //    connection (or it ends), the slot when the connection ends.
         let svc = TowerToHyperService::new(router.clone());
         let io = Counted::new(
-            HeadErrors::new(TokioIo::new(stream)),
+            HyperErrors::new(TokioIo::new(stream)),
             share,
             limits.write_timeout,
         );

@@ -4,9 +4,9 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 
-use super::testutil::*;
-use super::xtoken::tests::{fixture, projection_with_first, B as XB, TS, VL};
-use super::*;
+use crate::loss::testutil::*;
+use crate::loss::xtoken::tests::{fixture, projection_with_first, B as XB, TS, VL};
+use crate::loss::*;
 
 /// Rounds through bf16 (what the bf16 logits hold).
 fn bf16_round(z: &[f64]) -> Vec<f64> {

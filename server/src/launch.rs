@@ -1,12 +1,12 @@
 //! Wiring: bind, start the worker (which loads the model), the batcher and the HTTP server;
 //! stop gracefully on SIGTERM / ctrl-c.
 
-use crate::app::{router, AppState, BodyPace, ServerConfig};
+use crate::accept::{self, ConnLimits};
 use crate::args::Args;
 use crate::batcher::{BatchConfig, Batcher};
 use crate::cache::ScoreCache;
 use crate::metrics::Metrics;
-use crate::serve::{self, ConnLimits};
+use crate::routes::{router, AppState, BodyPace, ServerConfig};
 use crate::shutdown;
 use crate::worker::{self, WorkerConfig};
 use anyhow::{anyhow, bail, Context, Result};
@@ -34,7 +34,7 @@ pub async fn run(args: Args) -> Result<()> {
     let metrics = Arc::new(Metrics::default());
 
     // 0. As many open files as the hard limit allows; keep some for the model and the logs.
-    let conn_cap = match serve::raise_fd_limit() {
+    let conn_cap = match accept::raise_fd_limit() {
         Ok(n) => {
             tracing::info!(open_files = n, "file descriptor limit");
             usize::try_from(n.saturating_sub(64))
@@ -50,7 +50,8 @@ pub async fn run(args: Args) -> Result<()> {
     // 1. Bind first, so health checks see "loading" rather than "connection refused".
     let addr = std::net::SocketAddr::new(args.host, args.port);
     let max_connections = args.max_connections.min(conn_cap);
-    let listener = serve::bind(addr, max_connections).with_context(|| format!("binding {addr}"))?;
+    let listener =
+        accept::bind(addr, max_connections).with_context(|| format!("binding {addr}"))?;
     let local = listener.local_addr()?;
     tracing::info!("listening on {local}");
     // A parseable line for scripts and tests that start the server on port 0.
@@ -148,7 +149,7 @@ pub async fn run(args: Args) -> Result<()> {
         drain_timeout: Duration::from_secs(600),
         write_timeout: Duration::from_secs_f64(args.write_timeout_secs),
     };
-    serve::serve(
+    accept::serve(
         listener,
         router(state.clone()),
         limits,

@@ -2,7 +2,7 @@
 //! answered by hyper itself — 400 (bad request line or header), 414 (target too long), 431
 //! (headers too large) — with an empty body, and the connection is closed. The protocol promises
 //! a JSON error body on every non-2xx the server writes, so the connection's writer
-//! ([`HeadErrors`]) recognises those heads and writes the same status with the body of the
+//! ([`HyperErrors`]) recognises those heads and writes the same status with the body of the
 //! matching [`ApiError`] instead.
 //!
 //! Recognised: a write that is exactly one response head, with status 400, 414 or 431 and
@@ -16,15 +16,15 @@ use std::pin::Pin;
 use std::task::{ready, Context, Poll};
 
 /// A connection whose writes pass through, except hyper's bodiless error heads.
-pub struct HeadErrors<T> {
+pub struct HyperErrors<T> {
     inner: T,
     /// A rewritten answer still to be written, and how much of it is.
     pending: Option<(Vec<u8>, usize)>,
 }
 
-impl<T> HeadErrors<T> {
-    pub fn new(inner: T) -> HeadErrors<T> {
-        HeadErrors {
+impl<T> HyperErrors<T> {
+    pub fn new(inner: T) -> HyperErrors<T> {
+        HyperErrors {
             inner,
             pending: None,
         }
@@ -80,7 +80,7 @@ pub fn rewrite(head: &[u8]) -> Option<Vec<u8>> {
     Some(out)
 }
 
-impl<T: Write + Unpin> HeadErrors<T> {
+impl<T: Write + Unpin> HyperErrors<T> {
     /// Writes what is pending; `Ready(Ok)` once nothing is.
     fn drain(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         while let Some((buf, at)) = &mut self.pending {
@@ -97,7 +97,7 @@ impl<T: Write + Unpin> HeadErrors<T> {
     }
 }
 
-impl<T: Read + Unpin> Read for HeadErrors<T> {
+impl<T: Read + Unpin> Read for HyperErrors<T> {
     fn poll_read(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -107,7 +107,7 @@ impl<T: Read + Unpin> Read for HeadErrors<T> {
     }
 }
 
-impl<T: Write + Unpin> Write for HeadErrors<T> {
+impl<T: Write + Unpin> Write for HyperErrors<T> {
     fn poll_write(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
