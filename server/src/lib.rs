@@ -1,6 +1,6 @@
 //! xdistill teacher server: batched, cached top-k log-probs of a Llama/Qwen model over HTTP.
 //!
-//! Request path: [`app`] (HTTP, auth, the native route) or [`compat`] (the vLLM- and
+//! Request path: [`accept`] (connections; started by [`launch`]) → [`routes`] (HTTP, auth, the native route) or [`compat`] (the vLLM- and
 //! SGLang-compatible routes) → [`validation`] → [`engine`]: [`cache`] → [`batcher`] (admission,
 //! coalescing) → [`worker`] (the model, on its own thread) → [`scoring`] → the route's encoder.
 //! The routes share [`state`] (configuration, the loaded model's facts) and [`body`] (reading a

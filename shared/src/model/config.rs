@@ -5,13 +5,15 @@
 //! change the math and is not implemented is refused by name in [`ModelConfig::validate`]:
 //! never a silent wrong answer.
 
-use super::arch::{ArchFacts, SlidingLayers, WindowSwitch};
 use super::error::invalid;
+use super::facts::{ArchFacts, SlidingLayers, WindowSwitch};
+use super::spec::{LayerSpec, MoeSpec};
 use serde::{Deserialize, Serialize};
 
 pub use super::arch::Arch;
 pub use super::error::ModelConfigError;
 pub use super::rope::RopeParams;
+pub use super::spec::{Activation, LayerKind};
 
 /// The stored name of parameter `name` in a multimodal checkpoint whose text model lives under
 /// `prefix` (`model.X` → `prefix + X`; an untied head stays `lm_head`, or
@@ -22,33 +24,6 @@ pub(crate) fn stored_name(prefix: &str, name: &str) -> String {
         None if prefix == "language_model.model." => format!("language_model.{name}"),
         None => name.to_string(),
     }
-}
-
-/// The attention of one layer: over every earlier position, or over the last `sliding_window`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LayerKind {
-    Full,
-    Sliding,
-}
-
-impl LayerKind {
-    /// The name transformers gives it in `layer_types` and per-type `rope_parameters`.
-    pub fn name(self) -> &'static str {
-        match self {
-            LayerKind::Full => "full_attention",
-            LayerKind::Sliding => "sliding_attention",
-        }
-    }
-}
-
-/// The MLP activation (`hidden_act`, or Gemma's `hidden_activation`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Activation {
-    Silu,
-    /// `gelu_pytorch_tanh`: the tanh approximation.
-    GeluTanh,
-    /// `gelu`: the exact (erf) form.
-    GeluErf,
 }
 
 /// Qwen3-MoE's sparse MLP settings (absent for dense models).
@@ -455,6 +430,34 @@ impl ModelConfig {
             Some(default) => 1.0 / self.gemma.query_pre_attn_scalar.unwrap_or(default).sqrt(),
             None => 1.0 / (self.head_dim() as f64).sqrt(),
         }
+    }
+
+    /// Layer `index` of attention `kind` as its architecture builds it: this configuration and
+    /// the architecture's facts resolved once, into what the layer's weights and math read.
+    pub fn layer_spec(&self, index: usize, kind: LayerKind) -> Result<LayerSpec, ModelConfigError> {
+        let facts = self.facts()?;
+        let m = &self.moe;
+        Ok(LayerSpec {
+            index,
+            kind,
+            hidden: self.hidden_size,
+            intermediate: self.intermediate_size,
+            heads: self.num_attention_heads,
+            kv_heads: self.kv_heads(),
+            head_dim: self.head_dim(),
+            eps: self.rms_norm_eps,
+            activation: self.activation()?,
+            attention_scale: self.attention_scale(),
+            window: self.layer_window(kind),
+            biases: facts.attention.bias.of(self.attention_bias),
+            qk_norm: facts.attention.qk_norm.then_some(facts.norm_plus_one),
+            moe: self.is_moe_layer(index).then(|| MoeSpec {
+                experts: m.experts(),
+                top_k: m.num_experts_per_tok.unwrap_or(1),
+                intermediate: m.moe_intermediate_size.unwrap_or(0),
+                norm_topk_prob: m.norm_topk_prob.unwrap_or(false),
+            }),
+        })
     }
 
     /// Checks one layer type's RoPE: an implemented type with the parameters it needs.

@@ -7,39 +7,11 @@
 //! (real tokens never attend to later pads), or pass `key_valid` for left-padded batches.
 
 use super::config::{stored_name, Arch, LayerKind, ModelConfig};
-use super::layers::{
-    matmul_nt, takes_matmul_nt, Attention, AttnBackend, AttnInputs, GatedMlp, Norm, Ops, SparseMoe,
-};
+use super::layers::{matmul_nt, takes_matmul_nt, AttnBackend, AttnInputs, Block, Ffn, Norm, Ops};
 use super::rope::Rope;
 use candle_core::quantized::QTensor;
 use candle_core::{DType, Device, Result, Tensor};
 use candle_nn::VarBuilder;
-
-/// The MLP of a block: dense, or Qwen3-MoE's sparse experts.
-pub(crate) enum Ffn {
-    Dense(GatedMlp),
-    Moe(SparseMoe),
-}
-
-impl Ffn {
-    pub(super) fn forward(&self, x: &Tensor, ops: Ops) -> Result<Tensor> {
-        match self {
-            Ffn::Dense(m) => m.forward(x, ops),
-            Ffn::Moe(m) => m.forward(x, ops),
-        }
-    }
-}
-
-/// One decoder layer: `x += post_attn(attn(norm(x)))`, then `x += post_ffn(ffn(ffn_norm(x)))`
-/// (the `post_*` norms are Gemma's; the others have none).
-pub(crate) struct Block {
-    pub input_norm: Norm,
-    pub attn: Attention,
-    pub post_attn_norm: Option<Norm>,
-    pub ffn_norm: Norm,
-    pub ffn: Ffn,
-    pub post_ffn_norm: Option<Norm>,
-}
 
 /// Key/value cache for incremental decoding: per layer `k`, `v` of shape [B, Hkv, S, D].
 #[derive(Debug, Clone, Default)]
@@ -93,7 +65,10 @@ impl Weights {
         let layers = kinds
             .iter()
             .enumerate()
-            .map(|(l, &kind)| (facts.block)(cfg, &vb.pp(format!("model.layers.{l}")), l, kind))
+            .map(|(l, &kind)| {
+                let spec = cfg.layer_spec(l, kind).map_err(candle_core::Error::wrap)?;
+                (facts.block)(&spec, &vb.pp(format!("model.layers.{l}")))
+            })
             .collect::<Result<Vec<_>>>()?;
         let norm = Norm::load(
             &vb.pp("model"),

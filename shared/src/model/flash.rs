@@ -13,7 +13,7 @@
 //! `dV += Pᵀ·dO`, `dP = dO·Vᵀ`, `dS = P ∘ (dP − rowsum(P ∘ dP))`, `dQ = s·dS·K`,
 //! `dK += s·dSᵀ·Q`. All of it is candle tensor code, so CPU and CUDA run the same thing.
 
-use super::layers::accum_dtype;
+use super::layers::{accum_dtype, repeat_kv};
 use candle_core::{DType, Device, Result, Tensor, D};
 
 /// Bytes of f32 scores one block may hold (`[B, Hq, bq, S]`): small enough that a few copies of
@@ -104,18 +104,6 @@ fn probs(q: &Tensor, k: &Tensor, bias: &Tensor, scale: f64) -> Result<Tensor> {
     let acc = accum_dtype(q.dtype());
     let s = (q.matmul(&k.t()?)? * scale)?.to_dtype(acc)?;
     candle_nn::ops::softmax_last_dim(&s.broadcast_add(bias)?)
-}
-
-/// [B, Hkv, S, D] → [B, Hkv·rep, S, D] (each kv head repeated `rep` times consecutively): the
-/// grouped-query heads of every attention path (eager, flash, the precision trace).
-pub(super) fn repeat_kv(x: &Tensor, rep: usize) -> Result<Tensor> {
-    if rep == 1 {
-        return Ok(x.clone());
-    }
-    let (b, h, s, d) = x.dims4()?;
-    x.unsqueeze(2)?
-        .expand((b, h, rep, s, d))?
-        .reshape((b, h * rep, s, d))
 }
 
 /// The inverse of [`repeat_kv`] for gradients: sums each group of `rep` heads.

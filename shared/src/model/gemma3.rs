@@ -3,13 +3,13 @@
 //! (sliding-window) and global layers with their own RoPE bases, and `query_pre_attn_scalar`.
 //! The decoder applies the embedding scale; this file holds its facts and builds one block.
 
-use super::arch::{
+use super::facts::{
     ActivationDefault, ArchFacts, AttentionBias, AttentionFacts, InitDefaults, RopeFacts,
-    SlidingLayers, WindowFacts, WindowSwitch, BASE,
+    SlidingLayers, WindowFacts, WindowSwitch,
 };
-use super::config::{LayerKind, ModelConfig};
-use super::decoder::{Block, Ffn};
-use super::layers::{GatedMlp, Norm};
+use super::layers::{Block, Ffn, Norm};
+use super::llama::BASE;
+use super::spec::LayerSpec;
 use candle_core::Result;
 use candle_nn::VarBuilder;
 
@@ -51,22 +51,16 @@ pub(crate) const FACTS: ArchFacts = ArchFacts {
     ..BASE
 };
 
-fn block(cfg: &ModelConfig, vb: &VarBuilder, _: usize, kind: LayerKind) -> Result<Block> {
-    let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
+fn block(spec: &LayerSpec, vb: &VarBuilder) -> Result<Block> {
+    let (h, eps) = (spec.hidden, spec.eps);
     let norm = |name: &str| Norm::load(vb, name, h, eps, true);
-    let act = cfg.activation().map_err(candle_core::Error::wrap)?;
     // Read in the order of the forward pass (see `llama::block_with`).
     let input_norm = norm("input_layernorm")?;
     // `attention_bias` on all four projections, q/k norms scaling by `1 + weight`.
-    let attn = super::llama::attention(cfg, vb, kind)?;
+    let attn = super::llama::attention(spec, vb)?;
     let post_attn_norm = Some(norm("post_attention_layernorm")?);
     let ffn_norm = norm("pre_feedforward_layernorm")?;
-    let ffn = Ffn::Dense(GatedMlp::load(
-        &vb.pp("mlp"),
-        h,
-        cfg.intermediate_size,
-        act,
-    )?);
+    let ffn = Ffn::Dense(super::llama::dense_mlp(spec, &vb.pp("mlp"))?);
     Ok(Block {
         input_norm,
         attn,

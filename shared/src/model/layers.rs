@@ -2,9 +2,8 @@
 //! layers, RoPE application (whole or partial), grouped-query attention with causal and
 //! sliding-window masks, and the gated MLP. Each runs in two modes ([`Ops`]).
 
-use super::config::{Activation, LayerKind, ModelConfig};
-use super::flash::repeat_kv;
 use super::host_ops;
+use super::spec::{Activation, LayerSpec, MoeSpec};
 use crate::matmul;
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{CpuStorage, DType, Layout, Module, Result, Shape, Tensor, D};
@@ -368,31 +367,59 @@ pub(crate) struct AttnInputs<'a> {
     pub ops: Ops,
 }
 
+/// [B, Hkv, S, D] → [B, Hkv·rep, S, D] (each kv head repeated `rep` times consecutively): the
+/// grouped-query heads of every attention path (eager, flash, the precision trace).
+pub(super) fn repeat_kv(x: &Tensor, rep: usize) -> Result<Tensor> {
+    if rep == 1 {
+        return Ok(x.clone());
+    }
+    let (b, h, s, d) = x.dims4()?;
+    x.unsqueeze(2)?
+        .expand((b, h, rep, s, d))?
+        .reshape((b, h * rep, s, d))
+}
+
+/// The MLP of a block: dense, or Qwen3-MoE's sparse experts.
+pub(crate) enum Ffn {
+    Dense(GatedMlp),
+    Moe(SparseMoe),
+}
+
+impl Ffn {
+    pub(super) fn forward(&self, x: &Tensor, ops: Ops) -> Result<Tensor> {
+        match self {
+            Ffn::Dense(m) => m.forward(x, ops),
+            Ffn::Moe(m) => m.forward(x, ops),
+        }
+    }
+}
+
+/// One decoder layer: `x += post_attn(attn(norm(x)))`, then `x += post_ffn(ffn(ffn_norm(x)))`
+/// (the `post_*` norms are Gemma's; the others have none).
+pub(crate) struct Block {
+    pub input_norm: Norm,
+    pub attn: Attention,
+    pub post_attn_norm: Option<Norm>,
+    pub ffn_norm: Norm,
+    pub ffn: Ffn,
+    pub post_ffn_norm: Option<Norm>,
+}
+
 impl Attention {
-    /// `q_proj`, `k_proj`, `v_proj`, `o_proj` under `av` (`…self_attn`) with the given biases
-    /// (q/k/v, o), then `q_norm`/`k_norm` when `qk_norm` is given (`Some(true)`: Gemma's
-    /// `1 + weight`). Head counts, scale and window come from `cfg` and the layer's kind.
-    pub fn load(
-        cfg: &ModelConfig,
-        av: &VarBuilder,
-        kind: LayerKind,
-        (qkv_bias, o_bias): (bool, bool),
-        qk_norm: Option<bool>,
-    ) -> Result<Attention> {
-        let (h, hq, hkv, d) = (
-            cfg.hidden_size,
-            cfg.num_attention_heads,
-            cfg.kv_heads(),
-            cfg.head_dim(),
-        );
+    /// `q_proj`, `k_proj`, `v_proj`, `o_proj` under `av` (`…self_attn`) with the spec's biases
+    /// (q/k/v, o), then `q_norm`/`k_norm` when it has them (`Some(true)`: Gemma's
+    /// `1 + weight`). Head counts, scale and window are the spec's.
+    pub fn load(spec: &LayerSpec, av: &VarBuilder) -> Result<Attention> {
+        let (h, hq, hkv, d) = (spec.hidden, spec.heads, spec.kv_heads, spec.head_dim);
+        let (qkv_bias, o_bias) = spec.biases;
         let q = linear(av, "q_proj", (h, hq * d), qkv_bias)?;
         let k = linear(av, "k_proj", (h, hkv * d), qkv_bias)?;
         let v = linear(av, "v_proj", (h, hkv * d), qkv_bias)?;
         let o = linear(av, "o_proj", (hq * d, h), o_bias)?;
-        let qk_norm = match qk_norm {
+        let qk_norm = match spec.qk_norm {
             Some(plus_one) => Some((
-                Norm::load(av, "q_norm", d, cfg.rms_norm_eps, plus_one)?,
-                Norm::load(av, "k_norm", d, cfg.rms_norm_eps, plus_one)?,
+                Norm::load(av, "q_norm", d, spec.eps, plus_one)?,
+                Norm::load(av, "k_norm", d, spec.eps, plus_one)?,
             )),
             None => None,
         };
@@ -403,8 +430,8 @@ impl Attention {
             n_heads: hq,
             n_kv: hkv,
             head_dim: d,
-            scale: cfg.attention_scale(),
-            window: cfg.layer_window(kind),
+            scale: spec.attention_scale,
+            window: spec.window,
         })
     }
 
@@ -629,11 +656,9 @@ pub(crate) struct SparseMoe {
 }
 
 impl SparseMoe {
-    pub(crate) fn load(cfg: &ModelConfig, vb: &VarBuilder) -> Result<SparseMoe> {
-        let m = &cfg.moe;
-        let (h, e) = (cfg.hidden_size, m.experts());
-        let inter = m.moe_intermediate_size.unwrap_or(0);
-        let act = cfg.activation().map_err(candle_core::Error::wrap)?;
+    /// The router and experts of layer `spec` under `vb` (`…mlp`).
+    pub(crate) fn load(spec: &LayerSpec, moe: MoeSpec, vb: &VarBuilder) -> Result<SparseMoe> {
+        let (h, e, inter, act) = (spec.hidden, moe.experts, moe.intermediate, spec.activation);
         let router = linear(vb, "gate", (h, e), false)?;
         let ev = vb.pp("experts");
         let experts = if ev.contains_tensor("gate_up_proj") {
@@ -656,8 +681,8 @@ impl SparseMoe {
         Ok(SparseMoe {
             router,
             experts,
-            top_k: m.num_experts_per_tok.unwrap_or(1),
-            norm_topk_prob: m.norm_topk_prob.unwrap_or(false),
+            top_k: moe.top_k,
+            norm_topk_prob: moe.norm_topk_prob,
         })
     }
 

@@ -3,15 +3,52 @@
 //! Mistral and Ministral), Qwen3's per-head q/k RMSNorm, and sliding windows (Mistral on every
 //! layer, Ministral on the layers `layer_types` names, Qwen2/3 above `max_window_layers`).
 
-use super::arch::{
-    ArchFacts, AttentionBias, AttentionFacts, GgufFacts, InitDefaults, SlidingLayers, WindowFacts,
-    WindowSwitch, BASE,
+use super::facts::{
+    ArchFacts, AttentionBias, AttentionFacts, GgufFacts, InitDefaults, RopeFacts, SlidingLayers,
+    WindowFacts, WindowSwitch, SILU,
 };
-use super::config::{LayerKind, ModelConfig};
-use super::decoder::{Block, Ffn};
-use super::layers::{Attention, GatedMlp, Norm};
+use super::layers::{Attention, Block, Ffn, GatedMlp, Norm};
+use super::spec::LayerSpec;
 use candle_core::Result;
 use candle_nn::VarBuilder;
+
+/// The common case, which each architecture's facts start from (`..BASE`) and say where they
+/// differ: SiLU, a window on every layer when set (4096 unless set), plain RoPE based at 10,000,
+/// `attention_bias` on q/k/v/o without q/k norms, a dense Llama-shaped block; `init-model`
+/// writes `rope_theta` 1,000,000. The names are empty: each architecture sets its own.
+pub(crate) const BASE: ArchFacts = ArchFacts {
+    name: "",
+    model_types: &[],
+    cli_name: "",
+    hf_class: "",
+    multimodal_model_type: None,
+    activation: SILU,
+    window: WindowFacts {
+        default: Some(4096),
+        switch: WindowSwitch::WhenSet,
+        layers: SlidingLayers::All,
+    },
+    rope: RopeFacts {
+        default_theta: 10_000.0,
+        local_base: None,
+        top_level_original_max: false,
+    },
+    query_pre_attn_scalar: None,
+    norm_plus_one: false,
+    embed_scale: false,
+    attention: AttentionFacts {
+        bias: AttentionBias::FromConfig,
+        qk_norm: false,
+    },
+    moe: false,
+    init: InitDefaults {
+        rope_theta: 1_000_000.0,
+        explicit_head_dim: false,
+    },
+    has_mlp_bias_key: false,
+    gguf: None,
+    block,
+};
 
 /// Llama: no window, `attention_bias` on all four projections.
 pub(crate) const LLAMA: ArchFacts = ArchFacts {
@@ -128,43 +165,33 @@ const QWEN_WINDOW: WindowFacts = WindowFacts {
 
 /// The attention of layer `vb` (`…layers.N`): `self_attn.{q,k,v,o}_proj` with the biases the
 /// architecture's facts say, and its q/k norms when it has them.
-pub(crate) fn attention(cfg: &ModelConfig, vb: &VarBuilder, kind: LayerKind) -> Result<Attention> {
-    let facts = cfg.facts().map_err(candle_core::Error::wrap)?;
-    let biases = facts.attention.bias.of(cfg);
-    let qk_norm = facts.attention.qk_norm.then_some(facts.norm_plus_one);
-    Attention::load(cfg, &vb.pp("self_attn"), kind, biases, qk_norm)
+pub(crate) fn attention(spec: &LayerSpec, vb: &VarBuilder) -> Result<Attention> {
+    Attention::load(spec, &vb.pp("self_attn"))
 }
 
 /// One block: pre-norm attention, then a pre-norm SwiGLU MLP.
-pub(crate) fn block(
-    cfg: &ModelConfig,
-    vb: &VarBuilder,
-    _: usize,
-    kind: LayerKind,
-) -> Result<Block> {
-    block_with(cfg, vb, kind, |cfg, mv| dense_mlp(cfg, mv).map(Ffn::Dense))
+pub(crate) fn block(spec: &LayerSpec, vb: &VarBuilder) -> Result<Block> {
+    block_with(spec, vb, |spec, mv| dense_mlp(spec, mv).map(Ffn::Dense))
 }
 
 /// The dense SwiGLU MLP under `mv` (`…mlp`).
-pub(crate) fn dense_mlp(cfg: &ModelConfig, mv: &VarBuilder) -> Result<GatedMlp> {
-    let act = cfg.activation().map_err(candle_core::Error::wrap)?;
-    GatedMlp::load(mv, cfg.hidden_size, cfg.intermediate_size, act)
+pub(crate) fn dense_mlp(spec: &LayerSpec, mv: &VarBuilder) -> Result<GatedMlp> {
+    GatedMlp::load(mv, spec.hidden, spec.intermediate, spec.activation)
 }
 
 /// A block whose MLP `ffn` builds from `…mlp` (Qwen3-MoE's sparse layers).
 pub(crate) fn block_with(
-    cfg: &ModelConfig,
+    spec: &LayerSpec,
     vb: &VarBuilder,
-    kind: LayerKind,
-    ffn: impl FnOnce(&ModelConfig, &VarBuilder) -> Result<Ffn>,
+    ffn: impl FnOnce(&LayerSpec, &VarBuilder) -> Result<Ffn>,
 ) -> Result<Block> {
-    let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
+    let (h, eps) = (spec.hidden, spec.eps);
     // Read in the order of the forward pass (it fixes `param_specs`' order, and so which draws
     // of a seeded `init-model` land where).
     let input_norm = Norm::load(vb, "input_layernorm", h, eps, false)?;
-    let attn = attention(cfg, vb, kind)?;
+    let attn = attention(spec, vb)?;
     let ffn_norm = Norm::load(vb, "post_attention_layernorm", h, eps, false)?;
-    let ffn = ffn(cfg, &vb.pp("mlp"))?;
+    let ffn = ffn(spec, &vb.pp("mlp"))?;
     Ok(Block {
         input_norm,
         attn,

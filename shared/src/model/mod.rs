@@ -1,11 +1,13 @@
 //! The decoders we serve and train, one file per architecture in candle's manner:
 //! `llama.rs` (Llama, Mistral, Qwen2, Qwen3), `gemma3.rs`, `phi3.rs`, `qwen3_moe.rs`, each with
-//! its facts (names, defaults, window rule, layer shape) behind `arch.rs` (the one table every
-//! other module asks; it says what adding an architecture touches). What they truly share lives
-//! beside them: `config.rs` (reading `config.json`; its errors in `error.rs`), `rope.rs` (every
-//! RoPE scaling type, from the parameters the config resolves), `layers.rs` (norms, attention,
-//! the dense and the sparse MLP), `params.rs` (every parameter's name and shape) and
-//! `decoder.rs` (the one forward loop).
+//! its facts (names, defaults, window rule, layer shape; the types in `facts.rs`) behind
+//! `arch.rs` (the one table every other module asks; it says what adding an architecture
+//! touches). What they truly share lives beside them: `config.rs` (reading `config.json`; its
+//! errors in `error.rs`), `spec.rs` (one layer as the config resolves it: what an
+//! architecture's file builds a block from), `rope.rs` (every RoPE scaling type, from the
+//! parameters the config resolves), `layers.rs` (norms, attention, the dense and the sparse MLP,
+//! a block), `params.rs` (every parameter's name and shape) and `decoder.rs` (the one forward
+//! loop).
 //! Each runs in two modes ([`Ops`]): fused kernels for serving (candle's, on an AVX-512 CPU
 //! the linear layers through [`crate::matmul`], and on the CPU the attention's softmax and the
 //! MLP's `silu(gate) · up` with the SIMD exp, `host_ops.rs`; on CUDA, with
@@ -19,6 +21,7 @@ mod attn_cudnn;
 pub mod config;
 mod decoder;
 mod error;
+mod facts;
 mod flash;
 mod gemma3;
 mod host_ops;
@@ -29,6 +32,7 @@ mod phi3;
 pub mod precision;
 mod qwen3_moe;
 pub mod rope;
+mod spec;
 mod train;
 
 pub(crate) use config::stored_name;

@@ -2,13 +2,13 @@
 //! (`partial_rotary_factor`), a sliding window on every layer when configured, and LongRoPE
 //! (`longrope`/`su`) for the long-context variants (the RoPE module handles both).
 
-use super::arch::{
+use super::facts::{
     ArchFacts, AttentionBias, AttentionFacts, InitDefaults, RopeFacts, SlidingLayers, WindowFacts,
-    WindowSwitch, BASE,
+    WindowSwitch,
 };
-use super::config::{LayerKind, ModelConfig};
-use super::decoder::{Block, Ffn};
-use super::layers::{linear, Attention, GateUp, GatedMlp, Norm, Qkv};
+use super::layers::{linear, Attention, Block, Ffn, GateUp, GatedMlp, Norm, Qkv};
+use super::llama::BASE;
+use super::spec::LayerSpec;
 use candle_core::Result;
 use candle_nn::VarBuilder;
 
@@ -44,14 +44,9 @@ pub(crate) const FACTS: ArchFacts = ArchFacts {
     ..BASE
 };
 
-fn block(cfg: &ModelConfig, vb: &VarBuilder, _: usize, kind: LayerKind) -> Result<Block> {
-    let (h, hq, hkv, d) = (
-        cfg.hidden_size,
-        cfg.num_attention_heads,
-        cfg.kv_heads(),
-        cfg.head_dim(),
-    );
-    let (eps, inter) = (cfg.rms_norm_eps, cfg.intermediate_size);
+fn block(spec: &LayerSpec, vb: &VarBuilder) -> Result<Block> {
+    let (h, hq, hkv, d) = (spec.hidden, spec.heads, spec.kv_heads, spec.head_dim);
+    let (eps, inter) = (spec.eps, spec.intermediate);
     // Read in the order of the forward pass (see `llama::block_with`).
     let input_norm = Norm::load(vb, "input_layernorm", h, eps, false)?;
     let av = vb.pp("self_attn");
@@ -62,15 +57,15 @@ fn block(cfg: &ModelConfig, vb: &VarBuilder, _: usize, kind: LayerKind) -> Resul
         n_heads: hq,
         n_kv: hkv,
         head_dim: d,
-        scale: cfg.attention_scale(),
-        window: cfg.layer_window(kind),
+        scale: spec.attention_scale,
+        window: spec.window,
     };
     let ffn_norm = Norm::load(vb, "post_attention_layernorm", h, eps, false)?;
     let mv = vb.pp("mlp");
     let mlp = GatedMlp {
         gate_up: GateUp::Fused(linear(&mv, "gate_up_proj", (h, 2 * inter), false)?),
         down: linear(&mv, "down_proj", (inter, h), false)?,
-        act: cfg.activation().map_err(candle_core::Error::wrap)?,
+        act: spec.activation,
     };
     Ok(Block {
         input_norm,

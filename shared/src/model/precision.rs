@@ -8,11 +8,10 @@
 //! Dense decoders without Gemma's extra norms or embedding scale (Llama, Mistral, Qwen2/3,
 //! SmolLM2); `shared/examples/f32_error_by_op.rs` prints the table for a GGUF model on text.
 
-use super::config::Activation;
-use super::decoder::{attention_bias, Block, Ffn};
-use super::flash::repeat_kv;
+use super::decoder::attention_bias;
 use super::host_ops;
-use super::layers::{rope, GateUp, GatedMlp, Norm, Ops, Qkv};
+use super::layers::{repeat_kv, rope, Block, Ffn, GateUp, GatedMlp, Norm, Ops, Qkv};
+use super::spec::Activation;
 use super::Decoder;
 use candle_core::{DType, Device, Result, Tensor, D};
 

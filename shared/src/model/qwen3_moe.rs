@@ -4,13 +4,13 @@
 //! `mlp_only_layers`, or off the `decoder_sparse_step` grid, keep a dense MLP. The sparse MLP
 //! itself is a layer beside the dense one ([`SparseMoe`], in `layers.rs`).
 
-use super::arch::{
+use super::facts::{
     ArchFacts, AttentionBias, AttentionFacts, InitDefaults, SlidingLayers, WindowFacts,
-    WindowSwitch, BASE,
+    WindowSwitch,
 };
-use super::config::{LayerKind, ModelConfig};
-use super::decoder::{Block, Ffn};
-use super::layers::SparseMoe;
+use super::layers::{Block, Ffn, SparseMoe};
+use super::llama::BASE;
+use super::spec::LayerSpec;
 use candle_core::Result;
 use candle_nn::VarBuilder;
 
@@ -40,12 +40,11 @@ pub(crate) const FACTS: ArchFacts = ArchFacts {
 };
 
 /// One block: Qwen3's, with the sparse MLP on MoE layers.
-fn block(cfg: &ModelConfig, vb: &VarBuilder, l: usize, kind: LayerKind) -> Result<Block> {
-    super::llama::block_with(cfg, vb, kind, |cfg, mv| {
-        Ok(if cfg.is_moe_layer(l) {
-            Ffn::Moe(SparseMoe::load(cfg, mv)?)
-        } else {
-            Ffn::Dense(super::llama::dense_mlp(cfg, mv)?)
+fn block(spec: &LayerSpec, vb: &VarBuilder) -> Result<Block> {
+    super::llama::block_with(spec, vb, |spec, mv| {
+        Ok(match spec.moe {
+            Some(moe) => Ffn::Moe(SparseMoe::load(spec, moe, mv)?),
+            None => Ffn::Dense(super::llama::dense_mlp(spec, mv)?),
         })
     })
 }

@@ -14,10 +14,11 @@
 //! Training batches are right-padded (the causal mask keeps real tokens from seeing later pads),
 //! so the pass takes ids only.
 
-use super::config::LayerKind;
-use super::decoder::{Block, Decoder};
+use super::decoder::Decoder;
 use super::flash::{self, Causal};
+use super::layers::Block;
 use super::layers::{AttnBackend, AttnInputs, Ops};
+use super::spec::LayerKind;
 use candle_core::backprop::GradStore;
 use candle_core::{Result, Tensor, Var};
 

@@ -1,6 +1,6 @@
 //! Scores of logit rows on the host — the teacher's host scoring path: per-position top-k,
 //! target log-prob, logsumexp, candidate log-probs and ranks, folded in a vocabulary tile at a
-//! time as the fused LM head produces them ([`RowFolds`]; on AVX-512 the head kernel in [`head`]
+//! time as the fused LM head produces them ([`RowFolds`]; on AVX-512 the head kernel in [`fused_head`]
 //! makes and folds the tiles itself) or from whole rows ([`score_rows`]). [`crate::topk`] is
 //! the device path; both answer the same [`RowQuery`].
 //!
