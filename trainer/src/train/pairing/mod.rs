@@ -60,6 +60,7 @@ impl<'a> Pairing<'a> {
     where
         'a: 'b,
     {
+        // The layout keeps its own copy of the context, naming this pairing.
         let ctx: LossCtx<'b> = LossCtx {
             pairing: self,
             ..*ctx
