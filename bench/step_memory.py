@@ -3,7 +3,8 @@ careful step (outside CI; figures in bench/README.md and docs/cuda.md).
 
 Two harnesses, each process reporting its own high-water mark:
 - `--pass-only`: `train_pass_memory` (shared/examples) with `checkpoint` (layers recomputed,
-  attention in query blocks) and `keep` (plain autograd: T² attention), against
+  attention in query blocks), `selective` (all but the attention core kept, attention in query
+  blocks) and `keep` (plain autograd: T² attention), against
   bench/torch_pass_memory.py (SDPA + gradient checkpointing + chunked head), next-token CE only.
 - default: the full step of `trainer bench-step` (forward, LM head + KD/CE loss, backward,
   clipping, AdamW) at batch 1 under /usr/bin/time, for each `--trainer NAME=BINARY[:FLAGS]`
@@ -57,7 +58,7 @@ def run(cmd, timed=False):
 
 
 def pass_row(t):
-    r = {"checkpoint": run([a.bin, a.model, str(t), "checkpoint", str(a.head_rows)])}
+    r = {m: run([a.bin, a.model, str(t), m, str(a.head_rows)]) for m in ("checkpoint", "selective")}
     if t <= a.keep_max:
         r["keep"] = run([a.bin, a.model, str(t), "keep", str(a.head_rows)])
     r["torch"] = run([a.python, os.path.join(here, "torch_pass_memory.py"), a.model, str(t),

@@ -7,7 +7,8 @@
 #   scripts/gpu-check.sh [BUNDLE]        # figures and logs go to $OUT (or runs/gpu-check)
 #
 # 1. the decoder model tests on the GPU (f32); 1b. cuDNN's fused attention (bf16, f16) against an
-#    f64 reference and decoders through it against the eager attention;
+#    f64 reference and decoders through it against the eager attention; its training forward and
+#    backward against f64 loops, and training passes through it against the blockwise core;
 # 2. the teacher's device top-k path on the GPU against the f64 CPU reference and the host path;
 # 2b. the NCCL collectives in a world of one (`trainer nccl-check`);
 # 3. a random model of Qwen3-0.6B's shape (Qwen3 vocabulary): teacher (cuda, bf16) scored
@@ -27,9 +28,9 @@
 #    Qwen3-0.6B's shape (the kernel mix per layer is the full model's), every launch timed,
 #    summed per kernel by bench/ncu_kernels.py. Not in the default run: STEPS="p".
 #
-# STEPS="1 2 6" runs only those steps (default: all but 3t and p); STEP_SHAPES="4x512" and
-# STEP_STEPS=5 shorten step 4. Each step has a time
-# limit, so that one hung step leaves the others their time on a lent machine.
+# STEPS="1 2 6" runs only those steps (default: all but 3t and p); STEP_SHAPES="4x512",
+# STEP_STEPS=5 and STEP_ACTIVATIONS="auto" shorten step 4. Each step has a time limit, so that
+# one hung step leaves the others their time on a lent machine.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
@@ -114,7 +115,7 @@ export XDISTILL_TEACHER_BIN="$work/teacher" RUST_BACKTRACE=1
 if want 1; then
 step "1. decoder model tests on the GPU"
 check timeout 300 env XDISTILL_TEST_DEVICE=cuda "$work/test-shared" model:: --test-threads=1
-step "1b. cuDNN's fused attention: against an f64 reference, and decoders through it vs eager"
+step "1b. cuDNN's fused attention (serving and training): against f64 references, decoders and training passes through it"
 check timeout 300 env XDISTILL_TEST_DEVICE=cuda RUST_LOG=info "$work/test-shared" cudnn_attention:: \
   --test-threads=1 --nocapture
 fi
@@ -201,14 +202,19 @@ fi
 
 if want 4; then
 step "4. student step: ours (cuda, bf16 compute, f32 masters) vs PyTorch eager (autocast bf16)"
-# Checkpointing: `auto` (what training does) and `off` (everything kept, as PyTorch eager does):
-# auto checkpoints at both shapes today (issue 47 item 6), at the price of one more forward.
+# Activations: `auto` (what training does: the line's `activations=` says what it chose), `off`
+# (everything kept, eager attention), `selective` (all but the attention core: the blockwise
+# attention) and `on` (full checkpointing: one more forward), beside each other (issue 47 item
+# 6); then `auto` with cuDNN's attention core (XDISTILL_ATTENTION=cudnn: its forward and
+# backward, opt-in until step 1b's training tests pass on a GPU).
 for shape in ${STEP_SHAPES:-4x512 8x1024}; do
   set -- ${shape/x/ }
-  for ckpt in auto off; do
-    check timeout 180 "$work/trainer" bench-step --model "$model" --device cuda --dtype bf16 --batch "$1" \
-      --seq-len "$2" --k 64 --steps "${STEP_STEPS:-10}" --activation-checkpointing "$ckpt" \
-      --write-batch "$work/batch.safetensors"
+  for ckpt in ${STEP_ACTIVATIONS:-auto off selective on} cudnn; do
+    attn=eager
+    if [ "$ckpt" = cudnn ]; then attn=cudnn; ckpt=auto; fi
+    check timeout 180 env XDISTILL_ATTENTION=$attn "$work/trainer" bench-step --model "$model" --device cuda \
+      --dtype bf16 --batch "$1" --seq-len "$2" --k 64 --steps "${STEP_STEPS:-10}" \
+      --activation-checkpointing "$ckpt" --write-batch "$work/batch.safetensors"
   done
   check timeout 180 env PYTHONUNBUFFERED=1 "$py" bench/torch_step.py "$model" "$work/batch.safetensors" "${STEP_STEPS:-10}" 16 cuda bf16
 done

@@ -1,7 +1,7 @@
 //! Peak memory and time of one student forward + backward at one sequence length: the decoder's
-//! training pass (`keep`: plain autograd; `checkpoint`: layers recomputed, attention in query
-//! blocks) followed by next-token cross-entropy with the LM head applied `--head-rows` positions
-//! at a time (each chunk's `[n, V]` logits live only through its own backward). Trainable f32
+//! training pass (`keep`: plain autograd; `selective`: all but the attention core kept, which
+//! is recomputed in query blocks; `checkpoint`: layers recomputed, attention in query blocks)
+//! followed by next-token cross-entropy with the LM head applied `--head-rows` positions at a time (each chunk's `[n, V]` logits live only through its own backward). Trainable f32
 //! `Var`s as the trainer holds them. `bench/step_memory.py` runs it beside PyTorch.
 //!
 //! `cargo run --release -p xdistill-shared --example train_pass_memory -- MODEL_DIR T MODE [HEAD_ROWS]`
@@ -26,14 +26,15 @@ xdistill_shared::global_allocator!();
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     if args.len() < 4 {
-        bail!("usage: train_pass_memory MODEL_DIR SEQ_LEN keep|checkpoint [HEAD_ROWS]");
+        bail!("usage: train_pass_memory MODEL_DIR SEQ_LEN keep|selective|checkpoint [HEAD_ROWS]");
     }
     let (dir, t, mode) = (&args[1], args[2].parse::<usize>()?, args[3].as_str());
     let head_rows: usize = args.get(4).map(|s| s.parse()).transpose()?.unwrap_or(1024);
     let act = match mode {
         "keep" => Activations::Keep,
+        "selective" => Activations::Selective,
         "checkpoint" => Activations::Checkpoint,
-        other => bail!("mode {other:?}: keep or checkpoint"),
+        other => bail!("mode {other:?}: keep, selective or checkpoint"),
     };
     let dev = Device::Cpu;
     let md = ModelDir::open(dir)?;

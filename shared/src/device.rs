@@ -85,6 +85,75 @@ pub fn dtype_name(d: DType) -> &'static str {
     }
 }
 
+/// A device's memory in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryInfo {
+    /// What can still be allocated now.
+    pub free: u64,
+    /// All of it.
+    pub total: u64,
+}
+
+/// `device`'s memory: a GPU's, or on the CPU the machine's (`MemAvailable`, `MemTotal`) capped
+/// by the process's cgroup limit (a container's, which `/proc/meminfo` does not see). `None`
+/// where it cannot tell.
+pub fn memory_info(device: &Device) -> Option<MemoryInfo> {
+    match device {
+        Device::Cpu => {
+            let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+            let mut free = meminfo_kib(&meminfo, "MemAvailable")? * 1024;
+            let mut total = meminfo_kib(&meminfo, "MemTotal")? * 1024;
+            if let Some((limit, usage)) = cgroup_memory() {
+                free = free.min(limit.saturating_sub(usage));
+                total = total.min(limit);
+            }
+            Some(MemoryInfo { free, total })
+        }
+        #[cfg(feature = "cuda")]
+        Device::Cuda(dev) => {
+            let (free, total) = dev.cuda_stream().context().mem_get_info().ok()?;
+            Some(MemoryInfo {
+                free: free as u64,
+                total: total as u64,
+            })
+        }
+        #[allow(unreachable_patterns)]
+        _ => None,
+    }
+}
+
+/// A `/proc/meminfo` entry in KiB (`MemAvailable:  123 kB`).
+fn meminfo_kib(meminfo: &str, key: &str) -> Option<u64> {
+    meminfo.lines().find_map(|line| {
+        let rest = line.strip_prefix(key)?.strip_prefix(':')?;
+        rest.split_whitespace().next()?.parse().ok()
+    })
+}
+
+/// This process's cgroup memory limit and usage (v2, then v1); `None` without a limit.
+fn cgroup_memory() -> Option<(u64, u64)> {
+    let read = |p: &str| std::fs::read_to_string(p).ok();
+    if let (Some(max), Some(current)) = (
+        read("/sys/fs/cgroup/memory.max"),
+        read("/sys/fs/cgroup/memory.current"),
+    ) {
+        return limit_and_usage(&max, &current);
+    }
+    limit_and_usage(
+        &read("/sys/fs/cgroup/memory/memory.limit_in_bytes")?,
+        &read("/sys/fs/cgroup/memory/memory.usage_in_bytes")?,
+    )
+}
+
+/// A cgroup's limit and usage from its files; `None` for no limit (`max`, or v1's huge value).
+fn limit_and_usage(limit: &str, usage: &str) -> Option<(u64, u64)> {
+    let limit: u64 = limit.trim().parse().ok()?;
+    if limit >= 1 << 60 {
+        return None;
+    }
+    Some((limit, usage.trim().parse().ok()?))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -120,5 +189,27 @@ mod dtype_tests {
         check_dtype("auto").unwrap();
         let e = check_dtype("int4").unwrap_err().to_string();
         assert!(e.contains("\"int4\"") && e.contains("auto"), "{e}");
+    }
+}
+
+#[cfg(test)]
+mod memory_tests {
+    use super::*;
+
+    /// The cgroup files and `/proc/meminfo` are read as the kernel writes them.
+    #[test]
+    fn memory_info_reads_the_kernel_and_cgroup_files() {
+        assert_eq!(limit_and_usage("max\n", "1000\n"), None);
+        assert_eq!(limit_and_usage("9223372036854771712\n", "5\n"), None);
+        assert_eq!(limit_and_usage("4096\n", "1000\n"), Some((4096, 1000)));
+        let info = "MemTotal:       24000000 kB\nMemAvailable:   20000000 kB\n";
+        assert_eq!(meminfo_kib(info, "MemAvailable"), Some(20_000_000));
+        assert_eq!(meminfo_kib(info, "MemFree"), None);
+        // This machine: something free, no more than it has.
+        let total = meminfo_kib(&std::fs::read_to_string("/proc/meminfo").unwrap(), "MemTotal")
+            .unwrap()
+            * 1024;
+        let m = memory_info(&Device::Cpu).unwrap();
+        assert!(0 < m.free && m.free <= m.total && m.total <= total, "{m:?} of {total}");
     }
 }

@@ -1,12 +1,14 @@
 //! The training pass: a checkpointed forward and backward (layers recomputed, attention in query
 //! blocks) gives the hidden states and every parameter's gradient of the plain autograd pass, for
-//! every dense architecture, in f64 (to 1e-10 relative) and f32 (to 2e-5 relative).
+//! every dense architecture, in f64 (to 1e-10 relative) and f32 (to 2e-5 relative); the selective
+//! pass (attention core recomputed only) gives the checkpointed pass's bits.
 
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::{VarBuilder, VarMap};
 use xdistill_shared::hf::ModelConfig;
 use xdistill_shared::model::{
-    override_attention_block, param_specs, Activations, Decoder, Init, Ops,
+    override_attention_block, param_specs, ActivationBytes, Activations, Decoder, Init, Ops,
+    KEEP_MAX_POSITIONS,
 };
 
 fn config(model_type: &str, extra: serde_json::Value) -> ModelConfig {
@@ -143,7 +145,7 @@ fn worst_relative(a: &[f64], b: &[f64]) -> f64 {
 }
 
 #[test]
-fn checkpointed_pass_equals_the_plain_pass() {
+fn checkpointed_and_selective_passes_equal_the_plain_pass() {
     let rows: [[u32; 11]; 2] = [
         [3, 17, 2, 8, 8, 1, 39, 0, 23, 5, 11],
         [9, 4, 4, 30, 1, 2, 6, 7, 12, 0, 3],
@@ -158,7 +160,11 @@ fn checkpointed_pass_equals_the_plain_pass() {
                 let model = Decoder::new(&cfg, vb, Ops::Differentiable).unwrap();
                 let (h0, g0) = pass(&model, &vm, &ids, Activations::Keep);
                 let (h1, g1) = pass(&model, &vm, &ids, Activations::Checkpoint);
+                let (h2, g2) = pass(&model, &vm, &ids, Activations::Selective);
                 let case = format!("{name} {dtype:?} block {block}");
+                // Selective runs checkpointing's ops without the recompute: the same bits.
+                assert_eq!(h2, h1, "{case}: selective hidden states");
+                assert_eq!(g2, g1, "{case}: selective gradients");
                 assert!(worst_relative(&h1, &h0) <= tol, "{case}: hidden states");
                 assert_eq!(g0.len(), g1.len());
                 for (i, (a, b)) in g1.iter().zip(&g0).enumerate() {
@@ -205,9 +211,11 @@ fn checkpointed_pass_through_a_cast_reaches_the_masters() {
     }
 }
 
-/// Auto checkpoints where keeping everything is big, not for tiny models.
+/// Auto keeps everything where it fits the budget (short sequences), else keeps all but the
+/// attention core, else checkpoints; the estimates grow as they should (keep with T², the others
+/// with T).
 #[test]
-fn auto_checkpoints_only_where_it_saves_memory() {
+fn auto_keeps_what_fits_the_budget() {
     let tiny = config("qwen3", serde_json::json!({}));
     let vm = varmap(&tiny, DType::F32);
     let model = Decoder::new(
@@ -216,9 +224,23 @@ fn auto_checkpoints_only_where_it_saves_memory() {
         Ops::Differentiable,
     )
     .unwrap();
-    assert_eq!(Activations::auto(&model, 4, 64), Activations::Keep);
-    assert_eq!(
-        Activations::auto(&model, 4, 1 << 16),
-        Activations::Checkpoint
-    );
+    let at = |t| ActivationBytes::of(&model, 4, t);
+    let (short, long) = (at(64), at(128));
+    assert!(short.checkpoint < short.selective && short.selective < short.keep);
+    // Doubling T: selective and checkpoint double, keep more than doubles (its scores).
+    assert!((long.selective / short.selective - 2.0).abs() < 1e-9);
+    assert!((long.checkpoint / short.checkpoint - 2.0).abs() < 1e-9);
+    assert!(long.keep / short.keep > 2.0);
+    for (budget, want) in [
+        (short.keep, Activations::Keep),
+        (short.keep - 1.0, Activations::Selective),
+        (short.selective, Activations::Selective),
+        (short.selective - 1.0, Activations::Checkpoint),
+        (0.0, Activations::Checkpoint),
+    ] {
+        assert_eq!(Activations::auto(&model, 4, 64, budget), want, "{budget}");
+    }
+    // Past KEEP_MAX_POSITIONS selective is the faster way, whatever the budget.
+    let t = KEEP_MAX_POSITIONS + 1;
+    assert_eq!(Activations::auto(&model, 4, t, f64::MAX), Activations::Selective);
 }

@@ -7,6 +7,10 @@
 //
 // Tensors are described as cuDNN wants them, logical [B, H, S, D] with any strides, so the
 // caller passes its projections' [B, S, H, D] layout without transposing.
+//
+// Two graphs per description: the forward (o, and for training the softmax statistics) and the
+// backward (dq, dk, dv from q, k, v, o, do and the statistics; deterministic, grouped-query
+// heads' dk and dv reduced by cuDNN).
 #define NV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING
 #include <cudnn_frontend.h>
 #include <dlfcn.h>
@@ -29,7 +33,7 @@ struct XdSdpaDesc {
     uint64_t context;  // the CUDA context (CUcontext): one cuDNN handle each
     int32_t dtype;     // 0: bf16, 1: f16
     int32_t b, hq, hkv, sq, skv, d;
-    int32_t pad;  // zero: no implicit padding, so the bytes of equal descriptions are equal
+    int32_t backward;  // 0: the forward graph; 1: the backward graph (o_stride is also do's)
     int64_t q_stride[4], k_stride[4], v_stride[4], o_stride[4];  // elements, [B, H, S, D] order
     float scale;
     int32_t causal;  // 0: none, 1: top-left (sq == skv), 2: bottom-right (queries are the last sq)
@@ -41,6 +45,7 @@ static_assert(sizeof(XdSdpaDesc) == 184, "XdSdpaDesc has implicit padding");
 
 namespace {
 constexpr int64_t Q_UID = 1, K_UID = 2, V_UID = 3, O_UID = 4, STATS_UID = 5;
+constexpr int64_t DO_UID = 6, DQ_UID = 7, DK_UID = 8, DV_UID = 9;
 
 struct Entry {
     std::shared_ptr<fe::graph::Graph> graph;
@@ -89,6 +94,25 @@ cudnnHandle_t handle_for(const XdSdpaDesc &d) {
 
 std::vector<int64_t> vec4(const int64_t s[4]) { return {s[0], s[1], s[2], s[3]}; }
 
+// Contiguous strides of logical [b, h, s, d].
+std::vector<int64_t> packed(int64_t b, int64_t h, int64_t s, int64_t d) {
+    (void)b;
+    return {h * s * d, s * d, d, 1};
+}
+
+// The mask options both graphs share.
+template <typename Attrs>
+void set_mask(Attrs &opts, const XdSdpaDesc &d) {
+    if (d.causal == 1) {
+        opts.set_causal_mask(true);
+    } else if (d.causal == 2) {
+        opts.set_causal_mask_bottom_right(true);
+    }
+    if (d.window > 0) {
+        opts.set_diagonal_band_left_bound(d.window);
+    }
+}
+
 Entry build(const XdSdpaDesc &d, cudnnHandle_t h, bool dynamic) {
     auto io = d.dtype == 0 ? fe::DataType_t::BFLOAT16 : fe::DataType_t::HALF;
     auto g = std::make_shared<fe::graph::Graph>();
@@ -104,19 +128,30 @@ Entry build(const XdSdpaDesc &d, cudnnHandle_t h, bool dynamic) {
     auto q = g->tensor(fe::graph::Tensor_attributes().set_name("Q").set_uid(Q_UID).set_dim({d.b, d.hq, d.sq, d.d}).set_stride(vec4(d.q_stride)));
     auto k = g->tensor(fe::graph::Tensor_attributes().set_name("K").set_uid(K_UID).set_dim({d.b, d.hkv, d.skv, d.d}).set_stride(vec4(d.k_stride)));
     auto v = g->tensor(fe::graph::Tensor_attributes().set_name("V").set_uid(V_UID).set_dim({d.b, d.hkv, d.skv, d.d}).set_stride(vec4(d.v_stride)));
-    auto opts = fe::graph::SDPA_attributes().set_name("sdpa").set_generate_stats(d.stats != 0).set_attn_scale(d.scale);
-    if (d.causal == 1) {
-        opts.set_causal_mask(true);
-    } else if (d.causal == 2) {
-        opts.set_causal_mask_bottom_right(true);
-    }
-    if (d.window > 0) {
-        opts.set_diagonal_band_left_bound(d.window);
-    }
-    auto [o, stats] = g->sdpa(q, k, v, opts);
-    o->set_output(true).set_uid(O_UID).set_dim({d.b, d.hq, d.sq, d.d}).set_stride(vec4(d.o_stride));
-    if (d.stats) {
-        stats->set_output(true).set_uid(STATS_UID).set_data_type(fe::DataType_t::FLOAT);
+    if (d.backward) {
+        // dq, dk, dv contiguous in [B, H, S, D]; the statistics f32 [B, Hq, Sq, 1].
+        auto o = g->tensor(fe::graph::Tensor_attributes().set_name("O").set_uid(O_UID).set_dim({d.b, d.hq, d.sq, d.d}).set_stride(vec4(d.o_stride)));
+        auto dO = g->tensor(fe::graph::Tensor_attributes().set_name("dO").set_uid(DO_UID).set_dim({d.b, d.hq, d.sq, d.d}).set_stride(vec4(d.o_stride)));
+        auto stats = g->tensor(fe::graph::Tensor_attributes()
+                                   .set_name("Stats")
+                                   .set_uid(STATS_UID)
+                                   .set_dim({d.b, d.hq, d.sq, 1})
+                                   .set_stride(packed(d.b, d.hq, d.sq, 1))
+                                   .set_data_type(fe::DataType_t::FLOAT));
+        auto opts = fe::graph::SDPA_backward_attributes().set_name("sdpa_backward").set_attn_scale(d.scale).set_deterministic_algorithm(true);
+        set_mask(opts, d);
+        auto [dQ, dK, dV] = g->sdpa_backward(q, k, v, o, dO, stats, opts);
+        dQ->set_output(true).set_uid(DQ_UID).set_dim({d.b, d.hq, d.sq, d.d}).set_stride(packed(d.b, d.hq, d.sq, d.d));
+        dK->set_output(true).set_uid(DK_UID).set_dim({d.b, d.hkv, d.skv, d.d}).set_stride(packed(d.b, d.hkv, d.skv, d.d));
+        dV->set_output(true).set_uid(DV_UID).set_dim({d.b, d.hkv, d.skv, d.d}).set_stride(packed(d.b, d.hkv, d.skv, d.d));
+    } else {
+        auto opts = fe::graph::SDPA_attributes().set_name("sdpa").set_generate_stats(d.stats != 0).set_attn_scale(d.scale);
+        set_mask(opts, d);
+        auto [o, stats] = g->sdpa(q, k, v, opts);
+        o->set_output(true).set_uid(O_UID).set_dim({d.b, d.hq, d.sq, d.d}).set_stride(vec4(d.o_stride));
+        if (d.stats) {
+            stats->set_output(true).set_uid(STATS_UID).set_data_type(fe::DataType_t::FLOAT).set_dim({d.b, d.hq, d.sq, 1}).set_stride(packed(d.b, d.hq, d.sq, 1));
+        }
     }
     XD_CHECK(g->validate());
     XD_CHECK(g->build_operation_graph(h));
@@ -143,6 +178,17 @@ Entry &entry_for(const XdSdpaDesc &d) {
         e = build(d, h, false);  // a cuDNN without dynamic shapes for this case: one graph per shape
     }
     return graphs.emplace(key, std::move(e)).first->second;
+}
+
+// Runs `desc`'s graph on `stream` with the device pointers `pack` (by uid). The caller holds `mu`.
+void execute(const XdSdpaDesc &desc, void *stream, std::unordered_map<int64_t, void *> &pack, void *workspace) {
+    auto &e = entry_for(desc);
+    auto h = handle_for(desc);
+    auto st = fe::detail::set_stream(h, static_cast<cudaStream_t>(stream));
+    if (st != CUDNN_STATUS_SUCCESS) {
+        throw std::runtime_error(std::string("cudnnSetStream: ") + fe::detail::get_error_string(st));
+    }
+    XD_CHECK(e.graph->execute(h, pack, workspace));
 }
 }  // namespace
 
@@ -178,16 +224,13 @@ int32_t xd_sdpa_prepare(const XdSdpaDesc *desc, int64_t *workspace, char *err, s
     }
 }
 
-// Runs `desc`'s graph on `stream`: o = softmax(scale · q kᵀ + mask) v (and the statistics).
+// Runs `desc`'s forward graph on `stream`: o = softmax(scale · q kᵀ + mask) v (and the statistics).
 int32_t xd_sdpa_run(const XdSdpaDesc *desc, void *stream, const void *q, const void *k, const void *v, void *o,
                     void *stats, void *workspace, char *err, size_t n) {
     std::lock_guard<std::mutex> lock(mu);
     try {
-        auto &e = entry_for(*desc);
-        auto h = handle_for(*desc);
-        auto st = fe::detail::set_stream(h, static_cast<cudaStream_t>(stream));
-        if (st != CUDNN_STATUS_SUCCESS) {
-            throw std::runtime_error(std::string("cudnnSetStream: ") + fe::detail::get_error_string(st));
+        if (desc->backward) {
+            throw std::runtime_error("xd_sdpa_run takes a forward description");
         }
         std::unordered_map<int64_t, void *> pack = {{Q_UID, const_cast<void *>(q)},
                                                     {K_UID, const_cast<void *>(k)},
@@ -196,7 +239,31 @@ int32_t xd_sdpa_run(const XdSdpaDesc *desc, void *stream, const void *q, const v
         if (desc->stats) {
             pack.emplace(STATS_UID, stats);
         }
-        XD_CHECK(e.graph->execute(h, pack, workspace));
+        execute(*desc, stream, pack, workspace);
+        return 0;
+    } catch (const std::exception &ex) {
+        set_err(err, n, ex.what());
+        return 1;
+    }
+}
+
+// Runs `desc`'s backward graph on `stream`: dq, dk, dv (contiguous [B, H, S, D]) from q, k, v,
+// the forward's o and statistics, and do (in o's layout).
+int32_t xd_sdpa_backward_run(const XdSdpaDesc *desc, void *stream, const void *q, const void *k, const void *v,
+                             const void *o, const void *d_o, const void *stats, void *dq, void *dk, void *dv,
+                             void *workspace, char *err, size_t n) {
+    std::lock_guard<std::mutex> lock(mu);
+    try {
+        if (!desc->backward) {
+            throw std::runtime_error("xd_sdpa_backward_run takes a backward description");
+        }
+        std::unordered_map<int64_t, void *> pack = {
+            {Q_UID, const_cast<void *>(q)},       {K_UID, const_cast<void *>(k)},
+            {V_UID, const_cast<void *>(v)},       {O_UID, const_cast<void *>(o)},
+            {DO_UID, const_cast<void *>(d_o)},    {STATS_UID, const_cast<void *>(stats)},
+            {DQ_UID, dq},                         {DK_UID, dk},
+            {DV_UID, dv}};
+        execute(*desc, stream, pack, workspace);
         return 0;
     } catch (const std::exception &ex) {
         set_err(err, n, ex.what());

@@ -26,7 +26,7 @@ fn cudnn() -> bool {
 
 /// Whether cuDNN's attention can run on `device` in `dtype`: a CUDA device, bf16 or f16, and
 /// cuDNN loaded.
-fn cudnn_ready(device: &Device, dtype: DType) -> bool {
+pub(super) fn cudnn_ready(device: &Device, dtype: DType) -> bool {
     device.is_cuda() && matches!(dtype, DType::BF16 | DType::F16) && cudnn()
 }
 
@@ -40,7 +40,7 @@ impl Attention {
             && inp.plain
             && x.dim(1)? > 1
             && inp.cos.dim(D::Minus1)? * 2 == self.head_dim
-            && self.head_dim % 8 == 0
+            && self.head_dim.is_multiple_of(8)
             && self.head_dim <= 256
             && cudnn_ready(x.device(), x.dtype()))
     }

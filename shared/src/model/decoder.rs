@@ -96,7 +96,8 @@ pub struct Decoder {
     pub(super) cfg: ModelConfig,
     pub(super) arch: Arch,
     pub(super) ops: Ops,
-    /// The attention kernel at inference ([`AttnBackend::from_env`] unless set).
+    /// The attention kernel at inference and of a training pass's attention core
+    /// ([`AttnBackend::from_env`] unless set).
     pub(super) attn: AttnBackend,
     pub(super) w: Weights,
     /// Gemma: the embedding is multiplied by √hidden (rounded to the model dtype).
@@ -198,12 +199,13 @@ impl Decoder {
     pub fn ops(&self) -> Ops {
         self.ops
     }
-    /// The attention kernel of inference (fused ops).
+    /// The attention kernel of inference (fused ops) and of a training pass's attention core.
     pub fn attention(&self) -> AttnBackend {
         self.attn
     }
-    /// Chooses the attention kernel of inference; [`AttnBackend::Cudnn`] falls back to the eager
-    /// path wherever it does not apply.
+    /// Chooses the attention kernel of inference and of a training pass's attention core;
+    /// [`AttnBackend::Cudnn`] falls back to the eager path (inference) or the blockwise one
+    /// (training) wherever it does not apply.
     pub fn set_attention(&mut self, backend: AttnBackend) {
         self.attn = backend;
     }
@@ -421,7 +423,7 @@ pub(super) fn attention_bias(
     if t == 1 && key_valid.is_none() && !window_masks_something {
         return Ok(None); // one new token attends to everything cached
     }
-    let visible = super::flash::visible((past, s), (0, s), window, device)?; // [T, S] u8
+    let visible = super::blockwise::visible((past, s), (0, s), window, device)?; // [T, S] u8
     let visible = match key_valid {
         Some(kv) => {
             let (kb, ks) = kv.dims2()?;

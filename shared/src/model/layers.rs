@@ -368,7 +368,7 @@ pub(crate) struct AttnInputs<'a> {
 }
 
 /// [B, Hkv, S, D] → [B, Hkv·rep, S, D] (each kv head repeated `rep` times consecutively): the
-/// grouped-query heads of every attention path (eager, flash, the precision trace).
+/// grouped-query heads of every attention path (eager, blockwise, the precision trace).
 pub(super) fn repeat_kv(x: &Tensor, rep: usize) -> Result<Tensor> {
     if rep == 1 {
         return Ok(x.clone());

@@ -22,7 +22,7 @@ pub mod config;
 mod decoder;
 mod error;
 mod facts;
-mod flash;
+mod blockwise;
 mod gemma3;
 mod host_ops;
 mod layers;
@@ -34,11 +34,12 @@ mod qwen3_moe;
 pub mod rope;
 mod spec;
 mod train;
+mod train_attention;
 
 pub(crate) use config::stored_name;
 pub use decoder::{Decoder, KvCache};
 #[doc(hidden)]
-pub use flash::override_block as override_attention_block;
+pub use blockwise::override_block as override_attention_block;
 pub use layers::{linear_kernel, AttnBackend, Ops};
 pub use params::{param_specs, Init, ParamSpec};
-pub use train::{kept_activation_bytes, Activations, TrainPass};
+pub use train::{ActivationBytes, Activations, TrainPass, KEEP_MAX_POSITIONS};

@@ -6,17 +6,27 @@
 //! the decoder choose how it keeps activations:
 //! - [`Activations::Keep`]: candle's autograd over the whole forward (every intermediate lives
 //!   until the backward; attention keeps `[B, H, T, T]` scores). The reference.
+//! - [`Activations::Selective`]: every layer's graph except the attention core's (Megatron's
+//!   selective recomputation): the projections, norms, MLP and their intermediates are kept; the
+//!   attention core ([`super::train_attention`]: cuDNN's fused kernel, or blockwise) keeps no
+//!   probabilities and its backward recomputes them. No GEMM is recomputed and no `[B, H, T, T]`
+//!   tensor exists: memory is linear in the sequence, about a sixth of [`Activations::Keep`]'s
+//!   per token for Qwen3-0.6B at 1k positions (estimated, [`ActivationBytes`]).
 //! - [`Activations::Checkpoint`]: the forward keeps each layer's input only; the backward
-//!   recomputes one layer at a time and pulls the gradient through it. Attention runs in query
-//!   blocks ([`super::flash`]) in both directions, so no `[B, H, T, T]` tensor exists and the
-//!   step's memory grows linearly with the sequence.
+//!   recomputes one layer at a time and pulls the gradient through it, its attention core as
+//!   above. The least memory, about one extra forward of compute.
+//!
+//! Selective and Checkpoint run the same ops in the same order, so their hidden states and
+//! gradients are the same bits; Keep's equal them within rounding. Where the fused attention
+//! runs, Keep runs as Selective: the fused kernel keeps only its softmax statistics, so keeping
+//! everything else is what "keep" can mean there (as PyTorch eager with SDPA).
 //!
 //! Training batches are right-padded (the causal mask keeps real tokens from seeing later pads),
 //! so the pass takes ids only.
 
 use super::decoder::Decoder;
-use super::flash::{self, Causal};
 use super::layers::Block;
+use super::train_attention::{self, Core, Saved as CoreSaved};
 use super::layers::{AttnBackend, AttnInputs, Ops};
 use super::spec::LayerKind;
 use candle_core::backprop::GradStore;
@@ -27,39 +37,80 @@ use candle_core::{Result, Tensor, Var};
 pub enum Activations {
     /// Every intermediate, through candle's autograd (memory grows with T²).
     Keep,
+    /// Every intermediate except the attention core's, recomputed block by block in the
+    /// backward (memory linear in T, no GEMM recomputed).
+    Selective,
     /// Each layer's input only; layers recomputed in the backward (memory linear in T, about
     /// one extra forward of compute).
     Checkpoint,
 }
 
-/// Above this many bytes of kept activations, [`Activations::auto`] checkpoints.
-const AUTO_CHECKPOINT_BYTES: f64 = (1u64 << 30) as f64;
+/// Up to this many positions per sequence, [`Activations::auto`] keeps everything (where it
+/// fits): the plain pass is the fastest there. Beyond, selective is faster as well as smaller
+/// (on the CPU, a 4-layer Qwen3-shaped student: 0.22 vs 0.25 s at 128 positions, 0.61 vs 0.35 s
+/// at 256, 3.4 vs 1.6 s at 1024; bench/README.md).
+pub const KEEP_MAX_POSITIONS: usize = 128;
 
 impl Activations {
-    /// Checkpoint when keeping everything would hold more than 1 GiB for `b` rows of `t`
-    /// tokens (see [`kept_activation_bytes`]); tiny models on short sequences keep everything
-    /// (no recompute, bit-identical to earlier releases).
-    pub fn auto(model: &Decoder, b: usize, t: usize) -> Activations {
-        if kept_activation_bytes(model, b, t) > AUTO_CHECKPOINT_BYTES {
-            Activations::Checkpoint
-        } else {
+    /// The fastest way whose activations fit `budget` bytes for `b` rows of `t` tokens
+    /// ([`ActivationBytes`]): keep everything for short sequences
+    /// ([`KEEP_MAX_POSITIONS`]), else selective, else checkpoint.
+    pub fn auto(model: &Decoder, b: usize, t: usize, budget: f64) -> Activations {
+        let need = ActivationBytes::of(model, b, t);
+        if t <= KEEP_MAX_POSITIONS && need.keep <= budget {
             Activations::Keep
+        } else if need.selective <= budget {
+            Activations::Selective
+        } else {
+            Activations::Checkpoint
+        }
+    }
+
+    /// `keep`, `selective` or `checkpoint`: how logs and benchmarks name it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Activations::Keep => "keep",
+            Activations::Selective => "selective",
+            Activations::Checkpoint => "checkpoint",
         }
     }
 }
 
-/// An estimate of the activations plain autograd keeps for `b × t` tokens: per layer and token
-/// about 12 hidden-sized and 4 intermediate-sized tensors in the compute dtype (norms in f32
-/// count double), plus the attention's scores, probabilities and their casts
-/// (`heads × t × (2·4 + 2·dtype)` bytes per query).
-pub fn kept_activation_bytes(model: &Decoder, b: usize, t: usize) -> f64 {
-    let cfg = model.config();
-    let el = model.dtype().size_in_bytes() as f64;
-    let tokens = (b * t) as f64;
-    let per_token = 12.0 * cfg.hidden_size as f64 * el
-        + 4.0 * cfg.intermediate_size as f64 * el
-        + cfg.num_attention_heads as f64 * t as f64 * (8.0 + 2.0 * el);
-    cfg.num_hidden_layers as f64 * tokens * per_token
+/// Estimated bytes each way of keeping activations holds for one micro-batch, from the model's
+/// shape: per layer and token, a layer's graph of about 14 hidden-sized, 8 attention-sized (q,
+/// k and v with their norms and rotations) and 5 intermediate-sized tensors in the compute
+/// dtype, plus with [`Activations::Keep`] the attention's scores, probabilities, their casts and
+/// the mask's broadcast (40 bytes per head, query and key). [`Activations::Checkpoint`] keeps
+/// one hidden-sized tensor per layer and token, and one layer's graph while it recomputes.
+/// Fitted to the peak memory of the CPU's f32 passes at 1k to 4k positions (bench/README.md):
+/// selective's 180 MiB per 1k positions against 175–180 measured; keep's slope 11–35 % above
+/// the measured one (an overestimate only makes auto choose the smaller way).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ActivationBytes {
+    pub keep: f64,
+    pub selective: f64,
+    pub checkpoint: f64,
+}
+
+impl ActivationBytes {
+    pub fn of(model: &Decoder, b: usize, t: usize) -> ActivationBytes {
+        let cfg = model.config();
+        let el = model.dtype().size_in_bytes() as f64;
+        let tokens = (b * t) as f64;
+        let layers = cfg.num_hidden_layers as f64;
+        let head_dim = cfg.head_dim() as f64;
+        let attn_width =
+            (cfg.num_attention_heads + 2 * cfg.kv_heads()) as f64 * head_dim;
+        let layer_graph = 14.0 * cfg.hidden_size as f64 * el
+            + 8.0 * attn_width * el
+            + 5.0 * cfg.intermediate_size as f64 * el;
+        let scores = cfg.num_attention_heads as f64 * t as f64 * 40.0;
+        ActivationBytes {
+            keep: layers * tokens * (layer_graph + scores),
+            selective: layers * tokens * layer_graph,
+            checkpoint: tokens * (layers * cfg.hidden_size as f64 * el + layer_graph),
+        }
+    }
 }
 
 /// A forward whose backward is still to run. [`TrainPass::hidden`] is detached: compute the
@@ -73,7 +124,30 @@ pub struct TrainPass<'a> {
 enum State {
     /// The hidden states with their whole graph.
     Graph(Tensor),
+    Selective(Kept),
     Checkpointed(Saved),
+}
+
+/// What a selective forward keeps of one layer: its input and the attention core's output as
+/// leaves, and the graphs between them: `q`, `k`, `v` `[B, H, T, D]` from the input (through
+/// the norm and projections), and the layer's output from both leaves; and what the core's
+/// backward needs.
+struct KeptLayer {
+    input: Var,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    core: Var,
+    saved: CoreSaved,
+    output: Tensor,
+}
+
+/// What a selective forward keeps: the ids, every layer's graphs, and the final norm's.
+struct Kept {
+    ids: Tensor,
+    layers: Vec<KeptLayer>,
+    last: Var,
+    normed: Tensor,
 }
 
 /// What a checkpointed forward keeps: the ids, each layer's input, and the final norm's own
@@ -95,12 +169,20 @@ impl Decoder {
         if self.ops != Ops::Differentiable {
             candle_core::bail!("a training pass needs a decoder built with differentiable ops");
         }
+        let fused =
+            train_attention::fused(self.attn, self.device(), self.dtype(), self.cfg.head_dim());
+        let act = match act {
+            Activations::Keep if fused => Activations::Selective,
+            act => act,
+        };
         let state = match act {
             Activations::Keep => State::Graph(self.forward_hidden(ids, None, None, None)?),
+            Activations::Selective => State::Selective(self.selective_forward(ids)?),
             Activations::Checkpoint => State::Checkpointed(self.checkpointed_forward(ids)?),
         };
         let hidden = match &state {
             State::Graph(h) => h.detach(),
+            State::Selective(k) => k.normed.detach(),
             State::Checkpointed(s) => s.normed.detach(),
         };
         Ok(TrainPass {
@@ -124,7 +206,8 @@ impl Decoder {
         }
     }
 
-    fn checkpointed_forward(&self, ids: &Tensor) -> Result<Saved> {
+    /// RoPE cos/sin `[T, R/2]` for the full and (when any) sliding layers of `ids` `[B, T]`.
+    fn train_rope(&self, ids: &Tensor) -> Result<[(Tensor, Tensor); 2]> {
         let (_, t) = ids.dims2()?;
         if t > self.cfg.max_position_embeddings {
             candle_core::bail!(
@@ -137,14 +220,47 @@ impl Decoder {
             Some(r) => self.rope_slice(r, t, 0, t, None)?,
             None => full.clone(),
         };
-        let rope = [full, sliding];
+        Ok([full, sliding])
+    }
+
+    fn selective_forward(&self, ids: &Tensor) -> Result<Kept> {
+        let rope = self.train_rope(ids)?;
+        let mut x = self.embed(ids)?.detach();
+        let mut layers = Vec::with_capacity(self.w.layers.len());
+        for (l, block) in self.w.layers.iter().enumerate() {
+            let input = Var::from_tensor(&x)?;
+            let (q, k, v) = self.project(l, block, input.as_tensor(), &rope)?;
+            let (core, saved) = self.core_forward(block, &q, &k, &v)?;
+            let output = self.after_attention(block, input.as_tensor(), core.as_tensor())?;
+            x = output.detach();
+            layers.push(KeptLayer {
+                input,
+                q,
+                k,
+                v,
+                core,
+                saved,
+                output,
+            });
+        }
+        let last = Var::from_tensor(&x)?;
+        let normed = self.w.norm.forward(last.as_tensor(), self.ops)?;
+        Ok(Kept {
+            ids: ids.clone(),
+            layers,
+            last,
+            normed,
+        })
+    }
+
+    fn checkpointed_forward(&self, ids: &Tensor) -> Result<Saved> {
+        let rope = self.train_rope(ids)?;
         let mut x = self.embed(ids)?.detach();
         let mut inputs = Vec::with_capacity(self.w.layers.len());
         for (l, block) in self.w.layers.iter().enumerate() {
             inputs.push(x.clone());
             let (q, k, v) = self.project(l, block, &x, &rope)?;
-            let c = self.causal(block, &q)?;
-            let o = flash::forward(&q, &k, &v, block.attn.scale, c)?;
+            let (o, _) = train_attention::forward(&q, &k, &v, self.core(block))?;
             x = self.after_attention(block, &x, &o)?.detach();
         }
         let last = Var::from_tensor(&x)?;
@@ -182,10 +298,27 @@ impl Decoder {
         block.attn.project(&h, &inp)
     }
 
-    /// The attention blocks for this layer's window and the shape of `q` `[B, Hq, T, D]`.
-    fn causal(&self, block: &Block, q: &Tensor) -> Result<Causal> {
-        let (b, h, t, _) = q.dims4()?;
-        Ok(Causal::for_shape(b, h, t, block.attn.window))
+    /// The attention core of `block` as this decoder runs it.
+    fn core(&self, block: &Block) -> Core {
+        Core {
+            backend: self.attn,
+            scale: block.attn.scale,
+            window: block.attn.window,
+        }
+    }
+
+    /// The layer's attention core over `q` `[B, Hq, T, D]`, `k`, `v` `[B, Hkv, T, D]`: its
+    /// output as a leaf (where the gradient of the rest of the block arrives) and what its
+    /// backward needs.
+    fn core_forward(
+        &self,
+        block: &Block,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<(Var, CoreSaved)> {
+        let (out, saved) = train_attention::forward(q, k, v, self.core(block))?;
+        Ok((Var::from_tensor(&out)?, saved))
     }
 
     /// The rest of a block after the attention core: `o_proj`, Gemma's post-attention norm, the
@@ -217,6 +350,7 @@ impl TrainPass<'_> {
     pub fn backward(self, grad: &Tensor) -> Result<GradStore> {
         match self.state {
             State::Graph(h) => pull(&h, grad),
+            State::Selective(kept) => self.model.selective_backward(kept, grad),
             State::Checkpointed(saved) => self.model.checkpointed_backward(saved, grad),
         }
     }
@@ -252,6 +386,22 @@ fn take(g: &mut GradStore, v: &Var) -> Result<Tensor> {
 }
 
 impl Decoder {
+    fn selective_backward(&self, kept: Kept, grad: &Tensor) -> Result<GradStore> {
+        // 1. Final norm: its weight's gradient, and the gradient at the last layer's output.
+        let mut total = pull(&kept.normed, grad)?;
+        let mut g = take(&mut total, &kept.last)?;
+        drop(kept.normed);
+        // 2. Layers in reverse from their kept graphs, each dropped once its gradient is out.
+        let blocks = self.w.layers.iter().rev();
+        for (block, layer) in blocks.zip(kept.layers.into_iter().rev()) {
+            g = layer_backward(block, &layer, &g, &mut total)?;
+        }
+        // 3. The embedding (for tied heads the caller adds the head's own gradient).
+        let embedded = self.embed(&kept.ids)?;
+        total.extend(pull(&embedded, &g)?)?;
+        Ok(total)
+    }
+
     fn checkpointed_backward(&self, s: Saved, grad: &Tensor) -> Result<GradStore> {
         // 1. Final norm: its weight's gradient, and the gradient at the last layer's output.
         let mut total = pull(&s.normed, grad)?;
@@ -259,27 +409,51 @@ impl Decoder {
         drop(s.normed);
         // 2. Layers in reverse, each recomputed from its input.
         for (l, block) in self.w.layers.iter().enumerate().rev() {
-            let x = Var::from_tensor(&s.inputs[l])?;
-            let (q, k, v) = self.project(l, block, x.as_tensor(), &s.rope)?;
-            let c = self.causal(block, &q)?;
-            // 2a. The block after the attention core, from the core's output as a leaf.
-            let o = Var::from_tensor(&flash::forward(&q, &k, &v, block.attn.scale, c)?)?;
-            let mut after = pull(
-                &self.after_attention(block, x.as_tensor(), o.as_tensor())?,
-                &g,
-            )?;
-            let (dout, gx_residual) = (take(&mut after, &o)?, take(&mut after, &x)?);
-            // 2b. The attention core by hand, then the projections through autograd.
-            let (dq, dk, dv) = flash::backward(&q, &k, &v, &dout, block.attn.scale, c)?;
-            let surrogate = ((&q * dq)?.sum_all()? + (&k * dk)?.sum_all()?)?;
-            let mut before = (surrogate + (&v * dv)?.sum_all()?)?.backward()?;
-            g = (gx_residual + take(&mut before, &x)?)?;
-            total.extend(params_only(after))?;
-            total.extend(params_only(before))?;
+            let input = Var::from_tensor(&s.inputs[l])?;
+            let (q, k, v) = self.project(l, block, input.as_tensor(), &s.rope)?;
+            let (core, saved) = self.core_forward(block, &q, &k, &v)?;
+            let output = self.after_attention(block, input.as_tensor(), core.as_tensor())?;
+            let layer = KeptLayer {
+                input,
+                q,
+                k,
+                v,
+                core,
+                saved,
+                output,
+            };
+            g = layer_backward(block, &layer, &g, &mut total)?;
         }
         // 3. The embedding (for tied heads the caller adds the head's own gradient).
         let embedded = self.embed(&s.ids)?;
         total.extend(pull(&embedded, &g)?)?;
         Ok(total)
     }
+}
+
+
+/// One layer's backward from its graphs, given the gradient `g` at its output: the
+/// parameters' gradients go into `total`; returns the gradient at the layer's input.
+fn layer_backward(
+    block: &Block,
+    layer: &KeptLayer,
+    g: &Tensor,
+    total: &mut GradStore,
+) -> Result<Tensor> {
+    // 1. The block after the attention core, from the core's output as a leaf.
+    let mut after = pull(&layer.output, g)?;
+    let dout = take(&mut after, &layer.core)?;
+    let gx_residual = take(&mut after, &layer.input)?;
+    // 2. The attention core by hand (its probabilities recomputed), then the norm and
+    //    projections through autograd.
+    let (q, k, v) = (&layer.q, &layer.k, &layer.v);
+    let core = layer.core.as_tensor();
+    let (dq, dk, dv) =
+        train_attention::backward(&layer.saved, (q, k, v), core, &dout, block.attn.scale)?;
+    let surrogate = ((q * dq)?.sum_all()? + (k * dk)?.sum_all()?)?;
+    let mut before = (surrogate + (v * dv)?.sum_all()?)?.backward()?;
+    let gx = (gx_residual + take(&mut before, &layer.input)?)?;
+    total.extend(params_only(after))?;
+    total.extend(params_only(before))?;
+    Ok(gx)
 }

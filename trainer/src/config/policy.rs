@@ -148,16 +148,21 @@ impl Default for PolicyConfig {
 
 /// `policy.activation_checkpointing`: how the student's training forward keeps what its
 /// backward needs. Checkpointing keeps each decoder layer's input only and recomputes the layer
-/// in the backward (memory linear in the sequence, about one extra forward of compute).
-/// TOML: `true`, `false` or `"auto"` (the default).
+/// in the backward (memory linear in the sequence, about one extra forward of compute);
+/// selective keeps everything but the attention core, which its backward recomputes block by
+/// block (memory linear in the sequence, no GEMM recomputed). TOML: `true`, `false`,
+/// `"selective"` or `"auto"` (the default).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ActivationCheckpointing {
-    /// Checkpoint a micro-batch when plain autograd would keep more than 1 GiB
-    /// ([`Activations::auto`]); tiny models keep everything.
+    /// Per micro-batch, the cheapest way whose activations fit the device's memory left after
+    /// the run's own state ([`activation_budget`]): keep everything, else selective, else
+    /// checkpoint.
     #[default]
     Auto,
     /// Always checkpoint.
     On,
+    /// Always selective.
+    Selective,
     /// Never: plain autograd (every intermediate lives until the backward).
     Off,
 }
@@ -166,23 +171,51 @@ impl ActivationCheckpointing {
     /// The way `model` keeps activations for a micro-batch of `b` rows of `t` tokens.
     pub fn resolve(self, model: &Decoder, b: usize, t: usize) -> Activations {
         match self {
-            ActivationCheckpointing::Auto => Activations::auto(model, b, t),
+            ActivationCheckpointing::Auto => {
+                Activations::auto(model, b, t, activation_budget(model))
+            }
             ActivationCheckpointing::On => Activations::Checkpoint,
+            ActivationCheckpointing::Selective => Activations::Selective,
             ActivationCheckpointing::Off => Activations::Keep,
         }
     }
 
-    /// From the command line's `auto`, `on`/`true` or `off`/`false`.
+    /// From the command line's `auto`, `on`/`true`, `selective` or `off`/`false`.
     pub fn parse(s: &str) -> Result<Self, String> {
         match s {
             "auto" => Ok(Self::Auto),
             "on" | "true" => Ok(Self::On),
+            "selective" => Ok(Self::Selective),
             "off" | "false" => Ok(Self::Off),
             _ => Err(format!(
-                "activation checkpointing must be auto, on or off, got {s:?}"
+                "activation checkpointing must be auto, on, selective or off, got {s:?}"
             )),
         }
     }
+}
+
+/// Bytes of the run's own state per parameter: f32 master (4), the compute copy (up to 4),
+/// AdamW's two f32 moments (8), the gradient and the micro-batches' sum (4 + 4).
+const STATE_BYTES_PER_PARAM: f64 = 24.0;
+/// Besides the parameters' state: the LM head's chunks (logits and their gradient), the CUDA
+/// context and the allocator's slack.
+const STATE_BYTES_FIXED: f64 = (2u64 << 30) as f64;
+/// Used where the device's memory is unknown: the earlier fixed rule's 1 GiB.
+const UNKNOWN_BUDGET: f64 = (1u64 << 30) as f64;
+
+/// The bytes a micro-batch's kept activations may take on `model`'s device: the device's
+/// memory (a GPU's, or the machine's or its cgroup's limit) less the run's own state
+/// ([`STATE_BYTES_PER_PARAM`], [`STATE_BYTES_FIXED`]), three quarters of it on a GPU and half on
+/// the CPU (shared with the system and often a teacher). From the total, not the free memory,
+/// so a resumed run chooses as the first run did.
+pub fn activation_budget(model: &Decoder) -> f64 {
+    let Some(mem) = xdistill_shared::device::memory_info(model.device()) else {
+        return UNKNOWN_BUDGET;
+    };
+    let params = xdistill_shared::init::parameter_count(model.config());
+    let room = mem.total as f64 - params * STATE_BYTES_PER_PARAM - STATE_BYTES_FIXED;
+    let share = if model.device().is_cpu() { 0.5 } else { 0.75 };
+    (room * share).max(0.0)
 }
 
 impl Serialize for ActivationCheckpointing {
@@ -190,6 +223,7 @@ impl Serialize for ActivationCheckpointing {
         match self {
             ActivationCheckpointing::Auto => s.serialize_str("auto"),
             ActivationCheckpointing::On => s.serialize_bool(true),
+            ActivationCheckpointing::Selective => s.serialize_str("selective"),
             ActivationCheckpointing::Off => s.serialize_bool(false),
         }
     }
@@ -198,7 +232,8 @@ impl Serialize for ActivationCheckpointing {
 impl<'de> Deserialize<'de> for ActivationCheckpointing {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         struct V;
-        const WANT: &str = "policy.activation_checkpointing must be true, false or \"auto\"";
+        const WANT: &str =
+            "policy.activation_checkpointing must be true, false, \"selective\" or \"auto\"";
         impl serde::de::Visitor<'_> for V {
             type Value = ActivationCheckpointing;
             fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
@@ -214,6 +249,7 @@ impl<'de> Deserialize<'de> for ActivationCheckpointing {
             fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
                 match v {
                     "auto" => Ok(ActivationCheckpointing::Auto),
+                    "selective" => Ok(ActivationCheckpointing::Selective),
                     _ => Err(E::custom(format!("{WANT}, got {v:?}"))),
                 }
             }

@@ -46,7 +46,7 @@ fn virtual_shards_takes_auto_or_a_number() {
 }
 
 #[test]
-fn activation_checkpointing_takes_a_bool_or_auto() {
+fn activation_checkpointing_takes_a_bool_selective_or_auto() {
     let dir = tempfile::tempdir().unwrap();
     let c = Config::from_file(&write(dir.path(), MINIMAL)).unwrap();
     assert_eq!(
@@ -57,6 +57,7 @@ fn activation_checkpointing_takes_a_bool_or_auto() {
         ("true", ActivationCheckpointing::On),
         ("false", ActivationCheckpointing::Off),
         ("\"auto\"", ActivationCheckpointing::Auto),
+        ("\"selective\"", ActivationCheckpointing::Selective),
     ] {
         let text = MINIMAL.replace(
             "[policy]\n",
@@ -529,4 +530,31 @@ fn keep_top_k_takes_a_count_or_all() {
         let e = load(bad).unwrap_err().to_string();
         assert!(e.contains("keep_top_k"), "{bad}: {e}");
     }
+}
+
+/// `auto` on the CPU: the budget is a share of the machine's (or its cgroup's) memory less the
+/// run's own state; a tiny student keeps every activation at a short length, keeps all but the
+/// attention core where the scores alone would pass the budget, and checkpoints past that.
+#[test]
+fn auto_activations_follow_the_machines_memory() {
+    use xdistill_shared::model::{ActivationBytes, Activations};
+    let (model, _) = crate::train::testutil::tiny(false, candle_core::DType::F32, 5);
+    let budget = super::policy::activation_budget(&model);
+    let total = xdistill_shared::device::memory_info(model.device())
+        .unwrap()
+        .total as f64;
+    assert!(0.0 < budget && budget < total / 2.0, "{budget} of {total}");
+    let auto = |b, t| ActivationCheckpointing::Auto.resolve(&model, b, t);
+    assert_eq!(auto(4, 64), Activations::Keep);
+    // The shortest power of two whose kept scores pass the budget.
+    let t = (6..40)
+        .map(|p| 1usize << p)
+        .find(|&t| ActivationBytes::of(&model, 1, t).keep > budget)
+        .unwrap();
+    let need = ActivationBytes::of(&model, 1, t);
+    assert!(need.selective < budget, "{need:?} vs {budget}");
+    assert_eq!(auto(1, t), Activations::Selective);
+    let rows = (budget / need.selective) as usize + 1;
+    assert!(ActivationBytes::of(&model, rows, t).checkpoint < budget);
+    assert_eq!(auto(rows, t), Activations::Checkpoint);
 }

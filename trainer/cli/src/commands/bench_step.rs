@@ -72,8 +72,8 @@ pub struct Args {
     /// Set RAYON_NUM_THREADS to the same for ours.
     #[arg(long)]
     pub threads: Option<usize>,
-    /// auto, on or off: keep only each layer's input and recompute layers in the backward
-    /// (`policy.activation_checkpointing`).
+    /// auto, on, selective or off: keep only each layer's input and recompute layers in the
+    /// backward, or keep all but the attention core (`policy.activation_checkpointing`).
     #[arg(long, default_value = "auto", value_parser = ActivationCheckpointing::parse)]
     pub activation_checkpointing: ActivationCheckpointing,
     /// Rows per LM-head chunk; 0: as many as fit 256 MiB of f32 logits.
@@ -361,8 +361,11 @@ pub fn run(a: Args) -> Result<()> {
             chunk_rows: a.head_chunk_rows,
         },
     };
+    let mut activations = None;
     for round in 0..a.rounds {
         let student = Student::load(&a.model, &device, dtype)?;
+        let act = a.activation_checkpointing.resolve(student.model(), bs, t);
+        activations.get_or_insert(act);
         let mut runner = Runner::new(student, optim.clone(), 1_000_000)?;
         let (l0, _) = step(&mut runner, &setup)?; // warm-up
         first_loss.get_or_insert(l0);
@@ -397,13 +400,14 @@ pub fn run(a: Args) -> Result<()> {
     let last = last_loss.unwrap_or(f64::NAN);
     println!(
         "bench-step device={} dtype={} params={params} batch={bs} seq_len={t} k={k} steps={} \
-         median_ms={:.2} min_ms={:.2} tokens_per_s={:.0} loss={last:.4}",
+         median_ms={:.2} min_ms={:.2} tokens_per_s={:.0} loss={last:.4} activations={}",
         a.device,
         a.dtype,
         ours.len(),
         ours_s * 1e3,
         min_s * 1e3,
-        (bs * t) as f64 / ours_s
+        (bs * t) as f64 / ours_s,
+        activations.map_or("none", |x| x.name())
     );
     println!(
         "  phases (median s): forward {:.3}  head+loss {:.3}  backward {:.3}  accumulate {:.3}  \

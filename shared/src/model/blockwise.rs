@@ -1,6 +1,8 @@
-//! Attention whose memory is linear in the sequence, for training: queries in blocks, each
+//! Blockwise attention for training, memory linear in the sequence: queries in blocks, each
 //! block's softmax over only the keys it can see, and a hand-written backward that recomputes
-//! each block's probabilities instead of keeping them.
+//! each block's probabilities instead of keeping them. The CPU's training attention, and on a
+//! GPU the reference and the fallback where cuDNN's fused attention does not apply
+//! ([`super::train_attention`]).
 //!
 //! Plain autograd attention keeps `[B, H, T, T]` scores (several copies) until the backward
 //! runs. Here at most one block's `[B, H, bq, kn]` exists at a time, `kn ≤ T` the keys the
@@ -9,9 +11,12 @@
 //! softmax of a block is the exact row softmax over its visible keys (every query sees itself),
 //! so no online rescaling is needed.
 //!
-//! The backward is FlashAttention's, per query block, from the recomputed probabilities `P`:
-//! `dV += Pᵀ·dO`, `dP = dO·Vᵀ`, `dS = P ∘ (dP − rowsum(P ∘ dP))`, `dQ = s·dS·K`,
-//! `dK += s·dSᵀ·Q`. All of it is candle tensor code, so CPU and CUDA run the same thing.
+//! This is not FlashAttention: a block's scores and probabilities are whole tensors in device
+//! memory (about 14 tensor ops per block forward and 30 backward), not tiles kept in on-chip
+//! memory by one fused kernel. Only the backward's equations are FlashAttention's, per query
+//! block, from the recomputed probabilities `P`: `dV += Pᵀ·dO`, `dP = dO·Vᵀ`,
+//! `dS = P ∘ (dP − rowsum(P ∘ dP))`, `dQ = s·dS·K`, `dK += s·dSᵀ·Q`. All of it is candle tensor
+//! code, so CPU and CUDA run the same thing.
 
 use super::layers::{accum_dtype, repeat_kv};
 use candle_core::{DType, Device, Result, Tensor, D};

@@ -1,0 +1,107 @@
+//! The attention core of a training pass, `softmax(scale · q kᵀ + causal/window mask) · v`, and
+//! its backward, both by hand (the pass keeps neither scores nor probabilities; see
+//! [`super::train`]). Two kernels behind one seam:
+//! - cuDNN's fused SDPA ([`xdistill_cudnn::sdpa_train`] and [`xdistill_cudnn::sdpa_backward`]:
+//!   the softmax statistics kept, deterministic backward, grouped-query heads read unrepeated)
+//!   where the decoder's [`AttnBackend`] is cuDNN and it applies: a CUDA build on a CUDA device,
+//!   bf16 or f16, cuDNN loaded, a head size it takes;
+//! - the blockwise attention ([`super::blockwise`]) everywhere else: every device and dtype, and
+//!   the reference the fused one is tested against.
+//!
+//! `q` is `[B, Hq, T, D]`, `k` and `v` `[B, Hkv, T, D]` (grouped-query when `Hkv < Hq`), the
+//! output `[B, Hq, T, D]`; queries and keys are the same positions (causal, top-left).
+
+use super::blockwise::{self, Causal};
+use super::layers::AttnBackend;
+use candle_core::{DType, Device, Result, Tensor};
+
+/// What a core's backward needs besides q, k, v and the output.
+pub(crate) enum Saved {
+    /// The blockwise kernel's blocks (it recomputes everything else).
+    Blockwise(Causal),
+    /// cuDNN's softmax statistics, f32 `[B, Hq, T, 1]`, and the call's parameters.
+    #[cfg(feature = "cuda")]
+    Cudnn {
+        stats: Tensor,
+        params: xdistill_cudnn::Params,
+    },
+}
+
+/// Whether the fused kernel runs training attention with `backend` on `device` in `dtype` with
+/// heads of `head_dim`: cuDNN chosen, a CUDA device, bf16 or f16, cuDNN loaded, a head size it
+/// takes (a multiple of 8, at most 256).
+pub(crate) fn fused(backend: AttnBackend, device: &Device, dtype: DType, head_dim: usize) -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        backend == AttnBackend::Cudnn
+            && head_dim.is_multiple_of(8)
+            && head_dim <= 256
+            && super::attn_cudnn::cudnn_ready(device, dtype)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (backend, device, dtype, head_dim);
+        false
+    }
+}
+
+/// What one layer's attention core computes besides q, k and v.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Core {
+    pub backend: AttnBackend,
+    /// Multiplies q·k.
+    pub scale: f64,
+    /// Keys further back than this many positions (counting the query's own) are masked.
+    pub window: Option<usize>,
+}
+
+/// The attention of `q` over `k`, `v`, untracked: `[B, Hq, T, D]` and what [`backward`] needs.
+pub(crate) fn forward(q: &Tensor, k: &Tensor, v: &Tensor, core: Core) -> Result<(Tensor, Saved)> {
+    let Core {
+        backend,
+        scale,
+        window,
+    } = core;
+    #[cfg(feature = "cuda")]
+    if fused(backend, q.device(), q.dtype(), q.dim(3)?) {
+        let params = xdistill_cudnn::Params {
+            scale: scale as f32,
+            causal: xdistill_cudnn::Causal::TopLeft,
+            window,
+        };
+        let (out, stats) = xdistill_cudnn::sdpa_train(q, k, v, params)?; // [B, T, Hq, D]
+        return Ok((out.transpose(1, 2)?, Saved::Cudnn { stats, params }));
+    }
+    let _ = backend;
+    let (b, h, t, _) = q.dims4()?;
+    let c = Causal::for_shape(b, h, t, window);
+    Ok((blockwise::forward(q, k, v, scale, c)?, Saved::Blockwise(c)))
+}
+
+/// Gradients `(dq, dk, dv)` at `q`, `k`, `v` (their shapes and dtype) of [`forward`], given its
+/// output `out` `[B, Hq, T, D]` (any layout) and the gradient `dout` arriving there.
+pub(crate) fn backward(
+    saved: &Saved,
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    out: &Tensor,
+    dout: &Tensor,
+    scale: f64,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    match saved {
+        Saved::Blockwise(c) => {
+            let _ = out;
+            blockwise::backward(q, k, v, dout, scale, *c)
+        }
+        #[cfg(feature = "cuda")]
+        Saved::Cudnn { stats, params } => {
+            let _ = scale;
+            xdistill_cudnn::sdpa_backward(
+                (q, k, v),
+                &out.transpose(1, 2)?,
+                stats,
+                &dout.transpose(1, 2)?,
+                *params,
+            )
+        }
+    }
+}
