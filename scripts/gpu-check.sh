@@ -9,17 +9,21 @@
 # 1. the decoder model tests on the GPU (f32); 1b. cuDNN's fused attention (bf16, f16) against an
 #    f64 reference and decoders through it against the eager attention; its training forward and
 #    backward against f64 loops, and training passes through it against the blockwise core;
-# 2. the teacher's device top-k path on the GPU against the f64 CPU reference and the host path;
+# 1c. the project's own CUDA kernels (kernels/cuda: the top-k selection kernel) vs f64;
+# 2. the teacher's device top-k path on the GPU against the f64 CPU reference and the host path,
+#    with candle's sorts and with the selection kernel (XDISTILL_DEVICE_TOPK=kernel);
 # 2b. the NCCL collectives in a world of one (`trainer nccl-check`);
 # 3. a random model of Qwen3-0.6B's shape (Qwen3 vocabulary): teacher (cuda, bf16) scored
 #    tokens/s at k = 64 vs transformers forward + torch.topk, with their answers compared;
-# 4. the student training step (bf16 compute, f32 masters, AdamW) vs PyTorch eager (autocast);
+# 4. the student training step (bf16 compute, f32 masters, AdamW) vs PyTorch eager (autocast),
+#    each way of keeping activations and with cuDNN's attention core;
 # 5. a Qwen3-1.7B-shaped student at 4096 tokens (checkpointed) vs PyTorch "careful";
 # 6. exact full-vocabulary transport (issue 32): `bench/full_vocab.py --device cuda`.
 # 3t. teacher speed (issue 46): random models of Qwen3-0.6B's and Qwen3-1.7B's shapes, ours
 #    through HTTP (MessagePack, 4 clients) in the batch-invariant mode (the default) and the
-#    padded one (`--batch-invariant false`), with cuDNN's attention and the eager one
-#    (`SPEED_RUNS`, default "true:cudnn true:eager false:cudnn") against transformers (SDPA) + torch.topk
+#    padded one (`--batch-invariant false`), with cuDNN's attention and the selection kernel or
+#    the eager attention and the sorts (`SPEED_RUNS`, invariant:attention:topk, default
+#    "true:cudnn:kernel true:eager:sort false:cudnn:kernel") against transformers (SDPA) + torch.topk
 #    in-process, at 8 x 512, 4 x 2048 and 1 x 8192, k = 64, bf16, with the server's phase
 #    breakdown (forward, LM head, top-k, copy, encoding; synchronised). Not in the default run
 #    (it is long): STEPS="3t". SPEED_MODELS="qwen3-0.6b" measures one of the two shapes. It
@@ -118,10 +122,15 @@ check timeout 300 env XDISTILL_TEST_DEVICE=cuda "$work/test-shared" model:: --te
 step "1b. cuDNN's fused attention (serving and training): against f64 references, decoders and training passes through it"
 check timeout 300 env XDISTILL_TEST_DEVICE=cuda RUST_LOG=info "$work/test-shared" cudnn_attention:: \
   --test-threads=1 --nocapture
+step "1c. the project's CUDA kernels (kernels/cuda): the top-k selection kernel vs an f64 reference"
+check timeout 180 env XDISTILL_TEST_DEVICE=cuda "$work/test-shared" cuda_kernels:: --test-threads=1 --nocapture
 fi
 if want 2; then
-step "2. device top-k path: GPU vs the f64 CPU reference and the CPU host path"
-check timeout 300 env XDISTILL_TEST_DEVICE=cuda "$work/test-server" device_topk:: --test-threads=1
+step "2. device top-k path: GPU vs the f64 CPU reference and the CPU host path (sorts, then the kernel)"
+for topk in sort kernel; do
+  check timeout 300 env XDISTILL_TEST_DEVICE=cuda XDISTILL_DEVICE_TOPK=$topk "$work/test-server" device_topk:: \
+    --test-threads=1
+done
 step "   the same tests on the CPU (sanity of the bundle)"
 check timeout 300 "$work/test-server" device_topk:: --test-threads=1
 
@@ -141,20 +150,23 @@ for spec in "qwen3-0.6b 1024 28 16 8 3072" "qwen3-1.7b 2048 28 16 8 6144"; do
     --hidden-size "$2" --layers "$3" --heads "$4" --kv-heads "$5" --head-dim 128 \
     --intermediate-size "$6" --tie-embeddings --pad-vocab-to 64 --max-position-embeddings 16384 \
     --seed 1 --out "$model"
-  # mode:attention: the invariant mode with cuDNN's attention (the default) and with the eager
-  # one (before cuDNN), and the padded mode with cuDNN's.
-  runs=${SPEED_RUNS:-true:cudnn true:eager false:cudnn}
+  # mode:attention:topk: the invariant mode with cuDNN's attention and the selection kernel
+  # (the new path), with the eager attention and the sorts (before both; the phase breakdown
+  # says what each part saves), and the padded mode on the new path.
+  runs=${SPEED_RUNS:-true:cudnn:kernel true:eager:sort false:cudnn:kernel}
   first_run=${runs%% *}
   for run in $runs; do
-    invariant=${run%%:*} attention=${run##*:}
+    IFS=: read -r invariant attention topk <<< "$run"
+    topk=${topk:-sort}
     port=18124
-    XDISTILL_ATTENTION=$attention "$work/teacher" --model "$model" --device cuda --dtype bf16 \
-      --port $port --cache-bytes 0 \
+    log="$out/teacher-$name-$invariant-$attention-$topk.log"
+    XDISTILL_ATTENTION=$attention XDISTILL_DEVICE_TOPK=$topk "$work/teacher" --model "$model" --device cuda \
+      --dtype bf16 --port $port --cache-bytes 0 \
       --batch-invariant "$invariant" --max-batch-tokens 16384 --max-queue-tokens 1048576 \
-      > "$out/teacher-$name-$invariant-$attention.log" 2>&1 &
+      > "$log" 2>&1 &
     tpid=$!
     wait_healthy $port $tpid
-    grep -E "attention" "$out/teacher-$name-$invariant-$attention.log" | head -n 2
+    grep -E "attention|scoring path" "$log" | head -n 3
     # PyTorch's side does not depend on our mode: measured once, beside the first run.
     torch_flag="--no-torch"; [ "$run" = "$first_run" ] && torch_flag=""
     for shape in "8 512 16" "4 2048 8" "1 8192 6"; do
@@ -163,7 +175,7 @@ for spec in "qwen3-0.6b 1024 28 16 8 3072" "qwen3-1.7b 2048 28 16 8 6144"; do
       [ "$invariant" = false ] && [ "$1" = 1 ] && continue
       check timeout 150 env PYTHONUNBUFFERED=1 "$py" bench/gpu_teacher.py --model "$model" \
         --url "http://127.0.0.1:$port" --batch "$1" --seq-len "$2" --k 64 --requests "$3" \
-        --clients 4 --dtype bf16 --label "$name invariant=$invariant attention=$attention" $torch_flag
+        --clients 4 --dtype bf16 --label "$name invariant=$invariant attention=$attention topk=$topk" $torch_flag
     done
     kill -TERM $tpid; wait $tpid
   done

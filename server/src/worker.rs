@@ -112,6 +112,7 @@ pub fn spawn(
                 chunk_rows = scorer.chunk_rows,
                 batch_invariant = cfg.batch_invariant,
                 attention = ?decoder.attention(),
+                device_topk = ?xdistill_shared::topk::DeviceTopk::from_env(),
                 "scoring path"
             );
             let worker = Worker {

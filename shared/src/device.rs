@@ -206,10 +206,16 @@ mod memory_tests {
         assert_eq!(meminfo_kib(info, "MemAvailable"), Some(20_000_000));
         assert_eq!(meminfo_kib(info, "MemFree"), None);
         // This machine: something free, no more than it has.
-        let total = meminfo_kib(&std::fs::read_to_string("/proc/meminfo").unwrap(), "MemTotal")
-            .unwrap()
+        let total = meminfo_kib(
+            &std::fs::read_to_string("/proc/meminfo").unwrap(),
+            "MemTotal",
+        )
+        .unwrap()
             * 1024;
         let m = memory_info(&Device::Cpu).unwrap();
-        assert!(0 < m.free && m.free <= m.total && m.total <= total, "{m:?} of {total}");
+        assert!(
+            0 < m.free && m.free <= m.total && m.total <= total,
+            "{m:?} of {total}"
+        );
     }
 }

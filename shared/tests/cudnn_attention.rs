@@ -470,7 +470,11 @@ fn training_sdpa_and_its_backward_equal_the_f64_reference() {
         for (what, err) in checks {
             assert!(err < tol, "{what}: relative error {err:.3e} over {tol:.0e}");
         }
-        for (a, b) in [(&grads.0, &again.0), (&grads.1, &again.1), (&grads.2, &again.2)] {
+        for (a, b) in [
+            (&grads.0, &again.0),
+            (&grads.1, &again.1),
+            (&grads.2, &again.2),
+        ] {
             assert_eq!(host(a), host(b), "the backward's second run differs");
         }
     }
@@ -536,9 +540,7 @@ fn training_pass_through_cudnn_matches_the_blockwise_core() {
         let mut run = |m: &Decoder, act| {
             let pass = m.train_forward(&ids, act).unwrap();
             let g = grad
-                .get_or_insert_with(|| {
-                    random(&mut rng, pass.hidden().dims(), DType::BF16, &dev)
-                })
+                .get_or_insert_with(|| random(&mut rng, pass.hidden().dims(), DType::BF16, &dev))
                 .clone();
             let hidden = host(pass.hidden());
             let grads = pass.backward(&g).unwrap();
@@ -561,7 +563,10 @@ fn training_pass_through_cudnn_matches_the_blockwise_core() {
             eprintln!("{name} {act:?}: hidden rel err {err:.2e}");
             assert!(err < 3e-2, "{name} {act:?} hidden: {err:.3e}");
             for ((n, a), (_, b)) in g1.iter().zip(&g0) {
-                assert!(!b.is_empty() && a.len() == b.len(), "{name}: {n} has no gradient");
+                assert!(
+                    !b.is_empty() && a.len() == b.len(),
+                    "{name}: {n} has no gradient"
+                );
                 let err = rel_err(a, b);
                 assert!(err < 6e-2, "{name} {act:?} {n}: gradient rel err {err:.3e}");
             }

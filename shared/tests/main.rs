@@ -4,6 +4,8 @@
 //! one.
 
 #[cfg(feature = "cuda")]
+mod cuda_kernels;
+#[cfg(feature = "cuda")]
 mod cudnn_attention;
 mod decode_fuzz;
 mod gguf;

@@ -242,5 +242,8 @@ fn auto_keeps_what_fits_the_budget() {
     }
     // Past KEEP_MAX_POSITIONS selective is the faster way, whatever the budget.
     let t = KEEP_MAX_POSITIONS + 1;
-    assert_eq!(Activations::auto(&model, 4, t, f64::MAX), Activations::Selective);
+    assert_eq!(
+        Activations::auto(&model, 4, t, f64::MAX),
+        Activations::Selective
+    );
 }

@@ -321,7 +321,10 @@ impl<'a> Operand<'a> {
         &self,
         stream: &std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
     ) -> Result<u64> {
-        let slice = self.cuda()?.as_cuda_slice::<T>()?.slice(self.layout.start_offset()..);
+        let slice = self
+            .cuda()?
+            .as_cuda_slice::<T>()?
+            .slice(self.layout.start_offset()..);
         let (p, _sync) = slice.device_ptr(stream);
         Ok(p)
     }
@@ -364,7 +367,11 @@ fn train_forward<T: CudaDType + DeviceRepr>(
     let mut stats = unsafe { dev.alloc::<f32>(b * hq * sq)? };
     let mut ws = dev.alloc_zeros::<u8>(ws_bytes)?;
     let mut err = [0u8; ERR_LEN];
-    let (qp, kp, vp) = (qo.ptr::<T>(&stream)?, ko.ptr::<T>(&stream)?, vo.ptr::<T>(&stream)?);
+    let (qp, kp, vp) = (
+        qo.ptr::<T>(&stream)?,
+        ko.ptr::<T>(&stream)?,
+        vo.ptr::<T>(&stream)?,
+    );
     let rc = {
         let (op, _og) = o.device_ptr_mut(&stream);
         let (sp, _sg) = stats.device_ptr_mut(&stream);

@@ -18,11 +18,11 @@
 pub mod arch;
 #[cfg(feature = "cuda")]
 mod attn_cudnn;
+mod blockwise;
 pub mod config;
 mod decoder;
 mod error;
 mod facts;
-mod blockwise;
 mod gemma3;
 mod host_ops;
 mod layers;
@@ -36,10 +36,10 @@ mod spec;
 mod train;
 mod train_attention;
 
-pub(crate) use config::stored_name;
-pub use decoder::{Decoder, KvCache};
 #[doc(hidden)]
 pub use blockwise::override_block as override_attention_block;
+pub(crate) use config::stored_name;
+pub use decoder::{Decoder, KvCache};
 pub use layers::{linear_kernel, AttnBackend, Ops};
 pub use params::{param_specs, Init, ParamSpec};
 pub use train::{ActivationBytes, Activations, TrainPass, KEEP_MAX_POSITIONS};

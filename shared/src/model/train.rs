@@ -26,9 +26,9 @@
 
 use super::decoder::Decoder;
 use super::layers::Block;
-use super::train_attention::{self, Core, Saved as CoreSaved};
 use super::layers::{AttnBackend, AttnInputs, Ops};
 use super::spec::LayerKind;
+use super::train_attention::{self, Core, Saved as CoreSaved};
 use candle_core::backprop::GradStore;
 use candle_core::{Result, Tensor, Var};
 
@@ -99,8 +99,7 @@ impl ActivationBytes {
         let tokens = (b * t) as f64;
         let layers = cfg.num_hidden_layers as f64;
         let head_dim = cfg.head_dim() as f64;
-        let attn_width =
-            (cfg.num_attention_heads + 2 * cfg.kv_heads()) as f64 * head_dim;
+        let attn_width = (cfg.num_attention_heads + 2 * cfg.kv_heads()) as f64 * head_dim;
         let layer_graph = 14.0 * cfg.hidden_size as f64 * el
             + 8.0 * attn_width * el
             + 5.0 * cfg.intermediate_size as f64 * el;
@@ -430,7 +429,6 @@ impl Decoder {
         Ok(total)
     }
 }
-
 
 /// One layer's backward from its graphs, given the gradient `g` at its output: the
 /// parameters' gradients go into `total`; returns the gradient at the layer's input.

@@ -1,0 +1,25 @@
+//! The embedded PTX of each kernel file (`build.rs` compiles `src/NAME.cu` to `NAME.ptx`) and the
+//! one place that loads a kernel: by file, then by function name, cached per device by candle.
+
+use candle_core::cuda_backend::cudarc::driver::CudaFunction;
+use candle_core::cuda_backend::CudaDevice;
+use candle_core::Result;
+
+/// One compiled `.cu` file.
+pub struct Module {
+    /// Module name in candle's per-device cache.
+    pub name: &'static str,
+    pub ptx: &'static str,
+}
+
+pub const TOPK_ROWS: Module = Module {
+    name: "xdistill_topk_rows",
+    ptx: include_str!(concat!(env!("OUT_DIR"), "/topk_rows.ptx")),
+};
+
+/// `function` of `module` on `dev`, loaded on first use.
+pub fn function(dev: &CudaDevice, module: &Module, function: &str) -> Result<CudaFunction> {
+    Ok(dev
+        .get_or_load_custom_func(function, module.name, module.ptx)?
+        .into_cuda_function())
+}

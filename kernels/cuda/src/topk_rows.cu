@@ -1,0 +1,196 @@
+// Per row of logits: the log-softmax statistics and the top k, one block of 1024 threads per row,
+// with no host round trip and no sort of the whole row.
+//
+// For row r (its first `valid` columns; the rest is LM-head padding), with z = x / temperature
+// in f32:
+//   lse[r]    = log Σ exp(z)                     (a running max and sum per thread, then a tree)
+//   target[r] = z[targets[r]] − lse[r]
+//   rank[r]   = #{ v : z[v] ≥ z[targets[r]] }    (when ranks are asked for)
+//   ids[r, :k], vals[r, :k]: the k largest z, by descending value, ties by ascending id; vals
+//   are z − lse (log-probs) or z (scaled logits).
+// The k-th largest value is found by a radix select on the order-preserving 32-bit keys of z
+// (four 8-bit passes), the elements above it and the first ones equal to it (in id order) are
+// compacted in order, and those k are sorted in shared memory (bitonic, k ≤ 4096).
+//
+// Deterministic and batch-invariant by construction: a row's results depend on that row alone,
+// every sum runs in a fixed order, and ties are broken by id.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#define THREADS 1024
+#define WARPS (THREADS / 32)
+#define MAX_K 4096
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+
+// Larger float, larger key (the IEEE total order: -0 below +0).
+__device__ __forceinline__ uint32_t key_of(float z) {
+    uint32_t b = __float_as_uint(z);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// Combines two (max, Σ exp(· − max)) pairs.
+__device__ __forceinline__ void lse_merge(float &m, float &s, float m2, float s2) {
+    if (m2 == -INFINITY) return;
+    if (m == -INFINITY) { m = m2; s = s2; return; }
+    if (m2 > m) { s = s * expf(m - m2) + s2; m = m2; }
+    else { s += s2 * expf(m2 - m); }
+}
+
+// Whether (ka, ia) comes before (kb, ib): larger key first, then smaller id.
+__device__ __forceinline__ bool before(uint32_t ka, uint32_t ia, uint32_t kb, uint32_t ib) {
+    return ka > kb || (ka == kb && ia < ib);
+}
+
+template <typename T>
+__device__ void topk_row(const T *__restrict__ logits, int64_t row_stride, const uint32_t *__restrict__ targets,
+                         uint32_t n_rows, uint32_t valid, uint32_t k, float temperature, int logprobs, int want_ranks,
+                         uint32_t *__restrict__ ids, float *__restrict__ vals, float *__restrict__ target_lp,
+                         float *__restrict__ lse_out, uint32_t *__restrict__ ranks) {
+    __shared__ float warp_m[WARPS], warp_s[WARPS];
+    __shared__ uint32_t warp_a[WARPS], warp_b[WARPS];
+    __shared__ uint32_t hist[256];
+    __shared__ uint32_t sel_key[MAX_K], sel_id[MAX_K];
+    __shared__ float row_lse;
+    __shared__ uint32_t kth_bin, kth_left;
+
+    const uint32_t r = blockIdx.x;
+    if (r >= n_rows) return;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const T *x = logits + (int64_t)r * row_stride;
+    const uint32_t target = min(targets[r], valid - 1);
+    const float z_target = to_f32(x[target]) / temperature;
+
+    // 1. logsumexp (and the target's rank): per thread, then per warp, then warp 0 over the warps.
+    float m = -INFINITY, s = 0.0f;
+    uint32_t at_least = 0;
+    for (uint32_t i = tid; i < valid; i += THREADS) {
+        float z = to_f32(x[i]) / temperature;
+        lse_merge(m, s, z, 1.0f);
+        at_least += z >= z_target;
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        float m2 = __shfl_down_sync(0xffffffffu, m, o), s2 = __shfl_down_sync(0xffffffffu, s, o);
+        lse_merge(m, s, m2, s2);
+        at_least += __shfl_down_sync(0xffffffffu, at_least, o);
+    }
+    if (lane == 0) { warp_m[warp] = m; warp_s[warp] = s; warp_a[warp] = at_least; }
+    __syncthreads();
+    if (warp == 0) {
+        m = warp_m[lane]; s = warp_s[lane]; at_least = warp_a[lane];
+        for (int o = 16; o > 0; o >>= 1) {
+            float m2 = __shfl_down_sync(0xffffffffu, m, o), s2 = __shfl_down_sync(0xffffffffu, s, o);
+            lse_merge(m, s, m2, s2);
+            at_least += __shfl_down_sync(0xffffffffu, at_least, o);
+        }
+        if (lane == 0) {
+            float lse = m + logf(s);
+            row_lse = lse;
+            lse_out[r] = lse;
+            target_lp[r] = z_target - lse;
+            if (want_ranks) ranks[r] = at_least;
+        }
+    }
+    __syncthreads();
+    const float lse = row_lse;
+    if (k == 0) return;
+
+    // 2. The k-th largest key: four passes of 8 bits, most significant first. `left`: how many
+    //    of the keys sharing the prefix found so far are still to be taken.
+    uint32_t prefix = 0, mask = 0, left = k;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int b = tid; b < 256; b += THREADS) hist[b] = 0;
+        __syncthreads();
+        for (uint32_t i = tid; i < valid; i += THREADS) {
+            uint32_t u = key_of(to_f32(x[i]) / temperature);
+            if ((u & mask) == prefix) atomicAdd(&hist[(u >> shift) & 255u], 1u);
+        }
+        __syncthreads();
+        if (tid == 0) {
+            uint32_t above = 0;
+            int b = 255;
+            for (; b > 0; --b) {
+                if (above + hist[b] >= left) break;
+                above += hist[b];
+            }
+            kth_bin = (uint32_t)b;
+            kth_left = left - above;
+        }
+        __syncthreads();
+        prefix |= kth_bin << shift;
+        mask |= 255u << shift;
+        left = kth_left;
+        __syncthreads();
+    }
+    const uint32_t kth = prefix;
+    const uint32_t n_above = k - left;  // keys above kth: exactly k − (equal ones to take)
+
+    // 3. Compaction in id order, a tile of THREADS consecutive columns at a time: the keys above
+    //    kth go to [0, n_above), the first `left` equal to it after them.
+    uint32_t base_gt = 0, base_eq = 0;
+    for (uint32_t tile = 0; tile < valid; tile += THREADS) {
+        uint32_t i = tile + tid;
+        uint32_t u = i < valid ? key_of(to_f32(x[i]) / temperature) : 0u;
+        bool gt = i < valid && u > kth, eq = i < valid && u == kth;
+        uint32_t bg = __ballot_sync(0xffffffffu, gt), be = __ballot_sync(0xffffffffu, eq);
+        uint32_t below = (1u << lane) - 1u;
+        if (lane == 0) { warp_a[warp] = __popc(bg); warp_b[warp] = __popc(be); }
+        __syncthreads();
+        uint32_t pg = base_gt + __popc(bg & below), pe = base_eq + __popc(be & below);
+        uint32_t tg = 0, te = 0;
+        for (int w = 0; w < WARPS; ++w) {
+            if (w < warp) { pg += warp_a[w]; pe += warp_b[w]; }
+            tg += warp_a[w];
+            te += warp_b[w];
+        }
+        if (gt) { sel_key[pg] = u; sel_id[pg] = i; }
+        if (eq && pe < left) { sel_key[n_above + pe] = u; sel_id[n_above + pe] = i; }
+        base_gt += tg;
+        base_eq += te;
+        __syncthreads();
+    }
+
+    // 4. Sort the k by (key descending, id ascending): bitonic over the next power of two,
+    //    the padding (key 0, id max) last.
+    uint32_t p = 1;
+    while (p < k) p <<= 1;
+    for (uint32_t i = k + tid; i < p; i += THREADS) { sel_key[i] = 0u; sel_id[i] = 0xffffffffu; }
+    __syncthreads();
+    for (uint32_t size = 2; size <= p; size <<= 1) {
+        for (uint32_t stride = size >> 1; stride > 0; stride >>= 1) {
+            for (uint32_t i = tid; i < p; i += THREADS) {
+                uint32_t j = i ^ stride;
+                if (j <= i) continue;
+                bool first_half = (i & size) == 0;
+                uint32_t ki = sel_key[i], ii = sel_id[i], kj = sel_key[j], ij = sel_id[j];
+                bool swap = first_half ? before(kj, ij, ki, ii) : before(ki, ii, kj, ij);
+                if (swap) { sel_key[i] = kj; sel_id[i] = ij; sel_key[j] = ki; sel_id[j] = ii; }
+            }
+            __syncthreads();
+        }
+    }
+
+    // 5. Out: ids and values, [r, 0..k).
+    for (uint32_t j = tid; j < k; j += THREADS) {
+        uint32_t id = sel_id[j];
+        float z = to_f32(x[id]) / temperature;
+        ids[(int64_t)r * k + j] = id;
+        vals[(int64_t)r * k + j] = logprobs ? z - lse : z;
+    }
+}
+
+#define TOPK_ROWS(NAME, T)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(THREADS) NAME(                                                   \
+        const T *logits, int64_t row_stride, const uint32_t *targets, uint32_t n_rows, uint32_t valid, uint32_t k, \
+        float temperature, int logprobs, int want_ranks, uint32_t *ids, float *vals, float *target_lp,            \
+        float *lse, uint32_t *ranks) {                                                                            \
+        topk_row<T>(logits, row_stride, targets, n_rows, valid, k, temperature, logprobs, want_ranks, ids, vals,  \
+                    target_lp, lse, ranks);                                                                       \
+    }
+
+TOPK_ROWS(topk_rows_f32, float)
+TOPK_ROWS(topk_rows_bf16, __nv_bfloat16)
+TOPK_ROWS(topk_rows_f16, __half)

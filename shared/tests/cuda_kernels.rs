@@ -1,0 +1,196 @@
+//! The project's own CUDA kernels (kernels/cuda) on the GPU against f64 references on fresh
+//! random inputs. CUDA builds only; the GPU check runs them (`XDISTILL_TEST_DEVICE=cuda`,
+//! `scripts/gpu-check.sh` step 1c).
+
+use crate::model::dev;
+use candle_core::{DType, Device, Tensor};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use std::time::Instant;
+use xdistill_cuda_kernels::{topk_rows, TopkArgs};
+
+/// The test device when it is a GPU; `None` (the test says it skipped) on the CPU.
+fn gpu() -> Option<Device> {
+    let d = dev();
+    if d.is_cuda() {
+        Some(d)
+    } else {
+        eprintln!("skipped: XDISTILL_TEST_DEVICE is not a CUDA device");
+        None
+    }
+}
+
+/// A fresh seed per run (printed, so that a failure can be replayed).
+fn rng() -> ChaCha8Rng {
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(7);
+    eprintln!("seed {seed}");
+    ChaCha8Rng::seed_from_u64(seed)
+}
+
+/// What one row should give: ids and values of the top k (ties by ascending id), the target's
+/// log-prob, the logsumexp (f64) and the target's rank, from `z = x / t` in f32 exactly as the
+/// kernel computes it (so that the order, ties included, is the same) and f64 sums.
+struct Want {
+    ids: Vec<u32>,
+    values: Vec<f64>,
+    target_lp: f64,
+    lse: f64,
+    rank: u32,
+}
+
+fn want(x: &[f32], valid: usize, target: usize, k: usize, t: f32, logprobs: bool) -> Want {
+    let z: Vec<f32> = x[..valid].iter().map(|&v| v / t).collect();
+    let m = z.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let lse = m + z.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln();
+    let mut order: Vec<u32> = (0..valid as u32).collect();
+    order.sort_by(|&a, &b| z[b as usize].total_cmp(&z[a as usize]).then(a.cmp(&b)));
+    order.truncate(k);
+    let values = order
+        .iter()
+        .map(|&i| z[i as usize] as f64 - if logprobs { lse } else { 0.0 })
+        .collect();
+    let zt = z[target];
+    Want {
+        ids: order,
+        values,
+        target_lp: zt as f64 - lse,
+        lse,
+        rank: z.iter().filter(|&&v| v >= zt).count() as u32,
+    }
+}
+
+/// The selection kernel against the f64 reference: f32, bf16 (many ties) and f16 logits, Qwen3's
+/// padded vocabulary and a small odd one, k from 0 to 4096, two temperatures, log-probs and
+/// logits; the same bits on a second run and for a row alone (batch invariance).
+#[test]
+fn topk_rows_equals_the_f64_reference() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = rng();
+    // rows, V, valid, k, temperature, dtype, log-probs
+    let cases = [
+        (7, 151_936, 151_669, 64, 1.0f32, DType::BF16, true),
+        (5, 151_936, 151_669, 4096, 0.7, DType::BF16, true),
+        (3, 1000, 997, 1, 1.0, DType::F32, true),
+        (4, 1000, 997, 997, 2.0, DType::F32, false),
+        (6, 32_000, 32_000, 0, 1.0, DType::F16, true),
+        (9, 50_257, 50_257, 100, 1.3, DType::F16, false),
+        (2, 4096, 3000, 2048, 1.0, DType::F32, true),
+    ];
+    for (n, v, valid, k, t, dt, logprobs) in cases {
+        // Logits around a row-dependent scale; bf16 and f16 round them onto few values (ties).
+        let data: Vec<f32> = (0..n * v)
+            .map(|i| rng.random_range(-1.0f32..1.0) * (3.0 + (i / v) as f32))
+            .collect();
+        let x = Tensor::from_vec(data, (n, v), &dev)
+            .unwrap()
+            .to_dtype(dt)
+            .unwrap();
+        // The values the kernel reads, as f32 on the host.
+        let host: Vec<f32> = x
+            .to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let targets: Vec<u32> = (0..n).map(|_| rng.random_range(0..valid as u32)).collect();
+        let tg = Tensor::new(targets.as_slice(), &dev).unwrap();
+        let args = TopkArgs {
+            k,
+            valid,
+            temperature: t,
+            logprobs,
+            ranks: true,
+        };
+        let t0 = Instant::now();
+        let got = topk_rows(&x, &tg, args).unwrap();
+        dev.synchronize().unwrap();
+        let took = t0.elapsed();
+        let ids: Vec<u32> = got.ids.flatten_all().unwrap().to_vec1().unwrap();
+        let vals: Vec<f32> = got.values.flatten_all().unwrap().to_vec1().unwrap();
+        let tlp: Vec<f32> = got.target_logprobs.to_vec1().unwrap();
+        let lse: Vec<f32> = got.logsumexp.to_vec1().unwrap();
+        let ranks: Vec<u32> = got.target_ranks.as_ref().unwrap().to_vec1().unwrap();
+        let mut worst = 0f64;
+        for r in 0..n {
+            let w = want(
+                &host[r * v..(r + 1) * v],
+                valid,
+                targets[r] as usize,
+                k,
+                t,
+                logprobs,
+            );
+            let case = format!("{n}x{v} valid {valid} k {k} t {t} {dt:?} row {r}");
+            assert_eq!(&ids[r * k..(r + 1) * k], w.ids.as_slice(), "{case}: ids");
+            for (g, e) in vals[r * k..(r + 1) * k].iter().zip(&w.values) {
+                worst = worst.max((*g as f64 - e).abs());
+            }
+            worst = worst.max((tlp[r] as f64 - w.target_lp).abs());
+            worst = worst.max((lse[r] as f64 - w.lse).abs());
+            assert_eq!(ranks[r], w.rank, "{case}: rank");
+        }
+        eprintln!(
+            "{n}x{v} valid {valid} k {k} t {t} {dt:?}: worst abs error {worst:.2e}, {:.2} ms \
+             (first call loads the module)",
+            took.as_secs_f64() * 1e3
+        );
+        assert!(worst < 2e-5, "worst abs error {worst:.3e}");
+        // Again, and the last row alone: the same bits.
+        let again = topk_rows(&x, &tg, args).unwrap();
+        let alone = topk_rows(
+            &x.narrow(0, n - 1, 1).unwrap(),
+            &tg.narrow(0, n - 1, 1).unwrap(),
+            args,
+        )
+        .unwrap();
+        let bits = |t: &Tensor| -> Vec<u32> {
+            t.flatten_all()
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+                .iter()
+                .map(|f| f.to_bits())
+                .collect()
+        };
+        assert_eq!(bits(&again.values), bits(&got.values), "second run");
+        assert_eq!(bits(&again.logsumexp), bits(&got.logsumexp), "second run");
+        let last = |t: &Tensor, w: usize| bits(t)[(n - 1) * w..n * w].to_vec();
+        assert_eq!(bits(&alone.values), last(&got.values, k), "a row alone");
+        assert_eq!(bits(&alone.ids), last(&got.ids, k), "a row alone");
+        assert_eq!(
+            bits(&alone.logsumexp),
+            last(&got.logsumexp, 1),
+            "a row alone"
+        );
+    }
+}
+
+/// Bad arguments are refused with a message, not launched.
+#[test]
+fn topk_rows_refuses_bad_arguments() {
+    let Some(dev) = gpu() else { return };
+    let x = Tensor::zeros((2, 100), DType::F32, &dev).unwrap();
+    let tg = Tensor::zeros(2, DType::U32, &dev).unwrap();
+    let args = |k, valid, temperature| TopkArgs {
+        k,
+        valid,
+        temperature,
+        logprobs: true,
+        ranks: false,
+    };
+    for (a, what) in [
+        (args(101, 100, 1.0), "k"),
+        (args(5, 101, 1.0), "valid"),
+        (args(5000, 100, 1.0), "k"),
+        (args(5, 100, 0.0), "temperature"),
+    ] {
+        let e = topk_rows(&x, &tg, a).err().expect("refused").to_string();
+        assert!(e.contains(what), "{e}");
+    }
+}
