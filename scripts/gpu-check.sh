@@ -9,9 +9,10 @@
 # 1. the decoder model tests on the GPU (f32); 1b. cuDNN's fused attention (bf16, f16) against an
 #    f64 reference and decoders through it against the eager attention; its training forward and
 #    backward against f64 loops, and training passes through it against the blockwise core;
-# 1c. the project's own CUDA kernels (kernels/cuda: the top-k selection kernel) vs f64;
+# 1c. the project's own CUDA kernels (kernels/cuda: top-k selection, multi-tensor AdamW, sums of
+#    squares) against f64 or the CPU kernel's bits;
 # 2. the teacher's device top-k path on the GPU against the f64 CPU reference and the host path,
-#    with candle's sorts and with the selection kernel (XDISTILL_DEVICE_TOPK=kernel);
+#    with candle's sorts and with the selection kernel (XDISTILL_CUDA_KERNELS=on);
 # 2b. the NCCL collectives in a world of one (`trainer nccl-check`);
 # 3. a random model of Qwen3-0.6B's shape (Qwen3 vocabulary): teacher (cuda, bf16) scored
 #    tokens/s at k = 64 vs transformers forward + torch.topk, with their answers compared;
@@ -122,13 +123,13 @@ check timeout 300 env XDISTILL_TEST_DEVICE=cuda "$work/test-shared" model:: --te
 step "1b. cuDNN's fused attention (serving and training): against f64 references, decoders and training passes through it"
 check timeout 300 env XDISTILL_TEST_DEVICE=cuda RUST_LOG=info "$work/test-shared" cudnn_attention:: \
   --test-threads=1 --nocapture
-step "1c. the project's CUDA kernels (kernels/cuda): the top-k selection kernel vs an f64 reference"
+step "1c. the project's CUDA kernels (kernels/cuda): top-k selection, multi-tensor AdamW, sums of squares"
 check timeout 180 env XDISTILL_TEST_DEVICE=cuda "$work/test-shared" cuda_kernels:: --test-threads=1 --nocapture
 fi
 if want 2; then
 step "2. device top-k path: GPU vs the f64 CPU reference and the CPU host path (sorts, then the kernel)"
-for topk in sort kernel; do
-  check timeout 300 env XDISTILL_TEST_DEVICE=cuda XDISTILL_DEVICE_TOPK=$topk "$work/test-server" device_topk:: \
+for kernels in off on; do
+  check timeout 300 env XDISTILL_TEST_DEVICE=cuda XDISTILL_CUDA_KERNELS=$kernels "$work/test-server" device_topk:: \
     --test-threads=1
 done
 step "   the same tests on the CPU (sanity of the bundle)"
@@ -158,9 +159,10 @@ for spec in "qwen3-0.6b 1024 28 16 8 3072" "qwen3-1.7b 2048 28 16 8 6144"; do
   for run in $runs; do
     IFS=: read -r invariant attention topk <<< "$run"
     topk=${topk:-sort}
+    kernels=off; [ "$topk" = kernel ] && kernels=on
     port=18124
     log="$out/teacher-$name-$invariant-$attention-$topk.log"
-    XDISTILL_ATTENTION=$attention XDISTILL_DEVICE_TOPK=$topk "$work/teacher" --model "$model" --device cuda \
+    XDISTILL_ATTENTION=$attention XDISTILL_CUDA_KERNELS=$kernels "$work/teacher" --model "$model" --device cuda \
       --dtype bf16 --port $port --cache-bytes 0 \
       --batch-invariant "$invariant" --max-batch-tokens 16384 --max-queue-tokens 1048576 \
       > "$log" 2>&1 &
@@ -217,14 +219,15 @@ step "4. student step: ours (cuda, bf16 compute, f32 masters) vs PyTorch eager (
 # Activations: `auto` (what training does: the line's `activations=` says what it chose), `off`
 # (everything kept, eager attention), `selective` (all but the attention core: the blockwise
 # attention) and `on` (full checkpointing: one more forward), beside each other (issue 47 item
-# 6); then `auto` with cuDNN's attention core (XDISTILL_ATTENTION=cudnn: its forward and
-# backward, opt-in until step 1b's training tests pass on a GPU).
+# 6); then `auto` on the new path: cuDNN's attention core (forward and backward) and the
+# project's kernels (the multi-tensor AdamW, the gradients' norm in one launch), opt-in until
+# steps 1b and 1c pass on a GPU (XDISTILL_ATTENTION=cudnn XDISTILL_CUDA_KERNELS=on).
 for shape in ${STEP_SHAPES:-4x512 8x1024}; do
   set -- ${shape/x/ }
-  for ckpt in ${STEP_ACTIVATIONS:-auto off selective on} cudnn; do
-    attn=eager
-    if [ "$ckpt" = cudnn ]; then attn=cudnn; ckpt=auto; fi
-    check timeout 180 env XDISTILL_ATTENTION=$attn "$work/trainer" bench-step --model "$model" --device cuda \
+  for ckpt in ${STEP_ACTIVATIONS:-auto off selective on} new; do
+    attn=eager kernels=off
+    if [ "$ckpt" = new ]; then attn=cudnn kernels=on ckpt=auto; fi
+    check timeout 180 env XDISTILL_ATTENTION=$attn XDISTILL_CUDA_KERNELS=$kernels "$work/trainer" bench-step --model "$model" --device cuda \
       --dtype bf16 --batch "$1" --seq-len "$2" --k 64 --steps "${STEP_STEPS:-10}" \
       --activation-checkpointing "$ckpt" --write-batch "$work/batch.safetensors"
   done

@@ -112,7 +112,7 @@ pub fn spawn(
                 chunk_rows = scorer.chunk_rows,
                 batch_invariant = cfg.batch_invariant,
                 attention = ?decoder.attention(),
-                device_topk = ?xdistill_shared::topk::DeviceTopk::from_env(),
+                cuda_kernels = xdistill_shared::device::cuda_kernels(),
                 "scoring path"
             );
             let worker = Worker {

@@ -85,6 +85,27 @@ pub fn dtype_name(d: DType) -> &'static str {
     }
 }
 
+/// Whether the project's own CUDA kernels (`kernels/cuda`: the top-k selection, the
+/// multi-tensor AdamW and the gradients' sum of squares) replace the tensor-op paths on CUDA
+/// devices: `XDISTILL_CUDA_KERNELS=on` (default `off` until a GPU run has checked them,
+/// `scripts/gpu-check.sh` steps 1c, 2 and 4), read once per process; always false in a build
+/// without CUDA.
+pub fn cuda_kernels() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        let value = std::env::var("XDISTILL_CUDA_KERNELS").ok();
+        let on = match value.as_deref() {
+            None | Some("off") => false,
+            Some("on") => true,
+            Some(other) => {
+                tracing::warn!("XDISTILL_CUDA_KERNELS={other:?} is not on or off; using off");
+                false
+            }
+        };
+        on && cfg!(feature = "cuda")
+    })
+}
+
 /// A device's memory in bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MemoryInfo {

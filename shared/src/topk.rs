@@ -1,5 +1,5 @@
 //! Top-k of rows with tensor ops on the rows' device: the one chunked device top-k of the
-//! workspace, and on CUDA (opt-in, [`DeviceTopk`]) the selection kernel of
+//! workspace, and on CUDA (opt-in, [`crate::device::cuda_kernels`]) the selection kernel of
 //! `kernels/cuda/src/topk_rows.cu`.
 //!
 //! candle has no top-k and its CUDA `arg_sort` fails above 8192 columns (shared memory), so a row
@@ -61,47 +61,13 @@ pub struct TopkRows {
     pub target_ranks: Option<Tensor>,
 }
 
-/// How a CUDA device finds each row's top k.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DeviceTopk {
-    /// candle's sorts over chunks of [`SORT_CHUNK`] columns ([`topk_rows_chunked`]): every
-    /// device.
-    Sort,
-    /// One kernel per batch of rows (`kernels/cuda/src/topk_rows.cu`: a radix select, ties by
-    /// id, the statistics in the same pass): CUDA builds, k up to 4096.
-    Kernel,
-}
-
-impl DeviceTopk {
-    /// `XDISTILL_DEVICE_TOPK`: `sort` (the default) or `kernel`, read once per process. The
-    /// kernel is opt-in until a GPU run has checked it (`scripts/gpu-check.sh` steps 1c and 2).
-    pub fn from_env() -> DeviceTopk {
-        static CHOSEN: std::sync::OnceLock<DeviceTopk> = std::sync::OnceLock::new();
-        *CHOSEN.get_or_init(|| {
-            let value = std::env::var("XDISTILL_DEVICE_TOPK").ok();
-            DeviceTopk::parse(value.as_deref()).unwrap_or_else(|why| {
-                tracing::warn!("XDISTILL_DEVICE_TOPK: {why}; using sort");
-                DeviceTopk::Sort
-            })
-        })
-    }
-
-    /// The way a value of `XDISTILL_DEVICE_TOPK` names (unset: sort).
-    pub fn parse(value: Option<&str>) -> std::result::Result<DeviceTopk, String> {
-        match value {
-            None | Some("sort") => Ok(DeviceTopk::Sort),
-            Some("kernel") => Ok(DeviceTopk::Kernel),
-            Some(other) => Err(format!("{other:?} is not sort or kernel")),
-        }
-    }
-}
-
 /// Scores logit rows `[N, V]` against `targets` `[N]` (u32) and optional `candidates` `[N, m]`
 /// (u32).
 ///
 /// Only the first `q.valid` columns take part (padded LM-head rows are excluded from the softmax
 /// and can never be returned). Requires `k ≤ valid` and `temperature > 0`. On a CUDA device
-/// with [`DeviceTopk::Kernel`] chosen, the selection kernel; [`topk_rows_chunked`] otherwise.
+/// with the project's kernels on ([`crate::device::cuda_kernels`]) and k ≤ 4096, the selection
+/// kernel (one launch per chunk of rows, ties by id); [`topk_rows_chunked`] otherwise.
 pub fn topk_rows(
     logits: &Tensor,
     targets: &Tensor,
@@ -111,7 +77,7 @@ pub fn topk_rows(
     #[cfg(feature = "cuda")]
     if logits.device().is_cuda()
         && q.k <= xdistill_cuda_kernels::MAX_K
-        && DeviceTopk::from_env() == DeviceTopk::Kernel
+        && crate::device::cuda_kernels()
     {
         return topk_rows_kernel(logits, targets, candidates, q);
     }

@@ -1,6 +1,8 @@
-//! The project's own CUDA kernels (kernels/cuda) on the GPU against f64 references on fresh
-//! random inputs. CUDA builds only; the GPU check runs them (`XDISTILL_TEST_DEVICE=cuda`,
-//! `scripts/gpu-check.sh` step 1c).
+//! The project's own CUDA kernels (kernels/cuda) on the GPU against references on fresh random
+//! inputs: the top-k selection against f64, the multi-tensor AdamW against the CPU kernel's
+//! arithmetic (bit for bit), the sums of squares against f64. CUDA builds only; the GPU check
+//! runs them (`XDISTILL_TEST_DEVICE=cuda`, `scripts/gpu-check.sh` step 1c). The same kernels'
+//! logic runs on the host in the default suite (kernels/cuda/emulate).
 
 use crate::model::dev;
 use candle_core::{DType, Device, Tensor};
@@ -193,4 +195,116 @@ fn topk_rows_refuses_bad_arguments() {
         let e = topk_rows(&x, &tg, a).err().expect("refused").to_string();
         assert!(e.contains(what), "{e}");
     }
+}
+
+/// Random f32 values in `[-scale, scale)`.
+fn values(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-scale..scale)).collect()
+}
+
+/// The multi-tensor AdamW against the CPU kernel's arithmetic (kernels/src/adamw.rs: each f32
+/// operation rounded on its own, in its order): the same bits for every element, with and
+/// without a clipping factor, for tensors of odd sizes (one element to two chunks and a bit).
+#[test]
+fn multi_tensor_adamw_gives_the_cpu_kernels_bits() {
+    use xdistill_cuda_kernels::{adamw_f32, AdamWHyper, AdamWTensor};
+    let Some(dev) = gpu() else { return };
+    let mut rng = rng();
+    let sizes = [1usize, 1000, 70_000, 3, 131_073];
+    for grad_scale in [None, Some(0.37)] {
+        let h = AdamWHyper {
+            lr: 3e-4,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            step: 3,
+            grad_scale,
+        };
+        let host: Vec<[Vec<f32>; 4]> = sizes
+            .iter()
+            .map(|&n| {
+                let v: Vec<f32> = values(&mut rng, n, 1e-5).iter().map(|x| x.abs()).collect();
+                [
+                    values(&mut rng, n, 1.0),
+                    values(&mut rng, n, 1e-2),
+                    values(&mut rng, n, 1e-3),
+                    v,
+                ]
+            })
+            .collect();
+        let on_dev: Vec<[Tensor; 4]> = host
+            .iter()
+            .map(|t| {
+                t.clone()
+                    .map(|x| Tensor::from_vec(x.clone(), x.len(), &dev).unwrap())
+            })
+            .collect();
+        let tensors: Vec<AdamWTensor> = on_dev
+            .iter()
+            .enumerate()
+            .map(|(i, [p, g, m, v])| AdamWTensor {
+                param: p,
+                grad: g,
+                m,
+                v,
+                weight_decay: if i % 2 == 0 { 0.01 } else { 0.0 },
+            })
+            .collect();
+        adamw_f32(&tensors, h).unwrap();
+        let t = h.step as i32;
+        let (bc1, bc2) = (1.0 - h.beta1.powi(t), 1.0 - h.beta2.powi(t));
+        let (b1, b2) = (h.beta1 as f32, h.beta2 as f32);
+        let (ibc1, ibc2) = ((1.0 / bc1) as f32, (1.0 / bc2) as f32);
+        let (lr, eps) = (h.lr as f32, h.eps as f32);
+        for (i, ([p, g, m, v], got)) in host.iter().zip(&on_dev).enumerate() {
+            let decay = (1.0 - h.lr * if i % 2 == 0 { 0.01 } else { 0.0 }) as f32;
+            let got: Vec<Vec<f32>> = got.iter().map(|x| x.to_vec1().unwrap()).collect();
+            for j in 0..p.len() {
+                let gj = match grad_scale {
+                    Some(s) => g[j] * s as f32 + 0.0,
+                    None => g[j],
+                };
+                let mj = b1 * m[j] + (1.0 - b1) * gj;
+                let vj = b2 * v[j] + (1.0 - b2) * (gj * gj);
+                let pj = p[j] * decay - lr * (mj * ibc1) / ((vj * ibc2).sqrt() + eps);
+                let case = format!("scale {grad_scale:?} tensor {i} element {j}");
+                assert_eq!(got[0][j].to_bits(), pj.to_bits(), "{case}: parameter");
+                assert_eq!(got[2][j].to_bits(), mj.to_bits(), "{case}: m");
+                assert_eq!(got[3][j].to_bits(), vj.to_bits(), "{case}: v");
+            }
+        }
+        eprintln!(
+            "AdamW scale {grad_scale:?}: {} tensors, every bit equal",
+            sizes.len()
+        );
+    }
+}
+
+/// The gradients' sums of squares in one launch against f64 sums: within 1e-12, the same bits
+/// on a second run and for a tensor alone.
+#[test]
+fn multi_tensor_sum_of_squares_equals_f64() {
+    use xdistill_cuda_kernels::sum_squares_f32;
+    let Some(dev) = gpu() else { return };
+    let mut rng = rng();
+    let host: Vec<Vec<f32>> = [5usize, 65_536, 200_003, 1]
+        .iter()
+        .map(|&n| values(&mut rng, n, 3.0))
+        .collect();
+    let t: Vec<Tensor> = host
+        .iter()
+        .map(|x| Tensor::from_vec(x.clone(), x.len(), &dev).unwrap())
+        .collect();
+    let refs: Vec<&Tensor> = t.iter().collect();
+    let got = sum_squares_f32(&refs).unwrap();
+    for (x, g) in host.iter().zip(&got) {
+        let want: f64 = x.iter().map(|&v| v as f64 * v as f64).sum();
+        assert!((g - want).abs() <= 1e-12 * want, "{g} vs {want}");
+    }
+    assert_eq!(sum_squares_f32(&refs).unwrap(), got, "second run");
+    assert_eq!(
+        sum_squares_f32(&[&t[2]]).unwrap()[0],
+        got[2],
+        "a tensor alone"
+    );
 }

@@ -820,8 +820,9 @@ fn host_triple() -> String {
 }
 
 /// The files `include_str!`/`include_bytes!` name in one source file, as paths relative to
-/// `file`'s directory or to the crate's manifest directory; an argument of another form is an
-/// error (extend this reader rather than let a missing file through).
+/// `file`'s directory or to the crate's manifest directory (for a file in the build script's
+/// `OUT_DIR`, the build script); an argument of another form is an error (extend this reader
+/// rather than let a missing file through).
 fn includes(text: &str, file: &Path, manifest_dir: &Path) -> Result<Vec<PathBuf>, String> {
     let mut out = Vec::new();
     for kind in ["str", "bytes"] {
@@ -836,6 +837,19 @@ fn includes(text: &str, file: &Path, manifest_dir: &Path) -> Result<Vec<PathBuf>
                 continue;
             }
             let arg = text[at..].trim_start();
+            // A file the crate's build script writes (`OUT_DIR`): made by the build from the
+            // context, so what must be in the context is the build script itself.
+            if arg.starts_with("concat!(env!(\"OUT_DIR\"),") {
+                // The file's own crate: the nearest folder above it with a manifest (a crate
+                // nested in another's folder, kernels/cuda in kernels, is walked with it).
+                let own = file
+                    .ancestors()
+                    .skip(1)
+                    .find(|d| d.join("Cargo.toml").is_file())
+                    .unwrap_or(manifest_dir);
+                out.push(own.join("build.rs"));
+                continue;
+            }
             let manifest_prefix = "concat!(env!(\"CARGO_MANIFEST_DIR\"),";
             let (base, lit) = if let Some(rest) = arg.strip_prefix(manifest_prefix) {
                 (manifest_dir.to_path_buf(), rest.trim_start())

@@ -17,6 +17,16 @@ pub const TOPK_ROWS: Module = Module {
     ptx: include_str!(concat!(env!("OUT_DIR"), "/topk_rows.ptx")),
 };
 
+pub const ADAMW: Module = Module {
+    name: "xdistill_adamw",
+    ptx: include_str!(concat!(env!("OUT_DIR"), "/adamw.ptx")),
+};
+
+pub const SUM_SQUARES: Module = Module {
+    name: "xdistill_sum_squares",
+    ptx: include_str!(concat!(env!("OUT_DIR"), "/sum_squares.ptx")),
+};
+
 /// `function` of `module` on `dev`, loaded on first use.
 pub fn function(dev: &CudaDevice, module: &Module, function: &str) -> Result<CudaFunction> {
     Ok(dev

@@ -199,6 +199,11 @@ impl AdamW {
     /// One AdamW update from `grads` (variables without a gradient are left unchanged):
     /// `w ← w·(1 − lr·wd) − lr·m̂/(√v̂ + ε)`, `m̂ = m/(1 − β1^t)`, `v̂ = v/(1 − β2^t)`.
     pub fn step(&mut self, grads: &GradStore) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if self.multi_tensor_applies(grads) {
+            self.step += 1;
+            return self.step_multi_tensor(grads, None);
+        }
         self.step += 1;
         let c = &self.config;
         let t = self.step as i32;
@@ -246,6 +251,73 @@ impl AdamW {
             p.m = m;
             p.v = v;
         }
+        Ok(())
+    }
+
+    /// [`AdamW::step`] after multiplying every gradient by `clip` when given (the global-norm
+    /// clipping factor, [`super::clip_scale`]): in place in `grads` as [`super::clip_to`]
+    /// does, or, on CUDA with the project's kernels, inside the one update launch.
+    pub fn step_clipped(&mut self, grads: &mut GradStore, clip: Option<f64>) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if self.multi_tensor_applies(grads) {
+            self.step += 1;
+            return self.step_multi_tensor(grads, clip);
+        }
+        if let Some(s) = clip {
+            for p in &self.params {
+                if let Some(g) = grads.get(p.var.as_tensor()) {
+                    let scaled = g.affine(s, 0.0)?;
+                    grads.insert(p.var.as_tensor(), scaled);
+                }
+            }
+        }
+        self.step(grads)
+    }
+
+    /// Whether [`AdamW::step_multi_tensor`] runs this step: the project's CUDA kernels on, and
+    /// every parameter an f32 variable on a CUDA device (no master copy) whose gradient, if it
+    /// has one, is contiguous f32.
+    #[cfg(feature = "cuda")]
+    fn multi_tensor_applies(&self, grads: &GradStore) -> bool {
+        use candle_core::DType;
+        xdistill_shared::device::cuda_kernels()
+            && self.params.iter().all(|p| {
+                p.var.device().is_cuda()
+                    && p.master.is_none()
+                    && p.var.dtype() == DType::F32
+                    && p.var.is_contiguous()
+                    && grads
+                        .get(p.var.as_tensor())
+                        .is_none_or(|g| g.dtype() == DType::F32 && g.is_contiguous())
+            })
+    }
+
+    /// The step of [`AdamW::step`] over every parameter with a gradient in one launch
+    /// (`kernels/cuda/src/adamw.cu`), in place, with the CPU kernel's arithmetic.
+    #[cfg(feature = "cuda")]
+    fn step_multi_tensor(&mut self, grads: &GradStore, grad_scale: Option<f64>) -> Result<()> {
+        let c = &self.config;
+        let mut tensors = Vec::with_capacity(self.params.len());
+        for p in &self.params {
+            if let Some(g) = grads.get(p.var.as_tensor()) {
+                tensors.push(xdistill_cuda_kernels::AdamWTensor {
+                    param: p.var.as_tensor(),
+                    grad: g,
+                    m: &p.m,
+                    v: &p.v,
+                    weight_decay: if p.decay { c.weight_decay } else { 0.0 },
+                });
+            }
+        }
+        let h = xdistill_cuda_kernels::AdamWHyper {
+            lr: c.lr,
+            beta1: c.beta1,
+            beta2: c.beta2,
+            eps: c.eps,
+            step: self.step,
+            grad_scale,
+        };
+        xdistill_cuda_kernels::adamw_f32(&tensors, h)?;
         Ok(())
     }
 

@@ -9,6 +9,10 @@ use super::Result;
 /// each gradient is read in place (no squared temporary); elsewhere f32 partial sums per
 /// tensor (f64 stays f64) come back in one device-to-host transfer.
 pub fn sq_norms(grads: &GradStore, vars: &[Var]) -> Result<Vec<f64>> {
+    #[cfg(feature = "cuda")]
+    if let Some(sq) = sq_norms_in_one_launch(grads, vars)? {
+        return Ok(sq);
+    }
     if vars.first().is_some_and(|v| v.device().is_cpu()) {
         return vars
             .iter()
@@ -46,6 +50,32 @@ pub fn sq_norms(grads: &GradStore, vars: &[Var]) -> Result<Vec<f64>> {
         .collect())
 }
 
+/// [`sq_norms`] through the project's CUDA kernel (`kernels/cuda/src/sum_squares.cu`: every
+/// gradient in one launch, f64 sums, one copy back) when its kernels are on and every gradient
+/// is contiguous f32 on a CUDA device; `None` otherwise.
+#[cfg(feature = "cuda")]
+fn sq_norms_in_one_launch(grads: &GradStore, vars: &[Var]) -> Result<Option<Vec<f64>>> {
+    if !xdistill_shared::device::cuda_kernels() {
+        return Ok(None);
+    }
+    let present: Vec<Option<&Tensor>> = vars.iter().map(|v| grads.get(v.as_tensor())).collect();
+    let fits = |g: &&Tensor| g.device().is_cuda() && g.dtype() == DType::F32 && g.is_contiguous();
+    if !present.iter().flatten().all(fits) {
+        return Ok(None);
+    }
+    let tensors: Vec<&Tensor> = present.iter().flatten().copied().collect();
+    let mut sums = xdistill_cuda_kernels::sum_squares_f32(&tensors)?.into_iter();
+    Ok(Some(
+        present
+            .iter()
+            .map(|g| match g {
+                Some(_) => sums.next().unwrap_or(0.0),
+                None => 0.0,
+            })
+            .collect(),
+    ))
+}
+
 /// The global L2 norm `√(Σ_params Σ g²)` of the gradients of `vars` (missing ones count as 0):
 /// [`sq_norms`] added in `vars` order, so a sharded optimiser that gathers its ranks' squares
 /// gets the same bits.
@@ -71,10 +101,9 @@ pub fn clip_grad_norm(grads: &mut GradStore, vars: &[Var], max_norm: f64) -> Res
 /// The scaling of [`clip_grad_norm`] for a norm measured elsewhere (ZeRO-1: over every rank's
 /// share).
 pub fn clip_to(grads: &mut GradStore, vars: &[Var], norm: f64, max_norm: f64) -> Result<()> {
-    if !norm.is_finite() || max_norm <= 0.0 || norm <= max_norm {
+    let Some(scale) = clip_scale(norm, max_norm) else {
         return Ok(());
-    }
-    let scale = max_norm / (norm + 1e-6);
+    };
     for v in vars {
         if let Some(g) = grads.get(v.as_tensor()) {
             let scaled = g.affine(scale, 0.0)?;
@@ -82,6 +111,12 @@ pub fn clip_to(grads: &mut GradStore, vars: &[Var], norm: f64, max_norm: f64) ->
         }
     }
     Ok(())
+}
+
+/// The factor [`clip_to`] multiplies the gradients by for a global `norm`: `max_norm / (norm +
+/// 1e-6)` when the norm is finite and above `max_norm > 0`; `None` (nothing to scale) otherwise.
+pub fn clip_scale(norm: f64, max_norm: f64) -> Option<f64> {
+    (norm.is_finite() && max_norm > 0.0 && norm > max_norm).then(|| max_norm / (norm + 1e-6))
 }
 
 #[cfg(test)]

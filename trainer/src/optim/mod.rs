@@ -8,7 +8,7 @@ pub mod schedule;
 
 pub use accumulate::{GradAccumulator, Grads};
 pub use adamw::{AdamW, AdamWConfig, OptimizerState};
-pub use clip::{clip_grad_norm, clip_to, grad_norm, norm_of, sq_norms};
+pub use clip::{clip_grad_norm, clip_scale, clip_to, grad_norm, norm_of, sq_norms};
 pub use schedule::ScheduleConfig;
 
 fn default_max_grad_norm() -> f64 {

@@ -24,7 +24,7 @@ use xdistill_trainer::collate::Encoded;
 use xdistill_trainer::config::ActivationCheckpointing;
 use xdistill_trainer::loss::{CeConfig, KdConfig, LossConfig, TailMode, Temperature};
 use xdistill_trainer::optim::{
-    clip_grad_norm, AdamWConfig, GradAccumulator, OptimConfig, ScheduleConfig,
+    clip_scale, grad_norm, AdamWConfig, GradAccumulator, OptimConfig, ScheduleConfig,
 };
 use xdistill_trainer::student::Student;
 use xdistill_trainer::train::head_chunks::HeadOpts;
@@ -182,7 +182,9 @@ struct Phases {
     /// decoder's backward (`train::phases`).
     grads: StepPhases,
     accumulate: f64,
+    /// The gradients' global norm (one copy back).
     clip: f64,
+    /// The update, the clipping factor applied inside it, and the refresh of the compute copy.
     adamw: f64,
 }
 
@@ -230,11 +232,12 @@ fn step(runner: &mut Runner, s: &StepSetup) -> Result<(f64, Phases)> {
     ph.accumulate = t.elapsed().as_secs_f64();
     let t = Instant::now();
     let vars = runner.vars().to_vec();
-    clip_grad_norm(&mut grads, &vars, runner.optim.max_grad_norm)?;
+    // As the training loop: the global norm here, the scaling inside the update.
+    let clip = clip_scale(grad_norm(&grads, &vars)?, runner.optim.max_grad_norm);
     device.synchronize()?;
     ph.clip = t.elapsed().as_secs_f64();
     let t = Instant::now();
-    runner.opt.step(&grads)?;
+    runner.opt.step_clipped(&mut grads, clip)?;
     runner.student.refresh()?;
     runner.step += 1;
     device.synchronize()?;

@@ -245,3 +245,55 @@ fn from_varmap_names_the_parameters() {
         ]
     );
 }
+
+/// A clipped step (`step_clipped`) scales the gradients exactly as `clip_to` does before a
+/// plain step: the same weights bit for bit, with and without a factor.
+#[test]
+fn clipped_step_equals_clip_then_step() {
+    let mut r = rng(77);
+    let shapes: [&[usize]; 2] = [&[3, 5], &[7]];
+    let data: Vec<Vec<f64>> = shapes
+        .iter()
+        .map(|s| uniform(&mut r, s.iter().product(), 1.0))
+        .collect();
+    let grads_data: Vec<Vec<f64>> = shapes
+        .iter()
+        .map(|s| uniform(&mut r, s.iter().product(), 2.0))
+        .collect();
+    for clip in [None, Some(0.37)] {
+        let run = |clipped: bool| -> Vec<Vec<f64>> {
+            let vars: Vec<Var> = shapes
+                .iter()
+                .zip(&data)
+                .map(|(s, d)| new_var(d, s, DType::F32))
+                .collect();
+            let named = vars
+                .iter()
+                .enumerate()
+                .map(|(i, v)| (format!("p{i}"), v.clone()))
+                .collect();
+            let mut opt = AdamW::with_names(named, AdamWConfig::default()).unwrap();
+            for _ in 0..2 {
+                let pairs: Vec<(&Var, &[f64])> = vars
+                    .iter()
+                    .zip(&grads_data)
+                    .map(|(v, g)| (v, g.as_slice()))
+                    .collect();
+                let mut g = grads_for(&pairs);
+                if clipped {
+                    opt.step_clipped(&mut g, clip).unwrap();
+                } else {
+                    if let Some(s) = clip {
+                        // clip_to's factor for a norm that gives `s`.
+                        let max = 1.0;
+                        let norm = max / s - 1e-6;
+                        crate::optim::clip_to(&mut g, &vars, norm, max).unwrap();
+                    }
+                    opt.step(&g).unwrap();
+                }
+            }
+            vars.iter().map(|v| flat(v.as_tensor())).collect()
+        };
+        assert_eq!(run(true), run(false), "clip {clip:?}");
+    }
+}

@@ -5,8 +5,8 @@ use crate::checkpoint::{self, Checkpoint, CheckpointData, TrainerState};
 use crate::config::{LrSchedule, OptimizerConfig};
 use crate::dist::{self, Collective, Ownership};
 use crate::optim::{
-    clip_to, grad_norm, norm_of, sq_norms, AdamW, AdamWConfig, Grads, OptimConfig, OptimizerState,
-    ScheduleConfig,
+    clip_scale, grad_norm, norm_of, sq_norms, AdamW, AdamWConfig, Grads, OptimConfig,
+    OptimizerState, ScheduleConfig,
 };
 use crate::student::Student;
 use anyhow::{Context, Result};
@@ -177,11 +177,11 @@ impl Runner {
         let lr = self.optim.lr(self.total_steps as usize, self.step as usize);
         let (world, rank) = (self.group.world_size(), self.group.rank());
         let device = self.student.device.clone();
-        // The gradients this rank updates with, as (vars, store), and the global norm.
-        let (vars, mut grads, grad_norm) = if world == 1 {
+        // The gradients this rank updates with (its vars' in a store), and the global norm.
+        let (mut grads, grad_norm) = if world == 1 {
             let store = grads.into_store(&self.vars);
             let norm = grad_norm(&store, &self.vars)?;
-            (self.vars.clone(), store, norm)
+            (store, norm)
         } else if let Some(own) = self.zero.clone() {
             let flat = grads.flatten()?;
             drop(grads);
@@ -194,7 +194,7 @@ impl Runner {
             let sq = sq_norms(&store, &vars)?;
             let all = self.collective(16 * sq.len() * world, |g| dist::gather_f64(g, &sq))?;
             let norm = norm_of(&all.concat());
-            (vars, store, norm)
+            (store, norm)
         } else {
             let mut flat = grads.flatten()?;
             drop(grads);
@@ -209,9 +209,8 @@ impl Runner {
             })?;
             let store = Grads::from_flat(&flat, &self.vars, &device)?.into_store(&self.vars);
             let norm = grad_norm(&store, &self.vars)?;
-            (self.vars.clone(), store, norm)
+            (store, norm)
         };
-        clip_to(&mut grads, &vars, grad_norm, self.optim.max_grad_norm)?;
         self.step += 1;
         if !grad_norm.is_finite() {
             self.nonfinite_run += 1;
@@ -239,7 +238,8 @@ impl Runner {
         }
         self.nonfinite_run = 0;
         self.opt.set_learning_rate(lr);
-        self.opt.step(&grads)?;
+        let clip = clip_scale(grad_norm, self.optim.max_grad_norm);
+        self.opt.step_clipped(&mut grads, clip)?;
         drop(grads);
         if let Some(own) = self.zero.clone() {
             self.gather_weights(&own)?;

@@ -1,0 +1,103 @@
+//! The launch of `adamw.cu`: one AdamW step over every parameter in one kernel, in place, with
+//! the CPU kernel's arithmetic (`xdistill_kernels::adamw_update_in_place`: the same bits).
+
+use crate::address::{device_of, f32_address};
+use crate::ptx;
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{bail, Result, Tensor};
+
+/// Elements per chunk of the table (a block's share).
+const CHUNK: usize = 1 << 16;
+
+/// One parameter of a multi-tensor step: contiguous f32 tensors of one shape on one CUDA device;
+/// `param`, `m` and `v` are updated in place (they must not share storage with anything read
+/// during the step).
+pub struct AdamWTensor<'a> {
+    pub param: &'a Tensor,
+    pub grad: &'a Tensor,
+    pub m: &'a Tensor,
+    pub v: &'a Tensor,
+    /// 0 for parameters that do not decay.
+    pub weight_decay: f64,
+}
+
+/// The step's hyper-parameters.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamWHyper {
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    /// 1-based step number (bias correction).
+    pub step: u64,
+    /// Gradients are first multiplied by this (global-norm clipping), when given.
+    pub grad_scale: Option<f64>,
+}
+
+/// `m ← β1 m + (1−β1) g; v ← β2 v + (1−β2) g²; p ← p·(1 − lr·wd) − lr·m̂/(√v̂ + ε)` for every
+/// tensor of `tensors`, in one launch.
+pub fn adamw_f32(tensors: &[AdamWTensor<'_>], h: AdamWHyper) -> Result<()> {
+    let Some(first) = tensors.first() else {
+        return Ok(());
+    };
+    let dev = device_of(first.param)?;
+    let stream = dev.cuda_stream();
+    let mut table: Vec<u64> = Vec::new();
+    for t in tensors {
+        let dims = t.param.dims();
+        if t.grad.dims() != dims || t.m.dims() != dims || t.v.dims() != dims {
+            bail!(
+                "AdamW: parameter {dims:?}, gradient {:?}, moments {:?} and {:?} differ",
+                t.grad.dims(),
+                t.m.dims(),
+                t.v.dims()
+            );
+        }
+        let [p, g, m, v] = [t.param, t.grad, t.m, t.v].map(|x| f32_address(x, &stream));
+        let (p, g, m, v) = (p?, g?, m?, v?);
+        let decay = ((1.0 - h.lr * t.weight_decay) as f32).to_bits() as u64;
+        let n = t.param.elem_count();
+        for start in (0..n).step_by(CHUNK) {
+            let len = CHUNK.min(n - start) as u64;
+            let at = 4 * start as u64;
+            table.extend([p + at, g + at, m + at, v + at, len | (decay << 32)]);
+        }
+    }
+    let n_chunks = (table.len() / 5) as u32;
+    if n_chunks == 0 {
+        return Ok(());
+    }
+    let t = h.step.max(1) as i32;
+    let (bc1, bc2) = (1.0 - h.beta1.powi(t), 1.0 - h.beta2.powi(t));
+    let (beta1, beta2) = (h.beta1 as f32, h.beta2 as f32);
+    let args = [
+        h.lr as f32,
+        beta1,
+        1.0 - beta1,
+        beta2,
+        1.0 - beta2,
+        (1.0 / bc1) as f32,
+        (1.0 / bc2) as f32,
+        h.eps as f32,
+    ];
+    let clip = h.grad_scale.is_some() as i32;
+    let scale = h.grad_scale.unwrap_or(1.0) as f32;
+    let table = dev.clone_htod(&table)?;
+    let func = ptx::function(&dev, &ptx::ADAMW, "adamw_f32")?;
+    let cfg = LaunchConfig {
+        grid_dim: (n_chunks.min(1 << 16), 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut b = stream.launch_builder(&func);
+    b.arg(&table).arg(&n_chunks);
+    for a in &args {
+        b.arg(a);
+    }
+    b.arg(&clip).arg(&scale);
+    // SAFETY: the arguments are the kernel's signature; every address in the table points into
+    // a live contiguous f32 tensor of at least the chunk's length, queued on candle's stream.
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(())
+}
