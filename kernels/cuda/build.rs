@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::process::Command;
 
 /// The kernels, one `.cu` per op.
-const KERNELS: &[&str] = &["topk_rows", "adamw", "sum_squares"];
+const KERNELS: &[&str] = &["topk_rows", "adamw", "sum_squares", "log_softmax"];
 
 fn main() {
     println!("cargo:rerun-if-env-changed=CUDA_HOME");

@@ -11,7 +11,8 @@ use rayon::prelude::*;
 /// A distillation step needs the student's log-probs only at the teacher's top-k ids and at the
 /// target, so on the CPU the `[.., V]` log-softmax is never materialised: forward reads `x` twice
 /// (max, then Σexp) and writes `[.., m]`; backward writes the one `[.., V]` gradient
-/// `scatter(g) − softmax(x) · Σg`. Other devices use composed ops.
+/// `scatter(g) − softmax(x) · Σg`. On CUDA with the project's kernels on, the fused
+/// [`crate::log_softmax`] then a gather; composed ops elsewhere.
 pub fn gather_log_softmax(x: &Tensor, idx: &Tensor) -> Result<Tensor> {
     let (xd, id) = (x.dims(), idx.dims());
     if xd.is_empty() || xd.len() != id.len() || xd[..xd.len() - 1] != id[..id.len() - 1] {
@@ -25,6 +26,12 @@ pub fn gather_log_softmax(x: &Tensor, idx: &Tensor) -> Result<Tensor> {
     if x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64) {
         x.contiguous()?
             .apply_op2(&idx.contiguous()?, GatherLogSoftmax)
+    } else if x.device().is_cuda()
+        && x.dtype() == DType::F32
+        && xdistill_shared::device::cuda_kernels()
+    {
+        // One kernel for the row's log-softmax (and one for its backward), then the gather.
+        crate::log_softmax(x)?.gather(&idx.contiguous()?, D::Minus1)
     } else {
         let m = x.max_keepdim(D::Minus1)?.detach();
         let lse = (x.broadcast_sub(&m)?.exp()?.sum_keepdim(D::Minus1)?.log()? + m)?;

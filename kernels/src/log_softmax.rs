@@ -1,11 +1,18 @@
-//! The fused log-softmax over the last dimension, with its fused backward (`g − softmax · Σg`).
+//! The fused log-softmax over the last dimension, with its fused backward (`g − softmax · Σg`):
+//! on the CPU (f32, f64) here, on CUDA (f32, with the project's kernels on:
+//! `xdistill_shared::device::cuda_kernels`) through `kernels/cuda/src/log_softmax.cu`.
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, DType, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
 /// `log_softmax` over the last dimension, with a backward pass.
 pub fn log_softmax(x: &Tensor) -> Result<Tensor> {
-    if x.device().is_cpu() && matches!(x.dtype(), DType::F32 | DType::F64) {
+    let fused = if x.device().is_cpu() {
+        matches!(x.dtype(), DType::F32 | DType::F64)
+    } else {
+        x.device().is_cuda() && x.dtype() == DType::F32 && xdistill_shared::device::cuda_kernels()
+    };
+    if fused {
         x.contiguous()?.apply_op1(LogSoftmax)
     } else {
         candle_nn::ops::log_softmax(x, D::Minus1)
@@ -64,6 +71,14 @@ impl CustomOp1 for LogSoftmax {
         };
         Ok((out, l.shape().clone()))
     }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        xdistill_cuda_kernels::log_softmax_f32(s, l)
+    }
     fn bwd(&self, _arg: &Tensor, res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
         Ok(Some(
             grad_res
@@ -101,6 +116,16 @@ impl CustomOp2 for LogSoftmaxBwd {
             _ => candle_core::bail!("fused log_softmax backward: f32 or f64 only"),
         };
         Ok((out, lg.shape().clone()))
+    }
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        g: &candle_core::CudaStorage,
+        lg: &Layout,
+        y: &candle_core::CudaStorage,
+        ly: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        xdistill_cuda_kernels::log_softmax_bwd_f32(g, lg, y, ly)
     }
 }
 

@@ -86,10 +86,10 @@ pub fn dtype_name(d: DType) -> &'static str {
 }
 
 /// Whether the project's own CUDA kernels (`kernels/cuda`: the top-k selection, the
-/// multi-tensor AdamW and the gradients' sum of squares) replace the tensor-op paths on CUDA
-/// devices: `XDISTILL_CUDA_KERNELS=on` (default `off` until a GPU run has checked them,
-/// `scripts/gpu-check.sh` steps 1c, 2 and 4), read once per process; always false in a build
-/// without CUDA.
+/// multi-tensor AdamW, the gradients' sum of squares, the losses' log-softmax) replace the
+/// tensor-op paths on CUDA devices: `XDISTILL_CUDA_KERNELS=on` (default `off` until a GPU run
+/// has checked them, `scripts/gpu-check.sh` steps 1c, 2 and 4), read once per process; always
+/// false in a build without CUDA.
 pub fn cuda_kernels() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {

@@ -308,3 +308,90 @@ fn multi_tensor_sum_of_squares_equals_f64() {
         "a tensor alone"
     );
 }
+
+/// The CUDA log-softmax and its backward as candle ops (as xdistill_kernels::log_softmax
+/// wraps them), for the test below.
+struct LogSoftmax;
+struct LogSoftmaxBwd;
+
+impl candle_core::CustomOp1 for LogSoftmax {
+    fn name(&self) -> &'static str {
+        "test-log-softmax"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        candle_core::bail!("CUDA only")
+    }
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        l: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        xdistill_cuda_kernels::log_softmax_f32(s, l)
+    }
+}
+
+impl candle_core::CustomOp2 for LogSoftmaxBwd {
+    fn name(&self) -> &'static str {
+        "test-log-softmax-bwd"
+    }
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        candle_core::bail!("CUDA only")
+    }
+    fn cuda_fwd(
+        &self,
+        g: &candle_core::CudaStorage,
+        lg: &candle_core::Layout,
+        y: &candle_core::CudaStorage,
+        ly: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        xdistill_cuda_kernels::log_softmax_bwd_f32(g, lg, y, ly)
+    }
+}
+
+/// The row-wise log-softmax and its backward `g − exp(y)·Σg` against f64, rows from 1 to
+/// Qwen3's 151,936 columns; the backward relative to the row's largest gradient.
+#[test]
+fn log_softmax_and_its_backward_equal_f64() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = rng();
+    for (rows, dim) in [(3usize, 1usize), (2, 1000), (4, 4099), (2, 151_936)] {
+        let x = values(&mut rng, rows * dim, 12.0);
+        let g = values(&mut rng, rows * dim, 0.5);
+        let xt = Tensor::from_vec(x.clone(), (rows, dim), &dev).unwrap();
+        let gt = Tensor::from_vec(g.clone(), (rows, dim), &dev).unwrap();
+        let y = xt.apply_op1_no_bwd(&LogSoftmax).unwrap();
+        let gx = gt.apply_op2_no_bwd(&y, &LogSoftmaxBwd).unwrap();
+        let (y, gx): (Vec<f32>, Vec<f32>) = (
+            y.flatten_all().unwrap().to_vec1().unwrap(),
+            gx.flatten_all().unwrap().to_vec1().unwrap(),
+        );
+        let (mut worst_y, mut worst_g) = (0f64, 0f64);
+        for r in 0..rows {
+            let xr = &x[r * dim..(r + 1) * dim];
+            let gr = &g[r * dim..(r + 1) * dim];
+            let m = xr.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;
+            let lse = m + xr.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln();
+            let sg: f64 = gr.iter().map(|&v| v as f64).sum();
+            let want_g: Vec<f64> = (0..dim)
+                .map(|i| gr[i] as f64 - (xr[i] as f64 - lse).exp() * sg)
+                .collect();
+            let scale = want_g.iter().fold(1f64, |a, b| a.max(b.abs()));
+            for i in 0..dim {
+                worst_y = worst_y.max((y[r * dim + i] as f64 - (xr[i] as f64 - lse)).abs());
+                worst_g = worst_g.max((gx[r * dim + i] as f64 - want_g[i]).abs() / scale);
+            }
+        }
+        eprintln!("log_softmax {rows} x {dim}: forward {worst_y:.2e}, backward {worst_g:.2e}");
+        assert!(worst_y < 1e-5 && worst_g < 3e-6, "{worst_y:e} {worst_g:e}");
+    }
+}

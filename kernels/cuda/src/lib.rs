@@ -9,7 +9,9 @@
 //! - [`adamw_f32`]: one AdamW step over every parameter in one launch, in place, the CPU
 //!   kernel's arithmetic (the same bits);
 //! - [`sum_squares_f32`]: `Σ g²` of every gradient in one launch and one copy back (the global
-//!   norm for clipping).
+//!   norm for clipping);
+//! - [`log_softmax_f32`] and [`log_softmax_bwd_f32`]: the row-wise log-softmax and its backward,
+//!   one block per row (the losses' `[n, V]` rows).
 //!
 //! `emulate/` runs each kernel's code on the host (a block as threads with real barriers)
 //! against its reference, in the default test suite: the logic is tested where no GPU is.
@@ -19,6 +21,8 @@ mod adamw;
 #[cfg(feature = "cuda")]
 mod address;
 #[cfg(feature = "cuda")]
+mod log_softmax;
+#[cfg(feature = "cuda")]
 mod ptx;
 #[cfg(feature = "cuda")]
 mod sum_squares;
@@ -27,6 +31,8 @@ mod topk_rows;
 
 #[cfg(feature = "cuda")]
 pub use adamw::{adamw_f32, AdamWHyper, AdamWTensor};
+#[cfg(feature = "cuda")]
+pub use log_softmax::{log_softmax_bwd_f32, log_softmax_f32};
 #[cfg(feature = "cuda")]
 pub use sum_squares::sum_squares_f32;
 #[cfg(feature = "cuda")]

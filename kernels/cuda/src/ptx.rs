@@ -22,6 +22,11 @@ pub const ADAMW: Module = Module {
     ptx: include_str!(concat!(env!("OUT_DIR"), "/adamw.ptx")),
 };
 
+pub const LOG_SOFTMAX: Module = Module {
+    name: "xdistill_log_softmax",
+    ptx: include_str!(concat!(env!("OUT_DIR"), "/log_softmax.ptx")),
+};
+
 pub const SUM_SQUARES: Module = Module {
     name: "xdistill_sum_squares",
     ptx: include_str!(concat!(env!("OUT_DIR"), "/sum_squares.ptx")),
