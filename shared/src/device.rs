@@ -94,16 +94,21 @@ pub fn cuda_kernels() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {
         let value = std::env::var("XDISTILL_CUDA_KERNELS").ok();
-        let on = match value.as_deref() {
-            None | Some("off") => false,
-            Some("on") => true,
-            Some(other) => {
-                tracing::warn!("XDISTILL_CUDA_KERNELS={other:?} is not on or off; using off");
-                false
-            }
-        };
+        let on = on_or_off(value.as_deref()).unwrap_or_else(|why| {
+            tracing::warn!("XDISTILL_CUDA_KERNELS: {why}; using off");
+            false
+        });
         on && cfg!(feature = "cuda")
     })
+}
+
+/// An on/off switch's value (unset: off).
+fn on_or_off(value: Option<&str>) -> Result<bool, String> {
+    match value {
+        None | Some("off") => Ok(false),
+        Some("on") => Ok(true),
+        Some(other) => Err(format!("{other:?} is not on or off")),
+    }
 }
 
 /// A device's memory in bytes.
@@ -238,5 +243,20 @@ mod memory_tests {
             0 < m.free && m.free <= m.total && m.total <= total,
             "{m:?} of {total}"
         );
+    }
+
+    /// `XDISTILL_CUDA_KERNELS` takes on or off (unset: off); anything else is named in the
+    /// warning and means off.
+    #[test]
+    fn the_kernels_switch_reads_on_and_off() {
+        assert_eq!(on_or_off(None), Ok(false));
+        assert_eq!(on_or_off(Some("off")), Ok(false));
+        assert_eq!(on_or_off(Some("on")), Ok(true));
+        let e = on_or_off(Some("yes")).unwrap_err();
+        assert!(e.contains("\"yes\"") && e.contains("on or off"), "{e}");
+        // A CPU build never runs them, whatever the switch says.
+        if !cfg!(feature = "cuda") {
+            assert!(!cuda_kernels());
+        }
     }
 }

@@ -4,33 +4,12 @@
 //! runs them (`XDISTILL_TEST_DEVICE=cuda`, `scripts/gpu-check.sh` step 1c). The same kernels'
 //! logic runs on the host in the default suite (kernels/cuda/emulate).
 
-use crate::model::dev;
-use candle_core::{DType, Device, Tensor};
-use rand::{Rng, SeedableRng};
+use crate::cudnn_attention::{gpu, rng};
+use candle_core::{DType, Tensor};
+use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 use std::time::Instant;
 use xdistill_cuda_kernels::{topk_rows, TopkArgs};
-
-/// The test device when it is a GPU; `None` (the test says it skipped) on the CPU.
-fn gpu() -> Option<Device> {
-    let d = dev();
-    if d.is_cuda() {
-        Some(d)
-    } else {
-        eprintln!("skipped: XDISTILL_TEST_DEVICE is not a CUDA device");
-        None
-    }
-}
-
-/// A fresh seed per run (printed, so that a failure can be replayed).
-fn rng() -> ChaCha8Rng {
-    let seed = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(7);
-    eprintln!("seed {seed}");
-    ChaCha8Rng::seed_from_u64(seed)
-}
 
 /// What one row should give: ids and values of the top k (ties by ascending id), the target's
 /// log-prob, the logsumexp (f64) and the target's rank, from `z = x / t` in f32 exactly as the

@@ -15,7 +15,7 @@ use xdistill_cudnn::{sdpa, Causal, Params};
 use xdistill_shared::model::{AttnBackend, Decoder, KvCache, Ops};
 
 /// The test device when it is a GPU; `None` (the test says it skipped) on the CPU.
-fn gpu() -> Option<Device> {
+pub(crate) fn gpu() -> Option<Device> {
     let d = dev();
     if d.is_cuda() {
         Some(d)
@@ -26,7 +26,7 @@ fn gpu() -> Option<Device> {
 }
 
 /// A fresh seed per run (printed, so that a failure can be replayed).
-fn rng() -> ChaCha8Rng {
+pub(crate) fn rng() -> ChaCha8Rng {
     let seed = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos() as u64)
@@ -295,13 +295,9 @@ fn new_lengths_reuse_compiled_kernels() {
     }
 }
 
-/// Decoders in bf16 on the GPU: cuDNN's attention against the eager path (a whole forward, a
-/// forward in two chunks over a KV cache, windows, Gemma 3's scale), hidden states compared
-/// (both round to bf16 at every op, differently, over 2–3 layers: 3e-2 of the norm; the op's own
-/// precision is checked against f64 above).
-#[test]
-fn decoders_through_cudnn_match_the_eager_path() {
-    let Some(dev) = gpu() else { return };
+/// Small decoders whose heads cuDNN takes (head size 64, grouped-query 2:1): Qwen3 (q/k norms),
+/// Llama, Mistral with a window of 8, Gemma 3 (local and global layers, its own scale).
+fn decoder_cases() -> Vec<(&'static str, xdistill_shared::hf::ModelConfig)> {
     let big = serde_json::json!({"hidden_size": 256, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 128,
         "max_position_embeddings": 128});
@@ -312,7 +308,7 @@ fn decoders_through_cudnn_match_the_eager_path() {
         }
         e
     };
-    let cases = [
+    vec![
         ("qwen3", config_with("qwen3", with(serde_json::json!({})))),
         ("llama", config_with("llama", with(serde_json::json!({})))),
         (
@@ -330,7 +326,17 @@ fn decoders_through_cudnn_match_the_eager_path() {
                 ),
             ),
         ),
-    ];
+    ]
+}
+
+/// Decoders in bf16 on the GPU: cuDNN's attention against the eager path (a whole forward, a
+/// forward in two chunks over a KV cache, windows, Gemma 3's scale), hidden states compared
+/// (both round to bf16 at every op, differently, over 2–3 layers: 3e-2 of the norm; the op's own
+/// precision is checked against f64 above).
+#[test]
+fn decoders_through_cudnn_match_the_eager_path() {
+    let Some(dev) = gpu() else { return };
+    let cases = decoder_cases();
     let ids: Vec<u32> = (0..41u32).map(|i| (i * 7 + 3) % 50).collect();
     for (name, cfg) in cases {
         let vb = VarBuilder::from_tensors(params(&cfg), DType::BF16, &dev);
@@ -481,42 +487,15 @@ fn training_sdpa_and_its_backward_equal_the_f64_reference() {
 }
 
 /// A whole training pass in bf16 on the GPU with cuDNN's attention core against the blockwise
-/// one: hidden states and every parameter's gradient (selective and checkpointed), for Qwen3,
-/// Mistral with a window and Gemma 3's local and global layers. Both round to bf16 at every op,
-/// differently: compared at 3e-2 (hidden) and 6e-2 (gradients) of the norm.
+/// one: hidden states and every parameter's gradient (selective and checkpointed), for the
+/// decoders of [`decoder_cases`]. Both round to bf16 at every op, differently: compared at 3e-2
+/// (hidden) and 6e-2 (gradients) of the norm.
 #[test]
 fn training_pass_through_cudnn_matches_the_blockwise_core() {
     use candle_core::Var;
     use xdistill_shared::model::Activations;
     let Some(dev) = gpu() else { return };
-    let big = serde_json::json!({"hidden_size": 256, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 128,
-        "max_position_embeddings": 128});
-    let with = |extra: serde_json::Value| {
-        let mut e = big.clone();
-        for (k, v) in extra.as_object().unwrap() {
-            e[k] = v.clone();
-        }
-        e
-    };
-    let cases = [
-        ("qwen3", config_with("qwen3", with(serde_json::json!({})))),
-        (
-            "mistral window 8",
-            config_with("mistral", with(serde_json::json!({"sliding_window": 8}))),
-        ),
-        (
-            "gemma3",
-            config_with(
-                "gemma3_text",
-                with(
-                    serde_json::json!({"num_hidden_layers": 3, "sliding_window": 8,
-                    "sliding_window_pattern": 3, "query_pre_attn_scalar": 48,
-                    "rope_local_base_freq": 100.0, "tie_word_embeddings": true}),
-                ),
-            ),
-        ),
-    ];
+    let cases = decoder_cases();
     let rows: Vec<u32> = (0..2 * 41u32).map(|i| (i * 7 + 3) % 50).collect();
     let ids = Tensor::from_vec(rows, (2, 41), &dev).unwrap();
     for (name, cfg) in cases {

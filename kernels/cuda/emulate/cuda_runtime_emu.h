@@ -33,9 +33,7 @@ namespace emu {
 struct Block {
     std::unique_ptr<std::barrier<>> all;
     std::vector<std::unique_ptr<std::barrier<>>> warps;
-    uint32_t slots[1024];
-    float fslots[1024];
-    double dslots[1024];
+    uint64_t slots[1024];  // one per thread: what a warp exchange passes on
 };
 inline Block *block = nullptr;
 inline int lane() { return threadIdx.x & 31; }
@@ -70,24 +68,14 @@ void launch(unsigned grid, unsigned threads, F kernel) {
 
 inline void __syncthreads() { emu::block->all->arrive_and_wait(); }
 
-inline uint32_t __shfl_down_sync(unsigned, uint32_t v, int o) {
-    emu::block->slots[threadIdx.x] = v;
+// Lane l gets lane l + o's value (its own where that is past the warp), any type up to 8 bytes.
+template <typename T>
+inline T __shfl_down_sync(unsigned, T v, int o) {
+    static_assert(sizeof(T) <= sizeof(uint64_t));
+    std::memcpy(&emu::block->slots[threadIdx.x], &v, sizeof(T));
     emu::warp_sync();
-    uint32_t r = emu::lane() + o < 32 ? emu::block->slots[threadIdx.x + o] : v;
-    emu::warp_sync();
-    return r;
-}
-inline float __shfl_down_sync(unsigned, float v, int o) {
-    emu::block->fslots[threadIdx.x] = v;
-    emu::warp_sync();
-    float r = emu::lane() + o < 32 ? emu::block->fslots[threadIdx.x + o] : v;
-    emu::warp_sync();
-    return r;
-}
-inline double __shfl_down_sync(unsigned, double v, int o) {
-    emu::block->dslots[threadIdx.x] = v;
-    emu::warp_sync();
-    double r = emu::lane() + o < 32 ? emu::block->dslots[threadIdx.x + o] : v;
+    T r = v;
+    if (emu::lane() + o < 32) std::memcpy(&r, &emu::block->slots[threadIdx.x + o], sizeof(T));
     emu::warp_sync();
     return r;
 }

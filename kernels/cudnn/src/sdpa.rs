@@ -4,14 +4,16 @@
 //! ([`sdpa_backward`]), which a training pass calls by hand as it does its blockwise attention's.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr};
-use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
+};
+use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
 use candle_core::op::BackpropOp;
 use candle_core::{
     bail, CpuStorage, CudaStorage, CustomOp3, DType, Layout, Result, Shape, Storage, Tensor,
 };
 use std::ffi::{c_char, c_void};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 /// Which keys each query sees, besides the window.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -215,48 +217,85 @@ impl Sdpa {
         let dev = qs.device().clone();
         let stream = dev.cuda_stream();
         stream.context().bind_to_thread().w()?;
-        let n = b * sq * hq * d;
         let context = stream.context().cu_ctx() as usize as u64;
         let desc = describe(context, dtype, self.0, (ql, kl, vl))?;
-        let ws_bytes = prepare(&desc)?;
-        let mut err = [0u8; ERR_LEN];
-        // SAFETY: every element is written by the attention below.
-        let mut o = unsafe { dev.alloc::<T>(n)? };
-        let mut ws = dev.alloc_zeros::<u8>(ws_bytes)?;
-        let q = qs.as_cuda_slice::<T>()?.slice(ql.start_offset()..);
-        let k = ks.as_cuda_slice::<T>()?.slice(kl.start_offset()..);
-        let v = vs.as_cuda_slice::<T>()?.slice(vl.start_offset()..);
-        let rc = {
-            let (qp, _qg) = q.device_ptr(&stream);
-            let (kp, _kg) = k.device_ptr(&stream);
-            let (vp, _vg) = v.device_ptr(&stream);
-            let (op, _og) = o.device_ptr_mut(&stream);
-            let (wp, _wg) = ws.device_ptr_mut(&stream);
-            // SAFETY: the pointers are live device allocations of the sizes `desc` describes
-            // (candle checked the layouts against the storages), ordered on candle's stream.
-            unsafe {
-                xd_sdpa_run(
-                    &desc,
-                    stream.cu_stream() as *mut c_void,
-                    qp as *const c_void,
-                    kp as *const c_void,
-                    vp as *const c_void,
-                    op as *mut c_void,
-                    std::ptr::null_mut(),
-                    wp as *mut c_void,
-                    err.as_mut_ptr().cast(),
-                    ERR_LEN,
-                )
-            }
-        };
-        if rc != 0 {
-            bail!("cuDNN attention: {}", err_text(&err));
-        }
+        let qkv = [
+            address::<T>(qs, ql, &stream)?,
+            address::<T>(ks, kl, &stream)?,
+            address::<T>(vs, vl, &stream)?,
+        ];
+        let (o, _) = run_forward::<T>(&dev, &desc, qkv)?;
         Ok((
             CudaStorage::wrap_cuda_slice(o, dev),
             Shape::from((b, sq, hq, d)),
         ))
     }
+}
+
+/// The device address of the first element `l` describes in `s`. Work using it must be queued
+/// on `stream` (candle's) while the storage lives.
+fn address<T: CudaDType + DeviceRepr>(
+    s: &CudaStorage,
+    l: &Layout,
+    stream: &Arc<CudaStream>,
+) -> Result<u64> {
+    let slice = s.as_cuda_slice::<T>()?.slice(l.start_offset()..);
+    let (p, _sync) = slice.device_ptr(stream);
+    Ok(p)
+}
+
+/// Runs the forward graph of `desc` on `dev`'s stream over q, k, v at the device addresses
+/// `qkv`: the output `[B, Sq, Hq, D]` and, when `desc.stats` is set, the softmax statistics
+/// `[B, Hq, Sq]` (f32).
+fn run_forward<T: CudaDType + DeviceRepr>(
+    dev: &CudaDevice,
+    desc: &Desc,
+    qkv: [u64; 3],
+) -> Result<(CudaSlice<T>, Option<CudaSlice<f32>>)> {
+    let ws_bytes = prepare(desc)?;
+    let (b, hq, sq, d) = (
+        desc.b as usize,
+        desc.hq as usize,
+        desc.sq as usize,
+        desc.d as usize,
+    );
+    let stream = dev.cuda_stream();
+    // SAFETY: every element of both is written by the attention below.
+    let mut o = unsafe { dev.alloc::<T>(b * sq * hq * d)? };
+    let mut stats = match desc.stats {
+        0 => None,
+        _ => Some(unsafe { dev.alloc::<f32>(b * hq * sq)? }),
+    };
+    let mut ws = dev.alloc_zeros::<u8>(ws_bytes)?;
+    let mut err = [0u8; ERR_LEN];
+    let rc = {
+        let (op, _og) = o.device_ptr_mut(&stream);
+        let sp = stats.as_mut().map(|s| s.device_ptr_mut(&stream));
+        let (wp, _wg) = ws.device_ptr_mut(&stream);
+        let sp = sp
+            .as_ref()
+            .map_or(std::ptr::null_mut(), |(p, _)| *p as *mut c_void);
+        // SAFETY: `qkv` and the buffers are live device allocations of the sizes `desc`
+        // describes, ordered on candle's stream.
+        unsafe {
+            xd_sdpa_run(
+                desc,
+                stream.cu_stream() as *mut c_void,
+                qkv[0] as *const c_void,
+                qkv[1] as *const c_void,
+                qkv[2] as *const c_void,
+                op as *mut c_void,
+                sp,
+                wp as *mut c_void,
+                err.as_mut_ptr().cast(),
+                ERR_LEN,
+            )
+        }
+    };
+    if rc != 0 {
+        bail!("cuDNN attention: {}", err_text(&err));
+    }
+    Ok((o, stats))
 }
 
 impl CustomOp3 for Sdpa {
@@ -317,16 +356,8 @@ impl<'a> Operand<'a> {
     }
 
     /// The device address of the layout's first element.
-    fn ptr<T: CudaDType + DeviceRepr>(
-        &self,
-        stream: &std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
-    ) -> Result<u64> {
-        let slice = self
-            .cuda()?
-            .as_cuda_slice::<T>()?
-            .slice(self.layout.start_offset()..);
-        let (p, _sync) = slice.device_ptr(stream);
-        Ok(p)
+    fn ptr<T: CudaDType + DeviceRepr>(&self, stream: &Arc<CudaStream>) -> Result<u64> {
+        address::<T>(self.cuda()?, self.layout, stream)
     }
 }
 
@@ -361,41 +392,15 @@ fn train_forward<T: CudaDType + DeviceRepr>(
     let context = stream.context().cu_ctx() as usize as u64;
     let mut desc = describe(context, dtype, params, (qo.layout, ko.layout, vo.layout))?;
     desc.stats = 1;
-    let ws_bytes = prepare(&desc)?;
-    // SAFETY: every element of both is written by the attention below.
-    let mut o = unsafe { dev.alloc::<T>(b * sq * hq * d)? };
-    let mut stats = unsafe { dev.alloc::<f32>(b * hq * sq)? };
-    let mut ws = dev.alloc_zeros::<u8>(ws_bytes)?;
-    let mut err = [0u8; ERR_LEN];
-    let (qp, kp, vp) = (
+    let qkv = [
         qo.ptr::<T>(&stream)?,
         ko.ptr::<T>(&stream)?,
         vo.ptr::<T>(&stream)?,
-    );
-    let rc = {
-        let (op, _og) = o.device_ptr_mut(&stream);
-        let (sp, _sg) = stats.device_ptr_mut(&stream);
-        let (wp, _wg) = ws.device_ptr_mut(&stream);
-        // SAFETY: live device allocations of the sizes `desc` describes (the storages stay
-        // read-locked), ordered on candle's stream.
-        unsafe {
-            xd_sdpa_run(
-                &desc,
-                stream.cu_stream() as *mut c_void,
-                qp as *const c_void,
-                kp as *const c_void,
-                vp as *const c_void,
-                op as *mut c_void,
-                sp as *mut c_void,
-                wp as *mut c_void,
-                err.as_mut_ptr().cast(),
-                ERR_LEN,
-            )
-        }
+    ];
+    let (o, stats) = run_forward::<T>(&dev, &desc, qkv)?;
+    let Some(stats) = stats else {
+        bail!("cuDNN attention: the training forward wrote no statistics");
     };
-    if rc != 0 {
-        bail!("cuDNN attention: {}", err_text(&err));
-    }
     let o = Tensor::from_storage(
         Storage::Cuda(CudaStorage::wrap_cuda_slice(o, dev.clone())),
         (b, sq, hq, d),

@@ -66,6 +66,20 @@ fn activation_checkpointing_takes_a_bool_selective_or_auto() {
         let c = Config::from_file(&write(dir.path(), &text)).unwrap();
         assert_eq!(c.policy.activation_checkpointing, want, "{v}");
     }
+    // The command line's spelling (`trainer bench-step --activation-checkpointing`).
+    for (v, want) in [
+        ("on", ActivationCheckpointing::On),
+        ("off", ActivationCheckpointing::Off),
+        ("selective", ActivationCheckpointing::Selective),
+        ("auto", ActivationCheckpointing::Auto),
+    ] {
+        assert_eq!(ActivationCheckpointing::parse(v), Ok(want), "{v}");
+    }
+    let e = ActivationCheckpointing::parse("sometimes").unwrap_err();
+    assert!(
+        e.contains("selective") && e.contains("\"sometimes\""),
+        "{e}"
+    );
     for bad in ["\"yes\"", "1"] {
         let text = MINIMAL.replace(
             "[policy]\n",
