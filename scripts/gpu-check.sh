@@ -10,7 +10,9 @@
 #    f64 reference and decoders through it against the eager attention; its training forward and
 #    backward against f64 loops, and training passes through it against the blockwise core;
 # 1c. the project's own CUDA kernels (kernels/cuda: top-k selection, multi-tensor AdamW, sums of
-#    squares) against f64 or the CPU kernel's bits;
+#    squares, log-softmax) against f64 or the CPU kernel's bits; the fused layer ops (RMSNorm,
+#    RoPE, gated activation, with their backward) against their CPU reference, and whole
+#    training passes and served logits through them against the composed ops;
 # 2. the teacher's device top-k path on the GPU against the f64 CPU reference and the host path,
 #    with candle's sorts and with the selection kernel (XDISTILL_CUDA_KERNELS=on);
 # 2b. the NCCL collectives in a world of one (`trainer nccl-check`);
@@ -123,7 +125,7 @@ check timeout 300 env XDISTILL_TEST_DEVICE=cuda "$work/test-shared" model:: --te
 step "1b. cuDNN's fused attention (serving and training): against f64 references, decoders and training passes through it"
 check timeout 300 env XDISTILL_TEST_DEVICE=cuda RUST_LOG=info "$work/test-shared" cudnn_attention:: \
   --test-threads=1 --nocapture
-step "1c. the project's CUDA kernels (kernels/cuda): top-k selection, multi-tensor AdamW, sums of squares"
+step "1c. the project's CUDA kernels (kernels/cuda): top-k, AdamW, sums of squares, log-softmax, fused layer ops"
 check timeout 180 env XDISTILL_TEST_DEVICE=cuda "$work/test-shared" cuda_kernels:: --test-threads=1 --nocapture
 fi
 if want 2; then
@@ -220,7 +222,8 @@ step "4. student step: ours (cuda, bf16 compute, f32 masters) vs PyTorch eager (
 # (everything kept, eager attention), `selective` (all but the attention core: the blockwise
 # attention) and `on` (full checkpointing: one more forward), beside each other (issue 47 item
 # 6); then `auto` on the new path: cuDNN's attention core (forward and backward) and the
-# project's kernels (the multi-tensor AdamW, the gradients' norm in one launch), opt-in until
+# project's kernels (fused RMSNorm, RoPE and gated activation with their backward, the
+# log-softmax, the multi-tensor AdamW, the gradients' norm in one launch), opt-in until
 # steps 1b and 1c pass on a GPU (XDISTILL_ATTENTION=cudnn XDISTILL_CUDA_KERNELS=on).
 for shape in ${STEP_SHAPES:-4x512 8x1024}; do
   set -- ${shape/x/ }
@@ -246,11 +249,18 @@ if [ -n "$ncu" ]; then
   # Every launch timed (one metric, one pass each); clocks left alone (--clock-control none).
   prof() { local name=$1; shift; timeout 240 "$ncu" --clock-control none --metrics gpu__time_duration.sum \
     --csv --log-file "$out/ncu-$name.csv" "$@" > "$out/ncu-$name.out" 2>&1; }
-  # Student: one warm-up and one timed step at 4 x 512, checkpointing as training chooses.
-  check prof step "$work/trainer" bench-step --model "$small" --device cuda --dtype bf16 --batch 4 \
-    --seq-len 512 --k 64 --steps 1
-  tail -n 3 "$out/ncu-step.out"
-  check "$py" bench/ncu_kernels.py "$out/ncu-step.csv" --per 2 --label "student step (4 layers, 4 x 512)"
+  # Student: one warm-up and one timed step at 4 x 512, activations as training chooses; the
+  # composed path, then the new one (cuDNN's attention core and the project's kernels: fused
+  # norms, RoPE, gated activation, AdamW), so that the launches per step show before and after.
+  for path in step step-new; do
+    attn=eager kernels=off
+    if [ $path = step-new ]; then attn=cudnn kernels=on; fi
+    XDISTILL_ATTENTION=$attn XDISTILL_CUDA_KERNELS=$kernels check prof $path "$work/trainer" bench-step \
+      --model "$small" --device cuda --dtype bf16 --batch 4 --seq-len 512 --k 64 --steps 1
+    tail -n 3 "$out/ncu-$path.out"
+    check "$py" bench/ncu_kernels.py "$out/ncu-$path.csv" --per 2 \
+      --label "student step (4 layers, 4 x 512, attention $attn, kernels $kernels)"
+  done
   # Teacher: the start-up probe, then one warm-up and one request of 1 x 512 (invariant mode),
   # with the eager attention and with cuDNN's.
   for att in eager cudnn; do

@@ -6,13 +6,26 @@ use std::path::PathBuf;
 use std::process::Command;
 
 /// The kernels, one `.cu` per op.
-const KERNELS: &[&str] = &["topk_rows", "adamw", "sum_squares", "log_softmax"];
+const KERNELS: &[&str] = &[
+    "topk_rows",
+    "adamw",
+    "sum_squares",
+    "log_softmax",
+    "rms_norm",
+    "rope",
+    "gated_act",
+];
+/// Headers the kernels include.
+const HEADERS: &[&str] = &["dtype.cuh"];
 
 fn main() {
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     for k in KERNELS {
         println!("cargo:rerun-if-changed=src/{k}.cu");
+    }
+    for h in HEADERS {
+        println!("cargo:rerun-if-changed=src/{h}");
     }
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;

@@ -1,11 +1,13 @@
 //! The project's own CUDA kernels (kernels/cuda) on the GPU against references on fresh random
 //! inputs: the top-k selection against f64, the multi-tensor AdamW against the CPU kernel's
-//! arithmetic (bit for bit), the sums of squares against f64. CUDA builds only; the GPU check
+//! arithmetic (bit for bit), the sums of squares and the log-softmax against f64, the fused
+//! layer ops (RMSNorm, RoPE, gated activation; `model::device_ops`) and their backward against
+//! their CPU reference, and whole passes through them against the composed ops. CUDA builds only; the GPU check
 //! runs them (`XDISTILL_TEST_DEVICE=cuda`, `scripts/gpu-check.sh` step 1c). The same kernels'
 //! logic runs on the host in the default suite (kernels/cuda/emulate).
 
 use crate::cudnn_attention::{gpu, rng};
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Device, Tensor};
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
 use std::time::Instant;
@@ -372,5 +374,209 @@ fn log_softmax_and_its_backward_equal_f64() {
         }
         eprintln!("log_softmax {rows} x {dim}: forward {worst_y:.2e}, backward {worst_g:.2e}");
         assert!(worst_y < 1e-5 && worst_g < 3e-6, "{worst_y:e} {worst_g:e}");
+    }
+}
+
+/// `f` of `vars` (made trainable) and `consts`, in `dt` on `dev`: the output and the gradients
+/// of `Σ y ∘ r` at each var (`r` drawn from `seed`), on the host as f64.
+fn with_grads(
+    vars: &[Tensor],
+    consts: &[Tensor],
+    dt: DType,
+    dev: &Device,
+    seed: u64,
+    f: &dyn Fn(&[Tensor], &[Tensor]) -> Tensor,
+) -> Vec<Vec<f64>> {
+    use crate::cudnn_attention::{host, random};
+    use candle_core::Var;
+    let on = |t: &Tensor| t.to_dtype(dt).unwrap().to_device(dev).unwrap();
+    let vars: Vec<Var> = vars
+        .iter()
+        .map(|t| Var::from_tensor(&on(t)).unwrap())
+        .collect();
+    let consts: Vec<Tensor> = consts.iter().map(on).collect();
+    let inputs: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    let y = f(&inputs, &consts);
+    let mut seeded = <ChaCha8Rng as rand::SeedableRng>::seed_from_u64(seed);
+    let r = random(&mut seeded, y.dims(), DType::F32, &Device::Cpu);
+    let grads = (&y * on(&r))
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let mut out = vec![host(&y)];
+    out.extend(
+        vars.iter()
+            .map(|v| host(grads.get(v.as_tensor()).expect("a gradient"))),
+    );
+    out
+}
+
+/// The fused norm, RoPE and gated activation on the GPU against their CPU reference (f64
+/// arithmetic, one rounding per output) on the same inputs: values and gradients at every input,
+/// f32 and bf16, on the layouts the decoder hands them (hidden rows of 1000, q/k-norm rows of
+/// 128, RoPE from a view of a wider tensor, per-row tables, partial rotary, both output
+/// arrangements, the halves of a fused gate_up); a second GPU run gives the same bits.
+#[test]
+fn fused_layer_ops_equal_their_cpu_reference() {
+    use crate::cudnn_attention::{random, rel_err};
+    use xdistill_shared::model::device_ops::{gated_act, rms_norm, rope};
+    use xdistill_shared::model::Activation;
+    let Some(dev) = gpu() else { return };
+    let mut rng = rng();
+    let cpu = Device::Cpu;
+    type Op = Box<dyn Fn(&[Tensor], &[Tensor]) -> Tensor>;
+    let mut cases: Vec<(String, Vec<Tensor>, Vec<Tensor>, Op)> = Vec::new();
+    for (shape, plus_one) in [
+        (vec![3usize, 37, 1000], false),
+        (vec![2, 41, 4, 128], false),
+        (vec![3, 37, 1000], true),
+    ] {
+        let x = (random(&mut rng, &shape, DType::F32, &cpu) * 3.0).unwrap();
+        let w = (random(&mut rng, &shape[shape.len() - 1..], DType::F32, &cpu) + 0.5).unwrap();
+        cases.push((
+            format!("rms_norm {shape:?} plus_one {plus_one}"),
+            vec![x, w],
+            vec![],
+            Box::new(move |v, _| rms_norm(&v[0], &v[1], 1e-6, plus_one).unwrap()),
+        ));
+    }
+    // (B, T, H, D, rotated pairs, per-row tables, a view of a wider tensor)
+    for (b, t, h, d, half, per_row, view) in [
+        (2usize, 41usize, 4usize, 128usize, 64usize, false, false),
+        (2, 41, 4, 64, 32, true, true),
+        (3, 17, 5, 96, 16, false, true),
+    ] {
+        let table: Vec<usize> = if per_row {
+            vec![b, t, half]
+        } else {
+            vec![t, half]
+        };
+        let angle = (random(&mut rng, &table, DType::F32, &cpu) * 3.2).unwrap();
+        let x = random(
+            &mut rng,
+            &[b, t, h, d + if view { 7 } else { 0 }],
+            DType::F32,
+            &cpu,
+        );
+        for heads_first in [true, false] {
+            cases.push((
+                format!("rope {b}x{t}x{h}x{d} rot {} per-row {per_row} view {view} heads-first {heads_first}", 2 * half),
+                vec![x.clone()],
+                vec![angle.cos().unwrap(), angle.sin().unwrap()],
+                Box::new(move |v, c| {
+                    let x = if view { v[0].narrow(3, 3, d).unwrap() } else { v[0].clone() };
+                    rope(&x, &c[0], &c[1], heads_first).unwrap()
+                }),
+            ));
+        }
+    }
+    for act in [Activation::Silu, Activation::GeluTanh, Activation::GeluErf] {
+        let both = (random(&mut rng, &[3, 37, 2 * 301], DType::F32, &cpu) * 4.0).unwrap();
+        cases.push((
+            format!("gated {act:?} (fused gate_up)"),
+            vec![both],
+            vec![],
+            Box::new(move |v, _| {
+                let (g, u) = (
+                    v[0].narrow(2, 0, 301).unwrap(),
+                    v[0].narrow(2, 301, 301).unwrap(),
+                );
+                gated_act(&g, &u, act).unwrap()
+            }),
+        ));
+    }
+    for dt in [DType::F32, DType::BF16] {
+        // f32: the reference's f64 sums against the kernels' f32 ones; bf16: one rounding each.
+        let tol = if dt == DType::F32 { 1e-5 } else { 1e-2 };
+        for (name, vars, consts, f) in &cases {
+            let want = with_grads(vars, consts, dt, &cpu, 5, f.as_ref());
+            let got = with_grads(vars, consts, dt, &dev, 5, f.as_ref());
+            let again = with_grads(vars, consts, dt, &dev, 5, f.as_ref());
+            assert_eq!(got, again, "{name} {dt:?}: a second run differs");
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                let err = rel_err(g, w);
+                eprintln!("{name} {dt:?} output {i}: rel err {err:.2e}");
+                assert!(
+                    err < tol,
+                    "{name} {dt:?}: output {i} (0 = value, then gradients) {err:.3e}"
+                );
+            }
+        }
+    }
+}
+
+/// Whole passes in bf16 on the GPU with the fused layer ops against the composed ops (the
+/// decoders of `decoder_cases`: q/k-norm, Gemma's `1 + w` norms and tanh GELU, windows): a
+/// training pass's hidden states and every gradient (selective), and served logits. Both round
+/// to bf16 at every op, differently: 3e-2 (hidden, logits) and 6e-2 (gradients) of the norm, as
+/// the cuDNN test.
+#[test]
+fn passes_with_fused_layer_ops_match_the_composed_ops() {
+    use crate::cudnn_attention::{decoder_cases, host, random, rel_err};
+    use crate::model::params;
+    use candle_core::Var;
+    use candle_nn::VarBuilder;
+    use xdistill_shared::model::device_ops::force_in_this_thread;
+    use xdistill_shared::model::{Activations, Decoder, Ops};
+    let Some(dev) = gpu() else { return };
+    let mut rng = rng();
+    let rows: Vec<u32> = (0..2 * 41u32).map(|i| (i * 7 + 3) % 50).collect();
+    let ids = Tensor::from_vec(rows, (2, 41), &dev).unwrap();
+    for (name, cfg) in decoder_cases() {
+        let vars: Vec<(String, Var)> = params(&cfg)
+            .into_iter()
+            .map(|(n, t)| {
+                let t = t.to_device(&dev).unwrap().to_dtype(DType::BF16).unwrap();
+                (n, Var::from_tensor(&t).unwrap())
+            })
+            .collect();
+        let vb = VarBuilder::from_tensors(
+            vars.iter()
+                .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+                .collect(),
+            DType::BF16,
+            &dev,
+        );
+        let train = Decoder::new(&cfg, vb.clone(), Ops::Differentiable).unwrap();
+        let serve = Decoder::new(&cfg, vb, Ops::Fused).unwrap();
+        let g = random(&mut rng, &[2, 41, cfg.hidden_size], DType::BF16, &dev);
+        let run = |fused: bool| {
+            force_in_this_thread(Some(fused));
+            let pass = train.train_forward(&ids, Activations::Selective).unwrap();
+            let hidden = host(pass.hidden());
+            let grads = pass.backward(&g).unwrap();
+            let per_param: Vec<(String, Vec<f64>)> = vars
+                .iter()
+                .filter(|(n, _)| n != "lm_head.weight")
+                .map(|(n, v)| {
+                    (
+                        n.clone(),
+                        grads.get(v.as_tensor()).map(host).unwrap_or_default(),
+                    )
+                })
+                .collect();
+            let logits = host(&serve.forward(&ids).unwrap());
+            force_in_this_thread(None);
+            (hidden, per_param, logits)
+        };
+        let (h0, g0, l0) = run(false);
+        let (h1, g1, l1) = run(true);
+        let err = rel_err(&h1, &h0);
+        eprintln!(
+            "{name}: hidden rel err {err:.2e}, logits {:.2e}",
+            rel_err(&l1, &l0)
+        );
+        assert!(err < 3e-2, "{name} hidden: {err:.3e}");
+        assert!(rel_err(&l1, &l0) < 3e-2, "{name} logits");
+        for ((n, a), (_, b)) in g1.iter().zip(&g0) {
+            assert!(
+                !b.is_empty() && a.len() == b.len(),
+                "{name}: {n} has no gradient"
+            );
+            let err = rel_err(a, b);
+            assert!(err < 6e-2, "{name} {n}: gradient rel err {err:.3e}");
+        }
     }
 }

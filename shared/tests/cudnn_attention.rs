@@ -35,7 +35,7 @@ pub(crate) fn rng() -> ChaCha8Rng {
     ChaCha8Rng::seed_from_u64(seed)
 }
 
-fn random(rng: &mut ChaCha8Rng, shape: &[usize], dt: DType, dev: &Device) -> Tensor {
+pub(crate) fn random(rng: &mut ChaCha8Rng, shape: &[usize], dt: DType, dev: &Device) -> Tensor {
     let n = shape.iter().product();
     let v: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect();
     Tensor::from_vec(v, shape, dev)
@@ -45,7 +45,7 @@ fn random(rng: &mut ChaCha8Rng, shape: &[usize], dt: DType, dev: &Device) -> Ten
 }
 
 /// `x` as f64 on the host, in the order of its logical shape.
-fn host(x: &Tensor) -> Vec<f64> {
+pub(crate) fn host(x: &Tensor) -> Vec<f64> {
     x.to_dtype(DType::F64)
         .unwrap()
         .flatten_all()
@@ -99,7 +99,7 @@ fn reference(q: &Tensor, k: &Tensor, v: &Tensor, p: Params) -> Vec<f64> {
     out
 }
 
-fn rel_err(got: &[f64], want: &[f64]) -> f64 {
+pub(crate) fn rel_err(got: &[f64], want: &[f64]) -> f64 {
     let num: f64 = got.iter().zip(want).map(|(a, b)| (a - b) * (a - b)).sum();
     let den: f64 = want.iter().map(|b| b * b).sum();
     (num / den).sqrt()
@@ -297,7 +297,7 @@ fn new_lengths_reuse_compiled_kernels() {
 
 /// Small decoders whose heads cuDNN takes (head size 64, grouped-query 2:1): Qwen3 (q/k norms),
 /// Llama, Mistral with a window of 8, Gemma 3 (local and global layers, its own scale).
-fn decoder_cases() -> Vec<(&'static str, xdistill_shared::hf::ModelConfig)> {
+pub(crate) fn decoder_cases() -> Vec<(&'static str, xdistill_shared::hf::ModelConfig)> {
     let big = serde_json::json!({"hidden_size": 256, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 128,
         "max_position_embeddings": 128});

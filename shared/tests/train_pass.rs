@@ -247,3 +247,61 @@ fn auto_keeps_what_fits_the_budget() {
         Activations::Selective
     );
 }
+
+/// The fused norm, RoPE and gated activation (`model::device_ops`, run here through their CPU
+/// reference as the CUDA kernels would run them) give the composed ops' hidden states and
+/// gradients in a training pass, kept and selective, for every dense architecture in f64; and
+/// their logits at inference (RoPE written heads-first in the same pass) in f32. Gemma 3's
+/// GELU gradient is held to 1e-6: candle's backward of the tanh GELU uses six-digit constants
+/// (the fused op's own gradient is checked against central differences in its unit test).
+#[test]
+fn fused_device_ops_give_the_composed_pass() {
+    use xdistill_shared::model::device_ops::force_in_this_thread;
+    let ids = Tensor::new(
+        &[
+            [3u32, 17, 2, 8, 8, 1, 39, 0, 23],
+            [9, 4, 4, 30, 1, 2, 6, 7, 12],
+        ],
+        &Device::Cpu,
+    )
+    .unwrap();
+    for (name, cfg) in archs() {
+        let tol = if name == "gemma3" { 1e-6 } else { 1e-10 };
+        let vm = varmap(&cfg, DType::F64);
+        let vb = VarBuilder::from_varmap(&vm, DType::F64, &Device::Cpu);
+        let model = Decoder::new(&cfg, vb, Ops::Differentiable).unwrap();
+        // Serving's fused ops take f32 (candle's rms_norm has no f64).
+        let vm32 = varmap(&cfg, DType::F32);
+        let vb32 = VarBuilder::from_varmap(&vm32, DType::F32, &Device::Cpu);
+        let serving = Decoder::new(&cfg, vb32, Ops::Fused).unwrap();
+        for act in [Activations::Keep, Activations::Selective] {
+            let (h0, g0) = pass(&model, &vm, &ids, act);
+            force_in_this_thread(Some(true));
+            let (h1, g1) = pass(&model, &vm, &ids, act);
+            force_in_this_thread(None);
+            let case = format!("{name} {}", act.name());
+            // Other ops, other roundings: not the same bits (so the fused ops did run).
+            assert_ne!(g1, g0, "{case}: the fused ops did not run");
+            assert!(worst_relative(&h1, &h0) <= 1e-12, "{case}: hidden states");
+            for (i, (a, b)) in g1.iter().zip(&g0).enumerate() {
+                let w = worst_relative(a, b);
+                assert!(w <= tol, "{case}: gradient {i} differs by {w:e} (relative)");
+            }
+        }
+        let logits = |on: bool| -> Vec<f64> {
+            force_in_this_thread(Some(on));
+            let l = serving.forward(&ids).unwrap();
+            force_in_this_thread(None);
+            l.to_dtype(DType::F64)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap()
+        };
+        let (fused, composed) = (logits(true), logits(false));
+        assert_ne!(fused, composed, "{name}: the fused ops did not run");
+        let w = worst_relative(&fused, &composed);
+        assert!(w <= 2e-6, "{name}: logits differ by {w:e}");
+    }
+}

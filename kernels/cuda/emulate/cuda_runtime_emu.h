@@ -1,5 +1,5 @@
 // A host emulation of the CUDA features the kernels of ../src use, so that their logic runs
-// (slowly) on a machine without a GPU: each block is run as blockDim.x std::threads, one block
+// (slowly) on a machine without a GPU: each block is run by blockDim.x std::threads, one block
 // after another, with __syncthreads a block-wide barrier and the warp intrinsics (shuffles,
 // ballots) exchanged through per-warp slots between warp-wide barriers. `__shared__` variables
 // become function statics: one copy per kernel instantiation, shared by the block's threads,
@@ -40,29 +40,33 @@ inline int lane() { return threadIdx.x & 31; }
 inline int warp() { return threadIdx.x >> 5; }
 inline void warp_sync() { block->warps[warp()]->arrive_and_wait(); }
 
-// Runs `kernel` (a closure calling the kernel function) over `grid` blocks of `threads` threads.
+// Runs `kernel` (a closure calling the kernel function) over `grid` blocks of `threads` threads:
+// one std::thread per thread of a block, each running its part of every block in turn, with a
+// barrier between blocks (so shared memory is one block's at a time).
 template <typename F>
 void launch(unsigned grid, unsigned threads, F kernel) {
     gridDim.x = grid;
     blockDim.x = threads;
-    for (unsigned b = 0; b < grid; ++b) {
-        Block blk;
-        blk.all = std::make_unique<std::barrier<>>(threads);
-        for (unsigned w = 0; w < (threads + 31) / 32; ++w) {
-            blk.warps.push_back(std::make_unique<std::barrier<>>(std::min(32u, threads - 32 * w)));
-        }
-        block = &blk;
-        std::vector<std::thread> ts;
-        for (unsigned t = 0; t < threads; ++t) {
-            ts.emplace_back([&, t, b] {
-                threadIdx.x = t;
+    Block blk;
+    blk.all = std::make_unique<std::barrier<>>(threads);
+    for (unsigned w = 0; w < (threads + 31) / 32; ++w) {
+        blk.warps.push_back(std::make_unique<std::barrier<>>(std::min(32u, threads - 32 * w)));
+    }
+    block = &blk;
+    std::barrier<> block_done(threads);
+    std::vector<std::thread> ts;
+    for (unsigned t = 0; t < threads; ++t) {
+        ts.emplace_back([&, t] {
+            threadIdx.x = t;
+            for (unsigned b = 0; b < grid; ++b) {
                 blockIdx.x = b;
                 kernel();
-            });
-        }
-        for (auto &t : ts) t.join();
-        block = nullptr;
+                block_done.arrive_and_wait();
+            }
+        });
     }
+    for (auto &t : ts) t.join();
+    block = nullptr;
 }
 }  // namespace emu
 
@@ -76,6 +80,17 @@ inline T __shfl_down_sync(unsigned, T v, int o) {
     emu::warp_sync();
     T r = v;
     if (emu::lane() + o < 32) std::memcpy(&r, &emu::block->slots[threadIdx.x + o], sizeof(T));
+    emu::warp_sync();
+    return r;
+}
+// Lane l gets lane (l xor m)'s value: the butterfly of a warp-wide reduction.
+template <typename T>
+inline T __shfl_xor_sync(unsigned, T v, int m) {
+    static_assert(sizeof(T) <= sizeof(uint64_t));
+    std::memcpy(&emu::block->slots[threadIdx.x], &v, sizeof(T));
+    emu::warp_sync();
+    T r;
+    std::memcpy(&r, &emu::block->slots[emu::warp() * 32 + (emu::lane() ^ m)], sizeof(T));
     emu::warp_sync();
     return r;
 }

@@ -23,23 +23,6 @@ static int failures = 0;
     } while (0)
 
 template <typename T>
-float as_f32(T x);
-template <>
-float as_f32(float x) { return x; }
-template <>
-float as_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <>
-float as_f32(__half x) { return __half2float(x); }
-template <typename T>
-T from_f32(float x);
-template <>
-float from_f32(float x) { return x; }
-template <>
-__nv_bfloat16 from_f32(float x) { return __float2bfloat16(x); }
-template <>
-__half from_f32(float x) { return __float2half(x); }
-
-template <typename T>
 void launch(const char *name, const std::vector<T> &x, uint32_t n, uint32_t v, const std::vector<uint32_t> &tg,
             uint32_t valid, uint32_t k, float t, int logprobs, std::vector<uint32_t> &ids, std::vector<float> &vals,
             std::vector<float> &tlp, std::vector<float> &lse, std::vector<uint32_t> &ranks);
@@ -78,7 +61,7 @@ void check(const char *dtype, uint32_t n, uint32_t v, uint32_t valid, uint32_t k
     double worst = 0;
     for (uint32_t r = 0; r < n; ++r) {
         std::vector<float> z(valid);
-        for (uint32_t i = 0; i < valid; ++i) z[i] = as_f32(x[size_t(r) * v + i]) / t;
+        for (uint32_t i = 0; i < valid; ++i) z[i] = to_f32(x[size_t(r) * v + i]) / t;
         double m = *std::max_element(z.begin(), z.end()), s = 0;
         for (float zi : z) s += std::exp(double(zi) - m);
         double want_lse = m + std::log(s);

@@ -11,19 +11,50 @@
 //! - [`sum_squares_f32`]: `Σ g²` of every gradient in one launch and one copy back (the global
 //!   norm for clipping);
 //! - [`log_softmax_f32`] and [`log_softmax_bwd_f32`]: the row-wise log-softmax and its backward,
-//!   one block per row (the losses' `[n, V]` rows).
+//!   one block per row (the losses' `[n, V]` rows);
+//! - [`rms_norm_fwd`] and [`rms_norm_bwd`]: RMSNorm (both weight conventions) and its
+//!   backward, a warp per row, the weight's gradient summed in a fixed order;
+//! - [`rope`]: rotary embedding through strides (rotating and moving the heads in one pass), and
+//!   inverted, its backward;
+//! - [`gated_act_fwd`] and [`gated_act_bwd`]: the gated MLP's `act(gate) · up` and both
+//!   gradients, gate and up read through row strides.
+//!
+//! The element types are f32, bf16 and f16 (`src/dtype.cuh` converts, [`typed!`] picks the
+//! kernel), except where a kernel says otherwise.
 //!
 //! `emulate/` runs each kernel's code on the host (a block as threads with real barriers)
 //! against its reference, in the default test suite: the logic is tested where no GPU is.
+
+/// Runs `$run!(element type, "suffix")` for storage dtype `$dt` (f32, bf16 or f16): each
+/// kernel of those types is compiled as `name_f32`, `name_bf16`, `name_f16`.
+#[cfg(feature = "cuda")]
+macro_rules! typed {
+    ($dt:expr, $op:literal, $run:ident) => {
+        match $dt {
+            candle_core::DType::F32 => $run!(f32, "f32"),
+            candle_core::DType::BF16 => $run!(half::bf16, "bf16"),
+            candle_core::DType::F16 => $run!(half::f16, "f16"),
+            dt => candle_core::bail!("{} takes f32, bf16 or f16, not {dt:?}", $op),
+        }
+    };
+}
+#[cfg(feature = "cuda")]
+pub(crate) use typed;
 
 #[cfg(feature = "cuda")]
 mod adamw;
 #[cfg(feature = "cuda")]
 mod address;
 #[cfg(feature = "cuda")]
+mod gated_act;
+#[cfg(feature = "cuda")]
 mod log_softmax;
 #[cfg(feature = "cuda")]
 mod ptx;
+#[cfg(feature = "cuda")]
+mod rms_norm;
+#[cfg(feature = "cuda")]
+mod rope;
 #[cfg(feature = "cuda")]
 mod sum_squares;
 #[cfg(feature = "cuda")]
@@ -32,7 +63,13 @@ mod topk_rows;
 #[cfg(feature = "cuda")]
 pub use adamw::{adamw_f32, AdamWHyper, AdamWTensor};
 #[cfg(feature = "cuda")]
+pub use gated_act::{gated_act_bwd, gated_act_fwd, GatedAct, GatedArgs};
+#[cfg(feature = "cuda")]
 pub use log_softmax::{log_softmax_bwd_f32, log_softmax_f32};
+#[cfg(feature = "cuda")]
+pub use rms_norm::{rms_norm_bwd, rms_norm_fwd, RmsNormArgs};
+#[cfg(feature = "cuda")]
+pub use rope::{rope, RopeArgs};
 #[cfg(feature = "cuda")]
 pub use sum_squares::sum_squares_f32;
 #[cfg(feature = "cuda")]

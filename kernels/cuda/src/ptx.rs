@@ -32,6 +32,21 @@ pub const SUM_SQUARES: Module = Module {
     ptx: include_str!(concat!(env!("OUT_DIR"), "/sum_squares.ptx")),
 };
 
+pub const RMS_NORM: Module = Module {
+    name: "xdistill_rms_norm",
+    ptx: include_str!(concat!(env!("OUT_DIR"), "/rms_norm.ptx")),
+};
+
+pub const ROPE: Module = Module {
+    name: "xdistill_rope",
+    ptx: include_str!(concat!(env!("OUT_DIR"), "/rope.ptx")),
+};
+
+pub const GATED_ACT: Module = Module {
+    name: "xdistill_gated_act",
+    ptx: include_str!(concat!(env!("OUT_DIR"), "/gated_act.ptx")),
+};
+
 /// `function` of `module` on `dev`, loaded on first use.
 pub fn function(dev: &CudaDevice, module: &Module, function: &str) -> Result<CudaFunction> {
     Ok(dev

@@ -14,17 +14,13 @@
 //
 // Deterministic and batch-invariant by construction: a row's results depend on that row alone,
 // every sum runs in a fixed order, and ties are broken by id.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <stdint.h>
+
+#include "dtype.cuh"
 
 #define THREADS 1024
 #define WARPS (THREADS / 32)
 #define MAX_K 4096
-
-__device__ __forceinline__ float to_f32(float x) { return x; }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
 
 // Larger float, larger key (the IEEE total order: -0 below +0).
 __device__ __forceinline__ uint32_t key_of(float z) {

@@ -4,6 +4,7 @@
 //! window itself, and its `[B, T, Hq, D]` result goes straight into `o_proj`: no transposes, no
 //! repeated K/V, no `[B, H, T, S]` scores and no mask tensor.
 
+use super::device_ops;
 use super::layers::{Attention, AttnBackend, AttnInputs, Ops};
 use candle_core::{DType, Device, Result, Tensor, D};
 use std::sync::OnceLock;
@@ -55,8 +56,17 @@ impl Attention {
     ) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let (q, k, v) = self.project_heads(x, inp)?; // [B, T, H, D]
-        let q = candle_nn::rotary_emb::rope_thd(&q.contiguous()?, inp.cos, inp.sin)?;
-        let k = candle_nn::rotary_emb::rope_thd(&k.contiguous()?, inp.cos, inp.sin)?;
+        let (q, k) = if device_ops::applies(&q) && inp.cos.dtype() == q.dtype() {
+            (
+                device_ops::rope(&q, inp.cos, inp.sin, false)?,
+                device_ops::rope(&k, inp.cos, inp.sin, false)?,
+            )
+        } else {
+            (
+                candle_nn::rotary_emb::rope_thd(&q.contiguous()?, inp.cos, inp.sin)?,
+                candle_nn::rotary_emb::rope_thd(&k.contiguous()?, inp.cos, inp.sin)?,
+            )
+        };
         // [B, Hkv, S, D]: views of the new positions, or the cache with them appended.
         let (k, v) = match kv {
             Some(slot) => {

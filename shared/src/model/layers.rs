@@ -2,8 +2,8 @@
 //! layers, RoPE application (whole or partial), grouped-query attention with causal and
 //! sliding-window masks, and the gated MLP. Each runs in two modes ([`Ops`]).
 
-use super::host_ops;
 use super::spec::{Activation, LayerSpec, MoeSpec};
+use super::{device_ops, host_ops};
 use crate::matmul;
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{CpuStorage, DType, Layout, Module, Result, Shape, Tensor, D};
@@ -53,6 +53,9 @@ impl Norm {
 
     pub fn forward(&self, x: &Tensor, ops: Ops) -> Result<Tensor> {
         let dt = x.dtype();
+        if device_ops::applies(x) && self.weight.dtype() == dt {
+            return device_ops::rms_norm(x, &self.weight, self.eps, self.plus_one);
+        }
         match (ops, self.plus_one) {
             (Ops::Fused, false) => host_ops::rms_norm(x, &self.weight, self.eps),
             (Ops::Fused, true) => {
@@ -486,10 +489,15 @@ impl Attention {
     /// projected, normed (Qwen3, Gemma 3) and rotated.
     pub fn project(&self, x: &Tensor, inp: &AttnInputs<'_>) -> Result<(Tensor, Tensor, Tensor)> {
         let (q, k, v) = self.project_heads(x, inp)?;
-        // 2. Heads first: [B, heads, T, D], then RoPE.
+        // 2. Heads first: [B, heads, T, D], then RoPE (in one pass where the fused op runs).
+        let v = v.transpose(1, 2)?.contiguous()?;
+        if device_ops::applies(&q) && inp.cos.dtype() == q.dtype() {
+            let q = device_ops::rope(&q, inp.cos, inp.sin, true)?;
+            let k = device_ops::rope(&k, inp.cos, inp.sin, true)?;
+            return Ok((q, k, v));
+        }
         let q = rope(&q.transpose(1, 2)?.contiguous()?, inp.cos, inp.sin, inp.ops)?;
         let k = rope(&k.transpose(1, 2)?.contiguous()?, inp.cos, inp.sin, inp.ops)?;
-        let v = v.transpose(1, 2)?.contiguous()?;
         Ok((q, k, v))
     }
 
@@ -637,6 +645,7 @@ impl GatedMlp {
             }
         };
         let act = match (ops, self.act) {
+            _ if device_ops::applies(&gate) => device_ops::gated_act(&gate, &up, self.act)?,
             (Ops::Fused, Activation::Silu) => host_ops::silu_mul(&gate, &up)?,
             _ => (activate(&gate, self.act)? * up)?,
         };
