@@ -94,12 +94,14 @@ cargo build --release --locked --features cuda,xdistill-trainer-cli/nccl -p xdis
 ls -la target/cuda/release/teacher target/cuda/release/trainer
 [ "${1:-}" = "--bundle" ] || exit 0
 
-# The integration tests of shared (the model tests) and of the server (the device top-k parity
-# test), built for the GPU: test-shared and test-server in the bundle, run by gpu-check.sh with a
+# The integration tests of shared (the model tests), of the server (the device top-k parity
+# test) and of the kernels (the fused loss), built for the GPU: test-shared, test-server and
+# test-kernels in the bundle, run by gpu-check.sh with a
 # module filter. Their executables are found from cargo's JSON messages (names carry a hash). `candle-core/nccl` keeps cudarc's features
 # those of the build above, so that cudarc is not compiled a second time.
 tests=$(cargo test --release --locked --features cuda,candle-core/nccl --no-run --message-format=json \
     -p xdistill-shared --test integration -p xdistill-server --test integration \
+    -p xdistill-kernels --test integration \
   | python3 -c 'import json, os, sys
 for line in sys.stdin:
     m = json.loads(line)

@@ -12,7 +12,8 @@
 # 1c. the project's own CUDA kernels (kernels/cuda: top-k selection, multi-tensor AdamW, sums of
 #    squares, log-softmax) against f64 or the CPU kernel's bits; the fused layer ops (RMSNorm,
 #    RoPE, gated activation, with their backward) against their CPU reference, and whole
-#    training passes and served logits through them against the composed ops;
+#    training passes and served logits through them against the composed ops; the fused top-k
+#    distillation loss and cross-entropy (topk_kd.cu) against its CPU reference;
 # 2. the teacher's device top-k path on the GPU against the f64 CPU reference and the host path,
 #    with candle's sorts and with the selection kernel (XDISTILL_CUDA_KERNELS=on);
 # 2b. the NCCL collectives in a world of one (`trainer nccl-check`);
@@ -127,6 +128,7 @@ check timeout 300 env XDISTILL_TEST_DEVICE=cuda RUST_LOG=info "$work/test-shared
   --test-threads=1 --nocapture
 step "1c. the project's CUDA kernels (kernels/cuda): top-k, AdamW, sums of squares, log-softmax, fused layer ops"
 check timeout 180 env XDISTILL_TEST_DEVICE=cuda "$work/test-shared" cuda_kernels:: --test-threads=1 --nocapture
+check timeout 120 env XDISTILL_TEST_DEVICE=cuda "$work/test-kernels" topk_kd_gpu:: --test-threads=1 --nocapture
 fi
 if want 2; then
 step "2. device top-k path: GPU vs the f64 CPU reference and the CPU host path (sorts, then the kernel)"

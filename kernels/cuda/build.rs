@@ -14,6 +14,7 @@ const KERNELS: &[&str] = &[
     "rms_norm",
     "rope",
     "gated_act",
+    "topk_kd",
 ];
 /// Headers the kernels include.
 const HEADERS: &[&str] = &["dtype.cuh"];

@@ -9,7 +9,9 @@
 //! CPU's widest instruction set ([`xdistill_shared::simd::Simd`]), chosen once.
 //!
 //! One op per module: [`log_softmax`], [`gather_log_softmax`], [`sum_squares`], the AdamW update
-//! ([`adamw_update`], [`adamw_update_in_place`]), and the vectorised row passes [`vmath`].
+//! ([`adamw_update`], [`adamw_update_in_place`]), the fused top-k distillation loss and
+//! cross-entropy per row ([`topk_kd()`], the CUDA kernel `topk_kd.cu` with an f64 CPU
+//! reference), and the vectorised row passes [`vmath`].
 
 mod adamw;
 mod gather;
@@ -18,9 +20,11 @@ mod num_like;
 mod sum_squares;
 #[cfg(test)]
 mod testutil;
+pub mod topk_kd;
 pub mod vmath;
 
 pub use adamw::{adamw_update, adamw_update_in_place, AdamWStep};
 pub use gather::gather_log_softmax;
 pub use log_softmax::log_softmax;
 pub use sum_squares::sum_squares;
+pub use topk_kd::{topk_kd, KdDivergence, KdTail, TopkKd};

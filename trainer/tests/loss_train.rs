@@ -105,6 +105,7 @@ fn gradients_reach_every_parameter_and_training_lowers_the_loss() {
                 ids: targets.ids.narrow(0, row, 1).unwrap(),
                 logprobs: targets.logprobs.narrow(0, row, 1).unwrap(),
                 mask: targets.mask.narrow(0, row, 1).unwrap(),
+                distinct: targets.distinct,
             };
             let (kd, m) = kd_loss(
                 &loss_cfg,

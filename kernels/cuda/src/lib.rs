@@ -17,7 +17,10 @@
 //! - [`rope`]: rotary embedding through strides (rotating and moving the heads in one pass), and
 //!   inverted, its backward;
 //! - [`gated_act_fwd`] and [`gated_act_bwd`]: the gated MLP's `act(gate) · up` and both
-//!   gradients, gate and up read through row strides.
+//!   gradients, gate and up read through row strides;
+//! - [`topk_kd_fwd`] and [`topk_kd_bwd`]: each row's top-k distillation divergence (every
+//!   divergence and tail mode; the cross-entropy as k = 1) over its logits, and the logits'
+//!   gradient, one read of the row per pass (llm.c's fused classifier for top-k targets).
 //!
 //! The element types are f32, bf16 and f16 (`src/dtype.cuh` converts, [`typed!`] picks the
 //! kernel), except where a kernel says otherwise.
@@ -58,6 +61,8 @@ mod rope;
 #[cfg(feature = "cuda")]
 mod sum_squares;
 #[cfg(feature = "cuda")]
+mod topk_kd;
+#[cfg(feature = "cuda")]
 mod topk_rows;
 
 #[cfg(feature = "cuda")]
@@ -72,5 +77,7 @@ pub use rms_norm::{rms_norm_bwd, rms_norm_fwd, RmsNormArgs};
 pub use rope::{rope, RopeArgs};
 #[cfg(feature = "cuda")]
 pub use sum_squares::sum_squares_f32;
+#[cfg(feature = "cuda")]
+pub use topk_kd::{topk_kd_bwd, topk_kd_fwd, TopkKdArgs};
 #[cfg(feature = "cuda")]
 pub use topk_rows::{topk_rows, RowScores, TopkArgs, MAX_K};

@@ -47,6 +47,11 @@ pub const GATED_ACT: Module = Module {
     ptx: include_str!(concat!(env!("OUT_DIR"), "/gated_act.ptx")),
 };
 
+pub const TOPK_KD: Module = Module {
+    name: "xdistill_topk_kd",
+    ptx: include_str!(concat!(env!("OUT_DIR"), "/topk_kd.ptx")),
+};
+
 /// `function` of `module` on `dev`, loaded on first use.
 pub fn function(dev: &CudaDevice, module: &Module, function: &str) -> Result<CudaFunction> {
     Ok(dev

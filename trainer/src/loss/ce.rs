@@ -34,6 +34,9 @@ pub fn cross_entropy(
         return Err(LossError::input("targets", "must be u32"));
     }
     let normalizer = normalizer.map(Normalizer::get);
+    if xdistill_kernels::TopkKd::runs_on(logits) {
+        return fused_cross_entropy(logits, targets, mask, normalizer);
+    }
     let dt = compute_dtype(logits);
     let z = logits.to_dtype(dt)?;
     // −log p(y) = logsumexp(z) − z[y]; [B, T] (fused on the CPU: no [B, T, V] temporaries).
@@ -41,6 +44,29 @@ pub fn cross_entropy(
         .squeeze(2)?
         .neg()?;
     masked_mean(&nll, &mask.to_dtype(dt)?, normalizer)
+}
+
+/// [`cross_entropy`] as the fused per-row loss's k = 1 case ([`xdistill_kernels::topk_kd()`]:
+/// the target with teacher log-prob 0, forward KL, no tail): one read of the logits each way,
+/// in their own dtype. What runs on CUDA with the project's kernels on; on the CPU its f64
+/// reference (tested against the composed loss).
+pub(crate) fn fused_cross_entropy(
+    logits: &Tensor,
+    targets: &Tensor,
+    mask: &Tensor,
+    normalizer: Option<f64>,
+) -> Result<(Tensor, f64)> {
+    let (b, t, v) = logits.dims3()?;
+    let n = b * t;
+    let zero = Tensor::zeros((n, 1), compute_dtype(logits), logits.device())?;
+    let out = xdistill_kernels::topk_kd(
+        &logits.reshape((n, v))?,
+        &targets.reshape((n, 1))?,
+        &zero,
+        xdistill_kernels::TopkKd::cross_entropy(),
+    )?;
+    let nll = out.narrow(1, 0, 1)?.reshape((b, t))?;
+    masked_mean(&nll, &mask.to_dtype(nll.dtype())?, normalizer)
 }
 
 /// The total loss and the factor the distillation term was multiplied by.
@@ -115,6 +141,30 @@ mod tests {
         assert_close(&g, &fd, 1e-8, "ce grad");
         let (lh, _) = cross_entropy(x.as_tensor(), &yt, &mt, Some(normalizer(10.0))).unwrap();
         assert!((scalar(&lh) - want * 5.0 / 10.0).abs() < 1e-12);
+    }
+
+    /// The fused form (the per-row loss's k = 1 case; its f64 CPU reference here) against the
+    /// f64 loop and central differences, in f64 and f32, with and without a normalizer.
+    #[test]
+    fn fused_cross_entropy_matches_reference_and_gradient() {
+        let (b, t, v) = (2, 3, 7);
+        let mut r = rng(22);
+        let z = uniform(&mut r, b * t * v, 4.0);
+        let y: Vec<u32> = (0..b * t).map(|i| (i * 3 % v) as u32).collect();
+        let mask = vec![1.0, 0.0, 1.0, 1.0, 1.0, 1.0];
+        let yt = Tensor::from_vec(y.clone(), (b, t), &Device::Cpu).unwrap();
+        let mt = tensor(&mask, &[b, t], DType::F32);
+        let want = reference(&z, &y, &mask, v);
+        let x = var(&z, &[b, t, v]);
+        let (l, n) = fused_cross_entropy(x.as_tensor(), &yt, &mt, None).unwrap();
+        assert_eq!(n, 5.0);
+        assert!((scalar(&l) - want).abs() < 1e-12);
+        let g = flat(l.backward().unwrap().get(x.as_tensor()).unwrap());
+        let fd = numeric_grad(&z, 1e-5, |z| reference(z, &y, &mask, v));
+        assert_close(&g, &fd, 1e-8, "fused ce grad");
+        let x32 = tensor(&z, &[b, t, v], DType::F32);
+        let (l32, _) = fused_cross_entropy(&x32, &yt, &mt, Some(10.0)).unwrap();
+        assert!((scalar(&l32) - want * 5.0 / 10.0).abs() < 1e-5 * want);
     }
 
     fn cfg(ce: CeConfig, kd_weight: f64) -> LossConfig {

@@ -11,6 +11,7 @@ use candle_core::{DType, Device, Tensor, D};
 
 use super::stable::{log1mexp, logaddexp, logsumexp_last, masked_mean, LOG_FLOOR, TAIL_FLOOR};
 use super::{compute_dtype, KdMetrics, LossError, Normalizer, Result, TailMode, Temperature};
+use xdistill_kernels::{KdDivergence, KdTail, TopkKd};
 
 /// A divergence between the teacher (T) and student (S) distributions over K (+ tail).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -36,6 +37,9 @@ pub struct TopkTargets {
     pub logprobs: Tensor,
     /// `[B, T]` f32: 1 where the position counts, 0 for padding / prompt.
     pub mask: Tensor,
+    /// Every position's ids are distinct (a teacher's top-k always are): the fused loss
+    /// ([`xdistill_kernels::topk_kd()`]) may run; otherwise the composed one does.
+    pub distinct: bool,
 }
 
 impl TopkTargets {
@@ -74,6 +78,8 @@ impl TopkTargets {
         let mut ids = ids.to_vec();
         let mut lps = logprobs.to_vec();
         let uniform = -(k as f32).ln();
+        let mut distinct = true;
+        let mut seen = Vec::with_capacity(k);
         for (p, &valid) in mask.iter().enumerate() {
             let row = p * k..(p + 1) * k;
             if valid == 0.0 {
@@ -87,6 +93,10 @@ impl TopkTargets {
                     format!("position {p}: mask must be 0 or 1, got {valid}"),
                 ));
             }
+            seen.clear();
+            seen.extend_from_slice(&ids[row.clone()]);
+            seen.sort_unstable();
+            distinct &= seen.windows(2).all(|w| w[0] != w[1]);
             for i in row {
                 if ids[i] as usize >= vocab {
                     return Err(LossError::input(
@@ -105,6 +115,7 @@ impl TopkTargets {
             ids: Tensor::from_vec(ids, (batch, len, k), device)?,
             logprobs: Tensor::from_vec(lps, (batch, len, k), device)?,
             mask: Tensor::from_vec(mask.to_vec(), (batch, len), device)?,
+            distinct,
         })
     }
 }
@@ -177,6 +188,9 @@ pub fn topk_divergence(
     if targets.ids.dtype() != DType::U32 {
         return Err(LossError::input("targets.ids", "must be u32"));
     }
+    if targets.distinct && TopkKd::runs_on(student_logits) {
+        return fused_topk_divergence(student_logits, targets, div, tail, temperature, normalizer);
+    }
     let temperature = temperature.get();
     let normalizer = normalizer.map(Normalizer::get);
     let dt = compute_dtype(student_logits);
@@ -234,6 +248,71 @@ pub fn topk_divergence(
         count,
         teacher_topk_mass: Some(mean(&lse_t)?),
         student_topk_mass: Some(mean(&lse_s_k)?),
+    };
+    Ok((loss, metrics))
+}
+
+/// [`topk_divergence`] through the fused per-row loss ([`xdistill_kernels::topk_kd()`]: one
+/// read of the logits forward, one backward, the gradient written once, the logits read in
+/// their own dtype): what runs on CUDA with the project's kernels on; on the CPU its f64
+/// reference (the tests hold it against the composed loss). Needs distinct ids per position.
+pub(crate) fn fused_topk_divergence(
+    student_logits: &Tensor,
+    targets: &TopkTargets,
+    div: Divergence,
+    tail: TailMode,
+    temperature: Temperature,
+    normalizer: Option<Normalizer>,
+) -> Result<(Tensor, KdMetrics)> {
+    let (b, t, v) = student_logits.dims3()?;
+    let k = targets.ids.dim(2)?;
+    let divergence = match div {
+        Divergence::Forward => KdDivergence::Forward,
+        Divergence::Reverse => KdDivergence::Reverse,
+        Divergence::Jsd { beta } if beta <= 0.0 => KdDivergence::Forward,
+        Divergence::Jsd { beta } if beta >= 1.0 => KdDivergence::Reverse,
+        Divergence::Jsd { beta } => KdDivergence::Jsd(beta),
+        Divergence::TotalVariation => KdDivergence::TotalVariation,
+    };
+    let tail = match tail {
+        TailMode::Renormalize => KdTail::Renormalize,
+        TailMode::Bucket => KdTail::Bucket,
+        TailMode::Ignore => KdTail::Ignore,
+    };
+    let tau = temperature.get();
+    let loss = TopkKd {
+        divergence,
+        tail,
+        temperature: tau,
+        tail_floor: TAIL_FLOOR,
+    };
+    let lts = targets
+        .logprobs
+        .detach()
+        .to_dtype(compute_dtype(student_logits))?
+        .maximum(LOG_FLOOR)?;
+    // [n, 4]: divergence, teacher mass on K, student mass on K, logsumexp.
+    let out = xdistill_kernels::topk_kd(
+        &student_logits.reshape((b * t, v))?,
+        &targets.ids.reshape((b * t, k))?,
+        &lts.reshape((b * t, k))?,
+        loss,
+    )?;
+    let mask = targets.mask.to_dtype(out.dtype())?;
+    let column = |c: usize| out.narrow(1, c, 1).and_then(|x| x.reshape((b, t)));
+    let (loss, count) = masked_mean(&column(0)?, &mask, normalizer.map(Normalizer::get))?;
+    let loss = loss.affine(tau * tau, 0.0)?;
+    // The loss and both masses in one copy back.
+    let (tm, _) = masked_mean(&column(1)?.detach(), &mask, None)?;
+    let (sm, _) = masked_mean(&column(2)?.detach(), &mask, None)?;
+    let host: Vec<f64> = Tensor::stack(&[&loss.detach(), &tm, &sm], 0)?
+        .to_dtype(DType::F64)?
+        .to_vec1()?;
+    let metrics = KdMetrics {
+        loss: host[0],
+        count,
+        teacher_topk_mass: Some(host[1]),
+        student_topk_mass: Some(host[2]),
     };
     Ok((loss, metrics))
 }

@@ -199,6 +199,7 @@ mod tests {
                 ids: tg.ids.narrow(0, rows.start, n).unwrap(),
                 logprobs: tg.logprobs.narrow(0, rows.start, n).unwrap(),
                 mask: tg.mask.narrow(0, rows.start, n).unwrap(),
+                distinct: tg.distinct,
             };
             let (kd, _) = topk_divergence(
                 &logits,

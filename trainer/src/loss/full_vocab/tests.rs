@@ -361,6 +361,7 @@ fn equals_the_autograd_top_k_path_with_k_equal_to_the_vocabulary() {
             ids: Tensor::from_vec(ids, (1, n, v), &Device::Cpu).unwrap(),
             logprobs: tensor(&lpt, &[1, n, v], DType::F64),
             mask: tensor(&c.mask, &[1, n], DType::F32),
+            distinct: true,
         };
         for div in DIVS {
             let x = var(&c.zs, &[1, n, v]);

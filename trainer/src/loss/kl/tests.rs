@@ -1,6 +1,6 @@
 //! Tests of the top-k divergences against an f64 loop reference and finite differences.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Tensor, Var};
 
 use super::*;
 use crate::loss::testutil::*;
@@ -318,6 +318,7 @@ fn micro_batches_with_global_normalizer_sum_to_the_full_batch() {
             ids: tg.ids.narrow(0, b, 1).unwrap(),
             logprobs: tg.logprobs.narrow(0, b, 1).unwrap(),
             mask: tg.mask.narrow(0, b, 1).unwrap(),
+            distinct: tg.distinct,
         };
         let (l, _) = topk_divergence(
             &logits.narrow(0, b, 1).unwrap(),
@@ -406,4 +407,98 @@ fn bf16_logits_are_computed_in_f32() {
         let g = loss.backward().unwrap();
         assert_eq!(g.get(v.as_tensor()).unwrap().dtype(), DType::BF16);
     }
+}
+
+/// The fused per-row loss (what CUDA runs with the project's kernels on; here its f64 CPU
+/// reference) gives the composed loss's value, metrics and gradient: every divergence and tail,
+/// three temperatures, a normalizer, f64 (to 1e-12) and f32 logits (to 1e-5), and the f64
+/// reference loop.
+#[test]
+fn fused_loss_equals_the_composed_loss() {
+    for (seed, tau) in [(1, 1.0), (2, 2.0), (3, 0.7)] {
+        let c = case(seed, tau);
+        for div in DIVS {
+            for tail in TAILS {
+                for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-5)] {
+                    let tg = targets(&c, dtype);
+                    assert!(tg.distinct);
+                    let run = |fused: bool| {
+                        let x = Var::from_tensor(&tensor(&c.zs, &[B, T, V], dtype)).unwrap();
+                        let f = if fused {
+                            fused_topk_divergence
+                        } else {
+                            topk_divergence
+                        };
+                        let norm = Some(normalizer(7.0));
+                        let (l, m) =
+                            f(x.as_tensor(), &tg, div, tail, temperature(tau), norm).unwrap();
+                        let g = l.backward().unwrap();
+                        (scalar(&l), m, flat(g.get(x.as_tensor()).unwrap()))
+                    };
+                    let ((l1, m1, g1), (l0, m0, g0)) = (run(true), run(false));
+                    let what = format!("{div:?} {tail:?} τ {tau} {dtype:?}");
+                    assert_close(&[l1], &[l0], tol, &format!("{what}: loss"));
+                    assert_close(&[m1.loss], &[m0.loss], tol, &format!("{what}: metric loss"));
+                    assert_eq!(m1.count, m0.count, "{what}: count");
+                    let masses = |m: &KdMetrics| {
+                        vec![m.teacher_topk_mass.unwrap(), m.student_topk_mass.unwrap()]
+                    };
+                    assert_close(&masses(&m1), &masses(&m0), tol, &format!("{what}: masses"));
+                    assert_close(&g1, &g0, tol, &format!("{what}: gradient"));
+                    if dtype == DType::F64 {
+                        let want = reference(&c, &c.zs, div, tail, tau, Some(7.0));
+                        assert_close(&[l1], &[want], 1e-12, &format!("{what}: reference"));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The fused loss reads bf16 logits in place (no f32 copy) and stays within bf16's rounding of
+/// the composed f32 loss on the same values; repeated ids leave the composed loss in charge.
+#[test]
+fn fused_loss_on_bf16_logits_and_repeated_ids() {
+    let c = case(4, 1.0);
+    let tg = targets(&c, DType::F32);
+    let x16 = tensor(&c.zs, &[B, T, V], DType::BF16);
+    let x32 = x16.to_dtype(DType::F32).unwrap();
+    for div in DIVS {
+        let run = |x: &Tensor| {
+            let v = Var::from_tensor(x).unwrap();
+            let f = if x.dtype() == DType::BF16 {
+                fused_topk_divergence
+            } else {
+                topk_divergence
+            };
+            let (l, _) = f(
+                v.as_tensor(),
+                &tg,
+                div,
+                TailMode::Bucket,
+                temperature(1.0),
+                None,
+            )
+            .unwrap();
+            let g = l.backward().unwrap();
+            let g = g.get(v.as_tensor()).unwrap().clone();
+            assert_eq!(g.dtype(), x.dtype());
+            (scalar(&l), flat(&g))
+        };
+        let ((l1, g1), (l0, g0)) = (run(&x16), run(&x32));
+        assert_close(&[l1], &[l0], 1e-5, &format!("{div:?}: loss"));
+        // Each gradient entry rounded once to bf16 (2^-9 relative), small ones absolutely.
+        for (a, b) in g1.iter().zip(&g0) {
+            assert!(
+                (a - b).abs() <= 4e-3 * b.abs() + 1e-6,
+                "{div:?}: {a} vs {b}"
+            );
+        }
+    }
+    let mut ids = c.ids.clone();
+    ids[1] = ids[0];
+    let lpt: Vec<f32> = c.lpt.iter().map(|&x| x as f32).collect();
+    let mask: Vec<f32> = c.mask.iter().map(|&x| x as f32).collect();
+    let tg = TopkTargets::from_host(B, T, K, &ids, &lpt, &mask, V, &Device::Cpu).unwrap();
+    assert!(!tg.distinct, "a repeated id is noticed");
 }
