@@ -24,19 +24,22 @@
 # 5. a Qwen3-1.7B-shaped student at 4096 tokens (checkpointed) vs PyTorch "careful";
 # 6. exact full-vocabulary transport (issue 32): `bench/full_vocab.py --device cuda`.
 # 3t. teacher speed (issue 46): random models of Qwen3-0.6B's and Qwen3-1.7B's shapes, ours
-#    through HTTP (MessagePack, 4 clients) in the batch-invariant mode (the default) and the
-#    padded one (`--batch-invariant false`), with cuDNN's attention and the selection kernel or
-#    the eager attention and the sorts (`SPEED_RUNS`, invariant:attention:topk, default
-#    "true:cudnn:kernel true:eager:sort false:cudnn:kernel") against transformers (SDPA) + torch.topk
+#    through HTTP (MessagePack, 4 clients) in the batch-invariant mode, packed (the GPU's
+#    default) and a forward per sequence, and the padded one (`--batch-invariant false`), with
+#    cuDNN's attention and the selection kernel (`SPEED_RUNS`, mode:attention:topk, default
+#    "packed:cudnn:kernel alone:cudnn:kernel padded:cudnn:kernel") against transformers (SDPA) + torch.topk
 #    in-process, at 8 x 512, 4 x 2048 and 1 x 8192, k = 64, bf16, with the server's phase
 #    breakdown (forward, LM head, top-k, copy, encoding; synchronised). Not in the default run
 #    (it is long): STEPS="3t". SPEED_MODELS="qwen3-0.6b" measures one of the two shapes. It
 #    runs before step 3 and leaves its Qwen3-0.6B model to steps 3 and 4.
+# r. on-policy generation (issue 47 item 7): a 32-row greedy rollout of 128 tokens on the
+#    random Qwen3-0.6B, `trainer eval` (old and new paths) vs transformers' generate,
+#    tokens/s. Not in the default run: STEPS="r".
 # p. kernels per teacher forward and per student step (issues 46, 47): `ncu` on a 4-layer model of
 #    Qwen3-0.6B's shape (the kernel mix per layer is the full model's), every launch timed,
 #    summed per kernel by bench/ncu_kernels.py. Not in the default run: STEPS="p".
 #
-# STEPS="1 2 6" runs only those steps (default: all but 3t and p); STEP_SHAPES="4x512",
+# STEPS="1 2 6" runs only those steps (default: all but 3t, r and p); STEP_SHAPES="4x512",
 # STEP_STEPS=5 and STEP_ACTIVATIONS="auto" shorten step 4. Each step has a time limit, so that
 # one hung step leaves the others their time on a lent machine.
 set -uo pipefail
@@ -53,6 +56,8 @@ fail=0
 step() { echo; echo "=== $* ($(date -u +%H:%M:%S))"; }
 check() { if "$@"; then echo "PASS: $*"; else echo "FAIL ($?): $*"; fail=1; fi; }
 want() { [ -z "${STEPS:-}" ] || [[ " $STEPS " == *" $1 "* ]]; }
+# Steps that run only when named (long, or profiles): 3t, r, p.
+only() { [[ " ${STEPS:-} " == *" $1 "* ]]; }
 # Waits (at most 5 minutes) until the teacher on port $1 answers /health, or process $2 exits.
 wait_healthy() {
   for _ in $(seq 600); do
@@ -143,7 +148,7 @@ step "2b. NCCL collectives, world of one (trainer nccl-check: exact sums' bits, 
 check timeout 120 "$work/trainer" nccl-check
 fi
 
-if [[ " ${STEPS:-} " == *" 3t "* ]]; then
+if only 3t; then
 step "3t. teacher speed: ours (HTTP) vs transformers (SDPA) + torch.topk, invariant and padded"
 # name hidden layers heads kv-heads intermediate
 for spec in "qwen3-0.6b 1024 28 16 8 3072" "qwen3-1.7b 2048 28 16 8 6144"; do
@@ -155,20 +160,28 @@ for spec in "qwen3-0.6b 1024 28 16 8 3072" "qwen3-1.7b 2048 28 16 8 6144"; do
     --hidden-size "$2" --layers "$3" --heads "$4" --kv-heads "$5" --head-dim 128 \
     --intermediate-size "$6" --tie-embeddings --pad-vocab-to 64 --max-position-embeddings 16384 \
     --seed 1 --out "$model"
-  # mode:attention:topk: the invariant mode with cuDNN's attention and the selection kernel
-  # (the new path), with the eager attention and the sorts (before both; the phase breakdown
-  # says what each part saves), and the padded mode on the new path.
-  runs=${SPEED_RUNS:-true:cudnn:kernel true:eager:sort false:cudnn:kernel}
+  # mode:attention:topk. Modes: `packed` (invariant, one packed forward per batch in fixed
+  # matmul blocks: the GPU's default), `alone` (invariant, a forward per sequence: before the
+  # packed forward), `padded` (`--batch-invariant false`); `true`/`false` are the defaults of
+  # the two. The new path (cuDNN's attention, the project's kernels) each way; the invariant
+  # goal is packed at >= 0.8x padded.
+  runs=${SPEED_RUNS:-packed:cudnn:kernel alone:cudnn:kernel padded:cudnn:kernel}
   first_run=${runs%% *}
   for run in $runs; do
-    IFS=: read -r invariant attention topk <<< "$run"
+    IFS=: read -r mode attention topk <<< "$run"
     topk=${topk:-sort}
     kernels=off; [ "$topk" = kernel ] && kernels=on
+    case $mode in
+      packed) invariant=true; packing=on ;;
+      alone) invariant=true; packing=off ;;
+      padded) invariant=false; packing=auto ;;
+      *) invariant=$mode; packing=auto ;;
+    esac
     port=18124
-    log="$out/teacher-$name-$invariant-$attention-$topk.log"
+    log="$out/teacher-$name-$mode-$attention-$topk.log"
     XDISTILL_ATTENTION=$attention XDISTILL_CUDA_KERNELS=$kernels "$work/teacher" --model "$model" --device cuda \
       --dtype bf16 --port $port --cache-bytes 0 \
-      --batch-invariant "$invariant" --max-batch-tokens 16384 --max-queue-tokens 1048576 \
+      --batch-invariant "$invariant" --packed-forward $packing --max-batch-tokens 16384 --max-queue-tokens 1048576 \
       > "$log" 2>&1 &
     tpid=$!
     wait_healthy $port $tpid
@@ -181,7 +194,7 @@ for spec in "qwen3-0.6b 1024 28 16 8 3072" "qwen3-1.7b 2048 28 16 8 6144"; do
       [ "$invariant" = false ] && [ "$1" = 1 ] && continue
       check timeout 150 env PYTHONUNBUFFERED=1 "$py" bench/gpu_teacher.py --model "$model" \
         --url "http://127.0.0.1:$port" --batch "$1" --seq-len "$2" --k 64 --requests "$3" \
-        --clients 4 --dtype bf16 --label "$name invariant=$invariant attention=$attention topk=$topk" $torch_flag
+        --clients 4 --dtype bf16 --label "$name $mode attention=$attention topk=$topk" $torch_flag
     done
     kill -TERM $tpid; wait $tpid
   done
@@ -240,7 +253,35 @@ for shape in ${STEP_SHAPES:-4x512 8x1024}; do
 done
 fi
 
-if want p; then
+if only r; then
+step "r. on-policy generation (issue 47 item 7): a 32-row greedy rollout, ours vs transformers' generate"
+# The random Qwen3-0.6B of step 3 (made here if that step did not run), GSM8K's first 32
+# questions, 128 new tokens per row, no stop strings: ours through `trainer eval` (batched
+# prefill, one decoding step per token over the KV cache) on the composed path and on the new
+# one (cuDNN's prefill attention where it applies, the project's kernels), then PyTorch.
+model="$work/qwen3-0.6b-random"
+[ -d "$model" ] || check "$work/trainer" init-model --arch qwen3 --tokenizer "$work/tokenizers/qwen3/tokenizer.json" \
+  --hidden-size 1024 --layers 28 --heads 16 --kv-heads 8 --head-dim 128 --intermediate-size 3072 \
+  --tie-embeddings --pad-vocab-to 64 --max-position-embeddings 4096 --seed 1 --out "$model"
+prompts="$work/data/train.jsonl"
+if [ ! -f "$prompts" ] && [ -f "$bundle/data/gsm8k-train.jsonl.xz" ]; then
+  mkdir -p "$work/data" && unxz_to "$bundle/data/gsm8k-train.jsonl.xz" "$prompts"
+fi
+if [ -f "$prompts" ]; then
+  for path in old new; do
+    attn=eager kernels=off
+    if [ $path = new ]; then attn=cudnn kernels=on; fi
+    check timeout 300 env XDISTILL_ATTENTION=$attn XDISTILL_CUDA_KERNELS=$kernels "$work/trainer" eval \
+      --model "$model" --prompts "$prompts" --limit 32 --samples 0 --max-new-tokens 128 --no-stop \
+      --batch-size 32 --device cuda --dtype bf16 --quiet
+  done
+  check timeout 300 env PYTHONUNBUFFERED=1 "$py" bench/torch_rollout.py "$model" "$prompts" 32 128 cuda bf16
+else
+  echo "skipped: no GSM8K prompts in the bundle"
+fi
+fi
+
+if only p; then
 step "p. kernels per teacher forward and per student step (ncu, 4 layers of Qwen3-0.6B's shape)"
 ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
 small="$work/qwen3-0.6b-4layers"

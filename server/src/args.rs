@@ -39,6 +39,15 @@ fn long_about() -> String {
     )
 }
 
+/// `--packed-forward`: how the batch-invariant mode runs a batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Packing {
+    /// On a GPU, off on the CPU.
+    Auto,
+    On,
+    Off,
+}
+
 #[derive(Parser, Debug, Clone)]
 #[command(
     name = "teacher",
@@ -92,9 +101,23 @@ pub struct Args {
     #[arg(long, env = "XDISTILL_BATCH_INVARIANT", default_value_t = true,
           action = clap::ArgAction::Set, value_name = "BOOL")]
     pub batch_invariant: bool,
+    /// In the batch-invariant mode, how a batch's sequences run: `on`, in one packed forward
+    /// whose every matmul multiplies blocks of exactly `--packed-rows` rows (the same kernels
+    /// whatever the batch, so each sequence's scores stay bit-identical whatever it is batched
+    /// with; attention per sequence); `off`, a forward per sequence. `auto` (default): on for a
+    /// GPU, where a forward per sequence leaves it idle; off on the CPU, whose row kernel makes
+    /// a forward per sequence as fast. Sparse-MoE and quantized models, sequences longer than
+    /// `--max-batch-tokens` and requests for a next row always run on their own.
+    #[arg(long, env = "XDISTILL_PACKED_FORWARD", value_enum, default_value_t = Packing::Auto)]
+    pub packed_forward: Packing,
+    /// Rows per matmul of the packed forward (a batch's tokens are padded to a multiple of it):
+    /// larger makes faster matmuls, smaller wastes less on short batches.
+    #[arg(long, env = "XDISTILL_PACKED_ROWS", default_value_t = xdistill_shared::model::PACKED_ROWS,
+          value_parser = clap::value_parser!(usize))]
+    pub packed_rows: usize,
     /// How long the batcher waits for more work before running a batch that is not full.
-    /// Default: 0 with `--batch-invariant true` (each sequence runs its own forward, so company
-    /// saves nothing and waiting is only latency), 5 with `false` (a batch shares one forward).
+    /// Default: 0 with `--batch-invariant true` and a forward per sequence (company saves
+    /// nothing and waiting is only latency), 5 otherwise (a batch shares one forward).
     /// Either way, work that arrives while the worker is busy joins the next batch.
     #[arg(long, env = "XDISTILL_MAX_WAIT_MS")]
     pub max_wait_ms: Option<u64>,
@@ -193,8 +216,19 @@ impl Args {
 
     /// `--max-wait-ms`, or its default for the batch mode.
     pub fn max_wait_ms(&self) -> u64 {
-        self.max_wait_ms
-            .unwrap_or(if self.batch_invariant { 0 } else { 5 })
+        let alone = self.batch_invariant && self.packed_rows().is_none();
+        self.max_wait_ms.unwrap_or(if alone { 0 } else { 5 })
+    }
+
+    /// Rows per matmul of the packed forward when the batch-invariant mode packs (see
+    /// `--packed-forward`; the model may still refuse), `None` for a forward per sequence.
+    pub fn packed_rows(&self) -> Option<usize> {
+        let on = match self.packed_forward {
+            Packing::On => true,
+            Packing::Off => false,
+            Packing::Auto => self.device.starts_with("cuda"),
+        };
+        (self.batch_invariant && on).then_some(self.packed_rows.max(1))
     }
 
     /// `--served-model-name`, or the model directory's name.
@@ -295,6 +329,32 @@ mod tests {
         assert_eq!(a.max_wait_ms(), 5);
         let a = Args::try_parse_from(["teacher", "--model", "m", "--max-wait-ms", "7"]).unwrap();
         assert_eq!(a.max_wait_ms(), 7);
+        // The packed forward: auto packs on a GPU only (and then batches are worth waiting
+        // for), never in the padded mode; `on` packs anywhere.
+        let parse = |extra: &[&str]| {
+            let mut argv = vec!["teacher", "--model", "m"];
+            argv.extend_from_slice(extra);
+            Args::try_parse_from(argv).unwrap()
+        };
+        assert_eq!(parse(&[]).packed_rows(), None);
+        let gpu = parse(&["--device", "cuda"]);
+        assert_eq!(gpu.packed_rows(), Some(xdistill_shared::model::PACKED_ROWS));
+        assert_eq!(gpu.max_wait_ms(), 5);
+        assert_eq!(
+            parse(&["--device", "cuda:1", "--packed-forward", "off"]).packed_rows(),
+            None
+        );
+        assert_eq!(
+            parse(&["--packed-forward", "on", "--packed-rows", "64"]).packed_rows(),
+            Some(64)
+        );
+        assert_eq!(
+            parse(&["--device", "cuda", "--batch-invariant", "false"]).packed_rows(),
+            None
+        );
+        assert!(
+            Args::try_parse_from(["teacher", "--model", "m", "--packed-forward", "x"]).is_err()
+        );
         assert!(
             Args::try_parse_from(["teacher", "--model", "m", "--batch-invariant", "x"]).is_err()
         );

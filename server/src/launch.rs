@@ -70,6 +70,7 @@ pub async fn run(args: Args) -> Result<()> {
             topk: args.topk,
             lm_head: args.lm_head,
             batch_invariant: args.batch_invariant,
+            packed_rows: args.packed_rows(),
             gguf_weights: args.gguf_weights.into(),
         },
         metrics.clone(),

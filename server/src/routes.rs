@@ -503,6 +503,7 @@ mod tests {
             topk: Default::default(),
             lm_head: Default::default(),
             batch_invariant: false,
+            packed_rows: None,
             gguf_weights: Default::default(),
         }
     }

@@ -2,10 +2,14 @@
 //! a channel; what happens after the model's hidden states is [`crate::scoring`]'s.
 //!
 //! Two ways to run a batch (`--batch-invariant`):
-//! - batch-invariant (the default): each sequence runs its own forward (`[1, S - 1]`, no
-//!   padding), so its bytes depend only on the sequence, its request and the server's flags,
-//!   never on what it was batched with. The batcher still coalesces (admission and queueing are
-//!   the same); only the forward is per sequence.
+//! - batch-invariant (the default): a sequence's bytes depend only on the sequence, its request
+//!   and the server's flags, never on what it was batched with. Either each sequence runs its
+//!   own forward (`[1, S - 1]`, no padding), or (`--packed-forward`, on a GPU by default) the
+//!   batch's sequences run in one packed forward whose matmuls always take blocks of
+//!   `--packed-rows` rows and whose attention runs per sequence
+//!   ([`Decoder::forward_packed`]): the same kernels whatever the batch. Whether a sequence is
+//!   packed depends on itself only (its length, a next row asked for), so it always takes the
+//!   same path.
 //! - padded: one right-padded `[B, T]` forward for the whole batch (the causal mask keeps real
 //!   tokens exact up to float rounding, ~1e-6, which then depends on the batch's shape).
 //!
@@ -25,7 +29,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::{mpsc, oneshot};
-use xdistill_shared::model::{linear_kernel, Decoder, KvCache};
+use xdistill_shared::model::{linear_kernel, Decoder, KvCache, PackedSeq};
 use xdistill_shared::protocol::{ProbeInfo, SequenceScores};
 
 /// What the worker thread needs to load its model.
@@ -42,6 +46,9 @@ pub struct WorkerConfig {
     pub lm_head: LmHead,
     /// One forward per sequence (no padding, no neighbours) instead of one per batch.
     pub batch_invariant: bool,
+    /// In the batch-invariant mode: run packable sequences in one packed forward, matmuls in
+    /// blocks of this many rows (`None`: a forward per sequence).
+    pub packed_rows: Option<usize>,
     /// A GGUF file's weights: dequantized, or the projections kept quantized.
     pub gguf_weights: xdistill_shared::gguf::WeightMode,
 }
@@ -51,6 +58,8 @@ struct Worker {
     scorer: Scorer,
     max_batch_tokens: usize,
     batch_invariant: bool,
+    /// Rows per matmul of the packed forward, when the batch-invariant mode packs.
+    packed_rows: Option<usize>,
     metrics: Arc<Metrics>,
 }
 
@@ -111,15 +120,24 @@ pub fn spawn(
                 },
                 chunk_rows = scorer.chunk_rows,
                 batch_invariant = cfg.batch_invariant,
+                packed_rows = ?cfg.packed_rows,
                 attention = ?decoder.attention(),
                 cuda_kernels = xdistill_shared::device::cuda_kernels(),
                 "scoring path"
             );
+            let packed_rows = cfg.packed_rows.filter(|_| {
+                let packs = decoder.packs();
+                if !packs {
+                    tracing::info!("packed forward: not for this model (sparse MoE or quantized)");
+                }
+                packs
+            });
             let worker = Worker {
                 decoder,
                 scorer,
                 max_batch_tokens: cfg.max_batch_tokens.max(1),
                 batch_invariant: cfg.batch_invariant,
+                packed_rows,
                 metrics,
             };
             // A model whose probe cannot be scored (e.g. NaN logits) could answer nothing: it
@@ -238,7 +256,19 @@ impl Worker {
         m.batch_forwards.fetch_add(1, Relaxed);
         m.batch_sequences.observe(jobs.len() as f64);
         let fed = |n: usize| n.min(self.max_batch_tokens);
-        let tokens = if self.batch_invariant {
+        let tokens = if let (true, Some(rows)) = (self.batch_invariant, self.packed_rows) {
+            let packed: usize = seqs
+                .iter()
+                .filter(|s| self.packable(s))
+                .map(|s| s.ids.len() - 1)
+                .sum();
+            let alone: usize = seqs
+                .iter()
+                .filter(|s| !self.packable(s))
+                .map(|s| fed(s.input_tokens()))
+                .sum();
+            packed.div_ceil(rows) * rows + alone
+        } else if self.batch_invariant {
             seqs.iter().map(|s| fed(s.input_tokens())).sum()
         } else {
             let longest = seqs.iter().map(SeqRef::input_tokens).max().unwrap_or(0);
@@ -266,6 +296,9 @@ impl Worker {
 
     /// Scores of every sequence, in order; each fails or succeeds on its own.
     fn compute(&self, seqs: &[SeqRef<'_>], timing: &mut Timing) -> Vec<JobResult> {
+        if let (true, Some(rows)) = (self.batch_invariant, self.packed_rows) {
+            return self.compute_packed(seqs, rows, timing);
+        }
         if self.batch_invariant || seqs.len() == 1 {
             return seqs
                 .iter()
@@ -292,6 +325,66 @@ impl Worker {
                 })
                 .collect(),
         }
+    }
+
+    /// Whether `seq` runs in the packed forward: a rule on the sequence alone (its inputs fit
+    /// one forward, no next row asked for), so that it takes the same path in every batch.
+    fn packable(&self, seq: &SeqRef<'_>) -> bool {
+        let inputs = seq.ids.len().saturating_sub(1);
+        seq.params.next.is_none() && inputs >= 1 && inputs <= self.max_batch_tokens
+    }
+
+    /// The batch-invariant mode with a packed forward: the packable sequences in one
+    /// [`Decoder::forward_packed`] (its failure fails each of them), the others on their own.
+    fn compute_packed(
+        &self,
+        seqs: &[SeqRef<'_>],
+        rows: usize,
+        timing: &mut Timing,
+    ) -> Vec<JobResult> {
+        // Each packable sequence's first row in the packed forward.
+        let mut rows_at = Vec::with_capacity(seqs.len());
+        let mut packed = Vec::new();
+        let mut at = 0;
+        for seq in seqs {
+            if self.packable(seq) {
+                let ids = &seq.ids[..seq.ids.len() - 1];
+                rows_at.push(Some(at));
+                at += ids.len();
+                packed.push(PackedSeq {
+                    ids,
+                    total: seq.ids.len(),
+                });
+            } else {
+                rows_at.push(None);
+            }
+        }
+        let hidden = if packed.is_empty() {
+            None
+        } else {
+            Some(guarded(|| {
+                timing.in_phase(Phase::Forward, || {
+                    Ok(self.decoder.forward_packed(&packed, rows)?)
+                })
+            }))
+        };
+        seqs.iter()
+            .zip(rows_at)
+            .map(|(&seq, at)| match (at, &hidden) {
+                (Some(at), Some(Ok(h))) => guarded(|| {
+                    let mut acc = seq.empty();
+                    let span = HiddenSpan {
+                        states: &h.narrow(0, at, seq.ids.len() - 1)?,
+                        first: 0,
+                    };
+                    self.scorer
+                        .score(&self.decoder, span, seq, &mut acc, timing)?;
+                    Ok(acc)
+                }),
+                (Some(_), Some(Err(e))) => Err(e.clone()),
+                _ => guarded(|| self.compute_alone(seq, timing)),
+            })
+            .collect()
     }
 
     /// Hidden states of a right-padded batch: [B, T, H] (the last token of each sequence is
@@ -390,7 +483,16 @@ mod tests {
             scorer: Scorer::new(VALID, V, TopkPath::Host, LmHead::Fused, &Device::Cpu),
             max_batch_tokens,
             batch_invariant,
+            packed_rows: None,
             metrics: Arc::new(Metrics::default()),
+        }
+    }
+
+    /// [`worker`] in the batch-invariant mode with a packed forward (blocks of `rows` rows).
+    fn packed_worker(max_batch_tokens: usize, rows: usize) -> Worker {
+        Worker {
+            packed_rows: Some(rows),
+            ..worker(true, max_batch_tokens)
         }
     }
 
@@ -435,9 +537,13 @@ mod tests {
             vec![seq(y, q, 2), xs, seq(z, p, 0), ls],
             vec![ls, seq(z, q, 1), seq(y, p, 0), xs, xs],
         ];
-        for invariant in [true, false] {
+        // Invariant (a forward per sequence, then packed in blocks of 8 rows), then padded.
+        for (invariant, packed) in [(true, None), (true, Some(8)), (false, None)] {
             // 20 tokens per batch: the 49 input tokens of `long` run in chunks over a KV cache.
-            let w = worker(invariant, 20);
+            let w = match packed {
+                Some(rows) => packed_worker(20, rows),
+                None => worker(invariant, 20),
+            };
             let mut t = Timing::default();
             let alone_x = w.compute(&[xs], &mut t).remove(0).unwrap();
             let alone_l = w.compute(&[ls], &mut t).remove(0).unwrap();
@@ -458,8 +564,9 @@ mod tests {
     }
 
     /// `/hidden_states`' rows: the final-norm states of positions `start..S - 1` (here through
-    /// KV-cache chunks of 8, agreeing with one whole forward to rounding), with no scores, and
-    /// the same bits alone and batched with a scoring neighbour (batch-invariant mode).
+    /// KV-cache chunks of 8, and packed in blocks of 16 rows, agreeing with one whole forward to
+    /// rounding), with no scores, and the same bits alone and batched with a scoring neighbour
+    /// (batch-invariant mode, either way).
     #[test]
     fn hidden_rows_are_the_head_input_and_batch_invariant() {
         let ids: &'static [u32] = Vec::leak((0..30u32).map(|i| i * 523 % VALID as u32).collect());
@@ -472,41 +579,42 @@ mod tests {
             params: hp,
             candidates: None,
         };
-        let w = worker(true, 8);
-        let mut t = Timing::default();
-        let alone = w.compute(&[hs], &mut t).remove(0).unwrap();
-        let h = w.decoder.config().hidden_size;
-        assert_eq!(alone.rows, 25);
-        assert_eq!(alone.hidden.len(), 25 * h * 4);
-        assert!(alone.topk_ids.is_empty() && alone.logsumexp.is_empty());
-        let mixed = w.compute(&[mk_seq(ids, sp), hs], &mut t);
-        assert_eq!(mixed[1].as_ref().unwrap().hidden, alone.hidden);
-        // Row r is position 4 + r of the whole sequence's forward.
-        let full = w
-            .decoder
-            .forward_hidden(
-                &Tensor::new(&ids[..29], &Device::Cpu)
-                    .unwrap()
-                    .unsqueeze(0)
-                    .unwrap(),
-                None,
-                None,
-                None,
-            )
-            .unwrap()
-            .get(0)
-            .unwrap()
-            .narrow(0, 4, 25)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap();
-        let got = xdistill_shared::protocol::WireDtype::F32
-            .to_f32(&alone.hidden)
-            .unwrap();
-        for (a, b) in got.iter().zip(&full) {
-            assert!((a - b).abs() < 1e-4, "{a} vs {b}");
+        for w in [worker(true, 8), packed_worker(32, 16)] {
+            let mut t = Timing::default();
+            let alone = w.compute(&[hs], &mut t).remove(0).unwrap();
+            let h = w.decoder.config().hidden_size;
+            assert_eq!(alone.rows, 25);
+            assert_eq!(alone.hidden.len(), 25 * h * 4);
+            assert!(alone.topk_ids.is_empty() && alone.logsumexp.is_empty());
+            let mixed = w.compute(&[mk_seq(ids, sp), hs], &mut t);
+            assert_eq!(mixed[1].as_ref().unwrap().hidden, alone.hidden);
+            // Row r is position 4 + r of the whole sequence's forward.
+            let full = w
+                .decoder
+                .forward_hidden(
+                    &Tensor::new(&ids[..29], &Device::Cpu)
+                        .unwrap()
+                        .unsqueeze(0)
+                        .unwrap(),
+                    None,
+                    None,
+                    None,
+                )
+                .unwrap()
+                .get(0)
+                .unwrap()
+                .narrow(0, 4, 25)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            let got = xdistill_shared::protocol::WireDtype::F32
+                .to_f32(&alone.hidden)
+                .unwrap();
+            for (a, b) in got.iter().zip(&full) {
+                assert!((a - b).abs() < 1e-4, "{a} vs {b}");
+            }
         }
     }
 

@@ -77,7 +77,36 @@ async fn batch_stats(c: &reqwest::Client, t: &Teacher) -> (f64, f64) {
 /// path) sent with neighbours.
 #[tokio::test]
 async fn a_sequence_gets_the_same_bytes_alone_or_shared() {
-    let t = shared_teacher();
+    same_bytes_alone_or_shared(shared_teacher()).await;
+}
+
+/// The same with the packed forward (`--packed-forward on`, matmuls in blocks of 32 rows: the
+/// GPU's default way, here on the CPU): the batch's short sequences share one forward.
+#[tokio::test]
+async fn a_sequence_gets_the_same_bytes_alone_or_shared_when_packed() {
+    static T: OnceLock<Teacher> = OnceLock::new();
+    let t = T.get_or_init(|| {
+        let batch = BATCH_TOKENS.to_string();
+        common::start_teacher(
+            &model(),
+            &[
+                "--cache-bytes",
+                "0",
+                "--max-wait-ms",
+                "300",
+                "--max-batch-tokens",
+                &batch,
+                "--packed-forward",
+                "on",
+                "--packed-rows",
+                "32",
+            ],
+        )
+    });
+    same_bytes_alone_or_shared(t).await;
+}
+
+async fn same_bytes_alone_or_shared(t: &Teacher) {
     let c = client();
     let x = ids(1, 12, VOCAB); // 11 input tokens
     let (n0, n1, n2) = (ids(2, 26, VOCAB), ids(3, 5, VOCAB), ids(4, 17, VOCAB));

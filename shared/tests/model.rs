@@ -948,3 +948,79 @@ fn precision_trace_is_the_forward() {
     let exact = Decoder::new(&gemma, vb, Ops::Differentiable).unwrap();
     assert!(Trace::new(&exact, &model(&gemma, Ops::Fused)).is_err());
 }
+
+/// The packed forward (the teacher's batch-invariant mode without a forward per sequence): a
+/// sequence's rows are the same bits whatever it is packed with and wherever it lands (alone,
+/// first, between others, with matmul blocks of 16 and of 64 rows, so that the sequences
+/// straddle blocks and the last block is padded), for every architecture that packs; and they
+/// are its own forward's rows: on the CPU bit for bit where both run the same row kernel (32
+/// rows or more, `matmul::NP`), within rounding elsewhere and on a GPU (whose matmul kernels
+/// differ between a sequence's own shape and the fixed blocks).
+#[test]
+fn packed_rows_do_not_depend_on_their_neighbours() {
+    use xdistill_shared::model::PackedSeq;
+    let seqs: Vec<Vec<u32>> = [40usize, 5, 33, 1, 64]
+        .iter()
+        .enumerate()
+        .map(|(s, &n)| (0..n).map(|i| ((i * 7 + s * 13 + 3) % 50) as u32).collect())
+        .collect();
+    let host = |t: &Tensor| -> Vec<f32> { t.flatten_all().unwrap().to_vec1().unwrap() };
+    for (arch, cfg) in arch_configs() {
+        let m = model(&cfg, Ops::Fused);
+        if arch == "qwen3_moe" {
+            assert!(!m.packs(), "sparse MoE does not pack");
+            continue;
+        }
+        assert!(m.packs(), "{arch}");
+        let h = cfg.hidden_size;
+        for rows in [16usize, 64] {
+            // Each sequence's rows in a packing of `order` (indices into `seqs`).
+            let packed = |order: &[usize]| -> Vec<Vec<f32>> {
+                let ps: Vec<PackedSeq> = order
+                    .iter()
+                    .map(|&i| PackedSeq {
+                        ids: &seqs[i],
+                        total: seqs[i].len(),
+                    })
+                    .collect();
+                let out = host(&m.forward_packed(&ps, rows).unwrap());
+                let mut at = 0;
+                let mut by_seq = vec![Vec::new(); seqs.len()];
+                for &i in order {
+                    let n = seqs[i].len() * h;
+                    by_seq[i] = out[at..at + n].to_vec();
+                    at += n;
+                }
+                assert_eq!(at, out.len());
+                by_seq
+            };
+            let mixed = packed(&[1, 0, 2, 3, 4]);
+            let reordered = packed(&[4, 3, 2, 0, 1]);
+            for (i, s) in seqs.iter().enumerate() {
+                let alone = packed(&[i]);
+                let what = format!(
+                    "{arch}, blocks of {rows}, sequence {i} ({} tokens)",
+                    s.len()
+                );
+                assert_eq!(alone[i], mixed[i], "{what}: alone vs mixed");
+                assert_eq!(alone[i], reordered[i], "{what}: alone vs reordered");
+                let mut cache = KvCache::for_sequence(s.len());
+                let own = host(
+                    &m.forward_hidden(&ids(s), Some(&mut cache), None, None)
+                        .unwrap(),
+                );
+                // The CPU's row kernel runs for 32 rows or more: both sides then take it.
+                if dev().is_cpu() && s.len() >= 32 && rows >= 32 {
+                    assert_eq!(alone[i], own, "{what}: its own forward's bits");
+                } else {
+                    let d = alone[i]
+                        .iter()
+                        .zip(&own)
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0f32, f32::max);
+                    assert!(d < 1e-4, "{what}: {d} from its own forward");
+                }
+            }
+        }
+    }
+}

@@ -125,6 +125,11 @@ impl Linear {
     }
 
     /// The weight's name (empty for layers built from a tensor, e.g. MoE experts).
+    /// Whether the weight is kept quantized (candle's quantized kernels multiply).
+    pub fn is_quantized(&self) -> bool {
+        matches!(self.weight, LinearWeight::Quantized { .. })
+    }
+
     pub fn name(&self) -> &str {
         &self.name
     }
@@ -439,6 +444,15 @@ impl Attention {
     }
 
     /// The projections, for [`crate::model::Decoder::quantize_linears`].
+    pub fn linears(&self) -> Vec<&Linear> {
+        let mut out: Vec<&Linear> = match &self.qkv {
+            Qkv::Separate { q, k, v } => vec![q, k, v],
+            Qkv::Fused(qkv) => vec![qkv],
+        };
+        out.push(&self.o);
+        out
+    }
+
     pub fn linears_mut(&mut self) -> Vec<&mut Linear> {
         let mut out: Vec<&mut Linear> = match &mut self.qkv {
             Qkv::Separate { q, k, v } => vec![q, k, v],
@@ -473,16 +487,28 @@ impl Attention {
             }
             None => (k, v),
         };
-        // 4. Grouped-query: repeat kv heads to [B, Hq, S, D].
-        let rep = self.n_heads / self.n_kv;
-        let (k, v) = (repeat_kv(&k, rep)?, repeat_kv(&v, rep)?);
-        // 5. Masked softmax attention -> [B, Hq, T, D]; at inference [`QUERY_CHUNK`] queries
-        // at a time, so that at most [B, Hq, QUERY_CHUNK, S] scores exist at once.
-        let out = match inp.ops {
-            Ops::Fused => attend_in_chunks(&q, &k, &v, inp.mask, self.scale, QUERY_CHUNK)?,
-            Ops::Differentiable => attend(&q, &k, &v, inp.mask, self.scale, inp.ops)?,
-        };
+        let out = self.core(&q, &k, &v, inp.mask, inp.ops)?;
         self.output(&out, inp.ops)
+    }
+
+    /// Steps 4–5 of the attention: `q` [B, Hq, T, D] over `k`, `v` [B, Hkv, S, D] with the
+    /// additive `mask`: grouped-query heads repeated to [B, Hq, S, D], then the masked softmax
+    /// attention → [B, Hq, T, D]; at inference [`QUERY_CHUNK`] queries at a time, so that at
+    /// most [B, Hq, QUERY_CHUNK, S] scores exist at once.
+    pub fn core(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: Option<&Tensor>,
+        ops: Ops,
+    ) -> Result<Tensor> {
+        let rep = self.n_heads / self.n_kv;
+        let (k, v) = (repeat_kv(k, rep)?, repeat_kv(v, rep)?);
+        match ops {
+            Ops::Fused => attend_in_chunks(q, &k, &v, mask, self.scale, QUERY_CHUNK),
+            Ops::Differentiable => attend(q, &k, &v, mask, self.scale, ops),
+        }
     }
 
     /// Steps 1–2 of the attention: `x` [B, T, H] → q [B, Hq, T, D], k and v [B, Hkv, T, D],
@@ -622,6 +648,16 @@ impl GatedMlp {
             down: linear(vb, "down_proj", (inter, hidden), false)?,
             act,
         })
+    }
+
+    /// The projections.
+    pub fn linears(&self) -> Vec<&Linear> {
+        let mut out: Vec<&Linear> = match &self.gate_up {
+            GateUp::Separate { gate, up } => vec![gate, up],
+            GateUp::Fused(gu) => vec![gu],
+        };
+        out.push(&self.down);
+        out
     }
 
     /// The projections, for [`crate::model::Decoder::quantize_linears`].

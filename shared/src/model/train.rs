@@ -274,7 +274,7 @@ impl Decoder {
     }
 
     /// Layer `l`'s input norm and q/k/v (projected, normed, rotated).
-    fn project(
+    pub(super) fn project(
         &self,
         l: usize,
         block: &Block,
@@ -322,7 +322,7 @@ impl Decoder {
 
     /// The rest of a block after the attention core: `o_proj`, Gemma's post-attention norm, the
     /// residual, then the feed-forward half. `x` is the block's input, `o` `[B, Hq, T, D]`.
-    fn after_attention(&self, block: &Block, x: &Tensor, o: &Tensor) -> Result<Tensor> {
+    pub(super) fn after_attention(&self, block: &Block, x: &Tensor, o: &Tensor) -> Result<Tensor> {
         let mut h = block.attn.output(o, self.ops)?;
         if let Some(n) = &block.post_attn_norm {
             h = n.forward(&h, self.ops)?;
