@@ -2,10 +2,11 @@
 //! demo, data parallel, many teachers, replicas behind HAProxy, hardening, the Docker images),
 //! one binary (one link). Each file is a module; `cargo nextest run -E 'test(/^balancer::/)'` runs one.
 
-// Trainer and teacher code runs in this process too: allocate as the binaries do (jemalloc,
-// xdistill_shared::alloc), not through glibc, which unmaps and page-faults back every large
-// buffer on each step.
-xdistill_shared::global_allocator!();
+// Trainer and teacher code runs in this process too: allocate with jemalloc as the binaries do
+// (xdistill_shared::alloc), not through glibc, which unmaps and page-faults back every large
+// buffer on each step; and, the process being short-lived, never return freed pages
+// (TEST_MALLOC_CONF: a fifth less time in the kernel's page zeroing for these tests).
+xdistill_shared::global_allocator!(xdistill_shared::alloc::TEST_MALLOC_CONF);
 
 mod balancer;
 mod checkpoint_state;
