@@ -12,8 +12,11 @@
 //! the linear layers through [`crate::matmul`], and on the CPU the attention's softmax and the
 //! MLP's `silu(gate) · up` with the SIMD exp, `host_ops.rs`; on CUDA, with
 //! [`AttnBackend::Cudnn`], the attention through cuDNN, `attn_cudnn.rs`), and ops that all have
-//! a backward pass for training. `precision.rs` retraces the forward op by op in f32 and f64
-//! (where an f32 forward loses accuracy).
+//! a backward pass for training. `device_ops.rs` holds the fused RMSNorm, RoPE and gated
+//! activation (with their backward) that CUDA runs with the project's kernels; `packed.rs` the
+//! packed forward of several sequences (the teacher's batch-invariant mode in fixed matmul
+//! blocks). `precision.rs` retraces the forward op by op in f32 and f64 (where an f32 forward
+//! loses accuracy).
 
 pub mod arch;
 #[cfg(feature = "cuda")]
