@@ -1415,9 +1415,15 @@ struct Launch {
 #[test]
 fn the_teacher_image_accepts_every_command_line_it_is_started_with() {
     let images = images();
-    let default_wait = teacher_args(&["--model".into(), "m".into()], &BTreeMap::new())
-        .expect("defaults")
-        .max_wait_ms();
+    // The server's default batching window on `device` (5 ms where a GPU packs batches, 0 on
+    // the CPU's forward per sequence).
+    let default_wait_on = |device: &str| {
+        let argv = ["--model", "m", "--device", device].map(String::from);
+        teacher_args(&argv, &BTreeMap::new())
+            .expect("defaults")
+            .max_wait_ms()
+    };
+    let default_wait = default_wait_on("cpu");
     let mut launches = Vec::new();
     // 1. Each Dockerfile's teacher image as it starts: ENTRYPOINT + CMD with its ENV.
     for rel in dockerfiles() {
@@ -1560,7 +1566,7 @@ fn the_teacher_image_accepts_every_command_line_it_is_started_with() {
         // (compose and Kubernetes once set 5 ms while the server's default is 0).
         assert_eq!(
             args.max_wait_ms(),
-            default_wait,
+            default_wait_on(&args.device),
             "{}: --max-wait-ms",
             l.what
         );
