@@ -11,6 +11,7 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use xdistill_shared::model::device_ops::{dense, storage};
 
 /// The divergence between the teacher's and the student's distributions over K (+ tail).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -249,20 +250,6 @@ impl TopkKd {
     }
 }
 
-/// The values a layout covers as f64 (any float dtype).
-fn f64s(s: &CpuStorage, l: &Layout) -> Result<Vec<f64>> {
-    let Some((a, b)) = l.contiguous_offsets() else {
-        bail!("topk_kd: a contiguous operand expected");
-    };
-    Ok(match s {
-        CpuStorage::F64(v) => v[a..b].to_vec(),
-        CpuStorage::F32(v) => v[a..b].iter().map(|&x| x as f64).collect(),
-        CpuStorage::BF16(v) => v[a..b].iter().map(|x| x.to_f64()).collect(),
-        CpuStorage::F16(v) => v[a..b].iter().map(|x| x.to_f64()).collect(),
-        _ => bail!("topk_kd: float values expected"),
-    })
-}
-
 /// Host values of a tensor the op carries (ids or teacher log-probs).
 fn carried_f64(t: &Tensor) -> Result<Vec<f64>> {
     t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()
@@ -270,16 +257,6 @@ fn carried_f64(t: &Tensor) -> Result<Vec<f64>> {
 
 fn carried_ids(t: &Tensor) -> Result<Vec<u32>> {
     t.flatten_all()?.to_vec1::<u32>()
-}
-
-fn storage(v: Vec<f64>, dt: DType) -> Result<CpuStorage> {
-    Ok(match dt {
-        DType::F64 => CpuStorage::F64(v),
-        DType::F32 => CpuStorage::F32(v.into_iter().map(|x| x as f32).collect()),
-        DType::BF16 => CpuStorage::BF16(v.into_iter().map(half::bf16::from_f64).collect()),
-        DType::F16 => CpuStorage::F16(v.into_iter().map(half::f16::from_f64).collect()),
-        dt => bail!("topk_kd: {dt:?} logits"),
-    })
 }
 
 impl CustomOp1 for Op {
@@ -290,7 +267,7 @@ impl CustomOp1 for Op {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let (rows, v) = l.shape().dims2()?;
         let k = self.ids.dim(1)?;
-        let z = f64s(s, l)?;
+        let z = dense(s, l)?;
         let (ids, lt) = (carried_ids(&self.ids)?, carried_f64(&self.lts)?);
         if ids.iter().any(|&i| i as usize >= v) {
             bail!("topk_kd: an id is not below the vocabulary {v}");
@@ -361,8 +338,8 @@ impl CustomOp3 for Bwd {
         let loss = &self.0.loss;
         let (rows, v) = zl.shape().dims2()?;
         let k = self.0.ids.dim(1)?;
-        let z = f64s(zs, zl)?;
-        let g = f64s(gs, gl)?;
+        let z = dense(zs, zl)?;
+        let g = dense(gs, gl)?;
         let (ids, lt) = (carried_ids(&self.0.ids)?, carried_f64(&self.0.lts)?);
         let inv_t = 1.0 / loss.temperature;
         let mut dz = vec![0.0; rows * v];

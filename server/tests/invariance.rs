@@ -17,24 +17,25 @@ fn model() -> std::path::PathBuf {
     common::tiny_model("invariance-qwen3", "qwen3", "llama2", 64)
 }
 
-/// No cache (it would hide a difference), and a long wait window so that concurrent requests
-/// share batches.
+/// A teacher with no cache (it would hide a difference) and a long wait window so that
+/// concurrent requests share batches, started with `extra` flags too.
+fn sharing_teacher(extra: &[&str]) -> Teacher {
+    let batch = BATCH_TOKENS.to_string();
+    let mut args = vec![
+        "--cache-bytes",
+        "0",
+        "--max-wait-ms",
+        "300",
+        "--max-batch-tokens",
+        &batch,
+    ];
+    args.extend_from_slice(extra);
+    common::start_teacher(&model(), &args)
+}
+
 fn shared_teacher() -> &'static Teacher {
     static T: OnceLock<Teacher> = OnceLock::new();
-    T.get_or_init(|| {
-        let batch = BATCH_TOKENS.to_string();
-        common::start_teacher(
-            &model(),
-            &[
-                "--cache-bytes",
-                "0",
-                "--max-wait-ms",
-                "300",
-                "--max-batch-tokens",
-                &batch,
-            ],
-        )
-    })
+    T.get_or_init(|| sharing_teacher(&[]))
 }
 
 /// The default cache, to check that failures are not stored.
@@ -85,24 +86,7 @@ async fn a_sequence_gets_the_same_bytes_alone_or_shared() {
 #[tokio::test]
 async fn a_sequence_gets_the_same_bytes_alone_or_shared_when_packed() {
     static T: OnceLock<Teacher> = OnceLock::new();
-    let t = T.get_or_init(|| {
-        let batch = BATCH_TOKENS.to_string();
-        common::start_teacher(
-            &model(),
-            &[
-                "--cache-bytes",
-                "0",
-                "--max-wait-ms",
-                "300",
-                "--max-batch-tokens",
-                &batch,
-                "--packed-forward",
-                "on",
-                "--packed-rows",
-                "32",
-            ],
-        )
-    });
+    let t = T.get_or_init(|| sharing_teacher(&["--packed-forward", "on", "--packed-rows", "32"]));
     same_bytes_alone_or_shared(t).await;
 }
 

@@ -514,10 +514,7 @@ fn fused_layer_ops_equal_their_cpu_reference() {
 /// the cuDNN test.
 #[test]
 fn passes_with_fused_layer_ops_match_the_composed_ops() {
-    use crate::cudnn_attention::{decoder_cases, host, random, rel_err};
-    use crate::model::params;
-    use candle_core::Var;
-    use candle_nn::VarBuilder;
+    use crate::cudnn_attention::{bf16_vars, decoder_cases, decoder_grads, host, random, rel_err};
     use xdistill_shared::model::device_ops::force_in_this_thread;
     use xdistill_shared::model::{Activations, Decoder, Ops};
     let Some(dev) = gpu() else { return };
@@ -525,20 +522,7 @@ fn passes_with_fused_layer_ops_match_the_composed_ops() {
     let rows: Vec<u32> = (0..2 * 41u32).map(|i| (i * 7 + 3) % 50).collect();
     let ids = Tensor::from_vec(rows, (2, 41), &dev).unwrap();
     for (name, cfg) in decoder_cases() {
-        let vars: Vec<(String, Var)> = params(&cfg)
-            .into_iter()
-            .map(|(n, t)| {
-                let t = t.to_device(&dev).unwrap().to_dtype(DType::BF16).unwrap();
-                (n, Var::from_tensor(&t).unwrap())
-            })
-            .collect();
-        let vb = VarBuilder::from_tensors(
-            vars.iter()
-                .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
-                .collect(),
-            DType::BF16,
-            &dev,
-        );
+        let (vars, vb) = bf16_vars(&cfg, &dev);
         let train = Decoder::new(&cfg, vb.clone(), Ops::Differentiable).unwrap();
         let serve = Decoder::new(&cfg, vb, Ops::Fused).unwrap();
         let g = random(&mut rng, &[2, 41, cfg.hidden_size], DType::BF16, &dev);
@@ -546,17 +530,7 @@ fn passes_with_fused_layer_ops_match_the_composed_ops() {
             force_in_this_thread(Some(fused));
             let pass = train.train_forward(&ids, Activations::Selective).unwrap();
             let hidden = host(pass.hidden());
-            let grads = pass.backward(&g).unwrap();
-            let per_param: Vec<(String, Vec<f64>)> = vars
-                .iter()
-                .filter(|(n, _)| n != "lm_head.weight")
-                .map(|(n, v)| {
-                    (
-                        n.clone(),
-                        grads.get(v.as_tensor()).map(host).unwrap_or_default(),
-                    )
-                })
-                .collect();
+            let per_param = decoder_grads(&vars, &pass.backward(&g).unwrap());
             let logits = host(&serve.forward(&ids).unwrap());
             force_in_this_thread(None);
             (hidden, per_param, logits)

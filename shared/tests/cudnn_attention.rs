@@ -295,6 +295,45 @@ fn new_lengths_reuse_compiled_kernels() {
     }
 }
 
+/// `cfg`'s parameters ([`params`]) as bf16 `Var`s on `dev`, and a builder reading them.
+pub(crate) fn bf16_vars(
+    cfg: &xdistill_shared::hf::ModelConfig,
+    dev: &Device,
+) -> (Vec<(String, candle_core::Var)>, VarBuilder<'static>) {
+    let vars: Vec<(String, candle_core::Var)> = params(cfg)
+        .into_iter()
+        .map(|(n, t)| {
+            let t = t.to_device(dev).unwrap().to_dtype(DType::BF16).unwrap();
+            (n, candle_core::Var::from_tensor(&t).unwrap())
+        })
+        .collect();
+    let vb = VarBuilder::from_tensors(
+        vars.iter()
+            .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
+            .collect(),
+        DType::BF16,
+        dev,
+    );
+    (vars, vb)
+}
+
+/// Each decoder parameter's gradient in `grads` (the LM head's aside: the loss's), on the host;
+/// empty where it has none.
+pub(crate) fn decoder_grads(
+    vars: &[(String, candle_core::Var)],
+    grads: &candle_core::backprop::GradStore,
+) -> Vec<(String, Vec<f64>)> {
+    vars.iter()
+        .filter(|(n, _)| n != "lm_head.weight")
+        .map(|(n, v)| {
+            (
+                n.clone(),
+                grads.get(v.as_tensor()).map(host).unwrap_or_default(),
+            )
+        })
+        .collect()
+}
+
 /// Small decoders whose heads cuDNN takes (head size 64, grouped-query 2:1): Qwen3 (q/k norms),
 /// Llama, Mistral with a window of 8, Gemma 3 (local and global layers, its own scale).
 pub(crate) fn decoder_cases() -> Vec<(&'static str, xdistill_shared::hf::ModelConfig)> {
@@ -492,27 +531,13 @@ fn training_sdpa_and_its_backward_equal_the_f64_reference() {
 /// (hidden) and 6e-2 (gradients) of the norm.
 #[test]
 fn training_pass_through_cudnn_matches_the_blockwise_core() {
-    use candle_core::Var;
     use xdistill_shared::model::Activations;
     let Some(dev) = gpu() else { return };
     let cases = decoder_cases();
     let rows: Vec<u32> = (0..2 * 41u32).map(|i| (i * 7 + 3) % 50).collect();
     let ids = Tensor::from_vec(rows, (2, 41), &dev).unwrap();
     for (name, cfg) in cases {
-        let vars: Vec<(String, Var)> = params(&cfg)
-            .into_iter()
-            .map(|(n, t)| {
-                let t = t.to_device(&dev).unwrap().to_dtype(DType::BF16).unwrap();
-                (n, Var::from_tensor(&t).unwrap())
-            })
-            .collect();
-        let vb = VarBuilder::from_tensors(
-            vars.iter()
-                .map(|(n, v)| (n.clone(), v.as_tensor().clone()))
-                .collect(),
-            DType::BF16,
-            &dev,
-        );
+        let (vars, vb) = bf16_vars(&cfg, &dev);
         let mut m = Decoder::new(&cfg, vb, Ops::Differentiable).unwrap();
         let mut rng = rng();
         let mut grad = None;
@@ -523,15 +548,7 @@ fn training_pass_through_cudnn_matches_the_blockwise_core() {
                 .clone();
             let hidden = host(pass.hidden());
             let grads = pass.backward(&g).unwrap();
-            let per_param: Vec<(String, Vec<f64>)> = vars
-                .iter()
-                .filter(|(n, _)| n != "lm_head.weight")
-                .map(|(n, v)| {
-                    let g = grads.get(v.as_tensor());
-                    (n.clone(), g.map(host).unwrap_or_default())
-                })
-                .collect();
-            (hidden, per_param)
+            (hidden, decoder_grads(&vars, &grads))
         };
         m.set_attention(AttnBackend::Eager);
         let (h0, g0) = run(&m, Activations::Checkpoint);

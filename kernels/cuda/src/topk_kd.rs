@@ -33,6 +33,16 @@ impl TopkKdArgs {
         Ok((self.rows as u32, self.vocab as u32, self.k as u32))
     }
 
+    /// The checked sizes, and the logits, ids and teacher log-probs dense as the kernels read
+    /// them.
+    fn inputs(&self, z: &Layout, ids: &Layout, lts: &Layout) -> Result<(u32, u32, u32)> {
+        let sizes = self.checked()?;
+        dense(z, self.rows * self.vocab, "logits")?;
+        dense(ids, self.rows * self.k, "ids")?;
+        dense(lts, self.rows * self.k, "teacher log-probs")?;
+        Ok(sizes)
+    }
+
     fn config(&self) -> LaunchConfig {
         LaunchConfig {
             grid_dim: (self.rows.max(1) as u32, 1, 1),
@@ -61,10 +71,7 @@ pub fn topk_kd_fwd(
     lts: (&CudaStorage, &Layout),
     a: TopkKdArgs,
 ) -> Result<CudaStorage> {
-    let (rows, v, k) = a.checked()?;
-    dense(z.1, a.rows * a.vocab, "logits")?;
-    dense(ids.1, a.rows * a.k, "ids")?;
-    dense(lts.1, a.rows * a.k, "teacher log-probs")?;
+    let (rows, v, k) = a.inputs(z.1, ids.1, lts.1)?;
     let dev = z.0.device().clone();
     // SAFETY: the kernel writes the four values of every row.
     let mut out = unsafe { dev.alloc::<f32>((4 * a.rows).max(1))? };
@@ -109,10 +116,7 @@ pub fn topk_kd_bwd(
     g: (&CudaStorage, &Layout),
     a: TopkKdArgs,
 ) -> Result<CudaStorage> {
-    let (rows, v, k) = a.checked()?;
-    dense(z.1, a.rows * a.vocab, "logits")?;
-    dense(ids.1, a.rows * a.k, "ids")?;
-    dense(lts.1, a.rows * a.k, "teacher log-probs")?;
+    let (rows, v, k) = a.inputs(z.1, ids.1, lts.1)?;
     dense(res.1, a.rows * 4, "forward output")?;
     dense(g.1, a.rows * 4, "gradient")?;
     let dev = z.0.device().clone();

@@ -162,8 +162,10 @@ impl Rows {
     }
 }
 
-/// Every element of a host storage as f64 (the whole buffer: layouts index into it).
-fn f64s(s: &CpuStorage) -> Result<Vec<f64>> {
+/// Every element of a host storage as f64 (the whole buffer: layouts index into it). With
+/// [`dense`] and [`storage`], what the fused ops' f64 CPU references read and write (here and
+/// in `xdistill_kernels::topk_kd`).
+pub fn f64s(s: &CpuStorage) -> Result<Vec<f64>> {
     Ok(match s {
         CpuStorage::F64(v) => v.clone(),
         CpuStorage::F32(v) => v.iter().map(|&x| x as f64).collect(),
@@ -184,7 +186,7 @@ fn round(v: f64, dt: DType) -> f64 {
 }
 
 /// Values in a host storage of `dt`.
-fn storage(v: Vec<f64>, dt: DType) -> Result<CpuStorage> {
+pub fn storage(v: Vec<f64>, dt: DType) -> Result<CpuStorage> {
     Ok(match dt {
         DType::F64 => CpuStorage::F64(v),
         DType::F32 => CpuStorage::F32(v.into_iter().map(|x| x as f32).collect()),
@@ -195,7 +197,7 @@ fn storage(v: Vec<f64>, dt: DType) -> Result<CpuStorage> {
 }
 
 /// The contiguous values a layout covers, as f64.
-fn dense(s: &CpuStorage, l: &Layout) -> Result<Vec<f64>> {
+pub fn dense(s: &CpuStorage, l: &Layout) -> Result<Vec<f64>> {
     let Some((a, b)) = l.contiguous_offsets() else {
         bail!("fused op: a contiguous operand expected");
     };
