@@ -39,8 +39,15 @@ use std::time::{Duration, Instant};
 use xdistill_shared::model::Decoder;
 use xdistill_shared::protocol::SequenceScores;
 
-/// Most logits (f32) materialised at once: 16 Mi elements = 64 MiB, ≈110 positions of Qwen3.
+/// Most logits (f32) materialised at once on the host: 16 Mi elements = 64 MiB, ≈110 positions
+/// of Qwen3.
 const LOGIT_CHUNK_ELEMS: usize = 16 << 20;
+/// Most logits materialised at once on a GPU: 128 Mi elements (256 MiB in bf16), ≈880 positions
+/// of Qwen3, so a sequence of up to that many rows takes one head matmul, one top-k launch and
+/// one copy back (a chunk of 110 cost a synchronisation per 110 rows and a thin matmul).
+/// Chunks are cut within a sequence, so a sequence's chunks, and its scores, do not depend on
+/// its batch.
+const GPU_LOGIT_CHUNK_ELEMS: usize = 128 << 20;
 /// Positions per chunk of the fused LM head: one `[256, TILE]` f32 tile is 2 MiB (it stays in
 /// the cores' L2/L3), and the head's weights are read once per 256 positions.
 const FUSED_CHUNK_ROWS: usize = 256;
@@ -184,8 +191,7 @@ struct RowsAsked<'a> {
 }
 
 impl Scorer {
-    /// Chunks of [`LOGIT_CHUNK_ELEMS`] logits (of [`FUSED_CHUNK_ROWS`] positions when fused);
-    /// device scoring where `path` resolves to it.
+    /// Device scoring where `path` resolves to it; chunks as [`chunk_rows`] sizes them.
     pub fn new(
         vocab: usize,
         logits_size: usize,
@@ -194,10 +200,12 @@ impl Scorer {
         device: &Device,
     ) -> Scorer {
         let on_device = path.on_device(device);
-        let chunk_rows = match (on_device, lm_head) {
-            (false, LmHead::Fused) => FUSED_CHUNK_ROWS,
-            _ => (LOGIT_CHUNK_ELEMS / logits_size.max(1)).max(1),
-        };
+        let chunk_rows = chunk_rows(
+            on_device && device.is_cuda(),
+            on_device,
+            lm_head,
+            logits_size,
+        );
         Scorer {
             vocab,
             logits_size,
@@ -392,6 +400,18 @@ impl Scorer {
     /// Columns of the logits that are real tokens.
     fn valid(&self) -> usize {
         self.vocab.min(self.logits_size)
+    }
+}
+
+/// Positions per LM-head chunk: [`GPU_LOGIT_CHUNK_ELEMS`] logits when they are scored on a
+/// GPU, [`FUSED_CHUNK_ROWS`] positions on the fused host path, else [`LOGIT_CHUNK_ELEMS`]
+/// logits (at least one row).
+fn chunk_rows(on_gpu: bool, on_device: bool, lm_head: LmHead, logits_size: usize) -> usize {
+    let rows = |elems: usize| (elems / logits_size.max(1)).max(1);
+    match (on_gpu, on_device, lm_head) {
+        (true, _, _) => rows(GPU_LOGIT_CHUNK_ELEMS),
+        (false, false, LmHead::Fused) => FUSED_CHUNK_ROWS,
+        _ => rows(LOGIT_CHUNK_ELEMS),
     }
 }
 

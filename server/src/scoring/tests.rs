@@ -304,3 +304,20 @@ fn auto_path_is_host_on_the_cpu() {
     assert!(!TopkPath::Host.on_device(&Device::Cpu));
     assert!(device_topk_fits(0) && device_topk_fits(4096) && !device_topk_fits(4097));
 }
+
+/// Chunk sizes: a GPU holds ≈880 Qwen3 rows of logits at once (one chunk for a sequence of
+/// 512), the host 110 (or 256 positions on the fused path); never fewer than one row.
+#[test]
+fn head_chunks_are_sized_by_where_the_logits_are() {
+    let qwen3 = 151_936;
+    assert_eq!(chunk_rows(true, true, LmHead::Fused, qwen3), 883);
+    assert_eq!(chunk_rows(false, true, LmHead::Fused, qwen3), 110);
+    assert_eq!(chunk_rows(false, false, LmHead::Full, qwen3), 110);
+    assert_eq!(
+        chunk_rows(false, false, LmHead::Fused, qwen3),
+        FUSED_CHUNK_ROWS
+    );
+    assert_eq!(chunk_rows(true, true, LmHead::Full, 1 << 30), 1);
+    let cpu = Scorer::new(VALID, V, TopkPath::Device, LmHead::Full, &Device::Cpu);
+    assert_eq!(cpu.chunk_rows, LOGIT_CHUNK_ELEMS / V);
+}
