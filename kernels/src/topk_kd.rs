@@ -56,12 +56,12 @@ impl TopkKd {
         }
     }
 
-    /// The fused op runs for these logits: a CUDA device with the project's kernels on, in
-    /// f32, bf16 or f16 (elsewhere the composed losses run).
+    /// The fused op runs for these logits where the other fused ops do
+    /// ([`xdistill_shared::model::device_ops::applies`]): a CUDA device with the project's
+    /// kernels on, in f32, bf16 or f16 (elsewhere the composed losses run), or wherever a test
+    /// forces them in its thread (on the CPU, the f64 reference).
     pub fn runs_on(logits: &Tensor) -> bool {
-        logits.device().is_cuda()
-            && xdistill_shared::device::cuda_kernels()
-            && matches!(logits.dtype(), DType::F32 | DType::BF16 | DType::F16)
+        xdistill_shared::model::device_ops::applies(logits)
     }
 }
 

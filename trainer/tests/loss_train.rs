@@ -101,12 +101,13 @@ fn gradients_reach_every_parameter_and_training_lowers_the_loss() {
         // Two micro-batches of one row each, normalised by the global token count.
         for row in 0..B {
             let logits = model.forward(&ids.narrow(0, row, 1).unwrap()).unwrap();
-            let part = TopkTargets {
-                ids: targets.ids.narrow(0, row, 1).unwrap(),
-                logprobs: targets.logprobs.narrow(0, row, 1).unwrap(),
-                mask: targets.mask.narrow(0, row, 1).unwrap(),
-                distinct: targets.distinct,
-            };
+            let part = TopkTargets::new(
+                targets.ids.narrow(0, row, 1).unwrap(),
+                targets.logprobs.narrow(0, row, 1).unwrap(),
+                targets.mask.narrow(0, row, 1).unwrap(),
+                targets.distinct,
+            )
+            .unwrap();
             let (kd, m) = kd_loss(
                 &loss_cfg,
                 &logits,

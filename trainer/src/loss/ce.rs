@@ -2,7 +2,7 @@
 
 use candle_core::{DType, Tensor};
 
-use super::stable::masked_mean;
+use super::stable::{mask_count, masked_mean_known};
 use super::{compute_dtype, CeConfig, LossConfig, LossError, Normalizer, Result};
 
 /// Mean next-token cross-entropy `−log softmax(z_t)[y_t]` over valid positions (temperature 1).
@@ -19,6 +19,20 @@ pub fn cross_entropy(
     mask: &Tensor,
     normalizer: Option<Normalizer>,
 ) -> Result<(Tensor, f64)> {
+    let count = mask_count(mask)?;
+    let loss = cross_entropy_known(logits, targets, mask, count, normalizer)?;
+    Ok((loss, count))
+}
+
+/// [`cross_entropy`] when the caller knows the mask's count `Σ mask` (it built the mask on the
+/// host): nothing is read back from the device.
+pub fn cross_entropy_known(
+    logits: &Tensor,
+    targets: &Tensor,
+    mask: &Tensor,
+    count: f64,
+    normalizer: Option<Normalizer>,
+) -> Result<Tensor> {
     let (b, t, _v) = logits.dims3()?;
     if targets.dims() != [b, t] || mask.dims() != [b, t] {
         return Err(LossError::input(
@@ -35,7 +49,7 @@ pub fn cross_entropy(
     }
     let normalizer = normalizer.map(Normalizer::get);
     if xdistill_kernels::TopkKd::runs_on(logits) {
-        return fused_cross_entropy(logits, targets, mask, normalizer);
+        return fused_cross_entropy(logits, targets, mask, count, normalizer);
     }
     let dt = compute_dtype(logits);
     let z = logits.to_dtype(dt)?;
@@ -43,7 +57,7 @@ pub fn cross_entropy(
     let nll = xdistill_kernels::gather_log_softmax(&z, &targets.contiguous()?.unsqueeze(2)?)?
         .squeeze(2)?
         .neg()?;
-    masked_mean(&nll, &mask.to_dtype(dt)?, normalizer)
+    masked_mean_known(&nll, &mask.to_dtype(dt)?, count, normalizer)
 }
 
 /// [`cross_entropy`] as the fused per-row loss's k = 1 case ([`xdistill_kernels::topk_kd()`]:
@@ -54,8 +68,9 @@ pub(crate) fn fused_cross_entropy(
     logits: &Tensor,
     targets: &Tensor,
     mask: &Tensor,
+    count: f64,
     normalizer: Option<f64>,
-) -> Result<(Tensor, f64)> {
+) -> Result<Tensor> {
     let (b, t, v) = logits.dims3()?;
     let n = b * t;
     let zero = Tensor::zeros((n, 1), compute_dtype(logits), logits.device())?;
@@ -66,7 +81,7 @@ pub(crate) fn fused_cross_entropy(
         xdistill_kernels::TopkKd::cross_entropy(),
     )?;
     let nll = out.narrow(1, 0, 1)?.reshape((b, t))?;
-    masked_mean(&nll, &mask.to_dtype(nll.dtype())?, normalizer)
+    masked_mean_known(&nll, &mask.to_dtype(nll.dtype())?, count, normalizer)
 }
 
 /// The total loss and the factor the distillation term was multiplied by.
@@ -156,14 +171,13 @@ mod tests {
         let mt = tensor(&mask, &[b, t], DType::F32);
         let want = reference(&z, &y, &mask, v);
         let x = var(&z, &[b, t, v]);
-        let (l, n) = fused_cross_entropy(x.as_tensor(), &yt, &mt, None).unwrap();
-        assert_eq!(n, 5.0);
+        let l = fused_cross_entropy(x.as_tensor(), &yt, &mt, 5.0, None).unwrap();
         assert!((scalar(&l) - want).abs() < 1e-12);
         let g = flat(l.backward().unwrap().get(x.as_tensor()).unwrap());
         let fd = numeric_grad(&z, 1e-5, |z| reference(z, &y, &mask, v));
         assert_close(&g, &fd, 1e-8, "fused ce grad");
         let x32 = tensor(&z, &[b, t, v], DType::F32);
-        let (l32, _) = fused_cross_entropy(&x32, &yt, &mt, Some(10.0)).unwrap();
+        let l32 = fused_cross_entropy(&x32, &yt, &mt, 5.0, Some(10.0)).unwrap();
         assert!((scalar(&l32) - want * 5.0 / 10.0).abs() < 1e-5 * want);
     }
 

@@ -9,8 +9,12 @@
 
 use candle_core::{DType, Device, Tensor, D};
 
-use super::stable::{log1mexp, logaddexp, logsumexp_last, masked_mean, LOG_FLOOR, TAIL_FLOOR};
-use super::{compute_dtype, KdMetrics, LossError, Normalizer, Result, TailMode, Temperature};
+use super::stable::{
+    log1mexp, logaddexp, logsumexp_last, mask_count, masked_mean_known, LOG_FLOOR, TAIL_FLOOR,
+};
+use super::{
+    compute_dtype, KdFigures, KdMetrics, LossError, Normalizer, Result, TailMode, Temperature,
+};
 use xdistill_kernels::{KdDivergence, KdTail, TopkKd};
 
 /// A divergence between the teacher (T) and student (S) distributions over K (+ tail).
@@ -40,9 +44,24 @@ pub struct TopkTargets {
     /// Every position's ids are distinct (a teacher's top-k always are): the fused loss
     /// ([`xdistill_kernels::topk_kd()`]) may run; otherwise the composed one does.
     pub distinct: bool,
+    /// `Σ mask`, known on the host (so the loss reads nothing back to count its units).
+    pub count: f64,
 }
 
 impl TopkTargets {
+    /// Targets from tensors already on the device (`distinct` as [`TopkTargets::distinct`]
+    /// says); the mask is read back once to count its units.
+    pub fn new(ids: Tensor, logprobs: Tensor, mask: Tensor, distinct: bool) -> Result<Self> {
+        let count = mask_count(&mask)?;
+        Ok(Self {
+            ids,
+            logprobs,
+            mask,
+            distinct,
+            count,
+        })
+    }
+
     /// Builds validated targets from host buffers (row-major `[B, T, k]`, `[B, T]`).
     ///
     /// Valid positions must have ids `< vocab` and non-NaN log-probs (−∞ becomes [`LOG_FLOOR`],
@@ -79,6 +98,7 @@ impl TopkTargets {
         let mut lps = logprobs.to_vec();
         let uniform = -(k as f32).ln();
         let mut distinct = true;
+        let mut count = 0.0;
         let mut seen = Vec::with_capacity(k);
         for (p, &valid) in mask.iter().enumerate() {
             let row = p * k..(p + 1) * k;
@@ -87,6 +107,7 @@ impl TopkTargets {
                 lps[row].fill(uniform);
                 continue;
             }
+            count += 1.0;
             if valid != 1.0 {
                 return Err(LossError::input(
                     "mask",
@@ -116,6 +137,7 @@ impl TopkTargets {
             logprobs: Tensor::from_vec(lps, (batch, len, k), device)?,
             mask: Tensor::from_vec(mask.to_vec(), (batch, len), device)?,
             distinct,
+            count,
         })
     }
 }
@@ -171,6 +193,21 @@ pub fn topk_divergence(
     temperature: Temperature,
     normalizer: Option<Normalizer>,
 ) -> Result<(Tensor, KdMetrics)> {
+    let (loss, figures) =
+        topk_divergence_figures(student_logits, targets, div, tail, temperature, normalizer)?;
+    Ok((loss, figures.read()?))
+}
+
+/// [`topk_divergence`] with its figures as the loss left them: the fused loss's still on the
+/// device ([`KdFigures::Pending`]), for a caller that reads a whole step's figures at once.
+pub fn topk_divergence_figures(
+    student_logits: &Tensor,
+    targets: &TopkTargets,
+    div: Divergence,
+    tail: TailMode,
+    temperature: Temperature,
+    normalizer: Option<Normalizer>,
+) -> Result<(Tensor, KdFigures)> {
     let (b, t, _v) = student_logits.dims3()?;
     let (tb, tt, k) = targets.ids.dims3()?;
     if (tb, tt) != (b, t) || targets.logprobs.dims() != [b, t, k] || targets.mask.dims() != [b, t] {
@@ -236,11 +273,12 @@ pub fn topk_divergence(
     // 3. Per-position divergence [B, T], masked mean, τ².
     let per_pos = divergence(&lp_t_n, &lp_s_n, div)?;
     let mask = targets.mask.to_dtype(dt)?;
-    let (loss, count) = masked_mean(&per_pos, &mask, normalizer)?;
+    let count = targets.count;
+    let loss = masked_mean_known(&per_pos, &mask, count, normalizer)?;
     let loss = loss.affine(temperature * temperature, 0.0)?;
 
     let mean = |x: &Tensor| -> Result<f64> {
-        let (m, _) = masked_mean(&x.exp()?, &mask, None)?;
+        let m = masked_mean_known(&x.exp()?, &mask, count, None)?;
         Ok(m.to_dtype(DType::F64)?.to_scalar::<f64>()?)
     };
     let metrics = KdMetrics {
@@ -249,13 +287,14 @@ pub fn topk_divergence(
         teacher_topk_mass: Some(mean(&lse_t)?),
         student_topk_mass: Some(mean(&lse_s_k)?),
     };
-    Ok((loss, metrics))
+    Ok((loss, metrics.into()))
 }
 
 /// [`topk_divergence`] through the fused per-row loss ([`xdistill_kernels::topk_kd()`]: one
 /// read of the logits forward, one backward, the gradient written once, the logits read in
 /// their own dtype): what runs on CUDA with the project's kernels on; on the CPU its f64
 /// reference (the tests hold it against the composed loss). Needs distinct ids per position.
+/// Its figures stay on the device ([`KdFigures::Pending`]): nothing is read back.
 pub(crate) fn fused_topk_divergence(
     student_logits: &Tensor,
     targets: &TopkTargets,
@@ -263,7 +302,7 @@ pub(crate) fn fused_topk_divergence(
     tail: TailMode,
     temperature: Temperature,
     normalizer: Option<Normalizer>,
-) -> Result<(Tensor, KdMetrics)> {
+) -> Result<(Tensor, KdFigures)> {
     let (b, t, v) = student_logits.dims3()?;
     let k = targets.ids.dim(2)?;
     let divergence = match div {
@@ -299,22 +338,15 @@ pub(crate) fn fused_topk_divergence(
         loss,
     )?;
     let mask = targets.mask.to_dtype(out.dtype())?;
+    let count = targets.count;
     let column = |c: usize| out.narrow(1, c, 1).and_then(|x| x.reshape((b, t)));
-    let (loss, count) = masked_mean(&column(0)?, &mask, normalizer.map(Normalizer::get))?;
+    let loss = masked_mean_known(&column(0)?, &mask, count, normalizer.map(Normalizer::get))?;
     let loss = loss.affine(tau * tau, 0.0)?;
-    // The loss and both masses in one copy back.
-    let (tm, _) = masked_mean(&column(1)?.detach(), &mask, None)?;
-    let (sm, _) = masked_mean(&column(2)?.detach(), &mask, None)?;
-    let host: Vec<f64> = Tensor::stack(&[&loss.detach(), &tm, &sm], 0)?
-        .to_dtype(DType::F64)?
-        .to_vec1()?;
-    let metrics = KdMetrics {
-        loss: host[0],
-        count,
-        teacher_topk_mass: Some(host[1]),
-        student_topk_mass: Some(host[2]),
-    };
-    Ok((loss, metrics))
+    // The loss and both masses summed over the valid units, left on the device.
+    let mass_sum = |c: usize| -> Result<Tensor> { Ok((column(c)?.detach() * &mask)?.sum_all()?) };
+    let sums =
+        Tensor::stack(&[&loss.detach(), &mass_sum(1)?, &mass_sum(2)?], 0)?.to_dtype(DType::F64)?;
+    Ok((loss, KdFigures::Pending { sums, count }))
 }
 
 #[cfg(test)]

@@ -23,8 +23,8 @@ use candle_core::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 
 pub use alm::alm_loss;
-pub use ce::{combine, cross_entropy, Combined};
-pub use kl::{topk_divergence, Divergence, TopkTargets};
+pub use ce::{combine, cross_entropy, cross_entropy_known, Combined};
+pub use kl::{topk_divergence, topk_divergence_figures, Divergence, TopkTargets};
 pub use normalizer::{BadNormalizer, Normalizer};
 pub use sampled::{chunk_sampled_loss, sampled_token_loss, SampledTargets};
 pub use temperature::{BadTemperature, Temperature};
@@ -312,27 +312,56 @@ pub fn kd_loss(
     inputs: KdInputs<'_>,
     normalizer: Option<Normalizer>,
 ) -> Result<(Tensor, KdMetrics)> {
+    let (loss, figures) = kd_loss_figures(config, student_logits, inputs, normalizer)?;
+    Ok((loss, figures.read()?))
+}
+
+/// [`kd_loss`] with its figures as the loss left them ([`KdFigures`]: the fused top-k loss's
+/// stay on the device).
+pub fn kd_loss_figures(
+    config: &LossConfig,
+    student_logits: &Tensor,
+    inputs: KdInputs<'_>,
+    normalizer: Option<Normalizer>,
+) -> Result<(Tensor, KdFigures)> {
+    if let (Some(div), KdInputs::Topk(t)) = (config.divergence(), inputs) {
+        let tail = config.tail.unwrap_or(TailMode::Bucket);
+        return topk_divergence_figures(
+            student_logits,
+            t,
+            div,
+            tail,
+            config.temperature,
+            normalizer,
+        );
+    }
+    let (loss, metrics) = kd_loss_read(config, student_logits, inputs, normalizer)?;
+    Ok((loss, metrics.into()))
+}
+
+/// Every distillation loss but the top-k divergences, whose figures are read as computed.
+fn kd_loss_read(
+    config: &LossConfig,
+    student_logits: &Tensor,
+    inputs: KdInputs<'_>,
+    normalizer: Option<Normalizer>,
+) -> Result<(Tensor, KdMetrics)> {
     let tau = config.temperature;
-    // The same-tokenizer divergences ([`LossConfig::divergence`]), over the top-k or the whole
-    // distribution.
-    match (config.divergence(), inputs) {
-        (Some(div), KdInputs::Topk(t)) => {
-            let tail = config.tail.unwrap_or(TailMode::Bucket);
-            return topk_divergence(student_logits, t, div, tail, tau, normalizer);
-        }
-        (Some(div), KdInputs::TeacherHidden { head, hidden, mask }) => {
-            return full_vocab::full_vocab_divergence(
-                student_logits,
-                head,
-                hidden,
-                mask,
-                div,
-                tau,
-                full_vocab::DEFAULT_CHUNK_ROWS,
-                normalizer,
-            );
-        }
-        _ => {}
+    // The same-tokenizer divergences ([`LossConfig::divergence`]) over the whole distribution
+    // (the top-k ones are [`kd_loss_figures`]'s).
+    if let (Some(div), KdInputs::TeacherHidden { head, hidden, mask }) =
+        (config.divergence(), inputs)
+    {
+        return full_vocab::full_vocab_divergence(
+            student_logits,
+            head,
+            hidden,
+            mask,
+            div,
+            tau,
+            full_vocab::DEFAULT_CHUNK_ROWS,
+            normalizer,
+        );
     }
     match (&config.kd, inputs) {
         (KdConfig::FirstKl {}, KdInputs::XTokenFull(x)) => {
@@ -413,6 +442,50 @@ pub struct KdMetrics {
     pub teacher_topk_mass: Option<f64>,
     /// Mean over valid units of the student's probability mass on the teacher's top-k set.
     pub student_topk_mass: Option<f64>,
+}
+
+/// A distillation term's figures as its loss left them: read on the host, or (the fused loss,
+/// [`kl::fused_topk_divergence`]) still on the device, so that a step's figures come back in
+/// one copy instead of one per head chunk.
+#[derive(Debug, Clone)]
+pub enum KdFigures {
+    Read(KdMetrics),
+    /// `sums` `[3]` f64 on the device: the loss (as returned), and the teacher's and the
+    /// student's mass on the top-k summed over the `count` valid units.
+    Pending {
+        sums: Tensor,
+        count: f64,
+    },
+}
+
+impl From<KdMetrics> for KdFigures {
+    fn from(m: KdMetrics) -> Self {
+        KdFigures::Read(m)
+    }
+}
+
+impl KdFigures {
+    /// The figures on the host (one copy back when pending).
+    pub fn read(self) -> Result<KdMetrics> {
+        match self {
+            KdFigures::Read(m) => Ok(m),
+            KdFigures::Pending { sums, count } => {
+                let v: Vec<f64> = sums.to_vec1()?;
+                Ok(KdFigures::from_sums(&v, count))
+            }
+        }
+    }
+
+    /// The metrics of pending `sums` (as read back) over `count` units.
+    pub fn from_sums(sums: &[f64], count: f64) -> KdMetrics {
+        let mean = |s: f64| if count > 0.0 { s / count } else { 0.0 };
+        KdMetrics {
+            loss: sums[0],
+            count,
+            teacher_topk_mass: Some(mean(sums[1])),
+            student_topk_mass: Some(mean(sums[2])),
+        }
+    }
 }
 
 /// The dtype losses are computed in: f64 stays f64 (used by gradient checks), the rest is f32.

@@ -63,14 +63,30 @@ pub fn masked_mean(
     mask: &Tensor,
     normalizer: Option<f64>,
 ) -> Result<(Tensor, f64)> {
-    let count = mask
-        .to_dtype(candle_core::DType::F64)?
-        .sum_all()?
-        .to_scalar::<f64>()?;
+    let count = mask_count(mask)?;
+    Ok((masked_mean_known(per_unit, mask, count, normalizer)?, count))
+}
+
+/// [`masked_mean`] when the caller knows `count = Σ mask` (built from host data): nothing is
+/// read back from the device, so a GPU's queue keeps running.
+pub fn masked_mean_known(
+    per_unit: &Tensor,
+    mask: &Tensor,
+    count: f64,
+    normalizer: Option<f64>,
+) -> Result<Tensor> {
     let n = normalizer.unwrap_or(count);
     let total = (per_unit * mask.to_dtype(per_unit.dtype())?)?.sum_all()?;
     let scale = if n > 0.0 { 1.0 / n } else { 0.0 };
-    Ok((total.affine(scale, 0.0)?, count))
+    Ok(total.affine(scale, 0.0)?)
+}
+
+/// `Σ mask`, read back to the host.
+pub fn mask_count(mask: &Tensor) -> Result<f64> {
+    Ok(mask
+        .to_dtype(candle_core::DType::F64)?
+        .sum_all()?
+        .to_scalar::<f64>()?)
 }
 
 #[cfg(test)]

@@ -195,12 +195,13 @@ mod tests {
                 .unwrap()
                 .reshape((n, t, v))
                 .unwrap();
-            let part = TopkTargets {
-                ids: tg.ids.narrow(0, rows.start, n).unwrap(),
-                logprobs: tg.logprobs.narrow(0, rows.start, n).unwrap(),
-                mask: tg.mask.narrow(0, rows.start, n).unwrap(),
-                distinct: tg.distinct,
-            };
+            let part = TopkTargets::new(
+                tg.ids.narrow(0, rows.start, n).unwrap(),
+                tg.logprobs.narrow(0, rows.start, n).unwrap(),
+                tg.mask.narrow(0, rows.start, n).unwrap(),
+                tg.distinct,
+            )
+            .unwrap();
             let (kd, _) = topk_divergence(
                 &logits,
                 &part,

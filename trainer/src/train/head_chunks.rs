@@ -14,7 +14,7 @@
 //! the last chunk, so the two gradients are scaled and added at the end.
 
 use crate::config::ActivationCheckpointing;
-use crate::loss::{CeConfig, KdMetrics, LossConfig};
+use crate::loss::{CeConfig, KdFigures, KdMetrics, LossConfig};
 use crate::train::phases::{self, Phase};
 use anyhow::{bail, Result};
 use candle_core::backprop::GradStore;
@@ -94,8 +94,8 @@ pub struct Piece {
 /// The loss terms of one chunk (scalars, each normalised by the whole step's units).
 #[derive(Default)]
 pub struct ChunkLoss {
-    /// The distillation term and its metrics.
-    pub kd: Option<(Tensor, KdMetrics)>,
+    /// The distillation term and its figures.
+    pub kd: Option<(Tensor, KdFigures)>,
     /// The cross-entropy term and the chunk's count of trained tokens.
     pub ce: Option<(Tensor, f64)>,
 }
@@ -217,8 +217,62 @@ fn finish_metrics(mut s: KdMetrics) -> KdMetrics {
     s
 }
 
-fn value(t: &Tensor) -> Result<f64> {
-    Ok(t.to_dtype(DType::F64)?.to_scalar::<f64>()?)
+/// A micro-batch's figures summed over its chunks where they are: on the host those read
+/// there, on the device the pending ones and the cross-entropy, read back in one copy at the
+/// end ([`Figures::read`]) so that no chunk waits for the device.
+#[derive(Default)]
+struct Figures {
+    /// Read figures, masses count-weighted ([`add_metrics`]).
+    host: KdMetrics,
+    /// Σ of [`KdFigures::Pending`] sums (`[3]` f64) and their units.
+    pending: Option<(Tensor, f64)>,
+    /// Σ of the chunks' CE values (f64 scalar) and their trained tokens.
+    ce: Option<(Tensor, f64)>,
+}
+
+impl Figures {
+    fn add_kd(&mut self, f: &KdFigures) -> Result<()> {
+        match f {
+            KdFigures::Read(m) => add_metrics(&mut self.host, m),
+            KdFigures::Pending { sums, count } => {
+                self.pending = Some(match self.pending.take() {
+                    Some((s, n)) => ((s + sums)?, n + count),
+                    None => (sums.clone(), *count),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn add_ce(&mut self, loss: &Tensor, tokens: f64) -> Result<()> {
+        let v = loss.detach().to_dtype(DType::F64)?;
+        self.ce = Some(match self.ce.take() {
+            Some((s, n)) => ((s + v)?, n + tokens),
+            None => (v, tokens),
+        });
+        Ok(())
+    }
+
+    /// The summed KD metrics (masses averaged over the units) and the CE sum with its tokens.
+    fn read(self) -> Result<(KdMetrics, Option<(f64, f64)>)> {
+        let mut parts = Vec::with_capacity(4);
+        if let Some((s, _)) = &self.pending {
+            parts.push(s.clone());
+        }
+        if let Some((c, _)) = &self.ce {
+            parts.push(c.reshape(1)?);
+        }
+        let host: Vec<f64> = match parts.len() {
+            0 => Vec::new(),
+            _ => Tensor::cat(&parts, 0)?.to_vec1()?, // the one copy back
+        };
+        let mut kd = self.host;
+        if let Some((_, count)) = self.pending {
+            add_metrics(&mut kd, &KdFigures::from_sums(&host[..3], count));
+        }
+        let ce = self.ce.map(|(_, tokens)| (host[host.len() - 1], tokens));
+        Ok((finish_metrics(kd), ce))
+    }
 }
 
 /// Runs the head and `loss` over `pieces` of `hidden` `[B, T, H]` (detached), one chunk at a
@@ -266,8 +320,7 @@ where
         Mix::Dynamic { .. } => Some(Acc::new(b * t, h, acc_dt, dev)?),
         Mix::Linear { .. } => None,
     };
-    let mut kd_m = KdMetrics::default();
-    let mut ce: Option<(f64, f64)> = None;
+    let mut figures = Figures::default();
     for (i, p) in pieces.iter().enumerate() {
         if p.rows.is_empty() {
             continue;
@@ -288,13 +341,11 @@ where
         let logits = model.logits(leaf.as_tensor())?;
         let c = loss(i, &logits)?;
         drop(logits);
-        if let Some((_, m)) = &c.kd {
-            add_metrics(&mut kd_m, m);
+        if let Some((_, f)) = &c.kd {
+            figures.add_kd(f)?;
         }
         if let Some((l, n)) = &c.ce {
-            let e = ce.get_or_insert((0.0, 0.0));
-            e.0 += value(l)?;
-            e.1 += n;
+            figures.add_ce(l, *n)?;
         }
         match mix {
             Mix::Linear { kd, ce: w_ce } => {
@@ -326,6 +377,7 @@ where
             }
         }
     }
+    let (kd_m, ce) = figures.read()?;
     // Combine: the dynamic factor from the totals, as `loss::combine` computes it.
     let kd_scale = match (mix, kd_acc) {
         (Mix::Linear { kd, .. }, _) | (Mix::Dynamic { kd_weight: kd }, None) => kd,
@@ -345,7 +397,7 @@ where
         grad_hidden: main.hidden.reshape((b, t, h))?,
         head: main.head,
         sums: HeadSums {
-            kd: finish_metrics(kd_m),
+            kd: kd_m,
             ce,
             kd_scale,
         },

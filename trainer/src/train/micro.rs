@@ -15,7 +15,8 @@
 
 use super::head_chunks::{self, ChunkLoss, HeadOpts, HeadSums, Mix, Piece};
 use crate::loss::{
-    combine, cross_entropy, BadNormalizer, CeConfig, KdMetrics, LossConfig, Normalizer,
+    combine, cross_entropy, cross_entropy_known, BadNormalizer, CeConfig, KdFigures, KdMetrics,
+    LossConfig, Normalizer,
 };
 use anyhow::Result;
 use candle_core::backprop::GradStore;
@@ -120,13 +121,13 @@ pub trait MicroBatch {
     }
 
     /// The distillation term of `part`'s logits (before `kd_weight`), divided by `normalizer`
-    /// (`None`: the part's own units).
+    /// (`None`: the part's own units), and its figures (left on the device where the loss can).
     fn kd(
         &self,
         part: Part,
         logits: &Tensor,
         normalizer: Option<Normalizer>,
-    ) -> Result<(Tensor, KdMetrics)>;
+    ) -> Result<(Tensor, KdFigures)>;
 
     /// The divergence validation reports for `part` (τ² included, the mean over its units), or
     /// `None` where validation reports the cross-entropy alone.
@@ -169,7 +170,8 @@ pub fn loss(drive: &Drive, mb: &dyn MicroBatch, norm: Units) -> Result<(Tensor, 
     let hidden = model.forward_hidden(&layout.ids, None, None, None)?;
     let logits = model.logits(&rows_of(&hidden, &layout.whole)?)?;
     let (kd, kd_m) = if mb.distills() {
-        mb.kd(Part::Whole, &logits, Some(norm.kd_normalizer()?))?
+        let (kd, figures) = mb.kd(Part::Whole, &logits, Some(norm.kd_normalizer()?))?;
+        (kd, figures.read()?)
     } else {
         // Cross-entropy alone: a zero distillation term (its weight is 0, its value adds 0).
         let zero = Tensor::zeros((), logits.dtype(), logits.device())?;
@@ -216,7 +218,9 @@ pub fn grads(drive: &Drive, mb: &dyn MicroBatch, norm: Units) -> Result<(GradSto
             Some(n) => {
                 let (targets, mask, count) = mb.ce(Part::Piece(i))?;
                 if count > 0 {
-                    Some(cross_entropy(logits, &targets, &mask, Some(n))?)
+                    let count = count as f64;
+                    let ce = cross_entropy_known(logits, &targets, &mask, count, Some(n))?;
+                    Some((ce, count))
                 } else {
                     None
                 }

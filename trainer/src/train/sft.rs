@@ -21,7 +21,7 @@ use crate::config::{CommonArgs, Config, ObjectiveKind};
 use crate::data::Record;
 use crate::dist::StepShards;
 use crate::eval::{self, EvalConfig, EvalRecord};
-use crate::loss::{CeConfig, KdConfig, KdMetrics, LossConfig, Normalizer, Temperature};
+use crate::loss::{CeConfig, KdConfig, KdFigures, KdMetrics, LossConfig, Normalizer, Temperature};
 use crate::student::Student;
 use anyhow::{bail, Result};
 use candle_core::backprop::GradStore;
@@ -168,7 +168,7 @@ impl MicroBatch for SftBatch {
         false
     }
 
-    fn kd(&self, _: Part, _: &Tensor, _: Option<Normalizer>) -> Result<(Tensor, KdMetrics)> {
+    fn kd(&self, _: Part, _: &Tensor, _: Option<Normalizer>) -> Result<(Tensor, KdFigures)> {
         bail!("SFT has no distillation term")
     }
 

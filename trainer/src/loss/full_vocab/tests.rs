@@ -357,12 +357,13 @@ fn equals_the_autograd_top_k_path_with_k_equal_to_the_vocabulary() {
     for tau in [1.0, 1.6] {
         let ids: Vec<u32> = (0..n).flat_map(|_| 0..v as u32).collect();
         let lpt: Vec<f64> = (0..n).flat_map(|p| ref_teacher_lp(&c, p, tau)).collect();
-        let targets = TopkTargets {
-            ids: Tensor::from_vec(ids, (1, n, v), &Device::Cpu).unwrap(),
-            logprobs: tensor(&lpt, &[1, n, v], DType::F64),
-            mask: tensor(&c.mask, &[1, n], DType::F32),
-            distinct: true,
-        };
+        let targets = TopkTargets::new(
+            Tensor::from_vec(ids, (1, n, v), &Device::Cpu).unwrap(),
+            tensor(&lpt, &[1, n, v], DType::F64),
+            tensor(&c.mask, &[1, n], DType::F32),
+            true,
+        )
+        .unwrap();
         for div in DIVS {
             let x = var(&c.zs, &[1, n, v]);
             let (want, _) = topk_divergence(

@@ -4,6 +4,7 @@ use candle_core::{DType, Device, Tensor, Var};
 
 use super::*;
 use crate::loss::testutil::*;
+use crate::loss::KdFigures;
 
 const B: usize = 2;
 const T: usize = 3;
@@ -314,12 +315,13 @@ fn micro_batches_with_global_normalizer_sum_to_the_full_batch() {
     let logits = tensor(&c.zs, &[B, T, V], DType::F64);
     let mut sum = 0.0;
     for b in 0..B {
-        let part = TopkTargets {
-            ids: tg.ids.narrow(0, b, 1).unwrap(),
-            logprobs: tg.logprobs.narrow(0, b, 1).unwrap(),
-            mask: tg.mask.narrow(0, b, 1).unwrap(),
-            distinct: tg.distinct,
-        };
+        let part = TopkTargets::new(
+            tg.ids.narrow(0, b, 1).unwrap(),
+            tg.logprobs.narrow(0, b, 1).unwrap(),
+            tg.mask.narrow(0, b, 1).unwrap(),
+            tg.distinct,
+        )
+        .unwrap();
         let (l, _) = topk_divergence(
             &logits.narrow(0, b, 1).unwrap(),
             &part,
@@ -427,11 +429,13 @@ fn fused_loss_equals_the_composed_loss() {
                         let f = if fused {
                             fused_topk_divergence
                         } else {
-                            topk_divergence
+                            topk_divergence_figures
                         };
                         let norm = Some(normalizer(7.0));
                         let (l, m) =
                             f(x.as_tensor(), &tg, div, tail, temperature(tau), norm).unwrap();
+                        assert_eq!(matches!(m, KdFigures::Pending { .. }), fused);
+                        let m = m.read().unwrap();
                         let g = l.backward().unwrap();
                         (scalar(&l), m, flat(g.get(x.as_tensor()).unwrap()))
                     };
@@ -469,7 +473,7 @@ fn fused_loss_on_bf16_logits_and_repeated_ids() {
             let f = if x.dtype() == DType::BF16 {
                 fused_topk_divergence
             } else {
-                topk_divergence
+                topk_divergence_figures
             };
             let (l, _) = f(
                 v.as_tensor(),

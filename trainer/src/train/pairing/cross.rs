@@ -8,8 +8,8 @@ use crate::align::{canonical_text, tokenize_pair, AlignTokenizer, PairOptions, T
 use crate::collate::{pad_batch, Encoded, TokenBatch};
 use crate::data::Record;
 use crate::loss::{
-    kd_loss, CeConfig, KdConfig, KdInputs, KdMetrics, LossConfig, Normalizer, Projection,
-    XTokenBatch,
+    kd_loss, CeConfig, KdConfig, KdFigures, KdInputs, KdMetrics, LossConfig, Normalizer,
+    Projection, XTokenBatch,
 };
 use crate::train::head_chunks::Piece;
 use crate::train::micro::{wants_ce, Layout, MicroBatch, Part, Units};
@@ -183,9 +183,10 @@ impl<T: ChunkTerm> MicroBatch for CrossBatch<'_, T> {
         part: Part,
         logits: &Tensor,
         normalizer: Option<Normalizer>,
-    ) -> Result<(Tensor, KdMetrics)> {
+    ) -> Result<(Tensor, KdFigures)> {
         let cfg = self.ctx.loss;
-        self.teacher.term(&self.cp, cfg, part, logits, normalizer)
+        let (loss, metrics) = self.teacher.term(&self.cp, cfg, part, logits, normalizer)?;
+        Ok((loss, metrics.into()))
     }
 
     fn val_kd(&self, part: Part, logits: &Tensor) -> Result<Option<(Tensor, KdMetrics)>> {

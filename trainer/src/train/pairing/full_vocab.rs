@@ -12,7 +12,7 @@ use crate::loss::full_vocab::{
     full_vocab_divergence, teacher_token_logprobs, TeacherHead, DEFAULT_CHUNK_ROWS,
 };
 use crate::loss::kl::Divergence;
-use crate::loss::{kd_loss, KdInputs, KdMetrics, Normalizer, Temperature};
+use crate::loss::{kd_loss, KdFigures, KdInputs, KdMetrics, Normalizer, Temperature};
 use crate::train::micro::{Layout, MicroBatch, Part, RowPieces};
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
@@ -96,14 +96,15 @@ impl MicroBatch for FullVocabBatch<'_> {
         part: Part,
         logits: &Tensor,
         normalizer: Option<Normalizer>,
-    ) -> Result<(Tensor, KdMetrics)> {
+    ) -> Result<(Tensor, KdFigures)> {
         let (logits, hidden, mask) = self.inputs(part, logits)?;
         let inputs = KdInputs::TeacherHidden {
             head: self.head,
             hidden: &hidden,
             mask: &mask,
         };
-        Ok(kd_loss(self.ctx.loss, &logits, inputs, normalizer)?)
+        let (loss, metrics) = kd_loss(self.ctx.loss, &logits, inputs, normalizer)?;
+        Ok((loss, metrics.into()))
     }
 
     /// Exact forward KL to the teacher over the whole vocabulary.

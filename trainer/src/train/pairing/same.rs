@@ -7,8 +7,8 @@ use super::{check_rows, Item, Limits, LossCtx, Purpose, TrainedRows};
 use crate::collate::{encode, pad_batch, Encoded};
 use crate::data::Record;
 use crate::loss::{
-    kd_loss, kl::Divergence, topk_divergence, KdInputs, KdMetrics, Normalizer, TailMode,
-    TopkTargets,
+    kd_loss_figures, kl::Divergence, topk_divergence, KdFigures, KdInputs, KdMetrics, Normalizer,
+    TailMode, TopkTargets,
 };
 use crate::train::micro::{Layout, MicroBatch, Part, RowPieces, Units};
 use anyhow::{bail, Result};
@@ -101,9 +101,9 @@ impl MicroBatch for SameBatch<'_> {
         part: Part,
         logits: &Tensor,
         normalizer: Option<Normalizer>,
-    ) -> Result<(Tensor, KdMetrics)> {
+    ) -> Result<(Tensor, KdFigures)> {
         let tk = self.targets(part, logits)?;
-        Ok(kd_loss(
+        Ok(kd_loss_figures(
             self.ctx.loss,
             logits,
             KdInputs::Topk(&tk),

@@ -6,7 +6,7 @@
 use super::LossCtx;
 use crate::collate::{pad_batch, Encoded};
 use crate::loss::{
-    sampled_token_loss, CeConfig, KdMetrics, LossConfig, Normalizer, SampledTargets,
+    sampled_token_loss, CeConfig, KdFigures, KdMetrics, LossConfig, Normalizer, SampledTargets,
 };
 use crate::train::micro::{self, Layout, MicroBatch, Part, RowPieces, Units};
 use anyhow::{bail, Result};
@@ -107,11 +107,12 @@ impl MicroBatch for SampledBatch<'_> {
         part: Part,
         logits: &Tensor,
         normalizer: Option<Normalizer>,
-    ) -> Result<(Tensor, KdMetrics)> {
+    ) -> Result<(Tensor, KdFigures)> {
         let r = self.layout.range(part);
         let targets = self.rows.targets(r.start, r.len(), self.ctx.device)?;
         let tau = self.ctx.loss.temperature;
-        Ok(sampled_token_loss(logits, &targets, tau, normalizer)?)
+        let (loss, metrics) = sampled_token_loss(logits, &targets, tau, normalizer)?;
+        Ok((loss, metrics.into()))
     }
 
     /// On-policy validation runs on the objective's own figures, not through this layout.

@@ -142,6 +142,30 @@ fn same_tokenizer_chunks_equal_the_whole_loss() {
     }
 }
 
+/// The same through the fused top-k loss and cross-entropy (forced on in this thread: the CPU
+/// runs their f64 reference, and the decoder's fused ops): their figures stay on the device
+/// (`KdFigures::Pending`) and the chunks' sums are read back once per micro-batch.
+#[test]
+fn same_tokenizer_chunks_equal_the_whole_loss_through_the_fused_loss() {
+    use xdistill_shared::model::device_ops;
+    let (items, scores) = same_batch(2);
+    let losses = [
+        cfg(
+            KdConfig::ForwardKl {},
+            Some(TailMode::Bucket),
+            CeConfig::Weight { weight: 0.3 },
+        ),
+        cfg(KdConfig::Jsd { beta: 0.3 }, None, CeConfig::Dynamic {}),
+    ];
+    device_ops::force_in_this_thread(Some(true));
+    let probe = Tensor::zeros((1, V), DType::F32, &Device::Cpu).unwrap();
+    assert!(xdistill_kernels::TopkKd::runs_on(&probe));
+    for loss in &losses {
+        check(Pairing::Same, loss, &items, &scores, K);
+    }
+    device_ops::force_in_this_thread(None);
+}
+
 /// Teacher vocabulary of the cross-tokenizer fixtures.
 const VT: usize = 30;
 
