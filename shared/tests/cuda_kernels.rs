@@ -192,7 +192,13 @@ fn multi_tensor_adamw_gives_the_cpu_kernels_bits() {
     let Some(dev) = gpu() else { return };
     let mut rng = rng();
     let sizes = [1usize, 1000, 70_000, 3, 131_073];
-    for grad_scale in [None, Some(0.37)] {
+    // Without compute copies, then with bf16 and with f16 copies of the odd tensors: each the
+    // updated parameter as `to_dtype` rounds it.
+    for (grad_scale, copy_dtype) in [
+        (None, None),
+        (Some(0.37), Some(DType::BF16)),
+        (None, Some(DType::F16)),
+    ] {
         let h = AdamWHyper {
             lr: 3e-4,
             beta1: 0.9,
@@ -220,18 +226,42 @@ fn multi_tensor_adamw_gives_the_cpu_kernels_bits() {
                     .map(|x| Tensor::from_vec(x.clone(), x.len(), &dev).unwrap())
             })
             .collect();
-        let tensors: Vec<AdamWTensor> = on_dev
+        let copies: Vec<Option<Tensor>> = on_dev
             .iter()
             .enumerate()
-            .map(|(i, [p, g, m, v])| AdamWTensor {
+            .map(|(i, [p, ..])| {
+                let dt = copy_dtype.filter(|_| i % 2 == 1)?;
+                Some(p.zeros_like().unwrap().to_dtype(dt).unwrap())
+            })
+            .collect();
+        let tensors: Vec<AdamWTensor> = on_dev
+            .iter()
+            .zip(&copies)
+            .enumerate()
+            .map(|(i, ([p, g, m, v], copy))| AdamWTensor {
                 param: p,
                 grad: g,
                 m,
                 v,
                 weight_decay: if i % 2 == 0 { 0.01 } else { 0.0 },
+                copy: copy.as_ref(),
             })
             .collect();
         adamw_f32(&tensors, h).unwrap();
+        for ((i, [p, ..]), copy) in on_dev.iter().enumerate().zip(&copies) {
+            if let Some(c) = copy {
+                let want = p.to_dtype(c.dtype()).unwrap().to_dtype(DType::F32).unwrap();
+                let got = c.to_dtype(DType::F32).unwrap();
+                let bits = |t: &Tensor| -> Vec<u32> {
+                    t.to_vec1::<f32>()
+                        .unwrap()
+                        .iter()
+                        .map(|x| x.to_bits())
+                        .collect()
+                };
+                assert_eq!(bits(&got), bits(&want), "tensor {i}: {:?} copy", c.dtype());
+            }
+        }
         let t = h.step as i32;
         let (bc1, bc2) = (1.0 - h.beta1.powi(t), 1.0 - h.beta2.powi(t));
         let (b1, b2) = (h.beta1 as f32, h.beta2 as f32);
@@ -255,7 +285,7 @@ fn multi_tensor_adamw_gives_the_cpu_kernels_bits() {
             }
         }
         eprintln!(
-            "AdamW scale {grad_scale:?}: {} tensors, every bit equal",
+            "AdamW scale {grad_scale:?} copies {copy_dtype:?}: {} tensors, every bit equal",
             sizes.len()
         );
     }

@@ -2,8 +2,9 @@
 //!
 //! Master weights are f32 `Var`s. Computing in f32 the decoder reads the vars directly (optimizer
 //! updates are seen in place); computing in bf16/f16 (GPU) the decoder holds converted copies
-//! (`to_dtype` is differentiable, so gradients reach the f32 masters), and [`Student::refresh`]
-//! rebuilds them after each optimizer step.
+//! (`to_dtype` is differentiable, so gradients reach the f32 masters), one per parameter
+//! ([`Student::compute_copies`]): the multi-tensor AdamW writes them in its launch, and
+//! otherwise [`Student::refresh`] rebuilds them after each optimizer step.
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, Var};
@@ -11,6 +12,7 @@ use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, VarBuilder, VarMap};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use xdistill_shared::hf::{ModelConfig, ModelDir};
 use xdistill_shared::model::arch::list_names;
 use xdistill_shared::model::{param_specs, Decoder, Ops};
@@ -25,6 +27,8 @@ pub struct Student {
     /// tokenizer.json of the model directory it was loaded from (copied on save).
     pub tokenizer_json: PathBuf,
     model: Decoder,
+    /// The decoder's compute-dtype copy of each master it reads in another dtype, by name.
+    copies: HashMap<String, Tensor>,
 }
 
 impl Student {
@@ -100,7 +104,7 @@ impl Student {
                 config.model_type
             );
         }
-        let model = build(&config, &varmap, compute_dtype, device)?;
+        let (model, copies) = build(&config, &varmap, compute_dtype, device, None)?;
         Ok(Student {
             config,
             varmap,
@@ -108,6 +112,7 @@ impl Student {
             device: device.clone(),
             tokenizer_json,
             model,
+            copies,
         })
     }
 
@@ -125,6 +130,7 @@ impl Student {
             Box::new(CastVars {
                 vars: self.varmap.clone(),
                 detach: true,
+                made: None,
             }),
             self.compute_dtype,
             self.device.clone(),
@@ -132,12 +138,44 @@ impl Student {
         Ok(self.model.with_weights(vb, Ops::Fused)?)
     }
 
-    /// Re-derives the compute-dtype copy after an optimizer step (no-op in f32); the RoPE
-    /// tables are kept.
+    /// Re-derives the compute-dtype copies after an optimizer step that did not write them
+    /// (no-op in f32): a new decoder over fresh casts; the RoPE tables are kept.
     pub fn refresh(&mut self) -> Result<()> {
         if self.compute_dtype != self.master_dtype() {
-            let vb = compute_vars(&self.varmap, self.compute_dtype, &self.device);
-            self.model = self.model.with_weights(vb, Ops::Differentiable)?;
+            let (model, copies) = build(
+                &self.config,
+                &self.varmap,
+                self.compute_dtype,
+                &self.device,
+                Some(&self.model),
+            )?;
+            self.model = model;
+            self.copies = copies;
+        }
+        Ok(())
+    }
+
+    /// The decoder's compute-dtype copies of the masters, by parameter name (none in f32): the
+    /// tensors its forward reads, each its own storage and tracked back to its master, so that
+    /// an optimizer may write the updated weights into them in place instead of a
+    /// [`Student::refresh`].
+    pub fn compute_copies(&self) -> &HashMap<String, Tensor> {
+        &self.copies
+    }
+
+    /// Writes every compute copy in place from its master (a cast and a copy each): what the
+    /// multi-tensor AdamW does inside its launch, for a backend without it.
+    pub fn write_copies(&self) -> Result<()> {
+        let data = self
+            .varmap
+            .data()
+            .lock()
+            .map_err(|_| anyhow::anyhow!("varmap lock poisoned"))?;
+        for (name, copy) in &self.copies {
+            let var = data
+                .get(name)
+                .with_context(|| format!("no master for the compute copy {name:?}"))?;
+            copy.slice_set(&var.as_tensor().to_dtype(copy.dtype())?, 0, 0)?;
         }
         Ok(())
     }
@@ -211,12 +249,32 @@ fn refuse_unsupported(config: &ModelConfig) -> Result<()> {
     Ok(())
 }
 
-fn build(config: &ModelConfig, varmap: &VarMap, dtype: DType, device: &Device) -> Result<Decoder> {
-    Ok(Decoder::new(
-        config,
-        compute_vars(varmap, dtype, device),
-        Ops::Differentiable,
-    )?)
+/// The training decoder over `varmap` in `dtype` (over `like`'s RoPE tables when given) and the
+/// compute copies it reads.
+fn build(
+    config: &ModelConfig,
+    varmap: &VarMap,
+    dtype: DType,
+    device: &Device,
+    like: Option<&Decoder>,
+) -> Result<(Decoder, HashMap<String, Tensor>)> {
+    let made = Arc::new(Mutex::new(HashMap::new()));
+    let vars = CastVars {
+        vars: varmap.clone(),
+        detach: false,
+        made: Some(made.clone()),
+    };
+    let vb = VarBuilder::from_backend(Box::new(vars), dtype, device.clone());
+    let model = match like {
+        Some(m) => m.with_weights(vb, Ops::Differentiable)?,
+        None => Decoder::new(config, vb, Ops::Differentiable)?,
+    };
+    let copies = std::mem::take(
+        &mut *made
+            .lock()
+            .map_err(|_| anyhow::anyhow!("compute copies lock poisoned"))?,
+    );
+    Ok((model, copies))
 }
 
 /// A builder reading the master vars in `dtype` (use this, not `VarBuilder::from_varmap`, for
@@ -225,6 +283,7 @@ pub fn compute_vars(varmap: &VarMap, dtype: DType, device: &Device) -> VarBuilde
     let vars = CastVars {
         vars: varmap.clone(),
         detach: false,
+        made: None,
     };
     VarBuilder::from_backend(Box::new(vars), dtype, device.clone())
 }
@@ -236,6 +295,9 @@ struct CastVars {
     vars: VarMap,
     /// Hand out untracked tensors (generation): same storage, no gradient graph.
     detach: bool,
+    /// Where the casts made are recorded by name (a name asked for twice, as a tied head's
+    /// weight is, gets the same tensor, so one copy serves both uses).
+    made: Option<Arc<Mutex<HashMap<String, Tensor>>>>,
 }
 
 impl SimpleBackend for CastVars {
@@ -247,8 +309,24 @@ impl SimpleBackend for CastVars {
         dtype: DType,
         dev: &Device,
     ) -> candle_core::Result<Tensor> {
-        let t = self.vars.get(s, name, init, dtype, dev)?.to_dtype(dtype)?;
-        Ok(if self.detach { t.detach() } else { t })
+        let var = self.vars.get(s, name, init, dtype, dev)?;
+        let made = self.made.as_ref().filter(|_| var.dtype() != dtype);
+        let Some(made) = made else {
+            let t = var.to_dtype(dtype)?;
+            return Ok(if self.detach { t.detach() } else { t });
+        };
+        let mut made = made
+            .lock()
+            .map_err(|_| candle_core::Error::msg("compute copies lock poisoned"))?;
+        if let Some(t) = made
+            .get(name)
+            .filter(|t| t.dtype() == dtype && t.shape() == var.shape())
+        {
+            return Ok(t.clone());
+        }
+        let t = var.to_dtype(dtype)?;
+        made.insert(name.to_string(), t.clone());
+        Ok(t)
     }
 
     fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> candle_core::Result<Tensor> {

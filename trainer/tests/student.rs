@@ -324,6 +324,62 @@ fn bf16_compute_trains_the_f32_masters() {
     }
 }
 
+/// For every student architecture in bf16 compute: one compute copy per master (a tied head's
+/// weight included once), and after the masters move, writing the copies in place (what the
+/// multi-tensor AdamW does in its launch, `Student::write_copies` here) makes the forward of a
+/// student built afresh from the new masters, bit for bit, with no rebuild; the gradients still
+/// reach the f32 masters through the copies.
+#[test]
+fn compute_copies_written_in_place_are_what_the_decoder_reads() {
+    let ids = Tensor::new(&IDS, &Device::Cpu)
+        .unwrap()
+        .unsqueeze(0)
+        .unwrap();
+    for (arch, cfg) in student_configs() {
+        let s16 = student_mixed(&cfg, DType::F32, DType::BF16, 7);
+        let names: Vec<String> = s16.named_vars().into_iter().map(|(n, _)| n).collect();
+        let mut copies: Vec<String> = s16.compute_copies().keys().cloned().collect();
+        copies.sort();
+        assert_eq!(copies, names, "{arch}: one compute copy per master");
+        let before = s16.model().forward(&ids).unwrap();
+        for (i, (_, v)) in s16.named_vars().iter().enumerate() {
+            let moved = v
+                .as_tensor()
+                .affine(1.0 + 0.01 * (i % 5) as f64, 0.003)
+                .unwrap();
+            v.set(&moved).unwrap();
+        }
+        s16.write_copies().unwrap();
+        let fresh = Student::from_tensors(
+            cfg.clone(),
+            s16.tensors().unwrap(),
+            "unused".into(),
+            &Device::Cpu,
+            DType::F32,
+            DType::BF16,
+        )
+        .unwrap();
+        let got = s16.model().forward(&ids).unwrap();
+        assert_eq!(
+            flat(&got),
+            flat(&fresh.model().forward(&ids).unwrap()),
+            "{arch}: in-place copies differ from a fresh build"
+        );
+        assert_ne!(flat(&got), flat(&before), "{arch}: the copies did not move");
+        let g = loss(s16.model()).backward().unwrap();
+        for (name, v) in s16.named_vars() {
+            let gv = g.get(v.as_tensor());
+            assert!(
+                gv.is_some_and(|t| t.dtype() == DType::F32),
+                "{arch}: {name}"
+            );
+        }
+    }
+    // f32 compute reads the masters themselves: no copies.
+    let s32 = student(&config("qwen3", false), DType::F32, 7);
+    assert!(s32.compute_copies().is_empty());
+}
+
 /// A Qwen3-MoE student is refused with a message that says so (MoE models teach only).
 #[test]
 fn moe_students_are_refused() {

@@ -1,7 +1,8 @@
 // ../src/adamw.cu and ../src/sum_squares.cu run on the host (cuda_runtime_emu.h): the
 // multi-tensor AdamW against a per-element loop with the CPU kernel's operations (the same bits),
-// with and without clipping, with fewer blocks than chunks; the multi-tensor Σ g² against a
-// long-double sum. Exits non-zero on the first mismatch.
+// with and without clipping, with fewer blocks than chunks, with bf16 and f16 compute copies
+// (each the nearest value to the updated weight, ties to even) on some tensors; the
+// multi-tensor Σ g² against a long-double sum. Exits non-zero on the first mismatch.
 #include "../src/adamw.cu"
 #undef THREADS
 #include "../src/sum_squares.cu"
@@ -24,9 +25,27 @@ static std::vector<Chunk> chunks_of(const std::vector<size_t> &sizes, size_t chu
     return out;
 }
 
-static uint64_t addr(const float *p) { return uint64_t(reinterpret_cast<uintptr_t>(p)); }
+static uint64_t addr(const void *p) { return uint64_t(reinterpret_cast<uintptr_t>(p)); }
 
-static void adamw_case(bool clip, unsigned grid, std::mt19937 &rng) {
+// Whether `c` (a bf16 or f16 value as bits, widened by `widen`) is the nearest to `x` of its
+// neighbours in the format, an even one on a tie.
+template <typename W> static bool nearest(float x, uint16_t c, W widen) {
+    const double d = std::fabs(double(widen(c)) - x);
+    for (uint16_t n : {uint16_t(c - 1), uint16_t(c + 1)}) {
+        const double dn = std::fabs(double(widen(n)) - x);
+        if (dn < d || (dn == d && (c & 1))) return false;
+    }
+    return true;
+}
+static float widen_bf16(uint16_t b) { return __bfloat162float(__nv_bfloat16{b}); }
+static float widen_f16(uint16_t b) {
+    _Float16 h;
+    std::memcpy(&h, &b, 2);
+    return float(h);
+}
+
+// copy_kind: 0 no copies, 1 bf16, 2 f16 (every other tensor has one).
+static void adamw_case(bool clip, unsigned grid, int copy_kind, std::mt19937 &rng) {
     std::vector<size_t> sizes = {1, 1000, 4097, 70000, 3};
     std::vector<float> decays = {1.0f, 0.99999f, 1.0f, 0.9999f, 1.0f};
     std::normal_distribution<float> nd(0.0f, 1.0f);
@@ -43,17 +62,22 @@ static void adamw_case(bool clip, unsigned grid, std::mt19937 &rng) {
     const float lr = 3e-4f, b1 = 0.9f, b2 = 0.999f, c1 = 1.0f - b1, c2 = 1.0f - b2, eps = 1e-8f;
     const float ibc1 = float(1.0 / (1.0 - 0.9 * 0.9 * 0.9)), ibc2 = float(1.0 / (1.0 - 0.999 * 0.999 * 0.999));
     const float scale = 0.37f;
+    const uint16_t unset = 0xffff;  // a NaN in both formats: never the nearest to a weight
+    std::vector<std::vector<uint16_t>> copies(sizes.size());
+    for (size_t t = 0; t < sizes.size(); ++t) copies[t].assign(sizes[t], unset);
+    auto has_copy = [&](size_t t) { return copy_kind != 0 && t % 2 == 1; };
     auto cs = chunks_of(sizes, 4096);
     std::vector<uint64_t> table;
     for (auto &c : cs) {
         uint32_t dbits;
         std::memcpy(&dbits, &decays[c.tensor], 4);
+        const uint64_t copy = has_copy(c.tensor) ? addr(copies[c.tensor].data() + c.start) : 0;
         table.insert(table.end(), {addr(p[c.tensor].data() + c.start), addr(g[c.tensor].data() + c.start),
                                    addr(m[c.tensor].data() + c.start), addr(v[c.tensor].data() + c.start),
-                                   uint64_t(c.len) | (uint64_t(dbits) << 32)});
+                                   copy, uint64_t(c.len) | (uint64_t(dbits) << 32)});
     }
     emu::launch(grid, 256, [&] {
-        adamw_f32(table.data(), uint32_t(cs.size()), lr, b1, c1, b2, c2, ibc1, ibc2, eps, clip, scale);
+        adamw_f32(table.data(), uint32_t(cs.size()), lr, b1, c1, b2, c2, ibc1, ibc2, eps, clip, scale, copy_kind);
     });
     size_t diffs = 0;
     for (size_t t = 0; t < sizes.size(); ++t) {
@@ -64,9 +88,17 @@ static void adamw_case(bool clip, unsigned grid, std::mt19937 &rng) {
             float vi = b2 * wv[t][i] + c2 * (gi * gi);
             float want = wp[t][i] * decays[t] - lr * (mi * ibc1) / (std::sqrt(vi * ibc2) + eps);
             diffs += p[t][i] != want || m[t][i] != mi || v[t][i] != vi;
+            const uint16_t c = copies[t][i];
+            if (!has_copy(t))
+                diffs += c != unset;
+            else if (copy_kind == 1)
+                diffs += !nearest(want, c, widen_bf16);
+            else
+                diffs += !nearest(want, c, widen_f16);
         }
     }
-    std::printf("adamw clip %d grid %u (%zu chunks): %zu elements differ\n", clip, grid, cs.size(), diffs);
+    std::printf("adamw clip %d grid %u copies %d (%zu chunks): %zu elements differ\n", clip, grid, copy_kind,
+                cs.size(), diffs);
     if (diffs) ++failures;
 }
 
@@ -95,8 +127,9 @@ static void sum_squares_case(unsigned grid, std::mt19937 &rng) {
 
 int main() {
     std::mt19937 rng(std::random_device{}());
-    adamw_case(false, 5, rng);
-    adamw_case(true, 64, rng);
+    adamw_case(false, 5, 0, rng);
+    adamw_case(true, 64, 1, rng);
+    adamw_case(false, 7, 2, rng);
     sum_squares_case(2, rng);
     sum_squares_case(16, rng);
     if (failures) {

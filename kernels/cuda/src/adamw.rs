@@ -1,11 +1,11 @@
 //! The launch of `adamw.cu`: one AdamW step over every parameter in one kernel, in place, with
 //! the CPU kernel's arithmetic (`xdistill_kernels::adamw_update_in_place`: the same bits).
 
-use crate::address::{device_of, f32_address};
+use crate::address::{address, device_of, f32_address};
 use crate::ptx;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
-use candle_core::{bail, Result, Tensor};
+use candle_core::{bail, DType, Result, Tensor};
 
 /// Elements per chunk of the table (a block's share).
 const CHUNK: usize = 1 << 16;
@@ -20,6 +20,10 @@ pub struct AdamWTensor<'a> {
     pub v: &'a Tensor,
     /// 0 for parameters that do not decay.
     pub weight_decay: f64,
+    /// The parameter's compute copy (bf16 or f16, contiguous, the same shape, its own storage),
+    /// written with the updated weight rounded to nearest even, as `to_dtype` would make it:
+    /// the forward reads it in place, with no cast and no rebuild after the step.
+    pub copy: Option<&'a Tensor>,
 }
 
 /// The step's hyper-parameters.
@@ -36,13 +40,21 @@ pub struct AdamWHyper {
 }
 
 /// `m ← β1 m + (1−β1) g; v ← β2 v + (1−β2) g²; p ← p·(1 − lr·wd) − lr·m̂/(√v̂ + ε)` for every
-/// tensor of `tensors`, in one launch.
+/// tensor of `tensors`, in one launch; the compute copies given are written from the new `p`
+/// (all of one dtype).
 pub fn adamw_f32(tensors: &[AdamWTensor<'_>], h: AdamWHyper) -> Result<()> {
     let Some(first) = tensors.first() else {
         return Ok(());
     };
     let dev = device_of(first.param)?;
     let stream = dev.cuda_stream();
+    let copy_dtype = tensors.iter().find_map(|t| t.copy.map(Tensor::dtype));
+    let copy_kind: i32 = match copy_dtype {
+        None => 0,
+        Some(DType::BF16) => 1,
+        Some(DType::F16) => 2,
+        Some(other) => bail!("AdamW: compute copies are bf16 or f16, not {other:?}"),
+    };
     let mut table: Vec<u64> = Vec::new();
     for t in tensors {
         let dims = t.param.dims();
@@ -56,15 +68,32 @@ pub fn adamw_f32(tensors: &[AdamWTensor<'_>], h: AdamWHyper) -> Result<()> {
         }
         let [p, g, m, v] = [t.param, t.grad, t.m, t.v].map(|x| f32_address(x, &stream));
         let (p, g, m, v) = (p?, g?, m?, v?);
+        let copy = match (t.copy, copy_dtype) {
+            (Some(c), Some(dtype)) => {
+                if c.dims() != dims {
+                    bail!(
+                        "AdamW: parameter {dims:?}, compute copy {:?} differ",
+                        c.dims()
+                    );
+                }
+                address(c, dtype, &stream)?
+            }
+            _ => 0,
+        };
         let decay = ((1.0 - h.lr * t.weight_decay) as f32).to_bits() as u64;
         let n = t.param.elem_count();
         for start in (0..n).step_by(CHUNK) {
             let len = CHUNK.min(n - start) as u64;
             let at = 4 * start as u64;
-            table.extend([p + at, g + at, m + at, v + at, len | (decay << 32)]);
+            let copy = if copy == 0 {
+                0
+            } else {
+                copy + 2 * start as u64
+            };
+            table.extend([p + at, g + at, m + at, v + at, copy, len | (decay << 32)]);
         }
     }
-    let n_chunks = (table.len() / 5) as u32;
+    let n_chunks = (table.len() / 6) as u32;
     if n_chunks == 0 {
         return Ok(());
     }
@@ -95,9 +124,10 @@ pub fn adamw_f32(tensors: &[AdamWTensor<'_>], h: AdamWHyper) -> Result<()> {
     for a in &args {
         b.arg(a);
     }
-    b.arg(&clip).arg(&scale);
+    b.arg(&clip).arg(&scale).arg(&copy_kind);
     // SAFETY: the arguments are the kernel's signature; every address in the table points into
-    // a live contiguous f32 tensor of at least the chunk's length, queued on candle's stream.
+    // a live contiguous tensor (f32, or the copies' dtype) of at least the chunk's length,
+    // queued on candle's stream.
     unsafe { b.launch(cfg) }.w()?;
     Ok(())
 }

@@ -3,7 +3,7 @@
 //! dtype on a CUDA device.
 
 use candle_core::cuda_backend::cudarc::driver::{CudaStream, DevicePtr};
-use candle_core::cuda_backend::CudaDevice;
+use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage};
 use candle_core::{bail, DType, Result, Storage, Tensor};
 use std::sync::Arc;
 
@@ -19,9 +19,14 @@ pub fn device_of(t: &Tensor) -> Result<CudaDevice> {
 /// address stays valid while `t` (or another handle of its storage) lives; work using it must
 /// be queued on `stream`, candle's.
 pub fn f32_address(t: &Tensor, stream: &Arc<CudaStream>) -> Result<u64> {
-    if t.dtype() != DType::F32 || !t.is_contiguous() {
+    address(t, DType::F32, stream)
+}
+
+/// [`f32_address`] for a contiguous tensor of `dtype` (f32, bf16 or f16).
+pub fn address(t: &Tensor, dtype: DType, stream: &Arc<CudaStream>) -> Result<u64> {
+    if t.dtype() != dtype || !t.is_contiguous() {
         bail!(
-            "expected a contiguous f32 tensor, got {:?} {:?} (contiguous: {})",
+            "expected a contiguous {dtype:?} tensor, got {:?} {:?} (contiguous: {})",
             t.dtype(),
             t.dims(),
             t.is_contiguous()
@@ -31,7 +36,22 @@ pub fn f32_address(t: &Tensor, stream: &Arc<CudaStream>) -> Result<u64> {
     let Storage::Cuda(s) = &*storage else {
         bail!("the project's CUDA kernels run on CUDA devices only");
     };
-    let slice = s.as_cuda_slice::<f32>()?.slice(layout.start_offset()..);
-    let (ptr, _sync) = slice.device_ptr(stream);
+    let at = layout.start_offset();
+    match dtype {
+        DType::F32 => first_address::<f32>(s, at, stream),
+        DType::BF16 => first_address::<half::bf16>(s, at, stream),
+        DType::F16 => first_address::<half::f16>(s, at, stream),
+        other => bail!("no device address for {other:?} tensors"),
+    }
+}
+
+/// The address of element `at` of `s`, a slice of `T`.
+fn first_address<T: CudaDType>(
+    s: &CudaStorage,
+    at: usize,
+    stream: &Arc<CudaStream>,
+) -> Result<u64> {
+    let view = s.as_cuda_slice::<T>()?.slice(at..);
+    let (ptr, _sync) = view.device_ptr(stream);
     Ok(ptr)
 }

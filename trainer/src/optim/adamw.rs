@@ -202,7 +202,7 @@ impl AdamW {
         #[cfg(feature = "cuda")]
         if self.multi_tensor_applies(grads) {
             self.step += 1;
-            return self.step_multi_tensor(grads, None);
+            return self.step_multi_tensor(grads, None, &HashMap::new());
         }
         self.step += 1;
         let c = &self.config;
@@ -258,11 +258,28 @@ impl AdamW {
     /// clipping factor, [`super::clip_scale`]): in place in `grads` as [`super::clip_to`]
     /// does, or, on CUDA with the project's kernels, inside the one update launch.
     pub fn step_clipped(&mut self, grads: &mut GradStore, clip: Option<f64>) -> Result<()> {
+        self.step_with_copies(grads, clip, &HashMap::new())?;
+        Ok(())
+    }
+
+    /// [`AdamW::step_clipped`], and where it runs as the one multi-tensor launch, the compute
+    /// copies `copies` (by parameter name, [`crate::student::Student::compute_copies`]) written
+    /// in the same launch from the updated weights. Returns whether they were (else the caller
+    /// refreshes them); with no copies, whether the step ran as that launch.
+    pub fn step_with_copies(
+        &mut self,
+        grads: &mut GradStore,
+        clip: Option<f64>,
+        copies: &HashMap<String, Tensor>,
+    ) -> Result<bool> {
         #[cfg(feature = "cuda")]
         if self.multi_tensor_applies(grads) {
             self.step += 1;
-            return self.step_multi_tensor(grads, clip);
+            self.step_multi_tensor(grads, clip, copies)?;
+            return Ok(true);
         }
+        #[cfg(not(feature = "cuda"))]
+        let _ = copies;
         if let Some(s) = clip {
             for p in &self.params {
                 if let Some(g) = grads.get(p.var.as_tensor()) {
@@ -271,7 +288,8 @@ impl AdamW {
                 }
             }
         }
-        self.step(grads)
+        self.step(grads)?;
+        Ok(false)
     }
 
     /// Whether [`AdamW::step_multi_tensor`] runs this step: the project's CUDA kernels on, and
@@ -293,9 +311,16 @@ impl AdamW {
     }
 
     /// The step of [`AdamW::step`] over every parameter with a gradient in one launch
-    /// (`kernels/cuda/src/adamw.cu`), in place, with the CPU kernel's arithmetic.
+    /// (`kernels/cuda/src/adamw.cu`), in place, with the CPU kernel's arithmetic; each
+    /// parameter's compute copy in `copies` is written from its new weight. A parameter
+    /// without a gradient keeps its weight, so its copy stays right.
     #[cfg(feature = "cuda")]
-    fn step_multi_tensor(&mut self, grads: &GradStore, grad_scale: Option<f64>) -> Result<()> {
+    fn step_multi_tensor(
+        &mut self,
+        grads: &GradStore,
+        grad_scale: Option<f64>,
+        copies: &HashMap<String, Tensor>,
+    ) -> Result<()> {
         let c = &self.config;
         let mut tensors = Vec::with_capacity(self.params.len());
         for p in &self.params {
@@ -306,6 +331,7 @@ impl AdamW {
                     m: &p.m,
                     v: &p.v,
                     weight_decay: if p.decay { c.weight_decay } else { 0.0 },
+                    copy: copies.get(&p.name),
                 });
             }
         }

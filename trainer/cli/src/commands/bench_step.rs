@@ -237,8 +237,10 @@ fn step(runner: &mut Runner, s: &StepSetup) -> Result<(f64, Phases)> {
     device.synchronize()?;
     ph.clip = t.elapsed().as_secs_f64();
     let t = Instant::now();
-    runner.opt.step_clipped(&mut grads, clip)?;
-    runner.student.refresh()?;
+    let copies = runner.student.compute_copies();
+    if !runner.opt.step_with_copies(&mut grads, clip, copies)? {
+        runner.student.refresh()?;
+    }
     runner.step += 1;
     device.synchronize()?;
     ph.adamw = t.elapsed().as_secs_f64();

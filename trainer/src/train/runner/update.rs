@@ -239,12 +239,16 @@ impl Runner {
         self.nonfinite_run = 0;
         self.opt.set_learning_rate(lr);
         let clip = clip_scale(grad_norm, self.optim.max_grad_norm);
-        self.opt.step_clipped(&mut grads, clip)?;
+        let copies = self.student.compute_copies();
+        let written = self.opt.step_with_copies(&mut grads, clip, copies)?;
         drop(grads);
         if let Some(own) = self.zero.clone() {
             self.gather_weights(&own)?;
         }
-        self.student.refresh()?;
+        // The other ranks' parameters arrive in the masters only, under ZeRO-1.
+        if !written || self.zero.is_some() {
+            self.student.refresh()?;
+        }
         Ok(Update {
             grad_norm,
             lr,
