@@ -15,6 +15,7 @@ const KERNELS: &[&str] = &[
     "rope",
     "gated_act",
     "topk_kd",
+    "tree_sum",
 ];
 /// Headers the kernels include.
 const HEADERS: &[&str] = &["dtype.cuh"];

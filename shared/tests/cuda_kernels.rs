@@ -291,6 +291,49 @@ fn multi_tensor_adamw_gives_the_cpu_kernels_bits() {
     }
 }
 
+/// The data-parallel exact sum on the device (`tree_sum.cu`) against the pairwise tree's
+/// definition (split at the largest power of two below the count, in f32), bit for bit, for
+/// 1 to 12 ranks and sizes across the grid's limit; a left fold differs (the test can fail).
+#[test]
+fn tree_sum_gives_the_pairwise_trees_bits() {
+    let Some(dev) = gpu() else { return };
+    let Device::Cuda(cuda) = &dev else { return };
+    fn tree(leaves: &[&[f32]], i: usize) -> f32 {
+        if leaves.len() == 1 {
+            return leaves[0][i];
+        }
+        let split = leaves.len().next_power_of_two() / 2;
+        tree(&leaves[..split], i) + tree(&leaves[split..], i)
+    }
+    let mut rng = rng();
+    let mut fold_differs = false;
+    for (world, n) in [
+        (1, 5),
+        (2, 1000),
+        (3, 257),
+        (5, 70_001),
+        (8, 4096),
+        (12, 33),
+    ] {
+        let host: Vec<f32> = (0..world * n)
+            .map(|_| rng.random_range(-1.0f32..1.0) * 10f32.powi(rng.random_range(-4..5)))
+            .collect();
+        let parts = cuda.clone_htod(&host).unwrap();
+        let mut out = cuda.alloc_zeros::<f32>(n).unwrap();
+        xdistill_cuda_kernels::tree_sum_f32(cuda, &parts.slice(..), &mut out.slice_mut(..), world)
+            .unwrap();
+        let got: Vec<f32> = cuda.clone_dtoh(&out).unwrap();
+        let leaves: Vec<&[f32]> = host.chunks(n).collect();
+        for (i, g) in got.iter().enumerate() {
+            let want = tree(&leaves, i);
+            assert_eq!(g.to_bits(), want.to_bits(), "world {world} element {i}");
+            let fold: f32 = leaves.iter().map(|l| l[i]).sum();
+            fold_differs |= fold.to_bits() != want.to_bits();
+        }
+    }
+    assert!(fold_differs, "a left fold gave the tree's bits everywhere");
+}
+
 /// The gradients' sums of squares in one launch against f64 sums: within 1e-12, the same bits
 /// on a second run and for a tensor alone.
 #[test]

@@ -2,10 +2,13 @@
 // multi-tensor AdamW against a per-element loop with the CPU kernel's operations (the same bits),
 // with and without clipping, with fewer blocks than chunks, with bf16 and f16 compute copies
 // (each the nearest value to the updated weight, ties to even) on some tensors; the
-// multi-tensor Σ g² against a long-double sum. Exits non-zero on the first mismatch.
+// multi-tensor Σ g² against a long-double sum; ../src/tree_sum.cu (the data-parallel exact sum)
+// against the pairwise tree's definition, recursion over halves, bit for bit, for 1 to 19
+// ranks. Exits non-zero on the first mismatch.
 #include "../src/adamw.cu"
 #undef THREADS
 #include "../src/sum_squares.cu"
+#include "../src/tree_sum.cu"
 
 #include <cstdio>
 #include <random>
@@ -125,6 +128,37 @@ static void sum_squares_case(unsigned grid, std::mt19937 &rng) {
     if (!(worst < 1e-12)) ++failures;
 }
 
+// The tree's definition (trainer/src/dist/tree.rs's reference): split at the largest power of
+// two below the count, each half summed the same way, in f32.
+static float tree_ref(const float *const *leaves, size_t count, size_t i) {
+    if (count == 1) return leaves[0][i];
+    size_t split = 1;
+    while (split * 2 < count) split *= 2;
+    return tree_ref(leaves, split, i) + tree_ref(leaves + split, count - split, i);
+}
+
+static void tree_sum_case(uint32_t world, size_t n, unsigned grid, std::mt19937 &rng) {
+    // Values spanning magnitudes, so that the order of additions shows in the bits.
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    std::uniform_int_distribution<int> e(-4, 4);
+    std::vector<float> parts(world * n);
+    for (float &x : parts) x = u(rng) * std::pow(10.0f, float(e(rng)));
+    std::vector<float> out(n, -7.0f);
+    emu::launch(grid, 64, [&] { tree_sum_f32(parts.data(), out.data(), n, world); });
+    std::vector<const float *> leaves;
+    for (uint32_t r = 0; r < world; ++r) leaves.push_back(parts.data() + r * n);
+    size_t diffs = 0, fold_diffs = 0;
+    for (size_t i = 0; i < n; ++i) {
+        diffs += out[i] != tree_ref(leaves.data(), world, i);
+        float fold = 0.0f;
+        for (uint32_t r = 0; r < world; ++r) fold += leaves[r][i];
+        fold_diffs += out[i] != fold;
+    }
+    std::printf("tree_sum world %u n %zu grid %u: %zu elements differ (a left fold differs at %zu)\n", world, n,
+                grid, diffs, fold_diffs);
+    if (diffs) ++failures;
+}
+
 int main() {
     std::mt19937 rng(std::random_device{}());
     adamw_case(false, 5, 0, rng);
@@ -132,6 +166,7 @@ int main() {
     adamw_case(false, 7, 2, rng);
     sum_squares_case(2, rng);
     sum_squares_case(16, rng);
+    for (uint32_t world = 1; world <= 19; ++world) tree_sum_case(world, 301 + world, world % 3 + 1, rng);
     if (failures) {
         std::fprintf(stderr, "%d case(s) failed\n", failures);
         return 1;

@@ -20,7 +20,9 @@
 //!   gradients, gate and up read through row strides;
 //! - [`topk_kd_fwd`] and [`topk_kd_bwd`]: each row's top-k distillation divergence (every
 //!   divergence and tail mode; the cross-entropy as k = 1) over its logits, and the logits'
-//!   gradient, one read of the row per pass (llm.c's fused classifier for top-k targets).
+//!   gradient, one read of the row per pass (llm.c's fused classifier for top-k targets);
+//! - [`tree_sum_f32`]: the exact data-parallel sum of the ranks' gathered buffers on the device,
+//!   by the trainer's pairwise tree in rank order (the host tree's bits).
 //!
 //! The element types are f32, bf16 and f16 (`src/dtype.cuh` converts, [`typed!`] picks the
 //! kernel), except where a kernel says otherwise.
@@ -64,6 +66,8 @@ mod sum_squares;
 mod topk_kd;
 #[cfg(feature = "cuda")]
 mod topk_rows;
+#[cfg(feature = "cuda")]
+mod tree_sum;
 
 #[cfg(feature = "cuda")]
 pub use adamw::{adamw_f32, AdamWHyper, AdamWTensor};
@@ -81,3 +85,5 @@ pub use sum_squares::sum_squares_f32;
 pub use topk_kd::{topk_kd_bwd, topk_kd_fwd, TopkKdArgs};
 #[cfg(feature = "cuda")]
 pub use topk_rows::{topk_rows, RowScores, TopkArgs, MAX_K};
+#[cfg(feature = "cuda")]
+pub use tree_sum::tree_sum_f32;

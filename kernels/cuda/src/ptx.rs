@@ -52,6 +52,11 @@ pub const TOPK_KD: Module = Module {
     ptx: include_str!(concat!(env!("OUT_DIR"), "/topk_kd.ptx")),
 };
 
+pub const TREE_SUM: Module = Module {
+    name: "xdistill_tree_sum",
+    ptx: include_str!(concat!(env!("OUT_DIR"), "/tree_sum.ptx")),
+};
+
 /// `function` of `module` on `dev`, loaded on first use.
 pub fn function(dev: &CudaDevice, module: &Module, function: &str) -> Result<CudaFunction> {
     Ok(dev

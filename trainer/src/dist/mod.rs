@@ -19,6 +19,7 @@ pub use shards::{Shard, ShardPlan, StepShards};
 pub use tcp::{GroupOptions, TcpGroup};
 pub use zero::Ownership;
 
+use candle_core::Tensor;
 use std::ops::Range;
 
 /// A collective failed: a peer died or hung, ranks diverged, or the group never formed.
@@ -86,6 +87,27 @@ pub trait Collective {
     /// Returns when every rank has reached it.
     fn barrier(&mut self) -> Result<(), CollectiveError> {
         self.all_reduce_sum(&mut [])
+    }
+    /// The sum over ranks of `flat` (`[n]` f32 on this rank's device, the same `n` on every
+    /// rank) as a tensor on that device: [`Collective::all_reduce_sum`]'s exact bits, or with
+    /// `fast` [`Collective::all_reduce_sum_fast`]'s. Staged through the host here; NCCL keeps
+    /// it on the GPU.
+    fn all_reduce_sum_tensor(
+        &mut self,
+        flat: &Tensor,
+        fast: bool,
+    ) -> Result<Tensor, CollectiveError> {
+        let candle = |e: candle_core::Error| {
+            CollectiveError::Usage(format!("staging a gradient buffer through the host: {e}"))
+        };
+        let mut host: Vec<f32> = flat.to_vec1().map_err(candle)?;
+        if fast {
+            self.all_reduce_sum_fast(&mut host)?;
+        } else {
+            self.all_reduce_sum(&mut host)?;
+        }
+        let n = host.len();
+        Tensor::from_vec(host, n, flat.device()).map_err(candle)
     }
 }
 

@@ -8,23 +8,26 @@
 //!
 //! Two ways to sum:
 //! - **exact** ([`Collective::all_reduce_sum`], [`Collective::reduce_scatter_sum`]): every
-//!   rank's buffer is gathered on every GPU (`ncclAllGather`), copied to the host and summed by
-//!   the pairwise tree of [`super::tree`] in rank order: the same bits on every rank, equal to
-//!   what [`super::TcpGroup`] and a single process give. It moves `world ×` the bytes of a
-//!   buffer to and from every GPU, and sums on the host.
+//!   rank's buffer is gathered on every GPU (`ncclAllGather`) and summed by the pairwise tree of
+//!   [`super::tree`] in rank order: the same bits on every rank, equal to what
+//!   [`super::TcpGroup`] and a single process give. A step's gradients
+//!   ([`Collective::all_reduce_sum_tensor`]) stay on the GPU: gathered there and summed by a
+//!   kernel with the tree's order (`tree_sum.cu`); host buffers are copied to the host and
+//!   summed there. It moves `world ×` the bytes of a buffer to every GPU.
 //! - **fast** ([`NcclGroup::all_reduce_sum_fast`]): `ncclAllReduce`, NCCL's ring/tree order.
 //!   Every rank gets the same result, but its bits depend on the number of ranks, the topology,
 //!   the algorithm NCCL picks and its version: not the exact mode's sums, and not
 //!   reproducible across process counts or machines.
 //!
-//! The [`Collective`] seam works on host buffers, so every collective copies its buffer to the
-//! device and back and waits for the stream. NCCL has no deadline: a rank that dies or never
+//! The [`Collective`] seam's other collectives work on host buffers, so each copies its buffer
+//! to the device and back and waits for the stream. NCCL has no deadline: a rank that dies or never
 //! arrives makes the others wait (the launcher, torchrun or srun, stops the job); setting
 //! `NCCL_DEBUG=WARN` makes NCCL print why a call failed.
 
 use super::tree::tree_sum_in_place;
 use super::{check_shares, Collective, CollectiveError};
 use candle_core::cuda::cudarc;
+use candle_core::{DType, Storage, Tensor};
 use cudarc::driver::{CudaSlice, CudaStream, DriverError};
 use cudarc::nccl::result::NcclError;
 use cudarc::nccl::{Comm, Id, ReduceOp};
@@ -282,6 +285,13 @@ impl NcclGroup {
         ))
     }
 
+    fn kernel_failed(&self, e: &candle_core::Error) -> CollectiveError {
+        CollectiveError::Usage(format!(
+            "rank {} of {}, collective #{}: {e}",
+            self.rank, self.world_size, self.seq
+        ))
+    }
+
     fn cuda_failed(&self, what: &str, e: &DriverError) -> CollectiveError {
         CollectiveError::Usage(format!(
             "rank {} of {}, collective #{}: CUDA error in {what}: {e:?}",
@@ -395,5 +405,74 @@ impl Collective for NcclGroup {
     /// Every rank has reached it once a one-element all-reduce has come back.
     fn barrier(&mut self) -> Result<(), CollectiveError> {
         self.all_reduce_sum_fast(&mut [0.0])
+    }
+
+    /// The sum over ranks of `flat` without leaving the GPU: exact, the ranks' buffers gathered
+    /// `CHUNK` elements at a time (`ncclAllGather`) and each chunk summed by the pairwise tree in
+    /// rank order in one kernel (`tree_sum.cu`, the host tree's bits); with `fast`,
+    /// `ncclAllReduce`. Nothing is copied to the host and nothing waits for the stream.
+    fn all_reduce_sum_tensor(
+        &mut self,
+        flat: &Tensor,
+        fast: bool,
+    ) -> Result<Tensor, CollectiveError> {
+        self.begin()?;
+        let candle_core::Device::Cuda(dev) = flat.device() else {
+            return Err(CollectiveError::Usage(format!(
+                "rank {}: NCCL sums tensors on the GPU, this one is on {:?}",
+                self.rank,
+                flat.device()
+            )));
+        };
+        if flat.dtype() != DType::F32 || flat.rank() != 1 || !flat.is_contiguous() {
+            return Err(CollectiveError::Usage(format!(
+                "rank {}: NCCL sums contiguous [n] f32 tensors, not {:?} {:?}",
+                self.rank,
+                flat.dtype(),
+                flat.dims()
+            )));
+        }
+        let n = flat.elem_count();
+        self.check_len(n)?;
+        let world = self.world_size;
+        let mut out = self.alloc::<f32>(n)?;
+        {
+            let (storage, layout) = flat.storage_and_layout();
+            let Storage::Cuda(s) = &*storage else {
+                unreachable!("a tensor on a CUDA device has CUDA storage")
+            };
+            let src = s
+                .as_cuda_slice::<f32>()
+                .map_err(|e| self.kernel_failed(&e))?;
+            let at = layout.start_offset();
+            if fast {
+                self.comm
+                    .all_reduce(&src.slice(at..at + n), &mut out, &ReduceOp::Sum)
+                    .map_err(|e| self.failed("ncclAllReduce", &e))?;
+            } else {
+                let mut gathered = self.alloc::<f32>(CHUNK.min(n) * world)?;
+                for start in (0..n).step_by(CHUNK) {
+                    let len = CHUNK.min(n - start);
+                    let send = src.slice(at + start..at + start + len);
+                    self.comm
+                        .all_gather(&send, &mut gathered.slice_mut(..len * world))
+                        .map_err(|e| self.failed("ncclAllGather", &e))?;
+                    xdistill_cuda_kernels::tree_sum_f32(
+                        dev,
+                        &gathered.slice(..len * world),
+                        &mut out.slice_mut(start..start + len),
+                        world,
+                    )
+                    .map_err(|e| self.kernel_failed(&e))?;
+                }
+            }
+        }
+        let storage = candle_core::CudaStorage::wrap_cuda_slice(out, dev.clone());
+        Ok(Tensor::from_storage(
+            Storage::Cuda(storage),
+            n,
+            candle_core::op::BackpropOp::none(),
+            false,
+        ))
     }
 }

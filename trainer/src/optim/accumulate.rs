@@ -47,6 +47,31 @@ impl Grads {
         Ok(out)
     }
 
+    /// Every value in order as one `[n]` f32 tensor on the gradients' device (what
+    /// [`crate::dist::Collective::all_reduce_sum_tensor`] sums): the host buffer of
+    /// [`Grads::flatten`] without leaving the device.
+    pub fn flatten_tensor(&self) -> Result<Tensor> {
+        let parts = self
+            .0
+            .iter()
+            .map(|t| t.flatten_all()?.to_dtype(DType::F32))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(Tensor::cat(&parts, 0)?)
+    }
+
+    /// The gradients of `vars` as views of `flat` (`[n]`, [`Grads::flatten_tensor`]'s layout):
+    /// no copy.
+    pub fn from_flat_tensor(flat: &Tensor, vars: &[Var]) -> Result<Grads> {
+        let mut at = 0;
+        let mut out = Vec::with_capacity(vars.len());
+        for v in vars {
+            let n = v.elem_count();
+            out.push(flat.narrow(0, at, n)?.reshape(v.shape())?);
+            at += n;
+        }
+        Ok(Grads(out))
+    }
+
     /// The tensors of `vars[i]` shapes (f32) read back from a flat buffer starting at `from`.
     pub fn from_flat(flat: &[f32], vars: &[Var], device: &Device) -> Result<Grads> {
         let mut at = 0;

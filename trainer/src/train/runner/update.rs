@@ -196,18 +196,14 @@ impl Runner {
             let norm = norm_of(&all.concat());
             (store, norm)
         } else {
-            let mut flat = grads.flatten()?;
+            // One buffer on the device, summed where the backend keeps it (NCCL: on the GPU).
+            let flat = grads.flatten_tensor()?;
             drop(grads);
-            let bytes = 8 * flat.len();
+            let bytes = 8 * flat.elem_count();
             let fast = self.fast_all_reduce;
-            self.collective(bytes, |g| {
-                if fast {
-                    g.all_reduce_sum_fast(&mut flat)
-                } else {
-                    g.all_reduce_sum(&mut flat)
-                }
-            })?;
-            let store = Grads::from_flat(&flat, &self.vars, &device)?.into_store(&self.vars);
+            let sum = self.collective(bytes, |g| g.all_reduce_sum_tensor(&flat, fast))?;
+            drop(flat);
+            let store = Grads::from_flat_tensor(&sum, &self.vars)?.into_store(&self.vars);
             let norm = grad_norm(&store, &self.vars)?;
             (store, norm)
         };
