@@ -16,7 +16,7 @@
 #    distillation loss and cross-entropy (topk_kd.cu) against its CPU reference;
 # 2. the teacher's device top-k path on the GPU against the f64 CPU reference and the host path,
 #    with candle's sorts and with the selection kernel (XDISTILL_CUDA_KERNELS=on);
-# 2b. the NCCL collectives in a world of one (`trainer nccl-check`);
+# 2b. the NCCL collectives in a world of one (`trainer nccl-check`: host buffers and a GPU tensor);
 # 3. a random model of Qwen3-0.6B's shape (Qwen3 vocabulary): teacher (cuda, bf16) scored
 #    tokens/s at k = 64 vs transformers forward + torch.topk, with their answers compared;
 # 4. the student training step (bf16 compute, f32 masters, AdamW) vs PyTorch eager (autocast),

@@ -2,8 +2,10 @@
 //! process per GPU, launched by torchrun or srun; a plain run is a world of one) and checks
 //! every collective of [`NcclGroup`] against the sums computed locally: the exact all-reduce
 //! and reduce-scatter give the pairwise tree's bits (and the TCP backend's, with more than one
-//! rank), all-gather (ranks of different lengths), broadcast and barrier work, and the fast
-//! all-reduce agrees to f32 rounding. Prints the times of the exact and the fast all-reduce.
+//! rank), on host buffers and on a tensor kept on the GPU (the step's gradients: gathered there
+//! and summed by the tree kernel), all-gather (ranks of different lengths), broadcast and
+//! barrier work, and the fast all-reduce agrees to f32 rounding. Prints the times of the exact
+//! and the fast all-reduce, on the host and on the device.
 
 use anyhow::{bail, ensure, Context, Result};
 use std::time::{Duration, Instant};
@@ -98,6 +100,21 @@ pub fn run(a: Args) -> Result<()> {
         );
     }
 
+    // The step's form: a flat tensor on the GPU, summed there.
+    let on_gpu = candle_core::Tensor::from_slice(&mine, a.len, &device)?;
+    let t = Instant::now();
+    let summed = group.all_reduce_sum_tensor(&on_gpu, false)?;
+    let device_exact: Vec<f32> = summed.to_vec1()?;
+    let device_exact_ms = t.elapsed().as_secs_f64() * 1e3;
+    ensure!(
+        same_bits(&device_exact, &want),
+        "exact all-reduce of a GPU tensor differs from the pairwise tree"
+    );
+    let t = Instant::now();
+    let device_fast: Vec<f32> = group.all_reduce_sum_tensor(&on_gpu, true)?.to_vec1()?;
+    let device_fast_ms = t.elapsed().as_secs_f64() * 1e3;
+    drop(on_gpu);
+
     let shares = even_shares(a.len, size);
     let part = group.reduce_scatter_sum(&mine, &shares)?;
     ensure!(
@@ -115,6 +132,15 @@ pub fn run(a: Args) -> Result<()> {
         .map(|(f, w)| (f - w).abs() / (1.0 + w.abs()))
         .fold(0f32, f32::max);
     ensure!(worst <= 1e-5, "fast all-reduce is off by {worst:e}");
+    let worst_device = device_fast
+        .iter()
+        .zip(&want)
+        .map(|(f, w)| (f - w).abs() / (1.0 + w.abs()))
+        .fold(0f32, f32::max);
+    ensure!(
+        device_fast.len() == want.len() && worst_device <= 1e-5,
+        "fast all-reduce of a GPU tensor is off by {worst_device:e}"
+    );
 
     let gathered = group.all_gather(&leaf(rank, rank + 3))?;
     for (r, g) in gathered.iter().enumerate() {
@@ -135,7 +161,7 @@ pub fn run(a: Args) -> Result<()> {
     }
     group.barrier()?;
     println!(
-        "nccl-check rank={rank} ok len={} exact_all_reduce_ms={exact_ms:.1} fast_all_reduce_ms={fast_ms:.1} fast_bits_equal={} fast_max_rel_err={worst:e}",
+        "nccl-check rank={rank} ok len={} exact_all_reduce_ms={exact_ms:.1} fast_all_reduce_ms={fast_ms:.1} device_exact_ms={device_exact_ms:.1} device_fast_ms={device_fast_ms:.1} fast_bits_equal={} fast_max_rel_err={worst:e}",
         a.len,
         same_bits(&fast, &want)
     );
