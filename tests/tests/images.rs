@@ -1216,11 +1216,15 @@ fn every_dockerfile_context_holds_the_workspace() {
             copies_context,
             "{rel}: the build stage copies the whole context (`COPY . .`)"
         );
-        // Each binary copied into a runtime stage comes from a build stage that builds it.
+        // Each binary copied into a runtime stage (from `/usr/local/bin`; other copies between
+        // stages are libraries) comes from a build stage that builds it.
         for stage in &df.stages {
             for i in stage.instrs.iter().filter(|i| i.cmd == "COPY") {
                 let c = parse_copy(&i.args);
                 let Some(from) = c.from else { continue };
+                if !c.srcs[0].starts_with("/usr/local/bin/") {
+                    continue;
+                }
                 let builder = df.stage(&from);
                 let run = builder
                     .instrs
@@ -1292,6 +1296,45 @@ fn the_cuda_trainer_image_is_built_with_nccl_and_carries_it() {
         read("docs/cuda.md").contains("xdistill-trainer:cuda"),
         "docs/cuda.md names the image that trains over NCCL"
     );
+}
+
+/// Both CUDA images carry cuDNN for the fused attention (`XDISTILL_ATTENTION=cudnn`), the same
+/// release whose headers the shim is built against (`scripts/build-cuda.sh`'s pins), and their
+/// build stops where the loader would not find `libcudnn.so.9`.
+#[test]
+fn the_cuda_images_carry_the_cudnn_they_are_built_against() {
+    let rel = "docker/Dockerfile.cuda";
+    let df = Dockerfile::parse(rel, &read(rel));
+    let script = read("scripts/build-cuda.sh");
+    let pins = script
+        .lines()
+        .find_map(|l| l.strip_prefix("cudnn_pkgs=("))
+        .expect("scripts/build-cuda.sh pins cuDNN's wheels (cudnn_pkgs=(...))")
+        .trim_end_matches(')');
+    for pin in pins.split_whitespace() {
+        let fetched = df
+            .instrs(df.stage("source"))
+            .any(|i| i.cmd == "RUN" && i.args.contains(pin));
+        assert!(fetched, "{rel}: the source stage does not fetch {pin}");
+    }
+    for target in ["teacher", "trainer"] {
+        let stage = df.stage(target);
+        let libs = df.instrs(stage).any(|i| {
+            i.cmd == "COPY" && {
+                let c = parse_copy(&i.args);
+                c.from.as_deref() == Some("source")
+                    && c.srcs.iter().any(|s| s.contains("nvidia/cudnn/lib"))
+            }
+        });
+        assert!(libs, "{rel}: the {target} image copies no cuDNN libraries");
+        let checks = df.instrs(stage).any(|i| {
+            i.cmd == "RUN" && i.args.contains("libcudnn\\.so\\.9") && i.args.contains("exit 1")
+        });
+        assert!(
+            checks,
+            "{rel}: no step of the {target} image checks for libcudnn.so.9"
+        );
+    }
 }
 
 // ---- command lines -----------------------------------------------------------------------------
