@@ -1,12 +1,16 @@
 //! The trainable student: a [`Decoder`] whose parameters are `Var`s in a `VarMap`.
 //!
 //! Master weights are f32 `Var`s. Computing in f32 the decoder reads the vars directly (optimizer
-//! updates are seen in place); computing in bf16/f16 (GPU) the decoder holds converted copies
-//! (`to_dtype` is differentiable, so gradients reach the f32 masters), one per parameter
-//! ([`Student::compute_copies`]): the multi-tensor AdamW writes them in its launch, and
-//! otherwise [`Student::refresh`] rebuilds them after each optimizer step.
+//! updates are seen in place). Computing in bf16/f16 (GPU) the decoder reads one compute copy
+//! per parameter ([`Student::compute_copies`]), itself a leaf `Var`: the backward stops there,
+//! with the bf16 gradient the copy received ([`Student::grad_keys`]; the accumulator sums it in
+//! f32 for the master), instead of passing it through a differentiable cast to the master (a
+//! cast, a zero tensor and an add per parameter and backward call, in f32). After an optimizer
+//! step the copies are rewritten in place: by the multi-tensor AdamW inside its launch, or by
+//! [`Student::refresh`]; the decoder is never rebuilt.
 
 use anyhow::{bail, Context, Result};
+use candle_core::TensorId;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::var_builder::SimpleBackend;
 use candle_nn::{Init, VarBuilder, VarMap};
@@ -27,8 +31,9 @@ pub struct Student {
     /// tokenizer.json of the model directory it was loaded from (copied on save).
     pub tokenizer_json: PathBuf,
     model: Decoder,
-    /// The decoder's compute-dtype copy of each master it reads in another dtype, by name.
-    copies: HashMap<String, Tensor>,
+    /// The decoder's compute-dtype copy (a leaf `Var`) of each master it reads in another
+    /// dtype, by name.
+    copies: HashMap<String, Var>,
 }
 
 impl Student {
@@ -104,7 +109,7 @@ impl Student {
                 config.model_type
             );
         }
-        let (model, copies) = build(&config, &varmap, compute_dtype, device, None)?;
+        let (model, copies) = build(&config, &varmap, compute_dtype, device)?;
         Ok(Student {
             config,
             varmap,
@@ -138,46 +143,45 @@ impl Student {
         Ok(self.model.with_weights(vb, Ops::Fused)?)
     }
 
-    /// Re-derives the compute-dtype copies after an optimizer step that did not write them
-    /// (no-op in f32): a new decoder over fresh casts; the RoPE tables are kept.
+    /// Rewrites every compute copy in place from its master (a cast and a copy each; no-op in
+    /// f32), after an optimizer step that did not write them ([`crate::optim::AdamW::step_with_copies`]).
     pub fn refresh(&mut self) -> Result<()> {
-        if self.compute_dtype != self.master_dtype() {
-            let (model, copies) = build(
-                &self.config,
-                &self.varmap,
-                self.compute_dtype,
-                &self.device,
-                Some(&self.model),
-            )?;
-            self.model = model;
-            self.copies = copies;
+        if self.copies.is_empty() {
+            return Ok(());
+        }
+        for (name, master) in self.named_vars() {
+            if let Some(copy) = self.copies.get(&name) {
+                copy.set(&master.as_tensor().to_dtype(copy.dtype())?)?;
+            }
         }
         Ok(())
     }
 
     /// The decoder's compute-dtype copies of the masters, by parameter name (none in f32): the
-    /// tensors its forward reads, each its own storage and tracked back to its master, so that
-    /// an optimizer may write the updated weights into them in place instead of a
-    /// [`Student::refresh`].
-    pub fn compute_copies(&self) -> &HashMap<String, Tensor> {
+    /// tensors its forward reads, each a leaf `Var` of its own storage, so that an optimizer
+    /// may write the updated weights into them in place.
+    pub fn compute_copies(&self) -> &HashMap<String, Var> {
         &self.copies
     }
 
-    /// Writes every compute copy in place from its master (a cast and a copy each): what the
-    /// multi-tensor AdamW does inside its launch, for a backend without it.
-    pub fn write_copies(&self) -> Result<()> {
-        let data = self
-            .varmap
-            .data()
-            .lock()
-            .map_err(|_| anyhow::anyhow!("varmap lock poisoned"))?;
-        for (name, copy) in &self.copies {
-            let var = data
-                .get(name)
-                .with_context(|| format!("no master for the compute copy {name:?}"))?;
-            copy.slice_set(&var.as_tensor().to_dtype(copy.dtype())?, 0, 0)?;
-        }
-        Ok(())
+    /// For each of `masters` (the student's vars), the tensor a backward pass through
+    /// [`Student::model`] keys its gradient by: its compute copy (the gradient in the compute
+    /// dtype), or the master itself when the decoder reads it directly.
+    pub fn grad_keys(&self, masters: &[Var]) -> Vec<Tensor> {
+        let by_id: HashMap<TensorId, String> = self
+            .named_vars()
+            .into_iter()
+            .map(|(name, v)| (v.as_tensor().id(), name))
+            .collect();
+        masters
+            .iter()
+            .map(|m| {
+                by_id
+                    .get(&m.as_tensor().id())
+                    .and_then(|name| self.copies.get(name))
+                    .map_or_else(|| m.as_tensor().clone(), |c| c.as_tensor().clone())
+            })
+            .collect()
     }
 
     pub fn master_dtype(&self) -> DType {
@@ -249,15 +253,13 @@ fn refuse_unsupported(config: &ModelConfig) -> Result<()> {
     Ok(())
 }
 
-/// The training decoder over `varmap` in `dtype` (over `like`'s RoPE tables when given) and the
-/// compute copies it reads.
+/// The training decoder over `varmap` in `dtype` and the compute copies (leaf `Var`s) it reads.
 fn build(
     config: &ModelConfig,
     varmap: &VarMap,
     dtype: DType,
     device: &Device,
-    like: Option<&Decoder>,
-) -> Result<(Decoder, HashMap<String, Tensor>)> {
+) -> Result<(Decoder, HashMap<String, Var>)> {
     let made = Arc::new(Mutex::new(HashMap::new()));
     let vars = CastVars {
         vars: varmap.clone(),
@@ -265,10 +267,7 @@ fn build(
         made: Some(made.clone()),
     };
     let vb = VarBuilder::from_backend(Box::new(vars), dtype, device.clone());
-    let model = match like {
-        Some(m) => m.with_weights(vb, Ops::Differentiable)?,
-        None => Decoder::new(config, vb, Ops::Differentiable)?,
-    };
+    let model = Decoder::new(config, vb, Ops::Differentiable)?;
     let copies = std::mem::take(
         &mut *made
             .lock()
@@ -295,9 +294,11 @@ struct CastVars {
     vars: VarMap,
     /// Hand out untracked tensors (generation): same storage, no gradient graph.
     detach: bool,
-    /// Where the casts made are recorded by name (a name asked for twice, as a tied head's
-    /// weight is, gets the same tensor, so one copy serves both uses).
-    made: Option<Arc<Mutex<HashMap<String, Tensor>>>>,
+    /// When given, a master read in another dtype is handed out as a leaf `Var` holding its
+    /// cast (the compute copy), recorded here by name; a name asked for twice, as a tied
+    /// head's weight may be, gets the same copy. Otherwise the cast itself (tracked back to the
+    /// master, or detached).
+    made: Option<Arc<Mutex<HashMap<String, Var>>>>,
 }
 
 impl SimpleBackend for CastVars {
@@ -318,15 +319,12 @@ impl SimpleBackend for CastVars {
         let mut made = made
             .lock()
             .map_err(|_| candle_core::Error::msg("compute copies lock poisoned"))?;
-        if let Some(t) = made
-            .get(name)
-            .filter(|t| t.dtype() == dtype && t.shape() == var.shape())
-        {
-            return Ok(t.clone());
+        if let Some(c) = made.get(name) {
+            return Ok(c.as_tensor().clone());
         }
-        let t = var.to_dtype(dtype)?;
-        made.insert(name.to_string(), t.clone());
-        Ok(t)
+        let copy = Var::from_tensor(&var.to_dtype(dtype)?.detach())?;
+        made.insert(name.to_string(), copy.clone());
+        Ok(copy.as_tensor().clone())
     }
 
     fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> candle_core::Result<Tensor> {

@@ -1,11 +1,12 @@
 //! The trainable student: gradients are right (central finite differences in f64) and reach every
 //! parameter; saving gives a directory the serving decoder loads with identical logits.
 
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, Tensor, Var, D};
 use xdistill_shared::hf::{ModelConfig, ModelDir};
 use xdistill_shared::model::{Decoder, Ops};
 use xdistill_trainer::init_model::random_params;
-use xdistill_trainer::student::Student;
+use xdistill_trainer::optim::GradAccumulator;
+use xdistill_trainer::student::{compute_vars, Student};
 
 fn config(model_type: &str, tie: bool) -> ModelConfig {
     serde_json::from_value(serde_json::json!({
@@ -229,8 +230,9 @@ fn cosine(a: &[f64], b: &[f64]) -> f64 {
 }
 
 /// The GPU training setup (bf16 forward/backward, f32 masters), run on the CPU: loss and
-/// gradients agree with an all-f32 student to bf16 accuracy, the gradients land on the f32
-/// masters, AdamW updates them below bf16 resolution, and `refresh` makes the next forward use them.
+/// gradients agree with an all-f32 student to bf16 accuracy, the gradients land on the bf16
+/// compute copies and the accumulator sums them in f32 for the masters, AdamW updates those
+/// below bf16 resolution, and `refresh` makes the next forward use them.
 #[test]
 fn bf16_compute_trains_the_f32_masters() {
     use xdistill_trainer::optim::{AdamW, AdamWConfig};
@@ -246,13 +248,25 @@ fn bf16_compute_trains_the_f32_masters() {
             (v32 - v16).abs() < 2e-2 * v32.abs(),
             "{arch}: f32 loss {v32} vs bf16 {v16}"
         );
-        let (g32, g16) = (l32.backward().unwrap(), l16.backward().unwrap());
+        let g32 = l32.backward().unwrap();
+        let masters: Vec<Var> = s16.named_vars().into_iter().map(|(_, v)| v).collect();
+        let keys = s16.grad_keys(&masters);
+        let mut acc = GradAccumulator::with_keys(masters.clone(), keys.clone());
+        let raw16 = l16.backward().unwrap();
+        for ((name, _), key) in s16.named_vars().iter().zip(&keys) {
+            let g = raw16
+                .get(key)
+                .unwrap_or_else(|| panic!("{arch}: no gradient reached the copy of {name}"));
+            assert_eq!(g.dtype(), DType::BF16, "{arch}: {name}");
+        }
+        acc.add(&raw16).unwrap();
+        let g16 = acc.take().unwrap();
         let (mut all32, mut all16) = (Vec::new(), Vec::new());
         for ((name, a), (_, b)) in s32.named_vars().into_iter().zip(s16.named_vars()) {
             let ga = g32.get(a.as_tensor()).unwrap();
             let gb = g16
                 .get(b.as_tensor())
-                .unwrap_or_else(|| panic!("{arch}: no gradient reached master {name}"));
+                .unwrap_or_else(|| panic!("{arch}: no gradient summed for master {name}"));
             assert_eq!(gb.dtype(), DType::F32, "{arch}: {name}");
             let (ga, gb) = (flat(ga), flat(gb));
             let c = cosine(&ga, &gb);
@@ -326,9 +340,9 @@ fn bf16_compute_trains_the_f32_masters() {
 
 /// For every student architecture in bf16 compute: one compute copy per master (a tied head's
 /// weight included once), and after the masters move, writing the copies in place (what the
-/// multi-tensor AdamW does in its launch, `Student::write_copies` here) makes the forward of a
-/// student built afresh from the new masters, bit for bit, with no rebuild; the gradients still
-/// reach the f32 masters through the copies.
+/// multi-tensor AdamW does in its launch, `Student::refresh` here) makes the forward of a
+/// student built afresh from the new masters, bit for bit, with no rebuild; each copy receives
+/// its gradient in bf16, exactly the f32 master gradient a differentiable cast would give.
 #[test]
 fn compute_copies_written_in_place_are_what_the_decoder_reads() {
     let ids = Tensor::new(&IDS, &Device::Cpu)
@@ -336,7 +350,7 @@ fn compute_copies_written_in_place_are_what_the_decoder_reads() {
         .unsqueeze(0)
         .unwrap();
     for (arch, cfg) in student_configs() {
-        let s16 = student_mixed(&cfg, DType::F32, DType::BF16, 7);
+        let mut s16 = student_mixed(&cfg, DType::F32, DType::BF16, 7);
         let names: Vec<String> = s16.named_vars().into_iter().map(|(n, _)| n).collect();
         let mut copies: Vec<String> = s16.compute_copies().keys().cloned().collect();
         copies.sort();
@@ -349,7 +363,7 @@ fn compute_copies_written_in_place_are_what_the_decoder_reads() {
                 .unwrap();
             v.set(&moved).unwrap();
         }
-        s16.write_copies().unwrap();
+        s16.refresh().unwrap();
         let fresh = Student::from_tensors(
             cfg.clone(),
             s16.tensors().unwrap(),
@@ -366,12 +380,20 @@ fn compute_copies_written_in_place_are_what_the_decoder_reads() {
             "{arch}: in-place copies differ from a fresh build"
         );
         assert_ne!(flat(&got), flat(&before), "{arch}: the copies did not move");
+        // The reference: the same bf16 forward over tracked casts of the masters.
+        let vb = compute_vars(&s16.varmap, DType::BF16, &Device::Cpu);
+        let cast = Decoder::new(&cfg, vb, Ops::Differentiable).unwrap();
+        let want = loss(&cast).backward().unwrap();
         let g = loss(s16.model()).backward().unwrap();
-        for (name, v) in s16.named_vars() {
-            let gv = g.get(v.as_tensor());
-            assert!(
-                gv.is_some_and(|t| t.dtype() == DType::F32),
-                "{arch}: {name}"
+        let masters: Vec<Var> = s16.named_vars().into_iter().map(|(_, v)| v).collect();
+        for ((name, m), key) in s16.named_vars().iter().zip(s16.grad_keys(&masters)) {
+            let got = g.get(&key).unwrap_or_else(|| panic!("{arch}: {name}"));
+            assert_eq!(got.dtype(), DType::BF16, "{arch}: {name}");
+            let want = want.get(m.as_tensor()).unwrap();
+            assert_eq!(
+                flat(got),
+                flat(want),
+                "{arch}: {name}: the copy's gradient differs from the cast's"
             );
         }
     }

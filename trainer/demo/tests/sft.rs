@@ -143,42 +143,47 @@ fn held_out_ce_falls_and_resume_is_exact() {
     assert!(s.accuracy_end.is_some_and(|a| (0.0..=1.0).contains(&a)));
     assert!(out.join("final").join("config.json").is_file());
 
-    // 2. Interrupted after step 5 (checkpoint at 4), resumed: the same weights as a straight run.
-    let straight = dir.path().join("straight");
-    train(
-        &config(dir.path(), &student, &data, &straight, 8),
-        None,
-        false,
-        None,
-    )
-    .unwrap();
-    let resumed = dir.path().join("resumed");
-    let cut = train(
-        &config(dir.path(), &student, &data, &resumed, 8),
-        None,
-        false,
-        Some(5),
-    )
-    .unwrap();
-    assert_eq!(cut.steps, 5);
-    assert!(!resumed.join("final").exists());
-    let done = train(
-        &config(dir.path(), &student, &data, &resumed, 8),
-        None,
-        true,
-        None,
-    )
-    .unwrap();
-    assert_eq!(done.steps, 8);
-    let (a, b) = (
-        weights(&straight.join("final")),
-        weights(&resumed.join("final")),
-    );
-    assert_eq!(a.len(), b.len());
-    for ((na, va), (nb, vb)) in a.iter().zip(&b) {
-        assert_eq!(na, nb);
-        assert!(va == vb, "{na} differs after resume");
+    // 2. Interrupted after step 5 (checkpoint at 4), resumed: the same weights as a straight run,
+    //    in f32 and in the GPU's mixed precision (bf16 compute copies the optimizer's updates
+    //    are written into, f32 masters; restored from the checkpoint's masters on resume).
+    let mut finals = Vec::new();
+    for precision in ["f32", "bf16"] {
+        let with = |out: &Path| {
+            let mut c = config(dir.path(), &student, &data, out, 8);
+            c.policy.precision = precision.into();
+            c
+        };
+        let straight = dir.path().join(format!("straight-{precision}"));
+        let s = train(&with(&straight), None, false, None).unwrap();
+        // The updates reach the forward (in bf16 through the rewritten compute copies).
+        let (ce0, ce1) = (s.val_ce_start.unwrap(), s.val_ce_end.unwrap());
+        eprintln!("sft {precision}: held-out CE {ce0:.3} -> {ce1:.3} in 8 steps");
+        assert!(ce1 < ce0 - 0.5, "{precision}: held-out CE {ce0} -> {ce1}");
+        let resumed = dir.path().join(format!("resumed-{precision}"));
+        let cut = train(&with(&resumed), None, false, Some(5)).unwrap();
+        assert_eq!(cut.steps, 5);
+        assert!(!resumed.join("final").exists());
+        let done = train(&with(&resumed), None, true, None).unwrap();
+        assert_eq!(done.steps, 8);
+        let (a, b) = (
+            weights(&straight.join("final")),
+            weights(&resumed.join("final")),
+        );
+        assert_eq!(a.len(), b.len());
+        for ((na, va), (nb, vb)) in a.iter().zip(&b) {
+            assert_eq!(na, nb);
+            assert!(va == vb, "{precision}: {na} differs after resume");
+        }
+        finals.push(a);
     }
+    // The bf16 run computed in bf16: its weights are not the f32 run's.
+    assert!(
+        finals[0]
+            .iter()
+            .zip(&finals[1])
+            .any(|((_, a), (_, b))| a != b),
+        "the bf16 run trained the same weights as the f32 run"
+    );
 }
 
 /// Mean NLL in f64 from the full logits `[T, V]` of one sequence over the given target positions.

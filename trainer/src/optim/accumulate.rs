@@ -98,6 +98,9 @@ fn sum_dtype(v: &Var) -> DType {
 /// shards closed so far.
 pub struct GradAccumulator {
     vars: Vec<Var>,
+    /// What a backward pass keys each var's gradient by: the var, or the compute copy the
+    /// decoder reads in its place (`Student::grad_keys`).
+    keys: Vec<Tensor>,
     /// The open shard's sums (f32, or f64 for f64 vars), one per var with a gradient so far.
     open: Vec<Option<Tensor>>,
     micro_batches: usize,
@@ -105,10 +108,19 @@ pub struct GradAccumulator {
 }
 
 impl GradAccumulator {
+    /// An accumulator for `vars`, whose gradients a backward pass keys by the vars themselves.
     pub fn new(vars: Vec<Var>) -> Self {
+        let keys = vars.iter().map(|v| v.as_tensor().clone()).collect();
+        Self::with_keys(vars, keys)
+    }
+
+    /// An accumulator for `vars` whose gradients are found under `keys` (one per var, e.g. its
+    /// bf16 compute copy: summed in f32 here, as the var's).
+    pub fn with_keys(vars: Vec<Var>, keys: Vec<Tensor>) -> Self {
         let open = vars.iter().map(|_| None).collect();
         Self {
             vars,
+            keys,
             open,
             micro_batches: 0,
             tree: TreeAccumulator::new(),
@@ -117,8 +129,9 @@ impl GradAccumulator {
 
     /// Adds the parameter gradients of one micro-batch's `backward()` to the open shard.
     pub fn add(&mut self, grads: &GradStore) -> Result<()> {
-        for (v, slot) in self.vars.iter().zip(self.open.iter_mut()) {
-            let Some(g) = grads.get(v.as_tensor()) else {
+        let each = self.vars.iter().zip(&self.keys).zip(self.open.iter_mut());
+        for ((v, key), slot) in each {
+            let Some(g) = grads.get(key) else {
                 continue;
             };
             let g = g.detach().to_dtype(sum_dtype(v))?;

@@ -270,7 +270,7 @@ impl AdamW {
         &mut self,
         grads: &mut GradStore,
         clip: Option<f64>,
-        copies: &HashMap<String, Tensor>,
+        copies: &HashMap<String, Var>,
     ) -> Result<bool> {
         #[cfg(feature = "cuda")]
         if self.multi_tensor_applies(grads) {
@@ -319,7 +319,7 @@ impl AdamW {
         &mut self,
         grads: &GradStore,
         grad_scale: Option<f64>,
-        copies: &HashMap<String, Tensor>,
+        copies: &HashMap<String, Var>,
     ) -> Result<()> {
         let c = &self.config;
         let mut tensors = Vec::with_capacity(self.params.len());
@@ -331,7 +331,7 @@ impl AdamW {
                     m: &p.m,
                     v: &p.v,
                     weight_decay: if p.decay { c.weight_decay } else { 0.0 },
-                    copy: copies.get(&p.name),
+                    copy: copies.get(&p.name).map(Var::as_tensor),
                 });
             }
         }

@@ -122,12 +122,24 @@ pub struct HeadOut {
 }
 
 impl HeadOut {
-    /// The micro-batch's gradients: the decoder's (through `pass`) plus the head's.
+    /// The micro-batch's gradients: the decoder's (through `pass`) plus the head's. A weight
+    /// both sides reach (a tied head's) is summed in the head's wider dtype (f32: the decoder's
+    /// gradient of a bf16 compute copy is bf16).
     pub fn finish(self, pass: TrainPass<'_>) -> Result<(GradStore, HeadSums)> {
         let dev = self.grad_hidden.device().clone();
         let mut g = phases::time(Phase::Backward, &dev, || {
             Ok(pass.backward(&self.grad_hidden)?)
         })?;
+        let ids: Vec<_> = self.head.get_ids().copied().collect();
+        for id in ids {
+            let (Some(mine), Some(head)) = (g.get_id(id), self.head.get_id(id)) else {
+                continue;
+            };
+            if mine.dtype() != head.dtype() {
+                let widened = mine.to_dtype(head.dtype())?;
+                g.insert_id(id, widened);
+            }
+        }
         g.extend(self.head)?;
         Ok((g, self.sums))
     }
@@ -173,11 +185,13 @@ impl Acc {
             let gl = gl.to_dtype(self.hidden.dtype())?.reshape(((), h))?;
             self.hidden = self.hidden.index_add(idx, &gl, 0)?;
         }
+        // Summed over chunks in the accumulation dtype (the head's bf16 compute copy receives
+        // a bf16 gradient per chunk).
         let mut head = GradStore::default();
         let ids: Vec<_> = g.get_ids().copied().collect();
         for id in ids {
             if let Some(t) = g.get_id(id).filter(|t| t.dims() == head_dims) {
-                head.insert_id(id, t.clone());
+                head.insert_id(id, t.to_dtype(self.hidden.dtype())?);
             }
         }
         self.head.extend(head)?;

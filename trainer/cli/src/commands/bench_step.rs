@@ -224,7 +224,9 @@ fn step(runner: &mut Runner, s: &StepSetup) -> Result<(f64, Phases)> {
     let loss_v = m.kd.loss * m.kd_scale + 0.1 * m.ce.unwrap_or(0.0);
     ph.grads = phases::take();
     let t = Instant::now();
-    let mut acc = GradAccumulator::new(runner.vars().to_vec());
+    let vars = runner.vars().to_vec();
+    let keys = runner.student.grad_keys(&vars);
+    let mut acc = GradAccumulator::with_keys(vars, keys);
     acc.add(&grads)?;
     drop(grads);
     let mut grads = acc.take()?;

@@ -264,7 +264,9 @@ pub fn run<O: Objective>(
         let Some(input) = inputs.next() else {
             break;
         };
-        let mut acc = GradAccumulator::new(runner.vars().to_vec());
+        let vars = runner.vars().to_vec();
+        let keys = runner.student.grad_keys(&vars);
+        let mut acc = GradAccumulator::with_keys(vars, keys);
         let mut ctx = StepCtx {
             student: &runner.student,
             acc: &mut acc,
