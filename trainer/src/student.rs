@@ -128,14 +128,15 @@ impl Student {
 
     /// A decoder on the same weights with the fused (inference-only) kernels, for generation.
     /// Its weights are untracked (autograd records nothing during a rollout, so no step's
-    /// activations stay alive through a graph). In f32 they share the master vars' storage, so
-    /// it sees every optimizer update; in bf16 they are the current compute copy.
+    /// activations stay alive through a graph). They share the storage of what training reads,
+    /// the master vars in f32 and the compute copies in bf16, so no weight is cast or copied
+    /// and the decoder sees every optimizer update.
     pub fn inference_model(&self) -> Result<Decoder> {
         let vb = VarBuilder::from_backend(
             Box::new(CastVars {
                 vars: self.varmap.clone(),
                 detach: true,
-                made: None,
+                made: Some(Arc::new(Mutex::new(self.copies.clone()))),
             }),
             self.compute_dtype,
             self.device.clone(),
@@ -295,9 +296,9 @@ struct CastVars {
     /// Hand out untracked tensors (generation): same storage, no gradient graph.
     detach: bool,
     /// When given, a master read in another dtype is handed out as a leaf `Var` holding its
-    /// cast (the compute copy), recorded here by name; a name asked for twice, as a tied
-    /// head's weight may be, gets the same copy. Otherwise the cast itself (tracked back to the
-    /// master, or detached).
+    /// cast (the compute copy; detached, the same storage untracked), found or recorded here by
+    /// name; a name asked for twice, as a tied head's weight may be, gets the same copy.
+    /// Otherwise the cast itself (tracked back to the master, or detached).
     made: Option<Arc<Mutex<HashMap<String, Var>>>>,
 }
 
@@ -319,12 +320,19 @@ impl SimpleBackend for CastVars {
         let mut made = made
             .lock()
             .map_err(|_| candle_core::Error::msg("compute copies lock poisoned"))?;
-        if let Some(c) = made.get(name) {
-            return Ok(c.as_tensor().clone());
-        }
-        let copy = Var::from_tensor(&var.to_dtype(dtype)?.detach())?;
-        made.insert(name.to_string(), copy.clone());
-        Ok(copy.as_tensor().clone())
+        let copy = match made.get(name) {
+            Some(c) => c.clone(),
+            None => {
+                let c = Var::from_tensor(&var.to_dtype(dtype)?.detach())?;
+                made.insert(name.to_string(), c.clone());
+                c
+            }
+        };
+        Ok(if self.detach {
+            copy.as_detached_tensor()
+        } else {
+            copy.as_tensor().clone()
+        })
     }
 
     fn get_unchecked(&self, name: &str, _: DType, _: &Device) -> candle_core::Result<Tensor> {

@@ -486,8 +486,8 @@ fn student_directories_of_every_architecture_load() {
 }
 
 /// The generation decoder records no gradient graph (a rollout keeps no activations alive),
-/// reads the f32 masters in place (an optimizer update made after it was built is seen), and
-/// gives the training decoder's outputs.
+/// reads the f32 masters in place, or in bf16 compute the compute copies (an optimizer update
+/// made after it was built is seen), and gives the training decoder's outputs.
 #[test]
 fn inference_model_is_untracked_and_reads_the_masters() {
     let cfg = config("qwen3", false);
@@ -520,5 +520,36 @@ fn inference_model_is_untracked_and_reads_the_masters() {
     let after = gen.forward(&ids).unwrap();
     let want = s.inference_model().unwrap().forward(&ids).unwrap();
     assert_eq!(flat(&after), flat(&want), "the update is seen in place");
+    assert_ne!(flat(&after), flat(&before));
+
+    // In bf16 compute it reads the compute copies in place: untracked, and an update written
+    // into them (here by refresh) is seen without a new decoder.
+    let mut s16 = student_mixed(&cfg, DType::F32, DType::BF16, 9);
+    let gen = s16.inference_model().unwrap();
+    let before = gen.forward(&ids).unwrap();
+    assert!(
+        !before.track_op(),
+        "the bf16 generation decoder must not be tracked"
+    );
+    for (_, v) in s16.named_vars() {
+        v.set(&(v.as_tensor() * 1.25).unwrap()).unwrap();
+    }
+    s16.refresh().unwrap();
+    let after = gen.forward(&ids).unwrap();
+    let fresh = Student::from_tensors(
+        cfg.clone(),
+        s16.tensors().unwrap(),
+        "unused".into(),
+        &Device::Cpu,
+        DType::F32,
+        DType::BF16,
+    )
+    .unwrap();
+    let want = fresh.inference_model().unwrap().forward(&ids).unwrap();
+    assert_eq!(
+        flat(&after),
+        flat(&want),
+        "bf16: the copies' update is seen in place"
+    );
     assert_ne!(flat(&after), flat(&before));
 }
