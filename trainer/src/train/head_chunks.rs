@@ -25,6 +25,12 @@ use xdistill_shared::model::{Decoder, TrainPass};
 /// rows of Qwen3's 151,936-entry vocabulary).
 pub const CHUNK_BYTES: usize = 256 << 20;
 
+/// The most logits bytes, in the head's own dtype, one chunk holds where every loss of the
+/// chunk runs fused ([`HeadOpts::fused_rows`]; 512 MiB: 1,766 rows of Qwen3 in bf16). The
+/// logits and their gradient are then the chunk's only `[n, V]` tensors (no f32 copies, no
+/// log-softmax), about 1 GiB together: within the head's share of the run's fixed memory.
+pub const FUSED_CHUNK_BYTES: usize = 512 << 20;
+
 /// How a training pass keeps activations and how many rows one head chunk takes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct HeadOpts {
@@ -42,6 +48,21 @@ impl HeadOpts {
         } else {
             (CHUNK_BYTES / (vocab.max(1) * 4)).max(1)
         }
+    }
+
+    /// Rows per chunk for the LM head `head` `[V, H]` when the chunk's losses are the fused
+    /// ones (the same tokenizer's top-k divergences and the cross-entropy): where they run
+    /// ([`xdistill_kernels::TopkKd::runs_on`], a GPU with the project's kernels) the chunk
+    /// holds [`FUSED_CHUNK_BYTES`] of logits in the head's dtype, four times the rows of
+    /// [`HeadOpts::rows`] in bf16, so the per-chunk work on the head's `[V, H]` gradient runs
+    /// a quarter as often; elsewhere, or with the rows forced, [`HeadOpts::rows`]. (Repeated
+    /// teacher ids, which no teacher sends, would put such a chunk on the composed loss.)
+    pub fn fused_rows(&self, head: &Tensor) -> Result<usize> {
+        let vocab = head.dim(0)?;
+        if self.chunk_rows > 0 || !xdistill_kernels::TopkKd::runs_on(head) {
+            return Ok(self.rows(vocab));
+        }
+        Ok((FUSED_CHUNK_BYTES / (vocab.max(1) * head.dtype().size_in_bytes())).max(1))
     }
 
     /// The training forward of `ids` `[B, T]` with this policy's way of keeping activations.
@@ -452,4 +473,32 @@ where
         each(i, &model.logits(&rows)?)?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use xdistill_shared::model::device_ops;
+
+    /// Chunks of the fused losses hold 512 MiB of logits in the head's dtype where they run
+    /// (forced here: the CPU runs their reference), 256 MiB of f32 logits elsewhere; forced
+    /// rows win either way.
+    #[test]
+    fn fused_chunks_are_sized_in_the_heads_dtype() {
+        let head = Tensor::zeros((151_936, 8), DType::BF16, &candle_core::Device::Cpu).unwrap();
+        let auto = HeadOpts::default();
+        assert_eq!(
+            auto.fused_rows(&head).unwrap(),
+            441,
+            "composed losses on the CPU"
+        );
+        device_ops::force_in_this_thread(Some(true));
+        assert_eq!(auto.fused_rows(&head).unwrap(), 1_766);
+        let forced = HeadOpts {
+            chunk_rows: 3,
+            ..HeadOpts::default()
+        };
+        assert_eq!(forced.fused_rows(&head).unwrap(), 3);
+        device_ops::force_in_this_thread(None);
+    }
 }

@@ -246,7 +246,8 @@ pub fn sft_grads(
     device: &Device,
     head: HeadOpts,
 ) -> Result<(GradStore, f64)> {
-    let batch = SftBatch::new(examples, device, head.rows(model.lm_head().dim(0)?))?;
+    // The cross-entropy alone: the fused loss where it runs (larger chunks).
+    let batch = SftBatch::new(examples, device, head.fused_rows(model.lm_head())?)?;
     let terms = sft_terms();
     let drive = Drive {
         model,
@@ -284,7 +285,7 @@ fn targets_of(e: &Encoded) -> usize {
 /// Held-out mean cross-entropy over `val` (already encoded), no gradients kept.
 fn validation_ce(model: &Decoder, val: &[Encoded], mb: usize, device: &Device) -> Result<f64> {
     let (mut sum, mut n) = (0.0, 0.0);
-    let per = HeadOpts::default().rows(model.lm_head().dim(0)?);
+    let per = HeadOpts::default().fused_rows(model.lm_head())?;
     for chunk in val.chunks(mb.max(1)) {
         let (s, k) = nll_sum(model, chunk, device, per)?;
         sum += s;

@@ -285,7 +285,13 @@ impl<T: Default> TrainedRows<T> {
         for &i in &sel {
             gather(i as usize / t, i as usize % t, &mut rows.teacher)?;
         }
-        let per = ctx.head.rows(ctx.model.lm_head().dim(0)?);
+        // The same tokenizer's top-k losses and the cross-entropy run fused where they can
+        // (larger chunks); the full-vocabulary ones stay composed.
+        let head = ctx.model.lm_head();
+        let per = match ctx.pairing {
+            Pairing::Same => ctx.head.fused_rows(head)?,
+            _ => ctx.head.rows(head.dim(0)?),
+        };
         Ok((rows, RowPieces::new(&tb.ids, sel, per)))
     }
 }
