@@ -21,7 +21,9 @@ use crate::batcher::{Batch, Job, JobResult};
 use crate::metrics::Metrics;
 use crate::model::{self, ModelFacts};
 use crate::probe;
-use crate::scoring::{HiddenSpan, LmHead, Phase, Scorer, ScoringError, SeqRef, Timing, TopkPath};
+use crate::scoring::{
+    HiddenSpan, LmHead, PackedRows, Phase, Scorer, ScoringError, SeqRef, Timing, TopkPath,
+};
 use candle_core::Tensor;
 use std::panic::AssertUnwindSafe;
 use std::path::PathBuf;
@@ -368,10 +370,39 @@ impl Worker {
                 })
             }))
         };
+        // Device scoring: the packed sequences' rows in blocks across sequences.
+        let mut by_block: Vec<Option<Result<SequenceScores, ScoringError>>> =
+            seqs.iter().map(|_| None).collect();
+        if let Some(Ok(h)) = &hidden {
+            let members: Vec<(usize, PackedRows<'_>)> = seqs
+                .iter()
+                .zip(&rows_at)
+                .enumerate()
+                .filter_map(|(i, (seq, at))| {
+                    let at = (*at)?;
+                    self.scorer
+                        .packs(seq)
+                        .then_some((i, PackedRows { seq: *seq, at }))
+                })
+                .collect();
+            if !members.is_empty() {
+                let packed: Vec<PackedRows<'_>> = members.iter().map(|(_, p)| *p).collect();
+                let results =
+                    guarded(|| Ok(self.scorer.score_packed(&self.decoder, h, &packed, timing)));
+                for (j, (i, _)) in members.iter().enumerate() {
+                    by_block[*i] = Some(match &results {
+                        Ok(r) => r[j].clone(),
+                        Err(e) => Err(e.clone()),
+                    });
+                }
+            }
+        }
         seqs.iter()
             .zip(rows_at)
-            .map(|(&seq, at)| match (at, &hidden) {
-                (Some(at), Some(Ok(h))) => guarded(|| {
+            .zip(by_block)
+            .map(|((&seq, at), done)| match (at, &hidden, done) {
+                (_, _, Some(done)) => done,
+                (Some(at), Some(Ok(h)), None) => guarded(|| {
                     let mut acc = seq.empty();
                     let span = HiddenSpan {
                         states: &h.narrow(0, at, seq.ids.len() - 1)?,
@@ -381,7 +412,7 @@ impl Worker {
                         .score(&self.decoder, span, seq, &mut acc, timing)?;
                     Ok(acc)
                 }),
-                (Some(_), Some(Err(e))) => Err(e.clone()),
+                (Some(_), Some(Err(e)), None) => Err(e.clone()),
                 _ => guarded(|| self.compute_alone(seq, timing)),
             })
             .collect()
@@ -496,6 +527,17 @@ mod tests {
         }
     }
 
+    /// [`packed_worker`] scoring on the device path (here the CPU runs it), the LM head and
+    /// top-k in blocks of `head_rows` rows across sequences.
+    fn packed_device_worker(max_batch_tokens: usize, rows: usize, head_rows: usize) -> Worker {
+        let mut scorer = Scorer::new(VALID, V, TopkPath::Device, LmHead::Fused, &Device::Cpu);
+        scorer.chunk_rows = head_rows;
+        Worker {
+            scorer,
+            ..packed_worker(max_batch_tokens, rows)
+        }
+    }
+
     fn bits(s: &SequenceScores) -> Vec<u32> {
         s.bits()
     }
@@ -537,10 +579,17 @@ mod tests {
             vec![seq(y, q, 2), xs, seq(z, p, 0), ls],
             vec![ls, seq(z, q, 1), seq(y, p, 0), xs, xs],
         ];
-        // Invariant (a forward per sequence, then packed in blocks of 8 rows), then padded.
-        for (invariant, packed) in [(true, None), (true, Some(8)), (false, None)] {
+        // Invariant (a forward per sequence, then packed in blocks of 8 rows, then that with
+        // the device path's LM head in blocks of 6 rows across sequences), then padded.
+        for (invariant, packed, device) in [
+            (true, None, false),
+            (true, Some(8), false),
+            (true, Some(8), true),
+            (false, None, false),
+        ] {
             // 20 tokens per batch: the 49 input tokens of `long` run in chunks over a KV cache.
             let w = match packed {
+                Some(rows) if device => packed_device_worker(20, rows, 6),
                 Some(rows) => packed_worker(20, rows),
                 None => worker(invariant, 20),
             };
@@ -561,6 +610,99 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The device path's blocks across sequences answer what each sequence's own chunks
+    /// answer (to f32 rounding: another matmul shape), for top-k log-probs and logits, ranks
+    /// and candidate ids, starts inside the sequence, blocks that straddle sequences and a
+    /// padded last block; sequences asking different questions never share a block.
+    #[test]
+    fn packed_head_blocks_answer_as_each_sequences_own_chunks() {
+        let leak = |v: Vec<u32>| -> &'static [u32] { Vec::leak(v) };
+        let ids = |seed: usize, len: usize| {
+            leak(
+                (0..len)
+                    .map(|i| ((i * 13 + seed) * 389 % VALID) as u32)
+                    .collect(),
+            )
+        };
+        let p: &'static ScoreParams =
+            Box::leak(Box::new(ScoreParams::native(4, 0.8, ValuesKind::Logprobs)));
+        let q: &'static ScoreParams = Box::leak(Box::new(ScoreParams {
+            ranks: true,
+            ..ScoreParams::native(2, 1.3, ValuesKind::Logits)
+        }));
+        // `p` at another temperature only.
+        let r: &'static ScoreParams =
+            Box::leak(Box::new(ScoreParams::native(4, 1.9, ValuesKind::Logprobs)));
+        let cands: &'static Candidates = Box::leak(Box::new(Candidates {
+            m: 3,
+            ids: (0..3 * 11).map(|i| (i * 47 % VALID) as u32).collect(),
+        }));
+        let seqs = [
+            SeqRef {
+                ids: ids(1, 11),
+                start: 2,
+                params: p,
+                candidates: None,
+            },
+            SeqRef {
+                ids: ids(2, 7),
+                start: 0,
+                params: q,
+                candidates: None,
+            },
+            SeqRef {
+                ids: ids(3, 13),
+                start: 1,
+                params: p,
+                candidates: Some(cands),
+            },
+            SeqRef {
+                ids: ids(4, 5),
+                start: 0,
+                params: r,
+                candidates: None,
+            },
+            SeqRef {
+                ids: ids(5, 9),
+                start: 3,
+                params: q,
+                candidates: None,
+            },
+        ];
+        let blocks = packed_device_worker(64, 16, 5);
+        let own = {
+            let mut w = packed_device_worker(64, 16, 5);
+            w.packed_rows = None; // a forward and chunks per sequence
+            w
+        };
+        let mut t = Timing::default();
+        let got = blocks.compute(&seqs, &mut t);
+        let want = own.compute(&seqs, &mut t);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            let (g, w) = (g.as_ref().unwrap(), w.as_ref().unwrap());
+            assert_eq!((g.rows, g.k, g.m), (w.rows, w.k, w.m), "sequence {i}");
+            assert_eq!(g.rows, seqs[i].ids.len() - 1 - seqs[i].start);
+            assert_eq!(g.topk_ids, w.topk_ids, "sequence {i}: ids");
+            assert_eq!(g.target_ranks, w.target_ranks, "sequence {i}: ranks");
+            for (a, b) in [
+                (&g.topk_values, &w.topk_values),
+                (&g.target_logprobs, &w.target_logprobs),
+                (&g.logsumexp, &w.logsumexp),
+                (&g.ids_logprobs, &w.ids_logprobs),
+            ] {
+                assert_eq!(a.len(), b.len(), "sequence {i}");
+                for (x, y) in a.iter().zip(b) {
+                    assert!(
+                        (x - y).abs() <= 1e-5 * (1.0 + y.abs()),
+                        "sequence {i}: {x} vs {y}"
+                    );
+                }
+            }
+        }
+        assert_eq!(want[1].as_ref().unwrap().target_ranks.len(), 6);
+        assert_eq!(want[2].as_ref().unwrap().ids_logprobs.len(), 11 * 3);
     }
 
     /// `/hidden_states`' rows: the final-norm states of positions `start..S - 1` (here through
@@ -625,8 +767,11 @@ mod tests {
         let ids: Vec<u32> = vec![5, 900, 33, 4000, 12];
         let tiny = ScoreParams::native(4, 1e-45, ValuesKind::Logprobs);
         let fine = ScoreParams::native(4, 1.0, ValuesKind::Logprobs);
-        for invariant in [true, false] {
-            let w = worker(invariant, 64);
+        for w in [
+            worker(true, 64),
+            worker(false, 64),
+            packed_device_worker(64, 16, 4),
+        ] {
             let mk = |params| SeqRef {
                 ids: &ids,
                 start: 0,

@@ -14,6 +14,9 @@
 //! - on the host from the full `[c, V]` logits ([`score_rows`]; `--lm-head full`, and requests
 //!   for ranks when the fused head goes through candle).
 //!
+//! After a packed forward, the device path scores the batch's rows in fixed blocks across
+//! sequences ([`Scorer::score_packed`], [`packed`]).
+//!
 //! The row after the last token, when a next token is asked for, chooses its own target
 //! ([`next`]). No result with a non-finite value is returned ([`finite`]): the sequence fails
 //! with a [`ScoringError`] that names the cause and says whose fault it is.
@@ -22,6 +25,7 @@ mod device;
 mod error;
 mod finite;
 mod next;
+mod packed;
 mod params;
 #[cfg(test)]
 pub(crate) mod tests;
@@ -30,6 +34,7 @@ pub use device::device_topk_fits;
 pub use error::ScoringError;
 pub use finite::{first_non_finite, non_finite_cause};
 pub use next::choose_next;
+pub use packed::PackedRows;
 pub use params::{CandidateRows, LmHead, NextToken, ScoreParams, TopkPath};
 pub use xdistill_shared::row_scores::{rank_of, score_rows, HeadTiming, RowFolds};
 
