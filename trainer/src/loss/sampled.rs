@@ -16,6 +16,7 @@ use candle_core::{DType, Tensor};
 use super::stable::{logsumexp_last, masked_mean, LOG_FLOOR};
 use super::xtoken::{chunk_loglikelihoods, host_tensor, XTokenBatch};
 use super::{compute_dtype, KdMetrics, LossError, Normalizer, Result, Temperature};
+use xdistill_kernels::TopkKd;
 
 /// Inputs of [`sampled_token_loss`], all `[B, T]`, row `t` describing token `t + 1`.
 #[derive(Debug, Clone)]
@@ -57,13 +58,7 @@ pub fn sampled_token_loss(
     }
     let dt = compute_dtype(student_logits);
     // 1. lp_S(x_t) = z[x] − logsumexp(z), [B, T].
-    let z = student_logits
-        .to_dtype(dt)?
-        .affine(1.0 / temperature, 0.0)?;
-    let zx = z
-        .gather(&targets.tokens.contiguous()?.unsqueeze(2)?, 2)?
-        .squeeze(2)?;
-    let lp = (zx - logsumexp_last(&z)?)?;
+    let lp = sampled_logprobs(student_logits, &targets.tokens, temperature)?;
     // 2. Advantage and ratio (the old policy and the teacher carry no gradient).
     let old = match &targets.old_logprobs {
         Some(o) => o.detach().to_dtype(dt)?,
@@ -85,6 +80,36 @@ pub fn sampled_token_loss(
         student_topk_mass: None,
     };
     Ok((loss, metrics))
+}
+
+/// `log_softmax(z/τ)` at `tokens` `[B, T]` of `logits` `[B, T, V]`, with its gradient, in the
+/// loss dtype. Where the fused loss runs ([`TopkKd::runs_on`]) it is the negated cross-entropy
+/// at temperature τ of the fused per-row kernel (the logits read once in their own dtype, no
+/// `[B, T, V]` f32 copy or log-softmax); elsewhere the composed ops.
+fn sampled_logprobs(logits: &Tensor, tokens: &Tensor, temperature: f64) -> Result<Tensor> {
+    let (b, t, v) = logits.dims3()?;
+    if TopkKd::runs_on(logits) {
+        let n = b * t;
+        let ce = TopkKd {
+            temperature,
+            ..TopkKd::cross_entropy()
+        };
+        let zero = Tensor::zeros((n, 1), compute_dtype(logits), logits.device())?;
+        let out = xdistill_kernels::topk_kd(
+            &logits.reshape((n, v))?,
+            &tokens.contiguous()?.reshape((n, 1))?,
+            &zero,
+            ce,
+        )?;
+        return Ok(out.narrow(1, 0, 1)?.reshape((b, t))?.neg()?);
+    }
+    let z = logits
+        .to_dtype(compute_dtype(logits))?
+        .affine(1.0 / temperature, 0.0)?;
+    let zx = z
+        .gather(&tokens.contiguous()?.unsqueeze(2)?, 2)?
+        .squeeze(2)?;
+    Ok((zx - logsumexp_last(&z)?)?)
 }
 
 /// Chunk-level sampled reverse KL for samples scored by a teacher with another tokenizer.
@@ -132,6 +157,9 @@ mod tests {
     use crate::loss::testutil::*;
     use candle_core::Device;
 
+    /// The loss and its gradient against the REINFORCE surrogate in f64 (value to 1e-12,
+    /// gradient against central differences), composed and fused (the per-row kernel's f64
+    /// reference, forced on here), at two temperatures.
     #[test]
     fn value_and_gradient_match_the_reinforce_reference() {
         let (b, t, v) = (2, 3, 6);
@@ -143,36 +171,45 @@ mod tests {
             .map(|u| u - 2.0)
             .collect::<Vec<_>>();
         let mask = [1.0, 1.0, 0.0, 1.0, 1.0, 1.0];
-        let lp_of = |z: &[f64], p: usize| log_softmax(&z[p * v..(p + 1) * v])[x[p] as usize];
         let targets = SampledTargets {
             tokens: Tensor::from_vec(x.clone(), (b, t), &Device::Cpu).unwrap(),
             teacher_logprobs: tensor(&lt, &[b, t], DType::F64),
             old_logprobs: None,
             mask: tensor(&mask, &[b, t], DType::F64),
         };
-        let vz = var(&zs, &[b, t, v]);
-        let (l, m) = sampled_token_loss(vz.as_tensor(), &targets, Temperature::ONE, None).unwrap();
-        // Value: mean over valid tokens of lp_S − lp_T (ratio 1).
-        let want: f64 = (0..b * t)
-            .filter(|&p| mask[p] == 1.0)
-            .map(|p| lp_of(&zs, p) - lt[p])
-            .sum::<f64>()
-            / 5.0;
-        assert!((scalar(&l) - want).abs() < 1e-12);
-        assert_eq!(m.count, 5.0);
-        // Gradient: the surrogate −Σ exp(lp − lp_old)·A / N with lp_old, A frozen at zs.
-        let g = flat(l.backward().unwrap().get(vz.as_tensor()).unwrap());
-        let fd = numeric_grad(&zs, 1e-5, |z| {
-            -(0..b * t)
+        for (fused, temp) in [(false, 1.0), (false, 0.7), (true, 1.0), (true, 0.7)] {
+            let what = format!("fused {fused} τ {temp}");
+            let lp_of = |z: &[f64], p: usize| {
+                let row: Vec<f64> = z[p * v..(p + 1) * v].iter().map(|z| z / temp).collect();
+                log_softmax(&row)[x[p] as usize]
+            };
+            xdistill_shared::model::device_ops::force_in_this_thread(fused.then_some(true));
+            let vz = var(&zs, &[b, t, v]);
+            let tau = Temperature::new(temp).unwrap();
+            let (l, m) = sampled_token_loss(vz.as_tensor(), &targets, tau, None).unwrap();
+            // Value: mean over valid tokens of lp_S − lp_T (ratio 1).
+            let want: f64 = (0..b * t)
                 .filter(|&p| mask[p] == 1.0)
-                .map(|p| {
-                    let old = lp_of(&zs, p);
-                    (lp_of(z, p) - old).exp() * (lt[p] - old)
-                })
+                .map(|p| lp_of(&zs, p) - lt[p])
                 .sum::<f64>()
-                / 5.0
-        });
-        assert_close(&g, &fd, 1e-8, "sampled grad");
+                / 5.0;
+            assert!((scalar(&l) - want).abs() < 1e-12, "{what}");
+            assert_eq!(m.count, 5.0);
+            // Gradient: the surrogate −Σ exp(lp − lp_old)·A / N with lp_old, A frozen at zs.
+            let g = flat(l.backward().unwrap().get(vz.as_tensor()).unwrap());
+            xdistill_shared::model::device_ops::force_in_this_thread(None);
+            let fd = numeric_grad(&zs, 1e-5, |z| {
+                -(0..b * t)
+                    .filter(|&p| mask[p] == 1.0)
+                    .map(|p| {
+                        let old = lp_of(&zs, p);
+                        (lp_of(z, p) - old).exp() * (lt[p] - old)
+                    })
+                    .sum::<f64>()
+                    / 5.0
+            });
+            assert_close(&g, &fd, 1e-8, &format!("{what}: sampled grad"));
+        }
     }
 }
 

@@ -51,7 +51,8 @@ impl HeadOpts {
     }
 
     /// Rows per chunk for the LM head `head` `[V, H]` when the chunk's losses are the fused
-    /// ones (the same tokenizer's top-k divergences and the cross-entropy): where they run
+    /// ones (the same tokenizer's top-k divergences, its sampled-token loss and the
+    /// cross-entropy): where they run
     /// ([`xdistill_kernels::TopkKd::runs_on`], a GPU with the project's kernels) the chunk
     /// holds [`FUSED_CHUNK_BYTES`] of logits in the head's dtype, four times the rows of
     /// [`HeadOpts::rows`] in bf16, so the per-chunk work on the head's `[V, H]` gradient runs

@@ -83,7 +83,8 @@ impl<'a> SampledBatch<'a> {
     ) -> Result<SampledBatch<'a>> {
         let tb = pad_batch(&encoded(samples), 0, ctx.device)?;
         let rows = SampledRows::new(samples, scores, tb.ids.dim(1)?)?;
-        let per = ctx.head.rows(ctx.model.lm_head().dim(0)?);
+        // The sampled-token loss runs fused where it can (larger chunks).
+        let per = ctx.head.fused_rows(ctx.model.lm_head())?;
         let layout = RowPieces::new(&tb.ids, rows.sel.clone(), per);
         Ok(SampledBatch { ctx, rows, layout })
     }
