@@ -389,11 +389,17 @@ impl Worker {
                 let packed: Vec<PackedRows<'_>> = members.iter().map(|(_, p)| *p).collect();
                 let results =
                     guarded(|| Ok(self.scorer.score_packed(&self.decoder, h, &packed, timing)));
-                for (j, (i, _)) in members.iter().enumerate() {
-                    by_block[*i] = Some(match &results {
-                        Ok(r) => r[j].clone(),
-                        Err(e) => Err(e.clone()),
-                    });
+                match results {
+                    Ok(each) => {
+                        for ((i, _), r) in members.iter().zip(each) {
+                            by_block[*i] = Some(r);
+                        }
+                    }
+                    Err(e) => {
+                        for (i, _) in &members {
+                            by_block[*i] = Some(Err(e.clone()));
+                        }
+                    }
                 }
             }
         }
