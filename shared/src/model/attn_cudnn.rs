@@ -7,7 +7,8 @@
 use super::device_ops;
 use super::layers::{Attention, AttnBackend, AttnInputs, Ops};
 use candle_core::{DType, Device, Result, Tensor, D};
-use std::sync::OnceLock;
+use std::collections::HashSet;
+use std::sync::{Mutex, OnceLock};
 use xdistill_cudnn::{Causal, Params};
 
 /// cuDNN's version once loaded, or why not; logged once per process.
@@ -23,6 +24,41 @@ fn cudnn() -> bool {
             false
         }
     })
+}
+
+/// cuDNN's attention of `q` [B, T, Hq, D]-strided views, `k`, `v` as [`xdistill_cudnn::sdpa`]
+/// takes them, or `None` where cuDNN refuses the shape (its graph does not build or run): that
+/// shape (dims, dtype, mask) is remembered and takes the eager attention from then on, with one
+/// warning, so a request is never failed for a shape cuDNN does not support.
+pub(super) fn sdpa_or_eager(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    params: Params,
+) -> Result<Option<Tensor>> {
+    static REFUSED: OnceLock<Mutex<HashSet<String>>> = OnceLock::new();
+    let refused = REFUSED.get_or_init(|| Mutex::new(HashSet::new()));
+    let key = format!(
+        "q {:?} k {:?} {:?} {:?} window {:?}",
+        q.dims(),
+        k.dims(),
+        q.dtype(),
+        params.causal,
+        params.window
+    );
+    if refused.lock().is_ok_and(|set| set.contains(&key)) {
+        return Ok(None);
+    }
+    match xdistill_cudnn::sdpa(q, k, v, params) {
+        Ok(out) => Ok(Some(out)),
+        Err(e) => {
+            tracing::warn!("attention: cuDNN refused {key} ({e}); the eager attention runs it");
+            if let Ok(mut set) = refused.lock() {
+                set.insert(key);
+            }
+            Ok(None)
+        }
+    }
 }
 
 /// Whether cuDNN's attention can run on `device` in `dtype`: a CUDA device, bf16 or f16, and
@@ -47,13 +83,14 @@ impl Attention {
     }
 
     /// `x` [B, T, H] → [B, T, H] through cuDNN; `kv` as in [`Attention::forward`] (the cache
-    /// keeps its `[B, Hkv, S, D]` layout).
+    /// keeps its `[B, Hkv, S, D]` layout). `None` where cuDNN refuses the shape
+    /// ([`sdpa_or_eager`]): the cache is then untouched and the caller runs the eager attention.
     pub(super) fn forward_cudnn(
         &self,
         x: &Tensor,
         inp: &AttnInputs<'_>,
         kv: Option<&mut Option<(Tensor, Tensor)>>,
-    ) -> Result<Tensor> {
+    ) -> Result<Option<Tensor>> {
         let (b, t, _) = x.dims3()?;
         let (q, k, v) = self.project_heads(x, inp)?; // [B, T, H, D]
         let (q, k) = if device_ops::applies(&q) && inp.cos.dtype() == q.dtype() {
@@ -67,19 +104,18 @@ impl Attention {
                 candle_nn::rotary_emb::rope_thd(&k.contiguous()?, inp.cos, inp.sin)?,
             )
         };
-        // [B, Hkv, S, D]: views of the new positions, or the cache with them appended.
-        let (k, v) = match kv {
+        // [B, Hkv, S, D]: views of the new positions, or the cache with them appended (stored
+        // once cuDNN has run).
+        let (k, v) = match &kv {
             Some(slot) => {
                 let (k, v) = (
                     k.transpose(1, 2)?.contiguous()?,
                     v.transpose(1, 2)?.contiguous()?,
                 );
-                let (k, v) = match slot.take() {
-                    Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 2)?, Tensor::cat(&[&pv, &v], 2)?),
+                match slot.as_ref() {
+                    Some((pk, pv)) => (Tensor::cat(&[pk, &k], 2)?, Tensor::cat(&[pv, &v], 2)?),
                     None => (k, v),
-                };
-                *slot = Some((k.detach(), v.detach()));
-                (k, v)
+                }
             }
             None => (k.transpose(1, 2)?, v.transpose(1, 2)?),
         };
@@ -93,8 +129,15 @@ impl Attention {
             causal,
             window: self.window,
         };
-        let out = xdistill_cudnn::sdpa(&q.transpose(1, 2)?, &k, &v, params)?; // [B, T, Hq, D]
-        self.o
-            .forward(&out.reshape((b, t, self.n_heads * self.head_dim))?, inp.ops)
+        let Some(out) = sdpa_or_eager(&q.transpose(1, 2)?, &k, &v, params)? else {
+            return Ok(None);
+        }; // [B, T, Hq, D]
+        if let Some(slot) = kv {
+            *slot = Some((k.detach(), v.detach()));
+        }
+        let out = self
+            .o
+            .forward(&out.reshape((b, t, self.n_heads * self.head_dim))?, inp.ops)?;
+        Ok(Some(out))
     }
 }

@@ -469,10 +469,17 @@ impl Attention {
         inp: &AttnInputs<'_>,
         kv: Option<&mut Option<(Tensor, Tensor)>>,
     ) -> Result<Tensor> {
+        // cuDNN where it applies and takes the shape (else the eager attention below).
         #[cfg(feature = "cuda")]
-        if self.cudnn_applies(x, inp)? {
-            return self.forward_cudnn(x, inp, kv);
-        }
+        let kv = {
+            let mut kv = kv;
+            if self.cudnn_applies(x, inp)? {
+                if let Some(out) = self.forward_cudnn(x, inp, kv.as_deref_mut())? {
+                    return Ok(out);
+                }
+            }
+            kv
+        };
         let (q, k, v) = self.project(x, inp)?;
         // 3. Append to the cache: [B, Hkv, past+T, D]. The cache holds detached tensors, so a
         // rollout's earlier versions never stay alive through a gradient graph.

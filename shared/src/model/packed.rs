@@ -175,7 +175,9 @@ impl Decoder {
                 causal: xdistill_cudnn::Causal::TopLeft,
                 window: attn.window,
             };
-            return xdistill_cudnn::sdpa(q, k, v, params)?.transpose(1, 2); // [1, Hq, n, D]
+            if let Some(out) = super::attn_cudnn::sdpa_or_eager(q, k, v, params)? {
+                return out.transpose(1, 2); // [1, Hq, n, D]
+            }
         }
         let mask = attention_bias(1, n, 0, None, attn.window, &self.device)?;
         attn.core(q, k, v, mask.as_ref(), self.ops)
