@@ -68,6 +68,10 @@ pub struct TokenBatch {
     pub ids: Tensor,
     pub targets: Tensor,
     pub mask: Tensor,
+    /// `targets` and `mask` row-major on the host, as they were built (read them here, not
+    /// back from the device: a read waits for the GPU's queue).
+    pub host_targets: Vec<u32>,
+    pub host_mask: Vec<f32>,
     /// Real length of each row.
     pub lens: Vec<usize>,
     /// Number of trained positions (sum of `mask`).
@@ -99,8 +103,10 @@ pub fn pad_batch(
     }
     Ok(TokenBatch {
         ids: Tensor::from_vec(ids, (b, t), device)?,
-        targets: Tensor::from_vec(targets, (b, t), device)?,
-        mask: Tensor::from_vec(mask, (b, t), device)?,
+        targets: Tensor::from_slice(&targets, (b, t), device)?,
+        mask: Tensor::from_slice(&mask, (b, t), device)?,
+        host_targets: targets,
+        host_mask: mask,
         lens: examples.iter().map(|e| e.ids.len()).collect(),
         n_targets,
     })

@@ -309,8 +309,7 @@ impl CrossPieces {
         let (xb, enc) = xtoken_batch(items, scores, k)?;
         let tb = pad_batch(&enc, 0, ctx.device)?;
         let ts = tb.ids.dim(1)?;
-        let targets: Vec<u32> = tb.targets.flatten_all()?.to_vec1()?;
-        let mask: Vec<f32> = tb.mask.flatten_all()?.to_vec1()?;
+        let (targets, mask) = (tb.host_targets.clone(), tb.host_mask.clone());
         let wanted: Vec<bool> = (0..mask.len())
             .map(|i| xb.student_chunk[i] != -1 || (with_ce && mask[i] > 0.0))
             .collect();

@@ -269,8 +269,7 @@ impl<T: Default> TrainedRows<T> {
             return Ok((TrainedRows::default(), RowPieces::new(&tb.ids, vec![], 1)));
         }
         let t = tb.ids.dim(1)?;
-        let mask: Vec<f32> = tb.mask.flatten_all()?.to_vec1()?;
-        let all_targets: Vec<u32> = tb.targets.flatten_all()?.to_vec1()?;
+        let (mask, all_targets) = (&tb.host_mask, &tb.host_targets);
         let sel: Vec<u32> = (0..mask.len())
             .filter(|&i| mask[i] > 0.0)
             .map(|i| i as u32)
