@@ -201,7 +201,7 @@ impl Metrics {
             "xdistill_batch_padded_tokens",
             "Padded tokens (batch size x longest input) per forward batch.",
         );
-        // The batch's phases, each ended by a device synchronisation on a GPU (scoring::Timing).
+        // The batch's phases, on a GPU the kernels' own time between events (scoring::Timing).
         self.batch_forward_duration.render(
             &mut o,
             "xdistill_batch_forward_duration_seconds",

@@ -254,6 +254,7 @@ impl Worker {
         let mut timing = Timing::on(self.decoder.device());
         let seqs: Vec<SeqRef<'_>> = jobs.iter().map(Job::seq).collect();
         let results = self.compute(&seqs, &mut timing);
+        timing.finish();
         let m = &self.metrics;
         m.batch_forwards.fetch_add(1, Relaxed);
         m.batch_sequences.observe(jobs.len() as f64);

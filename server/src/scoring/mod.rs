@@ -70,40 +70,72 @@ pub enum Phase {
     Copy,
 }
 
-/// Time per [`Phase`] of a batch. On a GPU every phase ends with a device synchronisation, so
-/// that work queued asynchronously is counted in the phase that queued it, not in the first
-/// later one that waits for it (the forward's kernels would otherwise land in the top-k's
-/// copy back). On the CPU nothing is asynchronous and nothing is synchronised.
-#[derive(Debug, Default)]
+/// Time per [`Phase`] of a batch. On a CUDA device each phase is timed by two events recorded
+/// on the device's stream around the work it queues, read by [`Timing::finish`] once the batch
+/// is done: the GPU's own time per phase (work queued asynchronously counts in the phase that
+/// queued it, not in the first later one that waits for it), and the host never waits for the
+/// GPU to end a phase. Elsewhere the host's clock (the CPU runs nothing asynchronously).
+#[derive(Default)]
 pub struct Timing {
     pub forward: Duration,
     pub head: Duration,
     pub topk: Duration,
     pub copy: Duration,
-    /// The device to synchronise at the end of each phase: `None` on the CPU.
-    sync: Option<Device>,
+    /// On a CUDA device: its stream and the phases' (start, end) events so far.
+    #[cfg(feature = "cuda")]
+    gpu: Option<gpu_clock::Clock>,
+}
+
+impl std::fmt::Debug for Timing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Timing")
+            .field("forward", &self.forward)
+            .field("head", &self.head)
+            .field("topk", &self.topk)
+            .field("copy", &self.copy)
+            .finish()
+    }
 }
 
 impl Timing {
-    /// Timing for work on `device`, synchronised at phase ends where it is asynchronous.
+    /// Timing for work on `device`: by events on a CUDA device, else by the host's clock.
     pub fn on(device: &Device) -> Timing {
-        Timing {
-            sync: (!device.is_cpu()).then(|| device.clone()),
-            ..Timing::default()
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(d) = device {
+            return Timing {
+                gpu: Some(gpu_clock::Clock::new(d)),
+                ..Timing::default()
+            };
         }
+        let _ = device;
+        Timing::default()
     }
 
-    /// Runs `f` as part of `phase`, adding its time (up to the device's completion of it).
+    /// Runs `f` as part of `phase`, adding its time (on a GPU, its kernels' time once
+    /// [`Timing::finish`] has read the events).
     pub fn in_phase<R>(&mut self, phase: Phase, f: impl FnOnce() -> R) -> R {
+        #[cfg(feature = "cuda")]
+        if let Some(clock) = &mut self.gpu {
+            let start = clock.mark();
+            let r = f();
+            clock.push(phase, start);
+            return r;
+        }
         let t0 = Instant::now();
         let r = f();
-        if let Some(dev) = &self.sync {
-            // A failed synchronisation surfaces in the next device call; the timer is not the
-            // place to report it.
-            let _ = dev.synchronize();
-        }
         *self.slot(phase) += t0.elapsed();
         r
+    }
+
+    /// Adds the GPU's times of the phases recorded so far (waiting for the last one; after a
+    /// batch's copies back, nothing is left to wait for). A no-op off the GPU.
+    pub fn finish(&mut self) {
+        #[cfg(feature = "cuda")]
+        if let Some(clock) = &mut self.gpu {
+            for (phase, d) in clock.take() {
+                *self.slot(phase) += d;
+            }
+        }
     }
 
     /// Adds `d`, measured elsewhere (the AVX-512 head kernel splits its own time), to `phase`.
@@ -117,6 +149,55 @@ impl Timing {
             Phase::Head => &mut self.head,
             Phase::Topk => &mut self.topk,
             Phase::Copy => &mut self.copy,
+        }
+    }
+}
+
+/// A phase timer of CUDA events (see [`Timing`]).
+#[cfg(feature = "cuda")]
+mod gpu_clock {
+    use super::Phase;
+    use candle_core::cuda_backend::cudarc::driver::{sys::CUevent_flags, CudaEvent, CudaStream};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    pub struct Clock {
+        stream: Arc<CudaStream>,
+        marks: Vec<(Phase, CudaEvent, CudaEvent)>,
+    }
+
+    impl Clock {
+        pub fn new(dev: &candle_core::CudaDevice) -> Clock {
+            Clock {
+                stream: dev.cuda_stream(),
+                marks: Vec::new(),
+            }
+        }
+
+        /// An event recorded now on the stream (`None` if the driver refused: that phase goes
+        /// untimed; the error, if real, surfaces in the next device call).
+        pub fn mark(&self) -> Option<CudaEvent> {
+            self.stream
+                .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+                .ok()
+        }
+
+        /// Ends `phase`, started at `start`.
+        pub fn push(&mut self, phase: Phase, start: Option<CudaEvent>) {
+            if let (Some(start), Some(end)) = (start, self.mark()) {
+                self.marks.push((phase, start, end));
+            }
+        }
+
+        /// Each recorded phase's GPU time (waits for its end event), and forgets them.
+        pub fn take(&mut self) -> Vec<(Phase, Duration)> {
+            self.marks
+                .drain(..)
+                .filter_map(|(phase, start, end)| {
+                    let ms = start.elapsed_ms(&end).ok()?;
+                    Some((phase, Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3)))
+                })
+                .collect()
         }
     }
 }
