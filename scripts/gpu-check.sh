@@ -144,8 +144,10 @@ done
 step "   the same tests on the CPU (sanity of the bundle)"
 check timeout 300 "$work/test-server" device_topk:: --test-threads=1
 
-step "2b. NCCL collectives, world of one (trainer nccl-check: exact sums' bits, fast all-reduce)"
-check timeout 120 "$work/trainer" nccl-check
+step "2b. NCCL collectives, world of one (trainer nccl-check: exact sums' bits, fast all-reduce; GPU tensors through the host, then on the device)"
+for kernels in off on; do
+  check timeout 120 env XDISTILL_CUDA_KERNELS=$kernels "$work/trainer" nccl-check
+done
 fi
 
 if only 3t; then

@@ -97,18 +97,28 @@ pub trait Collective {
         flat: &Tensor,
         fast: bool,
     ) -> Result<Tensor, CollectiveError> {
-        let candle = |e: candle_core::Error| {
-            CollectiveError::Usage(format!("staging a gradient buffer through the host: {e}"))
-        };
-        let mut host: Vec<f32> = flat.to_vec1().map_err(candle)?;
-        if fast {
-            self.all_reduce_sum_fast(&mut host)?;
-        } else {
-            self.all_reduce_sum(&mut host)?;
-        }
-        let n = host.len();
-        Tensor::from_vec(host, n, flat.device()).map_err(candle)
+        sum_through_host(self, flat, fast)
     }
+}
+
+/// [`Collective::all_reduce_sum_tensor`] through a host buffer: `flat` copied to the host,
+/// summed by the host-buffer collectives, copied back to its device.
+pub fn sum_through_host<C: Collective + ?Sized>(
+    group: &mut C,
+    flat: &Tensor,
+    fast: bool,
+) -> Result<Tensor, CollectiveError> {
+    let candle = |e: candle_core::Error| {
+        CollectiveError::Usage(format!("staging a gradient buffer through the host: {e}"))
+    };
+    let mut host: Vec<f32> = flat.to_vec1().map_err(candle)?;
+    if fast {
+        group.all_reduce_sum_fast(&mut host)?;
+    } else {
+        group.all_reduce_sum(&mut host)?;
+    }
+    let n = host.len();
+    Tensor::from_vec(host, n, flat.device()).map_err(candle)
 }
 
 /// A world of one process: every collective is the identity.

@@ -407,15 +407,20 @@ impl Collective for NcclGroup {
         self.all_reduce_sum_fast(&mut [0.0])
     }
 
-    /// The sum over ranks of `flat` without leaving the GPU: exact, the ranks' buffers gathered
-    /// `CHUNK` elements at a time (`ncclAllGather`) and each chunk summed by the pairwise tree in
-    /// rank order in one kernel (`tree_sum.cu`, the host tree's bits); with `fast`,
-    /// `ncclAllReduce`. Nothing is copied to the host and nothing waits for the stream.
+    /// The sum over ranks of `flat` without leaving the GPU (with the project's kernels on,
+    /// `XDISTILL_CUDA_KERNELS=on`, until a GPU run has checked it; else through the host):
+    /// exact, the ranks' buffers gathered `CHUNK` elements at a time (`ncclAllGather`) and each
+    /// chunk summed by the pairwise tree in rank order in one kernel (`tree_sum.cu`, the host
+    /// tree's bits); with `fast`, `ncclAllReduce`. Nothing is copied to the host and nothing
+    /// waits for the stream.
     fn all_reduce_sum_tensor(
         &mut self,
         flat: &Tensor,
         fast: bool,
     ) -> Result<Tensor, CollectiveError> {
+        if !xdistill_shared::device::cuda_kernels() {
+            return super::sum_through_host(self, flat, fast);
+        }
         self.begin()?;
         let candle_core::Device::Cuda(dev) = flat.device() else {
             return Err(CollectiveError::Usage(format!(
