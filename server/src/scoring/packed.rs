@@ -6,7 +6,7 @@
 //! row's scores are the same bits whatever else fills its block: a sequence's answer does not
 //! depend on its batch (though it is not the per-sequence path's, another matmul shape).
 
-use super::{append, device, CandidateRows, Phase, Scorer, ScoringError, SeqRef, Timing};
+use super::{device, CandidateRows, Phase, Scorer, ScoringError, SeqRef, Timing};
 use crate::request::ScoreParams;
 use candle_core::Tensor;
 use xdistill_shared::model::Decoder;
@@ -83,7 +83,7 @@ impl Scorer {
                     Ok(s) => {
                         for (r, &(i, _)) in block.iter().enumerate() {
                             if let Ok(acc) = &mut out[i] {
-                                append(acc, row_of(&s, r));
+                                push_row(acc, &s, r);
                             }
                         }
                     }
@@ -156,19 +156,15 @@ impl Scorer {
     }
 }
 
-/// Row `r` of `s` as scores of one row.
-fn row_of(s: &SequenceScores, r: usize) -> SequenceScores {
-    SequenceScores {
-        rows: 1,
-        k: s.k,
-        m: s.m,
-        topk_ids: s.ids_row(r).to_vec(),
-        topk_values: s.values_row(r).to_vec(),
-        target_logprobs: vec![s.target_logprobs[r]],
-        logsumexp: vec![s.logsumexp[r]],
-        ids_logprobs: s.ids_logprobs_row(r).to_vec(),
-        target_ranks: s.target_ranks.get(r).map_or_else(Vec::new, |&x| vec![x]),
-        next_token: None,
-        hidden: Vec::new(),
+/// Appends row `r` of `s` to `acc` (the same k and m).
+fn push_row(acc: &mut SequenceScores, s: &SequenceScores, r: usize) {
+    acc.rows += 1;
+    acc.topk_ids.extend_from_slice(s.ids_row(r));
+    acc.topk_values.extend_from_slice(s.values_row(r));
+    acc.target_logprobs.push(s.target_logprobs[r]);
+    acc.logsumexp.push(s.logsumexp[r]);
+    acc.ids_logprobs.extend_from_slice(s.ids_logprobs_row(r));
+    if let Some(&rank) = s.target_ranks.get(r) {
+        acc.target_ranks.push(rank);
     }
 }
