@@ -69,6 +69,20 @@ fn student(cfg: &ModelConfig, dtype: DType, seed: u64) -> Student {
     student_mixed(cfg, dtype, dtype, seed)
 }
 
+/// A bf16-compute student built afresh from `s`'s current masters (the reference for copies
+/// updated in place).
+fn rebuilt_bf16(cfg: &ModelConfig, s: &Student) -> Student {
+    Student::from_tensors(
+        cfg.clone(),
+        s.tensors().unwrap(),
+        "unused".into(),
+        &Device::Cpu,
+        DType::F32,
+        DType::BF16,
+    )
+    .unwrap()
+}
+
 /// Masters in `master`, forward in `compute`.
 fn student_mixed(cfg: &ModelConfig, master: DType, compute: DType, seed: u64) -> Student {
     let mut params = random_params(cfg, 0.3, seed).unwrap();
@@ -317,15 +331,7 @@ fn bf16_compute_trains_the_f32_masters() {
         let stale = s16.model().forward(&ids).unwrap();
         assert!((scalar(&loss(s16.model())) - v16).abs() < 1e-9);
         s16.refresh().unwrap();
-        let fresh = Student::from_tensors(
-            cfg.clone(),
-            s16.tensors().unwrap(),
-            "unused".into(),
-            &Device::Cpu,
-            DType::F32,
-            DType::BF16,
-        )
-        .unwrap();
+        let fresh = rebuilt_bf16(&cfg, &s16);
         let got = s16.model().forward(&ids).unwrap();
         let want = fresh.model().forward(&ids).unwrap();
         assert_eq!(
@@ -364,15 +370,7 @@ fn compute_copies_written_in_place_are_what_the_decoder_reads() {
             v.set(&moved).unwrap();
         }
         s16.refresh().unwrap();
-        let fresh = Student::from_tensors(
-            cfg.clone(),
-            s16.tensors().unwrap(),
-            "unused".into(),
-            &Device::Cpu,
-            DType::F32,
-            DType::BF16,
-        )
-        .unwrap();
+        let fresh = rebuilt_bf16(&cfg, &s16);
         let got = s16.model().forward(&ids).unwrap();
         assert_eq!(
             flat(&got),
@@ -536,15 +534,7 @@ fn inference_model_is_untracked_and_reads_the_masters() {
     }
     s16.refresh().unwrap();
     let after = gen.forward(&ids).unwrap();
-    let fresh = Student::from_tensors(
-        cfg.clone(),
-        s16.tensors().unwrap(),
-        "unused".into(),
-        &Device::Cpu,
-        DType::F32,
-        DType::BF16,
-    )
-    .unwrap();
+    let fresh = rebuilt_bf16(&cfg, &s16);
     let want = fresh.inference_model().unwrap().forward(&ids).unwrap();
     assert_eq!(
         flat(&after),
