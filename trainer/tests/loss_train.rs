@@ -101,13 +101,7 @@ fn gradients_reach_every_parameter_and_training_lowers_the_loss() {
         // Two micro-batches of one row each, normalised by the global token count.
         for row in 0..B {
             let logits = model.forward(&ids.narrow(0, row, 1).unwrap()).unwrap();
-            let part = TopkTargets::new(
-                targets.ids.narrow(0, row, 1).unwrap(),
-                targets.logprobs.narrow(0, row, 1).unwrap(),
-                targets.mask.narrow(0, row, 1).unwrap(),
-                targets.distinct,
-            )
-            .unwrap();
+            let part = targets.batch_rows(row, 1).unwrap();
             let (kd, m) = kd_loss(
                 &loss_cfg,
                 &logits,

@@ -140,6 +140,17 @@ impl TopkTargets {
             count,
         })
     }
+
+    /// Batch rows `start..start + n` of these targets (gradient accumulation's micro-batches).
+    pub fn batch_rows(&self, start: usize, n: usize) -> Result<Self> {
+        let rows = |t: &Tensor| t.narrow(0, start, n);
+        Self::new(
+            rows(&self.ids)?,
+            rows(&self.logprobs)?,
+            rows(&self.mask)?,
+            self.distinct,
+        )
+    }
 }
 
 /// Per-position divergence `[.., n] × [.., n] -> [..]`, summed over the last dim.

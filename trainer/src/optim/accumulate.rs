@@ -233,13 +233,7 @@ mod tests {
                 .unwrap()
                 .reshape((n, t, v))
                 .unwrap();
-            let part = TopkTargets::new(
-                tg.ids.narrow(0, rows.start, n).unwrap(),
-                tg.logprobs.narrow(0, rows.start, n).unwrap(),
-                tg.mask.narrow(0, rows.start, n).unwrap(),
-                tg.distinct,
-            )
-            .unwrap();
+            let part = tg.batch_rows(rows.start, n).unwrap();
             let (kd, _) = topk_divergence(
                 &logits,
                 &part,

@@ -315,13 +315,7 @@ fn micro_batches_with_global_normalizer_sum_to_the_full_batch() {
     let logits = tensor(&c.zs, &[B, T, V], DType::F64);
     let mut sum = 0.0;
     for b in 0..B {
-        let part = TopkTargets::new(
-            tg.ids.narrow(0, b, 1).unwrap(),
-            tg.logprobs.narrow(0, b, 1).unwrap(),
-            tg.mask.narrow(0, b, 1).unwrap(),
-            tg.distinct,
-        )
-        .unwrap();
+        let part = tg.batch_rows(b, 1).unwrap();
         let (l, _) = topk_divergence(
             &logits.narrow(0, b, 1).unwrap(),
             &part,
