@@ -1,19 +1,31 @@
 // A host emulation of the CUDA features the kernels of ../src use, so that their logic runs
-// (slowly) on a machine without a GPU: each block is run by blockDim.x std::threads, one block
-// after another, with __syncthreads a block-wide barrier and the warp intrinsics (shuffles,
-// ballots) exchanged through per-warp slots between warp-wide barriers. `__shared__` variables
-// become function statics: one copy per kernel instantiation, shared by the block's threads,
-// which is what shared memory is while one block runs at a time. Not a simulator of timing,
-// memory ordering beyond barriers, or occupancy: it checks what the code computes.
+// (slowly) on a machine without a GPU: each block's blockDim.x threads are fibers (ucontext) on
+// one OS thread, switched only at barriers: __syncthreads is a block-wide barrier and the warp
+// intrinsics (shuffles, ballots) exchange through per-warp slots between warp-wide barriers.
+// Blocks run one after another. Within a block the scheduler always runs the first thread that
+// can run in a fixed order of priority, lowest id first in one block and highest first in the
+// next (alternating from launch to launch), so a missing barrier shows on either side of it: a
+// read before the write it waits for (the reader runs first in one of the orders), and a write
+// of the next iteration over data a slower thread has yet to read (the writer runs as far as it
+// can before the reader in one of the orders). `__shared__` variables become function statics:
+// one copy per kernel instantiation, which is what shared memory is while one block runs at a
+// time, and they keep the previous block's values (a GPU's shared memory starts undefined). Not a
+// simulator of timing, memory ordering beyond barriers, or occupancy: it checks what the code
+// computes, the same way on every run. Removing any one of the kernels' 20 __syncthreads fails
+// their harness but for two: the one closing topk_rows' radix pass (redundant: the next write
+// of what it guards waits at two later barriers) and the one before its bitonic sort (the
+// padding it orders is what the previous block left there). A std::thread per thread, as
+// before, missed three (which ones by chance) and took 4× as long.
 #pragma once
+#include <ucontext.h>
+
 #include <atomic>
-#include <barrier>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
-#include <functional>
 #include <memory>
-#include <thread>
 #include <vector>
 
 #define __global__
@@ -26,51 +38,123 @@
 struct emu_dim3 {
     unsigned x = 0, y = 0, z = 0;
 };
-inline thread_local emu_dim3 threadIdx, blockIdx;
+// The running thread's indices: the scheduler sets them at every switch.
+inline emu_dim3 threadIdx, blockIdx;
 inline emu_dim3 blockDim, gridDim;
 
 namespace emu {
+constexpr unsigned kMaxThreads = 1024;
+
+// A barrier of `expected` threads: each arrival but the last parks its thread; the last one
+// makes them all runnable again and goes back to the scheduler, which picks by priority.
+struct Barrier {
+    unsigned expected = 0, arrived = 0;
+    std::vector<unsigned> waiting;
+};
+
 struct Block {
-    std::unique_ptr<std::barrier<>> all;
-    std::vector<std::unique_ptr<std::barrier<>>> warps;
-    uint64_t slots[1024];  // one per thread: what a warp exchange passes on
+    static constexpr size_t kStack = 256 << 10;  // per thread: the kernels' locals and the closure
+    std::vector<ucontext_t> ctx;
+    std::vector<std::unique_ptr<char[]>> stacks;
+    uint64_t runnable[kMaxThreads / 64];  // bit t: thread t can run (neither parked nor done)
+    ucontext_t scheduler;
+    unsigned current = 0;
+    Barrier all;
+    std::vector<Barrier> warps;
+    uint64_t slots[kMaxThreads];  // one per thread: what a warp exchange passes on
+    void (*body)(void *) = nullptr;
+    void *closure = nullptr;
+
+    void set(unsigned t, bool on) {
+        if (on) runnable[t / 64] |= uint64_t(1) << (t % 64);
+        else runnable[t / 64] &= ~(uint64_t(1) << (t % 64));
+    }
+    // The runnable thread first in the order of priority (lowest or highest id), or -1.
+    int next(bool lowest_first) const {
+        constexpr int words = kMaxThreads / 64;
+        for (int i = 0; i < words; ++i) {
+            int w = lowest_first ? i : words - 1 - i;
+            if (runnable[w]) return 64 * w + (lowest_first ? __builtin_ctzll(runnable[w]) : 63 - __builtin_clzll(runnable[w]));
+        }
+        return -1;
+    }
 };
 inline Block *block = nullptr;
+inline unsigned launches = 0;
 inline int lane() { return threadIdx.x & 31; }
 inline int warp() { return threadIdx.x >> 5; }
-inline void warp_sync() { block->warps[warp()]->arrive_and_wait(); }
 
-// Runs `kernel` (a closure calling the kernel function) over `grid` blocks of `threads` threads:
-// one std::thread per thread of a block, each running its part of every block in turn, with a
-// barrier between blocks (so shared memory is one block's at a time).
+inline void arrive_and_wait(Barrier &b) {
+    Block &blk = *block;
+    unsigned me = blk.current;
+    if (++b.arrived == b.expected) {
+        b.arrived = 0;
+        for (unsigned t : b.waiting) blk.set(t, true);
+        b.waiting.clear();
+    } else {
+        b.waiting.push_back(me);
+        blk.set(me, false);
+    }
+    swapcontext(&blk.ctx[me], &blk.scheduler);
+}
+inline void warp_sync() { arrive_and_wait(block->warps[warp()]); }
+
+inline void thread_main() {
+    block->body(block->closure);
+    block->set(block->current, false);  // done: uc_link returns to the scheduler
+}
+
+// Runs `kernel` (a closure calling the kernel function) over `grid` blocks of `threads` threads,
+// one block at a time, each thread a fiber that runs until it finishes or reaches a barrier.
 template <typename F>
 void launch(unsigned grid, unsigned threads, F kernel) {
+    if (threads == 0 || threads > kMaxThreads) {
+        std::fprintf(stderr, "emulation: %u threads per block (1 to %u)\n", threads, kMaxThreads);
+        std::abort();
+    }
     gridDim.x = grid;
     blockDim.x = threads;
     Block blk;
-    blk.all = std::make_unique<std::barrier<>>(threads);
-    for (unsigned w = 0; w < (threads + 31) / 32; ++w) {
-        blk.warps.push_back(std::make_unique<std::barrier<>>(std::min(32u, threads - 32 * w)));
-    }
+    blk.ctx.resize(threads);
+    for (unsigned t = 0; t < threads; ++t) blk.stacks.emplace_back(new char[Block::kStack]);
+    blk.body = [](void *k) { (*static_cast<F *>(k))(); };
+    blk.closure = &kernel;
     block = &blk;
-    std::barrier<> block_done(threads);
-    std::vector<std::thread> ts;
-    for (unsigned t = 0; t < threads; ++t) {
-        ts.emplace_back([&, t] {
-            threadIdx.x = t;
-            for (unsigned b = 0; b < grid; ++b) {
-                blockIdx.x = b;
-                kernel();
-                block_done.arrive_and_wait();
-            }
-        });
+    for (unsigned b = 0; b < grid; ++b) {
+        const bool lowest_first = (launches + b) % 2 == 0;
+        blk.all = Barrier{threads};
+        blk.warps.clear();
+        for (unsigned w = 0; w < (threads + 31) / 32; ++w) blk.warps.push_back(Barrier{std::min(32u, threads - 32 * w)});
+        std::memset(blk.runnable, 0, sizeof blk.runnable);
+        for (unsigned t = 0; t < threads; ++t) {
+            getcontext(&blk.ctx[t]);
+            blk.ctx[t].uc_stack.ss_sp = blk.stacks[t].get();
+            blk.ctx[t].uc_stack.ss_size = Block::kStack;
+            blk.ctx[t].uc_link = &blk.scheduler;
+            makecontext(&blk.ctx[t], thread_main, 0);
+            blk.set(t, true);
+        }
+        blockIdx.x = b;
+        unsigned parked_total = 0;
+        for (int t; (t = blk.next(lowest_first)) >= 0;) {
+            blk.current = unsigned(t);
+            threadIdx.x = unsigned(t);
+            swapcontext(&blk.scheduler, &blk.ctx[t]);
+        }
+        parked_total = blk.all.arrived;
+        for (auto &w : blk.warps) parked_total += w.arrived;
+        if (parked_total) {
+            std::fprintf(stderr, "emulation: block %u deadlocked: %u threads wait at barriers that cannot complete\n", b,
+                         parked_total);
+            std::abort();
+        }
     }
-    for (auto &t : ts) t.join();
+    ++launches;
     block = nullptr;
 }
 }  // namespace emu
 
-inline void __syncthreads() { emu::block->all->arrive_and_wait(); }
+inline void __syncthreads() { emu::arrive_and_wait(emu::block->all); }
 
 // Lane l gets lane l + o's value (its own where that is past the warp), any type up to 8 bytes.
 template <typename T>

@@ -8,7 +8,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 out=${1:-$(mktemp -d)}
 # One harness per kernel file (or group), each its own program: NAME_test.cpp.
 for test in topk_rows optimizer log_softmax elementwise topk_kd; do
-  g++ -std=c++20 -O1 -ffp-contract=off -pthread -I "$here" -include "$here/cuda_runtime_emu.h" \
+  g++ -std=c++20 -O1 -ffp-contract=off -I "$here" -include "$here/cuda_runtime_emu.h" \
     "$here/${test}_test.cpp" -o "$out/${test}_test"
   "$out/${test}_test"
 done

@@ -1,8 +1,8 @@
 //! The CUDA kernels' logic on a machine without a GPU: each `.cu` compiled for the host against
-//! `emulate/cuda_runtime_emu.h` (a block as 1024 threads with real barriers and warp exchanges)
-//! and checked against a double-precision reference by `emulate/run.sh` (g++ with C++20). The
-//! GPU itself runs the same checks in `shared/tests/cuda_kernels.rs` (`scripts/gpu-check.sh`).
-//! About 7 s on 2 cores, most of it the compilation and one Qwen3-sized row.
+//! `emulate/cuda_runtime_emu.h` (a block's threads as fibers with real barriers and warp
+//! exchanges) and checked against a double-precision reference by `emulate/run.sh` (g++ with
+//! C++20). The GPU itself runs the same checks in `shared/tests/cuda_kernels.rs`
+//! (`scripts/gpu-check.sh`). About 9 s on an idle 2-core machine: 7 s of compilation, 2 s of runs.
 
 use std::process::Command;
 
