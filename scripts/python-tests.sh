@@ -55,6 +55,9 @@ fi
 export XDISTILL_TOKENIZERS
 
 # 4. The tests. They import the installed package (python/ itself is not on sys.path), so the
-#    packaging is tested too.
+#    packaging is tested too. One pytest process per core, up to 4 (pytest-xdist; each starts
+#    the session's teachers it needs): on 2 cores 26-31 s instead of 43 s in one process.
+#    `-n 0` (given after) runs them in this one.
 #    (`${1+"$@"}`: no arguments pass `set -u` on old bash versions too, such as macOS's 3.2.)
-exec "$py" -m pytest -q -p no:cacheprovider python/tests ${1+"$@"}
+cores="$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2)"
+exec "$py" -m pytest -q -p no:cacheprovider -n "$((cores < 4 ? cores : 4))" python/tests ${1+"$@"}
