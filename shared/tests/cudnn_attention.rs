@@ -404,6 +404,9 @@ fn decoders_through_cudnn_match_the_eager_path() {
             assert!(err < 3e-2, "{name} {what}: relative error {err:.3e}");
         }
     }
+    // Every forward above ran through cuDNN: a refused shape would have run eager and agreed.
+    let refused = xdistill_shared::model::cudnn_refused_shapes();
+    assert!(refused.is_empty(), "cuDNN refused {refused:?}");
 }
 
 /// Attention's backward in f64 by loops, given the output's gradient `d_o` `[B, Sq, Hq, D]`
@@ -568,4 +571,7 @@ fn training_pass_through_cudnn_matches_the_blockwise_core() {
             }
         }
     }
+    // Every pass above ran through cuDNN: a refused shape would have run blockwise and agreed.
+    let refused = xdistill_shared::model::cudnn_refused_shapes();
+    assert!(refused.is_empty(), "cuDNN refused {refused:?}");
 }

@@ -8,4 +8,4 @@
 #[cfg(feature = "cuda")]
 mod sdpa;
 #[cfg(feature = "cuda")]
-pub use sdpa::{load, sdpa, sdpa_backward, sdpa_train, Causal, Params};
+pub use sdpa::{load, prepare_train, sdpa, sdpa_backward, sdpa_train, Causal, Params};

@@ -3,7 +3,8 @@
 // cuDNN is loaded at run time (the frontend's dynamic loading, dlopen of libcudnn.so.9): nothing
 // links against it, so a binary starts where cuDNN is absent and the caller falls back to its
 // own attention. Built graphs are cached by their description (shapes, strides, dtype, mask),
-// as llm.c's cudnn_att.cpp and PyTorch's MHA.cpp do: building one takes milliseconds to seconds.
+// as llm.c's cudnn_att.cpp and PyTorch's MHA.cpp do: building one takes milliseconds to seconds
+// (at most MAX_GRAPHS of them, the least recently used dropped first).
 //
 // Tensors are described as cuDNN wants them, logical [B, H, S, D] with any strides, so the
 // caller passes its projections' [B, S, H, D] layout without transposing.
@@ -53,11 +54,25 @@ struct Entry {
 };
 
 std::mutex mu;  // one cuDNN handle per context is not safe to share across threads at once
-std::map<uint64_t, cudnnHandle_t> handles;
-std::map<std::string, Entry> graphs;
-// Compiled kernels shared by every graph built with dynamic shapes: a new sequence length
-// reuses them instead of compiling its own (the teacher sees many lengths).
-std::shared_ptr<fe::KernelCache> kernels;  // made on first use, after cuDNN is loaded
+// Never destroyed (allocated once, never freed, as PyTorch does with its cuDNN objects): at
+// exit, static destructors would run after libcudnn (dlopened later) has torn itself down.
+std::map<uint64_t, cudnnHandle_t> &handles = *new std::map<uint64_t, cudnnHandle_t>;
+// The built graphs by description, each with the tick of its last use: at most MAX_GRAPHS
+// (a server that sees many shapes would otherwise grow without bound); past it the least
+// recently used is dropped (its kernels stay in the kernel cache).
+constexpr size_t MAX_GRAPHS = 1024;
+struct Cached {
+    Entry entry;
+    uint64_t used = 0;
+};
+std::map<std::string, Cached> &graphs = *new std::map<std::string, Cached>;
+uint64_t tick = 0;
+// Compiled kernels shared by the graphs of one topology built with dynamic shapes (the same
+// description but for B, Sq, Skv and the strides): a new sequence length reuses them instead
+// of compiling its own (the teacher sees many lengths). One cache per topology, as cuDNN's
+// kernel cache is made for one operation graph's shape family.
+std::map<std::string, std::shared_ptr<fe::KernelCache>> &kernel_caches =
+    *new std::map<std::string, std::shared_ptr<fe::KernelCache>>;
 
 void set_err(char *err, size_t n, const std::string &msg) {
     if (err && n) {
@@ -67,6 +82,16 @@ void set_err(char *err, size_t n, const std::string &msg) {
 
 std::string key_of(const XdSdpaDesc &d) {
     return std::string(reinterpret_cast<const char *>(&d), sizeof d);
+}
+
+// The key of `d`'s topology: its description with the dynamic dimensions and strides cleared.
+std::string topology_of(const XdSdpaDesc &d) {
+    XdSdpaDesc t = d;
+    t.b = t.sq = t.skv = 0;
+    for (int i = 0; i < 4; ++i) {
+        t.q_stride[i] = t.k_stride[i] = t.v_stride[i] = t.o_stride[i] = 0;
+    }
+    return key_of(t);
 }
 
 // The handle of `d.context` (made current by the caller), created on first use.
@@ -117,6 +142,7 @@ Entry build(const XdSdpaDesc &d, cudnnHandle_t h, bool dynamic) {
     auto io = d.dtype == 0 ? fe::DataType_t::BFLOAT16 : fe::DataType_t::HALF;
     auto g = std::make_shared<fe::graph::Graph>();
     if (dynamic) {
+        auto &kernels = kernel_caches[topology_of(d)];
         if (!kernels) {
             kernels = std::make_shared<fe::KernelCache>();
         }
@@ -165,10 +191,16 @@ Entry build(const XdSdpaDesc &d, cudnnHandle_t h, bool dynamic) {
 }
 
 Entry &entry_for(const XdSdpaDesc &d) {
+    if (!fe::cudnn_dlhandle) {
+        // The frontend resolves each cuDNN symbol once and keeps what it found: a call before
+        // the library is loaded would leave every later one without it.
+        throw std::runtime_error("cuDNN is not loaded (xd_cudnn_load first)");
+    }
     auto key = key_of(d);
     auto it = graphs.find(key);
     if (it != graphs.end()) {
-        return it->second;
+        it->second.used = ++tick;
+        return it->second.entry;
     }
     auto h = handle_for(d);
     Entry e;
@@ -177,7 +209,19 @@ Entry &entry_for(const XdSdpaDesc &d) {
     } catch (const std::exception &) {
         e = build(d, h, false);  // a cuDNN without dynamic shapes for this case: one graph per shape
     }
-    return graphs.emplace(key, std::move(e)).first->second;
+    if (graphs.size() >= MAX_GRAPHS) {
+        auto oldest = graphs.begin();
+        for (auto i = graphs.begin(); i != graphs.end(); ++i) {
+            if (i->second.used < oldest->second.used) {
+                oldest = i;
+            }
+        }
+        graphs.erase(oldest);  // kernels it launched are queued already and do not need it
+    }
+    Cached c;
+    c.entry = std::move(e);
+    c.used = ++tick;
+    return graphs.emplace(key, std::move(c)).first->second.entry;
 }
 
 // Runs `desc`'s graph on `stream` with the device pointers `pack` (by uid). The caller holds `mu`.

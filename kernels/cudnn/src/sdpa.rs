@@ -241,6 +241,10 @@ fn address<T: CudaDType + DeviceRepr>(
 ) -> Result<u64> {
     let slice = s.as_cuda_slice::<T>()?.slice(l.start_offset()..);
     let (p, _sync) = slice.device_ptr(stream);
+    // cuDNN's graphs assume 16-byte aligned tensors (a view starting mid-row may not be).
+    if !p.is_multiple_of(16) {
+        bail!("cuDNN attention: an operand's address {p:#x} is not 16-byte aligned");
+    }
     Ok(p)
 }
 
@@ -359,6 +363,30 @@ impl<'a> Operand<'a> {
     fn ptr<T: CudaDType + DeviceRepr>(&self, stream: &Arc<CudaStream>) -> Result<u64> {
         address::<T>(self.cuda()?, self.layout, stream)
     }
+}
+
+/// Builds (or finds) both graphs of training over `q`, `k`, `v` as [`sdpa_train`] and
+/// [`sdpa_backward`] will take them, without running either: an error says cuDNN does not
+/// support the case (e.g. a backward with heads of 256 before Hopper), before any work is done
+/// with it, so that the caller can take another kernel for both directions.
+pub fn prepare_train(q: &Tensor, k: &Tensor, v: &Tensor, params: Params) -> Result<()> {
+    if let Err(why) = load() {
+        bail!("cuDNN attention: {why}");
+    }
+    let dtype = dtype_code(q.dtype())?;
+    let (qo, ko, vo) = (Operand::of(q), Operand::of(k), Operand::of(v));
+    let stream = qo.cuda()?.device().cuda_stream();
+    stream.context().bind_to_thread().w()?;
+    let context = stream.context().cu_ctx() as usize as u64;
+    let mut desc = describe(context, dtype, params, (qo.layout, ko.layout, vo.layout))?;
+    desc.stats = 1;
+    prepare(&desc)?;
+    // The backward's description: the forward's with `backward` set and no statistics written
+    // (as `train_backward` makes it).
+    desc.stats = 0;
+    desc.backward = 1;
+    prepare(&desc)?;
+    Ok(())
 }
 
 /// The forward of training: `softmax(scale · q kᵀ + mask) · v` as [`sdpa`] (`o` `[B, Sq, Hq,

@@ -26,6 +26,39 @@ fn cudnn() -> bool {
     })
 }
 
+/// The shapes cuDNN refused in this process (inference and training), each a description of
+/// its dims, dtype and mask.
+fn refusals() -> &'static Mutex<HashSet<String>> {
+    static REFUSED: OnceLock<Mutex<HashSet<String>>> = OnceLock::new();
+    REFUSED.get_or_init(|| Mutex::new(HashSet::new()))
+}
+
+/// Whether cuDNN refused the shape `key` before.
+pub(super) fn refused(key: &str) -> bool {
+    refusals().lock().is_ok_and(|set| set.contains(key))
+}
+
+/// Remembers that cuDNN refused the shape `key` (and why, in one warning): it takes `fallback`
+/// from then on.
+pub(super) fn refuse(key: String, why: &dyn std::fmt::Display, fallback: &str) {
+    tracing::warn!("cuDNN refused {key} ({why}); {fallback} runs it");
+    if let Ok(mut set) = refusals().lock() {
+        set.insert(key);
+    }
+}
+
+/// The shapes cuDNN has refused in this process, sorted: each runs on the eager or blockwise
+/// attention instead. Empty where every shape ran through cuDNN (the GPU tests that compare it
+/// with another path check this, so that a refusal cannot pass for agreement).
+pub fn refused_shapes() -> Vec<String> {
+    let mut v: Vec<String> = refusals()
+        .lock()
+        .map(|set| set.iter().cloned().collect())
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
 /// cuDNN's attention of `q` [B, T, Hq, D]-strided views, `k`, `v` as [`xdistill_cudnn::sdpa`]
 /// takes them, or `None` where cuDNN refuses the shape (its graph does not build or run): that
 /// shape (dims, dtype, mask) is remembered and takes the eager attention from then on, with one
@@ -36,26 +69,21 @@ pub(super) fn sdpa_or_eager(
     v: &Tensor,
     params: Params,
 ) -> Result<Option<Tensor>> {
-    static REFUSED: OnceLock<Mutex<HashSet<String>>> = OnceLock::new();
-    let refused = REFUSED.get_or_init(|| Mutex::new(HashSet::new()));
     let key = format!(
-        "q {:?} k {:?} {:?} {:?} window {:?}",
+        "attention q {:?} k {:?} {:?} {:?} window {:?}",
         q.dims(),
         k.dims(),
         q.dtype(),
         params.causal,
         params.window
     );
-    if refused.lock().is_ok_and(|set| set.contains(&key)) {
+    if refused(&key) {
         return Ok(None);
     }
     match xdistill_cudnn::sdpa(q, k, v, params) {
         Ok(out) => Ok(Some(out)),
         Err(e) => {
-            tracing::warn!("attention: cuDNN refused {key} ({e}); the eager attention runs it");
-            if let Ok(mut set) = refused.lock() {
-                set.insert(key);
-            }
+            refuse(key, &e, "the eager attention");
             Ok(None)
         }
     }

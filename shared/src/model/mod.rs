@@ -41,6 +41,8 @@ mod spec;
 mod train;
 mod train_attention;
 
+#[cfg(feature = "cuda")]
+pub use attn_cudnn::refused_shapes as cudnn_refused_shapes;
 #[doc(hidden)]
 pub use blockwise::override_block as override_attention_block;
 pub(crate) use config::stored_name;

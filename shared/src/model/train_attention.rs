@@ -4,7 +4,9 @@
 //! - cuDNN's fused SDPA ([`xdistill_cudnn::sdpa_train`] and [`xdistill_cudnn::sdpa_backward`]:
 //!   the softmax statistics kept, deterministic backward, grouped-query heads read unrepeated)
 //!   where the decoder's [`AttnBackend`] is cuDNN and it applies: a CUDA build on a CUDA device,
-//!   bf16 or f16, cuDNN loaded, a head size it takes;
+//!   bf16 or f16, cuDNN loaded, a head size it takes, and both of the shape's graphs built (a
+//!   shape cuDNN refuses in either direction, e.g. a backward with heads of 256 before Hopper,
+//!   takes the blockwise kernel from then on, with one warning);
 //! - the blockwise attention ([`super::blockwise`]) everywhere else: every device and dtype, and
 //!   the reference the fused one is tested against.
 //!
@@ -69,13 +71,43 @@ pub(crate) fn forward(q: &Tensor, k: &Tensor, v: &Tensor, core: Core) -> Result<
             causal: xdistill_cudnn::Causal::TopLeft,
             window,
         };
-        let (out, stats) = xdistill_cudnn::sdpa_train(q, k, v, params)?; // [B, T, Hq, D]
-        return Ok((out.transpose(1, 2)?, Saved::Cudnn { stats, params }));
+        if cudnn_trains((q, k, v), params)? {
+            let (out, stats) = xdistill_cudnn::sdpa_train(q, k, v, params)?; // [B, T, Hq, D]
+            return Ok((out.transpose(1, 2)?, Saved::Cudnn { stats, params }));
+        }
     }
     let _ = backend;
     let (b, h, t, _) = q.dims4()?;
     let c = Causal::for_shape(b, h, t, window);
     Ok((blockwise::forward(q, k, v, scale, c)?, Saved::Blockwise(c)))
+}
+
+/// Whether cuDNN builds both training graphs of this shape (dims, dtype, window); a shape it
+/// refuses is remembered and takes the blockwise kernel from then on, with one warning, so that a
+/// step never fails on a case cuDNN's heuristics do not cover.
+#[cfg(feature = "cuda")]
+fn cudnn_trains(
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    params: xdistill_cudnn::Params,
+) -> Result<bool> {
+    use super::attn_cudnn::{refuse, refused};
+    let key = format!(
+        "training attention q {:?} k {:?} {:?} window {:?}",
+        q.dims(),
+        k.dims(),
+        q.dtype(),
+        params.window
+    );
+    if refused(&key) {
+        return Ok(false);
+    }
+    match xdistill_cudnn::prepare_train(q, k, v, params) {
+        Ok(()) => Ok(true),
+        Err(e) => {
+            refuse(key, &e, "the blockwise kernel");
+            Ok(false)
+        }
+    }
 }
 
 /// Gradients `(dq, dk, dv)` at `q`, `k`, `v` (their shapes and dtype) of [`forward`], given its
