@@ -9,13 +9,16 @@
 // of the next iteration over data a slower thread has yet to read (the writer runs as far as it
 // can before the reader in one of the orders). `__shared__` variables become function statics:
 // one copy per kernel instantiation, which is what shared memory is while one block runs at a
-// time, and they keep the previous block's values (a GPU's shared memory starts undefined). Not a
-// simulator of timing, memory ordering beyond barriers, or occupancy: it checks what the code
-// computes, the same way on every run. Removing any one of the kernels' 20 __syncthreads fails
-// their harness but for two: the one closing topk_rows' radix pass (redundant: the next write
-// of what it guards waits at two later barriers) and the one before its bitonic sort (the
-// padding it orders is what the previous block left there). A std::thread per thread, as
-// before, missed three (which ones by chance) and took 4× as long.
+// time. A GPU's shared memory starts undefined: before each block the statics of plain kernels
+// are filled with 0xff bytes (they share one linker section), so a read before any write gets
+// garbage; a template's statics (GCC places them in their own groups, ignoring the section)
+// keep the previous block's values. Not a simulator of timing, memory ordering beyond
+// barriers, or occupancy: it checks what the code computes, the same way on every run.
+// Removing any one of the kernels' 20 __syncthreads fails their harness but for two: the one
+// closing topk_rows' radix pass (redundant: the next write of what it guards waits at two later
+// barriers) and the one before its bitonic sort (topk_rows is a template: the padding it orders
+// is what the previous block left there). A std::thread per thread, as before, missed three
+// (which ones by chance) and took 4× as long.
 #pragma once
 #include <ucontext.h>
 
@@ -31,7 +34,10 @@
 #define __global__
 #define __device__
 #define __forceinline__ inline
-#define __shared__ static
+// Shared memory: function statics gathered in one section (a template's excepted, above), so
+// that the emulation can fill them with garbage before each block (the linker names the
+// section's bounds __start_emu_shared and __stop_emu_shared).
+#define __shared__ static __attribute__((section("emu_shared")))
 #define __restrict__
 #define __launch_bounds__(n)
 
@@ -42,8 +48,19 @@ struct emu_dim3 {
 inline emu_dim3 threadIdx, blockIdx;
 inline emu_dim3 blockDim, gridDim;
 
+extern "C" char __start_emu_shared[] __attribute__((weak));
+extern "C" char __stop_emu_shared[] __attribute__((weak));
+
 namespace emu {
 constexpr unsigned kMaxThreads = 1024;
+
+// Fills every kernel's shared memory with 0xff bytes (NaN floats, the largest integers): what a
+// block reads before writing it is then garbage, not the previous block's values.
+inline void poison_shared() {
+    if (__start_emu_shared && __stop_emu_shared) {
+        std::memset(__start_emu_shared, 0xff, size_t(__stop_emu_shared - __start_emu_shared));
+    }
+}
 
 // A barrier of `expected` threads: each arrival but the last parks its thread; the last one
 // makes them all runnable again and goes back to the scheduler, which picks by priority.
@@ -135,6 +152,7 @@ void launch(unsigned grid, unsigned threads, F kernel) {
             blk.set(t, true);
         }
         blockIdx.x = b;
+        poison_shared();
         unsigned parked_total = 0;
         for (int t; (t = blk.next(lowest_first)) >= 0;) {
             blk.current = unsigned(t);

@@ -11,6 +11,8 @@
 #undef THREADS
 #include "../src/gated_act.cu"
 
+#include "harness.h"
+
 #include <algorithm>
 #include <cstdio>
 #include <random>
@@ -80,7 +82,7 @@ static void rms_norm_case(const char *name, uint32_t rows, uint32_t dim, int plu
             const double n = f(x[o + i]) * rs;
             const double want = plus_one ? n * (1.0 + f(w[i])) : round_to<T>(n) * f(w[i]);
             // Llama's two roundings may fall either side of a rounding boundary: 2 units.
-            worst_y = std::max(worst_y, std::fabs(f(y[o + i]) - want) / (std::fabs(want) + 1e-6) / unit<T>() / 2);
+            worst_y = worse(worst_y, std::fabs(f(y[o + i]) - want) / (std::fabs(want) + 1e-6) / unit<T>() / 2);
             dx[i] = rs * dn[i] - f(x[o + i]) * rs * rs * rs * dot / dim;
             dx_scale = std::max(dx_scale, std::fabs(dx[i]));
             const double nk = plus_one ? n : round_to<T>(n);
@@ -88,10 +90,10 @@ static void rms_norm_case(const char *name, uint32_t rows, uint32_t dim, int plu
             dw_scale[i] += std::fabs(f(g[o + i]) * nk);
         }
         for (uint32_t i = 0; i < dim; ++i)
-            worst_dx = std::max(worst_dx, std::fabs(f(dxw[o + i]) - dx[i]) / dx_scale / unit<T>());
+            worst_dx = worse(worst_dx, std::fabs(f(dxw[o + i]) - dx[i]) / dx_scale / unit<T>());
     }
     for (uint32_t i = 0; i < dim; ++i)
-        worst_dw = std::max(worst_dw, std::fabs(f(dxw[x.size() + i]) - dw[i]) / dw_scale[i] / unit<T>());
+        worst_dw = worse(worst_dw, std::fabs(f(dxw[x.size() + i]) - dw[i]) / dw_scale[i] / unit<T>());
     // In units of T's rounding: bf16's one rounding dominates; f32's r carries its sum's and
     // square root's roundings (a few units), and the gradients' sums over 10^3 terms more.
     const double y_units = sizeof(T) == 2 ? 1 : 8, sum_units = sizeof(T) == 2 ? 2 : 64;
@@ -150,8 +152,8 @@ static void rope_case(const char *name, uint32_t nb, uint32_t nt, uint32_t nh, u
                     // Relative to the pair's size (|x1| + |x2| bounds the rotated values).
                     const double scale_y = std::fabs(f(x[i0 + j % half])) + std::fabs(f(x[i0 + j % half + half])) + 1e-6;
                     const double scale_g = std::fabs(f(gy[o0 + j % half])) + std::fabs(f(gy[o0 + j % half + half])) + 1e-6;
-                    worst_y = std::max(worst_y, std::fabs(f(y[o0 + j]) - want_y) / scale_y / unit<T>());
-                    worst_dx = std::max(worst_dx, std::fabs(f(dx[i0 + j]) - want_dx) / scale_g / unit<T>());
+                    worst_y = worse(worst_y, std::fabs(f(y[o0 + j]) - want_y) / scale_y / unit<T>());
+                    worst_dx = worse(worst_dx, std::fabs(f(dx[i0 + j]) - want_dx) / scale_g / unit<T>());
                 }
             }
     std::string tag = std::string(name) + " " + std::to_string(nb) + "x" + std::to_string(nt) + "x" +
@@ -191,9 +193,9 @@ static void gated_case(const char *name, uint32_t rows, uint32_t width, int act)
             }
             const size_t j = size_t(r) * width + i;
             // Relative to the factors' sizes: act's f32 evaluation is good to a few units.
-            worst_y = std::max(worst_y, std::fabs(f(y[j]) - a * u) / (std::fabs(g * u) + 1e-6) / unit<T>());
-            worst_dg = std::max(worst_dg, std::fabs(f(grads[j]) - o * u * da) / (std::fabs(o * u) + 1e-6) / unit<T>());
-            worst_du = std::max(worst_du, std::fabs(f(grads[n + j]) - o * a) / (std::fabs(o * g) + 1e-6) / unit<T>());
+            worst_y = worse(worst_y, std::fabs(f(y[j]) - a * u) / (std::fabs(g * u) + 1e-6) / unit<T>());
+            worst_dg = worse(worst_dg, std::fabs(f(grads[j]) - o * u * da) / (std::fabs(o * u) + 1e-6) / unit<T>());
+            worst_du = worse(worst_du, std::fabs(f(grads[n + j]) - o * a) / (std::fabs(o * g) + 1e-6) / unit<T>());
         }
     std::string tag = std::string(name) + " act " + std::to_string(act) + " " + std::to_string(rows) + "x" +
                       std::to_string(width);

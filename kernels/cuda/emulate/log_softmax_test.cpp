@@ -3,6 +3,8 @@
 // from 1 to Qwen3's 151,936 columns. Exits non-zero on the first mismatch.
 #include "../src/log_softmax.cu"
 
+#include "harness.h"
+
 #include <algorithm>
 #include <cstdio>
 #include <random>
@@ -34,9 +36,9 @@ int main() {
             for (uint32_t i = 0; i < dim; ++i) {
                 size_t j = size_t(r) * dim + i;
                 double want_y = double(xr[i]) - lse;
-                worst_y = std::max(worst_y, std::fabs(y[j] - want_y));
+                worst_y = worse(worst_y, std::fabs(y[j] - want_y));
                 double want_g = double(g[j]) - std::exp(want_y) * sg;
-                worst_g = std::max(worst_g, std::fabs(gx[j] - want_g) / scale);
+                worst_g = worse(worst_g, std::fabs(gx[j] - want_g) / scale);
             }
         }
         std::printf("log_softmax %u x %6u: worst abs error forward %.2e, backward (relative) %.2e\n", rows, dim, worst_y,

@@ -10,6 +10,8 @@
 #include "../src/sum_squares.cu"
 #include "../src/tree_sum.cu"
 
+#include "harness.h"
+
 #include <cstdio>
 #include <random>
 #include <vector>
@@ -122,7 +124,7 @@ static void sum_squares_case(unsigned grid, std::mt19937 &rng) {
     for (size_t t = 0; t < sizes.size(); ++t) {
         long double want = 0;
         for (float xi : x[t]) want += (long double)xi * xi;
-        worst = std::max(worst, double(std::fabs((long double)got[t] - want) / want));
+        worst = worse(worst, double(std::fabs((long double)got[t] - want) / want));
     }
     std::printf("sum_squares grid %u (%zu chunks): worst relative error %.2e\n", grid, cs.size(), worst);
     if (!(worst < 1e-12)) ++failures;

@@ -5,6 +5,8 @@
 // and bf16 logits; and the cross-entropy as its k = 1 case. Exits non-zero on the first mismatch.
 #include "../src/topk_kd.cu"
 
+#include "harness.h"
+
 #include <algorithm>
 #include <cstdio>
 #include <numeric>
@@ -104,7 +106,7 @@ static void kd_case(const char *name, uint32_t rows, uint32_t v, uint32_t k, int
         std::vector<float> ltr(lt.begin() + r * k, lt.begin() + (r + 1) * k);
         double tm, sm;
         const double d = reference(zr, idr, ltr, div, tail, beta, tau, floor, &tm, &sm);
-        worst_d = std::max(worst_d, std::fabs(out[r * 4] - d) / (std::fabs(d) + 1e-3));
+        worst_d = worse(worst_d, std::fabs(out[r * 4] - d) / (std::fabs(d) + 1e-3));
         worst_m = std::max({worst_m, std::fabs(out[r * 4 + 1] - tm), std::fabs(out[r * 4 + 2] - sm)});
         // Central differences at every column of K and every fifth other one.
         std::vector<double> want(v), got(v);
@@ -126,7 +128,7 @@ static void kd_case(const char *name, uint32_t rows, uint32_t v, uint32_t k, int
         for (uint32_t i = 0; i < v; ++i) {
             const bool in_k = std::find(idr.begin(), idr.end(), i) != idr.end();
             if (!in_k && i % 5) continue;
-            worst_g = std::max(worst_g, std::fabs(got[i] - want[i]) / scale);
+            worst_g = worse(worst_g, std::fabs(got[i] - want[i]) / scale);
         }
     }
     // f32 sums over V, and bf16's rounding of each gradient (2^-9 relative, at most 2^-8).

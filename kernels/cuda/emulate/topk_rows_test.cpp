@@ -5,6 +5,8 @@
 //   kernels/cuda/emulate/run.sh        (g++ with C++20; what `cargo test` runs too)
 #include "../src/topk_rows.cu"
 
+#include "harness.h"
+
 #include <algorithm>
 #include <cstdio>
 #include <numeric>
@@ -83,10 +85,10 @@ void check(const char *dtype, uint32_t n, uint32_t v, uint32_t valid, uint32_t k
             EXPECT(ids[size_t(r) * k + j] == order[j], "%s: place %u id %u, want %u", c.c_str(), j,
                    ids[size_t(r) * k + j], order[j]);
             double want = double(z[order[j]]) - (logprobs ? want_lse : 0.0);
-            worst = std::max(worst, std::fabs(vals[size_t(r) * k + j] - want));
+            worst = worse(worst, std::fabs(vals[size_t(r) * k + j] - want));
         }
-        worst = std::max(worst, std::fabs(lse[r] - want_lse));
-        worst = std::max(worst, std::fabs(tlp[r] - (double(zt) - want_lse)));
+        worst = worse(worst, std::fabs(lse[r] - want_lse));
+        worst = worse(worst, std::fabs(tlp[r] - (double(zt) - want_lse)));
     }
     std::printf("%-5s n %u v %6u valid %6u k %4u t %.1f %s: worst abs error %.2e\n", dtype, n, v, valid, k, t,
                 logprobs ? "logprobs" : "logits  ", worst);
