@@ -71,7 +71,7 @@ pub(crate) fn forward(q: &Tensor, k: &Tensor, v: &Tensor, core: Core) -> Result<
             causal: xdistill_cudnn::Causal::TopLeft,
             window,
         };
-        if cudnn_trains((q, k, v), params)? {
+        if cudnn_trains((q, k, v), params) {
             let (out, stats) = xdistill_cudnn::sdpa_train(q, k, v, params)?; // [B, T, Hq, D]
             return Ok((out.transpose(1, 2)?, Saved::Cudnn { stats, params }));
         }
@@ -86,10 +86,7 @@ pub(crate) fn forward(q: &Tensor, k: &Tensor, v: &Tensor, core: Core) -> Result<
 /// refuses is remembered and takes the blockwise kernel from then on, with one warning, so that a
 /// step never fails on a case cuDNN's heuristics do not cover.
 #[cfg(feature = "cuda")]
-fn cudnn_trains(
-    (q, k, v): (&Tensor, &Tensor, &Tensor),
-    params: xdistill_cudnn::Params,
-) -> Result<bool> {
+fn cudnn_trains((q, k, v): (&Tensor, &Tensor, &Tensor), params: xdistill_cudnn::Params) -> bool {
     use super::attn_cudnn::{refuse, refused};
     let key = format!(
         "training attention q {:?} k {:?} {:?} window {:?}",
@@ -99,13 +96,13 @@ fn cudnn_trains(
         params.window
     );
     if refused(&key) {
-        return Ok(false);
+        return false;
     }
     match xdistill_cudnn::prepare_train(q, k, v, params) {
-        Ok(()) => Ok(true),
+        Ok(()) => true,
         Err(e) => {
             refuse(key, &e, "the blockwise kernel");
-            Ok(false)
+            false
         }
     }
 }
