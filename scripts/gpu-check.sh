@@ -49,7 +49,9 @@ bundle=${1:-target/cuda/gpu-bundle}
 out=${OUT:-$root/runs/gpu-check}
 mkdir -p "$out"
 log="$out/gpu-check.log"
-exec > >(tee -a "$log") 2>&1
+# Lines cut at 2,000 characters: a failed assert_eq! on two tensors prints megabytes, and a log
+# over 16 MiB does not come back from a lent machine (the 2026-11-29 H200 run's was lost so).
+exec > >(awk '{ print substr($0, 1, 2000); fflush() }' | tee -a "$log") 2>&1
 work=$(mktemp -d /tmp/xdistill-gpu.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 fail=0
