@@ -363,6 +363,12 @@ impl Decoder {
     /// Computed as one rank-2 matmul against the transposed *view* of the head, which the
     /// matmul reads in place (a rank-3 broadcast would copy the whole [H, V] head each call).
     pub fn logits(&self, hidden: &Tensor) -> Result<Tensor> {
+        if self.ops == Ops::Differentiable {
+            // One node whose backward writes the head's `[V, H]` gradient as it is laid out
+            // (through `hidden.matmul(head.t())` it came back as a transposed view, added to
+            // zeros element by element, and the logits' gradient went through two reshapes).
+            return super::autograd::linear(hidden, &self.w.lm_head);
+        }
         let dims = hidden.dims().to_vec();
         let h = *dims.last().unwrap_or(&0);
         let rows = hidden.elem_count() / h.max(1);

@@ -176,6 +176,14 @@ impl Linear {
             }
         };
         let w = inner.weight();
+        if ops == Ops::Differentiable {
+            // One node in the graph, its backward two matmuls (`autograd::linear`).
+            let y = super::autograd::linear(x, w)?;
+            return match inner.bias() {
+                Some(b) => y.broadcast_add(b),
+                None => Ok(y),
+            };
+        }
         if !takes_matmul_nt(x, w, ops)? {
             return inner.forward(x);
         }

@@ -13,7 +13,9 @@
 //! MLP's `silu(gate) · up` with the SIMD exp, `host_ops.rs`; on CUDA, with
 //! [`AttnBackend::Cudnn`], the attention through cuDNN, `attn_cudnn.rs`), and ops that all have
 //! a backward pass for training. `device_ops.rs` holds the fused RMSNorm, RoPE and gated
-//! activation (with their backward) that CUDA runs with the project's kernels; `packed.rs` the
+//! activation (with their backward) that CUDA runs with the project's kernels; `autograd.rs` the
+//! linear layer as one node and gradients seeded at known outputs (candle's backward kept
+//! small); `packed.rs` the
 //! packed forward of several sequences (the teacher's batch-invariant mode in fixed matmul
 //! blocks). `precision.rs` retraces the forward op by op in f32 and f64 (where an f32 forward
 //! loses accuracy).
@@ -21,6 +23,7 @@
 pub mod arch;
 #[cfg(feature = "cuda")]
 mod attn_cudnn;
+mod autograd;
 mod blockwise;
 pub mod config;
 mod decoder;

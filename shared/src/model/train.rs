@@ -355,11 +355,10 @@ impl TrainPass<'_> {
     }
 }
 
-/// The gradients of `Σ out ∘ grad` (detached `grad`): what `out`'s graph receives when `grad` is
-/// the gradient arriving at `out`.
+/// What `out`'s graph receives when `grad` is the gradient arriving at `out`
+/// ([`super::autograd::seed`]).
 fn pull(out: &Tensor, grad: &Tensor) -> Result<GradStore> {
-    let grad = grad.detach().to_dtype(out.dtype())?;
-    (out * grad)?.sum_all()?.backward()
+    super::autograd::seed(&[(out, grad)])
 }
 
 /// The parameters' entries of `g`: vectors and matrices. candle's `backward` also returns
@@ -448,8 +447,7 @@ fn layer_backward(
     let core = layer.core.as_tensor();
     let (dq, dk, dv) =
         train_attention::backward(&layer.saved, (q, k, v), core, &dout, block.attn.scale)?;
-    let surrogate = ((q * dq)?.sum_all()? + (k * dk)?.sum_all()?)?;
-    let mut before = (surrogate + (v * dv)?.sum_all()?)?.backward()?;
+    let mut before = super::autograd::seed(&[(q, &dq), (k, &dk), (v, &dv)])?;
     let gx = (gx_residual + take(&mut before, &layer.input)?)?;
     total.extend(params_only(after))?;
     total.extend(params_only(before))?;

@@ -1,0 +1,300 @@
+//! Two ops that keep candle's backward pass small. candle's `backward` gives every node of the
+//! graph a gradient, each as `zeros + contribution` (a fill and an add per node, a strided add
+//! where the node is a transposed view), and computes gradients for constant operands too; on a
+//! GPU those small kernels, not the matmuls, led a training step's profile (an H200, 2026-11-29:
+//! `badd_bf16`, 361 launches, 19.2 of 45.8 ms). So:
+//! - [`seed`]: the gradients reached from outputs whose gradients are known (a layer's output,
+//!   the attention core's q, k, v), without building `Σ out ∘ grad` to differentiate: one node
+//!   per output whose backward hands its gradient on (the surrogate cost a mul, a sum and about
+//!   eight kernels more in the backward per output, and a gradient for the constant `grad`);
+//! - [`linear`]: `x · Wᵀ` as one node whose backward writes `dx = g · W` and `dW = gᵀ · x`
+//!   directly (candle-nn's linear is a reshape, a transpose and a matmul: three more nodes, and
+//!   `W`'s gradient arrives as a transposed view added to zeros element by element).
+
+#[cfg(feature = "cuda")]
+use candle_core::backend::BackendDevice;
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
+
+/// The gradients of `Σᵢ Σ outᵢ ∘ gradᵢ` (each `gradᵢ` detached, `outᵢ`'s shape): what the
+/// graphs behind the `outᵢ` receive when `gradᵢ` arrives at `outᵢ`. Keyed as
+/// `Tensor::backward`'s are.
+pub fn seed(seeds: &[(&Tensor, &Tensor)]) -> Result<candle_core::backprop::GradStore> {
+    let mut root: Option<Tensor> = None;
+    for (out, grad) in seeds {
+        if grad.dims() != out.dims() {
+            candle_core::bail!(
+                "gradient seed: gradient {:?} for an output {:?}",
+                grad.dims(),
+                out.dims()
+            );
+        }
+        let grad = grad.detach().to_dtype(out.dtype())?;
+        let r = out.apply_op1(Seed(grad))?;
+        root = Some(match root {
+            Some(sum) => (sum + r)?,
+            None => r,
+        });
+    }
+    match root {
+        Some(r) => r.backward(),
+        None => Ok(candle_core::backprop::GradStore::default()),
+    }
+}
+
+/// A scalar zero whose backward hands its input the gradient it holds, whatever arrives.
+struct Seed(Tensor);
+
+impl CustomOp1 for Seed {
+    fn name(&self) -> &'static str {
+        "gradient-seed"
+    }
+
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        Ok((CpuStorage::F32(vec![0.0]), Shape::from(())))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let zero = s
+            .device()
+            .zeros_impl(&Shape::from(()), candle_core::DType::F32)?;
+        Ok((zero, Shape::from(())))
+    }
+
+    fn bwd(&self, _: &Tensor, _: &Tensor, _: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(self.0.clone()))
+    }
+}
+
+/// `x [..., k] · wᵀ` with `w` `[o, k]` → `[..., o]`, one node in the graph (see the module).
+/// The same matmuls as candle-nn's linear (cuBLAS or gemm, `w` read transposed in place).
+pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let (o, k) = w.dims2()?;
+    if x.dim(candle_core::D::Minus1)? != k || x.dtype() != w.dtype() {
+        candle_core::bail!(
+            "linear: input {:?} {:?}, weight {:?} {:?}",
+            x.dims(),
+            x.dtype(),
+            w.dims(),
+            w.dtype()
+        );
+    }
+    if x.rank() == 0 || o == 0 || k == 0 {
+        candle_core::bail!("linear: empty weight {:?} or scalar input", w.dims());
+    }
+    x.contiguous()?.apply_op2(&w.contiguous()?, Linear)
+}
+
+/// `(x [..., k] contiguous, w [o, k])` → `x · wᵀ` `[..., o]`, computed on the rows `[m, k]`.
+fn matmul_nt<S: BackendStorage>(x: &S, lx: &Layout, w: &S, lw: &Layout) -> Result<(S, Shape)> {
+    let (o, k) = lw.shape().dims2()?;
+    let m = lx.shape().elem_count() / k;
+    let lhs = Layout::contiguous_with_offset((m, k), lx.start_offset());
+    let rhs = lw.transpose(0, 1)?;
+    let y = x.matmul(w, (1, m, o, k), &lhs, &rhs)?;
+    let mut dims = lx.shape().dims().to_vec();
+    *dims.last_mut().expect("rank ≥ 1") = o;
+    Ok((y, Shape::from(dims)))
+}
+
+/// [`linear`]'s node: its forward, and its backward by two matmuls.
+struct Linear;
+
+impl CustomOp2 for Linear {
+    fn name(&self) -> &'static str {
+        "linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        w: &CpuStorage,
+        lw: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        matmul_nt(x, lx, w, lw)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+        w: &candle_core::CudaStorage,
+        lw: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        matmul_nt(x, lx, w, lw)
+    }
+
+    /// `grad` `[..., o]` as rows `[m, o]`: `dx = grad · w` `[m, k]` (reshaped as `x`),
+    /// `dw = gradᵀ · x` `[o, k]`, both contiguous.
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (x, w) = (x.detach(), w.detach());
+        let k = w.dim(1)?;
+        let x2 = x.reshape(((), k))?;
+        let g = grad.contiguous()?.reshape(((), w.dim(0)?))?;
+        let dx = g.matmul(&w)?.reshape(x.shape())?;
+        let dw = g.t()?.matmul(&x2)?;
+        Ok((Some(dx), Some(dw)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device, Var};
+
+    fn noise(seed: u64, shape: &[usize]) -> Tensor {
+        let mut s = seed;
+        let n: usize = shape.iter().product();
+        let v: Vec<f64> = (0..n)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                (s >> 11) as f64 / (1u64 << 53) as f64 - 0.5
+            })
+            .collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    }
+
+    fn host(t: &Tensor) -> Vec<f64> {
+        t.to_dtype(DType::F64)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    }
+
+    fn close(a: &Tensor, b: &Tensor, tol: f64, what: &str) {
+        assert_eq!(a.dims(), b.dims(), "{what}: shapes");
+        let (a, b) = (host(a), host(b));
+        let scale = b.iter().fold(0f64, |m, x| m.max(x.abs()));
+        let worst = a
+            .iter()
+            .zip(&b)
+            .fold(0f64, |m, (x, y)| m.max((x - y).abs()));
+        assert!(
+            worst <= tol * scale,
+            "{what}: off by {worst:e} of {scale:e}"
+        );
+    }
+
+    /// [`linear`] against candle's `x · wᵀ` through autograd, in f64: values and the gradients
+    /// of input and weight, for rows, `[B, T, k]`, a transposed (non-contiguous) input, and a
+    /// weight read through a cast (the trainer's bf16 copies), where the gradient reaches
+    /// the master; and f32, whose matmuls may sum in another order.
+    #[test]
+    fn linear_gives_candles_values_and_gradients() {
+        for (case, x_shape, transposed) in [
+            ("rows", vec![7usize, 5], false),
+            ("batch", vec![2, 3, 5], false),
+            ("transposed input", vec![2, 5, 3], true),
+        ] {
+            for dt in [DType::F64, DType::F32] {
+                let x = Var::from_tensor(&noise(1, &x_shape).to_dtype(dt).unwrap()).unwrap();
+                let w = Var::from_tensor(&noise(2, &[4, 5]).to_dtype(dt).unwrap()).unwrap();
+                let xin = if transposed {
+                    x.as_tensor().transpose(1, 2).unwrap()
+                } else {
+                    x.as_tensor().clone()
+                };
+                let mut out_shape = xin.dims().to_vec();
+                *out_shape.last_mut().unwrap() = 4;
+                let r = noise(3, &out_shape).to_dtype(dt).unwrap();
+                let ours = linear(&xin, w.as_tensor()).unwrap();
+                let theirs = xin.broadcast_matmul(&w.as_tensor().t().unwrap()).unwrap();
+                let tol = if dt == DType::F64 { 1e-14 } else { 1e-6 };
+                let what = format!("{case} {dt:?}");
+                close(&ours, &theirs, tol, &format!("{what}: values"));
+                let g1 = (&ours * &r).unwrap().sum_all().unwrap().backward().unwrap();
+                let g2 = (&theirs * &r)
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .backward()
+                    .unwrap();
+                for (v, name) in [(&x, "input"), (&w, "weight")] {
+                    let (a, b) = (g1.get(v.as_tensor()), g2.get(v.as_tensor()));
+                    close(
+                        a.unwrap(),
+                        b.unwrap(),
+                        tol,
+                        &format!("{what}: {name} gradient"),
+                    );
+                }
+            }
+        }
+        // Through a cast: the gradient reaches the f64 master.
+        let master = Var::from_tensor(&noise(4, &[4, 5])).unwrap();
+        let x = noise(5, &[6, 5]).to_dtype(DType::F32).unwrap();
+        let w = master.as_tensor().to_dtype(DType::F32).unwrap();
+        let g = linear(&x, &w)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let got = g.get(master.as_tensor()).expect("the master's gradient");
+        // d(Σ x·wᵀ)/dw[o, k] = Σ_rows x[row, k].
+        let want = x.sum_keepdim(0).unwrap().broadcast_as((4, 5)).unwrap();
+        close(
+            got,
+            &want.to_dtype(DType::F64).unwrap(),
+            1e-6,
+            "through a cast",
+        );
+        // Bad shapes are errors.
+        assert!(linear(&noise(6, &[3, 4]), &noise(7, &[4, 5])).is_err());
+    }
+
+    /// [`seed`] gives what differentiating `Σᵢ Σ outᵢ ∘ gradᵢ` gives (f64, exact): several outputs
+    /// of one graph sharing a leaf, and an output that is itself a leaf; a gradient of the
+    /// wrong shape is an error.
+    #[test]
+    fn seed_gives_the_surrogates_gradients() {
+        let a = Var::from_tensor(&noise(1, &[3, 4])).unwrap();
+        let b = Var::from_tensor(&noise(2, &[4, 2])).unwrap();
+        let h = a.as_tensor().matmul(b.as_tensor()).unwrap();
+        let outs = [h.tanh().unwrap(), (&h * 3.0).unwrap().exp().unwrap()];
+        let grads = [noise(3, &[3, 2]), noise(4, &[3, 2])];
+        let bg = noise(5, &[4, 2]);
+        let seeds = [
+            (&outs[0], &grads[0]),
+            (&outs[1], &grads[1]),
+            (b.as_tensor(), &bg),
+        ];
+        let got = seed(&seeds).unwrap();
+        let mut surrogate = Tensor::new(0f64, &Device::Cpu).unwrap();
+        for (o, g) in seeds {
+            surrogate = (surrogate + (o * g).unwrap().sum_all().unwrap()).unwrap();
+        }
+        let want = surrogate.backward().unwrap();
+        for (v, name) in [(&a, "a"), (&b, "b")] {
+            let (x, y) = (
+                host(got.get(v.as_tensor()).unwrap()),
+                host(want.get(v.as_tensor()).unwrap()),
+            );
+            for (p, q) in x.iter().zip(&y) {
+                assert!(
+                    (p - q).abs() <= 1e-14 * q.abs().max(1.0),
+                    "{name}: {p} vs {q}"
+                );
+            }
+        }
+        assert!(seed(&[(&outs[0], &bg)]).is_err());
+        assert!(seed(&[]).unwrap().get_ids().next().is_none());
+    }
+}
