@@ -37,7 +37,8 @@
 #    tokens/s. Not in the default run: STEPS="r".
 # p. kernels per teacher forward and per student step (issues 46, 47): `ncu` on a 4-layer model of
 #    Qwen3-0.6B's shape (the kernel mix per layer is the full model's), every launch timed,
-#    summed per kernel by bench/ncu_kernels.py. Not in the default run: STEPS="p".
+#    summed per kernel by bench/ncu_kernels.py. Not in the default run: STEPS="p"
+#    (PROFILE_TEACHER=0: the student's step only).
 #
 # STEPS="1 2 6" runs only those steps (default: all but 3t, r and p); STEP_SHAPES="4x512",
 # STEP_STEPS=5 and STEP_ACTIVATIONS="auto" shorten step 4. Each step has a time limit, so that
@@ -309,8 +310,9 @@ if [ -n "$ncu" ]; then
       --label "student step (4 layers, 4 x 512, attention $attn, kernels $kernels)"
   done
   # Teacher: the start-up probe, then one warm-up and one request of 1 x 512 (invariant mode),
-  # with the eager attention and with cuDNN's.
-  for att in eager cudnn; do
+  # with the eager attention and with cuDNN's (PROFILE_TEACHER=0 skips it).
+  teacher_atts="eager cudnn"; [ "${PROFILE_TEACHER:-1}" = 0 ] && teacher_atts=""
+  for att in $teacher_atts; do
     port=18125
     XDISTILL_ATTENTION=$att prof "teacher-$att" "$work/teacher" --model "$small" --device cuda \
       --dtype bf16 --port $port --cache-bytes 0 --max-batch-tokens 8192 &
