@@ -243,8 +243,8 @@ step "4. student step: ours (cuda, bf16 compute, f32 masters) vs PyTorch eager (
 # attention) and `on` (full checkpointing: one more forward), beside each other (issue 47 item
 # 6); then `auto` on the new path: cuDNN's attention core (forward and backward) and the
 # project's kernels (fused RMSNorm, RoPE and gated activation with their backward, the
-# log-softmax, the multi-tensor AdamW, the gradients' norm in one launch), opt-in until
-# steps 1b and 1c pass on a GPU (XDISTILL_ATTENTION=cudnn XDISTILL_CUDA_KERNELS=on).
+# log-softmax, the multi-tensor AdamW, the gradients' norm in one launch), the default since
+# steps 1b and 1c passed on an H200 (2026-11-29); each run names both switches.
 for shape in ${STEP_SHAPES:-4x512 8x1024}; do
   set -- ${shape/x/ }
   for ckpt in ${STEP_ACTIVATIONS:-auto off selective on} new; do

@@ -107,7 +107,8 @@ pub struct Args {
     /// with; attention per sequence); `off`, a forward per sequence. `auto` (default): on for a
     /// GPU, where a forward per sequence leaves it idle; off on the CPU, whose row kernel makes
     /// a forward per sequence as fast. Sparse-MoE and quantized models, sequences longer than
-    /// `--max-batch-tokens` and requests for a next row always run on their own.
+    /// `--max-batch-tokens`, sequences of at least `--packed-rows` inputs (they fill a block by
+    /// themselves and run faster alone) and requests for a next row always run on their own.
     #[arg(long, env = "XDISTILL_PACKED_FORWARD", value_enum, default_value_t = Packing::Auto)]
     pub packed_forward: Packing,
     /// Rows per matmul of the packed forward (a batch's tokens are padded to a multiple of it):

@@ -123,12 +123,16 @@ async fn same_bytes_alone_or_shared(t: &Teacher) {
         break;
     }
     assert!(met, "the concurrent requests never shared a batch");
-    // 3. The long sequence among neighbours while another client sends short ones.
+    // 3. The long sequence among neighbours while another client sends short ones, and one of
+    //    40 inputs (packed, it would fill more than a block of 32 rows: it runs alone).
+    let mid = ids(6, 41, VOCAB);
+    let (_, alone_mid) = answer(&c, t, &req(vec![mid.clone()])).await;
     let rl = req(vec![n1.clone(), long.clone(), n0.clone()]);
-    let rc = req(vec![n2.clone(), x.clone()]);
+    let rc = req(vec![n2.clone(), x.clone(), mid.clone()]);
     let (l, s) = tokio::join!(answer(&c, t, &rl), answer(&c, t, &rc));
     assert_eq!(bits(&l.1[1]), bits(&alone_long[0]), "long among neighbours");
     assert_eq!(bits(&s.1[1]), bits(&alone[0]), "x after n2");
+    assert_eq!(bits(&s.1[2]), bits(&alone_mid[0]), "mid after x");
 }
 
 fn error_of(body: &[u8]) -> ErrorBody {

@@ -86,15 +86,15 @@ pub fn dtype_name(d: DType) -> &'static str {
 }
 
 /// Whether the project's own CUDA kernels (`kernels/cuda`: the top-k selection, the
-/// multi-tensor AdamW, the gradients' sum of squares, the losses' log-softmax) replace the
-/// tensor-op paths on CUDA devices: `XDISTILL_CUDA_KERNELS=on` (default `off` until a GPU run
-/// has checked them, `scripts/gpu-check.sh` steps 1c, 2 and 4), read once per process; always
-/// false in a build without CUDA.
+/// multi-tensor AdamW, the gradients' sum of squares, the losses' log-softmax, the fused layer
+/// ops) replace the tensor-op paths on CUDA devices: `XDISTILL_CUDA_KERNELS=on` or `off`, read
+/// once per process; unset, on (checked on an H200, 2026-11-29: `scripts/gpu-check.sh` steps
+/// 1c, 2 and 4). Always false in a build without CUDA.
 pub fn cuda_kernels() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {
         let value = std::env::var("XDISTILL_CUDA_KERNELS").ok();
-        let on = on_or_off(value.as_deref()).unwrap_or_else(|why| {
+        let on = on_or_off(value.as_deref(), true).unwrap_or_else(|why| {
             tracing::warn!("XDISTILL_CUDA_KERNELS: {why}; using off");
             false
         });
@@ -102,10 +102,11 @@ pub fn cuda_kernels() -> bool {
     })
 }
 
-/// An on/off switch's value (unset: off).
-fn on_or_off(value: Option<&str>) -> Result<bool, String> {
+/// An on/off switch's value (`unset` when it is not set).
+fn on_or_off(value: Option<&str>, unset: bool) -> Result<bool, String> {
     match value {
-        None | Some("off") => Ok(false),
+        None => Ok(unset),
+        Some("off") => Ok(false),
         Some("on") => Ok(true),
         Some(other) => Err(format!("{other:?} is not on or off")),
     }
@@ -245,14 +246,15 @@ mod memory_tests {
         );
     }
 
-    /// `XDISTILL_CUDA_KERNELS` takes on or off (unset: off); anything else is named in the
+    /// `XDISTILL_CUDA_KERNELS` takes on or off (unset: on); anything else is named in the
     /// warning and means off.
     #[test]
     fn the_kernels_switch_reads_on_and_off() {
-        assert_eq!(on_or_off(None), Ok(false));
-        assert_eq!(on_or_off(Some("off")), Ok(false));
-        assert_eq!(on_or_off(Some("on")), Ok(true));
-        let e = on_or_off(Some("yes")).unwrap_err();
+        assert_eq!(on_or_off(None, true), Ok(true));
+        assert_eq!(on_or_off(None, false), Ok(false));
+        assert_eq!(on_or_off(Some("off"), true), Ok(false));
+        assert_eq!(on_or_off(Some("on"), false), Ok(true));
+        let e = on_or_off(Some("yes"), true).unwrap_err();
         assert!(e.contains("\"yes\"") && e.contains("on or off"), "{e}");
         // A CPU build never runs them, whatever the switch says.
         if !cfg!(feature = "cuda") {

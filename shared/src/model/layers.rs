@@ -343,9 +343,10 @@ pub enum AttnBackend {
 }
 
 impl AttnBackend {
-    /// `XDISTILL_ATTENTION`: `eager` (the default) or `cudnn`, read once per process (every
-    /// decoder, the trainer's per-step copies included, asks). cuDNN's path is opt-in until a
-    /// GPU run has checked it (`scripts/gpu-check.sh` steps 1b and 3t; docs/cuda.md).
+    /// `XDISTILL_ATTENTION`: `eager` or `cudnn`, read once per process (every decoder, the
+    /// trainer's per-step copies included, asks). Unset: `cudnn` in a CUDA build (checked on an
+    /// H200, 2026-11-29: `scripts/gpu-check.sh` steps 1b, 3t and 4; docs/cuda.md), `eager`
+    /// otherwise.
     pub fn from_env() -> AttnBackend {
         static CHOSEN: std::sync::OnceLock<AttnBackend> = std::sync::OnceLock::new();
         *CHOSEN.get_or_init(|| {
@@ -357,9 +358,11 @@ impl AttnBackend {
         })
     }
 
-    /// The backend a value of `XDISTILL_ATTENTION` names (unset: eager).
+    /// The backend a value of `XDISTILL_ATTENTION` names (unset: cuDNN's in a CUDA build,
+    /// eager otherwise).
     pub fn parse(value: Option<&str>) -> std::result::Result<AttnBackend, String> {
         match value {
+            None if cfg!(feature = "cuda") => Ok(AttnBackend::Cudnn),
             None | Some("eager") => Ok(AttnBackend::Eager),
             Some("cudnn") => Ok(AttnBackend::Cudnn),
             Some(other) => Err(format!("{other:?} is not eager or cudnn")),
@@ -841,7 +844,12 @@ mod tests {
     /// (a one-row chunk is a matrix-vector product), so the bits may not.
     #[test]
     fn attention_backend_names() {
-        assert_eq!(AttnBackend::parse(None), Ok(AttnBackend::Eager));
+        let unset = if cfg!(feature = "cuda") {
+            AttnBackend::Cudnn
+        } else {
+            AttnBackend::Eager
+        };
+        assert_eq!(AttnBackend::parse(None), Ok(unset));
         assert_eq!(AttnBackend::parse(Some("eager")), Ok(AttnBackend::Eager));
         assert_eq!(AttnBackend::parse(Some("cudnn")), Ok(AttnBackend::Cudnn));
         for bad in ["", "CUDNN", "flash"] {
