@@ -155,16 +155,12 @@ mod tests {
     use super::*;
     use candle_core::{DType, Device, Var};
 
+    /// Values in [-0.5, 0.5) (the crate's LCG), f64.
     fn noise(seed: u64, shape: &[usize]) -> Tensor {
-        let mut s = seed;
-        let n: usize = shape.iter().product();
-        let v: Vec<f64> = (0..n)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                (s >> 11) as f64 / (1u64 << 53) as f64 - 0.5
-            })
+        let n = shape.iter().product();
+        let v: Vec<f64> = crate::init::lcg_noise(seed, n, 1.0)
+            .into_iter()
+            .map(f64::from)
             .collect();
         Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
     }
