@@ -153,39 +153,16 @@ impl CustomOp2 for Linear {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::test_tensors::{data, values as host, worst};
     use candle_core::{DType, Device, Var};
 
-    /// Values in [-0.5, 0.5) (the crate's LCG), f64.
     fn noise(seed: u64, shape: &[usize]) -> Tensor {
-        let n = shape.iter().product();
-        let v: Vec<f64> = crate::init::lcg_noise(seed, n, 1.0)
-            .into_iter()
-            .map(f64::from)
-            .collect();
-        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-    }
-
-    fn host(t: &Tensor) -> Vec<f64> {
-        t.to_dtype(DType::F64)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap()
+        data(seed, shape, 1.0)
     }
 
     fn close(a: &Tensor, b: &Tensor, tol: f64, what: &str) {
-        assert_eq!(a.dims(), b.dims(), "{what}: shapes");
-        let (a, b) = (host(a), host(b));
-        let scale = b.iter().fold(0f64, |m, x| m.max(x.abs()));
-        let worst = a
-            .iter()
-            .zip(&b)
-            .fold(0f64, |m, (x, y)| m.max((x - y).abs()));
-        assert!(
-            worst <= tol * scale,
-            "{what}: off by {worst:e} of {scale:e}"
-        );
+        let w = worst(a, b);
+        assert!(w <= tol, "{what}: off by {w:e} (relative to the largest)");
     }
 
     /// [`linear`] against candle's `x · wᵀ` through autograd, in f64: values and the gradients

@@ -684,36 +684,8 @@ mod tests {
     //! decoder hands them (strided views included); and in bf16, one rounding from f64.
     use super::*;
     use crate::model::layers::{activate, rope as composed_rope, Norm, Ops};
+    use crate::model::test_tensors::{data, values, worst};
     use candle_core::{Device, Var};
-
-    fn data(seed: u64, shape: &[usize], scale: f64) -> Tensor {
-        let n = shape.iter().product();
-        let v: Vec<f64> = crate::init::lcg_noise(seed, n, 1.0)
-            .into_iter()
-            .map(|x| x as f64 * scale)
-            .collect();
-        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-    }
-
-    fn values(t: &Tensor) -> Vec<f64> {
-        t.to_dtype(DType::F64)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap()
-    }
-
-    /// The largest difference relative to the largest |reference|.
-    fn worst(a: &Tensor, b: &Tensor) -> f64 {
-        assert_eq!(a.dims(), b.dims());
-        let (a, b) = (values(a), values(b));
-        let scale = b.iter().fold(1e-300f64, |m, x| m.max(x.abs()));
-        a.iter()
-            .zip(&b)
-            .fold(0.0f64, |m, (x, y)| m.max((x - y).abs()))
-            / scale
-    }
 
     /// `y` and the gradients at `vars` of `Σ y ∘ r` (r fixed noise), for `f` fused and composed.
     fn compare(vars: &[&Var], f: impl Fn(bool) -> Tensor) -> (f64, f64) {

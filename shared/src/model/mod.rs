@@ -41,6 +41,8 @@ pub mod precision;
 mod qwen3_moe;
 pub mod rope;
 mod spec;
+#[cfg(test)]
+mod test_tensors;
 mod train;
 mod train_attention;
 
