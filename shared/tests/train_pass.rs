@@ -181,8 +181,9 @@ fn checkpointed_and_selective_passes_equal_the_plain_pass() {
     override_attention_block(0);
 }
 
-/// The checkpointed pass reads a bf16 copy of f32 master weights (as the trainer does on a GPU)
-/// and its gradients reach the f32 masters, within bf16 rounding of the plain pass's.
+/// The checkpointed pass reads a bf16 copy of f32 master weights through a cast and its
+/// gradients reach the f32 masters, within bf16 rounding of the plain pass's, with the composed
+/// ops and with the fused ones.
 #[test]
 fn checkpointed_pass_through_a_cast_reaches_the_masters() {
     let cfg = config("qwen3", serde_json::json!({}));
@@ -204,10 +205,21 @@ fn checkpointed_pass_through_a_cast_reaches_the_masters() {
     override_attention_block(3);
     let (h0, g0) = pass(&model, &vm, &ids, Activations::Keep);
     let (h1, g1) = pass(&model, &vm, &ids, Activations::Checkpoint);
+    // With the fused ops the layers would run by hand, but gradients by hand go to the tensors
+    // the layers hold: weights read through a cast keep the autograd pass, so that theirs still
+    // reach the masters.
+    use xdistill_shared::model::device_ops::force_in_this_thread;
+    force_in_this_thread(Some(true));
+    let by_hand = model.trains_by_hand();
+    let (h2, g2) = pass(&model, &vm, &ids, Activations::Checkpoint);
+    force_in_this_thread(None);
     override_attention_block(0);
-    assert!(worst_relative(&h1, &h0) < 2e-2);
-    for (a, b) in g1.iter().zip(&g0) {
-        assert!(worst_relative(a, b) < 5e-2, "{}", worst_relative(a, b));
+    assert!(!by_hand, "weights through a cast trained by hand");
+    for (h, g) in [(&h1, &g1), (&h2, &g2)] {
+        assert!(worst_relative(h, &h0) < 2e-2);
+        for (a, b) in g.iter().zip(&g0) {
+            assert!(worst_relative(a, b) < 5e-2, "{}", worst_relative(a, b));
+        }
     }
 }
 
@@ -250,7 +262,9 @@ fn auto_keeps_what_fits_the_budget() {
 
 /// The fused norm, RoPE and gated activation (`model::device_ops`, run here through their CPU
 /// reference as the CUDA kernels would run them) give the composed ops' hidden states and
-/// gradients in a training pass, kept and selective, for every dense architecture in f64; and
+/// gradients in a training pass, kept, selective and checkpointed, for every dense architecture
+/// in f64 — selective and checkpointed with the layers by hand (`train_layer.rs`: no autograd
+/// graph), which also give each other's bits; and
 /// their logits at inference (RoPE written heads-first in the same pass) in f32. Gemma 3's
 /// GELU gradient is held to 1e-6: candle's backward of the tanh GELU uses six-digit constants
 /// (the fused op's own gradient is checked against central differences in its unit test).
@@ -274,11 +288,24 @@ fn fused_device_ops_give_the_composed_pass() {
         let vm32 = varmap(&cfg, DType::F32);
         let vb32 = VarBuilder::from_varmap(&vm32, DType::F32, &Device::Cpu);
         let serving = Decoder::new(&cfg, vb32, Ops::Fused).unwrap();
-        for act in [Activations::Keep, Activations::Selective] {
+        assert!(
+            !model.trains_by_hand(),
+            "{name}: by hand without the fused ops"
+        );
+        let mut by_hand = Vec::new();
+        for act in [
+            Activations::Keep,
+            Activations::Selective,
+            Activations::Checkpoint,
+        ] {
             let (h0, g0) = pass(&model, &vm, &ids, act);
             force_in_this_thread(Some(true));
+            assert!(model.trains_by_hand(), "{name}: not by hand");
             let (h1, g1) = pass(&model, &vm, &ids, act);
             force_in_this_thread(None);
+            if act != Activations::Keep {
+                by_hand.push((h1.clone(), g1.clone()));
+            }
             let case = format!("{name} {}", act.name());
             // Other ops, other roundings: not the same bits (so the fused ops did run).
             assert_ne!(g1, g0, "{case}: the fused ops did not run");
@@ -288,6 +315,11 @@ fn fused_device_ops_give_the_composed_pass() {
                 assert!(w <= tol, "{case}: gradient {i} differs by {w:e} (relative)");
             }
         }
+        // By hand, selective and checkpointed run the same ops in the same order.
+        assert!(
+            by_hand[0] == by_hand[1],
+            "{name}: selective and checkpoint by hand differ"
+        );
         let logits = |on: bool| -> Vec<f64> {
             force_in_this_thread(Some(on));
             let l = serving.forward(&ids).unwrap();

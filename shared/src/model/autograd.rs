@@ -140,14 +140,20 @@ impl CustomOp2 for Linear {
         _: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (x, w) = (x.detach(), w.detach());
-        let k = w.dim(1)?;
-        let x2 = x.reshape(((), k))?;
-        let g = grad.contiguous()?.reshape(((), w.dim(0)?))?;
-        let dx = g.matmul(&w)?.reshape(x.shape())?;
-        let dw = g.t()?.matmul(&x2)?;
+        let (dx, dw) = linear_backward(&x.detach(), &w.detach(), grad)?;
         Ok((Some(dx), Some(dw)))
     }
+}
+
+/// [`linear`]'s backward: `grad` `[..., o]` as rows `[m, o]` gives `dx = grad · w` (shaped as
+/// `x`, contiguous) and `dw = gradᵀ · x` `[o, k]`. Untracked where `x` and `w` are.
+pub(crate) fn linear_backward(x: &Tensor, w: &Tensor, grad: &Tensor) -> Result<(Tensor, Tensor)> {
+    let k = w.dim(1)?;
+    let x2 = x.contiguous()?.reshape(((), k))?;
+    let g = grad.contiguous()?.reshape(((), w.dim(0)?))?;
+    let dx = g.matmul(w)?.reshape(x.shape())?;
+    let dw = g.t()?.matmul(&x2)?;
+    Ok((dx, dw))
 }
 
 #[cfg(test)]

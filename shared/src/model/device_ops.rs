@@ -107,6 +107,71 @@ pub fn gated_act(gate: &Tensor, up: &Tensor, act: Activation) -> Result<Tensor> 
     rowwise(gate)?.apply_op2(&rowwise(up)?, GatedAct { act })
 }
 
+/// [`rms_norm`]'s backward: the gradients at `x` and at `w` given `grad` at the output (both
+/// from one kernel; the weight's summed over rows in a fixed order).
+pub(crate) fn rms_norm_backward(
+    grad: &Tensor,
+    x: &Tensor,
+    w: &Tensor,
+    eps: f64,
+    plus_one: bool,
+) -> Result<(Tensor, Tensor)> {
+    let dim = x.dim(D::Minus1)?;
+    let op = RmsNorm {
+        rows: x.elem_count() / dim.max(1),
+        dim,
+        eps,
+        plus_one,
+    };
+    let both =
+        grad.contiguous()?
+            .apply_op3_no_bwd(&x.contiguous()?, &w.contiguous()?, &RmsNormBwd(op))?;
+    let n = x.elem_count();
+    Ok((
+        both.narrow(0, 0, n)?.reshape(x.shape())?,
+        both.narrow(0, n, dim)?.reshape(w.shape())?,
+    ))
+}
+
+/// [`rope`]'s backward for a heads-first output: the gradient `[B, H, T, D]` (the last
+/// dimension dense) rotated back to the input's `[B, T, H, D]`, contiguous.
+pub(crate) fn rope_backward(grad: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let back = Rope {
+        from_heads_first: true,
+        to_heads_first: false,
+        inverse: true,
+    };
+    rope_apply(grad, cos, sin, back)
+}
+
+/// `x` through `op` (the last dimension made dense where it is not).
+fn rope_apply(x: &Tensor, cos: &Tensor, sin: &Tensor, op: Rope) -> Result<Tensor> {
+    let x = if x.stride().last() == Some(&1) {
+        x.clone()
+    } else {
+        x.contiguous()?
+    };
+    x.apply_op3_no_bwd(&cos.contiguous()?, &sin.contiguous()?, &op)
+}
+
+/// [`gated_act`]'s backward: the gradients at `gate` and `up` (contiguous, their shape) given
+/// `grad` at the output, from one pass.
+pub(crate) fn gated_act_backward(
+    grad: &Tensor,
+    gate: &Tensor,
+    up: &Tensor,
+    act: Activation,
+) -> Result<(Tensor, Tensor)> {
+    let both = grad
+        .contiguous()?
+        .apply_op3_no_bwd(gate, up, &GatedActBwd(GatedAct { act }))?;
+    let n = gate.elem_count();
+    Ok((
+        both.narrow(0, 0, n)?.reshape(gate.shape())?,
+        both.narrow(0, n, n)?.reshape(up.shape())?,
+    ))
+}
+
 /// A layout as rows of its last dimension, each `stride` elements after the previous one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Rows {
@@ -284,13 +349,8 @@ impl CustomOp2 for RmsNorm {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let op = RmsNormBwd(RmsNorm { ..*self });
-        let both = grad.contiguous()?.apply_op3_no_bwd(x, w, &op)?;
-        let n = self.rows * self.dim;
-        Ok((
-            Some(both.narrow(0, 0, n)?.reshape(x.shape())?),
-            Some(both.narrow(0, n, self.dim)?.reshape(w.shape())?),
-        ))
+        let (dx, dw) = rms_norm_backward(grad, x, w, self.eps, self.plus_one)?;
+        Ok((Some(dx), Some(dw)))
     }
 }
 
@@ -500,17 +560,12 @@ impl CustomOp3 for Rope {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let grad = if grad.stride().last() == Some(&1) {
-            grad.clone()
-        } else {
-            grad.contiguous()?
-        };
         let back = Rope {
             from_heads_first: self.to_heads_first,
             to_heads_first: self.from_heads_first,
             inverse: !self.inverse,
         };
-        Ok((Some(grad.apply_op3_no_bwd(cos, sin, &back)?), None, None))
+        Ok((Some(rope_apply(grad, cos, sin, back)?), None, None))
     }
 }
 
@@ -621,13 +676,8 @@ impl CustomOp2 for GatedAct {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let op = GatedActBwd(GatedAct { act: self.act });
-        let both = grad.contiguous()?.apply_op3_no_bwd(gate, up, &op)?;
-        let n = gate.elem_count();
-        Ok((
-            Some(both.narrow(0, 0, n)?.reshape(gate.shape())?),
-            Some(both.narrow(0, n, n)?.reshape(up.shape())?),
-        ))
+        let (dg, du) = gated_act_backward(grad, gate, up, self.act)?;
+        Ok((Some(dg), Some(du)))
     }
 }
 

@@ -134,6 +134,18 @@ impl Linear {
         &self.name
     }
 
+    /// The dense weight `[out, in]` and bias `[out]`; an error for a quantized layer (no
+    /// backward pass).
+    pub(crate) fn dense(&self) -> Result<(&Tensor, Option<&Tensor>)> {
+        match &self.weight {
+            LinearWeight::Dense(l) => Ok((l.weight(), l.bias())),
+            LinearWeight::Quantized { .. } => candle_core::bail!(
+                "{}: a quantized linear layer has no backward pass (training uses dense weights)",
+                self.name
+            ),
+        }
+    }
+
     /// Replaces the dense weight by the quantized `w` (same `[out, in]` shape), keeping the
     /// bias. The shape is checked, so a placeholder weight can never survive silently.
     pub fn quantize(&mut self, w: std::sync::Arc<QTensor>) -> Result<()> {

@@ -15,7 +15,8 @@
 //! a backward pass for training. `device_ops.rs` holds the fused RMSNorm, RoPE and gated
 //! activation (with their backward) that CUDA runs with the project's kernels; `autograd.rs` the
 //! linear layer as one node and gradients seeded at known outputs (candle's backward kept
-//! small); `packed.rs` the
+//! small); `train_layer.rs` a dense layer's training forward and backward by hand, where the
+//! fused ops run (no autograd graph); `packed.rs` the
 //! packed forward of several sequences (the teacher's batch-invariant mode in fixed matmul
 //! blocks). `precision.rs` retraces the forward op by op in f32 and f64 (where an f32 forward
 //! loses accuracy).
@@ -45,6 +46,7 @@ mod spec;
 mod test_tensors;
 mod train;
 mod train_attention;
+mod train_layer;
 
 #[cfg(feature = "cuda")]
 pub use attn_cudnn::refused_shapes as cudnn_refused_shapes;

@@ -17,7 +17,10 @@
 //!   above. The least memory, about one extra forward of compute.
 //!
 //! Selective and Checkpoint run the same ops in the same order, so their hidden states and
-//! gradients are the same bits; Keep's equal them within rounding. Where the fused attention
+//! gradients are the same bits; Keep's equal them within rounding. Where the fused layer ops
+//! run ([`Decoder::trains_by_hand`]: on CUDA with the project's kernels), both run each layer by
+//! hand ([`super::train_layer`]): a forward that records a tape, a backward that writes each
+//! gradient once, no autograd graph; the embedding and the final norm stay on autograd. Where the fused attention
 //! runs, Keep runs as Selective: the fused kernel keeps only its softmax statistics, so keeping
 //! everything else is what "keep" can mean there (as PyTorch eager with SDPA).
 //!
@@ -29,6 +32,7 @@ use super::layers::Block;
 use super::layers::{AttnBackend, AttnInputs, Ops};
 use super::spec::LayerKind;
 use super::train_attention::{self, Core, Saved as CoreSaved};
+use super::train_layer::{self, Tape};
 use candle_core::backprop::GradStore;
 use candle_core::{Result, Tensor, Var};
 
@@ -124,6 +128,8 @@ enum State {
     /// The hidden states with their whole graph.
     Graph(Tensor),
     Selective(Kept),
+    /// Selective with the layers by hand ([`super::train_layer`]).
+    Taped(Taped),
     Checkpointed(Saved),
 }
 
@@ -149,6 +155,15 @@ struct Kept {
     normed: Tensor,
 }
 
+/// What a selective forward by hand keeps: the ids, every layer's tape, and the final norm's
+/// own small graph from a leaf at the last layer's output.
+struct Taped {
+    ids: Tensor,
+    tapes: Vec<Tape>,
+    last: Var,
+    normed: Tensor,
+}
+
 /// What a checkpointed forward keeps: the ids, each layer's input, and the final norm's own
 /// small graph from a leaf at the last layer's output.
 struct Saved {
@@ -158,6 +173,8 @@ struct Saved {
     normed: Tensor,
     /// RoPE cos/sin for full and (when any) sliding layers: [T, R/2].
     rope: [(Tensor, Tensor); 2],
+    /// Whether the layers run by hand ([`super::train_layer`]).
+    by_hand: bool,
 }
 
 impl Decoder {
@@ -168,20 +185,19 @@ impl Decoder {
         if self.ops != Ops::Differentiable {
             candle_core::bail!("a training pass needs a decoder built with differentiable ops");
         }
-        let fused =
-            train_attention::fused(self.attn, self.device(), self.dtype(), self.cfg.head_dim());
-        let act = match act {
-            Activations::Keep if fused => Activations::Selective,
-            act => act,
-        };
+        let (act, by_hand) = self.train_plan(act);
         let state = match act {
             Activations::Keep => State::Graph(self.forward_hidden(ids, None, None, None)?),
+            Activations::Selective if by_hand => State::Taped(self.taped_forward(ids)?),
             Activations::Selective => State::Selective(self.selective_forward(ids)?),
-            Activations::Checkpoint => State::Checkpointed(self.checkpointed_forward(ids)?),
+            Activations::Checkpoint => {
+                State::Checkpointed(self.checkpointed_forward(ids, by_hand)?)
+            }
         };
         let hidden = match &state {
             State::Graph(h) => h.detach(),
             State::Selective(k) => k.normed.detach(),
+            State::Taped(k) => k.normed.detach(),
             State::Checkpointed(s) => s.normed.detach(),
         };
         Ok(TrainPass {
@@ -189,6 +205,19 @@ impl Decoder {
             hidden,
             state,
         })
+    }
+
+    /// How a training pass asked for `act` runs: the way it keeps activations (keep runs as
+    /// selective where the fused attention runs, see the module) and whether its layers run by
+    /// hand ([`Decoder::trains_by_hand`]; the whole graph of keep never does).
+    pub fn train_plan(&self, act: Activations) -> (Activations, bool) {
+        let fused =
+            train_attention::fused(self.attn, self.device(), self.dtype(), self.cfg.head_dim());
+        let act = match act {
+            Activations::Keep if fused => Activations::Selective,
+            act => act,
+        };
+        (act, act != Activations::Keep && self.trains_by_hand())
     }
 
     /// The embedding of `ids` `[B, T]`: `[B, T, H]` (Gemma scaled by √H).
@@ -252,15 +281,38 @@ impl Decoder {
         })
     }
 
-    fn checkpointed_forward(&self, ids: &Tensor) -> Result<Saved> {
+    fn taped_forward(&self, ids: &Tensor) -> Result<Taped> {
+        let rope = self.train_rope(ids)?;
+        let mut x = self.embed(ids)?.detach();
+        let mut tapes = Vec::with_capacity(self.w.layers.len());
+        for (l, block) in self.w.layers.iter().enumerate() {
+            let (y, tape) = self.tape_forward(l, block, &x, &rope)?;
+            tapes.push(tape);
+            x = y;
+        }
+        let last = Var::from_tensor(&x)?;
+        let normed = self.w.norm.forward(last.as_tensor(), self.ops)?;
+        Ok(Taped {
+            ids: ids.clone(),
+            tapes,
+            last,
+            normed,
+        })
+    }
+
+    fn checkpointed_forward(&self, ids: &Tensor, by_hand: bool) -> Result<Saved> {
         let rope = self.train_rope(ids)?;
         let mut x = self.embed(ids)?.detach();
         let mut inputs = Vec::with_capacity(self.w.layers.len());
         for (l, block) in self.w.layers.iter().enumerate() {
             inputs.push(x.clone());
-            let (q, k, v) = self.project(l, block, &x, &rope)?;
-            let (o, _) = train_attention::forward(&q, &k, &v, self.core(block))?;
-            x = self.after_attention(block, &x, &o)?.detach();
+            x = if by_hand {
+                self.tape_forward(l, block, &x, &rope)?.0
+            } else {
+                let (q, k, v) = self.project(l, block, &x, &rope)?;
+                let (o, _) = train_attention::forward(&q, &k, &v, self.core(block))?;
+                self.after_attention(block, &x, &o)?.detach()
+            };
         }
         let last = Var::from_tensor(&x)?;
         let normed = self.w.norm.forward(last.as_tensor(), self.ops)?;
@@ -270,6 +322,7 @@ impl Decoder {
             last,
             normed,
             rope,
+            by_hand,
         })
     }
 
@@ -350,6 +403,7 @@ impl TrainPass<'_> {
         match self.state {
             State::Graph(h) => pull(&h, grad),
             State::Selective(kept) => self.model.selective_backward(kept, grad),
+            State::Taped(taped) => self.model.taped_backward(taped, grad),
             State::Checkpointed(saved) => self.model.checkpointed_backward(saved, grad),
         }
     }
@@ -400,6 +454,22 @@ impl Decoder {
         Ok(total)
     }
 
+    fn taped_backward(&self, kept: Taped, grad: &Tensor) -> Result<GradStore> {
+        // 1. Final norm: its weight's gradient, and the gradient at the last layer's output.
+        let mut total = pull(&kept.normed, grad)?;
+        let mut g = take(&mut total, &kept.last)?;
+        drop(kept.normed);
+        // 2. Layers in reverse by hand, each tape dropped once read.
+        let blocks = self.w.layers.iter().rev();
+        for (block, tape) in blocks.zip(kept.tapes.into_iter().rev()) {
+            g = train_layer::backward(block, tape, &g, &mut total)?;
+        }
+        // 3. The embedding (for tied heads the caller adds the head's own gradient).
+        let embedded = self.embed(&kept.ids)?;
+        total.extend(pull(&embedded, &g)?)?;
+        Ok(total)
+    }
+
     fn checkpointed_backward(&self, s: Saved, grad: &Tensor) -> Result<GradStore> {
         // 1. Final norm: its weight's gradient, and the gradient at the last layer's output.
         let mut total = pull(&s.normed, grad)?;
@@ -407,6 +477,11 @@ impl Decoder {
         drop(s.normed);
         // 2. Layers in reverse, each recomputed from its input.
         for (l, block) in self.w.layers.iter().enumerate().rev() {
+            if s.by_hand {
+                let (_, tape) = self.tape_forward(l, block, &s.inputs[l], &s.rope)?;
+                g = train_layer::backward(block, tape, &g, &mut total)?;
+                continue;
+            }
             let input = Var::from_tensor(&s.inputs[l])?;
             let (q, k, v) = self.project(l, block, input.as_tensor(), &s.rope)?;
             let (core, saved) = self.core_forward(block, &q, &k, &v)?;

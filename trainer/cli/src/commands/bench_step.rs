@@ -368,11 +368,14 @@ pub fn run(a: Args) -> Result<()> {
             chunk_rows: a.head_chunk_rows,
         },
     };
-    let mut activations = None;
+    let (mut activations, mut layers) = (None, "autograd");
     for round in 0..a.rounds {
         let student = Student::load(&a.model, &device, dtype)?;
         let act = a.activation_checkpointing.resolve(student.model(), bs, t);
         activations.get_or_insert(act);
+        if student.model().train_plan(act).1 {
+            layers = "by-hand";
+        }
         let mut runner = Runner::new(student, optim.clone(), 1_000_000)?;
         let (l0, _) = step(&mut runner, &setup)?; // warm-up
         first_loss.get_or_insert(l0);
@@ -407,7 +410,7 @@ pub fn run(a: Args) -> Result<()> {
     let last = last_loss.unwrap_or(f64::NAN);
     println!(
         "bench-step device={} dtype={} params={params} batch={bs} seq_len={t} k={k} steps={} \
-         median_ms={:.2} min_ms={:.2} tokens_per_s={:.0} loss={last:.4} activations={}",
+         median_ms={:.2} min_ms={:.2} tokens_per_s={:.0} loss={last:.4} activations={} layers={layers}",
         a.device,
         a.dtype,
         ours.len(),
