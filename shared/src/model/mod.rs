@@ -16,7 +16,8 @@
 //! activation (with their backward) that CUDA runs with the project's kernels; `autograd.rs` the
 //! linear layer as one node and gradients seeded at known outputs (candle's backward kept
 //! small); `train_layer.rs` a dense layer's training forward and backward by hand, where the
-//! fused ops run (no autograd graph); `packed.rs` the
+//! fused ops run (no autograd graph), and `embed_grad.rs` the embedding's gradient without a
+//! scatter-add; `packed.rs` the
 //! packed forward of several sequences (the teacher's batch-invariant mode in fixed matmul
 //! blocks). `precision.rs` retraces the forward op by op in f32 and f64 (where an f32 forward
 //! loses accuracy).
@@ -29,6 +30,7 @@ mod blockwise;
 pub mod config;
 mod decoder;
 pub mod device_ops;
+mod embed_grad;
 mod error;
 mod facts;
 mod gemma3;

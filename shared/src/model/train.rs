@@ -20,7 +20,8 @@
 //! gradients are the same bits; Keep's equal them within rounding. Where the fused layer ops
 //! run ([`Decoder::trains_by_hand`]: on CUDA with the project's kernels), both run each layer by
 //! hand ([`super::train_layer`]): a forward that records a tape, a backward that writes each
-//! gradient once, no autograd graph; the embedding and the final norm stay on autograd. Where the fused attention
+//! gradient once, no autograd graph; the embedding's gradient by one matmul and one gather
+//! ([`super::embed_grad`]), the final norm's through autograd. Where the fused attention
 //! runs, Keep runs as Selective: the fused kernel keeps only its softmax statistics, so keeping
 //! everything else is what "keep" can mean there (as PyTorch eager with SDPA).
 //!
@@ -28,6 +29,7 @@
 //! so the pass takes ids only.
 
 use super::decoder::Decoder;
+use super::embed_grad::embedding_grad;
 use super::layers::Block;
 use super::layers::{AttnBackend, AttnInputs, Ops};
 use super::spec::LayerKind;
@@ -455,6 +457,7 @@ impl Decoder {
     }
 
     fn taped_backward(&self, kept: Taped, grad: &Tensor) -> Result<GradStore> {
+        let ids = host_ids(&kept.ids)?;
         // 1. Final norm: its weight's gradient, and the gradient at the last layer's output.
         let mut total = pull(&kept.normed, grad)?;
         let mut g = take(&mut total, &kept.last)?;
@@ -465,12 +468,28 @@ impl Decoder {
             g = train_layer::backward(block, tape, &g, &mut total)?;
         }
         // 3. The embedding (for tied heads the caller adds the head's own gradient).
-        let embedded = self.embed(&kept.ids)?;
-        total.extend(pull(&embedded, &g)?)?;
+        self.embed_backward(&ids, &g, &mut total)?;
         Ok(total)
     }
 
+    /// The embedding's gradient by hand ([`embedding_grad`]) from `g` `[B, T, H]` at its
+    /// output, added to `total`.
+    fn embed_backward(&self, ids: &[u32], g: &Tensor, total: &mut GradStore) -> Result<()> {
+        let g = match self.embed_scale {
+            Some(s) => (g * s)?,
+            None => g.clone(),
+        };
+        let h = self.cfg.hidden_size;
+        let d = embedding_grad(ids, &g.reshape(((), h))?, self.w.embed.dim(0)?)?;
+        train_layer::add_grad(total, &self.w.embed, d)
+    }
+
     fn checkpointed_backward(&self, s: Saved, grad: &Tensor) -> Result<GradStore> {
+        let ids = if s.by_hand {
+            Some(host_ids(&s.ids)?)
+        } else {
+            None
+        };
         // 1. Final norm: its weight's gradient, and the gradient at the last layer's output.
         let mut total = pull(&s.normed, grad)?;
         let mut g = take(&mut total, &s.last)?;
@@ -498,10 +517,18 @@ impl Decoder {
             g = layer_backward(block, &layer, &g, &mut total)?;
         }
         // 3. The embedding (for tied heads the caller adds the head's own gradient).
-        let embedded = self.embed(&s.ids)?;
-        total.extend(pull(&embedded, &g)?)?;
+        match ids {
+            Some(ids) => self.embed_backward(&ids, &g, &mut total)?,
+            None => total.extend(pull(&self.embed(&s.ids)?, &g)?)?,
+        }
         Ok(total)
     }
+}
+
+/// `ids` `[B, T]` on the host, flattened. Read where a backward starts: the step has just
+/// waited for its loss figures there, so the copy waits for nothing more.
+fn host_ids(ids: &Tensor) -> Result<Vec<u32>> {
+    ids.flatten_all()?.to_vec1::<u32>()
 }
 
 /// One layer's backward from its graphs, given the gradient `g` at its output: the

@@ -72,7 +72,7 @@ fn norm(n: &Norm, x: &Tensor) -> Result<Tensor> {
 }
 
 /// Adds `g` to `param`'s entry of `grads` (inserts it where there is none).
-fn add_grad(grads: &mut GradStore, param: &Tensor, g: Tensor) -> Result<()> {
+pub(super) fn add_grad(grads: &mut GradStore, param: &Tensor, g: Tensor) -> Result<()> {
     let g = match grads.remove(param) {
         Some(prev) => (prev + g)?,
         None => g,
@@ -110,12 +110,13 @@ fn merge_heads(t: &Tensor) -> Result<Tensor> {
 }
 
 impl Decoder {
-    /// Whether this decoder's training pass runs its layers by hand ([`self`](super::train_layer)):
-    /// the fused ops run for its weights (a CUDA device with the project's kernels on, or a test
-    /// forcing them), every block's MLP is dense, the norms and RoPE tables are in the compute
-    /// dtype, and every layer weight is a leaf (a `Var`, or a constant): gradients by hand go
-    /// to the tensors the layers hold, so a weight read through a tracked cast (whose gradient
-    /// belongs to the master behind it) keeps the autograd pass.
+    /// Whether this decoder's training pass runs its layers (and its embedding's gradient) by
+    /// hand ([`self`](super::train_layer)): the fused ops run for its weights (a CUDA device
+    /// with the project's kernels on, or a test forcing them), every block's MLP is dense, the
+    /// norms and RoPE tables are in the compute dtype, and the embedding and every layer weight
+    /// are leaves (a `Var`, or a constant): gradients by hand go to the tensors the decoder
+    /// holds, so a weight read through a tracked cast (whose gradient belongs to the master
+    /// behind it) keeps the autograd pass.
     pub fn trains_by_hand(&self) -> bool {
         let dt = self.dtype;
         let leaf = |t: &Tensor| t.is_variable() || !t.track_op();
@@ -141,7 +142,10 @@ impl Decoder {
         let tables_fit = std::iter::once(&self.rope_full)
             .chain(&self.rope_sliding)
             .all(|r| r.tables(0).0.dtype() == dt);
-        device_ops::applies(&self.w.embed) && tables_fit && self.w.layers.iter().all(block_fits)
+        device_ops::applies(&self.w.embed)
+            && leaf(&self.w.embed)
+            && tables_fit
+            && self.w.layers.iter().all(block_fits)
     }
 
     /// The cos/sin tables of layer `l` out of a pass's `[full, sliding]`.
