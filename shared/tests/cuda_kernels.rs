@@ -2,7 +2,8 @@
 //! inputs: the top-k selection against f64, the multi-tensor AdamW against the CPU kernel's
 //! arithmetic (bit for bit), the sums of squares and the log-softmax against f64, the fused
 //! layer ops (RMSNorm, RoPE, gated activation; `model::device_ops`) and their backward against
-//! their CPU reference, and whole passes through them against the composed ops. CUDA builds only; the GPU check
+//! their CPU reference, the head's accumulating GEMM against its reference, and whole passes
+//! through them against the composed ops. CUDA builds only; the GPU check
 //! runs them (`XDISTILL_TEST_DEVICE=cuda`, `scripts/gpu-check.sh` step 1c). The same kernels'
 //! logic runs on the host in the default suite (kernels/cuda/emulate).
 
@@ -587,6 +588,45 @@ fn fused_layer_ops_equal_their_cpu_reference() {
 /// the composed ops (the decoders of `decoder_cases`: q/k-norm, Gemma's `1 + w` norms and tanh
 /// GELU, windows): a training pass's hidden states and every gradient (selective), and served
 /// logits, each against the f32 composed pass of the same weights (`assert_as_accurate`).
+/// The LM head's accumulating GEMM (`model::autograd::accumulate_tn`: cuBLAS's `gemm_acc_f32`
+/// on the GPU) against its CPU reference (f64 sums, one rounding into the f32 accumulator): f32,
+/// bf16 and f16 operands, odd sizes, an accumulator already holding values, two calls in a row.
+/// f32 sums of up to 300 products against f64: 1e-5 of the norm.
+#[test]
+fn accumulating_gemm_equals_its_reference() {
+    use xdistill_shared::model::autograd::accumulate_tn;
+    let Some(dev) = gpu() else { return };
+    let mut rng = rng();
+    for dt in [DType::F32, DType::BF16, DType::F16] {
+        for (m, o, k) in [(37, 129, 65), (300, 1000, 64), (1, 7, 3)] {
+            let mut r = |dims: &[usize]| {
+                let v = values(&mut rng, dims.iter().product(), 1.0);
+                Tensor::from_vec(v, dims, &Device::Cpu).unwrap()
+            };
+            let (g, x, start) = (r(&[m, o]), r(&[m, k]), r(&[o, k]));
+            let (g, x) = (g.to_dtype(dt).unwrap(), x.to_dtype(dt).unwrap());
+            let want = start.copy().unwrap();
+            let got = start.to_device(&dev).unwrap();
+            let (gd, xd) = (g.to_device(&dev).unwrap(), x.to_device(&dev).unwrap());
+            for _ in 0..2 {
+                accumulate_tn(&want, &g, &x).unwrap();
+                accumulate_tn(&got, &gd, &xd).unwrap();
+            }
+            let flat = |t: &Tensor| -> Vec<f64> {
+                t.to_dtype(DType::F64)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap()
+            };
+            let err = crate::cudnn_attention::rel_err(&flat(&got), &flat(&want));
+            eprintln!("accumulate {dt:?} {m}x{o}x{k}: rel err {err:.2e}");
+            assert!(err < 1e-5, "accumulate {dt:?} {m}x{o}x{k}: {err:.3e}");
+        }
+    }
+}
+
 #[test]
 fn passes_with_fused_layer_ops_match_the_composed_ops() {
     use crate::cudnn_attention::{

@@ -21,6 +21,8 @@
 //! - [`topk_kd_fwd`] and [`topk_kd_bwd`]: each row's top-k distillation divergence (every
 //!   divergence and tail mode; the cross-entropy as k = 1) over its logits, and the logits'
 //!   gradient, one read of the row per pass (llm.c's fused classifier for top-k targets);
+//! - [`gemm_acc_f32`]: `acc += gᵀ · x` into an f32 accumulator by one cuBLAS GEMM (the LM
+//!   head's gradient summed over row chunks; cuBLAS's kernel, no `.cu`);
 //! - [`tree_sum_f32`]: the exact data-parallel sum of the ranks' gathered buffers on the device,
 //!   by the trainer's pairwise tree in rank order (the host tree's bits).
 //!
@@ -53,6 +55,8 @@ mod address;
 #[cfg(feature = "cuda")]
 mod gated_act;
 #[cfg(feature = "cuda")]
+mod gemm_acc;
+#[cfg(feature = "cuda")]
 mod log_softmax;
 #[cfg(feature = "cuda")]
 mod ptx;
@@ -73,6 +77,8 @@ mod tree_sum;
 pub use adamw::{adamw_f32, AdamWHyper, AdamWTensor};
 #[cfg(feature = "cuda")]
 pub use gated_act::{gated_act_bwd, gated_act_fwd, GatedAct, GatedArgs};
+#[cfg(feature = "cuda")]
+pub use gemm_acc::{gemm_acc_f32, GemmAccArgs};
 #[cfg(feature = "cuda")]
 pub use log_softmax::{log_softmax_bwd_f32, log_softmax_f32};
 #[cfg(feature = "cuda")]

@@ -145,6 +145,156 @@ impl CustomOp2 for Linear {
     }
 }
 
+/// `x [..., k] · wᵀ` like [`linear`], but with `w` `[o, k]` a constant of the node and its
+/// gradient summed into `sink` (f32 `[o, k]`, or f64 for f64 operands) by the backward, in
+/// place ([`accumulate_tn`]), instead of returned: a weight whose gradient is summed over row
+/// chunks (the LM head's) is accumulated in place, never written as a `[o, k]` product of its
+/// own, filled into zeros and added. Only `x` gets a gradient through the graph.
+pub fn linear_into(x: &Tensor, w: &Tensor, sink: &Tensor) -> Result<Tensor> {
+    let (o, k) = w.dims2()?;
+    if x.dim(candle_core::D::Minus1)? != k || x.dtype() != w.dtype() || sink.dims() != [o, k] {
+        candle_core::bail!(
+            "linear into a sink: input {:?} {:?}, weight {:?} {:?}, sink {:?}",
+            x.dims(),
+            x.dtype(),
+            w.dims(),
+            w.dtype(),
+            sink.dims()
+        );
+    }
+    x.contiguous()?.apply_op1(LinearInto {
+        w: w.detach().contiguous()?,
+        sink: sink.clone(),
+    })
+}
+
+/// [`linear_into`]'s node.
+struct LinearInto {
+    w: Tensor,
+    sink: Tensor,
+}
+
+impl CustomOp1 for LinearInto {
+    fn name(&self) -> &'static str {
+        "linear-into-sink"
+    }
+
+    fn cpu_fwd(&self, x: &CpuStorage, lx: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (ws, lw) = self.w.storage_and_layout();
+        let candle_core::Storage::Cpu(ws) = &*ws else {
+            candle_core::bail!("linear into a sink: the weight is not on the input's device");
+        };
+        matmul_nt(x, lx, ws, lw)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (ws, lw) = self.w.storage_and_layout();
+        let candle_core::Storage::Cuda(ws) = &*ws else {
+            candle_core::bail!("linear into a sink: the weight is not on the input's device");
+        };
+        matmul_nt(x, lx, ws, lw)
+    }
+
+    /// `dx = grad · w`; `sink += gradᵀ · x`.
+    fn bwd(&self, x: &Tensor, _: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let k = self.w.dim(1)?;
+        let g = grad.contiguous()?.reshape(((), self.w.dim(0)?))?;
+        accumulate_tn(&self.sink, &g, &x.detach().reshape(((), k))?)?;
+        Ok(Some(g.matmul(&self.w)?.reshape(x.shape())?))
+    }
+}
+
+/// `acc` `[o, k]` `+= gᵀ · x` in place, for `g` `[m, o]` and `x` `[m, k]` of one dtype: on
+/// CUDA one cuBLAS GEMM into an f32 `acc` (`xdistill_cuda_kernels::gemm_acc_f32`), on the CPU
+/// the reference, summed in f64 and rounded once into `acc` (f32 or f64).
+pub fn accumulate_tn(acc: &Tensor, g: &Tensor, x: &Tensor) -> Result<()> {
+    let ((m, o), (m2, k)) = (g.dims2()?, x.dims2()?);
+    if m != m2 || acc.dims() != [o, k] || g.dtype() != x.dtype() || !acc.is_contiguous() {
+        candle_core::bail!(
+            "accumulate: {:?} += {:?}ᵀ · {:?} ({:?}, {:?})",
+            acc.dims(),
+            g.dims(),
+            x.dims(),
+            g.dtype(),
+            x.dtype()
+        );
+    }
+    acc.inplace_op3(&g.contiguous()?, &x.contiguous()?, &AccumulateTn)
+}
+
+/// [`accumulate_tn`]'s in-place op.
+struct AccumulateTn;
+
+impl candle_core::InplaceOp3 for AccumulateTn {
+    fn name(&self) -> &'static str {
+        "accumulate-tn"
+    }
+
+    fn cpu_fwd(
+        &self,
+        acc: &mut CpuStorage,
+        la: &Layout,
+        g: &CpuStorage,
+        lg: &Layout,
+        x: &CpuStorage,
+        lx: &Layout,
+    ) -> Result<()> {
+        let (m, o) = lg.shape().dims2()?;
+        let k = lx.shape().dims2()?.1;
+        let (g, x) = (
+            super::device_ops::dense(g, lg)?,
+            super::device_ops::dense(x, lx)?,
+        );
+        let mut sum = vec![0.0f64; o * k];
+        for r in 0..m {
+            for (i, &gv) in g[r * o..(r + 1) * o].iter().enumerate() {
+                for (s, &xv) in sum[i * k..(i + 1) * k]
+                    .iter_mut()
+                    .zip(&x[r * k..(r + 1) * k])
+                {
+                    *s += gv * xv;
+                }
+            }
+        }
+        let at = la.start_offset();
+        match acc {
+            CpuStorage::F32(a) => {
+                for (a, s) in a[at..at + o * k].iter_mut().zip(&sum) {
+                    *a = (*a as f64 + s) as f32;
+                }
+            }
+            CpuStorage::F64(a) => {
+                for (a, s) in a[at..at + o * k].iter_mut().zip(&sum) {
+                    *a += s;
+                }
+            }
+            _ => candle_core::bail!("accumulate: the accumulator must be f32 or f64"),
+        }
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        acc: &mut candle_core::CudaStorage,
+        la: &Layout,
+        g: &candle_core::CudaStorage,
+        lg: &Layout,
+        x: &candle_core::CudaStorage,
+        lx: &Layout,
+    ) -> Result<()> {
+        let (m, o) = lg.shape().dims2()?;
+        let k = lx.shape().dims2()?.1;
+        let args = xdistill_cuda_kernels::GemmAccArgs { m, o, k };
+        xdistill_cuda_kernels::gemm_acc_f32(acc, la, (g, lg), (x, lx), args)
+    }
+}
+
 /// [`linear`]'s backward: `grad` `[..., o]` as rows `[m, o]` gives `dx = grad · w` (shaped as
 /// `x`, contiguous) and `dw = gradᵀ · x` `[o, k]`. Untracked where `x` and `w` are.
 pub(crate) fn linear_backward(x: &Tensor, w: &Tensor, grad: &Tensor) -> Result<(Tensor, Tensor)> {
@@ -237,6 +387,51 @@ mod tests {
         );
         // Bad shapes are errors.
         assert!(linear(&noise(6, &[3, 4]), &noise(7, &[4, 5])).is_err());
+    }
+
+    /// [`linear_into`] gives [`linear`]'s values and input gradient, and sums the weight's
+    /// gradient into its sink over two backward passes (f64, to rounding; an f32 sink of f32
+    /// operands to f32's); a sink of the wrong shape is an error.
+    #[test]
+    fn linear_into_sums_the_weight_gradient_in_its_sink() {
+        for (dt, tol) in [(DType::F64, 1e-13), (DType::F32, 1e-6)] {
+            let w = Var::from_tensor(&noise(2, &[4, 5]).to_dtype(dt).unwrap()).unwrap();
+            let sink = Tensor::zeros((4, 5), dt, &Device::Cpu).unwrap();
+            let mut want_dw: Option<Tensor> = None;
+            for seed in [10, 20] {
+                let x = Var::from_tensor(&noise(seed, &[2, 3, 5]).to_dtype(dt).unwrap()).unwrap();
+                let r = noise(seed + 1, &[2, 3, 4]).to_dtype(dt).unwrap();
+                let ours = linear_into(x.as_tensor(), w.as_tensor(), &sink).unwrap();
+                let theirs = linear(x.as_tensor(), w.as_tensor()).unwrap();
+                close(&ours, &theirs, tol, "values");
+                let g1 = (&ours * &r).unwrap().sum_all().unwrap().backward().unwrap();
+                let g2 = (&theirs * &r)
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .backward()
+                    .unwrap();
+                assert!(
+                    g1.get(w.as_tensor()).is_none(),
+                    "the weight's gradient is the sink's"
+                );
+                let (a, b) = (g1.get(x.as_tensor()), g2.get(x.as_tensor()));
+                close(a.unwrap(), b.unwrap(), tol, "input gradient");
+                let dw = g2.get(w.as_tensor()).unwrap().clone();
+                want_dw = Some(match want_dw {
+                    Some(s) => (s + dw).unwrap(),
+                    None => dw,
+                });
+            }
+            close(
+                &sink,
+                want_dw.as_ref().unwrap(),
+                tol,
+                &format!("{dt:?} sink"),
+            );
+        }
+        let x = noise(1, &[3, 5]);
+        assert!(linear_into(&x, &noise(2, &[4, 5]), &noise(3, &[5, 4])).is_err());
     }
 
     /// [`seed`] gives what differentiating `Σᵢ Σ outᵢ ∘ gradᵢ` gives (f64, exact): several outputs

@@ -380,6 +380,26 @@ impl Decoder {
         out.reshape(shape)
     }
 
+    /// Whether a training pass can sum its head's gradient into a sink
+    /// ([`Decoder::logits_into`]): differentiable ops, the fused ops running for the head (a
+    /// CUDA device with the project's kernels on, or a test forcing them: on the CPU the
+    /// accumulation is an f64 reference loop), and the head a leaf (a weight read through a
+    /// tracked cast owes its gradient to the master behind it).
+    pub fn head_sinks(&self) -> bool {
+        let head = &self.w.lm_head;
+        self.ops == Ops::Differentiable
+            && super::device_ops::applies(head)
+            && (head.is_variable() || !head.track_op())
+    }
+
+    /// [`Decoder::logits`] of a training pass whose backward sums the head's gradient into
+    /// `sink` (`[V, H]`, f32, or f64 for f64 models) in place instead of returning it
+    /// ([`super::autograd::linear_into`]): over a pass's head chunks, the head's gradient is
+    /// `sink` at the end. Only `hidden` gets a gradient through the graph.
+    pub fn logits_into(&self, hidden: &Tensor, sink: &Tensor) -> Result<Tensor> {
+        super::autograd::linear_into(hidden, &self.w.lm_head, sink)
+    }
+
     /// The LM head `[V, H]` (the embedding itself when tied), for kernels that read it in place.
     pub fn lm_head(&self) -> &Tensor {
         &self.w.lm_head

@@ -25,7 +25,7 @@
 pub mod arch;
 #[cfg(feature = "cuda")]
 mod attn_cudnn;
-mod autograd;
+pub mod autograd;
 mod blockwise;
 pub mod config;
 mod decoder;

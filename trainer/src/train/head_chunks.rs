@@ -397,6 +397,14 @@ where
         Mix::Dynamic { .. } => Some(Acc::new(b * t, h, acc_dt)),
         Mix::Linear { .. } => None,
     };
+    // Where one backward per chunk runs (a linear mix) and the head allows it, the chunks' head
+    // gradients are summed in place into one accumulator ([`Decoder::logits_into`]).
+    let sink = match mix {
+        Mix::Linear { .. } if model.head_sinks() => {
+            Some(Tensor::zeros(head_dims.as_slice(), acc_dt, dev)?)
+        }
+        _ => None,
+    };
     let mut figures = Figures::default();
     for (i, p) in pieces.iter().enumerate() {
         if p.rows.is_empty() {
@@ -420,7 +428,10 @@ where
             idx: &idx,
             rows: &p.rows,
         };
-        let logits = model.logits(leaf.as_tensor())?;
+        let logits = match &sink {
+            Some(s) => model.logits_into(leaf.as_tensor(), s)?,
+            None => model.logits(leaf.as_tensor())?,
+        };
         let c = loss(i, &logits)?;
         drop(logits);
         if let Some((_, f)) = &c.kd {
@@ -463,7 +474,11 @@ where
     // Combine: the dynamic factor from the totals, as `loss::combine` computes it.
     let (kd_scale, grad_hidden, head) = match (mix, kd_acc) {
         (Mix::Linear { kd, .. }, _) | (Mix::Dynamic { kd_weight: kd }, None) => {
-            let head = std::mem::take(&mut main.head);
+            let mut head = std::mem::take(&mut main.head);
+            // (A sink no chunk reached stays out, as a head no backward reached does.)
+            if let Some(s) = sink.filter(|_| !main.parts.is_empty()) {
+                head.insert(model.lm_head(), s);
+            }
             (kd, main.hidden(dev)?, head)
         }
         (Mix::Dynamic { kd_weight }, Some(mut k)) => {

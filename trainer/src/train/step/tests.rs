@@ -144,7 +144,9 @@ fn same_tokenizer_chunks_equal_the_whole_loss() {
 
 /// The same through the fused top-k loss and cross-entropy (forced on in this thread: the CPU
 /// runs their f64 reference, and the decoder's fused ops): their figures stay on the device
-/// (`KdFigures::Pending`) and the chunks' sums are read back once per micro-batch.
+/// (`KdFigures::Pending`) and the chunks' sums are read back once per micro-batch; the head's
+/// gradient is summed in place over the chunks (`Decoder::logits_into`, linear mixes) and the
+/// checkpointed layers run by hand (`train_layer.rs`).
 #[test]
 fn same_tokenizer_chunks_equal_the_whole_loss_through_the_fused_loss() {
     use xdistill_shared::model::device_ops;
@@ -157,9 +159,13 @@ fn same_tokenizer_chunks_equal_the_whole_loss_through_the_fused_loss() {
         ),
         cfg(KdConfig::Jsd { beta: 0.3 }, None, CeConfig::Dynamic {}),
     ];
+    let (model, _) = tiny(true, DType::F32, 5);
+    assert!(!model.head_sinks() && !model.trains_by_hand());
     device_ops::force_in_this_thread(Some(true));
     let probe = Tensor::zeros((1, V), DType::F32, &Device::Cpu).unwrap();
     assert!(xdistill_kernels::TopkKd::runs_on(&probe));
+    // The head's gradient goes to a sink (linear mixes) and checkpointed layers run by hand.
+    assert!(model.head_sinks() && model.trains_by_hand());
     for loss in &losses {
         check(Pairing::Same, loss, &items, &scores, K);
     }
