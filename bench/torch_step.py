@@ -11,10 +11,14 @@ with its own.
     python bench/torch_step.py MODEL_DIR BATCH.safetensors STEPS THREADS [DEVICE [DTYPE [MODE]]]
 
 DEVICE is cpu (default) or cuda; DTYPE f32 (default) or bf16. MODE is `eager` (default: the
-whole [B, T, V] logits at once) or `careful`, the way memory-conscious PyTorch trainers run it:
+whole [B, T, V] logits at once), `careful`, the way memory-conscious PyTorch trainers run it:
 SDPA attention, gradient checkpointing of every layer, and the LM head + loss in chunks of 512
-positions under torch.utils.checkpoint (each chunk's logits recomputed in the backward). The
-JSON line carries the peak memory: ru_maxrss on the CPU, max_memory_allocated on a GPU.
+positions under torch.utils.checkpoint (each chunk's logits recomputed in the backward), or
+`liger`: eager with Liger's Triton kernels where they apply (`liger-kernel` from PyPI: its
+RMSNorm, RoPE and SwiGLU patched into transformers' Qwen3/Llama/Mistral classes before the model
+loads; its fused linear losses do not apply: they fuse a cross-entropy or a full-vocabulary
+JSD with the head, and this loss is a top-k KL with a tail bucket). The JSON line carries the
+peak memory: ru_maxrss on the CPU, max_memory_allocated on a GPU.
 
 bf16 is mixed precision as the Rust side does it: f32 parameters (the masters AdamW updates)
 and a bf16 forward/backward through `torch.autocast`; the loss is computed in f32 from the
@@ -33,12 +37,24 @@ threads = int(sys.argv[4]) if len(sys.argv) > 4 else torch.get_num_threads()
 device = sys.argv[5] if len(sys.argv) > 5 else "cpu"
 dtype = sys.argv[6] if len(sys.argv) > 6 else "f32"
 mode = sys.argv[7] if len(sys.argv) > 7 else "eager"
-assert mode in ("eager", "careful"), mode
+assert mode in ("eager", "careful", "liger"), mode
 torch.set_num_threads(threads)
 b = load_file(batch_path)
 ids, targets, mask = (b["ids"].long().to(device), b["targets"].long().to(device),
                       b["mask"].float().to(device))
 t_ids, t_lp = b["teacher_ids"].long().to(device), b["teacher_logprobs"].float().to(device)
+if mode == "liger":
+    # Before the model loads: the patches replace transformers' classes and functions.
+    try:
+        import liger_kernel.transformers as liger
+    except ImportError as e:
+        sys.exit(f"mode liger needs the liger-kernel package: {e}")
+    arch = json.load(open(f"{model_dir}/config.json"))["model_type"]
+    patch = getattr(liger, f"apply_liger_kernel_to_{arch}", None)
+    if patch is None:
+        sys.exit(f"liger-kernel has no patch for {arch}")
+    patch(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+          fused_linear_cross_entropy=False)
 model = AutoModelForCausalLM.from_pretrained(
     model_dir, dtype=torch.float32, **({"attn_implementation": "sdpa"} if mode == "careful" else {})
 ).to(device)

@@ -119,6 +119,10 @@ while read -r name exe; do pack "$exe" "test-$name"; done <<<"$tests"
 # text when the shared data sits beside the checkout (or in $XDISTILL_DATA).
 cargo build --release --locked --features nccl -p xdistill-trainer --example full_vocab_cost
 pack target/cuda/release/examples/full_vocab_cost full_vocab_cost
+# gpu-check step 4's PyTorch + Liger row: Liger's Triton kernels, pure Python (the GPU machine
+# has PyTorch and Triton but no package index).
+mkdir -p "$bundle/wheels"
+python3 -m pip download -q --no-deps -d "$bundle/wheels" liger-kernel==0.8.5
 gsm8k="${XDISTILL_DATA:-$root/../shared/data}/gsm8k/train.jsonl"
 if [ -f "$gsm8k" ]; then
   mkdir -p "$bundle/data" && xz -c -9e "$gsm8k" > "$bundle/data/gsm8k-train.jsonl.xz"

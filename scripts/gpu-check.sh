@@ -38,7 +38,8 @@
 # p. kernels per teacher forward and per student step (issues 46, 47): `ncu` on a 4-layer model of
 #    Qwen3-0.6B's shape (the kernel mix per layer is the full model's), every launch timed,
 #    summed per kernel by bench/ncu_kernels.py. Not in the default run: STEPS="p"
-#    (PROFILE_TEACHER=0: the student's step only).
+#    (PROFILE_TEACHER=0: the student's step only; PROFILE_SHAPE="8x1024", PROFILE_LAYERS=28 and
+#    PROFILE_PATHS="step-new" profile the new path's step at another shape or depth).
 #
 # STEPS="1 2 6" runs only those steps (default: all but 3t, r and p); STEP_SHAPES="4x512",
 # STEP_STEPS=5 and STEP_ACTIVATIONS="auto" shorten step 4. Each step has a time limit, so that
@@ -245,6 +246,12 @@ step "4. student step: ours (cuda, bf16 compute, f32 masters) vs PyTorch eager (
 # project's kernels (fused RMSNorm, RoPE and gated activation with their backward, the
 # log-softmax, the multi-tensor AdamW, the gradients' norm in one launch), the default since
 # steps 1b and 1c passed on an H200 (2026-11-29); each run names both switches.
+liger_whl=$(ls "$bundle"/wheels/liger_kernel-*.whl 2>/dev/null | head -n 1)
+if [ -n "$liger_whl" ]; then
+  check "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$work/liger" "$liger_whl"
+else
+  echo "skipped: PyTorch with Liger's kernels (no liger-kernel wheel in the bundle)"
+fi
 for shape in ${STEP_SHAPES:-4x512 8x1024}; do
   set -- ${shape/x/ }
   for ckpt in ${STEP_ACTIVATIONS:-auto off selective on} new; do
@@ -255,6 +262,12 @@ for shape in ${STEP_SHAPES:-4x512 8x1024}; do
       --activation-checkpointing "$ckpt" --write-batch "$work/batch.safetensors"
   done
   check timeout 180 env PYTHONUNBUFFERED=1 "$py" bench/torch_step.py "$model" "$work/batch.safetensors" "${STEP_STEPS:-10}" 16 cuda bf16
+  # PyTorch eager with Liger's Triton kernels (RMSNorm, RoPE, SwiGLU), from the wheel the bundle
+  # carries (`scripts/build-cuda.sh --bundle`; the machine has no index to install from).
+  if [ -d "$work/liger" ]; then
+    check timeout 180 env PYTHONUNBUFFERED=1 PYTHONPATH="$work/liger" "$py" bench/torch_step.py "$model" \
+      "$work/batch.safetensors" "${STEP_STEPS:-10}" 16 cuda bf16 liger
+  fi
 done
 fi
 
@@ -289,25 +302,29 @@ fi
 if only p; then
 step "p. kernels per teacher forward and per student step (ncu, 4 layers of Qwen3-0.6B's shape)"
 ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -n 1)
-small="$work/qwen3-0.6b-4layers"
+layers=${PROFILE_LAYERS:-4}
+small="$work/qwen3-0.6b-${layers}layers"
 check "$work/trainer" init-model --arch qwen3 --tokenizer "$work/tokenizers/qwen3/tokenizer.json" \
-  --hidden-size 1024 --layers 4 --heads 16 --kv-heads 8 --head-dim 128 --intermediate-size 3072 \
+  --hidden-size 1024 --layers "$layers" --heads 16 --kv-heads 8 --head-dim 128 --intermediate-size 3072 \
   --tie-embeddings --pad-vocab-to 64 --max-position-embeddings 4096 --seed 1 --out "$small"
+pshape=${PROFILE_SHAPE:-4x512}
+set -- ${pshape/x/ }
 if [ -n "$ncu" ]; then
   # Every launch timed (one metric, one pass each); clocks left alone (--clock-control none).
   prof() { local name=$1; shift; timeout 240 "$ncu" --clock-control none --metrics gpu__time_duration.sum \
     --csv --log-file "$out/ncu-$name.csv" "$@" > "$out/ncu-$name.out" 2>&1; }
   # Student: one warm-up and one timed step at 4 x 512, activations as training chooses; the
   # composed path, then the new one (cuDNN's attention core and the project's kernels: fused
-  # norms, RoPE, gated activation, AdamW), so that the launches per step show before and after.
-  for path in step step-new; do
+  # norms, RoPE, gated activation, AdamW, layers by hand), so that the launches per step show
+  # before and after. bench-step runs one more step timed phase by phase: 3 steps profiled.
+  for path in ${PROFILE_PATHS:-step step-new}; do
     attn=eager kernels=off
     if [ $path = step-new ]; then attn=cudnn kernels=on; fi
     XDISTILL_ATTENTION=$attn XDISTILL_CUDA_KERNELS=$kernels check prof $path "$work/trainer" bench-step \
-      --model "$small" --device cuda --dtype bf16 --batch 4 --seq-len 512 --k 64 --steps 1
+      --model "$small" --device cuda --dtype bf16 --batch "$1" --seq-len "$2" --k 64 --steps 1
     tail -n 3 "$out/ncu-$path.out"
-    check "$py" bench/ncu_kernels.py "$out/ncu-$path.csv" --per 2 \
-      --label "student step (4 layers, 4 x 512, attention $attn, kernels $kernels)"
+    check "$py" bench/ncu_kernels.py "$out/ncu-$path.csv" --per 3 \
+      --label "student step ($layers layers, $1 x $2, attention $attn, kernels $kernels)"
   done
   # Teacher: the start-up probe, then one warm-up and one request of 1 x 512 (invariant mode),
   # with the eager attention and with cuDNN's (PROFILE_TEACHER=0 skips it).

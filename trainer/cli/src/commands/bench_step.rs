@@ -175,7 +175,7 @@ fn write_batch(batch: &Batch, len: usize, k: usize, path: &Path) -> Result<()> {
     Ok(())
 }
 
-/// Seconds of each phase of one step (the device is synchronised after each).
+/// Seconds of each phase of one step timed by phase (the device synchronised after each).
 #[derive(Default, Clone, Copy)]
 struct Phases {
     /// The decoder's forward, the chunked head + loss with each chunk's backward, and the
@@ -194,7 +194,6 @@ impl Phases {
     }
 }
 
-/// One full training step as the training loop runs it; returns the loss and phase times.
 /// What one step runs on.
 struct StepSetup<'a> {
     batch: &'a Batch,
@@ -204,12 +203,25 @@ struct StepSetup<'a> {
     head: HeadOpts,
 }
 
-fn step(runner: &mut Runner, s: &StepSetup) -> Result<(f64, Phases)> {
+/// One full training step as the training loop runs it; returns the loss, the step's seconds
+/// (the device synchronised once, at its end) and, when `phased`, each phase's seconds (the
+/// device synchronised after each phase, which the step's seconds then include: a training step
+/// never waits between its phases, so the headline figure comes from unphased steps).
+fn step(runner: &mut Runner, s: &StepSetup, phased: bool) -> Result<(f64, f64, Phases)> {
     let (batch, k, cfg, device) = (s.batch, s.k, s.cfg, s.device);
+    let start = Instant::now();
     let mut ph = Phases::default();
+    let sync = |on: bool| -> Result<()> {
+        if on {
+            device.synchronize()?;
+        }
+        Ok(())
+    };
     let scores: Vec<&SequenceScores> = batch.scores.iter().collect();
     let norm = units(&batch.items);
-    phases::start();
+    if phased {
+        phases::start();
+    }
     let ctx = LossCtx {
         model: runner.student.model(),
         k,
@@ -230,13 +242,13 @@ fn step(runner: &mut Runner, s: &StepSetup) -> Result<(f64, Phases)> {
     acc.add(&grads)?;
     drop(grads);
     let mut grads = acc.take()?;
-    device.synchronize()?;
+    sync(phased)?;
     ph.accumulate = t.elapsed().as_secs_f64();
     let t = Instant::now();
     let vars = runner.vars().to_vec();
     // As the training loop: the global norm here, the scaling inside the update.
     let clip = clip_scale(grad_norm(&grads, &vars)?, runner.optim.max_grad_norm);
-    device.synchronize()?;
+    sync(phased)?;
     ph.clip = t.elapsed().as_secs_f64();
     let t = Instant::now();
     let copies = runner.student.compute_copies();
@@ -246,7 +258,7 @@ fn step(runner: &mut Runner, s: &StepSetup) -> Result<(f64, Phases)> {
     runner.step += 1;
     device.synchronize()?;
     ph.adamw = t.elapsed().as_secs_f64();
-    Ok((loss_v, ph))
+    Ok((loss_v, start.elapsed().as_secs_f64(), ph))
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -355,7 +367,10 @@ pub fn run(a: Args) -> Result<()> {
             .and_then(|v| v.parse().ok())
             .unwrap_or_else(rayon::current_num_threads)
     });
-    let (mut ours, mut torch) = (Vec::<Phases>::new(), Vec::<f64>::new());
+    let (mut ours, mut torch) = (Vec::<f64>::new(), Vec::<f64>::new());
+    let mut phased = Vec::<Phases>::new();
+    // The most bytes the timed steps' allocations held at once (a GPU's memory pool).
+    let mut peak: Option<u64> = None;
     let (mut first_loss, mut last_loss) = (None, None);
     let (mut torch_first, mut torch_last) = (None, None);
     let setup = StepSetup {
@@ -377,16 +392,24 @@ pub fn run(a: Args) -> Result<()> {
             layers = "by-hand";
         }
         let mut runner = Runner::new(student, optim.clone(), 1_000_000)?;
-        let (l0, _) = step(&mut runner, &setup)?; // warm-up
+        let (l0, _, _) = step(&mut runner, &setup, false)?; // warm-up
         first_loss.get_or_insert(l0);
         let mut times = vec![];
+        xdistill_shared::device::reset_allocated_peak(&device);
         for _ in 0..a.steps {
-            let (l, ph) = step(&mut runner, &setup)?;
-            times.push(ph.total());
-            ours.push(ph);
+            let (l, seconds, _) = step(&mut runner, &setup, false)?;
+            times.push(seconds);
             if round == 0 {
                 last_loss = Some(l);
             }
+        }
+        ours.extend(&times);
+        if let Some(p) = xdistill_shared::device::allocated_peak(&device) {
+            peak = Some(peak.unwrap_or(0).max(p));
+        }
+        // The breakdown from a few more steps, each phase waited for.
+        for _ in 0..a.steps.clamp(1, PHASED_STEPS) {
+            phased.push(step(&mut runner, &setup, true)?.2);
         }
         drop(runner);
         if let (Some(python), Some(path)) = (&a.python, &batch_path) {
@@ -404,9 +427,9 @@ pub fn run(a: Args) -> Result<()> {
     if let Some(p) = &tmp_batch {
         let _ = std::fs::remove_file(p);
     }
-    let med = |f: fn(&Phases) -> f64| median(ours.iter().map(f).collect());
-    let ours_s = med(Phases::total);
-    let min_s = ours.iter().map(Phases::total).fold(f64::INFINITY, f64::min);
+    let med = |f: fn(&Phases) -> f64| median(phased.iter().map(f).collect());
+    let ours_s = median(ours.clone());
+    let min_s = ours.iter().copied().fold(f64::INFINITY, f64::min);
     let last = last_loss.unwrap_or(f64::NAN);
     println!(
         "bench-step device={} dtype={} params={params} batch={bs} seq_len={t} k={k} steps={} \
@@ -419,9 +442,18 @@ pub fn run(a: Args) -> Result<()> {
         (bs * t) as f64 / ours_s,
         activations.map_or("none", |x| x.name())
     );
+    if let Some(p) = peak {
+        println!(
+            "  peak allocated: {:.1} MiB (the memory pool's high watermark over the timed steps, \
+             as PyTorch's max_memory_allocated)",
+            p as f64 / (1u64 << 20) as f64
+        );
+    }
     println!(
-        "  phases (median s): forward {:.3}  head+loss {:.3}  backward {:.3}  accumulate {:.3}  \
-         clip {:.3}  adamw {:.3}",
+        "  phases (median s of {} steps waiting after each phase; sum {:.3}): forward {:.3}  \
+         head+loss {:.3}  backward {:.3}  accumulate {:.3}  clip {:.3}  adamw {:.3}",
+        phased.len(),
+        med(Phases::total),
         med(|p| p.grads.forward),
         med(|p| p.grads.head_loss),
         med(|p| p.grads.backward),
@@ -457,6 +489,9 @@ pub fn run(a: Args) -> Result<()> {
     }
     Ok(())
 }
+
+/// Steps timed phase by phase after the timed ones (at most).
+const PHASED_STEPS: usize = 3;
 
 /// A fresh path for the batch file in the temporary directory.
 fn tempfile_path() -> Result<PathBuf> {
