@@ -205,7 +205,19 @@ inline uint32_t __ballot_sync(unsigned, bool p) {
     emu::warp_sync();
     return bits;
 }
+// Lane l gets the mask of the warp's lanes whose value equals its own.
+inline uint32_t __match_any_sync(unsigned, uint32_t v) {
+    emu::block->slots[threadIdx.x] = v;
+    emu::warp_sync();
+    uint32_t bits = 0;
+    int base = emu::warp() * 32;
+    for (int l = 0; l < 32; ++l) bits |= (uint32_t(emu::block->slots[base + l]) == v ? 1u : 0u) << l;
+    emu::warp_sync();
+    return bits;
+}
 inline int __popc(uint32_t x) { return __builtin_popcount(x); }
+// 1 + the index of the lowest set bit; 0 for none.
+inline int __ffs(uint32_t x) { return x ? __builtin_ctz(x) + 1 : 0; }
 inline uint32_t atomicAdd(uint32_t *p, uint32_t v) { return std::atomic_ref<uint32_t>(*p).fetch_add(v); }
 inline uint32_t __float_as_uint(float f) {
     uint32_t u;

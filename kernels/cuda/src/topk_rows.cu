@@ -9,8 +9,11 @@
 //   ids[r, :k], vals[r, :k]: the k largest z, by descending value, ties by ascending id; vals
 //   are z − lse (log-probs) or z (scaled logits).
 // The k-th largest value is found by a radix select on the order-preserving 32-bit keys of z
-// (four 8-bit passes), the elements above it and the first ones equal to it (in id order) are
-// compacted in order, and those k are sorted in shared memory (bitonic, k ≤ 4096).
+// (four 8-bit digits; the first digit's histogram is counted in the logsumexp's pass, so the row
+// is read five times in all), the elements above it and the first ones equal to it (in id
+// order) are compacted in order, and those k are sorted in shared memory (bitonic, k ≤ 4096).
+// A histogram's increments are merged per warp first (lanes with the same digit: one atomic):
+// a row's leading digits fall into a few bins, where one shared atomic per element serialised.
 //
 // Deterministic and batch-invariant by construction: a row's results depend on that row alone,
 // every sum runs in a fixed order, and ties are broken by id.
@@ -34,6 +37,13 @@ __device__ __forceinline__ void lse_merge(float &m, float &s, float m2, float s2
     if (m == -INFINITY) { m = m2; s = s2; return; }
     if (m2 > m) { s = s * expf(m - m2) + s2; m = m2; }
     else { s += s2 * expf(m2 - m); }
+}
+
+// Adds each lane's `bin` (256: none) to `hist`, one atomic per distinct bin of the warp. Every
+// lane of the warp calls it together.
+__device__ __forceinline__ void count_in(uint32_t *hist, uint32_t bin, int lane) {
+    const uint32_t peers = __match_any_sync(0xffffffffu, bin);
+    if (bin < 256u && lane == __ffs(peers) - 1) atomicAdd(&hist[bin], (uint32_t)__popc(peers));
 }
 
 // Whether (ka, ia) comes before (kb, ib): larger key first, then smaller id.
@@ -60,13 +70,23 @@ __device__ void topk_row(const T *__restrict__ logits, int64_t row_stride, const
     const uint32_t target = min(targets[r], valid - 1);
     const float z_target = to_f32(x[target]) / temperature;
 
-    // 1. logsumexp (and the target's rank): per thread, then per warp, then warp 0 over the warps.
+    // 1. logsumexp (and the target's rank): per thread, then per warp, then warp 0 over the warps;
+    //    in the same read, the histogram of the keys' leading digit (step 2's first pass). The
+    //    tiles span the block, so that every lane of a warp takes part in each `count_in`.
+    for (int b = tid; b < 256; b += THREADS) hist[b] = 0;
+    __syncthreads();
     float m = -INFINITY, s = 0.0f;
     uint32_t at_least = 0;
-    for (uint32_t i = tid; i < valid; i += THREADS) {
-        float z = to_f32(x[i]) / temperature;
-        lse_merge(m, s, z, 1.0f);
-        at_least += z >= z_target;
+    for (uint32_t tile = 0; tile < valid; tile += THREADS) {
+        const uint32_t i = tile + tid;
+        uint32_t bin = 256u;
+        if (i < valid) {
+            float z = to_f32(x[i]) / temperature;
+            lse_merge(m, s, z, 1.0f);
+            at_least += z >= z_target;
+            bin = key_of(z) >> 24;
+        }
+        count_in(hist, bin, lane);
     }
     for (int o = 16; o > 0; o >>= 1) {
         float m2 = __shfl_down_sync(0xffffffffu, m, o), s2 = __shfl_down_sync(0xffffffffu, s, o);
@@ -94,15 +114,23 @@ __device__ void topk_row(const T *__restrict__ logits, int64_t row_stride, const
     const float lse = row_lse;
     if (k == 0) return;
 
-    // 2. The k-th largest key: four passes of 8 bits, most significant first. `left`: how many
-    //    of the keys sharing the prefix found so far are still to be taken.
+    // 2. The k-th largest key: four digits of 8 bits, most significant first (the first one's
+    //    histogram from step 1). `left`: how many of the keys sharing the prefix found so far are
+    //    still to be taken.
     uint32_t prefix = 0, mask = 0, left = k;
     for (int shift = 24; shift >= 0; shift -= 8) {
-        for (int b = tid; b < 256; b += THREADS) hist[b] = 0;
-        __syncthreads();
-        for (uint32_t i = tid; i < valid; i += THREADS) {
-            uint32_t u = key_of(to_f32(x[i]) / temperature);
-            if ((u & mask) == prefix) atomicAdd(&hist[(u >> shift) & 255u], 1u);
+        if (shift != 24) {
+            for (int b = tid; b < 256; b += THREADS) hist[b] = 0;
+            __syncthreads();
+            for (uint32_t tile = 0; tile < valid; tile += THREADS) {
+                const uint32_t i = tile + tid;
+                uint32_t bin = 256u;
+                if (i < valid) {
+                    uint32_t u = key_of(to_f32(x[i]) / temperature);
+                    if ((u & mask) == prefix) bin = (u >> shift) & 255u;
+                }
+                count_in(hist, bin, lane);
+            }
         }
         __syncthreads();
         if (tid == 0) {
