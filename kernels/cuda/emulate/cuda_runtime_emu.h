@@ -39,7 +39,7 @@
 // section's bounds __start_emu_shared and __stop_emu_shared).
 #define __shared__ static __attribute__((section("emu_shared")))
 #define __restrict__
-#define __launch_bounds__(n)
+#define __launch_bounds__(...)
 
 struct emu_dim3 {
     unsigned x = 0, y = 0, z = 0;

@@ -24,6 +24,10 @@
 #define THREADS 1024
 #define WARPS (THREADS / 32)
 #define MAX_K 4096
+// Elements a thread loads before it uses any of them, in the passes over a row: independent
+// loads in flight instead of one (a block has one row; without them the passes waited on
+// memory latency), and, in the logsumexp, as many independent running sums.
+#define UNROLL 4
 
 // Larger float, larger key (the IEEE total order: -0 below +0).
 __device__ __forceinline__ uint32_t key_of(float z) {
@@ -75,19 +79,31 @@ __device__ void topk_row(const T *__restrict__ logits, int64_t row_stride, const
     //    tiles span the block, so that every lane of a warp takes part in each `count_in`.
     for (int b = tid; b < 256; b += THREADS) hist[b] = 0;
     __syncthreads();
-    float m = -INFINITY, s = 0.0f;
+    float mu[UNROLL], su[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) { mu[u] = -INFINITY; su[u] = 0.0f; }
     uint32_t at_least = 0;
-    for (uint32_t tile = 0; tile < valid; tile += THREADS) {
-        const uint32_t i = tile + tid;
-        uint32_t bin = 256u;
-        if (i < valid) {
-            float z = to_f32(x[i]) / temperature;
-            lse_merge(m, s, z, 1.0f);
-            at_least += z >= z_target;
-            bin = key_of(z) >> 24;
+    for (uint32_t tile = 0; tile < valid; tile += THREADS * UNROLL) {
+        float zu[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const uint32_t i = tile + u * THREADS + tid;
+            zu[u] = i < valid ? to_f32(x[i]) / temperature : 0.0f;
         }
-        count_in(hist, bin, lane);
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            uint32_t bin = 256u;
+            if (tile + u * THREADS + tid < valid) {
+                lse_merge(mu[u], su[u], zu[u], 1.0f);
+                at_least += zu[u] >= z_target;
+                bin = key_of(zu[u]) >> 24;
+            }
+            count_in(hist, bin, lane);
+        }
     }
+    float m = mu[0], s = su[0];
+#pragma unroll
+    for (int u = 1; u < UNROLL; ++u) lse_merge(m, s, mu[u], su[u]);
     for (int o = 16; o > 0; o >>= 1) {
         float m2 = __shfl_down_sync(0xffffffffu, m, o), s2 = __shfl_down_sync(0xffffffffu, s, o);
         lse_merge(m, s, m2, s2);
@@ -122,14 +138,18 @@ __device__ void topk_row(const T *__restrict__ logits, int64_t row_stride, const
         if (shift != 24) {
             for (int b = tid; b < 256; b += THREADS) hist[b] = 0;
             __syncthreads();
-            for (uint32_t tile = 0; tile < valid; tile += THREADS) {
-                const uint32_t i = tile + tid;
-                uint32_t bin = 256u;
-                if (i < valid) {
-                    uint32_t u = key_of(to_f32(x[i]) / temperature);
-                    if ((u & mask) == prefix) bin = (u >> shift) & 255u;
+            for (uint32_t tile = 0; tile < valid; tile += THREADS * UNROLL) {
+                uint32_t keys[UNROLL];
+#pragma unroll
+                for (int u = 0; u < UNROLL; ++u) {
+                    const uint32_t i = tile + u * THREADS + tid;
+                    keys[u] = i < valid ? key_of(to_f32(x[i]) / temperature) : 0u;
                 }
-                count_in(hist, bin, lane);
+#pragma unroll
+                for (int u = 0; u < UNROLL; ++u) {
+                    const bool in = tile + u * THREADS + tid < valid && (keys[u] & mask) == prefix;
+                    count_in(hist, in ? (keys[u] >> shift) & 255u : 256u, lane);
+                }
             }
         }
         __syncthreads();
@@ -206,8 +226,10 @@ __device__ void topk_row(const T *__restrict__ logits, int64_t row_stride, const
     }
 }
 
+// Two blocks (rows) per multiprocessor, as 32 registers per thread allow: ptxas, left to itself,
+// spilled the unrolled passes (sm_90, nvcc 13.0).
 #define TOPK_ROWS(NAME, T)                                                                                        \
-    extern "C" __global__ void __launch_bounds__(THREADS) NAME(                                                   \
+    extern "C" __global__ void __launch_bounds__(THREADS, 2) NAME(                                                \
         const T *logits, int64_t row_stride, const uint32_t *targets, uint32_t n_rows, uint32_t valid, uint32_t k, \
         float temperature, int logprobs, int want_ranks, uint32_t *ids, float *vals, float *target_lp,            \
         float *lse, uint32_t *ranks) {                                                                            \
