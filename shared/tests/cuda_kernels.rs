@@ -594,6 +594,7 @@ fn fused_layer_ops_equal_their_cpu_reference() {
 /// f32 sums of up to 300 products against f64: 1e-5 of the norm.
 #[test]
 fn accumulating_gemm_equals_its_reference() {
+    use crate::cudnn_attention::{host, rel_err};
     use xdistill_shared::model::autograd::accumulate_tn;
     let Some(dev) = gpu() else { return };
     let mut rng = rng();
@@ -612,15 +613,7 @@ fn accumulating_gemm_equals_its_reference() {
                 accumulate_tn(&want, &g, &x).unwrap();
                 accumulate_tn(&got, &gd, &xd).unwrap();
             }
-            let flat = |t: &Tensor| -> Vec<f64> {
-                t.to_dtype(DType::F64)
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1()
-                    .unwrap()
-            };
-            let err = crate::cudnn_attention::rel_err(&flat(&got), &flat(&want));
+            let err = rel_err(&host(&got), &host(&want));
             eprintln!("accumulate {dt:?} {m}x{o}x{k}: rel err {err:.2e}");
             assert!(err < 1e-5, "accumulate {dt:?} {m}x{o}x{k}: {err:.3e}");
         }
