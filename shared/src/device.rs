@@ -155,56 +155,43 @@ pub fn memory_info(device: &Device) -> Option<MemoryInfo> {
 /// runs in stream order), the measure PyTorch's `max_memory_allocated` takes of its own
 /// allocator. `None` on the CPU, or where allocations do not come from a pool.
 pub fn allocated_peak(device: &Device) -> Option<u64> {
-    #[cfg(feature = "cuda")]
-    if let Device::Cuda(dev) = device {
-        use candle_core::cuda_backend::cudarc::driver::{result, sys};
-        let stream = dev.cuda_stream();
-        let ctx = stream.context();
-        if !ctx.has_async_alloc() {
-            return None;
-        }
-        ctx.bind_to_thread().ok()?;
-        let mut high = 0u64;
-        // SAFETY: the device's current pool (the one cuMemAllocAsync draws from), and an
-        // attribute whose value is a cuuint64_t.
-        unsafe {
-            let pool = result::device::get_mem_pool(ctx.cu_device()).ok()?;
-            result::mem_pool::get_attribute(
-                pool,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
-                &mut high as *mut u64 as *mut _,
-            )
-            .ok()?;
-        }
-        return Some(high);
-    }
-    let _ = device;
-    None
+    let mut high = 0u64;
+    pool_high_watermark(device, false, &mut high).then_some(high)
 }
 
 /// Starts [`allocated_peak`] afresh from what is allocated now (a no-op on the CPU).
 pub fn reset_allocated_peak(device: &Device) {
+    let mut zero = 0u64;
+    pool_high_watermark(device, true, &mut zero);
+}
+
+/// Reads (or with `set`, writes: only zero is taken) the used-memory high watermark of the
+/// pool `device`'s allocations come from; false where there is none.
+fn pool_high_watermark(device: &Device, set: bool, value: &mut u64) -> bool {
     #[cfg(feature = "cuda")]
     if let Device::Cuda(dev) = device {
         use candle_core::cuda_backend::cudarc::driver::{result, sys};
         let stream = dev.cuda_stream();
         let ctx = stream.context();
         if !ctx.has_async_alloc() || ctx.bind_to_thread().is_err() {
-            return;
+            return false;
         }
-        let mut zero = 0u64;
-        // SAFETY: as in `allocated_peak`; setting the high watermark takes only zero.
-        unsafe {
-            if let Ok(pool) = result::device::get_mem_pool(ctx.cu_device()) {
-                let _ = result::mem_pool::set_attribute(
-                    pool,
-                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
-                    &mut zero as *mut u64 as *mut _,
-                );
-            }
-        }
+        let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH;
+        let value = value as *mut u64 as *mut _;
+        // SAFETY: the device's current pool (the one cuMemAllocAsync draws from), and an
+        // attribute whose value is a cuuint64_t.
+        return unsafe {
+            result::device::get_mem_pool(ctx.cu_device()).is_ok_and(|pool| {
+                if set {
+                    result::mem_pool::set_attribute(pool, attr, value).is_ok()
+                } else {
+                    result::mem_pool::get_attribute(pool, attr, value).is_ok()
+                }
+            })
+        };
     }
-    let _ = device;
+    let _ = (device, set, value);
+    false
 }
 
 /// A `/proc/meminfo` entry in KiB (`MemAvailable:  123 kB`).

@@ -87,7 +87,8 @@ pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     if x.rank() == 0 || o == 0 || k == 0 {
         candle_core::bail!("linear: empty weight {:?} or scalar input", w.dims());
     }
-    x.contiguous()?.apply_op2(&w.contiguous()?, Linear)
+    x.contiguous()?
+        .apply_op2(&w.contiguous()?, Linear { sink: None })
 }
 
 /// `(x [..., k] contiguous, w [o, k])` → `x · wᵀ` `[..., o]`, computed on the rows `[m, k]`.
@@ -102,8 +103,11 @@ fn matmul_nt<S: BackendStorage>(x: &S, lx: &Layout, w: &S, lw: &Layout) -> Resul
     Ok((y, Shape::from(dims)))
 }
 
-/// [`linear`]'s node: its forward, and its backward by two matmuls.
-struct Linear;
+/// [`linear`]'s node (and [`linear_into`]'s, with a sink): its forward, and its backward by
+/// two matmuls, or by one and the weight's gradient summed into the sink.
+struct Linear {
+    sink: Option<Tensor>,
+}
 
 impl CustomOp2 for Linear {
     fn name(&self) -> &'static str {
@@ -132,7 +136,8 @@ impl CustomOp2 for Linear {
     }
 
     /// `grad` `[..., o]` as rows `[m, o]`: `dx = grad · w` `[m, k]` (reshaped as `x`),
-    /// `dw = gradᵀ · x` `[o, k]`, both contiguous.
+    /// `dw = gradᵀ · x` `[o, k]`, both contiguous; with a sink, `sink += gradᵀ · x` and no
+    /// gradient for `w`.
     fn bwd(
         &self,
         x: &Tensor,
@@ -140,8 +145,14 @@ impl CustomOp2 for Linear {
         _: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (dx, dw) = linear_backward(&x.detach(), &w.detach(), grad)?;
-        Ok((Some(dx), Some(dw)))
+        let (x, w) = (x.detach(), w.detach());
+        let Some(sink) = &self.sink else {
+            let (dx, dw) = linear_backward(&x, &w, grad)?;
+            return Ok((Some(dx), Some(dw)));
+        };
+        let g = grad.contiguous()?.reshape(((), w.dim(0)?))?;
+        accumulate_tn(sink, &g, &x.reshape(((), w.dim(1)?))?)?;
+        Ok((Some(g.matmul(&w)?.reshape(x.shape())?), None))
     }
 }
 
@@ -162,51 +173,10 @@ pub fn linear_into(x: &Tensor, w: &Tensor, sink: &Tensor) -> Result<Tensor> {
             sink.dims()
         );
     }
-    x.contiguous()?.apply_op1(LinearInto {
-        w: w.detach().contiguous()?,
-        sink: sink.clone(),
-    })
-}
-
-/// [`linear_into`]'s node.
-struct LinearInto {
-    w: Tensor,
-    sink: Tensor,
-}
-
-impl CustomOp1 for LinearInto {
-    fn name(&self) -> &'static str {
-        "linear-into-sink"
-    }
-
-    fn cpu_fwd(&self, x: &CpuStorage, lx: &Layout) -> Result<(CpuStorage, Shape)> {
-        let (ws, lw) = self.w.storage_and_layout();
-        let candle_core::Storage::Cpu(ws) = &*ws else {
-            candle_core::bail!("linear into a sink: the weight is not on the input's device");
-        };
-        matmul_nt(x, lx, ws, lw)
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        x: &candle_core::CudaStorage,
-        lx: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let (ws, lw) = self.w.storage_and_layout();
-        let candle_core::Storage::Cuda(ws) = &*ws else {
-            candle_core::bail!("linear into a sink: the weight is not on the input's device");
-        };
-        matmul_nt(x, lx, ws, lw)
-    }
-
-    /// `dx = grad · w`; `sink += gradᵀ · x`.
-    fn bwd(&self, x: &Tensor, _: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        let k = self.w.dim(1)?;
-        let g = grad.contiguous()?.reshape(((), self.w.dim(0)?))?;
-        accumulate_tn(&self.sink, &g, &x.detach().reshape(((), k))?)?;
-        Ok(Some(g.matmul(&self.w)?.reshape(x.shape())?))
-    }
+    let op = Linear {
+        sink: Some(sink.clone()),
+    };
+    x.contiguous()?.apply_op2(&w.detach().contiguous()?, op)
 }
 
 /// `acc` `[o, k]` `+= gᵀ · x` in place, for `g` `[m, o]` and `x` `[m, k]` of one dtype: on

@@ -207,15 +207,14 @@ impl Acc {
             distinct &= *slot == 0;
             *slot = at;
         }
-        let zeros = Tensor::zeros((self.rows, self.h), self.dtype, dev)?;
         if !distinct {
-            let mut acc = zeros;
+            let mut acc = Tensor::zeros((self.rows, self.h), self.dtype, dev)?;
             for (_, idx, g) in &self.parts {
                 acc = acc.index_add(idx, g, 0)?;
             }
             return Ok(acc);
         }
-        let mut all = vec![zeros.narrow(0, 0, 1)?];
+        let mut all = vec![Tensor::zeros((1, self.h), self.dtype, dev)?];
         all.extend(self.parts.into_iter().map(|p| p.2));
         let from = Tensor::from_vec(source, self.rows, dev)?;
         Ok(Tensor::cat(&all, 0)?.index_select(&from, 0)?)
