@@ -16,6 +16,7 @@ const KERNELS: &[&str] = &[
     "gated_act",
     "topk_kd",
     "tree_sum",
+    "grad_accumulate",
 ];
 /// Headers the kernels include.
 const HEADERS: &[&str] = &["dtype.cuh"];

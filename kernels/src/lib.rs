@@ -9,12 +9,14 @@
 //! CPU's widest instruction set ([`xdistill_shared::simd::Simd`]), chosen once.
 //!
 //! One op per module: [`log_softmax`], [`gather_log_softmax`], [`sum_squares`], the AdamW update
-//! ([`adamw_update`], [`adamw_update_in_place`]), the fused top-k distillation loss and
+//! ([`adamw_update`], [`adamw_update_in_place`]), gradient accumulation in place
+//! ([`grad_accumulate`]: one launch for every parameter on CUDA), the fused top-k distillation loss and
 //! cross-entropy per row ([`topk_kd()`], the CUDA kernel `topk_kd.cu` with an f64 CPU
 //! reference), and the vectorised row passes [`vmath`].
 
 mod adamw;
 mod gather;
+pub mod grad_accumulate;
 mod log_softmax;
 mod num_like;
 mod sum_squares;
@@ -25,6 +27,7 @@ pub mod vmath;
 
 pub use adamw::{adamw_update, adamw_update_in_place, AdamWStep};
 pub use gather::gather_log_softmax;
+pub use grad_accumulate::{grad_accumulate, GradSum};
 pub use log_softmax::log_softmax;
 pub use sum_squares::sum_squares;
 pub use topk_kd::{topk_kd, KdDivergence, KdTail, TopkKd};

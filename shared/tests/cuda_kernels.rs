@@ -2,7 +2,9 @@
 //! inputs: the top-k selection against f64, the multi-tensor AdamW against the CPU kernel's
 //! arithmetic (bit for bit), the sums of squares and the log-softmax against f64, the fused
 //! layer ops (RMSNorm, RoPE, gated activation; `model::device_ops`) and their backward against
-//! their CPU reference, the head's accumulating GEMM against its reference, and whole passes
+//! their CPU reference, the head's accumulating GEMM against its reference, the gradient
+//! accumulation into f32 sums against a cast and an add (bit for bit), the packed forward's
+//! blocked GEMM against f64 and for invariance, and whole passes
 //! through them against the composed ops. CUDA builds only; the GPU check
 //! runs them (`XDISTILL_TEST_DEVICE=cuda`, `scripts/gpu-check.sh` step 1c). The same kernels'
 //! logic runs on the host in the default suite (kernels/cuda/emulate).
@@ -616,6 +618,151 @@ fn accumulating_gemm_equals_its_reference() {
             let err = rel_err(&host(&got), &host(&want));
             eprintln!("accumulate {dt:?} {m}x{o}x{k}: rel err {err:.2e}");
             assert!(err < 1e-5, "accumulate {dt:?} {m}x{o}x{k}: {err:.3e}");
+        }
+    }
+}
+
+/// The gradient accumulation kernel (`grad_accumulate_f32`: a micro-batch's gradients into
+/// their f32 sums, every parameter in one launch) against candle's cast and add on the CPU, bit
+/// for bit: f32, bf16 and f16 gradients, both modes, sizes over a chunk, the sums views at
+/// offsets of one buffer whose other elements stay as they were.
+#[test]
+fn grad_accumulate_equals_cast_and_add() {
+    use xdistill_cuda_kernels::{grad_accumulate_f32, GradSum};
+    let Some(dev) = gpu() else { return };
+    let mut rng = rng();
+    let sizes = [1usize, 1000, 70_000, 3, 131_077];
+    let total: usize = sizes.iter().sum::<usize>() + 2 * sizes.len();
+    let base = Tensor::from_vec(values(&mut rng, total, 1.0), total, &Device::Cpu).unwrap();
+    let flat = base.to_device(&dev).unwrap();
+    let dts = [DType::F32, DType::BF16, DType::F16];
+    let mut at = 1; // one untouched element before and after each view
+    let (mut srcs, mut dsts, mut want) = (Vec::new(), Vec::new(), base.to_vec1::<f32>().unwrap());
+    for (i, &n) in sizes.iter().enumerate() {
+        let g = Tensor::from_vec(values(&mut rng, n, 1e-2), n, &Device::Cpu).unwrap();
+        let g = g.to_dtype(dts[i % 3]).unwrap();
+        let add = i % 2 == 0;
+        let widened = g.to_dtype(DType::F32).unwrap();
+        let sum = if add {
+            (base.narrow(0, at, n).unwrap() + widened).unwrap()
+        } else {
+            widened
+        };
+        want.splice(at..at + n, sum.to_vec1::<f32>().unwrap());
+        srcs.push((g.to_device(&dev).unwrap(), add));
+        dsts.push(flat.narrow(0, at, n).unwrap());
+        at += n + 2;
+    }
+    let entries: Vec<GradSum<'_>> = srcs
+        .iter()
+        .zip(&dsts)
+        .map(|((src, add), dst)| GradSum {
+            src,
+            dst,
+            add: *add,
+        })
+        .collect();
+    grad_accumulate_f32(&entries).unwrap();
+    let got = flat
+        .to_device(&Device::Cpu)
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    let differ = got
+        .iter()
+        .zip(&want)
+        .filter(|(a, b)| a.to_bits() != b.to_bits())
+        .count();
+    eprintln!(
+        "grad_accumulate: {} tensors, {total} elements: {differ} differ",
+        sizes.len()
+    );
+    assert_eq!(differ, 0);
+}
+
+/// The packed forward's blocked GEMM (`gemm_nt_blocks`: `x · wᵀ`, one cuBLAS GEMM per block
+/// of rows into one output) against f64 on fresh random inputs (f32, bf16, f16; odd sizes),
+/// and batch-invariant: a block's rows are the same bits computed alone or among other blocks,
+/// and on a second call.
+#[test]
+fn blocked_gemm_equals_f64_and_each_block_alone() {
+    use crate::cudnn_attention::rel_err;
+    use candle_core::backend::BackendStorage;
+    use candle_core::Storage;
+    use xdistill_cuda_kernels::{gemm_nt_blocks, GemmBlocksArgs};
+    let Some(dev) = gpu() else { return };
+    let mut rng = rng();
+    // Runs the blocked GEMM on `x` [rows, k] and `w` [n, k]: the result in f64, row-major.
+    let run = |x: &Tensor, w: &Tensor, block: usize| -> Vec<f64> {
+        let (rows, k) = x.dims2().unwrap();
+        let n = w.dim(0).unwrap();
+        let (xs, lx) = x.storage_and_layout();
+        let (ws, lw) = w.storage_and_layout();
+        let (Storage::Cuda(xs), Storage::Cuda(ws)) = (&*xs, &*ws) else {
+            panic!("CUDA tensors")
+        };
+        let args = GemmBlocksArgs { rows, k, n, block };
+        let y = gemm_nt_blocks((xs, lx), (ws, lw), args).unwrap();
+        let y = Tensor::from_vec(
+            match y.to_cpu_storage().unwrap() {
+                candle_core::CpuStorage::F32(v) => v,
+                candle_core::CpuStorage::BF16(v) => v.iter().map(|x| x.to_f32()).collect(),
+                candle_core::CpuStorage::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
+                other => panic!("{:?}", other.dtype()),
+            },
+            rows * n,
+            &Device::Cpu,
+        )
+        .unwrap();
+        y.to_dtype(DType::F64).unwrap().to_vec1().unwrap()
+    };
+    for dt in [DType::F32, DType::BF16, DType::F16] {
+        for (blocks, block, k, n) in [(3, 37, 65, 129), (2, 64, 128, 1000), (1, 16, 8, 3)] {
+            let rows = blocks * block;
+            let xh = Tensor::from_vec(values(&mut rng, rows * k, 1.0), (rows, k), &Device::Cpu)
+                .unwrap()
+                .to_dtype(dt)
+                .unwrap();
+            let wh = Tensor::from_vec(values(&mut rng, n * k, 1.0), (n, k), &Device::Cpu)
+                .unwrap()
+                .to_dtype(dt)
+                .unwrap();
+            // f64 from the operands as stored.
+            let x64: Vec<f64> = xh
+                .to_dtype(DType::F64)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let w64: Vec<f64> = wh
+                .to_dtype(DType::F64)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let mut want = vec![0.0; rows * n];
+            for r in 0..rows {
+                for c in 0..n {
+                    want[r * n + c] = (0..k).map(|i| x64[r * k + i] * w64[c * k + i]).sum();
+                }
+            }
+            let (x, w) = (xh.to_device(&dev).unwrap(), wh.to_device(&dev).unwrap());
+            let got = run(&x, &w, block);
+            let err = rel_err(&got, &want);
+            let tol = if dt == DType::F32 { 1e-5 } else { 1e-2 };
+            eprintln!("gemm_nt_blocks {dt:?} {blocks}x{block}x{k}x{n}: rel err {err:.2e}");
+            assert!(err < tol, "{dt:?} {blocks}x{block}x{k}x{n}: {err:.3e}");
+            assert_eq!(got, run(&x, &w, block), "{dt:?}: a second call");
+            for b in 0..blocks {
+                let alone = run(&x.narrow(0, b * block, block).unwrap(), &w, block);
+                assert_eq!(
+                    alone,
+                    got[b * block * n..(b + 1) * block * n],
+                    "{dt:?} {blocks}x{block}x{k}x{n}: block {b} alone"
+                );
+            }
         }
     }
 }

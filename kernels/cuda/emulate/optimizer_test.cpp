@@ -4,11 +4,14 @@
 // (each the nearest value to the updated weight, ties to even) on some tensors; the
 // multi-tensor Σ g² against a long-double sum; ../src/tree_sum.cu (the data-parallel exact sum)
 // against the pairwise tree's definition, recursion over halves, bit for bit, for 1 to 19
-// ranks. Exits non-zero on the first mismatch.
+// ranks; ../src/grad_accumulate.cu (a micro-batch's gradients into their f32 sums) against
+// widening and one f32 add per element, bit for bit, for f32, bf16 and f16 gradients, both
+// modes, chunked tensors and fewer blocks than chunks. Exits non-zero on the first mismatch.
 #include "../src/adamw.cu"
 #undef THREADS
 #include "../src/sum_squares.cu"
 #include "../src/tree_sum.cu"
+#include "../src/grad_accumulate.cu"
 
 #include "harness.h"
 
@@ -161,6 +164,53 @@ static void tree_sum_case(uint32_t world, size_t n, unsigned grid, std::mt19937 
     if (diffs) ++failures;
 }
 
+// Tensors of several sizes (one over a 64 Ki chunk), gradients of `kind` t % 3 (0 f32, 1 bf16,
+// 2 f16), every other tensor added to its sum, the rest written.
+static void grad_accumulate_case(unsigned grid, std::mt19937 &rng) {
+    const std::vector<size_t> sizes = {1, 1000, 70000, 3, 131077};
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    std::vector<std::vector<float>> sums(sizes.size()), g32(sizes.size());
+    std::vector<std::vector<uint16_t>> g16(sizes.size());
+    std::vector<std::vector<float>> want(sizes.size());
+    for (size_t t = 0; t < sizes.size(); ++t) {
+        const int kind = int(t % 3);
+        const bool add = t % 2 == 0;
+        for (size_t i = 0; i < sizes[t]; ++i) {
+            const float s = nd(rng), g = nd(rng) * 1e-3f;
+            float widened = g;
+            if (kind == 1) {
+                const uint16_t b = __float2bfloat16(g).bits;
+                g16[t].push_back(b);
+                widened = widen_bf16(b);
+            } else if (kind == 2) {
+                const _Float16 h = _Float16(g);
+                uint16_t b;
+                std::memcpy(&b, &h, 2);
+                g16[t].push_back(b);
+                widened = float(h);
+            } else {
+                g32[t].push_back(g);
+            }
+            sums[t].push_back(s);
+            want[t].push_back(add ? s + widened : widened);
+        }
+    }
+    std::vector<uint64_t> table;
+    for (auto &c : chunks_of(sizes, 1 << 16)) {
+        const uint64_t kind = c.tensor % 3, add = c.tensor % 2 == 0;
+        const uint64_t src = kind == 0 ? addr(g32[c.tensor].data() + c.start) : addr(g16[c.tensor].data() + c.start);
+        table.insert(table.end(), {src, addr(sums[c.tensor].data() + c.start), c.len | (kind << 32) | (add << 40)});
+    }
+    const uint32_t n = uint32_t(table.size() / 3);
+    emu::launch(grid, 256, [&] { grad_accumulate_f32(table.data(), n); });
+    size_t diffs = 0;
+    for (size_t t = 0; t < sizes.size(); ++t)
+        diffs += std::memcmp(sums[t].data(), want[t].data(), 4 * sizes[t]) != 0;
+    std::printf("grad_accumulate: %zu tensors, %u chunks, grid %u: %zu tensors differ\n", sizes.size(), n, grid,
+                diffs);
+    if (diffs) ++failures;
+}
+
 int main() {
     std::mt19937 rng(std::random_device{}());
     adamw_case(false, 5, 0, rng);
@@ -168,6 +218,8 @@ int main() {
     adamw_case(false, 7, 2, rng);
     sum_squares_case(2, rng);
     sum_squares_case(16, rng);
+    grad_accumulate_case(2, rng);
+    grad_accumulate_case(16, rng);
     for (uint32_t world = 1; world <= 19; ++world) tree_sum_case(world, 301 + world, world % 3 + 1, rng);
     if (failures) {
         std::fprintf(stderr, "%d case(s) failed\n", failures);

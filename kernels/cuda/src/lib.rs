@@ -8,6 +8,8 @@
 //!   device scoring path), one block per row, no host round trip;
 //! - [`adamw_f32`]: one AdamW step over every parameter in one launch, in place, the CPU
 //!   kernel's arithmetic (the same bits);
+//! - [`grad_accumulate_f32`]: a micro-batch's gradients (f32, bf16 or f16) widened into, or
+//!   added to, their f32 sums, every parameter in one launch;
 //! - [`sum_squares_f32`]: `Σ g²` of every gradient in one launch and one copy back (the global
 //!   norm for clipping);
 //! - [`log_softmax_f32`] and [`log_softmax_bwd_f32`]: the row-wise log-softmax and its backward,
@@ -23,6 +25,8 @@
 //!   gradient, one read of the row per pass (llm.c's fused classifier for top-k targets);
 //! - [`gemm_acc_f32`]: `acc += gᵀ · x` into an f32 accumulator by one cuBLAS GEMM (the LM
 //!   head's gradient summed over row chunks; cuBLAS's kernel, no `.cu`);
+//! - [`gemm_nt_blocks`]: `x · wᵀ` one cuBLAS GEMM per block of a fixed number of rows into one
+//!   output (the packed teacher forward's batch-invariant linear layers; no `.cu`);
 //! - [`tree_sum_f32`]: the exact data-parallel sum of the ranks' gathered buffers on the device,
 //!   by the trainer's pairwise tree in rank order (the host tree's bits).
 //!
@@ -57,6 +61,10 @@ mod gated_act;
 #[cfg(feature = "cuda")]
 mod gemm_acc;
 #[cfg(feature = "cuda")]
+mod gemm_blocks;
+#[cfg(feature = "cuda")]
+mod grad_accumulate;
+#[cfg(feature = "cuda")]
 mod log_softmax;
 #[cfg(feature = "cuda")]
 mod ptx;
@@ -79,6 +87,10 @@ pub use adamw::{adamw_f32, AdamWHyper, AdamWTensor};
 pub use gated_act::{gated_act_bwd, gated_act_fwd, GatedAct, GatedArgs};
 #[cfg(feature = "cuda")]
 pub use gemm_acc::{gemm_acc_f32, GemmAccArgs};
+#[cfg(feature = "cuda")]
+pub use gemm_blocks::{gemm_nt_blocks, GemmBlocksArgs};
+#[cfg(feature = "cuda")]
+pub use grad_accumulate::{grad_accumulate_f32, GradSum};
 #[cfg(feature = "cuda")]
 pub use log_softmax::{log_softmax_bwd_f32, log_softmax_f32};
 #[cfg(feature = "cuda")]

@@ -27,6 +27,11 @@ pub const LOG_SOFTMAX: Module = Module {
     ptx: include_str!(concat!(env!("OUT_DIR"), "/log_softmax.ptx")),
 };
 
+pub const GRAD_ACCUMULATE: Module = Module {
+    name: "xdistill_grad_accumulate",
+    ptx: include_str!(concat!(env!("OUT_DIR"), "/grad_accumulate.ptx")),
+};
+
 pub const SUM_SQUARES: Module = Module {
     name: "xdistill_sum_squares",
     ptx: include_str!(concat!(env!("OUT_DIR"), "/sum_squares.ptx")),

@@ -196,6 +196,15 @@ impl Linear {
                 None => Ok(y),
             };
         }
+        if let Some(block) = super::packed::gemm_rows() {
+            return self.forward_blocked(inner, x, ops, block);
+        }
+        self.forward_dense(inner, x, ops)
+    }
+
+    /// [`Linear::forward`] of a dense layer at inference, all rows in one product.
+    fn forward_dense(&self, inner: &candle_nn::Linear, x: &Tensor, ops: Ops) -> Result<Tensor> {
+        let w = inner.weight();
         if !takes_matmul_nt(x, w, ops)? {
             return inner.forward(x);
         }
@@ -204,6 +213,48 @@ impl Linear {
             Some(b) => y.broadcast_add(b),
             None => Ok(y),
         }
+    }
+
+    /// [`Linear::forward`] inside a packed forward (`packed::GemmRows`): `x`'s rows in blocks of
+    /// exactly `block` (their count a multiple of it), each block one product of the same shape,
+    /// so that a row's kernel never depends on the batch. On CUDA one cuBLAS GEMM per block
+    /// into one output; elsewhere the dense path per block `[1, block, in]`, put together.
+    fn forward_blocked(
+        &self,
+        inner: &candle_nn::Linear,
+        x: &Tensor,
+        ops: Ops,
+        block: usize,
+    ) -> Result<Tensor> {
+        let w = inner.weight();
+        let (n, k) = w.dims2()?;
+        let rows = x.elem_count() / k.max(1);
+        if rows == 0 || !rows.is_multiple_of(block) {
+            candle_core::bail!(
+                "{}: {rows} rows in matmul blocks of {block} (a packed forward pads its rows)",
+                self.name
+            );
+        }
+        let mut out_dims = x.dims().to_vec();
+        if let Some(last) = out_dims.last_mut() {
+            *last = n;
+        }
+        let flat = x.reshape((rows, k))?;
+        #[cfg(feature = "cuda")]
+        if x.device().is_cuda() && matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16) {
+            let y = super::packed::gemm_nt_blocks(&flat.contiguous()?, &w.contiguous()?, block)?
+                .reshape(out_dims)?;
+            return match inner.bias() {
+                Some(b) => y.broadcast_add(b),
+                None => Ok(y),
+            };
+        }
+        let parts = (0..rows / block)
+            .map(|b| {
+                self.forward_dense(inner, &flat.narrow(0, b * block, block)?.unsqueeze(0)?, ops)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Tensor::cat(&parts, 1)?.reshape(out_dims)
     }
 }
 

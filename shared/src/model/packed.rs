@@ -12,6 +12,14 @@
 //! kernel is row-independent anyway ([`crate::matmul`]), so a packed row equals the row of the
 //! sequence's own forward bit for bit (tested).
 //!
+//! The layers run their own code over all rows at once ([`Decoder::project`],
+//! [`Decoder::after_attention`]: each norm, RoPE, activation and residual one launch for the
+//! batch); only the linear layers see the blocks, through [`GemmRows`], a scope of this thread:
+//! on CUDA one cuBLAS GEMM per block into one output (`xdistill_cuda_kernels::gemm_nt_blocks`),
+//! elsewhere the layer's own matmul per block. Until 2026-11-30 the whole layer ran block by
+//! block, about 100 launches a layer at 4 blocks (the packed forward took 1.8× the padded
+//! one's time on an H200 for the same rows: host-bound).
+//!
 //! Not packed: sparse MoE layers (each token's experts see a varying number of rows) and
 //! quantized weights (candle's quantized kernels pick by rows on a GPU): [`Decoder::packs`].
 
@@ -19,6 +27,84 @@ use super::decoder::{attention_bias, Decoder};
 use super::layers::{Ffn, Ops};
 use super::spec::LayerKind;
 use candle_core::{Result, Tensor};
+use std::cell::Cell;
+
+thread_local! {
+    static GEMM_ROWS: Cell<Option<usize>> = const { Cell::new(None) };
+}
+
+/// While alive, this thread's linear layers (serving ops) multiply blocks of exactly `rows`
+/// rows ([`gemm_rows`]); dropped, the setting before it returns.
+pub(crate) struct GemmRows(Option<usize>);
+
+impl GemmRows {
+    pub(crate) fn set(rows: usize) -> GemmRows {
+        GemmRows(GEMM_ROWS.with(|c| c.replace(Some(rows))))
+    }
+}
+
+impl Drop for GemmRows {
+    fn drop(&mut self) {
+        GEMM_ROWS.with(|c| c.set(self.0));
+    }
+}
+
+/// The rows per matmul block of this thread's packed forward, if one is running.
+pub(crate) fn gemm_rows() -> Option<usize> {
+    GEMM_ROWS.with(Cell::get)
+}
+
+/// `x [rows, k] · wᵀ` (`w` `[n, k]`, both contiguous) → `[rows, n]`, one GEMM per block of
+/// `block` rows: on CUDA (f32, bf16, f16) by cuBLAS into one output.
+#[cfg(feature = "cuda")]
+pub(crate) fn gemm_nt_blocks(x: &Tensor, w: &Tensor, block: usize) -> Result<Tensor> {
+    x.apply_op2_no_bwd(w, &GemmBlocks { block })
+}
+
+/// [`gemm_nt_blocks`] as a candle op (CUDA only).
+#[cfg(feature = "cuda")]
+struct GemmBlocks {
+    block: usize,
+}
+
+#[cfg(feature = "cuda")]
+impl candle_core::CustomOp2 for GemmBlocks {
+    fn name(&self) -> &'static str {
+        "gemm-nt-blocks"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+        _: &candle_core::CpuStorage,
+        _: &candle_core::Layout,
+    ) -> Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        candle_core::bail!("gemm-nt-blocks runs on CUDA (the CPU multiplies block by block)")
+    }
+
+    fn cuda_fwd(
+        &self,
+        x: &candle_core::CudaStorage,
+        lx: &candle_core::Layout,
+        w: &candle_core::CudaStorage,
+        lw: &candle_core::Layout,
+    ) -> Result<(candle_core::CudaStorage, candle_core::Shape)> {
+        let (rows, k) = lx.shape().dims2()?;
+        let (n, kw) = lw.shape().dims2()?;
+        if k != kw {
+            candle_core::bail!("gemm-nt-blocks: x [{rows}, {k}], w [{n}, {kw}]");
+        }
+        let args = xdistill_cuda_kernels::GemmBlocksArgs {
+            rows,
+            k,
+            n,
+            block: self.block,
+        };
+        let y = xdistill_cuda_kernels::gemm_nt_blocks((x, lx), (w, lw), args)?;
+        Ok((y, candle_core::Shape::from((rows, n))))
+    }
+}
 
 /// Rows per matmul of a packed forward by default: large enough for efficient GEMMs on a GPU,
 /// small enough that a short batch wastes little on padding.
@@ -106,30 +192,18 @@ impl Decoder {
         if padded > p {
             x = Tensor::cat(&[&x, &Tensor::zeros((padded - p, h), x.dtype(), dev)?], 0)?;
         }
-        let blocks = padded / m0;
-        // Block `c`'s rows of a [1, P', ..] or [P', ..] tensor along `dim`.
-        let block = |t: &Tensor, dim: usize, c: usize| t.narrow(dim, c * m0, m0);
+        // Every linear layer below multiplies blocks of exactly `m0` rows; everything else
+        // runs once over all rows (row-wise ops: one launch each, whatever the block count).
+        let _blocks = GemmRows::set(m0);
+        let mut x = x.unsqueeze(0)?; // [1, P', H]
         for (l, layer) in self.w.layers.iter().enumerate() {
-            let (cos, sin) = match self.kinds[l] {
+            let rope = match self.kinds[l] {
                 LayerKind::Sliding => &sliding,
                 LayerKind::Full => &full,
             };
-            // 1. Norm, q/k/v (q/k norms, RoPE): block by block, [1, H, P', D] each.
-            let (mut qs, mut ks, mut vs) = (vec![], vec![], vec![]);
-            for c in 0..blocks {
-                let rope = (block(cos, 1, c)?, block(sin, 1, c)?);
-                let xc = block(&x, 0, c)?.unsqueeze(0)?;
-                let (q, k, v) = self.project(l, layer, &xc, &[rope.clone(), rope])?;
-                qs.push(q);
-                ks.push(k);
-                vs.push(v);
-            }
-            let (q, k, v) = (
-                Tensor::cat(&qs, 2)?,
-                Tensor::cat(&ks, 2)?,
-                Tensor::cat(&vs, 2)?,
-            );
-            // 2. Attention per sequence, over its own rows: [1, Hq, P', D].
+            // 1. Norm, q/k/v (q/k norms, RoPE): [1, H, P', D] each.
+            let (q, k, v) = self.project(l, layer, &x, &[rope.clone(), rope.clone()])?;
+            // 2. Attention per sequence, over its own rows, put together as [1, P', Hq, D].
             let mut outs = Vec::with_capacity(seqs.len() + 1);
             for (s, &at) in seqs.iter().zip(&starts) {
                 let n = s.ids.len();
@@ -138,23 +212,21 @@ impl Decoder {
                     k.narrow(2, at, n)?,
                     v.narrow(2, at, n)?,
                 );
-                outs.push(self.packed_core(l, &qs, &ks, &vs)?);
+                outs.push(self.packed_core(l, &qs, &ks, &vs)?.transpose(1, 2)?);
             }
             if padded > p {
                 let (_, hq, _, d) = q.dims4()?;
-                outs.push(Tensor::zeros((1, hq, padded - p, d), q.dtype(), dev)?);
+                outs.push(Tensor::zeros((1, padded - p, hq, d), q.dtype(), dev)?);
             }
-            let o = Tensor::cat(&outs, 2)?;
-            // 3. o_proj, residual, MLP: block by block.
-            let mut xs = Vec::with_capacity(blocks);
-            for c in 0..blocks {
-                let xc = block(&x, 0, c)?.unsqueeze(0)?;
-                let oc = block(&o, 2, c)?;
-                xs.push(self.after_attention(layer, &xc, &oc)?.squeeze(0)?);
-            }
-            x = Tensor::cat(&xs, 0)?;
+            // [1, Hq, P', D] as a view of the rows' layout: o_proj reads it with no copy.
+            let o = Tensor::cat(&outs, 1)?.transpose(1, 2)?;
+            // 3. o_proj, residual, MLP.
+            x = self.after_attention(layer, &x, &o)?;
         }
-        self.w.norm.forward(&x, self.ops)?.narrow(0, 0, p)
+        self.w
+            .norm
+            .forward(&x.squeeze(0)?, self.ops)?
+            .narrow(0, 0, p)
     }
 
     /// Layer `l`'s attention core over one sequence's `q` [1, Hq, n, D], `k`, `v` [1, Hkv, n, D]

@@ -103,6 +103,9 @@ pub struct GradAccumulator {
     keys: Vec<Tensor>,
     /// The open shard's sums (f32, or f64 for f64 vars), one per var with a gradient so far.
     open: Vec<Option<Tensor>>,
+    /// When the open shard is summed in place ([`GradAccumulator::add_in_place`]): the one f32
+    /// buffer `[Σ n_i]` whose views (var i's at the sum of the sizes before it) are its sums.
+    flat: Option<Tensor>,
     micro_batches: usize,
     tree: TreeAccumulator<Grads>,
 }
@@ -122,6 +125,7 @@ impl GradAccumulator {
             vars,
             keys,
             open,
+            flat: None,
             micro_batches: 0,
             tree: TreeAccumulator::new(),
         }
@@ -129,6 +133,12 @@ impl GradAccumulator {
 
     /// Adds the parameter gradients of one micro-batch's `backward()` to the open shard.
     pub fn add(&mut self, grads: &GradStore) -> Result<()> {
+        if self.add_in_place(grads)? {
+            self.micro_batches += 1;
+            return Ok(());
+        }
+        // The sums below are new tensors: the shard's sums are no longer all views of `flat`.
+        self.flat = None;
         let each = self.vars.iter().zip(&self.keys).zip(self.open.iter_mut());
         for ((v, key), slot) in each {
             let Some(g) = grads.get(key) else {
@@ -144,9 +154,82 @@ impl GradAccumulator {
         Ok(())
     }
 
+    /// [`GradAccumulator::add`] in place, where it applies: every var f32 on one device where
+    /// [`xdistill_kernels::grad_accumulate`] runs (the CPU; CUDA with the project's kernels),
+    /// every gradient contiguous in the var's shape, and the open shard either summed in place
+    /// already or empty with a gradient to widen (bf16 or f16: the compute copies'). Then the
+    /// shard's sums are views of one f32 buffer, and each micro-batch's gradients are widened
+    /// into them or added to them in one launch on CUDA, instead of a cast and an add per
+    /// parameter: the same bits. False (nothing done) where it does not apply.
+    fn add_in_place(&mut self, grads: &GradStore) -> Result<bool> {
+        let Some(device) = self.vars.first().map(|v| v.device().clone()) else {
+            return Ok(false);
+        };
+        let found: Vec<Option<&Tensor>> = self.keys.iter().map(|k| grads.get(k)).collect();
+        let fits = self.vars.iter().zip(&found).all(|(v, g)| {
+            v.dtype() == DType::F32
+                && v.device().same_device(&device)
+                && g.is_none_or(|g| {
+                    g.dims() == v.dims()
+                        && g.is_contiguous()
+                        && g.device().same_device(&device)
+                        && matches!(g.dtype(), DType::F32 | DType::BF16 | DType::F16)
+                })
+        });
+        if !fits || !xdistill_kernels::grad_accumulate::applies(&device) {
+            return Ok(false);
+        }
+        let flat = match &self.flat {
+            Some(f) => f.clone(),
+            None => {
+                let empty = self.open.iter().all(Option::is_none);
+                let widens = found.iter().flatten().any(|g| g.dtype() != DType::F32);
+                if !empty || !widens {
+                    // Started out of place, or nothing to widen: a first f32 gradient is kept
+                    // as it is (no copy), as before.
+                    return Ok(false);
+                }
+                let total = self.vars.iter().map(|v| v.elem_count()).sum::<usize>();
+                let f = Tensor::zeros(total, DType::F32, &device)?;
+                self.flat = Some(f.clone());
+                f
+            }
+        };
+        let mut dsts = Vec::with_capacity(self.vars.len());
+        let mut at = 0;
+        for ((v, g), slot) in self.vars.iter().zip(&found).zip(&self.open) {
+            let n = v.elem_count();
+            if let Some(g) = g {
+                let (dst, add) = match slot {
+                    Some(s) => (s.clone(), true),
+                    None => (flat.narrow(0, at, n)?.reshape(v.shape())?, false),
+                };
+                dsts.push((*g, dst, add));
+            }
+            at += n;
+        }
+        let entries: Vec<_> = dsts
+            .iter()
+            .map(|(src, dst, add)| xdistill_kernels::GradSum {
+                src,
+                dst,
+                add: *add,
+            })
+            .collect();
+        xdistill_kernels::grad_accumulate(&entries)?;
+        let mut written = dsts.into_iter().map(|(_, dst, _)| dst);
+        for (g, slot) in found.iter().zip(self.open.iter_mut()) {
+            if g.is_some() {
+                *slot = written.next();
+            }
+        }
+        Ok(true)
+    }
+
     /// Closes the open shard (an empty one is a leaf of zeros: the tree's shape never
     /// depends on what a shard held).
     pub fn end_shard(&mut self) -> Result<()> {
+        self.flat = None;
         let mut leaf = Vec::with_capacity(self.vars.len());
         for (v, slot) in self.vars.iter().zip(self.open.iter_mut()) {
             leaf.push(match slot.take() {
@@ -268,5 +351,102 @@ mod tests {
         let summed = flat(acc.take().unwrap().get(w.as_tensor()).unwrap());
         assert_close(&summed, &big, 1e-12, "accumulated gradient");
         assert_eq!(acc.micro_batches(), 0);
+    }
+
+    /// Bits of a tensor, in order.
+    fn bits(t: &Tensor) -> Vec<u32> {
+        t.flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect()
+    }
+
+    /// Compute-copy gradients (bf16, f16) are summed in place in one f32 buffer per shard, with
+    /// the bits of a cast and an add per parameter (what the accumulator did before, computed
+    /// here with candle's ops): a var missing from a shard's first micro-batch, one missing from
+    /// a whole shard, two shards through the tree, and a step's result untouched by the next
+    /// step's sums.
+    #[test]
+    fn compute_copy_gradients_sum_in_place_with_the_bits_of_cast_and_add() {
+        let dev = Device::Cpu;
+        let shapes: [&[usize]; 3] = [&[3, 5], &[70], &[2, 2, 2]];
+        let mut r = rng(7);
+        let vars: Vec<Var> = shapes
+            .iter()
+            .map(|s| {
+                let n = s.iter().product();
+                Var::from_tensor(&tensor(&uniform(&mut r, n, 1.0), s, DType::F32)).unwrap()
+            })
+            .collect();
+        // The keys a backward pass files gradients under: the vars' bf16 compute copies.
+        let keys: Vec<Tensor> = vars
+            .iter()
+            .map(|v| v.to_dtype(DType::BF16).unwrap())
+            .collect();
+        let mut grad = |i: usize, dt: DType| {
+            let n = shapes[i].iter().product();
+            tensor(&uniform(&mut r, n, 0.3), shapes[i], DType::F32)
+                .to_dtype(dt)
+                .unwrap()
+        };
+        let store = |gs: &[(usize, &Tensor)]| {
+            let mut g = GradStore::default();
+            for (i, t) in gs {
+                g.insert(&keys[*i], (*t).clone());
+            }
+            g
+        };
+        let f32_of = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+        let (a0, a1) = (grad(0, DType::BF16), grad(1, DType::BF16));
+        let (b1, b2) = (grad(1, DType::BF16), grad(2, DType::F16));
+        let (c0, c2) = (grad(0, DType::BF16), grad(2, DType::BF16));
+        let kept = [&a0, &a1, &b1, &b2, &c0, &c2].map(bits_any);
+
+        let mut acc = GradAccumulator::with_keys(vars.clone(), keys.clone());
+        acc.add(&store(&[(0, &a0), (1, &a1)])).unwrap();
+        assert!(acc.flat.is_some(), "bf16 gradients are summed in place");
+        acc.add(&store(&[(1, &b1), (2, &b2)])).unwrap();
+        acc.end_shard().unwrap();
+        acc.add(&store(&[(0, &c0), (2, &c2)])).unwrap();
+        let got = acc.finish().unwrap();
+
+        let zeros = |i: usize| Tensor::zeros(shapes[i], DType::F32, &dev).unwrap();
+        let shard1 = [
+            f32_of(&a0),
+            (f32_of(&a1) + f32_of(&b1)).unwrap(),
+            f32_of(&b2),
+        ];
+        let shard2 = [f32_of(&c0), zeros(1), f32_of(&c2)];
+        for i in 0..3 {
+            let want = (&shard1[i] + &shard2[i]).unwrap();
+            assert_eq!(bits(&got.0[i]), bits(&want), "var {i}");
+            assert_eq!(got.0[i].dims(), shapes[i]);
+        }
+        // The gradients handed in are read, never written.
+        assert_eq!([&a0, &a1, &b1, &b2, &c0, &c2].map(bits_any), kept);
+
+        // The next step sums into a buffer of its own: the first step's result stays as it was.
+        let before: Vec<Vec<u32>> = got.0.iter().map(bits).collect();
+        acc.add(&store(&[(0, &a0), (1, &a1), (2, &b2)])).unwrap();
+        let next = acc.finish().unwrap();
+        assert_eq!(got.0.iter().map(bits).collect::<Vec<_>>(), before);
+        assert_eq!(bits(&next.0[1]), bits(&f32_of(&a1)));
+
+        // f32 gradients first: kept as they are (no copy), and the shard stays out of place.
+        let f = grad(0, DType::F32);
+        acc.add(&store(&[(0, &f)])).unwrap();
+        assert!(acc.flat.is_none());
+        acc.add(&store(&[(0, &a0)])).unwrap();
+        assert!(acc.flat.is_none(), "a shard started out of place stays so");
+        let g = acc.finish().unwrap();
+        assert_eq!(bits(&g.0[0]), bits(&(f + f32_of(&a0)).unwrap()));
+    }
+
+    /// The bits of a tensor of any float dtype, widened to f32 (exact).
+    fn bits_any(t: &Tensor) -> Vec<u32> {
+        bits(&t.to_dtype(DType::F32).unwrap())
     }
 }
