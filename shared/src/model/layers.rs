@@ -196,7 +196,7 @@ impl Linear {
                 None => Ok(y),
             };
         }
-        if let Some(block) = super::packed::gemm_rows() {
+        if let Some(block) = super::gemm_blocks::gemm_rows() {
             return self.forward_blocked(inner, x, ops, block);
         }
         self.forward_dense(inner, x, ops)
@@ -215,7 +215,7 @@ impl Linear {
         }
     }
 
-    /// [`Linear::forward`] inside a packed forward (`packed::GemmRows`): `x`'s rows in blocks of
+    /// [`Linear::forward`] inside a packed forward (`gemm_blocks::GemmRows`): `x`'s rows in blocks of
     /// exactly `block` (their count a multiple of it), each block one product of the same shape,
     /// so that a row's kernel never depends on the batch. On CUDA one cuBLAS GEMM per block
     /// into one output; elsewhere the dense path per block `[1, block, in]`, put together.
@@ -242,8 +242,9 @@ impl Linear {
         let flat = x.reshape((rows, k))?;
         #[cfg(feature = "cuda")]
         if x.device().is_cuda() && matches!(x.dtype(), DType::F32 | DType::BF16 | DType::F16) {
-            let y = super::packed::gemm_nt_blocks(&flat.contiguous()?, &w.contiguous()?, block)?
-                .reshape(out_dims)?;
+            let y =
+                super::gemm_blocks::gemm_nt_blocks(&flat.contiguous()?, &w.contiguous()?, block)?
+                    .reshape(out_dims)?;
             return match inner.bias() {
                 Some(b) => y.broadcast_add(b),
                 None => Ok(y),

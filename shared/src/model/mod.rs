@@ -19,7 +19,8 @@
 //! fused ops run (no autograd graph), and `embed_grad.rs` the embedding's gradient without a
 //! scatter-add; `packed.rs` the
 //! packed forward of several sequences (the teacher's batch-invariant mode in fixed matmul
-//! blocks). `precision.rs` retraces the forward op by op in f32 and f64 (where an f32 forward
+//! blocks), `gemm_blocks.rs` the scope and the cuBLAS op that make its linear layers multiply
+//! those blocks. `precision.rs` retraces the forward op by op in f32 and f64 (where an f32 forward
 //! loses accuracy).
 
 pub mod arch;
@@ -33,6 +34,7 @@ pub mod device_ops;
 mod embed_grad;
 mod error;
 mod facts;
+mod gemm_blocks;
 mod gemma3;
 mod host_ops;
 mod layers;
