@@ -55,6 +55,12 @@ pub struct SameBatch<'a> {
     ctx: LossCtx<'a>,
     rows: TrainedRows<TopkRows>,
     layout: RowPieces,
+    /// Every trained position's teacher top-k `[1, N, k]` and cross-entropy target and mask
+    /// `[1, N]`, checked and moved to the device once per micro-batch (`None`: no trained
+    /// rows). A head piece takes views of them: no host work and no copy per piece (on a GPU a
+    /// copy from pageable host memory waits until the device has run what was queued before it,
+    /// so one per piece would stall the head's loop).
+    on_device: Option<(TopkTargets, Tensor, Tensor)>,
 }
 
 impl<'a> SameBatch<'a> {
@@ -71,23 +77,65 @@ impl<'a> SameBatch<'a> {
             t.lps.extend_from_slice(scores[r].values_row(p));
             Ok(())
         })?;
-        Ok(SameBatch { ctx, rows, layout })
+        let n = rows.targets.len();
+        let on_device = if n == 0 {
+            None
+        } else {
+            let ones = vec![1f32; n];
+            let topk = TopkTargets::from_host(
+                1,
+                n,
+                ctx.k,
+                &rows.teacher.ids,
+                &rows.teacher.lps,
+                &ones,
+                ctx.model.lm_head().dim(0)?,
+                ctx.device,
+            )?;
+            let ce = Tensor::from_vec(rows.targets.clone(), (1, n), ctx.device)?;
+            let mask = topk.mask.clone();
+            Some((topk, ce, mask))
+        };
+        Ok(SameBatch {
+            ctx,
+            rows,
+            layout,
+            on_device,
+        })
     }
 
-    /// The teacher's top-k rows of `part` against logits `[1, n, V]`.
-    fn targets(&self, part: Part, logits: &Tensor) -> Result<TopkTargets> {
-        let (r, k) = (self.layout.range(part), self.ctx.k);
-        let ones = vec![1f32; r.len()];
-        Ok(TopkTargets::from_host(
-            1,
-            r.len(),
-            k,
-            &self.rows.teacher.ids[r.start * k..r.end * k],
-            &self.rows.teacher.lps[r.start * k..r.end * k],
-            &ones,
-            logits.dim(2)?,
-            self.ctx.device,
-        )?)
+    /// The device tensors of every trained position, or an error where there are none.
+    fn on_device(&self) -> Result<&(TopkTargets, Tensor, Tensor)> {
+        self.on_device
+            .as_ref()
+            .ok_or_else(|| anyhow::anyhow!("a loss asked of a micro-batch with no trained tokens"))
+    }
+
+    /// The teacher's top-k rows of `part` (views of [`SameBatch::on_device`]'s): `[1, n, k]`.
+    fn targets(&self, part: Part) -> Result<TopkTargets> {
+        let r = self.layout.range(part);
+        if r.is_empty() {
+            let (k, v) = (self.ctx.k, self.ctx.model.lm_head().dim(0)?);
+            return Ok(TopkTargets::from_host(
+                1,
+                0,
+                k,
+                &[],
+                &[],
+                &[],
+                v,
+                self.ctx.device,
+            )?);
+        }
+        let all = &self.on_device()?.0;
+        let rows = |t: &Tensor| t.narrow(1, r.start, r.len());
+        Ok(TopkTargets {
+            ids: rows(&all.ids)?,
+            logprobs: rows(&all.logprobs)?,
+            mask: rows(&all.mask)?,
+            distinct: all.distinct,
+            count: r.len() as f64,
+        })
     }
 }
 
@@ -102,7 +150,7 @@ impl MicroBatch for SameBatch<'_> {
         logits: &Tensor,
         normalizer: Option<Normalizer>,
     ) -> Result<(Tensor, KdFigures)> {
-        let tk = self.targets(part, logits)?;
+        let tk = self.targets(part)?;
         Ok(kd_loss_figures(
             self.ctx.loss,
             logits,
@@ -113,7 +161,7 @@ impl MicroBatch for SameBatch<'_> {
 
     /// Forward KL to the teacher over its top-k with a tail bucket.
     fn val_kd(&self, part: Part, logits: &Tensor) -> Result<Option<(Tensor, KdMetrics)>> {
-        let tk = self.targets(part, logits)?;
+        let tk = self.targets(part)?;
         let tau = self.ctx.loss.temperature;
         let kl = topk_divergence(
             logits,
@@ -127,7 +175,16 @@ impl MicroBatch for SameBatch<'_> {
     }
 
     fn ce(&self, part: Part) -> Result<(Tensor, Tensor, usize)> {
-        self.layout.ce(part, &self.rows.targets, self.ctx.device)
+        let r = self.layout.range(part);
+        if r.is_empty() {
+            return self.layout.ce(part, &self.rows.targets, self.ctx.device);
+        }
+        let (_, targets, mask) = self.on_device()?;
+        Ok((
+            targets.narrow(1, r.start, r.len())?,
+            mask.narrow(1, r.start, r.len())?,
+            r.len(),
+        ))
     }
 }
 
