@@ -135,7 +135,7 @@ check timeout 300 env XDISTILL_TEST_DEVICE=cuda "$work/test-shared" model:: --te
 step "1b. cuDNN's fused attention (serving and training): against f64 references, decoders and training passes through it"
 check timeout 300 env XDISTILL_TEST_DEVICE=cuda RUST_LOG=info "$work/test-shared" cudnn_attention:: \
   --test-threads=1 --nocapture
-step "1c. the project's CUDA kernels (kernels/cuda): top-k, AdamW, sums of squares, log-softmax, fused layer ops"
+step "1c. the project's CUDA kernels (kernels/cuda): top-k, AdamW, gradient accumulation, sums of squares, log-softmax, fused layer ops, the accumulating and blocked GEMMs"
 check timeout 180 env XDISTILL_TEST_DEVICE=cuda "$work/test-shared" cuda_kernels:: --test-threads=1 --nocapture
 check timeout 120 env XDISTILL_TEST_DEVICE=cuda "$work/test-kernels" topk_kd_gpu:: --test-threads=1 --nocapture
 fi
