@@ -14,9 +14,11 @@ use candle_core::{DType, Device, Tensor, Var};
 use super::Result;
 use crate::dist::tree::{Summand, TreeAccumulator};
 
-/// One value per parameter, in the accumulator's parameter order (`[n_i]` shaped like var i).
+/// One value per parameter, in the accumulator's parameter order (`[n_i]` shaped like var i);
+/// and, where those are consecutive views of one f32 buffer `[Σ n_i]` (a shard summed in place,
+/// [`GradAccumulator`]), that buffer: [`Grads::flatten_tensor`] then hands it over, no copy.
 #[derive(Debug, Clone)]
-pub struct Grads(pub Vec<Tensor>);
+pub struct Grads(pub Vec<Tensor>, Option<Tensor>);
 
 impl Summand for Grads {
     type Error = candle_core::Error;
@@ -24,11 +26,18 @@ impl Summand for Grads {
         for (l, r) in self.0.iter_mut().zip(&rhs.0) {
             *l = (&*l + r)?;
         }
+        // The sums are new tensors, no longer views of a buffer.
+        self.1 = None;
         Ok(())
     }
 }
 
 impl Grads {
+    /// One value per parameter, as given.
+    pub fn new(parts: Vec<Tensor>) -> Grads {
+        Grads(parts, None)
+    }
+
     /// The gradients as a `GradStore` of `vars` (clipping and the optimiser read that).
     pub fn into_store(self, vars: &[Var]) -> GradStore {
         let mut out = GradStore::default();
@@ -51,6 +60,9 @@ impl Grads {
     /// [`crate::dist::Collective::all_reduce_sum_tensor`] sums): the host buffer of
     /// [`Grads::flatten`] without leaving the device.
     pub fn flatten_tensor(&self) -> Result<Tensor> {
+        if let Some(flat) = &self.1 {
+            return Ok(flat.clone());
+        }
         let parts = self
             .0
             .iter()
@@ -69,7 +81,8 @@ impl Grads {
             out.push(flat.narrow(0, at, n)?.reshape(v.shape())?);
             at += n;
         }
-        Ok(Grads(out))
+        let whole = at == flat.elem_count() && flat.rank() == 1 && flat.dtype() == DType::F32;
+        Ok(Grads(out, whole.then(|| flat.clone())))
     }
 
     /// The tensors of `vars[i]` shapes (f32) read back from a flat buffer starting at `from`.
@@ -81,7 +94,7 @@ impl Grads {
             out.push(Tensor::from_slice(&flat[at..at + n], v.shape(), device)?);
             at += n;
         }
-        Ok(Grads(out))
+        Ok(Grads::new(out))
     }
 }
 
@@ -229,15 +242,20 @@ impl GradAccumulator {
     /// Closes the open shard (an empty one is a leaf of zeros: the tree's shape never
     /// depends on what a shard held).
     pub fn end_shard(&mut self) -> Result<()> {
-        self.flat = None;
+        let flat = self.flat.take();
         let mut leaf = Vec::with_capacity(self.vars.len());
+        let mut at = 0;
         for (v, slot) in self.vars.iter().zip(self.open.iter_mut()) {
-            leaf.push(match slot.take() {
-                Some(s) => s,
-                None => Tensor::zeros(v.shape(), sum_dtype(v), v.device())?,
+            let n = v.elem_count();
+            leaf.push(match (slot.take(), &flat) {
+                (Some(s), _) => s,
+                // Summed in place: a var no micro-batch reached keeps its zeros in the buffer.
+                (None, Some(f)) => f.narrow(0, at, n)?.reshape(v.shape())?,
+                (None, None) => Tensor::zeros(v.shape(), sum_dtype(v), v.device())?,
             });
+            at += n;
         }
-        self.tree.push(Grads(leaf))?;
+        self.tree.push(Grads(leaf, flat))?;
         Ok(())
     }
 
@@ -264,7 +282,7 @@ impl GradAccumulator {
         self.micro_batches = 0;
         match std::mem::take(&mut self.tree).finish()? {
             Some(g) => Ok(g),
-            None => Ok(Grads(
+            None => Ok(Grads::new(
                 self.vars
                     .iter()
                     .map(|v| Tensor::zeros(v.shape(), sum_dtype(v), v.device()))
@@ -434,6 +452,13 @@ mod tests {
         let next = acc.finish().unwrap();
         assert_eq!(got.0.iter().map(bits).collect::<Vec<_>>(), before);
         assert_eq!(bits(&next.0[1]), bits(&f32_of(&a1)));
+        // One shard summed in place hands its buffer over as the flat gradient (what the
+        // data-parallel sum reads): the parts in order; two shards' sums are concatenated.
+        assert!(next.1.is_some() && got.1.is_none());
+        for g in [&got, &next] {
+            let cat: Vec<u32> = g.0.iter().flat_map(bits).collect();
+            assert_eq!(bits(&g.flatten_tensor().unwrap()), cat);
+        }
 
         // f32 gradients first: kept as they are (no copy), and the shard stays out of place.
         let f = grad(0, DType::F32);

@@ -290,7 +290,7 @@ impl Runner {
     /// Every rank's weights after a ZeRO-1 update: each rank sends the parameters it updated.
     fn gather_weights(&mut self, own: &Ownership) -> Result<()> {
         let rank = self.group.rank();
-        let mine = Grads(
+        let mine = Grads::new(
             self.vars[own.vars[rank].clone()]
                 .iter()
                 .map(|v| v.as_tensor().clone())
