@@ -22,12 +22,13 @@ pub struct GemmAccArgs {
     pub k: usize,
 }
 
-fn data_type(dt: DType) -> Result<sys::cudaDataType> {
+/// cuBLAS's name of an operand dtype (f32, bf16 or f16).
+pub(crate) fn data_type(dt: DType) -> Result<sys::cudaDataType> {
     Ok(match dt {
         DType::F32 => sys::cudaDataType::CUDA_R_32F,
         DType::BF16 => sys::cudaDataType::CUDA_R_16BF,
         DType::F16 => sys::cudaDataType::CUDA_R_16F,
-        other => bail!("gemm_acc takes f32, bf16 or f16 operands, not {other:?}"),
+        other => bail!("cuBLAS operands here are f32, bf16 or f16, not {other:?}"),
     })
 }
 

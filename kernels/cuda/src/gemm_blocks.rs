@@ -51,8 +51,9 @@ pub fn gemm_nt_blocks(
     let dev = x.device().clone();
     let stream = dev.cuda_stream();
     let blas = dev.cublas_handle();
+    let ty = crate::gemm_acc::data_type(x.dtype())?;
     macro_rules! run {
-        ($t:ty, $ty:expr) => {{
+        ($t:ty) => {{
             let xs = x.as_cuda_slice::<$t>()?.slice(lx.start_offset()..);
             let ws = w.as_cuda_slice::<$t>()?.slice(lw.start_offset()..);
             // SAFETY: the GEMMs below write every element (`rows × n`).
@@ -82,14 +83,14 @@ pub fn gemm_nt_blocks(
                             k as i32,
                             &alpha as *const f32 as *const _,
                             wp as *const _,
-                            $ty,
+                            ty,
                             k as i32,
                             xb as *const _,
-                            $ty,
+                            ty,
                             k as i32,
                             &beta as *const f32 as *const _,
                             yb as *mut _,
-                            $ty,
+                            ty,
                             n as i32,
                             sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                             sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
@@ -104,9 +105,9 @@ pub fn gemm_nt_blocks(
         }};
     }
     Ok(match x.dtype() {
-        DType::F32 => run!(f32, sys::cudaDataType::CUDA_R_32F),
-        DType::BF16 => run!(half::bf16, sys::cudaDataType::CUDA_R_16BF),
-        DType::F16 => run!(half::f16, sys::cudaDataType::CUDA_R_16F),
+        DType::F32 => run!(f32),
+        DType::BF16 => run!(half::bf16),
+        DType::F16 => run!(half::f16),
         other => bail!("gemm_nt_blocks takes f32, bf16 or f16, not {other:?}"),
     })
 }
