@@ -30,4 +30,4 @@ pub use gather::gather_log_softmax;
 pub use grad_accumulate::{grad_accumulate, GradSum};
 pub use log_softmax::log_softmax;
 pub use sum_squares::sum_squares;
-pub use topk_kd::{topk_kd, KdDivergence, KdTail, TopkKd};
+pub use topk_kd::{topk_kd, KdDivergence, KdTail, TopkKd, TopkKdTrain, TRAIN_MAX_K};

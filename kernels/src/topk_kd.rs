@@ -10,7 +10,9 @@
 //! topk_kd.cu's header and docs/losses.md.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{bail, CpuStorage, CustomOp1, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use candle_core::{
+    bail, CpuStorage, CustomOp1, CustomOp3, DType, InplaceOp3, Layout, Result, Shape, Tensor,
+};
 use xdistill_shared::model::device_ops::{dense, storage};
 
 /// The divergence between the teacher's and the student's distributions over K (+ tail).
@@ -70,46 +72,261 @@ impl TopkKd {
 /// dtype (f64 for f64 logits, else f32) = [divergence, teacher mass on K, student mass on K,
 /// logsumexp of z/τ]. Only the first column has a gradient (the logits').
 pub fn topk_kd(logits: &Tensor, ids: &Tensor, lts: &Tensor, loss: TopkKd) -> Result<Tensor> {
-    let (rows, _v) = logits.dims2()?;
-    let (r2, k) = ids.dims2()?;
-    if r2 != rows || lts.dims() != [rows, k] || k == 0 {
-        bail!(
-            "topk_kd: ids {:?} and log-probs {:?} for logits {:?}",
-            ids.dims(),
-            lts.dims(),
-            logits.dims()
-        );
-    }
-    if ids.dtype() != DType::U32 {
-        bail!("topk_kd: ids must be u32");
-    }
-    if !(loss.temperature > 0.0 && loss.temperature.is_finite()) {
-        bail!("topk_kd: temperature {} is not positive", loss.temperature);
-    }
-    if let KdDivergence::Jsd(b) = loss.divergence {
-        if !(b > 0.0 && b < 1.0) {
-            bail!("topk_kd: JSD's beta {b} must be in (0, 1)");
-        }
-    }
-    let acc = if logits.dtype() == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    };
-    let op = Op {
-        ids: ids.contiguous()?,
-        lts: lts.to_dtype(acc)?.contiguous()?,
-        loss,
-    };
+    let op = Op::new(logits, ids, lts, None, loss)?;
     logits.contiguous()?.apply_op1(op)
 }
 
-/// The op and its backward share the teacher's side.
+/// A head chunk's loss run without autograd, where the caller knows each row's gradient before
+/// the loss (a fixed weight per row): the same tokenizer's top-k divergence and, beside it,
+/// the next-token cross-entropy at τ = 1, from one pass over the logits ([`TopkKdTrain::figures`])
+/// and one that writes the gradient over them ([`TopkKdTrain::grad_into_logits`]). Against the
+/// two losses through autograd (each its own kernels, each gradient its own `[rows, V]` buffer,
+/// and candle's fill and add of `[rows, V]` at every node that reaches the logits), the logits
+/// are read twice and written once: llm.c's fused classifier.
+pub struct TopkKdTrain(Op);
+
+/// The most teacher entries per row [`TopkKdTrain`] takes: the kernel stages the gradient at K
+/// before it writes over the logits.
+pub const TRAIN_MAX_K: usize = 4096;
+
+impl TopkKdTrain {
+    /// For `logits` `[rows, V]`: the teacher's `ids` and `lts` as [`topk_kd()`] takes them and
+    /// each row's next token `ce` `[rows]` (u32, below V) where the cross-entropy is wanted.
+    pub fn new(
+        logits: &Tensor,
+        ids: &Tensor,
+        lts: &Tensor,
+        ce: Option<&Tensor>,
+        loss: TopkKd,
+    ) -> Result<TopkKdTrain> {
+        if ids.dim(1)? > TRAIN_MAX_K {
+            bail!(
+                "topk_kd: k = {} is above the {TRAIN_MAX_K} a gradient written over the logits takes",
+                ids.dim(1)?
+            );
+        }
+        Ok(TopkKdTrain(Op::new(logits, ids, lts, ce, loss)?))
+    }
+
+    /// `[rows, 4]` as [`topk_kd()`]'s, or with the cross-entropy `[rows, 6]`: then also
+    /// `lse₁ − z_y` (the cross-entropy) and `lse₁` (the logsumexp at τ = 1). No gradient.
+    pub fn figures(&self, logits: &Tensor) -> Result<Tensor> {
+        logits.contiguous()?.apply_op1_no_bwd(&self.0)
+    }
+
+    /// Writes over `logits` (contiguous, as given to [`TopkKdTrain::figures`]) the gradient of
+    /// `Σ_r g[r, 0]·D_r + g[r, 1]·CE_r`, from their `figures`; `g` `[rows, 2]` (the second
+    /// column is read only with the cross-entropy).
+    pub fn grad_into_logits(&self, logits: &Tensor, figures: &Tensor, g: &Tensor) -> Result<()> {
+        let rows = logits.dim(0)?;
+        if !logits.is_contiguous() || g.dims() != [rows, 2] {
+            bail!(
+                "topk_kd: the gradient of {:?} logits (contiguous: {}) from {:?} row gradients",
+                logits.dims(),
+                logits.is_contiguous(),
+                g.dims()
+            );
+        }
+        let g = g.to_dtype(figures.dtype())?.contiguous()?;
+        logits.inplace_op3(&figures.contiguous()?, &g, &IntoLogits(self.0.clone()))
+    }
+}
+
+/// The op and its backward share the teacher's side (and the cross-entropy's targets).
 #[derive(Clone)]
 struct Op {
     ids: Tensor,
     lts: Tensor,
+    ce: Option<Tensor>,
     loss: TopkKd,
+}
+
+impl Op {
+    /// The checked op for `logits` `[rows, V]`.
+    fn new(
+        logits: &Tensor,
+        ids: &Tensor,
+        lts: &Tensor,
+        ce: Option<&Tensor>,
+        loss: TopkKd,
+    ) -> Result<Op> {
+        let (rows, _v) = logits.dims2()?;
+        let (r2, k) = ids.dims2()?;
+        if r2 != rows || lts.dims() != [rows, k] || k == 0 {
+            bail!(
+                "topk_kd: ids {:?} and log-probs {:?} for logits {:?}",
+                ids.dims(),
+                lts.dims(),
+                logits.dims()
+            );
+        }
+        if ids.dtype() != DType::U32 {
+            bail!("topk_kd: ids must be u32");
+        }
+        if let Some(y) = ce {
+            if y.dims() != [rows] || y.dtype() != DType::U32 {
+                bail!(
+                    "topk_kd: cross-entropy targets {:?} {:?} for {rows} rows (u32 [rows])",
+                    y.dims(),
+                    y.dtype()
+                );
+            }
+        }
+        if !(loss.temperature > 0.0 && loss.temperature.is_finite()) {
+            bail!("topk_kd: temperature {} is not positive", loss.temperature);
+        }
+        if let KdDivergence::Jsd(b) = loss.divergence {
+            if !(b > 0.0 && b < 1.0) {
+                bail!("topk_kd: JSD's beta {b} must be in (0, 1)");
+            }
+        }
+        let acc = if logits.dtype() == DType::F64 {
+            DType::F64
+        } else {
+            DType::F32
+        };
+        Ok(Op {
+            ids: ids.contiguous()?,
+            lts: lts.to_dtype(acc)?.contiguous()?,
+            ce: ce.map(Tensor::contiguous).transpose()?,
+            loss,
+        })
+    }
+
+    /// Output columns: 4, or 6 with the cross-entropy.
+    fn cols(&self) -> usize {
+        if self.ce.is_some() {
+            6
+        } else {
+            4
+        }
+    }
+
+    /// The forward's rows on the host (f64) from the logits `z` `[rows, V]`.
+    fn forward_rows(&self, z: &[f64], rows: usize, v: usize) -> Result<Vec<f64>> {
+        let k = self.ids.dim(1)?;
+        let Carried { ids, lts: lt, ce } = self.carried(v)?;
+        let mut out = Vec::with_capacity(rows * self.cols());
+        for r in 0..rows {
+            let zr = &z[r * v..(r + 1) * v];
+            let row = self
+                .loss
+                .row(zr, &ids[r * k..(r + 1) * k], &lt[r * k..(r + 1) * k]);
+            out.extend([row.d, row.lse_t.exp(), row.lse_s.exp(), row.lse]);
+            if let Some(y) = &ce {
+                let lse1 = logsumexp(zr.iter().copied());
+                out.extend([lse1 - zr[y[r] as usize], lse1]);
+            }
+        }
+        Ok(out)
+    }
+
+    /// The logits' gradient on the host (f64) from `g` `[rows, stride]`: the divergence's at
+    /// column 0, the cross-entropy's at column `ce_col`.
+    fn grad_rows(
+        &self,
+        z: &[f64],
+        (rows, v): (usize, usize),
+        g: &[f64],
+        (stride, ce_col): (usize, usize),
+    ) -> Result<Vec<f64>> {
+        let loss = &self.loss;
+        let k = self.ids.dim(1)?;
+        let Carried { ids, lts: lt, ce } = self.carried(v)?;
+        let inv_t = 1.0 / loss.temperature;
+        let mut dz = vec![0.0; rows * v];
+        for r in 0..rows {
+            let (zr, idr, ltr) = (
+                &z[r * v..(r + 1) * v],
+                &ids[r * k..(r + 1) * k],
+                &lt[r * k..(r + 1) * k],
+            );
+            let row = loss.row(zr, idr, ltr);
+            let c = g[r * stride] * inv_t;
+            let out = &mut dz[r * v..(r + 1) * v];
+            if loss.tail != KdTail::Renormalize {
+                for (o, &x) in out.iter_mut().zip(zr) {
+                    *o = -c * (x * inv_t - row.lse).exp() * row.sum_w;
+                }
+            }
+            for j in 0..k {
+                let u = zr[idr[j] as usize] * inv_t - row.lse;
+                let s = loss.s_of(&row, u);
+                let (_, a) = loss.term(loss.t_of(&row, ltr[j]), s);
+                out[idr[j] as usize] = if loss.tail == KdTail::Renormalize {
+                    c * (a - s.exp() * row.sum_w)
+                } else {
+                    c * (loss.w_of(&row, u, a) - u.exp() * row.sum_w)
+                };
+            }
+            if let Some(y) = &ce {
+                // g_ce·(softmax(z)_v − [v = y]).
+                let g_ce = g[r * stride + ce_col];
+                let lse1 = logsumexp(zr.iter().copied());
+                for (o, &x) in out.iter_mut().zip(zr) {
+                    *o += g_ce * (x - lse1).exp();
+                }
+                out[y[r] as usize] -= g_ce;
+            }
+        }
+        Ok(dz)
+    }
+
+    /// The carried ids, teacher log-probs and cross-entropy targets on the host, checked
+    /// against the vocabulary `v`.
+    fn carried(&self, v: usize) -> Result<Carried> {
+        let ids = carried_ids(&self.ids)?;
+        let ce = self.ce.as_ref().map(carried_ids).transpose()?;
+        if ids.iter().chain(ce.iter().flatten()).any(|&i| i as usize >= v) {
+            bail!("topk_kd: an id is not below the vocabulary {v}");
+        }
+        Ok(Carried {
+            ids,
+            lts: carried_f64(&self.lts)?,
+            ce,
+        })
+    }
+
+    /// The kernels' view of the teacher's side (on the logits' CUDA device).
+    #[cfg(feature = "cuda")]
+    fn on_device<R>(
+        &self,
+        rows: usize,
+        v: usize,
+        run: impl FnOnce(
+            xdistill_cuda_kernels::TopkKdTargets<'_>,
+            xdistill_cuda_kernels::TopkKdArgs,
+        ) -> Result<R>,
+    ) -> Result<R> {
+        use candle_core::Storage;
+        let k = self.ids.dim(1)?;
+        let (is, il) = self.ids.storage_and_layout();
+        let (ls, ll) = self.lts.storage_and_layout();
+        let (Storage::Cuda(is), Storage::Cuda(ls)) = (&*is, &*ls) else {
+            bail!("topk_kd: the teacher's ids and log-probs must be on the logits' device");
+        };
+        let ce = self.ce.as_ref().map(|t| t.storage_and_layout());
+        let ce = match &ce {
+            Some((s, l)) => match &**s {
+                Storage::Cuda(s) => Some((s, *l)),
+                _ => bail!("topk_kd: the cross-entropy's targets must be on the logits' device"),
+            },
+            None => None,
+        };
+        let targets = xdistill_cuda_kernels::TopkKdTargets {
+            ids: (is, il),
+            lts: (ls, ll),
+            ce,
+        };
+        run(targets, self.loss.args(rows, v, k))
+    }
+}
+
+/// The op's teacher side on the host: ids, log-probs, and the cross-entropy's targets.
+struct Carried {
+    ids: Vec<u32>,
+    lts: Vec<f64>,
+    ce: Option<Vec<u32>>,
 }
 
 /// One row's k-way sums, as the kernel's `RowSums` (f64).
@@ -266,27 +483,13 @@ impl CustomOp1 for Op {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let (rows, v) = l.shape().dims2()?;
-        let k = self.ids.dim(1)?;
-        let z = dense(s, l)?;
-        let (ids, lt) = (carried_ids(&self.ids)?, carried_f64(&self.lts)?);
-        if ids.iter().any(|&i| i as usize >= v) {
-            bail!("topk_kd: an id is not below the vocabulary {v}");
-        }
-        let mut out = Vec::with_capacity(rows * 4);
-        for r in 0..rows {
-            let row = self.loss.row(
-                &z[r * v..(r + 1) * v],
-                &ids[r * k..(r + 1) * k],
-                &lt[r * k..(r + 1) * k],
-            );
-            out.extend([row.d, row.lse_t.exp(), row.lse_s.exp(), row.lse]);
-        }
+        let out = self.forward_rows(&dense(s, l)?, rows, v)?;
         let dt = if s.dtype() == DType::F64 {
             DType::F64
         } else {
             DType::F32
         };
-        Ok((storage(out, dt)?, Shape::from_dims(&[rows, 4])))
+        Ok((storage(out, dt)?, Shape::from_dims(&[rows, self.cols()])))
     }
 
     #[cfg(feature = "cuda")]
@@ -295,21 +498,11 @@ impl CustomOp1 for Op {
         s: &candle_core::CudaStorage,
         l: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::Storage;
         let (rows, v) = l.shape().dims2()?;
-        let k = self.ids.dim(1)?;
-        let (is, il) = self.ids.storage_and_layout();
-        let (ls, ll) = self.lts.storage_and_layout();
-        let (Storage::Cuda(is), Storage::Cuda(ls)) = (&*is, &*ls) else {
-            bail!("topk_kd: the teacher's ids and log-probs must be on the logits' device");
-        };
-        let out = xdistill_cuda_kernels::topk_kd_fwd(
-            (s, l),
-            (is, il),
-            (ls, ll),
-            self.loss.args(rows, v, k),
-        )?;
-        Ok((out, Shape::from_dims(&[rows, 4])))
+        let out = self.on_device(rows, v, |t, a| {
+            xdistill_cuda_kernels::topk_kd_fwd((s, l), t, a)
+        })?;
+        Ok((out, Shape::from_dims(&[rows, self.cols()])))
     }
 
     fn bwd(&self, arg: &Tensor, res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
@@ -318,7 +511,8 @@ impl CustomOp1 for Op {
     }
 }
 
-/// `(z, res, g)` → the logits' gradient from the first column of `g`.
+/// `(z, res, g)` → the logits' gradient from `g` `[rows, cols]` (the divergence's column 0, the
+/// cross-entropy's column 4).
 struct Bwd(Op);
 
 impl CustomOp3 for Bwd {
@@ -335,39 +529,11 @@ impl CustomOp3 for Bwd {
         gs: &CpuStorage,
         gl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let loss = &self.0.loss;
-        let (rows, v) = zl.shape().dims2()?;
-        let k = self.0.ids.dim(1)?;
-        let z = dense(zs, zl)?;
-        let g = dense(gs, gl)?;
-        let (ids, lt) = (carried_ids(&self.0.ids)?, carried_f64(&self.0.lts)?);
-        let inv_t = 1.0 / loss.temperature;
-        let mut dz = vec![0.0; rows * v];
-        for r in 0..rows {
-            let (zr, idr, ltr) = (
-                &z[r * v..(r + 1) * v],
-                &ids[r * k..(r + 1) * k],
-                &lt[r * k..(r + 1) * k],
-            );
-            let row = loss.row(zr, idr, ltr);
-            let c = g[r * 4] * inv_t;
-            let out = &mut dz[r * v..(r + 1) * v];
-            if loss.tail != KdTail::Renormalize {
-                for (o, &x) in out.iter_mut().zip(zr) {
-                    *o = -c * (x * inv_t - row.lse).exp() * row.sum_w;
-                }
-            }
-            for j in 0..k {
-                let u = zr[idr[j] as usize] * inv_t - row.lse;
-                let s = loss.s_of(&row, u);
-                let (_, a) = loss.term(loss.t_of(&row, ltr[j]), s);
-                out[idr[j] as usize] = if loss.tail == KdTail::Renormalize {
-                    c * (a - s.exp() * row.sum_w)
-                } else {
-                    c * (loss.w_of(&row, u, a) - u.exp() * row.sum_w)
-                };
-            }
-        }
+        let dims = zl.shape().dims2()?;
+        let grad = (self.0.cols(), 4);
+        let dz = self
+            .0
+            .grad_rows(&dense(zs, zl)?, dims, &dense(gs, gl)?, grad)?;
         Ok((storage(dz, zs.dtype())?, zl.shape().clone()))
     }
 
@@ -381,22 +547,89 @@ impl CustomOp3 for Bwd {
         gs: &candle_core::CudaStorage,
         gl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::Storage;
         let (rows, v) = zl.shape().dims2()?;
-        let k = self.0.ids.dim(1)?;
-        let (is, il) = self.0.ids.storage_and_layout();
-        let (ls, ll) = self.0.lts.storage_and_layout();
-        let (Storage::Cuda(is), Storage::Cuda(ls)) = (&*is, &*ls) else {
-            bail!("topk_kd: the teacher's ids and log-probs must be on the logits' device");
+        let g = xdistill_cuda_kernels::TopkKdGrad {
+            g: (gs, gl),
+            stride: self.0.cols(),
+            ce_col: 4,
         };
-        let dz = xdistill_cuda_kernels::topk_kd_bwd(
-            (zs, zl),
-            (is, il),
-            (ls, ll),
-            (rs, rl),
-            (gs, gl),
-            self.0.loss.args(rows, v, k),
-        )?;
+        let dz = self.0.on_device(rows, v, |t, a| {
+            xdistill_cuda_kernels::topk_kd_bwd((zs, zl), t, (rs, rl), g, a)
+        })?;
         Ok((dz, zl.shape().clone()))
     }
+}
+
+/// `[TopkKdTrain::grad_into_logits]`'s op: the logits `z` overwritten by their gradient, from
+/// the forward's `res` and `g` `[rows, 2]`.
+struct IntoLogits(Op);
+
+impl InplaceOp3 for IntoLogits {
+    fn name(&self) -> &'static str {
+        "xdistill-topk-kd-into-logits"
+    }
+
+    fn cpu_fwd(
+        &self,
+        zs: &mut CpuStorage,
+        zl: &Layout,
+        _res: &CpuStorage,
+        _rl: &Layout,
+        gs: &CpuStorage,
+        gl: &Layout,
+    ) -> Result<()> {
+        let dims = zl.shape().dims2()?;
+        let dz = self
+            .0
+            .grad_rows(&dense(zs, zl)?, dims, &dense(gs, gl)?, (2, 1))?;
+        write_over(zs, zl, &dz)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        zs: &mut candle_core::CudaStorage,
+        zl: &Layout,
+        rs: &candle_core::CudaStorage,
+        rl: &Layout,
+        gs: &candle_core::CudaStorage,
+        gl: &Layout,
+    ) -> Result<()> {
+        let (rows, v) = zl.shape().dims2()?;
+        let g = xdistill_cuda_kernels::TopkKdGrad {
+            g: (gs, gl),
+            stride: 2,
+            ce_col: 1,
+        };
+        self.0.on_device(rows, v, |t, a| {
+            xdistill_cuda_kernels::topk_kd_bwd_in_place(zs, zl, t, (rs, rl), g, a)
+        })
+    }
+}
+
+/// `vals` written over the contiguous values `l` covers of `s`, rounded to its dtype.
+fn write_over(s: &mut CpuStorage, l: &Layout, vals: &[f64]) -> Result<()> {
+    let Some((a, b)) = l.contiguous_offsets() else {
+        bail!("topk_kd: a contiguous operand expected");
+    };
+    if b - a != vals.len() {
+        bail!("topk_kd: {} values for {} places", vals.len(), b - a);
+    }
+    match s {
+        CpuStorage::F64(x) => x[a..b].copy_from_slice(vals),
+        CpuStorage::F32(x) => x[a..b]
+            .iter_mut()
+            .zip(vals)
+            .for_each(|(o, &v)| *o = v as f32),
+        CpuStorage::BF16(x) => x[a..b]
+            .iter_mut()
+            .zip(vals)
+            .for_each(|(o, &v)| *o = half::bf16::from_f64(v)),
+        CpuStorage::F16(x) => x[a..b]
+            .iter_mut()
+            .zip(vals)
+            .for_each(|(o, &v)| *o = half::f16::from_f64(v)),
+        other => bail!("topk_kd: logits of {:?}", other.dtype()),
+    }
+    Ok(())
 }

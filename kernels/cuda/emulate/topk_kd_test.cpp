@@ -2,7 +2,9 @@
 // each row against a double-precision reference written from the definitions (the whole row's
 // softmax, the k-way or (k+1)-way distributions, each divergence), and its backward against
 // central differences of that reference, for every divergence and tail, two temperatures, f32
-// and bf16 logits; and the cross-entropy as its k = 1 case. Exits non-zero on the first mismatch.
+// and bf16 logits; the cross-entropy as its k = 1 case; and the divergence with the
+// cross-entropy beside it (its target in K and outside), the gradient written over the logits.
+// Exits non-zero on the first mismatch.
 #include "../src/topk_kd.cu"
 
 #include "harness.h"
@@ -94,9 +96,10 @@ static void kd_case(const char *name, uint32_t rows, uint32_t v, uint32_t k, int
     for (auto &x : g) x = nd(rng);
     std::vector<T> dz(z.size());
     const Loss L{div, tail, beta, 1.0f / tau, floor};
-    emu::launch(rows, THREADS, [&] { topk_kd_fwd<T>(z.data(), ids.data(), lt.data(), out.data(), rows, v, k, L); });
+    emu::launch(rows, THREADS,
+                [&] { topk_kd_fwd<T>(z.data(), ids.data(), lt.data(), nullptr, out.data(), rows, v, k, L); });
     emu::launch(rows, THREADS, [&] {
-        topk_kd_bwd<T>(z.data(), ids.data(), lt.data(), out.data(), g.data(), 1, dz.data(), rows, v, k, L);
+        topk_kd_bwd<T>(z.data(), ids.data(), lt.data(), nullptr, out.data(), g.data(), 1, 0, dz.data(), rows, v, k, L);
     });
     double worst_d = 0, worst_m = 0, worst_g = 0;
     for (uint32_t r = 0; r < rows; ++r) {
@@ -143,6 +146,100 @@ static void kd_case(const char *name, uint32_t rows, uint32_t v, uint32_t k, int
     }
 }
 
+// The divergence and the cross-entropy of one row (double): g_kd·D + g_ce·CE, CE = lse(z) − z_y.
+static double combined(const std::vector<double> &z, const std::vector<uint32_t> &ids, const std::vector<float> &lt,
+                       uint32_t y, int div, int tail, double beta, double tau, double floor, double g_kd,
+                       double g_ce, double *ce) {
+    double tm, sm;
+    const double d = reference(z, ids, lt, div, tail, beta, tau, floor, &tm, &sm);
+    double m = -INFINITY, s = 0;
+    for (double x : z) m = std::max(m, x);
+    for (double x : z) s += std::exp(x - m);
+    *ce = m + std::log(s) - z[y];
+    return g_kd * d + g_ce * *ce;
+}
+
+// The divergence with the cross-entropy beside it (`ce` targets: even rows' in K, odd rows'
+// outside), forward columns 4 and 5 and the gradient of g_kd·D + g_ce·CE against central
+// differences, written over the logits (`in_place`) or into a buffer of its own.
+template <typename T>
+static void kd_ce_case(const char *name, uint32_t rows, uint32_t v, uint32_t k, int div, int tail, float tau,
+                       bool in_place) {
+    const float floor = 1e-6f, beta = 0.4f, teacher_mass = 0.9f;
+    std::normal_distribution<float> nd(0.0f, 2.0f);
+    std::vector<T> z(size_t(rows) * v);
+    for (auto &x : z) x = from_f32<T>(nd(rng));
+    std::vector<uint32_t> ids(size_t(rows) * k), y(rows);
+    std::vector<float> lt(ids.size());
+    for (uint32_t r = 0; r < rows; ++r) {
+        std::vector<uint32_t> perm(v);
+        std::iota(perm.begin(), perm.end(), 0u);
+        std::shuffle(perm.begin(), perm.end(), rng);
+        std::vector<double> w(k);
+        double sw = 0;
+        for (auto &x : w) sw += (x = std::exp(nd(rng)));
+        for (uint32_t j = 0; j < k; ++j) {
+            ids[r * k + j] = perm[j];
+            lt[r * k + j] = float(std::log(w[j] / sw * teacher_mass));
+        }
+        y[r] = r % 2 == 0 ? perm[k / 2] : perm[k + r % (v - k)];
+    }
+    std::vector<float> out(size_t(rows) * COLS_CE), g(size_t(rows) * 2);
+    for (auto &x : g) x = nd(rng);
+    const std::vector<T> z0 = z;
+    std::vector<T> own(z.size());
+    T *dz = in_place ? z.data() : own.data();
+    const Loss L{div, tail, beta, 1.0f / tau, floor};
+    emu::launch(rows, THREADS,
+                [&] { topk_kd_fwd<T>(z.data(), ids.data(), lt.data(), y.data(), out.data(), rows, v, k, L); });
+    emu::launch(rows, THREADS, [&] {
+        topk_kd_bwd<T>(z.data(), ids.data(), lt.data(), y.data(), out.data(), g.data(), 2, 1, dz, rows, v, k, L);
+    });
+    double worst_ce = 0, worst_g = 0;
+    for (uint32_t r = 0; r < rows; ++r) {
+        std::vector<double> zr(v);
+        for (uint32_t i = 0; i < v; ++i) zr[i] = to_f32(z0[size_t(r) * v + i]);
+        std::vector<uint32_t> idr(ids.begin() + r * k, ids.begin() + (r + 1) * k);
+        std::vector<float> ltr(lt.begin() + r * k, lt.begin() + (r + 1) * k);
+        double ce, ce2;
+        const double gk = g[2 * r], gc = g[2 * r + 1];
+        combined(zr, idr, ltr, y[r], div, tail, beta, tau, floor, gk, gc, &ce);
+        double m = -INFINITY, s = 0;
+        for (double x : zr) m = std::max(m, x);
+        for (double x : zr) s += std::exp(x - m);
+        worst_ce = std::max({worst_ce, std::fabs(out[r * COLS_CE + 4] - ce) / (std::fabs(ce) + 1e-3),
+                             std::fabs(out[r * COLS_CE + 5] - (m + std::log(s)))});
+        std::vector<double> want(v), got(v);
+        double scale = 1e-30;
+        auto checked = [&](uint32_t i) {
+            return i == y[r] || std::find(idr.begin(), idr.end(), i) != idr.end() || i % 5 == 0;
+        };
+        for (uint32_t i = 0; i < v; ++i) {
+            got[i] = to_f32(dz[size_t(r) * v + i]);
+            if (!checked(i)) continue;
+            const double h = 1e-4, x0 = zr[i];
+            zr[i] = x0 + h;
+            const double a = combined(zr, idr, ltr, y[r], div, tail, beta, tau, floor, gk, gc, &ce2);
+            zr[i] = x0 - h;
+            const double b = combined(zr, idr, ltr, y[r], div, tail, beta, tau, floor, gk, gc, &ce2);
+            zr[i] = x0;
+            want[i] = (a - b) / (2 * h);
+            scale = std::max(scale, std::fabs(want[i]));
+        }
+        for (uint32_t i = 0; i < v; ++i) {
+            if (checked(i)) worst_g = worse(worst_g, std::fabs(got[i] - want[i]) / scale);
+        }
+    }
+    const double gl = sizeof(T) == 2 ? 8e-3 : 2e-4;
+    const std::string tag = std::string(name) + (in_place ? " in place" : "") + " div " + std::to_string(div) +
+                            " tail " + std::to_string(tail) + " tau " + std::to_string(tau).substr(0, 3);
+    std::printf("%-44s cross-entropy %.1e  gradient %.1e\n", tag.c_str(), worst_ce, worst_g);
+    if (!(worst_ce < 2e-5 && worst_g < gl)) {
+        std::printf("  ^ failed\n");
+        ++failures;
+    }
+}
+
 int main() {
     for (int div = 0; div < 4; ++div)
         for (int tail = 0; tail < 3; ++tail)
@@ -155,6 +252,14 @@ int main() {
     // Cross-entropy: k = 1, teacher log-prob 0, forward KL, no tail.
     kd_case<float>("cross-entropy f32", 4, 1000, 1, FORWARD, IGNORE, 0.5f, 1.0f, 1.0f);
     kd_case<__nv_bfloat16>("cross-entropy bf16", 4, 1000, 1, FORWARD, IGNORE, 0.5f, 1.0f, 1.0f);
+    // The divergence and the cross-entropy together, in place and not.
+    for (int tail = 0; tail < 3; ++tail)
+        for (float tau : {1.0f, 0.7f}) {
+            kd_ce_case<float>("kd+ce f32", 4, 401, 9, tail == 1 ? JSD : FORWARD, tail, tau, true);
+        }
+    kd_ce_case<float>("kd+ce f32", 4, 401, 9, REVERSE, BUCKET, 1.0f, false);
+    kd_ce_case<__nv_bfloat16>("kd+ce bf16", 4, 700, 12, FORWARD, BUCKET, 1.0f, true);
+    kd_ce_case<__nv_bfloat16>("kd+ce bf16", 2, 700, 12, TV, IGNORE, 2.0f, true);
     if (failures) {
         std::fprintf(stderr, "%d case(s) failed\n", failures);
         return 1;

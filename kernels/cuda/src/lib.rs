@@ -21,8 +21,10 @@
 //! - [`gated_act_fwd`] and [`gated_act_bwd`]: the gated MLP's `act(gate) · up` and both
 //!   gradients, gate and up read through row strides;
 //! - [`topk_kd_fwd`] and [`topk_kd_bwd`]: each row's top-k distillation divergence (every
-//!   divergence and tail mode; the cross-entropy as k = 1) over its logits, and the logits'
-//!   gradient, one read of the row per pass (llm.c's fused classifier for top-k targets);
+//!   divergence and tail mode; the cross-entropy as k = 1, or beside the divergence) over its
+//!   logits, and the logits' gradient, one read of the row per pass, the gradient written once,
+//!   over the logits with [`topk_kd_bwd_in_place`] (llm.c's fused classifier for top-k
+//!   targets);
 //! - [`gemm_acc_f32`]: `acc += gᵀ · x` into an f32 accumulator by one cuBLAS GEMM (the LM
 //!   head's gradient summed over row chunks; cuBLAS's kernel, no `.cu`);
 //! - [`gemm_nt_blocks`]: `x · wᵀ` one cuBLAS GEMM per block of a fixed number of rows into one
@@ -100,7 +102,10 @@ pub use rope::{rope, RopeArgs};
 #[cfg(feature = "cuda")]
 pub use sum_squares::sum_squares_f32;
 #[cfg(feature = "cuda")]
-pub use topk_kd::{topk_kd_bwd, topk_kd_fwd, TopkKdArgs};
+pub use topk_kd::{
+    topk_kd_bwd, topk_kd_bwd_in_place, topk_kd_fwd, TopkKdArgs, TopkKdGrad, TopkKdTargets,
+    TOPK_KD_STAGED_K,
+};
 #[cfg(feature = "cuda")]
 pub use topk_rows::{topk_rows, RowScores, TopkArgs, MAX_K};
 #[cfg(feature = "cuda")]

@@ -20,6 +20,13 @@
 // chain rule the gradient at u, w_j; dz_v = (g/τ)(Σ_j w_j [v = id_j] − p_v Σ_j w_j) with
 // p_v = exp(z_v/τ − lse) (renormalize: dz_{id_j} = (g/τ)(a_j − e^{s_j} Σ a), 0 elsewhere).
 // One block per row; every sum in a fixed order: a row's result depends on that row alone.
+//
+// With `ce` (each row's next token y), the next-token cross-entropy rides along at τ = 1: the
+// forward also writes [CE = lse₁ − z_y, lse₁] (columns 4 and 5, lse₁ = log Σ_v exp(z_v), from
+// the same pass over the row), and the backward adds g_ce (p₁_v − [v = y]) to every column, so
+// that a head chunk's two losses read the logits once each way and write one gradient. The
+// backward may write its gradient over the logits (dz = z): the columns at K and y are computed
+// before any column is written.
 #include <stdint.h>
 
 #include "dtype.cuh"
@@ -30,6 +37,10 @@
 // flight (one each before: the passes waited on memory latency, about a sixth of the memory's
 // bandwidth on an H200), and in the logsumexp as many independent running sums.
 #define UNROLL 4
+// The columns at K the backward stages in shared memory before its pass over the row (16 KB):
+// above this k it recomputes the rest from the logits afterwards, so only a gradient written
+// elsewhere than the logits may have a larger k (the launcher checks).
+#define STAGED_K 4096
 
 enum { FORWARD = 0, REVERSE = 1, JSD = 2, TV = 3 };
 enum { RENORMALIZE = 0, BUCKET = 1, IGNORE = 2 };
@@ -59,41 +70,61 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-// log Σ_v exp(z_v · inv_tau) over the row, in every thread of the block.
+// log Σ_v exp(z_v · inv_tau) over the row, in every thread of the block; with `unit` also
+// log Σ_v exp(z_v) in `lse1` from the same loads (the cross-entropy's, at τ = 1).
 template <typename T>
-__device__ float row_lse(const T *__restrict__ zr, uint32_t v, float inv_tau) {
-    __shared__ float wm[WARPS], ws[WARPS];
-    __shared__ float total;
-    float mu[UNROLL], su[UNROLL];
+__device__ float row_lse(const T *zr, uint32_t v, float inv_tau, bool unit, float &lse1) {
+    __shared__ float wm[2][WARPS], ws[2][WARPS];
+    __shared__ float total[2];
+    float mu[UNROLL], su[UNROLL], mu1[UNROLL], su1[UNROLL];
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) { mu[u] = -INFINITY; su[u] = 0.0f; }
+    for (int u = 0; u < UNROLL; ++u) { mu[u] = mu1[u] = -INFINITY; su[u] = su1[u] = 0.0f; }
     for (uint32_t base = threadIdx.x; base < v; base += THREADS * UNROLL) {
-        float zu[UNROLL];
+        float xu[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const uint32_t i = base + u * THREADS;
-            zu[u] = i < v ? to_f32(zr[i]) * inv_tau : -INFINITY;
+            xu[u] = i < v ? to_f32(zr[i]) : -INFINITY;
         }
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
-            if (base + u * THREADS < v) lse_merge(mu[u], su[u], zu[u], 1.0f);
+            if (base + u * THREADS < v) {
+                lse_merge(mu[u], su[u], xu[u] * inv_tau, 1.0f);
+                if (unit) lse_merge(mu1[u], su1[u], xu[u], 1.0f);
+            }
         }
     }
-    float m = mu[0], s = su[0];
+    float m = mu[0], s = su[0], m1 = mu1[0], s1 = su1[0];
 #pragma unroll
-    for (int u = 1; u < UNROLL; ++u) lse_merge(m, s, mu[u], su[u]);
+    for (int u = 1; u < UNROLL; ++u) {
+        lse_merge(m, s, mu[u], su[u]);
+        lse_merge(m1, s1, mu1[u], su1[u]);
+    }
     warp_lse(m, s);
+    if (unit) warp_lse(m1, s1);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0) { wm[warp] = m; ws[warp] = s; }
-    __syncthreads();
-    if (warp == 0) {
-        m = lane < WARPS ? wm[lane] : -INFINITY;
-        s = lane < WARPS ? ws[lane] : 0.0f;
-        warp_lse(m, s);
-        if (lane == 0) total = m + logf(s);
+    if (lane == 0) {
+        wm[0][warp] = m;
+        ws[0][warp] = s;
+        wm[1][warp] = m1;
+        ws[1][warp] = s1;
     }
     __syncthreads();
-    return total;
+    if (warp == 0) {
+        m = lane < WARPS ? wm[0][lane] : -INFINITY;
+        s = lane < WARPS ? ws[0][lane] : 0.0f;
+        warp_lse(m, s);
+        m1 = lane < WARPS ? wm[1][lane] : -INFINITY;
+        s1 = lane < WARPS ? ws[1][lane] : 0.0f;
+        if (unit) warp_lse(m1, s1);
+        if (lane == 0) {
+            total[0] = m + logf(s);
+            total[1] = unit ? m1 + logf(s1) : total[0];
+        }
+    }
+    __syncthreads();
+    lse1 = total[1];
+    return total[0];
 }
 
 // log(1 − e^x) with 1 − e^x floored at `floor`; `live` whether x is below the floor's bound
@@ -195,89 +226,148 @@ __device__ RowSums row_sums(const Loss &L, const T *__restrict__ zr, const uint3
     return R;
 }
 
+// The columns of the forward's output: [divergence, teacher mass on K, student mass on K, lse]
+// and, with the cross-entropy, [CE, lse₁].
+#define COLS_KD 4
+#define COLS_CE 6
+
+// `out` [rows, 4], or [rows, 6] with `ce` (each row's next token, below V; null: none).
 template <typename T>
 __device__ void topk_kd_fwd(const T *__restrict__ z, const uint32_t *__restrict__ ids, const float *__restrict__ lts,
-                            float *__restrict__ out, uint32_t rows, uint32_t v, uint32_t k, Loss L) {
+                            const uint32_t *__restrict__ ce, float *__restrict__ out, uint32_t rows, uint32_t v,
+                            uint32_t k, Loss L) {
     const uint32_t r = blockIdx.x;
     if (r >= rows) return;
     const T *zr = z + (uint64_t)r * v;
-    const float lse = row_lse(zr, v, L.inv_tau);
+    float lse1;
+    const float lse = row_lse(zr, v, L.inv_tau, ce != nullptr && L.inv_tau != 1.0f, lse1);
     if ((threadIdx.x >> 5) != 0) return;
     const RowSums R = row_sums(L, zr, ids + (uint64_t)r * k, lts + (uint64_t)r * k, k, lse, false);
     if (threadIdx.x == 0) {
-        float *o = out + (uint64_t)r * 4;
+        float *o = out + (uint64_t)r * (ce ? COLS_CE : COLS_KD);
         o[0] = R.d;
         o[1] = expf(R.lse_t);
         o[2] = expf(R.lse_s);
         o[3] = lse;
+        if (ce) {
+            o[4] = lse1 - to_f32(zr[ce[r]]);
+            o[5] = lse1;
+        }
     }
 }
 
-// dz [rows, V] (T) from the gradient of each row's divergence `g` (stride `g_stride` floats) and
-// the forward's outputs `res` [rows, 4] (its lse).
+// The gradient of one row, with what it is computed from.
+struct RowGrad {
+    RowSums R;
+    float lse, lse1;
+    float c;     // g_kd / τ
+    float g_ce;  // the cross-entropy's gradient (0 without it)
+    uint32_t y;  // the next token (none: no column)
+};
+
+// The gradient at column x of the row (logit z_x) outside K and y: −c·p_x·Σw + g_ce·p₁_x
+// (renormalize: nothing from the divergence outside K).
+__device__ __forceinline__ float dense_grad(const Loss &L, const RowGrad &G, float x, bool ce) {
+    const bool kd = L.tail != RENORMALIZE;
+    const float p = kd || (ce && L.inv_tau == 1.0f) ? expf(x * L.inv_tau - G.lse) : 0.0f;
+    float d = kd ? -G.c * p * G.R.sum_w : 0.0f;
+    if (ce) d += G.g_ce * (L.inv_tau == 1.0f ? p : expf(x - G.lse1));
+    return d;
+}
+
+// The gradient at K's column j (logit zk, teacher log-prob lt, id), recomputed whole in f32.
+__device__ __forceinline__ float k_grad(const Loss &L, const RowGrad &G, float zk, float lt, uint32_t id, bool ce) {
+    const float u = zk * L.inv_tau - G.lse;
+    const float s = s_of(L, G.R, u);
+    float dj, aj;
+    term(L, t_of(L, G.R, lt), s, dj, aj);
+    float grad = L.tail == RENORMALIZE ? G.c * (aj - expf(s) * G.R.sum_w)
+                                       : G.c * (w_of(L, G.R, u, aj) - expf(u) * G.R.sum_w);
+    if (ce) grad += G.g_ce * ((L.inv_tau == 1.0f ? expf(u) : expf(zk - G.lse1)) - (id == G.y ? 1.0f : 0.0f));
+    return grad;
+}
+
+// dz [rows, V] (T) from the gradients of each row's divergence, g[r·g_stride], and cross-entropy,
+// g[r·g_stride + g_ce] (with `ce`), and the forward's outputs `res` (its lse and lse₁). `dz` may
+// be `z` (the gradient written over the logits) when k ≤ STAGED_K.
 template <typename T>
-__device__ void topk_kd_bwd(const T *__restrict__ z, const uint32_t *__restrict__ ids, const float *__restrict__ lts,
-                            const float *__restrict__ res, const float *__restrict__ g, uint32_t g_stride,
-                            T *__restrict__ dz, uint32_t rows, uint32_t v, uint32_t k, Loss L) {
+__device__ void topk_kd_bwd(const T *z, const uint32_t *__restrict__ ids, const float *__restrict__ lts,
+                            const uint32_t *__restrict__ ce, const float *__restrict__ res,
+                            const float *__restrict__ g, uint32_t g_stride, uint32_t g_ce, T *dz, uint32_t rows,
+                            uint32_t v, uint32_t k, Loss L) {
     __shared__ RowSums shared_sums;
+    __shared__ float staged[STAGED_K];
+    __shared__ float y_grad;
+    __shared__ int y_in_k;
     const uint32_t r = blockIdx.x;
     if (r >= rows) return;
+    const bool has_ce = ce != nullptr;
     const T *zr = z + (uint64_t)r * v;
     T *dr = dz + (uint64_t)r * v;
     const uint32_t *idr = ids + (uint64_t)r * k;
     const float *ltr = lts + (uint64_t)r * k;
-    const float lse = res[(uint64_t)r * 4 + 3];
+    const float *rr = res + (uint64_t)r * (has_ce ? COLS_CE : COLS_KD);
+    RowGrad G;
+    G.lse = rr[3];
+    G.lse1 = has_ce ? rr[5] : rr[3];
+    G.c = g[(uint64_t)r * g_stride] * L.inv_tau;
+    G.g_ce = has_ce ? g[(uint64_t)r * g_stride + g_ce] : 0.0f;
+    G.y = has_ce ? ce[r] : 0xffffffffu;
     if ((threadIdx.x >> 5) == 0) {
-        const RowSums R = row_sums(L, zr, idr, ltr, k, lse, true);
-        if (threadIdx.x == 0) shared_sums = R;
+        const RowSums R = row_sums(L, zr, idr, ltr, k, G.lse, true);
+        if (threadIdx.x == 0) {
+            shared_sums = R;
+            y_in_k = 0;
+        }
     }
     __syncthreads();
-    const RowSums R = shared_sums;
-    const float c = g[(uint64_t)r * g_stride] * L.inv_tau;
-    // Every column: −c·p_v·Σw (renormalize: nothing outside K).
+    G.R = shared_sums;
+    // The columns at K and y from the logits before any column is written.
+    const uint32_t staged_k = k < STAGED_K ? k : STAGED_K;
+    for (uint32_t j = threadIdx.x; j < staged_k; j += THREADS) {
+        staged[j] = k_grad(L, G, to_f32(zr[idr[j]]), ltr[j], idr[j], has_ce);
+        if (idr[j] == G.y) y_in_k = 1;
+    }
+    if (has_ce && threadIdx.x == 0) y_grad = dense_grad(L, G, to_f32(zr[G.y]), true) - G.g_ce;
+    __syncthreads();
+    const bool reads = L.tail != RENORMALIZE || has_ce;
+    // Every column as if outside K and y.
     for (uint32_t base = threadIdx.x; base < v; base += THREADS * UNROLL) {
         float zu[UNROLL];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const uint32_t i = base + u * THREADS;
-            zu[u] = i < v && L.tail != RENORMALIZE ? to_f32(zr[i]) : 0.0f;
+            zu[u] = i < v && reads ? to_f32(zr[i]) : 0.0f;
         }
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const uint32_t i = base + u * THREADS;
-            if (i >= v) continue;
-            const float p = L.tail == RENORMALIZE ? 0.0f : expf(zu[u] * L.inv_tau - lse);
-            dr[i] = from_f32<T>(-c * p * R.sum_w);
+            if (i < v) dr[i] = from_f32<T>(dense_grad(L, G, zu[u], has_ce));
         }
     }
     __syncthreads();
-    // The columns at K (distinct ids: one thread each), recomputed whole in f32.
+    // The columns at K (distinct ids: one thread each), and y's where it is not in K. Past
+    // STAGED_K, recomputed from the logits (`dz` is not `z` then).
     for (uint32_t j = threadIdx.x; j < k; j += THREADS) {
-        const float u = to_f32(zr[idr[j]]) * L.inv_tau - lse;
-        const float s = s_of(L, R, u);
-        float dj, aj;
-        term(L, t_of(L, R, ltr[j]), s, dj, aj);
-        float grad;
-        if (L.tail == RENORMALIZE) {
-            grad = c * (aj - expf(s) * R.sum_w);
-        } else {
-            grad = c * (w_of(L, R, u, aj) - expf(u) * R.sum_w);
-        }
+        const float grad = j < STAGED_K ? staged[j] : k_grad(L, G, to_f32(zr[idr[j]]), ltr[j], idr[j], has_ce);
         dr[idr[j]] = from_f32<T>(grad);
     }
+    if (has_ce && threadIdx.x == 0 && !y_in_k) dr[G.y] = from_f32<T>(y_grad);
 }
 
 #define TOPK_KD(SUFFIX, T)                                                                                            \
     extern "C" __global__ void __launch_bounds__(THREADS)                                                            \
-        topk_kd_fwd_##SUFFIX(const T *z, const uint32_t *ids, const float *lts, float *out, uint32_t rows,           \
-                             uint32_t v, uint32_t k, int div, int tail, float beta, float inv_tau, float tail_floor) { \
-        topk_kd_fwd<T>(z, ids, lts, out, rows, v, k, Loss{div, tail, beta, inv_tau, tail_floor});                     \
+        topk_kd_fwd_##SUFFIX(const T *z, const uint32_t *ids, const float *lts, const uint32_t *ce, float *out,       \
+                             uint32_t rows, uint32_t v, uint32_t k, int div, int tail, float beta, float inv_tau,    \
+                             float tail_floor) {                                                                      \
+        topk_kd_fwd<T>(z, ids, lts, ce, out, rows, v, k, Loss{div, tail, beta, inv_tau, tail_floor});                \
     }                                                                                                                 \
     extern "C" __global__ void __launch_bounds__(THREADS) topk_kd_bwd_##SUFFIX(                                      \
-        const T *z, const uint32_t *ids, const float *lts, const float *res, const float *g, uint32_t g_stride,      \
-        T *dz, uint32_t rows, uint32_t v, uint32_t k, int div, int tail, float beta, float inv_tau,                  \
-        float tail_floor) {                                                                                           \
-        topk_kd_bwd<T>(z, ids, lts, res, g, g_stride, dz, rows, v, k, Loss{div, tail, beta, inv_tau, tail_floor});    \
+        const T *z, const uint32_t *ids, const float *lts, const uint32_t *ce, const float *res, const float *g,     \
+        uint32_t g_stride, uint32_t g_ce, T *dz, uint32_t rows, uint32_t v, uint32_t k, int div, int tail,           \
+        float beta, float inv_tau, float tail_floor) {                                                                \
+        topk_kd_bwd<T>(z, ids, lts, ce, res, g, g_stride, g_ce, dz, rows, v, k,                                      \
+                       Loss{div, tail, beta, inv_tau, tail_floor});                                                   \
     }
 
 TOPK_KD(f32, float)

@@ -150,10 +150,29 @@ impl CustomOp2 for Linear {
             let (dx, dw) = linear_backward(&x, &w, grad)?;
             return Ok((Some(dx), Some(dw)));
         };
-        let g = grad.contiguous()?.reshape(((), w.dim(0)?))?;
-        accumulate_tn(sink, &g, &x.reshape(((), w.dim(1)?))?)?;
-        Ok((Some(g.matmul(&w)?.reshape(x.shape())?), None))
+        Ok((Some(linear_backward_into(&x, &w, sink, grad)?), None))
     }
+}
+
+/// `x · wᵀ` as [`linear`] computes it, recorded nowhere (for a backward written by hand,
+/// [`linear_backward_into`]).
+pub fn linear_untracked(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    x.detach()
+        .contiguous()?
+        .apply_op2_no_bwd(&w.detach().contiguous()?, &Linear { sink: None })
+}
+
+/// The backward of `x · wᵀ` with the weight's gradient summed into `sink`, as [`linear_into`]'s
+/// node runs it: `sink += gradᵀ · x` in place, and `dx = grad · w` returned (`x`'s shape).
+pub fn linear_backward_into(
+    x: &Tensor,
+    w: &Tensor,
+    sink: &Tensor,
+    grad: &Tensor,
+) -> Result<Tensor> {
+    let g = grad.contiguous()?.reshape(((), w.dim(0)?))?;
+    accumulate_tn(sink, &g, &x.reshape(((), w.dim(1)?))?)?;
+    g.matmul(w)?.reshape(x.shape())
 }
 
 /// `x [..., k] · wᵀ` like [`linear`], but with `w` `[o, k]` a constant of the node and its

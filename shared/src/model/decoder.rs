@@ -400,6 +400,30 @@ impl Decoder {
         super::autograd::linear_into(hidden, &self.w.lm_head, sink)
     }
 
+    /// [`Decoder::logits_into`]'s logits with nothing recorded for autograd: a head chunk whose
+    /// loss and backward run by hand ([`Decoder::head_backward_into`]) reads them, and may
+    /// overwrite them (a buffer of their own).
+    pub fn logits_untracked(&self, hidden: &Tensor) -> Result<Tensor> {
+        super::autograd::linear_untracked(hidden, &self.w.lm_head)
+    }
+
+    /// The backward of [`Decoder::logits_untracked`] written by hand, as
+    /// [`Decoder::logits_into`]'s node runs it: the head's gradient `gradᵀ · hidden` summed
+    /// into `sink` in place, and the hidden states' gradient `grad · head` returned.
+    pub fn head_backward_into(
+        &self,
+        hidden: &Tensor,
+        grad: &Tensor,
+        sink: &Tensor,
+    ) -> Result<Tensor> {
+        super::autograd::linear_backward_into(
+            &hidden.detach(),
+            &self.w.lm_head.detach(),
+            sink,
+            grad,
+        )
+    }
+
     /// The LM head `[V, H]` (the embedding itself when tied), for kernels that read it in place.
     pub fn lm_head(&self) -> &Tensor {
         &self.w.lm_head

@@ -316,6 +316,31 @@ pub(crate) fn fused_topk_divergence(
 ) -> Result<(Tensor, KdFigures)> {
     let (b, t, v) = student_logits.dims3()?;
     let k = targets.ids.dim(2)?;
+    let loss = fused_loss(div, tail, temperature);
+    let lts = targets
+        .logprobs
+        .detach()
+        .to_dtype(compute_dtype(student_logits))?
+        .maximum(LOG_FLOOR)?;
+    // [n, 4]: divergence, teacher mass on K, student mass on K, logsumexp.
+    let out = xdistill_kernels::topk_kd(
+        &student_logits.reshape((b * t, v))?,
+        &targets.ids.reshape((b * t, k))?,
+        &lts.reshape((b * t, k))?,
+        loss,
+    )?;
+    kd_value_and_figures(
+        &out,
+        &targets.mask.reshape(b * t)?,
+        targets.count,
+        normalizer,
+        temperature.get(),
+    )
+}
+
+/// The fused kernels' loss for `div`, `tail` and `temperature` (JSD's β at 0 or 1 is exactly
+/// forward or reverse KL, as the composed loss has it).
+pub(crate) fn fused_loss(div: Divergence, tail: TailMode, temperature: Temperature) -> TopkKd {
     let divergence = match div {
         Divergence::Forward => KdDivergence::Forward,
         Divergence::Reverse => KdDivergence::Reverse,
@@ -329,28 +354,28 @@ pub(crate) fn fused_topk_divergence(
         TailMode::Bucket => KdTail::Bucket,
         TailMode::Ignore => KdTail::Ignore,
     };
-    let tau = temperature.get();
-    let loss = TopkKd {
+    TopkKd {
         divergence,
         tail,
-        temperature: tau,
+        temperature: temperature.get(),
         tail_floor: TAIL_FLOOR,
-    };
-    let lts = targets
-        .logprobs
-        .detach()
-        .to_dtype(compute_dtype(student_logits))?
-        .maximum(LOG_FLOOR)?;
-    // [n, 4]: divergence, teacher mass on K, student mass on K, logsumexp.
-    let out = xdistill_kernels::topk_kd(
-        &student_logits.reshape((b * t, v))?,
-        &targets.ids.reshape((b * t, k))?,
-        &lts.reshape((b * t, k))?,
-        loss,
-    )?;
-    let mask = targets.mask.to_dtype(out.dtype())?;
-    let count = targets.count;
-    let column = |c: usize| out.narrow(1, c, 1).and_then(|x| x.reshape((b, t)));
+    }
+}
+
+/// The distillation term from the fused kernels' rows `out` `[n, ≥ 4]` (divergence, teacher
+/// mass on K, student mass on K, …) and the units' `mask` `[n]`: the masked mean of the
+/// divergences over `count` units (or `normalizer`) times τ², and its figures left on the
+/// device ([`KdFigures::Pending`]).
+pub(crate) fn kd_value_and_figures(
+    out: &Tensor,
+    mask: &Tensor,
+    count: f64,
+    normalizer: Option<Normalizer>,
+    tau: f64,
+) -> Result<(Tensor, KdFigures)> {
+    let n = mask.elem_count();
+    let mask = mask.to_dtype(out.dtype())?;
+    let column = |c: usize| out.narrow(1, c, 1).and_then(|x| x.reshape(n));
     let loss = masked_mean_known(&column(0)?, &mask, count, normalizer.map(Normalizer::get))?;
     let loss = loss.affine(tau * tau, 0.0)?;
     // The loss and both masses summed over the valid units, left on the device.

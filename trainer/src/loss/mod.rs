@@ -8,6 +8,7 @@
 pub mod alm;
 pub mod ce;
 pub mod full_vocab;
+pub mod fused_head;
 pub mod kl;
 pub mod normalizer;
 pub mod sampled;

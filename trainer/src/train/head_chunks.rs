@@ -12,8 +12,15 @@
 //! The distillation (KD) and cross-entropy (CE) terms are kept apart when `[loss] ce` is
 //! `dynamic`: its factor `|CE|/|KD|` is a function of the micro-batch's totals, known only after
 //! the last chunk, so the two gradients are scaled and added at the end.
+//!
+//! Where the mix is linear, the head sums its gradient in place and the chunk's terms have a
+//! fused form ([`PieceTerms::fused`]: the same tokenizer's top-k divergence and the
+//! cross-entropy on a GPU), a chunk runs by hand instead of through autograd: the logits, one
+//! kernel for the terms' values, one writing their gradient over the logits, then the head's
+//! two GEMMs ([`crate::loss::fused_head`]).
 
 use crate::config::ActivationCheckpointing;
+use crate::loss::fused_head::{self, FusedTerms};
 use crate::loss::{CeConfig, KdFigures, KdMetrics, LossConfig};
 use crate::train::phases::{self, Phase};
 use anyhow::{bail, Result};
@@ -122,6 +129,16 @@ pub struct ChunkLoss {
     pub ce: Option<(Tensor, f64)>,
 }
 
+/// A micro-batch's loss terms per head piece, as [`run`] asks for them.
+pub trait PieceTerms {
+    /// Piece `i`'s terms from its logits `[shape.0, shape.1, V]`, differentiable.
+    fn composed(&mut self, i: usize, logits: &Tensor) -> Result<ChunkLoss>;
+
+    /// Piece `i`'s terms in the fused form, where they have one (asked only where the mix is
+    /// linear and the head sums its gradient in a sink); `None`: [`PieceTerms::composed`].
+    fn fused(&mut self, i: usize) -> Result<Option<FusedTerms>>;
+}
+
 /// The detached values of a micro-batch's loss, summed over its chunks.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct HeadSums {
@@ -220,6 +237,14 @@ impl Acc {
         Ok(Tensor::cat(&all, 0)?.index_select(&from, 0)?)
     }
 
+    /// Adds a chunk's hidden-state gradient `g` `[n, H]` at its rows (`rows`, and as `[n]` u32
+    /// `idx`).
+    fn add_rows(&mut self, rows: &[u32], idx: &Tensor, g: &Tensor) -> Result<()> {
+        let g = g.to_dtype(self.dtype)?.reshape(((), self.h))?;
+        self.parts.push((rows.to_vec(), idx.clone(), g));
+        Ok(())
+    }
+
     /// Backpropagates `loss` (a scalar of one chunk) and adds its gradients: the leaf's rows
     /// into the hidden-state gradient at `idx` `[n]`, the head's (`head_dims`, `[V, H]`) to the
     /// head's sum.
@@ -235,9 +260,7 @@ impl Acc {
         }
         let mut g = loss.backward()?;
         if let Some(gl) = g.remove(chunk.leaf.as_tensor()) {
-            let gl = gl.to_dtype(self.dtype)?.reshape(((), self.h))?;
-            self.parts
-                .push((chunk.rows.to_vec(), chunk.idx.clone(), gl));
+            self.add_rows(chunk.rows, chunk.idx, &gl)?;
         }
         // Summed over chunks in the accumulation dtype (the head's bf16 compute copy receives
         // a bf16 gradient per chunk).
@@ -351,35 +374,28 @@ impl Figures {
     }
 }
 
-/// Runs the head and `loss` over `pieces` of `hidden` `[B, T, H]` (detached), one chunk at a
-/// time, and returns the hidden-state and head gradients of the loss `mix` combines.
-/// `loss(i, logits)` computes piece `i`'s terms from its logits `[shape.0, shape.1, V]`.
-pub fn run<F>(
+/// Runs the head and the `terms` over `pieces` of `hidden` `[B, T, H]` (detached), one chunk
+/// at a time, and returns the hidden-state and head gradients of the loss `mix` combines.
+pub fn run(
     model: &Decoder,
     hidden: &Tensor,
     pieces: &[Piece],
     mix: Mix,
-    loss: F,
-) -> Result<HeadOut>
-where
-    F: FnMut(usize, &Tensor) -> Result<ChunkLoss>,
-{
+    terms: &mut dyn PieceTerms,
+) -> Result<HeadOut> {
     phases::time(Phase::HeadLoss, hidden.device(), || {
-        run_chunks(model, hidden, pieces, mix, loss)
+        run_chunks(model, hidden, pieces, mix, terms)
     })
 }
 
 /// [`run`], untimed.
-fn run_chunks<F>(
+fn run_chunks(
     model: &Decoder,
     hidden: &Tensor,
     pieces: &[Piece],
     mix: Mix,
-    mut loss: F,
-) -> Result<HeadOut>
-where
-    F: FnMut(usize, &Tensor) -> Result<ChunkLoss>,
-{
+    terms: &mut dyn PieceTerms,
+) -> Result<HeadOut> {
     let (b, t, h) = hidden.dims3()?;
     let dev = hidden.device();
     // Gradients are summed in f32 (f64 for f64 models) whatever the compute dtype.
@@ -417,6 +433,22 @@ where
             );
         }
         let idx = Tensor::from_vec(p.rows.clone(), p.rows.len(), dev)?;
+        // A linear mix into a sink: the chunk by hand where its terms have a fused form.
+        if let (Some(s), Mix::Linear { kd, ce: w_ce }) = (&sink, mix) {
+            if let Some(fused) = terms.fused(i)? {
+                let x = flat.index_select(&idx, 0)?; // [n, H]
+                let z = model.logits_untracked(&x)?; // [n, V], then its gradient
+                let out = fused_head::run(&z, &fused, kd, w_ce)?;
+                main.add_rows(&p.rows, &idx, &model.head_backward_into(&x, &z, s)?)?;
+                if let Some((_, f)) = &out.kd {
+                    figures.add_kd(f)?;
+                }
+                if let Some((l, n)) = &out.ce {
+                    figures.add_ce(l, *n)?;
+                }
+                continue;
+            }
+        }
         // [n, H] -> leaf [b', t', H] -> logits [b', t', V].
         let rows = flat
             .index_select(&idx, 0)?
@@ -431,7 +463,7 @@ where
             Some(s) => model.logits_into(leaf.as_tensor(), s)?,
             None => model.logits(leaf.as_tensor())?,
         };
-        let c = loss(i, &logits)?;
+        let c = terms.composed(i, &logits)?;
         drop(logits);
         if let Some((_, f)) = &c.kd {
             figures.add_kd(f)?;

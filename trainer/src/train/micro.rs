@@ -13,7 +13,8 @@
 //! What differs between pairings is only what they implement of [`MicroBatch`]; how terms
 //! combine (`kd_weight`, `ce`) is the [`LossConfig`] the [`Drive`] carries.
 
-use super::head_chunks::{self, ChunkLoss, HeadOpts, HeadSums, Mix, Piece};
+use super::head_chunks::{self, ChunkLoss, HeadOpts, HeadSums, Mix, Piece, PieceTerms};
+use crate::loss::fused_head::{FusedCe, FusedKd, FusedTerms};
 use crate::loss::{
     combine, cross_entropy, cross_entropy_known, BadNormalizer, CeConfig, KdFigures, KdMetrics,
     LossConfig, Normalizer,
@@ -135,6 +136,14 @@ pub trait MicroBatch {
 
     /// `part`'s cross-entropy targets and mask, shaped as its logits, and its trained tokens.
     fn ce(&self, part: Part) -> Result<(Tensor, Tensor, usize)>;
+
+    /// `part`'s distillation term (divided by `normalizer`) in the form a head chunk runs by
+    /// hand ([`FusedKd`]), where the pairing's loss has one there; `None`: [`MicroBatch::kd`]
+    /// through autograd.
+    fn fused_kd(&self, part: Part, normalizer: Normalizer) -> Result<Option<FusedKd>> {
+        let _ = (part, normalizer);
+        Ok(None)
+    }
 }
 
 /// Whether `[loss] ce` asks for the cross-entropy term.
@@ -205,38 +214,78 @@ pub fn loss(drive: &Drive, mb: &dyn MicroBatch, norm: Units) -> Result<(Tensor, 
 pub fn grads(drive: &Drive, mb: &dyn MicroBatch, norm: Units) -> Result<(GradStore, HeadSums)> {
     let (model, layout) = (drive.model, mb.layout());
     let pass = drive.head.forward(model, &layout.ids)?;
-    let kd_norm = mb.distills().then(|| norm.kd_normalizer()).transpose()?;
-    let ce_norm = wants_ce(drive.loss)
-        .then(|| norm.ce_normalizer())
-        .transpose()?;
-    let terms = |i: usize, logits: &Tensor| -> Result<ChunkLoss> {
-        let kd = match kd_norm {
-            Some(n) => Some(mb.kd(Part::Piece(i), logits, Some(n))?),
-            None => None,
-        };
-        let ce = match ce_norm {
-            Some(n) => {
-                let (targets, mask, count) = mb.ce(Part::Piece(i))?;
-                if count > 0 {
-                    let count = count as f64;
-                    let ce = cross_entropy_known(logits, &targets, &mask, count, Some(n))?;
-                    Some((ce, count))
-                } else {
-                    None
-                }
-            }
-            None => None,
-        };
-        Ok(ChunkLoss { kd, ce })
+    let mut terms = StepTerms {
+        mb,
+        kd_norm: mb.distills().then(|| norm.kd_normalizer()).transpose()?,
+        ce_norm: wants_ce(drive.loss)
+            .then(|| norm.ce_normalizer())
+            .transpose()?,
     };
     let out = head_chunks::run(
         model,
         pass.hidden(),
         &layout.pieces,
         Mix::of(drive.loss),
-        terms,
+        &mut terms,
     )?;
     out.finish(pass)
+}
+
+/// [`grads`]'s loss terms of each head piece: the pairing's, normalised by the step's units.
+struct StepTerms<'a> {
+    mb: &'a dyn MicroBatch,
+    /// The step's distillation units (`None`: no distillation term).
+    kd_norm: Option<Normalizer>,
+    /// The step's trained tokens (`None`: no cross-entropy).
+    ce_norm: Option<Normalizer>,
+}
+
+impl StepTerms<'_> {
+    /// The cross-entropy's targets, mask and trained tokens of piece `i`, where it has any.
+    fn ce(&self, i: usize) -> Result<Option<(Tensor, Tensor, f64)>> {
+        if self.ce_norm.is_none() {
+            return Ok(None);
+        }
+        let (targets, mask, count) = self.mb.ce(Part::Piece(i))?;
+        Ok((count > 0).then_some((targets, mask, count as f64)))
+    }
+}
+
+impl PieceTerms for StepTerms<'_> {
+    fn composed(&mut self, i: usize, logits: &Tensor) -> Result<ChunkLoss> {
+        let kd = match self.kd_norm {
+            Some(n) => Some(self.mb.kd(Part::Piece(i), logits, Some(n))?),
+            None => None,
+        };
+        let ce = match (self.ce(i)?, self.ce_norm) {
+            (Some((targets, mask, count)), Some(n)) => {
+                let ce = cross_entropy_known(logits, &targets, &mask, count, Some(n))?;
+                Some((ce, count))
+            }
+            _ => None,
+        };
+        Ok(ChunkLoss { kd, ce })
+    }
+
+    fn fused(&mut self, i: usize) -> Result<Option<FusedTerms>> {
+        let kd = match self.kd_norm {
+            Some(n) => match self.mb.fused_kd(Part::Piece(i), n)? {
+                Some(kd) => Some(kd),
+                None => return Ok(None), // the distillation term has no fused form here
+            },
+            None => None,
+        };
+        let ce = match (self.ce(i)?, self.ce_norm) {
+            (Some((targets, mask, count)), Some(normalizer)) => Some(FusedCe {
+                targets,
+                mask,
+                count,
+                normalizer,
+            }),
+            _ => None,
+        };
+        Ok((kd.is_some() || ce.is_some()).then_some(FusedTerms { kd, ce }))
+    }
 }
 
 /// Validation sums of the micro-batch without gradients: [`MicroBatch::val_kd`] with τ²

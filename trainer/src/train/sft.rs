@@ -542,9 +542,19 @@ mod tests {
     /// The chunked SFT gradients ([`sft_grads`]) equal the unchunked loss's (`sft_loss` +
     /// `backward`) for every parameter, and the chunked validation NLL its value: 1- and 3-row
     /// chunks and the budget, kept and checkpointed activations, tied and untied heads; f64 to
-    /// 1e-9, f32 to 1e-5.
+    /// 1e-9, f32 to 1e-5. Composed, and through the fused ops (forced in this thread: the CPU
+    /// runs their f64 reference), where each head chunk's cross-entropy and its gradient run
+    /// by hand (`loss::fused_head`) against the fused loss through autograd.
     #[test]
     fn chunked_sft_equals_the_whole_loss() {
+        for fused in [false, true] {
+            xdistill_shared::model::device_ops::force_in_this_thread(Some(fused));
+            chunked_sft_equals_the_whole_loss_with_these_ops();
+        }
+        xdistill_shared::model::device_ops::force_in_this_thread(None);
+    }
+
+    fn chunked_sft_equals_the_whole_loss_with_these_ops() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(4);
         let examples: Vec<Encoded> = [(9, 3), (5, 1), (12, 7)]
             .into_iter()

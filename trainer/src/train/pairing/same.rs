@@ -6,6 +6,7 @@
 use super::{check_rows, Item, Limits, LossCtx, Purpose, TrainedRows};
 use crate::collate::{encode, pad_batch, Encoded};
 use crate::data::Record;
+use crate::loss::fused_head::FusedKd;
 use crate::loss::{
     kd_loss_figures, kl::Divergence, topk_divergence, KdFigures, KdInputs, KdMetrics, Normalizer,
     TailMode, TopkTargets,
@@ -156,6 +157,19 @@ impl MicroBatch for SameBatch<'_> {
             logits,
             KdInputs::Topk(&tk),
             normalizer,
+        )?)
+    }
+
+    fn fused_kd(&self, part: Part, normalizer: Normalizer) -> Result<Option<FusedKd>> {
+        if self.layout.range(part).is_empty() {
+            return Ok(None);
+        }
+        let head = self.ctx.model.lm_head();
+        Ok(FusedKd::topk(
+            self.ctx.loss,
+            self.targets(part)?,
+            normalizer,
+            head,
         )?)
     }
 

@@ -144,9 +144,10 @@ fn same_tokenizer_chunks_equal_the_whole_loss() {
 
 /// The same through the fused top-k loss and cross-entropy (forced on in this thread: the CPU
 /// runs their f64 reference, and the decoder's fused ops): their figures stay on the device
-/// (`KdFigures::Pending`) and the chunks' sums are read back once per micro-batch; the head's
-/// gradient is summed in place over the chunks (`Decoder::logits_into`, linear mixes) and the
-/// checkpointed layers run by hand (`train_layer.rs`).
+/// (`KdFigures::Pending`) and the chunks' sums are read back once per micro-batch; under a
+/// linear mix each head chunk runs by hand (`loss::fused_head`: both terms from one kernel
+/// pass, their gradient written over the logits, the head's gradient summed in place), under
+/// the dynamic one through autograd; the checkpointed layers run by hand (`train_layer.rs`).
 #[test]
 fn same_tokenizer_chunks_equal_the_whole_loss_through_the_fused_loss() {
     use xdistill_shared::model::device_ops;
@@ -158,6 +159,14 @@ fn same_tokenizer_chunks_equal_the_whole_loss_through_the_fused_loss() {
             CeConfig::Weight { weight: 0.3 },
         ),
         cfg(KdConfig::Jsd { beta: 0.3 }, None, CeConfig::Dynamic {}),
+        cfg(KdConfig::Jsd { beta: 0.3 }, Some(TailMode::Renormalize), {
+            CeConfig::None {}
+        }),
+        cfg(
+            KdConfig::TotalVariation {},
+            Some(TailMode::Ignore),
+            CeConfig::Weight { weight: 0.0 },
+        ),
     ];
     let (model, _) = tiny(true, DType::F32, 5);
     assert!(!model.head_sinks() && !model.trains_by_hand());
