@@ -13,7 +13,8 @@
 // is read five times in all), the elements above it and the first ones equal to it (in id
 // order) are compacted in order, and those k are sorted in shared memory (bitonic, k ≤ 4096).
 // A histogram's increments are merged per warp first (lanes with the same digit: one atomic):
-// a row's leading digits fall into a few bins, where one shared atomic per element serialised.
+// a row's leading digits fall into a few bins, where one shared atomic per element serialised;
+// past the first digit, a warp none of whose keys shares the prefix found so far counts nothing.
 //
 // Deterministic and batch-invariant by construction: a row's results depend on that row alone,
 // every sum runs in a fixed order, and ties are broken by id.
@@ -148,7 +149,9 @@ __device__ void topk_row(const T *__restrict__ logits, int64_t row_stride, const
 #pragma unroll
                 for (int u = 0; u < UNROLL; ++u) {
                     const bool in = tile + u * THREADS + tid < valid && (keys[u] & mask) == prefix;
-                    count_in(hist, in ? (keys[u] >> shift) & 255u : 256u, lane);
+                    // Past the first digit few keys share the prefix: a warp with none skips
+                    // the match and the atomics (a warp-uniform branch).
+                    if (__ballot_sync(0xffffffffu, in)) count_in(hist, in ? (keys[u] >> shift) & 255u : 256u, lane);
                 }
             }
         }
