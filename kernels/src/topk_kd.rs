@@ -277,7 +277,11 @@ impl Op {
     fn carried(&self, v: usize) -> Result<Carried> {
         let ids = carried_ids(&self.ids)?;
         let ce = self.ce.as_ref().map(carried_ids).transpose()?;
-        if ids.iter().chain(ce.iter().flatten()).any(|&i| i as usize >= v) {
+        if ids
+            .iter()
+            .chain(ce.iter().flatten())
+            .any(|&i| i as usize >= v)
+        {
             bail!("topk_kd: an id is not below the vocabulary {v}");
         }
         Ok(Carried {

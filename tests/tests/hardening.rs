@@ -94,7 +94,9 @@ fn absurd_config_json_is_refused_before_allocating() {
             assert!(err.contains(&format!("bad{i}/config.json")), "{key}: {err}");
         }
     }
-    // The untouched model still loads (the check does not refuse good models).
+    // The untouched model still loads (the check does not refuse good models), and bench-step's
+    // check of a micro-batch against the CPU's f32 pass (what the GPU check runs on the new
+    // path) agrees with bf16 compute on the CPU.
     let o = trainer(&[
         os("bench-step"),
         os("--model"),
@@ -107,8 +109,22 @@ fn absurd_config_json_is_refused_before_allocating() {
         os("1"),
         os("--k"),
         os("4"),
+        os("--dtype"),
+        os("bf16"),
+        os("--check-cpu"),
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    let cosine: f64 = out
+        .split("gradient cosine ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("no check-cpu line: {out}"));
+    assert!(
+        out.contains("check-cpu (1 x 16 tokens") && cosine >= 0.99,
+        "{out}"
+    );
 
     // init-model refuses a model that cannot fit in memory, before allocating it.
     let tok = xdistill_testkit::tokenizer_json("llama2");

@@ -79,6 +79,12 @@ pub struct Args {
     /// Rows per LM-head chunk; 0: as many as fit 256 MiB of f32 logits.
     #[arg(long, default_value_t = 0)]
     pub head_chunk_rows: usize,
+    /// First check one micro-batch's loss and gradients on the device against the CPU's in f32
+    /// (the composed ops), the same weights, a batch of at most 2 × 128 tokens and LM-head
+    /// chunks of 97 rows (several per batch): fails where the two disagree by more than the
+    /// compute dtype explains.
+    #[arg(long)]
+    pub check_cpu: bool,
 }
 
 /// The batch both implementations train on.
@@ -172,6 +178,121 @@ fn write_batch(batch: &Batch, len: usize, k: usize, path: &Path) -> Result<()> {
     .collect();
     candle_core::safetensors::save(&t, path)
         .with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}
+
+/// One micro-batch's loss terms and each parameter's gradient (f32, by name) on `device`.
+struct Grads {
+    kd: f64,
+    ce: f64,
+    by_name: HashMap<String, Vec<f32>>,
+}
+
+/// [`Grads`] of `batch` for the student in `a.model`, loaded on `device` in `dtype`.
+fn grads_on(
+    a: &Args,
+    cfg: &LossConfig,
+    batch: &Batch,
+    device: &Device,
+    dtype: candle_core::DType,
+) -> Result<Grads> {
+    let student = Student::load(&a.model, device, dtype)?;
+    let ctx = LossCtx {
+        model: student.model(),
+        k: a.k,
+        loss: cfg,
+        pairing: Pairing::Same,
+        device,
+        micro_batch: batch.items.len(),
+        head: HeadOpts {
+            activations: a.activation_checkpointing,
+            chunk_rows: CHECK_CHUNK_ROWS,
+        },
+    };
+    let scores: Vec<&SequenceScores> = batch.scores.iter().collect();
+    let (grads, m) = micro_grads(&ctx, &batch.items, &scores, units(&batch.items))?;
+    let named = student.named_vars();
+    let masters: Vec<_> = named.iter().map(|(_, v)| v.clone()).collect();
+    let mut by_name = HashMap::new();
+    for ((name, _), key) in named.iter().zip(student.grad_keys(&masters)) {
+        if let Some(g) = grads.get(&key) {
+            let g = g
+                .to_dtype(candle_core::DType::F32)?
+                .to_device(&Device::Cpu)?;
+            by_name.insert(name.clone(), g.flatten_all()?.to_vec1()?);
+        }
+    }
+    Ok(Grads {
+        kd: m.kd.loss * m.kd_scale,
+        ce: m.ce.unwrap_or(f64::NAN),
+        by_name,
+    })
+}
+
+/// Rows per LM-head chunk in [`check_cpu`]: several chunks in its batch.
+const CHECK_CHUNK_ROWS: usize = 97;
+
+/// `--check-cpu`: one micro-batch's loss terms and gradients on `device` in `dtype` against the
+/// CPU's in f32, the same weights and batch. Passes where the loss terms agree to 2 % and every
+/// gradient points the same way (cosine ≥ 0.99 over all parameters, ≥ 0.95 for each tensor:
+/// the bounds of the CPU's bf16-against-f32 test, `bf16_compute_trains_the_f32_masters`).
+fn check_cpu(
+    a: &Args,
+    cfg: &LossConfig,
+    vocab: usize,
+    device: &Device,
+    dtype: candle_core::DType,
+) -> Result<()> {
+    let (b, t) = (a.batch.min(2), a.seq_len.min(128));
+    let batch = make_batch(b, t, a.k, vocab, a.seed ^ 0x5eed);
+    let here = grads_on(a, cfg, &batch, device, dtype)?;
+    let cpu = grads_on(a, cfg, &batch, &Device::Cpu, candle_core::DType::F32)?;
+    let rel = |x: f64, y: f64| (x - y).abs() / y.abs().max(1e-12);
+    let (e_kd, e_ce) = (rel(here.kd, cpu.kd), rel(here.ce, cpu.ce));
+    let (mut dot, mut n_here, mut n_cpu) = (0f64, 0f64, 0f64);
+    let mut worst: Vec<(f64, f64, &str)> = Vec::new(); // (cosine, relative error, name)
+    for (name, want) in &cpu.by_name {
+        let got = here
+            .by_name
+            .get(name)
+            .with_context(|| format!("no gradient for {name} on {}", a.device))?;
+        let (mut d, mut ng, mut nw, mut diff) = (0f64, 0f64, 0f64, 0f64);
+        for (&g, &w) in got.iter().zip(want) {
+            let (g, w) = (g as f64, w as f64);
+            d += g * w;
+            ng += g * g;
+            nw += w * w;
+            diff += (g - w) * (g - w);
+        }
+        dot += d;
+        n_here += ng;
+        n_cpu += nw;
+        let cos = d / (ng.sqrt() * nw.sqrt()).max(1e-300);
+        worst.push((cos, (diff / nw.max(1e-300)).sqrt(), name));
+    }
+    worst.sort_by(|x, y| x.0.total_cmp(&y.0));
+    let overall = dot / (n_here.sqrt() * n_cpu.sqrt()).max(1e-300);
+    println!(
+        "check-cpu ({b} x {t} tokens, head chunks of {CHECK_CHUNK_ROWS} rows, {} tensors): \
+         kd {:.6} vs {:.6} (rel {e_kd:.2e}), ce {:.6} vs {:.6} (rel {e_ce:.2e}), \
+         gradient cosine {overall:.5} overall",
+        cpu.by_name.len(),
+        here.kd,
+        cpu.kd,
+        here.ce,
+        cpu.ce
+    );
+    for (cos, e, name) in worst.iter().take(3) {
+        println!("  worst: {name} cosine {cos:.5}, relative error {e:.2e}");
+    }
+    let worst_cos = worst.first().map_or(1.0, |w| w.0);
+    if !(e_kd < 0.02 && e_ce < 0.02 && overall >= 0.99 && worst_cos >= 0.95) {
+        bail!(
+            "{} {dtype:?} disagrees with the CPU in f32: kd {e_kd:.2e}, ce {e_ce:.2e}, cosine \
+             {overall:.5} overall, {worst_cos:.5} at worst",
+            a.device
+        );
+    }
     Ok(())
 }
 
@@ -361,6 +482,9 @@ pub fn run(a: Args) -> Result<()> {
         schedule: ScheduleConfig::Constant { warmup_steps: 0 },
         max_grad_norm: 1.0,
     };
+    if a.check_cpu {
+        check_cpu(&a, &cfg, vocab, &device, dtype)?;
+    }
     let threads = a.threads.unwrap_or_else(|| {
         std::env::var("RAYON_NUM_THREADS")
             .ok()
