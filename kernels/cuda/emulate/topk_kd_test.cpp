@@ -70,28 +70,45 @@ static double reference(const std::vector<double> &z, const std::vector<uint32_t
     return d;
 }
 
+// Random logits [rows, v] (normal, σ 2) and per row k distinct teacher ids (the first k of a
+// shuffled vocabulary, kept in `perms`) with log-probs summing to `teacher_mass` over K (the
+// single 0 of the cross-entropy where k = 1 and the mass is 1).
+template <typename T>
+struct Inputs {
+    std::vector<T> z;
+    std::vector<uint32_t> ids;
+    std::vector<float> lt;
+    std::vector<std::vector<uint32_t>> perms;
+
+    Inputs(uint32_t rows, uint32_t v, uint32_t k, float teacher_mass) : z(size_t(rows) * v), ids(size_t(rows) * k) {
+        std::normal_distribution<float> nd(0.0f, 2.0f);
+        for (auto &x : z) x = from_f32<T>(nd(rng));
+        lt.resize(ids.size());
+        for (uint32_t r = 0; r < rows; ++r) {
+            std::vector<uint32_t> perm(v);
+            std::iota(perm.begin(), perm.end(), 0u);
+            std::shuffle(perm.begin(), perm.end(), rng);
+            std::vector<double> w(k);
+            double sw = 0;
+            for (auto &x : w) sw += (x = std::exp(nd(rng)));
+            for (uint32_t j = 0; j < k; ++j) {
+                ids[r * k + j] = perm[j];
+                lt[r * k + j] = k == 1 && teacher_mass == 1.0f ? 0.0f : float(std::log(w[j] / sw * teacher_mass));
+            }
+            perms.push_back(std::move(perm));
+        }
+    }
+};
+
 template <typename T>
 static void kd_case(const char *name, uint32_t rows, uint32_t v, uint32_t k, int div, int tail, float beta, float tau,
                     float teacher_mass) {
     const float floor = 1e-6f;
     std::normal_distribution<float> nd(0.0f, 2.0f);
-    std::vector<T> z(size_t(rows) * v);
-    for (auto &x : z) x = from_f32<T>(nd(rng));
-    std::vector<uint32_t> ids(size_t(rows) * k);
-    std::vector<float> lt(ids.size());
-    for (uint32_t r = 0; r < rows; ++r) {
-        std::vector<uint32_t> perm(v);
-        std::iota(perm.begin(), perm.end(), 0u);
-        std::shuffle(perm.begin(), perm.end(), rng);
-        // Teacher log-probs summing to `teacher_mass` over K (1: no tail).
-        std::vector<double> w(k);
-        double sw = 0;
-        for (auto &x : w) sw += (x = std::exp(nd(rng)));
-        for (uint32_t j = 0; j < k; ++j) {
-            ids[r * k + j] = perm[j];
-            lt[r * k + j] = k == 1 && teacher_mass == 1.0f ? 0.0f : float(std::log(w[j] / sw * teacher_mass));
-        }
-    }
+    Inputs<T> in(rows, v, k, teacher_mass);
+    std::vector<T> &z = in.z;
+    const std::vector<uint32_t> &ids = in.ids;
+    const std::vector<float> &lt = in.lt;
     std::vector<float> out(size_t(rows) * 4), g(rows);
     for (auto &x : g) x = nd(rng);
     std::vector<T> dz(z.size());
@@ -167,21 +184,13 @@ static void kd_ce_case(const char *name, uint32_t rows, uint32_t v, uint32_t k, 
                        bool in_place) {
     const float floor = 1e-6f, beta = 0.4f, teacher_mass = 0.9f;
     std::normal_distribution<float> nd(0.0f, 2.0f);
-    std::vector<T> z(size_t(rows) * v);
-    for (auto &x : z) x = from_f32<T>(nd(rng));
-    std::vector<uint32_t> ids(size_t(rows) * k), y(rows);
-    std::vector<float> lt(ids.size());
+    Inputs<T> in(rows, v, k, teacher_mass);
+    std::vector<T> &z = in.z;
+    const std::vector<uint32_t> &ids = in.ids;
+    const std::vector<float> &lt = in.lt;
+    std::vector<uint32_t> y(rows);
     for (uint32_t r = 0; r < rows; ++r) {
-        std::vector<uint32_t> perm(v);
-        std::iota(perm.begin(), perm.end(), 0u);
-        std::shuffle(perm.begin(), perm.end(), rng);
-        std::vector<double> w(k);
-        double sw = 0;
-        for (auto &x : w) sw += (x = std::exp(nd(rng)));
-        for (uint32_t j = 0; j < k; ++j) {
-            ids[r * k + j] = perm[j];
-            lt[r * k + j] = float(std::log(w[j] / sw * teacher_mass));
-        }
+        const std::vector<uint32_t> &perm = in.perms[r];
         y[r] = r % 2 == 0 ? perm[k / 2] : perm[k + r % (v - k)];
     }
     std::vector<float> out(size_t(rows) * COLS_CE), g(size_t(rows) * 2);

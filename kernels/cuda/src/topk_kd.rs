@@ -6,7 +6,7 @@
 use crate::ptx;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+    CudaView, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, CudaStorage, Layout, Result};
@@ -52,6 +52,17 @@ pub struct TopkKdGrad<'a> {
     pub g: Operand<'a>,
     pub stride: usize,
     pub ce_col: usize,
+}
+
+impl TopkKdTargets<'_> {
+    /// The ids and teacher log-probs from their first element.
+    fn views(&self) -> Result<(CudaView<'_, u32>, CudaView<'_, f32>)> {
+        let (ids, lts) = (self.ids, self.lts);
+        Ok((
+            ids.0.as_cuda_slice::<u32>()?.slice(ids.1.start_offset()..),
+            lts.0.as_cuda_slice::<f32>()?.slice(lts.1.start_offset()..),
+        ))
+    }
 }
 
 impl TopkKdArgs {
@@ -106,16 +117,7 @@ pub fn topk_kd_fwd(z: Operand<'_>, t: TopkKdTargets<'_>, a: TopkKdArgs) -> Resul
     let dev = z.0.device().clone();
     // SAFETY: the kernel writes every column of every row.
     let mut out = unsafe { dev.alloc::<f32>((cols * a.rows).max(1))? };
-    let iv = t
-        .ids
-        .0
-        .as_cuda_slice::<u32>()?
-        .slice(t.ids.1.start_offset()..);
-    let lv = t
-        .lts
-        .0
-        .as_cuda_slice::<f32>()?
-        .slice(t.lts.1.start_offset()..);
+    let (iv, lv) = t.views()?;
     let stream = dev.cuda_stream();
     let ce = ce_address(t.ce, &stream)?;
     macro_rules! run {
@@ -251,16 +253,7 @@ fn bwd<T: candle_core::cuda_backend::CudaDType>(
     let dev = z.0.device().clone();
     let stream = dev.cuda_stream();
     let zv = zs.slice(z.1.start_offset()..);
-    let iv = t
-        .ids
-        .0
-        .as_cuda_slice::<u32>()?
-        .slice(t.ids.1.start_offset()..);
-    let lv = t
-        .lts
-        .0
-        .as_cuda_slice::<f32>()?
-        .slice(t.lts.1.start_offset()..);
+    let (iv, lv) = t.views()?;
     let rv = res.0.as_cuda_slice::<f32>()?.slice(res.1.start_offset()..);
     let gv = g.g.0.as_cuda_slice::<f32>()?.slice(g.g.1.start_offset()..);
     let ce = ce_address(t.ce, &stream)?;
