@@ -6,7 +6,7 @@
 use crate::ptx;
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaView, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+    CudaView, DevicePtr, DevicePtrMut, LaunchArgs, LaunchConfig, PushKernelArg,
 };
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, CudaStorage, Layout, Result};
@@ -89,6 +89,15 @@ impl TopkKdArgs {
         Ok((self.rows as u32, self.vocab as u32, self.k as u32))
     }
 
+    /// The kernels' last arguments: the divergence, the tail, β, 1/τ and the tail's floor.
+    fn push_loss<'a>(&'a self, b: &mut LaunchArgs<'a>) {
+        b.arg(&self.div)
+            .arg(&self.tail)
+            .arg(&self.beta)
+            .arg(&self.inv_tau)
+            .arg(&self.tail_floor);
+    }
+
     fn config(&self) -> LaunchConfig {
         LaunchConfig {
             grid_dim: (self.rows.max(1) as u32, 1, 1),
@@ -128,11 +137,7 @@ pub fn topk_kd_fwd(z: Operand<'_>, t: TopkKdTargets<'_>, a: TopkKdArgs) -> Resul
                 let mut b = stream.launch_builder(&func);
                 b.arg(&zv).arg(&iv).arg(&lv).arg(&ce).arg(&mut out);
                 b.arg(&rows).arg(&v).arg(&k);
-                b.arg(&a.div)
-                    .arg(&a.tail)
-                    .arg(&a.beta)
-                    .arg(&a.inv_tau)
-                    .arg(&a.tail_floor);
+                a.push_loss(&mut b);
                 // SAFETY: the kernel's signature; `rows` rows of `V` logits, `k` entries and
                 // (where `ce` is not null) one target each.
                 unsafe { b.launch(a.config()) }.w()?;
@@ -263,11 +268,7 @@ fn bwd<T: candle_core::cuda_backend::CudaDType>(
     b.arg(&zv).arg(&iv).arg(&lv).arg(&ce).arg(&rv).arg(&gv);
     b.arg(&g_stride).arg(&g_ce).arg(&to);
     b.arg(&rows).arg(&v).arg(&k);
-    b.arg(&a.div)
-        .arg(&a.tail)
-        .arg(&a.beta)
-        .arg(&a.inv_tau)
-        .arg(&a.tail_floor);
+    a.push_loss(&mut b);
     // SAFETY: the kernel's signature; `rows × V` logits in, `rows × V` gradients out at `to`
     // (the logits themselves only with k ≤ STAGED_K, which the kernel stages first).
     unsafe { b.launch(a.config()) }.w()?;
