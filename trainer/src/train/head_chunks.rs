@@ -26,6 +26,7 @@ use crate::train::phases::{self, Phase};
 use anyhow::{bail, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
+use xdistill_kernels::GradSum;
 use xdistill_shared::model::{Decoder, TrainPass};
 
 /// The most f32 logits bytes one chunk holds when the row count is not forced (256 MiB: 441
@@ -163,23 +164,44 @@ pub struct HeadOut {
 impl HeadOut {
     /// The micro-batch's gradients: the decoder's (through `pass`) plus the head's. A weight
     /// both sides reach (a tied head's) is summed in the head's wider dtype (f32: the decoder's
-    /// gradient of a bf16 compute copy is bf16).
+    /// gradient of a bf16 compute copy is bf16): added into the head's f32 sum in place where
+    /// the in-place accumulation runs ([`xdistill_kernels::grad_accumulate`]: one pass, the
+    /// bits of widening and adding), else widened and added.
     pub fn finish(self, pass: TrainPass<'_>) -> Result<(GradStore, HeadSums)> {
         let dev = self.grad_hidden.device().clone();
         let mut g = phases::time(Phase::Backward, &dev, || {
             Ok(pass.backward(&self.grad_hidden)?)
         })?;
         let ids: Vec<_> = self.head.get_ids().copied().collect();
+        // The head's entries still to add (those summed in place are the decoder's now).
+        let mut rest = GradStore::default();
         for id in ids {
-            let (Some(mine), Some(head)) = (g.get_id(id), self.head.get_id(id)) else {
+            let Some(head) = self.head.get_id(id) else {
                 continue;
             };
-            if mine.dtype() != head.dtype() {
+            let Some(mine) = g.get_id(id).filter(|m| m.dtype() != head.dtype()) else {
+                rest.insert_id(id, head.clone());
+                continue;
+            };
+            let in_place = head.dtype() == DType::F32
+                && head.is_contiguous()
+                && mine.is_contiguous()
+                && xdistill_kernels::grad_accumulate::applies(&dev);
+            if in_place {
+                let sum = head.clone();
+                xdistill_kernels::grad_accumulate(&[GradSum {
+                    src: mine,
+                    dst: &sum,
+                    add: true,
+                }])?;
+                g.insert_id(id, sum);
+            } else {
                 let widened = mine.to_dtype(head.dtype())?;
                 g.insert_id(id, widened);
+                rest.insert_id(id, head.clone());
             }
         }
-        g.extend(self.head)?;
+        g.extend(rest)?;
         Ok((g, self.sums))
     }
 }

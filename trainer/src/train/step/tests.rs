@@ -181,6 +181,73 @@ fn same_tokenizer_chunks_equal_the_whole_loss_through_the_fused_loss() {
     device_ops::force_in_this_thread(None);
 }
 
+/// A tied head in bf16 compute: the head's gradient summed over the chunks in f32 and the
+/// embedding's bf16 gradient from the decoder meet in `HeadOut::finish`, which adds the second
+/// into the first in place. The micro-batch's gradients equal the f32 student's of the same
+/// weights to bf16 accuracy, every tensor's (the tied one's included: without either part its
+/// cosine falls far below the bound), through the composed losses and through the fused head
+/// chunks by hand (forced in this thread: the CPU runs their f64 reference).
+#[test]
+fn a_tied_bf16_head_sums_its_two_gradients_in_f32() {
+    use xdistill_shared::model::device_ops;
+    let (items, scores) = same_batch(3);
+    let refs: Vec<&SequenceScores> = scores.iter().collect();
+    let loss = cfg(
+        KdConfig::ForwardKl {},
+        Some(TailMode::Bucket),
+        CeConfig::Weight { weight: 0.3 },
+    );
+    let norm = units(&items);
+    let grads_of = |dtype: DType| {
+        let (model, vm) = tiny(true, dtype, 5);
+        let ctx = LossCtx {
+            model: &model,
+            k: K,
+            loss: &loss,
+            pairing: Pairing::Same,
+            device: &Device::Cpu,
+            micro_batch: items.len(),
+            head: HeadOpts {
+                chunk_rows: 3,
+                ..HeadOpts::default()
+            },
+        };
+        let (g, _) = micro_grads(&ctx, &items, &refs, norm).unwrap();
+        let data = vm.data().lock().unwrap();
+        let mut by_name: Vec<(String, Vec<f64>)> = data
+            .iter()
+            .filter_map(|(n, v)| Some((n.clone(), flat_f64(g.get(v.as_tensor())?))))
+            .collect();
+        by_name.sort_by(|a, b| a.0.cmp(&b.0));
+        by_name
+    };
+    for fused in [false, true] {
+        device_ops::force_in_this_thread(Some(fused));
+        let (want, got) = (grads_of(DType::F32), grads_of(DType::BF16));
+        device_ops::force_in_this_thread(None);
+        assert_eq!(
+            want.len(),
+            got.len(),
+            "fused {fused}: tensors with a gradient"
+        );
+        for ((name, w), (_, g)) in want.iter().zip(&got) {
+            let dot: f64 = w.iter().zip(g).map(|(a, b)| a * b).sum();
+            let norm = |x: &[f64]| x.iter().map(|a| a * a).sum::<f64>().sqrt();
+            let cos = dot / (norm(w) * norm(g)).max(1e-300);
+            assert!(cos > 0.995, "fused {fused}: {name} gradient cosine {cos}");
+        }
+    }
+}
+
+fn flat_f64(t: &Tensor) -> Vec<f64> {
+    t.to_dtype(DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
 /// Teacher vocabulary of the cross-tokenizer fixtures.
 const VT: usize = 30;
 
