@@ -443,7 +443,15 @@ fn run_chunks(
         _ => None,
     };
     let mut figures = Figures::default();
+    // Every piece's rows on the device in one copy, each piece a view: a copy from pageable
+    // host memory per chunk could wait for the device's queue between the chunks' launches.
+    let all_rows: Vec<u32> = pieces.iter().flat_map(|p| p.rows.iter().copied()).collect();
+    let n_rows = all_rows.len();
+    let all_idx = Tensor::from_vec(all_rows, n_rows, dev)?;
+    let mut at = 0;
     for (i, p) in pieces.iter().enumerate() {
+        let start = at;
+        at += p.rows.len();
         if p.rows.is_empty() {
             continue;
         }
@@ -454,7 +462,7 @@ fn run_chunks(
                 p.shape
             );
         }
-        let idx = Tensor::from_vec(p.rows.clone(), p.rows.len(), dev)?;
+        let idx = all_idx.narrow(0, start, p.rows.len())?;
         // A linear mix into a sink: the chunk by hand where its terms have a fused form.
         if let (Some(s), Mix::Linear { kd, ce: w_ce }) = (&sink, mix) {
             if let Some(fused) = terms.fused(i)? {
