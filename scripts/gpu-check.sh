@@ -254,14 +254,19 @@ else
 fi
 for shape in ${STEP_SHAPES:-4x512 8x1024}; do
   set -- ${shape/x/ }
-  for ckpt in ${STEP_ACTIVATIONS:-auto off selective on} new; do
-    attn=eager kernels=off check_cpu=
+  for ckpt in ${STEP_ACTIVATIONS:-auto off selective on} new new-cached; do
+    attn=eager kernels=off extra=
     # The new path first checks a micro-batch's loss and gradients against the CPU's in f32
-    # (2 x 128 tokens, head chunks of 97 rows: the fused head chunks by hand among them).
-    if [ "$ckpt" = new ]; then attn=cudnn kernels=on ckpt=auto check_cpu=--check-cpu; fi
+    # (2 x 128 tokens, head chunks of 97 rows: the fused head chunks by hand among them); then
+    # again with candle's launch parameters cached on the device (`--param-cache`: what the
+    # host-to-device copy of each strided operand's dims and strides costs).
+    case "$ckpt" in
+      new) attn=cudnn kernels=on ckpt=auto extra=--check-cpu ;;
+      new-cached) attn=cudnn kernels=on ckpt=auto extra=--param-cache ;;
+    esac
     check timeout 180 env XDISTILL_ATTENTION=$attn XDISTILL_CUDA_KERNELS=$kernels "$work/trainer" bench-step --model "$model" --device cuda \
       --dtype bf16 --batch "$1" --seq-len "$2" --k 64 --steps "${STEP_STEPS:-10}" \
-      --activation-checkpointing "$ckpt" --write-batch "$work/batch.safetensors" $check_cpu
+      --activation-checkpointing "$ckpt" --write-batch "$work/batch.safetensors" $extra
   done
   check timeout 180 env PYTHONUNBUFFERED=1 "$py" bench/torch_step.py "$model" "$work/batch.safetensors" "${STEP_STEPS:-10}" 16 cuda bf16
   # PyTorch eager with Liger's Triton kernels (RMSNorm, RoPE, SwiGLU), from the wheel the bundle

@@ -159,6 +159,20 @@ pub fn allocated_peak(device: &Device) -> Option<u64> {
     pool_high_watermark(device, false, &mut high).then_some(high)
 }
 
+/// While the returned guard lives, in this thread: candle's CUDA ops keep the dims and strides
+/// they upload for a non-contiguous operand (and every `index_select`'s) on the device, one
+/// copy per distinct vector for the process's life, instead of a host-to-device copy from
+/// pageable memory per launch (candle's cache for CUDA graph capture). `None` on the CPU. An
+/// experiment for fixed shapes (`trainer bench-step --param-cache`): the cache only grows, so
+/// a run whose shapes keep changing should not hold it.
+#[cfg(feature = "cuda")]
+pub fn cache_launch_params(device: &Device) -> Option<impl Drop> {
+    match device {
+        Device::Cuda(dev) => Some(dev.enable_cuda_graph_htod_cache()),
+        _ => None,
+    }
+}
+
 /// Starts [`allocated_peak`] afresh from what is allocated now (a no-op on the CPU).
 pub fn reset_allocated_peak(device: &Device) {
     let mut zero = 0u64;

@@ -85,6 +85,11 @@ pub struct Args {
     /// compute dtype explains.
     #[arg(long)]
     pub check_cpu: bool,
+    /// CUDA: keep the dims and strides candle uploads for each non-contiguous operand on the
+    /// device after their first use, instead of a copy from pageable host memory per launch
+    /// (an experiment on what those copies cost; the cache only grows).
+    #[arg(long)]
+    pub param_cache: bool,
 }
 
 /// The batch both implementations train on.
@@ -507,6 +512,13 @@ pub fn run(a: Args) -> Result<()> {
             chunk_rows: a.head_chunk_rows,
         },
     };
+    #[cfg(feature = "cuda")]
+    let _params = a
+        .param_cache
+        .then(|| xdistill_shared::device::cache_launch_params(&device))
+        .flatten();
+    #[cfg(not(feature = "cuda"))]
+    anyhow::ensure!(!a.param_cache, "--param-cache needs a CUDA build");
     let (mut activations, mut layers) = (None, "autograd");
     for round in 0..a.rounds {
         let student = Student::load(&a.model, &device, dtype)?;
@@ -557,14 +569,16 @@ pub fn run(a: Args) -> Result<()> {
     let last = last_loss.unwrap_or(f64::NAN);
     println!(
         "bench-step device={} dtype={} params={params} batch={bs} seq_len={t} k={k} steps={} \
-         median_ms={:.2} min_ms={:.2} tokens_per_s={:.0} loss={last:.4} activations={} layers={layers}",
+         median_ms={:.2} min_ms={:.2} tokens_per_s={:.0} loss={last:.4} activations={} layers={layers} \
+         param_cache={}",
         a.device,
         a.dtype,
         ours.len(),
         ours_s * 1e3,
         min_s * 1e3,
         (bs * t) as f64 / ours_s,
-        activations.map_or("none", |x| x.name())
+        activations.map_or("none", |x| x.name()),
+        if a.param_cache { "on" } else { "off" }
     );
     if let Some(p) = peak {
         println!(
