@@ -88,9 +88,16 @@ pub struct FusedOut {
 /// Runs `terms` on `logits` `[1, n, V]` (or `[n, V]`; contiguous, their own buffer) and writes
 /// the gradient of `kd_w·KD + ce_w·CE` over them. Returns the terms' values.
 pub fn run(logits: &Tensor, terms: &FusedTerms, kd_w: f64, ce_w: f64) -> Result<FusedOut> {
+    if !logits.is_contiguous() {
+        // A reshape would copy them, and the gradient would land in the copy.
+        return Err(super::LossError::input(
+            "logits",
+            "the fused head writes its gradient over contiguous logits",
+        ));
+    }
     let v = logits.dim(candle_core::D::Minus1)?;
     let n = logits.elem_count() / v.max(1);
-    let z = logits.reshape((n, v))?;
+    let z = logits.reshape((n, v))?; // a view: the gradient is written into `logits`
     let acc = compute_dtype(logits);
     let rows = |t: &Tensor| -> Result<Tensor> { Ok(t.reshape((n, 1))?.to_dtype(acc)?) };
     match (&terms.kd, &terms.ce) {
