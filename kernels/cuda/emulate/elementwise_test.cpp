@@ -94,9 +94,13 @@ static void rms_norm_case(const char *name, uint32_t rows, uint32_t dim, int plu
     }
     for (uint32_t i = 0; i < dim; ++i)
         worst_dw = worse(worst_dw, std::fabs(f(dxw[x.size() + i]) - dw[i]) / dw_scale[i] / unit<T>());
-    // In units of T's rounding: bf16's one rounding dominates; f32's r carries its sum's and
+    // In units of T's rounding: bf16's roundings dominate; f32's r carries its sum's and
     // square root's roundings (a few units), and the gradients' sums over 10^3 terms more.
-    const double y_units = sizeof(T) == 2 ? 1 : 8, sum_units = sizeof(T) == 2 ? 2 : 64;
+    // Llama's y (halved above) in bf16: its first rounding, of x·r computed in f32, may fall on
+    // the other side of a boundary from the f64 value's (one ulp of it: up to 2 units
+    // relative), and the last adds up to 1: 3 units, 1.5 halved (a limit of 1 failed once in
+    // the suite, at 1.13: the inputs are drawn afresh each run).
+    const double y_units = sizeof(T) == 2 ? (plus_one ? 1 : 1.5) : 8, sum_units = sizeof(T) == 2 ? 2 : 64;
     std::string tag = std::string(name) + (plus_one ? " (1+w)" : " w") + " " + std::to_string(rows) + "x" +
                       std::to_string(dim);
     check("rms_norm " + tag + " y", worst_y, y_units);
