@@ -98,7 +98,8 @@ fn worst_relative(a: &[f64], b: &[f64]) -> f64 {
         / scale
 }
 
-fn flat(t: &Tensor) -> Vec<f64> {
+/// `t`'s values as f64, flattened.
+pub fn flat(t: &Tensor) -> Vec<f64> {
     t.to_dtype(DType::F64)
         .unwrap()
         .flatten_all()

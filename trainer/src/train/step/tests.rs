@@ -15,7 +15,7 @@ use crate::loss::{CeConfig, Projection, TailMode, Temperature};
 use crate::train::head_chunks::HeadOpts;
 use crate::train::pairing::cross::xtoken_batch;
 use crate::train::pairing::Pairing;
-use crate::train::testutil::{answer, assert_rel, assert_same_grads, ids, tiny, V};
+use crate::train::testutil::{answer, assert_rel, assert_same_grads, flat, ids, tiny, V};
 use candle_core::Device;
 use candle_core::{DType, Tensor};
 use rand::{Rng, SeedableRng};
@@ -216,7 +216,7 @@ fn a_tied_bf16_head_sums_its_two_gradients_in_f32() {
         let data = vm.data().lock().unwrap();
         let mut by_name: Vec<(String, Vec<f64>)> = data
             .iter()
-            .filter_map(|(n, v)| Some((n.clone(), flat_f64(g.get(v.as_tensor())?))))
+            .filter_map(|(n, v)| Some((n.clone(), flat(g.get(v.as_tensor())?))))
             .collect();
         by_name.sort_by(|a, b| a.0.cmp(&b.0));
         by_name
@@ -237,15 +237,6 @@ fn a_tied_bf16_head_sums_its_two_gradients_in_f32() {
             assert!(cos > 0.995, "fused {fused}: {name} gradient cosine {cos}");
         }
     }
-}
-
-fn flat_f64(t: &Tensor) -> Vec<f64> {
-    t.to_dtype(DType::F64)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap()
 }
 
 /// Teacher vocabulary of the cross-tokenizer fixtures.
