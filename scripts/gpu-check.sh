@@ -25,9 +25,11 @@
 # 6. exact full-vocabulary transport (issue 32): `bench/full_vocab.py --device cuda`.
 # 3t. teacher speed (issue 46): random models of Qwen3-0.6B's and Qwen3-1.7B's shapes, ours
 #    through HTTP (MessagePack, 4 clients) in the batch-invariant mode, packed (the GPU's
-#    default) and a forward per sequence, and the padded one (`--batch-invariant false`), with
-#    cuDNN's attention and the selection kernel (`SPEED_RUNS`, mode:attention:topk, default
-#    "packed:cudnn:kernel alone:cudnn:kernel padded:cudnn:kernel") against transformers (SDPA) + torch.topk
+#    default; its matmuls by the fixed algorithm, and again a cuBLAS GEMM per block), and the
+#    padded one (`--batch-invariant false`), with cuDNN's attention and the selection kernel
+#    (`SPEED_RUNS`, mode:attention:topk, default "packed:cudnn:kernel
+#    packed-per-block:cudnn:kernel padded:cudnn:kernel"; `alone:cudnn:kernel` adds a forward
+#    per sequence) against transformers (SDPA) + torch.topk
 #    in-process, at 8 x 512, 4 x 2048 and 1 x 8192, k = 64, bf16, with the server's phase
 #    breakdown (forward, LM head, top-k, copy, encoding; synchronised). Not in the default run
 #    (it is long): STEPS="3t". SPEED_MODELS="qwen3-0.6b" measures one of the two shapes. It
@@ -166,26 +168,32 @@ for spec in "qwen3-0.6b 1024 28 16 8 3072" "qwen3-1.7b 2048 28 16 8 6144"; do
     --hidden-size "$2" --layers "$3" --heads "$4" --kv-heads "$5" --head-dim 128 \
     --intermediate-size "$6" --tie-embeddings --pad-vocab-to 64 --max-position-embeddings 16384 \
     --seed 1 --out "$model"
-  # mode:attention:topk. Modes: `packed` (invariant, one packed forward per batch in fixed
-  # matmul blocks: the GPU's default), `alone` (invariant, a forward per sequence: before the
-  # packed forward), `padded` (`--batch-invariant false`); `true`/`false` are the defaults of
-  # the two. The new path (cuDNN's attention, the project's kernels) each way; the invariant
-  # goal is packed at >= 0.8x padded.
-  runs=${SPEED_RUNS:-packed:cudnn:kernel alone:cudnn:kernel padded:cudnn:kernel}
+  # mode:attention:topk. Modes: `packed` (invariant, one packed forward per batch, its matmuls
+  # one cuBLASLt product by the algorithm fixed for a block of rows: the GPU's default),
+  # `packed-per-block` (the same with a cuBLAS GEMM per block: XDISTILL_PACKED_GEMM=per-block,
+  # the default before 2026-11-30), `alone` (invariant, a forward per sequence: before the
+  # packed forward; sequences of --packed-rows inputs or more still run so), `padded`
+  # (`--batch-invariant false`); `true`/`false` are the defaults of the two. The new path
+  # (cuDNN's attention, the project's kernels) each way; the invariant goal is packed at >= 0.8x
+  # padded.
+  runs=${SPEED_RUNS:-packed:cudnn:kernel packed-per-block:cudnn:kernel padded:cudnn:kernel}
   first_run=${runs%% *}
   for run in $runs; do
     IFS=: read -r mode attention topk <<< "$run"
     topk=${topk:-sort}
     kernels=off; [ "$topk" = kernel ] && kernels=on
+    gemm=fixed-algo
     case $mode in
       packed) invariant=true; packing=on ;;
+      packed-per-block) invariant=true; packing=on; gemm=per-block ;;
       alone) invariant=true; packing=off ;;
       padded) invariant=false; packing=auto ;;
       *) invariant=$mode; packing=auto ;;
     esac
     port=18124
     log="$out/teacher-$name-$mode-$attention-$topk.log"
-    XDISTILL_ATTENTION=$attention XDISTILL_CUDA_KERNELS=$kernels "$work/teacher" --model "$model" --device cuda \
+    XDISTILL_ATTENTION=$attention XDISTILL_CUDA_KERNELS=$kernels XDISTILL_PACKED_GEMM=$gemm \
+      "$work/teacher" --model "$model" --device cuda \
       --dtype bf16 --port $port --cache-bytes 0 \
       --batch-invariant "$invariant" --packed-forward $packing --max-batch-tokens 16384 --max-queue-tokens 1048576 \
       > "$log" 2>&1 &

@@ -123,6 +123,7 @@ pub fn spawn(
                 chunk_rows = scorer.chunk_rows,
                 batch_invariant = cfg.batch_invariant,
                 packed_rows = ?cfg.packed_rows,
+                packed_gemm = xdistill_shared::model::packed_gemm_name(),
                 attention = ?decoder.attention(),
                 cuda_kernels = xdistill_shared::device::cuda_kernels(),
                 "scoring path"

@@ -48,27 +48,84 @@ fn want(x: &[f32], valid: usize, target: usize, k: usize, t: f32, logprobs: bool
     }
 }
 
+/// How a test row's logits are drawn.
+#[derive(Debug, Clone, Copy)]
+enum Rows {
+    /// Uniform in ±(3 + row): bf16 and f16 round them onto few values (ties).
+    Spread,
+    /// One value repeated: every key ties with the k-th, taken in id order.
+    Flat,
+    /// All negative (keys whose low bits are ones), a tenth equal to one value.
+    Negative,
+}
+
 /// The selection kernel against the f64 reference: f32, bf16 (many ties) and f16 logits, Qwen3's
-/// padded vocabulary and a small odd one, k from 0 to 4096, two temperatures, log-probs and
-/// logits; the same bits on a second run and for a row alone (batch invariance).
+/// padded vocabulary and a small odd one, k from 0 to 4096, temperature 1 (the kernels without
+/// the division, and bf16's skipped radix digits) and others, log-probs and logits, rows of one
+/// value and of negative values; the same bits on a second run and for a row alone (batch
+/// invariance).
 #[test]
 fn topk_rows_equals_the_f64_reference() {
     let Some(dev) = gpu() else { return };
     let mut rng = rng();
-    // rows, V, valid, k, temperature, dtype, log-probs
+    // rows, V, valid, k, temperature, dtype, log-probs, logits
     let cases = [
-        (7, 151_936, 151_669, 64, 1.0f32, DType::BF16, true),
-        (5, 151_936, 151_669, 4096, 0.7, DType::BF16, true),
-        (3, 1000, 997, 1, 1.0, DType::F32, true),
-        (4, 1000, 997, 997, 2.0, DType::F32, false),
-        (6, 32_000, 32_000, 0, 1.0, DType::F16, true),
-        (9, 50_257, 50_257, 100, 1.3, DType::F16, false),
-        (2, 4096, 3000, 2048, 1.0, DType::F32, true),
+        (
+            7,
+            151_936,
+            151_669,
+            64,
+            1.0f32,
+            DType::BF16,
+            true,
+            Rows::Spread,
+        ),
+        (
+            5,
+            151_936,
+            151_669,
+            4096,
+            0.7,
+            DType::BF16,
+            true,
+            Rows::Spread,
+        ),
+        (3, 1000, 997, 1, 1.0, DType::F32, true, Rows::Spread),
+        (4, 1000, 997, 997, 2.0, DType::F32, false, Rows::Spread),
+        (6, 32_000, 32_000, 0, 1.0, DType::F16, true, Rows::Spread),
+        (9, 50_257, 50_257, 100, 1.3, DType::F16, false, Rows::Spread),
+        (2, 4096, 3000, 2048, 1.0, DType::F32, true, Rows::Spread),
+        (5, 20_000, 19_999, 300, 1.0, DType::F16, true, Rows::Spread),
+        (3, 20_000, 20_000, 100, 1.0, DType::BF16, true, Rows::Flat),
+        (
+            3,
+            20_000,
+            19_999,
+            900,
+            1.0,
+            DType::BF16,
+            false,
+            Rows::Negative,
+        ),
+        (
+            3,
+            20_000,
+            20_000,
+            700,
+            1.7,
+            DType::F32,
+            true,
+            Rows::Negative,
+        ),
     ];
-    for (n, v, valid, k, t, dt, logprobs) in cases {
-        // Logits around a row-dependent scale; bf16 and f16 round them onto few values (ties).
+    for (n, v, valid, k, t, dt, logprobs, rows) in cases {
         let data: Vec<f32> = (0..n * v)
-            .map(|i| rng.random_range(-1.0f32..1.0) * (3.0 + (i / v) as f32))
+            .map(|i| match rows {
+                Rows::Spread => rng.random_range(-1.0f32..1.0) * (3.0 + (i / v) as f32),
+                Rows::Flat => 2.5 - 3.75 * ((i / v) % 2) as f32,
+                Rows::Negative if i % v % 10 == 3 => -0.75 - (i / v) as f32,
+                Rows::Negative => -rng.random_range(0.5f32..4.0),
+            })
             .collect();
         let x = Tensor::from_vec(data, (n, v), &dev)
             .unwrap()
@@ -110,7 +167,7 @@ fn topk_rows_equals_the_f64_reference() {
                 t,
                 logprobs,
             );
-            let case = format!("{n}x{v} valid {valid} k {k} t {t} {dt:?} row {r}");
+            let case = format!("{n}x{v} valid {valid} k {k} t {t} {dt:?} {rows:?} row {r}");
             assert_eq!(&ids[r * k..(r + 1) * k], w.ids.as_slice(), "{case}: ids");
             for (g, e) in vals[r * k..(r + 1) * k].iter().zip(&w.values) {
                 worst = worst.max((*g as f64 - e).abs());
@@ -120,7 +177,7 @@ fn topk_rows_equals_the_f64_reference() {
             assert_eq!(ranks[r], w.rank, "{case}: rank");
         }
         eprintln!(
-            "{n}x{v} valid {valid} k {k} t {t} {dt:?}: worst abs error {worst:.2e}, {:.2} ms \
+            "{n}x{v} valid {valid} k {k} t {t} {dt:?} {rows:?}: worst abs error {worst:.2e}, {:.2} ms \
              (first call loads the module)",
             took.as_secs_f64() * 1e3
         );
@@ -156,6 +213,45 @@ fn topk_rows_equals_the_f64_reference() {
             bits(&alone.logsumexp),
             last(&got.logsumexp, 1),
             "a row alone"
+        );
+    }
+}
+
+/// The selection kernel's time at a teacher's batch, for the GPU check's log (a figure, not a
+/// test of speed): 4,096 rows of Qwen3's padded vocabulary in bf16 (normal logits, σ 2), k = 64,
+/// at temperature 1 (no division; two radix digits) and 0.8, the median of 5 launches.
+#[test]
+fn topk_rows_time_at_a_teacher_batch() {
+    let Some(dev) = gpu() else { return };
+    let (n, v, valid) = (4096, 151_936, 151_669);
+    let x = Tensor::randn(0f32, 2.0, (n, v), &dev)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
+    let tg = Tensor::zeros(n, DType::U32, &dev).unwrap();
+    for t in [1.0f32, 0.8] {
+        let args = TopkArgs {
+            k: 64,
+            valid,
+            temperature: t,
+            logprobs: true,
+            ranks: false,
+        };
+        topk_rows(&x, &tg, args).unwrap();
+        dev.synchronize().unwrap();
+        let mut ms: Vec<f64> = (0..5)
+            .map(|_| {
+                let t0 = Instant::now();
+                topk_rows(&x, &tg, args).unwrap();
+                dev.synchronize().unwrap();
+                t0.elapsed().as_secs_f64() * 1e3
+            })
+            .collect();
+        ms.sort_by(f64::total_cmp);
+        eprintln!(
+            "topk_rows {n} x {v} bf16, k 64, t {t}: median {:.2} ms ({:.0} rows/ms)",
+            ms[2],
+            n as f64 / ms[2]
         );
     }
 }
@@ -680,20 +776,23 @@ fn grad_accumulate_equals_cast_and_add() {
     assert_eq!(differ, 0);
 }
 
-/// The packed forward's blocked GEMM (`gemm_nt_blocks`: `x · wᵀ`, one cuBLAS GEMM per block
-/// of rows into one output) against f64 on fresh random inputs (f32, bf16, f16; odd sizes),
-/// and batch-invariant: a block's rows are the same bits computed alone or among other blocks,
-/// and on a second call.
+/// The packed forward's blocked GEMM (`gemm_nt_blocks`: `x · wᵀ`, each row as a product of
+/// `block` rows computes it) both ways (one cuBLASLt matmul by the algorithm fixed for a block,
+/// and one cuBLAS GEMM per block) against f64 on fresh random inputs (f32, bf16, f16; odd
+/// sizes), and batch-invariant: a block's rows are the same bits computed alone, among other
+/// blocks, after a different number of blocks, and on a second call. At the teacher's shapes
+/// (blocks of 1,024 rows, Qwen3-0.6B's projections) the two ways against each other and the
+/// same invariance.
 #[test]
 fn blocked_gemm_equals_f64_and_each_block_alone() {
     use crate::cudnn_attention::rel_err;
     use candle_core::backend::BackendStorage;
     use candle_core::Storage;
-    use xdistill_cuda_kernels::{gemm_nt_blocks, GemmBlocksArgs};
+    use xdistill_cuda_kernels::{gemm_nt_blocks, GemmBlocksArgs, GemmBlocksMode};
     let Some(dev) = gpu() else { return };
     let mut rng = rng();
-    // Runs the blocked GEMM on `x` [rows, k] and `w` [n, k]: the result in f64, row-major.
-    let run = |x: &Tensor, w: &Tensor, block: usize| -> Vec<f64> {
+    // The blocked GEMM of `x` [rows, k] and `w` [n, k]: the result in f64, row-major.
+    fn blocked(x: &Tensor, w: &Tensor, block: usize, mode: GemmBlocksMode) -> Vec<f64> {
         let (rows, k) = x.dims2().unwrap();
         let n = w.dim(0).unwrap();
         let (xs, lx) = x.storage_and_layout();
@@ -701,21 +800,52 @@ fn blocked_gemm_equals_f64_and_each_block_alone() {
         let (Storage::Cuda(xs), Storage::Cuda(ws)) = (&*xs, &*ws) else {
             panic!("CUDA tensors")
         };
-        let args = GemmBlocksArgs { rows, k, n, block };
+        let args = GemmBlocksArgs {
+            rows,
+            k,
+            n,
+            block,
+            mode,
+        };
         let y = gemm_nt_blocks((xs, lx), (ws, lw), args).unwrap();
-        let y = Tensor::from_vec(
-            match y.to_cpu_storage().unwrap() {
-                candle_core::CpuStorage::F32(v) => v,
-                candle_core::CpuStorage::BF16(v) => v.iter().map(|x| x.to_f32()).collect(),
-                candle_core::CpuStorage::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
-                other => panic!("{:?}", other.dtype()),
-            },
-            rows * n,
-            &Device::Cpu,
-        )
-        .unwrap();
-        y.to_dtype(DType::F64).unwrap().to_vec1().unwrap()
-    };
+        match y.to_cpu_storage().unwrap() {
+            candle_core::CpuStorage::F32(v) => v.iter().map(|&x| x as f64).collect(),
+            candle_core::CpuStorage::BF16(v) => v.iter().map(|x| x.to_f64()).collect(),
+            candle_core::CpuStorage::F16(v) => v.iter().map(|x| x.to_f64()).collect(),
+            other => panic!("{:?}", other.dtype()),
+        }
+    }
+    // Each block alone, and the blocks after the first without it (each row at another offset
+    // of another number of rows), give the rows' bits in `got`; so does a second call.
+    fn assert_invariant(
+        x: &Tensor,
+        w: &Tensor,
+        block: usize,
+        mode: GemmBlocksMode,
+        got: &[f64],
+        case: &str,
+    ) {
+        let blocks = x.dim(0).unwrap() / block;
+        let n = w.dim(0).unwrap();
+        assert_eq!(got, blocked(x, w, block, mode), "{case}: a second call");
+        for b in 0..blocks {
+            let alone = blocked(&x.narrow(0, b * block, block).unwrap(), w, block, mode);
+            assert_eq!(
+                alone,
+                got[b * block * n..(b + 1) * block * n],
+                "{case}: block {b} alone"
+            );
+        }
+        if blocks > 1 {
+            let rest = blocked(
+                &x.narrow(0, block, (blocks - 1) * block).unwrap(),
+                w,
+                block,
+                mode,
+            );
+            assert_eq!(rest, got[block * n..], "{case}: the blocks after the first");
+        }
+    }
     for dt in [DType::F32, DType::BF16, DType::F16] {
         for (blocks, block, k, n) in [(3, 37, 65, 129), (2, 64, 128, 1000), (1, 16, 8, 3)] {
             let rows = blocks * block;
@@ -749,21 +879,72 @@ fn blocked_gemm_equals_f64_and_each_block_alone() {
                 }
             }
             let (x, w) = (xh.to_device(&dev).unwrap(), wh.to_device(&dev).unwrap());
-            let got = run(&x, &w, block);
-            let err = rel_err(&got, &want);
-            let tol = if dt == DType::F32 { 1e-5 } else { 1e-2 };
-            eprintln!("gemm_nt_blocks {dt:?} {blocks}x{block}x{k}x{n}: rel err {err:.2e}");
-            assert!(err < tol, "{dt:?} {blocks}x{block}x{k}x{n}: {err:.3e}");
-            assert_eq!(got, run(&x, &w, block), "{dt:?}: a second call");
-            for b in 0..blocks {
-                let alone = run(&x.narrow(0, b * block, block).unwrap(), &w, block);
-                assert_eq!(
-                    alone,
-                    got[b * block * n..(b + 1) * block * n],
-                    "{dt:?} {blocks}x{block}x{k}x{n}: block {b} alone"
-                );
+            for mode in [GemmBlocksMode::FixedAlgo, GemmBlocksMode::PerBlock] {
+                let got = blocked(&x, &w, block, mode);
+                let err = rel_err(&got, &want);
+                let tol = if dt == DType::F32 { 1e-5 } else { 1e-2 };
+                let case = format!("{dt:?} {mode:?} {blocks}x{block}x{k}x{n}");
+                eprintln!("gemm_nt_blocks {case}: rel err {err:.2e}");
+                assert!(err < tol, "{case}: {err:.3e}");
+                assert_invariant(&x, &w, block, mode, &got, &case);
             }
         }
+    }
+    // The teacher's shapes: 4 blocks of 1,024 rows through Qwen3-0.6B's projections (k, n).
+    for (k, n) in [
+        (1024, 2048),
+        (1024, 1024),
+        (2048, 1024),
+        (1024, 6144),
+        (3072, 1024),
+    ] {
+        let (blocks, block) = (4, 1024);
+        let x = Tensor::randn(0f32, 1.0, (blocks * block, k), &dev)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap();
+        let w = (Tensor::randn(0f32, 1.0, (n, k), &dev).unwrap() / (k as f64).sqrt())
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap();
+        let fixed = blocked(&x, &w, block, GemmBlocksMode::FixedAlgo);
+        let per_block = blocked(&x, &w, block, GemmBlocksMode::PerBlock);
+        let err = rel_err(&fixed, &per_block);
+        let case = format!("BF16 {blocks}x{block}x{k}x{n}");
+        eprintln!("gemm_nt_blocks {case}: the fixed algorithm against a GEMM per block: {err:.2e}");
+        assert!(err < 1e-2, "{case}: {err:.3e}");
+        assert_invariant(&x, &w, block, GemmBlocksMode::FixedAlgo, &fixed, &case);
+        // Each way's time (a figure for the log, not a test of speed): the median of 5 calls.
+        let time = |mode: GemmBlocksMode| -> f64 {
+            let mut ms: Vec<f64> = (0..5)
+                .map(|_| {
+                    dev.synchronize().unwrap();
+                    let t0 = Instant::now();
+                    let (xs, lx) = x.storage_and_layout();
+                    let (ws, lw) = w.storage_and_layout();
+                    let (Storage::Cuda(xs), Storage::Cuda(ws)) = (&*xs, &*ws) else {
+                        panic!("CUDA tensors")
+                    };
+                    let args = GemmBlocksArgs {
+                        rows: blocks * block,
+                        k,
+                        n,
+                        block,
+                        mode,
+                    };
+                    drop(gemm_nt_blocks((xs, lx), (ws, lw), args).unwrap());
+                    dev.synchronize().unwrap();
+                    t0.elapsed().as_secs_f64() * 1e3
+                })
+                .collect();
+            ms.sort_by(f64::total_cmp);
+            ms[2]
+        };
+        let (tf, tp) = (
+            time(GemmBlocksMode::FixedAlgo),
+            time(GemmBlocksMode::PerBlock),
+        );
+        eprintln!("gemm_nt_blocks {case}: fixed algorithm {tf:.3} ms, a GEMM per block {tp:.3} ms");
     }
 }
 

@@ -14,10 +14,10 @@
 // garbage; a template's statics (GCC places them in their own groups, ignoring the section)
 // keep the previous block's values. Not a simulator of timing, memory ordering beyond
 // barriers, or occupancy: it checks what the code computes, the same way on every run.
-// Removing any one of the kernels' 20 __syncthreads fails their harness but for two: the one
-// closing topk_rows' radix pass (redundant: the next write of what it guards waits at two later
-// barriers) and the one before its bitonic sort (topk_rows is a template: the padding it orders
-// is what the previous block left there). A std::thread per thread, as before, missed three
+// Removing any one of the kernels' 20 __syncthreads fails their harness but for one: the one
+// before topk_rows' bitonic sort (topk_rows is a template: the padding it orders is what the
+// previous block left there); replacing either of its two __syncthreads_or by its predicate
+// deadlocks the block. A std::thread per thread, as before, missed three
 // (which ones by chance) and took 4× as long.
 #pragma once
 #include <ucontext.h>
@@ -77,6 +77,10 @@ struct Block {
     ucontext_t scheduler;
     unsigned current = 0;
     Barrier all;
+    // __syncthreads_or: the OR of generation g's predicates is or_acc[g % 2]; the last thread to
+    // arrive at one clears the next one's (every thread has read it by then).
+    unsigned or_gen = 0;
+    int or_acc[2] = {0, 0};
     std::vector<Barrier> warps;
     uint64_t slots[kMaxThreads];  // one per thread: what a warp exchange passes on
     void (*body)(void *) = nullptr;
@@ -140,6 +144,8 @@ void launch(unsigned grid, unsigned threads, F kernel) {
     for (unsigned b = 0; b < grid; ++b) {
         const bool lowest_first = (launches + b) % 2 == 0;
         blk.all = Barrier{threads};
+        blk.or_gen = 0;
+        blk.or_acc[0] = blk.or_acc[1] = 0;
         blk.warps.clear();
         for (unsigned w = 0; w < (threads + 31) / 32; ++w) blk.warps.push_back(Barrier{std::min(32u, threads - 32 * w)});
         std::memset(blk.runnable, 0, sizeof blk.runnable);
@@ -173,6 +179,18 @@ void launch(unsigned grid, unsigned threads, F kernel) {
 }  // namespace emu
 
 inline void __syncthreads() { emu::arrive_and_wait(emu::block->all); }
+// A block-wide barrier that returns whether any thread's predicate was non-zero.
+inline int __syncthreads_or(int p) {
+    emu::Block &blk = *emu::block;
+    const unsigned g = blk.or_gen & 1;
+    blk.or_acc[g] |= p != 0;
+    if (blk.all.arrived + 1 == blk.all.expected) {
+        blk.or_gen += 1;
+        blk.or_acc[g ^ 1] = 0;
+    }
+    emu::arrive_and_wait(blk.all);
+    return blk.or_acc[g];
+}
 
 // Lane l gets lane l + o's value (its own where that is past the warp), any type up to 8 bytes.
 template <typename T>

@@ -1,6 +1,8 @@
 // ../src/topk_rows.cu run on the host (cuda_runtime_emu.h) against a double-precision reference:
 // f32, bf16 (many ties) and f16 logits, odd and Qwen3-sized vocabularies with padding, k from 0
-// to 4096, two temperatures, log-probs and logits. Exits non-zero on the first mismatch.
+// to 4096, temperature 1 (the `_t1` kernels, as the host picks them) and others, log-probs and
+// logits; rows of one value repeated (every key ties with the k-th), all negative, and signed
+// zeros. Exits non-zero on the first mismatch.
 //
 //   kernels/cuda/emulate/run.sh        (g++ with C++20; what `cargo test` runs too)
 #include "../src/topk_rows.cu"
@@ -29,7 +31,7 @@ void launch(const char *name, const std::vector<T> &x, uint32_t n, uint32_t v, c
             uint32_t valid, uint32_t k, float t, int logprobs, std::vector<uint32_t> &ids, std::vector<float> &vals,
             std::vector<float> &tlp, std::vector<float> &lse, std::vector<uint32_t> &ranks);
 
-#define LAUNCH(T, F)                                                                                                \
+#define LAUNCH(T, F, F1)                                                                                            \
     template <>                                                                                                     \
     void launch(const char *, const std::vector<T> &x, uint32_t n, uint32_t v, const std::vector<uint32_t> &tg,      \
                 uint32_t valid, uint32_t k, float t, int logprobs, std::vector<uint32_t> &ids,                      \
@@ -40,21 +42,39 @@ void launch(const char *name, const std::vector<T> &x, uint32_t n, uint32_t v, c
         tlp.assign(n, NAN);                                                                                         \
         lse.assign(n, NAN);                                                                                         \
         ranks.assign(n, 0xdeadbeefu);                                                                               \
+        auto *f = t == 1.0f ? F1 : F;                                                                               \
         emu::launch(n, THREADS, [&] {                                                                               \
-            F(x.data(), int64_t(v), tg.data(), n, valid, k, t, logprobs, 1, ids.data(), vals.data(), tlp.data(),    \
+            f(x.data(), int64_t(v), tg.data(), n, valid, k, t, logprobs, 1, ids.data(), vals.data(), tlp.data(),    \
               lse.data(), ranks.data());                                                                            \
         });                                                                                                         \
     }
-LAUNCH(float, topk_rows_f32)
-LAUNCH(__nv_bfloat16, topk_rows_bf16)
-LAUNCH(__half, topk_rows_f16)
+LAUNCH(float, topk_rows_f32, topk_rows_f32_t1)
+LAUNCH(__nv_bfloat16, topk_rows_bf16, topk_rows_bf16_t1)
+LAUNCH(__half, topk_rows_f16, topk_rows_f16_t1)
+
+// A row's values: uniform in ±(3 + row) by default.
+using Gen = float (*)(uint32_t row, uint32_t col, std::mt19937 &rng);
+static float spread(uint32_t row, uint32_t, std::mt19937 &rng) {
+    return std::uniform_real_distribution<float>(-1.0f, 1.0f)(rng) * (3.0f + float(row));
+}
+// One value repeated: every key ties with the k-th, taken in id order over many tiles.
+static float flat(uint32_t row, uint32_t, std::mt19937 &) { return row % 2 ? -1.25f : 2.5f; }
+// All negative (the keys' low bits are ones), a tenth of them equal to the row's value.
+static float negative(uint32_t row, uint32_t col, std::mt19937 &rng) {
+    if (col % 10 == 3) return -0.75f - float(row);
+    return -std::uniform_real_distribution<float>(0.5f, 4.0f)(rng);
+}
+// Signed zeros (−0 orders below +0) among small negatives: the k-th falls among the zeros.
+static float zeros(uint32_t, uint32_t col, std::mt19937 &rng) {
+    if (col % 3 == 0) return col % 2 ? -0.0f : 0.0f;
+    return -std::uniform_real_distribution<float>(0.5f, 1.0f)(rng);
+}
 
 template <typename T>
 void check(const char *dtype, uint32_t n, uint32_t v, uint32_t valid, uint32_t k, float t, int logprobs,
-           std::mt19937 &rng) {
-    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+           std::mt19937 &rng, Gen gen = spread) {
     std::vector<T> x(size_t(n) * v);
-    for (size_t i = 0; i < x.size(); ++i) x[i] = from_f32<T>(u(rng) * (3.0f + float(i / v)));
+    for (size_t i = 0; i < x.size(); ++i) x[i] = from_f32<T>(gen(uint32_t(i / v), uint32_t(i % v), rng));
     std::vector<uint32_t> tg(n);
     for (auto &g : tg) g = rng() % valid;
     std::vector<uint32_t> ids, ranks;
@@ -105,6 +125,16 @@ int main() {
     check<__nv_bfloat16>("bf16", 2, 2000, 1900, 100, 1.3f, 0, rng);
     check<__half>("f16", 2, 3000, 2999, 17, 1.0f, 1, rng);
     check<__nv_bfloat16>("bf16", 1, 151936, 151669, 64, 1.0f, 1, rng);
+    check<__nv_bfloat16>("bf16", 1, 151936, 151669, 64, 0.8f, 1, rng);
+    check<__half>("f16", 2, 9000, 8999, 300, 1.0f, 0, rng);
+    check<float>("f32", 2, 5000, 5000, 64, 1.0f, 1, rng);
+    check<__nv_bfloat16>("bf16", 2, 10000, 9999, 100, 1.0f, 1, rng, flat);
+    check<float>("f32", 2, 9000, 9000, 4096, 0.5f, 0, rng, flat);
+    check<__nv_bfloat16>("bf16", 2, 7000, 7000, 900, 1.0f, 1, rng, negative);
+    check<__half>("f16", 1, 7000, 6999, 800, 1.0f, 0, rng, negative);
+    check<float>("f32", 1, 7000, 7000, 700, 1.7f, 1, rng, negative);
+    check<__nv_bfloat16>("bf16", 1, 5000, 5000, 1000, 1.0f, 1, rng, zeros);
+    check<float>("f32", 1, 5000, 4500, 1000, 1.0f, 0, rng, zeros);
     if (failures) {
         std::fprintf(stderr, "%d case(s) failed\n", failures);
         return 1;

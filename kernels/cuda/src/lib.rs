@@ -27,8 +27,9 @@
 //!   targets);
 //! - [`gemm_acc_f32`]: `acc += gᵀ · x` into an f32 accumulator by one cuBLAS GEMM (the LM
 //!   head's gradient summed over row chunks; cuBLAS's kernel, no `.cu`);
-//! - [`gemm_nt_blocks`]: `x · wᵀ` one cuBLAS GEMM per block of a fixed number of rows into one
-//!   output (the packed teacher forward's batch-invariant linear layers; no `.cu`);
+//! - [`gemm_nt_blocks`]: `x · wᵀ` with each row as a product of a fixed number of rows computes
+//!   it: one cuBLASLt matmul by the algorithm fixed for such a block, or a cuBLAS GEMM per
+//!   block (the packed teacher forward's batch-invariant linear layers; no `.cu`);
 //! - [`tree_sum_f32`]: the exact data-parallel sum of the ranks' gathered buffers on the device,
 //!   by the trainer's pairwise tree in rank order (the host tree's bits).
 //!
@@ -90,7 +91,7 @@ pub use gated_act::{gated_act_bwd, gated_act_fwd, GatedAct, GatedArgs};
 #[cfg(feature = "cuda")]
 pub use gemm_acc::{gemm_acc_f32, GemmAccArgs};
 #[cfg(feature = "cuda")]
-pub use gemm_blocks::{gemm_nt_blocks, GemmBlocksArgs};
+pub use gemm_blocks::{gemm_nt_blocks, GemmBlocksArgs, GemmBlocksMode};
 #[cfg(feature = "cuda")]
 pub use grad_accumulate::{grad_accumulate_f32, GradSum};
 #[cfg(feature = "cuda")]

@@ -9,15 +9,17 @@
 //   ids[r, :k], vals[r, :k]: the k largest z, by descending value, ties by ascending id; vals
 //   are z − lse (log-probs) or z (scaled logits).
 // The k-th largest value is found by a radix select on the order-preserving 32-bit keys of z
-// (four 8-bit digits; the first digit's histogram is counted in the logsumexp's pass, so the row
-// is read five times in all), the elements above it and the first ones equal to it (in id
-// order) are compacted in order, and those k are sorted in shared memory (bitonic, k ≤ 4096).
-// A histogram's increments are merged per warp first (lanes with the same digit: one atomic):
-// a row's leading digits fall into a few bins, where one shared atomic per element serialised;
-// past the first digit, a warp none of whose keys shares the prefix found so far counts nothing.
+// (four 8-bit digits; the first digit's histogram is counted in the logsumexp's pass; digits
+// whose z bits are 0 in every key sharing the prefix, as the low 16 of bf16 logits at
+// temperature 1, are known and not counted), the elements above it gathered and the first ones
+// equal to it compacted in id order, and those k sorted in shared memory (bitonic, k ≤ 4096). A histogram's increments are merged per warp first (lanes with the same
+// digit: one atomic): a row's leading digits fall into a few bins, where one shared atomic per
+// element serialised; past the first digit, a warp none of whose keys shares the prefix found so
+// far counts nothing.
 //
 // Deterministic and batch-invariant by construction: a row's results depend on that row alone,
-// every sum runs in a fixed order, and ties are broken by id.
+// every sum runs in a fixed order, ties are broken by id, and the order in which the compaction
+// places the keys above the k-th is undone by the sort (by key, then id: a total order).
 #include <stdint.h>
 
 #include "dtype.cuh"
@@ -56,7 +58,14 @@ __device__ __forceinline__ bool before(uint32_t ka, uint32_t ia, uint32_t kb, ui
     return ka > kb || (ka == kb && ia < ib);
 }
 
-template <typename T>
+// z = x / temperature; with UNIT (temperature 1, the kernels the host picks then) x itself, the
+// same value without a division's dozen instructions per element per pass.
+template <bool UNIT, typename T>
+__device__ __forceinline__ float scaled(T x, float temperature) {
+    return UNIT ? to_f32(x) : to_f32(x) / temperature;
+}
+
+template <typename T, bool UNIT>
 __device__ void topk_row(const T *__restrict__ logits, int64_t row_stride, const uint32_t *__restrict__ targets,
                          uint32_t n_rows, uint32_t valid, uint32_t k, float temperature, int logprobs, int want_ranks,
                          uint32_t *__restrict__ ids, float *__restrict__ vals, float *__restrict__ target_lp,
@@ -67,13 +76,14 @@ __device__ void topk_row(const T *__restrict__ logits, int64_t row_stride, const
     __shared__ uint32_t sel_key[MAX_K], sel_id[MAX_K];
     __shared__ float row_lse;
     __shared__ uint32_t kth_bin, kth_left;
+    __shared__ uint32_t n_gt;
 
     const uint32_t r = blockIdx.x;
     if (r >= n_rows) return;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const T *x = logits + (int64_t)r * row_stride;
     const uint32_t target = min(targets[r], valid - 1);
-    const float z_target = to_f32(x[target]) / temperature;
+    const float z_target = scaled<UNIT>(x[target], temperature);
 
     // 1. logsumexp (and the target's rank): per thread, then per warp, then warp 0 over the warps;
     //    in the same read, the histogram of the keys' leading digit (step 2's first pass). The
@@ -89,7 +99,7 @@ __device__ void topk_row(const T *__restrict__ logits, int64_t row_stride, const
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
             const uint32_t i = tile + u * THREADS + tid;
-            zu[u] = i < valid ? to_f32(x[i]) / temperature : 0.0f;
+            zu[u] = i < valid ? scaled<UNIT>(x[i], temperature) : 0.0f;
         }
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
@@ -120,6 +130,7 @@ __device__ void topk_row(const T *__restrict__ logits, int64_t row_stride, const
             at_least += __shfl_down_sync(0xffffffffu, at_least, o);
         }
         if (lane == 0) {
+            n_gt = 0;
             float lse = m + logf(s);
             row_lse = lse;
             lse_out[r] = lse;
@@ -133,29 +144,38 @@ __device__ void topk_row(const T *__restrict__ logits, int64_t row_stride, const
 
     // 2. The k-th largest key: four digits of 8 bits, most significant first (the first one's
     //    histogram from step 1). `left`: how many of the keys sharing the prefix found so far are
-    //    still to be taken.
-    uint32_t prefix = 0, mask = 0, left = k;
+    //    still to be taken. A pass also finds whether the digits after its own vary among those
+    //    keys: where they do not (bf16 logits at temperature 1: z's low 16 bits are 0, so the
+    //    key's are the sign's, 0 or all ones), they are known and the select is over.
+    uint32_t prefix = 0, left = k;
     for (int shift = 24; shift >= 0; shift -= 8) {
+        const uint32_t rest = (1u << shift) - 1u;  // the digits after this one
+        // A key's low bits xor this are z's (positive z: the key's; negative: ~the key's).
+        const uint32_t fill = (prefix & 0x80000000u) ? 0u : 0xffffffffu;
+        bool rest_fixed = false;
         if (shift != 24) {
+            const uint32_t mask = ~((rest << 8) | 255u);  // the digits found so far
             for (int b = tid; b < 256; b += THREADS) hist[b] = 0;
             __syncthreads();
+            uint32_t varies = 0;
             for (uint32_t tile = 0; tile < valid; tile += THREADS * UNROLL) {
                 uint32_t keys[UNROLL];
 #pragma unroll
                 for (int u = 0; u < UNROLL; ++u) {
                     const uint32_t i = tile + u * THREADS + tid;
-                    keys[u] = i < valid ? key_of(to_f32(x[i]) / temperature) : 0u;
+                    keys[u] = i < valid ? key_of(scaled<UNIT>(x[i], temperature)) : 0u;
                 }
 #pragma unroll
                 for (int u = 0; u < UNROLL; ++u) {
                     const bool in = tile + u * THREADS + tid < valid && (keys[u] & mask) == prefix;
+                    if (in) varies |= (keys[u] ^ fill) & rest;
                     // Past the first digit few keys share the prefix: a warp with none skips
                     // the match and the atomics (a warp-uniform branch).
                     if (__ballot_sync(0xffffffffu, in)) count_in(hist, in ? (keys[u] >> shift) & 255u : 256u, lane);
                 }
             }
-        }
-        __syncthreads();
+            rest_fixed = !__syncthreads_or(varies != 0);
+        }  // (the first digit's histogram was complete at step 1's barriers)
         if (tid == 0) {
             uint32_t above = 0;
             int b = 255;
@@ -167,41 +187,65 @@ __device__ void topk_row(const T *__restrict__ logits, int64_t row_stride, const
             kth_left = left - above;
         }
         __syncthreads();
+        // kth_bin's next write waits at the next pass's two barriers: none needed after reading.
         prefix |= kth_bin << shift;
-        mask |= 255u << shift;
         left = kth_left;
-        __syncthreads();
+        if (rest_fixed) {
+            prefix |= fill & rest;
+            break;
+        }
     }
     const uint32_t kth = prefix;
     const uint32_t n_above = k - left;  // keys above kth: exactly k − (equal ones to take)
 
-    // 3. Compaction in id order, a tile of THREADS consecutive columns at a time: the keys above
-    //    kth go to [0, n_above), the first `left` equal to it after them.
-    uint32_t base_gt = 0, base_eq = 0;
-    for (uint32_t tile = 0; tile < valid; tile += THREADS) {
-        uint32_t i = tile + tid;
-        uint32_t u = i < valid ? key_of(to_f32(x[i]) / temperature) : 0u;
-        bool gt = i < valid && u > kth, eq = i < valid && u == kth;
-        uint32_t bg = __ballot_sync(0xffffffffu, gt), be = __ballot_sync(0xffffffffu, eq);
-        uint32_t below = (1u << lane) - 1u;
-        if (lane == 0) { warp_a[warp] = __popc(bg); warp_b[warp] = __popc(be); }
-        __syncthreads();
-        uint32_t pg = base_gt + __popc(bg & below), pe = base_eq + __popc(be & below);
-        uint32_t tg = 0, te = 0;
-        for (int w = 0; w < WARPS; ++w) {
-            if (w < warp) { pg += warp_a[w]; pe += warp_b[w]; }
-            tg += warp_a[w];
-            te += warp_b[w];
+    // 3. Compaction. Each key above kth (there are n_above) takes a slot from a shared counter:
+    //    the slots' order does not matter, step 4 sorts by (key, id). The first `left` keys equal
+    //    to kth, in id order, follow them: an ordered compaction (a count per warp, a barrier, a
+    //    scan over the warps' counts) run only over the tiles holding one while some are still
+    //    to be taken; run over every tile, it was over half of the kernel's instructions.
+    uint32_t base_eq = 0;
+    for (uint32_t tile = 0; tile < valid; tile += THREADS * UNROLL) {
+        uint32_t keys[UNROLL];
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const uint32_t i = tile + u * THREADS + tid;
+            keys[u] = i < valid ? key_of(scaled<UNIT>(x[i], temperature)) : 0u;
         }
-        if (gt) { sel_key[pg] = u; sel_id[pg] = i; }
-        if (eq && pe < left) { sel_key[n_above + pe] = u; sel_id[n_above + pe] = i; }
-        base_gt += tg;
-        base_eq += te;
-        __syncthreads();
+        bool any_eq = false;
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const uint32_t i = tile + u * THREADS + tid;
+            if (i < valid && keys[u] > kth) {
+                const uint32_t slot = atomicAdd(&n_gt, 1u);
+                sel_key[slot] = keys[u];
+                sel_id[slot] = i;
+            }
+            any_eq |= i < valid && keys[u] == kth;
+        }
+        // Block-uniform: the barrier's OR and base_eq (the same sum in every thread).
+        if (!__syncthreads_or(any_eq) || base_eq >= left) continue;
+        const uint32_t below = (1u << lane) - 1u;
+#pragma unroll
+        for (int u = 0; u < UNROLL; ++u) {
+            const uint32_t i = tile + u * THREADS + tid;
+            const bool eq = i < valid && keys[u] == kth;
+            const uint32_t be = __ballot_sync(0xffffffffu, eq);
+            if (lane == 0) warp_b[warp] = __popc(be);
+            __syncthreads();
+            uint32_t pe = base_eq + __popc(be & below), te = 0;
+            for (int w = 0; w < WARPS; ++w) {
+                if (w < warp) pe += warp_b[w];
+                te += warp_b[w];
+            }
+            if (eq && pe < left) { sel_key[n_above + pe] = kth; sel_id[n_above + pe] = i; }
+            base_eq += te;
+            __syncthreads();
+        }
     }
 
     // 4. Sort the k by (key descending, id ascending): bitonic over the next power of two,
-    //    the padding (key 0, id max) last.
+    //    the padding (key 0, id max) last (written past the k: the barrier after it is also
+    //    the one after the compaction).
     uint32_t p = 1;
     while (p < k) p <<= 1;
     for (uint32_t i = k + tid; i < p; i += THREADS) { sel_key[i] = 0u; sel_id[i] = 0xffffffffu; }
@@ -223,23 +267,30 @@ __device__ void topk_row(const T *__restrict__ logits, int64_t row_stride, const
     // 5. Out: ids and values, [r, 0..k).
     for (uint32_t j = tid; j < k; j += THREADS) {
         uint32_t id = sel_id[j];
-        float z = to_f32(x[id]) / temperature;
+        float z = scaled<UNIT>(x[id], temperature);
         ids[(int64_t)r * k + j] = id;
         vals[(int64_t)r * k + j] = logprobs ? z - lse : z;
     }
 }
 
 // Two blocks (rows) per multiprocessor, as 32 registers per thread allow: ptxas, left to itself,
-// spilled the unrolled passes (sm_90, nvcc 13.0).
-#define TOPK_ROWS(NAME, T)                                                                                        \
+// spilled the unrolled passes (sm_90, nvcc 13.0). At 32 it spills a few values outside the
+// passes' loops (24–48 bytes of stack; the pass loops are free of spills but for one 8-byte
+// store and load per 4,096 columns in the `_t1` kernels' compaction and a few in f32_t1's
+// logsumexp pass). One kernel per dtype and temperature kind (`_t1`: temperature 1), each with
+// its own shared memory.
+#define TOPK_ROWS(NAME, T, UNIT)                                                                                  \
     extern "C" __global__ void __launch_bounds__(THREADS, 2) NAME(                                                \
         const T *logits, int64_t row_stride, const uint32_t *targets, uint32_t n_rows, uint32_t valid, uint32_t k, \
         float temperature, int logprobs, int want_ranks, uint32_t *ids, float *vals, float *target_lp,            \
         float *lse, uint32_t *ranks) {                                                                            \
-        topk_row<T>(logits, row_stride, targets, n_rows, valid, k, temperature, logprobs, want_ranks, ids, vals,  \
-                    target_lp, lse, ranks);                                                                       \
+        topk_row<T, UNIT>(logits, row_stride, targets, n_rows, valid, k, temperature, logprobs, want_ranks, ids,  \
+                          vals, target_lp, lse, ranks);                                                           \
     }
 
-TOPK_ROWS(topk_rows_f32, float)
-TOPK_ROWS(topk_rows_bf16, __nv_bfloat16)
-TOPK_ROWS(topk_rows_f16, __half)
+TOPK_ROWS(topk_rows_f32, float, false)
+TOPK_ROWS(topk_rows_bf16, __nv_bfloat16, false)
+TOPK_ROWS(topk_rows_f16, __half, false)
+TOPK_ROWS(topk_rows_f32_t1, float, true)
+TOPK_ROWS(topk_rows_bf16_t1, __nv_bfloat16, true)
+TOPK_ROWS(topk_rows_f16_t1, __half, true)

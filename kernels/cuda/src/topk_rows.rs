@@ -64,11 +64,16 @@ pub fn topk_rows(logits: &Tensor, targets: &Tensor, a: TopkArgs) -> Result<RowSc
         logits.contiguous()?
     };
     let targets = targets.to_dtype(DType::U32)?.contiguous()?;
-    let function = match logits.dtype() {
-        DType::F32 => "topk_rows_f32",
-        DType::BF16 => "topk_rows_bf16",
-        DType::F16 => "topk_rows_f16",
-        dt => bail!("topk_rows takes f32, bf16 or f16 logits, not {dt:?}"),
+    // At temperature 1 the kernels that skip the division (z = x, the same value).
+    let unit = a.temperature == 1.0;
+    let function = match (logits.dtype(), unit) {
+        (DType::F32, false) => "topk_rows_f32",
+        (DType::BF16, false) => "topk_rows_bf16",
+        (DType::F16, false) => "topk_rows_f16",
+        (DType::F32, true) => "topk_rows_f32_t1",
+        (DType::BF16, true) => "topk_rows_bf16_t1",
+        (DType::F16, true) => "topk_rows_f16_t1",
+        (dt, _) => bail!("topk_rows takes f32, bf16 or f16 logits, not {dt:?}"),
     };
     let (ls, ll) = logits.storage_and_layout();
     let (ts, tl) = targets.storage_and_layout();

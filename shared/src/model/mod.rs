@@ -58,6 +58,9 @@ pub use attn_cudnn::refused_shapes as cudnn_refused_shapes;
 pub use blockwise::override_block as override_attention_block;
 pub(crate) use config::stored_name;
 pub use decoder::{Decoder, KvCache};
+#[cfg(feature = "cuda")]
+pub use gemm_blocks::packed_gemm_mode;
+pub use gemm_blocks::packed_gemm_name;
 pub use layers::{linear_kernel, AttnBackend, Ops};
 pub use packed::{PackedSeq, PACKED_ROWS};
 pub use params::{param_specs, Init, ParamSpec};
