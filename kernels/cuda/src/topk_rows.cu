@@ -65,6 +65,18 @@ __device__ __forceinline__ float scaled(T x, float temperature) {
     return UNIT ? to_f32(x) : to_f32(x) / temperature;
 }
 
+// The keys of a thread's UNROLL columns first, first + THREADS, …: all loads issued before any
+// is used (0 past `valid`).
+template <bool UNIT, typename T>
+__device__ __forceinline__ void load_keys(const T *__restrict__ x, uint32_t first, uint32_t valid, float temperature,
+                                          uint32_t (&keys)[UNROLL]) {
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+        const uint32_t i = first + u * THREADS;
+        keys[u] = i < valid ? key_of(scaled<UNIT>(x[i], temperature)) : 0u;
+    }
+}
+
 template <typename T, bool UNIT>
 __device__ void topk_row(const T *__restrict__ logits, int64_t row_stride, const uint32_t *__restrict__ targets,
                          uint32_t n_rows, uint32_t valid, uint32_t k, float temperature, int logprobs, int want_ranks,
@@ -160,11 +172,7 @@ __device__ void topk_row(const T *__restrict__ logits, int64_t row_stride, const
             uint32_t varies = 0;
             for (uint32_t tile = 0; tile < valid; tile += THREADS * UNROLL) {
                 uint32_t keys[UNROLL];
-#pragma unroll
-                for (int u = 0; u < UNROLL; ++u) {
-                    const uint32_t i = tile + u * THREADS + tid;
-                    keys[u] = i < valid ? key_of(scaled<UNIT>(x[i], temperature)) : 0u;
-                }
+                load_keys<UNIT>(x, tile + tid, valid, temperature, keys);
 #pragma unroll
                 for (int u = 0; u < UNROLL; ++u) {
                     const bool in = tile + u * THREADS + tid < valid && (keys[u] & mask) == prefix;
@@ -206,11 +214,7 @@ __device__ void topk_row(const T *__restrict__ logits, int64_t row_stride, const
     uint32_t base_eq = 0;
     for (uint32_t tile = 0; tile < valid; tile += THREADS * UNROLL) {
         uint32_t keys[UNROLL];
-#pragma unroll
-        for (int u = 0; u < UNROLL; ++u) {
-            const uint32_t i = tile + u * THREADS + tid;
-            keys[u] = i < valid ? key_of(scaled<UNIT>(x[i], temperature)) : 0u;
-        }
+        load_keys<UNIT>(x, tile + tid, valid, temperature, keys);
         bool any_eq = false;
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u) {
