@@ -200,8 +200,13 @@ struct RowLayouts {
 #[derive(Default)]
 struct LtState {
     handles: HashMap<usize, lt::cublasLtHandle_t>,
-    plans: HashMap<(usize, DType, usize, usize, usize), Plan>,
+    plans: HashMap<PlanKey, Plan>,
+    /// Shapes whose plan could not be made (cuBLASLt failed): a GEMM per block, always.
+    refused: std::collections::HashSet<PlanKey>,
 }
+
+/// (device ordinal, dtype, n, k, block).
+type PlanKey = (usize, DType, usize, usize, usize);
 
 // SAFETY: the handles and descriptors are only used under the mutex below, one thread at a time,
 // which is all cuBLASLt asks of a handle shared between threads (its operations take the stream).
@@ -249,64 +254,80 @@ fn new_plan(handle: lt::cublasLtHandle_t, p: &Product) -> Result<(Plan, RowLayou
         y: layout(p.dtype, p.n, p.block)?,
         whole: Some(true),
     };
-    let pref = lt_result::create_matmul_pref().map_err(|e| cublas_err("preference", e))?;
-    // No workspace, and only algorithms that do not split the sum over k (reduction scheme
-    // none): an output's sum then runs in one tile, in the algorithm's order.
-    let (workspace, no_reduction) = (0usize, 0u32);
-    // SAFETY: `pref` was just created; the attributes are a u64 and a u32 from live locals.
-    let algo = unsafe {
-        lt_result::set_matmul_pref_attribute(
-            pref,
-            lt::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-            &(workspace as u64) as *const u64 as *const c_void,
-            std::mem::size_of::<u64>(),
-        )
-        .and_then(|_| {
-            lt_result::set_matmul_pref_attribute(
+    // The heuristic's best eight for one block, in its order, with no workspace and (`mask`)
+    // only algorithms that do not split the sum over k (reduction scheme none).
+    type Found = (lt::cublasStatus_t, Vec<lt::cublasLtMatmulHeuristicResult_t>);
+    let query = |mask: Option<u32>| -> Result<Found> {
+        let pref = lt_result::create_matmul_pref().map_err(|e| cublas_err("preference", e))?;
+        let workspace = 0u64;
+        // SAFETY: `pref` was just created; the attributes are a u64 and a u32 from live locals;
+        // the heuristic writes at most `found.len()` results (zeroed first: a valid value of the
+        // plain C struct; only the first `count` are read).
+        unsafe {
+            let set = lt_result::set_matmul_pref_attribute(
                 pref,
-                lt::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
-                &no_reduction as *const u32 as *const c_void,
-                std::mem::size_of::<u32>(),
+                lt::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                &workspace as *const u64 as *const c_void,
+                std::mem::size_of::<u64>(),
             )
-        })
-        .map_err(|e| cublas_err("preference attributes", e))?;
-        // The heuristic's best eight, in its order: the first that says it does not split k.
-        // (Zeroed: a valid value of the plain C struct; only the first `count` are read.)
-        let mut found = [std::mem::zeroed::<lt::cublasLtMatmulHeuristicResult_t>(); 8];
-        let mut count = 0i32;
-        let status = lt::cublasLtMatmulAlgoGetHeuristic(
-            handle,
-            desc,
-            w,
-            one.x,
-            one.y,
-            one.y,
-            pref,
-            found.len() as i32,
-            found.as_mut_ptr(),
-            &mut count,
-        );
-        let _ = lt_result::destroy_matmul_pref(pref);
-        let found = &found[..count.clamp(0, 8) as usize];
-        let algo = found
+            .and_then(|_| match &mask {
+                Some(m) => lt_result::set_matmul_pref_attribute(
+                    pref,
+                    lt::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+                    m as *const u32 as *const c_void,
+                    std::mem::size_of::<u32>(),
+                ),
+                None => Ok(()),
+            });
+            let mut found = [std::mem::zeroed::<lt::cublasLtMatmulHeuristicResult_t>(); 8];
+            let mut count = 0i32;
+            let status = match set {
+                Ok(()) => lt::cublasLtMatmulAlgoGetHeuristic(
+                    handle,
+                    desc,
+                    w,
+                    one.x,
+                    one.y,
+                    one.y,
+                    pref,
+                    found.len() as i32,
+                    found.as_mut_ptr(),
+                    &mut count,
+                ),
+                Err(e) => e.0,
+            };
+            let _ = lt_result::destroy_matmul_pref(pref);
+            Ok((status, found[..count.clamp(0, 8) as usize].to_vec()))
+        }
+    };
+    // The first that says it does not split k: among those the reduction mask lets through
+    // (mask 0: scheme none only), else among all.
+    let pick = |found: &[lt::cublasLtMatmulHeuristicResult_t]| {
+        found
             .iter()
             .filter(|h| h.state == lt::cublasStatus_t::CUBLAS_STATUS_SUCCESS)
             .find(|h| splits_k(&h.algo) == Some(false))
-            .map(|h| h.algo);
-        if algo.is_none() {
-            tracing::warn!(
-                dtype = ?p.dtype,
-                block = p.block,
-                n = p.n,
-                k = p.k,
-                status = ?status,
-                candidates = found.len(),
-                "packed GEMM: cuBLASLt offers no algorithm without split-K for this shape; \
-                 one cuBLAS GEMM per block instead"
-            );
-        }
-        algo
+            .map(|h| h.algo)
     };
+    let (mut status, found) = query(Some(0))?;
+    let mut candidates = found.len();
+    let mut algo = pick(&found);
+    if algo.is_none() {
+        let (s, found) = query(None)?;
+        (status, candidates, algo) = (s, found.len(), pick(&found));
+    }
+    if algo.is_none() {
+        tracing::warn!(
+            dtype = ?p.dtype,
+            block = p.block,
+            n = p.n,
+            k = p.k,
+            status = ?status,
+            candidates,
+            "packed GEMM: cuBLASLt offers no algorithm without split-K for this shape; one \
+             cuBLAS GEMM per block instead"
+        );
+    }
     Ok((
         Plan {
             desc,
@@ -351,28 +372,48 @@ fn fixed_algo(dev: &CudaDevice, p: &Product) -> Result<bool> {
         other => bail!("gemm_nt_blocks: {other:?} is not a CUDA device"),
     };
     let stream = dev.cuda_stream();
+    let key = (ordinal, p.dtype, p.n, p.k, p.block);
     let mut guard = LT.lock().unwrap_or_else(|e| e.into_inner());
     let state = guard.get_or_insert_with(LtState::default);
-    let handle = match state.handles.get(&ordinal) {
-        Some(&h) => h,
-        None => {
-            stream
-                .context()
-                .bind_to_thread()
-                .map_err(|e| cublas_err("binding the context", e))?;
-            let h = lt_result::create_handle().map_err(|e| cublas_err("cublasLtCreate", e))?;
-            state.handles.insert(ordinal, h);
-            h
-        }
-    };
-    let plan = match state.plans.entry((ordinal, p.dtype, p.n, p.k, p.block)) {
-        std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-        std::collections::hash_map::Entry::Vacant(e) => {
+    if state.refused.contains(&key) {
+        return Ok(false);
+    }
+    // A handle and a plan, or (cuBLASLt failing to make either) this shape refused for good:
+    // before any product of it ran, so that its rows always take the same way.
+    let made = match state.handles.get(&ordinal) {
+        Some(&h) => Ok(h),
+        None => stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| cublas_err("binding the context", e))
+            .and_then(|_| lt_result::create_handle().map_err(|e| cublas_err("cublasLtCreate", e)))
+            .inspect(|&h| {
+                state.handles.insert(ordinal, h);
+            }),
+    }
+    .and_then(|handle| {
+        if let std::collections::hash_map::Entry::Vacant(e) = state.plans.entry(key) {
             let (mut plan, one) = new_plan(handle, p)?;
             plan.by_rows.insert(p.block, one);
-            e.insert(plan)
+            e.insert(plan);
+        }
+        Ok(handle)
+    });
+    let handle = match made {
+        Ok(h) => h,
+        Err(e) => {
+            tracing::warn!(
+                dtype = ?p.dtype,
+                block = p.block,
+                n = p.n,
+                k = p.k,
+                "packed GEMM: cuBLASLt failed ({e}); one cuBLAS GEMM per block for this shape"
+            );
+            state.refused.insert(key);
+            return Ok(false);
         }
     };
+    let plan = state.plans.get_mut(&key).expect("made above");
     let Some(algo) = plan.algo else {
         return Ok(false);
     };
