@@ -115,6 +115,9 @@ pack() { strip -o "$bundle/$2" "$1" && xz -f -9e -T0 "$bundle/$2"; }
 pack target/cuda/release/teacher teacher
 pack target/cuda/release/trainer trainer
 while read -r name exe; do pack "$exe" "test-$name"; done <<<"$tests"
+# gpu-check step 4's driver-call counts: bench/cuda_calls.c, preloaded into bench-step.
+cc -shared -fPIC -O2 -o target/cuda/libcuda_calls.so bench/cuda_calls.c -ldl
+xz -c -9e target/cuda/libcuda_calls.so > "$bundle/libcuda_calls.so.xz"
 # gpu-check step 6 (bench/full_vocab.py --device cuda): the student-side cost example, and GSM8K
 # text when the shared data sits beside the checkout (or in $XDISTILL_DATA).
 cargo build --release --locked --features nccl -p xdistill-trainer --example full_vocab_cost

@@ -173,6 +173,35 @@ pub fn cache_launch_params(device: &Device) -> Option<impl Drop> {
     }
 }
 
+/// While the returned guard lives, the CUDA profiler's range (`cuProfilerStart` until
+/// `cuProfilerStop`): what `ncu --profile-from-start off` profiles and `bench/cuda_calls.c`
+/// counts driver calls in. Without a profiler or that library the two calls do nothing. `None`
+/// on the CPU or in a build without CUDA.
+pub fn profiler_range(device: &Device) -> Option<impl Drop> {
+    struct Range;
+    impl Drop for Range {
+        fn drop(&mut self) {
+            #[cfg(feature = "cuda")]
+            // SAFETY: no arguments; the context was bound to this thread when the range began
+            // (and an error is only a profiler's complaint, ignored).
+            unsafe {
+                candle_core::cuda_backend::cudarc::driver::sys::cuProfilerStop();
+            }
+        }
+    }
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(dev) = device {
+        dev.cuda_stream().context().bind_to_thread().ok()?;
+        // SAFETY: no arguments, the device's context bound to this thread.
+        unsafe {
+            candle_core::cuda_backend::cudarc::driver::sys::cuProfilerStart();
+        }
+        return Some(Range);
+    }
+    let _ = device;
+    None::<Range>
+}
+
 /// Starts [`allocated_peak`] afresh from what is allocated now (a no-op on the CPU).
 pub fn reset_allocated_peak(device: &Device) {
     let mut zero = 0u64;

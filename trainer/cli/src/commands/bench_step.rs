@@ -532,12 +532,21 @@ pub fn run(a: Args) -> Result<()> {
         first_loss.get_or_insert(l0);
         let mut times = vec![];
         xdistill_shared::device::reset_allocated_peak(&device);
+        // The timed steps are the CUDA profiler's range (ncu, bench/cuda_calls.c).
+        let range = xdistill_shared::device::profiler_range(&device);
         for _ in 0..a.steps {
             let (l, seconds, _) = step(&mut runner, &setup, false)?;
             times.push(seconds);
             if round == 0 {
                 last_loss = Some(l);
             }
+        }
+        if range.is_some() {
+            drop(range); // each step ends waiting for its work: the range holds it all
+            eprintln!(
+                "  cuda profiler range: the {} timed steps of round {round}",
+                a.steps
+            );
         }
         ours.extend(&times);
         if let Some(p) = xdistill_shared::device::allocated_peak(&device) {
