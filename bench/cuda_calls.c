@@ -23,12 +23,10 @@ typedef int CUresult;
 
 enum { SYNC, DTOH, HTOD, LAUNCH, ALLOC, FREE, KINDS };
 static const char *const names[KINDS] = {"waits", "dtoh", "htod", "launches", "allocs", "frees"};
+// Since the last cuProfilerStart (which zeroes them; cuProfilerStop prints them).
 static atomic_ulong counts[KINDS];
-static atomic_int in_range;
 
-static void count(int kind) {
-    if (atomic_load_explicit(&in_range, memory_order_relaxed)) atomic_fetch_add(&counts[kind], 1);
-}
+static void count(int kind) { atomic_fetch_add_explicit(&counts[kind], 1, memory_order_relaxed); }
 
 // The real function `name` (the next definition after this library's).
 static void *real(const char *name) {
@@ -70,14 +68,12 @@ CUresult cuProfilerStart(void) {
     static CUresult (*fn)(void);
     if (!fn) fn = (CUresult(*)(void))real("cuProfilerStart");
     for (int k = 0; k < KINDS; ++k) atomic_store(&counts[k], 0);
-    atomic_store(&in_range, 1);
     return fn ? fn() : 0;
 }
 
 CUresult cuProfilerStop(void) {
     static CUresult (*fn)(void);
     if (!fn) fn = (CUresult(*)(void))real("cuProfilerStop");
-    atomic_store(&in_range, 0);
     fprintf(stderr, "cuda calls in the profiled range:");
     for (int k = 0; k < KINDS; ++k) fprintf(stderr, " %s %lu", names[k], atomic_load(&counts[k]));
     fprintf(stderr, " (cuBLAS's and cuDNN's launches not seen)\n");

@@ -13,6 +13,7 @@ mod checkpoint_state;
 mod data_parallel;
 mod demo;
 mod full_vocab;
+mod gpu_tools;
 mod hardening;
 mod images;
 mod off_policy;
