@@ -210,6 +210,8 @@ for spec in "qwen3-0.6b 1024 28 16 8 3072" "qwen3-1.7b 2048 28 16 8 6144"; do
         --url "http://127.0.0.1:$port" --batch "$1" --seq-len "$2" --k 64 --requests "$3" \
         --clients 4 --dtype bf16 --label "$name $mode attention=$attention topk=$topk" $torch_flag
     done
+    # The fixed GEMM algorithm's fallbacks, if any (one warning per shape or row count).
+    grep "packed GEMM" "$log" | head -n 8
     kill -TERM $tpid; wait $tpid
   done
   # Step 4 trains a student of Qwen3-0.6B's shape: it takes this one.
