@@ -66,8 +66,11 @@ pub struct Args {
     /// Port to bind (0 picks a free one; the bound address is printed as `listening on ADDR`).
     #[arg(long, env = "XDISTILL_PORT", default_value_t = 8000)]
     pub port: u16,
-    /// cpu, cuda or cuda:N.
-    #[arg(long, env = "XDISTILL_DEVICE", default_value = "cpu")]
+    /// auto (the default: the first GPU where this binary has CUDA and the machine a GPU, else
+    /// the CPU), cpu, cuda or cuda:N. `auto` is resolved here, once: the field holds the device
+    /// chosen.
+    #[arg(long, env = "XDISTILL_DEVICE", default_value = "auto",
+          value_parser = |s: &str| Ok::<_, std::convert::Infallible>(xdistill_shared::device::resolve_device(s)))]
     pub device: String,
     /// Compute dtype of the weights: auto (bf16 on a GPU, f32 on the CPU), f32, bf16 or f16
     /// (top-k is always computed in f32/f64).
@@ -337,7 +340,14 @@ mod tests {
             argv.extend_from_slice(extra);
             Args::try_parse_from(argv).unwrap()
         };
-        assert_eq!(parse(&[]).packed_rows(), None);
+        // `--device auto` (the default) is resolved when parsed: the CPU in a build without
+        // CUDA, where nothing packs by default.
+        if !cfg!(feature = "cuda") {
+            assert_eq!(parse(&[]).device, "cpu");
+            assert_eq!(parse(&["--device", "AUTO"]).device, "cpu");
+            assert_eq!(parse(&[]).packed_rows(), None);
+        }
+        assert_eq!(parse(&["--device", "cpu"]).packed_rows(), None);
         let gpu = parse(&["--device", "cuda"]);
         assert_eq!(gpu.packed_rows(), Some(xdistill_shared::model::PACKED_ROWS));
         assert_eq!(gpu.max_wait_ms(), 5);

@@ -87,6 +87,7 @@ pub fn spawn(
                 };
             tracing::info!(
                 model = %cfg.model.display(),
+                device = %cfg.device,
                 seconds = t0.elapsed().as_secs_f64(),
                 "model loaded"
             );

@@ -4,7 +4,7 @@ use candle_core::{DType, Device};
 
 #[derive(Debug, thiserror::Error)]
 pub enum DeviceError {
-    #[error("unknown device {0:?}: expected cpu, cuda or cuda:N")]
+    #[error("unknown device {0:?}: expected auto, cpu, cuda or cuda:N")]
     Unknown(String),
     #[error(
         "device {0:?} needs a binary built with `--features cuda` (see scripts/build-cuda.sh)"
@@ -16,9 +16,34 @@ pub enum DeviceError {
     DType(String),
 }
 
-/// Parses `cpu`, `cuda` or `cuda:N` and opens the device.
-pub fn parse_device(s: &str) -> Result<Device, DeviceError> {
+/// `auto` resolved: `cuda` where this build has CUDA and the driver sees a GPU, else `cpu`;
+/// any other name as given (trimmed). What `auto` means everywhere a device is named (the
+/// teacher's `--device`, `policy.device`, bench-step and eval).
+pub fn resolve_device(s: &str) -> String {
     let s = s.trim();
+    if !s.eq_ignore_ascii_case("auto") {
+        return s.to_string();
+    }
+    let name = if gpu_present() { "cuda" } else { "cpu" };
+    tracing::debug!("device auto: {name}");
+    name.to_string()
+}
+
+/// Whether this build has CUDA and the driver sees at least one GPU (no context is made).
+pub fn gpu_present() -> bool {
+    #[cfg(feature = "cuda")]
+    {
+        use candle_core::cuda_backend::cudarc::driver::CudaContext;
+        CudaContext::device_count().is_ok_and(|n| n > 0)
+    }
+    #[cfg(not(feature = "cuda"))]
+    false
+}
+
+/// Parses `auto` ([`resolve_device`]), `cpu`, `cuda` or `cuda:N` and opens the device.
+pub fn parse_device(s: &str) -> Result<Device, DeviceError> {
+    let resolved = resolve_device(s);
+    let s = resolved.as_str();
     if s.eq_ignore_ascii_case("cpu") {
         return Ok(Device::Cpu);
     }
@@ -275,6 +300,12 @@ mod tests {
     #[test]
     fn parses() {
         assert!(matches!(parse_device("cpu"), Ok(Device::Cpu)));
+        // `auto`: the CPU where this build has no CUDA (the suite's builds).
+        if !cfg!(feature = "cuda") {
+            assert!(matches!(parse_device(" Auto "), Ok(Device::Cpu)));
+            assert_eq!(resolve_device("auto"), "cpu");
+        }
+        assert_eq!(resolve_device(" cuda:1 "), "cuda:1");
         assert!(matches!(parse_device("tpu"), Err(DeviceError::Unknown(_))));
         assert!(matches!(
             parse_device("cuda:x"),

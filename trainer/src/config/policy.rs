@@ -18,7 +18,9 @@ pub struct PolicyConfig {
     /// Compute dtype: `auto` (bf16 on a GPU, f32 on the CPU), f32, bf16 or f16 (master weights
     /// stay f32 either way).
     pub precision: String,
-    /// `cpu`, `cuda` or `cuda:N`.
+    /// `auto` (the default: the first GPU where the binary has CUDA and the machine a GPU, else
+    /// the CPU; in a data-parallel job a GPU means `cuda:LOCAL_RANK`), `cpu`, `cuda` or
+    /// `cuda:N`.
     pub device: String,
     /// Sequences per forward/backward pass; a step accumulates gradients over
     /// `ceil(num_prompts_per_step / train_micro_batch_size)` micro-batches.
@@ -136,7 +138,7 @@ impl Default for PolicyConfig {
             tokenizer: None,
             max_total_sequence_length: 1024,
             precision: "auto".into(),
-            device: "cpu".into(),
+            device: "auto".into(),
             train_micro_batch_size: 4,
             max_nonfinite_steps: 10,
             activation_checkpointing: ActivationCheckpointing::Auto,
@@ -335,7 +337,7 @@ impl Validate for PolicyConfig {
         if !is_device_name(&p.device) {
             return Err(invalid(
                 &key("device"),
-                format!("{:?} is not cpu, cuda or cuda:N", p.device),
+                format!("{:?} is not auto, cpu, cuda or cuda:N", p.device),
             ));
         }
         if p.train_micro_batch_size == 0 {
@@ -382,7 +384,8 @@ impl Validate for OptimizerConfig {
 }
 
 fn is_device_name(s: &str) -> bool {
-    s == "cpu"
+    s == "auto"
+        || s == "cpu"
         || s == "cuda"
         || s.strip_prefix("cuda:")
             .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))

@@ -284,10 +284,11 @@ pub fn join(
     Ok(Box::new(tcp))
 }
 
-/// The device of this process: `policy.device`, with `cuda` meaning `cuda:LOCAL_RANK` in a
-/// data-parallel job (one process per device).
+/// The device of this process: `policy.device` (`auto` resolved first), with `cuda` meaning
+/// `cuda:LOCAL_RANK` in a data-parallel job (one process per device).
 pub fn device(spec: &str, world: Option<&World>) -> anyhow::Result<candle_core::Device> {
-    let spec = spec.trim();
+    let spec = xdistill_shared::device::resolve_device(spec);
+    let spec = spec.as_str();
     let Some(w) = world.filter(|w| w.world_size > 1) else {
         return Ok(xdistill_shared::device::parse_device(spec)?);
     };

@@ -38,8 +38,9 @@ pub struct Args {
     /// Student model directory (Hugging Face layout; `trainer init-model` makes random ones).
     #[arg(long)]
     pub model: PathBuf,
-    /// cpu, cuda or cuda:N.
-    #[arg(long, default_value = "cpu")]
+    /// auto (the first GPU where this binary has CUDA and the machine a GPU, else the CPU;
+    /// resolved when parsed), cpu, cuda or cuda:N.
+    #[arg(long, default_value = "auto", value_parser = crate::commands::device_arg)]
     pub device: String,
     /// Compute dtype: auto (bf16 on a GPU, f32 on the CPU), f32, bf16 or f16 (master weights
     /// stay f32).

@@ -62,8 +62,9 @@ pub struct Args {
     pub no_stop: bool,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// cpu, cuda or cuda:N.
-    #[arg(long, default_value = "cpu")]
+    /// auto (the first GPU where this binary has CUDA and the machine a GPU, else the CPU;
+    /// resolved when parsed), cpu, cuda or cuda:N.
+    #[arg(long, default_value = "auto", value_parser = crate::commands::device_arg)]
     pub device: String,
     /// auto (bf16 on a GPU, f32 on the CPU), f32, bf16 or f16.
     #[arg(long, default_value = "auto")]

@@ -11,3 +11,9 @@ pub mod make_task;
 #[cfg(feature = "nccl")]
 pub mod nccl_check;
 pub mod prune;
+
+/// A `--device` value as clap keeps it: `auto` resolved to the device it means here
+/// (`xdistill_shared::device::resolve_device`), any other name as given.
+pub fn device_arg(s: &str) -> Result<String, std::convert::Infallible> {
+    Ok(xdistill_shared::device::resolve_device(s))
+}
