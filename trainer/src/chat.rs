@@ -1,10 +1,18 @@
 //! Chat templates: a model's Jinja `chat_template` (from `tokenizer_config.json`, or a GGUF
 //! file's `tokenizer.chat_template`) rendered the way transformers' `apply_chat_template`
-//! renders it, so prompts reach an instruct model in the format it was trained on.
+//! renders it, so prompts reach an instruct model in the format it was trained on. The template
+//! is code from the model's files: minijinja runs it without access to files or the network, and
+//! each render is bounded ([`FUEL`] instructions), so a template that never ends fails with a
+//! message instead of hanging the run.
 
 use minijinja::{context, Environment, Error as JinjaError};
 use serde::Serialize;
 use std::path::Path;
+
+/// The most template instructions one render may run: 23 to 53 per message for the templates
+/// of SmolLM2, Llama 3, Gemma 3 and DeepSeek-V3 (measured at 100 messages), so tens of
+/// thousands of messages fit; a template whose loops do not end stops here, in about 0.2 s.
+pub const FUEL: u64 = 5_000_000;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ChatError {
@@ -14,6 +22,11 @@ pub enum ChatError {
     Read { path: String, message: String },
     #[error("the chat template does not render: {0}")]
     Render(#[from] JinjaError),
+    #[error(
+        "the chat template ran more than {FUEL} instructions for one conversation of {messages} \
+         messages (a loop that does not end?)"
+    )]
+    Runaway { messages: usize },
 }
 
 /// One message of a conversation.
@@ -41,6 +54,10 @@ impl ChatTemplate {
         // transformers renders with `trim_blocks` and `lstrip_blocks` on.
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
+        env.set_fuel(Some(FUEL));
+        // Python's str/dict/list methods, as transformers' Jinja2 has them (Qwen3's template
+        // calls `startswith`, `split`, `rstrip`, …).
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function(
             "raise_exception",
             |msg: String| -> Result<String, JinjaError> {
@@ -86,12 +103,18 @@ impl ChatTemplate {
         add_generation_prompt: bool,
     ) -> Result<String, ChatError> {
         let t = self.env.get_template("chat")?;
-        Ok(t.render(context! {
+        t.render(context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
             bos_token => &self.bos_token,
             eos_token => &self.eos_token,
-        })?)
+        })
+        .map_err(|e| match e.kind() {
+            minijinja::ErrorKind::OutOfFuel => ChatError::Runaway {
+                messages: messages.len(),
+            },
+            _ => ChatError::Render(e),
+        })
     }
 
     /// The end-of-turn token the template closes messages with (its `eos_token`).
@@ -105,7 +128,7 @@ mod tests {
     use super::*;
 
     /// SmolLM2-Instruct's template, as its GGUF file and `tokenizer_config.json` carry it.
-    const SMOLLM2: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+    pub(super) const SMOLLM2: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
     #[test]
     fn renders_like_transformers() {
@@ -135,6 +158,97 @@ mod tests {
             t.render(&with_system, false).unwrap(),
             "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
         );
+    }
+
+    /// A template whose loops run for ever (10^10 iterations) stops at the fuel limit with a
+    /// message, in well under a second; a long real conversation (2,000 messages, SmolLM2's
+    /// template) is far inside the limit.
+    #[test]
+    fn runaway_templates_stop_and_long_conversations_render() {
+        let t = ChatTemplate::new(
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+            "",
+            "",
+        )
+        .unwrap();
+        let t0 = std::time::Instant::now();
+        let e = t.render(&[], false).unwrap_err();
+        assert!(matches!(e, ChatError::Runaway { messages: 0 }), "{e}");
+        assert!(e.to_string().contains("instructions"), "{e}");
+        eprintln!("runaway template stopped after {:?}", t0.elapsed());
+        let t = ChatTemplate::new(SMOLLM2, "<|im_start|>", "<|im_end|>").unwrap();
+        let turns: Vec<Message> = (0..2000)
+            .map(|i| Message {
+                role: if i % 2 == 0 { "user" } else { "assistant" },
+                content: "Tell me more.",
+            })
+            .collect();
+        let text = t.render(&turns, true).unwrap();
+        assert_eq!(text.matches("<|im_start|>user").count(), 1000);
+    }
+
+    /// Real models' templates (the tokenizers' `tokenizer_config.json`) render a conversation
+    /// with a system message, a past answer and a generation prompt as transformers renders it.
+    /// Expected: Jinja2 3.1.6 in transformers' environment (sandboxed, `trim_blocks`,
+    /// `lstrip_blocks`, loop controls, `tojson` without ASCII escapes, `raise_exception`),
+    /// `template.render(messages=…, add_generation_prompt=True, bos_token=…, eos_token=…)`.
+    /// Qwen3's calls Python string methods (`startswith`, `split`, `rstrip`): minijinja-contrib's
+    /// pycompat; Gemma 3's folds the system message into the first user turn.
+    #[test]
+    fn real_templates_render_like_jinja2() {
+        let conversation = [
+            Message {
+                role: "system",
+                content: "Answer briefly.",
+            },
+            Message {
+                role: "user",
+                content: "What is 2+2?",
+            },
+            Message {
+                role: "assistant",
+                content: "4.",
+            },
+            Message {
+                role: "user",
+                content: "And 3+3?",
+            },
+        ];
+        let want = [
+            (
+                "qwen3",
+                "<|im_start|>system\nAnswer briefly.<|im_end|>\n<|im_start|>user\nWhat is 2+2?\
+                 <|im_end|>\n<|im_start|>assistant\n4.<|im_end|>\n<|im_start|>user\nAnd 3+3?\
+                 <|im_end|>\n<|im_start|>assistant\n",
+            ),
+            (
+                "llama3",
+                "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nAnswer briefly.\
+                 <|eot_id|><|start_header_id|>user<|end_header_id|>\n\nWhat is 2+2?<|eot_id|>\
+                 <|start_header_id|>assistant<|end_header_id|>\n\n4.<|eot_id|>\
+                 <|start_header_id|>user<|end_header_id|>\n\nAnd 3+3?<|eot_id|>\
+                 <|start_header_id|>assistant<|end_header_id|>\n\n",
+            ),
+            (
+                "gemma3",
+                "<bos><start_of_turn>user\nAnswer briefly.\n\nWhat is 2+2?<end_of_turn>\n\
+                 <start_of_turn>model\n4.<end_of_turn>\n<start_of_turn>user\nAnd 3+3?\
+                 <end_of_turn>\n<start_of_turn>model\n",
+            ),
+            (
+                "deepseek_v3",
+                "<\u{ff5c}begin\u{2581}of\u{2581}sentence\u{ff5c}>Answer briefly.\
+                 <\u{ff5c}User\u{ff5c}>What is 2+2?<\u{ff5c}Assistant\u{ff5c}>4.\
+                 <\u{ff5c}end\u{2581}of\u{2581}sentence\u{ff5c}><\u{ff5c}User\u{ff5c}>And 3+3?\
+                 <\u{ff5c}Assistant\u{ff5c}>",
+            ),
+        ];
+        for (name, want) in want {
+            let config = xdistill_testkit::assets::tokenizer_json(name)
+                .with_file_name("tokenizer_config.json");
+            let t = ChatTemplate::from_tokenizer_config(&config).unwrap();
+            assert_eq!(t.render(&conversation, true).unwrap(), want, "{name}");
+        }
     }
 
     #[test]
