@@ -65,4 +65,4 @@ pub use layers::{linear_kernel, AttnBackend, Ops};
 pub use packed::{PackedSeq, PACKED_ROWS};
 pub use params::{param_specs, Init, ParamSpec};
 pub use spec::Activation;
-pub use train::{ActivationBytes, Activations, TrainPass, KEEP_MAX_POSITIONS};
+pub use train::{ActivationBytes, Activations, AfterLayer, TrainPass, KEEP_MAX_POSITIONS};

@@ -402,14 +402,29 @@ impl TrainPass<'_> {
     /// `grad` `[B, T, H]` (the loss's). Keyed as `Tensor::backward`'s are (by the master
     /// `Var`s when the decoder reads them through a cast).
     pub fn backward(self, grad: &Tensor) -> Result<GradStore> {
+        self.backward_with(grad, &mut |_| Ok(()))
+    }
+
+    /// [`TrainPass::backward`], calling `after_layer` with the gradients gathered so far after
+    /// each decoder layer's backward (the final norm's and the layers' from the last down): it
+    /// may take entries out (a caller summing each layer's gradients into its own buffers as
+    /// they come, so that a layer's are freed before the next layer's exist). The embedding's
+    /// gradient comes after the last call. A pass through one autograd graph (everything kept)
+    /// gathers every gradient at once and never calls it.
+    pub fn backward_with(self, grad: &Tensor, after_layer: AfterLayer<'_>) -> Result<GradStore> {
         match self.state {
             State::Graph(h) => pull(&h, grad),
-            State::Selective(kept) => self.model.selective_backward(kept, grad),
-            State::Taped(taped) => self.model.taped_backward(taped, grad),
-            State::Checkpointed(saved) => self.model.checkpointed_backward(saved, grad),
+            State::Selective(kept) => self.model.selective_backward(kept, grad, after_layer),
+            State::Taped(taped) => self.model.taped_backward(taped, grad, after_layer),
+            State::Checkpointed(saved) => {
+                self.model.checkpointed_backward(saved, grad, after_layer)
+            }
         }
     }
 }
+
+/// What [`TrainPass::backward_with`] calls after each layer: the gradients gathered so far.
+pub type AfterLayer<'a> = &'a mut dyn FnMut(&mut GradStore) -> Result<()>;
 
 /// What `out`'s graph receives when `grad` is the gradient arriving at `out`
 /// ([`super::autograd::seed`]).
@@ -440,7 +455,12 @@ fn take(g: &mut GradStore, v: &Var) -> Result<Tensor> {
 }
 
 impl Decoder {
-    fn selective_backward(&self, kept: Kept, grad: &Tensor) -> Result<GradStore> {
+    fn selective_backward(
+        &self,
+        kept: Kept,
+        grad: &Tensor,
+        after_layer: AfterLayer<'_>,
+    ) -> Result<GradStore> {
         // 1. Final norm: its weight's gradient, and the gradient at the last layer's output.
         let mut total = pull(&kept.normed, grad)?;
         let mut g = take(&mut total, &kept.last)?;
@@ -449,6 +469,7 @@ impl Decoder {
         let blocks = self.w.layers.iter().rev();
         for (block, layer) in blocks.zip(kept.layers.into_iter().rev()) {
             g = layer_backward(block, &layer, &g, &mut total)?;
+            after_layer(&mut total)?;
         }
         // 3. The embedding (for tied heads the caller adds the head's own gradient).
         let embedded = self.embed(&kept.ids)?;
@@ -456,7 +477,12 @@ impl Decoder {
         Ok(total)
     }
 
-    fn taped_backward(&self, kept: Taped, grad: &Tensor) -> Result<GradStore> {
+    fn taped_backward(
+        &self,
+        kept: Taped,
+        grad: &Tensor,
+        after_layer: AfterLayer<'_>,
+    ) -> Result<GradStore> {
         let ids = host_ids(&kept.ids)?;
         // 1. Final norm: its weight's gradient, and the gradient at the last layer's output.
         let mut total = pull(&kept.normed, grad)?;
@@ -466,6 +492,7 @@ impl Decoder {
         let blocks = self.w.layers.iter().rev();
         for (block, tape) in blocks.zip(kept.tapes.into_iter().rev()) {
             g = train_layer::backward(block, tape, &g, &mut total)?;
+            after_layer(&mut total)?;
         }
         // 3. The embedding (for tied heads the caller adds the head's own gradient).
         self.embed_backward(&ids, &g, &mut total)?;
@@ -484,7 +511,12 @@ impl Decoder {
         train_layer::add_grad(total, &self.w.embed, d)
     }
 
-    fn checkpointed_backward(&self, s: Saved, grad: &Tensor) -> Result<GradStore> {
+    fn checkpointed_backward(
+        &self,
+        s: Saved,
+        grad: &Tensor,
+        after_layer: AfterLayer<'_>,
+    ) -> Result<GradStore> {
         let ids = if s.by_hand {
             Some(host_ids(&s.ids)?)
         } else {
@@ -499,6 +531,7 @@ impl Decoder {
             if s.by_hand {
                 let (_, tape) = self.tape_forward(l, block, &s.inputs[l], &s.rope)?;
                 g = train_layer::backward(block, tape, &g, &mut total)?;
+                after_layer(&mut total)?;
                 continue;
             }
             let input = Var::from_tensor(&s.inputs[l])?;
@@ -515,6 +548,7 @@ impl Decoder {
                 output,
             };
             g = layer_backward(block, &layer, &g, &mut total)?;
+            after_layer(&mut total)?;
         }
         // 3. The embedding (for tied heads the caller adds the head's own gradient).
         match ids {

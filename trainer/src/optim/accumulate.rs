@@ -167,6 +167,24 @@ impl GradAccumulator {
         Ok(())
     }
 
+    /// Sums the gradients of `grads` in place now, where [`GradAccumulator::add`] would sum them
+    /// in place, and takes them out of `grads`; the rest stay for `add`, which ends the
+    /// micro-batch. The training pass calls it after each layer's backward
+    /// ([`xdistill_shared::model::TrainPass::backward_with`]), so a layer's compute-dtype
+    /// gradients are freed once summed instead of living until the whole backward is done (all
+    /// of them, 3.4 GB of bf16 at Qwen3-1.7B, held at once before). Each var's gradient is
+    /// widened into, or added to, its sum exactly as `add` would: the same bits. Where the
+    /// in-place sum does not apply (f32 compute, the kernels off) `grads` is left as it is.
+    pub fn absorb(&mut self, grads: &mut GradStore) -> Result<()> {
+        if !self.keys.iter().any(|k| grads.get(k).is_some()) || !self.add_in_place(grads)? {
+            return Ok(());
+        }
+        for key in &self.keys {
+            grads.remove(key);
+        }
+        Ok(())
+    }
+
     /// [`GradAccumulator::add`] in place, where it applies: every var f32 on one device where
     /// [`xdistill_kernels::grad_accumulate`] runs (the CPU; CUDA with the project's kernels),
     /// every gradient contiguous in the var's shape, and the open shard either summed in place

@@ -27,7 +27,7 @@ use anyhow::{bail, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
 use xdistill_kernels::GradSum;
-use xdistill_shared::model::{Decoder, TrainPass};
+use xdistill_shared::model::{AfterLayer, Decoder, TrainPass};
 
 /// The most f32 logits bytes one chunk holds when the row count is not forced (256 MiB: 441
 /// rows of Qwen3's 151,936-entry vocabulary).
@@ -167,10 +167,14 @@ impl HeadOut {
     /// gradient of a bf16 compute copy is bf16): added into the head's f32 sum in place where
     /// the in-place accumulation runs ([`xdistill_kernels::grad_accumulate`]: one pass, the
     /// bits of widening and adding), else widened and added.
-    pub fn finish(self, pass: TrainPass<'_>) -> Result<(GradStore, HeadSums)> {
+    pub fn finish(
+        self,
+        pass: TrainPass<'_>,
+        after_layer: AfterLayer<'_>,
+    ) -> Result<(GradStore, HeadSums)> {
         let dev = self.grad_hidden.device().clone();
         let mut g = phases::time(Phase::Backward, &dev, || {
-            Ok(pass.backward(&self.grad_hidden)?)
+            Ok(pass.backward_with(&self.grad_hidden, after_layer)?)
         })?;
         let ids: Vec<_> = self.head.get_ids().copied().collect();
         // The head's entries still to add (those summed in place are the decoder's now).

@@ -19,6 +19,7 @@ use crate::loss::{
     combine, cross_entropy, cross_entropy_known, BadNormalizer, CeConfig, KdFigures, KdMetrics,
     LossConfig, Normalizer,
 };
+use crate::optim::{GradAccumulator, OptimError};
 use anyhow::Result;
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor};
@@ -210,8 +211,16 @@ pub fn loss(drive: &Drive, mb: &dyn MicroBatch, norm: Units) -> Result<(Tensor, 
 
 /// The gradients of [`loss`] (every parameter's, the head's included) and its summed values:
 /// the decoder run by `drive.head`'s training pass, the LM head and the loss terms one
-/// [`Layout::pieces`] piece at a time (`[N, V]` exists for one piece at a time).
-pub fn grads(drive: &Drive, mb: &dyn MicroBatch, norm: Units) -> Result<(GradStore, HeadSums)> {
+/// [`Layout::pieces`] piece at a time (`[N, V]` exists for one piece at a time). With `acc`,
+/// each decoder layer's gradients are summed into it as the backward leaves the layer
+/// ([`GradAccumulator::absorb`]) and the returned store holds the rest: the caller's
+/// `acc.add` of it then ends the micro-batch, with the same sums as adding them all at once.
+pub fn grads(
+    drive: &Drive,
+    mb: &dyn MicroBatch,
+    norm: Units,
+    mut acc: Option<&mut GradAccumulator>,
+) -> Result<(GradStore, HeadSums)> {
     let (model, layout) = (drive.model, mb.layout());
     let pass = drive.head.forward(model, &layout.ids)?;
     let mut terms = StepTerms {
@@ -228,7 +237,13 @@ pub fn grads(drive: &Drive, mb: &dyn MicroBatch, norm: Units) -> Result<(GradSto
         Mix::of(drive.loss),
         &mut terms,
     )?;
-    out.finish(pass)
+    out.finish(pass, &mut |g: &mut GradStore| match acc.as_deref_mut() {
+        Some(acc) => acc.absorb(g).map_err(|e| match e {
+            OptimError::Candle(c) => c,
+            e => candle_core::Error::Msg(e.to_string()),
+        }),
+        None => Ok(()),
+    })
 }
 
 /// [`grads`]'s loss terms of each head piece: the pairing's, normalised by the step's units.

@@ -22,6 +22,7 @@ use crate::data::Record;
 use crate::dist::StepShards;
 use crate::eval::{self, EvalConfig, EvalRecord};
 use crate::loss::{CeConfig, KdConfig, KdFigures, KdMetrics, LossConfig, Normalizer, Temperature};
+use crate::optim::GradAccumulator;
 use crate::student::Student;
 use anyhow::{bail, Result};
 use candle_core::backprop::GradStore;
@@ -243,18 +244,18 @@ pub fn sft_grads(
     model: &Decoder,
     examples: &[Encoded],
     normalizer: f64,
-    device: &Device,
     head: HeadOpts,
+    acc: Option<&mut GradAccumulator>,
 ) -> Result<(GradStore, f64)> {
     // The cross-entropy alone: the fused loss where it runs (larger chunks).
-    let batch = SftBatch::new(examples, device, head.fused_rows(model.lm_head())?)?;
+    let batch = SftBatch::new(examples, model.device(), head.fused_rows(model.lm_head())?)?;
     let terms = sft_terms();
     let drive = Drive {
         model,
         head,
         loss: &terms,
     };
-    let (g, sums) = micro::grads(&drive, &batch, units(normalizer))?;
+    let (g, sums) = micro::grads(&drive, &batch, units(normalizer), acc)?;
     Ok((g, sums.ce.map_or(0.0, |c| c.0)))
 }
 
@@ -419,7 +420,7 @@ impl Objective for Sft<'_> {
         for enc in &encoded {
             for chunk in enc.chunks(mb) {
                 let model = ctx.student.model();
-                let (grads, loss) = sft_grads(model, chunk, n_targets, &self.device, head)?;
+                let (grads, loss) = sft_grads(model, chunk, n_targets, head, Some(ctx.acc))?;
                 ctx.acc.add(&grads)?;
                 loss_sum += loss;
             }
@@ -577,7 +578,7 @@ mod tests {
                             chunk_rows,
                         };
                         let case = format!("{dtype:?} tied {tied} {head:?}");
-                        let (g, got) = sft_grads(&model, &examples, 30.0, &dev, head).unwrap();
+                        let (g, got) = sft_grads(&model, &examples, 30.0, head, None).unwrap();
                         assert_rel(got, want, tol, &case);
                         assert_same_grads(&vm, &g, &want_grads, tol, &case);
                         let (sum, n) = nll_sum(&model, &examples, &dev, head.rows(40)).unwrap();

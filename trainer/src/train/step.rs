@@ -7,6 +7,7 @@
 
 use super::micro::{self, MicroOut, Units, ValSums};
 use super::pairing::{units, Item, LossCtx, Purpose};
+use crate::optim::GradAccumulator;
 use anyhow::{bail, Result};
 use candle_core::backprop::GradStore;
 use candle_core::Tensor;
@@ -43,15 +44,18 @@ pub fn micro_loss(
 /// The gradients of one micro-batch's loss (every parameter's, the head's included) and what
 /// it measured: the loss of [`micro_loss`], with the decoder run by `ctx.head`'s training pass
 /// and the LM head + loss in row chunks (`[N, V]` exists for one chunk at a time).
+/// With `acc`, each decoder layer's gradients go into it as the backward leaves the layer and
+/// the returned store holds the rest (add it to `acc` to end the micro-batch: the same sums).
 pub fn micro_grads(
     ctx: &LossCtx,
     items: &[Item],
     scores: &[&SequenceScores],
     norm: Units,
+    acc: Option<&mut GradAccumulator>,
 ) -> Result<(GradStore, MicroOut)> {
     check_answers(items, scores)?;
     let batch = ctx.pairing.lay_out(ctx, items, scores, Purpose::Train)?;
-    let (grads, sums) = micro::grads(&ctx.drive(), &*batch, norm)?;
+    let (grads, sums) = micro::grads(&ctx.drive(), &*batch, norm, acc)?;
     let out = MicroOut {
         kd: sums.kd,
         ce: sums.ce.filter(|c| c.1 > 0.0).map(|(v, n)| v * norm.ce / n),
@@ -137,7 +141,7 @@ pub fn accumulate(
         if u.kd == 0.0 {
             continue;
         }
-        let (grads, m) = micro_grads(ctx, it, sc, norm)?;
+        let (grads, m) = micro_grads(ctx, it, sc, norm, Some(&mut *acc))?;
         acc.add(&grads)?;
         s.kd_sum += m.kd.loss * norm.kd;
         if let Some(ce) = m.ce {

@@ -216,7 +216,7 @@ fn grads_on(
         },
     };
     let scores: Vec<&SequenceScores> = batch.scores.iter().collect();
-    let (grads, m) = micro_grads(&ctx, &batch.items, &scores, units(&batch.items))?;
+    let (grads, m) = micro_grads(&ctx, &batch.items, &scores, units(&batch.items), None)?;
     let named = student.named_vars();
     let masters: Vec<_> = named.iter().map(|(_, v)| v.clone()).collect();
     let mut by_name = HashMap::new();
@@ -358,14 +358,16 @@ fn step(runner: &mut Runner, s: &StepSetup, phased: bool) -> Result<(f64, f64, P
         micro_batch: batch.items.len(),
         head: s.head,
     };
-    let (grads, m) = micro_grads(&ctx, &batch.items, &scores, norm)?;
+    // As the training loop: each layer's gradients summed into the f32 sums as the backward
+    // leaves it (inside the grads phase), the rest (embedding, head) after it.
+    let vars = runner.vars().to_vec();
+    let keys = runner.student.grad_keys(&vars);
+    let mut acc = GradAccumulator::with_keys(vars, keys);
+    let (grads, m) = micro_grads(&ctx, &batch.items, &scores, norm, Some(&mut acc))?;
     // The whole micro-batch is the step: the loss is kd_scale·KD + 0.1·CE (its mean).
     let loss_v = m.kd.loss * m.kd_scale + 0.1 * m.ce.unwrap_or(0.0);
     ph.grads = phases::take();
     let t = Instant::now();
-    let vars = runner.vars().to_vec();
-    let keys = runner.student.grad_keys(&vars);
-    let mut acc = GradAccumulator::with_keys(vars, keys);
     acc.add(&grads)?;
     drop(grads);
     let mut grads = acc.take()?;

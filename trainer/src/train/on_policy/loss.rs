@@ -108,7 +108,8 @@ impl OnPolicy<'_> {
                 let sum = if s.loss.kd.is_sampled() {
                     let mut sum = 0.0;
                     for (xs, sc) in samples.chunks(mb).zip(refs.chunks(mb)) {
-                        let (g, v) = sampled_grads(&lc, xs, sc, norm.kd.max(1.0))?;
+                        let (g, v) =
+                            sampled_grads(&lc, xs, sc, norm.kd.max(1.0), Some(&mut *ctx.acc))?;
                         ctx.acc.add(&g)?;
                         sum += v * norm.kd;
                     }
@@ -300,7 +301,7 @@ mod tests {
                             chunk_rows,
                         };
                         let case = format!("{dtype:?} tied {tied} {:?}", ctx.head);
-                        let (g, got) = sampled_grads(&ctx, &samples, &refs, 40.0).unwrap();
+                        let (g, got) = sampled_grads(&ctx, &samples, &refs, 40.0, None).unwrap();
                         assert_rel(got, want, tol, &case);
                         assert_same_grads(&vm, &g, &want_grads, tol, &case);
                     }

@@ -8,6 +8,7 @@ use crate::collate::{pad_batch, Encoded};
 use crate::loss::{
     sampled_token_loss, CeConfig, KdFigures, KdMetrics, LossConfig, Normalizer, SampledTargets,
 };
+use crate::optim::GradAccumulator;
 use crate::train::micro::{self, Layout, MicroBatch, Part, RowPieces, Units};
 use anyhow::{bail, Result};
 use candle_core::backprop::GradStore;
@@ -134,6 +135,7 @@ pub fn sampled_grads(
     samples: &[Sample],
     scores: &[&SequenceScores],
     normalizer: f64,
+    acc: Option<&mut GradAccumulator>,
 ) -> Result<(GradStore, f64)> {
     let batch = SampledBatch::new(*ctx, samples, scores)?;
     let loss = batch.loss_config();
@@ -141,7 +143,7 @@ pub fn sampled_grads(
         loss: &loss,
         ..ctx.drive()
     };
-    let (g, sums) = micro::grads(&drive, &batch, units(normalizer))?;
+    let (g, sums) = micro::grads(&drive, &batch, units(normalizer), acc)?;
     Ok((g, sums.kd.loss))
 }
 

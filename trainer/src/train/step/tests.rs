@@ -74,7 +74,7 @@ fn check(pairing: Pairing, loss: &LossConfig, items: &[Item], scores: &[Sequence
             for opts in head_opts() {
                 ctx.head = opts;
                 let case = format!("{:?} {dtype:?} tied {tied} {opts:?}", loss.kd);
-                let (grads, got) = micro_grads(&ctx, items, &refs, norm).unwrap();
+                let (grads, got) = micro_grads(&ctx, items, &refs, norm, None).unwrap();
                 assert_rel(got.kd.loss, want.kd.loss, tol, &format!("{case}: kd"));
                 assert_eq!(got.kd.count, want.kd.count, "{case}: kd count");
                 for (a, b) in [
@@ -212,7 +212,7 @@ fn a_tied_bf16_head_sums_its_two_gradients_in_f32() {
                 ..HeadOpts::default()
             },
         };
-        let (g, _) = micro_grads(&ctx, &items, &refs, norm).unwrap();
+        let (g, _) = micro_grads(&ctx, &items, &refs, norm, None).unwrap();
         let data = vm.data().lock().unwrap();
         let mut by_name: Vec<(String, Vec<f64>)> = data
             .iter()
@@ -235,6 +235,96 @@ fn a_tied_bf16_head_sums_its_two_gradients_in_f32() {
             let norm = |x: &[f64]| x.iter().map(|a| a * a).sum::<f64>().sqrt();
             let cos = dot / (norm(w) * norm(g)).max(1e-300);
             assert!(cos > 0.995, "fused {fused}: {name} gradient cosine {cos}");
+        }
+    }
+}
+
+/// Summing each layer's gradients into the accumulator as the backward leaves the layer
+/// ([`GradAccumulator::absorb`]) gives the sums adding the whole micro-batch's at once gives, bit
+/// for bit, over two micro-batches into f32 sums of bf16 compute copies (the trainer's setup:
+/// `Student::grad_keys`); the micro-batch's returned gradients then hold no layer's (they were
+/// freed as the backward went), only the embedding's and the head's. Tied and untied heads,
+/// kept (taped), selective and checkpointed passes, the composed and the fused layer ops.
+#[test]
+fn layer_gradients_summed_as_the_backward_goes_equal_the_sums_at_the_end() {
+    use crate::optim::GradAccumulator;
+    use candle_core::Var;
+    use xdistill_shared::model::device_ops;
+    let (items, scores) = same_batch(7);
+    let refs: Vec<&SequenceScores> = scores.iter().collect();
+    let loss = cfg(
+        KdConfig::ForwardKl {},
+        Some(TailMode::Bucket),
+        CeConfig::Weight { weight: 0.3 },
+    );
+    let norm = units(&items);
+    let half = items.len() / 2;
+    for tied in [false, true] {
+        let (model, vm) = tiny(tied, DType::BF16, 11);
+        let data = vm.data().lock().unwrap();
+        let mut named: Vec<(&String, &Var)> = data.iter().collect();
+        named.sort_by(|a, b| a.0.cmp(b.0));
+        // f32 masters (only their shapes and dtype matter here) for the bf16 vars the decoder
+        // reads, which key the gradients.
+        let keys: Vec<Tensor> = named.iter().map(|(_, v)| v.as_tensor().clone()).collect();
+        let masters: Vec<Var> = keys
+            .iter()
+            .map(|k| Var::zeros(k.shape(), DType::F32, &Device::Cpu).unwrap())
+            .collect();
+        for activations in [
+            ActivationCheckpointing::Off,
+            ActivationCheckpointing::Selective,
+            ActivationCheckpointing::On,
+        ] {
+            for fused in [false, true] {
+                device_ops::force_in_this_thread(Some(fused));
+                let ctx = LossCtx {
+                    model: &model,
+                    k: K,
+                    loss: &loss,
+                    pairing: Pairing::Same,
+                    device: &Device::Cpu,
+                    micro_batch: items.len(),
+                    head: HeadOpts {
+                        activations,
+                        chunk_rows: 3,
+                    },
+                };
+                let case = format!("tied {tied} {activations:?} fused {fused}");
+                let mut sums = Vec::new();
+                for as_it_goes in [false, true] {
+                    let mut acc = GradAccumulator::with_keys(masters.clone(), keys.clone());
+                    for range in [0..half, half..items.len()] {
+                        let (part, r) = (&items[range.clone()], &refs[range]);
+                        let acc_now = as_it_goes.then_some(&mut acc);
+                        let (g, _) = micro_grads(&ctx, part, r, norm, acc_now).unwrap();
+                        // What is left: with the sums made as the backward went (a pass layer
+                        // by layer), the embedding's and the head's, no layer's.
+                        let layers_left = named
+                            .iter()
+                            .filter(|(n, v)| {
+                                n.starts_with("model.layers.") && g.get(v.as_tensor()).is_some()
+                            })
+                            .count();
+                        let by_layer = as_it_goes && activations != ActivationCheckpointing::Off;
+                        assert_eq!(layers_left == 0, by_layer, "{case}: {layers_left} left");
+                        acc.add(&g).unwrap();
+                    }
+                    acc.end_shard().unwrap();
+                    let got = acc.finish().unwrap();
+                    sums.push(
+                        got.0
+                            .iter()
+                            .map(|t| flat(t).iter().map(|x| x.to_bits()).collect::<Vec<_>>())
+                            .collect::<Vec<_>>(),
+                    );
+                }
+                device_ops::force_in_this_thread(None);
+                assert_eq!(sums[0].len(), keys.len());
+                for (i, (a, b)) in sums[0].iter().zip(&sums[1]).enumerate() {
+                    assert_eq!(a, b, "{case}: {} differs", named[i].0);
+                }
+            }
         }
     }
 }
@@ -594,7 +684,7 @@ fn full_vocab_equals_top_k_with_the_whole_vocabulary() {
                     ..Default::default()
                 },
             };
-            let (grads, out) = micro_grads(&ctx, &items, &refs, norm).unwrap();
+            let (grads, out) = micro_grads(&ctx, &items, &refs, norm, None).unwrap();
             let val = validation_sums(&ctx, &items, &refs).unwrap();
             (grads, out, val)
         };
@@ -643,7 +733,7 @@ fn full_vocab_refuses_answers_without_hidden_states() {
         micro_batch: items.len(),
         head: HeadOpts::default(),
     };
-    let err = micro_grads(&ctx, &items, &refs, units(&items))
+    let err = micro_grads(&ctx, &items, &refs, units(&items), None)
         .err()
         .unwrap()
         .to_string();
@@ -770,7 +860,7 @@ fn cross_full_equals_top_k(kd: KdConfig, tail: Option<TailMode>) {
                 ..Default::default()
             },
         };
-        let (grads, out) = micro_grads(&ctx, &items, &refs, norm).unwrap();
+        let (grads, out) = micro_grads(&ctx, &items, &refs, norm, None).unwrap();
         (grads, out)
     };
     let (g_hidden, o_hidden) = run(Pairing::CrossFullVocab(&proj, &head), &hscores, 0);
@@ -915,8 +1005,8 @@ fn hidden_equals_top_k_with_every_teacher_id(
     let trefs: Vec<&SequenceScores> = tscores.iter().collect();
     let hidden = ctx(Pairing::CrossFullVocab(proj, &head), 0);
     let topk = ctx(Pairing::Cross(proj), vt);
-    let (g_hidden, o_hidden) = micro_grads(&hidden, items, &hrefs, norm).unwrap();
-    let (g_topk, o_topk) = micro_grads(&topk, items, &trefs, norm).unwrap();
+    let (g_hidden, o_hidden) = micro_grads(&hidden, items, &hrefs, norm, None).unwrap();
+    let (g_topk, o_topk) = micro_grads(&topk, items, &trefs, norm, None).unwrap();
     let case = format!("{:?} V_t = {vt}", loss.kd);
     assert!(
         o_hidden.kd.loss > 1e-3,
