@@ -53,8 +53,9 @@ pub fn packed_gemm_mode() -> xdistill_cuda_kernels::GemmBlocksMode {
     })
 }
 
-/// [`packed_gemm_mode`]'s name for the teacher's log: `fixed-algo` or `per-block` (always
-/// `per-block` in a build without CUDA, and on the CPU: the layer's own matmul per block).
+/// The packed GEMM mode's name for the teacher's log (`packed_gemm_mode`, CUDA builds):
+/// `fixed-algo` or `per-block` (always `per-block` in a build without CUDA, and on the CPU: the
+/// layer's own matmul per block).
 pub fn packed_gemm_name() -> &'static str {
     #[cfg(feature = "cuda")]
     if packed_gemm_mode() == xdistill_cuda_kernels::GemmBlocksMode::FixedAlgo {
