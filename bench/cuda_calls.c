@@ -1,11 +1,11 @@
 // Counts the CUDA driver calls a process makes between cuProfilerStart and cuProfilerStop (the
-// range `trainer bench-step` marks around its timed steps): the host's waits (stream, context
+// range `trainer bench-step --profiler-range` marks around its timed steps): the host's waits (stream, context
 // and event synchronisations), device-to-host copies (cudarc's end with a stream
 // synchronisation: each is a wait too), host-to-device copies, kernel launches and allocations.
 // Loaded with LD_PRELOAD; prints one line to stderr at each cuProfilerStop:
 //
 //   cc -shared -fPIC -O2 -o libcuda_calls.so bench/cuda_calls.c -ldl
-//   LD_PRELOAD=$PWD/libcuda_calls.so trainer bench-step --device cuda ...
+//   LD_PRELOAD=$PWD/libcuda_calls.so trainer bench-step --device cuda --profiler-range ...
 //
 // What it sees: the calls the binary makes through libcuda's exported symbols (cudarc links them
 // dynamically): candle's and the project's launches, copies and waits. What it does not see:

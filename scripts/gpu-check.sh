@@ -278,8 +278,8 @@ for shape in ${STEP_SHAPES:-4x512 8x1024}; do
       --dtype bf16 --batch "$1" --seq-len "$2" --k 64 --steps "${STEP_STEPS:-10}" \
       --activation-checkpointing "$ckpt" --write-batch "$work/batch.safetensors" $extra
   done
-  # The driver calls of 2 timed steps (bench/cuda_calls.c, preloaded; bench-step marks the
-  # timed steps as the CUDA profiler's range): the host's waits, copies each way and the
+  # The driver calls of 2 timed steps (bench/cuda_calls.c, preloaded; bench-step's
+  # --profiler-range marks the timed steps as the CUDA profiler's range): the host's waits, copies each way and the
   # launches candle and the project's kernels make (cuBLAS's and cuDNN's are not seen; step p
   # counts every launch), the composed path and the new one: per step, half of each line.
   if [ -f "$work/libcuda_calls.so" ]; then
@@ -287,7 +287,7 @@ for shape in ${STEP_SHAPES:-4x512 8x1024}; do
       attn=eager kernels=off; [ "$path" = new ] && attn=cudnn kernels=on
       check timeout 120 env LD_PRELOAD="$work/libcuda_calls.so" XDISTILL_ATTENTION=$attn XDISTILL_CUDA_KERNELS=$kernels \
         "$work/trainer" bench-step --model "$model" --device cuda --dtype bf16 --batch "$1" --seq-len "$2" --k 64 \
-        --steps 2 --activation-checkpointing auto
+        --steps 2 --activation-checkpointing auto --profiler-range
     done
   else
     echo "skipped: driver calls per step (no libcuda_calls.so in the bundle)"

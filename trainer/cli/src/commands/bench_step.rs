@@ -91,6 +91,12 @@ pub struct Args {
     /// (an experiment on what those copies cost; the cache only grows).
     #[arg(long)]
     pub param_cache: bool,
+    /// CUDA: mark the timed steps as the CUDA profiler's range (cuProfilerStart/Stop): what
+    /// `ncu --profile-from-start off` profiles and bench/cuda_calls.c counts driver calls in.
+    /// Off by default: under a profiler that starts with the process, the stop would end its
+    /// collection before the steps timed phase by phase.
+    #[arg(long)]
+    pub profiler_range: bool,
 }
 
 /// The batch both implementations train on.
@@ -535,8 +541,11 @@ pub fn run(a: Args) -> Result<()> {
         first_loss.get_or_insert(l0);
         let mut times = vec![];
         xdistill_shared::device::reset_allocated_peak(&device);
-        // The timed steps are the CUDA profiler's range (ncu, bench/cuda_calls.c).
-        let range = xdistill_shared::device::profiler_range(&device);
+        // With --profiler-range the timed steps are the CUDA profiler's range.
+        let range = a
+            .profiler_range
+            .then(|| xdistill_shared::device::profiler_range(&device))
+            .flatten();
         for _ in 0..a.steps {
             let (l, seconds, _) = step(&mut runner, &setup, false)?;
             times.push(seconds);
