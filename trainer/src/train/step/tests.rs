@@ -181,6 +181,37 @@ fn same_tokenizer_chunks_equal_the_whole_loss_through_the_fused_loss() {
     device_ops::force_in_this_thread(None);
 }
 
+/// Forward KL with a tail bucket plus 0.3 × CE: the bf16 tests' loss (both terms through the
+/// head chunks).
+fn kl_with_ce() -> LossConfig {
+    cfg(
+        KdConfig::ForwardKl {},
+        Some(TailMode::Bucket),
+        CeConfig::Weight { weight: 0.3 },
+    )
+}
+
+/// A same-tokenizer context on the CPU: `micro_batch` items at once, head chunks of 3 rows.
+fn same_ctx<'a>(
+    model: &'a xdistill_shared::model::Decoder,
+    loss: &'a LossConfig,
+    micro_batch: usize,
+    activations: ActivationCheckpointing,
+) -> LossCtx<'a> {
+    LossCtx {
+        model,
+        k: K,
+        loss,
+        pairing: Pairing::Same,
+        device: &Device::Cpu,
+        micro_batch,
+        head: HeadOpts {
+            activations,
+            chunk_rows: 3,
+        },
+    }
+}
+
 /// A tied head in bf16 compute: the head's gradient summed over the chunks in f32 and the
 /// embedding's bf16 gradient from the decoder meet in `HeadOut::finish`, which adds the second
 /// into the first in place. The micro-batch's gradients equal the f32 student's of the same
@@ -192,26 +223,16 @@ fn a_tied_bf16_head_sums_its_two_gradients_in_f32() {
     use xdistill_shared::model::device_ops;
     let (items, scores) = same_batch(3);
     let refs: Vec<&SequenceScores> = scores.iter().collect();
-    let loss = cfg(
-        KdConfig::ForwardKl {},
-        Some(TailMode::Bucket),
-        CeConfig::Weight { weight: 0.3 },
-    );
+    let loss = kl_with_ce();
     let norm = units(&items);
     let grads_of = |dtype: DType| {
         let (model, vm) = tiny(true, dtype, 5);
-        let ctx = LossCtx {
-            model: &model,
-            k: K,
-            loss: &loss,
-            pairing: Pairing::Same,
-            device: &Device::Cpu,
-            micro_batch: items.len(),
-            head: HeadOpts {
-                chunk_rows: 3,
-                ..HeadOpts::default()
-            },
-        };
+        let ctx = same_ctx(
+            &model,
+            &loss,
+            items.len(),
+            ActivationCheckpointing::default(),
+        );
         let (g, _) = micro_grads(&ctx, &items, &refs, norm, None).unwrap();
         let data = vm.data().lock().unwrap();
         let mut by_name: Vec<(String, Vec<f64>)> = data
@@ -252,11 +273,7 @@ fn layer_gradients_summed_as_the_backward_goes_equal_the_sums_at_the_end() {
     use xdistill_shared::model::device_ops;
     let (items, scores) = same_batch(7);
     let refs: Vec<&SequenceScores> = scores.iter().collect();
-    let loss = cfg(
-        KdConfig::ForwardKl {},
-        Some(TailMode::Bucket),
-        CeConfig::Weight { weight: 0.3 },
-    );
+    let loss = kl_with_ce();
     let norm = units(&items);
     let half = items.len() / 2;
     for tied in [false, true] {
@@ -278,18 +295,7 @@ fn layer_gradients_summed_as_the_backward_goes_equal_the_sums_at_the_end() {
         ] {
             for fused in [false, true] {
                 device_ops::force_in_this_thread(Some(fused));
-                let ctx = LossCtx {
-                    model: &model,
-                    k: K,
-                    loss: &loss,
-                    pairing: Pairing::Same,
-                    device: &Device::Cpu,
-                    micro_batch: items.len(),
-                    head: HeadOpts {
-                        activations,
-                        chunk_rows: 3,
-                    },
-                };
+                let ctx = same_ctx(&model, &loss, items.len(), activations);
                 let case = format!("tied {tied} {activations:?} fused {fused}");
                 let mut sums = Vec::new();
                 for as_it_goes in [false, true] {
