@@ -27,7 +27,9 @@ pub use alm::alm_loss;
 pub use ce::{combine, cross_entropy, cross_entropy_known, Combined};
 pub use kl::{topk_divergence, topk_divergence_figures, Divergence, TopkTargets};
 pub use normalizer::{BadNormalizer, Normalizer};
-pub use sampled::{chunk_sampled_loss, sampled_token_loss, SampledTargets};
+pub use sampled::{
+    chunk_sampled_loss, sampled_token_loss, sampled_token_loss_pending, SampledTargets,
+};
 pub use temperature::{BadTemperature, Temperature};
 pub use xtoken::{first_kl_loss, gold_loss, pkl_loss, Projection, XTokenBatch};
 pub use xtoken_full::{FullChunkLoss, TeacherStates, XTokenFull};
@@ -451,8 +453,9 @@ pub struct KdMetrics {
 #[derive(Debug, Clone)]
 pub enum KdFigures {
     Read(KdMetrics),
-    /// `sums` `[3]` f64 on the device: the loss (as returned), and the teacher's and the
-    /// student's mass on the top-k summed over the `count` valid units.
+    /// `sums` f64 on the device: the loss (as returned), then for a top-k loss (`[3]`) the
+    /// teacher's and the student's mass on the top-k summed over the `count` valid units; a
+    /// loss without masses (the sampled-token loss) leaves `[1]`.
     Pending {
         sums: Tensor,
         count: f64,
@@ -477,14 +480,16 @@ impl KdFigures {
         }
     }
 
-    /// The metrics of pending `sums` (as read back) over `count` units.
+    /// The metrics of pending `sums` (as read back: `[loss]` or `[loss, teacher mass, student
+    /// mass]`) over `count` units.
     pub fn from_sums(sums: &[f64], count: f64) -> KdMetrics {
         let mean = |s: f64| if count > 0.0 { s / count } else { 0.0 };
+        let mass = |i: usize| sums.get(i).map(|&s| mean(s));
         KdMetrics {
-            loss: sums[0],
+            loss: sums.first().copied().unwrap_or(0.0),
             count,
-            teacher_topk_mass: Some(mean(sums[1])),
-            student_topk_mass: Some(mean(sums[2])),
+            teacher_topk_mass: mass(1),
+            student_topk_mass: mass(2),
         }
     }
 }

@@ -13,9 +13,9 @@
 
 use candle_core::{DType, Tensor};
 
-use super::stable::{logsumexp_last, masked_mean, LOG_FLOOR};
+use super::stable::{logsumexp_last, mask_count, masked_mean_known, LOG_FLOOR};
 use super::xtoken::{chunk_loglikelihoods, host_tensor, XTokenBatch};
-use super::{compute_dtype, KdMetrics, LossError, Normalizer, Result, Temperature};
+use super::{compute_dtype, KdFigures, KdMetrics, LossError, Normalizer, Result, Temperature};
 use xdistill_kernels::TopkKd;
 
 /// Inputs of [`sampled_token_loss`], all `[B, T]`, row `t` describing token `t + 1`.
@@ -39,6 +39,22 @@ pub fn sampled_token_loss(
     temperature: Temperature,
     normalizer: Option<Normalizer>,
 ) -> Result<(Tensor, KdMetrics)> {
+    let count = mask_count(&targets.mask)?;
+    let (loss, figures) =
+        sampled_token_loss_pending(student_logits, targets, count, temperature, normalizer)?;
+    Ok((loss, figures.read()?))
+}
+
+/// [`sampled_token_loss`] where the caller knows `count = Σ mask` (built from host data): its
+/// value stays on the device ([`KdFigures::Pending`], `[1]`), so a GPU's queue never waits on
+/// a head chunk's loss (two reads back per chunk before: the count and the value).
+pub fn sampled_token_loss_pending(
+    student_logits: &Tensor,
+    targets: &SampledTargets,
+    count: f64,
+    temperature: Temperature,
+    normalizer: Option<Normalizer>,
+) -> Result<(Tensor, KdFigures)> {
     let normalizer = normalizer.map(Normalizer::get);
     let temperature = temperature.get();
     let (b, t, _v) = student_logits.dims3()?;
@@ -72,14 +88,10 @@ pub fn sampled_token_loss(
     let adv = (&lt - &old)?;
     let ratio = (&lp - &old)?.exp()?;
     let per_tok = (ratio * adv)?.neg()?;
-    let (loss, count) = masked_mean(&per_tok, &targets.mask.to_dtype(dt)?, normalizer)?;
-    let metrics = KdMetrics {
-        loss: loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
-        count,
-        teacher_topk_mass: None,
-        student_topk_mass: None,
-    };
-    Ok((loss, metrics))
+    let mask = targets.mask.to_dtype(dt)?;
+    let loss = masked_mean_known(&per_tok, &mask, count, normalizer)?;
+    let sums = loss.detach().to_dtype(DType::F64)?.reshape(1)?;
+    Ok((loss, KdFigures::Pending { sums, count }))
 }
 
 /// `log_softmax(z/τ)` at `tokens` `[B, T]` of `logits` `[B, T, V]`, with its gradient, in the
@@ -195,6 +207,13 @@ mod tests {
                 / 5.0;
             assert!((scalar(&l) - want).abs() < 1e-12, "{what}");
             assert_eq!(m.count, 5.0);
+            assert_eq!((m.teacher_topk_mass, m.student_topk_mass), (None, None));
+            // With the count given, the value stays on the device until read: the same bits.
+            let (lp, f) =
+                sampled_token_loss_pending(vz.as_tensor(), &targets, 5.0, tau, None).unwrap();
+            assert!(matches!(&f, KdFigures::Pending { sums, .. } if sums.dims() == [1]));
+            assert_eq!(f.read().unwrap(), m, "{what}");
+            assert_eq!(scalar(&lp), scalar(&l), "{what}");
             // Gradient: the surrogate −Σ exp(lp − lp_old)·A / N with lp_old, A frozen at zs.
             let g = flat(l.backward().unwrap().get(vz.as_tensor()).unwrap());
             xdistill_shared::model::device_ops::force_in_this_thread(None);

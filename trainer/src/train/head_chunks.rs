@@ -349,7 +349,8 @@ fn finish_metrics(mut s: KdMetrics) -> KdMetrics {
 struct Figures {
     /// Read figures, masses count-weighted ([`add_metrics`]).
     host: KdMetrics,
-    /// Σ of [`KdFigures::Pending`] sums (`[3]` f64) and their units.
+    /// Σ of [`KdFigures::Pending`] sums (`[3]` or `[1]` f64: one loss per micro-batch, so
+    /// one length) and their units.
     pending: Option<(Tensor, f64)>,
     /// Σ of the chunks' CE values (f64 scalar) and their trained tokens.
     ce: Option<(Tensor, f64)>,
@@ -392,8 +393,9 @@ impl Figures {
             _ => Tensor::cat(&parts, 0)?.to_vec1()?, // the one copy back
         };
         let mut kd = self.host;
-        if let Some((_, count)) = self.pending {
-            add_metrics(&mut kd, &KdFigures::from_sums(&host[..3], count));
+        if let Some((sums, count)) = self.pending {
+            let n = sums.elem_count();
+            add_metrics(&mut kd, &KdFigures::from_sums(&host[..n], count));
         }
         let ce = self.ce.map(|(_, tokens)| (host[host.len() - 1], tokens));
         Ok((finish_metrics(kd), ce))

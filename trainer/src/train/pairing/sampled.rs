@@ -6,7 +6,8 @@
 use super::LossCtx;
 use crate::collate::{pad_batch, Encoded};
 use crate::loss::{
-    sampled_token_loss, CeConfig, KdFigures, KdMetrics, LossConfig, Normalizer, SampledTargets,
+    sampled_token_loss_pending, CeConfig, KdFigures, KdMetrics, LossConfig, Normalizer,
+    SampledTargets,
 };
 use crate::optim::GradAccumulator;
 use crate::train::micro::{self, Layout, MicroBatch, Part, RowPieces, Units};
@@ -57,13 +58,31 @@ impl SampledRows {
         Ok(r)
     }
 
+    /// The tokens and the teacher's log-probs on `device`, `[1, N]` each: uploaded once per
+    /// micro-batch, narrowed per head chunk ([`OnDevice::targets`]).
+    fn upload(&self, device: &candle_core::Device) -> Result<OnDevice> {
+        let n = self.tokens.len();
+        Ok(OnDevice {
+            tokens: Tensor::from_vec(self.tokens.clone(), (1, n), device)?,
+            teacher: Tensor::from_vec(self.teacher.clone(), (1, n), device)?,
+        })
+    }
+}
+
+/// [`SampledRows`]' loss inputs on the device.
+struct OnDevice {
+    tokens: Tensor,
+    teacher: Tensor,
+}
+
+impl OnDevice {
     /// The loss inputs of rows `a..a + n`, as `[1, n]`.
-    fn targets(&self, a: usize, n: usize, device: &candle_core::Device) -> Result<SampledTargets> {
+    fn targets(&self, a: usize, n: usize) -> Result<SampledTargets> {
         Ok(SampledTargets {
-            tokens: Tensor::from_vec(self.tokens[a..a + n].to_vec(), (1, n), device)?,
-            teacher_logprobs: Tensor::from_vec(self.teacher[a..a + n].to_vec(), (1, n), device)?,
+            tokens: self.tokens.narrow(1, a, n)?,
+            teacher_logprobs: self.teacher.narrow(1, a, n)?,
             old_logprobs: None, // one update per rollout: the ratio is exactly 1 (REINFORCE)
-            mask: Tensor::ones((1, n), candle_core::DType::F32, device)?,
+            mask: Tensor::ones((1, n), candle_core::DType::F32, self.tokens.device())?,
         })
     }
 }
@@ -73,6 +92,7 @@ impl SampledRows {
 struct SampledBatch<'a> {
     ctx: LossCtx<'a>,
     rows: SampledRows,
+    on_device: OnDevice,
     layout: RowPieces,
 }
 
@@ -87,7 +107,13 @@ impl<'a> SampledBatch<'a> {
         // The sampled-token loss runs fused where it can (larger chunks).
         let per = ctx.head.fused_rows(ctx.model.lm_head())?;
         let layout = RowPieces::new(&tb.ids, rows.sel.clone(), per);
-        Ok(SampledBatch { ctx, rows, layout })
+        let on_device = rows.upload(ctx.device)?;
+        Ok(SampledBatch {
+            ctx,
+            rows,
+            on_device,
+            layout,
+        })
     }
 
     /// The sampled-token loss alone (× `kd_weight`, no cross-entropy), whatever `[loss] ce` says.
@@ -111,10 +137,14 @@ impl MicroBatch for SampledBatch<'_> {
         normalizer: Option<Normalizer>,
     ) -> Result<(Tensor, KdFigures)> {
         let r = self.layout.range(part);
-        let targets = self.rows.targets(r.start, r.len(), self.ctx.device)?;
+        let targets = self.on_device.targets(r.start, r.len())?;
         let tau = self.ctx.loss.temperature;
-        let (loss, metrics) = sampled_token_loss(logits, &targets, tau, normalizer)?;
-        Ok((loss, metrics.into()))
+        // Every row of the range is a completion token (the mask is ones): the count is known
+        // here, so the chunk reads nothing back.
+        let count = r.len() as f64;
+        Ok(sampled_token_loss_pending(
+            logits, &targets, count, tau, normalizer,
+        )?)
     }
 
     /// On-policy validation runs on the objective's own figures, not through this layout.
