@@ -176,7 +176,9 @@ for spec in "qwen3-0.6b 1024 28 16 8 3072" "qwen3-1.7b 2048 28 16 8 6144"; do
   # (`--batch-invariant false`); `true`/`false` are the defaults of the two. The new path
   # (cuDNN's attention, the project's kernels) each way; the invariant goal is packed at >= 0.8x
   # padded.
-  runs=${SPEED_RUNS:-packed:cudnn:kernel packed-per-block:cudnn:kernel padded:cudnn:kernel}
+  # `packed-exact`: packed with a cuDNN graph per exact length (XDISTILL_ATTENTION_BUCKET=1,
+  # as before 2026-11-30), on the mixed lengths only.
+  runs=${SPEED_RUNS:-packed:cudnn:kernel packed-per-block:cudnn:kernel packed-exact:cudnn:kernel padded:cudnn:kernel}
   first_run=${runs%% *}
   for run in $runs; do
     IFS=: read -r mode attention topk <<< "$run"
@@ -186,14 +188,16 @@ for spec in "qwen3-0.6b 1024 28 16 8 3072" "qwen3-1.7b 2048 28 16 8 6144"; do
     case $mode in
       packed) invariant=true; packing=on ;;
       packed-per-block) invariant=true; packing=on; gemm=per-block ;;
+      packed-exact) invariant=true; packing=on ;;
       alone) invariant=true; packing=off ;;
       padded) invariant=false; packing=auto ;;
       *) invariant=$mode; packing=auto ;;
     esac
     port=18124
     log="$out/teacher-$name-$mode-$attention-$topk.log"
+    bucket=32; [ "$mode" = packed-exact ] && bucket=1
     XDISTILL_ATTENTION=$attention XDISTILL_CUDA_KERNELS=$kernels XDISTILL_PACKED_GEMM=$gemm \
-      "$work/teacher" --model "$model" --device cuda \
+      XDISTILL_ATTENTION_BUCKET=$bucket "$work/teacher" --model "$model" --device cuda \
       --dtype bf16 --port $port --cache-bytes 0 \
       --batch-invariant "$invariant" --packed-forward $packing --max-batch-tokens 16384 --max-queue-tokens 1048576 \
       > "$log" 2>&1 &
@@ -202,13 +206,18 @@ for spec in "qwen3-0.6b 1024 28 16 8 3072" "qwen3-1.7b 2048 28 16 8 6144"; do
     grep -E "attention|scoring path" "$log" | head -n 3
     # PyTorch's side does not depend on our mode: measured once, beside the first run.
     torch_flag="--no-torch"; [ "$run" = "$first_run" ] && torch_flag=""
-    for shape in "8 512 16" "4 2048 8" "1 8192 6"; do
+    # "mixed": each row of its own length in [256, 1024], a new mix every batch (what a
+    # teacher serving dataset text sees: cuDNN's graph per shape shows here only).
+    for shape in "8 512 16" "4 2048 8" "1 8192 6" "8 1024 16 mixed"; do
       set -- $shape
       # One sequence runs alone in both modes: the padded mode's figure would repeat the other.
       [ "$invariant" = false ] && [ "$1" = 1 ] && continue
+      # Exact shapes (a graph per length, as before 2026-11-30) only where lengths vary.
+      [ "$mode" = packed-exact ] && [ "${4:-}" != mixed ] && continue
+      mixed=""; [ "${4:-}" = mixed ] && mixed="--mixed-lengths"
       check timeout 150 env PYTHONUNBUFFERED=1 "$py" bench/gpu_teacher.py --model "$model" \
         --url "http://127.0.0.1:$port" --batch "$1" --seq-len "$2" --k 64 --requests "$3" \
-        --clients 4 --dtype bf16 --label "$name $mode attention=$attention topk=$topk" $torch_flag
+        --clients 4 --dtype bf16 --label "$name $mode attention=$attention topk=$topk" $torch_flag $mixed
     done
     # The fixed GEMM algorithm's fallbacks, if any (one warning per shape or row count).
     grep "packed GEMM" "$log" | head -n 8

@@ -126,6 +126,7 @@ pub fn spawn(
                 packed_rows = ?cfg.packed_rows,
                 packed_gemm = xdistill_shared::model::packed_gemm_name(),
                 attention = ?decoder.attention(),
+                attention_bucket = xdistill_shared::model::attention_bucket(),
                 cuda_kernels = xdistill_shared::device::cuda_kernels(),
                 "scoring path"
             );
@@ -262,10 +263,12 @@ impl Worker {
         m.batch_sequences.observe(jobs.len() as f64);
         let fed = |n: usize| n.min(self.max_batch_tokens);
         let tokens = if let (true, Some(rows)) = (self.batch_invariant, self.packed_rows) {
+            // Each packed sequence takes whole buckets of rows (`forward_packed`).
+            let bucket = xdistill_shared::model::attention_bucket();
             let packed: usize = seqs
                 .iter()
                 .filter(|s| self.packable(s))
-                .map(|s| s.ids.len() - 1)
+                .map(|s| xdistill_shared::model::bucketed(s.ids.len() - 1, bucket))
                 .sum();
             let alone: usize = seqs
                 .iter()

@@ -296,6 +296,74 @@ fn each_new_length_builds_its_graph_once() {
     }
 }
 
+/// The shape buckets (`XDISTILL_ATTENTION_BUCKET`, 32 rows by default; `attn_rows.rs`): a
+/// decoder's forward at 301, 302, 317 and 320 positions (one bucket of 32: 320) builds one
+/// graph between them and 321 a second, each length's hidden states as near the eager path's
+/// as `decoders_through_cudnn_match_the_eager_path` asks; the packed forward of 301, 317 and
+/// 45 positions reads the same graphs through its sequences' views (their strides do not
+/// depend on the batch around them) and builds only the one of 45's bucket. The count is the
+/// process's: one test at a time (`--test-threads=1`, as the GPU check runs them).
+#[test]
+fn lengths_of_one_bucket_share_one_graph() {
+    use xdistill_shared::model::{attention_bucket, PackedSeq};
+    let Some(dev) = gpu() else { return };
+    let cfg = config_with(
+        "qwen3",
+        serde_json::json!({"hidden_size": 256, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 128,
+            "max_position_embeddings": 1024}),
+    );
+    let vb = VarBuilder::from_tensors(params(&cfg), DType::BF16, &dev);
+    let mut m = Decoder::new(&cfg, vb, Ops::Fused).unwrap();
+    let bucket = attention_bucket();
+    let tokens = |n: usize| -> Vec<u32> { (0..n as u32).map(|i| (i * 7 + 3) % 50).collect() };
+    let mut seen = std::collections::HashSet::new();
+    for n in [301usize, 302, 317, 320, 321] {
+        let x = Tensor::from_vec(tokens(n), (1, n), &dev).unwrap();
+        m.set_attention(AttnBackend::Cudnn);
+        let before = xdistill_cudnn::graphs_built();
+        let fused = m.forward_hidden(&x, None, None, None).unwrap();
+        let built = xdistill_cudnn::graphs_built() - before;
+        let new_bucket = seen.insert(n.div_ceil(bucket) * bucket);
+        m.set_attention(AttnBackend::Eager);
+        let eager = m.forward_hidden(&x, None, None, None).unwrap();
+        let err = rel_err(&host(&fused), &host(&eager));
+        eprintln!("length {n} (bucket {bucket}): {built} graph(s) built, rel err {err:.2e}");
+        assert_eq!(built, u64::from(new_bucket), "length {n}");
+        assert!(err < 3e-2, "length {n}: relative error {err:.3e}");
+    }
+    m.set_attention(AttnBackend::Cudnn);
+    let lens = [301usize, 317, 45];
+    let ids: Vec<Vec<u32>> = lens.iter().map(|&n| tokens(n)).collect();
+    let seqs: Vec<PackedSeq> = ids
+        .iter()
+        .map(|t| PackedSeq {
+            ids: t,
+            total: t.len(),
+        })
+        .collect();
+    let before = xdistill_cudnn::graphs_built();
+    let packed = m.forward_packed(&seqs, 256).unwrap();
+    let built = xdistill_cudnn::graphs_built() - before;
+    let new_buckets = lens
+        .iter()
+        .filter(|&&n| seen.insert(n.div_ceil(bucket) * bucket))
+        .count() as u64;
+    assert_eq!(built, new_buckets, "the packed forward's graphs");
+    let mut at = 0;
+    for (n, t) in lens.iter().zip(&ids) {
+        let x = Tensor::from_vec(t.clone(), (1, *n), &dev).unwrap();
+        let alone = m.forward_hidden(&x, None, None, None).unwrap();
+        let rows = packed.narrow(0, at, *n).unwrap();
+        let err = rel_err(&host(&rows), &host(&alone));
+        eprintln!("packed, {n} positions: rel err {err:.2e} against its own forward");
+        assert!(err < 3e-2, "packed {n}: relative error {err:.3e}");
+        at += n;
+    }
+    let refused = xdistill_shared::model::cudnn_refused_shapes();
+    assert!(refused.is_empty(), "cuDNN refused {refused:?}");
+}
+
 /// Parameters of `cfg` scaled like a trained model's rather than like the tiny models' of
 /// [`params`] (whose projections, at hidden 256, multiply activations about threefold each and
 /// sharpen attention to nearly one-hot: there any two bf16 roundings of a pass drift 10–20 %

@@ -8,4 +8,6 @@
 #[cfg(feature = "cuda")]
 mod sdpa;
 #[cfg(feature = "cuda")]
-pub use sdpa::{load, prepare_train, sdpa, sdpa_backward, sdpa_train, Causal, Params};
+pub use sdpa::{
+    graphs_built, load, prepare_train, sdpa, sdpa_backward, sdpa_train, Causal, Params,
+};

@@ -67,6 +67,7 @@ struct Cached {
 };
 std::map<std::string, Cached> &graphs = *new std::map<std::string, Cached>;
 uint64_t tick = 0;
+uint64_t built = 0;  // graphs built, for tests and logs (xd_sdpa_graphs_built)
 void set_err(char *err, size_t n, const std::string &msg) {
     if (err && n) {
         std::snprintf(err, n, "%s", msg.c_str());
@@ -185,6 +186,7 @@ Entry &entry_for(const XdSdpaDesc &d) {
     }
     auto h = handle_for(d);
     Entry e = build(d, h);
+    ++built;
     if (graphs.size() >= MAX_GRAPHS) {
         auto oldest = graphs.begin();
         for (auto i = graphs.begin(); i != graphs.end(); ++i) {
@@ -230,6 +232,12 @@ int64_t xd_cudnn_load(char *err, size_t n) {
         set_err(err, n, e.what());
         return -1;
     }
+}
+
+// Graphs built so far in this process (each description once; evicted ones count too).
+uint64_t xd_sdpa_graphs_built(void) {
+    std::lock_guard<std::mutex> lock(mu);
+    return built;
 }
 
 // Builds (or finds) the graph of `desc`; `*workspace` gets the bytes its run needs.

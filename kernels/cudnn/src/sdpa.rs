@@ -65,6 +65,7 @@ struct Desc {
 extern "C" {
     fn xd_cudnn_load(err: *mut c_char, n: usize) -> i64;
     fn xd_sdpa_prepare(desc: *const Desc, workspace: *mut i64, err: *mut c_char, n: usize) -> i32;
+    fn xd_sdpa_graphs_built() -> u64;
     #[allow(clippy::too_many_arguments)]
     fn xd_sdpa_run(
         desc: *const Desc,
@@ -105,6 +106,14 @@ fn err_text(buf: &[u8]) -> String {
     String::from_utf8_lossy(&buf[..end]).into_owned()
 }
 
+/// How many graphs (forward or backward, one per description: dims, strides, dtype, mask)
+/// this process has built so far, the evicted ones included: what a shape bucket saves shows
+/// here.
+pub fn graphs_built() -> u64 {
+    // SAFETY: reads a counter under the shim's lock; no arguments.
+    unsafe { xd_sdpa_graphs_built() }
+}
+
 /// Loads cuDNN once per process: its version (e.g. 91300), or why it could not be loaded.
 pub fn load() -> std::result::Result<i64, String> {
     static LOADED: OnceLock<std::result::Result<i64, String>> = OnceLock::new();
@@ -133,9 +142,18 @@ pub fn sdpa(q: &Tensor, k: &Tensor, v: &Tensor, params: Params) -> Result<Tensor
 
 struct Sdpa(Params);
 
+/// `l`'s strides in elements, `[B, H, S, D]`. With one batch row the batch stride is never
+/// used, so it is given as the rest's extent whatever it is: a view into a larger buffer (a
+/// packed forward's sequence) then has the graph key of any other view of its shape, instead
+/// of one per size of the buffer around it.
 fn strides(l: &Layout) -> [i64; 4] {
     let s = l.stride();
-    [s[0] as i64, s[1] as i64, s[2] as i64, s[3] as i64]
+    let d = l.dims();
+    let batch = match d[0] {
+        1 => (d[1] * d[2] * d[3]) as i64,
+        _ => s[0] as i64,
+    };
+    [batch, s[1] as i64, s[2] as i64, s[3] as i64]
 }
 
 /// The description of an attention over `q` [B, Hq, Sq, D] and `k`, `v` [B, Hkv, Skv, D]

@@ -4,6 +4,7 @@
 //! window itself, and its `[B, T, Hq, D]` result goes straight into `o_proj`: no transposes, no
 //! repeated K/V, no `[B, H, T, S]` scores and no mask tensor.
 
+use super::attn_rows::{attention_bucket, bucketed, pad_rows};
 use super::device_ops;
 use super::layers::{Attention, AttnBackend, AttnInputs, Ops};
 use candle_core::{DType, Device, Result, Tensor, D};
@@ -60,15 +61,33 @@ pub fn refused_shapes() -> Vec<String> {
 }
 
 /// cuDNN's attention of `q` [B, T, Hq, D]-strided views, `k`, `v` as [`xdistill_cudnn::sdpa`]
-/// takes them, or `None` where cuDNN refuses the shape (its graph does not build or run): that
-/// shape (dims, dtype, mask) is remembered and takes the eager attention from then on, with one
-/// warning, so a request is never failed for a shape cuDNN does not support.
+/// takes them (`[B, Sq, Hq, D]`), or `None` where cuDNN refuses the shape (its graph does not
+/// build or run): that shape (dims, dtype, mask) is remembered and takes the eager attention
+/// from then on, with one warning, so a request is never failed for a shape cuDNN does not
+/// support. Causal self-attention whose length is not a whole number of buckets runs over
+/// zero-padded copies of q, k and v ([`super::attn_rows`]: one graph per bucket, not per
+/// length), its output cut back to the real rows.
 pub(super) fn sdpa_or_eager(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     params: Params,
 ) -> Result<Option<Tensor>> {
+    let (sq, skv) = (q.dim(2)?, k.dim(2)?);
+    let to = bucketed(sq, attention_bucket());
+    if params.causal == Causal::TopLeft && sq == skv && to != sq {
+        // Padded in the projections' layout [B, S, H, D] (the graph's strides then depend on
+        // the bucket only), read as [B, H, S, D].
+        let pad = |t: &Tensor| pad_rows(&t.transpose(1, 2)?, 1, to)?.transpose(1, 2);
+        return sdpa_exact(&pad(q)?, &pad(k)?, &pad(v)?, params)?
+            .map(|out| out.narrow(1, 0, sq))
+            .transpose();
+    }
+    sdpa_exact(q, k, v, params)
+}
+
+/// [`sdpa_or_eager`] for the shapes as given.
+fn sdpa_exact(q: &Tensor, k: &Tensor, v: &Tensor, params: Params) -> Result<Option<Tensor>> {
     let key = format!(
         "attention q {:?} k {:?} {:?} {:?} window {:?}",
         q.dims(),
@@ -110,17 +129,15 @@ impl Attention {
             && cudnn_ready(x.device(), x.dtype()))
     }
 
-    /// `x` [B, T, H] → [B, T, H] through cuDNN; `kv` as in [`Attention::forward`] (the cache
-    /// keeps its `[B, Hkv, S, D]` layout). `None` where cuDNN refuses the shape
-    /// ([`sdpa_or_eager`]): the cache is then untouched and the caller runs the eager attention.
-    pub(super) fn forward_cudnn(
+    /// `x` [B, T, H] → q [B, T, Hq, D], k and v [B, T, Hkv, D]: projected, normed and rotated
+    /// in the projections' layout (the fused RoPE where it runs, else candle's `rope_thd`:
+    /// full rotary only, as [`Attention::cudnn_applies`] asks).
+    pub(super) fn project_rotated(
         &self,
         x: &Tensor,
         inp: &AttnInputs<'_>,
-        kv: Option<&mut Option<(Tensor, Tensor)>>,
-    ) -> Result<Option<Tensor>> {
-        let (b, t, _) = x.dims3()?;
-        let (q, k, v) = self.project_heads(x, inp)?; // [B, T, H, D]
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (q, k, v) = self.project_heads(x, inp)?;
         let (q, k) = if device_ops::applies(&q) && inp.cos.dtype() == q.dtype() {
             (
                 device_ops::rope(&q, inp.cos, inp.sin, false)?,
@@ -132,8 +149,22 @@ impl Attention {
                 candle_nn::rotary_emb::rope_thd(&k.contiguous()?, inp.cos, inp.sin)?,
             )
         };
-        // [B, Hkv, S, D]: views of the new positions, or the cache with them appended (stored
-        // once cuDNN has run).
+        Ok((q, k, v))
+    }
+
+    /// `x` [B, T, H] → [B, T, H] through cuDNN; `kv` as in [`Attention::forward`] (the cache
+    /// keeps its `[B, Hkv, S, D]` layout). `None` where cuDNN refuses the shape
+    /// ([`sdpa_or_eager`]): the cache is then untouched and the caller runs the eager attention.
+    pub(super) fn forward_cudnn(
+        &self,
+        x: &Tensor,
+        inp: &AttnInputs<'_>,
+        kv: Option<&mut Option<(Tensor, Tensor)>>,
+    ) -> Result<Option<Tensor>> {
+        let (b, t, _) = x.dims3()?;
+        let (q, k, v) = self.project_rotated(x, inp)?; // [B, T, H, D]
+                                                       // [B, Hkv, S, D]: views of the new positions, or the cache with them appended (stored
+                                                       // once cuDNN has run).
         let (k, v) = match &kv {
             Some(slot) => {
                 let (k, v) = (

@@ -26,6 +26,7 @@
 pub mod arch;
 #[cfg(feature = "cuda")]
 mod attn_cudnn;
+mod attn_rows;
 pub mod autograd;
 mod blockwise;
 pub mod config;
@@ -54,6 +55,7 @@ mod train_layer;
 
 #[cfg(feature = "cuda")]
 pub use attn_cudnn::refused_shapes as cudnn_refused_shapes;
+pub use attn_rows::{attention_bucket, bucketed, ATTENTION_BUCKET};
 #[doc(hidden)]
 pub use blockwise::override_block as override_attention_block;
 pub(crate) use config::stored_name;

@@ -13,19 +13,34 @@
 //! `q` is `[B, Hq, T, D]`, `k` and `v` `[B, Hkv, T, D]` (grouped-query when `Hkv < Hq`), the
 //! output `[B, Hq, T, D]`; queries and keys are the same positions (causal, top-left).
 
+#[cfg(feature = "cuda")]
+use super::attn_rows::{attention_bucket, bucketed, pad_rows};
 use super::blockwise::{self, Causal};
 use super::layers::AttnBackend;
 use candle_core::{DType, Device, Result, Tensor};
+
+/// `x` `[B, H, T, D]` with zero positions appended up to `to` (`x` itself when it has them).
+#[cfg(feature = "cuda")]
+fn pad(x: &Tensor, to: usize) -> Result<Tensor> {
+    if x.dim(2)? == to {
+        return Ok(x.clone());
+    }
+    pad_rows(x, 2, to)
+}
 
 /// What a core's backward needs besides q, k, v and the output.
 pub(crate) enum Saved {
     /// The blockwise kernel's blocks (it recomputes everything else).
     Blockwise(Causal),
-    /// cuDNN's softmax statistics, f32 `[B, Hq, T, 1]`, and the call's parameters.
+    /// cuDNN's softmax statistics, f32 `[B, Hq, T', 1]`, and the call's parameters; where T
+    /// is not a whole number of buckets ([`super::attn_rows`]) the call ran over T' padded
+    /// positions, and `padded` keeps its whole output `[B, T', Hq, D]` (the backward reads
+    /// the padded rows' outputs too).
     #[cfg(feature = "cuda")]
     Cudnn {
         stats: Tensor,
         params: xdistill_cudnn::Params,
+        padded: Option<Tensor>,
     },
 }
 
@@ -71,9 +86,21 @@ pub(crate) fn forward(q: &Tensor, k: &Tensor, v: &Tensor, core: Core) -> Result<
             causal: xdistill_cudnn::Causal::TopLeft,
             window,
         };
-        if cudnn_trains((q, k, v), params) {
-            let (out, stats) = xdistill_cudnn::sdpa_train(q, k, v, params)?; // [B, T, Hq, D]
-            return Ok((out.transpose(1, 2)?, Saved::Cudnn { stats, params }));
+        let t = q.dim(2)?;
+        let to = bucketed(t, attention_bucket());
+        let (qp, kp, vp) = (pad(q, to)?, pad(k, to)?, pad(v, to)?);
+        if cudnn_trains((&qp, &kp, &vp), params) {
+            let (out, stats) = xdistill_cudnn::sdpa_train(&qp, &kp, &vp, params)?; // [B, T', Hq, D]
+            let (o, padded) = match to == t {
+                true => (out, None),
+                false => (out.narrow(1, 0, t)?, Some(out)),
+            };
+            let saved = Saved::Cudnn {
+                stats,
+                params,
+                padded,
+            };
+            return Ok((o.transpose(1, 2)?, saved));
         }
     }
     let _ = backend;
@@ -122,15 +149,35 @@ pub(crate) fn backward(
             blockwise::backward(q, k, v, dout, scale, *c)
         }
         #[cfg(feature = "cuda")]
-        Saved::Cudnn { stats, params } => {
+        Saved::Cudnn {
+            stats,
+            params,
+            padded,
+        } => {
             let _ = scale;
-            xdistill_cudnn::sdpa_backward(
-                (q, k, v),
-                &out.transpose(1, 2)?,
+            let Some(o) = padded else {
+                return xdistill_cudnn::sdpa_backward(
+                    (q, k, v),
+                    &out.transpose(1, 2)?,
+                    stats,
+                    &dout.transpose(1, 2)?,
+                    *params,
+                );
+            };
+            // The padded call's backward: zero gradient at the padded outputs, so the padded
+            // rows give the real ones nothing (`attn_rows.rs`); the real rows' gradients cut
+            // back out.
+            let (t, to) = (q.dim(2)?, o.dim(1)?);
+            let d_o = pad_rows(&dout.transpose(1, 2)?, 1, to)?; // [B, T', Hq, D]
+            let (dq, dk, dv) = xdistill_cudnn::sdpa_backward(
+                (&pad(q, to)?, &pad(k, to)?, &pad(v, to)?),
+                o,
                 stats,
-                &dout.transpose(1, 2)?,
+                &d_o,
                 *params,
-            )
+            )?;
+            let cut = |g: Tensor| g.narrow(2, 0, t)?.contiguous();
+            Ok((cut(dq)?, cut(dk)?, cut(dv)?))
         }
     }
 }
