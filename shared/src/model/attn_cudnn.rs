@@ -64,9 +64,11 @@ pub fn refused_shapes() -> Vec<String> {
 /// takes them (`[B, Sq, Hq, D]`), or `None` where cuDNN refuses the shape (its graph does not
 /// build or run): that shape (dims, dtype, mask) is remembered and takes the eager attention
 /// from then on, with one warning, so a request is never failed for a shape cuDNN does not
-/// support. Causal self-attention whose length is not a whole number of buckets runs over
+/// support. Causal attention whose queries are not a whole number of buckets runs over
 /// zero-padded copies of q, k and v ([`super::attn_rows`]: one graph per bucket, not per
-/// length), its output cut back to the real rows.
+/// length), its output cut back to the real rows: the same rows appended to the queries and
+/// the keys, so that a chunk over a KV cache (bottom-right: query `i` sees keys up to
+/// `Skv − Sq + i`) keeps its alignment and no real query reaches a padded key.
 pub(super) fn sdpa_or_eager(
     q: &Tensor,
     k: &Tensor,
@@ -74,12 +76,19 @@ pub(super) fn sdpa_or_eager(
     params: Params,
 ) -> Result<Option<Tensor>> {
     let (sq, skv) = (q.dim(2)?, k.dim(2)?);
-    let to = bucketed(sq, attention_bucket());
-    if params.causal == Causal::TopLeft && sq == skv && to != sq {
+    let extra = bucketed(sq, attention_bucket()) - sq;
+    let aligned = match params.causal {
+        Causal::TopLeft => sq == skv,
+        Causal::BottomRight => sq <= skv,
+        Causal::None => false,
+    };
+    if extra > 0 && aligned {
         // Padded in the projections' layout [B, S, H, D] (the graph's strides then depend on
-        // the bucket only), read as [B, H, S, D].
-        let pad = |t: &Tensor| pad_rows(&t.transpose(1, 2)?, 1, to)?.transpose(1, 2);
-        return sdpa_exact(&pad(q)?, &pad(k)?, &pad(v)?, params)?
+        // the padded lengths only), read as [B, H, S, D].
+        let pad = |t: &Tensor, rows: usize| {
+            pad_rows(&t.transpose(1, 2)?, 1, t.dim(2)? + rows)?.transpose(1, 2)
+        };
+        return sdpa_exact(&pad(q, extra)?, &pad(k, extra)?, &pad(v, extra)?, params)?
             .map(|out| out.narrow(1, 0, sq))
             .transpose();
     }

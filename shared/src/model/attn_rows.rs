@@ -9,7 +9,9 @@
 //! followed by zero rows up to a multiple of [`attention_bucket`] (32 by default): a real query
 //! `i` sees keys `j ≤ i` only, so the rows after the sequence change none of its outputs (their
 //! scores are masked; masked probabilities are exactly 0, and the zero rows' values are finite),
-//! and a graph serves every length of its bucket: at most 256 shapes up to 8,192 positions.
+//! and a graph serves every length of its bucket: at most 256 shapes up to 8,192 positions. A
+//! chunk over a KV cache (bottom-right: query `i` of `Sq` sees keys up to `Skv − Sq + i`) gets
+//! the same zero rows appended to its queries and its keys, which keeps that alignment.
 //!
 //! The cost: the attention's work over up to 31 more rows, and a copy of q, k and v into the
 //! padded buffers where the caller's rows do not already end on a bucket (the packed forward
@@ -155,6 +157,66 @@ mod tests {
                         .unwrap(),
                     0.0
                 );
+            }
+        }
+    }
+
+    /// Softmax attention in f64 by loops, one head: `q` `[sq, d]` over `k`, `v` `[skv, d]`,
+    /// query `i` seeing keys `j ≤ skv − sq + i` (bottom-right, a KV cache's chunk) within
+    /// `window`.
+    fn naive(
+        q: &[Vec<f64>],
+        k: &[Vec<f64>],
+        v: &[Vec<f64>],
+        window: Option<usize>,
+    ) -> Vec<Vec<f64>> {
+        let (sq, skv) = (q.len(), k.len());
+        (0..sq)
+            .map(|i| {
+                let last = skv - sq + i;
+                let first = window.map_or(0, |w| (last + 1).saturating_sub(w));
+                let s: Vec<f64> = (first..=last)
+                    .map(|j| q[i].iter().zip(&k[j]).map(|(a, b)| a * b).sum::<f64>() * 0.3)
+                    .collect();
+                let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+                let z: f64 = e.iter().sum();
+                (0..q[i].len())
+                    .map(|c| (first..=last).zip(&e).map(|(j, p)| p / z * v[j][c]).sum())
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// The padding of a chunk over a KV cache: the same zero rows appended to its queries and
+    /// to the keys keep the bottom-right alignment, so every real query sees exactly the keys
+    /// it saw (and no padded one).
+    #[test]
+    fn a_cached_chunk_padded_on_both_sides_keeps_its_keys() {
+        let rows = |n: usize, seed: u64| -> Vec<Vec<f64>> {
+            let t = random(&[n, 4], seed);
+            t.to_vec2::<f64>().unwrap()
+        };
+        for (sq, past, window) in [(5, 11, None), (16, 25, Some(8)), (1, 3, None)] {
+            let skv = past + sq;
+            let (q, k, v) = (rows(sq, 7), rows(skv, 8), rows(skv, 9));
+            let want = naive(&q, &k, &v, window);
+            let extra = bucketed(sq, 32) - sq;
+            let zero = vec![0.0; 4];
+            let pad = |x: &[Vec<f64>]| -> Vec<Vec<f64>> {
+                x.iter()
+                    .cloned()
+                    .chain(std::iter::repeat_n(zero.clone(), extra))
+                    .collect()
+            };
+            let got = naive(&pad(&q), &pad(&k), &pad(&v), window);
+            for i in 0..sq {
+                for c in 0..4 {
+                    assert!(
+                        (got[i][c] - want[i][c]).abs() < 1e-12,
+                        "sq {sq}, past {past}"
+                    );
+                }
             }
         }
     }
