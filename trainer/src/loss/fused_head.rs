@@ -3,7 +3,9 @@
 //! written over those logits by a second (llm.c's fused classifier;
 //! [`xdistill_kernels::TopkKdTrain`]). It runs where each row's gradient is known before the
 //! loss, a linear mix of the terms (`kd_weight·KD + w·CE`): the gradient of the chunk's loss at
-//! row r's divergence is `kd_weight·τ²·mask_r/N_kd`, at its cross-entropy `w·mask_r/N_ce`.
+//! row r's divergence is `kd_weight·τ²·mask_r/N_kd`, at its cross-entropy `w·mask_r/N_ce`. The
+//! on-policy sampled-token loss too: at row r's cross-entropy (the sampled token's), its
+//! gradient is `kd_weight·A_r·mask_r/N` with the advantage `A_r` from the same kernel pass.
 //!
 //! Through autograd the same chunk ran two losses, each its own kernels and `[n, V]` gradient,
 //! and candle's backward gave every node that reaches the logits a fill and an add of `[n, V]`
@@ -14,13 +16,24 @@
 
 use super::kl::{fused_loss, kd_value_and_figures, Divergence, TopkTargets};
 use super::stable::{masked_mean_known, LOG_FLOOR};
-use super::{compute_dtype, KdFigures, LossConfig, Normalizer, Result, TailMode, Temperature};
+use super::{
+    compute_dtype, KdFigures, LossConfig, Normalizer, Result, SampledTargets, TailMode, Temperature,
+};
 use candle_core::Tensor;
 use xdistill_kernels::{TopkKd, TopkKdTrain, TRAIN_MAX_K};
 
-/// The distillation term of a chunk in the fused form: the same tokenizer's top-k divergence.
+/// The distillation term of a chunk in the fused form.
 #[derive(Debug, Clone)]
-pub struct FusedKd {
+pub enum FusedKd {
+    /// The same tokenizer's top-k divergence.
+    Topk(FusedTopk),
+    /// The on-policy sampled-token loss (`sampled_kl`, one update per rollout).
+    Sampled(FusedSampled),
+}
+
+/// The same tokenizer's top-k divergence of a chunk.
+#[derive(Debug, Clone)]
+pub struct FusedTopk {
     /// The chunk's teacher rows `[1, n, k]` (distinct ids).
     pub targets: TopkTargets,
     pub divergence: Divergence,
@@ -48,14 +61,49 @@ impl FusedKd {
         if !targets.distinct || k > TRAIN_MAX_K || !TopkKd::runs_on(head) {
             return Ok(None);
         }
-        Ok(Some(FusedKd {
+        Ok(Some(FusedKd::Topk(FusedTopk {
             targets,
             divergence,
             tail: config.tail.unwrap_or(TailMode::Bucket),
             temperature: config.temperature,
             normalizer,
-        }))
+        })))
     }
+
+    /// The sampled-token loss over `targets` in the fused form, where the fused kernels run
+    /// for `head` (the LM head whose logits these are) and the ratio is exactly 1 (no old
+    /// log-probs: one update per rollout); `count` = Σ mask, known on the host.
+    pub fn sampled(
+        targets: SampledTargets,
+        count: f64,
+        temperature: Temperature,
+        normalizer: Normalizer,
+        head: &Tensor,
+    ) -> Option<FusedKd> {
+        (targets.old_logprobs.is_none() && TopkKd::runs_on(head)).then_some(FusedKd::Sampled(
+            FusedSampled {
+                targets,
+                count,
+                temperature,
+                normalizer,
+            },
+        ))
+    }
+}
+
+/// The on-policy sampled-token loss of a chunk: `−Σ_r ratio_r·A_r / N` with the ratio 1 and
+/// `A_r = lp_T − lp_S` (no gradient), so each row's gradient is its cross-entropy's at the
+/// sampled token times `A_r / N`, a weight the kernel's first pass gives (`lp_S = −CE`).
+#[derive(Debug, Clone)]
+pub struct FusedSampled {
+    /// `[1, n]` each: the sampled tokens, the teacher's log-probs of them, the mask.
+    pub targets: SampledTargets,
+    /// Σ mask.
+    pub count: f64,
+    /// The sampling temperature.
+    pub temperature: Temperature,
+    /// The step's distillation units.
+    pub normalizer: Normalizer,
 }
 
 /// The cross-entropy of a chunk: each row's next token `[1, n]` u32, its mask `[1, n]` and
@@ -101,7 +149,18 @@ pub fn run(logits: &Tensor, terms: &FusedTerms, kd_w: f64, ce_w: f64) -> Result<
     let acc = compute_dtype(logits);
     let rows = |t: &Tensor| -> Result<Tensor> { Ok(t.reshape((n, 1))?.to_dtype(acc)?) };
     match (&terms.kd, &terms.ce) {
-        (Some(kd), ce) => {
+        (Some(FusedKd::Sampled(sk)), None) => {
+            let kd = sampled(&z, sk, kd_w)?;
+            Ok(FusedOut {
+                kd: Some(kd),
+                ce: None,
+            })
+        }
+        (Some(FusedKd::Sampled(_)), Some(_)) => Err(super::LossError::config(
+            "ce",
+            "the sampled-token loss trains without the cross-entropy term",
+        )),
+        (Some(FusedKd::Topk(kd)), ce) => {
             let k = kd.targets.ids.dim(2)?;
             let tau = kd.temperature.get();
             let lts = kd
@@ -159,6 +218,50 @@ pub fn run(logits: &Tensor, terms: &FusedTerms, kd_w: f64, ce_w: f64) -> Result<
         }
         (None, None) => Ok(FusedOut { kd: None, ce: None }),
     }
+}
+
+/// The sampled-token loss of `sk` on `z` `[n, V]` (its gradient × `kd_w` written over `z`):
+/// the value as [`super::sampled_token_loss_pending`] gives it, and its figures.
+fn sampled(z: &Tensor, sk: &FusedSampled, kd_w: f64) -> Result<(Tensor, KdFigures)> {
+    let n = z.dim(0)?;
+    let acc = compute_dtype(z);
+    let t = &sk.targets;
+    let ids = t.tokens.contiguous()?.reshape((n, 1))?;
+    let zero = Tensor::zeros((n, 1), acc, z.device())?;
+    let ce = TopkKd {
+        temperature: sk.temperature.get(),
+        ..TopkKd::cross_entropy()
+    };
+    let op = TopkKdTrain::new(z, &ids, &zero, None, ce)?;
+    let out = op.figures(z)?;
+    let lp = out.narrow(1, 0, 1)?.neg()?; // [n, 1]: log_softmax(z/τ) at the sampled token
+    let lt = t
+        .teacher_logprobs
+        .detach()
+        .to_dtype(acc)?
+        .maximum(LOG_FLOOR)?
+        .reshape((n, 1))?;
+    let mask = t.mask.to_dtype(acc)?.reshape((n, 1))?;
+    // d(−lp·A/N)/dCE = A/N (lp = −CE, A frozen), per unit of the loss's weight.
+    let adv = (&lt - &lp)?;
+    let g = (&adv * &mask)?.affine(kd_w / sk.normalizer.get(), 0.0)?;
+    op.grad_into_logits(z, &out, &Tensor::cat(&[&g, &g.zeros_like()?], 1)?)?;
+    // The value: mean over the units of −ratio·A = lp − lp_T.
+    let per_tok = adv.neg()?.reshape(n)?;
+    let loss = masked_mean_known(
+        &per_tok,
+        &mask.reshape(n)?,
+        sk.count,
+        Some(sk.normalizer.get()),
+    )?;
+    let sums = loss.to_dtype(candle_core::DType::F64)?.reshape(1)?;
+    Ok((
+        loss,
+        KdFigures::Pending {
+            sums,
+            count: sk.count,
+        },
+    ))
 }
 
 /// The cross-entropy's value as [`super::ce::cross_entropy_known`] gives it.

@@ -261,6 +261,25 @@ mod tests {
     /// kept and checkpointed activations, tied and untied heads; f64 to 1e-9, f32 to 1e-5.
     #[test]
     fn sampled_chunks_equal_the_whole_loss() {
+        check_sampled_chunks();
+    }
+
+    /// The same with the fused kernels forced on in this thread (the CPU runs their f64
+    /// reference): each head chunk by hand (`loss::fused_head`: the rows' cross-entropy at the
+    /// sampled tokens from one kernel pass, the gradient weighted by each row's advantage
+    /// written over the logits, the head's gradient summed in place), against the unchunked
+    /// loss through autograd and the same kernels.
+    #[test]
+    fn sampled_chunks_by_hand_equal_the_whole_loss() {
+        use xdistill_shared::model::device_ops;
+        device_ops::force_in_this_thread(Some(true));
+        let probe = candle_core::Tensor::zeros((1, V), DType::F32, &Device::Cpu).unwrap();
+        assert!(xdistill_kernels::TopkKd::runs_on(&probe));
+        check_sampled_chunks();
+        device_ops::force_in_this_thread(None);
+    }
+
+    fn check_sampled_chunks() {
         let mut rng = ChaCha8Rng::seed_from_u64(3);
         let mut samples = vec![];
         let mut scores = vec![];

@@ -5,6 +5,7 @@
 
 use super::LossCtx;
 use crate::collate::{pad_batch, Encoded};
+use crate::loss::fused_head::FusedKd;
 use crate::loss::{
     sampled_token_loss_pending, CeConfig, KdFigures, KdMetrics, LossConfig, Normalizer,
     SampledTargets,
@@ -145,6 +146,23 @@ impl MicroBatch for SampledBatch<'_> {
         Ok(sampled_token_loss_pending(
             logits, &targets, count, tau, normalizer,
         )?)
+    }
+
+    /// The chunk's loss by hand where the fused kernels run ([`FusedKd::sampled`]): its
+    /// gradient is each row's cross-entropy gradient times a weight from the same pass.
+    fn fused_kd(&self, part: Part, normalizer: Normalizer) -> Result<Option<FusedKd>> {
+        let r = self.layout.range(part);
+        if r.is_empty() {
+            return Ok(None);
+        }
+        let targets = self.on_device.targets(r.start, r.len())?;
+        Ok(FusedKd::sampled(
+            targets,
+            r.len() as f64,
+            self.ctx.loss.temperature,
+            normalizer,
+            self.ctx.model.lm_head(),
+        ))
     }
 
     /// On-policy validation runs on the objective's own figures, not through this layout.
