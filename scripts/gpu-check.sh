@@ -36,7 +36,8 @@
 #    runs before step 3 and leaves its Qwen3-0.6B model to steps 3 and 4.
 # r. on-policy generation (issue 47 item 7): a 32-row greedy rollout of 128 tokens on the
 #    random Qwen3-0.6B, `trainer eval` (old and new paths) vs transformers' generate,
-#    tokens/s. Not in the default run: STEPS="r".
+#    tokens/s; then an on-policy run of 3 steps, student and teacher (4 layers of that shape)
+#    on the card. Not in the default run: STEPS="r".
 # p. kernels per teacher forward and per student step (issues 46, 47): `ncu` on a 4-layer model of
 #    Qwen3-0.6B's shape (the kernel mix per layer is the full model's), every launch timed,
 #    summed per kernel by bench/ncu_kernels.py. Not in the default run: STEPS="p"
@@ -334,6 +335,24 @@ if [ -f "$prompts" ]; then
       --batch-size 32 --device cuda --dtype bf16 --quiet
   done
   check timeout 300 env PYTHONUNBUFFERED=1 "$py" bench/torch_rollout.py "$model" "$prompts" 32 128 cuda bf16
+  # An on-policy run of a few steps on the GPU (issue 47: rollouts, the teacher's scores of
+  # them, the sampled-token loss's head chunks by hand, AdamW): student and teacher 4 layers of
+  # Qwen3-0.6B's shape with its tokenizer, both on the card, configs/on_policy.toml on GSM8K's
+  # questions, 3 steps of 16 prompts, 48 new tokens each. Its step lines and summary.
+  onp="$work/qwen3-0.6b-4layers-onp"
+  [ -d "$onp" ] || check "$work/trainer" init-model --arch qwen3 --tokenizer "$work/tokenizers/qwen3/tokenizer.json" \
+    --hidden-size 1024 --layers 4 --heads 16 --kv-heads 8 --head-dim 128 --intermediate-size 3072 \
+    --tie-embeddings --pad-vocab-to 64 --max-position-embeddings 4096 --seed 1 --out "$onp"
+  port=18126
+  "$work/teacher" --model "$onp" --device cuda --dtype bf16 --port $port > "$out/teacher-onp.log" 2>&1 &
+  tpid=$!
+  wait_healthy $port $tpid
+  check timeout 300 "$work/trainer" on-policy --config configs/on_policy.toml \
+    --teacher-url "http://127.0.0.1:$port" --student "$onp" --prompts "$prompts" --output "$work/onp-run" \
+    --max-steps 3 --set policy.device="cuda" --set data.prompt_field="question" \
+    --set data.completion_field="answer" --set distillation.val_at_start=false \
+    --set distillation.val_at_end=false --set checkpointing.enabled=false
+  kill -TERM $tpid; wait $tpid
 else
   echo "skipped: no GSM8K prompts in the bundle"
 fi
