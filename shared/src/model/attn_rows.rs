@@ -68,7 +68,9 @@ pub fn pad_rows(x: &Tensor, dim: usize, to: usize) -> Result<Tensor> {
     let mut dims = x.dims().to_vec();
     dims[dim] = to - n;
     let zeros = Tensor::zeros(dims, x.dtype(), x.device())?;
-    Tensor::cat(&[x, &zeros], dim)
+    // Contiguous parts, so that the result is contiguous too (candle concatenates strided
+    // parts along a transposed layout).
+    Tensor::cat(&[&x.contiguous()?, &zeros], dim)
 }
 
 #[cfg(test)]
@@ -237,6 +239,11 @@ mod tests {
         let x = Tensor::ones((2, 3, 4), DType::F32, &Device::Cpu).unwrap();
         let p = pad_rows(&x, 1, 5).unwrap();
         assert_eq!(p.dims(), [2, 5, 4]);
+        assert!(p.is_contiguous());
+        // A strided view (a KV cache's keys read tokens first) comes back contiguous too.
+        let strided = pad_rows(&x.transpose(1, 2).unwrap(), 1, 6).unwrap();
+        assert_eq!(strided.dims(), [2, 6, 3]);
+        assert!(strided.is_contiguous());
         assert_eq!(p.sum_all().unwrap().to_scalar::<f32>().unwrap(), 24.0);
         assert!(pad_rows(&x, 1, 2).is_err());
     }
