@@ -6,11 +6,11 @@
 //! chunk likelihoods), averaged over chunks with both sides. No τ² factor: τ here flattens chunk
 //! likelihoods, it is not a softmax temperature.
 
-use candle_core::{DType, Tensor};
+use candle_core::Tensor;
 
 use super::stable::log1mexp;
 use super::xtoken::{chunk_loglikelihoods, host_tensor, XTokenBatch};
-use super::{compute_dtype, KdMetrics, LossError, Normalizer, Result, Temperature};
+use super::{compute_dtype, KdFigures, KdMetrics, LossError, Normalizer, Result, Temperature};
 
 /// Floor of `1 − e^b` in the log (a chunk the student is certain of, `b = 0`).
 const ALM_FLOOR: f64 = 1e-9;
@@ -27,7 +27,7 @@ pub fn alm_loss(
     tau: f64,
     temperature: Temperature,
     normalizer: Option<Normalizer>,
-) -> Result<(Tensor, KdMetrics)> {
+) -> Result<(Tensor, KdFigures)> {
     let normalizer = normalizer.map(Normalizer::get);
     let temperature = temperature.get();
     if !(tau.is_finite() && tau > 0.0) {
@@ -40,7 +40,7 @@ pub fn alm_loss(
     let dev = student_logits.device().clone();
     let chunks = batch.chunks()?;
     if chunks.is_empty() {
-        return Ok((Tensor::zeros((), dt, &dev)?, KdMetrics::default()));
+        return Ok((Tensor::zeros((), dt, &dev)?, KdMetrics::default().into()));
     }
     let (ls, lt) = chunk_loglikelihoods(student_logits, batch, &chunks, temperature)?;
     let n_c = chunks.len();
@@ -54,13 +54,8 @@ pub fn alm_loss(
     let per_chunk = ((pa_t * &bb)? + (qa_t * log1mexp(&bb, ALM_FLOOR)?)?)?.neg()?;
     let n = normalizer.unwrap_or(n_c as f64);
     let loss = per_chunk.sum_all()?.affine(1.0 / n, 0.0)?;
-    let metrics = KdMetrics {
-        loss: loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
-        count: n_c as f64,
-        teacher_topk_mass: None,
-        student_topk_mass: None,
-    };
-    Ok((loss, metrics))
+    let figures = KdFigures::pending(&loss, &[], n_c as f64)?;
+    Ok((loss, figures))
 }
 
 #[cfg(test)]
@@ -68,6 +63,7 @@ mod tests {
     use super::*;
     use crate::loss::testutil::*;
     use crate::loss::xtoken::tests::{fixture, ref_chunks, B, TS, TT, VL};
+    use candle_core::DType;
 
     /// Reference: chunk sums of target log-probs as loops, the BCE with f64 `ln_1p`/`exp_m1`.
     fn reference(x: &XTokenBatch, zs: &[f64], tau: f64, temp: f64) -> f64 {
@@ -106,6 +102,7 @@ mod tests {
                     None,
                 )
                 .unwrap();
+                let m = m.read().unwrap();
                 assert!(
                     (scalar(&l) - want).abs() < tol * want.abs(),
                     "τ={tau} {dtype:?}: {} vs {want}",

@@ -56,7 +56,7 @@ use sha2::{Digest, Sha256};
 
 use super::kl::Divergence;
 use super::stable::{log_softmax_last, logaddexp};
-use super::{compute_dtype, KdMetrics, LossError, Normalizer, Result, Temperature};
+use super::{compute_dtype, KdFigures, LossError, Normalizer, Result, Temperature};
 
 /// Positions per chunk when the caller has no better figure: `[64, V]` f32 is 39 MB for Qwen3.
 pub const DEFAULT_CHUNK_ROWS: usize = 64;
@@ -416,7 +416,7 @@ pub fn full_vocab_divergence(
     temperature: Temperature,
     chunk_rows: usize,
     normalizer: Option<Normalizer>,
-) -> Result<(Tensor, KdMetrics)> {
+) -> Result<(Tensor, KdFigures)> {
     let rank = student_logits.rank();
     if rank < 2 {
         return Err(LossError::input(
@@ -468,7 +468,7 @@ pub fn full_vocab_divergence_from_logits(
     temperature: Temperature,
     chunk_rows: usize,
     normalizer: Option<Normalizer>,
-) -> Result<(Tensor, KdMetrics)> {
+) -> Result<(Tensor, KdFigures)> {
     if teacher_logits.dims() != student_logits.dims() {
         return Err(LossError::input(
             "teacher_logits",
@@ -609,7 +609,7 @@ fn chunked(
     temperature: Temperature,
     chunk_rows: usize,
     normalizer: Option<Normalizer>,
-) -> Result<(Tensor, KdMetrics)> {
+) -> Result<(Tensor, KdFigures)> {
     let temperature = temperature.get();
     let normalizer = normalizer.map(Normalizer::get);
     let form = form(div)?;
@@ -662,32 +662,28 @@ fn chunked(
     let inv_t = 1.0 / temperature;
     let z2 = student_logits.reshape((n, v))?;
 
-    // Chunk by chunk: value and closed-form gradient, no graph.
+    // Chunk by chunk: value and closed-form gradient, no graph; the value summed on the
+    // device (nothing read back per chunk).
     let grad = Tensor::zeros((nv, v), dt, student_logits.device())?;
-    let mut total = 0.0f64;
+    let mut total = Tensor::zeros((), dt, student_logits.device())?;
     for (c, ids) in valid.chunks(chunk_rows).enumerate() {
         let lp_t = log_softmax_last(&scaled(&teacher(ids)?, inv_t)?)?;
         let zs = rows(&z2, ids)?.detach().to_dtype(dt)?;
         let lp_s = log_softmax_last(&scaled(&zs, inv_t)?)?;
         let (d, g) = divergence_and_grad(&lp_t, &lp_s, &form)?;
-        total += d.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
+        total = (total + d.sum_all()?)?;
         // ∂(τ² Σ D / N)/∂z = τ²/N · (1/τ) ∂D/∂s.
         let g = g.affine(temperature * inv_n, 0.0)?.contiguous()?;
         grad.slice_set(&g, 0, c * chunk_rows)?;
     }
-    let value = temperature * temperature * total * inv_n;
+    let value = total.affine(temperature * temperature * inv_n, 0.0)?;
 
     // Surrogate: value `value`, gradient `grad` at the valid rows, 0 elsewhere.
     let z_valid = if nv == n { z2 } else { rows(&z2, &valid)? };
     let dot = (z_valid.to_dtype(dt)? * &grad)?.sum_all()?;
-    let loss = (&dot - dot.detach())?.affine(1.0, value)?;
-    let metrics = KdMetrics {
-        loss: loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
-        count,
-        teacher_topk_mass: None,
-        student_topk_mass: None,
-    };
-    Ok((loss, metrics))
+    let loss = ((&dot - dot.detach())? + value)?;
+    let figures = KdFigures::pending(&loss, &[], count)?;
+    Ok((loss, figures))
 }
 
 #[cfg(test)]

@@ -288,17 +288,10 @@ pub fn topk_divergence_figures(
     let loss = masked_mean_known(&per_pos, &mask, count, normalizer)?;
     let loss = loss.affine(temperature * temperature, 0.0)?;
 
-    let mean = |x: &Tensor| -> Result<f64> {
-        let m = masked_mean_known(&x.exp()?, &mask, count, None)?;
-        Ok(m.to_dtype(DType::F64)?.to_scalar::<f64>()?)
-    };
-    let metrics = KdMetrics {
-        loss: loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
-        count,
-        teacher_topk_mass: Some(mean(&lse_t)?),
-        student_topk_mass: Some(mean(&lse_s_k)?),
-    };
-    Ok((loss, metrics.into()))
+    // The masses on K summed over the valid positions, left on the device with the loss.
+    let mass_sum = |x: &Tensor| -> Result<Tensor> { Ok((x.exp()? * &mask)?.sum_all()?) };
+    let figures = KdFigures::pending(&loss, &[&mass_sum(&lse_t)?, &mass_sum(&lse_s_k)?], count)?;
+    Ok((loss, figures))
 }
 
 /// [`topk_divergence`] through the fused per-row loss ([`xdistill_kernels::topk_kd()`]: one

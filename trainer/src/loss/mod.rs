@@ -338,17 +338,17 @@ pub fn kd_loss_figures(
             normalizer,
         );
     }
-    let (loss, metrics) = kd_loss_read(config, student_logits, inputs, normalizer)?;
-    Ok((loss, metrics.into()))
+    kd_loss_others(config, student_logits, inputs, normalizer)
 }
 
-/// Every distillation loss but the top-k divergences, whose figures are read as computed.
-fn kd_loss_read(
+/// Every distillation loss but the top-k divergences, their figures left on the device too
+/// (but the same-tokenizer sampled-token loss's here, which counts its mask on the host).
+fn kd_loss_others(
     config: &LossConfig,
     student_logits: &Tensor,
     inputs: KdInputs<'_>,
     normalizer: Option<Normalizer>,
-) -> Result<(Tensor, KdMetrics)> {
+) -> Result<(Tensor, KdFigures)> {
     let tau = config.temperature;
     // The same-tokenizer divergences ([`LossConfig::divergence`]) over the whole distribution
     // (the top-k ones are [`kd_loss_figures`]'s).
@@ -392,7 +392,8 @@ fn kd_loss_read(
             xtoken_full::chunk_loss(student_logits, x, form, tau, normalizer)
         }
         (KdConfig::SampledKl {}, KdInputs::Sampled(s)) => {
-            sampled_token_loss(student_logits, s, tau, normalizer)
+            let (loss, metrics) = sampled_token_loss(student_logits, s, tau, normalizer)?;
+            Ok((loss, metrics.into()))
         }
         (KdConfig::SampledKl {}, KdInputs::XToken { batch, .. }) => {
             chunk_sampled_loss(student_logits, batch, tau, normalizer)
@@ -453,9 +454,9 @@ pub struct KdMetrics {
 #[derive(Debug, Clone)]
 pub enum KdFigures {
     Read(KdMetrics),
-    /// `sums` f64 on the device: the loss (as returned), then for a top-k loss (`[3]`) the
-    /// teacher's and the student's mass on the top-k summed over the `count` valid units; a
-    /// loss without masses (the sampled-token loss) leaves `[1]`.
+    /// `sums` f64 on the device: the loss (as returned), then the teacher's and the student's
+    /// mass on the top-k summed over the `count` valid units, as far as the loss has them
+    /// (`[1]`, `[2]` or `[3]`; one length for every chunk of a micro-batch: one loss).
     Pending {
         sums: Tensor,
         count: f64,
@@ -480,8 +481,22 @@ impl KdFigures {
         }
     }
 
-    /// The metrics of pending `sums` (as read back: `[loss]` or `[loss, teacher mass, student
-    /// mass]`) over `count` units.
+    /// Figures left on the device: `loss` (a scalar, as returned) and `masses` (scalars summed
+    /// over the `count` units): none, the teacher's, or the teacher's and the student's. A
+    /// mass known on the host is given as a tensor too (one small copy, no wait).
+    pub fn pending(loss: &Tensor, masses: &[&Tensor], count: f64) -> Result<KdFigures> {
+        let parts = std::iter::once(loss)
+            .chain(masses.iter().copied())
+            .map(|t| t.detach().to_dtype(DType::F64)?.reshape(()))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(KdFigures::Pending {
+            sums: Tensor::stack(&parts, 0)?,
+            count,
+        })
+    }
+
+    /// The metrics of pending `sums` (as read back: `[loss]`, `[loss, teacher mass]` or `[loss,
+    /// teacher mass, student mass]`) over `count` units.
     pub fn from_sums(sums: &[f64], count: f64) -> KdMetrics {
         let mean = |s: f64| if count > 0.0 { s / count } else { 0.0 };
         let mass = |i: usize| sums.get(i).map(|&s| mean(s));

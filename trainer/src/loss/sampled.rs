@@ -138,14 +138,14 @@ pub fn chunk_sampled_loss(
     batch: &XTokenBatch,
     temperature: Temperature,
     normalizer: Option<Normalizer>,
-) -> Result<(Tensor, KdMetrics)> {
+) -> Result<(Tensor, KdFigures)> {
     let normalizer = normalizer.map(Normalizer::get);
     let temperature = temperature.get();
     let dt = compute_dtype(student_logits);
     let dev = student_logits.device();
     let chunks = batch.chunks()?;
     if chunks.is_empty() {
-        return Ok((Tensor::zeros((), dt, dev)?, KdMetrics::default()));
+        return Ok((Tensor::zeros((), dt, dev)?, KdMetrics::default().into()));
     }
     // ℓS_c with gradient and ℓT_c, [C].
     let (ls, lt) = chunk_loglikelihoods(student_logits, batch, &chunks, temperature)?;
@@ -154,13 +154,8 @@ pub fn chunk_sampled_loss(
     let ratio = (&ls - &old)?.exp()?;
     let n = normalizer.unwrap_or(chunks.len() as f64);
     let loss = (ratio * adv)?.sum_all()?.affine(-1.0 / n, 0.0)?;
-    let metrics = KdMetrics {
-        loss: loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
-        count: chunks.len() as f64,
-        teacher_topk_mass: None,
-        student_topk_mass: None,
-    };
-    Ok((loss, metrics))
+    let figures = KdFigures::pending(&loss, &[], chunks.len() as f64)?;
+    Ok((loss, figures))
 }
 
 #[cfg(test)]
@@ -274,6 +269,7 @@ mod chunk_tests {
             for (dtype, tol) in [(DType::F64, 1e-12), (DType::F32, 1e-5)] {
                 let z = tensor(&zs, &[B, TS, VL], dtype);
                 let (l, m) = chunk_sampled_loss(&z, &x, temperature(temp), None).unwrap();
+                let m = m.read().unwrap();
                 assert!((scalar(&l) - want).abs() < tol * want.abs().max(1.0));
                 assert_eq!(m.count, ref_chunks(&x).len() as f64);
             }

@@ -14,7 +14,8 @@ use candle_core::{DType, Device, Tensor, D};
 use super::stable::{log1mexp, logsumexp_last, softmax_last, LOG_FLOOR, TAIL_FLOOR};
 use super::topk::topk_indices;
 use super::{
-    compute_dtype, Anchor, KdMetrics, LossError, Normalizer, Result, TailMode, Temperature,
+    compute_dtype, Anchor, KdFigures, KdMetrics, LossError, Normalizer, Result, TailMode,
+    Temperature,
 };
 
 /// Added to projected probabilities before the log (a teacher token no student token maps to).
@@ -246,8 +247,8 @@ pub(crate) fn host_tensor(v: Vec<f64>, shape: &[usize], dt: DType, dev: &Device)
     Ok(Tensor::from_vec(v, shape, dev)?.to_dtype(dt)?)
 }
 
-fn zero_loss(dt: DType, dev: &Device) -> Result<(Tensor, KdMetrics)> {
-    Ok((Tensor::zeros((), dt, dev)?, KdMetrics::default()))
+fn zero_loss(dt: DType, dev: &Device) -> Result<(Tensor, KdFigures)> {
+    Ok((Tensor::zeros((), dt, dev)?, KdMetrics::default().into()))
 }
 
 /// Both sides' log-likelihood of each chunk's text, for the losses that need only the actual
@@ -354,7 +355,7 @@ pub fn pkl_loss(
     tail: TailMode,
     temperature: Temperature,
     normalizer: Option<Normalizer>,
-) -> Result<(Tensor, KdMetrics)> {
+) -> Result<(Tensor, KdFigures)> {
     let normalizer = normalizer.map(Normalizer::get);
     let temperature = temperature.get();
     let (z, chunks) = view_and_chunks(student_logits, batch, proj)?;
@@ -447,15 +448,12 @@ pub fn pkl_loss(
     let loss = per_chunk
         .sum_all()?
         .affine(temperature * temperature / n, 0.0)?;
-    let mean =
-        |t: &Tensor| -> Result<f64> { Ok(t.to_dtype(DType::F64)?.mean_all()?.to_scalar::<f64>()?) };
-    let metrics = KdMetrics {
-        loss: loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
-        count: n_units as f64,
-        teacher_topk_mass: Some(mean(&l.exp()?.sum(D::Minus1)?)?),
-        student_topk_mass: Some(mean(&student_mass)?),
-    };
-    Ok((loss, metrics))
+    let figures = KdFigures::pending(
+        &loss,
+        &[&l.exp()?.sum_all()?, &student_mass.sum_all()?],
+        n_units as f64,
+    )?;
+    Ok((loss, figures))
 }
 
 /// First-token KL: forward KL at each chunk's *first* student position, with the teacher's
@@ -480,7 +478,7 @@ pub fn first_kl_loss(
     proj: &Projection,
     temperature: Temperature,
     normalizer: Option<Normalizer>,
-) -> Result<(Tensor, KdMetrics)> {
+) -> Result<(Tensor, KdFigures)> {
     let normalizer = normalizer.map(Normalizer::get);
     let temperature = temperature.get();
     if proj.teacher_first.is_empty() {
@@ -550,18 +548,9 @@ pub fn first_kl_loss(
         .sum_all()?
         .affine(-1.0, constant)?
         .affine(temperature * temperature / n, 0.0)?;
-    let metrics = KdMetrics {
-        loss: loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
-        count: n_units as f64,
-        teacher_topk_mass: Some(teacher_mass / n_units as f64),
-        student_topk_mass: Some(
-            s_mass
-                .to_dtype(DType::F64)?
-                .mean_all()?
-                .to_scalar::<f64>()?,
-        ),
-    };
-    Ok((loss, metrics))
+    let teacher_mass = Tensor::new(teacher_mass, &dev)?;
+    let figures = KdFigures::pending(&loss, &[&teacher_mass, &s_mass.sum_all()?], n_units as f64)?;
+    Ok((loss, figures))
 }
 
 /// The gold hybrid (NeMo gold / xtoken, TRL GOLD).
@@ -582,7 +571,7 @@ pub fn gold_loss(
     unmatched_weight: f64,
     temperature: Temperature,
     normalizer: Option<Normalizer>,
-) -> Result<(Tensor, KdMetrics)> {
+) -> Result<(Tensor, KdFigures)> {
     let normalizer = normalizer.map(Normalizer::get);
     let temperature = temperature.get();
     let z = student_view(student_logits, batch, proj.student_vocab())?;
@@ -666,13 +655,9 @@ pub fn gold_loss(
     }
     let n = normalizer.unwrap_or(chunks.len() as f64);
     let loss = total.affine(temperature * temperature / n, 0.0)?;
-    let metrics = KdMetrics {
-        loss: loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
-        count: chunks.len() as f64,
-        teacher_topk_mass: Some(teacher_mass / chunks.len() as f64),
-        student_topk_mass: None,
-    };
-    Ok((loss, metrics))
+    let teacher_mass = Tensor::new(teacher_mass, &dev)?;
+    let figures = KdFigures::pending(&loss, &[&teacher_mass], chunks.len() as f64)?;
+    Ok((loss, figures))
 }
 
 /// Gold's matched-chunk rule, shared by the top-k and whole-distribution forms: one student and

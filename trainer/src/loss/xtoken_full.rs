@@ -29,8 +29,8 @@ use super::stable::{log1mexp, log_softmax_last, TAIL_FLOOR};
 use super::topk::descending_order;
 use super::xtoken::gold_matched;
 use super::{
-    compute_dtype, Anchor, KdMetrics, LossError, Normalizer, Projection, Result, TailMode,
-    Temperature, XTokenBatch,
+    compute_dtype, Anchor, KdFigures, KdMetrics, LossError, Normalizer, Projection, Result,
+    TailMode, Temperature, XTokenBatch,
 };
 
 /// The row count of `student_logits`, which must be `[rows, V]` with `V ≥` the student
@@ -59,7 +59,7 @@ pub fn first_kl_full(
     proj: &Projection,
     temperature: Temperature,
     normalizer: Option<Normalizer>,
-) -> Result<(Tensor, KdMetrics)> {
+) -> Result<(Tensor, KdFigures)> {
     let temperature = temperature.get();
     let normalizer = normalizer.map(Normalizer::get);
     let (vs, vt) = (proj.student_vocab(), proj.teacher_vocab());
@@ -83,7 +83,7 @@ pub fn first_kl_full(
     let dev = student_logits.device().clone();
     if c == 0 {
         let zero = Tensor::zeros((), dt, &dev)?;
-        return Ok((zero, KdMetrics::default()));
+        return Ok((zero, KdMetrics::default().into()));
     }
 
     // 1. Host: G (the student tokens that start some teacher token) in order of first use, the
@@ -151,15 +151,8 @@ pub fn first_kl_full(
     let loss = (constant - cross)?
         .sum_all()?
         .affine(temperature * temperature * inv, 0.0)?;
-    let mean =
-        |t: &Tensor| -> Result<f64> { Ok(t.to_dtype(DType::F64)?.mean_all()?.to_scalar::<f64>()?) };
-    let metrics = KdMetrics {
-        loss: loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
-        count: c as f64,
-        teacher_topk_mass: Some(mean(&p.sum(D::Minus1)?)?),
-        student_topk_mass: Some(mean(&s_in)?),
-    };
-    Ok((loss, metrics))
+    let figures = KdFigures::pending(&loss, &[&p.sum_all()?, &s_in.sum_all()?], c as f64)?;
+    Ok((loss, figures))
 }
 
 /// `Q_c + Q_EPS` keeps `log Q` finite where no student token spells a teacher token (as the
@@ -189,7 +182,7 @@ pub fn pkl_full(
     tail: TailMode,
     temperature: Temperature,
     normalizer: Option<Normalizer>,
-) -> Result<(Tensor, KdMetrics)> {
+) -> Result<(Tensor, KdFigures)> {
     let temperature = temperature.get();
     let normalizer = normalizer.map(Normalizer::get);
     let (vs, vt) = (proj.student_vocab(), proj.teacher_vocab());
@@ -228,7 +221,7 @@ pub fn pkl_full(
     let dt = compute_dtype(student_logits);
     let dev = student_logits.device().clone();
     if c == 0 {
-        return Ok((Tensor::zeros((), dt, &dev)?, KdMetrics::default()));
+        return Ok((Tensor::zeros((), dt, &dev)?, KdMetrics::default().into()));
     }
 
     // 1. W's entries (student id, teacher id, weight) over the student ids U with a non-empty
@@ -293,15 +286,12 @@ pub fn pkl_full(
     let loss = per_chunk
         .sum_all()?
         .affine(temperature * temperature * inv, 0.0)?;
-    let mean_of =
-        |t: &Tensor| -> Result<f64> { Ok(t.to_dtype(DType::F64)?.mean_all()?.to_scalar::<f64>()?) };
-    let metrics = KdMetrics {
-        loss: loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
-        count: c as f64,
-        teacher_topk_mass: Some(mean_of(&l.exp()?.sum(D::Minus1)?)?),
-        student_topk_mass: Some(mean_of(&q_mass.detach())?),
-    };
-    Ok((loss, metrics))
+    let figures = KdFigures::pending(
+        &loss,
+        &[&l.exp()?.sum_all()?, &q_mass.detach().sum_all()?],
+        c as f64,
+    )?;
+    Ok((loss, figures))
 }
 
 /// The gold hybrid ([`super::gold_loss`]) over the teacher's whole distribution.
@@ -332,7 +322,7 @@ pub fn gold_full(
     unmatched_weight: f64,
     temperature: Temperature,
     normalizer: Option<Normalizer>,
-) -> Result<(Tensor, KdMetrics)> {
+) -> Result<(Tensor, KdFigures)> {
     let temperature = temperature.get();
     let normalizer = normalizer.map(Normalizer::get);
     let (vs, vt) = (proj.student_vocab(), proj.teacher_vocab());
@@ -351,7 +341,7 @@ pub fn gold_full(
     let dev = student_logits.device().clone();
     let mut total = Tensor::zeros((), dt, &dev)?;
     if c == 0 {
-        return Ok((total, KdMetrics::default()));
+        return Ok((total, KdMetrics::default().into()));
     }
     // K' as (teacher id, its student counterpart); empty K' leaves every chunk unmatched.
     let (kt, ks): (Vec<u32>, Vec<u32>) = (0..vt)
@@ -413,13 +403,8 @@ pub fn gold_full(
     let nrm = normalizer.unwrap_or(c as f64);
     let inv = if nrm > 0.0 { 1.0 / nrm } else { 0.0 };
     let loss = total.affine(temperature * temperature * inv, 0.0)?;
-    let metrics = KdMetrics {
-        loss: loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
-        count: c as f64,
-        teacher_topk_mass: None,
-        student_topk_mass: None,
-    };
-    Ok((loss, metrics))
+    let figures = KdFigures::pending(&loss, &[], c as f64)?;
+    Ok((loss, figures))
 }
 
 /// `exp` of each row of log-probs `[N, V]`, sorted descending, on the host in f64, row-major.
@@ -568,7 +553,7 @@ pub fn chunk_loss(
     form: FullChunkLoss,
     temperature: Temperature,
     normalizer: Option<Normalizer>,
-) -> Result<(Tensor, KdMetrics)> {
+) -> Result<(Tensor, KdFigures)> {
     let chunks = chunk_spans(x.batch);
     let (nb, sl, v) = logits.dims3()?;
     let pkl = matches!(form, FullChunkLoss::Pkl { .. });

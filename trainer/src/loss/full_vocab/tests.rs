@@ -8,7 +8,7 @@ use sha2::{Digest, Sha256};
 use super::*;
 use crate::loss::kl::{topk_divergence, TopkTargets};
 use crate::loss::testutil::*;
-use crate::loss::TailMode;
+use crate::loss::{KdFigures, TailMode};
 
 /// Random hidden states, head and student logits, all in f64 (row-major).
 struct Case {
@@ -289,6 +289,7 @@ fn matches_f64_reference_every_divergence_chunk_and_dtype() {
                                 norm.map(normalizer),
                             )
                             .unwrap();
+                            let m = m.read().unwrap();
                             let what = format!(
                                 "{div:?} tau={tau} norm={norm:?} {dtype:?} chunk={chunk} \
                                  vocab={}",
@@ -500,6 +501,7 @@ fn micro_batches_with_a_global_normalizer_add_up_to_the_batch() {
     let div = Divergence::Jsd { beta: 0.3 };
     let (full, m) =
         full_vocab_divergence(&zs, &hd, &hid, &mask, div, temperature(1.2), 3, None).unwrap();
+    let m = m.read().unwrap();
     let parts: f64 = [(0, 3), (3, 5)]
         .iter()
         .map(|&(s, l)| {
@@ -536,6 +538,7 @@ fn nothing_valid_is_zero_with_a_zero_gradient() {
         None,
     )
     .unwrap();
+    let m = m.read().unwrap();
     assert_eq!((scalar(&loss), m.count), (0.0, 0.0));
     let g = flat(loss.backward().unwrap().get(x.as_tensor()).unwrap());
     assert!(g.iter().all(|&x| x == 0.0));
@@ -716,8 +719,8 @@ fn bad_inputs_are_typed_errors() {
             norm.map(normalizer),
         )
     };
-    let input = |r: Result<(Tensor, KdMetrics)>| matches!(r, Err(LossError::Input { .. }));
-    let config = |r: Result<(Tensor, KdMetrics)>| matches!(r, Err(LossError::Config { .. }));
+    let input = |r: Result<(Tensor, KdFigures)>| matches!(r, Err(LossError::Input { .. }));
+    let config = |r: Result<(Tensor, KdFigures)>| matches!(r, Err(LossError::Config { .. }));
     assert!(run(&zs, &hid, &mask, fwd, 1.0, 2, None).is_ok());
     let hid4 = Tensor::zeros((4, 4), DType::F32, &d).unwrap();
     assert!(

@@ -428,7 +428,9 @@ fn fused_loss_equals_the_composed_loss() {
                         let norm = Some(normalizer(7.0));
                         let (l, m) =
                             f(x.as_tensor(), &tg, div, tail, temperature(tau), norm).unwrap();
-                        assert_eq!(matches!(m, KdFigures::Pending { .. }), fused);
+                        // Both leave their figures on the device (the composed one since
+                        // 2026-11-30): nothing read back per call.
+                        assert!(matches!(m, KdFigures::Pending { .. }), "fused {fused}");
                         let m = m.read().unwrap();
                         let g = l.backward().unwrap();
                         (scalar(&l), m, flat(g.get(x.as_tensor()).unwrap()))

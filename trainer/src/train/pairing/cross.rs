@@ -8,7 +8,7 @@ use crate::align::{canonical_text, tokenize_pair, AlignTokenizer, PairOptions, T
 use crate::collate::{pad_batch, Encoded, TokenBatch};
 use crate::data::Record;
 use crate::loss::{
-    kd_loss, CeConfig, KdConfig, KdFigures, KdInputs, KdMetrics, LossConfig, Normalizer,
+    kd_loss_figures, CeConfig, KdConfig, KdFigures, KdInputs, KdMetrics, LossConfig, Normalizer,
     Projection, XTokenBatch,
 };
 use crate::train::head_chunks::Piece;
@@ -116,7 +116,7 @@ pub trait ChunkTerm {
         part: Part,
         logits: &Tensor,
         normalizer: Option<Normalizer>,
-    ) -> Result<(Tensor, KdMetrics)>;
+    ) -> Result<(Tensor, KdFigures)>;
 }
 
 /// The teacher's top-k at each chunk, through the projection.
@@ -132,13 +132,13 @@ impl ChunkTerm for TopkChunks<'_> {
         part: Part,
         logits: &Tensor,
         normalizer: Option<Normalizer>,
-    ) -> Result<(Tensor, KdMetrics)> {
+    ) -> Result<(Tensor, KdFigures)> {
         let batch = cp.part_batch(part);
         let inputs = KdInputs::XToken {
             batch: &batch,
             projection: self.projection,
         };
-        Ok(kd_loss(cfg, logits, inputs, normalizer)?)
+        Ok(kd_loss_figures(cfg, logits, inputs, normalizer)?)
     }
 }
 
@@ -184,16 +184,15 @@ impl<T: ChunkTerm> MicroBatch for CrossBatch<'_, T> {
         logits: &Tensor,
         normalizer: Option<Normalizer>,
     ) -> Result<(Tensor, KdFigures)> {
-        let cfg = self.ctx.loss;
-        let (loss, metrics) = self.teacher.term(&self.cp, cfg, part, logits, normalizer)?;
-        Ok((loss, metrics.into()))
+        self.teacher
+            .term(&self.cp, self.ctx.loss, part, logits, normalizer)
     }
 
     fn val_kd(&self, part: Part, logits: &Tensor) -> Result<Option<(Tensor, KdMetrics)>> {
-        let cfg = &self.validation;
-        self.teacher
-            .term(&self.cp, cfg, part, logits, None)
-            .map(Some)
+        let (kl, figures) = self
+            .teacher
+            .term(&self.cp, &self.validation, part, logits, None)?;
+        Ok(Some((kl, figures.read()?)))
     }
 
     fn ce(&self, part: Part) -> Result<(Tensor, Tensor, usize)> {

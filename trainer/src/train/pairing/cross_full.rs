@@ -16,7 +16,7 @@ use super::full_vocab::{hidden_row, target_logprobs_from_hidden};
 use super::{Item, LossCtx, Purpose};
 use crate::loss::full_vocab::TeacherHead;
 use crate::loss::{
-    kd_loss, CeConfig, KdInputs, KdMetrics, LossConfig, LossError, Normalizer, Projection,
+    kd_loss_figures, CeConfig, KdFigures, KdInputs, LossConfig, LossError, Normalizer, Projection,
     TeacherStates, XTokenFull,
 };
 use crate::train::micro::{MicroBatch, Part};
@@ -156,7 +156,7 @@ impl ChunkTerm for FullChunks<'_> {
         part: Part,
         logits: &Tensor,
         normalizer: Option<Normalizer>,
-    ) -> Result<(Tensor, KdMetrics)> {
+    ) -> Result<(Tensor, KdFigures)> {
         let batch = cp.part_batch(part);
         let piece = match part {
             Part::Whole => None,
@@ -173,6 +173,6 @@ impl ChunkTerm for FullChunks<'_> {
             head: self.head,
             states: &states,
         });
-        Ok(kd_loss(cfg, logits, inputs, normalizer)?)
+        Ok(kd_loss_figures(cfg, logits, inputs, normalizer)?)
     }
 }

@@ -12,7 +12,7 @@ use crate::loss::full_vocab::{
     full_vocab_divergence, teacher_token_logprobs, TeacherHead, DEFAULT_CHUNK_ROWS,
 };
 use crate::loss::kl::Divergence;
-use crate::loss::{kd_loss, KdFigures, KdInputs, KdMetrics, Normalizer, Temperature};
+use crate::loss::{kd_loss_figures, KdFigures, KdInputs, KdMetrics, Normalizer, Temperature};
 use crate::train::micro::{Layout, MicroBatch, Part, RowPieces};
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
@@ -103,14 +103,13 @@ impl MicroBatch for FullVocabBatch<'_> {
             hidden: &hidden,
             mask: &mask,
         };
-        let (loss, metrics) = kd_loss(self.ctx.loss, &logits, inputs, normalizer)?;
-        Ok((loss, metrics.into()))
+        Ok(kd_loss_figures(self.ctx.loss, &logits, inputs, normalizer)?)
     }
 
     /// Exact forward KL to the teacher over the whole vocabulary.
     fn val_kd(&self, part: Part, logits: &Tensor) -> Result<Option<(Tensor, KdMetrics)>> {
         let (logits, hidden, mask) = self.inputs(part, logits)?;
-        let kl = full_vocab_divergence(
+        let (kl, figures) = full_vocab_divergence(
             &logits,
             self.head,
             &hidden,
@@ -120,7 +119,7 @@ impl MicroBatch for FullVocabBatch<'_> {
             DEFAULT_CHUNK_ROWS,
             None,
         )?;
-        Ok(Some(kl))
+        Ok(Some((kl, figures.read()?)))
     }
 
     fn ce(&self, part: Part) -> Result<(Tensor, Tensor, usize)> {
