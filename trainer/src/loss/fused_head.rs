@@ -136,6 +136,17 @@ pub struct FusedOut {
 /// Runs `terms` on `logits` `[1, n, V]` (or `[n, V]`; contiguous, their own buffer) and writes
 /// the gradient of `kd_w·KD + ce_w·CE` over them. Returns the terms' values.
 pub fn run(logits: &Tensor, terms: &FusedTerms, kd_w: f64, ce_w: f64) -> Result<FusedOut> {
+    apply(logits, terms, Some((kd_w, ce_w)))
+}
+
+/// The terms' values alone (one kernel pass over the logits, nothing written): what a mix
+/// whose weights come from the totals (NeMo's dynamic scaling) reads first.
+pub fn values(logits: &Tensor, terms: &FusedTerms) -> Result<FusedOut> {
+    apply(logits, terms, None)
+}
+
+/// [`run`] (`weights` given) or [`values`] (`None`).
+fn apply(logits: &Tensor, terms: &FusedTerms, weights: Option<(f64, f64)>) -> Result<FusedOut> {
     if !logits.is_contiguous() {
         // A reshape would copy them, and the gradient would land in the copy.
         return Err(super::LossError::input(
@@ -150,7 +161,7 @@ pub fn run(logits: &Tensor, terms: &FusedTerms, kd_w: f64, ce_w: f64) -> Result<
     let rows = |t: &Tensor| -> Result<Tensor> { Ok(t.reshape((n, 1))?.to_dtype(acc)?) };
     match (&terms.kd, &terms.ce) {
         (Some(FusedKd::Sampled(sk)), None) => {
-            let kd = sampled(&z, sk, kd_w)?;
+            let kd = sampled(&z, sk, weights.map(|w| w.0))?;
             Ok(FusedOut {
                 kd: Some(kd),
                 ce: None,
@@ -176,13 +187,15 @@ pub fn run(logits: &Tensor, terms: &FusedTerms, kd_w: f64, ce_w: f64) -> Result<
             let op = TopkKdTrain::new(&z, &ids, &lts, ce_targets.as_ref(), loss)?;
             // [n, 4 | 6]: divergence, masses, lse (and the cross-entropy, lse₁).
             let out = op.figures(&z)?;
-            let kd_mask = rows(&kd.targets.mask)?;
-            let g_kd = kd_mask.affine(kd_w * tau * tau / kd.normalizer.get(), 0.0)?;
-            let g_ce = match ce {
-                Some(c) => rows(&c.mask)?.affine(ce_w / c.normalizer.get(), 0.0)?,
-                None => g_kd.zeros_like()?,
-            };
-            op.grad_into_logits(&z, &out, &Tensor::cat(&[&g_kd, &g_ce], 1)?)?;
+            if let Some((kd_w, ce_w)) = weights {
+                let kd_mask = rows(&kd.targets.mask)?;
+                let g_kd = kd_mask.affine(kd_w * tau * tau / kd.normalizer.get(), 0.0)?;
+                let g_ce = match ce {
+                    Some(c) => rows(&c.mask)?.affine(ce_w / c.normalizer.get(), 0.0)?,
+                    None => g_kd.zeros_like()?,
+                };
+                op.grad_into_logits(&z, &out, &Tensor::cat(&[&g_kd, &g_ce], 1)?)?;
+            }
             let kd_out = kd_value_and_figures(
                 &out,
                 &kd.targets.mask.reshape(n)?,
@@ -208,8 +221,10 @@ pub fn run(logits: &Tensor, terms: &FusedTerms, kd_w: f64, ce_w: f64) -> Result<
             let zero = Tensor::zeros((n, 1), acc, logits.device())?;
             let op = TopkKdTrain::new(&z, &ids, &zero, None, TopkKd::cross_entropy())?;
             let out = op.figures(&z)?;
-            let g = rows(&c.mask)?.affine(ce_w / c.normalizer.get(), 0.0)?;
-            op.grad_into_logits(&z, &out, &Tensor::cat(&[&g, &g.zeros_like()?], 1)?)?;
+            if let Some((_, ce_w)) = weights {
+                let g = rows(&c.mask)?.affine(ce_w / c.normalizer.get(), 0.0)?;
+                op.grad_into_logits(&z, &out, &Tensor::cat(&[&g, &g.zeros_like()?], 1)?)?;
+            }
             let nll = out.narrow(1, 0, 1)?.reshape((1, n))?;
             Ok(FusedOut {
                 kd: None,
@@ -220,9 +235,10 @@ pub fn run(logits: &Tensor, terms: &FusedTerms, kd_w: f64, ce_w: f64) -> Result<
     }
 }
 
-/// The sampled-token loss of `sk` on `z` `[n, V]` (its gradient × `kd_w` written over `z`):
-/// the value as [`super::sampled_token_loss_pending`] gives it, and its figures.
-fn sampled(z: &Tensor, sk: &FusedSampled, kd_w: f64) -> Result<(Tensor, KdFigures)> {
+/// The sampled-token loss of `sk` on `z` `[n, V]` (its gradient × `kd_w` written over `z` where
+/// a weight is given): the value as [`super::sampled_token_loss_pending`] gives it, and its
+/// figures.
+fn sampled(z: &Tensor, sk: &FusedSampled, kd_w: Option<f64>) -> Result<(Tensor, KdFigures)> {
     let n = z.dim(0)?;
     let acc = compute_dtype(z);
     let t = &sk.targets;
@@ -244,8 +260,10 @@ fn sampled(z: &Tensor, sk: &FusedSampled, kd_w: f64) -> Result<(Tensor, KdFigure
     let mask = t.mask.to_dtype(acc)?.reshape((n, 1))?;
     // d(−lp·A/N)/dCE = A/N (lp = −CE, A frozen), per unit of the loss's weight.
     let adv = (&lt - &lp)?;
-    let g = (&adv * &mask)?.affine(kd_w / sk.normalizer.get(), 0.0)?;
-    op.grad_into_logits(z, &out, &Tensor::cat(&[&g, &g.zeros_like()?], 1)?)?;
+    if let Some(kd_w) = kd_w {
+        let g = (&adv * &mask)?.affine(kd_w / sk.normalizer.get(), 0.0)?;
+        op.grad_into_logits(z, &out, &Tensor::cat(&[&g, &g.zeros_like()?], 1)?)?;
+    }
     // The value: mean over the units of −ratio·A = lp − lp_T.
     let per_tok = adv.neg()?.reshape(n)?;
     let loss = masked_mean_known(

@@ -13,11 +13,12 @@
 //! `dynamic`: its factor `|CE|/|KD|` is a function of the micro-batch's totals, known only after
 //! the last chunk, so the two gradients are scaled and added at the end.
 //!
-//! Where the mix is linear, the head sums its gradient in place and the chunk's terms have a
-//! fused form ([`PieceTerms::fused`]: the same tokenizer's top-k divergence and the
-//! cross-entropy on a GPU), a chunk runs by hand instead of through autograd: the logits, one
-//! kernel for the terms' values, one writing their gradient over the logits, then the head's
-//! two GEMMs ([`crate::loss::fused_head`]).
+//! Where the head sums its gradient in place and the chunk's terms have a fused form
+//! ([`PieceTerms::fused`]: the same tokenizer's top-k divergence, the on-policy sampled-token
+//! loss and the cross-entropy on a GPU), a chunk runs by hand instead of through autograd: the
+//! logits, one kernel for the terms' values, one writing their gradient over the logits, then
+//! the head's two GEMMs ([`crate::loss::fused_head`]). Under the dynamic mix the chunks run
+//! twice, the totals first and then by hand with the factor they give (`dynamic_by_hand`).
 
 use crate::config::ActivationCheckpointing;
 use crate::loss::fused_head::{self, FusedTerms};
@@ -135,8 +136,8 @@ pub trait PieceTerms {
     /// Piece `i`'s terms from its logits `[shape.0, shape.1, V]`, differentiable.
     fn composed(&mut self, i: usize, logits: &Tensor) -> Result<ChunkLoss>;
 
-    /// Piece `i`'s terms in the fused form, where they have one (asked only where the mix is
-    /// linear and the head sums its gradient in a sink); `None`: [`PieceTerms::composed`].
+    /// Piece `i`'s terms in the fused form, where they have one (asked only where the head
+    /// sums its gradient in a sink); `None`: [`PieceTerms::composed`].
     fn fused(&mut self, i: usize) -> Result<Option<FusedTerms>>;
 }
 
@@ -434,6 +435,14 @@ fn run_chunks(
     };
     let flat = hidden.reshape((b * t, h))?;
     let head_dims = model.lm_head().dims().to_vec();
+    if let (Mix::Dynamic { kd_weight }, true) = (mix, model.head_sinks()) {
+        if let Some(out) = dynamic_by_hand(model, &flat, pieces, kd_weight, terms, acc_dt)? {
+            return Ok(HeadOut {
+                grad_hidden: out.grad_hidden.reshape((b, t, h))?,
+                ..out
+            });
+        }
+    }
     let mut main = Acc::new(b * t, h, acc_dt);
     // Dynamic scaling: the KD term's gradient apart from the CE term's (in `main`).
     let mut kd_acc = match mix {
@@ -538,7 +547,8 @@ fn run_chunks(
         }
     }
     let (kd_m, ce) = figures.read()?;
-    // Combine: the dynamic factor from the totals, as `loss::combine` computes it.
+    // Combine: the dynamic factor from the totals, as `loss::combine` computes it
+    // ([`dynamic_factor`]).
     let (kd_scale, grad_hidden, head) = match (mix, kd_acc) {
         (Mix::Linear { kd, .. }, _) | (Mix::Dynamic { kd_weight: kd }, None) => {
             let mut head = std::mem::take(&mut main.head);
@@ -549,12 +559,7 @@ fn run_chunks(
             (kd, main.hidden(dev)?, head)
         }
         (Mix::Dynamic { kd_weight }, Some(mut k)) => {
-            if ce.is_none() {
-                bail!("invalid loss input `ce`: the config's `ce` term needs the CE loss");
-            }
-            let (kd_v, ce_v) = (kd_m.loss.abs(), ce.map_or(0.0, |c| c.0).abs());
-            let s = if kd_v > 1e-12 { ce_v / kd_v } else { 1.0 };
-            let f = kd_weight * s;
+            let f = dynamic_factor(kd_weight, &kd_m, ce)?;
             let mut head = std::mem::take(&mut main.head);
             head.extend(scaled(std::mem::take(&mut k.head), f)?)?;
             let hidden = (main.hidden(dev)? + k.hidden(dev)?.affine(f, 0.0)?)?;
@@ -570,6 +575,85 @@ fn run_chunks(
             kd_scale,
         },
     })
+}
+
+/// NeMo's dynamic factor `kd_weight·|CE|/|KD|` from a micro-batch's totals (1 for the ratio
+/// where the distillation term is 0), as `loss::combine` computes it.
+fn dynamic_factor(kd_weight: f64, kd: &KdMetrics, ce: Option<(f64, f64)>) -> Result<f64> {
+    let Some((ce_v, _)) = ce else {
+        bail!("invalid loss input `ce`: the config's `ce` term needs the CE loss");
+    };
+    let (kd_v, ce_v) = (kd.loss.abs(), ce_v.abs());
+    let s = if kd_v > 1e-12 { ce_v / kd_v } else { 1.0 };
+    Ok(kd_weight * s)
+}
+
+/// NeMo's dynamic mix by hand, where every piece's terms have a fused form and the head sums
+/// its gradient in place: a first pass over the chunks for the terms' totals (each chunk's
+/// logits and one kernel pass, nothing written; the micro-batch's figures read once), the
+/// factor from them, then each chunk by hand as a linear mix with the factor as the
+/// distillation weight. One more logits GEMM per chunk than a linear mix, where autograd kept
+/// the two terms' gradients apart (their `[n, V]` gradients and backward passes each) and
+/// combined them at the end. `None` (nothing run) where a piece has no fused form. The
+/// hidden-state gradient comes back as `[B·T, H]`.
+fn dynamic_by_hand(
+    model: &Decoder,
+    flat: &Tensor,
+    pieces: &[Piece],
+    kd_weight: f64,
+    terms: &mut dyn PieceTerms,
+    acc_dt: DType,
+) -> Result<Option<HeadOut>> {
+    let dev = flat.device();
+    let mut chunks = Vec::with_capacity(pieces.len());
+    for (i, p) in pieces.iter().enumerate() {
+        if p.rows.is_empty() {
+            continue;
+        }
+        match terms.fused(i)? {
+            Some(f) => chunks.push((p, f)),
+            None => return Ok(None),
+        }
+    }
+    // 1. The terms' totals.
+    let mut figures = Figures::default();
+    let mut inputs = Vec::with_capacity(chunks.len());
+    for (p, f) in &chunks {
+        let idx = Tensor::from_vec(p.rows.clone(), p.rows.len(), dev)?;
+        let x = flat.index_select(&idx, 0)?; // [n, H]
+        let out = fused_head::values(&model.logits_untracked(&x)?, f)?;
+        if let Some((_, kd)) = &out.kd {
+            figures.add_kd(kd)?;
+        }
+        if let Some((l, n)) = &out.ce {
+            figures.add_ce(l, *n)?;
+        }
+        inputs.push((idx, x));
+    }
+    let (kd_m, ce) = figures.read()?;
+    let factor = dynamic_factor(kd_weight, &kd_m, ce)?;
+    // 2. Each chunk by hand with the factor as the distillation weight.
+    let (rows, h) = flat.dims2()?;
+    let mut main = Acc::new(rows, h, acc_dt);
+    let sink = Tensor::zeros(model.lm_head().dims(), acc_dt, dev)?;
+    for ((p, f), (idx, x)) in chunks.iter().zip(&inputs) {
+        let z = model.logits_untracked(x)?;
+        fused_head::run(&z, f, factor, 1.0)?;
+        main.add_rows(&p.rows, idx, &model.head_backward_into(x, &z, &sink)?)?;
+    }
+    let mut head = GradStore::default();
+    if !main.parts.is_empty() {
+        head.insert(model.lm_head(), sink);
+    }
+    Ok(Some(HeadOut {
+        grad_hidden: main.hidden(dev)?,
+        head,
+        sums: HeadSums {
+            kd: kd_m,
+            ce,
+            kd_scale: factor,
+        },
+    }))
 }
 
 /// `rows` cut into pieces of at most `per` rows, each laid out as `[1, n]`.

@@ -147,7 +147,8 @@ fn same_tokenizer_chunks_equal_the_whole_loss() {
 /// (`KdFigures::Pending`) and the chunks' sums are read back once per micro-batch; under a
 /// linear mix each head chunk runs by hand (`loss::fused_head`: both terms from one kernel
 /// pass, their gradient written over the logits, the head's gradient summed in place), under
-/// the dynamic one through autograd; the checkpointed layers run by hand (`train_layer.rs`).
+/// the dynamic one by hand too, in two passes (the totals first, then the chunks with the
+/// factor); the checkpointed layers run by hand (`train_layer.rs`).
 #[test]
 fn same_tokenizer_chunks_equal_the_whole_loss_through_the_fused_loss() {
     use xdistill_shared::model::device_ops;
