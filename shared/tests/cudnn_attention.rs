@@ -298,19 +298,22 @@ fn each_new_length_builds_its_graph_once() {
 
 /// The shape buckets (`XDISTILL_ATTENTION_BUCKET`, 32 rows by default; `attn_rows.rs`): a
 /// decoder's forward at 301, 302, 317 and 320 positions (one bucket of 32: 320) builds one
-/// graph between them and 321 a second, each length's hidden states as near the eager path's
-/// as `decoders_through_cudnn_match_the_eager_path` asks; the packed forward of 301, 317 and
-/// 45 positions reads the same graphs through its sequences' views (their strides do not
-/// depend on the batch around them) and builds only the one of 45's bucket. The count is the
-/// process's: one test at a time (`--test-threads=1`, as the GPU check runs them).
+/// graph between them and 321 a second, each length's hidden states near the eager path's (two
+/// bf16 paths; a padded row leaking into a real one would be off by order 1); the packed forward of 301, 317 and
+/// 455 positions reads the same graphs through its sequences' views (their strides do not
+/// depend on the batch around them) and builds only the one of 455's bucket (480). The count
+/// is the process's: one test at a time (`--test-threads=1`, as the GPU check runs them), heads
+/// of a shape no other test uses.
 #[test]
 fn lengths_of_one_bucket_share_one_graph() {
     use xdistill_shared::model::{attention_bucket, PackedSeq};
     let Some(dev) = gpu() else { return };
+    // Heads of a shape no other test here uses (6 × 32, grouped 3:1): the graphs this test
+    // counts are its own, whatever ran before it in the process.
     let cfg = config_with(
         "qwen3",
-        serde_json::json!({"hidden_size": 256, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 128,
+        serde_json::json!({"hidden_size": 192, "num_attention_heads": 6,
+            "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 128,
             "max_position_embeddings": 1024}),
     );
     let vb = VarBuilder::from_tensors(params(&cfg), DType::BF16, &dev);
@@ -330,10 +333,12 @@ fn lengths_of_one_bucket_share_one_graph() {
         let err = rel_err(&host(&fused), &host(&eager));
         eprintln!("length {n} (bucket {bucket}): {built} graph(s) built, rel err {err:.2e}");
         assert_eq!(built, u64::from(new_bucket), "length {n}");
-        assert!(err < 3e-2, "length {n}: relative error {err:.3e}");
+        // Two bf16 paths over 2 layers (3e-2 at 41 positions above); a padding that reached a
+        // real row would be off by order 1.
+        assert!(err < 5e-2, "length {n}: relative error {err:.3e}");
     }
     m.set_attention(AttnBackend::Cudnn);
-    let lens = [301usize, 317, 45];
+    let lens = [301usize, 317, 455];
     let ids: Vec<Vec<u32>> = lens.iter().map(|&n| tokens(n)).collect();
     let seqs: Vec<PackedSeq> = ids
         .iter()
@@ -357,7 +362,7 @@ fn lengths_of_one_bucket_share_one_graph() {
         let rows = packed.narrow(0, at, *n).unwrap();
         let err = rel_err(&host(&rows), &host(&alone));
         eprintln!("packed, {n} positions: rel err {err:.2e} against its own forward");
-        assert!(err < 3e-2, "packed {n}: relative error {err:.3e}");
+        assert!(err < 5e-2, "packed {n}: relative error {err:.3e}");
         at += n;
     }
     let refused = xdistill_shared::model::cudnn_refused_shapes();
