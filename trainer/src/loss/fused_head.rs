@@ -272,14 +272,8 @@ fn sampled(z: &Tensor, sk: &FusedSampled, kd_w: Option<f64>) -> Result<(Tensor, 
         sk.count,
         Some(sk.normalizer.get()),
     )?;
-    let sums = loss.to_dtype(candle_core::DType::F64)?.reshape(1)?;
-    Ok((
-        loss,
-        KdFigures::Pending {
-            sums,
-            count: sk.count,
-        },
-    ))
+    let figures = KdFigures::pending(&loss, &[], sk.count)?;
+    Ok((loss, figures))
 }
 
 /// The cross-entropy's value as [`super::ce::cross_entropy_known`] gives it.

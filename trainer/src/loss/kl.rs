@@ -373,9 +373,8 @@ pub(crate) fn kd_value_and_figures(
     let loss = loss.affine(tau * tau, 0.0)?;
     // The loss and both masses summed over the valid units, left on the device.
     let mass_sum = |c: usize| -> Result<Tensor> { Ok((column(c)?.detach() * &mask)?.sum_all()?) };
-    let sums =
-        Tensor::stack(&[&loss.detach(), &mass_sum(1)?, &mass_sum(2)?], 0)?.to_dtype(DType::F64)?;
-    Ok((loss, KdFigures::Pending { sums, count }))
+    let figures = KdFigures::pending(&loss, &[&mass_sum(1)?, &mass_sum(2)?], count)?;
+    Ok((loss, figures))
 }
 
 #[cfg(test)]

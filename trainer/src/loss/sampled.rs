@@ -90,8 +90,8 @@ pub fn sampled_token_loss_pending(
     let per_tok = (ratio * adv)?.neg()?;
     let mask = targets.mask.to_dtype(dt)?;
     let loss = masked_mean_known(&per_tok, &mask, count, normalizer)?;
-    let sums = loss.detach().to_dtype(DType::F64)?.reshape(1)?;
-    Ok((loss, KdFigures::Pending { sums, count }))
+    let figures = KdFigures::pending(&loss, &[], count)?;
+    Ok((loss, figures))
 }
 
 /// `log_softmax(z/τ)` at `tokens` `[B, T]` of `logits` `[B, T, V]`, with its gradient, in the
