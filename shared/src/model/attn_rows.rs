@@ -76,37 +76,19 @@ pub fn pad_rows(x: &Tensor, dim: usize, to: usize) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::super::blockwise::{self, Causal};
+    use super::super::test_tensors::{data, values};
     use super::*;
     use candle_core::{DType, Device};
 
+    /// `dims` of noise in [-1, 1) (the crate's LCG), f64.
     fn random(dims: &[usize], seed: u64) -> Tensor {
-        let n: usize = dims.iter().product();
-        // A small LCG: values in (-1, 1), the same on every machine.
-        let mut s = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        let v: Vec<f64> = (0..n)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((s >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
-            })
-            .collect();
-        Tensor::from_vec(v, dims, &Device::Cpu).unwrap()
+        data(seed, dims, 2.0)
     }
 
+    /// The largest absolute difference between `a` and `b` (one shape).
     fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar::<f64>()
-            .unwrap()
+        let (a, b) = (values(a), values(b));
+        a.iter().zip(&b).fold(0.0, |m, (x, y)| m.max((x - y).abs()))
     }
 
     /// What the bucketing rests on: causal attention over a sequence's rows followed by zero

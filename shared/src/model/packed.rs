@@ -55,24 +55,23 @@ impl Layout<'_> {
             .map(|s| bucketed(s.ids.len(), self.bucket))
             .sum()
     }
+}
 
-    /// Appends `rows` zero rows `[1, rows, Hq, D]` (of `like`'s dtype) to `outs`.
-    fn zeros(
-        &self,
-        outs: &mut Vec<Tensor>,
-        rows: usize,
-        (hq, d): (usize, usize),
-        like: &Tensor,
-    ) -> Result<()> {
-        if rows > 0 {
-            outs.push(Tensor::zeros(
-                (1, rows, hq, d),
-                like.dtype(),
-                like.device(),
-            )?);
-        }
-        Ok(())
+/// Appends `rows` zero rows `[1, rows, Hq, D]` (of `like`'s dtype and device) to `outs`.
+fn push_zeros(
+    outs: &mut Vec<Tensor>,
+    rows: usize,
+    (hq, d): (usize, usize),
+    like: &Tensor,
+) -> Result<()> {
+    if rows > 0 {
+        outs.push(Tensor::zeros(
+            (1, rows, hq, d),
+            like.dtype(),
+            like.device(),
+        )?);
     }
+    Ok(())
 }
 
 /// One sequence of a packed forward.
@@ -232,9 +231,9 @@ impl Decoder {
                 v.narrow(2, at, n)?,
             );
             outs.push(self.packed_core(l, &qs, &ks, &vs)?.transpose(1, 2)?); // [1, n, Hq, D]
-            layout.zeros(&mut outs, bucketed(n, layout.bucket) - n, (hq, d), &q)?;
+            push_zeros(&mut outs, bucketed(n, layout.bucket) - n, (hq, d), &q)?;
         }
-        layout.zeros(&mut outs, layout.padded - layout.used(), (hq, d), &q)?;
+        push_zeros(&mut outs, layout.padded - layout.used(), (hq, d), &q)?;
         Tensor::cat(&outs, 1)?.transpose(1, 2)
     }
 
@@ -295,11 +294,11 @@ impl Decoder {
                         rows(&v, n)?.contiguous()?,
                     );
                     outs.push(self.packed_core(l, &qs, &ks, &vs)?.transpose(1, 2)?);
-                    layout.zeros(&mut outs, nb - n, (hq, d), &q)?;
+                    push_zeros(&mut outs, nb - n, (hq, d), &q)?;
                 }
             }
         }
-        layout.zeros(&mut outs, layout.padded - layout.used(), (hq, d), &q)?;
+        push_zeros(&mut outs, layout.padded - layout.used(), (hq, d), &q)?;
         Ok(Some(Tensor::cat(&outs, 1)?.transpose(1, 2)?))
     }
 

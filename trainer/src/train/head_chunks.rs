@@ -615,11 +615,22 @@ fn dynamic_by_hand(
             None => return Ok(None),
         }
     }
-    // 1. The terms' totals.
+    // 1. The terms' totals. Every chunk's rows on the device in one copy (as `run_chunks`).
+    let all_rows: Vec<u32> = chunks
+        .iter()
+        .flat_map(|(p, _)| p.rows.iter().copied())
+        .collect();
+    let all_idx = Tensor::from_vec(
+        all_rows,
+        chunks.iter().map(|(p, _)| p.rows.len()).sum::<usize>(),
+        dev,
+    )?;
     let mut figures = Figures::default();
     let mut inputs = Vec::with_capacity(chunks.len());
+    let mut at = 0;
     for (p, f) in &chunks {
-        let idx = Tensor::from_vec(p.rows.clone(), p.rows.len(), dev)?;
+        let idx = all_idx.narrow(0, at, p.rows.len())?;
+        at += p.rows.len();
         let x = flat.index_select(&idx, 0)?; // [n, H]
         let out = fused_head::values(&model.logits_untracked(&x)?, f)?;
         if let Some((_, kd)) = &out.kd {
