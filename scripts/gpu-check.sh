@@ -109,7 +109,8 @@ except ImportError:
     pass
 want = ["libcudart.so.13", "libcublas.so.13", "libcublasLt.so.13", "libcurand.so.10", "libnvrtc.so.13",
         "libnccl.so.2",  # NCCL: the trainer is built with the `nccl` feature
-        "libcudnn.so.9"]  # loaded at run time by the fused attention (kernels/cudnn)
+        "libcudnn.so.9",  # loaded at run time by the fused attention (kernels/cudnn)
+        "libnvtx3interop.so.1"]  # NVTX ranges under a profiler (shared/src/profiling.rs), if present
 dirs = []
 for w in want:
     for r in roots:
@@ -379,10 +380,12 @@ if [ -n "$ncu" ]; then
   for path in ${PROFILE_PATHS:-step step-new}; do
     attn=eager kernels=off
     if [ $path = step-new ]; then attn=cudnn kernels=on; fi
-    XDISTILL_ATTENTION=$attn XDISTILL_CUDA_KERNELS=$kernels check prof $path "$work/trainer" bench-step \
-      --model "$small" --device cuda --dtype bf16 --batch "$1" --seq-len "$2" --k 64 --steps 1
+    # Phase marks (xdistill_shared::profiling): the table below also cut by phase.
+    XDISTILL_PHASE_MARKS=on XDISTILL_ATTENTION=$attn XDISTILL_CUDA_KERNELS=$kernels check prof $path \
+      "$work/trainer" bench-step --model "$small" --device cuda --dtype bf16 --batch "$1" --seq-len "$2" \
+      --k 64 --steps 1
     tail -n 3 "$out/ncu-$path.out"
-    check "$py" bench/ncu_kernels.py "$out/ncu-$path.csv" --per 3 \
+    check "$py" bench/ncu_kernels.py "$out/ncu-$path.csv" --per 3 --phases \
       --label "student step ($layers layers, $1 x $2, attention $attn, kernels $kernels)"
   done
   # Teacher: the start-up probe, then one warm-up and one request of 1 x 512 (invariant mode),
@@ -390,7 +393,7 @@ if [ -n "$ncu" ]; then
   teacher_atts="eager cudnn"; [ "${PROFILE_TEACHER:-1}" = 0 ] && teacher_atts=""
   for att in $teacher_atts; do
     port=18125
-    XDISTILL_ATTENTION=$att prof "teacher-$att" "$work/teacher" --model "$small" --device cuda \
+    XDISTILL_PHASE_MARKS=on XDISTILL_ATTENTION=$att prof "teacher-$att" "$work/teacher" --model "$small" --device cuda \
       --dtype bf16 --port $port --cache-bytes 0 --max-batch-tokens 8192 &
     ppid=$!
     wait_healthy $port $ppid
@@ -398,7 +401,7 @@ if [ -n "$ncu" ]; then
       --url "http://127.0.0.1:$port" --batch 1 --seq-len 512 --k 64 --requests 1 --clients 1 --no-torch
     pkill -TERM -f "^$work/teacher --model $small" ; wait  # the teacher, not ncu: ncu then writes
     tail -n 3 "$out/ncu-teacher-$att.out"
-    check "$py" bench/ncu_kernels.py "$out/ncu-teacher-$att.csv" \
+    check "$py" bench/ncu_kernels.py "$out/ncu-teacher-$att.csv" --phases \
       --label "teacher ($att attention): probe + 2 requests of 1 x 512 (4 layers)"
   done
 else

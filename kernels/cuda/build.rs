@@ -17,6 +17,7 @@ const KERNELS: &[&str] = &[
     "topk_kd",
     "tree_sum",
     "grad_accumulate",
+    "phase_mark",
 ];
 /// Headers the kernels include.
 const HEADERS: &[&str] = &["dtype.cuh"];

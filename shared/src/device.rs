@@ -128,7 +128,7 @@ pub fn cuda_kernels() -> bool {
 }
 
 /// An on/off switch's value (`unset` when it is not set).
-fn on_or_off(value: Option<&str>, unset: bool) -> Result<bool, String> {
+pub(crate) fn on_or_off(value: Option<&str>, unset: bool) -> Result<bool, String> {
     match value {
         None => Ok(unset),
         Some("off") => Ok(false),

@@ -20,6 +20,7 @@ pub mod model;
 pub mod model_check;
 pub mod paths;
 pub mod process;
+pub mod profiling;
 pub mod protocol;
 pub mod row_scores;
 pub mod simd;

@@ -1,7 +1,9 @@
 //! The GPU check's host-side tools, where no GPU is: `bench/cuda_calls.c` (the driver calls
 //! bench-step's timed steps make, `scripts/gpu-check.sh` step 4) built as the bundle builds it
 //! and preloaded into a program linked against a stand-in libcuda: it counts exactly the calls
-//! made between cuProfilerStart and cuProfilerStop, by kind, and passes every call on.
+//! made between cuProfilerStart and cuProfilerStop, by kind, and passes every call on; and
+//! `bench/ncu_kernels.py` (step p's table of an `ncu` log) cutting launches by the phase marks
+//! (`xdistill_shared::profiling`).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -121,4 +123,118 @@ int main(void) {
     // Every call reached the stand-in driver (18: 2 before the range, 15 in it with its start
     // and stop, 1 after), and its results came back (the allocation's address).
     assert_eq!(stdout.trim(), "real calls 18, allocated 64");
+}
+
+/// A per-launch `ncu --csv` log as step p writes it: ncu's own lines, then one row per launch.
+fn ncu_csv(launches: &[(&str, &str, &str)]) -> String {
+    let mut csv = String::from(
+        "==PROF== Connected to process 4242 (/tmp/trainer)\n==PROF== Disconnected\n\
+         \"ID\",\"Process ID\",\"Process Name\",\"Host Name\",\"Kernel Name\",\"Context\",\
+         \"Stream\",\"Block Size\",\"Grid Size\",\"Device\",\"CC\",\"Section Name\",\
+         \"Metric Name\",\"Metric Unit\",\"Metric Value\"\n",
+    );
+    for (i, (name, unit, value)) in launches.iter().enumerate() {
+        csv.push_str(&format!(
+            "\"{i}\",\"4242\",\"trainer\",\"127.0.0.1\",\"{name}\",\"1\",\"7\",\
+             \"(256, 1, 1)\",\"(8, 1, 1)\",\"0\",\"9.0\",\"Command line profiler metrics\",\
+             \"gpu__time_duration.sum\",\"{unit}\",\"{value}\"\n"
+        ));
+    }
+    csv
+}
+
+#[test]
+fn ncu_kernels_cuts_launches_by_phase_marks() {
+    // Two steps' launches: work before any mark, phases with a nested region (accumulate
+    // inside backward, the backward's mark again after it), times in ns and us with ncu's
+    // thousands separators.
+    let step: &[(&str, &str, &str)] = &[
+        ("cast_f32_bf16", "nsecond", "1,500"),
+        ("xd_phase_forward", "nsecond", "900"),
+        ("void gemm_kernel<bf16>(int, float)", "usecond", "12.5"),
+        ("rms_norm_fwd_bf16", "nsecond", "2,000"),
+        ("xd_phase_none", "nsecond", "800"),
+        ("xd_phase_backward", "nsecond", "800"),
+        ("badd_bf16", "nsecond", "4,000"),
+        ("xd_phase_accumulate", "nsecond", "700"),
+        ("grad_accumulate_bf16", "usecond", "3"),
+        ("xd_phase_backward", "nsecond", "700"),
+        ("badd_bf16", "nsecond", "6,000"),
+        ("xd_phase_none", "nsecond", "700"),
+    ];
+    let launches: Vec<_> = step.iter().chain(step).copied().collect();
+    // The reference: each launch goes to the last mark before it, the marks to none, in µs.
+    let mut want: std::collections::BTreeMap<&str, (u32, f64)> = Default::default();
+    let mut phase = "none";
+    for (name, unit, value) in &launches {
+        if let Some(p) = name.strip_prefix("xd_phase_") {
+            phase = p;
+            continue;
+        }
+        let v: f64 = value.replace(',', "").parse().unwrap();
+        let us = if *unit == "usecond" { v } else { v / 1e3 };
+        let e = want.entry(phase).or_default();
+        e.0 += 1;
+        e.1 += us;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("ncu.csv");
+    std::fs::write(&log, ncu_csv(&launches)).unwrap();
+    let out = Command::new("python3")
+        .arg(repo().join("bench/ncu_kernels.py"))
+        .arg(&log)
+        .args(["--per", "2", "--phases", "--label", "step"])
+        .output()
+        .expect("python3 runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{out:?}");
+    let mut got: std::collections::BTreeMap<String, (u64, f64)> = Default::default();
+    let mut total = None;
+    for line in stdout.lines().filter(|l| l.starts_with('{')) {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        match v["phase"].as_str() {
+            Some(p) => {
+                got.insert(
+                    p.to_string(),
+                    (
+                        v["launches"].as_u64().unwrap(),
+                        v["kernel_ms"].as_f64().unwrap(),
+                    ),
+                );
+            }
+            None => {
+                total = Some((
+                    v["launches"].as_u64().unwrap(),
+                    v["kernel_ms"].as_f64().unwrap(),
+                ))
+            }
+        }
+    }
+    assert_eq!(got.len(), want.len(), "{stdout}");
+    for (p, (n, us)) in &want {
+        let (gn, gms) = got[*p];
+        assert_eq!(gn, u64::from(*n) / 2, "{p}: {stdout}");
+        assert!(
+            (gms - us / 2.0 / 1e3).abs() < 1e-6,
+            "{p}: {gms} ms, {stdout}"
+        );
+    }
+    // The marks are left out of the totals too.
+    let (n, us) = want.values().fold((0, 0.0), |a, b| (a.0 + b.0, a.1 + b.1));
+    let (tn, tms) = total.expect("the totals' line");
+    assert_eq!(tn, u64::from(n) / 2);
+    // (Rounded to the µs there.)
+    assert!((tms - us / 2.0 / 1e3).abs() <= 5e-4, "{tms}: {stdout}");
+    assert!(!stdout.contains("xd_phase"), "{stdout}");
+
+    // A log without marks is refused with what to set.
+    std::fs::write(&log, ncu_csv(&step[..1])).unwrap();
+    let out = Command::new("python3")
+        .arg(repo().join("bench/ncu_kernels.py"))
+        .arg(&log)
+        .arg("--phases")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("XDISTILL_PHASE_MARKS=on"));
 }

@@ -30,6 +30,8 @@
 //! - [`gemm_nt_blocks`]: `x · wᵀ` with each row as a product of a fixed number of rows computes
 //!   it: one cuBLASLt matmul by the algorithm fixed for such a block, or a cuBLAS GEMM per
 //!   block (the packed teacher forward's batch-invariant linear layers; no `.cu`);
+//! - [`phase_mark`]: an empty kernel named for a phase of the work (`xd_phase_forward`, …),
+//!   so that a profiler's list of launches shows where each phase begins;
 //! - [`tree_sum_f32`]: the exact data-parallel sum of the ranks' gathered buffers on the device,
 //!   by the trainer's pairwise tree in rank order (the host tree's bits).
 //!
@@ -70,6 +72,8 @@ mod grad_accumulate;
 #[cfg(feature = "cuda")]
 mod log_softmax;
 #[cfg(feature = "cuda")]
+mod phase_mark;
+#[cfg(feature = "cuda")]
 mod ptx;
 #[cfg(feature = "cuda")]
 mod rms_norm;
@@ -96,6 +100,8 @@ pub use gemm_blocks::{gemm_nt_blocks, GemmBlocksArgs, GemmBlocksMode};
 pub use grad_accumulate::{grad_accumulate_f32, GradSum};
 #[cfg(feature = "cuda")]
 pub use log_softmax::{log_softmax_bwd_f32, log_softmax_f32};
+#[cfg(feature = "cuda")]
+pub use phase_mark::phase_mark;
 #[cfg(feature = "cuda")]
 pub use rms_norm::{rms_norm_bwd, rms_norm_fwd, RmsNormArgs};
 #[cfg(feature = "cuda")]

@@ -62,6 +62,11 @@ pub const TREE_SUM: Module = Module {
     ptx: include_str!(concat!(env!("OUT_DIR"), "/tree_sum.ptx")),
 };
 
+pub const PHASE_MARK: Module = Module {
+    name: "xdistill_phase_mark",
+    ptx: include_str!(concat!(env!("OUT_DIR"), "/phase_mark.ptx")),
+};
+
 /// `function` of `module` on `dev`, loaded on first use.
 pub fn function(dev: &CudaDevice, module: &Module, function: &str) -> Result<CudaFunction> {
     Ok(dev

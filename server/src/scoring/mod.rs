@@ -70,6 +70,19 @@ pub enum Phase {
     Copy,
 }
 
+impl Phase {
+    /// The profiler's name for it.
+    fn profiled(self) -> xdistill_shared::profiling::Phase {
+        use xdistill_shared::profiling::Phase as P;
+        match self {
+            Phase::Forward => P::Forward,
+            Phase::Head => P::Head,
+            Phase::Topk => P::Topk,
+            Phase::Copy => P::Copy,
+        }
+    }
+}
+
 /// Time per [`Phase`] of a batch. On a CUDA device each phase is timed by two events recorded
 /// on the device's stream around the work it queues, read by [`Timing::finish`] once the batch
 /// is done: the GPU's own time per phase (work queued asynchronously counts in the phase that
@@ -84,6 +97,9 @@ pub struct Timing {
     /// On a CUDA device: its stream and the phases' (start, end) events so far.
     #[cfg(feature = "cuda")]
     gpu: Option<gpu_clock::Clock>,
+    /// The device whose work the phases are: each is a profiler's region there too
+    /// ([`xdistill_shared::profiling`]).
+    device: Option<Device>,
 }
 
 impl std::fmt::Debug for Timing {
@@ -104,16 +120,23 @@ impl Timing {
         if let Device::Cuda(d) = device {
             return Timing {
                 gpu: Some(gpu_clock::Clock::new(d)),
+                device: Some(device.clone()),
                 ..Timing::default()
             };
         }
-        let _ = device;
-        Timing::default()
+        Timing {
+            device: Some(device.clone()),
+            ..Timing::default()
+        }
     }
 
     /// Runs `f` as part of `phase`, adding its time (on a GPU, its kernels' time once
     /// [`Timing::finish`] has read the events).
     pub fn in_phase<R>(&mut self, phase: Phase, f: impl FnOnce() -> R) -> R {
+        let _region = self
+            .device
+            .as_ref()
+            .map(|d| xdistill_shared::profiling::region(d, phase.profiled()));
         #[cfg(feature = "cuda")]
         if let Some(clock) = &mut self.gpu {
             let start = clock.mark();

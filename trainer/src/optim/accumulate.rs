@@ -13,6 +13,7 @@ use candle_core::{DType, Device, Tensor, Var};
 
 use super::Result;
 use crate::dist::tree::{Summand, TreeAccumulator};
+use xdistill_shared::profiling;
 
 /// One value per parameter, in the accumulator's parameter order (`[n_i]` shaped like var i);
 /// and, where those are consecutive views of one f32 buffer `[Σ n_i]` (a shard summed in place,
@@ -146,6 +147,7 @@ impl GradAccumulator {
 
     /// Adds the parameter gradients of one micro-batch's `backward()` to the open shard.
     pub fn add(&mut self, grads: &GradStore) -> Result<()> {
+        let _region = self.region();
         if self.add_in_place(grads)? {
             self.micro_batches += 1;
             return Ok(());
@@ -176,6 +178,7 @@ impl GradAccumulator {
     /// widened into, or added to, its sum exactly as `add` would: the same bits. Where the
     /// in-place sum does not apply (f32 compute, the kernels off) `grads` is left as it is.
     pub fn absorb(&mut self, grads: &mut GradStore) -> Result<()> {
+        let _region = self.region();
         if !self.keys.iter().any(|k| grads.get(k).is_some()) || !self.add_in_place(grads)? {
             return Ok(());
         }
@@ -183,6 +186,12 @@ impl GradAccumulator {
             grads.remove(key);
         }
         Ok(())
+    }
+
+    /// The profiler's region of a sum ([`xdistill_shared::profiling`]), on the vars' device.
+    fn region(&self) -> Option<profiling::Region> {
+        let v = self.vars.first()?;
+        Some(profiling::region(v.device(), profiling::Phase::Accumulate))
     }
 
     /// [`GradAccumulator::add`] in place, where it applies: every var f32 on one device where

@@ -5,11 +5,13 @@
 //! Off unless a thread turns it on ([`start`]): then each phase ends with a device
 //! synchronisation, so asynchronous GPU work is counted in the phase that launched it. Training
 //! never turns it on, so it adds no synchronisation to a real step. All three phases run in
-//! `train::head` (every pairing and SFT go through it), which is where they are timed.
+//! `train::head` (every pairing and SFT go through it), which is where they are timed. Each phase
+//! is also a profiler's region ([`xdistill_shared::profiling`]), whether timed or not.
 
 use candle_core::Device;
 use std::cell::RefCell;
 use std::time::Instant;
+use xdistill_shared::profiling;
 
 /// Seconds per phase since [`start`].
 #[derive(Debug, Default, Clone, Copy, PartialEq)]
@@ -37,6 +39,17 @@ pub enum Phase {
     Backward,
 }
 
+impl Phase {
+    /// The profiler's name for it ([`profiling::region`]).
+    fn profiled(self) -> profiling::Phase {
+        match self {
+            Phase::Forward => profiling::Phase::Forward,
+            Phase::HeadLoss => profiling::Phase::HeadLoss,
+            Phase::Backward => profiling::Phase::Backward,
+        }
+    }
+}
+
 thread_local! {
     static CLOCK: RefCell<Option<StepPhases>> = const { RefCell::new(None) };
 }
@@ -58,6 +71,8 @@ pub(crate) fn time<R>(
     device: &Device,
     f: impl FnOnce() -> anyhow::Result<R>,
 ) -> anyhow::Result<R> {
+    // For a profiler: an NVTX range and phase marks where asked (nothing otherwise).
+    let _region = profiling::region(device, phase.profiled());
     if CLOCK.with(|c| c.borrow().is_none()) {
         return f();
     }

@@ -19,6 +19,7 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
+use xdistill_shared::profiling::{self, Phase};
 use xdistill_shared::protocol::SequenceScores;
 use xdistill_trainer::collate::Encoded;
 use xdistill_trainer::config::ActivationCheckpointing;
@@ -382,10 +383,15 @@ fn step(runner: &mut Runner, s: &StepSetup, phased: bool) -> Result<(f64, f64, P
     let t = Instant::now();
     let vars = runner.vars().to_vec();
     // As the training loop: the global norm here, the scaling inside the update.
-    let clip = clip_scale(grad_norm(&grads, &vars)?, runner.optim.max_grad_norm);
+    let norm = {
+        let _region = profiling::region(device, Phase::Clip);
+        grad_norm(&grads, &vars)?
+    };
+    let clip = clip_scale(norm, runner.optim.max_grad_norm);
     sync(phased)?;
     ph.clip = t.elapsed().as_secs_f64();
     let t = Instant::now();
+    let _region = profiling::region(device, Phase::Optimizer);
     let copies = runner.student.compute_copies();
     if !runner.opt.step_with_copies(&mut grads, clip, copies)? {
         runner.student.refresh()?;

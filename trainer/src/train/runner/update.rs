@@ -14,6 +14,7 @@ use candle_core::{DType, Tensor, Var};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
+use xdistill_shared::profiling::{self, Phase};
 
 /// `[policy.optimizer]` as the optimiser module's config.
 pub fn optim_config(o: &OptimizerConfig) -> OptimConfig {
@@ -163,7 +164,10 @@ impl Runner {
         f: impl FnOnce(&mut dyn Collective) -> Result<T, dist::CollectiveError>,
     ) -> Result<T> {
         let t0 = Instant::now();
-        let out = f(&mut *self.group)?;
+        let out = {
+            let _region = profiling::region(&self.student.device, Phase::Collective);
+            f(&mut *self.group)?
+        };
         self.comm.seconds += t0.elapsed().as_secs_f64();
         self.comm.bytes += bytes as f64;
         Ok(out)
@@ -180,7 +184,10 @@ impl Runner {
         // The gradients this rank updates with (its vars' in a store), and the global norm.
         let (mut grads, grad_norm) = if world == 1 {
             let store = grads.into_store(&self.vars);
-            let norm = grad_norm(&store, &self.vars)?;
+            let norm = {
+                let _region = profiling::region(&device, Phase::Clip);
+                grad_norm(&store, &self.vars)?
+            };
             (store, norm)
         } else if let Some(own) = self.zero.clone() {
             let flat = grads.flatten()?;
@@ -204,7 +211,10 @@ impl Runner {
             let sum = self.collective(bytes, |g| g.all_reduce_sum_tensor(&flat, fast))?;
             drop(flat);
             let store = Grads::from_flat_tensor(&sum, &self.vars)?.into_store(&self.vars);
-            let norm = grad_norm(&store, &self.vars)?;
+            let norm = {
+                let _region = profiling::region(&device, Phase::Clip);
+                grad_norm(&store, &self.vars)?
+            };
             (store, norm)
         };
         self.step += 1;
@@ -235,6 +245,7 @@ impl Runner {
         self.nonfinite_run = 0;
         self.opt.set_learning_rate(lr);
         let clip = clip_scale(grad_norm, self.optim.max_grad_norm);
+        let _region = profiling::region(&device, Phase::Optimizer);
         let copies = self.student.compute_copies();
         let written = self.opt.step_with_copies(&mut grads, clip, copies)?;
         drop(grads);
