@@ -874,5 +874,27 @@ mod tests {
         assert!(bad("rms_norm_eps", (-1.0).into()).contains("`rms_norm_eps`"));
         assert!(bad("rms_norm_eps", 0.0.into()).contains("`rms_norm_eps`"));
         assert!(bad("vocab_size", (1u64 << 40).into()).contains("`vocab_size`"));
+        // A zero head size is named, not reported as a RoPE setting.
+        assert!(bad("head_dim", 0.into()).contains("head_dim must be positive"));
+    }
+
+    /// EOS ids that are not token ids are left out, never cast into other ids (2^32 + 5 was 5).
+    #[test]
+    fn eos_ids_that_are_not_token_ids_are_left_out() {
+        let eos = |v: serde_json::Value| {
+            let c: ModelConfig = serde_json::from_value(serde_json::json!({
+                "model_type": "llama", "vocab_size": 16, "hidden_size": 8,
+                "intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
+                "eos_token_id": v}))
+            .unwrap();
+            c.eos_ids()
+        };
+        assert_eq!(eos(serde_json::json!((1u64 << 32) + 5)), Vec::<u32>::new());
+        assert_eq!(
+            eos(serde_json::json!([7, (1u64 << 32) + 5, -1, 2.5, "x", 9])),
+            vec![7, 9]
+        );
+        assert_eq!(eos(serde_json::json!(u32::MAX)), vec![u32::MAX]);
+        assert_eq!(eos(serde_json::json!(null)), Vec::<u32>::new());
     }
 }

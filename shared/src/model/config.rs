@@ -566,6 +566,9 @@ impl ModelConfig {
                 self.kv_heads()
             ));
         }
+        if self.head_dim() == 0 {
+            return invalid("head_dim must be positive");
+        }
         if !self.head_dim().is_multiple_of(2) {
             return invalid(format!(
                 "head_dim ({}) must be even for RoPE",
@@ -580,16 +583,13 @@ impl ModelConfig {
     }
 }
 
+/// The token ids of a config value (a number or a list of numbers); what is not a token id
+/// (negative, fractional, past u32, not a number) is left out rather than cast into another id.
 fn ids_of(v: Option<&serde_json::Value>) -> Vec<u32> {
+    let id = |x: &serde_json::Value| x.as_u64().and_then(|x| u32::try_from(x).ok());
     match v {
-        Some(serde_json::Value::Number(n)) => {
-            n.as_u64().map(|x| vec![x as u32]).unwrap_or_default()
-        }
-        Some(serde_json::Value::Array(a)) => a
-            .iter()
-            .filter_map(|x| x.as_u64())
-            .map(|x| x as u32)
-            .collect(),
-        _ => vec![],
+        Some(serde_json::Value::Array(a)) => a.iter().filter_map(id).collect(),
+        Some(x) => id(x).into_iter().collect(),
+        None => vec![],
     }
 }
