@@ -10,8 +10,9 @@
 //!   enclosing region's (or `xd_phase_none`) when it closes, so that a per-launch log, which
 //!   lists launches in order, can be cut by phase (`bench/ncu_kernels.py --phases`).
 //!
-//! Neither is on by default: a region then costs two thread-local accesses. Regions nest (the
-//! per-layer accumulation inside the backward); each thread keeps its own stack.
+//! Neither is on by default: a region then reads two switches (each read from the environment
+//! once). Regions nest (the per-layer accumulation inside the backward); each thread keeps its
+//! own stack.
 
 use candle_core::Device;
 use std::cell::RefCell;
