@@ -43,6 +43,7 @@ pub enum Phase {
 }
 
 impl Phase {
+    /// Every phase, in `phase_mark.cu`'s order (its test compares the two).
     pub const ALL: [Phase; 10] = [
         Phase::Forward,
         Phase::HeadLoss,
