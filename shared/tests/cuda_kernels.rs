@@ -287,7 +287,9 @@ fn values(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
 
 /// The multi-tensor AdamW against the CPU kernel's arithmetic (kernels/src/adamw.rs: each f32
 /// operation rounded on its own, in its order): the same bits for every element, with and
-/// without a clipping factor, for tensors of odd sizes (one element to two chunks and a bit).
+/// without a clipping factor, for tensors of odd sizes (one element to two chunks and a bit),
+/// with f32 gradients and with bf16 and f16 ones beside them (a step of one micro-batch hands
+/// the compute copies' gradients over as they are: each widened exactly).
 #[test]
 fn multi_tensor_adamw_gives_the_cpu_kernels_bits() {
     use xdistill_cuda_kernels::{adamw_f32, AdamWHyper, AdamWTensor};
@@ -296,11 +298,18 @@ fn multi_tensor_adamw_gives_the_cpu_kernels_bits() {
     let sizes = [1usize, 1000, 70_000, 3, 131_073];
     // Without compute copies, then with bf16 and with f16 copies of the odd tensors: each the
     // updated parameter as `to_dtype` rounds it.
-    for (grad_scale, copy_dtype) in [
-        (None, None),
-        (Some(0.37), Some(DType::BF16)),
-        (None, Some(DType::F16)),
+    for (grad_scale, copy_dtype, mixed_grads) in [
+        (None, None, false),
+        (Some(0.37), Some(DType::BF16), false),
+        (None, Some(DType::F16), true),
+        (Some(0.37), None, true),
     ] {
+        // Tensor i's gradient: f32, or bf16 and f16 by i mod 3 where `mixed_grads`.
+        let grad_dtype = |i: usize| match (mixed_grads, i % 3) {
+            (true, 1) => DType::BF16,
+            (true, 2) => DType::F16,
+            _ => DType::F32,
+        };
         let h = AdamWHyper {
             lr: 3e-4,
             beta1: 0.9,
@@ -311,21 +320,25 @@ fn multi_tensor_adamw_gives_the_cpu_kernels_bits() {
         };
         let host: Vec<[Vec<f32>; 4]> = sizes
             .iter()
-            .map(|&n| {
+            .enumerate()
+            .map(|(i, &n)| {
                 let v: Vec<f32> = values(&mut rng, n, 1e-5).iter().map(|x| x.abs()).collect();
-                [
-                    values(&mut rng, n, 1.0),
-                    values(&mut rng, n, 1e-2),
-                    values(&mut rng, n, 1e-3),
-                    v,
-                ]
+                // The gradient as its dtype stores it, widened back: what the kernel reads.
+                let g = Tensor::from_vec(values(&mut rng, n, 1e-2), n, &Device::Cpu)
+                    .and_then(|g| g.to_dtype(grad_dtype(i))?.to_dtype(DType::F32)?.to_vec1())
+                    .unwrap();
+                [values(&mut rng, n, 1.0), g, values(&mut rng, n, 1e-3), v]
             })
             .collect();
         let on_dev: Vec<[Tensor; 4]> = host
             .iter()
-            .map(|t| {
-                t.clone()
-                    .map(|x| Tensor::from_vec(x.clone(), x.len(), &dev).unwrap())
+            .enumerate()
+            .map(|(i, t)| {
+                let mut d = t
+                    .clone()
+                    .map(|x| Tensor::from_vec(x.clone(), x.len(), &dev).unwrap());
+                d[1] = d[1].to_dtype(grad_dtype(i)).unwrap();
+                d
             })
             .collect();
         let copies: Vec<Option<Tensor>> = on_dev
@@ -371,7 +384,11 @@ fn multi_tensor_adamw_gives_the_cpu_kernels_bits() {
         let (lr, eps) = (h.lr as f32, h.eps as f32);
         for (i, ([p, g, m, v], got)) in host.iter().zip(&on_dev).enumerate() {
             let decay = (1.0 - h.lr * if i % 2 == 0 { 0.01 } else { 0.0 }) as f32;
-            let got: Vec<Vec<f32>> = got.iter().map(|x| x.to_vec1().unwrap()).collect();
+            // The parameter, the gradient (unread) and the moments.
+            let got: Vec<Vec<f32>> = got
+                .iter()
+                .map(|x| x.to_dtype(DType::F32).unwrap().to_vec1().unwrap())
+                .collect();
             for j in 0..p.len() {
                 let gj = match grad_scale {
                     Some(s) => g[j] * s as f32 + 0.0,
@@ -387,7 +404,8 @@ fn multi_tensor_adamw_gives_the_cpu_kernels_bits() {
             }
         }
         eprintln!(
-            "AdamW scale {grad_scale:?} copies {copy_dtype:?}: {} tensors, every bit equal",
+            "AdamW scale {grad_scale:?} copies {copy_dtype:?} mixed gradients {mixed_grads}: {} \
+             tensors, every bit equal",
             sizes.len()
         );
     }
@@ -437,10 +455,10 @@ fn tree_sum_gives_the_pairwise_trees_bits() {
 }
 
 /// The gradients' sums of squares in one launch against f64 sums: within 1e-12, the same bits
-/// on a second run and for a tensor alone.
+/// on a second run and for a tensor alone; bf16 and f16 tensors the bits of their f32 widening.
 #[test]
 fn multi_tensor_sum_of_squares_equals_f64() {
-    use xdistill_cuda_kernels::sum_squares_f32;
+    use xdistill_cuda_kernels::sum_squares;
     let Some(dev) = gpu() else { return };
     let mut rng = rng();
     let host: Vec<Vec<f32>> = [5usize, 65_536, 200_003, 1]
@@ -452,17 +470,27 @@ fn multi_tensor_sum_of_squares_equals_f64() {
         .map(|x| Tensor::from_vec(x.clone(), x.len(), &dev).unwrap())
         .collect();
     let refs: Vec<&Tensor> = t.iter().collect();
-    let got = sum_squares_f32(&refs).unwrap();
+    let got = sum_squares(&refs).unwrap();
     for (x, g) in host.iter().zip(&got) {
         let want: f64 = x.iter().map(|&v| v as f64 * v as f64).sum();
         assert!((g - want).abs() <= 1e-12 * want, "{g} vs {want}");
     }
-    assert_eq!(sum_squares_f32(&refs).unwrap(), got, "second run");
-    assert_eq!(
-        sum_squares_f32(&[&t[2]]).unwrap()[0],
-        got[2],
-        "a tensor alone"
-    );
+    assert_eq!(sum_squares(&refs).unwrap(), got, "second run");
+    assert_eq!(sum_squares(&[&t[2]]).unwrap()[0], got[2], "a tensor alone");
+    for dt in [DType::BF16, DType::F16] {
+        let narrow: Vec<Tensor> = t.iter().map(|x| x.to_dtype(dt).unwrap()).collect();
+        let widened: Vec<Tensor> = narrow
+            .iter()
+            .map(|x| x.to_dtype(DType::F32).unwrap())
+            .collect();
+        let mixed: Vec<&Tensor> = [&narrow[0], &t[1], &narrow[2], &narrow[3]].into();
+        let want: Vec<&Tensor> = [&widened[0], &t[1], &widened[2], &widened[3]].into();
+        assert_eq!(
+            sum_squares(&mixed).unwrap(),
+            sum_squares(&want).unwrap(),
+            "{dt:?} tensors against their f32 widening"
+        );
+    }
 }
 
 /// The CUDA log-softmax and its backward as candle ops (as xdistill_kernels::log_softmax

@@ -1,8 +1,9 @@
 // ../src/adamw.cu and ../src/sum_squares.cu run on the host (cuda_runtime_emu.h): the
 // multi-tensor AdamW against a per-element loop with the CPU kernel's operations (the same bits),
 // with and without clipping, with fewer blocks than chunks, with bf16 and f16 compute copies
-// (each the nearest value to the updated weight, ties to even) on some tensors; the
-// multi-tensor Σ g² against a long-double sum; ../src/tree_sum.cu (the data-parallel exact sum)
+// (each the nearest value to the updated weight, ties to even) on some tensors, with f32 and
+// bf16 and f16 gradients side by side (each widened exactly); the multi-tensor Σ g² against a
+// long-double sum, and for bf16 and f16 tensors, the bits of their f32 widening's; ../src/tree_sum.cu (the data-parallel exact sum)
 // against the pairwise tree's definition, recursion over halves, bit for bit, for 1 to 19
 // ranks; ../src/grad_accumulate.cu (a micro-batch's gradients into their f32 sums) against
 // widening and one f32 add per element, bit for bit, for f32, bf16 and f16 gradients, both
@@ -52,8 +53,36 @@ static float widen_f16(uint16_t b) {
     return float(h);
 }
 
-// copy_kind: 0 no copies, 1 bf16, 2 f16 (every other tensor has one).
-static void adamw_case(bool clip, unsigned grid, int copy_kind, std::mt19937 &rng) {
+// A gradient stored as `kind` (0 f32, 1 bf16, 2 f16): the kernel's table points at `bits` for
+// the 16-bit kinds; `g` holds the values the kernel should read (the stored ones, widened).
+struct StoredGrad {
+    std::vector<float> g;
+    std::vector<uint16_t> bits;
+    uint32_t kind;
+    const void *at(size_t i) const {
+        return kind == 0 ? static_cast<const void *>(g.data() + i) : static_cast<const void *>(bits.data() + i);
+    }
+};
+static StoredGrad stored(std::vector<float> g, uint32_t kind) {
+    StoredGrad s{std::move(g), {}, kind};
+    for (float &x : s.g) {
+        if (kind == 1) {
+            s.bits.push_back(__float2bfloat16(x).bits);
+            x = widen_bf16(s.bits.back());
+        } else if (kind == 2) {
+            const __half h = __float2half(x);
+            uint16_t b;
+            std::memcpy(&b, &h, 2);
+            s.bits.push_back(b);
+            x = widen_f16(b);
+        }
+    }
+    return s;
+}
+
+// copy_kind: 0 no copies, 1 bf16, 2 f16 (every other tensor has one); mixed_grads: tensor t's
+// gradient is f32, bf16 or f16 by t mod 3 (else all f32).
+static void adamw_case(bool clip, unsigned grid, int copy_kind, bool mixed_grads, std::mt19937 &rng) {
     std::vector<size_t> sizes = {1, 1000, 4097, 70000, 3};
     std::vector<float> decays = {1.0f, 0.99999f, 1.0f, 0.9999f, 1.0f};
     std::normal_distribution<float> nd(0.0f, 1.0f);
@@ -66,6 +95,8 @@ static void adamw_case(bool clip, unsigned grid, int copy_kind, std::mt19937 &rn
             v[t].push_back(std::fabs(nd(rng)) * 1e-5f);
         }
     }
+    std::vector<StoredGrad> gs;
+    for (size_t t = 0; t < sizes.size(); ++t) gs.push_back(stored(g[t], mixed_grads ? uint32_t(t % 3) : 0));
     auto wp = p, wm = m, wv = v;  // the reference's copies
     const float lr = 3e-4f, b1 = 0.9f, b2 = 0.999f, c1 = 1.0f - b1, c2 = 1.0f - b2, eps = 1e-8f;
     const float ibc1 = float(1.0 / (1.0 - 0.9 * 0.9 * 0.9)), ibc2 = float(1.0 / (1.0 - 0.999 * 0.999 * 0.999));
@@ -80,9 +111,10 @@ static void adamw_case(bool clip, unsigned grid, int copy_kind, std::mt19937 &rn
         uint32_t dbits;
         std::memcpy(&dbits, &decays[c.tensor], 4);
         const uint64_t copy = has_copy(c.tensor) ? addr(copies[c.tensor].data() + c.start) : 0;
-        table.insert(table.end(), {addr(p[c.tensor].data() + c.start), addr(g[c.tensor].data() + c.start),
-                                   addr(m[c.tensor].data() + c.start), addr(v[c.tensor].data() + c.start),
-                                   copy, uint64_t(c.len) | (uint64_t(dbits) << 32)});
+        const StoredGrad &sg = gs[c.tensor];
+        table.insert(table.end(), {addr(p[c.tensor].data() + c.start), addr(sg.at(c.start)),
+                                   addr(m[c.tensor].data() + c.start), addr(v[c.tensor].data() + c.start), copy,
+                                   uint64_t(c.len) | (uint64_t(sg.kind) << 24) | (uint64_t(dbits) << 32)});
     }
     emu::launch(grid, 256, [&] {
         adamw_f32(table.data(), uint32_t(cs.size()), lr, b1, c1, b2, c2, ibc1, ibc2, eps, clip, scale, copy_kind);
@@ -90,7 +122,7 @@ static void adamw_case(bool clip, unsigned grid, int copy_kind, std::mt19937 &rn
     size_t diffs = 0;
     for (size_t t = 0; t < sizes.size(); ++t) {
         for (size_t i = 0; i < sizes[t]; ++i) {
-            float gi = g[t][i];
+            float gi = gs[t].g[i];
             if (clip) gi = gi * scale + 0.0f;
             float mi = b1 * wm[t][i] + c1 * gi;
             float vi = b2 * wv[t][i] + c2 * (gi * gi);
@@ -105,8 +137,8 @@ static void adamw_case(bool clip, unsigned grid, int copy_kind, std::mt19937 &rn
                 diffs += !nearest(want, c, widen_f16);
         }
     }
-    std::printf("adamw clip %d grid %u copies %d (%zu chunks): %zu elements differ\n", clip, grid, copy_kind,
-                cs.size(), diffs);
+    std::printf("adamw clip %d grid %u copies %d mixed gradients %d (%zu chunks): %zu elements differ\n", clip, grid,
+                copy_kind, mixed_grads, cs.size(), diffs);
     if (diffs) ++failures;
 }
 
@@ -117,20 +149,39 @@ static void sum_squares_case(unsigned grid, std::mt19937 &rng) {
     for (size_t t = 0; t < sizes.size(); ++t)
         for (size_t i = 0; i < sizes[t]; ++i) x[t].push_back(nd(rng));
     auto cs = chunks_of(sizes, 65536);
-    std::vector<uint64_t> table;
-    for (auto &c : cs) table.insert(table.end(), {addr(x[c.tensor].data() + c.start), uint64_t(c.len)});
-    std::vector<double> out(cs.size(), -1.0);
-    emu::launch(grid, 256, [&] { sum_squares_f32(table.data(), uint32_t(cs.size()), out.data()); });
-    std::vector<double> got(sizes.size(), 0.0);
-    for (size_t i = 0; i < cs.size(); ++i) got[cs[i].tensor] += out[i];
+    // Each tensor's sum over the table of `xs` (their dtypes in the chunks' length words).
+    auto run = [&](const std::vector<StoredGrad> &xs) {
+        std::vector<uint64_t> table;
+        for (auto &c : cs)
+            table.insert(table.end(),
+                         {addr(xs[c.tensor].at(c.start)), uint64_t(c.len) | (uint64_t(xs[c.tensor].kind) << 24)});
+        std::vector<double> out(cs.size(), -1.0);
+        emu::launch(grid, 256, [&] { sum_squares(table.data(), uint32_t(cs.size()), out.data()); });
+        std::vector<double> got(sizes.size(), 0.0);
+        for (size_t i = 0; i < cs.size(); ++i) got[cs[i].tensor] += out[i];
+        return got;
+    };
+    std::vector<StoredGrad> f32s, mixed, widened;
+    for (size_t t = 0; t < sizes.size(); ++t) {
+        f32s.push_back(stored(x[t], 0));
+        mixed.push_back(stored(x[t], uint32_t(t % 3)));
+        widened.push_back(stored(mixed.back().g, 0));
+    }
+    const auto got = run(f32s);
     double worst = 0;
     for (size_t t = 0; t < sizes.size(); ++t) {
         long double want = 0;
         for (float xi : x[t]) want += (long double)xi * xi;
         worst = worse(worst, double(std::fabs((long double)got[t] - want) / want));
     }
-    std::printf("sum_squares grid %u (%zu chunks): worst relative error %.2e\n", grid, cs.size(), worst);
-    if (!(worst < 1e-12)) ++failures;
+    // bf16 and f16 tensors: the bits of their values widened to f32.
+    const auto a = run(mixed), b = run(widened);
+    size_t differ = 0;
+    for (size_t t = 0; t < sizes.size(); ++t) differ += std::memcmp(&a[t], &b[t], sizeof(double)) != 0;
+    std::printf("sum_squares grid %u (%zu chunks): worst relative error %.2e; bf16/f16 tensors unlike their f32 "
+                "widening: %zu\n",
+                grid, cs.size(), worst, differ);
+    if (!(worst < 1e-12) || differ) ++failures;
 }
 
 // The tree's definition (trainer/src/dist/tree.rs's reference): split at the largest power of
@@ -213,9 +264,11 @@ static void grad_accumulate_case(unsigned grid, std::mt19937 &rng) {
 
 int main() {
     std::mt19937 rng(std::random_device{}());
-    adamw_case(false, 5, 0, rng);
-    adamw_case(true, 64, 1, rng);
-    adamw_case(false, 7, 2, rng);
+    adamw_case(false, 5, 0, false, rng);
+    adamw_case(true, 64, 1, false, rng);
+    adamw_case(false, 7, 2, false, rng);
+    adamw_case(true, 3, 1, true, rng);
+    adamw_case(false, 64, 0, true, rng);
     sum_squares_case(2, rng);
     sum_squares_case(16, rng);
     grad_accumulate_case(2, rng);

@@ -1,20 +1,22 @@
 //! The launch of `adamw.cu`: one AdamW step over every parameter in one kernel, in place, with
 //! the CPU kernel's arithmetic (`xdistill_kernels::adamw_update_in_place`: the same bits).
 
-use crate::address::{address, device_of, f32_address};
+use crate::address::{address, device_of, f32_address, float_kind};
 use crate::ptx;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{bail, DType, Result, Tensor};
 
-/// Elements per chunk of the table (a block's share).
+/// Elements per chunk of the table (a block's share); a length takes 24 bits of the table.
 const CHUNK: usize = 1 << 16;
+const _: () = assert!(CHUNK < 1 << 24);
 
-/// One parameter of a multi-tensor step: contiguous f32 tensors of one shape on one CUDA device;
-/// `param`, `m` and `v` are updated in place (they must not share storage with anything read
-/// during the step).
+/// One parameter of a multi-tensor step: contiguous tensors of one shape on one CUDA device, f32
+/// but for the gradient; `param`, `m` and `v` are updated in place (they must not share storage
+/// with anything read during the step).
 pub struct AdamWTensor<'a> {
     pub param: &'a Tensor,
+    /// f32, or bf16 or f16 (a compute copy's gradient, widened exactly in the kernel).
     pub grad: &'a Tensor,
     pub m: &'a Tensor,
     pub v: &'a Tensor,
@@ -41,7 +43,7 @@ pub struct AdamWHyper {
 
 /// `m ← β1 m + (1−β1) g; v ← β2 v + (1−β2) g²; p ← p·(1 − lr·wd) − lr·m̂/(√v̂ + ε)` for every
 /// tensor of `tensors`, in one launch; the compute copies given are written from the new `p`
-/// (all of one dtype).
+/// (all of one dtype). Gradients may differ in dtype from one tensor to the next.
 pub fn adamw_f32(tensors: &[AdamWTensor<'_>], h: AdamWHyper) -> Result<()> {
     let Some(first) = tensors.first() else {
         return Ok(());
@@ -66,8 +68,10 @@ pub fn adamw_f32(tensors: &[AdamWTensor<'_>], h: AdamWHyper) -> Result<()> {
                 t.v.dims()
             );
         }
-        let [p, g, m, v] = [t.param, t.grad, t.m, t.v].map(|x| f32_address(x, &stream));
-        let (p, g, m, v) = (p?, g?, m?, v?);
+        let [p, m, v] = [t.param, t.m, t.v].map(|x| f32_address(x, &stream));
+        let (p, m, v) = (p?, m?, v?);
+        let (grad_kind, grad_width) = float_kind(t.grad.dtype())?;
+        let g = address(t.grad, t.grad.dtype(), &stream)?;
         let copy = match (t.copy, copy_dtype) {
             (Some(c), Some(dtype)) => {
                 if c.dims() != dims {
@@ -90,7 +94,9 @@ pub fn adamw_f32(tensors: &[AdamWTensor<'_>], h: AdamWHyper) -> Result<()> {
             } else {
                 copy + 2 * start as u64
             };
-            table.extend([p + at, g + at, m + at, v + at, copy, len | (decay << 32)]);
+            let g = g + grad_width * start as u64;
+            let word = len | (grad_kind << 24) | (decay << 32);
+            table.extend([p + at, g, m + at, v + at, copy, word]);
         }
     }
     let n_chunks = (table.len() / 6) as u32;

@@ -45,6 +45,17 @@ pub fn address(t: &Tensor, dtype: DType, stream: &Arc<CudaStream>) -> Result<u64
     }
 }
 
+/// How the multi-tensor kernels' tables name a float dtype (`0` f32, `1` bf16, `2` f16: see
+/// `dtype.cuh`'s users), and its width in bytes.
+pub fn float_kind(dtype: DType) -> Result<(u64, u64)> {
+    Ok(match dtype {
+        DType::F32 => (0, 4),
+        DType::BF16 => (1, 2),
+        DType::F16 => (2, 2),
+        other => bail!("the multi-tensor kernels take f32, bf16 or f16 tensors, not {other:?}"),
+    })
+}
+
 /// The address of element `at` of `s`, a slice of `T`.
 fn first_address<T: CudaDType>(
     s: &CudaStorage,

@@ -1,11 +1,11 @@
 //! The launch of `grad_accumulate.cu`: a micro-batch's gradients widened into (or added to) their
 //! f32 sums, every parameter in one launch.
 
-use crate::address::{address, device_of, f32_address};
+use crate::address::{address, device_of, f32_address, float_kind};
 use crate::ptx;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
-use candle_core::{bail, DType, Result, Tensor};
+use candle_core::{bail, Result, Tensor};
 
 /// Elements per chunk of the table (a block's share).
 const CHUNK: usize = 1 << 16;
@@ -39,12 +39,7 @@ pub fn grad_accumulate_f32(entries: &[GradSum<'_>]) -> Result<()> {
                 e.dst.dims()
             );
         }
-        let (kind, width) = match e.src.dtype() {
-            DType::F32 => (0u64, 4u64),
-            DType::BF16 => (1, 2),
-            DType::F16 => (2, 2),
-            other => bail!("gradient accumulation takes f32, bf16 or f16 gradients, not {other:?}"),
-        };
+        let (kind, width) = float_kind(e.src.dtype())?;
         let src = address(e.src, e.src.dtype(), &stream)?;
         let dst = f32_address(e.dst, &stream)?;
         let flags = (kind << 32) | ((e.add as u64) << 40);

@@ -6,12 +6,12 @@
 //!
 //! - [`topk_rows`]: per row of logits, the log-softmax statistics and the top k (the teacher's
 //!   device scoring path), one block per row, no host round trip;
-//! - [`adamw_f32`]: one AdamW step over every parameter in one launch, in place, the CPU
-//!   kernel's arithmetic (the same bits);
+//! - [`adamw_f32`]: one AdamW step over every f32 parameter in one launch (gradients f32, bf16
+//!   or f16), in place, the CPU kernel's arithmetic (the same bits);
 //! - [`grad_accumulate_f32`]: a micro-batch's gradients (f32, bf16 or f16) widened into, or
 //!   added to, their f32 sums, every parameter in one launch;
-//! - [`sum_squares_f32`]: `Σ g²` of every gradient in one launch and one copy back (the global
-//!   norm for clipping);
+//! - [`sum_squares`]: `Σ g²` of every gradient (f32, bf16 or f16) in one launch and one copy
+//!   back (the global norm for clipping);
 //! - [`log_softmax_f32`] and [`log_softmax_bwd_f32`]: the row-wise log-softmax and its backward,
 //!   one block per row (the losses' `[n, V]` rows);
 //! - [`rms_norm_fwd`] and [`rms_norm_bwd`]: RMSNorm (both weight conventions) and its
@@ -107,7 +107,7 @@ pub use rms_norm::{rms_norm_bwd, rms_norm_fwd, RmsNormArgs};
 #[cfg(feature = "cuda")]
 pub use rope::{rope, RopeArgs};
 #[cfg(feature = "cuda")]
-pub use sum_squares::sum_squares_f32;
+pub use sum_squares::sum_squares;
 #[cfg(feature = "cuda")]
 pub use topk_kd::{
     topk_kd_bwd, topk_kd_bwd_in_place, topk_kd_fwd, TopkKdArgs, TopkKdGrad, TopkKdTargets,

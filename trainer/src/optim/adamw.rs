@@ -283,7 +283,8 @@ impl AdamW {
         if let Some(s) = clip {
             for p in &self.params {
                 if let Some(g) = grads.get(p.var.as_tensor()) {
-                    let scaled = g.affine(s, 0.0)?;
+                    // In the moments' dtype first: a bf16 gradient scaled in bf16 would round.
+                    let scaled = g.to_dtype(p.m.dtype())?.affine(s, 0.0)?;
                     grads.insert(p.var.as_tensor(), scaled);
                 }
             }
@@ -294,7 +295,7 @@ impl AdamW {
 
     /// Whether [`AdamW::step_multi_tensor`] runs this step: the project's CUDA kernels on, and
     /// every parameter an f32 variable on a CUDA device (no master copy) whose gradient, if it
-    /// has one, is contiguous f32.
+    /// has one, is contiguous f32, bf16 or f16.
     #[cfg(feature = "cuda")]
     fn multi_tensor_applies(&self, grads: &GradStore) -> bool {
         use candle_core::DType;
@@ -304,9 +305,10 @@ impl AdamW {
                     && p.master.is_none()
                     && p.var.dtype() == DType::F32
                     && p.var.is_contiguous()
-                    && grads
-                        .get(p.var.as_tensor())
-                        .is_none_or(|g| g.dtype() == DType::F32 && g.is_contiguous())
+                    && grads.get(p.var.as_tensor()).is_none_or(|g| {
+                        matches!(g.dtype(), DType::F32 | DType::BF16 | DType::F16)
+                            && g.is_contiguous()
+                    })
             })
     }
 

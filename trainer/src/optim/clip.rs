@@ -17,7 +17,10 @@ pub fn sq_norms(grads: &GradStore, vars: &[Var]) -> Result<Vec<f64>> {
         return vars
             .iter()
             .map(|v| match grads.get(v.as_tensor()) {
-                Some(g) => Ok(xdistill_kernels::sum_squares(g)?),
+                // A compute copy's gradient (a step of one micro-batch hands it over as the
+                // backward made it) widened first: the f32 kernel's bits, as when it was summed
+                // in f32.
+                Some(g) => Ok(xdistill_kernels::sum_squares(&widened(g)?)?),
                 None => Ok(0.0),
             })
             .collect();
@@ -50,21 +53,33 @@ pub fn sq_norms(grads: &GradStore, vars: &[Var]) -> Result<Vec<f64>> {
         .collect())
 }
 
+/// A gradient in f32 where it is bf16 or f16 (exact): what the optimiser and the norm read.
+pub(crate) fn widened(g: &Tensor) -> candle_core::Result<Tensor> {
+    match g.dtype() {
+        DType::BF16 | DType::F16 => g.to_dtype(DType::F32),
+        _ => Ok(g.clone()),
+    }
+}
+
 /// [`sq_norms`] through the project's CUDA kernel (`kernels/cuda/src/sum_squares.cu`: every
 /// gradient in one launch, f64 sums, one copy back) when its kernels are on and every gradient
-/// is contiguous f32 on a CUDA device; `None` otherwise.
+/// is contiguous f32, bf16 or f16 on a CUDA device; `None` otherwise.
 #[cfg(feature = "cuda")]
 fn sq_norms_in_one_launch(grads: &GradStore, vars: &[Var]) -> Result<Option<Vec<f64>>> {
     if !xdistill_shared::device::cuda_kernels() {
         return Ok(None);
     }
     let present: Vec<Option<&Tensor>> = vars.iter().map(|v| grads.get(v.as_tensor())).collect();
-    let fits = |g: &&Tensor| g.device().is_cuda() && g.dtype() == DType::F32 && g.is_contiguous();
+    let fits = |g: &&Tensor| {
+        g.device().is_cuda()
+            && matches!(g.dtype(), DType::F32 | DType::BF16 | DType::F16)
+            && g.is_contiguous()
+    };
     if !present.iter().flatten().all(fits) {
         return Ok(None);
     }
     let tensors: Vec<&Tensor> = present.iter().flatten().copied().collect();
-    let mut sums = xdistill_cuda_kernels::sum_squares_f32(&tensors)?.into_iter();
+    let mut sums = xdistill_cuda_kernels::sum_squares(&tensors)?.into_iter();
     Ok(Some(
         present
             .iter()
@@ -106,7 +121,7 @@ pub fn clip_to(grads: &mut GradStore, vars: &[Var], norm: f64, max_norm: f64) ->
     };
     for v in vars {
         if let Some(g) = grads.get(v.as_tensor()) {
-            let scaled = g.affine(scale, 0.0)?;
+            let scaled = widened(g)?.affine(scale, 0.0)?;
             grads.insert(v.as_tensor(), scaled);
         }
     }

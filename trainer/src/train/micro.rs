@@ -222,6 +222,9 @@ pub fn grads(
     mut acc: Option<&mut GradAccumulator>,
 ) -> Result<(GradStore, HeadSums)> {
     let (model, layout) = (drive.model, mb.layout());
+    if let Some(acc) = acc.as_deref_mut() {
+        acc.before_micro_batch()?;
+    }
     let pass = drive.head.forward(model, &layout.ids)?;
     let mut terms = StepTerms {
         mb,
