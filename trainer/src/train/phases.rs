@@ -1,12 +1,15 @@
-//! Where a micro-batch's gradient time goes — the decoder's training forward, the LM head and
-//! loss in row chunks (with each chunk's backward), and the decoder's backward (with the
-//! recompute of checkpointed layers) — for `trainer bench-step` and profiling.
+//! Where a step's time goes — the decoder's training forward, the LM head and loss in row
+//! chunks (with each chunk's backward), the decoder's backward (with the recompute of
+//! checkpointed layers), the end of the gradients' accumulation, the global norm and the
+//! update — for `trainer bench-step` and profiling.
 //!
 //! Off unless a thread turns it on ([`start`]): then each phase ends with a device
 //! synchronisation, so asynchronous GPU work is counted in the phase that launched it. Training
-//! never turns it on, so it adds no synchronisation to a real step. All three phases run in
-//! `train::head` (every pairing and SFT go through it), which is where they are timed. Each phase
-//! is also a profiler's region ([`xdistill_shared::profiling`]), whether timed or not.
+//! never turns it on, so it adds no synchronisation to a real step. The first three phases run
+//! in `train::head` (every pairing and SFT go through it), the norm and the update in
+//! `Runner::apply`, which is where they are timed: bench-step runs the training loop's own
+//! code. Each phase is also a profiler's region ([`xdistill_shared::profiling`]), whether timed
+//! or not.
 
 use candle_core::Device;
 use std::cell::RefCell;
@@ -23,11 +26,19 @@ pub struct StepPhases {
     pub head_loss: f64,
     /// `HeadOut::finish`: the hidden-state gradient pulled through the decoder.
     pub backward: f64,
+    /// The gradients still to sum after the backward (what the layers' own sums leave), up to
+    /// the step's gradient: the caller's, around `GradAccumulator::add` and `finish`.
+    pub accumulate: f64,
+    /// `Runner::apply`: the gradients' global norm (one copy back).
+    pub clip: f64,
+    /// `Runner::apply`: the update (the clipping factor applied inside it) and the compute
+    /// copies written or refreshed.
+    pub optimizer: f64,
 }
 
 impl StepPhases {
     pub fn total(&self) -> f64 {
-        self.forward + self.head_loss + self.backward
+        self.forward + self.head_loss + self.backward + self.accumulate + self.clip + self.optimizer
     }
 }
 
@@ -37,6 +48,9 @@ pub enum Phase {
     Forward,
     HeadLoss,
     Backward,
+    Accumulate,
+    Clip,
+    Optimizer,
 }
 
 impl Phase {
@@ -46,6 +60,9 @@ impl Phase {
             Phase::Forward => profiling::Phase::Forward,
             Phase::HeadLoss => profiling::Phase::HeadLoss,
             Phase::Backward => profiling::Phase::Backward,
+            Phase::Accumulate => profiling::Phase::Accumulate,
+            Phase::Clip => profiling::Phase::Clip,
+            Phase::Optimizer => profiling::Phase::Optimizer,
         }
     }
 }
@@ -66,7 +83,7 @@ pub fn take() -> StepPhases {
 
 /// Runs `f` as `phase` on `device`: timed, up to the device's completion of it, when this
 /// thread's clock runs; just run otherwise.
-pub(crate) fn time<R>(
+pub fn time<R>(
     phase: Phase,
     device: &Device,
     f: impl FnOnce() -> anyhow::Result<R>,
@@ -82,11 +99,14 @@ pub(crate) fn time<R>(
     let seconds = t0.elapsed().as_secs_f64();
     CLOCK.with(|c| {
         if let Some(p) = c.borrow_mut().as_mut() {
-            match phase {
-                Phase::Forward => p.forward += seconds,
-                Phase::HeadLoss => p.head_loss += seconds,
-                Phase::Backward => p.backward += seconds,
-            }
+            *match phase {
+                Phase::Forward => &mut p.forward,
+                Phase::HeadLoss => &mut p.head_loss,
+                Phase::Backward => &mut p.backward,
+                Phase::Accumulate => &mut p.accumulate,
+                Phase::Clip => &mut p.clip,
+                Phase::Optimizer => &mut p.optimizer,
+            } += seconds;
         }
     });
     Ok(r)

@@ -2,10 +2,10 @@
 //! it — `micro_grads` (decoder training forward, kept or checkpointed as
 //! `--activation-checkpointing` says; LM head in row chunks on the trained rows, forward KL over
 //! the teacher's top-k with a tail bucket + 0.1 × cross-entropy, each chunk's backward; the
-//! decoder's backward), gradient accumulation, global
-//! gradient-norm clipping at 1.0, AdamW on the f32 masters (lr 1e-4, weight decay 0.01 on every
-//! tensor, as `torch.optim.AdamW` does) and the refresh of the compute copy — on a synthetic
-//! batch. Prints figures; not a test.
+//! decoder's backward), gradient accumulation, then the training loop's own update
+//! (`Runner::apply`: global gradient-norm clipping at 1.0, AdamW on the f32 masters, lr 1e-4,
+//! weight decay 0.01 on every tensor as `torch.optim.AdamW` does, and the compute copies
+//! written) — on a synthetic batch. Prints figures; not a test.
 //!
 //! `--write-batch` saves the batch so `bench/torch_step.py` runs the same step in PyTorch;
 //! `--python` runs it in the same invocation (rounds alternating with ours, so that both see the
@@ -19,14 +19,11 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
-use xdistill_shared::profiling::{self, Phase};
 use xdistill_shared::protocol::SequenceScores;
 use xdistill_trainer::collate::Encoded;
 use xdistill_trainer::config::ActivationCheckpointing;
 use xdistill_trainer::loss::{CeConfig, KdConfig, LossConfig, TailMode, Temperature};
-use xdistill_trainer::optim::{
-    clip_scale, grad_norm, AdamWConfig, GradAccumulator, OptimConfig, ScheduleConfig,
-};
+use xdistill_trainer::optim::{AdamWConfig, GradAccumulator, OptimConfig, ScheduleConfig};
 use xdistill_trainer::student::Student;
 use xdistill_trainer::train::head_chunks::HeadOpts;
 use xdistill_trainer::train::pairing::{units, Item, LossCtx, Pairing};
@@ -309,25 +306,6 @@ fn check_cpu(
     Ok(())
 }
 
-/// Seconds of each phase of one step timed by phase (the device synchronised after each).
-#[derive(Default, Clone, Copy)]
-struct Phases {
-    /// The decoder's forward, the chunked head + loss with each chunk's backward, and the
-    /// decoder's backward (`train::phases`).
-    grads: StepPhases,
-    accumulate: f64,
-    /// The gradients' global norm (one copy back).
-    clip: f64,
-    /// The update, the clipping factor applied inside it, and the refresh of the compute copy.
-    adamw: f64,
-}
-
-impl Phases {
-    fn total(&self) -> f64 {
-        self.grads.total() + self.accumulate + self.clip + self.adamw
-    }
-}
-
 /// What one step runs on.
 struct StepSetup<'a> {
     batch: &'a Batch,
@@ -337,20 +315,15 @@ struct StepSetup<'a> {
     head: HeadOpts,
 }
 
-/// One full training step as the training loop runs it; returns the loss, the step's seconds
-/// (the device synchronised once, at its end) and, when `phased`, each phase's seconds (the
-/// device synchronised after each phase, which the step's seconds then include: a training step
-/// never waits between its phases, so the headline figure comes from unphased steps).
-fn step(runner: &mut Runner, s: &StepSetup, phased: bool) -> Result<(f64, f64, Phases)> {
-    let (batch, k, cfg, device) = (s.batch, s.k, s.cfg, s.device);
+/// One full training step as the training loop runs it (its micro-batch's gradients, then
+/// `Runner::apply`: the global norm, the update with the clipping factor inside it); returns the
+/// loss, the step's seconds (the device synchronised once, at its end) and, when `phased`, each
+/// phase's seconds (the device synchronised after each phase, which the step's seconds then
+/// include: a training step never waits between its phases, so the headline figure comes from
+/// unphased steps).
+fn step(runner: &mut Runner, s: &StepSetup, phased: bool) -> Result<(f64, f64, StepPhases)> {
+    let (batch, device) = (s.batch, s.device);
     let start = Instant::now();
-    let mut ph = Phases::default();
-    let sync = |on: bool| -> Result<()> {
-        if on {
-            device.synchronize()?;
-        }
-        Ok(())
-    };
     let scores: Vec<&SequenceScores> = batch.scores.iter().collect();
     let norm = units(&batch.items);
     if phased {
@@ -358,47 +331,34 @@ fn step(runner: &mut Runner, s: &StepSetup, phased: bool) -> Result<(f64, f64, P
     }
     let ctx = LossCtx {
         model: runner.student.model(),
-        k,
-        loss: cfg,
+        k: s.k,
+        loss: s.cfg,
         pairing: Pairing::Same,
         device,
         micro_batch: batch.items.len(),
         head: s.head,
     };
-    // As the training loop: each layer's gradients summed into the f32 sums as the backward
-    // leaves it (inside the grads phase), the rest (embedding, head) after it.
+    // As the training loop: each layer's gradients taken by the accumulator as the backward
+    // leaves it (inside the backward phase), the rest (embedding, head) after it.
     let vars = runner.vars().to_vec();
     let keys = runner.student.grad_keys(&vars);
     let mut acc = GradAccumulator::with_keys(vars, keys);
     let (grads, m) = micro_grads(&ctx, &batch.items, &scores, norm, Some(&mut acc))?;
     // The whole micro-batch is the step: the loss is kd_scale·KD + 0.1·CE (its mean).
     let loss_v = m.kd.loss * m.kd_scale + 0.1 * m.ce.unwrap_or(0.0);
-    ph.grads = phases::take();
-    let t = Instant::now();
-    acc.add(&grads)?;
-    drop(grads);
-    let mut grads = acc.take()?;
-    sync(phased)?;
-    ph.accumulate = t.elapsed().as_secs_f64();
-    let t = Instant::now();
-    let vars = runner.vars().to_vec();
-    // As the training loop: the global norm here, the scaling inside the update.
-    let norm = {
-        let _region = profiling::region(device, Phase::Clip);
-        grad_norm(&grads, &vars)?
-    };
-    let clip = clip_scale(norm, runner.optim.max_grad_norm);
-    sync(phased)?;
-    ph.clip = t.elapsed().as_secs_f64();
-    let t = Instant::now();
-    let _region = profiling::region(device, Phase::Optimizer);
-    let copies = runner.student.compute_copies();
-    if !runner.opt.step_with_copies(&mut grads, clip, copies)? {
-        runner.student.refresh()?;
-    }
-    runner.step += 1;
+    let grads = phases::time(phases::Phase::Accumulate, device, || {
+        acc.add(&grads)?;
+        drop(grads);
+        Ok(acc.finish()?)
+    })?;
+    let update = runner.apply(grads)?;
+    anyhow::ensure!(
+        update.applied,
+        "the step's gradient norm is {}: no update",
+        update.grad_norm
+    );
     device.synchronize()?;
-    ph.adamw = t.elapsed().as_secs_f64();
+    let ph = phases::take();
     Ok((loss_v, start.elapsed().as_secs_f64(), ph))
 }
 
@@ -512,7 +472,7 @@ pub fn run(a: Args) -> Result<()> {
             .unwrap_or_else(rayon::current_num_threads)
     });
     let (mut ours, mut torch) = (Vec::<f64>::new(), Vec::<f64>::new());
-    let mut phased = Vec::<Phases>::new();
+    let mut phased = Vec::<StepPhases>::new();
     // The most bytes the timed steps' allocations held at once (a GPU's memory pool).
     let mut peak: Option<u64> = None;
     let (mut first_loss, mut last_loss) = (None, None);
@@ -590,7 +550,7 @@ pub fn run(a: Args) -> Result<()> {
     if let Some(p) = &tmp_batch {
         let _ = std::fs::remove_file(p);
     }
-    let med = |f: fn(&Phases) -> f64| median(phased.iter().map(f).collect());
+    let med = |f: fn(&StepPhases) -> f64| median(phased.iter().map(f).collect());
     let ours_s = median(ours.clone());
     let min_s = ours.iter().copied().fold(f64::INFINITY, f64::min);
     let last = last_loss.unwrap_or(f64::NAN);
@@ -616,15 +576,15 @@ pub fn run(a: Args) -> Result<()> {
     }
     println!(
         "  phases (median s of {} steps waiting after each phase; sum {:.3}): forward {:.3}  \
-         head+loss {:.3}  backward {:.3}  accumulate {:.3}  clip {:.3}  adamw {:.3}",
+         head+loss {:.3}  backward {:.3}  accumulate {:.3}  clip {:.3}  optimizer {:.3}",
         phased.len(),
-        med(Phases::total),
-        med(|p| p.grads.forward),
-        med(|p| p.grads.head_loss),
-        med(|p| p.grads.backward),
+        med(StepPhases::total),
+        med(|p| p.forward),
+        med(|p| p.head_loss),
+        med(|p| p.backward),
         med(|p| p.accumulate),
         med(|p| p.clip),
-        med(|p| p.adamw)
+        med(|p| p.optimizer)
     );
     let first = first_loss.unwrap_or(f64::NAN);
     println!(

@@ -9,6 +9,7 @@ use crate::optim::{
     OptimizerState, ScheduleConfig,
 };
 use crate::student::Student;
+use crate::train::phases;
 use anyhow::{Context, Result};
 use candle_core::{DType, Tensor, Var};
 use std::collections::HashMap;
@@ -184,10 +185,9 @@ impl Runner {
         // The gradients this rank updates with (its vars' in a store), and the global norm.
         let (mut grads, grad_norm) = if world == 1 {
             let store = grads.into_store(&self.vars);
-            let norm = {
-                let _region = profiling::region(&device, Phase::Clip);
-                grad_norm(&store, &self.vars)?
-            };
+            let norm = phases::time(phases::Phase::Clip, &device, || {
+                Ok(grad_norm(&store, &self.vars)?)
+            })?;
             (store, norm)
         } else if let Some(own) = self.zero.clone() {
             let flat = grads.flatten()?;
@@ -211,10 +211,9 @@ impl Runner {
             let sum = self.collective(bytes, |g| g.all_reduce_sum_tensor(&flat, fast))?;
             drop(flat);
             let store = Grads::from_flat_tensor(&sum, &self.vars)?.into_store(&self.vars);
-            let norm = {
-                let _region = profiling::region(&device, Phase::Clip);
-                grad_norm(&store, &self.vars)?
-            };
+            let norm = phases::time(phases::Phase::Clip, &device, || {
+                Ok(grad_norm(&store, &self.vars)?)
+            })?;
             (store, norm)
         };
         self.step += 1;
@@ -245,17 +244,19 @@ impl Runner {
         self.nonfinite_run = 0;
         self.opt.set_learning_rate(lr);
         let clip = clip_scale(grad_norm, self.optim.max_grad_norm);
-        let _region = profiling::region(&device, Phase::Optimizer);
-        let copies = self.student.compute_copies();
-        let written = self.opt.step_with_copies(&mut grads, clip, copies)?;
-        drop(grads);
-        if let Some(own) = self.zero.clone() {
-            self.gather_weights(&own)?;
-        }
-        // The other ranks' parameters arrive in the masters only, under ZeRO-1.
-        if !written || self.zero.is_some() {
-            self.student.refresh()?;
-        }
+        phases::time(phases::Phase::Optimizer, &device, || {
+            let copies = self.student.compute_copies();
+            let written = self.opt.step_with_copies(&mut grads, clip, copies)?;
+            drop(grads);
+            if let Some(own) = self.zero.clone() {
+                self.gather_weights(&own)?;
+            }
+            // The other ranks' parameters arrive in the masters only, under ZeRO-1.
+            if !written || self.zero.is_some() {
+                self.student.refresh()?;
+            }
+            Ok(())
+        })?;
         Ok(Update {
             grad_norm,
             lr,
