@@ -104,6 +104,26 @@ pub(crate) struct Chunk {
 }
 
 impl XTokenBatch {
+    /// `batch` rows of `student_len` and `teacher_len` positions and `k` teacher entries each,
+    /// every position outside any chunk and every other value zero: what a collator fills in.
+    pub fn empty(batch: usize, student_len: usize, teacher_len: usize, k: usize) -> XTokenBatch {
+        let (b, ts, tt) = (batch, student_len, teacher_len);
+        XTokenBatch {
+            batch,
+            student_len,
+            teacher_len,
+            k,
+            student_chunk: vec![-1; b * ts],
+            teacher_chunk: vec![-1; b * tt],
+            num_chunks: vec![0; b],
+            student_targets: vec![0; b * ts],
+            teacher_targets: vec![0; b * tt],
+            teacher_topk_ids: vec![0; b * tt * k],
+            teacher_topk_logprobs: vec![0.0; b * tt * k],
+            teacher_target_logprobs: vec![0.0; b * tt],
+        }
+    }
+
     fn check_len<T>(&self, field: &'static str, v: &[T], want: usize) -> Result<()> {
         if v.len() != want {
             return Err(LossError::input(

@@ -174,20 +174,7 @@ pub fn batch(x: &XTokenBatch, piece: &XPiece) -> XTokenBatch {
         x.k,
     );
     let (ts, tt) = (x.student_len, x.teacher_len);
-    let mut o = XTokenBatch {
-        batch: nb,
-        student_len: sl,
-        teacher_len: tl,
-        k,
-        student_chunk: vec![-1; nb * sl],
-        teacher_chunk: vec![-1; nb * tl],
-        num_chunks: vec![0; nb],
-        student_targets: vec![0; nb * sl],
-        teacher_targets: vec![0; nb * tl],
-        teacher_topk_ids: vec![0; nb * tl * k],
-        teacher_topk_logprobs: vec![0.0; nb * tl * k],
-        teacher_target_logprobs: vec![0.0; nb * tl],
-    };
+    let mut o = XTokenBatch::empty(nb, sl, tl, k);
     let has = |v: &Vec<u32>| !v.is_empty();
     let (with_targets, with_topk) = (has(&x.student_targets), has(&x.teacher_topk_ids));
     for (i, seg) in piece.segments.iter().enumerate() {

@@ -412,20 +412,7 @@ pub fn xtoken_batch(
         .map(|(p, _)| p.teacher_ids.len())
         .max()
         .unwrap_or(1);
-    let mut x = XTokenBatch {
-        batch: b,
-        student_len: ts,
-        teacher_len: tt,
-        k,
-        student_chunk: vec![-1; b * ts],
-        teacher_chunk: vec![-1; b * tt],
-        num_chunks: vec![0; b],
-        student_targets: vec![0; b * ts],
-        teacher_targets: vec![0; b * tt],
-        teacher_topk_ids: vec![0; b * tt * k],
-        teacher_topk_logprobs: vec![0.0; b * tt * k],
-        teacher_target_logprobs: vec![0.0; b * tt],
-    };
+    let mut x = XTokenBatch::empty(b, ts, tt, k);
     for (r, ((pair, l), s)) in layouts.iter().zip(scores).enumerate() {
         x.num_chunks[r] = l.chunks;
         x.student_chunk[r * ts..r * ts + l.student_chunk.len()].copy_from_slice(&l.student_chunk);
