@@ -562,6 +562,24 @@ pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, HfError> {
         source,
     })?;
     let files: BTreeSet<&String> = idx.weight_map.values().collect();
+    // A shard is a file of the model's directory: an index naming `../x`, `/etc/x` or `a/b`
+    // would have the server read files outside it.
+    let outside = |f: &str| {
+        let mut parts = Path::new(f).components();
+        !matches!(
+            (parts.next(), parts.next()),
+            (Some(std::path::Component::Normal(_)), None)
+        )
+    };
+    if let Some(f) = files.iter().find(|f| outside(f)) {
+        return Err(HfError::Safetensors {
+            path: index,
+            message: format!(
+                "shard {f:?} is not the name of a file in the model's directory (no folders, \
+                 `..` or absolute paths)"
+            ),
+        });
+    }
     let out: Vec<PathBuf> = files.into_iter().map(|f| dir.join(f)).collect();
     if let Some(missing) = out.iter().find(|p| !p.is_file()) {
         return Err(HfError::Io {
@@ -851,6 +869,28 @@ mod tests {
             e.contains("b.safetensors") && e.contains("is stored twice (also in"),
             "{e}"
         );
+        // Shards outside the model's directory are refused before any is opened (the first of
+        // each pair exists, so only the name refuses it).
+        std::fs::create_dir(dir.join("sub")).unwrap();
+        std::fs::copy(dir.join("a.safetensors"), dir.join("sub/a.safetensors")).unwrap();
+        let elsewhere = dir.join("a.safetensors").canonicalize().unwrap();
+        for name in [
+            "../shards/a.safetensors".to_string(),
+            elsewhere.display().to_string(),
+            "sub/a.safetensors".to_string(),
+            "./a.safetensors".to_string(),
+            "..".to_string(),
+            String::new(),
+        ] {
+            let index = serde_json::json!({"weight_map": {"model.embed_tokens.weight": name}});
+            std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+            let e = ModelDir::open(&dir).unwrap_err().to_string();
+            assert!(
+                e.contains("is not the name of a file in the model's directory")
+                    && e.contains("model.safetensors.index.json"),
+                "{name}: {e}"
+            );
+        }
         // A file given as a model: neither GGUF nor a directory.
         let e = ModelDir::open(&p).unwrap_err().to_string();
         assert!(e.contains("neither a GGUF file"), "{e}");
