@@ -3,7 +3,8 @@
 //! and preloaded into a program linked against a stand-in libcuda: it counts exactly the calls
 //! made between cuProfilerStart and cuProfilerStop, by kind, and passes every call on; and
 //! `bench/ncu_kernels.py` (step p's table of an `ncu` log) cutting launches by the phase marks
-//! (`xdistill_shared::profiling`).
+//! (`xdistill_shared::profiling`); and every script a GPU call runs parses (a syntax error
+//! found on a lent machine costs its whole call).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -24,6 +25,59 @@ fn cc(dir: &Path, args: &[&str]) {
         "cc {args:?}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// The files of `dir` (under the repository) ending in `ext`, sorted.
+fn files(dir: &str, ext: &str) -> Vec<PathBuf> {
+    let mut out: Vec<PathBuf> = std::fs::read_dir(repo().join(dir))
+        .unwrap_or_else(|e| panic!("{dir}: {e}"))
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == ext))
+        .collect();
+    out.sort();
+    out
+}
+
+/// Every shell script (`bash -n`) and Python file (compiled by `python3`, nothing imported or
+/// run, so no PyTorch needed) the GPU check and the benchmarks run parses; a file broken on
+/// purpose is refused by the same check (the test can fail).
+#[test]
+fn the_gpu_checks_scripts_parse() {
+    let shell = files("scripts", "sh");
+    let python: Vec<PathBuf> = ["bench", "scripts", "scripts/checks"]
+        .iter()
+        .flat_map(|d| files(d, "py"))
+        .collect();
+    assert!(
+        shell.iter().any(|p| p.ends_with("scripts/gpu-check.sh"))
+            && python.iter().any(|p| p.ends_with("bench/torch_step.py")),
+        "{shell:?} {python:?}"
+    );
+    let bash_n = |p: &Path| Command::new("bash").arg("-n").arg(p).output().unwrap();
+    // All compiled in memory by one interpreter (no __pycache__ written into the checkout).
+    let compiles = |ps: &[PathBuf]| {
+        Command::new("python3")
+            .args([
+                "-c",
+                "import sys\nfor f in sys.argv[1:]: compile(open(f).read(), f, 'exec')",
+            ])
+            .args(ps)
+            .output()
+            .expect("python3 runs")
+    };
+    for p in &shell {
+        let o = bash_n(p);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success(), "{}: {err}", p.display());
+    }
+    let o = compiles(&python);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let dir = tempfile::tempdir().unwrap();
+    let (bad_sh, bad_py) = (dir.path().join("bad.sh"), dir.path().join("bad.py"));
+    std::fs::write(&bad_sh, "if true; then\n  echo unclosed\n").unwrap();
+    std::fs::write(&bad_py, "def f(:\n    pass\n").unwrap();
+    assert!(!bash_n(&bad_sh).status.success());
+    assert!(!compiles(&[python[0].clone(), bad_py]).status.success());
 }
 
 #[test]
