@@ -76,8 +76,11 @@ pub fn read_facts(dir: &ModelDir, dtype: DType, device: &Device) -> Result<Model
     let tok = dir.load_tokenizer()?;
     let tok_vocab = check_dir(dir, &tok)?;
     let logits_size = dir.config.vocab_size;
-    let tokenizer_json = std::fs::read(&dir.tokenizer)
-        .map_err(|e| LoadError::Config(format!("reading {}: {e}", dir.tokenizer.display())))?;
+    let tokenizer_json = xdistill_shared::hf::read_capped(
+        &dir.tokenizer,
+        xdistill_shared::hf::limits::TOKENIZER_JSON,
+        "tokenizer.json",
+    )?;
     Ok(ModelFacts {
         architecture: arch.hf_class().into(),
         rope_theta: dir.config.rope_theta(),

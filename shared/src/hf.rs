@@ -48,6 +48,60 @@ pub enum HfError {
     /// A safetensors file that does not follow the format, or a tensor the model cannot use.
     #[error("{}: {message}", path.display())]
     Safetensors { path: PathBuf, message: String },
+    /// A file longer than any real one of its kind ([`read_capped`]), or one that never ends (a
+    /// device in its place).
+    #[error(
+        "{}: more than {limit} bytes, far more than a {what} holds: refused rather than read into \
+         memory",
+        path.display()
+    )]
+    TooLarge {
+        path: PathBuf,
+        limit: u64,
+        what: &'static str,
+    },
+}
+
+/// The most bytes a model directory's small files may hold, far above any real model's (a
+/// `config.json` is a few KB, an index a few MB, a `tokenizer.json` tens of MB): [`read_capped`]'s
+/// limits, so that a file of gigabytes, or a device such as `/dev/zero` in a file's place, is
+/// refused by name instead of read into memory.
+pub mod limits {
+    /// `config.json`.
+    pub const CONFIG_JSON: u64 = 16 << 20;
+    /// `model.safetensors.index.json`.
+    pub const INDEX_JSON: u64 = 64 << 20;
+    /// `tokenizer_config.json` (its chat templates included).
+    pub const TOKENIZER_CONFIG_JSON: u64 = 64 << 20;
+    /// `tokenizer.json`.
+    pub const TOKENIZER_JSON: u64 = 512 << 20;
+}
+
+/// The bytes of `path` (a `what`, for the message), at most `limit` of them: a longer regular
+/// file is refused before any byte is read, anything else (a pipe, a device) after `limit + 1`.
+pub fn read_capped(path: &Path, limit: u64, what: &'static str) -> Result<Vec<u8>, HfError> {
+    let too_large = || HfError::TooLarge {
+        path: path.to_path_buf(),
+        limit,
+        what,
+    };
+    let f = std::fs::File::open(path).map_err(io_err(path))?;
+    let meta = f.metadata().map_err(io_err(path))?;
+    if meta.is_file() && meta.len() > limit {
+        return Err(too_large());
+    }
+    let mut out = Vec::with_capacity(if meta.is_file() {
+        meta.len() as usize
+    } else {
+        0
+    });
+    f.take(limit + 1)
+        .read_to_end(&mut out)
+        .map_err(io_err(path))?;
+    if out.len() as u64 > limit {
+        return Err(too_large());
+    }
+    Ok(out)
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> HfError + '_ {
@@ -83,7 +137,7 @@ impl ModelDir {
             return Err(HfError::NotAModel(path));
         }
         let cfg_path = path.join("config.json");
-        let text = std::fs::read(&cfg_path).map_err(io_err(&cfg_path))?;
+        let text = read_capped(&cfg_path, limits::CONFIG_JSON, "config.json")?;
         let json: serde_json::Value =
             serde_json::from_slice(&text).map_err(|source| HfError::Json {
                 path: cfg_path.clone(),
@@ -172,7 +226,7 @@ impl ModelDir {
     pub fn fingerprint(&self) -> Result<String, HfError> {
         let mut h = Sha256::new();
         let cfg = self.path.join("config.json");
-        h.update(std::fs::read(&cfg).map_err(io_err(&cfg))?);
+        h.update(read_capped(&cfg, limits::CONFIG_JSON, "config.json")?);
         for w in &self.weights {
             let mut f = std::fs::File::open(w).map_err(io_err(w))?;
             let mut len = [0u8; 8];
@@ -556,7 +610,7 @@ pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, HfError> {
     struct Index {
         weight_map: std::collections::BTreeMap<String, String>,
     }
-    let text = std::fs::read(&index).map_err(io_err(&index))?;
+    let text = read_capped(&index, limits::INDEX_JSON, "safetensors index")?;
     let idx: Index = serde_json::from_slice(&text).map_err(|source| HfError::Json {
         path: index.clone(),
         source,
@@ -615,7 +669,8 @@ pub fn sha256_hex(mut reader: impl std::io::Read) -> std::io::Result<String> {
 }
 
 pub fn load_tokenizer(path: &Path) -> Result<tokenizers::Tokenizer, HfError> {
-    tokenizers::Tokenizer::from_file(path)
+    let bytes = read_capped(path, limits::TOKENIZER_JSON, "tokenizer.json")?;
+    tokenizers::Tokenizer::from_bytes(bytes)
         .map_err(|e| HfError::Tokenizer(format!("{}: {e}", path.display())))
 }
 
@@ -894,6 +949,55 @@ mod tests {
         // A file given as a model: neither GGUF nor a directory.
         let e = ModelDir::open(&p).unwrap_err().to_string();
         assert!(e.contains("neither a GGUF file"), "{e}");
+    }
+
+    /// A model directory's small files longer than any real one, or never ending (a device in
+    /// a file's place), are refused by name instead of read into memory: a sparse file before
+    /// a byte is read, `/dev/zero` after the limit.
+    #[test]
+    fn oversized_and_endless_files_are_refused_by_name() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = tiny_dir(root.path(), "m");
+        let cfg = dir.join("config.json");
+        let good = std::fs::read(&cfg).unwrap();
+        let zero = Path::new("/dev/zero");
+        // config.json: 17 MiB (sparse), then /dev/zero in its place.
+        std::fs::File::create(&cfg)
+            .unwrap()
+            .set_len(limits::CONFIG_JSON + 1)
+            .unwrap();
+        let e = ModelDir::open(&dir).unwrap_err().to_string();
+        assert!(e.contains("config.json: more than 16777216 bytes"), "{e}");
+        if zero.exists() {
+            std::fs::remove_file(&cfg).unwrap();
+            std::os::unix::fs::symlink(zero, &cfg).unwrap();
+            let e = ModelDir::open(&dir).unwrap_err().to_string();
+            assert!(e.contains("far more than a config.json holds"), "{e}");
+        }
+        std::fs::remove_file(&cfg).unwrap();
+        std::fs::write(&cfg, &good).unwrap();
+        let m = ModelDir::open(&dir).unwrap();
+        // tokenizer.json: 513 MiB (sparse), refused before reading.
+        std::fs::File::create(&m.tokenizer)
+            .unwrap()
+            .set_len(limits::TOKENIZER_JSON + 1)
+            .unwrap();
+        let e = m.load_tokenizer().unwrap_err().to_string();
+        assert!(e.contains("far more than a tokenizer.json holds"), "{e}");
+        // The index of a sharded model: 65 MiB (sparse). (A device there is not a regular file:
+        // no weights.)
+        std::fs::remove_file(dir.join("model.safetensors")).unwrap();
+        std::fs::File::create(dir.join("model.safetensors.index.json"))
+            .unwrap()
+            .set_len(limits::INDEX_JSON + 1)
+            .unwrap();
+        let e = ModelDir::open(&dir).unwrap_err().to_string();
+        assert!(e.contains("far more than a safetensors index holds"), "{e}");
+        // Within the limit, the bytes as they are.
+        let small = root.path().join("small");
+        std::fs::write(&small, b"0123456789").unwrap();
+        assert_eq!(read_capped(&small, 10, "file").unwrap(), b"0123456789");
+        assert!(read_capped(&small, 9, "file").is_err());
     }
 
     /// Absurd sizes are refused by key before anything is sized from them.

@@ -78,8 +78,14 @@ impl ChatTemplate {
             path: path.display().to_string(),
             message,
         };
-        let text = std::fs::read_to_string(path).map_err(|e| read(e.to_string()))?;
-        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| read(e.to_string()))?;
+        let text = xdistill_shared::hf::read_capped(
+            path,
+            xdistill_shared::hf::limits::TOKENIZER_CONFIG_JSON,
+            "tokenizer_config.json",
+        )
+        .map_err(|e| read(e.to_string()))?;
+        let v: serde_json::Value =
+            serde_json::from_slice(&text).map_err(|e| read(e.to_string()))?;
         let token = |key: &str| match &v[key] {
             serde_json::Value::String(s) => s.clone(),
             serde_json::Value::Object(o) => o

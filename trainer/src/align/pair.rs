@@ -27,8 +27,8 @@ impl AlignTokenizer {
 
     /// Loads `tokenizer.json`.
     pub fn from_file(path: &Path) -> Result<AlignTokenizer, AlignError> {
-        let tok = Tokenizer::from_file(path)
-            .map_err(|e| AlignError::Tokenizer(format!("{}: {e}", path.display())))?;
+        let tok = xdistill_shared::hf::load_tokenizer(path)
+            .map_err(|e| AlignError::Tokenizer(e.to_string()))?;
         AlignTokenizer::new(tok)
     }
 
