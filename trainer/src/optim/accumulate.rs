@@ -1,9 +1,11 @@
 //! Gradient accumulation over a step's virtual shards and their micro-batches.
 //!
-//! Within a shard, micro-batch gradients are summed in order (in f32); each finished shard is
-//! a leaf of the pairwise tree of [`crate::dist::tree`], so a step's gradient is the same sum
-//! whether one process computes every shard or N processes a contiguous share each (the ranks'
-//! subtrees then meet in the same tree, see [`crate::dist::shards`]).
+//! Within a shard, micro-batch gradients are summed in order (in f32; a shard of one
+//! micro-batch keeps its gradients as they came, in the compute dtype, which the norm and the
+//! optimiser widen as they read: the same values); each finished shard is a leaf of the
+//! pairwise tree of [`crate::dist::tree`], so a step's gradient is the same sum whether one
+//! process computes every shard or N processes a contiguous share each (the ranks' subtrees
+//! then meet in the same tree, see [`crate::dist::shards`]).
 //!
 //! With every micro-batch loss divided by the *global* unit count (the losses' `normalizer`
 //! argument), the sum equals the gradient of one big batch's mean.
