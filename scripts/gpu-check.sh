@@ -444,6 +444,14 @@ else
 fi
 fi
 
+step "summary: each step's checks and figures, from the log above (the end of a call's output)"
+# The lines that carry figures or verdicts, cut to 220 characters, their last 10,000 bytes: the
+# tail of the output a lent machine sends back (12,000 characters) then holds every step's result
+# even when a profile printed pages (the whole log is in $out).
+grep -aE '^(=== |FAIL \(|bench-step |ratio ours|  peak allocated|  phases \(|  loss: |pytorch |ours [0-9]+ x [0-9]+: peak|\{"(impl|phases|compare|label)")' "$log" \
+  | grep -avE '^=== summary' | cut -c1-220 | tail -c 10000
+echo "checks passed: $(grep -ac '^PASS: ' "$log"), failed: $(grep -ac '^FAIL (' "$log")"
+
 step "done"
 [ $fail = 0 ] && echo "ALL CHECKS PASSED" || echo "SOME CHECKS FAILED"
 rm -rf "$work"
