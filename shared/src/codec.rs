@@ -413,6 +413,23 @@ pub fn hidden_response_bytes(rows: impl Iterator<Item = usize>, row_bytes: usize
         .fold(0usize, usize::saturating_add)
 }
 
+/// An upper bound of a `/topk_logits` answer's size in either format, for sequences of `rows`
+/// rows each at `k` top entries and `m` candidate ids a row, plus the `model` name's length:
+/// at most 24 bytes a number (JSON's longest f32 is 15 characters and a comma, a u32 11), 16 a
+/// row and 128 a sequence for the brackets and field names, 256 for the envelope. A client
+/// reads no more than this of an answer (an endless body is an error, not its memory).
+pub fn topk_response_bytes(rows: impl Iterator<Item = usize>, k: usize, m: usize) -> usize {
+    let row_bytes = k
+        .saturating_mul(2)
+        .saturating_add(m)
+        .saturating_add(2)
+        .saturating_mul(24)
+        .saturating_add(16);
+    256 + rows
+        .map(|r| 128usize.saturating_add(r.saturating_mul(row_bytes)))
+        .fold(0usize, usize::saturating_add)
+}
+
 pub fn decode_hidden_response(body: &[u8]) -> Result<HiddenResponse, CodecError> {
     let r: PackHidden = rmp_serde::from_slice(body)?;
     let dtype = WireDtype::parse(&r.dtype)
@@ -720,6 +737,61 @@ mod tests {
         for f in [Format::Json, Format::Msgpack] {
             let bytes = encode_response(f, &sample()).unwrap();
             assert_eq!(decode_response(f, &bytes).unwrap(), sample(), "{f:?}");
+        }
+    }
+
+    /// [`topk_response_bytes`] bounds both formats' answers at their longest numbers (the
+    /// largest ids, f32s of nine significant digits and the smallest exponents, NaN) and at
+    /// the smallest shapes, where the fixed parts dominate.
+    #[test]
+    fn topk_response_bytes_bounds_both_formats() {
+        let worst = [
+            -1.234_567_9e-38f32,
+            -1.175_494_4e-38,
+            f32::MIN,
+            -1.000_000_1e-37,
+            f32::NAN,
+        ];
+        for (rows, k, m) in [
+            (0, 0, 0),
+            (1, 0, 0),
+            (1, 1, 0),
+            (3, 5, 2),
+            (7, 64, 0),
+            (2, 0, 9),
+        ] {
+            let value = |i: usize| worst[i % worst.len()];
+            let sequences = [rows, 0, 1];
+            let resp = TopkResponse {
+                k,
+                values: ValuesKind::Logprobs,
+                temperature: 1.0 - f32::EPSILON,
+                model: "abc".into(),
+                with_ids: m > 0,
+                results: sequences
+                    .iter()
+                    .map(|&r| SequenceScores {
+                        rows: r,
+                        k,
+                        topk_ids: vec![u32::MAX; r * k],
+                        topk_values: (0..r * k).map(value).collect(),
+                        target_logprobs: (0..r).map(value).collect(),
+                        logsumexp: (0..r).map(|i| value(i + 1)).collect(),
+                        m,
+                        ids_logprobs: (0..r * m).map(value).collect(),
+                        ..Default::default()
+                    })
+                    .collect(),
+            };
+            let bound = topk_response_bytes(sequences.into_iter(), k, m) + resp.model.len();
+            for f in [Format::Json, Format::Msgpack] {
+                let bytes = encode_response(f, &resp).unwrap();
+                assert!(
+                    bytes.len() <= bound,
+                    "{f:?} rows {rows} k {k} m {m}: {} > {bound}",
+                    bytes.len()
+                );
+            }
         }
     }
 

@@ -821,6 +821,16 @@ async fn the_head_is_checked_by_its_fingerprint_and_cached() {
         hits + 1,
         "fetched again"
     );
+    // A head longer than /v1/info says is cut where it passes that length, and not kept.
+    let err = c
+        .fetch_head(&full_vocab_info(&sha256_hex(&HEAD[..4]), 4), dir.path())
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, ClientError::TooLarge { limit: 4, .. }),
+        "{err}"
+    );
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
     // A fingerprint that is not a SHA-256 never becomes a path.
     let err = c
         .fetch_head(&full_vocab_info("../../x", len), dir.path())
@@ -864,4 +874,107 @@ async fn hidden_states_for_another_head_are_refused() {
         .await
         .unwrap_err();
     assert!(err.to_string().contains("hidden_size 2"), "{err}");
+}
+
+/// A peer on loopback that answers every request with `head` (a status line and headers) and
+/// then, unless the head declares a length, 64 KiB chunks of `fill` without end, until the
+/// client hangs up: a broken proxy, or a URL that is no teacher. Returns its URL and the bytes
+/// it managed to write.
+async fn endless_peer(head: &'static str, fill: u8) -> (Url, Arc<AtomicUsize>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = Url::parse(&format!("http://{}", listener.local_addr().unwrap())).unwrap();
+    let written = Arc::new(AtomicUsize::new(0));
+    let count = written.clone();
+    tokio::spawn(async move {
+        while let Ok((mut sock, _)) = listener.accept().await {
+            let count = count.clone();
+            tokio::spawn(async move {
+                // The request's head (its body, if any, is left unread).
+                let mut req = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !req.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match sock.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => req.extend_from_slice(&buf[..n]),
+                    }
+                }
+                if sock.write_all(head.as_bytes()).await.is_err() {
+                    return;
+                }
+                if head.contains("Content-Length") {
+                    // Declares more than it will ever send.
+                    tokio::time::sleep(Duration::from_secs(60)).await;
+                    return;
+                }
+                let mut chunk = b"10000\r\n".to_vec();
+                chunk.extend(std::iter::repeat_n(fill, 1 << 16));
+                chunk.extend_from_slice(b"\r\n");
+                while sock.write_all(&chunk).await.is_ok() {
+                    count.fetch_add(chunk.len(), Ordering::SeqCst);
+                }
+            });
+        }
+    });
+    (url, written)
+}
+
+/// An answer longer than any answer to its request can be (a body without end, a declared
+/// terabyte) is an error at the request's limit, not the trainer's memory filling until the
+/// run is killed; an error answer without end is read for its first bytes only.
+#[tokio::test]
+async fn answers_without_end_are_cut_at_the_requests_limit() {
+    const CHUNKED_OK: &str = "HTTP/1.1 200 OK\r\nContent-Type: application/msgpack\r\n\
+                              Transfer-Encoding: chunked\r\n\r\n";
+    let client = |url: Url| TeacherClient::new(vec![url], opts(10, 20, Duration::from_secs(5)));
+    // /topk_logits: the limit follows the request (a few rows: well under a megabyte).
+    let (url, written) = endless_peer(CHUNKED_OK, 0x90).await;
+    let c = client(url).unwrap();
+    let t0 = Instant::now();
+    let err = c.topk(&request()).await.unwrap_err();
+    let ClientError::TooLarge { limit, .. } = err else {
+        panic!("{err}")
+    };
+    assert!(limit < 1 << 20, "{limit}");
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    // The client stopped reading: what the peer wrote is the limit plus what the sockets'
+    // buffers took before the client hung up, not an ever-growing body.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let after = written.load(Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        written.load(Ordering::SeqCst),
+        after,
+        "the peer still writes"
+    );
+    assert!(after < 64 << 20, "{after}");
+    // /v1/info and /tokenizer.json: their own limits; a declared length over the limit is
+    // refused before a byte of the body is read (the peer never sends one: a read would hang
+    // until the 10 s timeout).
+    let err = c.info().await.unwrap_err();
+    assert!(matches!(err, ClientError::TooLarge { .. }), "{err}");
+    let (url, _) = endless_peer(
+        "HTTP/1.1 200 OK\r\nContent-Length: 1099511627776\r\n\r\n",
+        0,
+    )
+    .await;
+    let t0 = Instant::now();
+    let err = client(url).unwrap().tokenizer_json().await.unwrap_err();
+    assert!(matches!(err, ClientError::TooLarge { .. }), "{err}");
+    assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    // A 400 without end: rejected at once with the start of its text as the message.
+    let (url, _) = endless_peer(
+        "HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain\r\n\
+         Transfer-Encoding: chunked\r\n\r\n",
+        b'x',
+    )
+    .await;
+    let err = client(url).unwrap().topk(&request()).await.unwrap_err();
+    let ClientError::Rejected {
+        status, message, ..
+    } = &err
+    else {
+        panic!("{err}")
+    };
+    assert_eq!((*status, message.as_str()), (400, "x".repeat(300).as_str()));
 }

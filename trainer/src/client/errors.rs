@@ -33,6 +33,10 @@ pub enum ClientError {
     /// Connection refused/reset, timeout, or a broken body: retried.
     #[error("{url}: {message}")]
     Transport { url: String, message: String },
+    /// The answer is longer than any answer to the request can be (an endless body, a wrong
+    /// URL serving a large file): not read further, not retried.
+    #[error("{url}: the answer is longer than {limit} bytes, more than any answer to this request can be; not read further (is this URL a teacher?)")]
+    TooLarge { url: String, limit: u64 },
     #[error("encoding the request: {0}")]
     Encode(CodecError),
     #[error("{url}: {source}")]

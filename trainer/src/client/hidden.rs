@@ -12,8 +12,8 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use xdistill_shared::codec::{self, Format};
 use xdistill_shared::protocol::{
-    affinity_key, FullVocabInfo, HiddenRequest, HiddenResponse, InfoWithFullVocab, SequenceScores,
-    TopkRequest, AFFINITY_HEADER, HEAD_PATH, HIDDEN_PATH,
+    FullVocabInfo, HiddenRequest, HiddenResponse, InfoWithFullVocab, SequenceScores, TopkRequest,
+    HEAD_PATH, HIDDEN_PATH,
 };
 
 /// What the client checks every `/hidden_states` answer against: the head it holds.
@@ -86,7 +86,7 @@ impl TeacherClient {
                     async move {
                         let url = endpoint(&base, super::INFO_PATH);
                         let rb = one.inner.http.get(url.clone()).header(ACCEPT, codec::JSON);
-                        let (_, bytes) = one.send(&url, rb).await?;
+                        let (_, bytes) = one.send(&url, rb, super::body::SMALL_BODY).await?;
                         serde_json::from_slice::<InfoWithFullVocab>(&bytes)
                             .map(|i| i.full_vocab)
                             .map_err(|e| ClientError::Decode {
@@ -130,15 +130,8 @@ impl TeacherClient {
         spec: &HiddenSpec,
     ) -> Result<HiddenResponse, ClientError> {
         let url = endpoint(&base, HIDDEN_PATH);
-        let rb = self
-            .inner
-            .http
-            .post(url.clone())
-            .header(CONTENT_TYPE, codec::MSGPACK)
-            .header(ACCEPT, codec::MSGPACK)
-            .header(AFFINITY_HEADER, affinity_key(&req.sequences))
-            .body(body);
-        let (headers, bytes) = self.send_with_headers(&url, rb).await?;
+        let limit = super::body::hidden_limit(req, spec.hidden_size);
+        let (headers, bytes) = self.post_msgpack(&url, body, &req.sequences, limit).await?;
         let resp = codec::decode_hidden_response(&bytes).map_err(|source| ClientError::Decode {
             url: url.to_string(),
             source,
@@ -232,7 +225,7 @@ impl TeacherClient {
                 .get(CONTENT_TYPE)
                 .and_then(|v| v.to_str().ok())
                 .map(str::to_string);
-            let bytes = resp.bytes().await.map_err(transport)?;
+            let bytes = super::body::read_error(resp).await;
             let (kind, message, field) = super::wire::error_body(ct.as_deref(), &bytes, status);
             return Err(if super::is_retryable_status(status) {
                 ClientError::Unavailable {
@@ -263,6 +256,13 @@ impl TeacherClient {
         let mut got_len = 0u64;
         let result = async {
             while let Some(chunk) = resp.chunk().await.map_err(transport)? {
+                if got_len + chunk.len() as u64 > len {
+                    // Longer than /v1/info says: not the head (and not a disk to fill).
+                    return Err(ClientError::TooLarge {
+                        url: url.to_string(),
+                        limit: len,
+                    });
+                }
                 hasher.update(&chunk);
                 file.write_all(&chunk).map_err(io(&tmp))?;
                 got_len += chunk.len() as u64;

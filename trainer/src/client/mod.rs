@@ -10,8 +10,10 @@
 //! The training loop is synchronous: [`TeacherPool`] runs every teacher's client on one runtime
 //! and awaits a step's requests together, and [`Prefetcher`] keeps the next batch's requests in
 //! flight while a step trains. Errors are in `errors`, settings in `options`, the tokenizer
-//! cache in `tokenizer`, the response and replica checks in `wire`, backoff in `retry`.
+//! cache in `tokenizer`, the response and replica checks in `wire`, backoff in `retry`, how
+//! much of an answer is read in `body`.
 
+mod body;
 mod errors;
 mod hidden;
 mod options;
@@ -37,7 +39,7 @@ use reqwest::Url;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use wire::{error_body, error_chain};
+use wire::error_body;
 use xdistill_shared::codec::{self, CodecError, Format};
 use xdistill_shared::protocol::{
     affinity_key, InfoResponse, TopkRequest, TopkResponse, AFFINITY_HEADER, PROBE_HEADER, TOPK_PATH,
@@ -144,15 +146,9 @@ impl TeacherClient {
         req: &TopkRequest,
     ) -> Result<TopkResponse, ClientError> {
         let url = endpoint(&base, TOPK_PATH);
-        let rb = self
-            .inner
-            .http
-            .post(url.clone())
-            .header(CONTENT_TYPE, codec::MSGPACK)
-            .header(ACCEPT, codec::MSGPACK)
-            .header(AFFINITY_HEADER, affinity_key(&req.sequences))
-            .body(body);
-        let (headers, bytes) = self.send_with_headers(&url, rb).await?;
+        let (headers, bytes) = self
+            .post_msgpack(&url, body, &req.sequences, body::topk_limit(req))
+            .await?;
         self.check_probe(&url, &headers)?;
         let ct = headers.get(CONTENT_TYPE).and_then(|v| v.to_str().ok());
         let resp =
@@ -215,7 +211,7 @@ impl TeacherClient {
             |base| async move {
                 let url = endpoint(&base, INFO_PATH);
                 let rb = self.inner.http.get(url.clone()).header(ACCEPT, codec::JSON);
-                let (_, bytes) = self.send(&url, rb).await?;
+                let (_, bytes) = self.send(&url, rb, body::SMALL_BODY).await?;
                 serde_json::from_slice(&bytes).map_err(|e| ClientError::Decode {
                     url: url.to_string(),
                     source: CodecError::Json(e),
@@ -257,21 +253,43 @@ impl TeacherClient {
         self.with_retries("GET /health", max_wait, None, |base| async move {
             let url = endpoint(&base, HEALTH_PATH);
             let rb = self.inner.http.get(url.clone());
-            self.send(&url, rb).await?;
+            self.send(&url, rb, body::SMALL_BODY).await?;
             Ok(base)
         })
         .await
     }
 
-    /// Sends one request; 2xx → (content type, body); otherwise a typed error.
+    /// Sends one request; 2xx → (content type, body of at most `limit` bytes); otherwise a
+    /// typed error.
     async fn send(
         &self,
         url: &Url,
         rb: reqwest::RequestBuilder,
+        limit: u64,
     ) -> Result<(Option<String>, Bytes), ClientError> {
-        let (headers, bytes) = self.send_with_headers(url, rb).await?;
+        let (headers, bytes) = self.send_with_headers(url, rb, limit).await?;
         let ct = headers.get(CONTENT_TYPE).and_then(|v| v.to_str().ok());
         Ok((ct.map(str::to_string), bytes))
+    }
+
+    /// `POST`s a MessagePack body about `sequences` (their affinity key lets a load balancer
+    /// send them where their prefix is cached) and asks for MessagePack back.
+    async fn post_msgpack(
+        &self,
+        url: &Url,
+        body: Bytes,
+        sequences: &[Vec<u32>],
+        limit: u64,
+    ) -> Result<(HeaderMap, Bytes), ClientError> {
+        let rb = self
+            .inner
+            .http
+            .post(url.clone())
+            .header(CONTENT_TYPE, codec::MSGPACK)
+            .header(ACCEPT, codec::MSGPACK)
+            .header(AFFINITY_HEADER, affinity_key(sequences))
+            .body(body);
+        self.send_with_headers(url, rb, limit).await
     }
 
     /// As [`Self::send`], with every header of the answer.
@@ -279,15 +297,12 @@ impl TeacherClient {
         &self,
         url: &Url,
         mut rb: reqwest::RequestBuilder,
+        limit: u64,
     ) -> Result<(HeaderMap, Bytes), ClientError> {
         if let Some(key) = &self.inner.opts.api_key {
             rb = rb.bearer_auth(key);
         }
-        let transport = |e: reqwest::Error| ClientError::Transport {
-            url: url.to_string(),
-            message: error_chain(&e),
-        };
-        let resp = rb.send().await.map_err(transport)?;
+        let resp = rb.send().await.map_err(|e| body::transport(url, &e))?;
         let status = resp.status();
         let ct = resp
             .headers()
@@ -300,10 +315,10 @@ impl TeacherClient {
             .and_then(|v| v.to_str().ok())
             .and_then(parse_retry_after);
         let headers = resp.headers().clone();
-        let bytes = resp.bytes().await.map_err(transport)?;
         if status.is_success() {
-            return Ok((headers, bytes));
+            return Ok((headers, body::read(url, resp, limit).await?));
         }
+        let bytes = body::read_error(resp).await;
         let (kind, message, field) = error_body(ct.as_deref(), &bytes, status);
         if is_retryable_status(status) {
             Err(ClientError::Unavailable {

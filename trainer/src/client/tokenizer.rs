@@ -27,7 +27,7 @@ impl TeacherClient {
             |base| async move {
                 let url = endpoint(&base, TOKENIZER_PATH);
                 let rb = self.inner.http.get(url.clone());
-                Ok(self.send(&url, rb).await?.1)
+                Ok(self.send(&url, rb, super::body::TOKENIZER_BODY).await?.1)
             },
         )
         .await
