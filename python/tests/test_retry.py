@@ -24,8 +24,8 @@ import pytest
 import requests
 
 import xdistill.client as xclient
-from xdistill import (MAX_RETRY_AFTER_S, RETRYABLE_STATUSES, RetriesExhausted, TeacherClient,
-                      TeacherError, backoff_delay, parse_retry_after)
+from xdistill import (MAX_RETRY_AFTER_S, RETRYABLE_STATUSES, AnswerTooLarge, RetriesExhausted,
+                      TeacherClient, TeacherError, backoff_delay, parse_retry_after)
 
 #: Slack for scheduling on a loaded machine: a retry may arrive this much later than its delay.
 LATE_S = 0.5
@@ -58,9 +58,10 @@ def _check_canned(scores) -> None:
 
 
 #: One scripted answer: an HTTP status with extra headers, "drop" (close the connection without
-#: answering), ("stall", seconds) (answer 200 only after that long), or "garbage" (200 with a
-#: body that is not MessagePack). 200 is the canned score answer (JSON `{"protocol_version": 2}`
-#: to a GET).
+#: answering), ("stall", seconds) (answer 200 only after that long), "garbage" (200 with a
+#: body that is not MessagePack), "endless" or "endless-400" (a chunked body of "x" that never
+#: ends, until the client hangs up) or "huge" (200 declaring a terabyte, then nothing). 200 is
+#: the canned score answer (JSON `{"protocol_version": 2}` to a GET).
 Step = Union[int, Tuple[int, Dict[str, str]], str, Tuple[str, float]]
 
 
@@ -73,6 +74,7 @@ class Scripted:
         self.script = list(script)
         self.after = after
         self.requests: List[Tuple[Dict[str, str], bytes, float]] = []
+        self.written = 0  # bytes of endless bodies written
         self._lock = threading.Lock()
         outer = self
 
@@ -98,6 +100,14 @@ class Scripted:
                                b'{"protocol_version": 2}')
                 elif step is None:
                     self._send(200, {"Content-Type": "application/msgpack"}, _canned_answer())
+                elif step in ("endless", "endless-400"):
+                    self._endless(200 if step == "endless" else 400)
+                elif step == "huge":
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(1 << 40))
+                    self.end_headers()
+                    time.sleep(2.0)
+                    self.close_connection = True
                 elif step == "garbage":
                     self._send(200, {"Content-Type": "application/msgpack"}, b"\xc1not msgpack")
                 else:
@@ -116,6 +126,19 @@ class Scripted:
                     self.wfile.write(payload)
                 except OSError:
                     pass  # the client went away (e.g. after its read timeout)
+
+            def _endless(self, status):
+                self.send_response(status)
+                self.send_header("Content-Type", "text/plain")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                chunk = b"10000\r\n" + b"x" * 0x10000 + b"\r\n"
+                try:
+                    while True:
+                        self.wfile.write(chunk)
+                        outer.written += len(chunk)
+                except OSError:
+                    self.close_connection = True  # the client hung up
 
             do_GET = do_POST = _answer  # noqa: N815 (http.server's naming)
 
@@ -263,6 +286,35 @@ def test_a_malformed_answer_is_not_retried(sleeps):
             c.score([[1, 2, 3]], k=2)
         assert e.value.status == 200 and e.value.type == "malformed_answer"
         assert len(srv.requests) == 1 and sleeps == []
+
+
+def test_answers_without_end_are_cut_at_the_requests_limit(sleeps):
+    """An answer longer than any answer to its request can be (a body without end, a declared
+    terabyte) is an AnswerTooLarge at the request's limit, not retried and not the caller's
+    memory filling; an error answer without end is read for its start only."""
+    with Scripted(["endless", "endless"]) as srv:
+        c = TeacherClient(srv.url, backoff_initial_s=0.01)
+        with pytest.raises(AnswerTooLarge) as e:
+            c.score([[1, 2, 3]], k=2)
+        assert (e.value.status, e.value.type) == (200, "answer_too_large")
+        # The limit follows the request: 2 rows of k = 2 are far under a megabyte.
+        assert "longer than" in e.value.message and len(srv.requests) == 1 and sleeps == []
+        with pytest.raises(AnswerTooLarge):
+            c.info()
+        time.sleep(0.2)
+        written = srv.written
+        time.sleep(0.3)
+        assert srv.written == written, "the server still writes: the client did not hang up"
+        assert written < 64 << 20
+    with Scripted(["huge"]) as srv:
+        t0 = time.monotonic()
+        with pytest.raises(AnswerTooLarge):
+            TeacherClient(srv.url).tokenizer_json()
+        assert time.monotonic() - t0 < 1.5, "the declared length was not refused up front"
+    with Scripted(["endless-400"]) as srv:
+        with pytest.raises(TeacherError) as e:
+            TeacherClient(srv.url).score([[1, 2, 3]], k=2)
+        assert (e.value.status, e.value.type, e.value.message) == (400, "http_error", "x" * 500)
 
 
 def test_a_dropped_connection_is_retried(sleeps):

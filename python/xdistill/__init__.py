@@ -19,7 +19,7 @@ Example::
     head.log_probs(states[0]).shape   # (3, head.vocab_size)
 """
 
-from .client import (AFFINITY_HEADER, DEFAULT_BACKOFF_INITIAL_S, DEFAULT_BACKOFF_MAX_S,
+from .client import (AFFINITY_HEADER, AnswerTooLarge, DEFAULT_BACKOFF_INITIAL_S, DEFAULT_BACKOFF_MAX_S,
                      DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_MAX_RETRY_WAIT_S, DEFAULT_TIMEOUT_S,
                      HEAD_FINGERPRINT_HEADER, MAX_RETRY_AFTER_S, PROTOCOL_VERSION,
                      RETRYABLE_STATUSES, FullVocabInfo, HeadFingerprintMismatch, HeadUnavailable,
@@ -33,5 +33,6 @@ __all__ = ["TeacherClient", "SequenceScores", "TorchSequenceScores", "TeacherInf
            "DEFAULT_CONNECT_TIMEOUT_S", "DEFAULT_MAX_RETRY_WAIT_S", "DEFAULT_BACKOFF_INITIAL_S",
            "DEFAULT_BACKOFF_MAX_S", "affinity_key", "backoff_delay", "parse_retry_after",
            "HiddenStates", "TorchHiddenStates", "TeacherHead", "FullVocabInfo",
-           "HeadUnavailable", "HeadFingerprintMismatch", "HEAD_FINGERPRINT_HEADER"]
+           "HeadUnavailable", "HeadFingerprintMismatch", "HEAD_FINGERPRINT_HEADER",
+           "AnswerTooLarge"]
 __version__ = "0.1.0"

@@ -169,12 +169,14 @@ class TeacherError(Exception):
 
     @classmethod
     def from_response(cls, resp: requests.Response) -> TeacherError:
-        """Builds the error from an answer's ``{"error": {"type", "message", "field"}}`` body.
+        """Builds the error from an answer's ``{"error": {"type", "message", "field"}}`` body
+        (its first :data:`ERROR_BODY_BYTES`; the rest is not read).
 
         The OpenAI-compatible routes name the field ``param`` instead; both are understood.
         """
+        raw = _read_prefix(resp, ERROR_BODY_BYTES)
         try:
-            body: object = resp.json()
+            body: object = json.loads(raw)
             if not isinstance(body, dict):
                 raise TypeError("the body is not an object")
             err = body["error"]
@@ -184,7 +186,7 @@ class TeacherError(Exception):
             return cls(resp.status_code, str(err.get("type", "http_error")),
                        str(err.get("message", "")), None if field is None else str(field))
         except (ValueError, KeyError, TypeError):
-            text = resp.text[:500].strip() if resp.content else ""
+            text = raw[:500].decode("utf-8", "replace").strip()
             return cls(resp.status_code, "http_error", text or resp.reason or "")
 
 
@@ -241,6 +243,71 @@ class HeadFingerprintMismatch(TeacherError):
                          f"{what}: expected head {expected}, got {got}")
         self.expected = expected
         self.got = got
+
+
+#: How much of an error answer is read (its message shows the first 500 characters).
+ERROR_BODY_BYTES = 64 << 10
+#: The most ``/v1/info`` may send.
+SMALL_BODY_BYTES = 16 << 20
+#: The most ``/tokenizer.json`` may send (the teacher's own limit on the file).
+TOKENIZER_BODY_BYTES = 512 << 20
+#: Room for what a request does not size (the model's name, the field names).
+_SLACK_BYTES = 64 << 10
+#: A ``/hidden_states`` row, at most: ``H`` float32 values for ``H`` up to 262,144 (the
+#: client does not know ``H`` before the answer).
+_HIDDEN_ROW_BYTES = 1 << 20
+
+
+class AnswerTooLarge(TeacherError):
+    """An answer longer than any answer to its request can be (an endless body, a URL that
+    serves something else): not read further, not retried. ``type`` is ``"answer_too_large"``."""
+
+
+def _rows(seqs: Sequence[Sequence[int]], start: int, starts: Optional[Sequence[int]]
+          ) -> List[int]:
+    """Rows the teacher answers per sequence: ``len - 1 - start``."""
+    return [max(len(q) - 1 - (starts[i] if starts is not None and i < len(starts) else start), 0)
+            for i, q in enumerate(seqs)]
+
+
+def _score_limit(rows: Sequence[int], k: int, m: int) -> int:
+    """The most a ``/topk_logits`` answer takes in either format: 24 bytes a number (JSON's
+    longest float and a comma), 16 a row, 128 a sequence, 256 the envelope (the server's
+    ``codec::topk_response_bytes``), plus slack for the model's name."""
+    row = (2 * k + m + 2) * 24 + 16
+    return 256 + sum(128 + r * row for r in rows) + _SLACK_BYTES
+
+
+def _read_capped(resp: requests.Response, limit: int) -> bytes:
+    """The body of a streamed answer, at most ``limit`` bytes: a declared length over it is
+    refused before a byte is read, a body that runs past it once it does."""
+    def too_large() -> AnswerTooLarge:
+        return AnswerTooLarge(
+            resp.status_code, "answer_too_large",
+            f"{resp.request.method} {resp.url}: the answer is longer than {limit} bytes, more "
+            "than any answer to this request can be; not read further (is this URL a teacher?)")
+    declared = resp.headers.get("Content-Length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large()
+    buf = bytearray()
+    for chunk in resp.iter_content(1 << 16):
+        if len(buf) + len(chunk) > limit:
+            raise too_large()
+        buf += chunk
+    return bytes(buf)
+
+
+def _read_prefix(resp: requests.Response, limit: int) -> bytes:
+    """The first ``limit`` bytes of an answer (what arrived, if it broke off)."""
+    buf = bytearray()
+    try:
+        for chunk in resp.iter_content(1 << 16):
+            buf += chunk[:limit - len(buf)]
+            if len(buf) >= limit:
+                break
+    except requests.RequestException:
+        pass
+    return bytes(buf)
 
 
 def _head_error(e: TeacherError) -> TeacherError:
@@ -926,14 +993,14 @@ class TeacherClient:
 
     def _attempt(self, method: str, url: str, data: Optional[bytes],
                  headers: Optional[Dict[str, str]], read: Callable[[requests.Response], _T],
-                 stream: bool, also_ok: FrozenSet[int]
+                 also_ok: FrozenSet[int]
                  ) -> Tuple[Optional[TeacherError], Optional[float], Optional[_T]]:
         """One attempt: ``(None, None, read(answer))`` for a 2xx answer (or one whose status
         is in ``also_ok``), else ``(error, Retry-After seconds, None)``. A connection error or
         a body that breaks off while ``read`` reads it is a retryable ``connection_error``; a
         :class:`TeacherError` that ``read`` raises is the attempt's error."""
         try:
-            resp = self._session.request(method, url, data=data, headers=headers, stream=stream,
+            resp = self._session.request(method, url, data=data, headers=headers, stream=True,
                                          timeout=(self.connect_timeout, self.timeout))
         except _RETRYABLE_EXCEPTIONS as e:
             err = TeacherError(None, "connection_error", f"{method} {url}: {e}")
@@ -953,28 +1020,27 @@ class TeacherClient:
             return TeacherError.from_response(resp), parse_retry_after(
                 resp.headers.get("Retry-After")), None
         finally:
-            if stream:
-                resp.close()
+            resp.close()
 
-    def _request(self, method: str, path: str, data: Optional[bytes] = None,
-                 headers: Optional[Dict[str, str]] = None) -> requests.Response:
-        """Sends a request with the retry policy of the class docstring; returns a 2xx answer or
-        raises :class:`TeacherError` (:class:`RetriesExhausted` when retries ran out)."""
-        return self._call(method, path, data, headers, lambda r: r)
+    def _request(self, method: str, path: str, limit: int, data: Optional[bytes] = None,
+                 headers: Optional[Dict[str, str]] = None) -> bytes:
+        """Sends a request with the retry policy of the class docstring; returns the body of a
+        2xx answer (at most ``limit`` bytes: :class:`AnswerTooLarge` past it) or raises
+        :class:`TeacherError` (:class:`RetriesExhausted` when retries ran out)."""
+        return self._call(method, path, data, headers, lambda r: _read_capped(r, limit))
 
     def _call(self, method: str, path: str, data: Optional[bytes],
               headers: Optional[Dict[str, str]], read: Callable[[requests.Response], _T], *,
-              stream: bool = False, also_ok: FrozenSet[int] = frozenset()) -> _T:
-        """:meth:`_request` whose attempts end with ``read(answer)`` (with ``stream``, the body
-        is read there, and a body that breaks off is retried like a connection error)."""
+              also_ok: FrozenSet[int] = frozenset()) -> _T:
+        """:meth:`_request` whose attempts end with ``read(answer)``: the body streams in and
+        is read there (a body that breaks off is retried like a connection error)."""
         url = self.url + path
         what = f"{method} {url}"
         start = time.monotonic()
         attempts = 0
         while True:
             attempts += 1
-            err, retry_after, value = self._attempt(method, url, data, headers, read, stream,
-                                                    also_ok)
+            err, retry_after, value = self._attempt(method, url, data, headers, read, also_ok)
             if err is None:
                 if attempts > 1:
                     _log.info("%s: succeeded after %d attempts (%.1f s)", what, attempts,
@@ -1050,23 +1116,28 @@ class TeacherClient:
             "start": int(start),
             "values": values,
         }
-        if starts is not None:
-            body["starts"] = _int_list(starts)
+        starts_list = None if starts is None else _int_list(starts)
+        if starts_list is not None:
+            body["starts"] = starts_list
+        m = 0
         if ids is not None:
             if len(ids) != len(seqs):
                 raise ValueError(f"ids has {len(ids)} entries for {len(seqs)} sequences")
-            body["ids"] = [_int_rows(per_seq) for per_seq in ids]
+            id_rows = [_int_rows(per_seq) for per_seq in ids]
+            body["ids"] = id_rows
+            m = max((len(row) for per_seq in id_rows for row in per_seq), default=0)
         if return_tensors == "pt":
             _import_torch()
 
         packed: bytes = msgpack.packb(body, use_bin_type=True)
-        resp = self._request(
-            "POST", "/topk_logits", data=packed,
+        limit = _score_limit(_rows(seqs, int(start), starts_list), int(k), m)
+        raw = self._request(
+            "POST", "/topk_logits", limit, data=packed,
             headers={"Content-Type": _MSGPACK, "Accept": _MSGPACK,
                      AFFINITY_HEADER: affinity_key(seqs)},
         )
         try:
-            answer: object = msgpack.unpackb(resp.content, raw=False)
+            answer: object = msgpack.unpackb(raw, raw=False)
             if not isinstance(answer, dict) or not isinstance(answer.get("results"), list):
                 raise TypeError("no `results` list")
             results = cast(List[Dict[str, object]], answer["results"])
@@ -1074,7 +1145,7 @@ class TeacherClient:
                 raise ValueError(f"{len(results)} results for {len(seqs)} sequences")
             scores = [_decode_scores(r) for r in results]
         except (ValueError, TypeError, KeyError, msgpack.UnpackException) as e:
-            raise TeacherError(resp.status_code, "malformed_answer", str(e)) from e
+            raise TeacherError(200, "malformed_answer", str(e)) from e
         if return_tensors == "pt":
             return [_to_torch(s) for s in scores]
         return scores
@@ -1120,22 +1191,26 @@ class TeacherClient:
             raise ValueError(f'return_tensors must be "np" or "pt", not {return_tensors!r}')
         seqs = [_int_list(s) for s in sequences]
         body: Dict[str, object] = {"sequences": seqs, "start": int(start)}
-        if starts is not None:
-            body["starts"] = _int_list(starts)
+        starts_list = None if starts is None else _int_list(starts)
+        if starts_list is not None:
+            body["starts"] = starts_list
         torch_out = return_tensors == "pt"
         if torch_out:
             _import_torch()
         packed: bytes = msgpack.packb(body, use_bin_type=True)
         try:
-            resp = self._request(
-                "POST", "/hidden_states", data=packed,
+            rows = _rows(seqs, int(start), starts_list)
+            raw = self._request(
+                "POST", "/hidden_states",
+                256 + sum(64 + r * _HIDDEN_ROW_BYTES for r in rows) + _SLACK_BYTES,
+                data=packed,
                 headers={"Content-Type": _MSGPACK, "Accept": _MSGPACK,
                          AFFINITY_HEADER: affinity_key(seqs)},
             )
         except TeacherError as e:
             raise _head_error(e) from e.__cause__
         try:
-            answer: object = msgpack.unpackb(resp.content, raw=False)
+            answer: object = msgpack.unpackb(raw, raw=False)
             if not isinstance(answer, dict) or not isinstance(answer.get("results"), list):
                 raise TypeError("no `results` list")
             dtype = str(answer["dtype"])
@@ -1148,7 +1223,7 @@ class TeacherClient:
             states = [_decode_hidden(r, dtype, hidden_size, torch_out) for r in results]
             fp, model = str(answer["head_fingerprint"]), str(answer["model"])
         except (ValueError, TypeError, KeyError, msgpack.UnpackException) as e:
-            raise TeacherError(resp.status_code, "malformed_answer", str(e)) from e
+            raise TeacherError(200, "malformed_answer", str(e)) from e
         if torch_out:
             return TorchHiddenStates(cast(List["torch.Tensor"], states), fp, model, dtype,
                                      hidden_size)
@@ -1191,6 +1266,8 @@ class TeacherClient:
         if expected != announced:
             raise HeadFingerprintMismatch(None, expected, announced, f"{self.url}/v1/info")
         what = f"GET {self.url}/v1/head"
+        head_bytes = fv.get("head_bytes")
+        most = head_bytes if isinstance(head_bytes, int) else None
 
         def check_announced(resp: requests.Response) -> None:
             got = resp.headers.get(HEAD_FINGERPRINT_HEADER)
@@ -1206,6 +1283,10 @@ class TeacherClient:
             for chunk in resp.iter_content(_HEAD_CHUNK):
                 h.update(chunk)
                 n += len(chunk)
+                if most is not None and n > most:
+                    raise AnswerTooLarge(resp.status_code, "answer_too_large",
+                                         f"{what}: longer than the {most} bytes /v1/info "
+                                         "announces; not read further")
                 yield chunk
             if length is not None and n != int(length):
                 raise requests.exceptions.ChunkedEncodingError(
@@ -1221,7 +1302,7 @@ class TeacherClient:
                         buf += c
                     return buf
 
-                body = self._call("GET", "/v1/head", None, None, to_memory, stream=True)
+                body = self._call("GET", "/v1/head", None, None, to_memory)
                 try:
                     return _head_from_bytes(body, expected)
                 except (ValueError, TypeError, KeyError) as e:
@@ -1254,7 +1335,7 @@ class TeacherClient:
                 return False
 
             headers = {"If-None-Match": f'"{expected}"'} if cached else None
-            if self._call("GET", "/v1/head", None, headers, to_file, stream=True,
+            if self._call("GET", "/v1/head", None, headers, to_file,
                           also_ok=frozenset({304} if cached else set())):
                 _log.info("%s: the cached head %s is current", what, path)
             try:
@@ -1269,11 +1350,11 @@ class TeacherClient:
     def info(self) -> TeacherInfo:
         """The model and limits: ``GET /v1/info`` (``vocab_size``, ``logits_size``,
         ``max_seq_len``, ``protocol_version``, ``limits["max_k"]``, ...)."""
-        return cast(TeacherInfo, self._request("GET", "/v1/info").json())
+        return cast(TeacherInfo, json.loads(self._request("GET", "/v1/info", SMALL_BODY_BYTES)))
 
     def tokenizer_json(self) -> str:
         """The teacher's ``tokenizer.json`` text, byte for byte: ``GET /tokenizer.json``."""
-        return self._request("GET", "/tokenizer.json").content.decode("utf-8")
+        return self._request("GET", "/tokenizer.json", TOKENIZER_BODY_BYTES).decode("utf-8")
 
     def tokenizer(self) -> tokenizers.Tokenizer:
         """The teacher's tokenizer as a ``tokenizers.Tokenizer`` (needs ``pip install tokenizers``)."""
@@ -1289,8 +1370,8 @@ class TeacherClient:
         """Whether the server answers ``GET /health`` with 200 (model loaded); never raises and
         never retries."""
         try:
-            r = self._session.get(self.url + "/health",
-                                  timeout=(self.connect_timeout, self.timeout))
-            return r.status_code == 200
+            with self._session.get(self.url + "/health", stream=True,
+                                   timeout=(self.connect_timeout, self.timeout)) as r:
+                return r.status_code == 200  # its body is not read
         except requests.RequestException:
             return False
