@@ -80,6 +80,8 @@ val_at_end = true
 enabled = true
 checkpoint_dir = "{out}"
 save_period = 4
+# A test's runs share what they fetch from the teacher and build from it.
+cache_dir = "{cache}"
 [logger]
 log_every = 5
 progress_bar = false
@@ -88,6 +90,7 @@ progress_bar = false
         student = student.display(),
         data = data.display(),
         out = out.display(),
+        cache = dir.join("teacher_cache").display(),
     );
     let path = dir.join(format!(
         "{}.toml",

@@ -86,30 +86,27 @@ fn hidden_states_train_with_the_exact_teacher_distribution() {
     let info: serde_json::Value =
         serde_json::from_str(&body(&format!("{}/v1/info", t.base))).unwrap();
     let fp = info["full_vocab"]["head_fingerprint"].as_str().unwrap();
-    let cached = out.join("teacher_head").join(format!("{fp}.safetensors"));
+    // The runs' shared cache (`checkpointing.cache_dir`) holds it, not the run's directory.
+    let cached = dir
+        .path()
+        .join("teacher_cache/teacher_head")
+        .join(format!("{fp}.safetensors"));
     let bytes = std::fs::read(&cached).expect("the cached head");
     assert_eq!(sha256(&bytes), fp);
+    assert!(!out.join("teacher_head").exists());
 
     // 3. A corrupt cached head is fetched again (and the run goes on).
     std::fs::write(&cached, b"not a head").unwrap();
-    let again = dir.path().join("again");
-    std::fs::create_dir_all(again.join("teacher_head")).unwrap();
-    std::fs::copy(
-        &cached,
-        again.join("teacher_head").join(format!("{fp}.safetensors")),
-    )
-    .unwrap();
     run(hidden(config(
         dir.path(),
         &student,
         &t.base,
-        &again,
+        &dir.path().join("again"),
         1,
         forward,
     )))
     .unwrap();
-    let refetched = std::fs::read(again.join("teacher_head").join(format!("{fp}.safetensors")));
-    assert_eq!(sha256(&refetched.unwrap()), fp);
+    assert_eq!(sha256(&std::fs::read(&cached).unwrap()), fp);
 }
 
 /// The first training step's distillation loss (`loss_parts.kd` of the first train line).

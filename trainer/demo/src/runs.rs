@@ -128,6 +128,9 @@ pub struct Distill<'a> {
     pub k: usize,
     /// The `[loss] kd` type (`forward_kl`, `first_kl`, …).
     pub kd: &'a str,
+    /// `checkpointing.cache_dir`: the runs share the teacher's tokenizer and the projection
+    /// map, fetched and built by the first.
+    pub cache_dir: &'a Path,
 }
 
 /// The rollouts of an on-policy run: `[on_policy]` with λ = 1 (every step samples).
@@ -182,6 +185,7 @@ impl RunConfig<'_> {
             c.teacher.k = d.k;
             c.teacher.max_wait_s = 120.0;
             c.loss = Some(toml::from_str(&format!("kd = {{ type = \"{}\" }}", d.kd))?);
+            c.checkpointing.cache_dir = Some(d.cache_dir.to_path_buf());
         }
         c.data.train_path = self.data.to_path_buf();
         c.data.prompt_field = Some("prompt".into());
@@ -249,25 +253,6 @@ pub(crate) fn sft_run(
     run_trainer("sft", &cfg, &[])
 }
 
-/// Copies a folder tree (the teacher-tokenizer and projection cache; absent source: nothing).
-pub(crate) fn copy_dir(from: &Path, to: &Path) -> Result<()> {
-    if !from.is_dir() {
-        return Ok(());
-    }
-    std::fs::create_dir_all(to).with_context(|| format!("creating {}", to.display()))?;
-    for entry in std::fs::read_dir(from)? {
-        let entry = entry?;
-        let dst = to.join(entry.file_name());
-        if entry.file_type()?.is_dir() {
-            copy_dir(&entry.path(), &dst)?;
-        } else {
-            std::fs::copy(entry.path(), &dst)
-                .with_context(|| format!("copying {}", entry.path().display()))?;
-        }
-    }
-    Ok(())
-}
-
 /// The `seconds` of a trainer's JSON summary (0 when absent).
 pub(crate) fn seconds_of(v: &serde_json::Value) -> f64 {
     v.get("seconds").and_then(|s| s.as_f64()).unwrap_or(0.0)
@@ -310,6 +295,7 @@ mod tests {
             teacher_url: "http://127.0.0.1:9",
             k: 4,
             kd: "reverse_kl",
+            cache_dir: Path::new("/runs/teacher_cache"),
         };
         let r = Rollouts {
             max_new_tokens: 6,

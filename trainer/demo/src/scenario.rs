@@ -6,7 +6,7 @@ use crate::files::TaskFiles;
 use crate::measure::{accuracy, curve, KlProbe};
 use crate::report::{goal, Curves, Row, Scenario};
 use crate::runs::{
-    copy_dir, run_trainer, seconds_of, sft_run, stage, steps_of, Distill, Rollouts, RunConfig,
+    run_trainer, seconds_of, sft_run, stage, steps_of, Distill, Rollouts, RunConfig,
 };
 use crate::settings::DemoSettings;
 use anyhow::{Context, Result};
@@ -161,6 +161,7 @@ pub fn run(ctx: &Ctx, plan: &Plan) -> Result<Scenario> {
                 teacher_url: ctx.teacher_url,
                 k: s.k,
                 kd: &s.kd,
+                cache_dir: &runs.join("teacher_cache"),
             }),
             rollouts: on_policy.then_some(Rollouts {
                 max_new_tokens: s.max_new_tokens,
@@ -217,13 +218,6 @@ pub fn run(ctx: &Ctx, plan: &Plan) -> Result<Scenario> {
             &format!("{}: {budget} steps", m.title),
         );
         let cfg = method_cfg(m.name, m.name == "on_policy")?;
-        if m.name != "sft" {
-            // The probe already fetched the teacher tokenizer and built the projection map.
-            copy_dir(
-                &runs.join("kl_probe").join("teacher_tokenizer"),
-                &runs.join(m.name).join("teacher_tokenizer"),
-            )?;
-        }
         let r = run_trainer(m.sub, &cfg, &[])?;
         let mdir = runs.join(m.name);
         let c = curve(&mdir, budget, init_acc, ctx.eval_records, s.max_new_tokens)?;

@@ -333,7 +333,13 @@ impl ProjectionMaps {
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(io)?;
         }
-        let tmp = path.with_extension(format!("tmp.{}", std::process::id()));
+        // Unique to this writer: runs sharing a cache may build the same map at once (the
+        // last rename wins; the files are equal).
+        let tmp = path.with_extension(format!(
+            "tmp.{}.{:016x}",
+            std::process::id(),
+            rand::random::<u64>()
+        ));
         std::fs::write(&tmp, bytes).map_err(io)?;
         std::fs::rename(&tmp, path).map_err(io)
     }

@@ -244,7 +244,12 @@ impl TeacherClient {
                 }
             });
         }
-        let tmp = path.with_extension(format!("part-{}", std::process::id()));
+        // Unique to this writer: runs may share the cache (`checkpointing.cache_dir`).
+        let tmp = path.with_extension(format!(
+            "part-{}-{:016x}",
+            std::process::id(),
+            rand::random::<u64>()
+        ));
         let mut file = std::fs::File::create(&tmp).map_err(io(&tmp))?;
         let bar = indicatif::ProgressBar::new(len).with_style(
             indicatif::ProgressStyle::with_template(

@@ -72,7 +72,12 @@ impl TeacherClient {
             move |source| ClientError::Io { path: p, source }
         };
         std::fs::create_dir_all(&dir).map_err(io(&dir))?;
-        let tmp = dir.join(format!(".tokenizer.json.tmp-{}", std::process::id()));
+        // Unique to this writer: runs may share the cache (`checkpointing.cache_dir`).
+        let tmp = dir.join(format!(
+            ".tokenizer.json.tmp-{}-{:016x}",
+            std::process::id(),
+            rand::random::<u64>()
+        ));
         std::fs::write(&tmp, &bytes).map_err(io(&tmp))?;
         std::fs::rename(&tmp, &path).map_err(io(&path))?;
         tracing::info!("teacher tokenizer saved to {}", path.display());

@@ -24,6 +24,12 @@ pub struct CheckpointingConfig {
     /// `metrics.jsonl`); without it such a resume is an error. The old `metrics.jsonl` is set
     /// aside, never appended to (`--start-fresh`, or `--set checkpointing.start_fresh=true`).
     pub start_fresh: bool,
+    /// Where what the trainer derives from its teachers is kept: their tokenizers, the
+    /// projection maps between tokenizers, their LM heads (`transport = "hidden"`), each under
+    /// a name made of its content's hash. Absent: `checkpoint_dir`. Runs that share one (a
+    /// sweep, a resumed series) build and download each of them once.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cache_dir: Option<PathBuf>,
 }
 
 impl Default for CheckpointingConfig {
@@ -36,6 +42,7 @@ impl Default for CheckpointingConfig {
             metric_name: None,
             higher_is_better: false,
             start_fresh: false,
+            cache_dir: None,
         }
     }
 }
@@ -46,6 +53,15 @@ impl Validate for CheckpointingConfig {
         let key = |name: &str| format!("{at}.{name}");
         if c.checkpoint_dir.as_os_str().is_empty() {
             return Err(invalid(&key("checkpoint_dir"), "must not be empty"));
+        }
+        if c.cache_dir
+            .as_ref()
+            .is_some_and(|d| d.as_os_str().is_empty())
+        {
+            return Err(invalid(
+                &key("cache_dir"),
+                "must not be empty (leave it out for checkpoint_dir)",
+            ));
         }
         if c.enabled && c.save_period == 0 {
             return Err(invalid(&key("save_period"), "must be at least 1"));

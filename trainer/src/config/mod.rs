@@ -165,6 +165,9 @@ impl Config {
             fix(v);
         }
         fix(&mut self.checkpointing.checkpoint_dir);
+        if let Some(c) = &mut self.checkpointing.cache_dir {
+            fix(c);
+        }
     }
 
     /// Checks every section, the teachers included: what the distillation objectives need
@@ -262,7 +265,18 @@ impl Config {
 
     /// Where a teacher tokenizer fetched from the server is cached.
     pub fn teacher_tokenizer_cache(&self) -> PathBuf {
-        self.checkpointing.checkpoint_dir.join("teacher_tokenizer")
+        self.cache_dir().join("teacher_tokenizer")
+    }
+
+    /// Where the teachers' LM heads are kept (`transport = "hidden"`), by fingerprint.
+    pub fn teacher_head_cache(&self) -> PathBuf {
+        self.cache_dir().join("teacher_head")
+    }
+
+    /// `checkpointing.cache_dir`, else the run's directory.
+    fn cache_dir(&self) -> &Path {
+        let c = &self.checkpointing;
+        c.cache_dir.as_deref().unwrap_or(&c.checkpoint_dir)
     }
 
     /// sha256 (hex) of everything that determines the weights a run produces, so that a resume

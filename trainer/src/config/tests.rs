@@ -372,6 +372,7 @@ fn training_hash_ignores_run_length_but_not_lr() {
     let h0 = a.training_hash();
     a.distillation.max_num_steps += 10;
     a.checkpointing.checkpoint_dir = "elsewhere".into();
+    a.checkpointing.cache_dir = Some("shared".into());
     assert_eq!(a.training_hash(), h0);
     a.policy.optimizer.lr *= 2.0;
     assert_ne!(a.training_hash(), h0);
@@ -470,6 +471,7 @@ fn everything_set(dir: &Path) -> Config {
     c.checkpointing.checkpoint_dir = dir.join("out");
     c.checkpointing.keep_top_k = None;
     c.checkpointing.metric_name = Some("val_kl".into());
+    c.checkpointing.cache_dir = Some(dir.join("cache"));
     c.logger.log_every = 3;
     c.logger.progress_bar = false;
     c.on_policy.lambda = 0.5;
@@ -544,6 +546,35 @@ fn keep_top_k_takes_a_count_or_all() {
         let e = load(bad).unwrap_err().to_string();
         assert!(e.contains("keep_top_k"), "{bad}: {e}");
     }
+}
+
+/// `checkpointing.cache_dir` moves the teachers' tokenizers, projection maps and heads out of
+/// the run's directory (where they are without it); an empty one is refused by name.
+#[test]
+fn cache_dir_defaults_to_the_run_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let load = |extra: &str| {
+        let text = format!("{MINIMAL}\n[checkpointing]\ncheckpoint_dir = \"runs/a\"\n{extra}");
+        Config::from_file(&write(dir.path(), &text))
+    };
+    // Relative paths are the config file's, as checkpoint_dir's.
+    let c = load("").unwrap();
+    let base = dir.path();
+    assert_eq!(c.teacher_head_cache(), base.join("runs/a/teacher_head"));
+    assert_eq!(
+        c.teacher_tokenizer_cache(),
+        base.join("runs/a/teacher_tokenizer")
+    );
+    let c = load("cache_dir = \"shared\"").unwrap();
+    assert_eq!(c.teacher_head_cache(), base.join("shared/teacher_head"));
+    assert_eq!(
+        c.teacher_tokenizer_cache(),
+        base.join("shared/teacher_tokenizer")
+    );
+    assert_eq!(
+        err_key(&format!("{MINIMAL}\n[checkpointing]\ncache_dir = \"\"")),
+        "checkpointing.cache_dir"
+    );
 }
 
 /// `auto` on the CPU: the budget is a share of the machine's (or its cgroup's) memory less the

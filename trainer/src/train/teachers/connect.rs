@@ -172,7 +172,7 @@ impl Teacher {
                 let student = xdistill_shared::hf::ModelDir::open(&cfg.policy.model_name)?;
                 Some(student.config.vocab_size)
             };
-            let cache = cfg.checkpointing.checkpoint_dir.join("teacher_head");
+            let cache = cfg.teacher_head_cache();
             Some(hidden::load(tc, (client, pool), v, device, &cache)?)
         } else {
             None
