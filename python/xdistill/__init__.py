@@ -19,12 +19,12 @@ Example::
     head.log_probs(states[0]).shape   # (3, head.vocab_size)
 """
 
-from .client import (AFFINITY_HEADER, AnswerTooLarge, DEFAULT_BACKOFF_INITIAL_S, DEFAULT_BACKOFF_MAX_S,
+from .client import (AFFINITY_HEADER, DEFAULT_BACKOFF_INITIAL_S, DEFAULT_BACKOFF_MAX_S,
                      DEFAULT_CONNECT_TIMEOUT_S, DEFAULT_MAX_RETRY_WAIT_S, DEFAULT_TIMEOUT_S,
                      HEAD_FINGERPRINT_HEADER, MAX_RETRY_AFTER_S, PROTOCOL_VERSION,
-                     RETRYABLE_STATUSES, FullVocabInfo, HeadFingerprintMismatch, HeadUnavailable,
-                     HiddenStates, InfoLimits, RetriesExhausted, SequenceScores, TeacherClient,
-                     TeacherError, TeacherHead, TeacherInfo, TorchHiddenStates,
+                     RETRYABLE_STATUSES, AnswerTooLarge, FullVocabInfo, HeadFingerprintMismatch,
+                     HeadUnavailable, HiddenStates, InfoLimits, RetriesExhausted, SequenceScores,
+                     TeacherClient, TeacherError, TeacherHead, TeacherInfo, TorchHiddenStates,
                      TorchSequenceScores, affinity_key, backoff_delay, parse_retry_after)
 
 __all__ = ["TeacherClient", "SequenceScores", "TorchSequenceScores", "TeacherInfo", "InfoLimits",

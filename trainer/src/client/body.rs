@@ -84,6 +84,7 @@ pub async fn read_error(mut resp: reqwest::Response) -> Bytes {
     out.freeze()
 }
 
+/// A connection or body error of `url`, with its causes (retried).
 pub fn transport(url: &Url, e: &reqwest::Error) -> ClientError {
     ClientError::Transport {
         url: url.to_string(),
