@@ -255,7 +255,14 @@ unsafe fn run_job(level: Simd, j: &Job<'_>, out: *mut f32) {
         }
         #[target_feature(enable = "avx2,fma")]
         unsafe fn avx2(j: &Job<'_>, out: *mut f32) {
-            job_body(j, out, portable_tile::<true>)
+            // A closure, not the function item `portable_tile::<true>`: a closure is compiled
+            // with this function's features, while a function item is called through a
+            // `Fn::call` shim compiled without them, where `mul_add` is a call to `fmaf`
+            // (50x slower: the teacher's AVX2 matmul ran at that speed whenever the shim was
+            // not inlined here, as in a build without thin-local LTO).
+            job_body(j, out, |at, w, rows, k, t| {
+                portable_tile::<true>(at, w, rows, k, t)
+            })
         }
         // SAFETY: never above `Simd::current()`, the level whose features the CPU has.
         match level.min(Simd::current()) {
@@ -265,7 +272,9 @@ unsafe fn run_job(level: Simd, j: &Job<'_>, out: *mut f32) {
         }
     }
     let _ = level;
-    job_body(j, out, portable_tile::<false>)
+    job_body(j, out, |at, w, rows, k, t| {
+        portable_tile::<false>(at, w, rows, k, t)
+    })
 }
 
 /// [`run_job`]'s loops around a micro-tile kernel `tile(at, w, rows, k, out)`.
