@@ -8,7 +8,6 @@
 //! - [`process`]: a `teacher` server as a child process (the demo, cross-process tests).
 //! - [`init`]: random parameters for a model config, reproducible from a seed.
 //! - [`matmul`]: `x · Wᵀ` on AVX-512 (inference linear layers, the teacher's fused LM head).
-//! - [`threads`]: candle's CPU thread count, fixed once at a binary's start-up.
 
 pub mod alloc;
 pub mod codec;
@@ -25,7 +24,6 @@ pub mod profiling;
 pub mod protocol;
 pub mod row_scores;
 pub mod simd;
-pub mod threads;
 pub mod topk;
 
 pub use hf::{HfError, ModelConfig, ModelDir};

@@ -55,8 +55,6 @@ enum Command {
 xdistill_shared::global_allocator!();
 
 fn main() -> Result<()> {
-    // Before any thread exists: candle's matmuls read this instead of /proc/cpuinfo.
-    xdistill_shared::threads::pin_candle_threads();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
