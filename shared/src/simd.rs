@@ -83,8 +83,10 @@ pub struct SimdError(String);
 
 /// Defines `fn $name(level: Simd, args…) -> ret` that runs `$body(args…)` compiled for `level`
 /// (at most the CPU's own [`Simd::current`]). `$body` should be `#[inline(always)]` so that it
-/// is compiled inside each level's wrapper. The bodies must not use `mul_add`: every level then
-/// computes the same operations in the same order and the results are bit-identical.
+/// is compiled inside each level's wrapper; what it calls through a generic (`impl Fn`) it
+/// passes as a closure, not as a function item, whose `Fn::call` shim is compiled without the
+/// level's features. The bodies must not use `mul_add`: every level then computes the same
+/// operations in the same order and the results are bit-identical.
 #[macro_export]
 macro_rules! simd_dispatch {
     ($vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? = $body:path) => {
