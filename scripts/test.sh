@@ -29,6 +29,18 @@ cd "$(dirname "$0")/.."
 # line. (A developer's rerun keeps the dev profile as it is: incremental, with line tables.)
 if [ "${CI:-}" = true ]; then export CARGO_INCREMENTAL=0 CARGO_PROFILE_DEV_DEBUG=0; fi
 
+# Threads in the test processes, where every core already runs a test and its teachers. candle
+# splits an elementwise op over 64k elements across its CPU "barrier pool", whose threads spin
+# 25,000 times before they sleep and whose caller spins until they are done: here that spinning
+# only took the CPU from the other processes (2% of the Rust tests' samples, `perf record -a`).
+# CANDLE_NUM_THREADS=1 runs those ops on the calling thread (matmuls keep their threads). And
+# candle asks for its matmul thread count at every matmul, which without RAYON_NUM_THREADS means
+# parsing /proc/cpuinfo (num_cpus' physical cores; 1% of the samples): set it to the count rayon
+# takes anyway. On the 45 end-to-end tests (2 cores, 2026-12-01), runs side by side: 212.6 ->
+# 195.8 s and 192.7 -> 179.4 s with the first, 176.4 s with both (user CPU 303 -> 255 s).
+export CANDLE_NUM_THREADS="${CANDLE_NUM_THREADS:-1}"
+export RAYON_NUM_THREADS="${RAYON_NUM_THREADS:-$(nproc)}"
+
 logs="$(mktemp -d)"
 trap 'rm -rf "$logs"' EXIT
 failed=()
