@@ -32,7 +32,7 @@ if [ "${CI:-}" = true ]; then export CARGO_INCREMENTAL=0 CARGO_PROFILE_DEV_DEBUG
 # Threads in the test processes, where every core already runs a test and its teachers. candle
 # splits an elementwise op over 64k elements across its CPU "barrier pool", whose threads spin
 # 25,000 times before they sleep and whose caller spins until they are done: here that spinning
-# only took the CPU from the other processes (2% of the Rust tests' samples, `perf record -a`).
+# only took the CPU from the other processes (3% of the Rust tests' samples, `perf record -a`).
 # CANDLE_NUM_THREADS=1 runs those ops on the calling thread (matmuls keep their threads). And
 # candle asks for its matmul thread count at every matmul, which without RAYON_NUM_THREADS means
 # parsing /proc/cpuinfo (num_cpus' physical cores; 1% of the samples): set it to the count rayon
