@@ -1,6 +1,8 @@
 // A host emulation of the CUDA features the kernels of ../src use, so that their logic runs
-// (slowly) on a machine without a GPU: each block's blockDim.x threads are fibers (ucontext) on
-// one OS thread, switched only at barriers: __syncthreads is a block-wide barrier and the warp
+// (slowly) on a machine without a GPU: each block's blockDim.x threads are fibers on one OS
+// thread (started on their own stacks by ucontext, switched by _setjmp/_longjmp, which unlike
+// swapcontext make no system call for the signal mask: switching had been 85 % of topk_rows'
+// harness), switched only at barriers: __syncthreads is a block-wide barrier and the warp
 // intrinsics (shuffles, ballots) exchange through per-warp slots between warp-wide barriers.
 // Blocks run one after another. Within a block the scheduler always runs the first thread that
 // can run in a fixed order of priority, lowest id first in one block and highest first in the
@@ -20,6 +22,7 @@
 // deadlocks the block. A std::thread per thread, as before, missed three
 // (which ones by chance) and took 4× as long.
 #pragma once
+#include <setjmp.h>
 #include <ucontext.h>
 
 #include <atomic>
@@ -71,10 +74,16 @@ struct Barrier {
 
 struct Block {
     static constexpr size_t kStack = 256 << 10;  // per thread: the kernels' locals and the closure
-    std::vector<ucontext_t> ctx;
+    std::vector<ucontext_t> ctx;  // a thread's start on its stack, entered once
+    struct Resume {
+        jmp_buf at;
+    };
+    std::vector<Resume> resume;  // where a parked thread goes on
+    std::vector<bool> started;
     std::vector<std::unique_ptr<char[]>> stacks;
     uint64_t runnable[kMaxThreads / 64];  // bit t: thread t can run (neither parked nor done)
-    ucontext_t scheduler;
+    ucontext_t first_entry;  // what a thread's first entry saves (never resumed)
+    jmp_buf scheduler;       // where every thread's switch goes back to
     unsigned current = 0;
     Barrier all;
     // __syncthreads_or: the OR of generation g's predicates is or_acc[g % 2]; the last thread to
@@ -116,13 +125,16 @@ inline void arrive_and_wait(Barrier &b) {
         b.waiting.push_back(me);
         blk.set(me, false);
     }
-    swapcontext(&blk.ctx[me], &blk.scheduler);
+    if (_setjmp(blk.resume[me].at) == 0) _longjmp(blk.scheduler, 1);
 }
 inline void warp_sync() { arrive_and_wait(block->warps[warp()]); }
 
+// A thread's fiber: runs the kernel, then goes back to the scheduler for good (its stack is
+// abandoned; the next block starts it afresh).
 inline void thread_main() {
     block->body(block->closure);
-    block->set(block->current, false);  // done: uc_link returns to the scheduler
+    block->set(block->current, false);
+    _longjmp(block->scheduler, 1);
 }
 
 // Runs `kernel` (a closure calling the kernel function) over `grid` blocks of `threads` threads,
@@ -137,6 +149,7 @@ void launch(unsigned grid, unsigned threads, F kernel) {
     blockDim.x = threads;
     Block blk;
     blk.ctx.resize(threads);
+    blk.resume.resize(threads);
     for (unsigned t = 0; t < threads; ++t) blk.stacks.emplace_back(new char[Block::kStack]);
     blk.body = [](void *k) { (*static_cast<F *>(k))(); };
     blk.closure = &kernel;
@@ -149,11 +162,12 @@ void launch(unsigned grid, unsigned threads, F kernel) {
         blk.warps.clear();
         for (unsigned w = 0; w < (threads + 31) / 32; ++w) blk.warps.push_back(Barrier{std::min(32u, threads - 32 * w)});
         std::memset(blk.runnable, 0, sizeof blk.runnable);
+        blk.started.assign(threads, false);
         for (unsigned t = 0; t < threads; ++t) {
             getcontext(&blk.ctx[t]);
             blk.ctx[t].uc_stack.ss_sp = blk.stacks[t].get();
             blk.ctx[t].uc_stack.ss_size = Block::kStack;
-            blk.ctx[t].uc_link = &blk.scheduler;
+            blk.ctx[t].uc_link = nullptr;  // thread_main never returns
             makecontext(&blk.ctx[t], thread_main, 0);
             blk.set(t, true);
         }
@@ -163,7 +177,15 @@ void launch(unsigned grid, unsigned threads, F kernel) {
         for (int t; (t = blk.next(lowest_first)) >= 0;) {
             blk.current = unsigned(t);
             threadIdx.x = unsigned(t);
-            swapcontext(&blk.scheduler, &blk.ctx[t]);
+            // A thread's switch back lands here (with 1); `t` is chosen again above.
+            if (_setjmp(blk.scheduler) == 0) {
+                if (!blk.started[t]) {
+                    blk.started[t] = true;
+                    swapcontext(&blk.first_entry, &blk.ctx[t]);
+                } else {
+                    _longjmp(blk.resume[t].at, 1);
+                }
+            }
         }
         parked_total = blk.all.arrived;
         for (auto &w : blk.warps) parked_total += w.arrived;
