@@ -1,5 +1,6 @@
 //! The cross-process tests: `teacher` and `trainer` processes together (distillation runs, the
-//! demo, data parallel, many teachers, replicas behind HAProxy, hardening, the Docker images),
+//! demo, data parallel, many teachers, replicas behind HAProxy, hardening, the Docker images,
+//! the binaries' SIMD kernels compiled at their instruction sets),
 //! one binary (one link). Each file is a module; `cargo nextest run -E 'test(/^balancer::/)'` runs one.
 
 // Trainer and teacher code runs in this process too: allocate with jemalloc as the binaries do
@@ -18,5 +19,6 @@ mod hardening;
 mod images;
 mod off_policy;
 mod on_policy;
+mod simd_build;
 mod teachers;
 mod tokenizers;
