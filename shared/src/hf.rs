@@ -668,9 +668,11 @@ pub fn sha256_hex(mut reader: impl std::io::Read) -> std::io::Result<String> {
     }
 }
 
+/// The tokenizer of the `tokenizer.json` at `path` (at most [`limits::TOKENIZER_JSON`] bytes),
+/// parsed by [`crate::tokenizer_json::parse`].
 pub fn load_tokenizer(path: &Path) -> Result<tokenizers::Tokenizer, HfError> {
     let bytes = read_capped(path, limits::TOKENIZER_JSON, "tokenizer.json")?;
-    tokenizers::Tokenizer::from_bytes(bytes)
+    crate::tokenizer_json::parse(&bytes)
         .map_err(|e| HfError::Tokenizer(format!("{}: {e}", path.display())))
 }
 

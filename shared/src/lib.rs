@@ -3,6 +3,8 @@
 //! - [`protocol`]: the `/topk_logits` request/response types and error bodies.
 //! - [`codec`]: JSON and MessagePack encodings of those types (content negotiation helpers).
 //! - [`hf`]: Hugging Face model directories: `config.json`, safetensors, `tokenizer.json`.
+//! - [`tokenizer_json`]: `tokenizer.json` parsed into a tokenizer (a BPE's model without the
+//!   `tokenizers` crate's intermediate trees).
 //! - [`gguf`]: GGUF files (llama.cpp's format) read as they are, for inference.
 //! - [`model`]: the Llama-family decoder (Llama, Qwen2, Qwen3) used by both sides.
 //! - [`process`]: a `teacher` server as a child process (the demo, cross-process tests).
@@ -24,6 +26,7 @@ pub mod profiling;
 pub mod protocol;
 pub mod row_scores;
 pub mod simd;
+pub mod tokenizer_json;
 pub mod topk;
 
 pub use hf::{HfError, ModelConfig, ModelDir};

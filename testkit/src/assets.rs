@@ -80,7 +80,8 @@ pub fn load_tokenizer(path: &Path) -> &'static Tokenizer {
     if let Some((_, t)) = toks.iter().find(|(p, _)| p == path) {
         return t;
     }
-    let t: &'static Tokenizer = Box::leak(Box::new(Tokenizer::from_file(path).unwrap()));
+    let t = xdistill_shared::hf::load_tokenizer(path).unwrap_or_else(|e| panic!("{e}"));
+    let t: &'static Tokenizer = Box::leak(Box::new(t));
     toks.push((path.to_path_buf(), t));
     t
 }

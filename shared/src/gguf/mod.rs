@@ -272,12 +272,12 @@ impl GgufModel {
 
     /// The tokenizer.
     pub fn load_tokenizer(&self) -> Result<tokenizers::Tokenizer, GgufError> {
-        self.tokenizer_json
-            .parse::<tokenizers::Tokenizer>()
-            .map_err(|e| GgufError::Tokenizer {
+        crate::tokenizer_json::parse(self.tokenizer_json.as_bytes()).map_err(|e| {
+            GgufError::Tokenizer {
                 path: self.path.clone(),
                 message: format!("the rebuilt tokenizer does not load: {e}"),
-            })
+            }
+        })
     }
 
     /// sha256 of [`GgufModel::tokenizer_json`], hex.
