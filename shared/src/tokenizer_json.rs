@@ -78,3 +78,6 @@ fn parse_bpe(bytes: &[u8]) -> Option<Tokenizer> {
         .ok()?;
     Some(tokenizer)
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,6 +1,5 @@
 //! The integration tests of `xdistill-shared`, one binary (one link): GGUF files, model loading
-//! and decoders against references, model files and decoders fuzzed, the training pass,
-//! `tokenizer.json` parsing against the `tokenizers` crate's, and (CUDA builds)
+//! and decoders against references, model files and decoders fuzzed, the training pass, and (CUDA builds)
 //! cuDNN's fused attention. Each file is a module; `cargo nextest run -E 'test(/^gguf::/)'` runs
 //! one.
 
@@ -12,5 +11,4 @@ mod decode_fuzz;
 mod gguf;
 mod model;
 mod model_files;
-mod tokenizer_json;
 mod train_pass;
