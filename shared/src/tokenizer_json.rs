@@ -62,16 +62,21 @@ fn parse_bpe(bytes: &[u8]) -> Option<Tokenizer> {
     rest.push_str(r#""model":{"type":"BPE","vocab":{},"merges":[]},"added_tokens":[]}"#);
     let mut tokenizer: Tokenizer = rest.parse().ok()?;
     tokenizer.with_model(ModelWrapper::BPE(model));
-    for t in &added {
-        if let Some(id) = tokenizer.token_to_id(&t.token.content) {
-            if id != t.id {
-                tracing::warn!(
-                    "token {:?} was expected to have id {} but was given id {id}",
-                    t.token.content,
-                    t.id
-                );
-            }
-        }
+    // An added token the model already has keeps the model's id (as in the crate's parse, which
+    // logs each such token): one line for them all.
+    let moved: Vec<(&str, u32, u32)> = added
+        .iter()
+        .filter_map(|t| {
+            let id = tokenizer.token_to_id(&t.token.content)?;
+            (id != t.id).then_some((t.token.content.as_str(), t.id, id))
+        })
+        .collect();
+    if let Some((content, file_id, id)) = moved.first() {
+        tracing::warn!(
+            "{} added token(s) of tokenizer.json have the model's id, not the file's: \
+             {content:?} is {id}, not {file_id}",
+            moved.len()
+        );
     }
     tokenizer
         .add_tokens(added.into_iter().map(|t| t.token))

@@ -70,8 +70,8 @@ fn bpe(typed: bool, merges: &str) -> String {
     )
 }
 
-/// Added tokens: special ones, a new normal one and one the model already has (whose id in
-/// the file is its model id).
+/// Added tokens: special ones, a new normal one, one the model already has with its model id
+/// and one the model has under another id than the file says (the model's id wins).
 const ADDED: &str = r#"[
     {"id": 0, "content": "<unk>", "single_word": false, "lstrip": false, "rstrip": false,
      "normalized": false, "special": true},
@@ -80,6 +80,8 @@ const ADDED: &str = r#"[
     {"id": 10, "content": "world", "single_word": true, "lstrip": false, "rstrip": true,
      "normalized": true, "special": false},
     {"id": 3, "content": "l", "single_word": false, "lstrip": false, "rstrip": false,
+     "normalized": true, "special": false},
+    {"id": 11, "content": "he", "single_word": false, "lstrip": false, "rstrip": false,
      "normalized": true, "special": false}]"#;
 
 #[test]
