@@ -7,7 +7,6 @@
 use anyhow::{Context, Result};
 use candle_core::{DType, Device};
 use std::time::Instant;
-use tokenizers::Tokenizer;
 use xdistill_trainer::generate::{generate_seeded, GenerationConfig};
 use xdistill_trainer::student::Student;
 
@@ -27,7 +26,7 @@ fn main() -> Result<()> {
     let rows: usize = args.get(2).map(|s| s.parse()).transpose()?.unwrap_or(32);
     let tokens: usize = args.get(3).map(|s| s.parse()).transpose()?.unwrap_or(256);
     let student = Student::load(dir.as_ref(), &Device::Cpu, DType::F32)?;
-    let tok = Tokenizer::from_file(&student.tokenizer_json).map_err(anyhow::Error::msg)?;
+    let tok = xdistill_shared::hf::load_tokenizer(&student.tokenizer_json)?;
     let prompts: Vec<Vec<u32>> = (0..rows as u32)
         .map(|r| vec![1 + r, 2 + r, 3 + r, 4 + r])
         .collect();
