@@ -5,8 +5,9 @@
 //! and `f32::mul_add` becomes a call to libm's `fmaf`. Both happened, silently: the teacher's
 //! AVX2 matmul ran ~50x slower through `fmaf` (2026-11-30), and the AVX-512 LM head's `exp2`
 //! closure made six intrinsic calls per vector of logits in dev and test builds, 5 % of the
-//! Rust tests' CPU samples (2026-12-01). Whether the inliner got there depends on the build profile, so this checks
-//! the binaries of the build the tests run (release builds: run it with `--release`).
+//! Rust tests' CPU samples (2026-12-01). Whether the inliner got there depends on the build
+//! profile, so this checks the binaries of the build the tests run (release builds: run it with
+//! `--release`).
 
 use std::path::Path;
 use std::process::Command;
