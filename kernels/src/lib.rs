@@ -6,7 +6,7 @@
 //! more backward; the fused CPU kernel below makes one pass to read and one to write, and its
 //! backward (`g − softmax · Σg`) is fused too. Other devices use the composed ops. In f32 the row
 //! passes (max, Σexp, the softmax of the backward) are vectorised ([`vmath`]) and run at the
-//! CPU's widest instruction set ([`xdistill_shared::simd::Simd`]), chosen once.
+//! CPU's widest instruction set ([`xdistill_cpu_kernels::simd::Simd`]), chosen once.
 //!
 //! One op per module: [`log_softmax`], [`gather_log_softmax`], [`sum_squares`], the AdamW update
 //! ([`adamw_update`], [`adamw_update_in_place`]), gradient accumulation in place

@@ -1,8 +1,8 @@
 //! Vectorisable f32 row passes, run at the CPU's widest [`Simd`] level (the same bits at every
 //! level: no fused multiply-adds, fixed lane counts).
 
-use xdistill_shared::simd::{self, exp_nonpos, Simd};
-use xdistill_shared::simd_dispatch;
+use xdistill_cpu_kernels::simd::{self, exp_nonpos, Simd};
+use xdistill_cpu_kernels::simd_dispatch;
 
 /// Values per f32 partial sum of [`sum_exp`] (each lane then adds ≤ 128 terms ≤ 1).
 const BLOCK: usize = 2048;
@@ -65,7 +65,7 @@ mod tests {
         let per = |t: std::time::Instant| t.elapsed().as_secs_f64() * 1e9 / (rows * v) as f64;
         println!(
             "SIMD level: {}",
-            xdistill_shared::simd::Simd::current().name()
+            xdistill_cpu_kernels::simd::Simd::current().name()
         );
         for round in 0..2 {
             let t = std::time::Instant::now();
@@ -108,7 +108,7 @@ mod tests {
     /// The vectorised f32 passes against f64 sums, and the same bits at every SIMD level.
     #[test]
     fn vmath_matches_f64_at_every_level() {
-        use xdistill_shared::simd::Simd;
+        use xdistill_cpu_kernels::simd::Simd;
         // A vocabulary-sized row with a remainder past the lanes and blocks.
         let x: Vec<f32> = (0..151_669)
             .map(|i| ((i as u64 * 2_654_435_761 % 10_007) as f32 / 500.0) - 12.0)

@@ -130,7 +130,7 @@ pub async fn run(args: Args) -> Result<()> {
             };
             match outcome {
                 Ok(()) => tracing::info!(
-                    host_simd = xdistill_shared::simd::Simd::current().name(),
+                    host_simd = xdistill_cpu_kernels::simd::Simd::current().name(),
                     lm_head,
                     "ready"
                 ),

@@ -16,7 +16,7 @@ fn main() -> Result<()> {
         .init();
     let args = Args::parse();
     // `$XDISTILL_SIMD` caps the SIMD level of the hot loops: refuse a bad value up front.
-    let simd = xdistill_shared::simd::Simd::from_env()?;
+    let simd = xdistill_cpu_kernels::simd::Simd::from_env()?;
     tracing::debug!(simd = simd.name(), "host SIMD level");
     if args.check_args {
         launch::check_args(&args)?;

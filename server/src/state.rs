@@ -118,7 +118,7 @@ impl AppState {
                 max_answer_bytes: c.max_answer_bytes,
             },
             batch_invariant: c.batch_invariant,
-            host_simd: xdistill_shared::simd::Simd::current().name().into(),
+            host_simd: xdistill_cpu_kernels::simd::Simd::current().name().into(),
             lm_head: facts.lm_head.into(),
             rope_theta: facts.rope_theta,
             rope_scaling: facts.rope_scaling.clone(),

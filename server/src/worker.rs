@@ -117,7 +117,7 @@ pub fn spawn(
                 lm_head = ?scorer.lm_head,
                 lm_head_kernel = if kernel { "avx512" } else { "candle" },
                 linear_kernel = if linear_kernel(decoder.device(), decoder.lm_head().dtype()) {
-                    xdistill_shared::simd::Simd::current().name()
+                    xdistill_cpu_kernels::simd::Simd::current().name()
                 } else {
                     "candle"
                 },

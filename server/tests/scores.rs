@@ -341,7 +341,7 @@ async fn info_health_tokenizer_and_metrics() {
     // LM head (the default on the CPU).
     assert_eq!(
         info.host_simd,
-        xdistill_shared::simd::Simd::current().name()
+        xdistill_cpu_kernels::simd::Simd::current().name()
     );
     assert_eq!(info.lm_head, "fused");
     let tok = c.get(t.url("/tokenizer.json")).send().await.unwrap();

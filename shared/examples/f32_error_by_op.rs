@@ -78,7 +78,7 @@ fn main() -> Result<()> {
     )?;
     let ids = rows_of_text(&g.load_tokenizer()?, text, rows, tokens)?;
     let ids = Tensor::from_vec(ids, (rows, tokens), &dev)?;
-    let level = xdistill_shared::simd::Simd::current().name();
+    let level = xdistill_cpu_kernels::simd::Simd::current().name();
     println!(
         "{} ({} layers), {} positions ({rows} rows × {tokens} tokens), k = {k}, SIMD level {level}",
         g.path.display(),

@@ -7,7 +7,7 @@
 //! `RAYON_NUM_THREADS=2 cargo run --release -p xdistill-shared --example matmul_speed`
 use candle_core::{Device, Module, Tensor};
 use std::time::Instant;
-use xdistill_shared::matmul::matmul_nt;
+use xdistill_cpu_kernels::matmul::matmul_nt;
 
 /// Best wall time of `reps` runs of `f`, after one warm-up run.
 fn best_of(reps: usize, mut f: impl FnMut()) -> f64 {
@@ -28,7 +28,7 @@ fn main() -> anyhow::Result<()> {
     // `matmul_nt` runs at every SIMD level (`$XDISTILL_SIMD` caps it).
     println!(
         "SIMD level: {}",
-        xdistill_shared::simd::Simd::current().name()
+        xdistill_cpu_kernels::simd::Simd::current().name()
     );
     let dev = Device::Cpu;
     println!("rows × in → out | warm: candle, matmul_nt | cold: candle, matmul_nt (GFLOP/s)");

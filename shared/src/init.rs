@@ -11,20 +11,8 @@ use rand_chacha::ChaCha8Rng;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-/// `n` values uniform in `[-scale/2, scale/2)` from a 64-bit LCG seeded by `seed`: kernel
-/// tests' inputs on both sides, cheap to make in the millions and the same on every platform.
 #[doc(hidden)]
-pub fn lcg_noise(seed: u64, n: usize, scale: f32) -> Vec<f32> {
-    let mut s = seed;
-    (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
-        })
-        .collect()
-}
+pub use xdistill_cpu_kernels::lcg_noise;
 
 /// Random parameters for `cfg` on the CPU (f32), reproducible from `seed`: one ChaCha8 stream
 /// over the parameters in `param_specs` order, normals by Box–Muller (one draw pair per value).

@@ -9,7 +9,11 @@
 //! - [`model`]: the Llama-family decoder (Llama, Qwen2, Qwen3) used by both sides.
 //! - [`process`]: a `teacher` server as a child process (the demo, cross-process tests).
 //! - [`init`]: random parameters for a model config, reproducible from a seed.
-//! - [`matmul`]: `x · Wᵀ` on AVX-512 (inference linear layers, the teacher's fused LM head).
+//! - [`topk`]: the device top-k of logit rows (the teacher's GPU scoring, the trainer's losses).
+//!
+//! The CPU's hot loops (the SIMD level, the matmul, the teacher's row scoring and fused LM head,
+//! the forward's row ops) are `xdistill-cpu-kernels` (`kernels/cpu/`), a leaf crate compiled
+//! optimised in every profile; this one builds at a lower level in tests (Cargo.toml).
 
 pub mod alloc;
 pub mod codec;
@@ -17,15 +21,12 @@ pub mod device;
 pub mod gguf;
 pub mod hf;
 pub mod init;
-pub mod matmul;
 pub mod model;
 pub mod model_check;
 pub mod paths;
 pub mod process;
 pub mod profiling;
 pub mod protocol;
-pub mod row_scores;
-pub mod simd;
 pub mod tokenizer_json;
 pub mod topk;
 

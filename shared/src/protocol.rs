@@ -46,44 +46,14 @@ pub fn affinity_key(sequences: &[Vec<u32>]) -> String {
 /// compatible: every version-1 request means the same and gets the same answer).
 pub const PROTOCOL_VERSION: u32 = 2;
 
-/// What `topk_values` holds. Deserialised from its name only (MessagePack could otherwise
-/// give the variant's index).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum ValuesKind {
-    /// `log_softmax(logits / temperature)` over the full (unpadded) vocabulary.
-    #[default]
-    Logprobs,
-    /// `logits / temperature`.
-    Logits,
-}
-
-impl ValuesKind {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            ValuesKind::Logprobs => "logprobs",
-            ValuesKind::Logits => "logits",
-        }
-    }
-}
-
-impl<'de> Deserialize<'de> for ValuesKind {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        match strict::Name::deserialize(d)?.0.as_str() {
-            "logprobs" => Ok(ValuesKind::Logprobs),
-            "logits" => Ok(ValuesKind::Logits),
-            other => Err(serde::de::Error::unknown_variant(
-                other,
-                &["logprobs", "logits"],
-            )),
-        }
-    }
-}
+/// What `topk_values` holds (log-probs or scaled logits): the host scoring's own choice, whose
+/// wire form is its name.
+pub use xdistill_cpu_kernels::row_scores::ValuesKind;
 
 /// Strict decoding of request fields: lists must be lists (MessagePack `bin` blobs are refused
 /// where ids are expected, as JSON would refuse a string), names must be strings.
 mod strict {
-    use serde::de::{self, Deserialize, Deserializer, SeqAccess, Visitor};
+    use serde::de::{Deserialize, Deserializer, SeqAccess, Visitor};
     use std::fmt;
     use std::marker::PhantomData;
 
@@ -109,25 +79,6 @@ mod strict {
                 }
             }
             d.deserialize_any(V(PhantomData))
-        }
-    }
-
-    /// A string (never a variant index or bytes).
-    pub struct Name(pub String);
-
-    impl<'de> Deserialize<'de> for Name {
-        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-            struct V;
-            impl Visitor<'_> for V {
-                type Value = Name;
-                fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                    f.write_str("a string")
-                }
-                fn visit_str<E: de::Error>(self, s: &str) -> Result<Name, E> {
-                    Ok(Name(s.to_string()))
-                }
-            }
-            d.deserialize_any(V)
         }
     }
 
@@ -235,6 +186,25 @@ pub struct SequenceScores {
     /// (the route's answer is a [`HiddenResponse`]), widened to f32 by the trainer's client.
     /// Never on the native wire.
     pub hidden: Vec<u8>,
+}
+
+/// The host scoring's answer for a sequence's rows, with nothing else filled.
+impl From<xdistill_cpu_kernels::row_scores::RowScores> for SequenceScores {
+    fn from(s: xdistill_cpu_kernels::row_scores::RowScores) -> SequenceScores {
+        SequenceScores {
+            rows: s.rows,
+            k: s.k,
+            topk_ids: s.topk_ids,
+            topk_values: s.topk_values,
+            target_logprobs: s.target_logprobs,
+            logsumexp: s.logsumexp,
+            m: s.m,
+            ids_logprobs: s.ids_logprobs,
+            target_ranks: s.target_ranks,
+            next_token: None,
+            hidden: Vec::new(),
+        }
+    }
 }
 
 impl SequenceScores {

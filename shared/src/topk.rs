@@ -12,38 +12,15 @@
 //!
 //! The same code runs on the CPU, which is how its results are checked without a GPU.
 
-use crate::protocol::ValuesKind;
 use candle_core::{DType, Result, Tensor, D};
 
 /// Widest row candle's CUDA sort handles.
 pub const SORT_CHUNK: usize = 8192;
 
-/// What to compute for each row.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct RowQuery {
-    /// Top entries per row (0: none, only the target log-prob and logsumexp).
-    pub k: usize,
-    /// Logits are divided by it (> 0).
-    pub temperature: f32,
-    /// Real tokens: the first `valid` columns (the rest is LM-head padding).
-    pub valid: usize,
-    pub values: ValuesKind,
-    /// Also count each target's 1-based rank over the valid vocabulary (ties ranked last).
-    pub ranks: bool,
-}
-
-impl RowQuery {
-    /// Top `k` of the first `valid` columns at `temperature`, as `values`; no ranks.
-    pub fn new(k: usize, temperature: f32, values: ValuesKind, valid: usize) -> RowQuery {
-        RowQuery {
-            k,
-            temperature,
-            valid,
-            values,
-            ranks: false,
-        }
-    }
-}
+/// What to compute for each row: the host scoring's query (`xdistill_cpu_kernels::row_scores`),
+/// answered here on the rows' device.
+pub use xdistill_cpu_kernels::row_scores::RowQuery;
+use xdistill_cpu_kernels::row_scores::ValuesKind;
 
 /// Results for `N` rows.
 pub struct TopkRows {

@@ -846,7 +846,7 @@ fn lm_head_sums_in_blocks_at_inference() {
     let (fused, diff) = (model(&cfg, Ops::Fused), model(&cfg, Ops::Differentiable));
     let (h, v) = (cfg.hidden_size, cfg.vocab_size);
     let head: Vec<f32> = fused.lm_head().flatten_all().unwrap().to_vec1().unwrap();
-    let fma = xdistill_shared::simd::Simd::current() >= xdistill_shared::simd::Simd::Avx2;
+    let fma = xdistill_cpu_kernels::simd::Simd::current() >= xdistill_cpu_kernels::simd::Simd::Avx2;
     for rows in [40usize, 5] {
         let x: Vec<f32> = (0..rows * h)
             .map(|i| ((i * 7919 % 113) as f32 / 113.0 - 0.5) * 3.0)
@@ -862,13 +862,13 @@ fn lm_head_sums_in_blocks_at_inference() {
             diff.logits(&hidden).unwrap().to_vec2::<f32>().unwrap(),
             candle
         );
-        if rows < xdistill_shared::matmul::NP {
+        if rows < xdistill_cpu_kernels::matmul::NP {
             assert_eq!(logits, candle, "{rows} rows: candle's matmul");
             continue;
         }
         for r in 0..rows {
             for c in 0..v {
-                let dot = xdistill_shared::matmul::dot_blocked(
+                let dot = xdistill_cpu_kernels::matmul::dot_blocked(
                     &head[c * h..(c + 1) * h],
                     &x[r * h..(r + 1) * h],
                     fma,

@@ -65,7 +65,7 @@ fn no_vector_intrinsic_or_fused_multiply_add_is_left_as_a_call() {
             found.is_empty(),
             "{} calls vector intrinsics or libm's fused multiply-add out of line, so a SIMD \
              kernel was compiled without its instruction set (a closure or `Fn` shim outside \
-             the `#[target_feature]` function; see xdistill_shared::simd_dispatch!):\n{}",
+             the `#[target_feature]` function; see xdistill_cpu_kernels::simd_dispatch!):\n{}",
             binary.display(),
             found.join("\n")
         );

@@ -99,11 +99,11 @@ mod tests {
             NONE,
             &ScoreParams::native(3, 1.0, ValuesKind::Logprobs).rows(3),
         );
-        assert_eq!(first_non_finite(&ok), None);
+        assert_eq!(first_non_finite(&ok.into()), None);
         let p = ScoreParams::native(1, 1e-37, ValuesKind::Logprobs);
         let s = score_rows(&row, 3, &[1], NONE, &p.rows(3));
         assert!(s.logsumexp[0].is_finite() && s.topk_values[0].is_finite());
-        assert_eq!(first_non_finite(&s), Some((0, "target_logprobs")));
+        assert_eq!(first_non_finite(&s.into()), Some((0, "target_logprobs")));
         assert_eq!(
             non_finite_cause(&row, 1e-37, 5, "target_logprobs").to_string(),
             "temperature 1e-37 overflows the scaled logits (non-finite target_logprobs at position 5)"
@@ -116,7 +116,7 @@ mod tests {
             NONE,
             &p.rows(3),
         );
-        assert_eq!(first_non_finite(&s), Some((0, "logsumexp")));
+        assert_eq!(first_non_finite(&s.into()), Some((0, "logsumexp")));
         let nan = vec![1.0f32, f32::NAN, 0.0];
         let s = score_rows(
             &nan,
@@ -125,7 +125,7 @@ mod tests {
             NONE,
             &ScoreParams::native(1, 1.0, ValuesKind::Logprobs).rows(3),
         );
-        assert_eq!(first_non_finite(&s).map(|e| e.0), Some(0));
+        assert_eq!(first_non_finite(&s.into()).map(|e| e.0), Some(0));
         assert!(non_finite_cause(&nan, 1.0, 0, "logsumexp")
             .to_string()
             .contains("logits are not finite"));

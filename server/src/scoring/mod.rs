@@ -9,7 +9,7 @@
 //!   results are copied back; the default on a GPU);
 //! - on the host, with the LM head fused with scoring (the default on the CPU): the logits of a
 //!   chunk come a vocabulary tile at a time and each tile is folded into the rows' running
-//!   scores ([`RowFolds`], from `xdistill_shared::row_scores`) while in cache; on AVX-512 with
+//!   scores ([`RowFolds`], from `xdistill_cpu_kernels::row_scores`) while in cache; on AVX-512 with
 //!   an f32 head the head kernel ([`RowFolds::fold_head`]) makes and folds the tiles itself;
 //! - on the host from the full `[c, V]` logits ([`score_rows`]; `--lm-head full`, and requests
 //!   for ranks when the fused head goes through candle).
@@ -36,7 +36,7 @@ pub use finite::{first_non_finite, non_finite_cause};
 pub use next::choose_next;
 pub use packed::PackedRows;
 pub use params::{CandidateRows, LmHead, NextToken, ScoreParams, TopkPath};
-pub use xdistill_shared::row_scores::{rank_of, score_rows, HeadTiming, RowFolds};
+pub use xdistill_cpu_kernels::row_scores::{rank_of, score_rows, HeadTiming, RowFolds};
 
 use crate::request::Candidates;
 use candle_core::{DType, Device, Storage, Tensor};
@@ -446,7 +446,7 @@ impl Scorer {
         let (matmul, scoring) = split.split(t0.elapsed());
         timing.add(Phase::Head, matmul);
         timing.add(Phase::Topk, scoring);
-        Ok(Some(timing.in_phase(Phase::Topk, || folds.finish())))
+        Ok(Some(timing.in_phase(Phase::Topk, || folds.finish().into())))
     }
 
     /// Scores of `rows` [c, H] by the fused LM head: the logits of one vocabulary tile at a time
@@ -467,7 +467,7 @@ impl Scorer {
                 with_host_f32(&tile, |t| folds.fold(t, cols))
             })?;
         }
-        Ok(timing.in_phase(Phase::Topk, || folds.finish()))
+        Ok(timing.in_phase(Phase::Topk, || folds.finish().into()))
     }
 
     /// Scores of `rows` [c, H] from their whole `[c, V]` logits, on the device or the host.
@@ -503,7 +503,7 @@ impl Scorer {
                 )
             })
         })?;
-        Ok(s)
+        Ok(s.into())
     }
 
     /// Columns of the logits that are real tokens.

@@ -28,7 +28,7 @@ impl Scorer {
                 let token = choose_next(&row[..self.valid()], params.temperature, how);
                 let q = params.rows(self.valid());
                 let s = score_rows(row, self.logits_size, &[token], cands, &q);
-                (s, token)
+                (s.into(), token)
             })
         })?;
         Ok(scored)

@@ -4,7 +4,7 @@
 //! ([`CandidateRows`]).
 
 pub use crate::request::{NextToken, ScoreParams};
-pub use xdistill_shared::row_scores::CandidateRows;
+pub use xdistill_cpu_kernels::row_scores::CandidateRows;
 
 /// Where the scores of logit rows are computed (`--topk`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]

@@ -151,7 +151,7 @@ fn chunked_lm_head_equals_full_logits_on_both_paths() {
     //    crate) picks its kernel from the matrix shape and the CPU (AVX2 or AVX-512), so a
     //    row's bits may change with the number of rows in its chunk (they do on AVX2 CPUs).
     // 3. The AVX-512 head kernel sums each dot product in a fixed order whatever the chunk
-    //    (shared/src/row_scores/fused_head.rs): its bits do not depend on the chunking.
+    //    (kernels/cpu/src/row_scores/fused_head.rs): its bits do not depend on the chunking.
     let with = |path: (LmHead, bool)| -> Vec<(usize, &SequenceScores)> {
         host.iter()
             .filter(|(p, _, _)| *p == path)

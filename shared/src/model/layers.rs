@@ -2,12 +2,12 @@
 //! layers, RoPE application (whole or partial), grouped-query attention with causal and
 //! sliding-window masks, and the gated MLP. Each runs in two modes ([`Ops`]).
 
+use super::device_ops;
 use super::spec::{Activation, LayerSpec, MoeSpec};
-use super::{device_ops, host_ops};
-use crate::matmul;
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{CpuStorage, DType, Layout, Module, Result, Shape, Tensor, D};
 use candle_nn::VarBuilder;
+use xdistill_cpu_kernels::{host_ops, matmul};
 
 /// Queries per block of inference attention: bounds the scores held at once to
 /// `[B, heads, QUERY_CHUNK, S]` (256 MiB → 32 MiB for 16 heads over 2048 keys).
@@ -891,7 +891,8 @@ mod tests {
             for r in 0..batch * t {
                 for c in 0..o {
                     let (xr, wc) = (&xv[r * k..(r + 1) * k], &wv[c * k..(c + 1) * k]);
-                    let fma = crate::simd::Simd::current() >= crate::simd::Simd::Avx2;
+                    let fma = xdistill_cpu_kernels::simd::Simd::current()
+                        >= xdistill_cpu_kernels::simd::Simd::Avx2;
                     let dot = matmul::dot_blocked(wc, xr, fma);
                     assert_eq!(fused[r * o + c].to_bits(), (dot + bv[c]).to_bits());
                     // Both are f32 sums of k products: within the standard rounding bound.

@@ -9,8 +9,8 @@
 //! a block), `params.rs` (every parameter's name and shape) and `decoder.rs` (the one forward
 //! loop).
 //! Each runs in two modes ([`Ops`]): fused kernels for serving (candle's, on an AVX-512 CPU
-//! the linear layers through [`crate::matmul`], and on the CPU the attention's softmax and the
-//! MLP's `silu(gate) · up` with the SIMD exp, `host_ops.rs`; on CUDA, with
+//! the linear layers through [`xdistill_cpu_kernels::matmul`], and on the CPU the attention's softmax and the
+//! MLP's `silu(gate) · up` with the SIMD exp, `xdistill_cpu_kernels::host_ops`; on CUDA, with
 //! [`AttnBackend::Cudnn`], the attention through cuDNN, `attn_cudnn.rs`), and ops that all have
 //! a backward pass for training. `device_ops.rs` holds the fused RMSNorm, RoPE and gated
 //! activation (with their backward) that CUDA runs with the project's kernels; `autograd.rs` the
@@ -37,7 +37,6 @@ mod error;
 mod facts;
 mod gemm_blocks;
 mod gemma3;
-mod host_ops;
 mod layers;
 mod llama;
 mod packed;

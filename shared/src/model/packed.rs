@@ -12,7 +12,7 @@
 //! (split-K, tile shapes: cuBLAS picks by M). So every matmul here multiplies blocks of exactly
 //! `rows_per_gemm` rows (the last block padded): the same shapes, the same
 //! kernels, whatever the batch — invariant by construction, not by luck. On the CPU the linear
-//! kernel is row-independent anyway ([`crate::matmul`]), so a packed row equals the row of the
+//! kernel is row-independent anyway ([`xdistill_cpu_kernels::matmul`]), so a packed row equals the row of the
 //! sequence's own forward bit for bit (tested).
 //!
 //! The layers run their own code over all rows at once ([`Decoder::project`],

@@ -9,11 +9,11 @@
 //! SmolLM2); `shared/examples/f32_error_by_op.rs` prints the table for a GGUF model on text.
 
 use super::decoder::attention_bias;
-use super::host_ops;
 use super::layers::{repeat_kv, rope, Block, Ffn, GateUp, GatedMlp, Norm, Ops, Qkv};
 use super::spec::Activation;
 use super::Decoder;
 use candle_core::{DType, Device, Result, Tensor, D};
+use xdistill_cpu_kernels::host_ops;
 
 /// The kinds of op a decoder's forward is made of.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

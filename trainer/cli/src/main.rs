@@ -62,7 +62,7 @@ fn main() -> Result<()> {
         .with_writer(std::io::stderr)
         .init();
     // `$XDISTILL_SIMD` caps the SIMD level of the hot loops: refuse a bad value up front.
-    let simd = xdistill_shared::simd::Simd::from_env()?;
+    let simd = xdistill_cpu_kernels::simd::Simd::from_env()?;
     tracing::debug!(simd = simd.name(), "host SIMD level");
     match Cli::parse().command {
         Command::InitModel(a) => init_model::run(a),

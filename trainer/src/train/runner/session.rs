@@ -69,7 +69,7 @@ impl Session {
         let student = Student::load(&cfg.policy.model_name, device, dtype)?;
         tracing::info!(
             device = %xdistill_shared::device::device_name(device),
-            kernels_simd = xdistill_shared::simd::Simd::current().name(),
+            kernels_simd = xdistill_cpu_kernels::simd::Simd::current().name(),
             "student loaded"
         );
         objective.check_records(&train_set.records, "training")?;

@@ -166,9 +166,19 @@ fn one_pass_selection_equals_full_sort() {
     }
 }
 
-/// Bits of every score and rank, for bit-for-bit comparisons.
-fn bits(s: &SequenceScores) -> Vec<u32> {
-    [s.bits(), s.target_ranks.clone()].concat()
+/// Bits of every id, score and rank, for bit-for-bit comparisons (f32 equality would hide
+/// -0.0 against 0.0 and NaN).
+fn bits(s: &RowScores) -> Vec<u32> {
+    let f = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    [
+        s.topk_ids.clone(),
+        f(&s.topk_values),
+        f(&s.target_logprobs),
+        f(&s.logsumexp),
+        f(&s.ids_logprobs),
+        s.target_ranks.clone(),
+    ]
+    .concat()
 }
 
 /// Every SIMD level gives the same bits (the levels differ in instruction width only), for

@@ -45,7 +45,7 @@ pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
 }
 
 /// The contiguous f32 values of a host tensor, for a custom op's `cpu_fwd` (`op`: its name).
-pub(super) fn values<'a>(s: &'a CpuStorage, l: &Layout, op: &str) -> Result<&'a [f32]> {
+pub fn values<'a>(s: &'a CpuStorage, l: &Layout, op: &str) -> Result<&'a [f32]> {
     let CpuStorage::F32(x) = s else {
         candle_core::bail!("{op} takes f32");
     };
@@ -210,7 +210,7 @@ fn silu_mul_body(g: &[f32], u: &[f32], y: &mut [f32]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::init::lcg_noise;
+    use crate::lcg_noise;
     use candle_core::Device;
 
     fn host(x: &Tensor) -> Vec<f32> {

@@ -307,7 +307,7 @@ unsafe fn job_body(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::init::lcg_noise as noise;
+    use crate::lcg_noise as noise;
 
     /// The bits the kernel of the level in use gives: fused multiply-adds from AVX2 up.
     fn fused() -> bool {

@@ -1,8 +1,8 @@
 //! Scores of logit rows on the host — the teacher's host scoring path: per-position top-k,
 //! target log-prob, logsumexp, candidate log-probs and ranks, folded in a vocabulary tile at a
 //! time as the fused LM head produces them ([`RowFolds`]; on AVX-512 the head kernel in [`fused_head`]
-//! makes and folds the tiles itself) or from whole rows ([`score_rows`]). [`crate::topk`] is
-//! the device path; both answer the same [`RowQuery`].
+//! makes and folds the tiles itself) or from whole rows ([`score_rows`]). `xdistill_shared::topk`
+//! is the device path; both answer the same [`RowQuery`].
 //!
 //! It lives here, not in the server, because it is the teacher's hot loop: this crate is
 //! compiled optimised in every profile (the workspace's `[profile.dev.package]`), so the
@@ -10,13 +10,141 @@
 
 mod fused_head;
 
-use crate::protocol::{SequenceScores, ValuesKind};
 use crate::simd::{self, Simd};
 use crate::simd_dispatch;
-pub use crate::topk::RowQuery;
 pub use fused_head::HeadTiming;
 use rayon::prelude::*;
 use std::cmp::Ordering;
+
+/// What a row's top-k values are. Its wire form is its name (`"logprobs"`, `"logits"`): the
+/// protocol's `values` field (`xdistill_shared::protocol` re-exports it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum ValuesKind {
+    /// `log_softmax(logits / temperature)` over the full (unpadded) vocabulary.
+    #[default]
+    Logprobs,
+    /// `logits / temperature`.
+    Logits,
+}
+
+impl ValuesKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ValuesKind::Logprobs => "logprobs",
+            ValuesKind::Logits => "logits",
+        }
+    }
+}
+
+/// Deserialised from its name only: a string, never a variant index (MessagePack could
+/// otherwise give one) or bytes.
+impl<'de> serde::Deserialize<'de> for ValuesKind {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Name;
+        impl serde::de::Visitor<'_> for Name {
+            type Value = ValuesKind;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<ValuesKind, E> {
+                match s {
+                    "logprobs" => Ok(ValuesKind::Logprobs),
+                    "logits" => Ok(ValuesKind::Logits),
+                    other => Err(E::unknown_variant(other, &["logprobs", "logits"])),
+                }
+            }
+        }
+        d.deserialize_any(Name)
+    }
+}
+
+/// What to compute for each row (the host folds here and the device top-k of
+/// `xdistill_shared::topk` answer the same query).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RowQuery {
+    /// Top entries per row (0: none, only the target log-prob and logsumexp).
+    pub k: usize,
+    /// Logits are divided by it (> 0).
+    pub temperature: f32,
+    /// Real tokens: the first `valid` columns (the rest is LM-head padding).
+    pub valid: usize,
+    pub values: ValuesKind,
+    /// Also count each target's 1-based rank over the valid vocabulary (ties ranked last).
+    pub ranks: bool,
+}
+
+impl RowQuery {
+    /// Top `k` of the first `valid` columns at `temperature`, as `values`; no ranks.
+    pub fn new(k: usize, temperature: f32, values: ValuesKind, valid: usize) -> RowQuery {
+        RowQuery {
+            k,
+            temperature,
+            valid,
+            values,
+            ranks: false,
+        }
+    }
+}
+
+/// The scores of a run of rows (`xdistill_shared::protocol::SequenceScores` takes its fields).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct RowScores {
+    pub rows: usize,
+    pub k: usize,
+    /// `[rows, k]`, best first (ties by ascending id).
+    pub topk_ids: Vec<u32>,
+    /// `[rows, k]`: log-probs or scaled logits, as asked.
+    pub topk_values: Vec<f32>,
+    /// `[rows]`.
+    pub target_logprobs: Vec<f32>,
+    /// `[rows]`: logsumexp of `logits / temperature` over the valid vocabulary.
+    pub logsumexp: Vec<f32>,
+    /// Candidate ids per row (0 when none were asked for).
+    pub m: usize,
+    /// `[rows, m]`: log-probs at the candidate ids.
+    pub ids_logprobs: Vec<f32>,
+    /// `[rows]` when ranks were asked for, else empty: each target's 1-based rank over the valid
+    /// vocabulary (ties ranked last).
+    pub target_ranks: Vec<u32>,
+}
+
+impl RowScores {
+    /// Row `r` of the top-k ids, `[k]`.
+    pub fn ids_row(&self, r: usize) -> &[u32] {
+        &self.topk_ids[r * self.k..(r + 1) * self.k]
+    }
+
+    /// Row `r` of the top-k values, `[k]`.
+    pub fn values_row(&self, r: usize) -> &[f32] {
+        &self.topk_values[r * self.k..(r + 1) * self.k]
+    }
+
+    /// Row `r` of the candidate-id log-probs, `[m]`.
+    pub fn ids_logprobs_row(&self, r: usize) -> &[f32] {
+        &self.ids_logprobs[r * self.m..(r + 1) * self.m]
+    }
+
+    /// Every field's length agrees with `rows`, `k` and `m`.
+    #[cfg(test)]
+    fn check_shapes(&self) -> Result<(), String> {
+        let lens = [
+            self.topk_ids.len(),
+            self.topk_values.len(),
+            self.target_logprobs.len(),
+            self.logsumexp.len(),
+            self.ids_logprobs.len(),
+        ];
+        let (rk, r, rm) = (self.rows * self.k, self.rows, self.rows * self.m);
+        if lens != [rk, rk, r, r, rm] {
+            return Err(format!(
+                "rows {r} k {} m {}: lengths {lens:?}",
+                self.k, self.m
+            ));
+        }
+        Ok(())
+    }
+}
 
 /// Candidate ids of a run of rows, `[rows, m]` row-major (`m = 0`: none).
 #[derive(Debug, Clone, Copy, Default)]
@@ -353,13 +481,13 @@ impl<'a> RowFolds<'a> {
     }
 
     /// The scores, once every tile was folded.
-    pub fn finish(self) -> SequenceScores {
+    pub fn finish(self) -> RowScores {
         self.finish_with(None)
     }
 
     /// The scores; `full` ([rows, width], the whole logits) ranks targets outside the top k
     /// (without it, ranks come from the kernel's counts: tiles never ask for ranks).
-    fn finish_with(self, full: Option<(&[f32], usize)>) -> SequenceScores {
+    fn finish_with(self, full: Option<(&[f32], usize)>) -> RowScores {
         debug_assert!(
             self.next_col >= self.valid,
             "every valid column must be folded"
@@ -418,7 +546,7 @@ impl<'a> RowFolds<'a> {
         if k == 0 {
             (ids_buf, vals_buf) = (Vec::new(), Vec::new());
         }
-        SequenceScores {
+        RowScores {
             rows,
             k,
             topk_ids: ids_buf,
@@ -432,8 +560,6 @@ impl<'a> RowFolds<'a> {
             } else {
                 Vec::new()
             },
-            next_token: None,
-            hidden: Vec::new(),
         }
     }
 }
@@ -446,7 +572,7 @@ pub fn score_rows(
     targets: &[u32],
     cands: CandidateRows<'_>,
     p: &RowQuery,
-) -> SequenceScores {
+) -> RowScores {
     score_rows_at(Simd::current(), logits, width, (targets, cands), p)
 }
 
@@ -457,7 +583,7 @@ fn score_rows_at(
     width: usize,
     (targets, cands): (&[u32], CandidateRows<'_>),
     p: &RowQuery,
-) -> SequenceScores {
+) -> RowScores {
     debug_assert_eq!(logits.len(), targets.len() * width);
     let mut folds = RowFolds::new(width, targets, cands, p);
     folds.level = level;

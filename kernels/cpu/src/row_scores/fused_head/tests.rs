@@ -1,9 +1,8 @@
 //! The AVX-512 head kernel against f64 references, and its bits against the chunking.
 
 use super::*;
-use crate::init::lcg_noise as noise;
-use crate::protocol::{SequenceScores, ValuesKind};
-use crate::row_scores::{CandidateRows, RowQuery};
+use crate::lcg_noise as noise;
+use crate::row_scores::{CandidateRows, RowQuery, RowScores, ValuesKind};
 
 fn kernel(
     hidden: &[f32],
@@ -12,7 +11,7 @@ fn kernel(
     width: usize,
     (targets, cands): (&[u32], CandidateRows<'_>),
     p: &RowQuery,
-) -> SequenceScores {
+) -> RowScores {
     let mut f = RowFolds::for_head(width, targets, cands, p);
     f.fold_head(hidden, head, h);
     f.finish()
@@ -125,7 +124,7 @@ fn rows_are_independent_of_their_neighbours() {
         ..RowQuery::new(9, 0.9, ValuesKind::Logprobs, width)
     };
     // Row r's fields as bits.
-    let row_bits = |s: &SequenceScores, r: usize| -> Vec<u32> {
+    let row_bits = |s: &RowScores, r: usize| -> Vec<u32> {
         let vals = s.values_row(r).iter().map(|x| x.to_bits());
         let stats = [s.target_logprobs[r], s.logsumexp[r]].map(f32::to_bits);
         let ids = s.ids_row(r).iter().copied();
