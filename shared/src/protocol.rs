@@ -51,7 +51,8 @@ pub const PROTOCOL_VERSION: u32 = 2;
 pub use xdistill_cpu_kernels::row_scores::ValuesKind;
 
 /// Strict decoding of request fields: lists must be lists (MessagePack `bin` blobs are refused
-/// where ids are expected, as JSON would refuse a string), names must be strings.
+/// where ids are expected, as JSON would refuse a string). Names must be strings too: `values`
+/// ([`ValuesKind`]'s own `Deserialize`).
 mod strict {
     use serde::de::{Deserialize, Deserializer, SeqAccess, Visitor};
     use std::fmt;

@@ -670,6 +670,7 @@ mod tests {
             "shared/src",
             "server/src",
             "kernels/src",
+            "kernels/cpu/src",
             "kernels/cudnn/src",
             "trainer/src",
             "trainer/cli/src",
