@@ -238,7 +238,7 @@ fn tiles_fold_to_the_same_bits_as_whole_rows() {
     assert!(RowFolds::tiled(width, &targets, cands, &p).is_none());
 }
 
-/// Speed figure, not a check: `cargo test --release -p xdistill-shared --lib topk_speed --
+/// Speed figure, not a check: `cargo test --release -p xdistill-cpu-kernels --lib topk_speed --
 /// --ignored --nocapture`.
 #[test]
 #[ignore]

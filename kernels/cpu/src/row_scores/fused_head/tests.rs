@@ -171,7 +171,7 @@ fn rows_are_independent_of_their_neighbours() {
     assert_eq!(s.logsumexp[41].to_bits(), all.logsumexp[41].to_bits());
 }
 
-/// Speed figure, not a check: `cargo test --release -p xdistill-shared --lib head_speed --
+/// Speed figure, not a check: `cargo test --release -p xdistill-cpu-kernels --lib head_speed --
 /// --ignored --nocapture`. The kernel on 256 positions of the Qwen3 vocabulary (best of 5).
 #[test]
 #[ignore]
