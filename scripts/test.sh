@@ -86,17 +86,18 @@ if stage build cargo test --workspace --locked --no-run --timings; then
   # between bursts of compute, and with one test per core the cores sat idle for 6 % of the run
   # (`perf record -a`). Runs alternated on one build (2 cores, 2026-12-01): 282.5 and 305.7 s
   # at one per core, 263.2 and 283.9 s at 3, 289.4 s at 4 (more CPU for the same work).
-  stage "rust tests" cargo nextest run --workspace --locked --no-fail-fast \
-    --test-threads "$(( $(nproc) * 3 / 2 ))" ${1+"$@"} ||
+  # (Through nextest's environment variable, so that a `--test-threads` argument overrides it.)
+  NEXTEST_TEST_THREADS="$(( $(nproc) * 3 / 2 ))" stage "rust tests" \
+    cargo nextest run --workspace --locked --no-fail-fast ${1+"$@"} ||
     failed+=("rust tests: see the failures listed above")
   cp target/nextest/default/junit.xml "$logs/rust.xml" 2>/dev/null
 
   simd="$(grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo avx2 || echo baseline)"
   # Two tests per core: most of this pass waits on teacher processes (start-up, HTTP) more
   # than it computes, so a second test per core fills the idle time.
-  XDISTILL_SIMD="$simd" stage "simd pass (XDISTILL_SIMD=$simd)" \
-    cargo nextest run --workspace --locked --no-fail-fast --profile simd \
-    --test-threads "$((2 * $(nproc)))" ${1+"$@"} ||
+  XDISTILL_SIMD="$simd" NEXTEST_TEST_THREADS="$((2 * $(nproc)))" \
+    stage "simd pass (XDISTILL_SIMD=$simd)" \
+    cargo nextest run --workspace --locked --no-fail-fast --profile simd ${1+"$@"} ||
     failed+=("simd pass (XDISTILL_SIMD=$simd): see the failures listed above")
   cp target/nextest/simd/junit.xml "$logs/simd.xml" 2>/dev/null
 else
