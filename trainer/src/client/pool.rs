@@ -110,7 +110,7 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::{Duration, Instant};
+    use std::time::Duration;
 
     #[test]
     fn jobs_run_together_and_the_first_error_in_order_wins() {
@@ -123,18 +123,27 @@ mod tests {
                 Ok(ms)
             }
         };
-        let t0 = Instant::now();
-        let ok = pool.block_on(join_in_order([
-            job(200, false),
-            job(200, false),
-            job(200, false),
-        ]));
-        assert_eq!(ok, Ok(vec![200, 200, 200]));
-        // Together: about one job's time, not three.
-        assert!(
-            t0.elapsed() < Duration::from_millis(500),
-            "{:?}",
-            t0.elapsed()
+        // Together: each job waits at a barrier for all three, which only passes if they run
+        // at once (one after another they would wait forever; the timeout turns that into a
+        // failure, not a hang). No wall-clock bound, so a busy machine cannot fail it.
+        let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(3));
+        let met = |ms: u64| {
+            let barrier = barrier.clone();
+            async move {
+                barrier.wait().await;
+                job(ms, false).await
+            }
+        };
+        let ok = pool.block_on(async {
+            tokio::time::timeout(
+                Duration::from_secs(60),
+                join_in_order([met(20), met(30), met(10)]),
+            )
+            .await
+        });
+        assert_eq!(
+            ok.expect("the jobs did not run together"),
+            Ok(vec![20, 30, 10])
         );
         // The later job fails first in time; the earlier one in job order is reported.
         let err = pool.block_on(join_in_order([
