@@ -483,13 +483,32 @@ fn read_frame(s: &mut TcpStream, peer: usize) -> Result<(u8, u64, Vec<u8>), Coll
     Ok((head[0], seq, body))
 }
 
+/// `v` as little-endian bytes: the wire's order, and the machine's on every target the
+/// project builds for, so one copy of the slice's bytes.
+#[cfg(target_endian = "little")]
+fn to_bytes(v: &[f32]) -> Vec<u8> {
+    bytemuck::cast_slice(v).to_vec()
+}
+
+/// Little-endian `f32`s from `b`, one copy into an aligned buffer however `b` is aligned.
+/// Bytes past the last whole value are not read (callers check a frame's length first).
+#[cfg(target_endian = "little")]
+fn from_bytes(b: &[u8]) -> Vec<f32> {
+    let n = b.len() / 4;
+    let mut out = vec![0f32; n];
+    bytemuck::cast_slice_mut::<f32, u8>(&mut out).copy_from_slice(&b[..n * 4]);
+    out
+}
+
+#[cfg(target_endian = "big")]
 fn to_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
+#[cfg(target_endian = "big")]
 fn from_bytes(b: &[u8]) -> Vec<f32> {
     b.chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
         .collect()
 }
 
@@ -502,4 +521,30 @@ fn unpack(mut b: &[u8], world: usize) -> Option<Vec<Vec<f32>>> {
         b = &b[8 + n * 4..];
     }
     b.is_empty().then_some(out)
+}
+
+#[cfg(test)]
+mod codec_tests {
+    use super::*;
+
+    /// The wire is little-endian f32s: the bulk casts equal the per-value encoding, and decoding
+    /// reads a buffer at any alignment (a frame's payload starts where its header ends).
+    #[test]
+    fn floats_round_trip_as_little_endian_bytes_at_any_alignment() {
+        let v: Vec<f32> = (0..37)
+            .map(|i| (i as f32 - 18.5) * 0.37)
+            .chain([f32::MIN_POSITIVE, -0.0, f32::INFINITY, f32::MAX])
+            .collect();
+        let naive: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        assert_eq!(to_bytes(&v), naive);
+        for shift in 0..4 {
+            let mut framed = vec![0xAAu8; shift];
+            framed.extend_from_slice(&naive);
+            let back = from_bytes(&framed[shift..]);
+            assert_eq!(back.len(), v.len());
+            assert!(back.iter().zip(&v).all(|(a, b)| a.to_bits() == b.to_bits()));
+        }
+        assert!(from_bytes(&[]).is_empty());
+        assert_eq!(from_bytes(&naive[..9]), v[..2]);
+    }
 }
