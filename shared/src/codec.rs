@@ -67,24 +67,37 @@ fn is_msgpack(mime: &str) -> bool {
 /// Decodes a request body. Both formats are strict alike: the body is exactly one value (no
 /// trailing bytes), lists are lists (no `bin` blob where ids are expected), names are strings.
 pub fn decode_request(format: Format, body: &[u8]) -> Result<TopkRequest, CodecError> {
-    Ok(match format {
-        Format::Json => serde_json::from_slice(body)?,
-        Format::Msgpack => {
-            let mut de = rmp_serde::Deserializer::new(body);
-            let req = TopkRequest::deserialize(&mut de)?;
-            let rest = de.into_inner();
-            if !rest.is_empty() {
-                return Err(CodecError::Trailing(rest.len()));
-            }
-            req
-        }
-    })
+    decode_one(format, body)
 }
 
 pub fn encode_request(format: Format, req: &TopkRequest) -> Result<Vec<u8>, CodecError> {
+    encode_one(format, req)
+}
+
+/// Exactly one value of `T` in `body`. serde_json refuses trailing data itself; MessagePack's
+/// decoder stops after one value, so whatever follows it is refused here.
+fn decode_one<T: serde::de::DeserializeOwned>(
+    format: Format,
+    body: &[u8],
+) -> Result<T, CodecError> {
+    match format {
+        Format::Json => Ok(serde_json::from_slice(body)?),
+        Format::Msgpack => {
+            let mut de = rmp_serde::Deserializer::new(body);
+            let value = T::deserialize(&mut de)?;
+            match de.into_inner().len() {
+                0 => Ok(value),
+                rest => Err(CodecError::Trailing(rest)),
+            }
+        }
+    }
+}
+
+/// `value` in `format`: MessagePack with field names (maps), as every reader here expects.
+fn encode_one<T: Serialize>(format: Format, value: &T) -> Result<Vec<u8>, CodecError> {
     Ok(match format {
-        Format::Json => serde_json::to_vec(req)?,
-        Format::Msgpack => rmp_serde::to_vec_named(req)?,
+        Format::Json => serde_json::to_vec(value)?,
+        Format::Msgpack => rmp_serde::to_vec_named(value)?,
     })
 }
 
@@ -234,7 +247,7 @@ pub fn encode_response(format: Format, resp: &TopkResponse) -> Result<Vec<u8>, C
 pub fn decode_response(format: Format, body: &[u8]) -> Result<TopkResponse, CodecError> {
     match format {
         Format::Json => {
-            let r: JsonResponse = serde_json::from_slice(body)?;
+            let r: JsonResponse = decode_one(format, body)?;
             let k = r.k;
             let mut with_ids = false;
             let results = r
@@ -283,7 +296,7 @@ pub fn decode_response(format: Format, body: &[u8]) -> Result<TopkResponse, Code
             })
         }
         Format::Msgpack => {
-            let r: PackResponse = rmp_serde::from_slice(body)?;
+            let r: PackResponse = decode_one(format, body)?;
             let with_ids = r.results.iter().any(|s| s.ids_shape.is_some());
             let results = r
                 .results
@@ -346,25 +359,11 @@ pub fn decode_response(format: Format, body: &[u8]) -> Result<TopkResponse, Code
 
 /// Decodes a `/hidden_states` body, as strictly as [`decode_request`].
 pub fn decode_hidden_request(format: Format, body: &[u8]) -> Result<HiddenRequest, CodecError> {
-    Ok(match format {
-        Format::Json => serde_json::from_slice(body)?,
-        Format::Msgpack => {
-            let mut de = rmp_serde::Deserializer::new(body);
-            let req = HiddenRequest::deserialize(&mut de)?;
-            let rest = de.into_inner();
-            if !rest.is_empty() {
-                return Err(CodecError::Trailing(rest.len()));
-            }
-            req
-        }
-    })
+    decode_one(format, body)
 }
 
 pub fn encode_hidden_request(format: Format, req: &HiddenRequest) -> Result<Vec<u8>, CodecError> {
-    Ok(match format {
-        Format::Json => serde_json::to_vec(req)?,
-        Format::Msgpack => rmp_serde::to_vec_named(req)?,
-    })
+    encode_one(format, req)
 }
 
 #[derive(Serialize, Deserialize)]
@@ -431,7 +430,7 @@ pub fn topk_response_bytes(rows: impl Iterator<Item = usize>, k: usize, m: usize
 }
 
 pub fn decode_hidden_response(body: &[u8]) -> Result<HiddenResponse, CodecError> {
-    let r: PackHidden = rmp_serde::from_slice(body)?;
+    let r: PackHidden = decode_one(Format::Msgpack, body)?;
     let dtype = WireDtype::parse(&r.dtype)
         .ok_or_else(|| CodecError::Shape(format!("unknown dtype {:?}", r.dtype)))?;
     let results = r
@@ -932,6 +931,34 @@ mod tests {
         assert_eq!(back, resp);
         assert_eq!(back.f32_rows(0).unwrap(), vec![1.0, -2.0, 0.5, 3.0]);
         assert!(bytes.len() <= hidden_response_bytes([2, 0].into_iter(), 4));
+        let mut trailing = bytes;
+        trailing.push(0xc0);
+        assert!(matches!(
+            decode_hidden_response(&trailing),
+            Err(CodecError::Trailing(1))
+        ));
+    }
+
+    /// Answers are decoded as strictly as requests: a byte after the one value is an error in
+    /// both formats (a reader that stopped early would take half of a doubled body for all of it).
+    #[test]
+    fn responses_with_trailing_bytes_are_errors() {
+        for format in [Format::Json, Format::Msgpack] {
+            let mut bytes = encode_response(format, &sample()).unwrap();
+            assert_eq!(decode_response(format, &bytes).unwrap(), sample());
+            let one = bytes.clone();
+            bytes.extend_from_slice(&one);
+            let err = decode_response(format, &bytes).unwrap_err();
+            match format {
+                Format::Json => assert!(matches!(err, CodecError::Json(_)), "{err}"),
+                Format::Msgpack => {
+                    assert!(
+                        matches!(err, CodecError::Trailing(n) if n == one.len()),
+                        "{err}"
+                    )
+                }
+            }
+        }
     }
 
     /// The head file is a safetensors file (read back by the safetensors crate) that
