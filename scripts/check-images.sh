@@ -6,23 +6,32 @@
 #   scripts/check-images.sh --cuda          # also build the CUDA images (no GPU needed to build;
 #                                           # they are not started)
 #   scripts/check-images.sh --if-available  # no usable Docker: say so and exit 0 (else exit 1)
+#   scripts/check-images.sh --no-compose    # skip the compose step (below)
 #
 # Steps: build docker/Dockerfile's `trainer` and `teacher` targets; make a tiny random teacher
 # and student with the trainer image (`trainer init-model`, the llama2 tokenizer from
 # scripts/get-tokenizers.sh); start the teacher image (its own ENTRYPOINT + CMD) on that model;
 # wait until Docker's HEALTHCHECK reports it healthy; score one request with curl; run the
 # trainer image for two off-policy steps against it, as compose's `trainer` service does
-# (configs/ read-only, a runs/ folder holding the student, `--resume`); stop everything.
+# (configs/ read-only, a runs/ folder holding the student, `--resume`); stop everything. Then
+# docker/compose.yaml as its header tells users to run it (`docker compose`, or Docker Compose
+# v1's `docker-compose`, in a project of its own; `--build` rebuilds the `:latest` images from
+# this tree, from BuildKit's cache): `up teacher` until healthy and scoring, the `train`
+# profile's trainer against it (its own command line, which resumes), and the `scale` profile:
+# three replicas behind the balancer, each client's affinity header answered through it.
 # Needs: docker (a reachable daemon that can pull rust:1-slim-bookworm and
-# debian:bookworm-slim, plus the nvidia/cuda images with --cuda), curl, and the tokenizers.
+# debian:bookworm-slim, haproxy:2.6 for the compose step, plus the nvidia/cuda images with
+# --cuda; where Docker Hub is out of reach, scripts/docker-local-bases.sh makes local
+# stand-ins), curl, and the tokenizers.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-if_available=0 cuda=0
+if_available=0 cuda=0 compose=1
 for a in "$@"; do
   case "$a" in
     --if-available) if_available=1 ;;
     --cuda) cuda=1 ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+    --no-compose) compose=0 ;;
+    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
     *) echo "check-images: unknown argument $a" >&2; exit 2 ;;
   esac
 done
@@ -38,17 +47,32 @@ unavailable() {
 }
 command -v docker >/dev/null || unavailable "no docker client on PATH"
 docker info >/dev/null 2>&1 || unavailable "no Docker daemon reachable (docker info failed)"
-for base in rust:1-slim-bookworm debian:bookworm-slim; do
+bases=(rust:1-slim-bookworm debian:bookworm-slim)
+[ "$compose" = 1 ] && bases+=(haproxy:2.6)
+for base in "${bases[@]}"; do
   docker image inspect "$base" >/dev/null 2>&1 || docker pull -q "$base" >/dev/null 2>&1 \
     || unavailable "cannot pull the base image $base"
 done
 command -v curl >/dev/null || { echo "check-images: curl is needed" >&2; exit 1; }
+if [ "$compose" = 1 ]; then
+  if docker compose version >/dev/null 2>&1; then compose_cmd=(docker compose)
+  elif command -v docker-compose >/dev/null; then compose_cmd=(docker-compose)
+  else unavailable "no docker compose (or docker-compose) for the compose step (--no-compose skips it)"
+  fi
+fi
 
 tag=check-$$
 teacher_image=xdistill-teacher:$tag trainer_image=xdistill-trainer:$tag
 work=$(mktemp -d)
 net=xdistill-check-$$ teacher=xdistill-check-teacher-$$
+project=xdistill-check-$$ free_port=8000
+dc() {
+  TEACHER_MODEL_DIR="$work/models/teacher" TRAINER_RUNS_DIR="$work/runs" TEACHER_PORT="$free_port" \
+    BALANCER_PORT="$free_port" COMPOSE_DOCKER_CLI_BUILD=1 \
+    "${compose_cmd[@]}" -p "$project" -f "$root/docker/compose.yaml" "$@"
+}
 cleanup() {
+  [ "$compose" = 1 ] && dc --profile scale --profile train down -t 5 >/dev/null 2>&1 || true
   docker rm -f "$teacher" >/dev/null 2>&1 || true
   docker network rm "$net" >/dev/null 2>&1 || true
   docker image rm "$teacher_image" "$trainer_image" >/dev/null 2>&1 || true
@@ -127,4 +151,59 @@ grep -q "resumed from" "$work/second.log" || { echo "check-images: the restart d
 
 step "stopping the teacher (SIGTERM, graceful)"
 docker stop -t 60 "$teacher" >/dev/null
-echo "check-images: ok (images built, teacher healthy and scoring, trainer trained and resumed)"
+if [ "$compose" = 0 ]; then
+  echo "check-images: ok (images built, teacher healthy and scoring, trainer trained and resumed)"
+  exit 0
+fi
+
+# Waits until every running container of compose service $1 (this project's) reports healthy
+# (at most 4 minutes); prints their names.
+wait_healthy() {
+  local names status
+  for _ in $(seq 1 120); do
+    names=$(docker ps --filter "label=com.docker.compose.project=$project" \
+      --filter "label=com.docker.compose.service=$1" --format '{{.Names}}')
+    status=$(for n in $names; do docker inspect --format '{{.State.Health.Status}}' "$n"; done | sort -u)
+    [ -n "$names" ] && [ "$status" = healthy ] && { echo "$names"; return 0; }
+    sleep 2
+  done
+  for n in $names; do docker logs "$n" >&2 || true; done
+  echo "check-images: compose's $1 is not healthy ($status)" >&2
+  return 1
+}
+score() { # score PORT AFFINITY: one request, its answer's model field checked
+  local answer
+  answer=$(curl -fsS "http://127.0.0.1:$1/topk_logits" -H 'content-type: application/json' \
+    -H "X-Xdistill-Affinity: $2" -d '{"sequences": [[1, 450, 4996, 17354, 1701]], "k": 5}')
+  case "$answer" in
+    *'"results"'*) ;;
+    *) echo "check-images: unexpected answer through compose: $answer" >&2; return 1 ;;
+  esac
+}
+free_port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+
+step "compose: up teacher (docker/compose.yaml, project $project, port $free_port)"
+dc up -d --build teacher >&2
+wait_healthy teacher >/dev/null
+score "$free_port" compose
+echo "healthy and scoring on 127.0.0.1:$free_port" >&2
+
+step "compose: the train profile's trainer against the teacher service (resumes the run above)"
+dc --profile train up --build --exit-code-from trainer trainer > "$work/compose-train.log" 2>&1 \
+  || { cat "$work/compose-train.log" >&2; echo "check-images: compose's trainer failed" >&2; exit 1; }
+grep -q "resumed from" "$work/compose-train.log" \
+  || { cat "$work/compose-train.log" >&2; echo "check-images: compose's trainer did not resume" >&2; exit 1; }
+grep -o '"steps":[0-9]*' "$work/compose-train.log" | tail -n 1 >&2
+
+step "compose: the scale profile (three replicas behind the balancer)"
+dc stop teacher >&2
+dc --profile scale up -d --build --scale teacher-replica=3 balancer >&2
+replicas=$(wait_healthy teacher-replica)
+[ "$(echo "$replicas" | wc -l)" = 3 ] || { echo "check-images: not three replicas: $replicas" >&2; exit 1; }
+for i in $(seq 1 12); do
+  ok=0
+  for _ in $(seq 1 30); do score "$free_port" "client-$i" 2>/dev/null && { ok=1; break; }; sleep 1; done
+  [ "$ok" = 1 ] || { dc --profile scale logs balancer >&2 || true; score "$free_port" "client-$i"; exit 1; }
+done
+dc --profile scale --profile train down -t 30 >&2
+echo "check-images: ok (images built, teacher healthy and scoring, trainer trained and resumed; compose: teacher, trainer, three replicas behind HAProxy)"
