@@ -133,18 +133,23 @@ fn rows_of<T: Copy>(flat: &[T], rows: usize, k: usize) -> Vec<Vec<T>> {
     flat.chunks(k).map(|c| c.to_vec()).collect()
 }
 
+/// `[rows][k]` → `[rows * k]`. Sized by the rows it holds, never by the `k` an answer states
+/// (a peer's `k` of 2^40 with one empty row must be an error, not a 4 TiB allocation).
 fn flatten<T: Copy>(rows: Vec<Vec<T>>, k: usize) -> Result<Vec<T>, CodecError> {
-    let mut out = Vec::with_capacity(rows.len() * k);
-    for r in rows {
-        if r.len() != k {
-            return Err(CodecError::Shape(format!(
-                "row of length {} where k = {k}",
-                r.len()
-            )));
-        }
-        out.extend_from_slice(&r);
+    if let Some(r) = rows.iter().find(|r| r.len() != k) {
+        return Err(CodecError::Shape(format!(
+            "row of length {} where k = {k}",
+            r.len()
+        )));
     }
-    Ok(out)
+    Ok(rows.concat())
+}
+
+/// `a × b` for sizes a peer states, or a shape error where the product does not fit a `usize`
+/// (a wrapped product could match a short buffer).
+fn product(a: usize, b: usize, what: &str) -> Result<usize, CodecError> {
+    a.checked_mul(b)
+        .ok_or_else(|| CodecError::Shape(format!("{what}: {a} × {b} does not fit in memory")))
 }
 
 // ---- responses: MessagePack -----------------------------------------------------------------
@@ -186,7 +191,7 @@ fn le_f32(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 fn from_le<T>(b: &[u8], n: usize, name: &str, f: fn([u8; 4]) -> T) -> Result<Vec<T>, CodecError> {
-    if b.len() != 4 * n {
+    if !b.len().is_multiple_of(4) || b.len() / 4 != n {
         return Err(CodecError::Shape(format!(
             "{name}: {} bytes where {n} 4-byte values were expected",
             b.len()
@@ -298,18 +303,26 @@ pub fn decode_response(format: Format, body: &[u8]) -> Result<TopkResponse, Code
         Format::Msgpack => {
             let r: PackResponse = decode_one(format, body)?;
             let with_ids = r.results.iter().any(|s| s.ids_shape.is_some());
+            let answer_k = r.k;
             let results = r
                 .results
                 .into_iter()
                 .map(|s| {
                     let [rows, k] = s.shape;
+                    // JSON states k once for every sequence; a blob's shape must agree with it.
+                    if k != answer_k {
+                        return Err(CodecError::Shape(format!(
+                            "shape [{rows}, {k}] in an answer of k = {answer_k}"
+                        )));
+                    }
+                    let rk = product(rows, k, "shape")?;
                     let seq = SequenceScores {
                         rows,
                         k,
-                        topk_ids: from_le(&s.topk_ids, rows * k, "topk_ids", u32::from_le_bytes)?,
+                        topk_ids: from_le(&s.topk_ids, rk, "topk_ids", u32::from_le_bytes)?,
                         topk_values: from_le(
                             &s.topk_values,
-                            rows * k,
+                            rk,
                             "topk_values",
                             f32::from_le_bytes,
                         )?,
@@ -328,7 +341,7 @@ pub fn decode_response(format: Format, body: &[u8]) -> Result<TopkResponse, Code
                                 m,
                                 ids_logprobs: from_le(
                                     &b,
-                                    rows * m,
+                                    product(rows, m, "ids_shape")?,
                                     "ids_logprobs",
                                     f32::from_le_bytes,
                                 )?,
@@ -340,6 +353,7 @@ pub fn decode_response(format: Format, body: &[u8]) -> Result<TopkResponse, Code
                                     .into(),
                             )),
                         };
+                    seq.check_shapes().map_err(CodecError::Shape)?;
                     Ok(seq)
                 })
                 .collect::<Result<Vec<_>, CodecError>>()?;
@@ -438,7 +452,9 @@ pub fn decode_hidden_response(body: &[u8]) -> Result<HiddenResponse, CodecError>
         .into_iter()
         .map(|s| {
             let [rows, h] = s.shape;
-            if h != r.hidden_size || s.hidden.len() != rows * h * dtype.size() {
+            let bytes = product(rows, h, "hidden shape")
+                .and_then(|n| product(n, dtype.size(), "hidden shape"))?;
+            if h != r.hidden_size || s.hidden.len() != bytes {
                 return Err(CodecError::Shape(format!(
                     "hidden: {} bytes for shape [{rows}, {h}] of {} (hidden_size {})",
                     s.hidden.len(),
@@ -597,12 +613,17 @@ pub fn decode_head(bytes: &[u8]) -> Result<HeadFile, CodecError> {
                 .map_err(|e| bad(format!("metadata {k}: {e}"))),
         }
     };
+    let (head_rows, hidden_size) = (num("head_rows")?, num("hidden_size")?);
+    // The sizes below are products of these: each must fit before anything is sized by it.
+    product(head_rows, hidden_size, "head file: head_rows × hidden_size")
+        .and_then(|n| product(n, dtype.size(), "head file: weight bytes"))?;
+    product(head_rows, dtype.size(), "head file: bias bytes")?;
     let meta = HeadMeta {
         model_fingerprint: text("model_fingerprint")?.into(),
         architecture: text("architecture")?.into(),
         vocab_size: num("vocab_size")?,
-        head_rows: num("head_rows")?,
-        hidden_size: num("hidden_size")?,
+        head_rows,
+        hidden_size,
         dtype,
         tied: text("tied")? == "true",
         bias: text("bias")? == "true",
@@ -995,6 +1016,95 @@ mod tests {
             assert_eq!(back.bias, bias.then(|| vec![0.5; 4]));
             assert!(decode_head(&file[..file.len() - 1]).is_err());
         }
+    }
+
+    /// Sizes an answer states are checked before anything is sized by them: a `k`, a shape or
+    /// a head's rows whose products overflow, or that disagree with the data sent, are shape
+    /// errors. They were a 4 TiB allocation (the process aborted), an overflow panic, or in a
+    /// release build a wrapped product matching an empty buffer (`rows` 2^62 with no data).
+    #[test]
+    fn answers_stating_sizes_past_memory_are_errors() {
+        let shape_err = |r: Result<(), CodecError>| matches!(r, Err(CodecError::Shape(_)));
+        let json = |k: &str| {
+            format!(
+                r#"{{"k":{k},"values":"logprobs","temperature":1.0,"model":"m","results":[{{"topk_ids":[[],[]],"topk_values":[[],[]],"target_logprobs":[0.0,0.0],"logsumexp":[0.0,0.0]}}]}}"#
+            )
+        };
+        for k in ["1099511627776", &usize::MAX.to_string()] {
+            let r = decode_response(Format::Json, json(k).as_bytes()).map(|_| ());
+            assert!(shape_err(r), "k = {k}");
+        }
+        assert!(decode_response(Format::Json, json("0").as_bytes()).is_ok());
+
+        let f32s = |n: usize| vec![0u8; 4 * n];
+        let pack = |shape: [usize; 2], target: usize, ids_shape: Option<[usize; 2]>| {
+            let r = PackResponse {
+                k: shape[1],
+                values: ValuesKind::Logprobs,
+                temperature: 1.0,
+                model: "m".into(),
+                results: vec![PackSequence {
+                    shape,
+                    topk_ids: Vec::new(),
+                    topk_values: Vec::new(),
+                    target_logprobs: f32s(target),
+                    logsumexp: f32s(target),
+                    ids_shape,
+                    ids_logprobs: ids_shape.map(|_| Vec::new()),
+                }],
+            };
+            decode_response(Format::Msgpack, &rmp_serde::to_vec_named(&r).unwrap()).map(|_| ())
+        };
+        assert!(shape_err(pack([1 << 62, 0], 0, None)));
+        assert!(shape_err(pack([1 << 32, 1 << 32], 0, None)));
+        assert!(shape_err(pack([1, 0], 1, Some([1, 1 << 62]))));
+        assert!(shape_err(pack([1, 0], 1, Some([1, usize::MAX]))));
+        assert!(pack([1, 0], 1, Some([1, 0])).is_ok());
+        // A sequence's k is the answer's (JSON cannot say otherwise; found by fuzz/answers).
+        let mut r: PackResponse =
+            rmp_serde::from_slice(&encode_response(Format::Msgpack, &sample()).unwrap()).unwrap();
+        r.k = 16;
+        let bytes = rmp_serde::to_vec_named(&r).unwrap();
+        assert!(shape_err(
+            decode_response(Format::Msgpack, &bytes).map(|_| ())
+        ));
+
+        let hidden = |rows: usize| {
+            let r = PackHidden {
+                model: "m".into(),
+                head_fingerprint: "h".into(),
+                dtype: "f32".into(),
+                hidden_size: 4,
+                results: vec![PackHiddenSequence {
+                    shape: [rows, 4],
+                    hidden: Vec::new(),
+                }],
+            };
+            decode_hidden_response(&rmp_serde::to_vec_named(&r).unwrap()).map(|_| ())
+        };
+        assert!(shape_err(hidden(1 << 62)));
+        assert!(hidden(0).is_ok());
+
+        // A head file's header, written by hand (HeadMeta::header would overflow first).
+        let head = |rows: usize, hidden: usize, bias: bool| {
+            let meta = serde_json::json!({"format": HEAD_FORMAT, "model_fingerprint": "fp",
+                "architecture": "a", "vocab_size": "1", "head_rows": rows.to_string(),
+                "hidden_size": hidden.to_string(), "dtype": "f32", "tied": "true",
+                "bias": bias.to_string(), "logit_scale": "1.0", "logit_softcap": "none"});
+            let tensor = |shape: Vec<usize>| serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [0, 0]});
+            let mut header = serde_json::json!({"__metadata__": meta,
+                "weight": tensor(vec![rows, hidden])});
+            if bias {
+                header["bias"] = tensor(vec![rows]);
+            }
+            let json = serde_json::to_vec(&header).unwrap();
+            let mut file = (json.len() as u64).to_le_bytes().to_vec();
+            file.extend(json);
+            decode_head(&file).map(|_| ())
+        };
+        assert!(shape_err(head(1 << 62, 4, false)));
+        assert!(shape_err(head(1 << 63, 0, true)));
+        assert!(head(0, 4, false).is_ok());
     }
 
     #[test]

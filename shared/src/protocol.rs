@@ -244,14 +244,15 @@ impl SequenceScores {
             + self.target_ranks.len())
             + self.hidden.len()
     }
-    /// Checks that the buffer lengths agree with `rows` and `k`.
+    /// Checks that the buffer lengths agree with `rows`, `k` and `m` (a product that
+    /// overflows agrees with no length).
     pub fn check_shapes(&self) -> Result<(), String> {
-        let rk = self.rows * self.k;
-        if self.topk_ids.len() != rk
-            || self.topk_values.len() != rk
+        let rk = self.rows.checked_mul(self.k);
+        if rk != Some(self.topk_ids.len())
+            || rk != Some(self.topk_values.len())
             || self.target_logprobs.len() != self.rows
             || self.logsumexp.len() != self.rows
-            || self.ids_logprobs.len() != self.rows * self.m
+            || self.rows.checked_mul(self.m) != Some(self.ids_logprobs.len())
         {
             return Err(format!(
                 "inconsistent shapes: rows={} k={} m={} ids={} values={} target={} lse={} \

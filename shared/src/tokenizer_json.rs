@@ -20,11 +20,28 @@ use tokenizers::models::bpe::BPE;
 use tokenizers::{AddedToken, ModelWrapper, Tokenizer};
 
 /// The tokenizer `bytes` (a `tokenizer.json`) describes, or the `tokenizers` crate's error.
+///
+/// A file is untrusted input (a model directory's, or a teacher's `GET /tokenizer.json`), and
+/// the crate panics on some broken ones instead of answering an error: in 0.23, any syntax
+/// error inside the `decoder` object reaches its `expect("Helper")` (found by `fuzz/`;
+/// upstream fixes of the same kind: huggingface/tokenizers#2154, #2156). Such a panic is
+/// caught here and becomes this function's error, naming what the crate said.
 pub fn parse(bytes: &[u8]) -> Result<Tokenizer, tokenizers::Error> {
-    match parse_bpe(bytes) {
+    let parsed = std::panic::catch_unwind(|| match parse_bpe(bytes) {
         Some(t) => Ok(t),
         None => Tokenizer::from_bytes(bytes),
-    }
+    });
+    parsed.unwrap_or_else(|panic| {
+        let said = panic
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| panic.downcast_ref::<&str>().copied())
+            .unwrap_or("no message");
+        Err(
+            format!("malformed tokenizer.json (the tokenizers crate panicked on it: {said})")
+                .into(),
+        )
+    })
 }
 
 /// An entry of `added_tokens`, as the crate's parse reads it.
@@ -35,14 +52,46 @@ struct AddedTokenWithId {
     token: AddedToken,
 }
 
+/// A JSON object's entries in the file's order, each value as its raw JSON text (a map would
+/// keep only the last of a repeated key, silently).
+struct Entries<'a>(Vec<(&'a str, &'a RawValue)>);
+
+impl<'de> Deserialize<'de> for Entries<'de> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visitor;
+        impl<'de> serde::de::Visitor<'de> for Visitor {
+            type Value = Entries<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<Self::Value, A::Error> {
+                let mut out = Vec::new();
+                while let Some(entry) = map.next_entry::<&'de str, &'de RawValue>()? {
+                    out.push(entry);
+                }
+                Ok(Entries(out))
+            }
+        }
+        d.deserialize_map(Visitor)
+    }
+}
+
 /// The BPE tokenizer of `bytes`, or `None` where the model is not a BPE or anything else does
 /// not parse (then the crate's own parse decides, and explains).
 fn parse_bpe(bytes: &[u8]) -> Option<Tokenizer> {
     let text = std::str::from_utf8(bytes).ok()?;
     // Top-level keys borrowed (none of Hugging Face's needs an escape; one that does fails
-    // here), values as their raw JSON text. A repeated key keeps its last value, as in the
-    // crate's parse.
-    let top: BTreeMap<&str, &RawValue> = serde_json::from_str(text).ok()?;
+    // here), values as their raw JSON text. A key given twice is left to the crate's parse,
+    // which reads each value as it comes (a first value of the wrong type is its error even
+    // where the last is right; found by `fuzz/`).
+    let Entries(entries) = serde_json::from_str(text).ok()?;
+    let top: BTreeMap<&str, &RawValue> = entries.iter().copied().collect();
+    if top.len() != entries.len() {
+        return None;
+    }
     let model: BPE = serde_json::from_str(top.get("model")?.get()).ok()?;
     let added: Vec<AddedTokenWithId> = match top.get("added_tokens") {
         Some(raw) => serde_json::from_str(raw.get()).ok()?,

@@ -128,6 +128,14 @@ fn other_models_legacy_forms_and_added_tokens_parse_as_the_crate_parses_them() {
     let (before, after) = text.split_once(r#""added_tokens": "#).unwrap();
     let after = &after[after.find("\"normalizer\"").unwrap()..];
     assert_same("no added_tokens key", format!("{before}{after}").as_bytes());
+    // A key given twice, both values valid: the last one, in both parses.
+    let twice = text.replacen(
+        r#""normalizer": {"type": "Lowercase"}"#,
+        r#""normalizer": {"type": "NFC"}, "normalizer": {"type": "Lowercase"}"#,
+        1,
+    );
+    assert_ne!(twice, text);
+    assert_same("a key given twice", twice.as_bytes());
 }
 
 #[test]
@@ -162,6 +170,16 @@ fn broken_files_get_the_crates_errors() {
             br#"{"version": "1.0", "added_tokens": []}"#.to_vec(),
         ),
         ("an array", b"[1, 2]".to_vec()),
+        (
+            // The last `version` is right, the first is not a string (found by `fuzz/`).
+            "a key given twice, first of the wrong type",
+            text.replacen(
+                r#""version": "1.0""#,
+                r#""version": {}, "version": "1.0""#,
+                1,
+            )
+            .into_bytes(),
+        ),
     ];
     for (name, bytes) in broken {
         let want = Tokenizer::from_bytes(&bytes).err().map(|e| e.to_string());
@@ -169,6 +187,53 @@ fn broken_files_get_the_crates_errors() {
         assert!(want.is_some(), "{name}: the crate accepts it");
         assert_eq!(got, want, "{name}");
     }
+}
+
+/// Files the `tokenizers` crate panics on (0.23: a syntax error inside `decoder`, a merge
+/// shorter than the subword prefix; inputs `fuzz/`'s tokenizer_json target found) are errors
+/// of [`parse`], not panics; the crate's own parse of the same bytes still panics (were it
+/// fixed upstream, this says so).
+#[test]
+fn files_the_crate_panics_on_are_errors() {
+    let good = file(&bpe(true, "[]"), ADDED);
+    let text = String::from_utf8(good).unwrap();
+    let with =
+        |decoder: &str| text.replacen(r#""decoder": null"#, &format!(r#""decoder": {decoder}"#), 1);
+    // The same decoder with its comma parses.
+    assert!(parse(
+        with(r###"{"prefix": "##", "cleanup": true, "type": "WordPiece"}"###).as_bytes()
+    )
+    .is_ok());
+    let broken = with(r###"{"prefix": "##" "cleanup": true, "type": "WordPiece"}"###);
+    let crate_panics =
+        std::panic::catch_unwind(|| Tokenizer::from_bytes(broken.as_bytes())).is_err();
+    assert!(
+        crate_panics,
+        "the tokenizers crate no longer panics on this file"
+    );
+    let err = parse(broken.as_bytes())
+        .expect_err("a malformed file")
+        .to_string();
+    assert!(
+        err.contains("malformed tokenizer.json") && err.contains("Helper"),
+        "{err}"
+    );
+
+    // A BPE whose merge's second token is shorter than `continuing_subword_prefix`: the crate's
+    // BPE builder slices past it (a panic inside the fast path's own BPE deserializer; found
+    // by `fuzz/` too).
+    let short = file(
+        r###"{"type": "BPE", "continuing_subword_prefix": "##", "vocab": {"a": 0, "b": 1, "ab": 2},
+            "merges": ["a b"]}"###,
+        "[]",
+    );
+    let crate_panics = std::panic::catch_unwind(|| Tokenizer::from_bytes(&short)).is_err();
+    assert!(
+        crate_panics,
+        "the tokenizers crate no longer panics on a short merge"
+    );
+    let err = parse(&short).expect_err("a malformed file").to_string();
+    assert!(err.contains("malformed tokenizer.json"), "{err}");
 }
 
 /// Parse times, the `tokenizers` crate's and [`parse`]'s, of each real tokenizer (medians of 3,
