@@ -67,17 +67,32 @@ fn answers() -> Result<()> {
         results: vec![seq(2, 0, 2), seq(1, 0, 2)],
     };
     for (name, r) in [("plain", &plain), ("ids", &ids)] {
-        seed("answers", &format!("json-{name}"), &with_selector(0, codec::encode_response(Format::Json, r)?))?;
-        seed("answers", &format!("msgpack-{name}"), &with_selector(1, codec::encode_response(Format::Msgpack, r)?))?;
+        seed(
+            "answers",
+            &format!("json-{name}"),
+            &with_selector(0, codec::encode_response(Format::Json, r)?),
+        )?;
+        seed(
+            "answers",
+            &format!("msgpack-{name}"),
+            &with_selector(1, codec::encode_response(Format::Msgpack, r)?),
+        )?;
     }
     let hidden = HiddenResponse {
         model: "fp".into(),
         head_fingerprint: "head".into(),
         dtype: WireDtype::Bf16,
         hidden_size: 4,
-        results: vec![HiddenStates { rows: 2, data: vec![0x3f; 16] }],
+        results: vec![HiddenStates {
+            rows: 2,
+            data: vec![0x3f; 16],
+        }],
     };
-    seed("answers", "hidden", &with_selector(2, codec::encode_hidden_response(&hidden)?))?;
+    seed(
+        "answers",
+        "hidden",
+        &with_selector(2, codec::encode_hidden_response(&hidden)?),
+    )?;
     for bias in [false, true] {
         let meta = HeadMeta {
             model_fingerprint: "fp".into(),
@@ -93,7 +108,11 @@ fn answers() -> Result<()> {
         };
         let mut file = meta.header();
         file.extend((0..8 + 4 * bias as usize).flat_map(|i| (i as f32 * 0.5).to_le_bytes()));
-        seed("answers", &format!("head-bias-{bias}"), &with_selector(3, file))?;
+        seed(
+            "answers",
+            &format!("head-bias-{bias}"),
+            &with_selector(3, file),
+        )?;
     }
     Ok(())
 }
@@ -118,15 +137,27 @@ fn requests() -> Result<()> {
         ids: Some(vec![vec![vec![3, 4]], vec![vec![5, 299], vec![1, 2]]]),
     };
     for (name, r) in [("plain", &plain), ("ids", &ids)] {
-        seed("requests", &format!("json-{name}"), &with_selector(0, codec::encode_request(Format::Json, r)?))?;
-        seed("requests", &format!("msgpack-{name}"), &with_selector(4, codec::encode_request(Format::Msgpack, r)?))?;
+        seed(
+            "requests",
+            &format!("json-{name}"),
+            &with_selector(0, codec::encode_request(Format::Json, r)?),
+        )?;
+        seed(
+            "requests",
+            &format!("msgpack-{name}"),
+            &with_selector(4, codec::encode_request(Format::Msgpack, r)?),
+        )?;
     }
     let hidden = HiddenRequest {
         sequences: vec![vec![1, 2, 3]],
         start: 0,
         starts: None,
     };
-    seed("requests", "hidden-json", &with_selector(8, codec::encode_hidden_request(Format::Json, &hidden)?))?;
+    seed(
+        "requests",
+        "hidden-json",
+        &with_selector(8, codec::encode_hidden_request(Format::Json, &hidden)?),
+    )?;
     Ok(())
 }
 
@@ -160,7 +191,15 @@ fn models() -> Result<()> {
     std::fs::create_dir_all(&work)?;
     let tok = work.join("tokenizer.json");
     std::fs::write(&tok, byte_tokenizer_json())?;
-    for arch in ["llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen3-moe"] {
+    for arch in [
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "gemma3",
+        "phi3",
+        "qwen3-moe",
+    ] {
         for tie in [false, true] {
             let out = work.join(format!("{arch}-{tie}"));
             let s = spec(arch, 16, tie, &tok, out.clone());
@@ -197,7 +236,11 @@ fn models() -> Result<()> {
 }
 
 fn tokenizers() -> Result<()> {
-    seed("tokenizer_json", "byte-bpe", byte_tokenizer_json().as_bytes())?;
+    seed(
+        "tokenizer_json",
+        "byte-bpe",
+        byte_tokenizer_json().as_bytes(),
+    )?;
     let wordpiece = serde_json::json!({
         "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
         "normalizer": {"type": "BertNormalizer", "clean_text": true, "handle_chinese_chars": true,
@@ -208,7 +251,11 @@ fn tokenizers() -> Result<()> {
             "max_input_chars_per_word": 100,
             "vocab": {"[UNK]": 0, "the": 1, "quick": 2, "##s": 3, "fox": 4, "do": 5, "##g": 6}}
     });
-    seed("tokenizer_json", "wordpiece", wordpiece.to_string().as_bytes())?;
+    seed(
+        "tokenizer_json",
+        "wordpiece",
+        wordpiece.to_string().as_bytes(),
+    )?;
     let unigram = serde_json::json!({
         "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
         "normalizer": null, "pre_tokenizer": {"type": "Metaspace", "replacement": "▁",

@@ -20,15 +20,21 @@ fn topk(format: Format, body: &[u8]) {
         return;
     };
     for s in &r.results {
-        s.check_shapes().expect("a decoded answer's buffers agree with its sizes");
+        s.check_shapes()
+            .expect("a decoded answer's buffers agree with its sizes");
         assert_eq!(s.k, r.k, "a sequence's k is the answer's");
     }
     // JSON has no NaN or infinity (serde_json writes them as null, which is refused): a number
     // past f32's range parses to one, and is then not an answer any teacher sends.
     let finite = r.results.iter().all(|s| {
-        [&s.topk_values, &s.target_logprobs, &s.logsumexp, &s.ids_logprobs]
-            .iter()
-            .all(|v| v.iter().all(|x| x.is_finite()))
+        [
+            &s.topk_values,
+            &s.target_logprobs,
+            &s.logsumexp,
+            &s.ids_logprobs,
+        ]
+        .iter()
+        .all(|v| v.iter().all(|x| x.is_finite()))
     });
     if format == Format::Json && !finite {
         return;
@@ -54,7 +60,10 @@ fn head(body: &[u8]) {
         return;
     };
     assert_eq!(f.weight.len(), f.meta.head_rows * f.meta.hidden_size);
-    assert_eq!(f.bias.as_ref().map(Vec::len), f.meta.bias.then_some(f.meta.head_rows));
+    assert_eq!(
+        f.bias.as_ref().map(Vec::len),
+        f.meta.bias.then_some(f.meta.head_rows)
+    );
     assert_eq!(body.len() as u64, f.meta.file_len());
 }
 

@@ -27,7 +27,11 @@ fuzz_target!(|data: &[u8]| {
     let Some((&sel, body)) = data.split_first() else {
         return;
     };
-    let format = if sel & 4 == 0 { Format::Json } else { Format::Msgpack };
+    let format = if sel & 4 == 0 {
+        Format::Json
+    } else {
+        Format::Msgpack
+    };
     let lim = limits(sel);
     if sel & 8 == 0 {
         let Ok(req) = codec::decode_request(format, body) else {
@@ -37,7 +41,12 @@ fuzz_target!(|data: &[u8]| {
         let Ok(v) = validate(req, &lim) else {
             return;
         };
-        let _ = (v.input_tokens(), v.cost(), v.answer_bytes(), v.native_answer_bytes(true));
+        let _ = (
+            v.input_tokens(),
+            v.cost(),
+            v.answer_bytes(),
+            v.native_answer_bytes(true),
+        );
         let back = codec::decode_request(format, &again).expect("its own encoding decodes");
         let back = validate(back, &lim).expect("its own encoding validates");
         assert_eq!(format!("{back:?}"), format!("{v:?}"));
