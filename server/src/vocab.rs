@@ -3,6 +3,7 @@
 //! answers with thousands of entries copy strings instead of running the decoder.
 
 use rayon::prelude::*;
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use tokenizers::Tokenizer;
 
@@ -31,31 +32,41 @@ impl std::fmt::Debug for Vocab {
 impl Vocab {
     /// Decodes ids `0..n` (n = the valid vocabulary) once, in parallel. Truncation and padding
     /// that a `tokenizer.json` may carry are switched off: a prompt is scored whole, as given.
-    pub fn build(mut tokenizer: Tokenizer, n: usize) -> Vocab {
+    ///
+    /// The `tokenizers` crate's decoders can panic on a malformed file's settings (0.23: a
+    /// `Strip` decoder whose `start`/`stop` overrun a token, upstream huggingface/tokenizers
+    /// #2154); every id's text is made here, at load, so such a file is this error, naming the
+    /// id, and a served tokenizer has decoded every one of its tokens once.
+    pub fn build(mut tokenizer: Tokenizer, n: usize) -> Result<Vocab, String> {
         // Disabling truncation cannot fail (only enabling it validates a stride).
         let _ = tokenizer.with_truncation(None);
         tokenizer.with_padding(None);
-        let texts = (0..n as u32)
+        let texts: Result<Vec<Box<str>>, String> = (0..n as u32)
             .into_par_iter()
             .map(|id| {
-                tokenizer
-                    .decode(&[id], false)
-                    .unwrap_or_default()
-                    .into_boxed_str()
+                let decoded =
+                    std::panic::catch_unwind(AssertUnwindSafe(|| tokenizer.decode(&[id], false)));
+                match decoded {
+                    Ok(text) => Ok(text.unwrap_or_default().into_boxed_str()),
+                    Err(_) => Err(format!(
+                        "malformed tokenizer.json: its decoder panicked decoding id {id} \
+                         (the tokenizers crate's message is above)"
+                    )),
+                }
             })
             .collect();
-        let texts: Vec<Box<str>> = texts;
+        let texts = texts?;
         let longest = texts.iter().map(|t| t.len()).max().unwrap_or(0);
         let json_total: usize = texts
             .par_iter()
             .map(|t| serde_json::to_string(&**t).map_or(2, |j| j.len()))
             .sum();
-        Vocab {
+        Ok(Vocab {
             tokenizer: Arc::new(tokenizer),
             bytes_per_token: longest + 1,
             mean_text_json: json_total.div_ceil(texts.len().max(1)).max(2),
             texts,
-        }
+        })
     }
 
     /// Mean length of a token's text as a JSON string (see the field).
@@ -113,12 +124,34 @@ mod tests {
         let text = "one two three four five six seven eight";
         assert_eq!(tok.encode(text, false).unwrap().get_ids().len(), 4);
         let n = tok.get_vocab_size(true);
-        let v = Vocab::build(tok, n);
+        let v = Vocab::build(tok, n).unwrap();
         let ids = v.encode(text, false).unwrap();
         assert!(ids.len() > 4, "{ids:?}");
         assert_eq!(v.decode(&ids).unwrap(), text);
         let one = ids[1];
         assert_eq!(v.text(one), v.decode(&[one]).unwrap());
         assert_eq!(v.text(u32::MAX), "");
+    }
+
+    /// A decoder that panics on one of the vocabulary's tokens (`Strip` cutting more than the
+    /// token holds: the crate slices `chars[2..0]` for "HH") is a load error naming the id.
+    #[test]
+    fn a_decoder_that_panics_is_a_load_error() {
+        let file = |stop: usize| {
+            format!(
+                r#"{{"version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+                "normalizer": null, "pre_tokenizer": null, "post_processor": null,
+                "decoder": {{"type": "Strip", "content": "H", "start": 2, "stop": {stop}}},
+                "model": {{"type": "WordLevel", "unk_token": "a", "vocab": {{"a": 0, "HH": 1}}}}}}"#
+            )
+        };
+        let parse = |stop| xdistill_shared::tokenizer_json::parse(file(stop).as_bytes()).unwrap();
+        let v = Vocab::build(parse(0), 2).expect("stop 0 cuts nothing past the token");
+        assert_eq!((v.text(0), v.text(1)), ("a", ""));
+        let err = Vocab::build(parse(2), 2).expect_err("the decoder panics on \"HH\"");
+        assert!(
+            err.contains("malformed tokenizer.json") && err.contains("id 1"),
+            "{err}"
+        );
     }
 }
