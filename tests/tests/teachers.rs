@@ -294,8 +294,8 @@ fn routing_errors_are_reported_at_start() {
     assert!(err.contains("first_kl"), "{err}");
 }
 
-/// Full log-softmax rows `[S-1][V]` of a model directory, in f64 (loaded here, one sequence).
-fn full_rows(dir: &Path, ids: &[u32]) -> Vec<Vec<f64>> {
+/// The logits `[S, V]` (f32) of a model directory (loaded here) for one sequence.
+fn logits_of(dir: &Path, ids: &[u32]) -> candle_core::Tensor {
     let st = xdistill_trainer::student::Student::load(
         dir,
         &candle_core::Device::Cpu,
@@ -306,14 +306,12 @@ fn full_rows(dir: &Path, ids: &[u32]) -> Vec<Vec<f64>> {
         .unwrap()
         .unsqueeze(0)
         .unwrap();
-    let logits: Vec<Vec<f32>> = st
-        .model()
-        .forward(&x)
-        .unwrap()
-        .squeeze(0)
-        .unwrap()
-        .to_vec2()
-        .unwrap();
+    st.model().forward(&x).unwrap().squeeze(0).unwrap()
+}
+
+/// Full log-softmax rows `[S-1][V]` of a model directory, in f64 (loaded here, one sequence).
+fn full_rows(dir: &Path, ids: &[u32]) -> Vec<Vec<f64>> {
+    let logits: Vec<Vec<f32>> = logits_of(dir, ids).to_vec2().unwrap();
     logits[..ids.len() - 1]
         .iter()
         .map(|row| {
@@ -323,6 +321,30 @@ fn full_rows(dir: &Path, ids: &[u32]) -> Vec<Vec<f64>> {
                 .fold(f64::NEG_INFINITY, f64::max);
             let lse = m + row.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln();
             row.iter().map(|&v| v as f64 - lse).collect()
+        })
+        .collect()
+}
+
+/// At each position of one sequence (`[S-1]`), a model directory's `n` most likely next ids
+/// with their log-probs, largest first: each row's logsumexp over the whole vocabulary in f64.
+/// What [`full_rows`] gives at those ids, without `[S-1, V]` f64 rows: the chunk-level test
+/// reads 12 sequences of up to 300 positions over vocabularies of 128k and 151k, and this
+/// crate's tests run unoptimised (17 s there through `full_rows`).
+fn top_log_probs(dir: &Path, ids: &[u32], n: usize) -> Vec<Vec<(usize, f64)>> {
+    let logits = logits_of(dir, ids);
+    (0..ids.len() - 1)
+        .map(|p| {
+            let row = logits.get(p).unwrap();
+            let lse = row
+                .to_dtype(candle_core::DType::F64)
+                .and_then(|r| r.log_sum_exp(0))
+                .and_then(|r| r.to_scalar::<f64>())
+                .unwrap();
+            let row: Vec<f32> = row.to_vec1().unwrap();
+            top_ids(&row, n)
+                .into_iter()
+                .map(|i| (i, row[i] as f64 - lse))
+                .collect()
         })
         .collect()
 }
@@ -451,17 +473,21 @@ fn records(n: usize) -> Vec<xdistill_trainer::data::Record> {
         .collect()
 }
 
-/// The ids of the `n` largest entries of `row`, largest first (a selection, then a sort of the
-/// `n`: rows here are whole vocabularies, up to 151,669 entries).
-fn top_ids(row: &[f64], n: usize) -> Vec<usize> {
-    let mut order: Vec<usize> = (0..row.len()).collect();
-    let by_value = |a: &usize, b: &usize| row[*b].total_cmp(&row[*a]);
-    if n < order.len() {
-        order.select_nth_unstable_by(n, by_value);
-        order.truncate(n);
+/// The ids of the `n` largest entries of `row`, largest first (ties: the smaller id first), in
+/// one pass that keeps the best `n` so far: rows here are whole vocabularies, up to 151,669
+/// entries, and this crate's tests run unoptimised.
+fn top_ids<T: Copy + Into<f64>>(row: &[T], n: usize) -> Vec<usize> {
+    let mut best: Vec<(f64, usize)> = Vec::with_capacity(n + 1);
+    for (i, &v) in row.iter().enumerate() {
+        let v: f64 = v.into();
+        if best.len() == n && best.last().is_some_and(|&(w, _)| v <= w) {
+            continue;
+        }
+        let at = best.partition_point(|&(w, _)| w >= v);
+        best.insert(at, (v, i));
+        best.truncate(n);
     }
-    order.sort_by(by_value);
-    order
+    best.into_iter().map(|(_, i)| i).collect()
 }
 
 #[test]
@@ -573,8 +599,8 @@ fn chunk_level_ensemble_across_tokenizers() {
         let Item::Cross { pair, .. } = item else {
             panic!("virtual items are aligned")
         };
-        let full: Vec<Vec<Vec<f64>>> = (0..2)
-            .map(|t| full_rows(&models[t], g.parts[t][r].teacher_ids()))
+        let top: Vec<Vec<Vec<(usize, f64)>>> = (0..2)
+            .map(|t| top_log_probs(&models[t], g.parts[t][r].teacher_ids(), 16))
             .collect();
         for c in pair.chunks.iter().filter(|c| c.student.start > 0) {
             let j = c.student.start;
@@ -590,11 +616,10 @@ fn chunk_level_ensemble_across_tokenizers() {
                     .expect("a common start")
                     .teacher
                     .start;
-                let row = &full[t][a - 1];
                 let proj = two.teachers.list[t].projection.as_ref().unwrap();
-                for u in top_ids(row, 16) {
+                for &(u, lp) in &top[t][a - 1] {
                     if let Some(f) = proj.teacher_first(u) {
-                        *want.entry(f).or_default() += w[t] * row[u].exp();
+                        *want.entry(f).or_default() += w[t] * lp.exp();
                     }
                 }
             }
