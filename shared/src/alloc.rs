@@ -10,6 +10,11 @@
 //! `thp:always` jemalloc backs them with 2 MiB pages and zeroes by `memset`: on the demo teacher's
 //! SFT step (hidden 64, Qwen3 vocabulary, 16 sequences) minor page faults fell from ~430k to
 //! ~4k per step and the step from 1.6 s to 0.5 s on 2 cores (bench/README.md).
+//!
+//! Two sets of options: [`MALLOC_CONF`] for the teacher (a long-lived server whose requests
+//! vary: freed memory goes back to the system) and [`RETAINING_MALLOC_CONF`] for the trainer and
+//! the test processes (each step allocates and frees the same large buffers again: they are
+//! kept for the next step instead of being unmapped and zeroed again by the kernel).
 
 #[cfg(not(target_env = "msvc"))]
 pub use tikv_jemallocator::Jemalloc;
@@ -20,18 +25,24 @@ pub use tikv_jemallocator::Jemalloc;
 #[cfg(not(target_env = "msvc"))]
 pub const MALLOC_CONF: &std::ffi::CStr = c"thp:always";
 
-/// [`MALLOC_CONF`] for short-lived test processes: freed pages are never returned to the OS
-/// (no decay), so a test's many `[N, V]` temporaries reuse memory instead of page-faulting it
-/// back. jemalloc puts allocations over 8 MiB in an arena that purges at once, so with the
-/// binaries' options every such buffer is zeroed by the kernel again (2 MiB huge pages); on
-/// the cross-process tests (2 cores) this cut system time from 115 s to 76 s and the run from
-/// 223 s to 203 s, for a higher peak RSS (1.7 → 2.7 GB on the longest test), which ends with
-/// the process (bench/README.md, "Allocator").
+/// The trainer's options (and the test processes', which run trainer code): [`MALLOC_CONF`],
+/// and freed pages are never returned to the system (no decay), with large allocations kept in
+/// each thread's arena like the rest (`oversize_threshold:0`: no separate arena for those over
+/// 8 MiB, which jemalloc purges at once). With decay, each step's `[N, V]` temporaries came back
+/// as pages the kernel zeroes again, whatever the decay time (10 s by default; 60 s changed
+/// nothing: a step frees gigabytes). On a 12-step CPU SFT run (Qwen3 vocabulary, hidden 64, 16
+/// records a step, 2 cores; bench/README.md "Allocator"): 351k minor faults → 2.2k, system
+/// time 32–42 s → 3–9 s, the run 51–58 s → 38–46 s, for a peak RSS of 2.2 GB instead of 1.3 GB
+/// (the largest step's temporaries held; it does not grow with the steps; 2.6 GB with the
+/// separate arena). The environment's `_RJEM_MALLOC_CONF` is read after these and overrides
+/// the options it names: `oversize_threshold:8388608,dirty_decay_ms:10000,muzzy_decay_ms:0`
+/// returns freed memory as the teacher does.
 #[cfg(not(target_env = "msvc"))]
-pub const TEST_MALLOC_CONF: &std::ffi::CStr = c"thp:always,dirty_decay_ms:-1,muzzy_decay_ms:-1";
+pub const RETAINING_MALLOC_CONF: &std::ffi::CStr =
+    c"thp:always,oversize_threshold:0,dirty_decay_ms:-1,muzzy_decay_ms:-1";
 
 /// Installs jemalloc ([`Jemalloc`]) with [`MALLOC_CONF`] (or the options given, e.g.
-/// [`TEST_MALLOC_CONF`]) as the global allocator of the binary whose crate root invokes it
+/// [`RETAINING_MALLOC_CONF`]) as the global allocator of the binary whose crate root invokes it
 /// (once, at the top level).
 #[macro_export]
 macro_rules! global_allocator {

@@ -51,8 +51,10 @@ enum Command {
     NcclCheck(commands::nccl_check::Args),
 }
 
-// The allocator of every xdistill binary: jemalloc with transparent huge pages.
-xdistill_shared::global_allocator!();
+// The allocator of every xdistill binary: jemalloc with transparent huge pages; the trainer's
+// steps free and allocate the same large buffers again, so it keeps freed pages for the next
+// step (xdistill_shared::alloc::RETAINING_MALLOC_CONF).
+xdistill_shared::global_allocator!(xdistill_shared::alloc::RETAINING_MALLOC_CONF);
 
 fn main() -> Result<()> {
     tracing_subscriber::fmt()
