@@ -14,7 +14,7 @@
 //! Two sets of options: [`MALLOC_CONF`] for the teacher (a long-lived server whose requests
 //! vary: freed memory goes back to the system) and [`RETAINING_MALLOC_CONF`] for the trainer and
 //! the test processes (each step allocates and frees the same large buffers again: they are
-//! kept for the next step instead of being unmapped and zeroed again by the kernel).
+//! kept for the next step instead of being purged and zeroed again by the kernel).
 
 #[cfg(not(target_env = "msvc"))]
 pub use tikv_jemallocator::Jemalloc;
