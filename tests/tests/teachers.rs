@@ -11,6 +11,7 @@ use xdistill_testkit::models::{model, token_driven_teacher};
 use xdistill_testkit::{data_file, get_body, teacher_binary, TeacherProcess};
 use xdistill_tests::distill::{config, config_with};
 use xdistill_trainer::config::{Config, TeacherConfig, TeacherMode};
+use xdistill_trainer::student::Student;
 use xdistill_trainer::train::teachers::Source;
 use xdistill_trainer::train::{distill, off_policy, on_policy};
 
@@ -294,14 +295,13 @@ fn routing_errors_are_reported_at_start() {
     assert!(err.contains("first_kl"), "{err}");
 }
 
-/// The logits `[S, V]` (f32) of a model directory (loaded here) for one sequence.
-fn logits_of(dir: &Path, ids: &[u32]) -> candle_core::Tensor {
-    let st = xdistill_trainer::student::Student::load(
-        dir,
-        &candle_core::Device::Cpu,
-        candle_core::DType::F32,
-    )
-    .unwrap();
+/// A model directory loaded on the CPU in f32, as the references below read it.
+fn load(dir: &Path) -> Student {
+    Student::load(dir, &candle_core::Device::Cpu, candle_core::DType::F32).unwrap()
+}
+
+/// The logits `[S, V]` (f32) of a model for one sequence.
+fn logits_of(st: &Student, ids: &[u32]) -> candle_core::Tensor {
     let x = candle_core::Tensor::new(ids, &candle_core::Device::Cpu)
         .unwrap()
         .unsqueeze(0)
@@ -309,9 +309,9 @@ fn logits_of(dir: &Path, ids: &[u32]) -> candle_core::Tensor {
     st.model().forward(&x).unwrap().squeeze(0).unwrap()
 }
 
-/// Full log-softmax rows `[S-1][V]` of a model directory, in f64 (loaded here, one sequence).
-fn full_rows(dir: &Path, ids: &[u32]) -> Vec<Vec<f64>> {
-    let logits: Vec<Vec<f32>> = logits_of(dir, ids).to_vec2().unwrap();
+/// Full log-softmax rows `[S-1][V]` of a model for one sequence, in f64.
+fn full_rows(st: &Student, ids: &[u32]) -> Vec<Vec<f64>> {
+    let logits: Vec<Vec<f32>> = logits_of(st, ids).to_vec2().unwrap();
     logits[..ids.len() - 1]
         .iter()
         .map(|row| {
@@ -325,13 +325,13 @@ fn full_rows(dir: &Path, ids: &[u32]) -> Vec<Vec<f64>> {
         .collect()
 }
 
-/// At each position of one sequence (`[S-1]`), a model directory's `n` most likely next ids
+/// At each position of one sequence (`[S-1]`), a model's `n` most likely next ids
 /// with their log-probs, largest first: each row's logsumexp over the whole vocabulary in f64.
 /// What [`full_rows`] gives at those ids, without `[S-1, V]` f64 rows: the chunk-level test
 /// reads 12 sequences of up to 300 positions over vocabularies of 128k and 151k, and this
 /// crate's tests run unoptimised (17 s there through `full_rows`).
-fn top_log_probs(dir: &Path, ids: &[u32], n: usize) -> Vec<Vec<(usize, f64)>> {
-    let logits = logits_of(dir, ids);
+fn top_log_probs(st: &Student, ids: &[u32], n: usize) -> Vec<Vec<(usize, f64)>> {
+    let logits = logits_of(st, ids);
     (0..ids.len() - 1)
         .map(|p| {
             let row = logits.get(p).unwrap();
@@ -386,8 +386,9 @@ fn ensemble_target_is_the_f64_mixture_and_one_teacher_ensemble_is_single_teacher
         .score(Source::Mixture, &req)
         .expect("ensemble scores");
     let w = [0.75, 0.25];
+    let loaded: Vec<Student> = models.iter().map(|m| load(m)).collect();
     for (seq, out) in seqs.iter().zip(&got) {
-        let full: Vec<Vec<Vec<f64>>> = models.iter().map(|m| full_rows(m, seq)).collect();
+        let full: Vec<Vec<Vec<f64>>> = loaded.iter().map(|m| full_rows(m, seq)).collect();
         assert_eq!(out.rows, seq.len() - 1);
         assert!(out.k >= 8 && out.k <= 16, "union width {}", out.k);
         for r in 0..out.rows {
@@ -530,12 +531,7 @@ fn chunk_level_ensemble_across_tokenizers() {
         start: Default::default(),
         next: Default::default(),
     };
-    let st = xdistill_trainer::student::Student::load(
-        &student,
-        &candle_core::Device::Cpu,
-        candle_core::DType::F32,
-    )
-    .unwrap();
+    let st = load(&student);
 
     // 1. The same teacher twice (equal weights) mixes to itself: the chunk-level ensemble's
     //    first_kl on its virtual teacher equals first_kl against that teacher directly.
@@ -594,13 +590,14 @@ fn chunk_level_ensemble_across_tokenizers() {
     assert_eq!(g.parts.len(), 2);
     let answers = two.teachers.score_group(g).unwrap();
     let w = [2.0 / 3.0, 1.0 / 3.0];
+    let loaded: Vec<Student> = models.iter().map(|m| load(m)).collect();
     let mut checked = 0;
     for (r, (item, virt)) in g.items.iter().zip(&answers).enumerate() {
         let Item::Cross { pair, .. } = item else {
             panic!("virtual items are aligned")
         };
         let top: Vec<Vec<Vec<(usize, f64)>>> = (0..2)
-            .map(|t| top_log_probs(&models[t], g.parts[t][r].teacher_ids(), 16))
+            .map(|t| top_log_probs(&loaded[t], g.parts[t][r].teacher_ids(), 16))
             .collect();
         for c in pair.chunks.iter().filter(|c| c.student.start > 0) {
             let j = c.student.start;
