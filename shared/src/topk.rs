@@ -1,5 +1,5 @@
 //! Top-k of rows with tensor ops on the rows' device: the one chunked device top-k of the
-//! workspace, and on CUDA (opt-in, [`crate::device::cuda_kernels`]) the selection kernel of
+//! workspace, and on CUDA (unless turned off, [`crate::device::cuda_kernels`]) the selection kernel of
 //! `kernels/cuda/src/topk_rows.cu`.
 //!
 //! candle has no top-k and its CUDA `arg_sort` fails above 8192 columns (shared memory), so a row

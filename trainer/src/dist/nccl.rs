@@ -407,8 +407,8 @@ impl Collective for NcclGroup {
         self.all_reduce_sum_fast(&mut [0.0])
     }
 
-    /// The sum over ranks of `flat` without leaving the GPU (with the project's kernels on,
-    /// `XDISTILL_CUDA_KERNELS=on`, until a GPU run has checked it; else through the host):
+    /// The sum over ranks of `flat` without leaving the GPU (with the project's kernels, on
+    /// unless `XDISTILL_CUDA_KERNELS=off`; else through the host):
     /// exact, the ranks' buffers gathered `CHUNK` elements at a time (`ncclAllGather`) and each
     /// chunk summed by the pairwise tree in rank order in one kernel (`tree_sum.cu`, the host
     /// tree's bits); with `fast`, `ncclAllReduce`. Nothing is copied to the host and nothing
