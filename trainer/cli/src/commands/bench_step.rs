@@ -475,6 +475,10 @@ pub fn run(a: Args) -> Result<()> {
     let mut phased = Vec::<StepPhases>::new();
     // The most bytes the timed steps' allocations held at once (a GPU's memory pool).
     let mut peak: Option<u64> = None;
+    // The process's resident memory (VmRSS, MiB) after round 0's warm-up step and after its
+    // timed steps: whether the host memory grows with the steps (Linux; None elsewhere).
+    let mut resident: Option<(f64, f64)> = None;
+    let rss = || xdistill_shared::process::status_mib("self", "VmRSS").ok();
     let (mut first_loss, mut last_loss) = (None, None);
     let (mut torch_first, mut torch_last) = (None, None);
     let setup = StepSetup {
@@ -505,6 +509,7 @@ pub fn run(a: Args) -> Result<()> {
         let mut runner = Runner::new(student, optim.clone(), 1_000_000)?;
         let (l0, _, _) = step(&mut runner, &setup, false)?; // warm-up
         first_loss.get_or_insert(l0);
+        let rss_warm = rss();
         let mut times = vec![];
         xdistill_shared::device::reset_allocated_peak(&device);
         // With --profiler-range the timed steps are the CUDA profiler's range.
@@ -527,6 +532,9 @@ pub fn run(a: Args) -> Result<()> {
             );
         }
         ours.extend(&times);
+        if round == 0 {
+            resident = rss_warm.zip(rss());
+        }
         if let Some(p) = xdistill_shared::device::allocated_peak(&device) {
             peak = Some(peak.unwrap_or(0).max(p));
         }
@@ -572,6 +580,13 @@ pub fn run(a: Args) -> Result<()> {
             "  peak allocated: {:.1} MiB (the memory pool's high watermark over the timed steps, \
              as PyTorch's max_memory_allocated)",
             p as f64 / (1u64 << 20) as f64
+        );
+    }
+    if let Some((warm, end)) = resident {
+        println!(
+            "  host resident: {warm:.0} MiB after the warm-up step, {end:.0} MiB after the {} \
+             timed steps (VmRSS, round 0)",
+            a.steps
         );
     }
     println!(
