@@ -30,8 +30,8 @@
 #    (`SPEED_RUNS`, mode:attention:topk, default "packed:cudnn:kernel
 #    packed-per-block:cudnn:kernel packed-exact:cudnn:kernel padded:cudnn:kernel";
 #    `alone:cudnn:kernel` adds a forward per sequence) against transformers (SDPA) + torch.topk
-#    in-process, at 8 x 512, 4 x 2048, 1 x 8192 and mixed 8 x 256-1024, k = 64, bf16, with the server's phase
-#    breakdown (forward, LM head, top-k, copy, encoding; synchronised). Not in the default run
+#    in-process, at 8 x 512, 4 x 2048, 1 x 8192 and mixed 8 x 256-1024, k = 64, bf16, with
+#    the server's phase breakdown (forward, LM head, top-k, copy, encoding; synchronised). Not in the default run
 #    (it is long): STEPS="3t". SPEED_MODELS="qwen3-0.6b" measures one of the two shapes. It
 #    runs before step 3 and leaves its Qwen3-0.6B model to steps 3 and 4.
 # r. on-policy generation (issue 47 item 7): a 32-row greedy rollout of 128 tokens on the

@@ -33,9 +33,10 @@ pub const MALLOC_CONF: &std::ffi::CStr = c"thp:always";
 /// nothing: a step frees gigabytes). On a 12-step CPU SFT run (Qwen3 vocabulary, hidden 64, 16
 /// records a step, 2 cores; bench/README.md "Allocator"): 351k minor faults → 2.2k, system
 /// time 32–42 s → 3–9 s, the run 51–58 s → 38–46 s, for a peak RSS of 2.2 GB instead of 1.3 GB
-/// (the largest step's temporaries held; 2.6 GB with the separate arena). The environment's `_RJEM_MALLOC_CONF` is read after these and overrides
-/// the options it names: `oversize_threshold:8388608,dirty_decay_ms:10000,muzzy_decay_ms:0`
-/// returns freed memory as the teacher does.
+/// (the largest step's temporaries held; 2.6 GB with the separate arena). The environment's
+/// `_RJEM_MALLOC_CONF` is read after these and overrides the options it names:
+/// `oversize_threshold:8388608,dirty_decay_ms:10000,muzzy_decay_ms:0` returns freed memory as
+/// the teacher does.
 ///
 /// And any kept extent may serve any request (`lg_extent_max_active_fit:30`; jemalloc's
 /// default, 6, takes a freed extent only for requests of at least 1/64 of its size). With the

@@ -1,6 +1,6 @@
 //! Top-k of rows with tensor ops on the rows' device: the one chunked device top-k of the
-//! workspace, and on CUDA (unless turned off, [`crate::device::cuda_kernels`]) the selection kernel of
-//! `kernels/cuda/src/topk_rows.cu`.
+//! workspace, and on CUDA (unless turned off, [`crate::device::cuda_kernels`]) the selection
+//! kernel of `kernels/cuda/src/topk_rows.cu`.
 //!
 //! candle has no top-k and its CUDA `arg_sort` fails above 8192 columns (shared memory), so a row
 //! is cut into chunks of at most [`SORT_CHUNK`] columns, each chunk contributes its own top-k
