@@ -70,60 +70,48 @@ fn the_trainer_keeps_freed_memory_and_the_teacher_returns_it() {
 fn the_trainers_memory_does_not_grow_with_its_steps() {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("student");
-    let trainer = xdistill_testkit::trainer_binary();
-    let tokenizer = xdistill_testkit::tokenizer_json("llama2");
-    let run = |args: &[&str]| {
-        let out = Command::new(&trainer)
-            .args(args)
-            .env("RAYON_NUM_THREADS", "2")
-            .output()
-            .expect("the trainer runs");
-        let text = String::from_utf8_lossy(&out.stdout).into_owned();
-        assert!(
-            out.status.success(),
-            "trainer {args:?}: {text}{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        text
-    };
-    run(&[
-        "init-model",
-        "--arch",
-        "llama",
-        "--tokenizer",
-        tokenizer.to_str().unwrap(),
-        "--hidden-size",
-        "192",
-        "--layers",
-        "2",
-        "--heads",
-        "4",
-        "--kv-heads",
-        "2",
-        "--intermediate-size",
-        "512",
-        "--out",
-        model.to_str().unwrap(),
-    ]);
-    let text = run(&[
-        "bench-step",
-        "--model",
-        model.to_str().unwrap(),
-        "--device",
-        "cpu",
-        "--batch",
-        "4",
-        "--seq-len",
-        "128",
-        "--k",
-        "64",
-        "--steps",
-        "6",
-        "--rounds",
-        "1",
-        "--seed",
-        "1",
-    ]);
+    // `trainer init-model`'s defaults, in process.
+    xdistill_shared::init::init_model_dir(&xdistill_shared::init::InitSpec {
+        arch: "llama".into(),
+        tokenizer: xdistill_testkit::tokenizer_json("llama2"),
+        hidden_size: 192,
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        intermediate_size: 512,
+        head_dim: None,
+        pad_vocab_to: 1,
+        max_position_embeddings: 2048,
+        tie_embeddings: false,
+        init_std: 0.02,
+        seed: 0,
+        out: model.clone(),
+        features: Default::default(),
+    })
+    .unwrap();
+    let out = Command::new(xdistill_testkit::trainer_binary())
+        .args(["bench-step", "--model"])
+        .arg(&model)
+        .args([
+            "--device",
+            "cpu",
+            "--batch",
+            "4",
+            "--seq-len",
+            "128",
+            "--k",
+            "64",
+        ])
+        .args(["--steps", "6", "--rounds", "1", "--seed", "1"])
+        .env("RAYON_NUM_THREADS", "2")
+        .output()
+        .expect("the trainer runs");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "trainer bench-step: {text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     // "  host resident: A MiB after the warm-up step, B MiB after the 6 timed steps ..."
     let line = text
         .lines()
