@@ -21,10 +21,31 @@ pub fn random_params(
     init_std: f64,
     seed: u64,
 ) -> candle_core::Result<HashMap<String, Tensor>> {
+    random_params_of(cfg, init_std, seed, |_| true)
+}
+
+/// The tensors of [`random_params`] whose names `wanted` accepts, with the same values: the
+/// stream skips the other tensors' draws (four ChaCha8 words per normal value) instead of
+/// making them. A test teacher that replaces the embedding and the LM head, most of a small
+/// model's values, by another seed's draws no longer draws them twice.
+pub fn random_params_of(
+    cfg: &ModelConfig,
+    init_std: f64,
+    seed: u64,
+    wanted: impl Fn(&str) -> bool,
+) -> candle_core::Result<HashMap<String, Tensor>> {
+    /// ChaCha8 words one `random::<f64>()` consumes (a `u64`), two per normal value.
+    const WORDS_PER_NORMAL: u128 = 4;
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut out = HashMap::new();
     for spec in param_specs(cfg, init_std) {
         let n: usize = spec.shape.iter().product();
+        if !wanted(&spec.name) {
+            if let Init::Normal(_) = spec.init {
+                rng.set_word_pos(rng.get_word_pos() + WORDS_PER_NORMAL * n as u128);
+            }
+            continue;
+        }
         let data: Vec<f32> = match spec.init {
             Init::Ones => vec![1.0; n],
             Init::Zeros => vec![0.0; n],
@@ -325,4 +346,65 @@ pub fn check_init_size(cfg: &ModelConfig) -> Result<()> {
         );
     }
     check_rope(cfg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Any subset of the tensors, drawn with the others skipped, has the whole draw's values bit
+    /// for bit (a tied and an untied model: the LM head last or absent; Qwen3's q/k norms of
+    /// ones between normal tensors).
+    #[test]
+    fn a_subset_of_the_parameters_has_the_whole_draws_values() {
+        let tok = xdistill_testkit::tokenizer_json("llama2");
+        for tie in [false, true] {
+            let cfg = build_config(&InitSpec {
+                arch: "qwen3".into(),
+                tokenizer: tok.clone(),
+                hidden_size: 16,
+                layers: 2,
+                heads: 2,
+                kv_heads: 1,
+                intermediate_size: 24,
+                head_dim: None,
+                pad_vocab_to: 1,
+                max_position_embeddings: 64,
+                tie_embeddings: tie,
+                init_std: 0.5,
+                seed: 9,
+                out: PathBuf::new(),
+                features: Default::default(),
+            })
+            .unwrap();
+            let all = random_params(&cfg, 0.5, 9).unwrap();
+            let bits = |t: &Tensor| -> Vec<u32> {
+                let v = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                v.iter().map(|x| x.to_bits()).collect()
+            };
+            let heads = |n: &str| n == "model.embed_tokens.weight" || n == "lm_head.weight";
+            let layer = |n: &str| n.starts_with("model.layers.1.");
+            type Pick<'a> = (&'a str, &'a dyn Fn(&str) -> bool);
+            let picks: [Pick; 4] = [
+                ("heads", &heads),
+                ("all but the heads", &|n| !heads(n)),
+                ("layer 1", &layer),
+                ("the last tensor", &|n| {
+                    n == param_specs(&cfg, 0.5).last().unwrap().name
+                }),
+            ];
+            for (what, wanted) in picks {
+                let some = random_params_of(&cfg, 0.5, 9, wanted).unwrap();
+                let mut names: Vec<_> = some.keys().cloned().collect();
+                names.sort();
+                let mut want: Vec<_> = all.keys().filter(|n| wanted(n)).cloned().collect();
+                want.sort();
+                assert!(!names.is_empty(), "{what}: some tensors");
+                assert_eq!(names, want, "{what} (tied: {tie})");
+                for n in &names {
+                    assert_eq!(bits(&some[n]), bits(&all[n]), "{what}: {n} (tied: {tie})");
+                }
+            }
+        }
+    }
 }

@@ -8,7 +8,9 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use xdistill_shared::hf::ModelConfig;
-use xdistill_shared::init::{build_config, init_model_dir, random_params, InitSpec};
+use xdistill_shared::init::{
+    build_config, init_model_dir, random_params, random_params_of, InitSpec,
+};
 use xdistill_shared::model::{Decoder, Ops};
 
 use crate::tokenizer_json;
@@ -169,13 +171,16 @@ pub fn model(
 pub fn token_driven_teacher(dir: &Path, arch: &str, tokenizer: &str, seed: u64) -> PathBuf {
     let (args, cfg) = teacher_args(dir, arch, tokenizer, seed);
     let out = args.out.clone();
-    let mut params = random_params(&cfg, 0.02, seed).unwrap();
-    let big = random_params(&cfg, 0.5, seed + 100).unwrap();
-    for name in ["model.embed_tokens.weight", "lm_head.weight"] {
-        params.insert(name.into(), big[name].clone());
-    }
+    let mut params = random_params_of(&cfg, 0.02, seed, |n| !is_head(n)).unwrap();
+    params.extend(random_params_of(&cfg, 0.5, seed + 100, is_head).unwrap());
     xdistill_shared::hf::write_model_dir(&out, &cfg, &params, &args.tokenizer).unwrap();
     out
+}
+
+/// The embedding and the LM head: the tensors both test teachers draw apart from the rest
+/// (with a vocabulary of 32k-262k ids, nearly all of a tiny model's values).
+fn is_head(name: &str) -> bool {
+    matches!(name, "model.embed_tokens.weight" | "lm_head.weight")
 }
 
 /// A teacher whose next-token distribution barely depends on the context: every embedding is
@@ -185,8 +190,9 @@ pub fn token_driven_teacher(dir: &Path, arch: &str, tokenizer: &str, seed: u64) 
 pub fn context_free_teacher(dir: &Path, arch: &str, tokenizer: &str, seed: u64) -> PathBuf {
     let (args, cfg) = teacher_args(dir, arch, tokenizer, seed);
     let out = args.out.clone();
-    let mut params = random_params(&cfg, 0.02, seed).unwrap();
-    let noise = random_params(&cfg, 0.05, seed + 300).unwrap();
+    let mut params = random_params_of(&cfg, 0.02, seed, |n| !is_head(n)).unwrap();
+    let noise =
+        random_params_of(&cfg, 0.05, seed + 300, |n| n == "model.embed_tokens.weight").unwrap();
     let c = Tensor::from_vec(
         (0..cfg.hidden_size)
             .map(|i| ((i as f32) * 1.7 + seed as f32).sin())
@@ -199,8 +205,8 @@ pub fn context_free_teacher(dir: &Path, arch: &str, tokenizer: &str, seed: u64) 
         .broadcast_add(&c)
         .unwrap();
     params.insert("model.embed_tokens.weight".into(), embed);
-    let big = random_params(&cfg, 0.5, seed + 100).unwrap();
-    params.insert("lm_head.weight".into(), big["lm_head.weight"].clone());
+    let big = random_params_of(&cfg, 0.5, seed + 100, |n| n == "lm_head.weight").unwrap();
+    params.extend(big);
     xdistill_shared::hf::write_model_dir(&out, &cfg, &params, &args.tokenizer).unwrap();
     out
 }
