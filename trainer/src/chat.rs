@@ -4,6 +4,12 @@
 //! is code from the model's files: minijinja runs it without access to files or the network, and
 //! each render is bounded ([`FUEL`] instructions), so a template that never ends fails with a
 //! message instead of hanging the run.
+//!
+//! Instructions, not memory: minijinja caps a string repeated with `*` (100 MB) but not one built
+//! with `~`, so a template that doubles a string in a loop (`namespace` and `ns.s ~ ns.s`) holds
+//! 1 GB after 27 iterations, a few hundred instructions, and exhausts memory soon after
+//! (measured 2026-12-03, minijinja 2.24; Jinja2's sandbox, which transformers uses, has no such cap
+//! either). Only the pretrained demo renders a template, its pinned and checksummed model's.
 
 use minijinja::{context, Environment, Error as JinjaError};
 use serde::Serialize;
