@@ -34,7 +34,7 @@ pub fn random_params_of(
     seed: u64,
     wanted: impl Fn(&str) -> bool,
 ) -> candle_core::Result<HashMap<String, Tensor>> {
-    /// ChaCha8 words one `random::<f64>()` consumes (a `u64`), two per normal value.
+    /// ChaCha8 words per normal value: two `random::<f64>()` draws, a `u64` (two words) each.
     const WORDS_PER_NORMAL: u128 = 4;
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut out = HashMap::new();
