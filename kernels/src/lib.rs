@@ -10,9 +10,9 @@
 //!
 //! One op per module: [`log_softmax`], [`gather_log_softmax`], [`sum_squares`], the AdamW update
 //! ([`adamw_update`], [`adamw_update_in_place`]), gradient accumulation in place
-//! ([`grad_accumulate`]: one launch for every parameter on CUDA), the fused top-k distillation loss and
-//! cross-entropy per row ([`topk_kd()`], the CUDA kernel `topk_kd.cu` with an f64 CPU
-//! reference), and the vectorised row passes [`vmath`].
+//! ([`grad_accumulate`](fn@grad_accumulate): one launch for every parameter on CUDA), the fused
+//! top-k distillation loss and cross-entropy per row ([`topk_kd()`], the CUDA kernel
+//! `topk_kd.cu` with an f64 CPU reference), and the vectorised row passes [`vmath`].
 
 mod adamw;
 mod gather;

@@ -12,7 +12,7 @@ pub fn max(x: &[f32]) -> f32 {
     max_at(Simd::current(), x)
 }
 
-/// `Σ e^{x_i − m}` for `m ≥ max(x)`: f32 lanes within a block of [`BLOCK`], f64 across.
+/// `Σ e^{x_i − m}` for `m ≥ max(x)`: f32 lanes within a block of `BLOCK`, f64 across.
 pub fn sum_exp(x: &[f32], m: f32) -> f64 {
     sum_exp_at(Simd::current(), x, m)
 }

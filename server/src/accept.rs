@@ -13,11 +13,11 @@
 //!   past it gets a 503 JSON answer and its connection is closed, so one careless or hostile
 //!   client cannot take every slot from the others (0: no per-client cap; behind a proxy every
 //!   connection has the proxy's address). A connection the server closes gives its place back
-//!   before the close reaches the client ([`Counted`]): a client that reconnects as soon as it
+//!   before the close reaches the client (`Counted`): a client that reconnects as soon as it
 //!   reads the end of an answer is never refused for a connection it no longer holds.
 //! - Write-stall timeout: a connection whose writes make no progress for `write_timeout` (a
 //!   client that stopped reading an answer, e.g. a `/v1/head` download) is closed
-//!   ([`WriteStall`], in the same wrapper as the share), so a stalled reader holds neither its
+//!   (`WriteStall`, in the same wrapper as the share), so a stalled reader holds neither its
 //!   slot nor its share for longer.
 //! - Answers hyper writes itself (unparsable heads) get JSON bodies ([`crate::hyper_errors`]).
 //! - File descriptors: the soft limit is raised to the hard one at start ([`raise_fd_limit`]);

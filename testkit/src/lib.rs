@@ -8,7 +8,7 @@
 //! - [`assets`]: the real tokenizers and data of the checkout (panicking with the fix when
 //!   absent), and a byte-level tokenizer made on the fly.
 //! - [`models`]: tiny random models, as model directories or as in-memory decoders.
-//! - [`reference`]: the f64 reference a teacher's answers are checked against.
+//! - [`reference`](mod@reference): the f64 reference a teacher's answers are checked against.
 //! - [`structure`]: checks of the source tree's shape (import cycles, the paths docs name).
 //!
 //! Production code never depends on this crate; what production needs (`TeacherProcess`, the

@@ -278,7 +278,7 @@ fn build(
 }
 
 /// A builder reading the master vars in `dtype` (use this, not `VarBuilder::from_varmap`, for
-/// any decoder over the student's weights: see [`CastVars`]).
+/// any decoder over the student's weights: see `CastVars`).
 pub fn compute_vars(varmap: &VarMap, dtype: DType, device: &Device) -> VarBuilder<'static> {
     let vars = CastVars {
         vars: varmap.clone(),

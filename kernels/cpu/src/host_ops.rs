@@ -24,7 +24,7 @@ pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op1_no_bwd(&SoftmaxRows)
 }
 
-/// RMSNorm over the last dimension of `x` ([..., n]) with `weight` ([n]):
+/// RMSNorm over the last dimension of `x` ([..., n]) with `weight` (\[n\]):
 /// `x · w / √(mean(x²) + eps)`, the mean of squares summed in f64 and each value rounded to f32
 /// once, from its f64 product.
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {

@@ -1,7 +1,8 @@
 //! The host's vector instruction set, chosen once at start-up, and the vectorisable exp both
 //! sides' hot loops use: the teacher's scoring pass (top-k, logsumexp) and the trainer's fused
-//! log-softmax kernels. The build stays portable (baseline x86-64); [`simd_dispatch!`] compiles
-//! one body for each [`Simd`] level and runs the widest the CPU has.
+//! log-softmax kernels. The build stays portable (baseline x86-64);
+//! [`simd_dispatch!`](crate::simd_dispatch!) compiles one body for each [`Simd`] level and runs
+//! the widest the CPU has.
 
 /// An instruction-set level of the host, ordered narrow to wide.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -157,7 +158,7 @@ pub fn exp_nonpos(x: f32) -> f32 {
 pub const LANES: usize = 16;
 
 /// The largest value of `x` (NaNs ignored; -inf when empty), in [`LANES`] lanes. Inline: it is
-/// compiled at the SIMD level of the caller's [`simd_dispatch!`] body.
+/// compiled at the SIMD level of the caller's [`simd_dispatch!`](crate::simd_dispatch!) body.
 #[inline(always)]
 pub fn max(x: &[f32]) -> f32 {
     let mut acc = [f32::NEG_INFINITY; LANES];

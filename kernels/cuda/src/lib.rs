@@ -4,38 +4,38 @@
 //! (`shared/tests/cuda_kernels.rs`, run by `scripts/gpu-check.sh`). Without the `cuda` feature
 //! this crate is empty.
 //!
-//! - [`topk_rows`]: per row of logits, the log-softmax statistics and the top k (the teacher's
+//! - `topk_rows`: per row of logits, the log-softmax statistics and the top k (the teacher's
 //!   device scoring path), one block per row, no host round trip;
-//! - [`adamw_f32`]: one AdamW step over every f32 parameter in one launch (gradients f32, bf16
+//! - `adamw_f32`: one AdamW step over every f32 parameter in one launch (gradients f32, bf16
 //!   or f16), in place, the CPU kernel's arithmetic (the same bits);
-//! - [`grad_accumulate_f32`]: a micro-batch's gradients (f32, bf16 or f16) widened into, or
+//! - `grad_accumulate_f32`: a micro-batch's gradients (f32, bf16 or f16) widened into, or
 //!   added to, their f32 sums, every parameter in one launch;
-//! - [`sum_squares`]: `Σ g²` of every gradient (f32, bf16 or f16) in one launch and one copy
+//! - `sum_squares`: `Σ g²` of every gradient (f32, bf16 or f16) in one launch and one copy
 //!   back (the global norm for clipping);
-//! - [`log_softmax_f32`] and [`log_softmax_bwd_f32`]: the row-wise log-softmax and its backward,
+//! - `log_softmax_f32` and `log_softmax_bwd_f32`: the row-wise log-softmax and its backward,
 //!   one block per row (the losses' `[n, V]` rows);
-//! - [`rms_norm_fwd`] and [`rms_norm_bwd`]: RMSNorm (both weight conventions) and its
+//! - `rms_norm_fwd` and `rms_norm_bwd`: RMSNorm (both weight conventions) and its
 //!   backward, a warp per row, the weight's gradient summed in a fixed order;
-//! - [`rope`]: rotary embedding through strides (rotating and moving the heads in one pass), and
+//! - `rope`: rotary embedding through strides (rotating and moving the heads in one pass), and
 //!   inverted, its backward;
-//! - [`gated_act_fwd`] and [`gated_act_bwd`]: the gated MLP's `act(gate) · up` and both
+//! - `gated_act_fwd` and `gated_act_bwd`: the gated MLP's `act(gate) · up` and both
 //!   gradients, gate and up read through row strides;
-//! - [`topk_kd_fwd`] and [`topk_kd_bwd`]: each row's top-k distillation divergence (every
+//! - `topk_kd_fwd` and `topk_kd_bwd`: each row's top-k distillation divergence (every
 //!   divergence and tail mode; the cross-entropy as k = 1, or beside the divergence) over its
 //!   logits, and the logits' gradient, one read of the row per pass, the gradient written once,
-//!   over the logits with [`topk_kd_bwd_in_place`] (llm.c's fused classifier for top-k
+//!   over the logits with `topk_kd_bwd_in_place` (llm.c's fused classifier for top-k
 //!   targets);
-//! - [`gemm_acc_f32`]: `acc += gᵀ · x` into an f32 accumulator by one cuBLAS GEMM (the LM
+//! - `gemm_acc_f32`: `acc += gᵀ · x` into an f32 accumulator by one cuBLAS GEMM (the LM
 //!   head's gradient summed over row chunks; cuBLAS's kernel, no `.cu`);
-//! - [`gemm_nt_blocks`]: `x · wᵀ` with each row as a product of a fixed number of rows computes
+//! - `gemm_nt_blocks`: `x · wᵀ` with each row as a product of a fixed number of rows computes
 //!   it: one cuBLASLt matmul by the algorithm fixed for such a block, or a cuBLAS GEMM per
 //!   block (the packed teacher forward's batch-invariant linear layers; no `.cu`);
-//! - [`phase_mark`]: an empty kernel named for a phase of the work (`xd_phase_forward`, …),
+//! - `phase_mark`: an empty kernel named for a phase of the work (`xd_phase_forward`, …),
 //!   so that a profiler's list of launches shows where each phase begins;
-//! - [`tree_sum_f32`]: the exact data-parallel sum of the ranks' gathered buffers on the device,
+//! - `tree_sum_f32`: the exact data-parallel sum of the ranks' gathered buffers on the device,
 //!   by the trainer's pairwise tree in rank order (the host tree's bits).
 //!
-//! The element types are f32, bf16 and f16 (`src/dtype.cuh` converts, [`typed!`] picks the
+//! The element types are f32, bf16 and f16 (`src/dtype.cuh` converts, `typed!` picks the
 //! kernel), except where a kernel says otherwise.
 //!
 //! `emulate/` runs each kernel's code on the host (a block as threads with real barriers)

@@ -2,7 +2,7 @@
 //! use) as a candle op on CUDA devices.
 //!
 //! The C++ side (`sdpa.cpp`) is a small shim over cuDNN's header-only graph frontend; it loads
-//! cuDNN at run time, so binaries start where cuDNN is absent ([`load`] says why not, and
+//! cuDNN at run time, so binaries start where cuDNN is absent (`load` says why not, and
 //! callers keep their own attention). Without the `cuda` feature this crate is empty.
 
 #[cfg(feature = "cuda")]

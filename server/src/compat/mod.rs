@@ -3,7 +3,7 @@
 //! `/generate` ([`sglang`]). Each decodes its body into a [`ScoreSpec`](crate::validation::ScoreSpec),
 //! runs the one engine (same batcher, cache, limits and auth as `/topk_logits`) and encodes the
 //! answer in that API's shape. Unknown fields are accepted and ignored, as those servers do.
-//! Bodies are decoded into typed requests whose inputs stay raw JSON until [`admit`] has
+//! Bodies are decoded into typed requests whose inputs stay raw JSON until `admit` has
 //! counted them against the limits: nothing is tokenized or copied before it is admitted.
 
 mod admit;

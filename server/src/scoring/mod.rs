@@ -5,7 +5,7 @@
 //!
 //! [`Scorer::score`] runs the LM head a chunk of positions at a time (so memory stays bounded
 //! for large vocabularies) and takes one of these paths ([`TopkPath`], [`LmHead`]):
-//! - on the model's device ([`device`]: [`xdistill_shared::topk::topk_rows`], only the `[N, k]`
+//! - on the model's device (`device`: [`xdistill_shared::topk::topk_rows`], only the `[N, k]`
 //!   results are copied back; the default on a GPU);
 //! - on the host, with the LM head fused with scoring (the default on the CPU): the logits of a
 //!   chunk come a vocabulary tile at a time and each tile is folded into the rows' running
@@ -15,10 +15,10 @@
 //!   for ranks when the fused head goes through candle).
 //!
 //! After a packed forward, the device path scores the batch's rows in fixed blocks across
-//! sequences ([`Scorer::score_packed`], [`packed`]).
+//! sequences ([`Scorer::score_packed`], `packed`).
 //!
 //! The row after the last token, when a next token is asked for, chooses its own target
-//! ([`next`]). No result with a non-finite value is returned ([`finite`]): the sequence fails
+//! (`next`). No result with a non-finite value is returned (`finite`): the sequence fails
 //! with a [`ScoringError`] that names the cause and says whose fault it is.
 
 mod device;
@@ -300,7 +300,7 @@ struct RowsAsked<'a> {
 }
 
 impl Scorer {
-    /// Device scoring where `path` resolves to it; chunks as [`chunk_rows`] sizes them.
+    /// Device scoring where `path` resolves to it; chunks as `chunk_rows` sizes them.
     pub fn new(
         vocab: usize,
         logits_size: usize,

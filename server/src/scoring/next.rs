@@ -35,7 +35,7 @@ impl Scorer {
     }
 }
 
-/// The token after a sequence, from its last logit row `row` [valid]: the first maximum
+/// The token after a sequence, from its last logit row `row` \[valid\]: the first maximum
 /// (greedy), or a draw from `softmax(row / temperature)` by the inverse CDF of a uniform made
 /// from `seed` (SplitMix64), summed in f64.
 pub fn choose_next(row: &[f32], temperature: f32, how: NextToken) -> u32 {

@@ -15,7 +15,7 @@ pub enum TopkPath {
     /// On the model's device with tensor ops (only `[N, k]` results leave it); on the CPU this
     /// is the GPU code path run on the CPU, for checks.
     Device,
-    /// Logits scored on the host ([`super::host`]).
+    /// Logits scored on the host (`super::host`).
     Host,
 }
 

@@ -398,7 +398,7 @@ pub(crate) struct Attention {
 /// The attention kernel of inference (fused ops).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttnBackend {
-    /// Matmuls and a softmax, [`QUERY_CHUNK`] queries at a time: every device and dtype.
+    /// Matmuls and a softmax, `QUERY_CHUNK` queries at a time: every device and dtype.
     Eager,
     /// cuDNN's fused attention where it applies (a CUDA build on a CUDA device, bf16 or f16,
     /// cuDNN found at run time, more than one new position, no padding mask); the eager path

@@ -111,7 +111,7 @@ fn merge_heads(t: &Tensor) -> Result<Tensor> {
 
 impl Decoder {
     /// Whether this decoder's training pass runs its layers (and its embedding's gradient) by
-    /// hand ([`self`](super::train_layer)): the fused ops run for its weights (a CUDA device
+    /// hand (`train_layer`): the fused ops run for its weights (a CUDA device
     /// with the project's kernels on, or a test forcing them), every block's MLP is dense, the
     /// norms and RoPE tables are in the compute dtype, and the embedding and every layer weight
     /// are leaves (a `Var`, or a constant): gradients by hand go to the tensors the decoder

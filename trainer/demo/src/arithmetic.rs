@@ -10,7 +10,7 @@
 //! 4. Initialises a smaller student, **with a different tokenizer** in the full preset
 //!    (`--full`); the quick default preset gives both the Llama 2 tokenizer to stay within a
 //!    few minutes (the LM head over Qwen3's 152k-token vocabulary dominates every step).
-//! 5. Runs each scenario ([`crate::scenario`]): a warm-up SFT on the scenario's labels gives the
+//! 5. Runs each scenario (`crate::scenario`): a warm-up SFT on the scenario's labels gives the
 //!    common starting point, then the same budget (steps × prompts per step) under (a) SFT and
 //!    (b) off-policy distillation on the labels and (c) on-policy distillation on the
 //!    scenario's prompts, each run as a subprocess of this executable (`trainer sft`,

@@ -18,7 +18,7 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use std::path::{Path, PathBuf};
 
-/// Paths of the files [`write`] made.
+/// Paths of the files [`write`](fn@write) made.
 #[derive(Debug, Clone)]
 pub struct TaskFiles {
     pub train: PathBuf,

@@ -237,7 +237,7 @@ pub fn align_known(
 /// For each token of `ids` (which must spell `text`): whether it is a special token that stands
 /// for characters of the text (typed "<|im_start|>") rather than one the tokenizer inserted
 /// (BOS/EOS). A special is text when the text here spells it; of several identical specials in
-/// a row with fewer copies in the text, the first ones count as inserted (BOS before "<s>").
+/// a row with fewer copies in the text, the first ones count as inserted (BOS before `<s>`).
 /// Errors name the first byte where the tokens stop spelling the text.
 pub fn textual_specials(
     ids: &[u32],

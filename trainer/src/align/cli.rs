@@ -24,7 +24,7 @@ pub struct AlignArgs {
     /// (e.g. `question,answer`).
     #[arg(long, default_value = "text")]
     pub text_field: String,
-    /// Write one JSON line per document: student_ids, teacher_ids, chunks [[s0,s1,t0,t1],...].
+    /// Write one JSON line per document: student_ids, teacher_ids, chunks `[[s0,s1,t0,t1],...]`.
     #[arg(long)]
     pub output: Option<PathBuf>,
     /// Do not let the tokenizers add their BOS/EOS.

@@ -13,7 +13,7 @@ pub const TOKENIZER_PATH: &str = "/tokenizer.json";
 pub const HEALTH_PATH: &str = "/health";
 
 /// Checks that every replica serves the same model (fingerprint) with the same tokenizer and
-/// that their start-up probes agree (see [`check_probes`]); returns the common info, with the
+/// that their start-up probes agree (see `check_probes`); returns the common info, with the
 /// first published probe. Replicas that disagree would silently mix two teachers.
 pub fn check_replicas(infos: &[(Url, InfoResponse)]) -> Result<InfoResponse, String> {
     let Some((u0, first)) = infos.first() else {

@@ -157,7 +157,7 @@ impl Default for PolicyConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ActivationCheckpointing {
     /// Per micro-batch, the cheapest way whose activations fit the device's memory left after
-    /// the run's own state ([`activation_budget`]): keep everything, else selective, else
+    /// the run's own state (`activation_budget`): keep everything, else selective, else
     /// checkpoint.
     #[default]
     Auto,

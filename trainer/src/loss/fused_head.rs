@@ -10,8 +10,8 @@
 //! Through autograd the same chunk ran two losses, each its own kernels and `[n, V]` gradient,
 //! and candle's backward gave every node that reaches the logits a fill and an add of `[n, V]`
 //! (each loss's reshape, then the logits': about twenty passes over `[n, V]` where this makes
-//! three). The values are the autograd path's ([`super::kl::fused_topk_divergence`],
-//! [`super::ce::fused_cross_entropy`]): the same kernels' arithmetic, one rounding of the summed
+//! three). The values are the autograd path's (`super::kl::fused_topk_divergence`,
+//! `super::ce::fused_cross_entropy`): the same kernels' arithmetic, one rounding of the summed
 //! gradient instead of one per term and one for their sum.
 
 use super::kl::{fused_loss, kd_value_and_figures, Divergence, TopkTargets};

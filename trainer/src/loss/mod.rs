@@ -449,7 +449,7 @@ pub struct KdMetrics {
 }
 
 /// A distillation term's figures as its loss left them: read on the host, or (the fused loss,
-/// [`kl::fused_topk_divergence`]) still on the device, so that a step's figures come back in
+/// `kl::fused_topk_divergence`) still on the device, so that a step's figures come back in
 /// one copy instead of one per head chunk.
 #[derive(Debug, Clone)]
 pub enum KdFigures {

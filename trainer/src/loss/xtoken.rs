@@ -354,7 +354,7 @@ fn view_and_chunks(
 /// Chunk-level projected KL (NeMo's P-KL) over the teacher top-k set K of each chunk.
 ///
 /// For a chunk c with student positions S_c and teacher positions T_c, the anchor teacher
-/// position a (first or last of T_c) supplies K and its exact log-probs L_c = lp_T,a[K].
+/// position a (first or last of T_c) supplies K and its exact log-probs L_c = lp_T,a\[K\].
 /// `q_t = Wᵀ softmax(z_S,t/τ)`, `Q_c = mean_{t∈S_c} q_t[K]`,
 /// `loss = τ² · Σ_c D_c / N` with N the number of chunks with both sides (or `normalizer`) and,
 /// by `tail`:

@@ -166,8 +166,9 @@ impl HeadOut {
     /// The micro-batch's gradients: the decoder's (through `pass`) plus the head's. A weight
     /// both sides reach (a tied head's) is summed in the head's wider dtype (f32: the decoder's
     /// gradient of a bf16 compute copy is bf16): added into the head's f32 sum in place where
-    /// the in-place accumulation runs ([`xdistill_kernels::grad_accumulate`]: one pass, the
-    /// bits of widening and adding), else widened and added.
+    /// the in-place accumulation runs
+    /// ([`xdistill_kernels::grad_accumulate`](fn@xdistill_kernels::grad_accumulate): one pass,
+    /// the bits of widening and adding), else widened and added.
     pub fn finish(
         self,
         pass: TrainPass<'_>,

@@ -1,6 +1,6 @@
 //! Scores of logit rows on the host — the teacher's host scoring path: per-position top-k,
 //! target log-prob, logsumexp, candidate log-probs and ranks, folded in a vocabulary tile at a
-//! time as the fused LM head produces them ([`RowFolds`]; on AVX-512 the head kernel in [`fused_head`]
+//! time as the fused LM head produces them ([`RowFolds`]; on AVX-512 the head kernel in `fused_head`
 //! makes and folds the tiles itself) or from whole rows ([`score_rows`]). `xdistill_shared::topk`
 //! is the device path; both answer the same [`RowQuery`].
 //!
@@ -349,7 +349,7 @@ pub fn rank_of(row: &[f32], zt: f32) -> u32 {
 /// Scores of a run of rows whose logits arrive a vocabulary tile at a time (the fused LM
 /// head) or all at once ([`score_rows`]): each tile is folded into per-row running scores, so
 /// the `[rows, V]` logits never need to exist together. Folding a row's columns in tiles of a
-/// multiple of [`BLOCK`] columns gives the same bits as folding the whole row.
+/// multiple of `BLOCK` columns gives the same bits as folding the whole row.
 pub struct RowFolds<'a> {
     params: RowQuery,
     fp: FoldParams,
@@ -564,7 +564,7 @@ impl<'a> RowFolds<'a> {
     }
 }
 
-/// Scores logit rows. `logits`: [rows, width] row-major; `targets`: [rows], the actual next
+/// Scores logit rows. `logits`: [rows, width] row-major; `targets`: \[rows\], the actual next
 /// token of each row; `cands`: [rows, m] candidate ids. `p.k` must be ≤ `p.valid`.
 pub fn score_rows(
     logits: &[f32],

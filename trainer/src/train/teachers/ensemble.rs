@@ -21,7 +21,7 @@
 //! a virtual teacher in the student's own tokenization (identity projection) with one chunk per
 //! common chunk, and trained with first_kl.
 //!
-//! [`Teachers::score_mixture`] and [`Teachers::score_chunk_mixture`] ask the teachers (all at
+//! `Teachers::score_mixture` and `Teachers::score_chunk_mixture` ask the teachers (all at
 //! once, on the pool) and apply these steps.
 
 use super::score::Scores;

@@ -25,7 +25,7 @@ pub fn head_f32_bytes(fv: &FullVocabInfo) -> u64 {
 }
 
 /// The memory budget for the head on `device`: `head_memory_gb`, else a quarter of the
-/// machine's memory on the CPU and [`GPU_DEFAULT_GB`] on a GPU.
+/// machine's memory on the CPU and `GPU_DEFAULT_GB` on a GPU.
 pub fn head_budget_bytes(tc: &TeacherConfig, device: &Device) -> u64 {
     if let Some(gb) = tc.head_memory_gb {
         return (gb * GB) as u64;
