@@ -110,7 +110,7 @@ fn hidden_states_train_with_the_exact_teacher_distribution() {
 }
 
 /// The first training step's distillation loss (`loss_parts.kd` of the first train line).
-fn first_kd(out: &std::path::Path) -> f64 {
+pub(crate) fn first_kd(out: &std::path::Path) -> f64 {
     let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
     let line = text
         .lines()

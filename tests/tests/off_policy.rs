@@ -1,6 +1,7 @@
 //! Off-policy distillation end to end on loopback: a real `teacher` process on a tiny random
 //! model, a smaller student trained by `trainer off-policy`'s loop.
 
+use crate::full_vocab::first_kd;
 use xdistill_testkit::models::{model, model_weights as weights, token_driven_teacher};
 use xdistill_testkit::{teacher_binary, TeacherProcess};
 use xdistill_tests::distill::config;
@@ -104,6 +105,44 @@ fn cross_tokenizer_kl_falls() {
         s.steps, s.seconds
     );
     assert!(kl1 < 0.8 * kl0, "held-out P-KL {kl0} -> {kl1}");
+
+    // The teacher's tokenizer given as a local file (`teacher.tokenizer`) rather than fetched
+    // from the teacher: the same first step, to the bit. One that does not parse is refused,
+    // named, even where it would not be needed.
+    let local = dir.path().join("local-tokenizer");
+    let mut cfg = config(
+        dir.path(),
+        &student,
+        &t.base,
+        &local,
+        1,
+        r#"kd = { type = "pkl" }"#,
+    );
+    cfg.teacher.tokenizer = Some(teacher.join("tokenizer.json"));
+    cfg.distillation.val_at_start = false;
+    cfg.distillation.val_at_end = false;
+    run(cfg, false, None);
+    assert_eq!(first_kd(&local), first_kd(&out));
+    let bad = dir.path().join("bad-teacher-tokenizer.json");
+    std::fs::write(&bad, b"{\"model\": 1}").unwrap();
+    for s in [&student, &teacher] {
+        let mut cfg = config(
+            dir.path(),
+            s,
+            &t.base,
+            &dir.path().join("bad"),
+            1,
+            r#"kd = { type = "pkl" }"#,
+        );
+        cfg.teacher.tokenizer = Some(bad.clone());
+        let err = format!(
+            "{:#}",
+            setup(cfg)
+                .err()
+                .expect("a garbage teacher tokenizer was accepted")
+        );
+        assert!(err.contains("bad-teacher-tokenizer.json"), "{err}");
+    }
 
     // Losses that cannot run here are refused with a message naming what to use instead.
     for (loss, want) in [

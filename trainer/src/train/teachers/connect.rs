@@ -87,9 +87,12 @@ impl Teacher {
             );
         }
         let student_tok = cfg.student_tokenizer();
-        if let Some(local) = &tc.tokenizer {
-            xdistill_shared::hf::load_tokenizer(local)?;
-        }
+        // A configured teacher tokenizer that does not parse is an error even where the
+        // teacher turns out to share the student's; parsed once, kept for the alignment.
+        let mut local = match &tc.tokenizer {
+            Some(p) => Some(xdistill_shared::hf::load_tokenizer(p)?),
+            None => None,
+        };
         let cache = cfg.teacher_tokenizer_cache();
         let which = pool.block_on(client.teacher_tokenizer(
             &info,
@@ -126,7 +129,12 @@ impl Teacher {
                     );
                 }
                 let student = AlignTokenizer::new(student_tokenizer)?;
-                let teacher = AlignTokenizer::from_file(&teacher_tok)?;
+                let teacher = match local.take() {
+                    Some(t) if tc.tokenizer.as_deref() == Some(teacher_tok.as_path()) => {
+                        AlignTokenizer::new(t)?
+                    }
+                    _ => AlignTokenizer::from_file(&teacher_tok)?,
+                };
                 let t0 = Instant::now();
                 // Cached by the pair of tokenizer hashes: teachers sharing a tokenizer share it.
                 let (p, built) = ProjectionMaps::load_or_build(
