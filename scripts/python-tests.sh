@@ -55,9 +55,13 @@ fi
 export XDISTILL_TOKENIZERS
 
 # 4. The tests. They import the installed package (python/ itself is not on sys.path), so the
-#    packaging is tested too. One pytest process per core, up to 4 (pytest-xdist; each starts
-#    the session's teachers it needs): on 2 cores 26-31 s instead of 43 s in one process.
-#    `-n 0` (given after) runs them in this one.
+#    packaging is tested too. Two pytest processes per core, up to 4 (pytest-xdist; each starts
+#    the session's teachers it needs): the tests wait more than they compute (retries' back-off,
+#    teachers starting, a replica killed behind HAProxy), and one process per core left the
+#    cores idle half the time. On 2 cores (CI build, 2026-12-03, runs alternated): 43 s in one
+#    process; 28.2, 25.3, 28.9 s in 2 (24 CPU-s); 24.5, 25.6 s in 3; 21.8, 22.3, 23.3 s in 4
+#    (35 CPU-s); 29.9, 30.8 s in 6. `-n 0` (given after) runs them in this one.
 #    (`${1+"$@"}`: no arguments pass `set -u` on old bash versions too, such as macOS's 3.2.)
 cores="$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 2)"
-exec "$py" -m pytest -q -p no:cacheprovider -n "$((cores < 4 ? cores : 4))" python/tests ${1+"$@"}
+workers=$((2 * cores < 4 ? 2 * cores : 4))
+exec "$py" -m pytest -q -p no:cacheprovider -n "$workers" python/tests ${1+"$@"}
