@@ -10,12 +10,13 @@ use crate::common::{client, ids, metric, request, score, Teacher};
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
-use xdistill_shared::codec::{self, Format, HeadFile};
+use xdistill_shared::codec::{self, Format};
 use xdistill_shared::init::{init_model_dir, InitSpec};
 use xdistill_shared::protocol::{
     HiddenRequest, HiddenResponse, InfoWithFullVocab, HEAD_FINGERPRINT_HEADER, HEAD_PATH,
     HIDDEN_PATH,
 };
+use xdistill_testkit::reference::{head_logprobs, largest};
 
 /// f32 rounding of logits of a few units, summed over hidden 32, and of a logsumexp over
 /// 150k ids.
@@ -121,30 +122,6 @@ async fn hidden(c: &reqwest::Client, t: &Teacher, req: &HiddenRequest) -> Hidden
     codec::decode_hidden_response(&body).expect("a hidden-state answer")
 }
 
-/// Log-probs over the valid vocabulary of one hidden row through the head, in f64:
-/// `log_softmax(c · tanh((h · W^T + b) · s / c))` over ids `< vocab_size`.
-fn logprobs(head: &HeadFile, row: &[f32]) -> (Vec<f64>, f64) {
-    let m = &head.meta;
-    let h = m.hidden_size;
-    let z: Vec<f64> = (0..m.vocab_size)
-        .map(|v| {
-            let w = &head.weight[v * h..(v + 1) * h];
-            let mut x: f64 = w.iter().zip(row).map(|(&a, &b)| a as f64 * b as f64).sum();
-            if let Some(b) = &head.bias {
-                x += b[v] as f64;
-            }
-            x *= m.logit_scale;
-            if let Some(cap) = m.logit_softcap {
-                x = cap * (x / cap).tanh();
-            }
-            x
-        })
-        .collect();
-    let max = z.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-    let lse = max + z.iter().map(|x| (x - max).exp()).sum::<f64>().ln();
-    (z.iter().map(|x| x - lse).collect(), lse)
-}
-
 /// The property the routes exist for, on one teacher: the head file is what `/v1/info` says,
 /// and hidden states through it give `/topk_logits`' top-k, target log-probs and logsumexps.
 async fn reconstructs_topk(t: &Teacher, tied: bool, padded: bool) {
@@ -199,7 +176,7 @@ async fn reconstructs_topk(t: &Teacher, tied: bool, padded: bool) {
         assert_eq!(w.rows, rows);
         let states = got.f32_rows(i).unwrap();
         for r in 0..rows {
-            let (lp, lse) = logprobs(&head, &states[r * 32..(r + 1) * 32]);
+            let (lp, lse) = head_logprobs(&head, &states[r * 32..(r + 1) * 32]);
             let at = |what: &str, a: f64, b: f32| {
                 assert!(
                     (a - b as f64).abs() < TOL,
@@ -212,15 +189,8 @@ async fn reconstructs_topk(t: &Teacher, tied: bool, padded: bool) {
             for (j, (&id, &val)) in w.ids_row(r).iter().zip(w.values_row(r)).enumerate() {
                 at(&format!("top-{j} id {id}"), lp[id as usize], val);
             }
-            // The reconstruction's own top-k has the served values (a selection of the k best,
-            // then a sort of k: sorting whole rows was most of this test's time).
-            let desc = |a: &usize, b: &usize| lp[*b].total_cmp(&lp[*a]);
-            let mut order: Vec<usize> = (0..v).collect();
-            if k < v {
-                order.select_nth_unstable_by(k, desc);
-                order.truncate(k);
-            }
-            order.sort_by(desc);
+            // The reconstruction's own top-k has the served values.
+            let order = largest(&lp, k);
             for (j, &id) in order[..k].iter().enumerate() {
                 at(
                     &format!("reconstructed top-{j} ({id})"),

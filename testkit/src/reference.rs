@@ -110,6 +110,45 @@ impl Reference {
     }
 }
 
+/// Log-probs of one hidden-state row `h` through a `/v1/head` file, and their logsumexp, in
+/// f64: `log_softmax(c · tanh((h · Wᵀ + b) · s / c))` over the ids `< vocab_size` (no cap
+/// where the model has none): what `/hidden_states` × `/v1/head` must give back.
+pub fn head_logprobs(head: &xdistill_shared::codec::HeadFile, row: &[f32]) -> (Vec<f64>, f64) {
+    let m = &head.meta;
+    let h = m.hidden_size;
+    assert_eq!(row.len(), h, "a hidden-state row of the head's width");
+    let z: Vec<f64> = (0..m.vocab_size)
+        .map(|v| {
+            let w = &head.weight[v * h..(v + 1) * h];
+            let mut x: f64 = w.iter().zip(row).map(|(&a, &b)| a as f64 * b as f64).sum();
+            if let Some(b) = &head.bias {
+                x += b[v] as f64;
+            }
+            x *= m.logit_scale;
+            if let Some(cap) = m.logit_softcap {
+                x = cap * (x / cap).tanh();
+            }
+            x
+        })
+        .collect();
+    let max = z.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let lse = max + z.iter().map(|x| (x - max).exp()).sum::<f64>().ln();
+    (z.iter().map(|x| x - lse).collect(), lse)
+}
+
+/// The ids of the `k` largest of `values`, largest first (ties in any order): a selection, then
+/// a sort of `k` (sorting whole rows of a 262k vocabulary cost seconds per test).
+pub fn largest(values: &[f64], k: usize) -> Vec<usize> {
+    let desc = |a: &usize, b: &usize| values[*b].total_cmp(&values[*a]);
+    let mut order: Vec<usize> = (0..values.len()).collect();
+    if k < order.len() {
+        order.select_nth_unstable_by(k, desc);
+        order.truncate(k);
+    }
+    order.sort_by(desc);
+    order
+}
+
 /// Every id and value of a sequence's scores as bits (see `SequenceScores::bits`).
 pub fn score_bits(s: &xdistill_shared::protocol::SequenceScores) -> Vec<u32> {
     s.bits()
