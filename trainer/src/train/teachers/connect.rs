@@ -89,10 +89,11 @@ impl Teacher {
         let student_tok = cfg.student_tokenizer();
         // A configured teacher tokenizer that does not parse is an error even where the
         // teacher turns out to share the student's; parsed once, kept for the alignment.
-        let mut local = match &tc.tokenizer {
-            Some(p) => Some(xdistill_shared::hf::load_tokenizer(p)?),
-            None => None,
-        };
+        let mut local = tc
+            .tokenizer
+            .as_deref()
+            .map(xdistill_shared::hf::load_tokenizer)
+            .transpose()?;
         let cache = cfg.teacher_tokenizer_cache();
         let which = pool.block_on(client.teacher_tokenizer(
             &info,
