@@ -91,15 +91,12 @@ fn worst_delta(case: &serde_json::Value, k: usize, dir: &std::path::Path, ops: O
     for (t, row) in lp.iter().enumerate() {
         let want_ids = case["top_ids"][t].as_array().unwrap();
         let want_lp = case["top_logprobs"][t].as_array().unwrap();
-        // The k largest, descending: a selection, then a sort of k (a sort of each whole row,
-        // unoptimised in test builds, made this the slowest trainer test).
-        let desc = |a: &f64, b: &f64| b.total_cmp(a);
-        let mut sorted = row.clone();
-        if k < sorted.len() {
-            sorted.select_nth_unstable_by(k, desc);
-            sorted.truncate(k);
-        }
-        sorted.sort_by(desc);
+        // The k largest, descending (testkit's selection, built optimised: here, unoptimised
+        // in test builds, a sort of each whole row made this the slowest trainer test).
+        let sorted: Vec<f64> = xdistill_testkit::reference::largest(row, k)
+            .into_iter()
+            .map(|i| row[i])
+            .collect();
         for j in 0..k {
             let (id, want) = (
                 want_ids[j].as_u64().unwrap() as usize,

@@ -502,3 +502,26 @@ fn fused_loss_on_bf16_logits_and_repeated_ids() {
     let tg = TopkTargets::from_host(B, T, K, &ids, &lpt, &mask, V, &Device::Cpu).unwrap();
     assert!(!tg.distinct, "a repeated id is noticed");
 }
+
+/// `distinct` is per position: ids shared between positions are fine, a repeat within one
+/// valid position is not, and a masked position's ids are never read.
+#[test]
+fn distinct_ids_are_checked_per_valid_position() {
+    let distinct = |ids: &[u32], mask: &[f32]| {
+        let lps = vec![-1.0f32; ids.len()];
+        TopkTargets::from_host(1, 3, 2, ids, &lps, mask, V, &Device::Cpu)
+            .unwrap()
+            .distinct
+    };
+    let every = [1.0, 1.0, 1.0];
+    assert!(distinct(&[1, 2, 2, 1, 1, 2], &every));
+    assert!(!distinct(&[1, 2, 3, 4, 5, 5], &every));
+    assert!(!distinct(&[7, 7, 3, 4, 5, 6], &every));
+    assert!(distinct(&[1, 2, 3, 3, 5, 6], &[1.0, 0.0, 1.0]));
+    // An id past the vocabulary is an error, distinct or not.
+    let lps = vec![-1.0f32; 6];
+    let err = TopkTargets::from_host(1, 3, 2, &[1, 2, 3, 11, 4, 5], &lps, &every, V, &Device::Cpu)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("id 11 >= vocab 11"), "{err}");
+}
