@@ -73,7 +73,7 @@ impl Reference {
         for (r, (y, lp)) in rows.iter().enumerate() {
             let vals = if values == ValuesKind::Logits { y } else { lp };
             // The k largest values, descending.
-            let sorted: Vec<f64> = largest(vals, got.k).iter().map(|&i| vals[i]).collect();
+            let sorted = largest_values(vals, got.k);
             let (gi, gv) = (got.ids_row(r), got.values_row(r));
             for j in 0..got.k {
                 let id = gi[j] as usize;
@@ -140,6 +140,11 @@ pub fn largest(values: &[f64], k: usize) -> Vec<usize> {
     }
     order.sort_by(desc);
     order
+}
+
+/// The `k` largest of `values` themselves, largest first (see [`largest`]).
+pub fn largest_values(values: &[f64], k: usize) -> Vec<f64> {
+    largest(values, k).into_iter().map(|i| values[i]).collect()
 }
 
 /// Every id and value of a sequence's scores as bits (see `SequenceScores::bits`).

@@ -93,10 +93,7 @@ fn worst_delta(case: &serde_json::Value, k: usize, dir: &std::path::Path, ops: O
         let want_lp = case["top_logprobs"][t].as_array().unwrap();
         // The k largest, descending (testkit's selection, built optimised: here, unoptimised
         // in test builds, a sort of each whole row made this the slowest trainer test).
-        let sorted: Vec<f64> = xdistill_testkit::reference::largest(row, k)
-            .into_iter()
-            .map(|i| row[i])
-            .collect();
+        let sorted = xdistill_testkit::reference::largest_values(row, k);
         for j in 0..k {
             let (id, want) = (
                 want_ids[j].as_u64().unwrap() as usize,
