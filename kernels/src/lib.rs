@@ -12,13 +12,15 @@
 //! ([`adamw_update`], [`adamw_update_in_place`]), gradient accumulation in place
 //! ([`grad_accumulate`](fn@grad_accumulate): one launch for every parameter on CUDA), the fused
 //! top-k distillation loss and cross-entropy per row ([`topk_kd()`], the CUDA kernel
-//! `topk_kd.cu` with an f64 CPU reference), and the vectorised row passes [`vmath`].
+//! `topk_kd.cu` with an f64 CPU reference), and the vectorised row passes [`vmath`], and the sparse product [`sparse_matmul`] of the
+//! cross-tokenizer projections.
 
 mod adamw;
 mod gather;
 pub mod grad_accumulate;
 mod log_softmax;
 mod num_like;
+mod sparse_matmul;
 mod sum_squares;
 #[cfg(test)]
 mod testutil;
@@ -29,5 +31,6 @@ pub use adamw::{adamw_update, adamw_update_in_place, AdamWStep};
 pub use gather::gather_log_softmax;
 pub use grad_accumulate::{grad_accumulate, GradSum};
 pub use log_softmax::log_softmax;
+pub use sparse_matmul::{sparse_matmul, SparseColumns};
 pub use sum_squares::sum_squares;
 pub use topk_kd::{topk_kd, KdDivergence, KdTail, TopkKd, TopkKdTrain, TRAIN_MAX_K};

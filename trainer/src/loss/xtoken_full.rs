@@ -21,8 +21,11 @@
 //! autograd through the student's log-softmax: `[C, V_s]` per call, so callers pass chunks of
 //! rows (a head piece's chunks).
 
+use std::sync::Arc;
+
 use candle_core::{DType, Tensor, D};
 use rayon::prelude::*;
+use xdistill_kernels::SparseColumns;
 
 use super::full_vocab::{teacher_log_softmax_chunk, TeacherHead};
 use super::stable::{log1mexp, log_softmax_last, TAIL_FLOOR};
@@ -224,27 +227,30 @@ pub fn pkl_full(
         return Ok((Tensor::zeros((), dt, &dev)?, KdMetrics::default().into()));
     }
 
-    // 1. W's entries (student id, teacher id, weight) over the student ids U with a non-empty
-    //    row, each entry's student id as its column in U.
-    let (mut u_ids, mut wcol, mut wu, mut ww) = (vec![], vec![], vec![], vec![]);
-    for s_id in 0..vs {
-        let (us, weights) = proj.row(s_id);
-        if us.is_empty() {
-            continue;
+    // 1. W by teacher id (CSC) over the student ids U with a non-empty row, each entry's
+    //    student id as its column in U.
+    let mut col_of = vec![u32::MAX; vs];
+    let mut u_ids = vec![];
+    for (s_id, col) in col_of.iter_mut().enumerate() {
+        if !proj.row(s_id).0.is_empty() {
+            *col = u_ids.len() as u32;
+            u_ids.push(s_id as u32);
         }
-        for (&u, &wt) in us.iter().zip(weights) {
-            wcol.push(u_ids.len() as u32);
-            wu.push(u);
-            ww.push(wt as f64);
-        }
-        u_ids.push(s_id as u32);
+    }
+    let (mut ptr, mut rows, mut wts) = (Vec::with_capacity(vt + 1), vec![], vec![]);
+    ptr.push(0);
+    for u in 0..vt {
+        let (students, weights) = proj.column(u);
+        rows.extend(students.iter().map(|&s| col_of[s as usize]));
+        wts.extend_from_slice(weights);
+        ptr.push(rows.len());
     }
 
     // 2. The chunks' mean student distribution P̄ [C, |U|] (rows weighted 1/|c|, added per chunk),
     //    p_S gathered at U only (no [N, V_s] softmax on the CPU); Q = P̄ W over every teacher id.
-    let mut q = Tensor::zeros((c, vt), dt, &dev)?;
-    let nnz = wu.len();
-    if nnz > 0 {
+    let q = if rows.is_empty() {
+        Tensor::zeros((c, vt), dt, &dev)?
+    } else {
         let z = student_logits.narrow(1, 0, vs)?.to_dtype(dt)?;
         let z = if temperature == 1.0 {
             z
@@ -252,6 +258,7 @@ pub fn pkl_full(
             z.affine(1.0 / temperature, 0.0)?
         };
         let m = u_ids.len();
+        let w_proj = Arc::new(SparseColumns::new(m, ptr, rows, wts)?);
         let ids = Tensor::from_vec(u_ids.repeat(n), (n, m), &dev)?;
         let p = xdistill_kernels::gather_log_softmax(&z, &ids)?.exp()?; // [N, |U|]
         let w: Vec<f64> = chunk_of_row
@@ -261,11 +268,8 @@ pub fn pkl_full(
         let w = Tensor::from_vec(w, (n, 1), &dev)?.to_dtype(dt)?;
         let rows = Tensor::from_vec(chunk_of_row.to_vec(), n, &dev)?;
         let mean = Tensor::zeros((c, m), dt, &dev)?.index_add(&rows, &p.broadcast_mul(&w)?, 0)?;
-        let vals = mean
-            .index_select(&Tensor::from_vec(wcol, nnz, &dev)?, 1)?
-            .broadcast_mul(&Tensor::from_vec(ww, (1, nnz), &dev)?.to_dtype(dt)?)?;
-        q = q.index_add(&Tensor::from_vec(wu, nnz, &dev)?, &vals, 1)?;
-    }
+        xdistill_kernels::sparse_matmul(&mean, &w_proj)? // [C, V_t]
+    };
     let q = q.affine(1.0, Q_EPS)?;
     let q_mass = q.sum_keepdim(D::Minus1)?; // [C, 1]
     let log_q = match tail {
