@@ -9,6 +9,7 @@ use crate::protocol::{
     ValuesKind, WireDtype,
 };
 use serde::{Deserialize, Serialize};
+use std::borrow::Cow;
 
 pub const JSON: &str = "application/json";
 pub const MSGPACK: &str = "application/msgpack";
@@ -76,10 +77,7 @@ pub fn encode_request(format: Format, req: &TopkRequest) -> Result<Vec<u8>, Code
 
 /// Exactly one value of `T` in `body`. serde_json refuses trailing data itself; MessagePack's
 /// decoder stops after one value, so whatever follows it is refused here.
-fn decode_one<T: serde::de::DeserializeOwned>(
-    format: Format,
-    body: &[u8],
-) -> Result<T, CodecError> {
+fn decode_one<'de, T: Deserialize<'de>>(format: Format, body: &'de [u8]) -> Result<T, CodecError> {
     match format {
         Format::Json => Ok(serde_json::from_slice(body)?),
         Format::Msgpack => {
@@ -91,6 +89,14 @@ fn decode_one<T: serde::de::DeserializeOwned>(
             }
         }
     }
+}
+
+/// `value` as named MessagePack into a buffer of `capacity` bytes (an estimate of its size:
+/// the answer is written once, not grown and copied as it is written).
+fn encode_named<T: Serialize>(value: &T, capacity: usize) -> Result<Vec<u8>, CodecError> {
+    let mut out = Vec::with_capacity(capacity);
+    rmp_serde::encode::write_named(&mut out, value)?;
+    Ok(out)
 }
 
 /// `value` in `format`: MessagePack with field names (maps), as every reader here expects.
@@ -156,39 +162,65 @@ fn product(a: usize, b: usize, what: &str) -> Result<usize, CodecError> {
 
 #[derive(Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct PackResponse {
+struct PackResponse<'a> {
     k: usize,
     values: ValuesKind,
     temperature: f32,
     model: String,
-    results: Vec<PackSequence>,
+    #[serde(borrow)]
+    results: Vec<PackSequence<'a>>,
 }
 
 /// One sequence with its arrays as little-endian blobs; `shape` is `[rows, k]`, `ids_shape`
 /// `[rows, m]` (with `ids_logprobs`, only when the request sent candidate `ids`).
 #[derive(Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct PackSequence {
+///
+/// Encoding, the blobs are the arrays' own bytes on a little-endian host (no copy before the
+/// answer's one buffer); decoded, they are owned.
+struct PackSequence<'a> {
     shape: [usize; 2],
-    #[serde(with = "serde_bytes")]
-    topk_ids: Vec<u8>,
-    #[serde(with = "serde_bytes")]
-    topk_values: Vec<u8>,
-    #[serde(with = "serde_bytes")]
-    target_logprobs: Vec<u8>,
-    #[serde(with = "serde_bytes")]
-    logsumexp: Vec<u8>,
+    #[serde(with = "serde_bytes", borrow)]
+    topk_ids: Cow<'a, [u8]>,
+    #[serde(with = "serde_bytes", borrow)]
+    topk_values: Cow<'a, [u8]>,
+    #[serde(with = "serde_bytes", borrow)]
+    target_logprobs: Cow<'a, [u8]>,
+    #[serde(with = "serde_bytes", borrow)]
+    logsumexp: Cow<'a, [u8]>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     ids_shape: Option<[usize; 2]>,
-    #[serde(default, skip_serializing_if = "Option::is_none", with = "serde_bytes")]
-    ids_logprobs: Option<Vec<u8>>,
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        with = "serde_bytes",
+        borrow
+    )]
+    ids_logprobs: Option<Cow<'a, [u8]>>,
 }
 
-fn le_u32(v: &[u32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+/// `v` as little-endian bytes: its own memory on a little-endian host, a copy elsewhere.
+fn le_bytes<T: bytemuck::Pod + ToLe>(v: &[T]) -> Cow<'_, [u8]> {
+    if cfg!(target_endian = "little") {
+        Cow::Borrowed(bytemuck::cast_slice(v))
+    } else {
+        Cow::Owned(v.iter().flat_map(|x| x.to_le()).collect())
+    }
 }
-fn le_f32(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+
+/// A 4-byte value's little-endian bytes.
+trait ToLe {
+    fn to_le(&self) -> [u8; 4];
+}
+impl ToLe for u32 {
+    fn to_le(&self) -> [u8; 4] {
+        self.to_le_bytes()
+    }
+}
+impl ToLe for f32 {
+    fn to_le(&self) -> [u8; 4] {
+        self.to_le_bytes()
+    }
 }
 fn from_le<T>(b: &[u8], n: usize, name: &str, f: fn([u8; 4]) -> T) -> Result<Vec<T>, CodecError> {
     if !b.len().is_multiple_of(4) || b.len() / 4 != n {
@@ -235,16 +267,30 @@ pub fn encode_response(format: Format, resp: &TopkResponse) -> Result<Vec<u8>, C
                     .iter()
                     .map(|s| PackSequence {
                         shape: [s.rows, s.k],
-                        topk_ids: le_u32(&s.topk_ids),
-                        topk_values: le_f32(&s.topk_values),
-                        target_logprobs: le_f32(&s.target_logprobs),
-                        logsumexp: le_f32(&s.logsumexp),
+                        topk_ids: le_bytes(&s.topk_ids),
+                        topk_values: le_bytes(&s.topk_values),
+                        target_logprobs: le_bytes(&s.target_logprobs),
+                        logsumexp: le_bytes(&s.logsumexp),
                         ids_shape: resp.with_ids.then_some([s.rows, s.m]),
-                        ids_logprobs: resp.with_ids.then(|| le_f32(&s.ids_logprobs)),
+                        ids_logprobs: resp.with_ids.then(|| le_bytes(&s.ids_logprobs)),
                     })
                     .collect(),
             };
-            Ok(rmp_serde::to_vec_named(&r)?)
+            // The blobs, 160 bytes a sequence for its field names, lengths and shapes, and
+            // the envelope.
+            let blobs: usize = resp
+                .results
+                .iter()
+                .map(|s| {
+                    160 + 4
+                        * (s.topk_ids.len()
+                            + s.topk_values.len()
+                            + s.target_logprobs.len()
+                            + s.logsumexp.len()
+                            + s.ids_logprobs.len())
+                })
+                .sum();
+            encode_named(&r, blobs + 128 + r.model.len())
         }
     }
 }
@@ -382,21 +428,22 @@ pub fn encode_hidden_request(format: Format, req: &HiddenRequest) -> Result<Vec<
 
 #[derive(Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct PackHidden {
+struct PackHidden<'a> {
     model: String,
     head_fingerprint: String,
     dtype: String,
     hidden_size: usize,
-    results: Vec<PackHiddenSequence>,
+    #[serde(borrow)]
+    results: Vec<PackHiddenSequence<'a>>,
 }
 
 /// One sequence's `[rows, H]` states as one little-endian blob.
 #[derive(Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct PackHiddenSequence {
+struct PackHiddenSequence<'a> {
     shape: [usize; 2],
-    #[serde(with = "serde_bytes")]
-    hidden: Vec<u8>,
+    #[serde(with = "serde_bytes", borrow)]
+    hidden: Cow<'a, [u8]>,
 }
 
 /// The `/hidden_states` answer (MessagePack only: the states are blobs in the model's dtype).
@@ -411,11 +458,15 @@ pub fn encode_hidden_response(resp: &HiddenResponse) -> Result<Vec<u8>, CodecErr
             .iter()
             .map(|s| PackHiddenSequence {
                 shape: [s.rows, resp.hidden_size],
-                hidden: s.data.clone(),
+                hidden: Cow::Borrowed(&s.data),
             })
             .collect(),
     };
-    Ok(rmp_serde::to_vec_named(&r)?)
+    let size = hidden_response_bytes(resp.results.iter().map(|s| s.rows), 0)
+        + resp.results.iter().map(|s| s.data.len()).sum::<usize>()
+        + r.model.len()
+        + r.head_fingerprint.len();
+    encode_named(&r, size)
 }
 
 /// Bytes of the encoded answer for sequences of `rows` rows each (the blobs plus 64 per
@@ -464,7 +515,7 @@ pub fn decode_hidden_response(body: &[u8]) -> Result<HiddenResponse, CodecError>
             }
             Ok(HiddenStates {
                 rows,
-                data: s.hidden,
+                data: s.hidden.into_owned(),
             })
         })
         .collect::<Result<Vec<_>, CodecError>>()?;
@@ -1045,12 +1096,12 @@ mod tests {
                 model: "m".into(),
                 results: vec![PackSequence {
                     shape,
-                    topk_ids: Vec::new(),
-                    topk_values: Vec::new(),
-                    target_logprobs: f32s(target),
-                    logsumexp: f32s(target),
+                    topk_ids: Vec::new().into(),
+                    topk_values: Vec::new().into(),
+                    target_logprobs: f32s(target).into(),
+                    logsumexp: f32s(target).into(),
                     ids_shape,
-                    ids_logprobs: ids_shape.map(|_| Vec::new()),
+                    ids_logprobs: ids_shape.map(|_| Vec::new().into()),
                 }],
             };
             decode_response(Format::Msgpack, &rmp_serde::to_vec_named(&r).unwrap()).map(|_| ())
@@ -1061,8 +1112,8 @@ mod tests {
         assert!(shape_err(pack([1, 0], 1, Some([1, usize::MAX]))));
         assert!(pack([1, 0], 1, Some([1, 0])).is_ok());
         // A sequence's k is the answer's (JSON cannot say otherwise; found by fuzz/answers).
-        let mut r: PackResponse =
-            rmp_serde::from_slice(&encode_response(Format::Msgpack, &sample()).unwrap()).unwrap();
+        let sample_bytes = encode_response(Format::Msgpack, &sample()).unwrap();
+        let mut r: PackResponse = rmp_serde::from_slice(&sample_bytes).unwrap();
         r.k = 16;
         let bytes = rmp_serde::to_vec_named(&r).unwrap();
         assert!(shape_err(
@@ -1077,7 +1128,7 @@ mod tests {
                 hidden_size: 4,
                 results: vec![PackHiddenSequence {
                     shape: [rows, 4],
-                    hidden: Vec::new(),
+                    hidden: Vec::new().into(),
                 }],
             };
             decode_hidden_response(&rmp_serde::to_vec_named(&r).unwrap()).map(|_| ())
