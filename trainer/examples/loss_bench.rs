@@ -29,9 +29,17 @@ struct Args {
     repeats: usize,
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// Only the losses whose name contains this (e.g. `pkl`), for one loss's time and peak
+    /// memory under `/usr/bin/time`.
+    #[arg(long)]
+    only: Option<String>,
 }
 
-fn time(name: &str, repeats: usize, mut f: impl FnMut() -> Result<Tensor>) -> Result<()> {
+fn time(name: &str, a: &Args, mut f: impl FnMut() -> Result<Tensor>) -> Result<()> {
+    if a.only.as_ref().is_some_and(|o| !name.contains(o.as_str())) {
+        return Ok(());
+    }
+    let repeats = a.repeats;
     let mut best = f64::INFINITY;
     for _ in 0..repeats {
         let t0 = Instant::now();
@@ -69,11 +77,11 @@ fn main() -> Result<()> {
     let mask = vec![1f32; b * t];
     let tg = TopkTargets::from_host(b, t, k, &ids, &lps, &mask, v, &dev)?;
     for tail in [TailMode::Renormalize, TailMode::Bucket] {
-        time(&format!("forward_kl {tail:?}"), a.repeats, || {
+        time(&format!("forward_kl {tail:?}"), &a, || {
             Ok(topk_divergence(z, &tg, Divergence::Forward, tail, Temperature::ONE, None)?.0)
         })?;
     }
-    time("jsd(0.5) Bucket", a.repeats, || {
+    time("jsd(0.5) Bucket", &a, || {
         Ok(topk_divergence(
             z,
             &tg,
@@ -91,7 +99,7 @@ fn main() -> Result<()> {
         (b, t),
         &dev,
     )?;
-    time("cross_entropy", a.repeats, || {
+    time("cross_entropy", &a, || {
         Ok(cross_entropy(z, &y, &tg.mask, None)?.0)
     })?;
 
@@ -148,7 +156,7 @@ fn main() -> Result<()> {
         teacher_topk_logprobs: lps.clone(),
         teacher_target_logprobs: (0..b * t).map(|_| -rng.random_range(0.0..3.0f32)).collect(),
     };
-    time("pkl (anchor first, tail bucket)", a.repeats, || {
+    time("pkl (anchor first, tail bucket)", &a, || {
         Ok(pkl_loss(
             z,
             &x,
@@ -160,10 +168,10 @@ fn main() -> Result<()> {
         )?
         .0)
     })?;
-    time("gold", a.repeats, || {
+    time("gold", &a, || {
         Ok(gold_loss(z, &x, &proj, 1.0, 1.0, Temperature::ONE, None)?.0)
     })?;
-    time("alm (tau 100)", a.repeats, || {
+    time("alm (tau 100)", &a, || {
         Ok(alm_loss(z, &x, 100.0, Temperature::ONE, None)?.0)
     })?;
     Ok(())
