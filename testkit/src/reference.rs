@@ -129,10 +129,23 @@ pub fn head_logprobs(head: &xdistill_shared::codec::HeadFile, row: &[f32]) -> (V
     (z.iter().map(|x| x - lse).collect(), lse)
 }
 
-/// The ids of the `k` largest of `values`, largest first (ties in any order): a selection, then
-/// a sort of `k` (sorting whole rows of a 262k vocabulary cost seconds per test).
+/// The ids of the `k` largest of `values`, largest first (ties: the smaller id first): a
+/// selection, then a sort of `k` (sorting whole rows of a 262k vocabulary cost seconds per test).
 pub fn largest(values: &[f64], k: usize) -> Vec<usize> {
-    let desc = |a: &usize, b: &usize| values[*b].total_cmp(&values[*a]);
+    largest_by_key(values, k)
+}
+
+/// [`largest`] of an f32 row (a model's logits), without widening it first: compiled here,
+/// optimised, for tests that run unoptimised.
+pub fn largest_f32(values: &[f32], k: usize) -> Vec<usize> {
+    largest_by_key(values, k)
+}
+
+fn largest_by_key<T: Copy + Into<f64>>(values: &[T], k: usize) -> Vec<usize> {
+    let desc = |a: &usize, b: &usize| {
+        let (va, vb): (f64, f64) = (values[*a].into(), values[*b].into());
+        vb.total_cmp(&va).then(a.cmp(b))
+    };
     let mut order: Vec<usize> = (0..values.len()).collect();
     if k < order.len() {
         order.select_nth_unstable_by(k, desc);

@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use xdistill_testkit::models::{model, token_driven_teacher};
-use xdistill_testkit::{data_file, get_body, teacher_binary, TeacherProcess};
+use xdistill_testkit::{data_file, get_body, reference, teacher_binary, TeacherProcess};
 use xdistill_tests::distill::{config, config_with};
 use xdistill_trainer::config::{Config, TeacherConfig, TeacherMode};
 use xdistill_trainer::student::Student;
@@ -341,7 +341,7 @@ fn top_log_probs(st: &Student, ids: &[u32], n: usize) -> Vec<Vec<(usize, f64)>> 
                 .and_then(|r| r.to_scalar::<f64>())
                 .unwrap();
             let row: Vec<f32> = row.to_vec1().unwrap();
-            top_ids(&row, n)
+            reference::largest_f32(&row, n)
                 .into_iter()
                 .map(|i| (i, row[i] as f64 - lse))
                 .collect()
@@ -404,7 +404,7 @@ fn ensemble_target_is_the_f64_mixture_and_one_teacher_ensemble_is_single_teacher
             }
             // Both teachers' top-8 are in the set.
             for f in &full {
-                for i in top_ids(&f[r], 7) {
+                for i in reference::largest(&f[r], 7) {
                     assert!(
                         out.ids_row(r).contains(&(i as u32)),
                         "row {r}: top id {i} missing"
@@ -472,23 +472,6 @@ fn records(n: usize) -> Vec<xdistill_trainer::data::Record> {
             }
         })
         .collect()
-}
-
-/// The ids of the `n` largest entries of `row`, largest first (ties: the smaller id first), in
-/// one pass that keeps the best `n` so far: rows here are whole vocabularies, up to 151,669
-/// entries, and this crate's tests run unoptimised.
-fn top_ids<T: Copy + Into<f64>>(row: &[T], n: usize) -> Vec<usize> {
-    let mut best: Vec<(f64, usize)> = Vec::with_capacity(n + 1);
-    for (i, &v) in row.iter().enumerate() {
-        let v: f64 = v.into();
-        if best.len() == n && best.last().is_some_and(|&(w, _)| v <= w) {
-            continue;
-        }
-        let at = best.partition_point(|&(w, _)| w >= v);
-        best.insert(at, (v, i));
-        best.truncate(n);
-    }
-    best.into_iter().map(|(_, i)| i).collect()
 }
 
 #[test]
