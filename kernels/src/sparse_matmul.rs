@@ -82,7 +82,7 @@ impl SparseColumns {
     }
 }
 
-/// `x [R, n_in] · W [n_in, n_out] -> [R, n_out]` (f32/f64; the sums in f64 on the CPU), with
+/// `x [R, n_in] · W [n_in, n_out] -> [R, n_out]` (f32/f64; each column's sum in f64 on the CPU), with
 /// a backward pass to `x` (W is a constant).
 pub fn sparse_matmul(x: &Tensor, w: &Arc<SparseColumns>) -> Result<Tensor> {
     let (_, n_in) = x.dims2()?;
@@ -108,10 +108,10 @@ fn composed(x: &Tensor, w: &SparseColumns) -> Result<Tensor> {
 
 struct SparseMatmul(Arc<SparseColumns>);
 
-/// `out[r, o] = Σ_{e ∈ column o} w_e · x[r, row_e]`, one row of `x` per output row.
-fn fwd<T: crate::num_like::Float>(x: &[T], w: &SparseColumns) -> Vec<T> {
+/// `out[r, o] = Σ_{e ∈ column o} w_e · x[r, row_e]` for the `r_rows` rows of `x`.
+fn fwd<T: crate::num_like::Float>(x: &[T], r_rows: usize, w: &SparseColumns) -> Vec<T> {
     let (n_in, n_out) = (w.n_in, w.n_out());
-    let mut out = vec![T::zero(); x.len() / n_in.max(1) * n_out];
+    let mut out = vec![T::zero(); r_rows * n_out];
     let column = |x: &[T], o: usize| -> T {
         let e = w.ptr[o]..w.ptr[o + 1];
         let s: f64 = w.rows[e.clone()]
@@ -121,16 +121,16 @@ fn fwd<T: crate::num_like::Float>(x: &[T], w: &SparseColumns) -> Vec<T> {
             .sum();
         T::from_f64(s)
     };
-    if out.len() == n_out {
+    if r_rows == 1 {
         // One row (the top-k losses' flat plan): the columns in parallel.
         out.par_chunks_mut(4096).enumerate().for_each(|(b, o)| {
             for (i, o) in o.iter_mut().enumerate() {
                 *o = column(x, b * 4096 + i);
             }
         });
-    } else {
-        out.par_chunks_mut(n_out.max(1))
-            .zip(x.par_chunks(n_in.max(1)))
+    } else if n_out > 0 && n_in > 0 {
+        out.par_chunks_mut(n_out)
+            .zip(x.par_chunks(n_in))
             .for_each(|(o, x)| {
                 for (j, o) in o.iter_mut().enumerate() {
                     *o = column(x, j);
@@ -140,22 +140,28 @@ fn fwd<T: crate::num_like::Float>(x: &[T], w: &SparseColumns) -> Vec<T> {
     out
 }
 
-/// `gx[r, row_e] += w_e · g[r, o]` over every entry e of column o.
-fn bwd<T: crate::num_like::Float>(g: &[T], w: &SparseColumns) -> Vec<T> {
+/// `gx[r, row_e] += w_e · g[r, o]` over every entry e of column o, for the `r_rows` rows of
+/// `g` (each product in f64, the sums kept in `T`: a `[R, n_in]` f64 buffer would double the
+/// backward's largest allocation).
+fn bwd<T: crate::num_like::Float>(g: &[T], r_rows: usize, w: &SparseColumns) -> Vec<T> {
     let (n_in, n_out) = (w.n_in, w.n_out());
-    let mut gx = vec![0f64; g.len() / n_out.max(1) * n_in];
-    gx.par_chunks_mut(n_in.max(1))
-        .zip(g.par_chunks(n_out.max(1)))
+    let mut gx = vec![T::zero(); r_rows * n_in];
+    if n_in == 0 || n_out == 0 {
+        return gx;
+    }
+    gx.par_chunks_mut(n_in)
+        .zip(g.par_chunks(n_out))
         .for_each(|(gx, g)| {
             for (o, &go) in g.iter().enumerate() {
                 let go = go.to_f64();
                 let e = w.ptr[o]..w.ptr[o + 1];
                 for (&r, &wt) in w.rows[e.clone()].iter().zip(&w.weights[e]) {
-                    gx[r as usize] += wt as f64 * go;
+                    let at = &mut gx[r as usize];
+                    *at = T::from_f64(at.to_f64() + wt as f64 * go);
                 }
             }
         });
-    gx.into_iter().map(T::from_f64).collect()
+    gx
 }
 
 impl CustomOp1 for SparseMatmul {
@@ -165,8 +171,8 @@ impl CustomOp1 for SparseMatmul {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let r = l.dims()[0];
         let out = match s {
-            CpuStorage::F32(v) => CpuStorage::F32(fwd(contiguous_slice(v, l)?, &self.0)),
-            CpuStorage::F64(v) => CpuStorage::F64(fwd(contiguous_slice(v, l)?, &self.0)),
+            CpuStorage::F32(v) => CpuStorage::F32(fwd(contiguous_slice(v, l)?, r, &self.0)),
+            CpuStorage::F64(v) => CpuStorage::F64(fwd(contiguous_slice(v, l)?, r, &self.0)),
             _ => candle_core::bail!("sparse_matmul: f32 or f64 only"),
         };
         Ok((out, Shape::from((r, self.0.n_out()))))
@@ -189,8 +195,8 @@ impl CustomOp1 for SparseMatmulBwd {
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let r = l.dims()[0];
         let out = match s {
-            CpuStorage::F32(v) => CpuStorage::F32(bwd(contiguous_slice(v, l)?, &self.0)),
-            CpuStorage::F64(v) => CpuStorage::F64(bwd(contiguous_slice(v, l)?, &self.0)),
+            CpuStorage::F32(v) => CpuStorage::F32(bwd(contiguous_slice(v, l)?, r, &self.0)),
+            CpuStorage::F64(v) => CpuStorage::F64(bwd(contiguous_slice(v, l)?, r, &self.0)),
             _ => candle_core::bail!("sparse_matmul backward: f32 or f64 only"),
         };
         Ok((out, Shape::from((r, self.0.n_in))))
@@ -325,6 +331,20 @@ mod tests {
             gc.get(x.as_tensor()).unwrap(),
         );
         assert!(d < 1e-5, "backward {d}");
+    }
+
+    #[test]
+    fn empty_inputs_and_columns_give_zeros_of_the_right_shape() {
+        for (n_in, r) in [(0, 2), (3, 2), (3, 1)] {
+            let w = Arc::new(SparseColumns::new(n_in, vec![0; 4], vec![], vec![]).unwrap());
+            let x = Var::from_tensor(&Tensor::ones((r, n_in), DType::F32, &Device::Cpu).unwrap())
+                .unwrap();
+            let y = sparse_matmul(x.as_tensor(), &w).unwrap();
+            assert_eq!(y.dims(), [r, 3]);
+            assert_eq!(y.sum_all().unwrap().to_scalar::<f32>().unwrap(), 0.0);
+            let g = y.sum_all().unwrap().backward().unwrap();
+            assert_eq!(g.get(x.as_tensor()).unwrap().dims(), [r, n_in]);
+        }
     }
 
     #[test]

@@ -427,14 +427,12 @@ pub fn pkl_loss(
         chunk_cols.push(cols);
     }
     let m = chunk_cols.iter().map(Vec::len).max().unwrap_or(0);
-    if positions.saturating_mul(m) > u32::MAX as usize
-        || n_units.saturating_mul(k) > u32::MAX as usize
-    {
+    if positions.saturating_mul(m) > u32::MAX as usize {
         return Err(LossError::input(
             "teacher_topk_ids",
             format!(
-                "a gather of {positions} positions × {m} student tokens for {n_units} chunks × \
-                 k = {k} does not fit a u32 index"
+                "a gather of {positions} student positions × {m} student tokens does not fit a \
+                 u32 index: use fewer positions per micro-batch or a smaller k"
             ),
         ));
     }
