@@ -173,11 +173,11 @@ struct PackResponse<'a> {
 
 /// One sequence with its arrays as little-endian blobs; `shape` is `[rows, k]`, `ids_shape`
 /// `[rows, m]` (with `ids_logprobs`, only when the request sent candidate `ids`).
-#[derive(Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 ///
 /// Encoding, the blobs are the arrays' own bytes on a little-endian host (no copy before the
 /// answer's one buffer); decoded, they are owned.
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct PackSequence<'a> {
     shape: [usize; 2],
     #[serde(with = "serde_bytes", borrow)]
