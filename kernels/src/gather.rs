@@ -183,7 +183,7 @@ impl candle_core::CustomOp3 for GatherLogSoftmaxBwd {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testutil::data;
+    use crate::testutil::{data, max_abs};
     use candle_core::{Device, Var};
 
     /// Composed reference: full log-softmax, then gather.
@@ -191,19 +191,6 @@ mod tests {
         candle_nn::ops::log_softmax(x, D::Minus1)
             .unwrap()
             .gather(idx, D::Minus1)
-            .unwrap()
-    }
-
-    fn max_abs(a: &Tensor, b: &Tensor) -> f64 {
-        (a - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_dtype(DType::F64)
-            .unwrap()
-            .to_scalar::<f64>()
             .unwrap()
     }
 

@@ -164,17 +164,27 @@ fn bwd<T: crate::num_like::Float>(g: &[T], r_rows: usize, w: &SparseColumns) -> 
     gx
 }
 
+/// Runs one pass (the forward or the backward, `f32_pass` / `f64_pass`) on f32 or f64 storage.
+fn on_floats(
+    s: &CpuStorage,
+    l: &Layout,
+    f32_pass: impl FnOnce(&[f32]) -> Vec<f32>,
+    f64_pass: impl FnOnce(&[f64]) -> Vec<f64>,
+) -> Result<CpuStorage> {
+    Ok(match s {
+        CpuStorage::F32(v) => CpuStorage::F32(f32_pass(contiguous_slice(v, l)?)),
+        CpuStorage::F64(v) => CpuStorage::F64(f64_pass(contiguous_slice(v, l)?)),
+        _ => candle_core::bail!("sparse_matmul: f32 or f64 only"),
+    })
+}
+
 impl CustomOp1 for SparseMatmul {
     fn name(&self) -> &'static str {
         "xdistill-sparse-matmul"
     }
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let r = l.dims()[0];
-        let out = match s {
-            CpuStorage::F32(v) => CpuStorage::F32(fwd(contiguous_slice(v, l)?, r, &self.0)),
-            CpuStorage::F64(v) => CpuStorage::F64(fwd(contiguous_slice(v, l)?, r, &self.0)),
-            _ => candle_core::bail!("sparse_matmul: f32 or f64 only"),
-        };
+        let out = on_floats(s, l, |x| fwd(x, r, &self.0), |x| fwd(x, r, &self.0))?;
         Ok((out, Shape::from((r, self.0.n_out()))))
     }
     fn bwd(&self, _x: &Tensor, _res: &Tensor, grad_res: &Tensor) -> Result<Option<Tensor>> {
@@ -194,11 +204,7 @@ impl CustomOp1 for SparseMatmulBwd {
     }
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let r = l.dims()[0];
-        let out = match s {
-            CpuStorage::F32(v) => CpuStorage::F32(bwd(contiguous_slice(v, l)?, r, &self.0)),
-            CpuStorage::F64(v) => CpuStorage::F64(bwd(contiguous_slice(v, l)?, r, &self.0)),
-            _ => candle_core::bail!("sparse_matmul backward: f32 or f64 only"),
-        };
+        let out = on_floats(s, l, |g| bwd(g, r, &self.0), |g| bwd(g, r, &self.0))?;
         Ok((out, Shape::from((r, self.0.n_in))))
     }
 }
@@ -206,6 +212,7 @@ impl CustomOp1 for SparseMatmulBwd {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testutil::{max_abs, to_f64s};
     use candle_core::{Device, Var};
 
     /// A 7 × 5 W with an empty column, a repeated row within a column and a row in no column.
@@ -266,13 +273,7 @@ mod tests {
                 )
                 .unwrap();
                 let y = sparse_matmul(x.as_tensor(), &w).unwrap();
-                let got: Vec<f64> = y
-                    .to_dtype(DType::F64)
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1()
-                    .unwrap();
+                let got = to_f64s(&y);
                 let tol = if dtype == DType::F64 { 1e-12 } else { 1e-5 };
                 for (a, b) in got.iter().zip(&want_y) {
                     assert!((a - b).abs() < tol, "{dtype:?} r={r}: {a} vs {b}");
@@ -283,15 +284,7 @@ mod tests {
                     .sum_all()
                     .unwrap();
                 let g = loss.backward().unwrap();
-                let got: Vec<f64> = g
-                    .get(x.as_tensor())
-                    .unwrap()
-                    .to_dtype(DType::F64)
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1()
-                    .unwrap();
+                let got = to_f64s(g.get(x.as_tensor()).unwrap());
                 for (a, b) in got.iter().zip(&want_g) {
                     assert!((a - b).abs() < tol, "{dtype:?} r={r} grad: {a} vs {b}");
                 }
@@ -311,16 +304,6 @@ mod tests {
         )
         .unwrap();
         let x = Var::from_tensor(&Tensor::from_vec(xs, (3, 7), &Device::Cpu).unwrap()).unwrap();
-        let max_abs = |a: &Tensor, b: &Tensor| -> f32 {
-            (a - b)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar()
-                .unwrap()
-        };
         let fused = sparse_matmul(x.as_tensor(), &w).unwrap();
         let comp = composed(x.as_tensor(), &w).unwrap();
         assert!(max_abs(&fused, &comp) < 1e-6, "forward");
