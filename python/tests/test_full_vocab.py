@@ -435,6 +435,23 @@ def test_the_fingerprint_is_checked_against_a_patched_info(client, head, monkeyp
         client.head(cache_dir=tmp_path)
 
 
+def test_head_bytes_past_the_heads_shape_are_refused(client, head, monkeypatch, tmp_path):
+    # The download is bounded by head_bytes, so a peer's 10^12 beside a small head's shape is
+    # refused before anything is fetched; the server's own figure passes.
+    real = client.info()
+    fv = real["full_vocab"]
+    rows, width = fv["head_rows"], fv["hidden_size"]
+    assert fv["head_bytes"] > rows * width * {"f32": 4, "bf16": 2, "f16": 2}[fv["dtype"]]
+    for bad in [10**12, "many", None]:
+        fake = json.loads(json.dumps(real))
+        fake["full_vocab"]["head_bytes"] = bad
+        monkeypatch.setattr(client, "info", lambda fake=fake: fake)
+        with pytest.raises(TeacherError) as e:
+            client.head(cache_dir=tmp_path)
+        assert e.value.type == "malformed_answer" and "head_bytes" in e.value.message
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("cache", [False, True])
 def test_a_head_that_breaks_off_is_fetched_again(proxy, head, tmp_path, cache):
     proxy.cut_heads = 2

@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import (TYPE_CHECKING, Any, Callable, Dict, FrozenSet, Iterable, Iterator, List,
-                    Literal, Optional, Protocol, Sequence, SupportsInt, Tuple, Type, TypedDict,
-                    TypeVar, Union, cast, overload, runtime_checkable)
+                    Literal, Mapping, Optional, Protocol, Sequence, SupportsInt, Tuple, Type,
+                    TypedDict, TypeVar, Union, cast, overload, runtime_checkable)
 
 import msgpack
 import numpy as np
@@ -74,6 +74,9 @@ HEAD_FINGERPRINT_HEADER = "X-Xdistill-Head-Fingerprint"
 
 #: Bytes read at a time while a head streams in.
 _HEAD_CHUNK = 1 << 20
+#: Bytes a head file may hold besides its tensors (its length prefix and JSON header: a few
+#: hundred as the server writes them), as the Rust client allows.
+_HEAD_HEADER_BYTES = 1 << 20
 
 
 @runtime_checkable
@@ -113,6 +116,25 @@ def backoff_delay(failures: int, initial: float, maximum: float, u: float) -> fl
 
 #: A decimal number, as Rust's ``f64::from_str`` reads it (without its ``inf``/``nan`` forms).
 _DECIMAL = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+
+
+def _head_file_limit(fv: Mapping[str, Any], where: str) -> int:
+    """The most bytes ``/v1/head`` may send: ``full_vocab``'s ``head_bytes``, which may exceed
+    the tensors of the head's stated shape by a header at most. A download is bounded by it, so
+    a peer's ``head_bytes`` of 10^12 beside a small shape is refused before anything is fetched."""
+    rows, width, n = fv.get("head_rows"), fv.get("hidden_size"), fv.get("head_bytes")
+    elem = _WIRE_SIZES.get(str(fv.get("dtype")), 4)
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+               for v in (rows, width, n)):
+        raise TeacherError(200, "malformed_answer",
+                           f"{where}: full_vocab's head_rows, hidden_size and head_bytes must be "
+                           f"whole numbers, not {rows!r}, {width!r}, {n!r}")
+    tensors = rows * width * elem + (rows * elem if fv.get("bias") else 0)
+    if n > tensors + _HEAD_HEADER_BYTES:
+        raise TeacherError(200, "malformed_answer",
+                           f"{where}: head_bytes {n} exceed the {tensors} bytes of a "
+                           f"[{rows}, {width}] {fv.get('dtype')} head by more than a header")
+    return n
 
 
 def parse_retry_after(value: Optional[str]) -> Optional[float]:
@@ -1266,8 +1288,7 @@ class TeacherClient:
         if expected != announced:
             raise HeadFingerprintMismatch(None, expected, announced, f"{self.url}/v1/info")
         what = f"GET {self.url}/v1/head"
-        head_bytes = fv.get("head_bytes")
-        most = head_bytes if isinstance(head_bytes, int) else None
+        most = _head_file_limit(fv, f"{self.url}/v1/info")
 
         def check_announced(resp: requests.Response) -> None:
             got = resp.headers.get(HEAD_FINGERPRINT_HEADER)

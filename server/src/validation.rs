@@ -219,7 +219,7 @@ pub fn validate_spec(spec: ScoreSpec, lim: &RequestLimits) -> Result<ValidTopkRe
     Ok(valid)
 }
 
-fn check_k(k: usize, field: &str, lim: &RequestLimits) -> Result<(), ApiError> {
+pub(crate) fn check_k(k: usize, field: &str, lim: &RequestLimits) -> Result<(), ApiError> {
     if k > lim.max_k {
         return Err(ApiError::invalid(
             field,
@@ -328,6 +328,11 @@ fn per_row_candidates(
         ));
     }
     let m = lists.first().map_or(0, Vec::len);
+    // Row 0 sets the width, so it is checked (at most max_k ids) before `rows × m` is reserved:
+    // a first row of millions of ids would otherwise size an allocation that aborts the server.
+    if let Some(first) = lists.first() {
+        check_candidate_row(first, format!("{}[{i}][0]", f.ids), lim)?;
+    }
     let mut flat = Vec::with_capacity(rows * m);
     for (r, row) in lists.iter().enumerate() {
         if row.len() != m {
@@ -487,6 +492,33 @@ mod tests {
         let mut bad = r;
         bad.ids = Some(vec![]);
         assert_eq!(field_of(bad), "ids");
+    }
+
+    /// A first candidate row far wider than max-k is refused before `rows × m` ids are
+    /// reserved: here 4,194,303 rows × 8,388,608 ids, 128 TiB, more than any address space
+    /// holds, whose reservation aborted the server (an allocation failure is no panic to catch).
+    #[test]
+    fn a_wide_first_candidate_row_is_refused_before_anything_is_reserved() {
+        let rows = (1 << 22) - 1;
+        let mut lists = vec![Vec::new(); rows];
+        lists[0] = vec![1u32; 1 << 23];
+        let mut r = req(vec![vec![1; rows + 1]]);
+        r.ids = Some(vec![lists]);
+        let limits = RequestLimits {
+            max_seq_len: rows + 1,
+            max_queue_tokens: rows + 1,
+            ..lim()
+        };
+        match validate(r, &limits) {
+            Err(ApiError::Invalid { field, message }) => {
+                assert_eq!(field, "ids[0][0]");
+                assert!(
+                    message.contains("exceed the server's max-k 10"),
+                    "{message}"
+                );
+            }
+            other => panic!("expected Invalid, got {other:?}"),
+        }
     }
 
     #[test]

@@ -346,6 +346,15 @@ async fn compatible_routes_name_their_own_fields() {
     let long: Vec<u32> = vec![5; 65];
     let got = post("/generate", json!({"input_ids": [[1, 2], long]})).await;
     assert_error(&got, 422, "invalid_request", Some("input_ids[1]"));
+    // A top_logprobs_num of 2^64 - 1 is a k over max-k (it once overflowed the answer's
+    // estimate, a panic in a debug build).
+    let got = post(
+        "/generate",
+        json!({"input_ids": [1, 2, 3], "return_logprob": true,
+               "top_logprobs_num": u64::MAX}),
+    )
+    .await;
+    assert_error(&got, 422, "invalid_request", Some("top_logprobs_num"));
     // Too many tokens for the queue names the route's field too.
     let got = post(
         "/topk_logits",

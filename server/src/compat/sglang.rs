@@ -15,7 +15,9 @@ use crate::engine;
 use crate::error::ApiError;
 use crate::scoring::ScoreParams;
 use crate::state::AppState;
-use crate::validation::{check_answer_size, validate_spec, CandidateSpec, FieldNames, ScoreSpec};
+use crate::validation::{
+    check_answer_size, check_k, validate_spec, CandidateSpec, FieldNames, ScoreSpec,
+};
 use crate::vocab::Vocab;
 use axum::body::Body;
 use axum::extract::State;
@@ -307,6 +309,16 @@ async fn run(st: &AppState, headers: &HeaderMap, body: Body) -> Result<Response,
     };
     let next = sampling.max_new_tokens == 1;
     let any_logprob = per.return_logprob.iter().any(|&b| b);
+    // `top_logprobs_num` sizes the estimate below, which comes before `validate_spec`: a peer's
+    // 2^64 - 1 is refused here, as the k it is, not summed into it.
+    for (&top_n, _) in per
+        .top_n
+        .iter()
+        .zip(&per.return_logprob)
+        .filter(|(_, &r)| r)
+    {
+        check_k(top_n, names.k, &ready.limits)?;
+    }
     // The answer as sent is estimated before anything is copied or scored.
     let with_text = req.return_text_in_logprobs.unwrap_or(false);
     check_answer_size(

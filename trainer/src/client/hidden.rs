@@ -87,12 +87,21 @@ impl TeacherClient {
                         let url = endpoint(&base, super::INFO_PATH);
                         let rb = one.inner.http.get(url.clone()).header(ACCEPT, codec::JSON);
                         let (_, bytes) = one.send(&url, rb, super::body::SMALL_BODY).await?;
-                        serde_json::from_slice::<InfoWithFullVocab>(&bytes)
-                            .map(|i| i.full_vocab)
+                        let fv = serde_json::from_slice::<InfoWithFullVocab>(&bytes)
                             .map_err(|e| ClientError::Decode {
                                 url: url.to_string(),
                                 source: codec::CodecError::Json(e),
-                            })
+                            })?
+                            .full_vocab;
+                        if let Some(fv) = &fv {
+                            super::wire::check_full_vocab(fv).map_err(|message| {
+                                ClientError::InvalidResponse {
+                                    url: url.to_string(),
+                                    message,
+                                }
+                            })?;
+                        }
+                        Ok(fv)
                     }
                 })
                 .await;

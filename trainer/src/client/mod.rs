@@ -212,10 +212,16 @@ impl TeacherClient {
                 let url = endpoint(&base, INFO_PATH);
                 let rb = self.inner.http.get(url.clone()).header(ACCEPT, codec::JSON);
                 let (_, bytes) = self.send(&url, rb, body::SMALL_BODY).await?;
-                serde_json::from_slice(&bytes).map_err(|e| ClientError::Decode {
+                let info: InfoResponse =
+                    serde_json::from_slice(&bytes).map_err(|e| ClientError::Decode {
+                        url: url.to_string(),
+                        source: CodecError::Json(e),
+                    })?;
+                wire::check_info(&info).map_err(|message| ClientError::InvalidResponse {
                     url: url.to_string(),
-                    source: CodecError::Json(e),
-                })
+                    message,
+                })?;
+                Ok(info)
             },
         )
         .await

@@ -21,7 +21,10 @@ pub fn parse_retry_after(v: &str) -> Option<Duration> {
     if !secs.is_finite() || secs < 0.0 {
         return None;
     }
-    Some(Duration::from_secs_f64(secs).min(MAX_RETRY_AFTER))
+    // Capped before the conversion, which panics from 2^64 s on (`Retry-After: 1e20`).
+    Some(Duration::from_secs_f64(
+        secs.min(MAX_RETRY_AFTER.as_secs_f64()),
+    ))
 }
 
 /// The replica for the next attempt: the first whose `not_before` has passed, scanning from
@@ -68,6 +71,11 @@ mod tests {
         assert_eq!(parse_retry_after("-1"), None);
         assert_eq!(parse_retry_after("Wed, 21 Oct 2015 07:28:00 GMT"), None);
         assert_eq!(parse_retry_after("1e9"), Some(MAX_RETRY_AFTER));
+        // Past Duration's range (2^64 s): capped, not a panic.
+        assert_eq!(parse_retry_after("1e20"), Some(MAX_RETRY_AFTER));
+        assert_eq!(parse_retry_after("1e308"), Some(MAX_RETRY_AFTER));
+        assert_eq!(parse_retry_after("inf"), None);
+        assert_eq!(parse_retry_after("NaN"), None);
     }
 
     #[test]

@@ -3,7 +3,10 @@
 
 use reqwest::{StatusCode, Url};
 use xdistill_shared::codec::Format;
-use xdistill_shared::protocol::{ErrorBody, InfoResponse, ProbeInfo, TopkRequest, TopkResponse};
+use xdistill_shared::model_check::{MAX_VOCAB, MAX_WIDTH};
+use xdistill_shared::protocol::{
+    ErrorBody, FullVocabInfo, InfoResponse, ProbeInfo, TopkRequest, TopkResponse, WireDtype,
+};
 
 /// `GET`: the teacher's model, tokenizer hash and limits.
 pub const INFO_PATH: &str = "/v1/info";
@@ -11,6 +14,51 @@ pub const INFO_PATH: &str = "/v1/info";
 pub const TOKENIZER_PATH: &str = "/tokenizer.json";
 /// `GET`: 2xx once the teacher serves.
 pub const HEALTH_PATH: &str = "/health";
+
+/// Bytes a head file may hold besides its tensors: its length prefix and JSON header (a few
+/// hundred bytes as the server writes them).
+const HEAD_HEADER_BYTES: u64 = 1 << 20;
+
+/// Checks the sizes `/v1/info` states before the trainer sizes anything by them: a vocabulary
+/// within the limit every model file is held to (`model_check`). A peer's `vocab_size` of
+/// 2^64 - 1 would otherwise size the cross-tokenizer projection's tables.
+pub fn check_info(info: &InfoResponse) -> Result<(), String> {
+    if info.vocab_size == 0 || info.vocab_size > MAX_VOCAB {
+        return Err(format!(
+            "/v1/info's vocab_size {} is not between 1 and {MAX_VOCAB}",
+            info.vocab_size
+        ));
+    }
+    Ok(())
+}
+
+/// [`check_info`] for `/v1/info`'s `full_vocab`: the head's rows and width within the model
+/// files' limits, and its file's length (which bounds the download and the read after it)
+/// within what its shape needs.
+pub fn check_full_vocab(fv: &FullVocabInfo) -> Result<(), String> {
+    if fv.head_rows > MAX_VOCAB || fv.hidden_size > MAX_WIDTH {
+        return Err(format!(
+            "/v1/info's head [{}, {}] exceeds [{MAX_VOCAB}, {MAX_WIDTH}]",
+            fv.head_rows, fv.hidden_size
+        ));
+    }
+    // Both bounded above: the products fit in u64. An unknown dtype is refused later by name.
+    let elem = WireDtype::parse(&fv.dtype).map_or(4, |d| d.size()) as u64;
+    let rows = fv.head_rows as u64;
+    let tensors = rows * fv.hidden_size as u64 * elem + if fv.bias { rows * elem } else { 0 };
+    if fv.head_bytes > tensors + HEAD_HEADER_BYTES {
+        return Err(format!(
+            "/v1/info's head_bytes {} exceed the {tensors} bytes of a [{}, {}] {} head{} by \
+             more than a header",
+            fv.head_bytes,
+            fv.head_rows,
+            fv.hidden_size,
+            fv.dtype,
+            if fv.bias { " with bias" } else { "" }
+        ));
+    }
+    Ok(())
+}
 
 /// Checks that every replica serves the same model (fingerprint) with the same tokenizer and
 /// that their start-up probes agree (see `check_probes`); returns the common info, with the
@@ -335,6 +383,61 @@ mod tests {
         assert_eq!(check_replicas(&mixed).unwrap().probe.unwrap().hash, "h1");
         let old = [(u("http://old:1"), replica(None))];
         assert!(check_replicas(&old).unwrap().probe.is_none());
+    }
+
+    /// `/v1/info`'s sizes are bounded before anything is sized by them; a real head file's
+    /// length (as the server writes it) passes.
+    #[test]
+    fn info_sizes_are_bounded() {
+        let mut info = replica(None);
+        check_info(&info).unwrap();
+        for v in [0, MAX_VOCAB + 1, usize::MAX] {
+            info.vocab_size = v;
+            let err = check_info(&info).unwrap_err();
+            assert!(err.contains("vocab_size"), "{err}");
+        }
+        info.vocab_size = MAX_VOCAB;
+        check_info(&info).unwrap();
+
+        use xdistill_shared::codec::HeadMeta;
+        let meta = HeadMeta {
+            model_fingerprint: "f".repeat(64),
+            architecture: "Qwen3ForCausalLM".into(),
+            vocab_size: 151_669,
+            head_rows: 151_936,
+            hidden_size: 64,
+            dtype: WireDtype::Bf16,
+            tied: true,
+            bias: true,
+            logit_scale: 1.0,
+            logit_softcap: Some(30.0),
+        };
+        let mut fv = FullVocabInfo {
+            hidden_route: "/hidden_states".into(),
+            head_route: "/v1/head".into(),
+            dtype: "bf16".into(),
+            hidden_size: meta.hidden_size,
+            head_rows: meta.head_rows,
+            vocab_size: meta.vocab_size,
+            tied: true,
+            bias: true,
+            logit_scale: 1.0,
+            logit_softcap: Some(30.0),
+            head_fingerprint: "a".repeat(64),
+            head_bytes: meta.file_len(),
+        };
+        check_full_vocab(&fv).unwrap();
+        fv.head_bytes = meta.file_len() + 2 * HEAD_HEADER_BYTES;
+        let err = check_full_vocab(&fv).unwrap_err();
+        assert!(err.contains("head_bytes"), "{err}");
+        fv.head_bytes = u64::MAX;
+        assert!(check_full_vocab(&fv).is_err());
+        fv.head_bytes = meta.file_len();
+        fv.head_rows = MAX_VOCAB + 1;
+        assert!(check_full_vocab(&fv).unwrap_err().contains("exceeds"));
+        fv.head_rows = meta.head_rows;
+        fv.hidden_size = usize::MAX;
+        assert!(check_full_vocab(&fv).unwrap_err().contains("exceeds"));
     }
 
     #[test]

@@ -21,7 +21,11 @@ const GPU_DEFAULT_GB: f64 = 8.0;
 /// The head a student holds in f32: `[head_rows, H]` (+ `[head_rows]` bias).
 pub fn head_f32_bytes(fv: &FullVocabInfo) -> u64 {
     let rows = fv.head_rows as u64;
-    rows * fv.hidden_size as u64 * 4 + if fv.bias { rows * 4 } else { 0 }
+    // Saturating: the sizes are the peer's (a head over u64 is over every budget).
+    let bias = if fv.bias { rows.saturating_mul(4) } else { 0 };
+    rows.saturating_mul(fv.hidden_size as u64)
+        .saturating_mul(4)
+        .saturating_add(bias)
 }
 
 /// The memory budget for the head on `device`: `head_memory_gb`, else a quarter of the
@@ -245,6 +249,11 @@ mod tests {
         assert!(check_head_info(Some(&fv), Some(151_936), 151_936 * 4096 * 4).is_ok());
         assert!(err.contains("head_memory_gb"), "{err}");
         assert!(check_head_info(Some(&fv), Some(151_936), 2_500_000_000).is_ok());
+        // A peer's sizes past u64 are over every budget, not a wrapped small number.
+        let mut huge = info("a", 1 << 32, 1 << 32);
+        huge.bias = true;
+        assert_eq!(head_f32_bytes(&huge), u64::MAX);
+        assert!(check_head_info(Some(&huge), None, u64::MAX - 1).is_err());
     }
 
     #[test]
