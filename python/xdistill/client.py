@@ -124,11 +124,15 @@ def _head_file_limit(fv: Mapping[str, Any], where: str) -> int:
     a peer's ``head_bytes`` of 10^12 beside a small shape is refused before anything is fetched."""
     rows, width, n = fv.get("head_rows"), fv.get("hidden_size"), fv.get("head_bytes")
     elem = _WIRE_SIZES.get(str(fv.get("dtype")), 4)
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
-               for v in (rows, width, n)):
+
+    def whole(v: object) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    if not (whole(rows) and whole(width) and whole(n)):
         raise TeacherError(200, "malformed_answer",
                            f"{where}: full_vocab's head_rows, hidden_size and head_bytes must be "
                            f"whole numbers, not {rows!r}, {width!r}, {n!r}")
+    rows, width, n = cast(int, rows), cast(int, width), cast(int, n)
     tensors = rows * width * elem + (rows * elem if fv.get("bias") else 0)
     if n > tensors + _HEAD_HEADER_BYTES:
         raise TeacherError(200, "malformed_answer",

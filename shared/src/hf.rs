@@ -1022,6 +1022,16 @@ mod tests {
         assert!(bad("vocab_size", (1u64 << 40).into()).contains("`vocab_size`"));
         // A zero head size is named, not reported as a RoPE setting.
         assert!(bad("head_dim", 0.into()).contains("head_dim must be positive"));
+        // Stop and start ids the embedding has no row for (vocab_size 16).
+        assert!(bad("eos_token_id", 16.into()).contains("`eos_token_id` names id 16"));
+        assert!(bad("eos_token_id", serde_json::json!([2, 50000])).contains("id 50000"));
+        assert!(bad("bos_token_id", 99.into()).contains("`bos_token_id`"));
+        let mut ok = base.clone();
+        (ok["eos_token_id"], ok["bos_token_id"]) = (15.into(), 0.into());
+        serde_json::from_value::<ModelConfig>(ok)
+            .unwrap()
+            .validate()
+            .unwrap();
     }
 
     /// EOS ids that are not token ids are left out, never cast into other ids (2^32 + 5 was 5).

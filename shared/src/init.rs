@@ -155,7 +155,11 @@ pub fn tokenizer_facts(path: &Path) -> Result<(usize, Option<u32>, Vec<u32>)> {
     let mut bos = None;
     let mut eos = Vec::new();
     let cfg_path = path.with_file_name("tokenizer_config.json");
-    if let Ok(text) = std::fs::read(&cfg_path) {
+    if let Ok(text) = crate::hf::read_capped(
+        &cfg_path,
+        crate::hf::limits::TOKENIZER_CONFIG_JSON,
+        "tokenizer_config.json",
+    ) {
         if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&text) {
             let name = |k: &str| -> Option<String> {
                 match v.get(k)? {

@@ -75,6 +75,17 @@ pub fn check_limits(cfg: &ModelConfig) -> Result<(), ModelConfigError> {
             cfg.rms_norm_eps
         )));
     }
+    // A stop or start id the model has no embedding row for: appended to every SFT record it
+    // would fail the first step (on a GPU as a device-side assert, which names nothing).
+    let bos: Vec<u32> = cfg.bos_id().into_iter().collect();
+    for (key, ids) in [("eos_token_id", cfg.eos_ids()), ("bos_token_id", bos)] {
+        if let Some(id) = ids.iter().find(|&&id| id as usize >= cfg.vocab_size) {
+            return Err(ModelConfigError::Invalid(format!(
+                "config key `{key}` names id {id}, outside the vocabulary (`vocab_size` = {})",
+                cfg.vocab_size
+            )));
+        }
+    }
     check_rope(cfg)
 }
 

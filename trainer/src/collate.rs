@@ -14,6 +14,13 @@ pub enum CollateError {
     Tokenizer(String),
     #[error("text tokenizes to {0} token(s); at least 2 are needed for one prediction")]
     TooShort(usize),
+    /// An id the model has no embedding row for: a tokenizer that does not belong with the
+    /// model's `config.json` (on a GPU the lookup would be a device-side assert, not an error).
+    #[error(
+        "row {row}: token id {id} is outside the model's vocabulary of {vocab} ids; does the \
+         tokenizer belong with the model's config.json (its vocab_size)?"
+    )]
+    OutOfVocab { row: usize, id: u32, vocab: usize },
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
 }
@@ -79,10 +86,12 @@ pub struct TokenBatch {
 }
 
 /// Pads `examples` to the longest (pad id `pad`; pads are never attended to by real tokens under
-/// the causal mask and never trained on).
+/// the causal mask and never trained on). Every id must be below `vocab`, the model's
+/// vocabulary: every training batch passes here before its ids reach the embedding.
 pub fn pad_batch(
     examples: &[Encoded],
     pad: u32,
+    vocab: usize,
     device: &Device,
 ) -> Result<TokenBatch, CollateError> {
     let b = examples.len();
@@ -92,6 +101,9 @@ pub fn pad_batch(
     let mut mask = vec![0f32; b * t];
     let mut n_targets = 0;
     for (r, e) in examples.iter().enumerate() {
+        if let Some(&id) = e.ids.iter().find(|&&id| id as usize >= vocab) {
+            return Err(CollateError::OutOfVocab { row: r, id, vocab });
+        }
         ids[r * t..r * t + e.ids.len()].copy_from_slice(&e.ids);
         for p in 0..e.ids.len().saturating_sub(1) {
             targets[r * t + p] = e.ids[p + 1];
@@ -147,7 +159,7 @@ mod tests {
                 loss_from: 1,
             },
         ];
-        let b = pad_batch(&examples, 0, &Device::Cpu).unwrap();
+        let b = pad_batch(&examples, 0, 11, &Device::Cpu).unwrap();
         let mask: Vec<Vec<f32>> = b.mask.to_vec2().unwrap();
         assert_eq!(
             mask,
@@ -156,6 +168,20 @@ mod tests {
         let tg: Vec<Vec<u32>> = b.targets.to_vec2().unwrap();
         assert_eq!(tg[0][..3], [6, 7, 8]);
         assert_eq!(b.n_targets, 3);
+        // An id past the model's vocabulary is an error naming it, before any tensor is made
+        // (an embedding lookup on a GPU would be a device-side assert).
+        match pad_batch(&examples, 0, 10, &Device::Cpu) {
+            Err(
+                e @ CollateError::OutOfVocab {
+                    row: 1,
+                    id: 10,
+                    vocab: 10,
+                },
+            ) => {
+                assert!(e.to_string().contains("config.json"), "{e}")
+            }
+            other => panic!("{:?}", other.map(|b| b.lens)),
+        }
     }
 
     #[test]

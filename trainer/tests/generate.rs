@@ -295,6 +295,15 @@ fn bad_inputs_are_errors() {
             num_generations: 0,
             ..c.clone()
         },
+        // A billion rows (once an allocation past memory, an abort); usize::MAX overflowed.
+        GenerationConfig {
+            num_generations: 1_000_000_000,
+            ..c.clone()
+        },
+        GenerationConfig {
+            num_generations: usize::MAX,
+            ..c.clone()
+        },
         GenerationConfig {
             stop_strings: vec![String::new()],
             ..c.clone()

@@ -544,3 +544,42 @@ fn inference_model_is_untracked_and_reads_the_masters() {
     );
     assert_ne!(flat(&after), flat(&before));
 }
+
+/// A checkpoint of another model (a tensor of another shape) is refused by name when a run
+/// resumes from it, before any weight is overwritten.
+#[test]
+fn restoring_a_checkpoint_of_another_model_names_the_tensor() {
+    use xdistill_trainer::checkpoint::{Checkpoint, TrainerState};
+    use xdistill_trainer::train::runner::{optim_config, Runner};
+    let cfg = config("llama", false);
+    let wider: ModelConfig = serde_json::from_value({
+        let mut v = serde_json::to_value(&cfg).unwrap();
+        v["intermediate_size"] = 24.into();
+        v
+    })
+    .unwrap();
+    let other = student(&wider, DType::F32, 2).tensors().unwrap();
+    let mut runner = Runner::new(
+        student(&cfg, DType::F32, 1),
+        optim_config(&Default::default()),
+        1,
+    )
+    .unwrap();
+    let ck = Checkpoint {
+        path: "step_1".into(),
+        model_config: wider,
+        model: other,
+        optimizer: Default::default(),
+        state: TrainerState::new(
+            1,
+            Default::default(),
+            &rand::SeedableRng::seed_from_u64(0),
+            String::new(),
+        ),
+    };
+    let e = runner.restore(&ck).unwrap_err().to_string();
+    assert!(
+        e.contains("mlp.") && e.contains("of another model than policy.model_name"),
+        "{e}"
+    );
+}

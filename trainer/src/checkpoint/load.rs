@@ -1,7 +1,7 @@
 //! Reading a checkpoint back, and finding the newest one that is intact.
 
 use super::{
-    io_err, list, read_state, step_dir_name, verify, CheckpointError, TrainerState, CHECKSUM_FILE,
+    list, read_state, step_dir_name, verify, CheckpointError, TrainerState, CHECKSUM_FILE,
     CORRUPT_SUFFIX, MODEL_FILE, OPTIMIZER_FILE,
 };
 use candle_core::{Device, Tensor};
@@ -30,7 +30,11 @@ fn read_tensors(path: &Path, device: &Device) -> Result<HashMap<String, Tensor>,
 pub fn load(dir: &Path, device: &Device) -> Result<Checkpoint, CheckpointError> {
     let state = read_state(dir)?;
     let cfg_path = dir.join("config.json");
-    let cfg_bytes = std::fs::read(&cfg_path).map_err(io_err(&cfg_path))?;
+    let cfg_bytes = super::read_json_file(
+        &cfg_path,
+        xdistill_shared::hf::limits::CONFIG_JSON,
+        "config.json",
+    )?;
     let model_config: ModelConfig =
         serde_json::from_slice(&cfg_bytes).map_err(|e| CheckpointError::State {
             path: cfg_path.clone(),

@@ -88,5 +88,17 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
     }
 }
 
+/// The bytes of a checkpoint's JSON file, at most `limit` of them (a resumed directory is
+/// whatever is on disk: a file of gigabytes in its place is refused, not read into memory).
+fn read_json_file(path: &Path, limit: u64, what: &'static str) -> Result<Vec<u8>, CheckpointError> {
+    xdistill_shared::hf::read_capped(path, limit, what).map_err(|e| match e {
+        xdistill_shared::hf::HfError::Io { source, .. } => io_err(path)(source),
+        other => CheckpointError::State {
+            path: path.to_path_buf(),
+            message: other.to_string(),
+        },
+    })
+}
+
 #[cfg(test)]
 mod tests;

@@ -87,10 +87,14 @@ impl TrainerState {
     }
 }
 
+/// The largest trainer state file read: a real one holds a few KB (positions, counters, the
+/// RNG's seed, the recent metrics).
+const STATE_FILE_LIMIT: u64 = 64 << 20;
+
 /// Reads a trainer state file.
 pub fn read_state(dir: &Path) -> Result<TrainerState, CheckpointError> {
     let path = dir.join(STATE_FILE);
-    let bytes = std::fs::read(&path).map_err(io_err(&path))?;
+    let bytes = super::read_json_file(&path, STATE_FILE_LIMIT, "trainer state")?;
     let state: TrainerState =
         serde_json::from_slice(&bytes).map_err(|e| CheckpointError::State {
             path: path.clone(),

@@ -79,6 +79,8 @@ pub enum VirtualShards {
 impl VirtualShards {
     /// The most shards `"auto"` picks: 8 processes, four gradient buffers on one.
     pub const AUTO_MAX: usize = 8;
+    /// The most shards a config may ask for.
+    pub const MAX: usize = 4096;
 }
 
 impl Serialize for VirtualShards {
@@ -352,6 +354,18 @@ impl Validate for PolicyConfig {
                 &key("data_parallel.timeout_s"),
                 "must be a positive number of seconds",
             ));
+        }
+        if let VirtualShards::Fixed(s) = p.data_parallel.virtual_shards {
+            if s > VirtualShards::MAX {
+                return Err(invalid(
+                    &key("data_parallel.virtual_shards"),
+                    format!(
+                        "{s} shards per step: at most {} (each is a gradient to compute and \
+                         sum every step, an empty one too)",
+                        VirtualShards::MAX
+                    ),
+                ));
+            }
         }
         p.optimizer.validate_at(&key("optimizer"))
     }

@@ -141,6 +141,10 @@ impl TeacherConfig {
     }
 }
 
+/// The longest time setting taken (about 31 years): a `Duration` ends at 2^64 s, and an
+/// `Instant` plus a far shorter one already overflows.
+const MAX_SECONDS: f64 = 1e9;
+
 impl Validate for TeacherConfig {
     fn validate_at(&self, at: &str) -> Result<(), ConfigError> {
         let t = self;
@@ -164,12 +168,18 @@ impl Validate for TeacherConfig {
             ("backoff_initial_s", t.backoff_initial_s),
             ("backoff_max_s", t.backoff_max_s),
         ] {
-            if !(v.is_finite() && v > 0.0) {
-                return Err(invalid(&key(name), "must be a positive number of seconds"));
+            if !(v.is_finite() && v > 0.0 && v <= MAX_SECONDS) {
+                return Err(invalid(
+                    &key(name),
+                    format!("must be a positive number of seconds, at most {MAX_SECONDS:e}"),
+                ));
             }
         }
-        if !(t.max_wait_s.is_finite() && t.max_wait_s >= 0.0) {
-            return Err(invalid(&key("max_wait_s"), "must be >= 0 seconds"));
+        if !(t.max_wait_s.is_finite() && t.max_wait_s >= 0.0 && t.max_wait_s <= MAX_SECONDS) {
+            return Err(invalid(
+                &key("max_wait_s"),
+                format!("must be >= 0 seconds, at most {MAX_SECONDS:e}"),
+            ));
         }
         if t.backoff_max_s < t.backoff_initial_s {
             return Err(invalid(

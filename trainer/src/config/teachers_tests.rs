@@ -159,6 +159,15 @@ fn teacher_entries_report_under_their_own_prefix() {
             TWO.replace("k = 16", "k = 16\nprefetch = 0"),
             "teachers[0].prefetch",
         ),
+        // Past Duration's range (2^64 s), which panicked when the client was built.
+        (
+            TWO.replace("weight = 3.0", "weight = 3.0\ntimeout_s = 1e20"),
+            "teachers[1].timeout_s",
+        ),
+        (
+            TWO.replace("weight = 3.0", "weight = 3.0\nmax_wait_s = 1e20"),
+            "teachers[1].max_wait_s",
+        ),
     ];
     for (text, key) in cases {
         assert_eq!(err(&text).0, key);

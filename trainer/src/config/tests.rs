@@ -28,6 +28,7 @@ fn virtual_shards_takes_auto_or_a_number() {
         ("\"auto\"", VirtualShards::Auto),
         ("0", VirtualShards::Fixed(0)),
         ("8", VirtualShards::Fixed(8)),
+        ("4096", VirtualShards::Fixed(4096)),
     ] {
         let text = format!("{MINIMAL}\n[policy.data_parallel]\nvirtual_shards = {v}\n");
         let c = Config::from_file(&write(dir.path(), &text)).unwrap();
@@ -36,7 +37,8 @@ fn virtual_shards_takes_auto_or_a_number() {
         let again: Config = toml::from_str(&c.to_toml_string().unwrap()).unwrap();
         assert_eq!(again.policy.data_parallel.virtual_shards, want, "{v}");
     }
-    for bad in ["\"eight\"", "-1", "true"] {
+    // 4097 and past: a million empty shards per step were a hang, not a run.
+    for bad in ["\"eight\"", "-1", "true", "4097", "1000000"] {
         let text = format!("{MINIMAL}\n[policy.data_parallel]\nvirtual_shards = {bad}\n");
         let e = Config::from_file(&write(dir.path(), &text))
             .unwrap_err()

@@ -93,7 +93,8 @@ impl Batcher {
         let left = n.saturating_sub(self.pos.index);
         if left == 0 || (self.opts.drop_last && left < b) {
             self.pos = DataPosition {
-                epoch: self.pos.epoch + 1,
+                // Saturating: a resumed state's epoch is read from its file.
+                epoch: self.pos.epoch.saturating_add(1),
                 index: 0,
             };
         }

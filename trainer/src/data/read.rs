@@ -2,7 +2,7 @@
 
 use super::{Content, DataError, Record, SkipCounts, SkipReason};
 use crate::config::{DataConfig, DataFormat};
-use std::io::BufRead;
+use std::io::{BufRead, Read};
 use std::path::Path;
 
 /// How to read a data file.
@@ -77,40 +77,61 @@ impl Dataset {
         };
         match format {
             DataFormat::Jsonl | DataFormat::Auto => {
-                for_each_line(reader, |line_no, bytes| {
-                    match parse_jsonl(bytes, line_no, opts) {
+                for_each_line(reader, jsonl_line_limit(opts), |line_no, bytes| match bytes
+                    .ok_or(SkipReason::TooLongBytes)
+                {
+                    Ok(bytes) => match parse_jsonl(bytes, line_no, opts) {
                         Ok(rec) => ds.records.push(rec),
                         Err(r) => skip(&mut ds, line_no, r),
-                    }
+                    },
+                    Err(r) => skip(&mut ds, line_no, r),
                 })
                 .map_err(io)?;
             }
             DataFormat::Text => {
+                // A document is held up to `max_record_bytes`; past that only its end is looked
+                // for (`too_long`), and it is skipped.
                 let mut doc: Vec<u8> = Vec::new();
                 let mut doc_line = 0usize;
-                let finish = |ds: &mut Dataset, doc: &mut Vec<u8>, line: usize| {
-                    if !doc.is_empty() {
-                        match text_record(doc, line, opts) {
-                            Ok(rec) => ds.records.push(rec),
-                            Err(r) => skip(ds, line, r),
+                let mut too_long = false;
+                let finish =
+                    |ds: &mut Dataset, doc: &mut Vec<u8>, too_long: &mut bool, line: usize| {
+                        if std::mem::take(too_long) {
+                            skip(ds, line, SkipReason::TooLongBytes);
+                        } else if !doc.is_empty() {
+                            match text_record(doc, line, opts) {
+                                Ok(rec) => ds.records.push(rec),
+                                Err(r) => skip(ds, line, r),
+                            }
                         }
                         doc.clear();
+                    };
+                let max = opts.max_record_bytes;
+                for_each_line(reader, max, |line_no, bytes| match bytes {
+                    Some(b) if b.iter().all(u8::is_ascii_whitespace) => {
+                        finish(&mut ds, &mut doc, &mut too_long, doc_line);
                     }
-                };
-                for_each_line(reader, |line_no, bytes| {
-                    if bytes.iter().all(u8::is_ascii_whitespace) {
-                        finish(&mut ds, &mut doc, doc_line);
-                    } else {
-                        if doc.is_empty() {
+                    _ => {
+                        if doc.is_empty() && !too_long {
                             doc_line = line_no;
-                        } else {
-                            doc.push(b'\n');
                         }
-                        doc.extend_from_slice(bytes);
+                        let sep = usize::from(!doc.is_empty());
+                        match bytes {
+                            Some(b) if !too_long && doc.len() + sep + b.len() <= max => {
+                                if sep == 1 {
+                                    doc.push(b'\n');
+                                }
+                                doc.extend_from_slice(b);
+                            }
+                            _ => {
+                                too_long = true;
+                                doc.clear();
+                            }
+                        }
                     }
                 })
                 .map_err(io)?;
-                finish(&mut ds, &mut doc, doc_line);
+                finish(&mut ds, &mut doc, &mut too_long, doc_line);
             }
         }
         if ds.skipped.total() > 0 {
@@ -157,17 +178,36 @@ impl Dataset {
 
 const UTF8_BOM: &[u8] = b"\xEF\xBB\xBF";
 
-/// Calls `f(line_number, bytes)` for each line, without the trailing `\n` / `\r\n` (and
-/// without a UTF-8 byte order mark at the start of the file).
-fn for_each_line(mut reader: impl BufRead, mut f: impl FnMut(usize, &[u8])) -> std::io::Result<()> {
+/// The longest JSONL line read: the record's text may take up to `max_record_bytes`, and its
+/// JSON (escapes, other fields) several times that; a longer line is skipped unread.
+fn jsonl_line_limit(opts: &LoadOptions) -> usize {
+    opts.max_record_bytes.saturating_mul(8).max(16 << 20)
+}
+
+/// Calls `f(line_number, Some(bytes))` for each line, without the trailing `\n` / `\r\n` (and
+/// without a UTF-8 byte order mark at the start of the file); `f(line_number, None)` for a line
+/// of more than `max_line` bytes, which is passed over without being held in memory (a
+/// multi-gigabyte file without a newline is one record too long, not an out-of-memory kill).
+pub(super) fn for_each_line(
+    mut reader: impl BufRead,
+    max_line: usize,
+    mut f: impl FnMut(usize, Option<&[u8]>),
+) -> std::io::Result<()> {
     let mut buf = Vec::new();
     let mut line_no = 0;
+    // The line's bytes, its `\r\n` and a byte order mark before it.
+    let keep = max_line.saturating_add(8) as u64;
     loop {
         buf.clear();
-        if reader.read_until(b'\n', &mut buf)? == 0 {
+        if reader.by_ref().take(keep).read_until(b'\n', &mut buf)? == 0 {
             return Ok(());
         }
         line_no += 1;
+        if buf.len() as u64 == keep && buf.last() != Some(&b'\n') {
+            skip_line(&mut reader)?;
+            f(line_no, None);
+            continue;
+        }
         let mut end = buf.len();
         if end > 0 && buf[end - 1] == b'\n' {
             end -= 1;
@@ -181,7 +221,31 @@ fn for_each_line(mut reader: impl BufRead, mut f: impl FnMut(usize, &[u8])) -> s
         } else {
             0
         };
-        f(line_no, &buf[begin..end]);
+        if end - begin > max_line {
+            f(line_no, None);
+        } else {
+            f(line_no, Some(&buf[begin..end]));
+        }
+    }
+}
+
+/// Consumes the rest of the current line (through its `\n`, or to the end of the file).
+fn skip_line(reader: &mut impl BufRead) -> std::io::Result<()> {
+    loop {
+        let avail = reader.fill_buf()?;
+        if avail.is_empty() {
+            return Ok(());
+        }
+        match avail.iter().position(|&b| b == b'\n') {
+            Some(i) => {
+                reader.consume(i + 1);
+                return Ok(());
+            }
+            None => {
+                let n = avail.len();
+                reader.consume(n);
+            }
+        }
     }
 }
 

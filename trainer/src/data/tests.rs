@@ -87,6 +87,68 @@ fn jsonl_bad_records_are_skipped_and_counted() {
     assert_eq!(ds.skipped.total() as usize + ds.records.len(), 12);
 }
 
+/// Lines over the limit are passed over unheld (`None`) and reading goes on after them; a line
+/// exactly at the limit (its `\r\n` and a byte order mark not counted) is read.
+#[test]
+fn lines_over_the_limit_are_passed_over() {
+    let lines = |bytes: &[u8], max: usize| {
+        let mut got = vec![];
+        read::for_each_line(bytes, max, |n, b| {
+            got.push((n, b.map(|b| String::from_utf8(b.to_vec()).unwrap())))
+        })
+        .unwrap();
+        got
+    };
+    let long = "x".repeat(1 << 20);
+    let text = format!("\u{feff}0123456789\r\n{long}\nafter\n01234567890\n{long}");
+    let s = |t: &str| Some(t.to_string());
+    assert_eq!(
+        lines(text.as_bytes(), 10),
+        [
+            (1, s("0123456789")),
+            (2, None),
+            (3, s("after")),
+            (4, None),
+            (5, None)
+        ]
+    );
+    // At a limit of the long line's length, it is read whole.
+    assert_eq!(lines(text.as_bytes(), 1 << 20)[1], (2, s(&long)));
+
+    // In files: a JSONL line past the line limit and a text document past max_record_bytes
+    // are skipped as too long, and the records after them read.
+    let dir = tempfile::tempdir().unwrap();
+    let huge = "y".repeat(20 << 20);
+    let jsonl = format!("{{\"text\": \"a\"}}\n{{\"text\": \"{huge}\"}}\n{{\"text\": \"b\"}}\n");
+    let ds = Dataset::load(&write(dir.path(), "l.jsonl", jsonl.as_bytes()), &opts(100)).unwrap();
+    assert_eq!(
+        ds.records.iter().map(Record::text).collect::<Vec<_>>(),
+        ["a", "b"]
+    );
+    assert_eq!(
+        ds.records.iter().map(|r| r.line).collect::<Vec<_>>(),
+        [1, 3]
+    );
+    assert_eq!(ds.skipped.too_long_bytes, 1);
+    let o = LoadOptions {
+        format: crate::config::DataFormat::Text,
+        ..opts(12)
+    };
+    let text = "one\n\n0123456789ab\n\n0123\n4567\n89\n\nlong line over twelve\nand more\n\nlast";
+    let ds = Dataset::load(&write(dir.path(), "d.txt", text.as_bytes()), &o).unwrap();
+    // A document of three lines takes exactly 12 bytes with its newlines; the one from line 9
+    // takes 30.
+    assert_eq!(
+        ds.records.iter().map(Record::text).collect::<Vec<_>>(),
+        ["one", "0123456789ab", "0123\n4567\n89", "last"]
+    );
+    assert_eq!(
+        ds.records.iter().map(|r| r.line).collect::<Vec<_>>(),
+        [1, 3, 5, 12]
+    );
+    assert_eq!(ds.skipped.too_long_bytes, 1);
+}
+
 #[test]
 fn utf8_bom_does_not_cost_the_first_record() {
     let dir = tempfile::tempdir().unwrap();
@@ -398,4 +460,15 @@ fn resuming_from_a_position_continues_exactly() {
     }
     let mut b = Batcher::new(numbered(8), opts);
     assert!(b.seek(DataPosition { epoch: 0, index: 9 }).is_err());
+    // A position read from an edited state file, at the last epoch there is: the end, not an
+    // overflow (epochs unlimited, or not).
+    for max_epochs in [3, u64::MAX] {
+        let mut b = Batcher::new(numbered(8), BatchOptions { max_epochs, ..opts });
+        b.seek(DataPosition {
+            epoch: u64::MAX,
+            index: 8,
+        })
+        .unwrap();
+        assert_eq!(b.next(), None);
+    }
 }

@@ -48,6 +48,13 @@ impl ShardPlan {
                 ),
             });
         }
+        if shards > records.max(world_size) && rank == 0 {
+            tracing::warn!(
+                "policy.data_parallel.virtual_shards = {shards} for steps of {records} records: \
+                 {} shards are empty every step, each a zero gradient computed and summed",
+                shards - records
+            );
+        }
         Ok(ShardPlan {
             shards,
             world_size,

@@ -122,10 +122,11 @@ impl GenerationConfig {
         self.sampling()
             .validate()
             .map_err(|e| GenerateError::Config(e.to_string()))?;
-        if self.num_generations == 0 {
-            return Err(GenerateError::Config(
-                "num_generations must be at least 1".into(),
-            ));
+        if !(1..=MAX_GENERATIONS).contains(&self.num_generations) {
+            return Err(GenerateError::Config(format!(
+                "num_generations must be between 1 and {MAX_GENERATIONS}, not {}",
+                self.num_generations
+            )));
         }
         if self.stop_strings.iter().any(|s| s.is_empty()) {
             return Err(GenerateError::Config(
@@ -135,6 +136,10 @@ impl GenerationConfig {
         Ok(())
     }
 }
+
+/// The most samples per prompt: rows are made for all of them at once (a billion, a typo, would
+/// size the rows' allocation past any memory).
+pub const MAX_GENERATIONS: usize = 4096;
 
 /// Why a row stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

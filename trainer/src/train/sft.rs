@@ -149,8 +149,8 @@ struct SftBatch {
 }
 
 impl SftBatch {
-    fn new(examples: &[Encoded], device: &Device, per: usize) -> Result<SftBatch> {
-        let tb = pad_batch(examples, 0, device)?;
+    fn new(examples: &[Encoded], model: &Decoder, device: &Device, per: usize) -> Result<SftBatch> {
+        let tb = pad_batch(examples, 0, model.config().vocab_size, device)?;
         let (rows, targets) = trained_rows(examples, tb.ids.dim(1)?)?;
         Ok(SftBatch {
             layout: RowPieces::new(&tb.ids, rows, per),
@@ -210,7 +210,7 @@ pub fn sft_loss(
     normalizer: f64,
     device: &Device,
 ) -> Result<(Tensor, f64)> {
-    let batch = SftBatch::new(examples, device, 1)?;
+    let batch = SftBatch::new(examples, model, device, 1)?;
     let terms = sft_terms();
     let drive = Drive {
         model,
@@ -248,7 +248,12 @@ pub fn sft_grads(
     acc: Option<&mut GradAccumulator>,
 ) -> Result<(GradStore, f64)> {
     // The cross-entropy alone: the fused loss where it runs (larger chunks).
-    let batch = SftBatch::new(examples, model.device(), head.fused_rows(model.lm_head())?)?;
+    let batch = SftBatch::new(
+        examples,
+        model,
+        model.device(),
+        head.fused_rows(model.lm_head())?,
+    )?;
     let terms = sft_terms();
     let drive = Drive {
         model,
@@ -267,7 +272,7 @@ fn nll_sum(
     device: &Device,
     per: usize,
 ) -> Result<(f64, f64)> {
-    let batch = SftBatch::new(examples, device, per)?;
+    let batch = SftBatch::new(examples, model, device, per)?;
     let terms = sft_terms();
     let drive = Drive {
         model,

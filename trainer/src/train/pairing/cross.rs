@@ -306,7 +306,7 @@ impl CrossPieces {
         with_ce: bool,
     ) -> Result<CrossPieces> {
         let (xb, enc) = xtoken_batch(items, scores, k)?;
-        let tb = pad_batch(&enc, 0, ctx.device)?;
+        let tb = pad_batch(&enc, 0, ctx.vocab(), ctx.device)?;
         let ts = tb.ids.dim(1)?;
         let (targets, mask) = (tb.host_targets.clone(), tb.host_mask.clone());
         let wanted: Vec<bool> = (0..mask.len())

@@ -37,7 +37,7 @@ impl<'a> FullVocabBatch<'a> {
         purpose: Purpose,
     ) -> Result<FullVocabBatch<'a>> {
         let enc = same_encodings(items, scores, 0)?;
-        let tb = pad_batch(&enc, 0, ctx.device)?;
+        let tb = pad_batch(&enc, 0, ctx.vocab(), ctx.device)?;
         let hsz = head.hidden_size();
         for (r, s) in scores.iter().enumerate() {
             if s.hidden.len() != s.rows * hsz * 4 {

@@ -128,6 +128,11 @@ pub struct LossCtx<'a> {
 }
 
 impl<'a> LossCtx<'a> {
+    /// The student's vocabulary: the bound of every id it is fed.
+    pub fn vocab(&self) -> usize {
+        self.model.config().vocab_size
+    }
+
     /// What the loss pipeline runs with.
     pub fn drive(&self) -> super::micro::Drive<'a> {
         super::micro::Drive {

@@ -72,7 +72,7 @@ impl<'a> SameBatch<'a> {
         purpose: Purpose,
     ) -> Result<SameBatch<'a>> {
         let enc = same_encodings(items, scores, ctx.k)?;
-        let tb = pad_batch(&enc, 0, ctx.device)?;
+        let tb = pad_batch(&enc, 0, ctx.vocab(), ctx.device)?;
         let (rows, layout) = TrainedRows::lay_out(&ctx, &tb, purpose, |r, p, t: &mut TopkRows| {
             t.ids.extend_from_slice(scores[r].ids_row(p));
             t.lps.extend_from_slice(scores[r].values_row(p));

@@ -103,7 +103,7 @@ impl<'a> SampledBatch<'a> {
         samples: &[Sample],
         scores: &[&SequenceScores],
     ) -> Result<SampledBatch<'a>> {
-        let tb = pad_batch(&encoded(samples), 0, ctx.device)?;
+        let tb = pad_batch(&encoded(samples), 0, ctx.vocab(), ctx.device)?;
         let rows = SampledRows::new(samples, scores, tb.ids.dim(1)?)?;
         // The sampled-token loss runs fused where it can (larger chunks).
         let per = ctx.head.fused_rows(ctx.model.lm_head())?;

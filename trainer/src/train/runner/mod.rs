@@ -289,7 +289,7 @@ pub fn run<O: Objective>(
             r.loss_parts.insert("dp/collective_s".into(), comm.seconds);
             r.loss_parts.insert("dp/bytes".into(), comm.bytes);
         }
-        tokens_seen += r.tokens;
+        tokens_seen = tokens_seen.saturating_add(r.tokens);
         skipped += r.skipped;
         let dt = t_step.elapsed().as_secs_f64();
         let m = StepMetrics {

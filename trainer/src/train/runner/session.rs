@@ -111,7 +111,7 @@ impl Session {
         let total_steps = cfg
             .distillation
             .max_num_steps
-            .min(steps_per_epoch * cfg.distillation.max_num_epochs);
+            .min(steps_per_epoch.saturating_mul(cfg.distillation.max_num_epochs));
         let mut runner = Runner::in_group(
             student,
             optim_config(&cfg.policy.optimizer),

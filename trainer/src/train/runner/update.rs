@@ -271,6 +271,14 @@ impl Runner {
                 .model
                 .get(&name)
                 .with_context(|| format!("checkpoint has no tensor {name:?}"))?;
+            if t.dims() != var.dims() {
+                anyhow::bail!(
+                    "checkpoint tensor {name:?} is {:?}, the student's {:?}: the checkpoint is \
+                     of another model than policy.model_name",
+                    t.dims(),
+                    var.dims()
+                );
+            }
             var.set(&t.to_dtype(var.dtype())?.to_device(var.device())?)?;
         }
         // With ZeRO-1 each rank keeps the state of the parameters it updates.
