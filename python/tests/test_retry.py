@@ -37,15 +37,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _canned_answer() -> bytes:
-    """A valid MessagePack answer with one sequence of 2 rows, k = 2."""
+def _canned_answer(request: bytes = b"") -> bytes:
+    """A valid MessagePack answer with one sequence of 2 rows, k = 2 (and one candidate's
+    log-prob a row when `request` sent candidate ids)."""
     le_u32 = lambda v: np.asarray(v, "<u4").tobytes()  # noqa: E731
     le_f32 = lambda v: np.asarray(v, "<f4").tobytes()  # noqa: E731
+    result = {"shape": [2, 2], "topk_ids": le_u32([5, 7, 1, 2]),
+              "topk_values": le_f32([-0.5, -1.5, -0.25, -2.0]),
+              "target_logprobs": le_f32([-1.5, -3.0]), "logsumexp": le_f32([2.5, 3.5])}
+    if request and "ids" in msgpack.unpackb(request, raw=False):
+        result.update(ids_shape=[2, 1], ids_logprobs=le_f32([-4.0, -5.0]))
     return msgpack.packb({
         "k": 2, "values": "logprobs", "temperature": 1.0, "model": "canned",
-        "results": [{"shape": [2, 2], "topk_ids": le_u32([5, 7, 1, 2]),
-                     "topk_values": le_f32([-0.5, -1.5, -0.25, -2.0]),
-                     "target_logprobs": le_f32([-1.5, -3.0]), "logsumexp": le_f32([2.5, 3.5])}],
+        "results": [result],
     }, use_bin_type=True)
 
 
@@ -61,8 +65,10 @@ def _check_canned(scores) -> None:
 #: answering), ("stall", seconds) (answer 200 only after that long), "garbage" (200 with a
 #: body that is not MessagePack), "endless" or "endless-400" (a chunked body of "x" that never
 #: ends, until the client hangs up) or "huge" (200 declaring a terabyte, then nothing). 200 is
-#: the canned score answer (JSON `{"protocol_version": 2}` to a GET).
-Step = Union[int, Tuple[int, Dict[str, str]], str, Tuple[str, float]]
+#: the canned score answer (JSON `{"protocol_version": 2}` to a GET). ("body", bytes) answers
+#: 200 with those bytes, ("body", bytes, status) that status.
+Step = Union[int, Tuple[int, Dict[str, str]], str, Tuple[str, float], Tuple[str, bytes],
+             Tuple[str, bytes, int]]
 
 
 class Scripted:
@@ -95,11 +101,16 @@ class Scripted:
                 if isinstance(step, tuple) and step[0] == "stall":
                     time.sleep(step[1])
                     step = None
+                if isinstance(step, tuple) and step[0] == "body":
+                    status = step[2] if len(step) > 2 else 200
+                    self._send(status, {"Content-Type": "application/msgpack"}, step[1])
+                    return
                 if step is None and self.command == "GET":
                     self._send(200, {"Content-Type": "application/json"},
                                b'{"protocol_version": 2}')
                 elif step is None:
-                    self._send(200, {"Content-Type": "application/msgpack"}, _canned_answer())
+                    self._send(200, {"Content-Type": "application/msgpack"},
+                               _canned_answer(body))
                 elif step in ("endless", "endless-400"):
                     self._endless(200 if step == "endless" else 400)
                 elif step == "huge":
@@ -286,6 +297,88 @@ def test_a_malformed_answer_is_not_retried(sleeps):
             c.score([[1, 2, 3]], k=2)
         assert e.value.status == 200 and e.value.type == "malformed_answer"
         assert len(srv.requests) == 1 and sleeps == []
+
+
+def _answer(**change) -> bytes:
+    """The canned answer with its one result's fields changed (None: removed)."""
+    a = msgpack.unpackb(_canned_answer(), raw=False)
+    for key, v in change.items():
+        if v is None:
+            a["results"][0].pop(key, None)
+        else:
+            a["results"][0][key] = v
+    return msgpack.packb(a, use_bin_type=True)
+
+
+def test_answers_are_checked_against_the_request(sleeps):
+    """An answer of other rows, more than k entries, or candidate log-probs nobody asked for is
+    a malformed answer, never data of another shape; so are numbers no shape can hold, JSON
+    nested past Python's recursion limit, and an info that is not an object."""
+    le = lambda n: np.zeros(n, "<f4").tobytes()  # noqa: E731
+    bad = [
+        _answer(shape=[0, 0], topk_ids=b"", topk_values=b"", target_logprobs=b"", logsumexp=b""),
+        _answer(shape=[-1, 2]),  # numpy would infer the -1
+        _answer(shape=[1, 4], target_logprobs=le(1), logsumexp=le(1)),  # 4 entries, k = 2
+        _answer(shape=[float("inf"), 2]),
+        _answer(ids_shape=[2, 1], ids_logprobs=le(2)),  # no ids were sent
+    ]
+    for body in bad:
+        with Scripted([("body", body)]) as srv:
+            with pytest.raises(TeacherError) as e:
+                TeacherClient(srv.url).score([[1, 2, 3]], k=2)
+            assert (e.value.status, e.value.type) == (200, "malformed_answer"), body
+    # Candidates were sent: their shape must come back, [rows, m].
+    ids = [[[4], [6]]]
+    for shape in [None, [2, 2], [1, 2]]:
+        body = _answer(ids_shape=shape, ids_logprobs=le(4))
+        with Scripted([("body", body)]) as srv:
+            with pytest.raises(TeacherError) as e:
+                TeacherClient(srv.url).score([[1, 2, 3]], k=2, ids=ids)
+            assert e.value.type == "malformed_answer", shape
+    with Scripted([("body", _answer(ids_shape=[2, 1], ids_logprobs=le(2)))]) as srv:
+        [s] = TeacherClient(srv.url).score([[1, 2, 3]], k=2, ids=ids)
+        assert s.ids_logprobs.shape == (2, 1)
+    # /hidden_states: the rows asked for, a positive width.
+    for shape, width in [([1, 2], 2), ([2, 0], 0)]:
+        body = msgpack.packb({"dtype": "f32", "hidden_size": width, "model": "m",
+                              "head_fingerprint": "f" * 64,
+                              "results": [{"shape": shape, "hidden": le(shape[0] * shape[1])}]},
+                             use_bin_type=True)
+        with Scripted([("body", body)]) as srv:
+            with pytest.raises(TeacherError) as e:
+                TeacherClient(srv.url).hidden_states([[1, 2, 3]])
+            assert e.value.type == "malformed_answer", shape
+    # /v1/info: a JSON object, or a malformed answer (not a list handed on, not a RecursionError).
+    for body in [b"[]", b"5", b"[" * 100_000, b"\xff"]:
+        with Scripted([("body", body)]) as srv:
+            with pytest.raises(TeacherError) as e:
+                TeacherClient(srv.url).info()
+            assert e.value.type == "malformed_answer", body[:8]
+    # An error body nested past the recursion limit is still the server's status.
+    with Scripted([("body", b"[" * 60_000, 400)]) as srv:
+        with pytest.raises(TeacherError) as e:
+            TeacherClient(srv.url).score([[1, 2, 3]], k=2)
+        assert (e.value.status, e.value.type) == (400, "http_error")
+
+
+def test_a_non_ascii_content_length_is_not_a_crash():
+    """`"²".isdigit()` is true and `int("²")` a ValueError: a declared length is read only when
+    it is ASCII digits."""
+    from xdistill.client import _read_capped
+
+    class Answer:
+        status_code, url = 200, "http://t/x"
+        request = type("R", (), {"method": "GET"})()
+
+        def __init__(self, length: str):
+            self.headers = {"Content-Length": length}
+
+        def iter_content(self, n: int):
+            yield b"abc"
+
+    assert _read_capped(Answer("\u00b2"), 10) == b"abc"
+    with pytest.raises(AnswerTooLarge):
+        _read_capped(Answer("11"), 10)
 
 
 def test_answers_without_end_are_cut_at_the_requests_limit(sleeps):

@@ -211,7 +211,7 @@ class TeacherError(Exception):
             field = err.get("field", err.get("param"))
             return cls(resp.status_code, str(err.get("type", "http_error")),
                        str(err.get("message", "")), None if field is None else str(field))
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             text = raw[:500].decode("utf-8", "replace").strip()
             return cls(resp.status_code, "http_error", text or resp.reason or "")
 
@@ -313,7 +313,8 @@ def _read_capped(resp: requests.Response, limit: int) -> bytes:
             f"{resp.request.method} {resp.url}: the answer is longer than {limit} bytes, more "
             "than any answer to this request can be; not read further (is this URL a teacher?)")
     declared = resp.headers.get("Content-Length", "")
-    if declared.isdigit() and int(declared) > limit:
+    # ASCII digits only: "²".isdigit() is true, and int("²") a ValueError.
+    if declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise too_large()
     buf = bytearray()
     for chunk in resp.iter_content(1 << 16):
@@ -738,12 +739,20 @@ def _import_torch() -> object:
     return torch
 
 
-def _decode_scores(r: Dict[str, object]) -> SequenceScores:
+def _decode_scores(r: Dict[str, object], rows_asked: int, k_asked: int,
+                   m_asked: Optional[int]) -> SequenceScores:
+    """One sequence's answer, checked against what was asked: ``rows_asked`` rows of at most
+    ``k_asked`` entries, and ``m_asked`` candidate log-probs a row when candidates were sent
+    (``None``: none were, and none may come back)."""
     shape = _int_list(r["shape"])
-    if len(shape) != 2:
-        raise ValueError(f"shape {shape} is not [rows, k]")
+    if len(shape) != 2 or shape[0] != rows_asked or not 0 <= shape[1] <= k_asked:
+        raise ValueError(f"shape {shape} where [{rows_asked}, <= {k_asked}] was asked")
     rows, kk = shape
     ids_shape = r.get("ids_shape")
+    if (ids_shape is None) != (m_asked is None) or (
+            ids_shape is not None and _int_list(ids_shape) != [rows_asked, m_asked]):
+        raise ValueError(f"ids_shape {ids_shape!r} where "
+                         f"{'none' if m_asked is None else [rows_asked, m_asked]} was asked")
     return SequenceScores(
         topk_ids=_blob(r["topk_ids"], np.uint32, (rows, kk)),
         topk_values=_blob(r["topk_values"], np.float32, (rows, kk)),
@@ -787,11 +796,11 @@ def _widen(raw: npt.NDArray[Any], dtype: str) -> npt.NDArray[np.float32]:
     raise ValueError(f"unknown dtype {dtype!r}")
 
 
-def _decode_hidden(r: Dict[str, object], dtype: str, hidden_size: int, torch_out: bool
-                   ) -> Union[npt.NDArray[np.float32], torch.Tensor]:
+def _decode_hidden(r: Dict[str, object], dtype: str, hidden_size: int, rows: int,
+                   torch_out: bool) -> Union[npt.NDArray[np.float32], torch.Tensor]:
     shape = _int_list(r["shape"])
-    if len(shape) != 2 or shape[1] != hidden_size:
-        raise ValueError(f"shape {shape} is not [rows, {hidden_size}]")
+    if len(shape) != 2 or shape != [rows, hidden_size] or hidden_size <= 0:
+        raise ValueError(f"shape {shape} where [{rows}, {hidden_size}] was asked")
     buf = r["hidden"]
     if not isinstance(buf, bytes):
         raise TypeError(f"expected a binary blob, got {type(buf).__name__}")
@@ -904,7 +913,10 @@ def _head_from_file(path: Path, fingerprint: str) -> TeacherHead:
     with open(path, "rb") as f:
         prefix = f.read(8)
         if len(prefix) == 8:
-            prefix += f.read(struct.unpack("<Q", prefix)[0])
+            # The header's stated length, read no further than the file and the 16 MiB a
+            # header may take (_head_layout refuses the rest).
+            n = struct.unpack("<Q", prefix)[0]
+            prefix += f.read(min(n, max(total - 8, 0), 1 << 24))
     layout = _head_layout(prefix, total)
     return _head_from(
         layout, lambda a, b: np.fromfile(path, np.uint8, count=b - a,
@@ -1146,17 +1158,20 @@ class TeacherClient:
         if starts_list is not None:
             body["starts"] = starts_list
         m = 0
+        m_per: List[Optional[int]] = [None] * len(seqs)
         if ids is not None:
             if len(ids) != len(seqs):
                 raise ValueError(f"ids has {len(ids)} entries for {len(seqs)} sequences")
             id_rows = [_int_rows(per_seq) for per_seq in ids]
             body["ids"] = id_rows
             m = max((len(row) for per_seq in id_rows for row in per_seq), default=0)
+            m_per = [len(per_seq[0]) if per_seq else 0 for per_seq in id_rows]
         if return_tensors == "pt":
             _import_torch()
 
         packed: bytes = msgpack.packb(body, use_bin_type=True)
-        limit = _score_limit(_rows(seqs, int(start), starts_list), int(k), m)
+        rows = _rows(seqs, int(start), starts_list)
+        limit = _score_limit(rows, int(k), m)
         raw = self._request(
             "POST", "/topk_logits", limit, data=packed,
             headers={"Content-Type": _MSGPACK, "Accept": _MSGPACK,
@@ -1169,8 +1184,8 @@ class TeacherClient:
             results = cast(List[Dict[str, object]], answer["results"])
             if len(results) != len(seqs):
                 raise ValueError(f"{len(results)} results for {len(seqs)} sequences")
-            scores = [_decode_scores(r) for r in results]
-        except (ValueError, TypeError, KeyError, msgpack.UnpackException) as e:
+            scores = [_decode_scores(r, n, int(k), mi) for r, n, mi in zip(results, rows, m_per)]
+        except (ValueError, TypeError, KeyError, OverflowError, msgpack.UnpackException) as e:
             raise TeacherError(200, "malformed_answer", str(e)) from e
         if return_tensors == "pt":
             return [_to_torch(s) for s in scores]
@@ -1246,9 +1261,10 @@ class TeacherClient:
             results = cast(List[Dict[str, object]], answer["results"])
             if len(results) != len(seqs):
                 raise ValueError(f"{len(results)} results for {len(seqs)} sequences")
-            states = [_decode_hidden(r, dtype, hidden_size, torch_out) for r in results]
+            states = [_decode_hidden(r, dtype, hidden_size, n, torch_out)
+                      for r, n in zip(results, rows)]
             fp, model = str(answer["head_fingerprint"]), str(answer["model"])
-        except (ValueError, TypeError, KeyError, msgpack.UnpackException) as e:
+        except (ValueError, TypeError, KeyError, OverflowError, msgpack.UnpackException) as e:
             raise TeacherError(200, "malformed_answer", str(e)) from e
         if torch_out:
             return TorchHiddenStates(cast(List["torch.Tensor"], states), fp, model, dtype,
@@ -1313,7 +1329,8 @@ class TeacherClient:
                                          f"{what}: longer than the {most} bytes /v1/info "
                                          "announces; not read further")
                 yield chunk
-            if length is not None and n != int(length):
+            if length is not None and (not (length.isascii() and length.isdigit())
+                                       or n != int(length)):
                 raise requests.exceptions.ChunkedEncodingError(
                     f"{n} of {length} bytes of the head arrived")
             if h.hexdigest() != expected:
@@ -1330,7 +1347,7 @@ class TeacherClient:
                 body = self._call("GET", "/v1/head", None, None, to_memory)
                 try:
                     return _head_from_bytes(body, expected)
-                except (ValueError, TypeError, KeyError) as e:
+                except (ValueError, TypeError, KeyError, OverflowError, RecursionError) as e:
                     raise TeacherError(200, "malformed_answer", f"{what}: {e}") from e
 
             folder = Path(cache_dir).expanduser()
@@ -1365,7 +1382,7 @@ class TeacherClient:
                 _log.info("%s: the cached head %s is current", what, path)
             try:
                 return _head_from_file(path, expected)
-            except (ValueError, TypeError, KeyError) as e:
+            except (ValueError, TypeError, KeyError, OverflowError, RecursionError) as e:
                 raise TeacherError(200, "malformed_answer", f"{path}: {e}") from e
         except TeacherError as e:
             if isinstance(e, HeadFingerprintMismatch) or e.type != "head_unavailable":
@@ -1375,7 +1392,15 @@ class TeacherClient:
     def info(self) -> TeacherInfo:
         """The model and limits: ``GET /v1/info`` (``vocab_size``, ``logits_size``,
         ``max_seq_len``, ``protocol_version``, ``limits["max_k"]``, ...)."""
-        return cast(TeacherInfo, json.loads(self._request("GET", "/v1/info", SMALL_BODY_BYTES)))
+        raw = self._request("GET", "/v1/info", SMALL_BODY_BYTES)
+        try:
+            info: object = json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            raise TeacherError(200, "malformed_answer", f"{self.url}/v1/info: {e}") from e
+        if not isinstance(info, dict):
+            raise TeacherError(200, "malformed_answer",
+                               f"{self.url}/v1/info: the answer is not a JSON object")
+        return cast(TeacherInfo, info)
 
     def tokenizer_json(self) -> str:
         """The teacher's ``tokenizer.json`` text, byte for byte: ``GET /tokenizer.json``."""
