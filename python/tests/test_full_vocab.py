@@ -117,6 +117,24 @@ def test_head_file_is_safetensors_with_its_fingerprint(client, base, head, tmp_p
                                   head.weight)
 
 
+def test_head_scales_that_make_every_logit_nan_are_refused(base, head):
+    # The server's own file with its metadata changed: the header rewritten, the data as sent.
+    from xdistill.client import _head_from_bytes
+
+    body = requests.get(base + "/v1/head", timeout=60).content
+    (n,) = struct.unpack("<Q", body[:8])
+    header, data = json.loads(body[8:8 + n]), body[8 + n:]
+    assert _head_from_bytes(body, head.fingerprint).logit_scale == 1.0
+    for key, value in [("logit_scale", "NaN"), ("logit_scale", "inf"), ("logit_softcap", "0"),
+                       ("logit_softcap", "nan")]:
+        changed = json.loads(json.dumps(header))
+        changed["__metadata__"][key] = value
+        text = json.dumps(changed).encode()
+        text += b" " * (-len(text) % 8)
+        with pytest.raises(ValueError, match="logit_softcap"):
+            _head_from_bytes(struct.pack("<Q", len(text)) + text + data, head.fingerprint)
+
+
 def test_hidden_states_shapes_and_fingerprints(client, head, seqs):
     st = client.hidden_states(seqs)
     info = client.info()

@@ -361,6 +361,17 @@ def test_answers_are_checked_against_the_request(sleeps):
         assert (e.value.status, e.value.type) == (400, "http_error")
 
 
+def test_a_redirect_loop_is_a_teacher_error_at_once(sleeps):
+    """requests' own errors that another attempt would meet again (a redirect loop, a redirect
+    to a scheme it cannot follow) are a TeacherError, not retried."""
+    for location in ["/loop", "foo://elsewhere"]:
+        with Scripted([], after=(302, {"Location": location})) as srv:
+            with pytest.raises(TeacherError) as e:
+                TeacherClient(srv.url, backoff_initial_s=0.01).score([[1, 2, 3]], k=2)
+            assert e.value.type == "bad_answer", location
+            assert sleeps == []
+
+
 def test_a_non_ascii_content_length_is_not_a_crash():
     """`"²".isdigit()` is true and `int("²")` a ValueError: a declared length is read only when
     it is ASCII digits."""

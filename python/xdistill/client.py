@@ -886,15 +886,21 @@ def _head_from(layout: _HeadLayout, read: Callable[[int, int], npt.NDArray[np.ui
     vocab = int(meta.get("vocab_size", layout.head_rows))
     if not 0 < vocab <= layout.head_rows:
         raise ValueError(f"vocab_size {vocab} with {layout.head_rows} head rows")
-    cap = meta.get("logit_softcap", "none")
+    cap_text = meta.get("logit_softcap", "none")
+    scale = float(meta.get("logit_scale", "1.0"))
+    cap = None if cap_text in ("none", "null", "") else float(cap_text)
+    # A NaN or infinite scale, or a soft-cap c <= 0 (c * tanh(z / c)), makes every logit NaN.
+    if not math.isfinite(scale) or (cap is not None and not (math.isfinite(cap) and cap > 0)):
+        raise ValueError(f"logit_scale {scale} and logit_softcap {cap}: a finite scale and a "
+                         "positive, finite soft-cap (or none) are needed")
     weight = _widen(read(*layout.weight_offsets), layout.dtype).reshape(
         layout.head_rows, layout.hidden_size)
     bias = (None if layout.bias_offsets is None
             else _widen(read(*layout.bias_offsets), layout.dtype))
     return TeacherHead(
         weight=weight, bias=bias, vocab_size=vocab,
-        logit_scale=float(meta.get("logit_scale", "1.0")),
-        logit_softcap=None if cap in ("none", "null", "") else float(cap),
+        logit_scale=scale,
+        logit_softcap=cap,
         fingerprint=fingerprint, tied=meta.get("tied", "false") == "true", dtype=layout.dtype,
         model=meta.get("model_fingerprint", ""), architecture=meta.get("architecture", ""),
         path=path,
@@ -1044,6 +1050,10 @@ class TeacherClient:
             err = TeacherError(None, "connection_error", f"{method} {url}: {e}")
             err.__cause__ = e
             return err, None, None
+        except requests.RequestException as e:
+            # What another attempt would meet again (a redirect loop, a redirect to another
+            # scheme, a malformed header): the caller's error at once, not requests' own.
+            raise TeacherError(None, "bad_answer", f"{method} {url}: {e}") from e
         try:
             if 200 <= resp.status_code < 300 or resp.status_code in also_ok:
                 try:

@@ -681,6 +681,18 @@ pub fn decode_head(bytes: &[u8]) -> Result<HeadFile, CodecError> {
         logit_scale: float("logit_scale")?.unwrap_or(1.0),
         logit_softcap: float("logit_softcap")?,
     };
+    // A NaN or infinite scale, or a soft-cap c ≤ 0 (c · tanh(z / c)), makes every logit NaN.
+    if !meta.logit_scale.is_finite()
+        || meta
+            .logit_softcap
+            .is_some_and(|c| !(c.is_finite() && c > 0.0))
+    {
+        return Err(bad(format!(
+            "logit_scale {} and logit_softcap {:?}: a finite scale and a positive, finite \
+             soft-cap (or none) are needed",
+            meta.logit_scale, meta.logit_softcap
+        )));
+    }
     let tensor = |name: &str, want: u64| -> Result<Vec<f32>, CodecError> {
         let t = &header[name];
         let offs = t["data_offsets"]
@@ -1066,6 +1078,21 @@ mod tests {
             assert_eq!(back.weight, w);
             assert_eq!(back.bias, bias.then(|| vec![0.5; 4]));
             assert!(decode_head(&file[..file.len() - 1]).is_err());
+            // Scales that would make every logit NaN are refused by name.
+            for (scale, cap) in [(f64::NAN, None), (f64::INFINITY, None), (1.0, Some(0.0))] {
+                let odd = HeadMeta {
+                    logit_scale: scale,
+                    logit_softcap: cap,
+                    ..meta.clone()
+                };
+                let mut file = odd.header();
+                file.extend(w.iter().flat_map(|x| x.to_le_bytes()));
+                if bias {
+                    file.extend([0.5f32; 4].iter().flat_map(|x| x.to_le_bytes()));
+                }
+                let e = decode_head(&file).unwrap_err().to_string();
+                assert!(e.contains("logit_softcap"), "{e}");
+            }
         }
     }
 
