@@ -101,14 +101,7 @@ fn varmap(cfg: &ModelConfig, dtype: DType) -> VarMap {
 
 /// Hidden states and all gradients of `Σ hidden ∘ r` for one way of keeping activations.
 fn pass(model: &Decoder, vm: &VarMap, ids: &Tensor, act: Activations) -> (Vec<f64>, Vec<Vec<f64>>) {
-    let flat = |t: &Tensor| -> Vec<f64> {
-        t.to_dtype(DType::F64)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap()
-    };
+    let flat = xdistill_testkit::reference::f64s;
     let p = model.train_forward(ids, act).unwrap();
     let hidden = flat(p.hidden());
     let r = Tensor::from_vec(noise(7, hidden.len()), p.hidden().shape(), &Device::Cpu)

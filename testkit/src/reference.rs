@@ -103,6 +103,17 @@ impl Reference {
     }
 }
 
+/// A tensor's values in the order of its logical shape, flattened, as f64: what the tests
+/// compare against their references.
+pub fn f64s(t: &Tensor) -> Vec<f64> {
+    t.to_dtype(DType::F64)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
 /// Log-probs of one hidden-state row `h` through a `/v1/head` file, and their logsumexp, in
 /// f64: `log_softmax(c · tanh((h · Wᵀ + b) · s / c))` over the ids `< vocab_size` (no cap
 /// where the model has none): what `/hidden_states` × `/v1/head` must give back.

@@ -4,6 +4,7 @@
 use candle_core::{DType, Device, Tensor, Var, D};
 use xdistill_shared::hf::{ModelConfig, ModelDir};
 use xdistill_shared::model::{Decoder, Ops};
+use xdistill_testkit::reference::f64s as flat;
 use xdistill_trainer::init_model::random_params;
 use xdistill_trainer::optim::GradAccumulator;
 use xdistill_trainer::student::{compute_vars, Student};
@@ -224,16 +225,6 @@ fn saved_student_serves_identical_logits() {
         let b: Vec<f32> = v2.as_tensor().flatten_all().unwrap().to_vec1().unwrap();
         assert_eq!(a, b, "{n1}");
     }
-}
-
-/// Flat f64 copy of a tensor.
-fn flat(t: &Tensor) -> Vec<f64> {
-    t.to_dtype(DType::F64)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap()
 }
 
 fn cosine(a: &[f64], b: &[f64]) -> f64 {

@@ -230,14 +230,7 @@ mod tests {
         p.to_dtype(v.dtype()).unwrap().matmul(&v).unwrap()
     }
 
-    fn flat(t: &Tensor) -> Vec<f64> {
-        t.to_dtype(DType::F64)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap()
-    }
+    use xdistill_testkit::reference::f64s as flat;
 
     fn worst(a: &Tensor, b: &Tensor) -> f64 {
         flat(a)

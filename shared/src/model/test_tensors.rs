@@ -1,7 +1,7 @@
 //! Small helpers for the model's unit tests: fixed noise, a tensor's values, their largest
 //! relative difference.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 
 /// `shape` filled with the crate's LCG noise in [-scale/2, scale/2), f64 on the CPU.
 pub(crate) fn data(seed: u64, shape: &[usize], scale: f64) -> Tensor {
@@ -13,15 +13,7 @@ pub(crate) fn data(seed: u64, shape: &[usize], scale: f64) -> Tensor {
     Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
 }
 
-/// `t`'s values as f64, in the order of its logical shape.
-pub(crate) fn values(t: &Tensor) -> Vec<f64> {
-    t.to_dtype(DType::F64)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap()
-}
+pub(crate) use xdistill_testkit::reference::f64s as values;
 
 /// The largest difference relative to the largest |reference| (`a` and `b` of one shape).
 pub(crate) fn worst(a: &Tensor, b: &Tensor) -> f64 {

@@ -56,14 +56,7 @@ pub fn scalar(t: &Tensor) -> f64 {
     t.to_dtype(DType::F64).unwrap().to_scalar::<f64>().unwrap()
 }
 
-pub fn flat(t: &Tensor) -> Vec<f64> {
-    t.to_dtype(DType::F64)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap()
-}
+pub use xdistill_testkit::reference::f64s as flat;
 
 /// Central finite differences of `f` at `x`.
 pub fn numeric_grad(x: &[f64], h: f64, f: impl Fn(&[f64]) -> f64) -> Vec<f64> {

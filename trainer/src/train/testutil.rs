@@ -98,15 +98,7 @@ fn worst_relative(a: &[f64], b: &[f64]) -> f64 {
         / scale
 }
 
-/// `t`'s values as f64, flattened.
-pub fn flat(t: &Tensor) -> Vec<f64> {
-    t.to_dtype(DType::F64)
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .to_vec1()
-        .unwrap()
-}
+pub use crate::loss::testutil::flat;
 
 /// Asserts that `got` holds every parameter's gradient of `want` within `tol` (relative to the
 /// gradient's largest entry), and that no parameter has a gradient in only one of them.
