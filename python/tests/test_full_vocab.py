@@ -333,7 +333,10 @@ class _Proxy:
                     self.wfile.flush()
                     self.close_connection = True
                     return
-                self.wfile.write(body)
+                try:
+                    self.wfile.write(body)
+                except OSError:  # the client hung up (it refused what it had read)
+                    self.close_connection = True
 
             def _unavailable(self) -> None:
                 self._send(501, json.dumps({"error": {

@@ -10,7 +10,9 @@ the other side.
 
 from __future__ import annotations
 
+import gzip
 import http.server
+import json
 import logging
 import random
 import socket
@@ -66,9 +68,10 @@ def _check_canned(scores) -> None:
 #: body that is not MessagePack), "endless" or "endless-400" (a chunked body of "x" that never
 #: ends, until the client hangs up) or "huge" (200 declaring a terabyte, then nothing). 200 is
 #: the canned score answer (JSON `{"protocol_version": 2}` to a GET). ("body", bytes) answers
-#: 200 with those bytes, ("body", bytes, status) that status.
+#: 200 with those bytes, ("body", bytes, status) that status; ("encoded", coding, bytes,
+#: status) answers that status with those bytes as `Content-Encoding: coding`.
 Step = Union[int, Tuple[int, Dict[str, str]], str, Tuple[str, float], Tuple[str, bytes],
-             Tuple[str, bytes, int]]
+             Tuple[str, bytes, int], Tuple[str, str, bytes, int]]
 
 
 class Scripted:
@@ -101,6 +104,11 @@ class Scripted:
                 if isinstance(step, tuple) and step[0] == "stall":
                     time.sleep(step[1])
                     step = None
+                if isinstance(step, tuple) and step[0] == "encoded":
+                    _, coding, payload, status = step
+                    self._send(status, {"Content-Type": "application/msgpack",
+                                        "Content-Encoding": coding}, payload)
+                    return
                 if isinstance(step, tuple) and step[0] == "body":
                     status = step[2] if len(step) > 2 else 200
                     self._send(status, {"Content-Type": "application/msgpack"}, step[1])
@@ -359,6 +367,57 @@ def test_answers_are_checked_against_the_request(sleeps):
         with pytest.raises(TeacherError) as e:
             TeacherClient(srv.url).score([[1, 2, 3]], k=2)
         assert (e.value.status, e.value.type) == (400, "http_error")
+
+
+def test_compressed_answers_are_refused_unread(sleeps):
+    """The client asks for answers as sent, and refuses a compressed one without inflating
+    it: here gzip over gzip of 64 MiB of zeros, 10,000 times smaller than its content, which a
+    client that inflated would read (urllib3 before 2.6 bounds neither a chunk's expansion nor
+    a chain of encodings). A 2xx answer is malformed; an error answer keeps its status, so a
+    compressed 503 is still retried."""
+    bomb = gzip.compress(gzip.compress(bytes(64 << 20), 1), 1)
+    assert len(bomb) < (64 << 20) // 10_000
+    for coding in ["gzip, gzip", "GZIP", "deflate", "br"]:
+        with Scripted([("encoded", coding, bomb, 200)]) as srv:
+            c = TeacherClient(srv.url, backoff_initial_s=0.01)
+            with pytest.raises(TeacherError) as e:
+                c.score([[1, 2, 3]], k=2)
+            assert (e.value.status, e.value.type) == (200, "malformed_answer"), coding
+            assert f"Content-Encoding: {coding.lower()}" in e.value.message
+            assert srv.requests[0][0].get("Accept-Encoding") == "identity"
+            assert len(srv.requests) == 1 and sleeps == []
+    with Scripted([("encoded", "gzip", bomb, 503)]) as srv:
+        c = TeacherClient(srv.url, backoff_initial_s=0.01)
+        _check_canned(c.score([[1, 2, 3]], k=2))
+        assert len(srv.requests) == 2 and len(sleeps) == 1
+    with Scripted([("encoded", "gzip", bomb, 400)]) as srv:
+        with pytest.raises(TeacherError) as e:
+            TeacherClient(srv.url).info()
+        assert (e.value.status, e.value.type) == (400, "http_error")
+        assert "not read" in e.value.message
+    # "identity" is an answer as sent.
+    with Scripted([("encoded", "identity", _canned_answer(), 200)]) as srv:
+        _check_canned(TeacherClient(srv.url).score([[1, 2, 3]], k=2))
+
+
+def test_head_fingerprints_are_whole_hex_strings():
+    """A fingerprint is 64 hex digits and nothing after them (it names the head's cached file):
+    a trailing newline from the server is a malformed answer, from the caller a ValueError;
+    neither is taken for a fingerprint that merely does not match."""
+    def info(fp: str) -> bytes:
+        return json.dumps({"full_vocab": {"head_fingerprint": fp, "head_rows": 4,
+                                          "hidden_size": 2, "head_bytes": 200,
+                                          "dtype": "f32"}}).encode()
+    fp = "ab" * 32
+    with Scripted([("body", info(fp + "\n"))]) as srv:
+        with pytest.raises(TeacherError) as e:
+            TeacherClient(srv.url).head()
+        assert (e.value.status, e.value.type) == (200, "malformed_answer")
+        assert "head_fingerprint" in e.value.message
+    for given in [fp + "\n", fp[:-1], "../" + fp[3:]]:
+        with Scripted([("body", info(fp))]) as srv:
+            with pytest.raises(ValueError, match="64 hex digits"):
+                TeacherClient(srv.url).head(fingerprint=given)
 
 
 def test_a_redirect_loop_is_a_teacher_error_at_once(sleeps):

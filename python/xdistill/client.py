@@ -115,7 +115,7 @@ def backoff_delay(failures: int, initial: float, maximum: float, u: float) -> fl
 
 
 #: A decimal number, as Rust's ``f64::from_str`` reads it (without its ``inf``/``nan`` forms).
-_DECIMAL = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+_DECIMAL = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
 
 def _head_file_limit(fv: Mapping[str, Any], where: str) -> int:
@@ -148,7 +148,7 @@ def parse_retry_after(value: Optional[str]) -> Optional[float]:
     if value is None:
         return None
     v = value.strip()
-    if not _DECIMAL.match(v):
+    if not _DECIMAL.fullmatch(v):
         return None
     secs = float(v)
     if not math.isfinite(secs) or secs < 0:
@@ -335,6 +335,23 @@ def _read_prefix(resp: requests.Response, limit: int) -> bytes:
     except requests.RequestException:
         pass
     return bytes(buf)
+
+
+def _encoding_error(resp: requests.Response, what: str) -> Optional[TeacherError]:
+    """The error for an answer sent with a ``Content-Encoding`` other than ``identity``, which
+    the client asks for and a teacher always sends: its body is not read, since inflating it
+    is what a decompression bomb needs (a proxy that compresses anyway is misconfigured).
+    ``None`` for an answer as sent. A 2xx answer is malformed; an error answer keeps its
+    status (and so whether it is retried), its body unread."""
+    coding = resp.headers.get("Content-Encoding", "").strip().lower()
+    if coding in ("", "identity") or resp.status_code in (204, 304):  # 204, 304: no body
+        return None
+    message = (f"{what}: the answer is compressed (Content-Encoding: {coding[:80]}) although "
+               "the client asked for Accept-Encoding: identity; not read (does a proxy "
+               "compress answers?)")
+    if 200 <= resp.status_code < 300:
+        return TeacherError(resp.status_code, "malformed_answer", message)
+    return TeacherError(resp.status_code, "http_error", message)
 
 
 def _head_error(e: TeacherError) -> TeacherError:
@@ -938,7 +955,9 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-_FINGERPRINT = re.compile(r"^[0-9a-f]{64}$")
+#: A SHA-256 fingerprint, lower-case hex; whole strings only (``fullmatch``: ``$`` would accept a
+#: trailing newline, and the fingerprint names the head's file in the cache).
+_FINGERPRINT = re.compile(r"[0-9a-f]{64}")
 
 
 #: ``requests`` exceptions after which another attempt may succeed: the connection was refused,
@@ -1017,6 +1036,10 @@ class TeacherClient:
         self._rng = rng if rng is not None else random.Random()
         self._session = requests.Session()
         self._session.headers["User-Agent"] = "xdistill-python/0.1.0"
+        # Answers as sent: a teacher never compresses, and a compressed answer is refused
+        # unread (_encoding_error), never inflated by urllib3, whose versions before 2.6
+        # bound neither a chunk's expansion nor a chain of encodings (decompression bombs).
+        self._session.headers["Accept-Encoding"] = "identity"
         if api_key is not None:
             self._session.headers["Authorization"] = f"Bearer {api_key}"
 
@@ -1055,6 +1078,9 @@ class TeacherClient:
             # scheme, a malformed header): the caller's error at once, not requests' own.
             raise TeacherError(None, "bad_answer", f"{method} {url}: {e}") from e
         try:
+            encoded = _encoding_error(resp, f"{method} {url}")
+            if encoded is not None:
+                return encoded, parse_retry_after(resp.headers.get("Retry-After")), None
             if 200 <= resp.status_code < 300 or resp.status_code in also_ok:
                 try:
                     return None, None, read(resp)
@@ -1304,6 +1330,7 @@ class TeacherClient:
                 fingerprint (nothing is cached).
             TeacherError: any other failure; RetriesExhausted when retries ran out (a body
                 that breaks off is retried).
+            ValueError: ``fingerprint`` is not 64 hex digits.
         """
         info = self.info()
         fv = info.get("full_vocab")
@@ -1312,8 +1339,12 @@ class TeacherClient:
                                   f"{self.url}/v1/info has no full_vocab: the server serves no "
                                   f"LM head (too old, or its model's head cannot be served)")
         announced = str(fv["head_fingerprint"]).lower()
+        if not _FINGERPRINT.fullmatch(announced):
+            raise TeacherError(200, "malformed_answer",
+                               f"{self.url}/v1/info: head_fingerprint {announced[:80]!r} is not "
+                               "64 hex digits")
         expected = announced if fingerprint is None else fingerprint.lower()
-        if not _FINGERPRINT.match(expected):
+        if not _FINGERPRINT.fullmatch(expected):
             raise ValueError(f"a head fingerprint is 64 hex digits, not {expected!r}")
         if expected != announced:
             raise HeadFingerprintMismatch(None, expected, announced, f"{self.url}/v1/info")
