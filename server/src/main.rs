@@ -7,7 +7,11 @@ use xdistill_server::{launch, Args};
 // The allocator of every xdistill binary: jemalloc with transparent huge pages.
 xdistill_shared::global_allocator!();
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
+    xdistill_shared::report::exit_report(run())
+}
+
+fn run() -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),

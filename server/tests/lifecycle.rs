@@ -97,11 +97,19 @@ fn missing_model_fails_clearly() {
         .arg("--model")
         .arg(dir.path())
         .args(["--port", "0"])
+        .env("RUST_LOG", "warn")
+        .env_remove("RUST_BACKTRACE")
+        .env_remove("RUST_LIB_BACKTRACE")
         .output()
         .unwrap();
-    assert!(!out.status.success());
+    assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("config.json"), "{err}");
+    // One line, each cause once (shared::report): the I/O reason is not repeated.
+    let line = err.lines().find(|l| l.starts_with("Error: ")).unwrap_or("");
+    let reason = "No such file or directory";
+    assert!(line.contains(reason), "{err}");
+    assert_eq!(err.matches(reason).count(), 1, "{err}");
 }
 
 #[test]

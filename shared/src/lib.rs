@@ -8,6 +8,7 @@
 //! - [`gguf`]: GGUF files (llama.cpp's format) read as they are, for inference.
 //! - [`model`]: the Llama-family decoder (Llama, Qwen2, Qwen3) used by both sides.
 //! - [`process`]: a `teacher` server as a child process (the demo, cross-process tests).
+//! - [`report`]: errors as one line for people (the binaries' exit, the client's transport errors).
 //! - [`init`]: random parameters for a model config, reproducible from a seed.
 //! - [`topk`]: the device top-k of logit rows (the teacher's GPU scoring, the trainer's losses).
 //!
@@ -27,6 +28,7 @@ pub mod paths;
 pub mod process;
 pub mod profiling;
 pub mod protocol;
+pub mod report;
 pub mod tokenizer_json;
 pub mod topk;
 

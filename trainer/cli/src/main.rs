@@ -32,7 +32,8 @@ enum Command {
     OnPolicy(config::DistillArgs),
     /// Supervised fine-tuning on prompt + completion data (loss on the completion).
     Sft(train::sft::SftArgs),
-    /// The end-to-end demo: teacher by SFT, then SFT vs off-policy vs on-policy distillation.
+    /// The end-to-end demo: a real teacher (SmolLM2-135M, GGUF) distilled into a depth-pruned copy
+    /// of itself, against SFT at the same budget (`--task arithmetic`: the synthetic comparison).
     Demo(demo::DemoArgs),
     /// Accuracy of a model on a prompts file (greedy and sampled).
     Eval(eval::Args),
@@ -56,7 +57,11 @@ enum Command {
 // step (xdistill_shared::alloc::RETAINING_MALLOC_CONF).
 xdistill_shared::global_allocator!(xdistill_shared::alloc::RETAINING_MALLOC_CONF);
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
+    xdistill_shared::report::exit_report(run())
+}
+
+fn run() -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),

@@ -88,7 +88,7 @@ pub async fn read_error(mut resp: reqwest::Response) -> Bytes {
 pub fn transport(url: &Url, e: &reqwest::Error) -> ClientError {
     ClientError::Transport {
         url: url.to_string(),
-        message: super::wire::error_chain(e),
+        message: xdistill_shared::report::error_chain(e),
     }
 }
 

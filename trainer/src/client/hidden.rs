@@ -217,7 +217,7 @@ impl TeacherClient {
         }
         let transport = |e: reqwest::Error| ClientError::Transport {
             url: url.to_string(),
-            message: super::wire::error_chain(&e),
+            message: xdistill_shared::report::error_chain(&e),
         };
         // A long download must not be cut by the scoring timeout: the head of an 8B model is
         // over a gigabyte.

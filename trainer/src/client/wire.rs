@@ -206,20 +206,6 @@ pub(super) fn error_body(
     }
 }
 
-/// An error with its causes (reqwest's own message is terse: "error sending request").
-pub(super) fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        let m = c.to_string();
-        if !s.contains(&m) {
-            s += &format!(": {m}");
-        }
-        cur = c.source();
-    }
-    s
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
