@@ -73,6 +73,19 @@ pub fn transpose_panels(x: &[f32], k: usize, panels: usize) -> Vec<f32> {
     at
 }
 
+/// The micro-tiles' contract, checked once per tile (the unsafe kernels read through raw
+/// pointers after it): `at` holds a panel's `k` inputs, `out` an `[MR, NP]` tile, and every
+/// row of `w` they read is whole. With `k = 0` the tile is zeros and there is nothing to sum.
+#[inline(always)]
+fn tile_has_work(at: &[f32], w: &[f32], rows: &[usize; MR], k: usize, out: &mut [f32]) -> bool {
+    assert!(at.len() >= k * NP && out.len() >= MR * NP);
+    assert!(rows.iter().all(|&r| (r + 1) * k <= w.len()));
+    if k == 0 {
+        out[..MR * NP].fill(0.0);
+    }
+    k > 0
+}
+
 /// `out[r, p] = Σ_j w[rows[r], j] · at[j, p]` for `MR` rows of `w` and a panel's `NP` rows
 /// (`at`: `[k, NP]`, `out`: `[MR, NP]`), in [`dot_blocked`]'s order (blocks of [`KB`]).
 ///
@@ -83,15 +96,12 @@ pub fn transpose_panels(x: &[f32], k: usize, panels: usize) -> Vec<f32> {
 #[inline(always)]
 pub unsafe fn micro_tile(at: &[f32], w: &[f32], rows: [usize; MR], k: usize, out: &mut [f32]) {
     use std::arch::x86_64::*;
-    assert!(at.len() >= k * NP && out.len() >= MR * NP);
-    assert!(rows.iter().all(|&r| (r + 1) * k <= w.len()));
+    if !tile_has_work(at, w, &rows, k, out) {
+        return;
+    }
     let wr: [*const f32; MR] = rows.map(|r| w.as_ptr().add(r * k));
     let a = at.as_ptr();
     let o = out.as_mut_ptr();
-    if k == 0 {
-        out[..MR * NP].fill(0.0);
-        return;
-    }
     // The blocks' running sums stay in `out` (in L1): 16 zmm accumulators per block, plus
     // one load, add and store each per block.
     for j0 in (0..k).step_by(KB) {
@@ -131,14 +141,11 @@ pub unsafe fn micro_tile(at: &[f32], w: &[f32], rows: [usize; MR], k: usize, out
 #[inline(always)]
 pub unsafe fn micro_tile_avx2(at: &[f32], w: &[f32], rows: [usize; MR], k: usize, out: &mut [f32]) {
     use std::arch::x86_64::*;
-    assert!(at.len() >= k * NP && out.len() >= MR * NP);
-    assert!(rows.iter().all(|&r| (r + 1) * k <= w.len()));
-    let a = at.as_ptr();
-    let o = out.as_mut_ptr();
-    if k == 0 {
-        out[..MR * NP].fill(0.0);
+    if !tile_has_work(at, w, &rows, k, out) {
         return;
     }
+    let a = at.as_ptr();
+    let o = out.as_mut_ptr();
     for j0 in (0..k).step_by(KB) {
         let j1 = (j0 + KB).min(k);
         for pair in 0..MR / 2 {
@@ -178,9 +185,7 @@ pub unsafe fn micro_tile_avx2(at: &[f32], w: &[f32], rows: [usize; MR], k: usize
 /// the panel's block stays in L1.
 #[inline(always)]
 fn portable_tile(at: &[f32], w: &[f32], rows: [usize; MR], k: usize, out: &mut [f32]) {
-    assert!(at.len() >= k * NP && out.len() >= MR * NP);
-    if k == 0 {
-        out[..MR * NP].fill(0.0);
+    if !tile_has_work(at, w, &rows, k, out) {
         return;
     }
     for j0 in (0..k).step_by(KB) {
