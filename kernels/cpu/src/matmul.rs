@@ -313,9 +313,9 @@ unsafe fn run_job(level: Simd, j: &Job<'_>, out: *mut f32) {
         #[target_feature(enable = "avx2,fma")]
         unsafe fn avx2(j: &Job<'_>, out: *mut f32) {
             // A closure, not a function item: a closure is compiled with this function's
-            // features, while a function item is called through a `Fn::call` shim compiled
-            // without them (the portable kernel's `mul_add` became a call to `fmaf` there,
-            // 50x slower, whenever the shim was not inlined).
+            // features, so the tile's intrinsics are inlined here; a function item would be
+            // called through a `Fn::call` shim compiled without them (out-of-line intrinsics,
+            // or `fmaf` calls, 50x slower, whenever the shim was not inlined).
             // SAFETY: this function runs only with AVX2 and FMA (below).
             job_body(j, out, |at, w, rows, k, t| unsafe {
                 micro_tile_avx2(at, w, rows, k, t)
