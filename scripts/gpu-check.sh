@@ -56,7 +56,10 @@ mkdir -p "$out"
 log="$out/gpu-check.log"
 # Lines cut at 2,000 characters: a failed assert_eq! on two tensors prints megabytes, and a log
 # over 16 MiB does not come back from a lent machine (the 2026-11-29 H200 run's was lost so).
-exec > >(awk '{ print substr($0, 1, 2000); fflush() }' | tee -a "$log") 2>&1
+# `sed -u` reads and writes a line at a time: the GPU image's awk (mawk) read its pipe in blocks,
+# so a run stopped by `timeout` lost everything still in that buffer (on 2026-12-04 a 460 s
+# run's whole log). A caller's time limit leaves the log complete up to the moment it stops.
+exec > >(sed -u 's/^\(.\{2000\}\).*/\1/' | tee -a "$log") 2>&1
 work=$(mktemp -d /tmp/xdistill-gpu.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 fail=0

@@ -237,7 +237,10 @@ fn topk_kd_train_writes_the_gradient_over_the_logits() {
             for dt in [DType::F32, DType::BF16] {
                 let run = |on: &Device| {
                     let to = |t: &Tensor| t.to_device(on).unwrap();
-                    let z = to(&z.to_dtype(dt).unwrap());
+                    // A copy of its own: the gradient is written over it, and `to_dtype` and
+                    // `to_device` to what a tensor already is share its storage (the first GPU
+                    // run, 2026-12-04, read the CPU run's gradient as its logits).
+                    let z = to(&z.to_dtype(dt).unwrap()).copy().unwrap();
                     let ce = with_ce.then(|| to(&y));
                     let op = TopkKdTrain::new(&z, &to(&ids), &to(&lts), ce.as_ref(), loss).unwrap();
                     let out = op.figures(&z).unwrap();
