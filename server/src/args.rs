@@ -83,8 +83,9 @@ pub struct Args {
     /// On the host path: fused (the LM head a vocabulary tile at a time, each tile scored while
     /// in cache; the `[N, V]` logits never exist) or full (the logits of a chunk of positions,
     /// then scored). The same scores to f32 rounding; bit for bit where candle makes the fused
-    /// tiles (CPUs without AVX-512, or `XDISTILL_SIMD=avx2`), while the AVX-512 kernel sums each
-    /// dot product in its own fixed order. Fused is faster and smaller.
+    /// tiles (CPUs without AVX2, `XDISTILL_SIMD=baseline`, a head that is not f32), while the
+    /// head kernel (AVX-512 or AVX2) sums each dot product in its own fixed order. Fused is
+    /// faster and smaller.
     #[arg(long, env = "XDISTILL_LM_HEAD", value_enum, default_value_t = LmHead::Fused)]
     pub lm_head: LmHead,
     /// A GGUF file's weights: dequantize (every weight dequantized at load to --dtype: the

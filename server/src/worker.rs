@@ -115,7 +115,11 @@ pub fn spawn(
             tracing::info!(
                 on_device = scorer.on_device,
                 lm_head = ?scorer.lm_head,
-                lm_head_kernel = if kernel { "avx512" } else { "candle" },
+                lm_head_kernel = if kernel {
+                    xdistill_cpu_kernels::simd::Simd::current().name()
+                } else {
+                    "candle"
+                },
                 linear_kernel = if linear_kernel(decoder.device(), decoder.lm_head().dtype()) {
                     xdistill_cpu_kernels::simd::Simd::current().name()
                 } else {

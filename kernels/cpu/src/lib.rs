@@ -8,7 +8,7 @@
 //!   vectorisable `exp` both sides use.
 //! - [`matmul`]: `x · Wᵀ` on AVX-512 and AVX2 (the inference linear layers, the fused LM head).
 //! - [`row_scores`]: the teacher's host scoring: top-k, target log-prob, logsumexp, candidates
-//!   and ranks folded a vocabulary tile at a time, and the AVX-512 fused LM head.
+//!   and ranks folded a vocabulary tile at a time, and the fused LM head (AVX-512 and AVX2).
 //! - [`host_ops`]: the inference forward's row ops on f32 host tensors (softmax, RMSNorm,
 //!   `silu(gate) · up`).
 //!

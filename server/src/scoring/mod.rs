@@ -9,7 +9,7 @@
 //!   results are copied back; the default on a GPU);
 //! - on the host, with the LM head fused with scoring (the default on the CPU): the logits of a
 //!   chunk come a vocabulary tile at a time and each tile is folded into the rows' running
-//!   scores ([`RowFolds`], from `xdistill_cpu_kernels::row_scores`) while in cache; on AVX-512 with
+//!   scores ([`RowFolds`], from `xdistill_cpu_kernels::row_scores`) while in cache; on AVX-512 or AVX2 with
 //!   an f32 head the head kernel ([`RowFolds::fold_head`]) makes and folds the tiles itself;
 //! - on the host from the full `[c, V]` logits ([`score_rows`]; `--lm-head full`, and requests
 //!   for ranks when the fused head goes through candle).
@@ -161,7 +161,7 @@ impl Timing {
         }
     }
 
-    /// Adds `d`, measured elsewhere (the AVX-512 head kernel splits its own time), to `phase`.
+    /// Adds `d`, measured elsewhere (the head kernel (AVX-512 or AVX2) splits its own time), to `phase`.
     pub fn add(&mut self, phase: Phase, d: Duration) {
         *self.slot(phase) += d;
     }
@@ -238,7 +238,7 @@ pub struct Scorer {
     pub on_device: bool,
     /// On the host: the LM head a vocabulary tile at a time, folded into the scores.
     pub lm_head: LmHead,
-    /// With `lm_head` fused: the AVX-512 kernel computes and folds the tiles (where the CPU
+    /// With `lm_head` fused: the head kernel (AVX-512 or AVX2) computes and folds the tiles (where the CPU
     /// has it and the head is f32); otherwise candle's matmul makes them.
     pub head_kernel: bool,
 }
@@ -334,7 +334,7 @@ impl Scorer {
         }
     }
 
-    /// Whether the AVX-512 head kernel scores with `head` (the decoder's LM head): the CPU has
+    /// Whether the head kernel (AVX-512 or AVX2) scores with `head` (the decoder's LM head): the CPU has
     /// it, the path is the fused host one, and it can read the head in place.
     pub fn uses_head_kernel(&self, head: &Tensor) -> bool {
         self.head_kernel && kernel_reads(head) && !self.on_device && self.lm_head == LmHead::Fused
@@ -392,7 +392,7 @@ impl Scorer {
         Ok(())
     }
 
-    /// Scores of `rows` [c, H] on the path this scorer takes: on the device, else the AVX-512
+    /// Scores of `rows` [c, H] on the path this scorer takes: on the device, else the
     /// LM-head kernel when it applies, else the head a tile at a time through candle (no
     /// ranks), else the full logits.
     fn score_rows(
@@ -421,7 +421,7 @@ impl Scorer {
         self.on_device && device_topk_fits(params.k)
     }
 
-    /// Scores of `rows` [c, H] by the AVX-512 LM-head kernel ([`RowFolds::fold_head`]), which
+    /// Scores of `rows` [c, H] by the LM-head kernel (AVX-512 or AVX2) ([`RowFolds::fold_head`]), which
     /// reads the f32 head in place; `None` when the head or the rows are not f32 host memory.
     /// Its wall time is split between [`Phase::Head`] and [`Phase::Topk`] by
     /// [`HeadTiming::split`]; the rows' final top-k and log-probs count as top-k.
@@ -524,7 +524,7 @@ fn chunk_rows(on_gpu: bool, on_device: bool, lm_head: LmHead, logits_size: usize
     }
 }
 
-/// Whether the AVX-512 LM-head kernel can read `head` in place: f32, contiguous, host memory.
+/// Whether the LM-head kernel can read `head` in place: f32, contiguous, host memory.
 fn kernel_reads(head: &Tensor) -> bool {
     head.dtype() == DType::F32 && head.device().is_cpu() && head.is_contiguous()
 }

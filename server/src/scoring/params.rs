@@ -35,7 +35,7 @@ impl TopkPath {
 pub enum LmHead {
     /// Logits a vocabulary tile at a time, each tile folded into the rows' running scores
     /// while it is in cache: `[N, V]` is never materialised and LM-head padding columns are
-    /// never computed. With AVX-512 and an f32 head the server's kernel makes and folds the
+    /// never computed. With AVX2 or AVX-512 and an f32 head the server's kernel makes and folds the
     /// tiles ([`super::RowFolds::fold_head`]); otherwise candle's matmul makes tiles of
     /// [`super::RowFolds::TILE`] columns (and requests for ranks fall back to `full`).
     #[default]

@@ -150,8 +150,9 @@ fn chunked_lm_head_equals_full_logits_on_both_paths() {
     // 2. Across chunkings, candle's paths agree to f32 rounding only: its matmul (the gemm
     //    crate) picks its kernel from the matrix shape and the CPU (AVX2 or AVX-512), so a
     //    row's bits may change with the number of rows in its chunk (they do on AVX2 CPUs).
-    // 3. The AVX-512 head kernel sums each dot product in a fixed order whatever the chunk
-    //    (kernels/cpu/src/row_scores/fused_head.rs): its bits do not depend on the chunking.
+    // 3. The head kernel (AVX-512 or AVX2, the same bits) sums each dot product in a fixed
+    //    order whatever the chunk (kernels/cpu/src/row_scores/fused_head.rs): its bits do not
+    //    depend on the chunking.
     let with = |path: (LmHead, bool)| -> Vec<(usize, &SequenceScores)> {
         host.iter()
             .filter(|(p, _, _)| *p == path)

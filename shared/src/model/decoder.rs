@@ -438,7 +438,7 @@ impl Decoder {
     }
 
     /// `hidden [c, H] · headᵀ` (`head` `[n, H]`, read in place): at inference on f32 host
-    /// tensors the blocked kernel the linear layers and the AVX-512 head kernel sum in
+    /// tensors the blocked kernel the linear layers and the head kernel (AVX-512 or AVX2) sum in
     /// ([`xdistill_cpu_kernels::matmul::matmul_nt`], the same bits at every SIMD level; candle's gemm lost
     /// 2.6× more against f64 here, issue 49), else candle's matmul.
     fn head_matmul(&self, hidden: &Tensor, head: &Tensor) -> Result<Tensor> {

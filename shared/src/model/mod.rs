@@ -8,7 +8,7 @@
 //! parameters the config resolves), `layers.rs` (norms, attention, the dense and the sparse MLP,
 //! a block), `params.rs` (every parameter's name and shape) and `decoder.rs` (the one forward
 //! loop).
-//! Each runs in two modes ([`Ops`]): fused kernels for serving (candle's, on an AVX-512 CPU
+//! Each runs in two modes ([`Ops`]): fused kernels for serving (candle's; on the CPU in f32
 //! the linear layers through [`xdistill_cpu_kernels::matmul`], and on the CPU the attention's softmax and the
 //! MLP's `silu(gate) · up` with the SIMD exp, `xdistill_cpu_kernels::host_ops`; on CUDA, with
 //! [`AttnBackend::Cudnn`], the attention through cuDNN, `attn_cudnn.rs`), and ops that all have

@@ -35,7 +35,7 @@ pub enum OpKind {
     /// The residual stream's additions.
     Residual,
     /// The LM head's matmul ([`Decoder::logits`]: on f32 host tensors with fused ops the bits of
-    /// the AVX-512 head kernel); the logits' log-softmax is taken in f64 on both sides, as the
+    /// the head kernel (AVX-512 or AVX2)); the logits' log-softmax is taken in f64 on both sides, as the
     /// teacher's scoring sums in f64.
     Head,
 }

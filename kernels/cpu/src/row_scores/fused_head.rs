@@ -1,19 +1,22 @@
-//! The fused LM head on AVX-512: the logits `hidden · headᵀ` of a panel of 32 positions are
-//! computed a vocabulary tile at a time into an L1-sized buffer and folded into the panel's
-//! running scores before the next tile overwrites it, so that `[N, V]` never exists and each
-//! logit is read once, from L1, right after it is made.
+//! The fused LM head on AVX-512 and on AVX2 with FMA: the logits `hidden · headᵀ` of a panel
+//! of 32 positions are computed a vocabulary tile at a time into an L1-sized buffer and folded
+//! into the panel's running scores before the next tile overwrites it, so that `[N, V]` never
+//! exists and each logit is read once, from L1, right after it is made.
 //!
-//! The tile is laid out `[vocab, position]`: every 16-lane vector holds one vocabulary id's
-//! logits for 16 positions, so the fold is vertical (lane = position) — running max, exp-sum
-//! and top-k threshold per lane, no horizontal reductions. The head is read in place (`[V, H]`
-//! row-major, no packed copy); the panel's hidden states are transposed once (`[H, 32]`).
+//! The tile is laid out `[vocab, position]`: every vector (16 lanes on AVX-512, 8 on AVX2)
+//! holds one vocabulary id's logits for as many positions, so the fold is vertical (lane =
+//! position) — running max, exp-sum and top-k threshold per lane, no horizontal reductions.
+//! The head is read in place (`[V, H]` row-major, no packed copy); the panel's hidden states
+//! are transposed once (`[H, 32]`).
 //!
-//! A position's scores do not depend on its neighbours, the chunking or the thread count: its
-//! lane computes the same operations in the same order whatever else is in the panel, and the
+//! A position's scores do not depend on its neighbours, the chunking, the thread count or the
+//! level: its lane computes the same operations in the same order whatever else is in the
+//! panel and whichever vector width carries it (the two levels give the same bits), and the
 //! vocabulary is folded in [`SEGMENTS`] fixed segments merged in order.
 
 use super::{FoldParams, RowFold, RowFolds};
 use crate::matmul::{self, transpose_panels, GROUP, MR, NP};
+use crate::simd::Simd;
 use rayon::prelude::*;
 use std::time::{Duration, Instant};
 
@@ -54,9 +57,10 @@ impl HeadTiming {
     }
 }
 
-/// Whether this CPU runs the kernel (AVX-512F).
+/// Whether this CPU runs the kernel: AVX-512F, or AVX2 with FMA (at the level in use,
+/// [`Simd::current`]).
 pub fn available() -> bool {
-    matmul::available()
+    cfg!(target_arch = "x86_64") && Simd::current() >= Simd::Avx2
 }
 
 /// A target or candidate id of one lane, to be read from the tile holding its column.
@@ -78,7 +82,11 @@ pub(super) fn fold_head(
     h: usize,
 ) -> HeadTiming {
     let (n, valid) = (f.rows.len(), f.valid);
-    assert!(available(), "the LM-head kernel needs AVX-512");
+    let level = f.level.min(Simd::current());
+    assert!(
+        cfg!(target_arch = "x86_64") && level >= Simd::Avx2,
+        "the LM-head kernel needs AVX2 with FMA, or AVX-512"
+    );
     assert_eq!(hidden.len(), n * h, "hidden states are [rows, h]");
     assert!(head.len() >= valid * h, "the head has a row per valid id");
     f.next_col = f.next_col.max(valid);
@@ -102,6 +110,7 @@ pub(super) fn fold_head(
         .collect();
     let seg_len = valid.div_ceil(SEGMENTS).next_multiple_of(ALIGN);
     let shared = Shared {
+        level,
         at: &at,
         head,
         h,
@@ -129,7 +138,7 @@ pub(super) fn fold_head(
                 for (st, &t) in states.iter_mut().zip(&thr[rows]) {
                     st.thr = st.thr.max(t);
                 }
-                // SAFETY: `available()` was checked above: the CPU has AVX-512F.
+                // SAFETY: `level` was checked above: the CPU has its features.
                 let t = unsafe { run_job(&shared, q0..q1, seg, &mut states) };
                 (q0, states, t)
             })
@@ -246,6 +255,8 @@ fn panel_picks(f: &RowFolds<'_>, panels: usize) -> Vec<Vec<Pick>> {
 
 /// What every job reads.
 struct Shared<'a> {
+    /// The kernel's level: AVX-512 or AVX2 (the same bits).
+    level: Simd,
     /// Transposed hidden states `[panels, h, NP]`.
     at: &'a [f32],
     head: &'a [f32],
@@ -261,8 +272,8 @@ struct Shared<'a> {
     zt: &'a [f32],
 }
 
-/// Candidates of one tile's 16 lanes before they are pushed: per tile row, the mask of lanes
-/// above their threshold, and the rows with any.
+/// Candidates of one vector's lanes (16 or 8) before they are pushed: per tile row, the mask
+/// of lanes above their threshold, and the rows with any.
 struct Stage {
     masks: Vec<u16>,
     rows: Vec<u16>,
@@ -283,14 +294,61 @@ struct Lanes {
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
-/// Folds vocabulary segment `seg` of panels `panels` into `states` (their rows, fresh).
+/// Folds vocabulary segment `seg` of panels `panels` into `states` (their rows, fresh), with
+/// the kernels of `s.level`.
+///
+/// # Safety
+/// The CPU has the features of `s.level` (AVX-512F, or AVX2 and FMA).
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx2,fma")]
 unsafe fn run_job(
     s: &Shared<'_>,
     panels: std::ops::Range<usize>,
     seg: std::ops::Range<usize>,
     states: &mut [RowFold],
+) -> HeadTiming {
+    type Range = std::ops::Range<usize>;
+    // Closures, not function items, so that the tiles' intrinsics are compiled with each
+    // wrapper's features and inlined there (see `matmul::run_job`).
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    unsafe fn avx512(s: &Shared<'_>, p: Range, seg: Range, st: &mut [RowFold]) -> HeadTiming {
+        // SAFETY: this function runs only with AVX-512F (below).
+        job_body(
+            s,
+            (p, seg, st),
+            |at, w, rows, h, t| unsafe { matmul::micro_tile(at, w, rows, h, t) },
+            |s, l, st, tile, zt, stage| unsafe { fold_tile(s, l, st, tile, zt, stage) },
+        )
+    }
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn avx2(s: &Shared<'_>, p: Range, seg: Range, st: &mut [RowFold]) -> HeadTiming {
+        // SAFETY: this function runs only with AVX2 and FMA (below).
+        job_body(
+            s,
+            (p, seg, st),
+            |at, w, rows, h, t| unsafe { matmul::micro_tile_avx2(at, w, rows, h, t) },
+            |s, l, st, tile, zt, stage| unsafe { fold_tile_avx2(s, l, st, tile, zt, stage) },
+        )
+    }
+    // SAFETY: the caller's contract: the CPU has `s.level`'s features.
+    match s.level {
+        Simd::Avx512 => avx512(s, panels, seg, states),
+        Simd::Avx2 => avx2(s, panels, seg, states),
+        Simd::Baseline => unreachable!("`fold_head` checked the level"),
+    }
+}
+
+/// [`run_job`]'s loop, with the level's micro-tile (`tile_of`) and fold (`fold`) inlined.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn job_body(
+    s: &Shared<'_>,
+    (panels, seg, states): (
+        std::ops::Range<usize>,
+        std::ops::Range<usize>,
+        &mut [RowFold],
+    ),
+    tile_of: impl Fn(&[f32], &[f32], [usize; MR], usize, &mut [f32]),
+    fold: impl Fn(&Shared<'_>, &mut Lanes, &mut [RowFold], (&[f32], usize), &[f32], &mut Stage),
 ) -> HeadTiming {
     let (h, vt) = (s.h, s.vt);
     let mut lanes: Vec<Lanes> = panels
@@ -330,7 +388,7 @@ unsafe fn run_job(
             let at = &s.at[q * h * NP..(q + 1) * h * NP];
             for mv in (0..vn).step_by(MR) {
                 let rows: [usize; MR] = std::array::from_fn(|r| (v0 + mv + r).min(last));
-                matmul::micro_tile(at, s.head, rows, h, &mut tile[mv * NP..(mv + MR) * NP]);
+                tile_of(at, s.head, rows, h, &mut tile[mv * NP..(mv + MR) * NP]);
                 // The first panel brings the next tile of the head to L2 meanwhile.
                 if i == 0 && prefetch {
                     let next = (v0 + vt + mv).min(seg.end)..(v0 + vt + mv + MR).min(seg.end);
@@ -341,7 +399,7 @@ unsafe fn run_job(
             let end = ((i + 1) * NP).min(states.len());
             let st = &mut states[i * NP..end];
             let zt = &s.zt[q * NP..(q + 1) * NP];
-            fold_tile(s, &mut lanes[i], st, (&tile[..vn * NP], v0), zt, &mut stage);
+            fold(s, &mut lanes[i], st, (&tile[..vn * NP], v0), zt, &mut stage);
             read_picks(&mut lanes[i], st, &s.picks[q], &tile[..vn * NP], v0);
             let t2 = Instant::now();
             timing.matmul += t1 - t0;
@@ -490,6 +548,127 @@ unsafe fn fold_tile(
                 ge = _mm512_mask_add_epi32(ge, k, ge, inc);
             }
             _mm512_storeu_si512(l.ge.as_mut_ptr().add(o) as *mut _, ge);
+        }
+    }
+}
+
+/// [`fold_tile`] on AVX2 with FMA, a quarter of the panel (8 lanes) at a time: the same
+/// operations per lane in the same order, so the same bits. `2^n` is built in the exponent's
+/// bits (n ≥ −126: a normal number) and multiplied in, the one rounding `scalef` makes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn fold_tile_avx2(
+    s: &Shared<'_>,
+    l: &mut Lanes,
+    st: &mut [RowFold],
+    (tile, v0): (&[f32], usize),
+    zt: &[f32],
+    stage: &mut Stage,
+) {
+    let fp = &s.fp;
+    let vn = tile.len() / NP;
+    let [c1, c2, c3, c4, c5] = crate::simd::EXP2_COEFFS.map(|c| _mm256_set1_ps(c));
+    let (one, lo, s2) = (
+        _mm256_set1_ps(1.0),
+        _mm256_set1_ps(-126.0),
+        _mm256_set1_ps(fp.scale2),
+    );
+    let bias = _mm256_set1_epi32(127);
+    let t = tile.as_ptr();
+    let lanes = |x: __m256| _mm256_movemask_ps(x) as u16;
+    for o in [0, 8, 16, 24] {
+        let live = ((l.live >> o) & 0xff) as u16;
+        if live == 0 {
+            continue;
+        }
+        // The tile's max per lane (NaNs ignored: `max(x, acc)` keeps `acc` for a NaN `x`).
+        let ninf = _mm256_set1_ps(f32::NEG_INFINITY);
+        let (mut m0, mut m1, mut m2, mut m3) = (ninf, ninf, ninf, ninf);
+        let mut v = 0;
+        while v + 4 <= vn {
+            m0 = _mm256_max_ps(_mm256_loadu_ps(t.add(v * NP + o)), m0);
+            m1 = _mm256_max_ps(_mm256_loadu_ps(t.add((v + 1) * NP + o)), m1);
+            m2 = _mm256_max_ps(_mm256_loadu_ps(t.add((v + 2) * NP + o)), m2);
+            m3 = _mm256_max_ps(_mm256_loadu_ps(t.add((v + 3) * NP + o)), m3);
+            v += 4;
+        }
+        while v < vn {
+            m0 = _mm256_max_ps(_mm256_loadu_ps(t.add(v * NP + o)), m0);
+            v += 1;
+        }
+        let mx = _mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3));
+        let m_old = _mm256_loadu_ps(l.m.as_ptr().add(o));
+        let m = _mm256_max_ps(mx, m_old);
+        let rising = lanes(_mm256_cmp_ps::<_CMP_GT_OQ>(m, m_old)) & live;
+        _mm256_storeu_ps(l.m.as_mut_ptr().add(o), m);
+        if rising != 0 {
+            let old: [f32; 8] = std::mem::transmute(m_old);
+            for i in bits(rising) {
+                if l.sum[o + i] > 0.0 {
+                    l.sum[o + i] *= ((old[i] as f64 - l.m[o + i] as f64) * fp.inv_t).exp();
+                }
+            }
+        }
+        // 2^t, t = (x - m)·scale2 ≥ -126 (`max(lo, t)` keeps a NaN t), as 2^n · p(t - n).
+        let exp2 = |x: __m256| {
+            let e = _mm256_max_ps(lo, _mm256_mul_ps(_mm256_sub_ps(x, m), s2));
+            let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(e);
+            let f = _mm256_sub_ps(e, n);
+            let mut p = _mm256_fmadd_ps(c5, f, c4);
+            p = _mm256_fmadd_ps(p, f, c3);
+            p = _mm256_fmadd_ps(p, f, c2);
+            p = _mm256_fmadd_ps(p, f, c1);
+            p = _mm256_fmadd_ps(p, f, one);
+            let pow = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(n), bias));
+            _mm256_mul_ps(p, _mm256_castsi256_ps(pow))
+        };
+        let mut acc = _mm256_setzero_ps();
+        // Candidates as in `fold_tile`: masks per row and the rows with any, pushed after.
+        let thr = _mm256_loadu_ps(l.thr.as_ptr().add(o));
+        let mut hits = 0;
+        if lanes(_mm256_cmp_ps::<_CMP_GT_OQ>(mx, thr)) & live != 0 {
+            for v in 0..vn {
+                let x = _mm256_loadu_ps(t.add(v * NP + o));
+                acc = _mm256_add_ps(acc, exp2(x));
+                let hit = lanes(_mm256_cmp_ps::<_CMP_GT_OQ>(x, thr)) & live;
+                stage.masks[v] = hit;
+                stage.rows[hits] = v as u16;
+                hits += (hit != 0) as usize;
+            }
+        } else {
+            for v in 0..vn {
+                acc = _mm256_add_ps(acc, exp2(_mm256_loadu_ps(t.add(v * NP + o))));
+            }
+        }
+        let acc: [f32; 8] = std::mem::transmute(acc);
+        for i in bits(live) {
+            l.sum[o + i] += acc[i] as f64;
+        }
+        for &v in &stage.rows[..hits] {
+            let v = v as usize;
+            for i in bits(stage.masks[v]) {
+                let x = tile[v * NP + o + i];
+                if x <= l.thr[o + i] {
+                    continue;
+                }
+                let row = &mut st[o + i];
+                if row.push_candidate(x, (v0 + v) as u32, fp) {
+                    l.thr[o + i] = row.thr;
+                }
+            }
+        }
+        if s.ranks {
+            // A lane's compare is all ones (−1) where x ≥ its target's logit: subtracted, +1.
+            let z = _mm256_loadu_ps(zt.as_ptr().add(o));
+            let ge_at = l.ge.as_mut_ptr().add(o) as *mut __m256i;
+            let mut ge = _mm256_loadu_si256(ge_at);
+            for v in 0..vn {
+                let x = _mm256_loadu_ps(t.add(v * NP + o));
+                let k = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_GE_OQ>(x, z));
+                ge = _mm256_sub_epi32(ge, k);
+            }
+            _mm256_storeu_si256(ge_at, ge);
         }
     }
 }

@@ -1,6 +1,6 @@
 //! Scores of logit rows on the host — the teacher's host scoring path: per-position top-k,
 //! target log-prob, logsumexp, candidate log-probs and ranks, folded in a vocabulary tile at a
-//! time as the fused LM head produces them ([`RowFolds`]; on AVX-512 the head kernel in `fused_head`
+//! time as the fused LM head produces them ([`RowFolds`]; with AVX2 or AVX-512 the head kernel in `fused_head`
 //! makes and folds the tiles itself) or from whole rows ([`score_rows`]). `xdistill_shared::topk`
 //! is the device path; both answer the same [`RowQuery`].
 //!
@@ -389,13 +389,13 @@ impl<'a> RowFolds<'a> {
         RowFolds::new(width, targets, cands, p)
     }
 
-    /// Whether this CPU runs [`RowFolds::fold_head`] (AVX-512).
+    /// Whether this CPU runs [`RowFolds::fold_head`] (AVX-512, or AVX2 with FMA).
     pub fn head_kernel_available() -> bool {
         fused_head::available()
     }
 
     /// Folds in every valid column of the logits `hidden · headᵀ`, computed here by the
-    /// AVX-512 LM-head kernel a tile at a time (`head.rs`): `hidden` `[rows, h]`, `head`
+    /// LM-head kernel a tile at a time (`fused_head.rs`): `hidden` `[rows, h]`, `head`
     /// `[≥ valid, h]`, row-major. Only when [`RowFolds::head_kernel_available`] and no tile
     /// was folded yet. Returns where its time went.
     pub fn fold_head(&mut self, hidden: &[f32], head: &[f32], h: usize) -> HeadTiming {

@@ -1,4 +1,5 @@
-//! The AVX-512 head kernel against f64 references, and its bits against the chunking.
+//! The head kernel against f64 references, its bits against the chunking, and its two levels
+//! (AVX-512, AVX2) against each other.
 
 use super::*;
 use crate::lcg_noise as noise;
@@ -12,9 +13,37 @@ fn kernel(
     (targets, cands): (&[u32], CandidateRows<'_>),
     p: &RowQuery,
 ) -> RowScores {
+    kernel_at(Simd::current(), hidden, head, h, width, (targets, cands), p)
+}
+
+/// [`kernel`] at `level` (capped at the CPU's).
+fn kernel_at(
+    level: Simd,
+    hidden: &[f32],
+    head: &[f32],
+    h: usize,
+    width: usize,
+    (targets, cands): (&[u32], CandidateRows<'_>),
+    p: &RowQuery,
+) -> RowScores {
     let mut f = RowFolds::for_head(width, targets, cands, p);
+    f.level = level;
     f.fold_head(hidden, head, h);
     f.finish()
+}
+
+/// Every field of every row as bits (NaNs included).
+fn all_bits(s: &RowScores) -> Vec<u32> {
+    let f = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    [
+        f(&s.logsumexp),
+        f(&s.target_logprobs),
+        f(&s.topk_values),
+        f(&s.ids_logprobs),
+        s.topk_ids.clone(),
+        s.target_ranks.clone(),
+    ]
+    .concat()
 }
 
 /// The kernel's logits are `matmul::dot_blocked`'s dot products (so the reference
@@ -24,7 +53,7 @@ fn kernel(
 #[test]
 fn kernel_matches_f64_reference() {
     if !available() {
-        eprintln!("skipped: this CPU has no AVX-512");
+        eprintln!("skipped: this CPU has neither AVX2 with FMA nor AVX-512");
         return;
     }
     let (width, valid) = (3000, 2900);
@@ -111,7 +140,7 @@ fn kernel_matches_f64_reference() {
 #[test]
 fn rows_are_independent_of_their_neighbours() {
     if !available() {
-        eprintln!("skipped: this CPU has no AVX-512");
+        eprintln!("skipped: this CPU has neither AVX2 with FMA nor AVX-512");
         return;
     }
     let (h, rows, width) = (24, 70, 2100);
@@ -169,6 +198,58 @@ fn rows_are_independent_of_their_neighbours() {
         assert_eq!(s.logsumexp[r].is_nan(), r == 40, "row {r}");
     }
     assert_eq!(s.logsumexp[41].to_bits(), all.logsumexp[41].to_bits());
+}
+
+/// The AVX2 kernel gives the AVX-512 kernel's bits: every field of every row, with ties,
+/// candidates, ranks, head padding, partial panels, a NaN row and logits far below a row's
+/// max (exponents near the floor of −126 that `2^n` is built for). Runs where the CPU has
+/// AVX-512 (CI's machines differ: on an AVX2-only one, `kernel_matches_f64_reference` holds
+/// the AVX2 kernel to f64).
+#[test]
+fn avx2_and_avx512_give_the_same_bits() {
+    if Simd::current() != Simd::Avx512 {
+        eprintln!("skipped: this CPU has no AVX-512 to compare AVX2 with");
+        return;
+    }
+    let (width, valid) = (2500, 2437);
+    for (h, rows, scale) in [(16usize, 45usize, 2.0f32), (100, 33, 40.0), (64, 7, 0.3)] {
+        let mut hidden = noise(11 + h as u64, rows * h, scale);
+        let mut head = noise(12 + h as u64, width * h, 2.0 / (h as f32).sqrt());
+        // Ties: a row of the head repeated at a larger id.
+        let (a, b) = (17 * h, 1900 * h);
+        head.copy_within(a..a + h, b);
+        hidden[3 * h + 1] = f32::NAN;
+        let targets: Vec<u32> = (0..rows).map(|r| (r * 389 % width) as u32).collect();
+        let m = 2;
+        let ids: Vec<u32> = (0..rows * m).map(|i| (i * 577 % valid) as u32).collect();
+        for (k, t, values, ranks) in [
+            (5usize, 1.0f32, ValuesKind::Logprobs, true),
+            (64, 0.6, ValuesKind::Logits, false),
+            (0, 1.7, ValuesKind::Logprobs, true),
+        ] {
+            let p = RowQuery {
+                ranks,
+                ..RowQuery::new(k, t, values, valid)
+            };
+            let cands = CandidateRows { ids: &ids, m };
+            let wide = kernel_at(
+                Simd::Avx512,
+                &hidden,
+                &head,
+                h,
+                width,
+                (&targets, cands),
+                &p,
+            );
+            let narrow = kernel_at(Simd::Avx2, &hidden, &head, h, width, (&targets, cands), &p);
+            assert!(wide.logsumexp[3].is_nan(), "the NaN row");
+            assert_eq!(
+                all_bits(&wide),
+                all_bits(&narrow),
+                "h {h} rows {rows} k {k} t {t} ranks {ranks}"
+            );
+        }
+    }
 }
 
 /// Speed figure, not a check: `cargo test --release -p xdistill-cpu-kernels --lib head_speed --
